@@ -1,0 +1,293 @@
+"""The one run configuration: dataclasses loaded from YAML plus ``key=value`` overrides.
+
+``load_config("run.yaml", ["train.lr=1e-4", "parallel.tp=2"])`` returns a validated
+:class:`Config`. An unknown key, a value of the wrong type or an out-of-range value raises
+:class:`ConfigError` naming the dotted key, the bad value and what is accepted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the message names it and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy model.
+
+    hf_config: a Hugging Face config (a directory holding config.json, or a config.json path),
+        or None to use ``arch`` below to build a tiny model from scratch.
+    arch: inline Hugging Face config fields (``model_type`` plus sizes) used when hf_config is None.
+    checkpoint: Hugging Face weights directory (safetensors) to load; None = random init.
+    tokenizer: a tokenizer directory or tokenizer.json file.
+    dtype: compute dtype of actor and engine: float32 | bfloat16 | float16.
+    """
+
+    hf_config: str | None = None
+    arch: dict[str, Any] = field(default_factory=dict)
+    checkpoint: str | None = None
+    tokenizer: str = "examples/tokenizer/tiny_agent"
+    dtype: str = "float32"
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron model parallelism; data parallel size = world size / (tp * pp)."""
+
+    tp: int = 1
+    pp: int = 1
+
+
+@dataclass
+class TrainConfig:
+    """Optimizer and policy-loss settings of the RL phase.
+
+    steps: RL steps (one rollout batch + one optimizer pass each).
+    lr: Adam learning rate; weight_decay, adam_beta1/2, grad_clip: as usual.
+    micro_batch_size: samples per forward/backward; global batch = the whole rollout batch.
+    clip_eps_low / clip_eps_high: PPO ratio clip range [1 - low, 1 + high] (asymmetric allowed).
+    seed: seeds model init, sampling and task order.
+    """
+
+    steps: int = 20
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    grad_clip: float = 1.0
+    micro_batch_size: int = 8
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    seed: int = 1234
+
+
+@dataclass
+class SFTConfig:
+    """Optional supervised warm-up on the tasks' scripted demonstrations before RL (0 steps = off)."""
+
+    steps: int = 0
+    lr: float = 1e-3
+    batch_size: int = 16
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling of trajectory groups.
+
+    prompts_per_step: distinct task samples per RL step; samples_per_prompt: group size for GRPO.
+    max_turns: agent turns per episode; max_new_tokens: tokens per turn;
+    max_total_tokens: whole-episode cap (context limit).
+    """
+
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_turns: int = 4
+    max_new_tokens: int = 48
+    max_total_tokens: int = 512
+
+
+@dataclass
+class AlgoConfig:
+    """GRPO settings: group advantages (reward minus group mean, optionally / group std),
+    then per-task normalization of token advantages over the global batch."""
+
+    group_std_norm: bool = True
+    normalize_per_task: bool = True
+    eps: float = 1e-6
+
+
+@dataclass
+class TaskSpec:
+    """One built-in task: its registry ``name``, sampling ``weight`` and constructor ``params``."""
+
+    name: str = ""
+    weight: float = 1.0
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Config:
+    """The whole run. Everything a run writes goes under ``output_dir``."""
+
+    output_dir: str = "outputs/run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    tasks: list[TaskSpec] = field(default_factory=list)
+    log_every: int = 1
+
+    def validate(self) -> None:
+        """Range checks that types alone cannot express; raises ConfigError."""
+        _positive(self, "parallel.tp", "parallel.pp", "train.steps", "train.micro_batch_size",
+                  "rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_turns",
+                  "rollout.max_new_tokens", "rollout.max_total_tokens", "sft.batch_size")
+        if not self.train.lr > 0:
+            raise ConfigError(f"train.lr={self.train.lr!r} must be > 0")
+        if not self.rollout.temperature > 0:
+            raise ConfigError(f"rollout.temperature={self.rollout.temperature!r} must be > 0 (use a small value such as 0.01 for near-greedy)")
+        if not 0 < self.rollout.top_p <= 1:
+            raise ConfigError(f"rollout.top_p={self.rollout.top_p!r} must be in (0, 1]")
+        if self.sft.steps < 0:
+            raise ConfigError(f"sft.steps={self.sft.steps!r} must be >= 0 (0 disables the warm-up)")
+        if self.model.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"model.dtype={self.model.dtype!r} is not one of float32, bfloat16, float16")
+        if self.model.hf_config is None and not self.model.arch:
+            raise ConfigError("model: set model.hf_config (a Hugging Face config dir) or model.arch (inline config fields)")
+        if not self.tasks:
+            raise ConfigError("tasks: the list is empty; add at least one entry such as {name: lookup}")
+        for i, t in enumerate(self.tasks):
+            if not t.name:
+                raise ConfigError(f"tasks[{i}].name is empty; give a registered task name")
+            if not t.weight > 0:
+                raise ConfigError(f"tasks[{i}].weight={t.weight!r} must be > 0")
+
+
+def _positive(cfg: Config, *keys: str) -> None:
+    for key in keys:
+        obj: Any = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        if obj < 1:
+            raise ConfigError(f"{key}={obj!r} must be a positive integer")
+
+
+def _resolve_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check/convert ``value`` to the annotated type ``hint``; ConfigError on mismatch."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping of {hint.__name__} fields, got {value!r}")
+        return _build(hint, value, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        (item,) = args or (Any,)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r} must be true or false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r} must be an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}={value!r} must be a number")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}={value!r} must be a string")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = _resolve_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            close = difflib.get_close_matches(str(k), names, n=1)
+            hint = f"; did you mean '{(prefix + '.' if prefix else '') + close[0]}'?" if close else ""
+            raise ConfigError(f"unknown config key '{key}'{hint} (valid keys here: {', '.join(names)})")
+        kwargs[k] = _coerce(v, hints[k], key)
+    return cls(**kwargs)
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override '{key}': '{p}' is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config, apply ``key=value`` overrides (values parsed as YAML), validate.
+
+    Raises ConfigError for a missing/unreadable file, bad YAML, an unknown key or a bad value.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{path}' does not exist; pass an existing YAML file such as examples/configs/tiny_cpu.yaml")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping at the top level, got {type(loaded).__name__}")
+        data = loaded
+    for ov in overrides or []:
+        if "=" not in ov:
+            raise ConfigError(f"override '{ov}' is not of the form key=value (e.g. train.lr=1e-4)")
+        key, raw = ov.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        # YAML reads 1e-4 as a string; accept plain float literals too.
+        if isinstance(value, str):
+            try:
+                value = float(value) if any(c in value for c in ".eE") else value
+            except ValueError:
+                pass
+        _set_dotted(data, key.strip(), value)
+    cfg = _build(Config, data, "")
+    cfg.validate()
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain-dict form of the config (for saving next to the run's outputs)."""
+    return dataclasses.asdict(cfg)

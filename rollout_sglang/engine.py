@@ -1,0 +1,78 @@
+"""The engine protocol that every rollout engine (local PyTorch, SGLang) implements.
+
+Token ids in, token ids and their log-probs out. Log-probs are those of the distribution the
+token was sampled from: ``log_softmax(logits / temperature)`` before top-p/top-k truncation.
+Weights arrive as Hugging Face parameter names between ``begin_weight_update`` and
+``end_weight_update``; the engine's ``version`` changes only when the update completes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one generate call.
+
+    max_new_tokens: cap on generated tokens per sequence.
+    temperature: softmax temperature (> 0); the reported log-probs use it.
+    top_p, top_k: nucleus / top-k truncation (1.0 / -1 disable).
+    stop_token_ids: generation of a sequence ends after emitting one of these (it is kept).
+    seed: seeds the sampler for reproducible runs (None: engine's generator state).
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class GenerationOutput:
+    """One sequence's result: generated ``token_ids``, their ``logprobs`` (same length),
+    ``finish_reason`` ("stop" or "length") and the weight ``version`` that generated it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    version: int
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the agent loop and the weight sync need from an engine."""
+
+    version: int
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        """Continue each prompt (a list of token ids); one output per prompt, same order."""
+        ...
+
+    def pause(self) -> None:
+        """Stop admitting new generation; in-flight requests finish or are held."""
+        ...
+
+    def resume(self) -> None:
+        """Admit generation again after :meth:`pause`."""
+        ...
+
+    def begin_weight_update(self, version: int, metadata: dict) -> None:
+        """Start receiving weights for ``version``; ``metadata`` names dtypes/shapes when known."""
+        ...
+
+    def receive_bucket(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of (Hugging Face name, tensor) pairs."""
+        ...
+
+    def end_weight_update(self) -> None:
+        """Finish the update: the engine now serves ``version``."""
+        ...
+
+    def health(self) -> dict:
+        """A small status dict (``{"ok": bool, "version": int, ...}``)."""
+        ...

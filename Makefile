@@ -1,0 +1,30 @@
+# The two commands of a fresh machine: `make demo` and `make test`.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-all clean
+
+$(STAMP): setup.py constraints.txt
+	@command -v $(PY) >/dev/null || { echo "error: $(PY) not found; install Python 3.11 or run 'make PY=/path/to/python3.11 ...'"; exit 1; }
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# the CPU build of torch first, so that nothing pulls the multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/agentrl train --config examples/configs/tiny_cpu.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not gpu and not slow" tests
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) outputs

@@ -1,0 +1,82 @@
+"""GRPO advantages: group-relative sample advantages and per-task token normalization.
+
+Both are vectorized segment reductions (``scatter_add``), never a Python loop over samples.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _segment_sum(values: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
+    """Sum ``values [N, ...]`` into ``[num_segments, ...]`` by ``segment_ids [N]``."""
+    out = values.new_zeros((num_segments,) + tuple(values.shape[1:]))
+    index = segment_ids.view(-1, *([1] * (values.dim() - 1))).expand_as(values)
+    return out.scatter_add_(0, index, values)
+
+
+def grpo_group_advantages(rewards: Tensor, group_ids: Tensor, std_norm: bool = True, eps: float = 1e-6) -> Tensor:
+    """Group-relative advantages: ``(r - mean_g) / (std_g + eps)`` (or ``r - mean_g`` when not std_norm).
+
+    rewards: ``[N]`` float, one per sample; group_ids: ``[N]`` int, samples of one prompt share an id
+    (any non-negative ints). Mean and population std are over the samples of each group. A group
+    whose rewards are all equal gets advantage 0. Returns ``[N]`` float32.
+    """
+    if rewards.shape != group_ids.shape or rewards.dim() != 1:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must both be [N]")
+    r = rewards.to(torch.float64)
+    _, gid = torch.unique(group_ids, return_inverse=True)
+    g = int(gid.max().item()) + 1 if gid.numel() else 0
+    count = _segment_sum(torch.ones_like(r), gid, g)
+    mean = _segment_sum(r, gid, g) / count
+    centered = r - mean[gid]
+    if not std_norm:
+        return centered.to(torch.float32)
+    std = (_segment_sum(centered * centered, gid, g) / count).sqrt()[gid]
+    out = torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
+    return out.to(torch.float32)
+
+
+def normalize_per_task(
+    advantages: Tensor,
+    mask: Tensor,
+    task_ids: Tensor,
+    eps: float = 1e-6,
+    process_group: dist.ProcessGroup | None = None,
+    num_tasks: int | None = None,
+) -> Tensor:
+    """Normalize token advantages per task over the global batch (AgentRL's per-task normalization).
+
+    advantages: ``[B, T]`` float token advantages; mask: ``[B, T]`` (1 = token counts);
+    task_ids: ``[B]`` int in ``[0, num_tasks)``. Returns ``(A - mean_k) / (std_k + eps)`` for every
+    masked token of a task-k sample, where mean and population std are taken over the masked
+    tokens of all task-k samples in the global batch: the per-task sums ``(count, sum A, sum A^2)``
+    are all-reduced over ``process_group`` (the data-parallel group) when one is given, and
+    ``num_tasks`` (default: the max task id + 1, agreed across the group) sizes them. Masked-out
+    tokens come back as 0. One pass: three segment sums and one all-reduce of a ``[3, K]`` tensor.
+    """
+    if advantages.shape != mask.shape or advantages.dim() != 2:
+        raise ValueError(f"advantages {tuple(advantages.shape)} and mask {tuple(mask.shape)} must both be [B, T]")
+    if task_ids.shape != advantages.shape[:1]:
+        raise ValueError(f"task_ids {tuple(task_ids.shape)} must be [B] with B={advantages.shape[0]}")
+    task_ids = task_ids.to(device=advantages.device, dtype=torch.long)
+    use_group = process_group is not None and dist.is_available() and dist.is_initialized()
+    if num_tasks is None:
+        k = torch.tensor([int(task_ids.max().item()) + 1 if task_ids.numel() else 0], device=advantages.device)
+        if use_group:
+            dist.all_reduce(k, op=dist.ReduceOp.MAX, group=process_group)
+        num_tasks = int(k.item())
+    m = mask.to(torch.float64)
+    a = advantages.to(torch.float64) * m
+    per_sample = torch.stack([m.sum(1), a.sum(1), (a * a).sum(1)], dim=1)  # [B, 3]
+    stats = _segment_sum(per_sample, task_ids, num_tasks).T.contiguous()  # [3, K]
+    if use_group:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=process_group)
+    count = stats[0].clamp_min(1.0)
+    mean = stats[1] / count
+    var = (stats[2] / count - mean * mean).clamp_min(0.0)
+    std = var.sqrt()
+    mean_t = mean[task_ids].unsqueeze(1).to(advantages.dtype)
+    std_t = std[task_ids].unsqueeze(1).to(advantages.dtype)
+    return (advantages - mean_t) / (std_t + eps) * mask.to(advantages.dtype)

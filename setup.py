@@ -1,0 +1,30 @@
+"""megatron-agentrl: agentic RL (multi-turn, multi-task GRPO) on megatron-core with SGLang rollouts."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-agentrl",
+    version="0.1.0",
+    description="Asynchronous multi-turn, multi-task agentic RL on megatron-core (after AgentRL, arXiv 2510.04206)",
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["megatron_agentrl*", "rollout_sglang*", "env_controller*"]),
+    install_requires=[
+        # torch 2.13.0: on a CPU-only machine install the CPU wheel first (see Makefile)
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "transformers==5.23.0",
+        "tokenizers==0.23.3",
+        "safetensors==0.8.0",
+        "numpy==2.4.6",
+        "pyyaml==6.0.3",
+        "jinja2==3.1.6",
+        "tensorboard==2.21.0",
+        "matplotlib==3.11.2",
+        "rich==15.0.0",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]==2.20.2", "nvidia-ml-py==13.615.71"],
+        "sglang": ["sglang==0.5.23"],
+        "dev": ["pytest==9.2.0"],
+    },
+    entry_points={"console_scripts": ["agentrl=megatron_agentrl.cli:main"]},
+)

@@ -1,0 +1,73 @@
+"""GRPO advantages, per-task normalization and the clipped loss against values worked by hand."""
+import math
+
+import pytest
+import torch
+
+from megatron_agentrl.algo.advantages import grpo_group_advantages, normalize_per_task
+from megatron_agentrl.algo.losses import clipped_policy_loss, sft_loss
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 3.0, 1.0])
+    groups = torch.tensor([7, 7, 7, 7, 2, 2, 5, 5])
+    adv = grpo_group_advantages(rewards, groups, std_norm=True, eps=0.0)
+    # group 7: mean .5, std .5 -> +-1; group 2: all equal -> 0; group 5: mean 2, std 1 -> +-1
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, -1.0, 1.0, 0.0, 0.0, 1.0, -1.0]))
+    centered = grpo_group_advantages(rewards, groups, std_norm=False)
+    assert torch.allclose(centered, torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 1.0, -1.0]))
+
+
+def test_group_advantages_shape_error():
+    with pytest.raises(ValueError, match="must both be"):
+        grpo_group_advantages(torch.zeros(3), torch.zeros(4, dtype=torch.long))
+
+
+def test_clipped_loss_by_hand():
+    # ratios 1.5, 1.5, 0.5, 0.5 (and one masked token) with advantages +1, -1, +1, -1
+    behavior = torch.zeros(1, 5)
+    logprobs = torch.tensor([[math.log(1.5), math.log(1.5), math.log(0.5), math.log(0.5), 3.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    loss, stats = clipped_policy_loss(logprobs, behavior, adv, mask, clip_eps_low=0.2, clip_eps_high=0.28)
+    # per token: -min(1.5, 1.28) = -1.28 | -min(-1.5, -1.28) = 1.5 | -min(.5, .8) = -.5 | -min(-.5, -.8) = .8
+    assert loss.item() == pytest.approx(-1.28 + 1.5 - 0.5 + 0.8, abs=1e-6)
+    assert stats["clip_frac"].item() == 2
+    k3 = (0.5 - math.log(1.5)) + (-0.5 - math.log(0.5))
+    assert stats["approx_kl"].item() == pytest.approx(2 * k3, abs=1e-6)
+    loss.backward()
+    # d/dlogp of -r*A is -r*A where the unclipped term is active, 0 where the clip is active
+    assert torch.allclose(logprobs.grad, torch.tensor([[0.0, 1.5, -0.5, 0.0, 0.0]]), atol=1e-6)
+
+
+def test_sft_loss_by_hand():
+    lp = torch.tensor([[-1.0, -2.0, -3.0]])
+    loss, _ = sft_loss(lp, torch.tensor([[0.0, 1.0, 1.0]]))
+    assert loss.item() == pytest.approx(5.0)
+
+
+def _reference_per_task(adv, mask, task_ids, eps):
+    out = torch.zeros_like(adv)
+    for k in task_ids.unique().tolist():
+        rows = task_ids == k
+        vals = adv[rows][mask[rows] > 0].double()
+        if vals.numel() == 0:
+            continue
+        mean, std = vals.mean(), vals.std(unbiased=False)
+        out[rows] = (((adv[rows].double() - mean) / (std + eps)) * mask[rows]).float()
+    return out
+
+
+def test_normalize_per_task_matches_reference():
+    g = torch.Generator().manual_seed(0)
+    B, T = 37, 23
+    adv = torch.randn(B, T, generator=g) * 3 + 1
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
+    task_ids = torch.tensor([0] * 20 + [1] * 3 + [3] * 14)[torch.randperm(B, generator=g)]  # uneven, task 2 absent
+    out = normalize_per_task(adv, mask, task_ids, eps=1e-6)
+    assert torch.allclose(out, _reference_per_task(adv, mask, task_ids, 1e-6), atol=1e-5)
+    for k in (0, 1, 3):
+        vals = out[task_ids == k][mask[task_ids == k] > 0]
+        assert vals.mean().abs() < 1e-4 and (vals.std(unbiased=False) - 1).abs() < 1e-4
+    assert (out[mask == 0] == 0).all()

@@ -99,6 +99,18 @@ class RolloutConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Per-task success measured before and after RL on held-out samples (0 samples = off).
+
+    samples_per_task: held-out indices per task (taken from the end of each task's index list,
+    never trained on); temperature: sampling temperature of the evaluation.
+    """
+
+    samples_per_task: int = 32
+    temperature: float = 1.0
+
+
+@dataclass
 class AlgoConfig:
     """GRPO settings: group advantages (reward minus group mean, optionally / group std),
     then per-task normalization of token advantages over the global batch."""
@@ -128,6 +140,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     tasks: list[TaskSpec] = field(default_factory=list)
     log_every: int = 1
 
@@ -142,6 +155,10 @@ class Config:
             raise ConfigError(f"rollout.temperature={self.rollout.temperature!r} must be > 0 (use a small value such as 0.01 for near-greedy)")
         if not 0 < self.rollout.top_p <= 1:
             raise ConfigError(f"rollout.top_p={self.rollout.top_p!r} must be in (0, 1]")
+        if self.eval.samples_per_task < 0:
+            raise ConfigError(f"eval.samples_per_task={self.eval.samples_per_task!r} must be >= 0 (0 disables evaluation)")
+        if not self.eval.temperature > 0:
+            raise ConfigError(f"eval.temperature={self.eval.temperature!r} must be > 0")
         if self.sft.steps < 0:
             raise ConfigError(f"sft.steps={self.sft.steps!r} must be >= 0 (0 disables the warm-up)")
         if self.model.dtype not in ("float32", "bfloat16", "float16"):

@@ -1,0 +1,115 @@
+"""Hugging Face side of a run: building the model config, reading and writing safetensors weights.
+
+Every path a user gives is checked here, with an error that names it and says what is expected.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_agentrl.config import ConfigError, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("qwen2",)
+
+
+def load_hf_config(model: ModelConfig, tokenizer: Any | None = None):
+    """The ``transformers`` config of the policy, from ``model.hf_config`` or inline ``model.arch``.
+
+    With ``arch``, ``vocab_size`` defaults to the tokenizer's size and the pad/eos ids to the
+    tokenizer's. Raises ConfigError for a missing path or an unsupported ``model_type``.
+    """
+    from transformers import AutoConfig
+
+    if model.hf_config is not None:
+        path = Path(model.hf_config)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(
+                f"model.hf_config='{model.hf_config}' does not exist (expected a Hugging Face model "
+                f"directory with config.json, or the config.json itself); fix the path or use model.arch"
+            )
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"model.hf_config: '{path}' is not valid JSON: {e}") from None
+    else:
+        data = dict(model.arch)
+        if tokenizer is not None:
+            data.setdefault("vocab_size", len(tokenizer))
+            if tokenizer.eos_token_id is not None:
+                data.setdefault("eos_token_id", tokenizer.eos_token_id)
+            if tokenizer.pad_token_id is not None:
+                data.setdefault("pad_token_id", tokenizer.pad_token_id)
+    model_type = data.pop("model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"model_type={model_type!r} is not supported yet; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
+            f"(set model.arch.model_type or use a checkpoint of a supported family)"
+        )
+    data.pop("transformers_version", None)
+    data.pop("architectures", None)
+    cfg = AutoConfig.for_model(model_type, **data)
+    cfg.architectures = [_ARCHS[model_type]]
+    if tokenizer is not None and cfg.vocab_size < len(tokenizer):
+        raise ConfigError(
+            f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens "
+            f"('{model.tokenizer}'); use the tokenizer that belongs to the model"
+        )
+    return cfg
+
+
+_ARCHS = {"qwen2": "Qwen2ForCausalLM"}
+
+
+def load_hf_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """Read every tensor of a Hugging Face safetensors checkpoint directory (sharded or not).
+
+    Raises FileNotFoundError naming the directory or the missing shard.
+    """
+    from safetensors.torch import load_file
+
+    root = Path(checkpoint)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"model.checkpoint='{checkpoint}' is not a directory; point it at a Hugging Face checkpoint "
+            f"directory holding model.safetensors (or model.safetensors.index.json and its shards), or unset it for random init"
+        )
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (root / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(
+            f"no model.safetensors or model.safetensors.index.json in '{root}'; only safetensors "
+            f"checkpoints are read (convert .bin files with transformers' save_pretrained(safe_serialization=True))"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        f = root / shard
+        if not f.is_file():
+            raise FileNotFoundError(f"shard '{shard}' listed in {index} is missing from '{root}'")
+        state.update(load_file(str(f)))
+    return state
+
+
+def save_hf_checkpoint(state: dict[str, torch.Tensor], hf_config, out_dir: str | Path, tokenizer: Any | None = None) -> Path:
+    """Write ``state`` (HF names) as ``model.safetensors`` plus config.json (and tokenizer files) to ``out_dir``."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if getattr(hf_config, "tie_word_embeddings", False):
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf_config.save_pretrained(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out

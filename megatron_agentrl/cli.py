@@ -1,0 +1,74 @@
+"""The ``agentrl`` command line: ``agentrl train --config run.yaml [key=value ...]``."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from megatron_agentrl.config import ConfigError, load_config
+
+logger = logging.getLogger("agentrl")
+
+
+def _setup_logging(rank: int) -> None:
+    from rich.logging import RichHandler
+
+    level = logging.INFO if rank == 0 else logging.WARNING
+    handler = RichHandler(show_path=False, rich_tracebacks=False, markup=False)
+    logging.basicConfig(level=level, format=f"[rank {rank}] %(message)s" if rank else "%(message)s",
+                        datefmt="%H:%M:%S", handlers=[handler], force=True)
+    for noisy in ("megatron", "torch.distributed", "matplotlib", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _train_worker(rank: int, world: int, port: int, config: str, overrides: list[str]) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _train(config, overrides)
+
+
+def _train(config: str, overrides: list[str]) -> None:
+    from megatron_agentrl.pipeline.sync_loop import run_training
+
+    _setup_logging(int(os.environ.get("RANK", 0)))
+    run_training(load_config(config, overrides))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Validate the config, then train on this process or on ``--nproc`` local processes."""
+    cfg = load_config(args.config, args.overrides)  # fail fast, before spawning anything
+    nproc = args.nproc or cfg.parallel.tp * cfg.parallel.pp
+    if "WORLD_SIZE" in os.environ or nproc == 1:  # under torchrun/srun, or one process
+        _train(args.config, args.overrides)
+        return 0
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_train_worker, args=(nproc, port, args.config, args.overrides), nprocs=nproc, start_method="spawn")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``agentrl`` console script."""
+    parser = argparse.ArgumentParser(prog="agentrl", description="Agentic RL on megatron-core (AgentRL).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train a policy from a YAML config")
+    p.add_argument("--config", required=True, help="YAML config, e.g. examples/configs/tiny_cpu.yaml")
+    p.add_argument("--nproc", type=int, default=0, help="local processes to spawn (default: parallel.tp * parallel.pp)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=5 parallel.tp=2")
+    p.set_defaults(func=cmd_train)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"agentrl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

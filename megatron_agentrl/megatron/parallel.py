@@ -1,0 +1,131 @@
+"""torch.distributed + megatron-core model-parallel setup for the trainer.
+
+``initialize_parallel(tp, pp, seed)`` works in three situations:
+
+* under ``torchrun`` / any launcher that sets ``RANK`` and ``WORLD_SIZE`` (+ ``MASTER_ADDR``,
+  ``MASTER_PORT``): ``env://`` rendezvous;
+* in a plain single process: a one-process group on a free local TCP port;
+* when torch.distributed is already initialized by the caller: it is reused.
+
+Backend: ``nccl`` when CUDA is available, else ``gloo`` (with the CPU bridge installed).
+World size = tp * pp * dp; megatron's rank order is ``tp-cp-ep-dp-pp`` (TP fastest).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import random
+import socket
+
+import torch
+import torch.distributed as dist
+
+from megatron_agentrl.config import ConfigError
+from megatron_agentrl.megatron import cpu_bridge
+
+logger = logging.getLogger(__name__)
+
+_OWNS_PROCESS_GROUP = False
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _init_torch_distributed(timeout_s: float) -> None:
+    global _OWNS_PROCESS_GROUP
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if torch.cuda.is_available():
+            local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+            torch.cuda.set_device(local_rank)
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            if var not in os.environ:
+                raise ConfigError(
+                    f"RANK/WORLD_SIZE are set but {var} is not; launch with torchrun or set {var}"
+                )
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+    else:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        port = free_port()
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timeout
+        )
+    _OWNS_PROCESS_GROUP = True
+    logger.info("torch.distributed initialised: backend=%s rank=%d world=%d", backend, dist.get_rank(), dist.get_world_size())
+
+
+def initialize_parallel(tp: int, pp: int, seed: int, timeout_s: float = 300) -> None:
+    """Initialise torch.distributed (if needed) and megatron's TP/PP/DP groups, then seed.
+
+    Args:
+        tp: tensor-parallel size; pp: pipeline-parallel size. The world size must be a
+            multiple of ``tp * pp``; data-parallel size = world / (tp * pp).
+        seed: base seed. Python/torch RNGs get ``seed + 100 * pp_rank`` (as megatron's
+            training loop does, so stages do not init layers identically); megatron's
+            model-parallel RNG tracker is seeded with ``seed`` (offset per TP rank by megatron).
+        timeout_s: timeout of the process group's collectives, seconds.
+
+    Raises:
+        ConfigError (a ValueError) when the world size is not divisible by ``tp * pp`` or
+        megatron was already initialised with different sizes.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"parallel.tp={tp}, parallel.pp={pp}: both must be positive integers")
+    cpu_bridge.install()
+    if not dist.is_initialized():
+        _init_torch_distributed(timeout_s)
+    world = dist.get_world_size()
+    if world % (tp * pp) != 0:
+        raise ConfigError(
+            f"world size {world} is not divisible by parallel.tp * parallel.pp = {tp} * {pp} = {tp * pp}; "
+            f"launch a multiple of {tp * pp} processes or change parallel.tp / parallel.pp"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        cur = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+        if cur != (tp, pp):
+            raise ConfigError(
+                f"megatron is already initialised with tp={cur[0]}, pp={cur[1]}, not tp={tp}, pp={pp}; "
+                "call destroy_parallel() first"
+            )
+    else:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
+            create_gloo_process_groups=torch.cuda.is_available(),
+        )
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed + 100 * pp_rank)
+    torch.manual_seed(seed + 100 * pp_rank)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    logger.info(
+        "megatron parallel: tp=%d pp=%d dp=%d (rank %d: tp_rank=%d pp_rank=%d dp_rank=%d)",
+        tp, pp, world // (tp * pp), dist.get_rank(),
+        parallel_state.get_tensor_model_parallel_rank(), pp_rank,
+        parallel_state.get_data_parallel_rank(),
+    )
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups and, if :func:`initialize_parallel` created it, the process group."""
+    global _OWNS_PROCESS_GROUP
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if _OWNS_PROCESS_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWNS_PROCESS_GROUP = False

@@ -37,7 +37,10 @@ def _train(config: str, overrides: list[str]) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Validate the config, then train on this process or on ``--nproc`` local processes."""
+    from megatron_agentrl.hf_io import check_model_paths
+
     cfg = load_config(args.config, args.overrides)  # fail fast, before spawning anything
+    check_model_paths(cfg.model)
     nproc = args.nproc or cfg.parallel.tp * cfg.parallel.pp
     if "WORLD_SIZE" in os.environ or nproc == 1:  # under torchrun/srun, or one process
         _train(args.config, args.overrides)

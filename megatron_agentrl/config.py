@@ -246,11 +246,19 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
         if k not in names:
-            close = difflib.get_close_matches(str(k), names, n=1)
+            close = difflib.get_close_matches(str(k), names, n=1, cutoff=0.5)
+            if not close:
+                close = [n for n in names if _abbreviates(n, str(k))][:1]
             hint = f"; did you mean '{(prefix + '.' if prefix else '') + close[0]}'?" if close else ""
             raise ConfigError(f"unknown config key '{key}'{hint} (valid keys here: {', '.join(names)})")
         kwargs[k] = _coerce(v, hints[k], key)
     return cls(**kwargs)
+
+
+def _abbreviates(short: str, long: str) -> bool:
+    """True when ``short`` is an abbreviation of ``long`` (same first letter, letters in order): lr ~ learning_rate."""
+    it = iter(long)
+    return bool(short) and short[0] == long[:1] and all(c in it for c in short)
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:

@@ -18,6 +18,25 @@ logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("qwen2",)
 
 
+def check_model_paths(model: ModelConfig) -> None:
+    """Fail fast, before any process starts, when a path in ``model`` does not exist."""
+    if model.hf_config is not None and not Path(model.hf_config).exists():
+        raise ConfigError(
+            f"model.hf_config='{model.hf_config}' does not exist (expected a Hugging Face model "
+            f"directory with config.json, or the config.json itself); fix the path or use model.arch"
+        )
+    if model.checkpoint is not None and not Path(model.checkpoint).is_dir():
+        raise ConfigError(
+            f"model.checkpoint='{model.checkpoint}' is not a directory; point it at a Hugging Face "
+            f"checkpoint directory (safetensors), or unset it for random init"
+        )
+    if not Path(model.tokenizer).exists():
+        raise ConfigError(
+            f"model.tokenizer='{model.tokenizer}' does not exist; give a tokenizer directory or tokenizer.json "
+            f"(the demo's is examples/tokenizer/tiny_agent, rebuilt by tools/build_demo_tokenizer.py)"
+        )
+
+
 def load_hf_config(model: ModelConfig, tokenizer: Any | None = None):
     """The ``transformers`` config of the policy, from ``model.hf_config`` or inline ``model.arch``.
 

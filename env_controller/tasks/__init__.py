@@ -1,0 +1,42 @@
+"""Built-in tasks and their registry.
+
+``build_task("lookup", seed=1)`` builds a registered task; :data:`TASKS` maps each name to its
+class. The three small function-call tasks of the CPU demo, from easy to harder:
+``lookup`` (read a hidden table), ``calc`` (use a calculator tool), ``guess`` (bisection).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from env_controller.tasks.base import Task, TaskSession, ToolTask, ToolTaskSession
+from env_controller.tasks.calc import CalcTask
+from env_controller.tasks.guess import GuessTask
+from env_controller.tasks.lookup import LookupTask
+
+TASKS: dict[str, type[Task]] = {
+    LookupTask.name: LookupTask,
+    CalcTask.name: CalcTask,
+    GuessTask.name: GuessTask,
+}
+
+
+def build_task(name: str, **params: Any) -> Task:
+    """Build the registered task ``name`` with constructor ``params``.
+
+    Raises ValueError naming an unknown task (and listing the registered ones), an unknown
+    parameter (and listing the accepted ones), or a bad parameter value.
+    """
+    cls = TASKS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown task {name!r}; registered tasks: {', '.join(sorted(TASKS))}")
+    accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"task {name!r} has no parameter {', '.join(map(repr, unknown))}; accepted: {', '.join(accepted)}"
+        )
+    return cls(**params)
+
+
+__all__ = ["TASKS", "Task", "TaskSession", "ToolTask", "ToolTaskSession", "build_task"]

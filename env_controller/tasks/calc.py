@@ -1,0 +1,77 @@
+"""``calc`` (medium): one addition or multiplication done with a calculator tool, then answered."""
+from __future__ import annotations
+
+from typing import Any
+
+from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, ToolTask, ToolTaskSession, function_schema
+
+TOOLS: list[ToolSchema] = [
+    function_schema("add", "Return a + b.", {"a": "integer", "b": "integer"}),
+    function_schema("multiply", "Return a * b.", {"a": "integer", "b": "integer"}),
+    function_schema("answer", "Give the final answer.", {"value": "integer"}),
+]
+
+_OPS = {"add": ("plus", lambda a, b: a + b), "multiply": ("times", lambda a, b: a * b)}
+
+
+class CalcSession(ToolTaskSession):
+    """One ``calc`` episode."""
+
+    def __init__(self, result: int, max_turns: int) -> None:
+        """``result``: the exact value of the question."""
+        super().__init__(TOOLS, max_turns)
+        self.result = result
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult:
+        """``add``/``multiply`` return the exact result; ``answer`` ends the episode."""
+        if name in _OPS:
+            return ToolResult(str(_OPS[name][1](arguments["a"], arguments["b"])))
+        ok = arguments["value"] == self.result
+        return ToolResult("correct" if ok else "wrong", finish=True, success=ok)
+
+
+class CalcTask(ToolTask):
+    """Medium: "What is A plus B?" or "What is A times B?" with A, B in ``[low, high]``.
+
+    Tools: ``add(a: integer, b: integer)`` and ``multiply(a: integer, b: integer)`` return the
+    exact result as text; ``answer(value: integer)`` ends the episode.
+    Expert: the matching operation on (A, B), then ``answer(result)`` (2 turns).
+    Reward: 1 when the answered integer equals the exact result (whether or not a tool was used),
+    else 0; 0 on the turn limit (default 4 tool calls) or a message without tool calls.
+    """
+
+    name = "calc"
+
+    def __init__(self, seed: int = 0, num_samples: int = 512, max_turns: int | None = None,
+                 low: int = 2, high: int = 49) -> None:
+        """``low``/``high``: inclusive operand range (0 <= low < high); other params: :class:`ToolTask`."""
+        super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns)
+        for key, val in (("low", low), ("high", high)):
+            if isinstance(val, bool) or not isinstance(val, int):
+                raise ValueError(f"calc: {key}={val!r} must be an integer")
+        if not 0 <= low < high:
+            raise ValueError(f"calc: need 0 <= low < high, got low={low!r}, high={high!r}")
+        self.low, self.high = low, high
+
+    def tools(self) -> list[ToolSchema]:
+        """``add``, ``multiply`` and ``answer``."""
+        return TOOLS
+
+    def sample(self, index: int) -> tuple[str, int, int]:
+        """The operation (``add`` | ``multiply``) and operands of sample ``index``."""
+        rng = self.rng(index)
+        op = rng.choice(sorted(_OPS))
+        return op, rng.randint(self.low, self.high), rng.randint(self.low, self.high)
+
+    def new_session(self, index: int) -> tuple[ToolTaskSession, list[Message]]:
+        """See :meth:`ToolTask.new_session`."""
+        op, a, b = self.sample(index)
+        word, fn = _OPS[op]
+        prompt = f"What is {a} {word} {b}? Use a tool, then answer."
+        return CalcSession(fn(a, b), self.max_turns), [{"role": "user", "content": prompt}]
+
+    def expert(self, index: int) -> Expert:
+        """``op(a, b)`` then ``answer(<the integer returned>)``."""
+        op, a, b = self.sample(index)
+        result = yield op, {"a": a, "b": b}
+        yield "answer", {"value": int(result)}

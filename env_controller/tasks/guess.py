@@ -1,0 +1,82 @@
+"""``guess`` (harder): find a hidden number by bisection on higher/lower feedback."""
+from __future__ import annotations
+
+from typing import Any
+
+from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, ToolTask, ToolTaskSession, function_schema
+
+TOOLS: list[ToolSchema] = [
+    function_schema("guess", "Guess the number.", {"n": "integer"}),
+]
+
+
+class GuessSession(ToolTaskSession):
+    """One ``guess`` episode."""
+
+    def __init__(self, target: int, max_value: int, max_turns: int) -> None:
+        """``target``: the hidden number in ``1..max_value``."""
+        super().__init__(TOOLS, max_turns)
+        self.target = target
+        self.max_value = max_value
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult:
+        """Reply ``higher`` / ``lower`` / ``correct`` (the last ends the episode)."""
+        n = arguments["n"]
+        if not 1 <= n <= self.max_value:
+            return ToolResult(f"error: n must be from 1 to {self.max_value}")
+        if n == self.target:
+            return ToolResult("correct", finish=True, success=True)
+        return ToolResult("higher" if self.target > n else "lower")
+
+
+class GuessTask(ToolTask):
+    """Harder: find a hidden number in ``1..max_value`` with at most ``max_turns`` guesses.
+
+    Tool: ``guess(n: integer)`` replies ``higher`` (the number is larger than n), ``lower``, or
+    ``correct``, which ends the episode; a guess outside ``1..max_value`` gets an error message
+    (and costs its turn).
+    Expert: bisection from the middle, ``n = (lo + hi) // 2`` (at most 4 guesses for 1..15).
+    Reward: 1 when the number is guessed within ``max_turns`` guesses (default 4), else 0
+    (status ``task limit reached``); 0 on a message without tool calls.
+    Defaults need a perfect bisection on the deepest numbers; raise ``max_turns`` to make it easier.
+    """
+
+    name = "guess"
+
+    def __init__(self, seed: int = 0, num_samples: int = 512, max_turns: int | None = None, max_value: int = 15) -> None:
+        """``max_value``: the hidden number lies in ``1..max_value`` (>= 2); other params: :class:`ToolTask`."""
+        super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns)
+        if isinstance(max_value, bool) or not isinstance(max_value, int) or max_value < 2:
+            raise ValueError(f"guess: max_value={max_value!r} must be an integer >= 2")
+        needed = max_value.bit_length()
+        if self.max_turns < needed:
+            raise ValueError(
+                f"guess: max_turns={self.max_turns} is too few to always find a number in 1..{max_value} "
+                f"(bisection needs {needed}); raise max_turns or lower max_value"
+            )
+        self.max_value = max_value
+
+    def tools(self) -> list[ToolSchema]:
+        """``guess``."""
+        return TOOLS
+
+    def target(self, index: int) -> int:
+        """The hidden number of sample ``index``."""
+        return self.rng(index).randint(1, self.max_value)
+
+    def new_session(self, index: int) -> tuple[ToolTaskSession, list[Message]]:
+        """See :meth:`ToolTask.new_session`."""
+        prompt = (f"Find my secret number from 1 to {self.max_value}. The reply to a guess is "
+                  f"higher, lower or correct. You have {self.max_turns} guesses.")
+        return GuessSession(self.target(index), self.max_value, self.max_turns), [{"role": "user", "content": prompt}]
+
+    def expert(self, index: int) -> Expert:
+        """Bisection: guess the middle of the remaining range, narrow it on each reply."""
+        lo, hi = 1, self.max_value
+        while True:
+            mid = (lo + hi) // 2
+            feedback = yield "guess", {"n": mid}
+            if feedback == "higher":
+                lo = mid + 1
+            elif feedback == "lower":
+                hi = mid - 1

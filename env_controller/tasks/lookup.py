@@ -1,0 +1,88 @@
+"""``lookup`` (easy): read one value out of a small hidden table, then answer it."""
+from __future__ import annotations
+
+from typing import Any
+
+from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, ToolTask, ToolTaskSession, function_schema
+
+KEYS: tuple[str, ...] = (
+    "ant", "bear", "cat", "crow", "deer", "dog", "duck", "eel", "fox", "frog", "goat", "hawk",
+    "lion", "mole", "moth", "mouse", "owl", "pig", "rat", "seal", "swan", "toad", "wolf", "yak",
+)
+VALUES: tuple[str, ...] = (
+    "red", "blue", "green", "black", "white", "pink", "gray", "gold", "brown", "orange", "purple", "silver",
+)
+
+TOOLS: list[ToolSchema] = [
+    function_schema("lookup", "Get the value of a key.", {"key": "string"}),
+    function_schema("answer", "Give the final answer.", {"value": "string"}),
+]
+
+
+def _normalize(text: str) -> str:
+    return text.strip().strip(".\"'").strip().lower()
+
+
+class LookupSession(ToolTaskSession):
+    """One ``lookup`` episode over a hidden table."""
+
+    def __init__(self, table: dict[str, str], key: str, max_turns: int) -> None:
+        """``table``: the hidden key -> value table; ``key``: the key the user asks about."""
+        super().__init__(TOOLS, max_turns)
+        self.table = table
+        self.key = key
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult:
+        """``lookup`` returns the value (or an error for a missing key); ``answer`` ends the episode."""
+        if name == "lookup":
+            key = _normalize(arguments["key"])
+            if key in self.table:
+                return ToolResult(self.table[key])
+            return ToolResult(f"error: no key {arguments['key']!r} in the table")
+        ok = _normalize(arguments["value"]) == self.table[self.key]
+        return ToolResult("correct" if ok else "wrong", finish=True, success=ok)
+
+
+class LookupTask(ToolTask):
+    """Easy: the user asks for the value of one key of a hidden table of ``num_keys`` entries.
+
+    Tools: ``lookup(key: string)`` returns the key's value (a color word), or ``error: ...`` for a
+    key not in the table (keys compare case-insensitively, surrounding quotes ignored);
+    ``answer(value: string)`` ends the episode.
+    Expert: ``lookup(key)``, then ``answer(value)`` (2 turns).
+    Reward: 1 when the answered value equals the key's value (case-insensitive, surrounding
+    whitespace, quotes and a final period ignored), else 0; 0 on the turn limit (default 4 tool
+    calls) or a message without tool calls.
+    """
+
+    name = "lookup"
+
+    def __init__(self, seed: int = 0, num_samples: int = 512, max_turns: int | None = None, num_keys: int = 6) -> None:
+        """``num_keys``: entries of each sample's hidden table (1..24); other params: :class:`ToolTask`."""
+        super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns)
+        if isinstance(num_keys, bool) or not isinstance(num_keys, int) or not 1 <= num_keys <= len(KEYS):
+            raise ValueError(f"lookup: num_keys={num_keys!r} must be an integer in 1..{len(KEYS)}")
+        self.num_keys = num_keys
+
+    def tools(self) -> list[ToolSchema]:
+        """``lookup`` and ``answer``."""
+        return TOOLS
+
+    def sample(self, index: int) -> tuple[dict[str, str], str]:
+        """The hidden table and the asked key of sample ``index``."""
+        rng = self.rng(index)
+        keys = rng.sample(KEYS, self.num_keys)
+        table = {k: rng.choice(VALUES) for k in keys}
+        return table, rng.choice(keys)
+
+    def new_session(self, index: int) -> tuple[ToolTaskSession, list[Message]]:
+        """See :meth:`ToolTask.new_session`."""
+        table, key = self.sample(index)
+        prompt = f"Look up the key {key} and answer with its value."
+        return LookupSession(table, key, self.max_turns), [{"role": "user", "content": prompt}]
+
+    def expert(self, index: int) -> Expert:
+        """``lookup(key)`` then ``answer(<the value returned>)``."""
+        _, key = self.sample(index)
+        value = yield "lookup", {"key": key}
+        yield "answer", {"value": value}

@@ -1,0 +1,58 @@
+"""Config loading: YAML + overrides, and the messages a user sees for bad keys, values and paths."""
+import pytest
+
+from megatron_agentrl.cli import main
+from megatron_agentrl.config import ConfigError, ModelConfig, load_config
+from megatron_agentrl.hf_io import load_hf_config, load_hf_weights
+
+DEMO = "examples/configs/tiny_cpu.yaml"
+
+
+def test_demo_config_loads_with_overrides():
+    cfg = load_config(DEMO, ["train.lr=1e-4", "parallel.tp=2", "rollout.temperature=0.7", "log_every=3"])
+    assert cfg.train.lr == pytest.approx(1e-4) and cfg.parallel.tp == 2 and cfg.rollout.temperature == 0.7
+    assert cfg.log_every == 3 and cfg.tasks[0].name
+
+
+def test_unknown_key_names_it_and_suggests(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.learning_rate'.*did you mean 'train.lr'"):
+        load_config(DEMO, ["train.learning_rate=1e-4"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("modle: {}\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'modle'; did you mean 'model'"):
+        load_config(bad)
+
+
+def test_bad_values_name_key_and_value():
+    with pytest.raises(ConfigError, match=r"parallel.tp='two' must be an integer"):
+        load_config(DEMO, ["parallel.tp=two"])
+    with pytest.raises(ConfigError, match=r"rollout.samples_per_prompt=0 must be a positive integer"):
+        load_config(DEMO, ["rollout.samples_per_prompt=0"])
+    with pytest.raises(ConfigError, match=r"model.dtype='fp8' is not one of"):
+        load_config(DEMO, ["model.dtype=fp8"])
+    with pytest.raises(ConfigError, match=r"override 'train.lr' is not of the form key=value"):
+        load_config(DEMO, ["train.lr"])
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match=r"config file 'nope.yaml' does not exist"):
+        load_config("nope.yaml")
+
+
+def test_missing_model_path_is_clear(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.hf_config='/no/such/model' does not exist"):
+        load_hf_config(ModelConfig(hf_config="/no/such/model"))
+    with pytest.raises(FileNotFoundError, match=r"model.checkpoint='/no/such/ckpt' is not a directory"):
+        load_hf_weights("/no/such/ckpt")
+    with pytest.raises(FileNotFoundError, match=r"no model.safetensors"):
+        load_hf_weights(tmp_path)
+    with pytest.raises(ConfigError, match=r"model_type='gpt_neox' is not supported yet"):
+        load_hf_config(ModelConfig(arch={"model_type": "gpt_neox"}))
+
+
+def test_cli_reports_bad_key_without_traceback(capsys):
+    assert main(["train", "--config", DEMO, "train.lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'train.lrr'" in err and "did you mean 'train.lr'" in err
+    assert main(["train", "--config", DEMO, "model.hf_config=/no/such/model", "train.steps=1"]) == 2
+    assert "model.hf_config='/no/such/model' does not exist" in capsys.readouterr().err

@@ -141,7 +141,7 @@ class LocalEnvClient:
         valid = self._indices.get(task)
         if valid is None:
             valid = self._indices[task] = set(task_obj.indices())
-        if isinstance(index, bool) or index not in valid:
+        if isinstance(index, bool) or not isinstance(index, int) or index not in valid:
             raise ValueError(f"task {task!r} has no sample index {index!r}; it has {len(valid)} indices")
         session_id = f"{task}-{index}-{next(self._counter)}"
         try:

@@ -26,6 +26,10 @@ What is bridged, and which megatron function needs it:
    the tied word embedding with ``weight.data.cuda()`` before its first/last-stage
    all-reduce when PP > 1 and embeddings are tied; during that call only,
    ``Tensor.cuda`` returns the tensor itself.
+6. ``fusions.fused_softmax.FusedScaleMaskSoftmax.forward_torch_softmax`` (the local-spec
+   attention softmax) builds the causal mask with ``transformer.utils.get_default_causal_mask``,
+   which allocates on ``device="cuda"``, whenever ``attention_mask`` is None; the name it
+   imported is replaced by a CPU version (same values, cached per length).
 
 The trainer does not use megatron's optimizer (``megatron.core.optimizer``), whose fp16/bf16
 and clipping paths hard-code CUDA tensor types; see ``megatron_agentrl.megatron.actor``.
@@ -63,6 +67,12 @@ def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bo
 def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
     """Stand-in for ``tensor_parallel.random._set_cuda_rng_state``: set the CPU generator state."""
     torch.set_rng_state(new_state)
+
+
+@functools.lru_cache(maxsize=32)
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    """Stand-in for ``transformer.utils.get_default_causal_mask``: ``[sq, sq]`` bool, True above the diagonal (masked)."""
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
 class _CpuZerosTorch(types.ModuleType):
@@ -153,6 +163,7 @@ def install() -> bool:
     if _INSTALLED:
         return True
 
+    from megatron.core.fusions import fused_softmax
     from megatron.core.models.common.language_module import language_module
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mrandom
@@ -183,6 +194,9 @@ def install() -> bool:
             orig_setup(self)
 
     cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer  # type: ignore[method-assign]
+
+    # 6: the causal mask of the unfused attention softmax.
+    fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
 
     _INSTALLED = True
     logger.debug("megatron-core CPU bridge installed")

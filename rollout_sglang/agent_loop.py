@@ -1,0 +1,280 @@
+"""The agent loop: environment messages in, tokens out, and back; one Trajectory per episode.
+
+Token-in / token-out: the prompt is encoded once, every generated turn is appended as the
+engine produced it (``loss_mask`` 1, its behaviour log-probs, the weight version that sampled
+it), and every environment reply is appended as the template's incremental piece
+(``loss_mask`` 0). Nothing is ever re-tokenized, so the trainer scores exactly the tokens the
+engine sampled.
+
+:func:`run_group_lockstep` runs a set of episodes (typically the samples of one or a few GRPO
+groups) in lockstep: per turn, one batched ``engine.generate`` over every episode still running,
+then all their environment calls concurrently.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from env_controller.protocol import SampleStatus, TaskReply
+from rollout_sglang.chat_template import ChatTemplate
+from rollout_sglang.engine import Engine, SamplingParams
+from rollout_sglang.tool_parser import ToolCallParseError, parse_assistant_text
+from rollout_sglang.trajectory import Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+class EnvClient(Protocol):
+    """The trainer-facing side of the environment controller (in-process, or over HTTP)."""
+
+    async def start_sample(self, task: str, index: int) -> tuple[str, TaskReply]:
+        """Start an episode of ``task`` sample ``index``; returns (session_id, first reply)."""
+        ...
+
+    async def interact(self, session_id: str, messages: list[dict]) -> TaskReply:
+        """Send ``[assistant message]`` (with ``tool_calls`` when the policy called tools); returns the reply."""
+        ...
+
+    async def cancel(self, session_id: str) -> None:
+        """End the session early and free its resources."""
+        ...
+
+
+@dataclass
+class _Episode:
+    """Book-keeping of one running episode."""
+
+    traj: Trajectory
+    session_id: str | None = None
+    tools: list[dict] = field(default_factory=list)
+    done: bool = False
+    num_calls: int = 0
+    needs_turn_end: bool = False  # the last turn ended without a stop token
+
+
+def _finish(ep: _Episode, status: SampleStatus | str, reward: float = 0.0, metrics: dict | None = None) -> None:
+    """Mark the episode done with a final status, reward and metrics."""
+    ep.done = True
+    ep.traj.status = status.value if isinstance(status, SampleStatus) else str(status)
+    ep.traj.reward = float(reward)
+    if metrics:
+        ep.traj.metrics.update({k: float(v) for k, v in metrics.items()})
+
+
+def _append(ep: _Episode, tokens: Sequence[int], mask: int, logprobs: Sequence[float] | None = None) -> None:
+    """Append tokens to the trajectory with one loss-mask value (log-probs 0.0 when not given)."""
+    t = ep.traj
+    t.token_ids.extend(int(x) for x in tokens)
+    t.loss_mask.extend([mask] * len(tokens))
+    if logprobs is None:
+        t.behavior_logprobs.extend([0.0] * len(tokens))
+    else:
+        if len(logprobs) != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens but {len(logprobs)} log-probs from the engine")
+        t.behavior_logprobs.extend(float(x) for x in logprobs)
+
+
+async def _cancel(env: EnvClient, ep: _Episode, timeout_s: float) -> None:
+    """Best-effort cancel of the episode's env session (errors and timeouts are logged, not raised)."""
+    if ep.session_id is None:
+        return
+    try:
+        await asyncio.wait_for(env.cancel(ep.session_id), timeout_s)
+    except Exception as e:  # noqa: BLE001 - cancel must never fail the batch
+        logger.warning("cancel of env session %s (%s #%d) failed: %r", ep.session_id, ep.traj.task, ep.traj.index, e)
+
+
+async def _start(
+    env: EnvClient, template: ChatTemplate, ep: _Episode, max_total_tokens: int, timeout_s: float
+) -> None:
+    """Start the env session and encode the prompt; may finish the episode (env error, context limit)."""
+    t = ep.traj
+    t0 = time.perf_counter()
+    try:
+        ep.session_id, reply = await asyncio.wait_for(env.start_sample(t.task, t.index), timeout_s)
+    except Exception as e:  # noqa: BLE001
+        t.timings["env_s"] = t.timings.get("env_s", 0.0) + time.perf_counter() - t0
+        logger.error("start_sample(%s, %d) failed: %r", t.task, t.index, e)
+        _finish(ep, SampleStatus.TASK_ERROR)
+        return
+    t.timings["env_s"] = t.timings.get("env_s", 0.0) + time.perf_counter() - t0
+    ep.tools = list(reply.tools or [])
+    try:
+        prompt = template.encode_prompt(reply.messages, ep.tools)
+    except (ValueError, TypeError, KeyError) as e:
+        logger.error("session %s (%s #%d): cannot render the first messages: %s", ep.session_id, t.task, t.index, e)
+        _finish(ep, SampleStatus.TASK_ERROR)
+        await _cancel(env, ep, timeout_s)
+        return
+    _append(ep, prompt, 0)
+    if reply.finish:
+        _finish(ep, reply.status, reply.reward, reply.metrics)
+        return
+    if len(prompt) >= max_total_tokens:
+        logger.warning(
+            "session %s (%s #%d): prompt of %d tokens leaves no room under max_total_tokens=%d",
+            ep.session_id, t.task, t.index, len(prompt), max_total_tokens,
+        )
+        _finish(ep, SampleStatus.AGENT_CONTEXT_LIMIT)
+        await _cancel(env, ep, timeout_s)
+
+
+async def _interact(
+    env: EnvClient,
+    template: ChatTemplate,
+    ep: _Episode,
+    message: dict[str, Any],
+    max_turns: int,
+    max_total_tokens: int,
+    timeout_s: float,
+) -> None:
+    """Send the assistant message, then finish the episode or append the env reply (loss_mask 0)."""
+    t = ep.traj
+    t0 = time.perf_counter()
+    try:
+        reply = await asyncio.wait_for(env.interact(ep.session_id, [message]), timeout_s)  # type: ignore[arg-type]
+    except Exception as e:  # noqa: BLE001
+        t.timings["env_s"] = t.timings.get("env_s", 0.0) + time.perf_counter() - t0
+        what = f"timed out after {timeout_s:.1f}s" if isinstance(e, asyncio.TimeoutError) else f"failed: {e!r}"
+        logger.error("interact on env session %s (%s #%d) %s", ep.session_id, t.task, t.index, what)
+        _finish(ep, SampleStatus.TASK_ERROR)
+        await _cancel(env, ep, timeout_s)
+        return
+    t.timings["env_s"] = t.timings.get("env_s", 0.0) + time.perf_counter() - t0
+    if reply.finish:
+        _finish(ep, reply.status, reply.reward, reply.metrics)
+        return
+    if len(t.versions) >= max_turns:
+        _finish(ep, SampleStatus.TASK_LIMIT_REACHED)
+        await _cancel(env, ep, timeout_s)
+        return
+    try:
+        piece = template.encode_env_reply(reply.messages)
+    except (ValueError, TypeError, KeyError) as e:
+        logger.error("env session %s (%s #%d): cannot render the reply: %s", ep.session_id, t.task, t.index, e)
+        _finish(ep, SampleStatus.TASK_ERROR)
+        await _cancel(env, ep, timeout_s)
+        return
+    if ep.needs_turn_end:
+        # the turn stopped by length: close it as ChatML does before the env reply (not a policy token)
+        piece = [template.im_end_id] + piece
+    if len(t.token_ids) + len(piece) >= max_total_tokens:
+        _finish(ep, SampleStatus.AGENT_CONTEXT_LIMIT)
+        await _cancel(env, ep, timeout_s)
+        return
+    _append(ep, piece, 0)
+    ep.needs_turn_end = False
+
+
+async def run_group_lockstep(
+    engine: Engine,
+    env: EnvClient,
+    template: ChatTemplate,
+    requests: list[tuple[str, int, int]],
+    params: SamplingParams,
+    max_turns: int,
+    max_total_tokens: int,
+    *,
+    env_timeout_s: float = 120.0,
+) -> list[Trajectory]:
+    """Run one episode per request in lockstep and return their Trajectories (same order).
+
+    requests: ``(task, index, group_id)`` per episode.
+    params: sampling settings of every turn; the template's stop tokens are added to
+        ``stop_token_ids``; ``max_new_tokens`` caps each turn; with ``seed`` set, turn ``k`` uses
+        ``seed + k * len(requests)`` so turns and rows never share a random stream.
+    max_turns: generated turns per episode; an episode still running after that many ends with
+        "task limit reached" (and its env session is cancelled).
+    max_total_tokens: cap on prompt + all turns + env replies; a turn is cut so the total never
+        exceeds it, and an episode that runs out of room ends with "agent context limit".
+    env_timeout_s: timeout of every env call (start, interact, cancel); a timeout or exception
+        ends the episode with "task error".
+
+    Final statuses: the env's own (completed, ...), "agent validation failed" (a malformed tool
+    call; reward 0, ``metrics["validation_error"] = 1.0``), "task limit reached",
+    "agent context limit", "task error". Timings: ``generate_s`` (wall time of the batched
+    generate calls the episode took part in), ``env_s`` (its own env calls). If the engine raises,
+    every running session is cancelled and the exception propagates.
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns={max_turns} must be >= 1")
+    if max_total_tokens < 2:
+        raise ValueError(f"max_total_tokens={max_total_tokens} must be >= 2")
+    episodes = [
+        _Episode(
+            Trajectory(
+                token_ids=[], loss_mask=[], behavior_logprobs=[], versions=[], turn_spans=[],
+                task=task, index=int(index), group_id=int(group_id),
+                timings={"generate_s": 0.0, "env_s": 0.0},
+            )
+        )
+        for task, index, group_id in requests
+    ]
+    stop_ids = list(dict.fromkeys(list(params.stop_token_ids) + template.stop_token_ids))
+    stop_set = set(stop_ids)
+
+    await asyncio.gather(*(_start(env, template, ep, max_total_tokens, env_timeout_s) for ep in episodes))
+
+    turn = 0
+    while True:
+        active = [ep for ep in episodes if not ep.done]
+        if not active:
+            break
+        caps = [min(params.max_new_tokens, max_total_tokens - len(ep.traj.token_ids)) for ep in active]
+        gen_params = dataclasses.replace(
+            params,
+            max_new_tokens=max(caps),
+            stop_token_ids=stop_ids,
+            seed=None if params.seed is None else params.seed + turn * len(requests),
+        )
+        t0 = time.perf_counter()
+        try:
+            outputs = await engine.generate([ep.traj.token_ids for ep in active], gen_params)
+        except BaseException:
+            logger.exception("engine.generate failed on turn %d; cancelling %d env sessions", turn, len(active))
+            await asyncio.gather(*(_cancel(env, ep, env_timeout_s) for ep in active))
+            raise
+        gen_s = time.perf_counter() - t0
+        turn += 1
+
+        pending: list[tuple[_Episode, dict[str, Any]]] = []
+        cancels: list[_Episode] = []
+        for ep, out, cap in zip(active, outputs, caps):
+            t = ep.traj
+            t.timings["generate_s"] += gen_s
+            toks, lps = list(out.token_ids[:cap]), list(out.logprobs[:cap])
+            start = len(t.token_ids)
+            _append(ep, toks, 1, lps)
+            t.versions.append(int(out.version))
+            t.turn_spans.append((start, len(t.token_ids)))
+            ended_by_stop = bool(toks) and toks[-1] in stop_set
+            if not ended_by_stop and len(t.token_ids) >= max_total_tokens:
+                _finish(ep, SampleStatus.AGENT_CONTEXT_LIMIT)
+                cancels.append(ep)
+                continue
+            ep.needs_turn_end = not ended_by_stop
+            text = template.decode(toks[:-1] if ended_by_stop else toks)
+            try:
+                message = parse_assistant_text(text, ep.tools or None, call_id_start=ep.num_calls)
+            except ToolCallParseError as e:
+                logger.warning(
+                    "env session %s (%s #%d) turn %d: agent validation failed: %s",
+                    ep.session_id, t.task, t.index, len(t.versions), e,
+                )
+                _finish(ep, SampleStatus.AGENT_VALIDATION_FAILED, 0.0, {"validation_error": 1.0})
+                cancels.append(ep)
+                continue
+            ep.num_calls += len(message["tool_calls"])
+            if not message["tool_calls"]:
+                del message["tool_calls"]  # a final answer: a plain assistant message
+            pending.append((ep, message))
+
+        await asyncio.gather(
+            *(_interact(env, template, ep, msg, max_turns, max_total_tokens, env_timeout_s) for ep, msg in pending),
+            *(_cancel(env, ep, env_timeout_s) for ep in cancels),
+        )
+    return [ep.traj for ep in episodes]

@@ -1,0 +1,412 @@
+"""The local PyTorch engine: a Hugging Face causal LM on CPU or one CUDA GPU, behind the Engine protocol.
+
+It is the rollout engine of the CPU path (tests, CI, the demo) and a reference for the SGLang
+engine's numerics. Generation is a hand-written KV-cache loop (not ``model.generate``):
+
+* prompts are left-padded into one batch; ``attention_mask`` hides the pads and
+  ``position_ids = cumsum(mask) - 1`` gives each row exactly the positions of an unpadded run;
+* each step samples from ``softmax(logits / temperature)`` after top-k / top-p truncation and
+  reports ``log_softmax(fp32 logits / temperature)[token]`` from *before* truncation;
+* with ``params.seed`` set, row ``i`` samples with its own ``torch.Generator`` seeded
+  ``seed + i``, so a row's tokens do not depend on the rest of the batch;
+* rows stop on ``stop_token_ids`` (the stop token is kept) or at ``max_new_tokens``; finished
+  rows leave the batch (their KV cache rows are dropped).
+
+Compute runs in a worker thread (``asyncio.to_thread``); a lock serialises generate calls and
+weight loading, so weights never change under a running generation. Weights arrive by
+Hugging Face parameter name between :meth:`LocalEngine.begin_weight_update` and
+:meth:`LocalEngine.end_weight_update`.
+"""
+from __future__ import annotations
+
+import asyncio
+import difflib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from rollout_sglang.engine import GenerationOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """``torch.dtype`` from a dtype or its name ("float32", "bfloat16", "float16"; None -> float32)."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of 'float32', 'bfloat16', 'float16'")
+    return _DTYPES[key]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``torch.device`` for "cpu" or one CUDA GPU ("cuda", "cuda:0"); None picks CUDA when present."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} requested but CUDA is not available here; use device='cpu'")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(device)!r} is not supported by LocalEngine; use 'cpu' or 'cuda[:N]'")
+    return dev
+
+
+def _truncate_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k / nucleus (top-p) set to -inf. scaled: [B, V] float32."""
+    vocab = scaled.shape[-1]
+    out = scaled
+    if 0 < top_k < vocab:
+        kth = torch.topk(out, top_k, dim=-1).values[:, -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if 0.0 < top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(out, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens ranked above it already cover top_p (the first is always kept)
+        remove_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        remove = torch.zeros_like(remove_sorted).scatter(-1, sorted_idx, remove_sorted)
+        out = out.masked_fill(remove, float("-inf"))
+    return out
+
+
+class LocalEngine:
+    """A Hugging Face causal LM serving the Engine protocol in-process.
+
+    model: a ``transformers`` causal LM (e.g. ``Qwen2ForCausalLM``); moved to ``device``/``dtype``
+        and put in eval mode. Build one with :meth:`from_config` or :meth:`from_pretrained`.
+    device: "cpu", "cuda" or "cuda:N" (None: CUDA when available).
+    dtype: parameter dtype ("float32", "bfloat16", "float16"); logits are cast to float32 for sampling.
+    version: the weight version the engine starts with.
+    seed: seeds the engine's own generator, used when ``SamplingParams.seed`` is None.
+    resume_timeout_s: how long ``generate`` waits for :meth:`resume` while paused before raising
+        TimeoutError.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        device: str | torch.device | None = "cpu",
+        dtype: str | torch.dtype | None = torch.float32,
+        version: int = 0,
+        seed: int = 0,
+        resume_timeout_s: float = 600.0,
+    ) -> None:
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.version: int = int(version)
+        self.resume_timeout_s = float(resume_timeout_s)
+        self.vocab_size: int = int(self.model.get_output_embeddings().weight.shape[0])
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(int(seed))
+        self._weights_lock = threading.Lock()
+        self._resumed = threading.Event()
+        self._resumed.set()
+        self._async_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        # name -> tensor for every HF name the model answers to (tied weights appear under both names)
+        self._named: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+        self._pending_version: int | None = None
+        self._updated: set[int] = set()
+        self._update_started = 0.0
+        self._num_generate_calls = 0
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_config(
+        cls,
+        hf_config: Any,
+        *,
+        init_seed: int | None = None,
+        device: str | torch.device | None = "cpu",
+        dtype: str | torch.dtype | None = torch.float32,
+        **kwargs: Any,
+    ) -> "LocalEngine":
+        """A randomly initialised model built from a ``transformers`` config (e.g. ``Qwen2Config``).
+
+        init_seed: when given, the initialisation is reproducible (torch's global RNG is left unchanged).
+        Other keyword arguments go to :class:`LocalEngine`.
+        """
+        from transformers import AutoModelForCausalLM
+
+        if init_seed is None:
+            model = AutoModelForCausalLM.from_config(hf_config)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(init_seed))
+                model = AutoModelForCausalLM.from_config(hf_config)
+        return cls(model, device=device, dtype=dtype, **kwargs)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        device: str | torch.device | None = "cpu",
+        dtype: str | torch.dtype | None = torch.float32,
+        **kwargs: Any,
+    ) -> "LocalEngine":
+        """Load a Hugging Face checkpoint directory (``config.json`` + safetensors), offline.
+
+        Raises FileNotFoundError naming the path and the fix when there is no checkpoint there.
+        """
+        from transformers import AutoModelForCausalLM
+
+        p = Path(path).expanduser()
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(
+                f"no Hugging Face checkpoint at {str(p)!r} (config.json missing); point the engine at a "
+                "directory written by save_pretrained / the Megatron->HF converter (tools/), or build a "
+                "random model with LocalEngine.from_config(hf_config)"
+            )
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=resolve_dtype(dtype), local_files_only=True)
+        return cls(model, device=device, dtype=dtype, **kwargs)
+
+    # ---------------------------------------------------------------- generation
+    def _loop_lock(self) -> asyncio.Lock:
+        """The asyncio lock serialising generate calls on the running event loop."""
+        loop = asyncio.get_running_loop()
+        if self._async_lock is None or self._async_lock[0] is not loop:
+            self._async_lock = (loop, asyncio.Lock())
+        return self._async_lock[1]
+
+    async def _wait_resumed(self) -> None:
+        """Wait (polling, thread-safe) until the engine is not paused; TimeoutError after resume_timeout_s."""
+        if self._resumed.is_set():
+            return
+        deadline = time.monotonic() + self.resume_timeout_s
+        while not self._resumed.is_set():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"LocalEngine stayed paused for more than {self.resume_timeout_s:.1f}s; call resume() after "
+                    "the weight update (or raise resume_timeout_s)"
+                )
+            await asyncio.sleep(0.005)
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        """Continue each prompt; one :class:`GenerationOutput` per prompt, in order.
+
+        prompts: B lists of token ids (any lengths >= 1). Waits while the engine is paused. The
+        outputs carry the weight version the whole call ran with.
+        """
+        if not prompts:
+            return []
+        self._check_inputs(prompts, params)
+        async with self._loop_lock():
+            await self._wait_resumed()
+            return await asyncio.to_thread(self._generate_sync, prompts, params)
+
+    def _check_inputs(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Raise ValueError for empty prompts, out-of-vocabulary ids or bad sampling settings."""
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(
+                    f"prompt {i} has token id {lo if lo < 0 else hi} outside the model vocabulary "
+                    f"[0, {self.vocab_size}); is the tokenizer larger than the model's vocab_size?"
+                )
+        if params.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={params.max_new_tokens} must be >= 0")
+        if params.temperature < 0:
+            raise ValueError(f"temperature={params.temperature} must be >= 0 (0 means greedy)")
+        if not (0.0 < params.top_p <= 1.0):
+            raise ValueError(f"top_p={params.top_p} must be in (0, 1]")
+
+    def _sample(
+        self, logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample one token per row. logits: [b, V] float32. Returns (tokens [b], logprobs [b] float32).
+
+        temperature 0 is greedy, with log-probs of the untempered distribution.
+        """
+        if params.temperature == 0:
+            logp = torch.log_softmax(logits, dim=-1)
+            tok = logits.argmax(dim=-1)
+            return tok, logp.gather(-1, tok[:, None])[:, 0]
+        scaled = logits / params.temperature
+        logp = torch.log_softmax(scaled, dim=-1)
+        probs = torch.softmax(_truncate_logits(scaled, params.top_k, params.top_p), dim=-1)
+        if generators is None:
+            tok = torch.multinomial(probs, 1, generator=self._generator)[:, 0]
+        else:
+            tok = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
+        return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+    def _generate_sync(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        """The batched KV-cache decoding loop (runs in a worker thread, under the weights lock)."""
+        from transformers import DynamicCache
+
+        with self._weights_lock, torch.inference_mode():
+            self._num_generate_calls += 1
+            version = self.version
+            dev = self.device
+            bsz = len(prompts)
+            out_tokens: list[list[int]] = [[] for _ in range(bsz)]
+            out_logprobs: list[list[float]] = [[] for _ in range(bsz)]
+            reasons = ["length"] * bsz
+            if params.max_new_tokens == 0:
+                return [GenerationOutput([], [], "length", version) for _ in range(bsz)]
+            stop = set(int(t) for t in params.stop_token_ids)
+            lens = [len(p) for p in prompts]
+            width = max(lens)
+            ids = torch.zeros((bsz, width), dtype=torch.long)
+            mask = torch.zeros((bsz, width), dtype=torch.long)
+            for i, p in enumerate(prompts):
+                ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+                mask[i, width - len(p) :] = 1
+            ids, mask = ids.to(dev), mask.to(dev)
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            generators = None
+            if params.seed is not None:
+                generators = []
+                for i in range(bsz):
+                    g = torch.Generator(device=dev)
+                    g.manual_seed(int(params.seed) + i)
+                    generators.append(g)
+
+            cache = DynamicCache(config=self.model.config)
+            out = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1].float()
+            rows = list(range(bsz))  # original row of each live batch row
+            next_pos = torch.tensor(lens, dtype=torch.long, device=dev)
+            for step in range(params.max_new_tokens):
+                gens = None if generators is None else [generators[r] for r in rows]
+                tok, lp = self._sample(logits, params, gens)
+                tok_l, lp_l = tok.tolist(), lp.tolist()
+                keep: list[int] = []
+                for j, r in enumerate(rows):
+                    out_tokens[r].append(tok_l[j])
+                    out_logprobs[r].append(lp_l[j])
+                    if tok_l[j] in stop:
+                        reasons[r] = "stop"
+                    else:
+                        keep.append(j)
+                if not keep or step == params.max_new_tokens - 1:
+                    break
+                if len(keep) < len(rows):
+                    idx = torch.tensor(keep, dtype=torch.long, device=dev)
+                    cache.batch_select_indices(idx)
+                    mask, next_pos, tok = mask[idx], next_pos[idx], tok[idx]
+                    rows = [rows[j] for j in keep]
+                mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=dev)], dim=1)
+                out = self.model(
+                    input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                    past_key_values=cache, use_cache=True,
+                )
+                logits = out.logits[:, -1].float()
+                next_pos = next_pos + 1
+            return [GenerationOutput(out_tokens[i], out_logprobs[i], reasons[i], version) for i in range(bsz)]
+
+    # ---------------------------------------------------------------- pause / resume
+    def pause(self) -> None:
+        """Stop admitting generation: a running call finishes, later calls wait for :meth:`resume`."""
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        """Admit generation again."""
+        self._resumed.set()
+
+    # ---------------------------------------------------------------- weights
+    def begin_weight_update(self, version: int, metadata: dict | None = None) -> None:
+        """Start an update to ``version``; ``metadata`` (names, shapes, dtypes) is only logged.
+
+        Raises RuntimeError when an update is already open.
+        """
+        if self._pending_version is not None:
+            raise RuntimeError(
+                f"weight update to version {self._pending_version} is still open; call end_weight_update() first"
+            )
+        self._pending_version = int(version)
+        self._updated = set()
+        self._update_started = time.monotonic()
+        logger.debug("weight update to version %d begins (metadata keys: %s)", version, sorted((metadata or {}).keys()))
+
+    def receive_bucket(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (Hugging Face name, tensor) pairs into the model (cast to the engine's device/dtype).
+
+        Blocks while a generation is running. Raises KeyError for an unknown name (with close
+        matches), ValueError for a shape mismatch, RuntimeError outside begin/end.
+        """
+        if self._pending_version is None:
+            raise RuntimeError("receive_bucket() called outside a weight update; call begin_weight_update() first")
+        with self._weights_lock, torch.no_grad():
+            for name, tensor in named_tensors:
+                target = self._named.get(name)
+                if target is None:
+                    close = difflib.get_close_matches(name, list(self._named), n=3)
+                    raise KeyError(
+                        f"unknown parameter name {name!r} for {type(self.model).__name__}; weights must use "
+                        f"Hugging Face names (close matches: {close or 'none'}; e.g. {next(iter(self._named))!r})"
+                    )
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"shape mismatch for {name!r}: engine has {tuple(target.shape)}, received "
+                        f"{tuple(tensor.shape)}; do the trainer and engine use the same model config?"
+                    )
+                target.data.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+                self._updated.add(id(target))
+
+    def end_weight_update(self) -> None:
+        """Finish the update: the engine now serves the new version. Parameters not received are logged."""
+        if self._pending_version is None:
+            raise RuntimeError("end_weight_update() without begin_weight_update()")
+        missing = sorted(
+            {n for n, t in self._named.items() if id(t) not in self._updated and isinstance(t, torch.nn.Parameter)}
+        )
+        if missing:
+            logger.warning(
+                "weight update to version %d did not receive %d parameter(s), kept old values: %s",
+                self._pending_version, len(missing), missing[:10] + (["..."] if len(missing) > 10 else []),
+            )
+        self.version = self._pending_version
+        self._pending_version = None
+        logger.info("engine serves weight version %d (update took %.3fs)", self.version, time.monotonic() - self._update_started)
+
+    def load_state_dict(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """begin_weight_update + one bucket with all of ``state`` + end_weight_update."""
+        self.begin_weight_update(version, {})
+        try:
+            self.receive_bucket(state.items())
+        except Exception:
+            self._pending_version = None
+            raise
+        self.end_weight_update()
+
+    # ---------------------------------------------------------------- status
+    def health(self) -> dict:
+        """``{"ok", "version", "paused", "updating", "device", "dtype", "num_parameters", "generate_calls"}``."""
+        return {
+            "ok": True,
+            "version": self.version,
+            "paused": not self._resumed.is_set(),
+            "updating": self._pending_version is not None,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "generate_calls": self._num_generate_calls,
+        }

@@ -56,9 +56,12 @@ class _Episode:
     needs_turn_end: bool = False  # the last turn ended without a stop token
 
 
-def _finish(ep: _Episode, status: SampleStatus | str, reward: float = 0.0, metrics: dict | None = None) -> None:
-    """Mark the episode done with a final status, reward and metrics."""
+def _finish(
+    ep: _Episode, status: SampleStatus | str, reward: float = 0.0, metrics: dict | None = None, error: str = ""
+) -> None:
+    """Mark the episode done with a final status, reward, metrics and (for abnormal ends) the error text."""
     ep.done = True
+    ep.traj.error = error
     ep.traj.status = status.value if isinstance(status, SampleStatus) else str(status)
     ep.traj.reward = float(reward)
     if metrics:
@@ -99,7 +102,7 @@ async def _start(
     except Exception as e:  # noqa: BLE001
         t.timings["env_s"] = t.timings.get("env_s", 0.0) + time.perf_counter() - t0
         logger.error("start_sample(%s, %d) failed: %r", t.task, t.index, e)
-        _finish(ep, SampleStatus.TASK_ERROR)
+        _finish(ep, SampleStatus.TASK_ERROR, error=f"start_sample failed: {e!r}")
         return
     t.timings["env_s"] = t.timings.get("env_s", 0.0) + time.perf_counter() - t0
     ep.tools = list(reply.tools or [])
@@ -107,7 +110,7 @@ async def _start(
         prompt = template.encode_prompt(reply.messages, ep.tools)
     except (ValueError, TypeError, KeyError) as e:
         logger.error("session %s (%s #%d): cannot render the first messages: %s", ep.session_id, t.task, t.index, e)
-        _finish(ep, SampleStatus.TASK_ERROR)
+        _finish(ep, SampleStatus.TASK_ERROR, error=f"cannot render the first messages: {e}")
         await _cancel(env, ep, timeout_s)
         return
     _append(ep, prompt, 0)
@@ -141,7 +144,7 @@ async def _interact(
         t.timings["env_s"] = t.timings.get("env_s", 0.0) + time.perf_counter() - t0
         what = f"timed out after {timeout_s:.1f}s" if isinstance(e, asyncio.TimeoutError) else f"failed: {e!r}"
         logger.error("interact on env session %s (%s #%d) %s", ep.session_id, t.task, t.index, what)
-        _finish(ep, SampleStatus.TASK_ERROR)
+        _finish(ep, SampleStatus.TASK_ERROR, error=f"interact {what}")
         await _cancel(env, ep, timeout_s)
         return
     t.timings["env_s"] = t.timings.get("env_s", 0.0) + time.perf_counter() - t0
@@ -156,7 +159,7 @@ async def _interact(
         piece = template.encode_env_reply(reply.messages)
     except (ValueError, TypeError, KeyError) as e:
         logger.error("env session %s (%s #%d): cannot render the reply: %s", ep.session_id, t.task, t.index, e)
-        _finish(ep, SampleStatus.TASK_ERROR)
+        _finish(ep, SampleStatus.TASK_ERROR, error=f"cannot render the env reply: {e}")
         await _cancel(env, ep, timeout_s)
         return
     if ep.needs_turn_end:
@@ -261,11 +264,11 @@ async def run_group_lockstep(
             try:
                 message = parse_assistant_text(text, ep.tools or None, call_id_start=ep.num_calls)
             except ToolCallParseError as e:
-                logger.warning(
+                logger.debug(
                     "env session %s (%s #%d) turn %d: agent validation failed: %s",
                     ep.session_id, t.task, t.index, len(t.versions), e,
                 )
-                _finish(ep, SampleStatus.AGENT_VALIDATION_FAILED, 0.0, {"validation_error": 1.0})
+                _finish(ep, SampleStatus.AGENT_VALIDATION_FAILED, 0.0, {"validation_error": 1.0}, error=str(e))
                 cancels.append(ep)
                 continue
             ep.num_calls += len(message["tool_calls"])

@@ -18,10 +18,11 @@ class SamplingParams:
     """Sampling settings of one generate call.
 
     max_new_tokens: cap on generated tokens per sequence.
-    temperature: softmax temperature (> 0); the reported log-probs use it.
+    temperature: softmax temperature; the reported log-probs use it (0 = greedy, log-probs then untempered).
     top_p, top_k: nucleus / top-k truncation (1.0 / -1 disable).
     stop_token_ids: generation of a sequence ends after emitting one of these (it is kept).
-    seed: seeds the sampler for reproducible runs (None: engine's generator state).
+    seed: seeds the sampler for reproducible runs: row i of the batch samples from its own
+        generator seeded ``seed + i`` (None: the engine's generator state).
     """
 
     max_new_tokens: int = 64

@@ -87,34 +87,75 @@ def _truncate_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Te
     return out
 
 
+def _build_from_config(hf_config: Any, init_seed: int | None) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_config(hf_config)``, seeded by ``init_seed`` when given."""
+    from transformers import AutoModelForCausalLM, PreTrainedConfig
+
+    if not isinstance(hf_config, PreTrainedConfig):
+        raise TypeError(
+            f"LocalEngine needs a torch model, a transformers config or a checkpoint path; got {type(hf_config).__name__}"
+        )
+    if init_seed is None:
+        return AutoModelForCausalLM.from_config(hf_config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(init_seed))
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+def _load_pretrained(path: str | os.PathLike, dtype: torch.dtype) -> torch.nn.Module:
+    """Load a Hugging Face checkpoint directory offline; FileNotFoundError naming the path and the fix."""
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no Hugging Face checkpoint at {str(p)!r} (config.json missing); point the engine at a "
+            "directory written by save_pretrained / the Megatron->HF converter (tools/), or build a "
+            "random model with LocalEngine.from_config(hf_config)"
+        )
+    return AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, local_files_only=True)
+
+
 class LocalEngine:
     """A Hugging Face causal LM serving the Engine protocol in-process.
 
-    model: a ``transformers`` causal LM (e.g. ``Qwen2ForCausalLM``); moved to ``device``/``dtype``
-        and put in eval mode. Build one with :meth:`from_config` or :meth:`from_pretrained`.
+    model: what to serve, one of: a ``transformers`` causal LM module (e.g. ``Qwen2ForCausalLM``);
+        a ``transformers`` config (a randomly initialised model is built from it, see ``init_seed``);
+        or the path of a Hugging Face checkpoint directory (loaded offline). Moved to
+        ``device``/``dtype`` and put in eval mode.
     device: "cpu", "cuda" or "cuda:N" (None: CUDA when available).
     dtype: parameter dtype ("float32", "bfloat16", "float16"); logits are cast to float32 for sampling.
     version: the weight version the engine starts with.
     seed: seeds the engine's own generator, used when ``SamplingParams.seed`` is None.
     resume_timeout_s: how long ``generate`` waits for :meth:`resume` while paused before raising
         TimeoutError.
+    init_seed: with a config, makes the random initialisation reproducible (torch's global RNG
+        is left unchanged); None draws from the global RNG.
     """
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: "torch.nn.Module | Any | str | os.PathLike",
         *,
         device: str | torch.device | None = "cpu",
         dtype: str | torch.dtype | None = torch.float32,
         version: int = 0,
         seed: int = 0,
         resume_timeout_s: float = 600.0,
+        init_seed: int | None = None,
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        if isinstance(model, (str, os.PathLike)):
+            model = _load_pretrained(model, self.dtype)
+        elif not isinstance(model, torch.nn.Module):
+            model = _build_from_config(model, init_seed)
+        # cast parameters only: buffers such as RoPE's inv_freq stay float32, as Hugging Face loads them
+        self.model = model.to(device=self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+            if p.is_floating_point() and p.dtype != self.dtype:
+                p.data = p.data.to(self.dtype)
         self.version: int = int(version)
         self.resume_timeout_s = float(resume_timeout_s)
         self.vocab_size: int = int(self.model.get_output_embeddings().weight.shape[0])
@@ -147,15 +188,7 @@ class LocalEngine:
         init_seed: when given, the initialisation is reproducible (torch's global RNG is left unchanged).
         Other keyword arguments go to :class:`LocalEngine`.
         """
-        from transformers import AutoModelForCausalLM
-
-        if init_seed is None:
-            model = AutoModelForCausalLM.from_config(hf_config)
-        else:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(int(init_seed))
-                model = AutoModelForCausalLM.from_config(hf_config)
-        return cls(model, device=device, dtype=dtype, **kwargs)
+        return cls(hf_config, init_seed=init_seed, device=device, dtype=dtype, **kwargs)
 
     @classmethod
     def from_pretrained(
@@ -170,17 +203,7 @@ class LocalEngine:
 
         Raises FileNotFoundError naming the path and the fix when there is no checkpoint there.
         """
-        from transformers import AutoModelForCausalLM
-
-        p = Path(path).expanduser()
-        if not (p / "config.json").is_file():
-            raise FileNotFoundError(
-                f"no Hugging Face checkpoint at {str(p)!r} (config.json missing); point the engine at a "
-                "directory written by save_pretrained / the Megatron->HF converter (tools/), or build a "
-                "random model with LocalEngine.from_config(hf_config)"
-            )
-        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=resolve_dtype(dtype), local_files_only=True)
-        return cls(model, device=device, dtype=dtype, **kwargs)
+        return cls(Path(path), device=device, dtype=dtype, **kwargs)
 
     # ---------------------------------------------------------------- generation
     def _loop_lock(self) -> asyncio.Lock:

@@ -16,6 +16,7 @@ class Trajectory:
     task: task name; index: the task's sample index; group_id: samples of the same prompt share it.
     reward: final scalar reward; status: the env's final status string.
     metrics: task metrics (e.g. success); timings: seconds spent per phase (generate, env).
+    error: why the episode ended abnormally (a malformed tool call, an env failure), "" otherwise.
     """
 
     token_ids: list[int]
@@ -30,6 +31,7 @@ class Trajectory:
     status: str = "running"
     metrics: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    error: str = ""
 
     @property
     def num_generated(self) -> int:

@@ -1,0 +1,271 @@
+"""Agent loop: token/mask/log-prob alignment and every way an episode ends, with a fake engine and env."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import pytest
+
+from env_controller.protocol import SampleStatus, TaskReply
+from rollout_sglang.agent_loop import run_group_lockstep
+from rollout_sglang.chat_template import ChatTemplate
+from rollout_sglang.engine import GenerationOutput, SamplingParams
+from rollout_sglang.tokenizer import train_bpe_tokenizer
+
+TOOLS = [
+    {"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                      "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}},
+]
+
+
+def call(a: int, b: int) -> str:
+    return '<tool_call>\n{"name": "add", "arguments": {"a": %d, "b": %d}}\n</tool_call>' % (a, b)
+
+
+# Scripted assistant turns per episode kind (the fake engine picks them by the EP=<kind> marker in the prompt).
+SCRIPTS: dict[str, list[str]] = {
+    "calc": ["Let me add.\n" + call(40, 2), "The answer is 42."],
+    "two": [call(1, 1) + "\n" + call(2, 2), "Done."],
+    "malformed": ['<tool_call>\n{"name": "add", "arguments": {"a": 1,}}\n</tool_call>'],
+    "unknown": ['<tool_call>\n{"name": "delete_all", "arguments": {}}\n</tool_call>'],
+    "forever": [call(1, 2)] * 10,
+    "cut": [call(3, 4) + " and then I will keep talking for quite a while longer", "Seven."],
+    "chatty": ["word " * 40],
+    "verbose_env": [call(5, 5)] * 5,
+    "raises": [call(1, 1)],
+    "hangs": [call(1, 1)],
+}
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> ChatTemplate:
+    corpus = [t for turns in SCRIPTS.values() for t in turns] + [json.dumps(TOOLS), "Solve the task EP=calc. result 42"]
+    tok = train_bpe_tokenizer(corpus * 3, vocab_size=500, out_dir=tmp_path_factory.mktemp("tok"))
+    return ChatTemplate(tok)
+
+
+class FakeEngine:
+    """Emits the scripted turn for each prompt; log-prob of generated token j in turn t is -(t + 1) - j / 1000."""
+
+    def __init__(self, template: ChatTemplate, version: int = 7) -> None:
+        self.template = template
+        self.version = version
+        self.batch_sizes: list[int] = []
+        self.max_new_tokens_seen: list[int] = []
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        self.batch_sizes.append(len(prompts))
+        self.max_new_tokens_seen.append(params.max_new_tokens)
+        outs = []
+        for p in prompts:
+            text = self.template.decode(p)
+            kind = re.search(r"EP=(\w+)", text).group(1)
+            turn = text.count("<|im_start|>assistant") - 1
+            ids = self.template.tokenizer.encode(SCRIPTS[kind][turn], add_special_tokens=False)
+            ids = ids + [self.template.im_end_id]
+            reason = "stop"
+            assert self.template.im_end_id in params.stop_token_ids
+            if len(ids) > params.max_new_tokens:
+                ids, reason = ids[: params.max_new_tokens], "length"
+            lps = [-(turn + 1) - j / 1000 for j in range(len(ids))]
+            outs.append(GenerationOutput(ids, lps, reason, self.version))
+        await asyncio.sleep(0)
+        return outs
+
+
+class FakeEnv:
+    """An in-process EnvClient: ``add`` tool, finishes with reward 1 on a plain-text answer."""
+
+    def __init__(self, tool_output: str = "{result}") -> None:
+        self.received: dict[str, list[dict]] = {}
+        self.cancelled: list[str] = []
+        self.history: dict[str, list[dict]] = {}
+        self.tool_output = tool_output
+        self._n = 0
+
+    async def start_sample(self, task: str, index: int) -> tuple[str, TaskReply]:
+        if task == "nostart":
+            raise ConnectionError("worker unreachable")
+        self._n += 1
+        sid = f"{task}-{index}-{self._n}"
+        msgs = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": f"Solve the task EP={task}."}]
+        self.received[sid] = []
+        self.history[sid] = list(msgs)
+        return sid, TaskReply(messages=msgs, tools=TOOLS)
+
+    async def interact(self, session_id: str, messages: list[dict]) -> TaskReply:
+        kind = session_id.split("-")[0]
+        if kind == "raises":
+            raise RuntimeError("sandbox crashed")
+        if kind == "hangs":
+            await asyncio.sleep(3600)
+        (msg,) = messages
+        self.received[session_id].append(msg)
+        self.history[session_id].append(msg)
+        if not msg.get("tool_calls"):
+            return TaskReply(messages=[], status=SampleStatus.COMPLETED, finish=True, reward=1.0, metrics={"success": 1.0})
+        replies = []
+        for c in msg["tool_calls"]:
+            args = json.loads(c["function"]["arguments"])
+            out = self.tool_output.format(result=args["a"] + args["b"])
+            replies.append({"role": "tool", "tool_call_id": c["id"], "content": out})
+        self.history[session_id].extend(replies)
+        return TaskReply(messages=replies)
+
+    async def cancel(self, session_id: str) -> None:
+        self.cancelled.append(session_id)
+
+
+def run(engine, env, template, requests, max_turns=5, max_total_tokens=4096, max_new_tokens=256, timeout=5.0):
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=0)
+    return asyncio.run(
+        run_group_lockstep(engine, env, template, requests, params, max_turns, max_total_tokens, env_timeout_s=timeout)
+    )
+
+
+def _check_alignment(traj) -> None:
+    """Lengths agree; mask 1 exactly on the turn spans; log-probs nonzero exactly there."""
+    n = len(traj.token_ids)
+    assert len(traj.loss_mask) == len(traj.behavior_logprobs) == n
+    in_span = [0] * n
+    for s, e in traj.turn_spans:
+        in_span[s:e] = [1] * (e - s)
+    assert traj.loss_mask == in_span
+    assert all((lp != 0.0) == bool(m) for lp, m in zip(traj.behavior_logprobs, traj.loss_mask))
+    assert len(traj.versions) == len(traj.turn_spans)
+
+
+def test_episode_tokens_match_chat_format_and_alignment(template: ChatTemplate) -> None:
+    engine, env = FakeEngine(template), FakeEnv()
+    trajs = run(engine, env, template, [("calc", 0, 11), ("two", 1, 12)])
+    for traj, kind in zip(trajs, ["calc", "two"]):
+        assert traj.status == "completed" and traj.reward == 1.0 and traj.metrics == {"success": 1.0}
+        _check_alignment(traj)
+        assert traj.versions == [7, 7]
+        # turn t's log-probs are the engine's, in order
+        for t, (s, e) in enumerate(traj.turn_spans):
+            assert traj.behavior_logprobs[s:e] == [-(t + 1) - j / 1000 for j in range(e - s)]
+            assert traj.token_ids[e - 1] == template.im_end_id
+        # the token layout is exactly the Qwen2.5 chat render of the whole conversation
+        sid = next(k for k in env.history if k.startswith(kind))
+        assert template.decode(traj.token_ids) + "\n" == template.render_text(env.history[sid], TOOLS)
+        assert set(traj.timings) >= {"generate_s", "env_s"}
+    assert engine.batch_sizes == [2, 2]
+    calc_msgs = env.received["calc-0-1"]
+    assert calc_msgs[0]["content"] == "Let me add."
+    assert calc_msgs[0]["tool_calls"][0]["id"] == "call_0"
+    assert json.loads(calc_msgs[0]["tool_calls"][0]["function"]["arguments"]) == {"a": 40, "b": 2}
+    assert calc_msgs[1] == {"role": "assistant", "content": "The answer is 42."}  # final answer: no tool_calls
+    assert [c["id"] for c in env.received["two-1-2"][0]["tool_calls"]] == ["call_0", "call_1"]
+    assert trajs[0].group_id == 11 and trajs[1].index == 1 and not env.cancelled
+
+
+def test_validation_failures_end_episode_and_cancel(template: ChatTemplate, caplog: pytest.LogCaptureFixture) -> None:
+    engine, env = FakeEngine(template), FakeEnv()
+    trajs = run(engine, env, template, [("malformed", 0, 0), ("unknown", 0, 0), ("calc", 0, 0)])
+    for t in trajs[:2]:
+        assert t.status == SampleStatus.AGENT_VALIDATION_FAILED.value
+        assert t.reward == 0.0 and t.metrics["validation_error"] == 1.0
+        _check_alignment(t)
+        assert len(t.versions) == 1 and t.num_generated > 0  # the bad turn stays in the trajectory
+    assert trajs[2].status == "completed"
+    assert sorted(env.cancelled) == ["malformed-0-1", "unknown-0-2"]
+    assert "not valid JSON" in trajs[0].error and "unknown tool 'delete_all'" in trajs[1].error
+    assert trajs[2].error == ""
+    assert engine.batch_sizes == [3, 1]
+
+
+def test_max_turns_gives_task_limit(template: ChatTemplate) -> None:
+    engine, env = FakeEngine(template), FakeEnv()
+    (t,) = run(engine, env, template, [("forever", 0, 0)], max_turns=3)
+    assert t.status == "task limit reached" and len(t.versions) == 3
+    assert env.cancelled == ["forever-0-1"]
+    _check_alignment(t)
+    assert t.token_ids[-1] == template.im_end_id  # the last env reply is not appended
+
+
+def test_context_limit_cuts_the_turn(template: ChatTemplate) -> None:
+    engine, env = FakeEngine(template), FakeEnv()
+    prompt_len = len(template.encode_prompt(
+        [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Solve the task EP=chatty."}], TOOLS
+    ))
+    (t,) = run(engine, env, template, [("chatty", 0, 0)], max_total_tokens=prompt_len + 5)
+    assert t.status == "agent context limit" and len(t.token_ids) == prompt_len + 5
+    assert engine.max_new_tokens_seen == [5] and t.num_generated == 5
+    assert env.cancelled == ["chatty-0-1"] and env.received["chatty-0-1"] == []
+    _check_alignment(t)
+
+
+def test_context_limit_on_env_reply(template: ChatTemplate) -> None:
+    engine, env = FakeEngine(template), FakeEnv(tool_output="{result} " + "padding " * 200)
+    (t,) = run(engine, env, template, [("verbose_env", 0, 0)], max_total_tokens=600)
+    assert t.status == "agent context limit" and len(t.token_ids) <= 600
+    assert env.cancelled == ["verbose_env-0-1"]
+    _check_alignment(t)
+
+
+def test_length_cut_turn_is_parsed_and_closed(template: ChatTemplate) -> None:
+    engine, env = FakeEngine(template), FakeEnv()
+    n_call = len(template.tokenizer.encode(call(3, 4), add_special_tokens=False))
+    (t,) = run(engine, env, template, [("cut", 0, 0)], max_new_tokens=n_call + 3)
+    assert t.status == "completed" and t.reward == 1.0
+    _check_alignment(t)
+    s, e = t.turn_spans[0]
+    assert e - s == n_call + 3 and t.token_ids[e - 1] != template.im_end_id
+    # the cut turn is closed by an <|im_end|> that the policy did not generate (mask 0)
+    assert t.token_ids[e] == template.im_end_id and t.loss_mask[e] == 0
+    msg = env.received["cut-0-1"][0]
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"a": 3, "b": 4}
+    assert msg["content"].startswith("and then")
+
+
+def test_env_errors_and_timeouts_are_task_errors(template: ChatTemplate) -> None:
+    engine, env = FakeEngine(template), FakeEnv()
+    t0 = time.perf_counter()
+    trajs = run(engine, env, template, [("raises", 0, 0), ("hangs", 0, 0), ("calc", 0, 0), ("nostart", 0, 0)], timeout=0.3)
+    assert time.perf_counter() - t0 < 5
+    assert [t.status for t in trajs] == ["task error", "task error", "completed", "task error"]
+    assert sorted(env.cancelled) == ["hangs-0-2", "raises-0-1"]
+    assert trajs[3].token_ids == [] and trajs[3].versions == []
+    assert trajs[1].timings["env_s"] >= 0.3
+    for t in trajs:
+        _check_alignment(t)
+
+
+def test_engine_failure_cancels_sessions_and_raises(template: ChatTemplate) -> None:
+    class Broken(FakeEngine):
+        async def generate(self, prompts, params):
+            raise RuntimeError("engine died")
+
+    env = FakeEnv()
+    with pytest.raises(RuntimeError, match="engine died"):
+        run(Broken(template), env, template, [("calc", 0, 0), ("calc", 1, 0)])
+    assert sorted(env.cancelled) == ["calc-0-1", "calc-1-2"]
+
+
+def test_with_local_engine_end_to_end(template: ChatTemplate) -> None:
+    """A random tiny Qwen2 behind the loop: valid trajectories whose log-probs re-score exactly."""
+    import torch
+    from transformers import Qwen2Config
+
+    from rollout_sglang.local_engine import LocalEngine
+
+    cfg = Qwen2Config(vocab_size=len(template.tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    engine = LocalEngine.from_config(cfg, init_seed=0, version=2)
+    env = FakeEnv()
+    trajs = run(engine, env, template, [("calc", i, 0) for i in range(3)], max_turns=2, max_new_tokens=12)
+    allowed = {"completed", "agent validation failed", "task limit reached", "agent context limit"}
+    for t in trajs:
+        assert t.status in allowed
+        assert len(t.loss_mask) == len(t.behavior_logprobs) == len(t.token_ids)
+        assert t.versions and set(t.versions) == {2}
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([t.token_ids])).logits[0].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        for s, e in t.turn_spans:
+            ref = logp[s - 1 : e - 1].gather(-1, torch.tensor(t.token_ids[s:e])[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(t.behavior_logprobs[s:e]), ref, atol=1e-5, rtol=0)
+            assert all(m == 1 for m in t.loss_mask[s:e])

@@ -1,0 +1,258 @@
+"""Qwen2.5 chat format: exact text against a Qwen2.5-style jinja template, and incremental token pieces."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+import pytest
+
+from rollout_sglang.chat_template import QWEN_DEFAULT_SYSTEM, ChatTemplate
+from rollout_sglang.tokenizer import SPECIAL_TOKENS, TOOL_TOKENS, load_tokenizer, train_bpe_tokenizer
+
+# Qwen2.5-Instruct's chat template (function-calling version), written out here to pin the format.
+QWEN25_TEMPLATE = (
+    "{%- if tools %}\n"
+    "    {{- '<|im_start|>system\\n' }}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- messages[0]['content'] }}\n"
+    "    {%- else %}\n"
+    "        {{- '" + QWEN_DEFAULT_SYSTEM + "' }}\n"
+    "    {%- endif %}\n"
+    "    {{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}\n"
+    "    {%- for tool in tools %}\n"
+    "        {{- \"\\n\" }}\n"
+    "        {{- tool | tojson }}\n"
+    "    {%- endfor %}\n"
+    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n"
+    "{%- else %}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
+    "    {%- else %}\n"
+    "        {{- '<|im_start|>system\\n" + QWEN_DEFAULT_SYSTEM + "<|im_end|>\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or "
+    "(message.role == \"assistant\" and not message.tool_calls) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
+    "    {%- elif message.role == \"assistant\" %}\n"
+    "        {{- '<|im_start|>' + message.role }}\n"
+    "        {%- if message.content %}\n"
+    "            {{- '\\n' + message.content }}\n"
+    "        {%- endif %}\n"
+    "        {%- for tool_call in message.tool_calls %}\n"
+    "            {%- if tool_call.function is defined %}\n"
+    "                {%- set tool_call = tool_call.function %}\n"
+    "            {%- endif %}\n"
+    "            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n"
+    "            {{- tool_call.name }}\n"
+    "            {{- '\", \"arguments\": ' }}\n"
+    "            {{- tool_call.arguments | tojson }}\n"
+    "            {{- '}\\n</tool_call>' }}\n"
+    "        {%- endfor %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
+    "    {%- elif message.role == \"tool\" %}\n"
+    "        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}\n"
+    "            {{- '<|im_start|>user' }}\n"
+    "        {%- endif %}\n"
+    "        {{- '\\n<tool_response>\\n' }}\n"
+    "        {{- message.content }}\n"
+    "        {{- '\\n</tool_response>' }}\n"
+    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
+    "            {{- '<|im_end|>\\n' }}\n"
+    "        {%- endif %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the web (données).",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "submit", "description": "Submit the answer.", "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}}},
+    },
+]
+
+
+def _call(cid: str, name: str, args: dict) -> dict:
+    """An OpenAI tool call with JSON-string arguments."""
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a careful research agent."},
+    {"role": "user", "content": "Who wrote Le Petit Prince? Answer with the name."},
+    {"role": "assistant", "content": "I will search for it.", "tool_calls": [_call("call_0", "search", {"q": "Le Petit Prince auteur"})]},
+    {"role": "tool", "tool_call_id": "call_0", "content": "Antoine de Saint-Exupéry (1943)."},
+    {"role": "assistant", "content": "", "tool_calls": [_call("call_1", "search", {"q": "Saint-Exupéry"}), _call("call_2", "search", {"q": "1943 novella"})]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "French writer and aviator."},
+    {"role": "tool", "tool_call_id": "call_2", "content": "{\"title\": \"The Little Prince\"}"},
+    {"role": "user", "content": "Please submit now."},
+    {"role": "assistant", "content": None, "tool_calls": [_call("call_3", "submit", {"answer": "Antoine de Saint-Exupéry"})]},
+    {"role": "tool", "tool_call_id": "call_3", "content": "ok"},
+    {"role": "assistant", "content": "Done: Antoine de Saint-Exupéry."},
+]
+
+
+def _hf_messages(messages: list[dict]) -> list[dict]:
+    """Messages as HF templates expect them: tool-call arguments as objects, content None -> ""."""
+    out = copy.deepcopy(messages)
+    for m in out:
+        if m.get("content") is None:
+            m["content"] = ""
+        for c in m.get("tool_calls") or []:
+            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    return out
+
+
+def _jinja_render(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+    """Render QWEN25_TEMPLATE with jinja2 configured as Hugging Face does (tojson = json.dumps, non-ASCII kept)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    return env.from_string(QWEN25_TEMPLATE).render(
+        messages=_hf_messages(messages), tools=tools, add_generation_prompt=add_generation_prompt
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    """A small Qwen2.5-style BPE tokenizer trained on the rendered conversations."""
+    texts = [_jinja_render(CONVERSATION, TOOLS, False), _jinja_render(CONVERSATION[1:], None, True)] * 5
+    return train_bpe_tokenizer(texts, vocab_size=600, out_dir=tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def template(tokenizer) -> ChatTemplate:
+    return ChatTemplate(tokenizer)
+
+
+def test_tokenizer_chat_tokens_are_single_ids_and_reload(tokenizer, tmp_path: Path) -> None:
+    for tok in SPECIAL_TOKENS + TOOL_TOKENS:
+        ids = tokenizer.encode(tok, add_special_tokens=False)
+        assert len(ids) == 1, tok
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.pad_token == "<|endoftext|>"
+    text = "<|im_start|>user\n<tool_response>\nçà 🎉 {\"a\": 1}\n</tool_response><|im_end|>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+    # determinism: same corpus -> the same tokenizer.json
+    a = train_bpe_tokenizer(["hello world " * 10, "foo bar baz"] * 3, 300, tmp_path / "a")
+    b = train_bpe_tokenizer(["hello world " * 10, "foo bar baz"] * 3, 300, tmp_path / "b")
+    assert (tmp_path / "a" / "tokenizer.json").read_text() == (tmp_path / "b" / "tokenizer.json").read_text()
+    assert (tmp_path / "a" / "tokenizer_config.json").is_file()
+    assert load_tokenizer(tmp_path / "a").encode("hello world") == a.encode("hello world")
+    assert load_tokenizer(tmp_path / "a" / "tokenizer.json").encode("hello world") == b.encode("hello world")
+
+
+def test_missing_tokenizer_path_names_path_and_fix(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does-not-exist.*train_bpe_tokenizer"):
+        load_tokenizer(tmp_path / "does-not-exist")
+    with pytest.raises(FileNotFoundError, match="no tokenizer in directory"):
+        load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [False, True])
+@pytest.mark.parametrize(
+    "messages, tools",
+    [
+        (CONVERSATION, TOOLS),  # system + tools
+        (CONVERSATION[1:], TOOLS),  # default system + tools
+        (CONVERSATION[:2], None),  # system, no tools
+        (CONVERSATION[1:2], None),  # default system, no tools
+        (CONVERSATION[1:7], None),  # tool calls without a tool list
+    ],
+)
+def test_render_text_matches_qwen25_jinja(template: ChatTemplate, messages, tools, add_generation_prompt) -> None:
+    expected = _jinja_render(messages, tools, add_generation_prompt)
+    assert template.render_text(messages, tools, add_generation_prompt) == expected
+    # HF-style messages (arguments as objects) render the same
+    assert template.render_text(_hf_messages(messages), tools, add_generation_prompt) == expected
+
+
+def test_render_matches_transformers_apply_chat_template(tokenizer, template: ChatTemplate) -> None:
+    hf = tokenizer.apply_chat_template(
+        _hf_messages(CONVERSATION), tools=TOOLS, chat_template=QWEN25_TEMPLATE, tokenize=False,
+        add_generation_prompt=False,
+    )
+    assert template.render_text(CONVERSATION, TOOLS) == hf
+
+
+def test_format_details(template: ChatTemplate) -> None:
+    text = template.render_text(CONVERSATION, TOOLS)
+    assert text.startswith("<|im_start|>system\nYou are a careful research agent.\n\n# Tools\n\n")
+    assert '\n<tools>\n{"type": "function", "function": {"name": "search", "description": "Search the web (données).' in text
+    assert (
+        '<|im_start|>assistant\nI will search for it.\n<tool_call>\n{"name": "search", "arguments": '
+        '{"q": "Le Petit Prince auteur"}}\n</tool_call><|im_end|>\n'
+    ) in text
+    assert (
+        "<|im_start|>user\n<tool_response>\nFrench writer and aviator.\n</tool_response>\n<tool_response>\n"
+        '{"title": "The Little Prince"}\n</tool_response><|im_end|>\n<|im_start|>user\nPlease submit now.<|im_end|>'
+    ) in text
+    assert "<|im_start|>assistant\n<tool_call>\n" in text  # no content: the call starts the turn
+    assert template.render_assistant(CONVERSATION[4]).startswith("<tool_call>\n")
+    assert template.stop_token_ids == [template.im_end_id, template.tokenizer.eos_token_id]
+
+
+def test_incremental_pieces_decode_to_full_render(template: ChatTemplate, tokenizer) -> None:
+    """prompt + (assistant turn + env reply)* decodes to the full render, token for token."""
+    msgs = CONVERSATION
+    a_idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    ids = template.encode_prompt(msgs[: a_idx[0]], TOOLS)
+    assert template.decode(ids) == template.render_text(msgs[: a_idx[0]], TOOLS, add_generation_prompt=True)
+    for k, i in enumerate(a_idx):
+        turn = template.encode_assistant(msgs[i])
+        assert turn[-1] == template.im_end_id
+        assert template.decode(turn[:-1]) == template.render_assistant(msgs[i])
+        ids += turn
+        # after each assistant turn, the incremental text is the full render minus its final "\n"
+        assert template.decode(ids) + "\n" == template.render_text(msgs[: i + 1], TOOLS)
+        if k + 1 < len(a_idx):
+            ids += template.encode_env_reply(msgs[i + 1 : a_idx[k + 1]])
+            assert template.decode(ids) == template.render_text(msgs[: a_idx[k + 1]], TOOLS, add_generation_prompt=True)
+    full = template.render_text(msgs, TOOLS)
+    assert template.decode(ids) + "\n" == full == _jinja_render(msgs, TOOLS, False)
+    # pieces split at chat tokens: identical to tokenizing the whole text at once
+    assert ids == tokenizer.encode(full[:-1], add_special_tokens=False)
+
+    conv_ids, mask = template.encode_conversation(msgs, TOOLS)
+    assert conv_ids == ids
+    assert len(mask) == len(conv_ids)
+    # mask-1 tokens are exactly the assistant turns (text + <|im_end|>)
+    spans, start = [], None
+    for j, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = j
+        if not m and start is not None:
+            spans.append((start, j))
+            start = None
+    assert [template.decode(conv_ids[s:e]) for s, e in spans] == [
+        template.render_assistant(msgs[i]) + "<|im_end|>" for i in a_idx
+    ]
+
+
+def test_env_reply_piece_shapes(template: ChatTemplate) -> None:
+    assert template.decode(template.encode_env_reply([])) == "\n<|im_start|>assistant\n"
+    piece = template.encode_env_reply([{"role": "tool", "content": "a"}, {"role": "user", "content": "b"}])
+    assert template.decode(piece) == (
+        "\n<|im_start|>user\n<tool_response>\na\n</tool_response><|im_end|>\n<|im_start|>user\nb<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    with pytest.raises(ValueError, match="role 'robot'"):
+        template.encode_env_reply([{"role": "robot", "content": "x"}])
+    with pytest.raises(ValueError, match="at least one assistant"):
+        template.encode_conversation(CONVERSATION[:2])

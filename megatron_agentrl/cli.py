@@ -12,14 +12,17 @@ logger = logging.getLogger("agentrl")
 
 
 def _setup_logging(rank: int) -> None:
-    from rich.logging import RichHandler
+    """INFO on rank 0, WARNING elsewhere; one plain line per record; third-party noise muted."""
+    import warnings
 
     level = logging.INFO if rank == 0 else logging.WARNING
-    handler = RichHandler(show_path=False, rich_tracebacks=False, markup=False)
-    logging.basicConfig(level=level, format=f"[rank {rank}] %(message)s" if rank else "%(message)s",
-                        datefmt="%H:%M:%S", handlers=[handler], force=True)
+    fmt = "%(asctime)s " + (f"[rank {rank}] " if rank else "") + "%(message)s"
+    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", stream=sys.stdout, force=True)
     for noisy in ("megatron", "torch.distributed", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # megatron-core warns on every CPU run about optional CUDA-only extras (Apex, CUDA graphs)
+    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*|.*full scope is deprecated.*")
 
 
 def _train_worker(rank: int, world: int, port: int, config: str, overrides: list[str]) -> None:

@@ -8,6 +8,7 @@ engine through the Megatron -> Hugging Face name mapping after every step.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 import random
@@ -195,10 +196,9 @@ def _final_table(before: dict[str, float], after: dict[str, float], task_names: 
         fmt = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
         diff = "-" if a is None or b is None else f"{100 * (a - b):+.1f}"
         table.add_row(t, fmt(b), fmt(a), diff)
-    console = Console(width=100, record=True)
-    with console.capture():
-        console.print(table)
-    return console.export_text()
+    console = Console(file=io.StringIO(), width=100)
+    console.print(table)
+    return console.file.getvalue()
 
 
 def run_training(cfg: Config) -> dict[str, Any]:

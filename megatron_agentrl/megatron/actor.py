@@ -209,6 +209,7 @@ class MegatronActor:
 
         Gathered over TP (all-gather), then over PP (each stage broadcasts its tensors to the
         other stages of its pipeline). Collective: all ranks must call it. dtype: the model's.
+        Names are ``mapping.hf_param_names()``: a tied model has no ``lm_head.weight`` entry.
         """
         return self._export(lambda p: p.detach())
 

@@ -78,7 +78,7 @@ class LookupTask(ToolTask):
     def new_session(self, index: int) -> tuple[ToolTaskSession, list[Message]]:
         """See :meth:`ToolTask.new_session`."""
         table, key = self.sample(index)
-        prompt = f"Look up key {key} and answer its value."
+        prompt = f"Look up key \"{key}\" and answer its value."
         return LookupSession(table, key, self.max_turns), [{"role": "user", "content": prompt}]
 
     def expert(self, index: int) -> Expert:

@@ -67,16 +67,6 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def _dp_slice(batch: TrainBatch) -> TrainBatch:
-    """This data-parallel rank's rows of a global batch (rows dp_rank, dp_rank + dp, ...)."""
-    from megatron.core import parallel_state as ps
-
-    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    if dp == 1:
-        return batch
-    return TrainBatch(*(getattr(batch, f)[rank::dp] for f in ("tokens", "loss_mask", "behavior_logprobs", "advantages")))
-
-
 def _build_rollout(cfg: Config, tokenizer, hf_config, dtype) -> RolloutSide:
     tasks: dict[str, Any] = {}
     for spec in cfg.tasks:
@@ -166,7 +156,7 @@ def _sft_warmup(cfg: Config, actor: MegatronActor, ro: RolloutSide | None, metri
             batch = build_sft_batch(examples)
         batch = _broadcast(batch)
         t0 = time.perf_counter()
-        stats = actor.train_step(_dp_slice(batch), loss_type="sft")
+        stats = actor.train_step(actor.dp_slice(batch), loss_type="sft")
         if metrics is not None:
             metrics.log(step, {**stats, "step_time_s": time.perf_counter() - t0}, phase="sft")
             if step % cfg.log_every == 0 or step == cfg.sft.steps:
@@ -256,7 +246,7 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
             batch, sample_adv = build_rl_batch(trajs, task_names, cfg.algo)
         batch = _broadcast(batch)
         t0 = time.perf_counter()
-        stats = actor.train_step(_dp_slice(batch), loss_type="grpo", temperature=cfg.rollout.temperature)
+        stats = actor.train_step(actor.dp_slice(batch), loss_type="grpo", temperature=cfg.rollout.temperature)
         train_s = time.perf_counter() - t0
         sync_s = _push_weights(actor, ro, version=step)
         if rank0:

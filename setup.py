@@ -20,6 +20,9 @@ setup(
         "tensorboard==2.21.0",
         "matplotlib==3.11.2",
         "rich==15.0.0",
+        # env_controller sandboxes and the db task: the Docker SDK and a MySQL/MariaDB client
+        "docker==7.2.0",
+        "PyMySQL==1.2.4",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]==2.20.2", "nvidia-ml-py==13.615.71"],

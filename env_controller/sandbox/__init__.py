@@ -1,0 +1,45 @@
+"""Sandboxes for built-in tasks: one persistent bash per session, behind one interface.
+
+``make_backend("bwrap")`` (bubblewrap, real on any Linux with user namespaces) or
+``make_backend("docker", image=...)`` (containers through the ``docker`` SDK) returns a
+:class:`SandboxBackend`; ``backend.create()`` starts a :class:`Sandbox`. See
+:mod:`env_controller.sandbox.base` for the contract and the limits.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from env_controller.sandbox.base import (
+    CommandResult,
+    Sandbox,
+    SandboxBackend,
+    SandboxError,
+    SandboxLimits,
+    SandboxUnavailableError,
+)
+
+BACKENDS = ("bwrap", "docker")
+
+
+def make_backend(name: str, limits: SandboxLimits | None = None, **options: Any) -> SandboxBackend:
+    """Build the sandbox backend ``name`` (``bwrap`` or ``docker``) with default ``limits``.
+
+    ``options`` go to the backend's constructor (:class:`~env_controller.sandbox.bwrap.BwrapBackend`
+    or :class:`~env_controller.sandbox.docker.DockerBackend`). Raises ValueError for an unknown
+    name and :class:`SandboxUnavailableError` when the backend cannot run here.
+    """
+    if name == "bwrap":
+        from env_controller.sandbox.bwrap import BwrapBackend
+
+        return BwrapBackend(limits, **options)
+    if name == "docker":
+        from env_controller.sandbox.docker import DockerBackend
+
+        return DockerBackend(limits, **options)
+    raise ValueError(f"unknown sandbox backend {name!r}; choose one of {', '.join(BACKENDS)}")
+
+
+__all__ = [
+    "BACKENDS", "CommandResult", "Sandbox", "SandboxBackend", "SandboxError", "SandboxLimits",
+    "SandboxUnavailableError", "make_backend",
+]

@@ -1,0 +1,520 @@
+"""The sandbox interface: a per-session persistent bash with limits, behind one API per backend.
+
+A :class:`SandboxBackend` (``bwrap`` or ``docker``) creates one :class:`Sandbox` per session::
+
+    backend = make_backend("bwrap")
+    with backend.create(SandboxLimits(timeout_s=5)) as box:
+        box.copy_in({"data/a.txt": "hello\\n"})       # relative paths land in box.workdir
+        box.run("cd data; export X=1")                 # cwd and variables persist
+        result = box.run("cat a.txt; echo $X")         # CommandResult(output="hello\\n1\\n", exit_code=0)
+    backend.close()                                    # closes every sandbox it still holds
+
+Every :meth:`Sandbox.run` ends within the limit's wall time (plus a few seconds for a restart).
+A command that breaks a limit is killed with everything it started, and the result says so in
+:attr:`CommandResult.error` (one sentence the agent can read):
+
+* ``timeout``: ran past ``timeout_s``;
+* ``output_limit``: printed more than ``max_output_bytes``;
+* ``process_limit``: reached ``max_processes`` processes (a fork bomb), during the command or
+  in the background after it;
+* ``shell_exited``: the shell itself exited (``exit``, or killed by the memory limit).
+
+After any of these the sandbox starts a fresh shell: the working directory and variables are
+reset, files in the writable directories are kept. Network access fails (no network namespace
+devices besides loopback), the root filesystem is read-only, ``workdir`` and ``/tmp`` are
+private and writable, and memory and file size are capped per process.
+
+The shared machinery is :class:`ShellSandbox`: it drives any byte channel to a bash process with
+a marker protocol (each command is sent as one line of ANSI-C-quoted text, evaluated in the
+persistent shell with stdin from ``/dev/null`` and stderr merged into stdout, followed by a
+random end marker carrying the exit status), so that backends only start, kill and count the
+shell's processes.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from types import TracebackType
+from typing import ClassVar, Literal
+
+logger = logging.getLogger(__name__)
+
+LimitKind = Literal["timeout", "output_limit", "process_limit", "shell_exited"]
+
+
+class SandboxError(RuntimeError):
+    """A sandbox could not be created, or its shell could not be (re)started; the message says why."""
+
+
+class SandboxUnavailableError(SandboxError):
+    """The backend cannot run on this machine (a binary, a daemon or a package is missing)."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Limits applied to every sandbox of a backend (or to one sandbox, given to ``create``).
+
+    memory_mb: address space per process (bwrap: ``RLIMIT_AS``) or memory of the container
+        (docker: ``mem_limit``, swap off).
+    timeout_s: wall time of one command; the command is killed past it.
+    max_processes: processes (and threads) in the sandbox at once, the shell included; a
+        command that brings the sandbox near it is taken for a fork bomb and killed.
+    max_output_bytes: output (stdout and stderr merged) of one command; the command is killed
+        when it prints more, and the first ``max_output_bytes`` are returned.
+    max_file_mb: size of one file written in the sandbox (``RLIMIT_FSIZE``).
+    tmp_mb: size of the private ``/tmp`` (a tmpfs).
+    start_timeout_s: time allowed to start (or restart) the shell.
+    """
+
+    memory_mb: int = 1024
+    timeout_s: float = 10.0
+    max_processes: int = 64
+    max_output_bytes: int = 64 * 1024
+    max_file_mb: int = 64
+    tmp_mb: int = 64
+    start_timeout_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        """Validate every field; raises ValueError naming the bad one."""
+        for name in ("memory_mb", "max_processes", "max_output_bytes", "max_file_mb", "tmp_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SandboxLimits.{name}={value!r} must be a positive integer")
+        for name in ("timeout_s", "start_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"SandboxLimits.{name}={value!r} must be a positive number of seconds")
+        if self.max_processes < 4:
+            raise ValueError(f"SandboxLimits.max_processes={self.max_processes} is too low; the shell alone needs 3")
+
+
+@dataclass
+class CommandResult:
+    """What one :meth:`Sandbox.run` did.
+
+    output: stdout and stderr, merged, decoded as UTF-8 (bad bytes replaced), at most
+        ``max_output_bytes`` of it.
+    exit_code: the command's exit status; None when it was killed or the shell exited.
+    limit: which limit ended the command, or None when it ended by itself.
+    error: one sentence for the agent when ``limit`` is set (what happened and what was reset).
+    truncated: output was cut at ``max_output_bytes``.
+    restarted: a fresh shell was started after the command (cwd and variables reset).
+    duration_s: wall time of the command.
+    """
+
+    output: str
+    exit_code: int | None
+    limit: LimitKind | None = None
+    error: str | None = None
+    truncated: bool = False
+    restarted: bool = False
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """The command ended by itself with exit status 0."""
+        return self.limit is None and self.exit_code == 0
+
+
+class Sandbox(ABC):
+    """One session's sandbox: a persistent bash with private writable ``workdir`` and ``/tmp``."""
+
+    #: the sandbox's home and initial working directory, as seen inside it
+    workdir: str = "/home/user"
+
+    def __init__(self, sandbox_id: str, limits: SandboxLimits) -> None:
+        """``sandbox_id``: unique name (logs, container names); ``limits``: see :class:`SandboxLimits`."""
+        self.id = sandbox_id
+        self.limits = limits
+        self.closed = False
+
+    @abstractmethod
+    def run(self, script: str, timeout_s: float | None = None) -> CommandResult:
+        """Run bash ``script`` in the persistent shell (cwd and variables persist between calls).
+
+        ``timeout_s`` overrides ``limits.timeout_s`` for this command. Never raises for what the
+        script does (limits end in :attr:`CommandResult.limit`); raises :class:`SandboxError`
+        when the shell cannot be restarted, ValueError for a script holding a NUL byte, and
+        RuntimeError once the sandbox is closed.
+        """
+
+    @abstractmethod
+    def copy_in(self, files: Mapping[str, bytes | str], mode: int = 0o644) -> None:
+        """Write ``files`` (path -> content) into the sandbox, creating parent directories.
+
+        A relative path is relative to :attr:`workdir`; absolute paths must lie under
+        :attr:`workdir` or ``/tmp``. Files are owned by the sandbox user. Raises ValueError for a
+        path outside those directories or with ``..``, SandboxError when writing fails.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Kill everything in the sandbox and delete its files; safe to call more than once."""
+
+    def __enter__(self) -> "Sandbox":
+        """Use as a context manager: closed on exit."""
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        """Close the sandbox."""
+        self.close()
+
+    def resolve(self, path: str) -> PurePosixPath:
+        """The absolute in-sandbox path of ``path`` (relative = under workdir); ValueError if not writable."""
+        p = PurePosixPath(path)
+        if not p.is_absolute():
+            p = PurePosixPath(self.workdir) / p
+        if ".." in p.parts or path.strip() == "":
+            raise ValueError(f"sandbox path {path!r} must not be empty or contain '..'")
+        for root in (PurePosixPath(self.workdir), PurePosixPath("/tmp")):
+            if p != root and root in p.parents:
+                return p
+        raise ValueError(f"sandbox path {path!r} is outside the writable directories ({self.workdir}, /tmp)")
+
+
+class SandboxBackend(ABC):
+    """Creates sandboxes of one kind and keeps track of those not yet closed."""
+
+    name: ClassVar[str]
+
+    def __init__(self, limits: SandboxLimits | None = None) -> None:
+        """``limits``: the default limits of :meth:`create`."""
+        self.limits = limits or SandboxLimits()
+        self._live: dict[str, Sandbox] = {}
+        self._lock = threading.Lock()
+        self._counter = 0
+
+    @abstractmethod
+    def _create(self, sandbox_id: str, limits: SandboxLimits, labels: Mapping[str, str]) -> Sandbox:
+        """Start one sandbox (the backend's part of :meth:`create`)."""
+
+    def create(self, limits: SandboxLimits | None = None, labels: Mapping[str, str] | None = None) -> Sandbox:
+        """Start a new sandbox with ``limits`` (default: the backend's) and its shell ready.
+
+        ``labels``: free-form tags (container labels in docker; logged in bwrap).
+        Raises :class:`SandboxError` when it cannot be started.
+        """
+        with self._lock:
+            self._counter += 1
+            sandbox_id = f"agentrl-{self.name}-{secrets.token_hex(4)}-{self._counter}"
+        box = self._create(sandbox_id, limits or self.limits, dict(labels or {}))
+        with self._lock:
+            self._live[sandbox_id] = box
+        return box
+
+    def _forget(self, sandbox_id: str) -> None:
+        with self._lock:
+            self._live.pop(sandbox_id, None)
+
+    def live(self) -> list[Sandbox]:
+        """The sandboxes created by this backend and not closed yet."""
+        with self._lock:
+            return list(self._live.values())
+
+    def close(self) -> None:
+        """Close every sandbox still open; safe to call more than once."""
+        for box in self.live():
+            try:
+                box.close()
+            except Exception:  # noqa: BLE001 - closing is best effort, one failure must not stop the rest
+                logger.exception("closing sandbox %s failed", box.id)
+
+    def __enter__(self) -> "SandboxBackend":
+        """Use as a context manager: every sandbox is closed on exit."""
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        """Close every sandbox."""
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the shared persistent-shell driver
+
+
+def ansi_c_quote(data: bytes) -> str:
+    """``data`` as a bash ``$'...'`` word (no NUL allowed), so the shell needs no process to decode it."""
+    if b"\0" in data:
+        raise ValueError("a sandbox command or file sent through the shell cannot contain NUL bytes")
+    out = ["$'"]
+    for byte in data:
+        if byte == 0x5C:
+            out.append("\\\\")
+        elif byte == 0x27:
+            out.append("\\'")
+        elif byte < 0x20 or byte == 0x7F or byte >= 0x80:
+            out.append(f"\\x{byte:02x}")
+        else:
+            out.append(chr(byte))
+    out.append("'")
+    return "".join(out)
+
+
+class Channel(ABC):
+    """A byte stream to a running shell: what it prints (stdout and stderr) and its stdin."""
+
+    @abstractmethod
+    def send(self, data: bytes) -> None:
+        """Write ``data`` to the shell's stdin; raises OSError when the shell is gone."""
+
+    @abstractmethod
+    def recv(self, timeout_s: float) -> bytes | None:
+        """Bytes the shell printed, waiting at most ``timeout_s``: ``b""`` when none came, None at EOF."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the stream (does not kill the shell)."""
+
+
+@dataclass
+class _Shell:
+    channel: Channel
+    pending: bytearray = field(default_factory=bytearray)
+
+
+class ShellSandbox(Sandbox):
+    """A sandbox driven through a persistent bash; backends implement how the shell starts and dies.
+
+    Subclasses implement :meth:`_spawn` (start a bash whose stdout/stderr and stdin are the
+    returned :class:`Channel`), :meth:`_kill` (kill the shell and every process it started) and
+    may implement :meth:`_count_processes` (processes in the sandbox, for fork-bomb detection).
+    """
+
+    #: seconds between two process counts while a command runs
+    process_poll_s: float = 0.25
+
+    def __init__(self, sandbox_id: str, limits: SandboxLimits) -> None:
+        """See :class:`Sandbox`; call :meth:`_start_shell` once the backend's resources exist."""
+        super().__init__(sandbox_id, limits)
+        self._shell: _Shell | None = None
+        self._run_lock = threading.Lock()
+        self._idle_processes = 0
+
+    # -- backend part -------------------------------------------------------------------------
+
+    @abstractmethod
+    def _spawn(self) -> Channel:
+        """Start a fresh bash in the sandbox (no prompt, reading commands from stdin)."""
+
+    @abstractmethod
+    def _kill(self) -> None:
+        """Kill the shell and every process in the sandbox started through it; wait for them."""
+
+    def _count_processes(self) -> int | None:
+        """Processes running in the sandbox now, or None when the backend cannot tell."""
+        return None
+
+    # -- shell lifecycle ----------------------------------------------------------------------
+
+    def _start_shell(self) -> None:
+        """Start the shell and wait until it answers; raises SandboxError past ``start_timeout_s``."""
+        started = time.monotonic()
+        channel = self._spawn()
+        token = secrets.token_hex(16)
+        init = (
+            "unset HISTFILE PROMPT_COMMAND; PS1=''; PS2=''; set +o history 2>/dev/null; "
+            f"cd {ansi_c_quote(self.workdir.encode())} 2>/dev/null; printf '%s\\n' '{token}:ready'\n"
+        )
+        shell = _Shell(channel)
+        try:
+            channel.send(init.encode())
+            deadline = started + self.limits.start_timeout_s
+            marker = f"{token}:ready\n".encode()
+            while marker not in shell.pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SandboxError(
+                        f"sandbox {self.id}: the shell did not start within {self.limits.start_timeout_s:g} s "
+                        f"(printed {bytes(shell.pending[-300:])!r})"
+                    )
+                chunk = channel.recv(min(left, 0.5))
+                if chunk is None:
+                    raise SandboxError(
+                        f"sandbox {self.id}: the shell exited while starting: {bytes(shell.pending[-500:]).decode(errors='replace').strip()!r}"
+                    )
+                shell.pending += chunk
+        except (OSError, SandboxError):
+            channel.close()
+            self._kill()
+            raise
+        del shell.pending[: shell.pending.index(marker) + len(marker)]
+        self._shell = shell
+        count = self._count_processes()
+        self._idle_processes = count if count is not None else 0
+        logger.debug("sandbox %s: shell ready in %.2f s", self.id, time.monotonic() - started)
+
+    def _restart(self) -> None:
+        """Kill the current shell and everything it started, then start a fresh one."""
+        self._stop_shell()
+        self._start_shell()
+
+    def _stop_shell(self) -> None:
+        # kill first: closing the shell's stdin first would let it exit on its own, and the
+        # backend could no longer see (and wait for) what it leaves behind
+        self._kill()
+        if self._shell is not None:
+            self._shell.channel.close()
+            self._shell = None
+
+    # -- commands ------------------------------------------------------------------------------
+
+    def run(self, script: str, timeout_s: float | None = None) -> CommandResult:
+        """See :meth:`Sandbox.run`."""
+        if not isinstance(script, str):
+            raise TypeError(f"script must be a str, got {type(script).__name__}")
+        data = script.encode("utf-8", errors="surrogateescape")
+        quoted = ansi_c_quote(data)  # ValueError on NUL
+        limit_s = self.limits.timeout_s if timeout_s is None else float(timeout_s)
+        with self._run_lock:
+            if self.closed:
+                raise RuntimeError(f"sandbox {self.id} is closed")
+            if self._shell is None:
+                self._start_shell()
+            return self._run_locked(quoted, limit_s)
+
+    def _run_locked(self, quoted: str, limit_s: float) -> CommandResult:
+        assert self._shell is not None
+        shell = self._shell
+        token = secrets.token_hex(16).encode()
+        line = (
+            f"__agentrl_cmd={quoted}; {{ eval \"$__agentrl_cmd\"; }} </dev/null 2>&1; "
+            f"printf '\\n%s:%d\\n' '{token.decode()}' \"$?\"\n"
+        ).encode()
+        marker = re.compile(rb"\n" + token + rb":(-?\d+)\n")
+        max_out = self.limits.max_output_bytes
+        started = time.monotonic()
+        deadline = started + limit_s
+        next_count = started + self.process_poll_s
+        notice = b""
+        count = self._count_processes()
+        if count is not None and count >= self._bomb_threshold:
+            # what an earlier command left in the background filled the process table since
+            self._restart()
+            shell = self._shell
+            assert shell is not None
+            notice = (f"[note: background processes had reached the limit of {self.limits.max_processes} "
+                      "processes and were killed; a new shell was started: the working directory and "
+                      "variables are reset, files are kept]\n").encode()
+        buf = bytearray(notice + shell.pending)
+        shell.pending.clear()
+        searched = 0
+        limit: LimitKind | None = None
+        exit_code: int | None = None
+        try:
+            shell.channel.send(line)
+        except OSError:
+            limit = "shell_exited"
+        while limit is None:
+            m = marker.search(buf, max(0, searched - len(token) - 32))
+            if m is not None:
+                exit_code = int(m.group(1))
+                shell.pending += buf[m.end():]
+                del buf[m.start():]
+                break
+            searched = len(buf)
+            if len(buf) > max_out:
+                limit = "output_limit"
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                limit = "timeout"
+                break
+            if now >= next_count:
+                next_count = now + self.process_poll_s
+                count = self._count_processes()
+                if count is not None and count >= self._bomb_threshold:
+                    limit = "process_limit"
+                    break
+            chunk = shell.channel.recv(min(deadline - now, next_count - now, 0.25))
+            if chunk is None:
+                limit = "shell_exited"
+                break
+            buf += chunk
+        duration = time.monotonic() - started
+        if limit is None and self._background_bomb():
+            limit = "process_limit"
+        truncated = len(buf) > max_out
+        output = bytes(buf[:max_out]).decode("utf-8", errors="replace")
+        if limit is None:
+            return CommandResult(output=output, exit_code=exit_code, truncated=truncated, duration_s=duration)
+        logger.info("sandbox %s: command ended by %s after %.2f s; restarting the shell", self.id, limit, duration)
+        self._restart()
+        return CommandResult(
+            output=output, exit_code=exit_code if limit == "process_limit" else None, limit=limit,
+            error=self._limit_message(limit, limit_s), truncated=truncated, restarted=True, duration_s=duration,
+        )
+
+    @property
+    def _bomb_threshold(self) -> int:
+        """Process count taken for a fork bomb: near the limit, since the kernel also counts threads
+        and processes being created or torn down that ``/proc`` does not show yet."""
+        limit = self.limits.max_processes
+        return limit - max(2, limit // 8)
+
+    def _background_bomb(self) -> bool:
+        """After a command: do processes it left behind grow to the process limit (a fork bomb)?
+
+        Counts again every 0.1 s while the count grows above the idle shell's, for at most 1 s.
+        """
+        count = self._count_processes()
+        previous: int | None = None
+        for _ in range(10):
+            if count is None or count <= self._idle_processes:
+                return False
+            if count >= self._bomb_threshold:
+                return True
+            if previous is not None and count <= previous:
+                return False
+            time.sleep(0.1)
+            previous, count = count, self._count_processes()
+        return count is not None and count >= self._bomb_threshold
+
+    def _limit_message(self, limit: LimitKind, limit_s: float) -> str:
+        reset = ("a new shell was started: the working directory and variables are reset, "
+                 "files are kept")
+        if limit == "timeout":
+            return f"the command ran past the {limit_s:g} s time limit and was killed; {reset}"
+        if limit == "output_limit":
+            return (f"the command printed more than {self.limits.max_output_bytes} bytes and was killed "
+                    f"(only the first {self.limits.max_output_bytes} bytes are shown); {reset}")
+        if limit == "process_limit":
+            return (f"the command reached the limit of {self.limits.max_processes} processes (a fork bomb?); "
+                    f"all its processes were killed; {reset}")
+        return f"the shell exited (by 'exit', or killed for exceeding the {self.limits.memory_mb} MB memory limit); {reset}"
+
+    def copy_in(self, files: Mapping[str, bytes | str], mode: int = 0o644) -> None:
+        """See :meth:`Sandbox.copy_in`; this default writes through the shell (``printf`` builtin)."""
+        for path, content in files.items():
+            target = self.resolve(path)
+            data = content.encode() if isinstance(content, str) else bytes(content)
+            script = (
+                f"mkdir -p -- {ansi_c_quote(str(target.parent).encode())} && "
+                f"printf '%s' {ansi_c_quote(data)} > {ansi_c_quote(str(target).encode())} && "
+                f"chmod {mode:o} -- {ansi_c_quote(str(target).encode())}"
+            )
+            result = self.run(script)
+            if not result.ok:
+                raise SandboxError(f"sandbox {self.id}: writing {target} failed: {result.error or result.output.strip()}")
+
+    def close(self) -> None:
+        """See :meth:`Sandbox.close`."""
+        with self._run_lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                self._stop_shell()
+            finally:
+                self._cleanup()
+
+    def _cleanup(self) -> None:
+        """Release the backend's resources after the shell is dead (files, containers)."""

@@ -20,6 +20,10 @@ setup(
         "tensorboard==2.21.0",
         "matplotlib==3.11.2",
         "rich==15.0.0",
+        # env_controller: asyncio HTTP (controller, worker server, client) and Prometheus metrics
+        "aiohttp==3.14.5",
+        "prometheus_client==0.26.0",
+        "uvloop==0.23.0; sys_platform != 'win32'",
         # env_controller sandboxes and the db task: the Docker SDK and a MySQL/MariaDB client
         "docker==7.2.0",
         "PyMySQL==1.2.4",
@@ -27,7 +31,8 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]==2.20.2", "nvidia-ml-py==13.615.71"],
         "sglang": ["sglang==0.5.23"],
-        "dev": ["pytest==9.2.0"],
+        # agentrl-worker: the AgentRL task-worker package, for the controller compatibility test
+        "dev": ["pytest==9.2.0", "agentrl-worker==0.4.0"],
     },
     entry_points={"console_scripts": ["agentrl=megatron_agentrl.cli:main"]},
 )

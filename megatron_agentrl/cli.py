@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=0, help="local processes to spawn (default: parallel.tp * parallel.pp)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=5 parallel.tp=2")
     p.set_defaults(func=cmd_train)
+    from env_controller.cli import register as register_env_commands
+
+    register_env_commands(sub)  # agentrl controller / agentrl worker
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,506 @@
+"""Benchmark: thousands of concurrent env sessions through the controller, one worker killed mid-run.
+
+Starts the controller and task workers as separate processes (``python -m env_controller.cli``,
+real HTTP on loopback, uvloop), then drives ``--sessions`` episodes from this process with the
+trainer-side :class:`~env_controller.client.HttpEnvClient`. Each episode replays the task's
+scripted demonstration (so a completed episode must earn reward 1), with a simulated model
+"think time" between turns and a simulated worker latency on every call. All sessions are
+started first (over ``--ramp-s``) and held open, so the full number is open at once; then the
+turns run, and ``--kill-after-s`` later one worker process gets SIGKILL.
+
+Outcomes per session: completed (status completed, reward 1), failed (any other final reply;
+grouped by the reason the controller gives), not started (no worker could take it), lost (no
+final reply: an exception, a hang past the deadline, or a wrong reward on a completed episode);
+lost must be 0.
+
+Controller overhead per interact = the controller's handler wall time minus the worker's own
+time (the worker reports it in ``x-worker-time``; the controller returns the difference in
+``x-controller-overhead-ms``). It covers parsing and validating the request, the session table,
+choosing and calling the worker (the HTTP client, connection pool, the controller side of the
+socket I/O), re-encoding the reply and any event-loop queueing inside the controller; it leaves
+out the worker's handler time and the controller's HTTP server parsing before the handler starts.
+The table also shows the end-to-end view from the client (round trip minus worker time), which
+adds the network stack both ways and this driver's own event-loop delays.
+
+    .venv/bin/python bench/env_controller.py                    # 4000 sessions, 4 workers
+    .venv/bin/python bench/env_controller.py --sessions 500     # quicker
+
+Prints a table, writes ``bench/results/env_controller.json``; the last line is
+``env_lost_sessions: <n>``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from env_controller._http import install_uvloop, raise_nofile_limit  # noqa: E402
+from env_controller.client import EnvControllerError, HttpEnvClient  # noqa: E402
+from env_controller.protocol import SampleStatus  # noqa: E402
+from env_controller.tasks import build_task  # noqa: E402
+
+logger = logging.getLogger("bench.env_controller")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc), 0.0 when unavailable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def loadavg() -> float:
+    """The 1-minute load average (other work on the machine shows up here)."""
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError):
+        return float("nan")
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by nearest rank; nan for no values."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def reason_kind(reason: str) -> str:
+    """Group failure reasons: drop ids, addresses and numbers."""
+    r = re.sub(r"worker \d+ \([^)]*\)", "worker", reason)
+    r = re.sub(r"\[Errno \d+\] ", "", r)
+    r = re.sub(r"\d+(\.\d+)?", "N", r)
+    return r[:140]
+
+
+@dataclass
+class Outcome:
+    """What happened to one session."""
+
+    task: str
+    index: int
+    session_id: str | None = None
+    status: str = ""
+    reward: float = 0.0
+    reason: str = ""
+    lost: str = ""
+    turns: int = 0
+    on_killed_worker: bool = False
+    fail_wait_s: float | None = None
+
+
+@dataclass
+class Stats:
+    """Per-call numbers collected by the client's observer."""
+
+    overhead_ms: dict[str, list[float]] = field(default_factory=lambda: {"start_sample": [], "interact": []})
+    outside_call_ms: dict[str, list[float]] = field(default_factory=lambda: {"start_sample": [], "interact": []})
+    client_ms: dict[str, list[float]] = field(default_factory=lambda: {"start_sample": [], "interact": []})
+    rtt_ms: dict[str, list[float]] = field(default_factory=lambda: {"start_sample": [], "interact": []})
+    status_codes: Counter[str] = field(default_factory=Counter)
+    timeline: list[tuple[float, float]] = field(default_factory=list)  # (monotonic time, interact overhead ms)
+
+    def observe(self, endpoint: str, seconds: float, status: int, headers: Any) -> None:
+        self.status_codes[f"{endpoint} {status}"] += 1
+        if endpoint not in self.overhead_ms or status != 200:
+            return
+        o = headers.get("x-controller-overhead-ms")
+        w = headers.get("x-worker-time-ms")
+        rtt = headers.get("x-worker-rtt-ms")
+        if o is None or w is None or rtt is None:
+            return  # a reply the controller made up (task error), not a worker call
+        self.overhead_ms[endpoint].append(float(o))
+        self.outside_call_ms[endpoint].append(float(o) + float(w) - float(rtt))
+        if endpoint == "interact":
+            self.timeline.append((time.monotonic(), float(o)))
+        self.rtt_ms[endpoint].append(seconds * 1000)
+        self.client_ms[endpoint].append(seconds * 1000 - float(w))
+
+
+class Procs:
+    """The controller and worker processes; all killed (by pid) on exit."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.files: list[Any] = []
+
+    def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.log_dir / f"{name}.log", "wb")
+        self.files.append(log)
+        cmd = [sys.executable, "-m", "env_controller.cli", *args]
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log)
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+        for f in self.files:
+            f.close()
+
+
+async def wait_ready(env: HttpEnvClient, n_workers: int, procs: Procs, limit_s: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + limit_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        for p in procs.procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"a bench process exited early with {p.returncode}; see {procs.log_dir}")
+        try:
+            last = await env.list_workers()
+            if sum(len(t["workers"]) for t in last.values()) >= n_workers:
+                return last
+        except EnvControllerError:
+            pass
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{n_workers} workers did not register within {limit_s} s (last view: {last})")
+
+
+async def fetch_overhead_histogram(env: HttpEnvClient) -> dict[str, float]:
+    """From /metrics: how many interact overheads the controller recorded, and the share <= 10 ms."""
+    http = env._http()
+    async with http.get(env.url.removesuffix("/api") + "/metrics", headers=env._headers) as r:
+        text = await r.text()
+    count = le10 = 0.0
+    for line in text.splitlines():
+        if line.startswith('agentrl_controller_overhead_seconds_count{endpoint="interact"}'):
+            count = float(line.split()[-1])
+        if line.startswith('agentrl_controller_overhead_seconds_bucket{endpoint="interact",le="0.01"}'):
+            le10 = float(line.split()[-1])
+    return {"interact_count": count, "interact_share_le_10ms": le10 / count if count else float("nan")}
+
+
+async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
+    tasks = args.tasks.split(",")
+    cport = free_port()
+    url = f"http://127.0.0.1:{cport}/api"
+    procs.spawn("controller", [
+        "controller", "--port", str(cport), "--suspect-after", str(args.suspect_after),
+        "--heartbeat-timeout", str(args.heartbeat_timeout), "--log-level", "WARNING",
+    ])
+    per_task = Counter(tasks[i % len(tasks)] for i in range(args.workers))
+    sessions_per_task = Counter(tasks[i % len(tasks)] for i in range(args.sessions))
+    worker_task: list[str] = []
+    worker_procs: list[subprocess.Popen[bytes]] = []
+    worker_ports: list[int] = []
+    for i in range(args.workers):
+        task = tasks[i % len(tasks)]
+        concurrency = math.ceil(sessions_per_task[task] / per_task[task] * 1.25) + 8
+        port = free_port()
+        worker_procs.append(procs.spawn(f"worker{i}_{task}", [
+            "worker", "--task", task, "--controller", url, "--port", str(port), "--concurrency", str(concurrency),
+            "--heartbeat-interval", str(args.heartbeat_interval), "--latency-ms", str(args.latency_ms),
+            "--log-level", "WARNING",
+        ]))
+        worker_task.append(task)
+        worker_ports.append(port)
+    victim = next(i for i, t in enumerate(worker_task) if per_task[t] >= 2)  # its task has a survivor
+    stats = Stats()
+    env = HttpEnvClient(url, retries=args.retries, backoff_s=0.2, timeout_s=args.call_timeout,
+                        max_connections=args.max_connections, observer=stats.observe)
+    await wait_ready(env, args.workers, procs)
+    victim_address = f"http://127.0.0.1:{worker_ports[victim]}/api"
+    victim_id: int | None = None
+    for t in (await env.list_workers()).values():
+        for w in t["workers"].values():
+            if w["address"] == victim_address:
+                victim_id = w["id"]
+
+    built = {t: build_task(t) for t in tasks}
+    demos: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    rng = random.Random(0)
+    plan: list[tuple[str, int]] = []
+    for i in range(args.sessions):
+        task = tasks[i % len(tasks)]
+        index = rng.randrange(len(built[task].indices()))
+        plan.append((task, index))
+        if (task, index) not in demos:
+            demo, _ = built[task].demonstration(index)
+            demos[(task, index)] = [m for m in demo if m["role"] == "assistant"]
+
+    outcomes = [Outcome(task, index) for task, index in plan]
+    all_started = asyncio.Event()
+    started = 0
+    open_now = 0
+    peak_open = 0
+    kill_time: list[float] = []
+    t_origin = time.monotonic()
+
+    def note_start() -> None:
+        nonlocal started
+        started += 1
+        if started == args.sessions:
+            all_started.set()
+
+    async def episode(i: int) -> None:
+        nonlocal open_now, peak_open
+        out = outcomes[i]
+        await asyncio.sleep(args.ramp_s * i / args.sessions)
+        try:
+            sid, reply = await env.start_sample(out.task, out.index)
+        except (EnvControllerError, ValueError) as e:
+            out.status, out.reason = "not started", str(e)
+            note_start()
+            return
+        out.session_id = sid
+        open_now += 1
+        peak_open = max(peak_open, open_now)
+        note_start()
+        try:
+            await asyncio.wait_for(all_started.wait(), args.ramp_s + 120)
+            await asyncio.sleep(random.uniform(0, args.think_s))
+            t_send = time.monotonic()
+            for message in demos[(out.task, out.index)]:
+                if reply.finish:
+                    break
+                t_send = time.monotonic()
+                reply = await env.interact(sid, [message])
+                out.turns += 1
+                if not reply.finish:
+                    await asyncio.sleep(args.think_s * random.uniform(0.5, 1.5))
+            else:
+                if not reply.finish:
+                    out.lost = "demonstration ran out before the episode finished"
+                    return
+            out.status, out.reward, out.reason = reply.status.value, reply.reward, reply.error
+            if reply.status is SampleStatus.COMPLETED and reply.reward != 1.0:
+                out.lost = f"completed with reward {reply.reward}, expected 1"
+            if reply.status is not SampleStatus.COMPLETED and kill_time:
+                out.fail_wait_s = time.monotonic() - max(kill_time[0], t_send)
+        except asyncio.CancelledError:
+            out.lost = "no final reply before the deadline"
+            raise
+        except Exception as e:  # noqa: BLE001 - every other exception is a lost session
+            out.lost = f"{type(e).__name__}: {e}"
+        finally:
+            open_now -= 1
+
+    async def killer() -> None:
+        await asyncio.wait_for(all_started.wait(), args.ramp_s + 120)
+        await asyncio.sleep(args.kill_after_s)
+        worker_procs[victim].send_signal(signal.SIGKILL)
+        kill_time.append(time.monotonic())
+        logger.info("killed worker %d (%s) at t=%.1f s", victim, worker_task[victim], kill_time[0] - t_origin)
+
+    controller_pid = procs.procs[0].pid
+    cpu0, load0 = cpu_seconds(controller_pid), loadavg()
+    runs = [asyncio.ensure_future(episode(i)) for i in range(args.sessions)]
+    kill_task = asyncio.ensure_future(killer())
+    done, pending = await asyncio.wait(runs, timeout=args.deadline_s)
+    for t in pending:
+        t.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=10)
+    kill_task.cancel()
+    wall = time.monotonic() - t_origin
+    controller_cpu, load1 = cpu_seconds(controller_pid) - cpu0, loadavg()
+
+    # which sessions were on the killed worker: the controller's ended table is not exposed, so ask
+    # the surviving workers' view instead: a failed session whose reason names the victim's address
+    for out in outcomes:
+        if out.reason and victim_address in out.reason:
+            out.on_killed_worker = True
+    await asyncio.sleep(1.0)  # background cancels settle
+    leftover_controller = len(await env.list_sessions())
+    histogram = await fetch_overhead_histogram(env)
+    workers_view = await env.list_workers()
+    await env.aclose()
+
+    completed = [o for o in outcomes if o.status == SampleStatus.COMPLETED.value and not o.lost]
+    not_started = [o for o in outcomes if o.status == "not started"]
+    lost = [o for o in outcomes if o.lost]
+    failed = [o for o in outcomes if o.session_id and not o.lost and o.status != SampleStatus.COMPLETED.value]
+    reasons = Counter(f"{o.status}: {reason_kind(o.reason)}" for o in failed)
+    fail_waits = [o.fail_wait_s for o in failed if o.fail_wait_s is not None]
+    victim_state = next(
+        (w["state"] for t in workers_view.values() for w in t["workers"].values() if w["id"] == victim_id), "forgotten"
+    )
+    ov = stats.overhead_ms
+    cl = stats.client_ms
+    interacts = len(ov["interact"])
+    return {
+        "config": {k: v for k, v in vars(args).items()},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+                    "loadavg_1m_before": load0, "loadavg_1m_after": load1},
+        "controller_cpu": {"seconds": round(controller_cpu, 2), "share_of_one_core": round(controller_cpu / wall, 3),
+                           "us_per_request": round(1e6 * controller_cpu / max(1, sum(stats.status_codes.values())), 1)},
+        "wall_s": round(wall, 2),
+        "sessions": {
+            "planned": args.sessions,
+            "started": sum(1 for o in outcomes if o.session_id),
+            "peak_open_at_once": peak_open,
+            "completed": len(completed),
+            "failed": len(failed),
+            "failed_on_killed_worker": sum(1 for o in failed if o.on_killed_worker),
+            "not_started": len(not_started),
+            "lost": len(lost),
+            "lost_examples": [o.lost for o in lost[:5]],
+            "failed_reasons": dict(reasons.most_common()),
+            "failure_reply_wait_s_max": round(max(fail_waits), 4) if fail_waits else None,
+            "left_open_on_controller": leftover_controller,
+        },
+        "killed_worker": {"index": victim, "task": worker_task[victim], "controller_id": victim_id,
+                          "state_at_end": victim_state,
+                          "killed_at_s": round(kill_time[0] - t_origin, 2) if kill_time else None},
+        "interacts": interacts,
+        "interact_rate_per_s": round(interacts / wall, 1) if wall else 0.0,
+        "controller_overhead_ms": {
+            ep: {"n": len(v), "p50": round(pct(v, 0.5), 3), "p90": round(pct(v, 0.9), 3),
+                 "p99": round(pct(v, 0.99), 3), "max": round(max(v), 3) if v else None}
+            for ep, v in ov.items()
+        },
+        "controller_outside_worker_call_ms": {
+            ep: {"n": len(v), "p50": round(pct(v, 0.5), 3), "p99": round(pct(v, 0.99), 3)}
+            for ep, v in stats.outside_call_ms.items()
+        },
+        "client_view_ms": {
+            ep: {"rtt_p50": round(pct(stats.rtt_ms[ep], 0.5), 3), "rtt_p99": round(pct(stats.rtt_ms[ep], 0.99), 3),
+                 "minus_worker_p50": round(pct(v, 0.5), 3), "minus_worker_p99": round(pct(v, 0.99), 3)}
+            for ep, v in cl.items()
+        },
+        "prometheus_overhead": histogram,
+        "interact_overhead_by_second": windows(stats.timeline, t_origin, kill_time[0] if kill_time else None),
+        "http_status_counts": dict(stats.status_codes),
+    }
+
+
+def windows(timeline: list[tuple[float, float]], t0: float, t_kill: float | None, width_s: float = 2.0) -> list[dict[str, Any]]:
+    """Interact overhead per time window (seconds since the start; the kill marked)."""
+    buckets: dict[int, list[float]] = {}
+    for t, v in timeline:
+        buckets.setdefault(int((t - t0) // width_s), []).append(v)
+    kill_bucket = int((t_kill - t0) // width_s) if t_kill is not None else None
+    return [
+        {"from_s": k * width_s, "n": len(v), "p50_ms": round(pct(v, 0.5), 3), "p99_ms": round(pct(v, 0.99), 3),
+         "max_ms": round(max(v), 3), "kill": k == kill_bucket}
+        for k, v in sorted(buckets.items())
+    ]
+
+
+def print_table(r: dict[str, Any]) -> None:
+    s = r["sessions"]
+    c = r["config"]
+    rows = [
+        ("sessions planned", s["planned"]),
+        ("sessions started", s["started"]),
+        ("  peak open at once", s["peak_open_at_once"]),
+        ("sessions completed (reward 1)", s["completed"]),
+        ("sessions failed (with reason)", s["failed"]),
+        ("  of them on the killed worker", s["failed_on_killed_worker"]),
+        ("sessions not started", s["not_started"]),
+        ("sessions lost", s["lost"]),
+        ("sessions left open on controller", s["left_open_on_controller"]),
+        ("longest wait for a failure reply, s", s["failure_reply_wait_s_max"]),
+        ("killed worker", f"#{r['killed_worker']['index']} ({r['killed_worker']['task']}) at t={r['killed_worker']['killed_at_s']} s, "
+                          f"state at end: {r['killed_worker']['state_at_end']}"),
+        ("wall time, s", r["wall_s"]),
+        ("machine load average (1 min) before / after", f"{r['machine']['loadavg_1m_before']} / {r['machine']['loadavg_1m_after']}"),
+        ("controller CPU: share of a core, us per request", f"{r['controller_cpu']['share_of_one_core']}, {r['controller_cpu']['us_per_request']}"),
+        ("interacts (rate/s)", f"{r['interacts']} ({r['interact_rate_per_s']})"),
+        ("worker latency (simulated), ms", f"{c['latency_ms']} x U(0.5, 1.5)"),
+    ]
+    for ep in ("interact", "start_sample"):
+        o = r["controller_overhead_ms"][ep]
+        rows.append((f"controller overhead {ep} p50 / p99 / max, ms", f"{o['p50']} / {o['p99']} / {o['max']}  (n={o['n']})"))
+    for ep in ("interact", "start_sample"):
+        o = r["controller_outside_worker_call_ms"][ep]
+        rows.append((f"  of it outside the worker call, {ep} p50 / p99, ms", f"{o['p50']} / {o['p99']}"))
+    for ep in ("interact",):
+        v = r["client_view_ms"][ep]
+        rows.append((f"client view {ep}: rtt p50 / p99, ms", f"{v['rtt_p50']} / {v['rtt_p99']}"))
+        rows.append((f"client view {ep}: rtt - worker p50 / p99, ms", f"{v['minus_worker_p50']} / {v['minus_worker_p99']}"))
+    p = r["prometheus_overhead"]
+    rows.append(("/metrics: interact overheads <= 10 ms", f"{p['interact_share_le_10ms']:.4f} of {int(p['interact_count'])}"))
+    width = max(len(k) for k, _ in rows)
+    print(f"\nenv controller bench: {c['sessions']} sessions, {c['workers']} workers ({c['tasks']}), "
+          f"{r['machine']['cpus']} CPUs")
+    print("-" * (width + 40))
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print("failure reasons:")
+    for reason, n in s["failed_reasons"].items():
+        print(f"  {n:>6}  {reason}")
+    for ex in s["lost_examples"]:
+        print(f"  lost: {ex}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", type=int, default=4000)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--tasks", default="guess,calc", help="tasks, assigned to workers and sessions round robin")
+    parser.add_argument("--latency-ms", type=float, default=50.0, help="simulated worker latency per call (mean)")
+    parser.add_argument("--think-s", type=float, default=3.0, help="simulated model time between turns (mean)")
+    parser.add_argument("--ramp-s", type=float, default=8.0, help="starts are spread over this long")
+    parser.add_argument("--kill-after-s", type=float, default=2.0, help="kill a worker this long after all sessions are open")
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0)
+    parser.add_argument("--suspect-after", type=float, default=3.0)
+    parser.add_argument("--heartbeat-timeout", type=float, default=6.0)
+    parser.add_argument("--retries", type=int, default=3)
+    parser.add_argument("--call-timeout", type=float, default=60.0)
+    parser.add_argument("--max-connections", type=int, default=1024)
+    parser.add_argument("--deadline-s", type=float, default=300.0, help="sessions without a final reply by then are lost")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "env_controller.json"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("env_controller.client").setLevel(logging.ERROR)
+    install_uvloop()
+    raise_nofile_limit()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="agentrl-bench-env-"))
+    procs = Procs(log_dir)
+    try:
+        result = asyncio.run(drive(args, procs))
+    except BaseException:
+        logger.error("bench failed; process logs kept in %s", log_dir)
+        raise
+    finally:
+        procs.close()
+    shutil.rmtree(log_dir, ignore_errors=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
+    print(f"results: {out}")
+    print(f"env_lost_sessions: {result['sessions']['lost']}")
+    return 0 if result["sessions"]["lost"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""``agentrl controller`` and ``agentrl worker``: the env controller and a task worker as processes.
+
+::
+
+    agentrl controller --host 127.0.0.1 --port 5020
+    agentrl worker --task lookup --controller http://127.0.0.1:5020/api --port 5021
+    agentrl worker --task mypkg.tasks:MyTask --param seed=1 --concurrency 256 ...
+
+Also runnable without the console script: ``python -m env_controller.cli controller ...``.
+A non-loopback ``--host`` needs ``--token`` (or ``$AGENTRL_CONTROLLER_TOKEN``).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import sys
+from typing import Any
+
+from env_controller._http import TOKEN_ENV, install_uvloop, raise_nofile_limit, resolve_token
+
+logger = logging.getLogger("agentrl.env")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def _error(message: str) -> int:
+    sys.stderr.write(f"agentrl: error: {message}\n")
+    return 2
+
+
+def add_controller_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``agentrl controller``."""
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; elsewhere needs --token)")
+    p.add_argument("--port", type=int, default=5020, help="port to bind (default 5020; 0 picks a free one)")
+    p.add_argument("--token", default=None, help=f"bearer token required on every request (default ${TOKEN_ENV})")
+    p.add_argument("--heartbeat-timeout", type=float, default=15.0, help="seconds without heartbeat before a worker is dead (default 15)")
+    p.add_argument("--suspect-after", type=float, default=9.0, help="seconds without heartbeat before a worker gets no new sessions (default 9)")
+    p.add_argument("--session-idle-timeout", type=float, default=600.0, help="seconds without interact before a session is closed (default 600)")
+    p.add_argument("--interact-timeout", type=float, default=240.0, help="limit on one worker interact call, seconds (default 240)")
+    p.add_argument("--start-timeout", type=float, default=240.0, help="limit on one worker start_sample call, seconds (default 240)")
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+
+
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``agentrl worker``."""
+    p.add_argument("--task", required=True, help="a registered task (lookup, calc, guess, ...) or module.path:TaskClass")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="task constructor parameter (value parsed as YAML); repeatable")
+    p.add_argument("--name", default=None, help="task name announced to the controller (default: the task's name)")
+    p.add_argument("--controller", default="http://127.0.0.1:5020/api", help="controller API URL (default http://127.0.0.1:5020/api)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; elsewhere needs --token)")
+    p.add_argument("--port", type=int, default=5021, help="port to bind (default 5021; 0 picks a free one)")
+    p.add_argument("--self-address", default=None, help="URL the controller reaches this worker at (default http://<host>:<port>/api)")
+    p.add_argument("--concurrency", type=int, default=64, help="open sessions allowed (default 64)")
+    p.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between heartbeats (default 2)")
+    p.add_argument("--timeout", type=float, default=60.0, help="limit on each task call, seconds (default 60)")
+    p.add_argument("--latency-ms", type=float, default=0.0, help="simulated extra latency per start/interact, ms (benchmarks)")
+    p.add_argument("--token", default=None, help=f"bearer token: sent to the controller, required from it (default ${TOKEN_ENV})")
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+
+
+def build_worker_task(spec: str, params: list[str]) -> Any:
+    """Build the task of ``agentrl worker``: a registered name or ``module:Class``, with ``KEY=VALUE`` params.
+
+    Raises ValueError naming a bad spec or parameter.
+    """
+    import yaml
+
+    from env_controller.tasks import build_task
+
+    kwargs: dict[str, Any] = {}
+    for item in params:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--param {item!r} must be KEY=VALUE, e.g. --param seed=1")
+        kwargs[key] = yaml.safe_load(value)
+    if ":" not in spec:
+        return build_task(spec, **kwargs)
+    module_name, _, cls_name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"--task {spec!r}: cannot import {module_name!r}: {e}") from None
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise ValueError(f"--task {spec!r}: module {module_name!r} has no {cls_name!r}")
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"--task {spec!r}: {e}") from None
+
+
+def controller(args: argparse.Namespace) -> int:
+    """Run the controller until SIGINT/SIGTERM (``agentrl controller``)."""
+    from env_controller.controller import ControllerConfig, serve_controller
+
+    _setup_logging(args.log_level)
+    try:
+        config = ControllerConfig(
+            host=args.host, port=args.port, token=resolve_token(args.token),
+            heartbeat_timeout_s=args.heartbeat_timeout, suspect_after_s=args.suspect_after,
+            session_idle_timeout_s=args.session_idle_timeout, interact_timeout_s=args.interact_timeout,
+            start_timeout_s=args.start_timeout,
+        )
+        from env_controller._http import check_bind
+
+        check_bind(config.host, config.token, "the controller")
+    except ValueError as e:
+        return _error(str(e))
+    uv = install_uvloop()
+    raise_nofile_limit()
+    logger.info("event loop: %s", "uvloop" if uv else "asyncio")
+    try:
+        asyncio.run(serve_controller(config))
+    except OSError as e:
+        return _error(f"cannot serve on {args.host}:{args.port}: {e}")
+    return 0
+
+
+def worker(args: argparse.Namespace) -> int:
+    """Run a task worker until SIGINT/SIGTERM (``agentrl worker``)."""
+    from env_controller._http import check_bind, wait_for_signal
+    from env_controller.worker_server import WorkerServer
+
+    _setup_logging(args.log_level)
+    token = resolve_token(args.token)
+    try:
+        check_bind(args.host, token, "the worker")
+        task = build_worker_task(args.task, args.param)
+        server = WorkerServer(
+            task, name=args.name, controller_url=args.controller, host=args.host, port=args.port,
+            self_address=args.self_address, concurrency=args.concurrency,
+            heartbeat_interval_s=args.heartbeat_interval, timeout_s=args.timeout,
+            latency_s=args.latency_ms / 1000.0, token=token,
+        )
+    except ValueError as e:
+        return _error(str(e))
+    install_uvloop()
+    raise_nofile_limit()
+
+    async def run() -> None:
+        await server.start()
+        try:
+            await wait_for_signal()
+        finally:
+            await server.stop()
+
+    try:
+        asyncio.run(run())
+    except OSError as e:
+        return _error(f"cannot serve on {args.host}:{args.port}: {e}")
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add the ``controller`` and ``worker`` subcommands to an argparse subparsers object."""
+    p = sub.add_parser("controller", help="run the environment controller (AgentRL task-worker protocol)")
+    add_controller_arguments(p)
+    p.set_defaults(func=controller)
+    p = sub.add_parser("worker", help="serve a task to a controller over the AgentRL task-worker protocol")
+    add_worker_arguments(p)
+    p.set_defaults(func=worker)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m env_controller.cli {controller,worker} ...``."""
+    parser = argparse.ArgumentParser(prog="python -m env_controller.cli")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,761 @@
+"""The environment controller: one asyncio HTTP server between the trainer and many task workers.
+
+Wire-compatible with the AgentBench-FC / AgentRL task-worker protocol (DESIGN.md, "Env
+protocol"). Workers register with heartbeats (:mod:`env_controller.registry`); the trainer
+starts, drives and cancels sessions (:mod:`env_controller.sessions`); every start goes to the
+least-loaded alive worker of the task.
+
+Trainer-facing API (all JSON; errors are ``{"error": "...", "status": code}``):
+
+* ``POST /api/start_sample {name, index[, custom_task]}`` -> ``{messages, tools, status, finish,
+  reward, metrics}``, the session id in the ``session_id`` response header.
+  404 unknown task, 400 bad body or index, 503 (with ``Retry-After``) no free worker.
+* ``POST /api/interact`` with header ``session_id`` and ``{messages: [assistant message]}`` ->
+  the same flat reply. 400 malformed body or header, 404 unknown session, 409 an interact on the
+  session is still running.
+* ``POST /api/cancel`` with header ``session_id`` -> ``{session_id, status}``; 404 unknown session.
+* ``GET /api/list_workers``, ``GET /api/list_sessions``, ``GET /api/get_indices?name=``,
+  ``GET /api/health``, ``GET /metrics`` (Prometheus).
+* Worker-facing: ``POST /api/receive_heartbeat {name, address, concurrency, indices}``.
+
+Failure rules. A 5xx reply means the request had no effect (nothing was started or sent to a
+task), so clients may retry it. Once a worker may have acted, failures end the session and the
+trainer gets a finished ``task error`` reply whose ``error`` field says why: a worker that cannot
+be reached or drops the connection, a call past its timeout, a worker declared dead (no heartbeat
+for ``heartbeat_timeout_s``: its in-flight calls are aborted at once and its idle sessions answer
+their next interact with the error), or a session idle longer than ``session_idle_timeout_s``.
+No request waits longer than its timeout.
+
+Controller overhead: each start/interact reply carries ``x-controller-overhead-ms``, the handler's
+wall time minus the worker's own time (the worker's ``x-worker-time`` header when it sends one,
+else the whole round trip to the worker), with ``x-worker-time-ms`` and the round trip to the
+worker ``x-worker-rtt-ms``; the overhead also feeds the ``agentrl_controller_overhead_seconds``
+histogram. It is an upper bound of the controller's own time: it also holds the network stack
+to the worker and the worker's HTTP layer (its time before and after its handler).
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import time
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
+
+import aiohttp
+from aiohttp import web
+
+from env_controller._http import (
+    MAX_BODY_BYTES,
+    SESSION_HEADER,
+    HttpError,
+    check_bind,
+    json_response,
+    make_middleware,
+    read_json_object,
+    session_id_from,
+    start_site,
+)
+from env_controller.local import MalformedMessageError, validate_assistant_messages
+from env_controller.metrics import ControllerMetrics
+from env_controller.protocol import SampleStatus
+from env_controller.registry import NoWorkerError, RegistryError, Worker, WorkerRegistry, WorkerState
+from env_controller.sessions import Session, SessionTable, final_reply
+
+logger = logging.getLogger(__name__)
+
+_STATUSES = {s.value: s for s in SampleStatus}
+_perf = time.perf_counter
+_mono = time.monotonic
+_CONNECT_TIMEOUT_ERRORS: tuple[type[BaseException], ...] = tuple(
+    t for t in (getattr(aiohttp, "ConnectionTimeoutError", None),) if t is not None
+)
+
+
+@dataclass
+class ControllerConfig:
+    """Settings of a :class:`Controller` (times in seconds).
+
+    host, port: where to listen (loopback by default; elsewhere a ``token`` is required).
+    token: bearer token required on every request when set; also sent to workers.
+    suspect_after_s: a worker silent this long gets no new sessions.
+    heartbeat_timeout_s: a worker silent this long is dead; its sessions end with ``task error``.
+    session_idle_timeout_s: a session with no interact for this long is closed (``task error``).
+    start_timeout_s, interact_timeout_s, cancel_timeout_s: limits on each call to a worker.
+    connect_timeout_s: limit on opening a connection to a worker.
+    forget_dead_after_s: how long a dead worker stays listed.
+    sync_interval_s: how often alive workers are asked for their sessions (orphans get cancelled).
+    max_worker_connections: pooled connections to workers, all together.
+    worker_keepalive_s: idle pooled connections to workers are closed after this long; keep it
+        below the workers' own keep-alive timeout (uvicorn, which AgentRL workers use: 5 s) so that
+        the controller never sends a request on a connection the worker is closing.
+    remember_ended: ended sessions remembered for error messages and late final replies.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 5020
+    token: str | None = None
+    suspect_after_s: float = 9.0
+    heartbeat_timeout_s: float = 15.0
+    session_idle_timeout_s: float = 600.0
+    start_timeout_s: float = 240.0
+    interact_timeout_s: float = 240.0
+    cancel_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    forget_dead_after_s: float = 300.0
+    sync_interval_s: float = 60.0
+    max_worker_connections: int = 2048
+    worker_keepalive_s: float = 3.0
+    remember_ended: int = 100_000
+
+    def __post_init__(self) -> None:
+        """Check every value; ValueError naming the bad one."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name.endswith("_s") and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise ValueError(f"controller config: {f.name}={v!r} must be a positive number of seconds")
+        if not self.suspect_after_s < self.heartbeat_timeout_s:
+            raise ValueError(
+                f"controller config: suspect_after_s={self.suspect_after_s} must be below "
+                f"heartbeat_timeout_s={self.heartbeat_timeout_s}"
+            )
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"controller config: port={self.port!r} must be 0..65535 (0 picks a free port)")
+        for name in ("max_worker_connections", "remember_ended"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"controller config: {name}={v!r} must be a positive integer")
+
+
+class WorkerReply(NamedTuple):
+    """A worker's answer: its JSON ``payload``, its own time ``worker_s`` and the round trip ``rtt_s``."""
+
+    payload: Any
+    worker_s: float
+    rtt_s: float
+
+
+class WorkerCallError(Exception):
+    """A controller -> worker call that failed.
+
+    kind: ``connect`` (never reached the worker), ``disconnect`` (connection lost mid-call),
+    ``timeout``, ``http`` (non-200 reply, ``status`` set) or ``bad_reply`` (not JSON).
+    """
+
+    def __init__(self, kind: str, message: str, status: int = 0) -> None:
+        """See the class docstring."""
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.status = status
+
+
+class _Aborted(Exception):
+    """The controller aborted a session's worker call (dead worker, trainer cancel)."""
+
+    def __init__(self, status: SampleStatus, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+def _detail(raw: bytes) -> str:
+    """The error text of a worker reply (FastAPI ``detail``, our ``error``, or the raw text)."""
+    text = raw[:2000].decode(errors="replace")
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return text.strip()
+    if isinstance(body, dict):
+        for key in ("detail", "error", "message"):
+            if key in body:
+                return str(body[key])
+    return text.strip()
+
+
+def normalize_reply(payload: Any) -> dict[str, Any]:
+    """A worker's start/interact reply as the trainer-facing flat reply.
+
+    Accepts the flat form and AgentRL's ``{"session_id", "env_out": {...}}``, ``metric`` or
+    ``metrics``. Raises ValueError naming what is wrong.
+    """
+    if isinstance(payload, dict) and isinstance(payload.get("env_out"), dict):
+        payload = payload["env_out"]
+    if not isinstance(payload, dict):
+        raise ValueError(f"reply is not a JSON object but {type(payload).__name__}")
+    messages = payload.get("messages")
+    if messages is None:
+        messages = []
+    if not isinstance(messages, list):
+        raise ValueError(f"reply 'messages' is {type(messages).__name__}, not a list")
+    tools = payload.get("tools") or []
+    if not isinstance(tools, list):
+        raise ValueError(f"reply 'tools' is {type(tools).__name__}, not a list")
+    raw_status = payload.get("status", "running")
+    status = _STATUSES.get(raw_status)
+    if status is None:
+        raise ValueError(f"reply status {raw_status!r} is not one of {sorted(_STATUSES)}")
+    finish = bool(payload.get("finish", False)) or status is not SampleStatus.RUNNING
+    try:
+        reward = float(payload.get("reward") or 0.0)
+    except (TypeError, ValueError):
+        raise ValueError(f"reply reward {payload.get('reward')!r} is not a number") from None
+    metrics = payload.get("metrics")
+    if metrics is None:
+        metrics = payload.get("metric")
+    if not isinstance(metrics, dict):
+        metrics = {}
+    return {"messages": messages, "tools": tools, "status": status.value, "finish": finish, "reward": reward, "metrics": metrics}
+
+
+class Controller:
+    """The controller's state and its aiohttp application.
+
+    ``await controller.start()`` serves it (returns the bound port); ``await controller.stop()``
+    stops it. ``controller.url`` is the API base, ``http://host:port/api``.
+    """
+
+    def __init__(self, config: ControllerConfig | None = None) -> None:
+        """Build the tables and the app (nothing is bound until :meth:`start`)."""
+        self.config = config or ControllerConfig()
+        c = self.config
+        self.registry = WorkerRegistry(c.suspect_after_s, c.heartbeat_timeout_s, c.forget_dead_after_s)
+        self.sessions = SessionTable(remember=c.remember_ended)
+        self.metrics = ControllerMetrics(self._open_per_task, self.registry.counts)
+        self.port: int | None = None
+        self._http: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._monitor_task: asyncio.Task[None] | None = None
+        self._bg: set[asyncio.Task[Any]] = set()
+        self._worker_headers = {"Content-Type": "application/json"}
+        if c.token:
+            self._worker_headers["Authorization"] = f"Bearer {c.token}"
+        self.app = self._build_app()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """``http://host:port/api`` once started."""
+        if self.port is None:
+            raise RuntimeError("the controller is not started")
+        host = self.config.host
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}/api"
+
+    async def start(self) -> int:
+        """Bind and serve; start the monitor (heartbeat timeouts, idle GC, worker sync). Returns the port."""
+        c = self.config
+        check_bind(c.host, c.token, "the controller")
+        connector = aiohttp.TCPConnector(
+            limit=c.max_worker_connections, limit_per_host=0, keepalive_timeout=c.worker_keepalive_s, ttl_dns_cache=300
+        )
+        self._http = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        try:
+            self._runner, self.port = await start_site(self.app, c.host, c.port)
+        except BaseException:
+            await self._http.close()
+            raise
+        self._monitor_task = asyncio.create_task(self._monitor(), name="controller-monitor")
+        logger.info("controller listening on %s (token %s)", self.url, "required" if c.token else "off")
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop serving: abort open calls, cancel background work, close connections (bounded waits)."""
+        if self._monitor_task is not None:
+            self._monitor_task.cancel()
+            await asyncio.gather(self._monitor_task, return_exceptions=True)
+            self._monitor_task = None
+        for session in list(self.sessions.open.values()):
+            if session.call is not None and not session.call.done():
+                session.abort = (SampleStatus.TASK_ERROR, "the controller is shutting down")
+                session.call.cancel()
+        for task in list(self._bg):
+            task.cancel()
+        if self._bg:
+            await asyncio.wait(list(self._bg), timeout=5)
+        if self._runner is not None:
+            await asyncio.wait_for(self._runner.cleanup(), timeout=10)
+            self._runner = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    async def __aenter__(self) -> "Controller":
+        """``async with Controller(cfg) as c:`` starts it."""
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        """Stops it."""
+        await self.stop()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    # -- app -------------------------------------------------------------------------------------
+
+    def _build_app(self) -> web.Application:
+        app = web.Application(middlewares=[make_middleware(self.config.token)], client_max_size=MAX_BODY_BYTES)
+        routes = [
+            ("POST", "/api/start_sample", "start_sample", self._h_start),
+            ("POST", "/api/interact", "interact", self._h_interact),
+            ("POST", "/api/cancel", "cancel", self._h_cancel),
+            ("POST", "/api/receive_heartbeat", "receive_heartbeat", self._h_heartbeat),
+            ("GET", "/api/list_workers", "list_workers", self._h_list_workers),
+            ("GET", "/api/list_sessions", "list_sessions", self._h_list_sessions),
+            ("GET", "/api/get_indices", "get_indices", self._h_get_indices),
+            ("GET", "/api/health", "health", self._h_health),
+            ("GET", "/metrics", "metrics", self._h_metrics),
+        ]
+        for method, path, endpoint, handler in routes:
+            app.router.add_route(method, path, self._instrument(endpoint, handler))
+        return app
+
+    def _instrument(self, endpoint: str, handler: Any) -> Any:
+        seconds = self.metrics.request_seconds.labels(endpoint)
+        ok = self.metrics.requests.labels(endpoint, "200")
+        requests = self.metrics.requests
+
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            t0 = _perf()
+            try:
+                response = await handler(request)
+            except HttpError as e:
+                requests.labels(endpoint, str(e.status)).inc()
+                raise
+            seconds.observe(_perf() - t0)
+            if response.status == 200:
+                ok.inc()
+            else:
+                requests.labels(endpoint, str(response.status)).inc()
+            return response
+
+        wrapped.__name__ = f"handle_{endpoint}"
+        return wrapped
+
+    # -- calls to workers ------------------------------------------------------------------------
+
+    async def call_worker(
+        self, worker: Worker, api: str, body: dict[str, Any] | None, timeout_s: float, method: str = "POST"
+    ) -> WorkerReply:
+        """Call ``worker.address + api``; returns the parsed JSON reply and its timings.
+
+        The worker's own time is its ``x-worker-time`` header when present, else the round trip.
+        Raises :class:`WorkerCallError`.
+        """
+        assert self._http is not None, "the controller is not started"
+        url = worker.address + api
+        data = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.connect_timeout_s)
+        t0 = _perf()
+        try:
+            async with self._http.request(method, url, data=data, headers=self._worker_headers, timeout=timeout) as resp:
+                raw = await resp.read()
+                status = resp.status
+                worker_time = resp.headers.get("x-worker-time")
+        except aiohttp.ClientConnectorError as e:
+            self.metrics.worker_errors.labels(api, "connect").inc()
+            raise WorkerCallError("connect", f"cannot connect to {worker.describe()}: {e}") from None
+        except _CONNECT_TIMEOUT_ERRORS:
+            self.metrics.worker_errors.labels(api, "connect").inc()
+            raise WorkerCallError(
+                "connect", f"cannot connect to {worker.describe()} within {self.config.connect_timeout_s:g} s"
+            ) from None
+        except (TimeoutError, asyncio.TimeoutError):
+            self.metrics.worker_errors.labels(api, "timeout").inc()
+            raise WorkerCallError("timeout", f"{worker.describe()} did not answer {api} within {timeout_s:g} s") from None
+        except (aiohttp.ClientError, OSError) as e:
+            self.metrics.worker_errors.labels(api, "disconnect").inc()
+            raise WorkerCallError(
+                "disconnect", f"connection to {worker.describe()} lost during {api}: {type(e).__name__}: {e}"
+            ) from None
+        rtt = _perf() - t0
+        self.metrics.worker_call_seconds.labels(api).observe(rtt)
+        if status != 200:
+            self.metrics.worker_errors.labels(api, "http").inc()
+            raise WorkerCallError("http", f"{worker.describe()} answered {api} with HTTP {status}: {_detail(raw)}", status)
+        try:
+            payload = json.loads(raw) if raw else None
+        except ValueError:
+            self.metrics.worker_errors.labels(api, "bad_reply").inc()
+            raise WorkerCallError("bad_reply", f"{worker.describe()} answered {api} with non-JSON: {raw[:200]!r}") from None
+        own = rtt
+        if worker_time is not None:
+            try:
+                own = min(max(float(worker_time), 0.0), rtt)
+            except ValueError:
+                pass
+        return WorkerReply(payload, own, rtt)
+
+    async def _session_call(self, session: Session, api: str, body: dict[str, Any], timeout_s: float) -> WorkerReply:
+        """A worker call on behalf of ``session`` that the controller can abort (raises _Aborted)."""
+        call = asyncio.ensure_future(self.call_worker(session.worker, api, body, timeout_s))
+        session.call = call
+        try:
+            return await call
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if (me is not None and me.cancelling()) or session.abort is None:
+                call.cancel()
+                raise
+            raise _Aborted(*session.abort) from None
+        finally:
+            session.call = None
+
+    async def _cancel_on_worker(self, worker: Worker, session_id: int) -> None:
+        worker.cancelling.add(session_id)
+        try:
+            await self.call_worker(worker, "/cancel", {"session_id": session_id}, self.config.cancel_timeout_s)
+        except WorkerCallError as e:
+            if (e.kind == "http" and e.status in (400, 404)) or worker.state is not WorkerState.ALIVE:
+                logger.debug("cancel of session %d: %s", session_id, e.message)
+            else:
+                logger.warning("cancel of session %d on %s failed: %s", session_id, worker.describe(), e.message)
+        finally:
+            worker.cancelling.discard(session_id)
+
+    async def sync_worker(self, worker: Worker) -> int:
+        """Ask ``worker`` for its sessions and cancel those the controller does not hold; returns how many."""
+        try:
+            payload = (await self.call_worker(worker, "/get_sessions", None, self.config.cancel_timeout_s, method="GET")).payload
+        except WorkerCallError as e:
+            logger.warning("sync of %s failed: %s", worker.describe(), e.message)
+            return 0
+        if not isinstance(payload, dict):
+            return 0
+        orphans = []
+        for key in payload:
+            try:
+                sid = int(key)
+            except (TypeError, ValueError):
+                continue
+            if sid not in worker.sessions and sid not in worker.cancelling:
+                orphans.append(sid)
+        if orphans:
+            logger.info("%s holds %d session(s) the controller does not know; cancelling them", worker.describe(), len(orphans))
+            await asyncio.gather(*(self._cancel_on_worker(worker, sid) for sid in orphans))
+        return len(orphans)
+
+    # -- sessions --------------------------------------------------------------------------------
+
+    def _end(
+        self,
+        session: Session,
+        status: SampleStatus | str,
+        reason: str,
+        final: dict[str, Any] | None = None,
+        cancel_on_worker: bool = False,
+        log: bool = True,
+    ) -> bool:
+        """Close a session once (frees its worker slot); optionally cancel it on the worker in the background."""
+        status = status.value if isinstance(status, SampleStatus) else status
+        if not self.sessions.remove(session, status, reason, final):
+            return False
+        self.metrics.sessions_ended.labels(session.task, status).inc()
+        if log and status == SampleStatus.TASK_ERROR.value:
+            logger.warning("session %d (%s #%s) ended with task error: %s", session.id, session.task, session.index, reason)
+        if cancel_on_worker and session.worker.state is not WorkerState.DEAD:
+            self._spawn(self._cancel_on_worker(session.worker, session.id))
+        return True
+
+    def _fail(self, session: Session, status: SampleStatus, reason: str, cancel_on_worker: bool = False) -> web.Response:
+        """End ``session`` and answer the trainer with the finished reply carrying ``reason``."""
+        self._end(session, status, reason, cancel_on_worker=cancel_on_worker)
+        self.sessions.take_final(session.id)
+        return json_response(final_reply(status, reason), headers={SESSION_HEADER: str(session.id)})
+
+    @staticmethod
+    def _timing_headers(t0: float, answer: WorkerReply, histogram: Any) -> dict[str, str]:
+        """Record the overhead of a request served by one worker call; the headers that report it."""
+        total = _perf() - t0
+        overhead = total - answer.worker_s
+        histogram.observe(overhead)
+        return {
+            "x-controller-overhead-ms": f"{overhead * 1000:.3f}",
+            "x-worker-time-ms": f"{answer.worker_s * 1000:.3f}",
+            "x-worker-rtt-ms": f"{answer.rtt_s * 1000:.3f}",
+        }
+
+    def _open_per_task(self) -> dict[str, int]:
+        out: dict[str, int] = {name: 0 for name in self.registry.tasks}
+        for s in self.sessions.open.values():
+            out[s.task] = out.get(s.task, 0) + 1
+        return out
+
+    def _session_from_header(self, request: web.Request) -> int:
+        value = request.headers.get(SESSION_HEADER)
+        if value is None:
+            value = request.headers.get("session-id")
+        return session_id_from(value, f"'{SESSION_HEADER}' request header")
+
+    # -- trainer-facing handlers -----------------------------------------------------------------
+
+    async def _h_start(self, request: web.Request) -> web.Response:
+        t0 = _perf()
+        body = await read_json_object(request)
+        name = body.get("name")
+        index = body.get("index")
+        custom_task = body.get("custom_task")
+        if not isinstance(name, str) or not name:
+            raise HttpError(400, f"'name' must be the task name (a non-empty string), got {name!r}")
+        if "index" not in body:
+            raise HttpError(400, "missing 'index': the sample index of the task (see GET /api/get_indices?name=...)")
+        if isinstance(index, bool) or not isinstance(index, (int, str)):
+            raise HttpError(400, f"'index' must be an integer or a string sample index, got {index!r}")
+        if custom_task is not None and not isinstance(custom_task, dict):
+            raise HttpError(400, f"'custom_task' must be an object or absent, got {type(custom_task).__name__}")
+        entry = self.registry.tasks.get(name)
+        if entry is None:
+            known = ", ".join(sorted(self.registry.tasks)) or "none yet (no worker has sent a heartbeat)"
+            raise HttpError(404, f"unknown task {name!r}; tasks with registered workers: {known}")
+        if not entry.has_index(index):
+            n = len(entry.indices)
+            sample = ", ".join(repr(i) for i in entry.indices[:3]) + (", ..." if n > 3 else "")
+            raise HttpError(400, f"task {name!r} has no sample index {index!r}; it has {n} indices ({sample})")
+        worker_body: dict[str, Any] = {"index": index}
+        if custom_task is not None:
+            worker_body["custom_task"] = custom_task
+        tried: set[int] = set()
+        last_error = ""
+        while True:
+            try:
+                worker = self.registry.pick(name, tried)
+            except NoWorkerError as e:
+                msg = str(e) + (f"; last failure: {last_error}" if last_error else "")
+                raise HttpError(503, msg, headers={"Retry-After": "1"}) from None
+            session = Session(self.sessions.new_id(), name, index, worker, busy=True)
+            self.sessions.add(session)
+            worker_body["session_id"] = session.id
+            try:
+                answer = await self._session_call(session, "/start_sample", worker_body, self.config.start_timeout_s)
+            except _Aborted as a:
+                if a.status is SampleStatus.CANCELLED:
+                    return self._fail(session, a.status, a.reason)
+                self._end(session, a.status, a.reason)  # worker declared dead while starting: try another one
+                last_error = a.reason
+                tried.add(worker.id)
+                continue
+            except WorkerCallError as e:
+                last_error = e.message
+                if e.kind == "connect":
+                    self.registry.mark_suspect(worker, e.message)
+                    self._end(session, "not started", e.message)
+                elif e.kind == "http" and e.status == 406:  # the worker is full: our count is off
+                    self._end(session, "not started", e.message)
+                    self._spawn(self.sync_worker(worker))
+                elif e.kind == "disconnect":
+                    self.registry.mark_suspect(worker, e.message)
+                    self._end(session, "not started", e.message, cancel_on_worker=True)
+                else:  # timeout, worker error, bad reply: this episode fails
+                    return self._fail(session, SampleStatus.TASK_ERROR, e.message, cancel_on_worker=True)
+                tried.add(worker.id)
+                continue
+            finally:
+                session.busy = False
+            break
+        try:
+            reply = normalize_reply(answer.payload)
+        except ValueError as e:
+            return self._fail(session, SampleStatus.TASK_ERROR, f"{worker.describe()} start_sample: {e}", cancel_on_worker=True)
+        session.last_active = _mono()
+        self.metrics.sessions_started.labels(name).inc()
+        if reply["finish"]:
+            self._end(session, reply["status"], "finished at start")
+        elif session.abort is not None:
+            return self._fail(session, *session.abort)
+        headers = self._timing_headers(t0, answer, self.metrics.overhead_start)
+        headers[SESSION_HEADER] = str(session.id)
+        return json_response(reply, headers=headers)
+
+    async def _h_interact(self, request: web.Request) -> web.Response:
+        t0 = _perf()
+        sid = self._session_from_header(request)
+        body = await read_json_object(request)
+        session = self.sessions.open.get(sid)
+        if session is None:
+            final = self.sessions.take_final(sid)
+            if final is not None:  # ended by the controller while the trainer was away
+                return json_response(final, headers={SESSION_HEADER: str(sid)})
+            raise HttpError(404, self.sessions.why_unknown(sid))
+        if session.busy:
+            raise HttpError(409, f"session {sid} is busy: its previous interact is not answered yet; send one interact at a time")
+        if "messages" not in body:
+            raise HttpError(400, "missing 'messages': a list holding the one assistant message of this turn")
+        try:
+            message = validate_assistant_messages(body["messages"])
+        except MalformedMessageError as e:
+            raise HttpError(400, str(e)) from None
+        worker = session.worker
+        session.busy = True
+        session.last_active = _mono()
+        try:
+            answer = await self._session_call(
+                session, "/interact", {"session_id": sid, "messages": [message]}, self.config.interact_timeout_s
+            )
+        except _Aborted as a:
+            return self._fail(session, a.status, a.reason)
+        except WorkerCallError as e:
+            if e.kind in ("connect", "disconnect"):
+                self.registry.mark_suspect(worker, e.message)
+            return self._fail(session, SampleStatus.TASK_ERROR, e.message, cancel_on_worker=e.kind != "connect")
+        finally:
+            session.busy = False
+        try:
+            reply = normalize_reply(answer.payload)
+        except ValueError as e:
+            return self._fail(session, SampleStatus.TASK_ERROR, f"{worker.describe()} interact: {e}", cancel_on_worker=True)
+        session.turns += 1
+        session.last_active = _mono()
+        if reply["finish"]:
+            self._end(session, reply["status"], "finished by the task")
+        elif session.abort is not None:
+            return self._fail(session, *session.abort)
+        return json_response(reply, headers=self._timing_headers(t0, answer, self.metrics.overhead_interact))
+
+    async def _h_cancel(self, request: web.Request) -> web.Response:
+        sid = self._session_from_header(request)
+        session = self.sessions.open.get(sid)
+        if session is None:
+            if sid in self.sessions.ended:
+                why = self.sessions.why_unknown(sid)
+                self.sessions.take_final(sid)
+                return json_response({"session_id": sid, "status": "already ended", "detail": why})
+            raise HttpError(404, self.sessions.why_unknown(sid))
+        reason = "cancelled by the trainer"
+        session.abort = (SampleStatus.CANCELLED, reason)
+        if session.call is not None and not session.call.done():
+            session.call.cancel()
+        self._end(session, SampleStatus.CANCELLED, reason, cancel_on_worker=True)
+        return json_response({"session_id": sid, "status": SampleStatus.CANCELLED.value})
+
+    async def _h_list_workers(self, request: web.Request) -> web.Response:
+        return json_response(self.registry.dump())
+
+    async def _h_list_sessions(self, request: web.Request) -> web.Response:
+        return json_response(self.sessions.dump())
+
+    async def _h_get_indices(self, request: web.Request) -> web.Response:
+        name = request.query.get("name")
+        if not name:
+            raise HttpError(400, "missing query parameter 'name': GET /api/get_indices?name=<task>")
+        entry = self.registry.tasks.get(name)
+        if entry is None:
+            raise HttpError(404, f"unknown task {name!r}; tasks with registered workers: {', '.join(sorted(self.registry.tasks)) or 'none'}")
+        return json_response(entry.indices)
+
+    async def _h_health(self, request: web.Request) -> web.Response:
+        counts = self.registry.counts()
+        alive = sum(n for (_, state), n in counts.items() if state == WorkerState.ALIVE.value)
+        return json_response({"status": "ok", "workers_alive": alive, "workers": len(self.registry.workers), "sessions": len(self.sessions.open)})
+
+    async def _h_metrics(self, request: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # -- worker-facing handler -------------------------------------------------------------------
+
+    async def _h_heartbeat(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request)
+        name, address = body.get("name"), body.get("address")
+        concurrency, indices = body.get("concurrency"), body.get("indices")
+        if not isinstance(name, str) or not name:
+            raise HttpError(400, f"heartbeat: 'name' must be the task name (a non-empty string), got {name!r}")
+        if not isinstance(address, str) or not address.startswith(("http://", "https://")):
+            raise HttpError(
+                400,
+                f"heartbeat: 'address' must be the worker's HTTP API URL, e.g. http://10.0.0.5:5021/api, got "
+                f"{address!r} (the gRPC transport is not supported)",
+            )
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise HttpError(400, f"heartbeat: 'concurrency' must be a positive integer, got {concurrency!r}")
+        if not isinstance(indices, list):
+            raise HttpError(400, f"heartbeat: 'indices' must be a list of sample indices, got {type(indices).__name__}")
+        for i in indices:
+            if isinstance(i, bool) or not isinstance(i, (int, str)):
+                raise HttpError(400, f"heartbeat: every index must be an integer or a string, got {i!r}")
+        try:
+            worker, event = self.registry.heartbeat(name, address, concurrency, indices)
+        except RegistryError as e:
+            raise HttpError(409, f"heartbeat: {e}") from None
+        self.metrics.heartbeats.inc()
+        if event != "beat":  # new, revived or recovered: drop what it holds that we do not
+            self._spawn(self.sync_worker(worker))
+        return json_response({"worker_id": worker.id, "state": worker.state.value})
+
+    # -- monitor ---------------------------------------------------------------------------------
+
+    async def _monitor(self) -> None:
+        c = self.config
+        tick = max(0.05, min(0.5, c.suspect_after_s / 4, c.heartbeat_timeout_s / 10))
+        gc_every = max(tick, min(5.0, c.session_idle_timeout_s / 4))
+        last_gc = last_sync = _mono()
+        while True:
+            await asyncio.sleep(tick)
+            try:
+                for worker in self.registry.sweep():
+                    self._worker_died(worker)
+                now = _mono()
+                if now - last_gc >= gc_every:
+                    last_gc = now
+                    self._gc_idle(now)
+                if now - last_sync >= c.sync_interval_s:
+                    last_sync = now
+                    for worker in list(self.registry.workers.values()):
+                        if worker.state is WorkerState.ALIVE:
+                            self._spawn(self.sync_worker(worker))
+            except Exception:  # noqa: BLE001 - the monitor must keep running
+                logger.exception("controller monitor step failed")
+
+    def _worker_died(self, worker: Worker) -> None:
+        """End every session of a dead worker with ``task error``: abort calls in flight, park a final reply for idle ones."""
+        self.metrics.worker_deaths.labels(worker.name).inc()
+        reason = f"{worker.describe()} declared dead: {worker.reason}"
+        n = 0
+        for sid in list(worker.sessions):
+            session = self.sessions.open.get(sid)
+            if session is None:
+                worker.sessions.discard(sid)
+                continue
+            n += 1
+            session.abort = (SampleStatus.TASK_ERROR, reason)
+            if session.busy:
+                if session.call is not None and not session.call.done():
+                    session.call.cancel()
+                self._end(session, SampleStatus.TASK_ERROR, reason, log=False)
+            else:
+                self._end(session, SampleStatus.TASK_ERROR, reason, final=final_reply(SampleStatus.TASK_ERROR, reason), log=False)
+        if n:
+            logger.error("%d session(s) of %s ended with task error", n, worker.describe())
+
+    def _gc_idle(self, now: float) -> None:
+        limit = self.config.session_idle_timeout_s
+        for session in list(self.sessions.open.values()):
+            idle = now - session.last_active
+            if not session.busy and idle > limit:
+                reason = f"closed by the controller after {idle:.0f} s without interact (session idle timeout {limit:g} s)"
+                self._end(
+                    session, SampleStatus.TASK_ERROR, reason,
+                    final=final_reply(SampleStatus.TASK_ERROR, reason), cancel_on_worker=True,
+                )
+
+
+async def serve_controller(config: ControllerConfig) -> None:
+    """Run a controller until SIGINT/SIGTERM (the ``agentrl controller`` command)."""
+    from env_controller._http import wait_for_signal
+
+    controller = Controller(config)
+    await controller.start()
+    # what exists now (modules, classes, the app) lives as long as the process: keep it out of
+    # the collector's full passes, which would otherwise stall every request for tens of ms
+    gc.collect()
+    gc.freeze()
+    try:
+        await wait_for_signal()
+    finally:
+        logger.info("controller stopping")
+        await controller.stop()

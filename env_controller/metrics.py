@@ -1,0 +1,85 @@
+"""Prometheus metrics of the controller, served at ``/metrics`` (one registry per controller).
+
+Counters and histograms are updated on the request path; gauges (open sessions, workers by state)
+are read from the controller's tables at scrape time.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+#: fine buckets for the controller's own time (target p99 < 10 ms)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1.0)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 240.0)
+
+
+class _TableCollector(Collector):
+    """Gauges computed from the controller's tables when scraped."""
+
+    def __init__(
+        self,
+        sessions: Callable[[], dict[str, int]],
+        workers: Callable[[], dict[tuple[str, str], int]],
+    ) -> None:
+        self._sessions = sessions
+        self._workers = workers
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        """Yield the open-session and worker-state gauges."""
+        g = GaugeMetricFamily("agentrl_controller_sessions_open", "Open sessions per task", labels=["task"])
+        for task, n in sorted(self._sessions().items()):
+            g.add_metric([task], n)
+        yield g
+        w = GaugeMetricFamily("agentrl_controller_workers", "Registered workers per task and state", labels=["task", "state"])
+        for (task, state), n in sorted(self._workers().items()):
+            w.add_metric([task, state], n)
+        yield w
+
+
+class ControllerMetrics:
+    """The controller's metrics in their own :class:`CollectorRegistry`."""
+
+    def __init__(
+        self,
+        sessions: Callable[[], dict[str, int]],
+        workers: Callable[[], dict[tuple[str, str], int]],
+    ) -> None:
+        """``sessions()``: open sessions per task; ``workers()``: workers per (task, state)."""
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "agentrl_controller_requests", "HTTP requests by endpoint and status code", ["endpoint", "code"], registry=r
+        )
+        self.request_seconds = Histogram(
+            "agentrl_controller_request_seconds", "Handler wall time by endpoint", ["endpoint"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.overhead_seconds = Histogram(
+            "agentrl_controller_overhead_seconds",
+            "Controller time per start/interact, excluding the worker's own time",
+            ["endpoint"], buckets=OVERHEAD_BUCKETS, registry=r,
+        )
+        self.worker_call_seconds = Histogram(
+            "agentrl_controller_worker_call_seconds", "Round trip of controller -> worker calls", ["api"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.sessions_started = Counter("agentrl_controller_sessions_started", "Sessions started per task", ["task"], registry=r)
+        self.sessions_ended = Counter(
+            "agentrl_controller_sessions_ended", "Sessions ended per task and final status", ["task", "status"], registry=r
+        )
+        self.heartbeats = Counter("agentrl_controller_heartbeats", "Heartbeats received", registry=r)
+        self.worker_deaths = Counter("agentrl_controller_worker_deaths", "Workers declared dead per task", ["task"], registry=r)
+        self.worker_errors = Counter(
+            "agentrl_controller_worker_errors", "Failed controller -> worker calls by kind", ["api", "kind"], registry=r
+        )
+        r.register(_TableCollector(sessions, workers))
+        # label children looked up once (the hot path skips the labels() dict lookup)
+        self.overhead_interact = self.overhead_seconds.labels("interact")
+        self.overhead_start = self.overhead_seconds.labels("start_sample")
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,405 @@
+"""A task worker server: one of our :class:`~env_controller.tasks.Task` objects behind the
+AgentBench-FC / AgentRL task-worker HTTP protocol, so our controller (or AgentRL's) can drive it.
+
+Endpoints (under ``/api``, shapes as the ``agentrl-worker`` package serves them):
+
+* ``POST /start_sample {index, session_id}`` -> ``{messages, tools, status, finish, reward,
+  metric}`` with the ``session_id`` header; 400 duplicate id or bad index, 406 at concurrency.
+* ``POST /interact {session_id, messages}`` -> ``{session_id, env_out: {...the same reply...}}``;
+  400 ``No such session`` or a call still running.
+* ``POST /cancel {session_id}`` -> ``{session_id}``; ``POST /cancel_all``.
+* ``GET /get_indices``, ``GET /get_sessions`` (``{session_id: index}``), ``GET /worker_status``
+  (``{concurrency, current}``), ``POST /sample_status {session_id}``.
+
+Every reply carries ``x-worker-time`` (seconds the worker spent on it), which the controller
+subtracts to measure its own overhead. The server heartbeats ``{name, address, concurrency,
+indices}`` to ``<controller>/receive_heartbeat`` every ``heartbeat_interval_s``. A task that
+raises or runs past ``timeout_s`` ends its episode with ``task error``; a session left idle
+for ``session_idle_timeout_s`` (its controller gone) is closed. ``latency_s`` adds a simulated
+delay (uniform in [0.5, 1.5] x latency_s) to each start and interact, for benchmarks and tests.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from env_controller._http import (
+    MAX_BODY_BYTES,
+    SESSION_HEADER,
+    HttpError,
+    check_bind,
+    json_response,
+    make_middleware,
+    read_json_object,
+    session_id_from,
+    start_site,
+)
+from env_controller.local import MalformedMessageError, validate_assistant_messages
+from env_controller.protocol import SampleStatus, TaskReply
+from env_controller.tasks.base import Task, TaskSession
+
+logger = logging.getLogger(__name__)
+_perf = time.perf_counter
+
+
+@dataclass(eq=False)
+class _Open:
+    index: Any
+    session: TaskSession | None = None
+    busy: bool = True
+    running: asyncio.Future[Any] | None = None
+    last_active: float = field(default_factory=time.monotonic)
+
+
+def normalize_controller_url(url: str) -> str:
+    """``http://host:port`` or ``http://host:port/api`` -> ``http://host:port/api``."""
+    url = url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"controller URL {url!r} must start with http:// or https://, e.g. http://127.0.0.1:5020/api")
+    return url if url.endswith("/api") else url + "/api"
+
+
+def _wire(reply: TaskReply) -> dict[str, Any]:
+    return {
+        "messages": reply.messages,
+        "tools": reply.tools,
+        "status": reply.status.value,
+        "finish": reply.finish,
+        "reward": reply.reward,
+        "metric": reply.metrics,
+    }
+
+
+class WorkerServer:
+    """Serves one task over the task-worker protocol and heartbeats to a controller."""
+
+    def __init__(
+        self,
+        task: Task,
+        *,
+        name: str | None = None,
+        controller_url: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        self_address: str | None = None,
+        concurrency: int = 64,
+        heartbeat_interval_s: float = 2.0,
+        timeout_s: float = 60.0,
+        latency_s: float = 0.0,
+        token: str | None = None,
+        session_idle_timeout_s: float = 1800.0,
+    ) -> None:
+        """``task``: the task served; ``name``: its name on the wire (default ``task.name``);
+        ``controller_url``: where to heartbeat (None: no heartbeats); ``self_address``: the URL
+        the controller reaches this worker at (default ``http://<host>:<port>/api``);
+        ``concurrency``: open sessions allowed; the other arguments as in the module docstring.
+        """
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"worker: concurrency={concurrency!r} must be a positive integer")
+        for label, v in (("heartbeat_interval_s", heartbeat_interval_s), ("timeout_s", timeout_s),
+                         ("session_idle_timeout_s", session_idle_timeout_s)):
+            if not v > 0:
+                raise ValueError(f"worker: {label}={v!r} must be > 0")
+        if latency_s < 0:
+            raise ValueError(f"worker: latency_s={latency_s!r} must be >= 0")
+        self.task = task
+        self.name = name or getattr(task, "name", None) or type(task).__name__
+        self.controller_url = normalize_controller_url(controller_url) if controller_url else None
+        self.host = host
+        self.port = port
+        self._self_address = self_address.rstrip("/") if self_address else None
+        self.concurrency = concurrency
+        self.heartbeat_interval_s = float(heartbeat_interval_s)
+        self.timeout_s = float(timeout_s)
+        self.latency_s = float(latency_s)
+        self.token = token
+        self.session_idle_timeout_s = float(session_idle_timeout_s)
+        self.indices: list[Any] = list(task.indices())
+        self._index_set = set(self.indices)
+        self._sessions: dict[int, _Open] = {}
+        self._runner: web.AppRunner | None = None
+        self._http: aiohttp.ClientSession | None = None
+        self._loops: list[asyncio.Task[None]] = []
+        #: set once a heartbeat was accepted (created in start(), inside the loop)
+        self.heartbeat_ok: asyncio.Event | None = None
+        self.app = self._build_app()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """The URL the controller reaches this worker at (``.../api``)."""
+        if self._self_address:
+            return self._self_address
+        if self.port == 0:
+            raise RuntimeError("the worker is not started (port 0 is picked at start)")
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.getfqdn()
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}/api"
+
+    async def start(self) -> int:
+        """Bind, serve, and start heartbeating; returns the bound port."""
+        check_bind(self.host, self.token, "the worker")
+        self.heartbeat_ok = asyncio.Event()
+        self._runner, self.port = await start_site(self.app, self.host, self.port)
+        self._http = aiohttp.ClientSession()
+        self._loops.append(asyncio.create_task(self._gc_loop(), name="worker-gc"))
+        if self.controller_url:
+            self._loops.append(asyncio.create_task(self._heartbeat_loop(), name="worker-heartbeat"))
+        logger.info(
+            "worker %s listening on %s (concurrency %d, %d indices), controller %s",
+            self.name, self.address, self.concurrency, len(self.indices), self.controller_url or "none",
+        )
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop heartbeats, close every session, stop serving (bounded waits)."""
+        for t in self._loops:
+            t.cancel()
+        if self._loops:
+            await asyncio.gather(*self._loops, return_exceptions=True)
+        self._loops.clear()
+        for sid in list(self._sessions):
+            await self._cancel(sid)
+        if self._runner is not None:
+            await asyncio.wait_for(self._runner.cleanup(), timeout=10)
+            self._runner = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    async def __aenter__(self) -> "WorkerServer":
+        """``async with WorkerServer(...) as w:`` starts it."""
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        """Stops it."""
+        await self.stop()
+
+    # -- app -------------------------------------------------------------------------------------
+
+    def _build_app(self) -> web.Application:
+        app = web.Application(middlewares=[make_middleware(self.token)], client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/api/start_sample", self._h_start)
+        app.router.add_post("/api/interact", self._h_interact)
+        app.router.add_post("/api/cancel", self._h_cancel)
+        app.router.add_post("/api/cancel_all", self._h_cancel_all)
+        app.router.add_post("/api/sample_status", self._h_sample_status)
+        app.router.add_get("/api/get_indices", self._h_get_indices)
+        app.router.add_get("/api/get_sessions", self._h_get_sessions)
+        app.router.add_get("/api/worker_status", self._h_worker_status)
+        return app
+
+    async def _delay(self) -> None:
+        if self.latency_s > 0:
+            await asyncio.sleep(self.latency_s * random.uniform(0.5, 1.5))
+
+    def _error_reply(self, what: str, exc: BaseException) -> TaskReply:
+        if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+            logger.error("%s timed out after %g s", what, self.timeout_s)
+        else:
+            logger.error("%s failed: %s", what, exc, exc_info=exc)
+        return TaskReply(messages=[], status=SampleStatus.TASK_ERROR, finish=True)
+
+    async def _close(self, session: TaskSession | None, sid: int) -> None:
+        if session is None:
+            return
+        try:
+            await asyncio.wait_for(session.close(), self.timeout_s)
+        except Exception:  # noqa: BLE001 - closing is best effort
+            logger.exception("closing session %d failed", sid)
+
+    # -- handlers --------------------------------------------------------------------------------
+
+    async def _h_start(self, request: web.Request) -> web.Response:
+        t0 = _perf()
+        body = await read_json_object(request)
+        sid = session_id_from(body.get("session_id"), "'session_id'")
+        if "index" not in body:
+            raise HttpError(400, "missing 'index': the sample index to start")
+        index = body["index"]
+        if body.get("custom_task") is not None:
+            raise HttpError(400, f"worker {self.name!r} serves its own samples only; 'custom_task' is not supported")
+        if sid in self._sessions:
+            raise HttpError(400, "Session ID already exists")
+        if len(self._sessions) >= self.concurrency:
+            raise HttpError(406, f"Sample concurrency limit reached: {self.concurrency}")
+        if isinstance(index, bool) or index not in self._index_set:
+            raise HttpError(400, f"task {self.name!r} has no sample index {index!r}; it has {len(self.indices)} indices")
+        entry = _Open(index)
+        self._sessions[sid] = entry
+
+        async def run() -> tuple[TaskSession, TaskReply]:
+            await self._delay()
+            return await asyncio.wait_for(self.task.start(index), self.timeout_s)
+
+        session: TaskSession | None = None
+        entry.running = asyncio.ensure_future(run())
+        try:
+            session, reply = await entry.running
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():
+                raise
+            reply = TaskReply(messages=[], status=SampleStatus.CANCELLED, finish=True)
+        except Exception as e:  # noqa: BLE001 - a task's failure ends its sample
+            reply = self._error_reply(f"start of {self.name!r} index {index!r} (session {sid})", e)
+        finally:
+            entry.running = None
+            entry.busy = False
+        if self._sessions.get(sid) is not entry:  # cancelled while starting
+            await self._close(session, sid)
+            reply = TaskReply(messages=[], status=SampleStatus.CANCELLED, finish=True)
+        elif reply.finish:
+            del self._sessions[sid]
+            await self._close(session, sid)
+        else:
+            entry.session = session
+            entry.last_active = time.monotonic()
+        return json_response(_wire(reply), headers={SESSION_HEADER: str(sid), "x-worker-time": f"{_perf() - t0:.6f}"})
+
+    async def _h_interact(self, request: web.Request) -> web.Response:
+        t0 = _perf()
+        body = await read_json_object(request)
+        sid = session_id_from(body.get("session_id"), "'session_id'")
+        entry = self._sessions.get(sid)
+        if entry is None:
+            raise HttpError(400, "No such session")
+        if entry.busy or entry.session is None:
+            raise HttpError(400, "Task Executing, please do not send new request.")
+        try:
+            message = validate_assistant_messages(body.get("messages"))
+        except MalformedMessageError as e:
+            raise HttpError(400, str(e)) from None
+        session = entry.session
+        entry.busy = True
+        entry.last_active = time.monotonic()
+
+        async def run() -> TaskReply:
+            await self._delay()
+            return await asyncio.wait_for(session.interact(message), self.timeout_s)
+
+        entry.running = asyncio.ensure_future(run())
+        try:
+            reply = await entry.running
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():
+                raise
+            reply = TaskReply(messages=[], status=SampleStatus.CANCELLED, finish=True)
+        except Exception as e:  # noqa: BLE001 - a task's failure ends its sample
+            reply = self._error_reply(f"interact of {self.name!r} session {sid}", e)
+        finally:
+            entry.running = None
+            entry.busy = False
+            entry.last_active = time.monotonic()
+        if reply.finish and self._sessions.get(sid) is entry:
+            del self._sessions[sid]
+            await self._close(session, sid)
+        return json_response(
+            {"session_id": sid, "env_out": _wire(reply)}, headers={"x-worker-time": f"{_perf() - t0:.6f}"}
+        )
+
+    async def _cancel(self, sid: int) -> bool:
+        entry = self._sessions.pop(sid, None)
+        if entry is None:
+            return False
+        if entry.running is not None and not entry.running.done():
+            entry.running.cancel()
+            await asyncio.wait([entry.running], timeout=self.timeout_s)
+        await self._close(entry.session, sid)
+        return True
+
+    async def _h_cancel(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request)
+        sid = session_id_from(body.get("session_id"), "'session_id'")
+        if not await self._cancel(sid):
+            raise HttpError(400, "No such session")
+        return json_response({"session_id": sid})
+
+    async def _h_cancel_all(self, request: web.Request) -> web.Response:
+        sids = list(self._sessions)
+        await asyncio.gather(*(self._cancel(sid) for sid in sids))
+        return json_response({"cancelled": sids})
+
+    async def _h_sample_status(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request)
+        sid = session_id_from(body.get("session_id"), "'session_id'")
+        entry = self._sessions.get(sid)
+        if entry is None:
+            raise HttpError(400, "No such session")
+        return json_response({"session_id": sid, "index": entry.index, "status": {"busy": entry.busy}})
+
+    async def _h_get_indices(self, request: web.Request) -> web.Response:
+        return json_response(self.indices)
+
+    async def _h_get_sessions(self, request: web.Request) -> web.Response:
+        return json_response({str(sid): e.index for sid, e in self._sessions.items()})
+
+    async def _h_worker_status(self, request: web.Request) -> web.Response:
+        return json_response({"concurrency": self.concurrency, "current": len(self._sessions)})
+
+    # -- background ------------------------------------------------------------------------------
+
+    async def heartbeat_once(self) -> bool:
+        """Send one heartbeat; True when the controller accepted it (failures are logged)."""
+        assert self._http is not None and self.controller_url is not None
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+        body = {"name": self.name, "address": self.address, "concurrency": self.concurrency, "indices": self.indices}
+        timeout = aiohttp.ClientTimeout(total=max(2.0, self.heartbeat_interval_s))
+        try:
+            async with self._http.post(
+                self.controller_url + "/receive_heartbeat", json=body, headers=headers, timeout=timeout
+            ) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    logger.error("controller rejected the heartbeat of %s: HTTP %d %s", self.name, resp.status, text[:500])
+                    return False
+        except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError) as e:
+            logger.debug("heartbeat to %s failed: %r", self.controller_url, e)
+            return False
+        return True
+
+    async def _heartbeat_loop(self) -> None:
+        failing_since: float | None = None
+        last_log = 0.0
+        while True:
+            ok = await self.heartbeat_once()
+            now = time.monotonic()
+            if ok:
+                assert self.heartbeat_ok is not None
+                self.heartbeat_ok.set()
+                if failing_since is not None:
+                    logger.info("heartbeats to %s work again", self.controller_url)
+                failing_since = None
+            else:
+                if failing_since is None:
+                    failing_since = now
+                if now - last_log > 30:
+                    last_log = now
+                    logger.warning(
+                        "heartbeats of %s to %s failing for %.0f s", self.name, self.controller_url, now - failing_since
+                    )
+            await asyncio.sleep(self.heartbeat_interval_s)
+
+    async def _gc_loop(self) -> None:
+        every = min(60.0, self.session_idle_timeout_s / 4)
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            for sid, entry in list(self._sessions.items()):
+                if not entry.busy and now - entry.last_active > self.session_idle_timeout_s:
+                    logger.warning("closing session %d: idle for %.0f s", sid, now - entry.last_active)
+                    await self._cancel(sid)
+

@@ -87,6 +87,19 @@ class RolloutConfig:
     prompts_per_step: distinct task samples per RL step; samples_per_prompt: group size for GRPO.
     max_turns: agent turns per episode; max_new_tokens: tokens per turn;
     max_total_tokens: whole-episode cap (context limit).
+
+    Engines, versions and weight sync (``rollout_sglang.version_pool``, ``megatron_agentrl.weight_sync``):
+    max_versions: version slots kept alive (each sync updates the oldest slot, so the pool holds
+        the latest ``max_versions`` weight versions); engines_per_slot: engines per slot.
+    cross_policy: which version samples each turn: "latest" (on-policy, cross-policy off),
+        "uniform" (every live version alike), "recency" (k-th newest with weight recency_decay**k).
+    recency_decay: in (0, 1], used by "recency".
+    engine_timeout_s: limit on one generate call and on draining a slot before its update, seconds.
+    engine_startup_timeout_s: limit on an SGLang server becoming healthy, seconds.
+    weight_sync_bucket_mb: bucket size of the weight broadcast, MiB.
+    weight_sync_init_timeout_s / weight_sync_bucket_timeout_s: limits on the weight-sync group
+        rendezvous and on each bucket, seconds.
+    weight_sync_checksum: verify every bucket on engines that support it (not SGLang's API).
     """
 
     prompts_per_step: int = 8
@@ -96,6 +109,16 @@ class RolloutConfig:
     max_turns: int = 4
     max_new_tokens: int = 48
     max_total_tokens: int = 512
+    max_versions: int = 1
+    engines_per_slot: int = 1
+    cross_policy: str = "latest"
+    recency_decay: float = 0.5
+    engine_timeout_s: float = 600.0
+    engine_startup_timeout_s: float = 900.0
+    weight_sync_bucket_mb: int = 512
+    weight_sync_init_timeout_s: float = 300.0
+    weight_sync_bucket_timeout_s: float = 120.0
+    weight_sync_checksum: bool = False
 
 
 @dataclass
@@ -155,6 +178,19 @@ class Config:
             raise ConfigError(f"rollout.temperature={self.rollout.temperature!r} must be > 0 (use a small value such as 0.01 for near-greedy)")
         if not 0 < self.rollout.top_p <= 1:
             raise ConfigError(f"rollout.top_p={self.rollout.top_p!r} must be in (0, 1]")
+        _positive(self, "rollout.max_versions", "rollout.engines_per_slot", "rollout.weight_sync_bucket_mb")
+        if self.rollout.cross_policy not in ("latest", "uniform", "recency"):
+            raise ConfigError(f"rollout.cross_policy={self.rollout.cross_policy!r} is not one of latest, uniform, recency "
+                              "(latest = on-policy, cross-policy sampling off)")
+        if not 0 < self.rollout.recency_decay <= 1:
+            raise ConfigError(f"rollout.recency_decay={self.rollout.recency_decay!r} must be in (0, 1]")
+        if self.rollout.cross_policy != "latest" and self.rollout.max_versions < 2:
+            raise ConfigError(f"rollout.cross_policy={self.rollout.cross_policy!r} needs rollout.max_versions >= 2 "
+                              "(one slot holds only the latest version); raise max_versions or use cross_policy=latest")
+        for key in ("engine_timeout_s", "engine_startup_timeout_s", "weight_sync_init_timeout_s",
+                    "weight_sync_bucket_timeout_s"):
+            if not getattr(self.rollout, key) > 0:
+                raise ConfigError(f"rollout.{key}={getattr(self.rollout, key)!r} must be > 0 seconds")
         if self.eval.samples_per_task < 0:
             raise ConfigError(f"eval.samples_per_task={self.eval.samples_per_task!r} must be >= 0 (0 disables evaluation)")
         if not self.eval.temperature > 0:

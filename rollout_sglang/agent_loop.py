@@ -9,6 +9,12 @@ engine sampled.
 :func:`run_group_lockstep` runs a set of episodes (typically the samples of one or a few GRPO
 groups) in lockstep: per turn, one batched ``engine.generate`` over every episode still running,
 then all their environment calls concurrently.
+
+Given a :class:`~rollout_sglang.version_pool.VersionPool` instead of one engine, every turn of
+every episode is routed by the pool: its cross-policy draws a weight-version slot per turn, its
+router keeps an episode's turns on one engine of the slot where it can (prefix-cache reuse), and
+the episodes that land on the same engine share one batched call. Each turn records the version
+that sampled it and that engine's per-token log-probs.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from rollout_sglang.chat_template import ChatTemplate
 from rollout_sglang.engine import Engine, SamplingParams
 from rollout_sglang.tool_parser import ToolCallParseError, parse_assistant_text
 from rollout_sglang.trajectory import Trajectory
+from rollout_sglang.version_pool import VersionPool
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +181,7 @@ async def _interact(
 
 
 async def run_group_lockstep(
-    engine: Engine,
+    engine: Engine | VersionPool,
     env: EnvClient,
     template: ChatTemplate,
     requests: list[tuple[str, int, int]],
@@ -186,10 +193,13 @@ async def run_group_lockstep(
 ) -> list[Trajectory]:
     """Run one episode per request in lockstep and return their Trajectories (same order).
 
+    engine: one engine, or a VersionPool (per-turn slot choice by its cross-policy, see the module doc).
     requests: ``(task, index, group_id)`` per episode.
     params: sampling settings of every turn; the template's stop tokens are added to
         ``stop_token_ids``; ``max_new_tokens`` caps each turn; with ``seed`` set, turn ``k`` uses
-        ``seed + k * len(requests)`` so turns and rows never share a random stream.
+        ``seed + k * len(requests)`` so turns and rows never share a random stream (with a pool of
+        E engines: ``seed + k * len(requests) * E``, and the pool offsets each engine's call, see
+        ``VersionPool.generate``).
     max_turns: generated turns per episode; an episode still running after that many ends with
         "task limit reached" (and its env session is cancelled).
     max_total_tokens: cap on prompt + all turns + env replies; a turn is cut so the total never
@@ -220,8 +230,36 @@ async def run_group_lockstep(
     stop_ids = list(dict.fromkeys(list(params.stop_token_ids) + template.stop_token_ids))
     stop_set = set(stop_ids)
 
-    await asyncio.gather(*(_start(env, template, ep, max_total_tokens, env_timeout_s) for ep in episodes))
+    pool = engine if isinstance(engine, VersionPool) else None
+    seed_stride = len(requests) * (len(pool.engines) if pool is not None else 1)
+    call_id = object()  # router keys of this call's episodes: (call_id, episode index)
+    keys = {id(ep): (call_id, i) for i, ep in enumerate(episodes)}
 
+    await asyncio.gather(*(_start(env, template, ep, max_total_tokens, env_timeout_s) for ep in episodes))
+    try:
+        return await _turns(engine, pool, env, template, episodes, params, stop_ids, stop_set, seed_stride, keys,
+                            max_turns, max_total_tokens, env_timeout_s)
+    finally:
+        if pool is not None:
+            pool.forget(list(keys.values()))
+
+
+async def _turns(
+    engine: Any,
+    pool: VersionPool | None,
+    env: EnvClient,
+    template: ChatTemplate,
+    episodes: list[_Episode],
+    params: SamplingParams,
+    stop_ids: list[int],
+    stop_set: set[int],
+    seed_stride: int,
+    keys: dict[int, Any],
+    max_turns: int,
+    max_total_tokens: int,
+    env_timeout_s: float,
+) -> list[Trajectory]:
+    """The lockstep turns of :func:`run_group_lockstep` (one generate round, then the env calls)."""
     turn = 0
     while True:
         active = [ep for ep in episodes if not ep.done]
@@ -232,11 +270,15 @@ async def run_group_lockstep(
             params,
             max_new_tokens=max(caps),
             stop_token_ids=stop_ids,
-            seed=None if params.seed is None else params.seed + turn * len(requests),
+            seed=None if params.seed is None else params.seed + turn * seed_stride,
         )
         t0 = time.perf_counter()
         try:
-            outputs = await engine.generate([ep.traj.token_ids for ep in active], gen_params)
+            prompts = [ep.traj.token_ids for ep in active]
+            if pool is None:
+                outputs = await engine.generate(prompts, gen_params)
+            else:
+                outputs = await pool.generate(prompts, gen_params, keys=[keys[id(ep)] for ep in active])
         except BaseException:
             logger.exception("engine.generate failed on turn %d; cancelling %d env sessions", turn, len(active))
             await asyncio.gather(*(_cancel(env, ep, env_timeout_s) for ep in active))

@@ -1,0 +1,208 @@
+"""Packing Hugging Face-named tensors into flat, single-dtype buckets for broadcast.
+
+A bucket is one contiguous 1-D tensor of a single dtype holding several parameters back to
+back (row-major, no padding), in the layout of SGLang's ``FlattenedTensorBucket``
+(``load_format="flattened_bucket"`` of ``/update_weights_from_distributed``): tensor ``i``
+occupies elements ``[offset_i, offset_i + numel_i)``. The receiving side rebuilds the tensors
+from the bucket's ``names``, ``dtypes`` and ``shapes`` alone.
+
+Buckets are planned greedily in the order the tensors arrive: a bucket closes when the next
+tensor would push it past ``bucket_bytes`` or has another dtype; a tensor larger than
+``bucket_bytes`` gets a bucket of its own.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+    torch.int64: "int64",
+    torch.int32: "int32",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.bool: "bool",
+}
+_NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The SGLang wire name of a dtype ("bfloat16", "float32", ...; ``getattr(torch, name)`` inverts it)."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot be sent in a weight bucket; supported: {sorted(_NAME_DTYPES)}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`; accepts a "torch." prefix. ValueError naming the bad value."""
+    key = str(name).removeprefix("torch.")
+    try:
+        return _NAME_DTYPES[key]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r} in a weight bucket; expected one of {sorted(_NAME_DTYPES)}") from None
+
+
+@dataclass
+class BucketMeta:
+    """Everything a receiver needs to rebuild one bucket.
+
+    index: position of the bucket in its sync (0-based, per PP stage).
+    dtype: the single dtype of every tensor in the bucket.
+    names / shapes: the tensors, in packing order (Hugging Face names).
+    numel: total elements; nbytes: total bytes (= numel * element size).
+    checksum: :func:`bucket_checksum` of the packed bucket, filled by the sender when verifying.
+    """
+
+    index: int
+    dtype: torch.dtype
+    names: list[str] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    numel: int = 0
+    checksum: list[int] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed bucket."""
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def offsets(self) -> list[tuple[int, int]]:
+        """``[start, end)`` element range of each tensor in the flat bucket."""
+        out, off = [], 0
+        for s in self.shapes:
+            n = math.prod(s)
+            out.append((off, off + n))
+            off += n
+        return out
+
+    def wire(self) -> dict:
+        """The SGLang request fields: ``{"names", "dtypes", "shapes"}`` (one dtype string per tensor)."""
+        d = dtype_name(self.dtype)
+        return {"names": list(self.names), "dtypes": [d] * len(self.names), "shapes": [list(s) for s in self.shapes]}
+
+    @classmethod
+    def from_wire(cls, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], index: int = 0) -> "BucketMeta":
+        """Rebuild the metadata from SGLang request fields; ValueError when lengths differ or dtypes are mixed."""
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) must have the same length")
+        if not names:
+            raise ValueError("a weight bucket needs at least one tensor (names is empty)")
+        kinds = {dtype_from_name(d) for d in dtypes}
+        if len(kinds) != 1:
+            raise ValueError(f"a flattened bucket holds one dtype, got {sorted(str(k) for k in kinds)}; split it by dtype")
+        meta = cls(index=index, dtype=kinds.pop())
+        for n, s in zip(names, shapes):
+            meta.names.append(str(n))
+            meta.shapes.append(tuple(int(x) for x in s))
+            meta.numel += math.prod(meta.shapes[-1])
+        return meta
+
+
+def plan_buckets(specs: Iterable[tuple[str, Sequence[int], torch.dtype]], bucket_bytes: int) -> list[BucketMeta]:
+    """Group ``(name, shape, dtype)`` specs into buckets of at most ``bucket_bytes`` each (see module doc)."""
+    return list(_plan(((n, tuple(s), d) for n, s, d in specs), bucket_bytes))
+
+
+def _plan(specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int) -> Iterator[BucketMeta]:
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
+    cur: BucketMeta | None = None
+    index = 0
+    for name, shape, dtype in specs:
+        n = math.prod(shape)
+        size = n * torch.empty((), dtype=dtype).element_size()
+        if cur is not None and (cur.dtype != dtype or cur.nbytes + size > bucket_bytes):
+            yield cur
+            index += 1
+            cur = None
+        if cur is None:
+            cur = BucketMeta(index=index, dtype=dtype)
+        cur.names.append(name)
+        cur.shapes.append(shape)
+        cur.numel += n
+    if cur is not None:
+        yield cur
+
+
+def iter_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[tuple[BucketMeta, list[torch.Tensor]]]:
+    """Stream ``(meta, tensors)`` buckets from a stream of (name, tensor) pairs (greedy, as planned)."""
+    cur: BucketMeta | None = None
+    tensors: list[torch.Tensor] = []
+    index = 0
+    for name, t in named:
+        size = t.numel() * t.element_size()
+        if cur is not None and (cur.dtype != t.dtype or cur.nbytes + size > bucket_bytes):
+            yield cur, tensors
+            index += 1
+            cur, tensors = None, []
+        if cur is None:
+            cur = BucketMeta(index=index, dtype=t.dtype)
+        cur.names.append(name)
+        cur.shapes.append(tuple(t.shape))
+        cur.numel += t.numel()
+        tensors.append(t)
+    if cur is not None:
+        yield cur, tensors
+
+
+def pack_into(buffer: torch.Tensor, meta: BucketMeta, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Copy ``tensors`` into the first ``meta.nbytes`` of ``buffer`` (a uint8 tensor); returns the typed flat view.
+
+    ``buffer`` must be a contiguous uint8 tensor with at least ``meta.nbytes`` elements on the
+    device the bucket is sent from; a too-small buffer raises ValueError.
+    """
+    if buffer.dtype != torch.uint8 or buffer.ndim != 1:
+        raise ValueError("pack_into needs a 1-D uint8 buffer")
+    if buffer.numel() < meta.nbytes:
+        raise ValueError(f"buffer of {buffer.numel()} bytes is too small for bucket {meta.index} ({meta.nbytes} bytes)")
+    flat = buffer[: meta.nbytes].view(meta.dtype)
+    for (start, end), t in zip(meta.offsets(), tensors):
+        flat[start:end].view(t.shape).copy_(t, non_blocking=True)
+    return flat
+
+
+def pack(meta: BucketMeta, tensors: Sequence[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
+    """A new flat 1-D tensor of ``meta.dtype`` holding ``tensors`` back to back."""
+    dev = torch.device(device) if device is not None else (tensors[0].device if tensors else torch.device("cpu"))
+    buf = torch.empty(meta.nbytes, dtype=torch.uint8, device=dev)
+    return pack_into(buf, meta, tensors)
+
+
+def unpack(flat: torch.Tensor, meta: BucketMeta) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) views into ``flat`` (no copy), in packing order. ValueError when sizes disagree."""
+    if flat.numel() != meta.numel or flat.dtype != meta.dtype:
+        raise ValueError(
+            f"bucket {meta.index}: flat tensor has {flat.numel()} x {flat.dtype}, metadata says {meta.numel} x {meta.dtype}"
+        )
+    return [(n, flat[s:e].view(shape)) for n, shape, (s, e) in zip(meta.names, meta.shapes, meta.offsets())]
+
+
+_CHECK_PERIOD = 251  # prime: a shift of the bytes by any amount that is not a multiple of 502 bytes shows
+
+
+def bucket_checksum(flat: torch.Tensor) -> list[int]:
+    """Exact, device-independent checksum of a packed bucket: ``[sum(w_i), sum((i mod 251 + 1) * w_i)]``.
+
+    The bucket's bytes are read as 16-bit words ``w_i`` (8-bit for odd byte counts) and summed in
+    int64, so the same bytes give the same two numbers on CPU and GPU; the position-weighted sum
+    catches swapped or shifted data that a plain sum misses. Cost: one reduction over a
+    ``[n / 251, 251]`` view, no copy.
+    """
+    raw = flat.contiguous().view(-1).view(torch.uint8)
+    words = raw.view(torch.int16) if raw.numel() % 2 == 0 else raw
+    n = words.numel()
+    main = n - n % _CHECK_PERIOD
+    weights = torch.arange(1, _CHECK_PERIOD + 1, dtype=torch.int64, device=words.device)
+    cols = words[:main].view(-1, _CHECK_PERIOD).sum(dim=0, dtype=torch.int64) if main else weights.new_zeros(_CHECK_PERIOD)
+    tail = words[main:].to(torch.int64)
+    total = int(cols.sum()) + int(tail.sum())
+    weighted = int((cols * weights).sum()) + int((tail * weights[: tail.numel()]).sum())
+    return [total, weighted]

@@ -1,0 +1,127 @@
+"""Engine side of the weight sync for engines that are not SGLang (the local engine, the stand-in).
+
+What an SGLang server does for ``/init_weights_update_group`` and
+``/update_weights_from_distributed``, in plain torch: join the group at ``rank_offset``, then per
+request receive either one flattened bucket (``load_format="flattened_bucket"``, one broadcast)
+or one broadcast per tensor (SGLang's default), and hand the tensors to the engine.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from megatron_agentrl.weight_sync.buckets import BucketMeta, bucket_checksum, dtype_from_name, unpack
+from megatron_agentrl.weight_sync.group import WeightGroup, init_weight_group
+
+logger = logging.getLogger(__name__)
+
+
+class ChecksumMismatch(RuntimeError):
+    """A received bucket's checksum differs from the sender's."""
+
+
+class BucketReceiver:
+    """One engine rank's groups and receive buffers.
+
+    Thread-safe per group (one receive at a time per group). The tensors returned by
+    :meth:`receive` are views of a receive buffer that the next :meth:`receive` on the same
+    group overwrites: load them into the model before receiving again.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[str, WeightGroup] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._group_locks: dict[str, threading.Lock] = {}
+
+    def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str, backend: str | None = None, timeout_s: float = 300.0) -> None:
+        """Join ``group_name`` as group rank ``rank_offset`` (this engine has one rank). Blocks until all joined."""
+        with self._lock:
+            if group_name in self._groups:
+                raise ValueError(f"weight-sync group {group_name!r} already exists on this engine; destroy it first")
+        group = init_weight_group(master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s)
+        with self._lock:
+            self._groups[group_name] = group
+            self._group_locks[group_name] = threading.Lock()
+
+    def destroy_group(self, group_name: str) -> None:
+        """Leave ``group_name``; KeyError naming the known groups when it does not exist."""
+        with self._lock:
+            group = self._groups.pop(group_name, None)
+            self._buffers.pop(group_name, None)
+            self._group_locks.pop(group_name, None)
+        if group is None:
+            raise KeyError(f"no weight-sync group {group_name!r} on this engine (known: {sorted(self._groups)})")
+        group.close()
+
+    def has_group(self, group_name: str) -> bool:
+        """Whether ``group_name`` was initialised here."""
+        return group_name in self._groups
+
+    def _group(self, group_name: str) -> WeightGroup:
+        group = self._groups.get(group_name)
+        if group is None:
+            raise KeyError(
+                f"weight-sync group {group_name!r} is not initialised on this engine (known: {sorted(self._groups)}); "
+                "call /init_weights_update_group first"
+            )
+        return group
+
+    def receive(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], group_name: str,
+                load_format: str | None = None, timeout_s: float | None = None,
+                checksum: Sequence[int] | None = None) -> list[tuple[str, torch.Tensor]]:
+        """Receive one update request's tensors from group rank 0; returns (name, tensor) pairs.
+
+        load_format "flattened_bucket": one broadcast of a flat tensor of the (single) dtype, then
+        split; None: one broadcast per tensor, in order. ``checksum``: the sender's
+        :func:`bucket_checksum` of the flat bucket; a mismatch raises ChecksumMismatch.
+        """
+        group = self._group(group_name)
+        with self._group_locks[group_name]:
+            if load_format == "flattened_bucket":
+                meta = BucketMeta.from_wire(names, dtypes, shapes)
+                buf = self._buffers.get(group_name)
+                if buf is None or buf.numel() < meta.nbytes:
+                    buf = torch.empty(meta.nbytes, dtype=torch.uint8, device=group.device)
+                    self._buffers[group_name] = buf
+                flat = buf[: meta.nbytes].view(meta.dtype)
+                group.broadcast(flat, src=0, timeout_s=timeout_s)
+                if checksum is not None:
+                    got = bucket_checksum(flat)
+                    if list(got) != [int(x) for x in checksum]:
+                        raise ChecksumMismatch(
+                            f"bucket of {len(names)} tensors ({names[0]} ...) arrived with checksum {got}, "
+                            f"the sender packed {list(checksum)}: the transfer corrupted it"
+                        )
+                return unpack(flat, meta)
+            if load_format not in (None, "", "auto"):
+                raise ValueError(f"load_format={load_format!r} is not supported here; use 'flattened_bucket' or none")
+            out = []
+            for name, d, s in zip(names, dtypes, shapes):
+                t = torch.empty(tuple(int(x) for x in s), dtype=dtype_from_name(d), device=group.device)
+                group.broadcast(t, src=0, timeout_s=timeout_s)
+                out.append((str(name), t))
+            return out
+
+    def raw_receive(self, nbytes: int, group_name: str, timeout_s: float | None = None) -> float:
+        """Receive one raw flat uint8 broadcast of ``nbytes`` (the benchmark's baseline); returns a byte sum probe."""
+        group = self._group(group_name)
+        with self._group_locks[group_name]:
+            buf = self._buffers.get(group_name)
+            if buf is None or buf.numel() < nbytes:
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+                self._buffers[group_name] = buf
+            group.broadcast(buf[:nbytes], src=0, timeout_s=timeout_s)
+            return float(buf[: min(nbytes, 1024)].sum())
+
+    def close(self) -> None:
+        """Leave every group."""
+        for name in list(self._groups):
+            try:
+                self.destroy_group(name)
+            except KeyError:
+                pass

@@ -1,0 +1,409 @@
+"""Trainer side of the weight sync: gather over TP, name in HF, bucket, broadcast to one slot.
+
+Per sync, on every trainer rank (:meth:`WeightSender.sync`, collective):
+
+1. each pipeline stage's tensor-parallel group all-gathers its parameters (only data-parallel
+   replica 0 takes part) and converts them to Hugging Face names with the family mapping
+   (:func:`stage_hf_tensors`), one parameter at a time, so memory stays at one bucket;
+2. the stage's *source* rank (tp_rank 0 of DP replica 0) packs them into single-dtype buckets of
+   ``bucket_mb`` (:mod:`.buckets`) and, per bucket, asks every engine of the slot to receive it
+   (SGLang ``/update_weights_from_distributed`` with ``load_format="flattened_bucket"``) while it
+   broadcasts the bucket on the slot's dedicated group (:class:`BucketBroadcaster`); packing of
+   bucket k+1 overlaps the broadcast of bucket k (two pinned buffers);
+3. all ranks agree on success (an all-reduce of a failure flag), so a failed or timed-out sync
+   raises :class:`WeightSyncError` everywhere.
+
+Engines that live in the source's own process (the local engine of the synchronous loop) get
+the buckets directly through the engine protocol (``receive_bucket``), no group needed.
+Pausing the slot, the version stamp and cache flushing are the version pool's part
+(``rollout_sglang.version_pool.VersionPool.begin_update`` / ``end_update``).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from megatron_agentrl.weight_sync.buckets import BucketMeta, bucket_checksum, iter_buckets, pack_into
+from megatron_agentrl.weight_sync.group import WeightGroup, WeightSyncTimeout, default_backend, free_port, init_weight_group
+
+logger = logging.getLogger(__name__)
+
+MB = 1024 * 1024
+OUTPUT_LAYER = "output_layer.weight"
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync failed (an engine refused a bucket, a timeout, a checksum mismatch)."""
+
+
+@runtime_checkable
+class WeightUpdateTarget(Protocol):
+    """An engine that receives weights over a weight-sync group (SGLang's HTTP API, or the stand-in).
+
+    num_ranks: ranks the engine contributes to the group (an SGLang server: its TP size).
+    name: for messages (e.g. the server URL).
+    supports_checksum: whether :meth:`update_weights_from_distributed` can verify a checksum.
+    """
+
+    name: str
+    num_ranks: int
+    supports_checksum: bool
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str, timeout_s: float) -> None:
+        """Join the group (blocks until every rank joined); raises with the engine's message on failure."""
+        ...
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str, *, load_format: str | None, flush_cache: bool,
+                                        weight_version: str | None, checksum: list[int] | None,
+                                        timeout_s: float) -> None:
+        """Receive one bucket from group rank 0 and load it; raises with the engine's message on failure."""
+        ...
+
+    def destroy_weights_update_group(self, group_name: str, timeout_s: float) -> None:
+        """Leave the group."""
+        ...
+
+
+@dataclass
+class SyncStats:
+    """What one sync moved: ``buckets``, ``bytes`` and ``seconds`` (wall time on this rank)."""
+
+    version: int
+    buckets: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    per_stage: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def gb_per_s(self) -> float:
+        """Throughput in GB/s (1e9 bytes)."""
+        return self.bytes / max(self.seconds, 1e-9) / 1e9
+
+
+def stage_hf_tensors(actor: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """This PP stage's parameters as full (TP-gathered, vocab-unpadded) Hugging Face tensors.
+
+    Yields ``(hf_name, tensor)`` in model order, on the actor's device, in the model's dtype.
+    Collective over the tensor-parallel group: every TP rank of the stage must run the iterator
+    to the end. The last stage's copy of a tied embedding is skipped (stage 0 sends it).
+    """
+    from megatron.core import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tied = bool(getattr(actor.hf_config, "tie_word_embeddings", False))
+    for name, p in actor.named_params:
+        if tied and name == OUTPUT_LAYER:
+            continue
+        t = p.detach().contiguous()
+        if actor.tp > 1 and actor.mapping.tp_layout(name).partition_dim is not None:
+            shards = [torch.empty_like(t) for _ in range(actor.tp)]
+            dist.all_gather(shards, t, group=tp_group)
+        else:
+            shards = [t]
+        full = actor.mapping.unshard(name, shards, strip_vocab=True)
+        for hf_name, x in actor.mapping.to_hf(name, full).items():
+            yield hf_name, x.contiguous()
+
+
+def deliver_direct(engines: Sequence[Any], named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> SyncStats:
+    """Hand (name, tensor) pairs to in-process engines bucket by bucket (``engine.receive_bucket``).
+
+    The engines' update must already be open (``begin_weight_update``, done by the version pool).
+    Returns the stats (version -1: the caller knows it).
+    """
+    stats = SyncStats(version=-1)
+    t0 = time.perf_counter()
+    for meta, tensors in iter_buckets(named, bucket_bytes):
+        pairs = list(zip(meta.names, tensors))
+        for e in engines:
+            e.receive_bucket(pairs)
+        stats.buckets += 1
+        stats.bytes += meta.nbytes
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+class BucketBroadcaster:
+    """Group rank 0 of one weight-sync group: sends buckets to every target engine of a slot.
+
+    targets: the engines (each contributes ``num_ranks`` ranks, in list order, after rank 0).
+    group_name: the group's name (engines key their groups by it).
+    master_address: an address of this host that every engine can reach (the TCPStore lives here).
+    backend: "nccl" / "gloo" (None: NCCL when CUDA is available).
+    init_timeout_s: limit on the group rendezvous; bucket_timeout_s: limit on each bucket
+        (broadcast plus the engines' acknowledgement).
+    checksum: send each bucket's checksum to targets that can verify it.
+    """
+
+    def __init__(self, targets: Sequence[WeightUpdateTarget], group_name: str, *, master_address: str = "127.0.0.1",
+                 backend: str | None = None, init_timeout_s: float = 300.0, bucket_timeout_s: float = 120.0,
+                 checksum: bool = False) -> None:
+        if not targets:
+            raise ValueError("BucketBroadcaster needs at least one target engine")
+        self.targets = list(targets)
+        self.group_name = group_name
+        self.master_address = master_address
+        self.backend = backend or default_backend()
+        self.init_timeout_s = float(init_timeout_s)
+        self.bucket_timeout_s = float(bucket_timeout_s)
+        self.checksum = bool(checksum)
+        self.world_size = 1 + sum(int(t.num_ranks) for t in self.targets)
+        self.group: WeightGroup | None = None
+        self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.targets)), thread_name_prefix="wsync")
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        if checksum and not all(t.supports_checksum for t in self.targets):
+            names = [t.name for t in self.targets if not t.supports_checksum]
+            logger.warning("checksum verify requested but engines %s cannot verify (SGLang's API has no checksum); "
+                           "their buckets go unverified", names)
+
+    # ------------------------------------------------------------------ group
+    def connect(self) -> None:
+        """Create the group (rank 0 here, engines at their rank offsets); no-op when connected."""
+        if self.group is not None and not self.group.broken:
+            return
+        if self.group is not None:
+            self.close_group()
+        port = free_port(self.master_address if self.master_address not in ("0.0.0.0", "") else "127.0.0.1")
+        futures, offset = [], 1
+        for t in self.targets:
+            futures.append((t, self._pool.submit(
+                t.init_weights_update_group, self.master_address, port, offset, self.world_size, self.group_name,
+                self.backend, self.init_timeout_s)))
+            offset += int(t.num_ranks)
+        try:
+            self.group = init_weight_group(self.master_address, port, 0, self.world_size, self.group_name,
+                                           self.backend, self.init_timeout_s)
+        except Exception as e:
+            errors = self._collect(futures, timeout_s=1.0)
+            raise WeightSyncError(f"weight-sync group {self.group_name!r} could not be formed: {e}"
+                                  + (f"; engine errors: {errors}" if errors else "")) from e
+        errors = self._collect(futures, timeout_s=self.init_timeout_s)
+        if errors:
+            self.close_group()
+            raise WeightSyncError(f"weight-sync group {self.group_name!r}: engines failed to join: {errors}")
+
+    def close_group(self) -> None:
+        """Tell the engines to leave the group (best effort) and drop ours."""
+        if self.group is None:
+            return
+        for t in self.targets:
+            try:
+                t.destroy_weights_update_group(self.group_name, timeout_s=min(30.0, self.bucket_timeout_s))
+            except Exception as e:  # noqa: BLE001 - best effort
+                logger.warning("engine %s: destroy_weights_update_group(%s) failed: %s", t.name, self.group_name, e)
+        self.group.close()
+        self.group = None
+
+    def close(self) -> None:
+        """Close the group and the worker threads."""
+        self.close_group()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _collect(self, futures: list[tuple[WeightUpdateTarget, Future]], timeout_s: float) -> list[str]:
+        """Wait for target calls; returns one message per failed/timed-out target."""
+        errors = []
+        deadline = time.monotonic() + timeout_s
+        for t, f in futures:
+            try:
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                errors.append(f"{t.name}: no answer within {timeout_s:.1f}s")
+            except Exception as e:  # noqa: BLE001 - reported as a message
+                errors.append(f"{t.name}: {e}")
+        return errors
+
+    # ----------------------------------------------------------------- buckets
+    def _buffer(self, slot: int, nbytes: int, bucket_bytes: int) -> torch.Tensor:
+        assert self.group is not None
+        if nbytes > bucket_bytes:  # an oversize tensor: a one-off buffer
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < bucket_bytes or buf.device != self.group.device:
+            pin = self.group.device.type == "cpu" and torch.cuda.is_available()
+            buf = torch.empty(bucket_bytes, dtype=torch.uint8, device=self.group.device, pin_memory=pin)
+            self._buffers[slot] = buf
+        return buf
+
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
+             weight_version: str | None = None, load_format: str = "flattened_bucket") -> SyncStats:
+        """Pack ``named`` into buckets and broadcast them to every target; returns the stats.
+
+        weight_version: sent with the last bucket (SGLang stamps it on the server).
+        Raises WeightSyncError naming the engine and the bucket on any failure or timeout; the
+        group is closed then (the next send builds a new one).
+        """
+        self.connect()
+        assert self.group is not None
+        stats = SyncStats(version=int(weight_version) if weight_version and weight_version.isdigit() else -1)
+        t0 = time.perf_counter()
+        pending: tuple[object, list, BucketMeta] | None = None
+        done: list[tuple[list, BucketMeta]] = []
+        try:
+            it = iter_buckets(named, bucket_bytes)
+            nxt = next(it, None)
+            slot = 0
+            while nxt is not None:
+                meta, tensors = nxt
+                nxt = next(it, None)
+                buf = self._buffer(slot, meta.nbytes, bucket_bytes)
+                flat = pack_into(buf, meta, tensors)  # overlaps the broadcast in flight
+                del tensors
+                if flat.is_cuda:
+                    torch.cuda.current_stream().synchronize()
+                if self.checksum:
+                    meta.checksum = bucket_checksum(flat)
+                if pending is not None:
+                    self._finish(pending)
+                    done.append((pending[1], pending[2]))
+                    self._check_acks(done, wait=False)
+                wire = meta.wire()
+                futures = [(t, self._pool.submit(
+                    t.update_weights_from_distributed, wire["names"], wire["dtypes"], wire["shapes"], self.group_name,
+                    load_format=load_format, flush_cache=False,
+                    weight_version=weight_version if nxt is None else None,
+                    checksum=meta.checksum if self.checksum and t.supports_checksum else None,
+                    timeout_s=self.bucket_timeout_s))
+                    for t in self.targets]
+                work = self.group.broadcast_async(flat, src=0)
+                pending = (work, futures, meta)
+                stats.buckets += 1
+                stats.bytes += meta.nbytes
+                slot ^= 1
+            if pending is not None:
+                self._finish(pending)
+                done.append((pending[1], pending[2]))
+            self._check_acks(done, wait=True)
+        except Exception:
+            self.close_group()
+            raise
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _finish(self, pending: tuple[object, list, BucketMeta]) -> None:
+        work, futures, meta = pending
+        assert self.group is not None
+        try:
+            self.group.wait(work, self.bucket_timeout_s, what=f"bucket {meta.index} ({meta.nbytes / MB:.1f} MB)")
+        except WeightSyncTimeout as e:
+            errors = self._collect(futures, timeout_s=1.0)
+            raise WeightSyncError(f"{e}" + (f"; engine errors: {errors}" if errors else "")) from e
+
+    def _check_acks(self, done: list[tuple[list, BucketMeta]], wait: bool) -> None:
+        """Raise for any engine that refused a bucket; with ``wait``, wait for every acknowledgement."""
+        remaining = []
+        for futures, meta in done:
+            if not wait and not all(f.done() for _, f in futures):
+                remaining.append((futures, meta))
+                continue
+            errors = self._collect(futures, timeout_s=self.bucket_timeout_s)
+            if errors:
+                raise WeightSyncError(f"bucket {meta.index} ({len(meta.names)} tensors, first {meta.names[0]!r}) "
+                                      f"was not loaded: {errors}")
+        done[:] = remaining
+
+
+class WeightSender:
+    """The weight sync of one :class:`~megatron_agentrl.megatron.actor.MegatronActor`, on every trainer rank.
+
+    bucket_mb: bucket size in MiB (``rollout.weight_sync_bucket_mb``; fractions allowed).
+    init_timeout_s / bucket_timeout_s: group rendezvous and per-bucket limits, seconds.
+    checksum: verify every bucket on engines that support it.
+    master_address: an address of the source ranks' host that the engines can reach.
+    backend: "nccl" / "gloo" (None: NCCL when CUDA is available).
+    """
+
+    def __init__(self, actor: Any, *, bucket_mb: float = 512, init_timeout_s: float = 300.0,
+                 bucket_timeout_s: float = 120.0, checksum: bool = False, master_address: str = "127.0.0.1",
+                 backend: str | None = None) -> None:
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb={bucket_mb} must be > 0")
+        self.actor = actor
+        self.bucket_bytes = max(1, int(bucket_mb * MB))
+        self.init_timeout_s = float(init_timeout_s)
+        self.bucket_timeout_s = float(bucket_timeout_s)
+        self.checksum = bool(checksum)
+        self.master_address = master_address
+        self.backend = backend
+        self.is_source = actor.dp_rank == 0 and actor.tp_rank == 0
+        self._broadcasters: dict[Hashable, BucketBroadcaster] = {}
+
+    def _broadcaster(self, slot_key: Hashable, targets: Sequence[WeightUpdateTarget]) -> BucketBroadcaster:
+        key = (slot_key, self.actor.pp_rank)
+        b = self._broadcasters.get(key)
+        if b is None or [t.name for t in b.targets] != [t.name for t in targets]:
+            if b is not None:
+                b.close()
+            b = BucketBroadcaster(targets, f"agentrl-slot{slot_key}-pp{self.actor.pp_rank}",
+                                  master_address=self.master_address, backend=self.backend,
+                                  init_timeout_s=self.init_timeout_s, bucket_timeout_s=self.bucket_timeout_s,
+                                  checksum=self.checksum)
+            self._broadcasters[key] = b
+        return b
+
+    def sync(self, version: int, slot_key: Hashable = 0, targets: Sequence[WeightUpdateTarget] | None = None,
+             direct_engines: Sequence[Any] | None = None) -> SyncStats:
+        """Send the actor's current weights as ``version`` to one slot's engines. Collective (all trainer ranks).
+
+        targets: on each stage's source rank, the slot's engines reached over a weight-sync
+            group (SGLang engine clients); ignored elsewhere.
+        direct_engines: on global rank 0, the slot's in-process engines (local engines with an
+            open weight update); with PP > 1 the full model is gathered to rank 0 for them.
+        Returns this rank's stats; raises WeightSyncError on every rank when any rank failed.
+        """
+        t0 = time.perf_counter()
+        stats = SyncStats(version=version)
+        failure: BaseException | None = None
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        if direct_engines and self.actor.pp > 1:
+            state = self.actor.export_hf_state_dict()  # collective (TP then PP gather)
+            if rank0:
+                try:
+                    stats = deliver_direct(direct_engines, state.items(), self.bucket_bytes)
+                except Exception as e:  # noqa: BLE001 - agreed on below
+                    failure = e
+            del state
+        elif self.actor.dp_rank == 0:
+            named = stage_hf_tensors(self.actor)
+            try:
+                if self.is_source and targets:
+                    s = self._broadcaster(slot_key, targets).send(named, self.bucket_bytes, weight_version=str(version))
+                    stats.buckets, stats.bytes = s.buckets, s.bytes
+                elif self.is_source and direct_engines and rank0:
+                    s = deliver_direct(direct_engines, named, self.bucket_bytes)
+                    stats.buckets, stats.bytes = s.buckets, s.bytes
+            except Exception as e:  # noqa: BLE001 - agreed on below
+                failure = e
+            for _ in named:  # keep taking part in the TP gathers after a failure (or as a non-source rank)
+                pass
+        stats.per_stage[self.actor.pp_rank] = stats.bytes
+        if failure is not None:
+            logger.error("weight sync of version %d failed on rank %s: %s", version,
+                         dist.get_rank() if dist.is_initialized() else 0, failure)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([1.0 if failure is not None else 0.0], device=self.actor.device)
+            dist.all_reduce(flag)
+            any_failed = float(flag) > 0
+        else:
+            any_failed = failure is not None
+        if any_failed:
+            raise WeightSyncError(f"weight sync of version {version} failed"
+                                  + (f": {failure}" if failure is not None else " on another rank")) from failure
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def close(self) -> None:
+        """Close every group this rank opened."""
+        for b in self._broadcasters.values():
+            b.close()
+        self._broadcasters.clear()

@@ -1,0 +1,437 @@
+"""The SGLang engine: one ``sglang.launch_server`` process per engine, driven over SGLang's HTTP API.
+
+:class:`SGLangEngine` is both an :class:`~rollout_sglang.engine.Engine` (for the agent loop and
+the version pool) and a weight-update target of the trainer's bucketed sync
+(``megatron_agentrl.weight_sync.WeightUpdateTarget``). It maps the protocol onto SGLang's native
+endpoints (request/response shapes as documented for SGLang 0.5.x: ``io_struct.py`` and
+``entrypoints/http_server.py``):
+
+==========================================  ==================================================
+protocol                                    SGLang
+==========================================  ==================================================
+``generate(prompts, params)``               ``POST /generate`` ``{"input_ids": [[...]], "sampling_params": [{...}],
+                                            "return_logprob": true}`` -> per prompt ``output_ids`` and
+                                            ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]``)
+``pause()`` / ``resume()``                  ``POST /pause_generation {"mode"}`` / ``POST /continue_generation {}``
+``init_weights_update_group(...)``          ``POST /init_weights_update_group {master_address, master_port,
+                                            rank_offset, world_size, group_name, backend}``
+``update_weights_from_distributed(...)``    ``POST /update_weights_from_distributed {names, dtypes, shapes,
+                                            group_name, flush_cache, weight_version, load_format}``
+``end_weight_update()``                     ``POST /flush_cache`` (prefix cache built with old weights), version stamp
+``health()``                                ``GET /health`` (+ ``GET /model_info`` for ``weight_version``)
+==========================================  ==================================================
+
+Every call has a timeout (``request_timeout_s`` for generation, ``control_timeout_s`` for
+pause/continue/flush/health, the caller's for weight updates) and raises
+:class:`SGLangTimeout` (a TimeoutError) or :class:`SGLangError` naming the endpoint, the server
+and the fix. The version of a generation is the client-side stamp (set by
+:meth:`end_weight_update` after a successful sync); the version pool drains a slot before
+updating it, so no generation spans two versions.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from rollout_sglang.engine import GenerationOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class SGLangError(RuntimeError):
+    """The SGLang server answered with an error, or could not be reached or started."""
+
+
+class SGLangTimeout(SGLangError, TimeoutError):
+    """An SGLang call or the server start did not finish within its timeout."""
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host if host not in ("0.0.0.0", "") else "127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(path: Path | None, n: int = 40) -> str:
+    if path is None or not path.exists():
+        return "(no log)"
+    lines = path.read_text(errors="replace").splitlines()
+    return "\n".join(lines[-n:])
+
+
+def sampling_params_to_sglang(params: SamplingParams, rows: int) -> list[dict[str, Any]] | dict[str, Any]:
+    """SGLang ``sampling_params`` for ``rows`` prompts: one dict, or one per row when seeded.
+
+    With ``params.seed`` set, row ``i`` gets ``sampling_seed = seed + i`` (the engine protocol's
+    per-row seeding rule). ``skip_special_tokens``/``no_stop_trim`` keep every token id as sampled.
+    """
+    base: dict[str, Any] = {
+        "max_new_tokens": int(params.max_new_tokens),
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": int(params.top_k),
+        "stop_token_ids": [int(t) for t in params.stop_token_ids],
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if params.seed is None:
+        return base
+    return [{**base, "sampling_seed": int(params.seed) + i} for i in range(rows)]
+
+
+class SGLangEngine:
+    """Client of one SGLang server (optionally owning its process).
+
+    base_url: e.g. "http://10.0.0.5:30000".
+    version: the weight version the server starts with.
+    num_ranks: GPUs (TP ranks) of the server; each joins the weight-sync group.
+    request_timeout_s: limit on one ``/generate`` call; control_timeout_s: on pause, continue,
+        flush and health; update_timeout_s: default limit on weight-update calls.
+    pause_mode: SGLang's pause mode ("abort" | "retract" | "in_place"); the version pool drains
+        the slot first, so nothing is in flight when it pauses.
+    send_sampling_seed: send per-row ``sampling_seed`` when ``SamplingParams.seed`` is set
+        (SGLang >= 0.5.3 honours it with ``--enable-deterministic-inference``); turn off for
+        servers that reject the key.
+    api_key: sent as ``Authorization: Bearer`` when the server was started with ``--api-key``.
+    process / log_path: the server process when this client launched it (see :meth:`launch`).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        version: int = 0,
+        num_ranks: int = 1,
+        request_timeout_s: float = 600.0,
+        control_timeout_s: float = 60.0,
+        update_timeout_s: float = 600.0,
+        pause_mode: str = "abort",
+        send_sampling_seed: bool = True,
+        api_key: str | None = None,
+        process: subprocess.Popen | None = None,
+        log_path: Path | None = None,
+    ) -> None:
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode={pause_mode!r} is not one of {PAUSE_MODES}")
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks={num_ranks} must be >= 1 (the server's tensor-parallel size)")
+        self.base_url = base_url.rstrip("/")
+        self.name = self.base_url
+        self.version: int = int(version)
+        self.num_ranks = int(num_ranks)
+        self.request_timeout_s = float(request_timeout_s)
+        self.control_timeout_s = float(control_timeout_s)
+        self.update_timeout_s = float(update_timeout_s)
+        self.pause_mode = pause_mode
+        self.send_sampling_seed = bool(send_sampling_seed)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.process = process
+        self.log_path = log_path
+        self._pending_version: int | None = None
+        self._extensions: list[str] | None = None
+        self._paused = False
+
+    # ------------------------------------------------------------------ plumbing
+    def _url(self, endpoint: str) -> str:
+        return f"{self.base_url}{endpoint}"
+
+    def _raise_for(self, endpoint: str, resp: httpx.Response) -> Any:
+        """Decode a JSON (or text) answer; SGLangError on HTTP errors and ``success: false``."""
+        try:
+            body: Any = resp.json()
+        except (json.JSONDecodeError, ValueError):
+            body = resp.text
+        if resp.status_code >= 400:
+            msg = body.get("message") or body.get("error") or body if isinstance(body, dict) else body
+            raise SGLangError(f"{endpoint} on {self.base_url} failed with HTTP {resp.status_code}: {msg}")
+        if isinstance(body, dict) and body.get("success") is False:
+            raise SGLangError(f"{endpoint} on {self.base_url} refused: {body.get('message', body)}")
+        return body
+
+    def _call(self, method: str, endpoint: str, body: dict | None = None, timeout_s: float | None = None) -> Any:
+        """One blocking HTTP call with a timeout; returns the decoded answer."""
+        t = self.control_timeout_s if timeout_s is None else float(timeout_s)
+        try:
+            with httpx.Client(timeout=httpx.Timeout(t), headers=self.headers) as client:
+                resp = client.request(method, self._url(endpoint), json=body)
+        except httpx.TimeoutException as e:
+            raise SGLangTimeout(
+                f"{endpoint} on {self.base_url} did not answer within {t:.1f}s; the server is stalled or "
+                "overloaded (check its log; raise the timeout for very large requests)"
+            ) from e
+        except httpx.HTTPError as e:
+            raise SGLangError(f"{endpoint} on {self.base_url} could not be reached: {e!r}; is the server running?") from e
+        return self._raise_for(endpoint, resp)
+
+    # ---------------------------------------------------------------- generation
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        """Continue each prompt (token ids); one output per prompt with its token ids and log-probs.
+
+        Raises SGLangTimeout after ``request_timeout_s``, SGLangError when the server refuses the
+        request, aborts it, or answers with mismatched token/log-prob lists.
+        """
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        sp = sampling_params_to_sglang(params, len(prompts))
+        if isinstance(sp, list) and not self.send_sampling_seed:
+            sp = {k: v for k, v in sp[0].items() if k != "sampling_seed"}
+        body = {"input_ids": [list(map(int, p)) for p in prompts], "sampling_params": sp, "return_logprob": True}
+        t = self.request_timeout_s
+        version = self.version
+        try:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(t), headers=self.headers) as client:
+                resp = await asyncio.wait_for(client.post(self._url("/generate"), json=body), t + 1.0)
+        except (httpx.TimeoutException, asyncio.TimeoutError) as e:
+            raise SGLangTimeout(
+                f"/generate on {self.base_url} ({len(prompts)} prompts, max_new_tokens={params.max_new_tokens}) did "
+                f"not answer within {t:.1f}s; the server is stalled or overloaded (raise request_timeout_s?)"
+            ) from e
+        except httpx.HTTPError as e:
+            raise SGLangError(f"/generate on {self.base_url} could not be reached: {e!r}; is the server running?") from e
+        data = self._raise_for("/generate", resp)
+        items = data if isinstance(data, list) else [data]
+        if len(items) != len(prompts):
+            raise SGLangError(f"/generate on {self.base_url} returned {len(items)} results for {len(prompts)} prompts")
+        return [self._parse_output(i, item, version) for i, item in enumerate(items)]
+
+    def _parse_output(self, row: int, item: dict, version: int) -> GenerationOutput:
+        meta = item.get("meta_info") or {}
+        fr = meta.get("finish_reason") or {}
+        kind = fr.get("type") if isinstance(fr, dict) else str(fr)
+        if kind == "abort":
+            raise SGLangError(
+                f"/generate on {self.base_url}: row {row} was aborted ({fr.get('message', '')}); the server was paused "
+                "in 'abort' mode or ran out of memory while the request ran"
+            )
+        lps = meta.get("output_token_logprobs")
+        if lps is None:
+            raise SGLangError(f"/generate on {self.base_url}: no output_token_logprobs in the answer (was return_logprob dropped?)")
+        ids = item.get("output_ids")
+        if ids is None:
+            ids = [int(x[1]) for x in lps]
+        ids = [int(x) for x in ids]
+        logprobs = [float(x[0]) for x in lps]
+        if len(ids) != len(logprobs):
+            raise SGLangError(f"/generate on {self.base_url}: row {row} has {len(ids)} output ids but "
+                              f"{len(logprobs)} log-probs")
+        reported = meta.get("weight_version")
+        if reported is not None and str(reported).isdigit() and int(reported) != version:
+            logger.warning("%s reports weight_version %s while the client stamp is %d", self.base_url, reported, version)
+        return GenerationOutput(ids, logprobs, "stop" if kind == "stop" else "length", version)
+
+    # ----------------------------------------------------------- pause / resume
+    def pause(self) -> None:
+        """``POST /pause_generation {"mode": pause_mode}``."""
+        self._call("POST", "/pause_generation", {"mode": self.pause_mode})
+        self._paused = True
+
+    def resume(self) -> None:
+        """``POST /continue_generation {}``."""
+        self._call("POST", "/continue_generation", {})
+        self._paused = False
+
+    def flush_cache(self) -> None:
+        """``POST /flush_cache``: drop the prefix (radix) cache, whose KV was computed with old weights."""
+        self._call("POST", "/flush_cache", None)
+
+    # ------------------------------------------------------------------- health
+    def health(self) -> dict:
+        """``{"ok", "version", "paused", "updating", "url", "server_weight_version"}``; ok False when unreachable."""
+        out = {"ok": False, "version": self.version, "paused": self._paused,
+               "updating": self._pending_version is not None, "url": self.base_url, "server_weight_version": None}
+        try:
+            with httpx.Client(timeout=httpx.Timeout(self.control_timeout_s), headers=self.headers) as client:
+                resp = client.get(self._url("/health"))
+                out["ok"] = resp.status_code == 200
+                if out["ok"]:
+                    info = client.get(self._url("/model_info"))
+                    if info.status_code == 200:
+                        out["server_weight_version"] = info.json().get("weight_version")
+        except httpx.HTTPError as e:
+            out["error"] = repr(e)
+        return out
+
+    def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
+        """Poll ``GET /health`` until 200; SGLangTimeout after ``timeout_s``, SGLangError when our process died."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                raise SGLangError(
+                    f"the SGLang server for {self.base_url} exited with code {self.process.returncode} before it "
+                    f"became healthy; last lines of {self.log_path}:\n{_tail(self.log_path)}"
+                )
+            try:
+                with httpx.Client(timeout=httpx.Timeout(max(0.5, min(5.0, deadline - time.monotonic())))) as c:
+                    if c.get(self._url("/health"), headers=self.headers).status_code == 200:
+                        return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() >= deadline:
+                raise SGLangTimeout(
+                    f"the SGLang server at {self.base_url} was not healthy within {timeout_s:.0f}s (model load, CUDA "
+                    f"graph capture); raise engine_startup_timeout_s or check {self.log_path}:\n{_tail(self.log_path)}"
+                )
+            time.sleep(poll_s)
+
+    @property
+    def supports_checksum(self) -> bool:
+        """Whether the server verifies bucket checksums (the stand-in's extension; SGLang: no)."""
+        if self._extensions is None:
+            try:
+                info = self._call("GET", "/server_info")
+                self._extensions = list(info.get("agentrl_extensions", [])) if isinstance(info, dict) else []
+            except SGLangError:
+                self._extensions = []
+        return "bucket_checksum" in self._extensions
+
+    # ------------------------------------------------------------ weight update
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl",
+                                  timeout_s: float | None = None) -> None:
+        """``POST /init_weights_update_group``; blocks until the server joined the group (the trainer joins too)."""
+        self._call("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend,
+        }, timeout_s if timeout_s is not None else self.update_timeout_s)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", *, load_format: str | None = None,
+                                        flush_cache: bool = True, weight_version: str | None = None,
+                                        checksum: list[int] | None = None, timeout_s: float | None = None) -> None:
+        """``POST /update_weights_from_distributed``: the server receives the tensors from group rank 0 and loads them.
+
+        load_format "flattened_bucket": one broadcast of the flat bucket (SGLang >= 0.5.2), None:
+        one broadcast per tensor. ``checksum`` is sent only to servers that verify it.
+        """
+        body: dict[str, Any] = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+                                "group_name": group_name, "flush_cache": bool(flush_cache)}
+        if load_format is not None:
+            body["load_format"] = load_format
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        if checksum is not None and self.supports_checksum:
+            body["agentrl_checksum"] = [int(x) for x in checksum]
+        self._call("POST", "/update_weights_from_distributed", body,
+                   timeout_s if timeout_s is not None else self.update_timeout_s)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group", timeout_s: float | None = None) -> None:
+        """``POST /destroy_weights_update_group {"group_name"}``."""
+        self._call("POST", "/destroy_weights_update_group", {"group_name": group_name}, timeout_s)
+
+    def begin_weight_update(self, version: int, metadata: dict | None = None) -> None:
+        """Start an update to ``version`` (the buckets then arrive over the weight-sync group)."""
+        if self._pending_version is not None:
+            raise RuntimeError(f"weight update to version {self._pending_version} of {self.base_url} is still open")
+        self._pending_version = int(version)
+
+    def receive_bucket(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Not available: an SGLang server receives buckets over the weight-sync group, not in-process."""
+        raise NotImplementedError(
+            f"SGLangEngine ({self.base_url}) receives weights over a weight-sync group: use "
+            "megatron_agentrl.weight_sync.WeightSender / BucketBroadcaster with this engine as a target"
+        )
+
+    def end_weight_update(self) -> None:
+        """Finish the update: flush the prefix cache and stamp the new version."""
+        if self._pending_version is None:
+            raise RuntimeError(f"end_weight_update() on {self.base_url} without begin_weight_update()")
+        self.flush_cache()
+        self.version, self._pending_version = self._pending_version, None
+
+    def abort_weight_update(self) -> None:
+        """Forget an open update without stamping a version (the weights may be partial)."""
+        self._pending_version = None
+
+    # ------------------------------------------------------------------ process
+    @classmethod
+    def launch(
+        cls,
+        model_path: str | os.PathLike,
+        *,
+        gpus: Sequence[int] = (),
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        dtype: str = "auto",
+        mem_fraction_static: float | None = None,
+        extra_args: Sequence[str] = (),
+        startup_timeout_s: float = 900.0,
+        log_dir: str | os.PathLike | None = None,
+        python: str = sys.executable,
+        server_module: str = "sglang.launch_server",
+        **client_kwargs: Any,
+    ) -> "SGLangEngine":
+        """Start ``python -m sglang.launch_server`` on ``gpus`` and wait until it is healthy.
+
+        The server gets ``--model-path --host --port --tp-size len(gpus) --dtype --skip-tokenizer-init``
+        (token ids in and out) plus ``extra_args``; ``CUDA_VISIBLE_DEVICES`` is set to ``gpus``. Its
+        output goes to ``log_dir/sglang_<port>.log``. Raises SGLangTimeout when it is not healthy
+        within ``startup_timeout_s`` (the process is killed), SGLangError with the log tail when it
+        exits early. ``server_module`` lets tests launch the stand-in the same way.
+        """
+        port = int(port) if port else _free_port(host)
+        log_root = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="sglang_logs_"))
+        log_root.mkdir(parents=True, exist_ok=True)
+        log_path = log_root / f"sglang_{port}.log"
+        tp = max(1, len(gpus))
+        cmd = [python, "-m", server_module, "--model-path", str(model_path), "--host", host, "--port", str(port),
+               "--tp-size", str(tp), "--dtype", dtype, "--skip-tokenizer-init"]
+        if mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(mem_fraction_static)]
+        cmd += list(extra_args)
+        env = dict(os.environ)
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        logger.info("launching SGLang server: %s (GPUs %s, log %s)", " ".join(cmd), list(gpus) or "none", log_path)
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        client_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        engine = cls(f"http://{client_host}:{port}", num_ranks=tp, process=proc, log_path=log_path, **client_kwargs)
+        try:
+            engine.wait_healthy(startup_timeout_s)
+        except BaseException:
+            engine.shutdown()
+            raise
+        logger.info("SGLang server %s is healthy", engine.base_url)
+        return engine
+
+    def shutdown(self, timeout_s: float = 15.0) -> None:
+        """Stop the server process this client launched (SIGTERM, then SIGKILL after ``timeout_s``)."""
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        # the server runs in its own session (start_new_session): signal its whole process group,
+        # which holds the scheduler / detokenizer children it spawned
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=timeout_s)
+
+    def __repr__(self) -> str:
+        return f"SGLangEngine({self.base_url!r}, version={self.version})"

@@ -1,0 +1,470 @@
+"""A stand-in for an SGLang server on loopback, backed by the local engine (tests, CPU runs).
+
+SGLang cannot run on this project's CPU machines, so the SGLang client
+(:class:`rollout_sglang.sglang_engine.SGLangEngine`) and the weight sync are exercised against
+this server. It answers the endpoints the project uses with the request and response shapes of
+**SGLang 0.5.x's native HTTP API** (``python/sglang/srt/entrypoints/http_server.py`` and
+``python/sglang/srt/managers/io_struct.py`` of the 0.5 series, plus ``docs/basic_usage/native_api``
+and ``sampling_params.md``):
+
+* ``POST /generate``: ``GenerateReqInput`` with ``input_ids`` (one list or a batch),
+  ``sampling_params`` (one dict or one per prompt; ``max_new_tokens``, ``temperature``, ``top_p``,
+  ``top_k``, ``stop_token_ids``, ``sampling_seed``, ...), ``return_logprob``; answers one object
+  (or a list for a batch) ``{"text", "output_ids", "meta_info": {"id", "finish_reason":
+  {"type": "stop", "matched": id} | {"type": "length", "length": n}, "prompt_tokens",
+  "completion_tokens", "cached_tokens", "output_token_logprobs": [[logprob, token_id, null], ...],
+  "weight_version", "e2e_latency"}}``; a bad request is HTTP 400 ``{"error": {"message"}}``.
+* ``POST /init_weights_update_group`` ``{master_address, master_port, rank_offset, world_size,
+  group_name, backend}`` and ``POST /update_weights_from_distributed`` ``{names, dtypes, shapes,
+  group_name, flush_cache, abort_all_requests, weight_version, load_format}`` (``load_format
+  "flattened_bucket"``: one broadcast of the flat bucket; otherwise one broadcast per tensor, as
+  SGLang's model runner does), ``POST /destroy_weights_update_group {group_name}``: each answers
+  ``{"success", "message"}`` (HTTP 400 when ``success`` is false). The group rendezvous uses the
+  store layout of SGLang's ``init_custom_process_group``.
+* ``POST /pause_generation {"mode": "abort" | "retract" | "in_place"}`` and
+  ``POST /continue_generation {}``: ``{"message": "...", "status": "ok"}``.
+* ``GET|POST /flush_cache``, ``GET /health``, ``GET /health_generate``, ``GET /model_info``
+  (and the deprecated ``/get_model_info``), ``GET /server_info``.
+
+Known differences from SGLang (this is a stand-in, not an emulator): one rank per server (no
+tensor parallelism inside the engine); no radix cache (flush is a no-op); a pause never aborts
+a generation already running (the local engine finishes it; new requests wait for
+``/continue_generation``, as in SGLang); text prompts, streaming, stop strings, penalties and
+constrained decoding are refused with HTTP 400. Extensions, which real SGLang does not have:
+``/server_info`` lists ``agentrl_extensions``; ``/update_weights_from_distributed`` accepts
+``agentrl_checksum`` (verified against the received bucket); ``POST /agentrl/raw_broadcast
+{nbytes, group_name}`` receives one raw buffer (the benchmark's baseline). Test hook:
+:meth:`StandInServer.stall` makes every request hang, to test client timeouts.
+
+Run as a process with SGLang's command line: ``python -m rollout_sglang.sglang_standin
+--model-path DIR --host 127.0.0.1 --port 30000`` (other SGLang flags are accepted and ignored).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from megatron_agentrl.weight_sync.receiver import BucketReceiver
+from rollout_sglang.engine import SamplingParams
+from rollout_sglang.local_engine import LocalEngine
+
+logger = logging.getLogger(__name__)
+
+SGLANG_DOCS_VERSION = "0.5.x"
+EXTENSIONS = ["bucket_checksum", "raw_broadcast"]
+
+# SGLang sampling keys: those the stand-in honours, and those it accepts only at their defaults
+_SUPPORTED_SP = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed",
+                 "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens", "ignore_eos"}
+_DEFAULT_ONLY_SP = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                    "min_new_tokens": 0, "n": 1, "stop": None, "json_schema": None, "regex": None, "ebnf": None,
+                    "structural_tag": None, "custom_params": None, "logit_bias": None, "stream_interval": None}
+
+
+class BadRequest(ValueError):
+    """A request the stand-in (or SGLang) refuses with HTTP 400."""
+
+
+def _sampling_params(sp: dict[str, Any]) -> tuple[SamplingParams, int | None]:
+    """SGLang sampling_params dict -> (SamplingParams without seed, sampling_seed)."""
+    if not isinstance(sp, dict):
+        raise BadRequest(f"sampling_params must be an object, got {type(sp).__name__}")
+    unknown = sorted(set(sp) - _SUPPORTED_SP - set(_DEFAULT_ONLY_SP))
+    if unknown:
+        raise BadRequest(f"unknown sampling parameter(s) {unknown}")
+    for k, default in _DEFAULT_ONLY_SP.items():
+        if k in sp and sp[k] not in (default, None if default is None else default):
+            raise BadRequest(f"sampling parameter {k}={sp[k]!r} is not supported by the stand-in (only {default!r})")
+    seed = sp.get("sampling_seed")
+    params = SamplingParams(
+        max_new_tokens=int(sp.get("max_new_tokens", 128)),
+        temperature=float(sp.get("temperature", 1.0)),
+        top_p=float(sp.get("top_p", 1.0)),
+        top_k=int(sp.get("top_k", -1)),
+        stop_token_ids=[int(t) for t in (sp.get("stop_token_ids") or [])],
+        seed=None,
+    )
+    return params, None if seed is None else int(seed)
+
+
+def _ok(message: str) -> web.Response:
+    return web.json_response({"success": True, "message": message})
+
+
+def _fail(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"success": False, "message": message}, status=status)
+
+
+class StandInServer:
+    """An SGLang-shaped HTTP server for one :class:`LocalEngine`, on its own thread and event loop.
+
+    engine: the engine that generates and receives weights.
+    host / port: where to listen (port 0: a free port); ``url`` after :meth:`start`.
+    model_path: reported by ``/model_info``.
+    group_timeout_s: limit on joining a weight-sync group and on each receive, seconds.
+    """
+
+    def __init__(self, engine: LocalEngine, *, host: str = "127.0.0.1", port: int = 0,
+                 model_path: str = "standin", group_timeout_s: float = 300.0) -> None:
+        self.engine = engine
+        self.host = host
+        self.port = int(port)
+        self.model_path = model_path
+        self.receiver = BucketReceiver()
+        self.group_timeout_s = float(group_timeout_s)
+        self.weight_version = str(engine.version)
+        self.requests: list[str] = []  # endpoints served, in order (for tests)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._stalled = threading.Event()
+        self._stopping = threading.Event()
+        self._update_open = False
+        self._update_lock: asyncio.Lock | None = None
+        self._paused = False
+
+    # --------------------------------------------------------------- lifecycle
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the running server."""
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        """Serve on a background thread; returns the URL once listening (RuntimeError after ``timeout_s``)."""
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self._serve())
+            except BaseException as e:  # noqa: BLE001 - reported to start()
+                errors.append(e)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self._shutdown())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name=f"standin-{self.port}", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout_s):
+            raise RuntimeError(f"stand-in server did not start within {timeout_s:.0f}s")
+        if errors:
+            raise RuntimeError(f"stand-in server failed to start: {errors[0]!r}") from errors[0]
+        return self.url
+
+    async def _serve(self) -> None:
+        self._update_lock = asyncio.Lock()
+        app = web.Application(middlewares=[self._middleware], client_max_size=256 * 1024 * 1024)
+        r = app.router
+        r.add_post("/generate", self._generate)
+        r.add_put("/generate", self._generate)
+        r.add_post("/init_weights_update_group", self._init_group)
+        r.add_post("/update_weights_from_distributed", self._update)
+        r.add_post("/destroy_weights_update_group", self._destroy_group)
+        r.add_post("/pause_generation", self._pause)
+        r.add_post("/continue_generation", self._continue)
+        r.add_route("*", "/flush_cache", self._flush_cache)
+        r.add_get("/health", self._health)
+        r.add_get("/health_generate", self._health)
+        r.add_get("/model_info", self._model_info)
+        r.add_get("/get_model_info", self._model_info)
+        r.add_get("/server_info", self._server_info)
+        r.add_get("/get_server_info", self._server_info)
+        r.add_post("/agentrl/raw_broadcast", self._raw_broadcast)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = int(sock.getsockname()[1])
+        await web.SockSite(self._runner, sock).start()
+        logger.info("SGLang stand-in (docs %s) serving %s on %s", SGLANG_DOCS_VERSION, self.model_path, self.url)
+
+    async def _shutdown(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop serving (pending requests are cancelled) and leave every weight-sync group."""
+        self._stopping.set()
+        loop, thread = self._loop, self._thread
+        if loop is not None and thread is not None and thread.is_alive():
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout_s)
+        self.receiver.close()
+
+    def stall(self, stalled: bool = True) -> None:
+        """Test hook: while stalled, every request hangs without an answer (clients must time out)."""
+        if stalled:
+            self._stalled.set()
+        else:
+            self._stalled.clear()
+
+    # -------------------------------------------------------------- plumbing
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        self.requests.append(request.path)
+        while self._stalled.is_set() and not self._stopping.is_set():
+            await asyncio.sleep(0.05)
+        if self._stopping.is_set():
+            return web.Response(status=503, text="stand-in is shutting down")
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return web.json_response({"error": {"message": str(e)}}, status=400)
+
+    async def _json(self, request: web.Request) -> dict[str, Any]:
+        if not request.can_read_body:
+            return {}
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise BadRequest(f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+        return body
+
+    async def _blocking(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` on a daemon thread (a receive stuck on a dead trainer never blocks exit)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def deliver(result: Any, error: BaseException | None) -> None:
+            if not fut.done():
+                fut.set_exception(error) if error is not None else fut.set_result(result)
+
+        def run() -> None:
+            try:
+                result, error = fn(*args), None
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
+                result, error = None, e
+            try:
+                loop.call_soon_threadsafe(deliver, result, error)
+            except RuntimeError:  # the loop is closed: the server stopped
+                pass
+
+        threading.Thread(target=run, name="standin-work", daemon=True).start()
+        return await fut
+
+    # ------------------------------------------------------------- generation
+    async def _generate(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by the stand-in")
+        ids = body.get("input_ids")
+        if ids is None:
+            raise BadRequest("the stand-in needs input_ids (it runs like --skip-tokenizer-init); text is not supported")
+        single = isinstance(ids, list) and len(ids) > 0 and isinstance(ids[0], int)
+        prompts: list[list[int]] = [ids] if single else ids
+        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, list) and p for p in prompts):
+            raise BadRequest("input_ids must be a non-empty list of token ids or a list of such lists")
+        n = len(prompts)
+        sp_raw = body.get("sampling_params") or {}
+        sps = sp_raw if isinstance(sp_raw, list) else [sp_raw] * n
+        if len(sps) != n:
+            raise BadRequest(f"{len(sps)} sampling_params for {n} prompts")
+        parsed = [_sampling_params(sp) for sp in sps]
+        want_lp = body.get("return_logprob")
+        want_lp = [bool(x) for x in want_lp] if isinstance(want_lp, list) else [bool(want_lp)] * n
+        rid = body.get("rid")
+        rids = rid if isinstance(rid, list) else [f"{rid}_{i}" if rid else uuid.uuid4().hex for i in range(n)]
+
+        t0 = time.perf_counter()
+        outs: list[Any] = [None] * n
+        groups: dict[tuple, list[int]] = {}
+        for i, (p, _) in enumerate(parsed):
+            key = (p.max_new_tokens, p.temperature, p.top_p, p.top_k, tuple(p.stop_token_ids))
+            groups.setdefault(key, []).append(i)
+        try:
+            for rows in groups.values():
+                params = parsed[rows[0]][0]
+                seeds = [parsed[r][1] for r in rows]
+                if all(s is None for s in seeds):
+                    calls = [(rows, None)]
+                elif all(s is not None for s in seeds) and seeds == list(range(seeds[0], seeds[0] + len(rows))):
+                    calls = [(rows, seeds[0])]  # SGLang per-row seeds == the engine's seed + i rule
+                else:
+                    calls = [([r], s) for r, s in zip(rows, seeds)]
+                for call_rows, seed in calls:
+                    p = SamplingParams(**{**params.__dict__, "seed": seed})
+                    res = await self.engine.generate([prompts[r] for r in call_rows], p)
+                    for r, o in zip(call_rows, res):
+                        outs[r] = (o, p)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        dt = time.perf_counter() - t0
+        items = []
+        for i, (o, p) in enumerate(outs):
+            if o.finish_reason == "stop":
+                fr = {"type": "stop", "matched": o.token_ids[-1]}
+            else:
+                fr = {"type": "length", "length": len(o.token_ids)}
+            meta: dict[str, Any] = {
+                "id": rids[i], "finish_reason": fr, "prompt_tokens": len(prompts[i]),
+                "completion_tokens": len(o.token_ids), "cached_tokens": 0,
+                "weight_version": self.weight_version, "e2e_latency": dt,
+            }
+            if want_lp[i]:
+                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(o.logprobs, o.token_ids)]
+            items.append({"text": "", "output_ids": list(o.token_ids), "meta_info": meta})
+        return web.json_response(items[0] if single else items)
+
+    # ---------------------------------------------------------- pause / flush
+    async def _pause(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"Invalid mode: {mode!r}. Expected one of ['abort', 'retract', 'in_place'].")
+        self.engine.pause()
+        self._paused = True
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def _continue(self, request: web.Request) -> web.Response:
+        await self._json(request)
+        self.engine.resume()
+        self._paused = False
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _flush_cache(self, request: web.Request) -> web.Response:
+        return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are running "
+                                 "or waiting requests, the operation will not be performed.)\n")
+
+    # ---------------------------------------------------------------- weights
+    async def _init_group(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        try:
+            args = (str(body["master_address"]), int(body["master_port"]), int(body["rank_offset"]),
+                    int(body["world_size"]), str(body.get("group_name", "weight_update_group")),
+                    str(body.get("backend", "nccl")))
+        except (KeyError, TypeError, ValueError) as e:
+            return _fail(f"Failed to init process group: bad request field {e!r}")
+        if args[5] == "nccl" and not torch.cuda.is_available():
+            return _fail("Failed to init process group: backend 'nccl' needs CUDA, which this engine lacks; use 'gloo'")
+        try:
+            await self._blocking(self.receiver.init_group, *args, self.group_timeout_s)
+        except Exception as e:  # noqa: BLE001 - reported to the client
+            logger.error("init_weights_update_group failed: %s", e)
+            return _fail(f"Failed to init process group: {e}")
+        return _ok("Succeeded to initialize custom process group.")
+
+    async def _destroy_group(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        try:
+            await self._blocking(self.receiver.destroy_group, str(body.get("group_name", "weight_update_group")))
+        except KeyError as e:
+            return _fail(str(e))
+        return _ok("Succeeded to destroy custom process group.")
+
+    def _load(self, pairs: list[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
+        """Load received tensors into the engine; a ``weight_version`` closes the update and stamps it."""
+        if not self._update_open:
+            self.engine.begin_weight_update(self.engine.version, {})
+            self._update_open = True
+        self.engine.receive_bucket(pairs)
+        if weight_version is not None:
+            self.engine.end_weight_update()
+            self._update_open = False
+            self.weight_version = str(weight_version)
+            if str(weight_version).isdigit():
+                self.engine.version = int(weight_version)
+
+    async def _update(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        try:
+            names, dtypes, shapes = list(body["names"]), list(body["dtypes"]), list(body["shapes"])
+        except (KeyError, TypeError) as e:
+            return _fail(f"Failed to update parameter online: missing or bad field {e!r} (need names, dtypes, shapes)")
+        group = str(body.get("group_name", "weight_update_group"))
+        load_format = body.get("load_format")
+        version = body.get("weight_version")
+        checksum = body.get("agentrl_checksum")
+        assert self._update_lock is not None
+
+        def work() -> None:
+            pairs = self.receiver.receive(names, dtypes, shapes, group, load_format, None, checksum)
+            self._load(pairs, None if version is None else str(version))
+
+        async with self._update_lock:
+            try:
+                await self._blocking(work)
+            except Exception as e:  # noqa: BLE001 - reported to the client
+                logger.error("update_weights_from_distributed failed: %s", e)
+                return _fail(f"Failed to update parameter online: {e}. The full weights of the ModelRunner are "
+                             "partially updated. Please discard the whole weights.")
+        return _ok("Succeeded to update parameter online.")
+
+    async def _raw_broadcast(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        assert self._update_lock is not None
+        async with self._update_lock:
+            try:
+                probe = await self._blocking(self.receiver.raw_receive, int(body["nbytes"]),
+                                             str(body.get("group_name", "weight_update_group")))
+            except Exception as e:  # noqa: BLE001
+                return _fail(f"raw broadcast failed: {e}")
+        return web.json_response({"success": True, "message": "received", "probe": probe})
+
+    # ----------------------------------------------------------------- status
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.model_path, "tokenizer_path": None, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": self.weight_version,
+            "has_image_understanding": False, "has_audio_understanding": False,
+        })
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "version": f"agentrl-standin (SGLang {SGLANG_DOCS_VERSION} API)", "model_path": self.model_path,
+            "tp_size": 1, "agentrl_standin": True, "agentrl_extensions": EXTENSIONS,
+            "weight_version": self.weight_version, "paused": self._paused,
+        })
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m rollout_sglang.sglang_standin --model-path DIR [--host H] [--port P] [SGLang flags]``."""
+    parser = argparse.ArgumentParser(description="SGLang stand-in server backed by the local engine (CPU)")
+    parser.add_argument("--model-path", required=True, help="Hugging Face checkpoint directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--log-level", default="info")
+    args, unknown = parser.parse_known_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if unknown:
+        logger.warning("ignoring SGLang flags the stand-in does not implement: %s", " ".join(unknown))
+    if args.tp_size != 1:
+        logger.warning("--tp-size %d: the stand-in serves one rank; it joins weight-sync groups as one rank", args.tp_size)
+    dtype = "float32" if args.dtype in ("auto", "float", "float32") else args.dtype
+    engine = LocalEngine.from_pretrained(args.model_path, dtype=dtype, device="cpu")
+    server = StandInServer(engine, host=args.host, port=args.port, model_path=args.model_path)
+    server.start()
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    logger.info("stand-in ready on %s", server.url)
+    done.wait()
+    server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The SGLang client against the SGLang stand-in (loopback HTTP, local engine behind it).
+
+Covers generate (token ids + log-probs), the weight-update group (init, bucketed update over
+gloo, destroy), pause / continue, flush, the server launcher, and that a stalled server ends in
+a timeout error rather than a hang.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_agentrl.weight_sync import BucketBroadcaster, WeightSyncError
+from rollout_sglang.engine import SamplingParams
+from rollout_sglang.local_engine import LocalEngine
+from rollout_sglang.sglang_engine import SGLangEngine, SGLangError, SGLangTimeout, sampling_params_to_sglang
+from rollout_sglang.sglang_standin import StandInServer
+
+
+def tiny_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+
+
+@pytest.fixture()
+def served():
+    """(server, client, engine behind the server, a second engine with other weights)."""
+    cfg = tiny_config()
+    engine = LocalEngine.from_config(cfg, init_seed=0)
+    other = LocalEngine.from_config(cfg, init_seed=1)
+    server = StandInServer(engine, group_timeout_s=20)
+    server.start()
+    client = SGLangEngine(server.url, request_timeout_s=30, control_timeout_s=10, update_timeout_s=30)
+    yield server, client, engine, other
+    server.stop()
+
+
+def test_sampling_params_follow_the_per_row_seed_rule():
+    sp = sampling_params_to_sglang(SamplingParams(max_new_tokens=4, seed=10, stop_token_ids=[3]), rows=3)
+    assert [x["sampling_seed"] for x in sp] == [10, 11, 12]
+    assert sp[0]["stop_token_ids"] == [3] and sp[0]["no_stop_trim"] is True
+    assert isinstance(sampling_params_to_sglang(SamplingParams(), rows=2), dict)
+
+
+def test_client_generate_update_pause_continue(served):
+    server, client, engine, other = served
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    params = SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, stop_token_ids=[7], seed=42)
+
+    # generate: token ids and log-probs exactly as the local engine samples them (same per-row seeds)
+    outs = asyncio.run(client.generate(prompts, params))
+    ref = asyncio.run(engine.generate(prompts, params))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    for o, r in zip(outs, ref):
+        assert o.logprobs == pytest.approx(r.logprobs, abs=1e-6)
+    assert all(o.version == 0 and len(o.token_ids) == len(o.logprobs) for o in outs)
+
+    # init group + bucketed update over gloo: the served weights become `other`'s, version stamped
+    sender = BucketBroadcaster([client], "test-group", backend="gloo", init_timeout_s=20, bucket_timeout_s=20, checksum=True)
+    assert client.supports_checksum  # the stand-in's extension; real SGLang servers do not list it
+    client.begin_weight_update(3)
+    stats = sender.send(other.model.state_dict().items(), bucket_bytes=16 * 1024, weight_version="3")
+    client.end_weight_update()
+    assert stats.buckets > 3 and client.version == 3 and engine.version == 3
+    for name, t in other.model.state_dict().items():
+        assert torch.equal(engine.model.state_dict()[name], t), name
+    outs = asyncio.run(client.generate(prompts, params))
+    assert all(o.version == 3 for o in outs)
+    assert client.health()["server_weight_version"] == "3"
+
+    # pause: a request waits (it is not refused) until continue
+    client.pause()
+    assert server.engine.health()["paused"]
+
+    async def gen_while_paused() -> tuple[list, float]:
+        task = asyncio.ensure_future(client.generate([[1, 2]], SamplingParams(max_new_tokens=2)))
+        await asyncio.sleep(0.5)
+        assert not task.done()
+        t0 = time.perf_counter()
+        await asyncio.to_thread(client.resume)
+        return await task, time.perf_counter() - t0
+
+    res, waited = asyncio.run(gen_while_paused())
+    assert len(res[0].token_ids) == 2 and waited < 10
+    client.flush_cache()
+    sender.close()
+    expected = ["/generate", "/server_info", "/init_weights_update_group", "/update_weights_from_distributed",
+                "/flush_cache", "/pause_generation", "/continue_generation", "/destroy_weights_update_group"]
+    assert set(expected) <= set(server.requests)
+
+
+def test_bad_requests_give_clear_errors(served):
+    server, client, engine, _ = served
+    with pytest.raises(SGLangError, match="outside the model vocabulary"):
+        asyncio.run(client.generate([[10_000]], SamplingParams(max_new_tokens=2)))
+    with pytest.raises(SGLangError, match="nccl"):
+        client.init_weights_update_group("127.0.0.1", 1, 1, 2, "g", backend="nccl", timeout_s=5)
+    with pytest.raises(SGLangError, match="not initialised"):
+        client.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[32]], "nope", timeout_s=5)
+    dead = SGLangEngine("http://127.0.0.1:9", control_timeout_s=2)
+    with pytest.raises(SGLangError, match="could not be reached"):
+        dead.pause()
+    assert dead.health()["ok"] is False
+
+
+def test_stalled_server_times_out_instead_of_hanging(served):
+    server, _, engine, other = served
+    client = SGLangEngine(server.url, request_timeout_s=1.5, control_timeout_s=1.0, update_timeout_s=1.0)
+    server.stall()
+    t0 = time.perf_counter()
+    with pytest.raises(SGLangTimeout, match="/generate"):
+        asyncio.run(client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2)))
+    with pytest.raises(SGLangTimeout, match="/pause_generation"):
+        client.pause()
+    with pytest.raises(SGLangTimeout):
+        client.flush_cache()
+    # weight sync to a stalled engine: the group never forms -> a timeout error, not a hang
+    sender = BucketBroadcaster([client], "stalled-group", backend="gloo", init_timeout_s=2, bucket_timeout_s=2)
+    with pytest.raises(WeightSyncError, match="could not be formed|failed to join"):
+        sender.send(other.model.state_dict().items(), bucket_bytes=1 << 20)
+    assert time.perf_counter() - t0 < 20
+    server.stall(False)
+    assert client.health()["ok"]
+    sender.close()
+
+
+def test_stalled_update_times_out_per_bucket(served):
+    """The group forms, then the engine stops answering: the bucket broadcast times out."""
+    server, _, engine, other = served
+    client = SGLangEngine(server.url, control_timeout_s=2.0, update_timeout_s=2.0)
+    sender = BucketBroadcaster([client], "bucket-stall", backend="gloo", init_timeout_s=10, bucket_timeout_s=2)
+    sender.connect()
+    server.stall()
+    t0 = time.perf_counter()
+    with pytest.raises(WeightSyncError, match="did not finish within|no answer"):
+        sender.send(other.model.state_dict().items(), bucket_bytes=1 << 20)
+    assert time.perf_counter() - t0 < 15
+    server.stall(False)
+    sender.close()
+
+
+def test_launch_waits_for_health_and_reports_failures(tmp_path, monkeypatch):
+    cfg = tiny_config()
+    model_dir = tmp_path / "model"
+    LocalEngine.from_config(cfg, init_seed=0).model.save_pretrained(model_dir)
+
+    eng = SGLangEngine.launch(model_dir, server_module="rollout_sglang.sglang_standin", startup_timeout_s=120,
+                              log_dir=tmp_path / "logs", request_timeout_s=60)
+    try:
+        assert eng.health()["ok"]
+        out = asyncio.run(eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, seed=0)))
+        assert len(out[0].token_ids) == 3
+    finally:
+        eng.shutdown()
+    assert eng.process is None
+
+    with pytest.raises(SGLangError, match="exited with code"):
+        SGLangEngine.launch(tmp_path / "missing", server_module="rollout_sglang.sglang_standin",
+                            startup_timeout_s=120, log_dir=tmp_path / "logs")
+
+    (tmp_path / "slow_server.py").write_text("import time\ntime.sleep(120)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    t0 = time.perf_counter()
+    with pytest.raises(SGLangTimeout, match="not healthy within"):
+        SGLangEngine.launch(model_dir, server_module="slow_server", startup_timeout_s=2, log_dir=tmp_path / "logs",
+                            python=sys.executable)
+    assert time.perf_counter() - t0 < 30

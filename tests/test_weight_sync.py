@@ -1,0 +1,286 @@
+"""Bucketed weight sync: buckets, the dedicated gloo group, and a TP=2 actor syncing one slot of engines.
+
+The end-to-end case runs 3 processes: 2 trainer ranks (TP=2 Megatron actor) and one engine host
+running three SGLang stand-in servers (local engines): slot 0 = two engines, slot 1 = one. The
+trainer drives them exactly as it drives SGLang: HTTP control, gloo broadcast of flat buckets.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from megatron_agentrl.weight_sync import (
+    BucketBroadcaster,
+    BucketMeta,
+    BucketReceiver,
+    ChecksumMismatch,
+    WeightSyncError,
+    bucket_checksum,
+    free_port,
+    init_weight_group,
+    iter_buckets,
+    pack,
+    plan_buckets,
+    unpack,
+)
+
+VOCAB = 120
+
+
+# ------------------------------------------------------------------------------------ buckets
+def test_plan_respects_size_dtype_and_order():
+    specs = [("a", (10, 10), torch.float32), ("b", (50,), torch.float32), ("c", (30, 10), torch.float32),
+             ("d", (8,), torch.bfloat16), ("e", (4,), torch.bfloat16), ("f", (3,), torch.float32)]
+    buckets = plan_buckets(specs, bucket_bytes=800)
+    assert [b.names for b in buckets] == [["a", "b"], ["c"], ["d", "e"], ["f"]]
+    assert buckets[1].nbytes == 1200  # larger than a bucket: a bucket of its own
+    assert [b.dtype for b in buckets] == [torch.float32, torch.float32, torch.bfloat16, torch.float32]
+    assert [b.index for b in buckets] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="must be positive"):
+        plan_buckets(specs, 0)
+
+
+def test_pack_unpack_roundtrip_and_streaming_plan_agree():
+    g = torch.Generator().manual_seed(0)
+    named = [(f"t{i}", torch.randn(*s, generator=g).to(d)) for i, (s, d) in
+             enumerate([((3, 4), torch.float32), ((7,), torch.float32), ((2, 2, 2), torch.bfloat16), ((5,), torch.float32)])]
+    streamed = list(iter_buckets(named, bucket_bytes=64))
+    planned = plan_buckets([(n, t.shape, t.dtype) for n, t in named], bucket_bytes=64)
+    assert [m.names for m, _ in streamed] == [m.names for m in planned]
+    for meta, tensors in streamed:
+        flat = pack(meta, tensors)
+        assert flat.numel() == meta.numel and flat.dtype == meta.dtype
+        wire = meta.wire()
+        back = unpack(flat.clone(), BucketMeta.from_wire(wire["names"], wire["dtypes"], wire["shapes"]))
+        for (name, t), src in zip(back, tensors):
+            assert torch.equal(t, src), name
+
+
+def test_checksum_detects_corruption_and_shifts():
+    x = torch.randn(1000)
+    c = bucket_checksum(x)
+    assert bucket_checksum(x.clone()) == c
+    y = x.clone()
+    y[10] += 1e-3
+    assert bucket_checksum(y) != c
+    z = torch.cat([x[1:], x[:1]])  # rotated by one element: the same multiset of words
+    assert bucket_checksum(z) != c
+
+
+def test_wire_metadata_errors_are_clear():
+    with pytest.raises(ValueError, match="same length"):
+        BucketMeta.from_wire(["a"], ["float32", "float32"], [[1]])
+    with pytest.raises(ValueError, match="one dtype"):
+        BucketMeta.from_wire(["a", "b"], ["float32", "bfloat16"], [[1], [1]])
+    with pytest.raises(ValueError, match="unknown dtype"):
+        BucketMeta.from_wire(["a"], ["complex32"], [[1]])
+
+
+# ------------------------------------------------------------------------------- the group
+def test_group_broadcast_and_init_timeout_in_threads():
+    port = free_port()
+    groups = {}
+
+    def join(r: int) -> None:
+        groups[r] = init_weight_group("127.0.0.1", port, r, 3, "g-test", "gloo", timeout_s=20)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    results = {}
+
+    def recv(r: int) -> None:
+        t = torch.zeros(6)
+        groups[r].broadcast(t, src=0, timeout_s=20)
+        results[r] = t
+
+    threads = [threading.Thread(target=recv, args=(r,)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    groups[0].broadcast(torch.arange(6.0), src=0, timeout_s=20)
+    for t in threads:
+        t.join(30)
+    assert all(torch.equal(results[r], torch.arange(6.0)) for r in (1, 2))
+
+    # a rank that never joins: the others get a timeout error after init_timeout, not a hang
+    from megatron_agentrl.weight_sync import WeightSyncTimeout
+
+    t0 = time.perf_counter()
+    with pytest.raises(WeightSyncTimeout, match="only part of the 2 ranks joined"):
+        init_weight_group("127.0.0.1", free_port(), 0, 2, "g-lonely", "gloo", timeout_s=1.5)
+    assert time.perf_counter() - t0 < 10
+
+
+def _sglang_style_rank(rank: int, world: int, port: int) -> list[float]:
+    """Rank 0: our trainer-side group; rank 1: the group built the way SGLang's engine builds it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        group = init_weight_group("127.0.0.1", port, 0, 2, "compat", "gloo", timeout_s=30)
+        group.broadcast(torch.arange(5.0) * 3, src=0)
+        return []
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    td = datetime.timedelta(seconds=30)
+    store, r, w = next(rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=td))
+    store.set_timeout(td)
+    pg, _ = _new_process_group_helper(w, r, [], "gloo", PrefixStore("compat", store), group_name="compat", timeout=td)
+    _world.pg_group_ranks[pg] = {i: i for i in range(w)}
+    t = torch.zeros(5)
+    dist.broadcast(t, src=0, group=pg)
+    return t.tolist()
+
+
+def test_group_rendezvous_matches_sglang_custom_process_group():
+    """Our store prefixes meet a group built with torch's registered helper, as SGLang does."""
+    out = run_distributed(_sglang_style_rank, 2, free_port(), timeout_s=60)
+    assert out[1] == [0.0, 3.0, 6.0, 9.0, 12.0]
+
+
+def test_checksum_mismatch_fails_the_sync(monkeypatch):
+    from transformers import Qwen2Config
+
+    from rollout_sglang.local_engine import LocalEngine
+    from rollout_sglang.sglang_engine import SGLangEngine
+    from rollout_sglang.sglang_standin import StandInServer
+    import megatron_agentrl.weight_sync.sender as sender_mod
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=32)
+    engine = LocalEngine.from_config(cfg, init_seed=0)
+    server = StandInServer(engine, group_timeout_s=20)
+    server.start()
+    try:
+        client = SGLangEngine(server.url, update_timeout_s=20)
+        sender = BucketBroadcaster([client], "ck", backend="gloo", init_timeout_s=20, bucket_timeout_s=20, checksum=True)
+        monkeypatch.setattr(sender_mod, "bucket_checksum", lambda flat: [1, 2])  # what a corrupted transfer looks like
+        with pytest.raises(WeightSyncError, match="checksum"):
+            sender.send(LocalEngine.from_config(cfg, init_seed=1).model.state_dict().items(), bucket_bytes=1 << 20)
+        sender.close()
+    finally:
+        server.stop()
+    r = BucketReceiver()
+    with pytest.raises(KeyError, match="not initialised"):
+        r.receive(["x"], ["float32"], [[1]], "missing", "flattened_bucket")
+    assert issubclass(ChecksumMismatch, RuntimeError)
+
+
+# ------------------------------------------------------------- TP=2 actor -> slot of engines
+def _hf_config(tied: bool):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+                       tie_word_embeddings=tied)
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+
+
+def _engine_logits(engine) -> torch.Tensor:
+    with torch.no_grad():
+        return engine.model(_tokens()).logits.float()
+
+
+def _wait_for(path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s}s")
+        time.sleep(0.1)
+
+
+def _sync_case(rank: int, world: int, tmp: str, tied: bool) -> dict:
+    tmpdir = Path(tmp)
+    cfg = _hf_config(tied)
+    if rank == 2:  # the engine host: three stand-ins, slot 0 = engines 0 and 1, slot 1 = engine 2
+        from rollout_sglang.local_engine import LocalEngine
+        from rollout_sglang.sglang_standin import StandInServer
+
+        engines = [LocalEngine.from_config(cfg, init_seed=0) for _ in range(3)]
+        servers = [StandInServer(e, group_timeout_s=60) for e in engines]
+        urls = [s.start() for s in servers]
+        before = _engine_logits(engines[2])
+        (tmpdir / "urls.json.tmp").write_text(json.dumps(urls))
+        os.replace(tmpdir / "urls.json.tmp", tmpdir / "urls.json")
+        _wait_for(tmpdir / "done", 120)
+        out = {"logits": [_engine_logits(e) for e in engines], "before": before,
+               "versions": [e.version for e in engines]}
+        for s in servers:
+            s.stop()
+        return out
+
+    os.environ["WORLD_SIZE"] = "2"  # the trainer's own world: ranks 0 and 1
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    from megatron_agentrl.config import TrainConfig
+    from megatron_agentrl.megatron.actor import MegatronActor
+    from megatron_agentrl.megatron.parallel import destroy_parallel, initialize_parallel
+    from megatron_agentrl.weight_sync import WeightSender
+    from rollout_sglang.sglang_engine import SGLangEngine
+    from rollout_sglang.version_pool import VersionPool
+
+    initialize_parallel(2, 1, seed=11)
+    actor = MegatronActor(cfg, TrainConfig())
+    sender = WeightSender(actor, bucket_mb=0.05, init_timeout_s=60, bucket_timeout_s=60, checksum=True, backend="gloo")
+    _wait_for(tmpdir / "urls.json", 120)
+    urls = json.loads((tmpdir / "urls.json").read_text())
+    box: list = [None]
+    pool = None
+    if rank == 0:
+        clients = [SGLangEngine(u, request_timeout_s=60, update_timeout_s=60) for u in urls]
+        pool = VersionPool([clients[:2], clients[2:]])
+        slot = pool.begin_update(version=1)  # the oldest slot: slot 0 (tie on version 0 -> lowest index)
+        box = [slot.index]
+    dist.broadcast_object_list(box, src=0)
+    stats = sender.sync(1, slot_key=box[0], targets=pool.slots[box[0]].engines if pool is not None else None)
+    result: dict = {"bytes": stats.bytes, "buckets": stats.buckets}
+    if pool is not None:
+        pool.end_update(box[0])
+        result["pool_versions"] = pool.versions
+        result["client_health"] = [c.health()["server_weight_version"] for c in pool.engines]
+
+    # the actor's own logits (vocab-parallel over TP -> gathered, padding stripped)
+    actor.ddp.eval()
+    with torch.no_grad():
+        toks = _tokens()
+        pos = torch.arange(toks.shape[1]).unsqueeze(0).expand_as(toks)
+        local = actor.model(toks, pos, None).float().contiguous()
+        parts = [torch.empty_like(local) for _ in range(actor.tp)]
+        dist.all_gather(parts, local, group=parallel_state.get_tensor_model_parallel_group())
+        result["logits"] = torch.cat(parts, dim=-1)[..., :VOCAB]
+    sender.close()
+    destroy_parallel()
+    if rank == 0:
+        (tmpdir / "done").write_text("ok")
+    return result
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_tp2_actor_syncs_one_slot_and_leaves_the_other(tmp_path, tied):
+    trainer0, trainer1, host = run_distributed(_sync_case, 3, str(tmp_path), tied, timeout_s=240)
+    actor_logits = trainer0["logits"]
+    assert torch.equal(actor_logits, trainer1["logits"])
+    assert trainer0["buckets"] > 1 and trainer1["bytes"] == 0  # tp_rank 1 only took part in the gathers
+    assert trainer0["pool_versions"] == [1, 0]
+    assert trainer0["client_health"] == ["1", "1", "0"]
+    assert host["versions"] == [1, 1, 0]
+    for engine_logits in host["logits"][:2]:  # slot 0: the new weights
+        torch.testing.assert_close(engine_logits, actor_logits, rtol=1e-4, atol=1e-5)
+    # slot 1 kept version 0: its logits are the old ones, not the actor's
+    torch.testing.assert_close(host["logits"][2], host["before"], rtol=0, atol=0)
+    assert (host["logits"][2] - actor_logits).abs().max() > 1e-2

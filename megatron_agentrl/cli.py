@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     from env_controller.cli import register as register_env_commands
 
     register_env_commands(sub)  # agentrl controller / agentrl worker
+    from megatron_agentrl.convert.cli import register as register_convert_commands
+
+    register_convert_commands(sub)  # agentrl convert hf-to-megatron | megatron-to-hf
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -15,7 +15,7 @@ from megatron_agentrl.config import ConfigError, ModelConfig
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("qwen2",)
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "glm4")
 
 
 def check_model_paths(model: ModelConfig) -> None:
@@ -84,7 +84,7 @@ def load_hf_config(model: ModelConfig, tokenizer: Any | None = None):
     return cfg
 
 
-_ARCHS = {"qwen2": "Qwen2ForCausalLM"}
+_ARCHS = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "glm4": "Glm4ForCausalLM"}
 
 
 def load_hf_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:

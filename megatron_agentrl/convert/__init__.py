@@ -1,29 +1,60 @@
-"""Megatron <-> Hugging Face weight mappings, one module per model family.
+"""Megatron <-> Hugging Face weight mappings and converters, one mapping module per model family.
 
 ``get_mapping(hf_config)`` returns the mapping object for a transformers config (dispatch on
-``model_type``); see :class:`megatron_agentrl.convert.qwen2.Qwen2Mapping` for the interface.
+``model_type``); see :class:`megatron_agentrl.convert.base.GPTMapping` for the interface.
+Families: ``qwen2`` (Qwen2 / Qwen2.5), ``llama``, ``glm4`` (GLM-4-0414).
+
+Converters (streaming, bounded memory): :func:`megatron_agentrl.convert.hf_to_megatron.convert_hf_to_megatron`,
+:func:`megatron_agentrl.convert.megatron_to_hf.convert_megatron_to_hf`; megatron-core distributed
+checkpoints of a live model: :mod:`megatron_agentrl.convert.checkpoint`.
+
+The names below are resolved lazily, so that ``megatron_agentrl.convert.cli`` (imported by the
+``agentrl`` command line) does not import torch.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from megatron_agentrl.convert.qwen2 import Qwen2Mapping
+if TYPE_CHECKING:
+    from megatron_agentrl.convert.base import ConversionError, GPTMapping
 
-_MAPPINGS: dict[str, type[Qwen2Mapping]] = {
-    "qwen2": Qwen2Mapping,
-}
+__all__ = ["ARCHITECTURES", "MAPPINGS", "ConversionError", "GPTMapping", "get_mapping"]
 
 
-def get_mapping(hf_config: Any) -> Qwen2Mapping:
+def _families() -> dict[str, type]:
+    from megatron_agentrl.convert.glm4 import Glm4Mapping
+    from megatron_agentrl.convert.llama import LlamaMapping
+    from megatron_agentrl.convert.qwen2 import Qwen2Mapping
+
+    return {"qwen2": Qwen2Mapping, "llama": LlamaMapping, "glm4": Glm4Mapping}
+
+
+def get_mapping(hf_config: Any) -> "GPTMapping":
     """The weight mapping for ``hf_config`` (a transformers ``PretrainedConfig``).
 
-    Raises ValueError naming the unsupported ``model_type`` and the supported ones.
+    Raises ValueError (:class:`~megatron_agentrl.convert.base.ConversionError`) naming the
+    unsupported ``model_type`` and the supported ones.
     """
+    from megatron_agentrl.convert.base import ConversionError
+
+    mappings = _families()
     model_type = getattr(hf_config, "model_type", None)
-    cls = _MAPPINGS.get(str(model_type))
+    cls = mappings.get(str(model_type))
     if cls is None:
-        raise ValueError(
-            f"model_type={model_type!r} has no Megatron weight mapping; supported: {sorted(_MAPPINGS)} "
+        raise ConversionError(
+            f"model_type={model_type!r} has no Megatron weight mapping; supported: {sorted(mappings)} "
             "(add a module under megatron_agentrl/convert/ for a new family)"
         )
     return cls(hf_config)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MAPPINGS":
+        return _families()
+    if name == "ARCHITECTURES":  # transformers architecture class -> model_type
+        return {cls.architecture: mt for mt, cls in _families().items()}
+    if name in ("ConversionError", "GPTMapping"):
+        from megatron_agentrl.convert import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module 'megatron_agentrl.convert' has no attribute {name!r}")

@@ -1,10 +1,18 @@
 """Build a megatron-core ``GPTModel`` (one pipeline stage of it) from a Hugging Face config.
 
 The model is built so that, with the same weights (see ``megatron_agentrl.convert``), its
-logits equal ``transformers.Qwen2ForCausalLM``'s: RMSNorm, SwiGLU, QKV bias, grouped-query
-attention, rotary embeddings with the config's theta, tied or untied embeddings, no dropout.
-TransformerEngine layer specs are used when TransformerEngine imports, else megatron-core's
-local specs (CPU). All CUDA-only fusions are turned off when CUDA is absent.
+logits equal the ``transformers`` model's, for each supported family:
+
+* ``qwen2`` (Qwen2 / Qwen2.5): RMSNorm, SwiGLU, QKV bias, grouped-query attention, rotary
+  embeddings with the config's theta, tied or untied embeddings;
+* ``llama``: the same without biases; default or ``llama3`` rope scaling;
+* ``glm4`` (GLM-4-0414): QKV bias (``attention_bias``), partial interleaved rotary
+  (``partial_rotary_factor``; GLM rotates pairs ``(2i, 2i+1)``), and two extra RMSNorms per
+  layer on the attention and MLP outputs before each residual add (:func:`glm4_layer_spec`,
+  built from megatron-core's ``TransformerLayer`` and norm modules).
+
+No dropout. TransformerEngine layer specs are used when TransformerEngine imports, else
+megatron-core's local specs (CPU). All CUDA-only fusions are turned off when CUDA is absent.
 """
 from __future__ import annotations
 
@@ -18,7 +26,11 @@ from megatron_agentrl.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("qwen2",)
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "glm4")
+
+# Llama 3.x rope scaling as megatron-core implements it (RotaryEmbedding._apply_scaling):
+# only ``factor`` is configurable, the rest is fixed.
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def _have_te() -> bool:
@@ -30,20 +42,75 @@ def _have_te() -> bool:
     return torch.cuda.is_available()
 
 
+def _rope_params(hf_config: Any) -> dict:
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        params = {**scaling, **params}
+    return params
+
+
 def rope_theta(hf_config: Any) -> float:
     """Rotary base of ``hf_config``: transformers 5 keeps it in ``rope_parameters["rope_theta"]``,
-    older versions in ``rope_theta``. Raises ConfigError for rope scaling types other than default."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in (None, "default"):
-        raise ConfigError(f"rope_type={rope_type!r} is not supported by the Megatron actor (only 'default' rotary)")
-    scaling = getattr(hf_config, "rope_scaling", None)
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) not in (None, "default"):
-        raise ConfigError(f"rope_scaling={scaling!r} is not supported by the Megatron actor (only default rotary)")
+    older versions in ``rope_theta``. Raises ConfigError for rope types megatron cannot express
+    (anything but ``default``, and ``llama3`` for Llama; see :func:`rope_scaling_factor`)."""
+    rope_scaling_factor(hf_config)  # validates the rope type
+    params = _rope_params(hf_config)
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
     if theta is None:
         raise ConfigError("the HF config has no rope theta (rope_parameters['rope_theta'] or rope_theta)")
     return float(theta)
+
+
+def rope_scaling_factor(hf_config: Any) -> float | None:
+    """The Llama-3 rope scaling ``factor`` (``rope_type: llama3``), or None for plain rotary.
+
+    megatron-core's Llama-3 scaling fixes ``low_freq_factor=1``, ``high_freq_factor=4`` and
+    ``original_max_position_embeddings=8192`` (as every Llama 3.1 / 3.2 config has); other
+    values, and other rope types (yarn, linear, dynamic, ...), raise ConfigError.
+    """
+    params = _rope_params(hf_config)
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type == "default":
+        return None
+    model_type = getattr(hf_config, "model_type", None)
+    if rope_type == "llama3" and model_type == "llama":
+        bad = {k: params.get(k) for k, v in _LLAMA3_FIXED.items() if float(params.get(k, v)) != v}
+        if bad:
+            raise ConfigError(f"llama3 rope scaling with {bad} is not supported by megatron-core "
+                              f"(it fixes {_LLAMA3_FIXED}; only 'factor' may vary)")
+        return float(params.get("factor", 8.0))
+    raise ConfigError(f"rope_type={rope_type!r} is not supported for model_type={model_type!r} "
+                      "(supported: 'default', and 'llama3' for llama)")
+
+
+def partial_rotary_factor(hf_config: Any) -> float:
+    """Fraction of each head's dims that rotate (``partial_rotary_factor``; 1.0 when absent)."""
+    params = _rope_params(hf_config)
+    return float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0))
+
+
+def _family_options(hf_config: Any) -> dict[str, Any]:
+    """Per-family TransformerConfig fields (biases, rotary layout); ConfigError for what a family
+    cannot express."""
+    model_type = getattr(hf_config, "model_type", None)
+    partial = partial_rotary_factor(hf_config)
+    if model_type == "qwen2":
+        opts = {"add_qkv_bias": True, "rotary_interleaved": False}
+    elif model_type == "llama":
+        for flag in ("attention_bias", "mlp_bias"):
+            if getattr(hf_config, flag, False):
+                raise ConfigError(f"llama {flag}=True is not supported (megatron's GPT layer holds a q/k/v bias only)")
+        opts = {"add_qkv_bias": False, "rotary_interleaved": False}
+    elif model_type == "glm4":
+        opts = {"add_qkv_bias": bool(getattr(hf_config, "attention_bias", True)), "rotary_interleaved": True}
+    else:
+        raise ConfigError(f"model_type={model_type!r} is not supported by the Megatron actor; supported: {SUPPORTED_MODEL_TYPES}")
+    if partial != 1.0 and model_type != "glm4":
+        raise ConfigError(f"partial_rotary_factor={partial} is only supported for glm4")
+    if not 0.0 < partial <= 1.0:
+        raise ConfigError(f"partial_rotary_factor={partial} must be in (0, 1]")
+    return opts
 
 
 def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32) -> "Any":
@@ -81,6 +148,7 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32) 
             f"num_attention_heads={n_heads} and num_key_value_heads={n_kv} must both be divisible by parallel.tp={tp}"
         )
     head_dim = getattr(hf_config, "head_dim", None) or int(hf_config.hidden_size) // n_heads
+    family = _family_options(hf_config)
     cuda = torch.cuda.is_available()
     return TransformerConfig(
         num_layers=n_layers,
@@ -94,7 +162,8 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32) 
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=True,
+        add_qkv_bias=family["add_qkv_bias"],
+        rotary_interleaved=family["rotary_interleaved"],
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
@@ -123,6 +192,114 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32) 
     )
 
 
+class _NormedBDA:
+    """A bias-dropout-add builder whose sublayer output is normalised first.
+
+    ``TransformerLayer`` calls ``self.self_attn_bda(training, fused)(out_with_bias, residual,
+    prob)`` (and the same for ``mlp_bda``); wrapping that builder gives GLM-4's
+    ``residual + norm(sublayer(x))`` without overriding the layer's forward. The norm module is
+    registered on the layer itself (this wrapper only refers to it).
+    """
+
+    def __init__(self, bda: Any, norm: torch.nn.Module) -> None:
+        self._bda = bda
+        self._norm = norm
+
+    def __call__(self, training: bool, fused: bool) -> Any:
+        inner = self._bda(training, fused)
+        norm = self._norm
+
+        def normed_bda(x_with_bias: tuple[torch.Tensor, torch.Tensor | None], residual: torch.Tensor,
+                       prob: float) -> torch.Tensor:
+            x, bias = x_with_bias
+            if bias is not None:
+                x = x + bias
+            return inner((norm(x), None), residual, prob)
+
+        return normed_bda
+
+
+def _glm4_classes() -> tuple[type, type]:
+    """(submodules dataclass, layer class) for GLM-4, built lazily so that importing this module
+    does not import megatron-core."""
+    global _GLM4_CLASSES
+    if _GLM4_CLASSES is not None:
+        return _GLM4_CLASSES
+    from dataclasses import dataclass
+
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    @dataclass
+    class Glm4TransformerLayerSubmodules(TransformerLayerSubmodules):
+        """``TransformerLayerSubmodules`` plus GLM-4's norms on the attention and MLP outputs."""
+
+        post_self_attn_layernorm: ModuleSpec | type = IdentityOp
+        post_mlp_layernorm: ModuleSpec | type = IdentityOp
+
+    class Glm4TransformerLayer(TransformerLayer):
+        """megatron-core's ``TransformerLayer`` with GLM-4's sandwich norms:
+        ``h = h + post_self_attn_layernorm(attn(input_layernorm(h)))``,
+        ``h = h + post_mlp_layernorm(mlp(pre_mlp_layernorm(h)))``.
+
+        Parameters ``post_self_attn_layernorm.weight`` and ``post_mlp_layernorm.weight`` (in the
+        distributed checkpoint: ``decoder.layers.post_self_attn_layernorm.weight`` etc., stacked
+        over layers and replicated over TP like the other norms).
+        """
+
+        def __init__(self, config: Any, submodules: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(config, submodules, *args, **kwargs)
+            norm_kwargs = {"config": self.config, "hidden_size": self.config.hidden_size,
+                           "eps": self.config.layernorm_epsilon}
+            self.post_self_attn_layernorm = build_module(submodules.post_self_attn_layernorm, **norm_kwargs)
+            self.post_mlp_layernorm = build_module(submodules.post_mlp_layernorm, **norm_kwargs)
+            self.self_attn_bda = _NormedBDA(self.self_attn_bda, self.post_self_attn_layernorm)
+            self.mlp_bda = _NormedBDA(self.mlp_bda, self.post_mlp_layernorm)
+
+    _GLM4_CLASSES = (Glm4TransformerLayerSubmodules, Glm4TransformerLayer)
+    return _GLM4_CLASSES
+
+
+_GLM4_CLASSES: tuple[type, type] | None = None
+
+
+def glm4_layer_spec(base_spec: Any, use_te: bool) -> Any:
+    """GLM-4's layer spec: ``base_spec`` (megatron-core's local or TE GPT layer spec) with the
+    layer class swapped for ``Glm4TransformerLayer`` and two RMSNorms added after attention
+    and after the MLP. The norm class is the base spec's input norm (local spec) or ``TENorm``
+    (the TE spec fuses its input norms into the linear layers)."""
+    import dataclasses
+
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    submodules_cls, layer_cls = _glm4_classes()
+    base = base_spec.submodules
+    norm = base.input_layernorm
+    if use_te or norm is IdentityOp:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        norm = TENorm
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    return ModuleSpec(module=layer_cls, submodules=submodules_cls(
+        **fields, post_self_attn_layernorm=norm, post_mlp_layernorm=norm))
+
+
+def layer_spec(hf_config: Any) -> Any:
+    """The megatron-core transformer layer spec for ``hf_config``'s family (TE when available)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    use_te = _have_te()
+    spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec(normalization="RMSNorm")
+    if getattr(hf_config, "model_type", None) == "glm4":
+        spec = glm4_layer_spec(spec, use_te)
+    return spec
+
+
 def build_gpt_model(
     hf_config: Any,
     pre_process: bool,
@@ -133,7 +310,7 @@ def build_gpt_model(
     """The ``GPTModel`` chunk of this PP stage for ``hf_config`` (randomly initialised).
 
     Args:
-        hf_config: a transformers ``PretrainedConfig`` (``model_type`` "qwen2").
+        hf_config: a transformers ``PretrainedConfig`` (``model_type`` in ``SUPPORTED_MODEL_TYPES``).
         pre_process: this stage holds the embedding (first PP stage).
         post_process: this stage holds the final norm and output layer (last PP stage).
         dtype: parameter dtype.
@@ -145,19 +322,13 @@ def build_gpt_model(
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
 
-    from megatron_agentrl.convert.qwen2 import padded_vocab_size
+    from megatron_agentrl.convert.base import padded_vocab_size
 
     config = make_transformer_config(hf_config, dtype)
-    if _have_te():
-        spec = get_gpt_layer_with_transformer_engine_spec()
-    else:
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = layer_spec(hf_config)
     theta = rope_theta(hf_config)
+    scaling = rope_scaling_factor(hf_config)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     vocab = padded_vocab_size(int(hf_config.vocab_size), make_vocab_size_divisible_by, tp)
     model = GPTModel(
@@ -170,8 +341,10 @@ def build_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=partial_rotary_factor(hf_config),
         rotary_base=int(theta) if theta.is_integer() else theta,
+        rope_scaling=scaling is not None,
+        rope_scaling_factor=scaling if scaling is not None else 8.0,
     )
     # torch.nn.RMSNorm (local spec) is created in the default dtype; cast like megatron's Float16Module.
     if dtype != torch.float32:

@@ -1,0 +1,441 @@
+"""megatron-core distributed checkpoints (``torch_dist`` format): streaming write and read,
+and save / load of a live model at any TP x PP.
+
+Layout of a checkpoint directory written here (megatron-core's own files first):
+
+* ``metadata.json``: ``{"sharded_backend": "torch_dist", ...}`` (megatron's ``save_config``);
+* ``common.pt``: the non-sharded part of the state dict (empty for a model);
+* ``.metadata`` and ``__<rank>_<i>.distcp``: the torch.distributed.checkpoint (DCP) files;
+  every tensor is stored under its megatron ``sharded_state_dict`` key, layer tensors stacked
+  to ``[num_layers, ...]``, vocab tensors padded (see :mod:`megatron_agentrl.convert.base`);
+* ``agentrl_checkpoint.json``: family, architecture, vocab sizes, the TP x PP and dtype it was
+  written with (ours; megatron ignores it);
+* ``hf/``: the Hugging Face ``config.json`` plus tokenizer and generation files, so that
+  ``megatron_to_hf`` can rebuild a complete HF directory.
+
+Because DCP reshards on load, a checkpoint written at one TP x PP loads at any other
+(:func:`load_megatron_checkpoint`); the vocab tensors are declared ``allow_shape_mismatch`` by
+megatron, so a different padded vocab (another TP) loads too.
+
+:func:`write_dcp_streaming` and :class:`DistCheckpointReader` work in one process without
+torch.distributed and touch one tensor chunk at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megatron_agentrl.convert.base import ConversionError, GPTMapping
+
+logger = logging.getLogger(__name__)
+
+INFO_FILE = "agentrl_checkpoint.json"
+HF_ASSETS_DIR = "hf"
+FORMAT = "megatron-agentrl/torch_dist"
+FORMAT_VERSION = 1
+
+# Files copied along with config.json: tokenizer, chat template, generation defaults.
+HF_ASSET_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+    "chat_template.jinja", "chat_template.json",
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """``"float32" | "bfloat16" | "float16"`` (or a torch dtype) -> torch dtype; None / "auto" -> None."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return None
+    key = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name)
+    if key not in _DTYPES:
+        raise ConversionError(f"dtype={name!r} must be one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class CheckpointInfo:
+    """Contents of ``agentrl_checkpoint.json``: what a checkpoint holds and how it was written.
+
+    vocab_size: the model's real vocab; padded_vocab_size: rows stored for the vocab tensors
+    (a multiple of ``make_vocab_size_divisible_by * tp``); tp / pp: the layout it was written
+    with (any other loads); dtype: the stored dtype of the weights.
+    """
+
+    model_type: str
+    architecture: str
+    num_layers: int
+    vocab_size: int
+    padded_vocab_size: int
+    make_vocab_size_divisible_by: int
+    tie_word_embeddings: bool
+    tp: int
+    pp: int
+    dtype: str
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    def save(self, ckpt_dir: Path) -> None:
+        """Write ``agentrl_checkpoint.json`` into ``ckpt_dir``."""
+        (ckpt_dir / INFO_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+def read_checkpoint_info(ckpt_dir: str | Path) -> CheckpointInfo | None:
+    """The :class:`CheckpointInfo` of ``ckpt_dir``, or None for a checkpoint without one
+    (e.g. saved by plain megatron code)."""
+    path = Path(ckpt_dir) / INFO_FILE
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    known = set(CheckpointInfo.__dataclass_fields__)
+    return CheckpointInfo(**{k: v for k, v in data.items() if k in known})
+
+
+def check_is_megatron_checkpoint(ckpt_dir: str | Path) -> Path:
+    """``ckpt_dir`` as a Path; ConversionError / FileNotFoundError naming it unless it is a
+    megatron-core ``torch_dist`` checkpoint with every data file its metadata lists."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"'{ckpt_dir}' is not a directory; give a megatron distributed checkpoint directory")
+    meta = root / "metadata.json"
+    if not meta.is_file() or not (root / ".metadata").is_file():
+        hint = " (it looks like a Hugging Face checkpoint: use hf-to-megatron)" if (root / "config.json").is_file() else ""
+        raise ConversionError(f"'{root}' is not a megatron-core distributed checkpoint: metadata.json and .metadata "
+                              f"are required{hint}")
+    backend = json.loads(meta.read_text()).get("sharded_backend")
+    if backend != "torch_dist":
+        raise ConversionError(f"'{root}': sharded_backend={backend!r}; only megatron's 'torch_dist' format is supported")
+    md = FileSystemReader(str(root)).read_metadata()
+    files = sorted({s.relative_path for s in md.storage_data.values()})
+    missing = [f for f in files if not (root / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"checkpoint shard(s) {missing} listed in '{root / '.metadata'}' are missing; "
+                                "copy the complete checkpoint directory")
+    return root
+
+
+def write_megatron_common_files(ckpt_dir: Path) -> None:
+    """megatron-core's ``metadata.json`` (torch_dist / torch backends) and an empty ``common.pt``."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+
+    save_config(CheckpointingConfig("torch_dist", 1, "torch", 1), str(ckpt_dir))
+    torch.save({}, ckpt_dir / COMMON_STATE_FNAME)
+
+
+def copy_hf_assets(src: Path, dst: Path, config: dict[str, Any] | None = None) -> list[str]:
+    """Copy config.json, tokenizer and generation files that exist in ``src`` to ``dst``;
+    ``config`` (a dict) replaces config.json when given. Returns the names written."""
+    dst.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in HF_ASSET_FILES:
+        if name == "config.json" and config is not None:
+            (dst / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            written.append(name)
+        elif (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            written.append(name)
+    return written
+
+
+# ----------------------------------------------------------------------------- streaming write
+@dataclass(frozen=True)
+class StoredTensor:
+    """One checkpoint key to write: global shape, dtype and the chunks (offsets, sizes) that
+    make it up (chunks must tile the global shape)."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+
+
+def write_dcp_streaming(ckpt_dir: Path, tensors: Iterable[StoredTensor],
+                        produce: Callable[[str, tuple[int, ...], tuple[int, ...]], Tensor]) -> None:
+    """Write a torch.distributed.checkpoint with one data file, producing each chunk on demand.
+
+    ``produce(key, offsets, sizes)`` returns the chunk's data (shape ``sizes``, the declared
+    dtype); it is called once per chunk, in the order given, and the chunk is written and
+    dropped before the next one is produced, so peak memory is about one chunk. No process
+    group is needed.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    specs = list(tensors)
+
+    class _StreamingSavePlanner(DefaultSavePlanner):
+        def __init__(self) -> None:
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+        def create_local_plan(self) -> SavePlan:
+            items = []
+            for st in specs:
+                props = TensorProperties(dtype=st.dtype)
+                for offsets, sizes in st.chunks:
+                    items.append(WriteItem(
+                        index=MetadataIndex(st.key, torch.Size(offsets)),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                            properties=props, size=torch.Size(st.global_shape)),
+                    ))
+            self.plan = SavePlan(items)
+            return self.plan
+
+        def resolve_data(self, write_item: WriteItem) -> Tensor:
+            chunk = write_item.tensor_data.chunk  # type: ignore[union-attr]
+            t = produce(write_item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes))
+            if tuple(t.shape) != tuple(chunk.sizes):
+                raise RuntimeError(f"{write_item.index.fqn}: produced {tuple(t.shape)}, expected {tuple(chunk.sizes)}")
+            return t
+
+    writer = dcp.FileSystemWriter(str(ckpt_dir), single_file_per_rank=True, thread_count=1, sync_files=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save({}, storage_writer=writer, planner=_StreamingSavePlanner(), no_dist=True)
+
+
+# ------------------------------------------------------------------------------ streaming read
+class DistCheckpointReader:
+    """Reads pieces of tensors of a ``torch_dist`` checkpoint without torch.distributed.
+
+    Args:
+        ckpt_dir: a megatron-core distributed checkpoint directory (checked with
+            :func:`check_is_megatron_checkpoint`).
+    """
+
+    def __init__(self, ckpt_dir: str | Path) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.root = check_is_megatron_checkpoint(ckpt_dir)
+        md = FileSystemReader(str(self.root)).read_metadata()
+        self.tensors: dict[str, Any] = {k: v for k, v in md.state_dict_metadata.items()
+                                        if isinstance(v, TensorStorageMetadata)}
+
+    def keys(self) -> list[str]:
+        """Stored tensor keys (ShardedObjects such as ``_extra_state`` are left out)."""
+        return list(self.tensors)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """Global shape of ``key`` as stored."""
+        return tuple(self.tensors[key].size)
+
+    def dtype(self, key: str) -> torch.dtype:
+        """Stored dtype of ``key``."""
+        return self.tensors[key].properties.dtype
+
+    def read(self, requests: Mapping[str, tuple[str, tuple[int, ...], tuple[int, ...]]],
+             dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """Read pieces: ``{name: (key, offsets, sizes)}`` -> ``{name: tensor of shape sizes}``.
+
+        A piece may span several stored chunks (it is resharded) but must lie inside the
+        stored global shape. ``dtype``: of the returned tensors (default: as stored).
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        targets: dict[str, Tensor] = {}
+        by_key: dict[str, list[tuple[str, tuple[int, ...], tuple[int, ...]]]] = {}
+        for name, (key, offsets, sizes) in requests.items():
+            if key not in self.tensors:
+                raise KeyError(f"checkpoint '{self.root}' has no tensor '{key}'")
+            glob = self.shape(key)
+            if len(offsets) != len(glob) or any(o + s > g for o, s, g in zip(offsets, sizes, glob)):
+                raise ValueError(f"piece {offsets}+{sizes} of '{key}' lies outside its stored shape {glob}")
+            targets[name] = torch.empty(sizes, dtype=dtype or self.dtype(key))
+            by_key.setdefault(key, []).append((name, offsets, sizes))
+        tensors = self.tensors
+
+        class _PieceLoadPlanner(DefaultLoadPlanner):
+            def create_local_plan(self) -> LoadPlan:
+                items: list[ReadItem] = []
+                for key, pieces in by_key.items():
+                    for name, offsets, sizes in pieces:
+                        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                        # The destination of each read is named after the piece (not the key), so
+                        # that several pieces of one key (e.g. two layers) get their own targets.
+                        for it in create_read_items_for_chunk_list(key, tensors[key], [chunk]):
+                            items.append(dataclasses.replace(
+                                it, dest_index=dataclasses.replace(it.dest_index, fqn=name)))
+                return LoadPlan(items)
+
+            def resolve_tensor(self, read_item: ReadItem) -> Tensor:
+                t = targets[read_item.dest_index.fqn]
+                for dim, (off, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                    t = t.narrow(dim, off, length)
+                return t
+
+            def commit_tensor(self, read_item: ReadItem, tensor: Tensor) -> None:
+                pass
+
+        from torch.distributed.checkpoint import FileSystemReader
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load({}, storage_reader=FileSystemReader(str(self.root)), planner=_PieceLoadPlanner(), no_dist=True)
+        return targets
+
+
+# ------------------------------------------------------------------------ family / shape checks
+def check_checkpoint_matches(reader: DistCheckpointReader, mapping: GPTMapping, where: str) -> None:
+    """Raise ConversionError unless the stored tensors are exactly those of ``mapping``'s model
+    (same keys; layer stacks ``[num_layers, ...]``; shapes equal up to vocab padding)."""
+    expected: dict[str, tuple[int, ...]] = {}
+    for mname in mapping.megatron_names():
+        key, layer = mapping.checkpoint_key(mname)
+        shape = mapping.megatron_shape(mname)
+        expected[key] = (mapping.num_layers, *shape) if layer is not None else shape
+    stored = set(reader.keys())
+    missing = sorted(set(expected) - stored)
+    unexpected = sorted(stored - set(expected))
+    if missing or unexpected:
+        raise ConversionError(
+            f"{where} does not hold a {mapping.model_type} model of this config "
+            f"({mapping.num_layers} layers, qkv_bias={mapping.qkv_bias}, tied={mapping.tie_word_embeddings}): "
+            f"missing {missing[:8]}, unexpected {unexpected[:8]}. Is it a checkpoint of another family, or is "
+            "the HF config the wrong one?"
+        )
+    for key, want in expected.items():
+        got = reader.shape(key)
+        if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            ok = len(got) == 2 and got[1] == want[1] and got[0] >= want[0]
+        else:
+            ok = got == want
+        if not ok:
+            raise ConversionError(f"{where}: tensor '{key}' has shape {got}, a {mapping.model_type} model of this "
+                                  f"config needs {want}; the HF config does not belong to this checkpoint")
+
+
+def _check_family(ckpt_dir: Path, hf_config: Any) -> CheckpointInfo | None:
+    info = read_checkpoint_info(ckpt_dir)
+    model_type = getattr(hf_config, "model_type", None)
+    if info is not None and model_type is not None and info.model_type != model_type:
+        raise ConversionError(
+            f"'{ckpt_dir}' is a {info.model_type} ({info.architecture}) checkpoint, but the model config is "
+            f"{model_type}; use the config the checkpoint was converted from ('{ckpt_dir / HF_ASSETS_DIR}')"
+        )
+    return info
+
+
+# ---------------------------------------------------------------------- live model save / load
+def _sync_save_strategy() -> Any:
+    """megatron's ``torch_dist`` save strategy, written synchronously in this process.
+
+    megatron-core's own writer (``FileSystemWriterAsync``) forks writer processes, which a
+    daemonic worker (and a CPU/gloo test) cannot do; this one calls
+    ``torch.distributed.checkpoint.save`` directly with megatron's planner, producing the same
+    files.
+    """
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    class SyncTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict: Any, checkpoint_dir: Path) -> None:
+            sd, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            pyt = mcore_to_pyt_state_dict(sd, False)
+            dcp.save(pyt, storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                     planner=MCoreSavePlanner(flatten_state_dict=False, can_run_decentralized_global_plan=False))
+
+    return SyncTorchDistSaveStrategy("torch_dist", 1)
+
+
+def save_megatron_checkpoint(model: Any, ckpt_dir: str | Path, hf_config: Any,
+                             hf_assets_dir: str | Path | None = None,
+                             make_vocab_size_divisible_by: int = 128) -> Path:
+    """Save ``model`` (this rank's ``GPTModel`` stage, unwrapped) as a megatron-core distributed
+    checkpoint in ``ckpt_dir``; collective over all ranks.
+
+    Also writes ``agentrl_checkpoint.json`` and ``hf/`` (``hf_config`` as config.json, plus the
+    tokenizer files found in ``hf_assets_dir``), so that ``megatron_to_hf`` can convert it.
+    Requires ``initialize_parallel``.
+    """
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from megatron_agentrl.convert import get_mapping
+    from megatron_agentrl.convert.base import padded_vocab_size
+
+    mapping = get_mapping(hf_config)
+    root = Path(ckpt_dir)
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    sd = model.sharded_state_dict()
+    dist_checkpointing.save(sd, str(root), sharded_strategy=_sync_save_strategy())
+    if dist.get_rank() == 0:
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        dtype = next(model.parameters()).dtype
+        CheckpointInfo(
+            model_type=mapping.model_type, architecture=mapping.architecture, num_layers=mapping.num_layers,
+            vocab_size=mapping.vocab_size,
+            padded_vocab_size=padded_vocab_size(mapping.vocab_size, make_vocab_size_divisible_by, tp),
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+            tie_word_embeddings=mapping.tie_word_embeddings, tp=tp,
+            pp=parallel_state.get_pipeline_model_parallel_world_size(), dtype=dtype_name(dtype),
+        ).save(root)
+        cfg = hf_config.to_dict()
+        cfg["architectures"] = [mapping.architecture]
+        copy_hf_assets(Path(hf_assets_dir) if hf_assets_dir else root / "_none_", root / HF_ASSETS_DIR, cfg)
+    dist.barrier()
+    logger.info("saved megatron checkpoint to %s", root)
+    return root
+
+
+def load_megatron_checkpoint(model: Any, ckpt_dir: str | Path, hf_config: Any | None = None) -> None:
+    """Load a megatron-core distributed checkpoint into ``model`` (this rank's ``GPTModel``
+    stage, unwrapped) at the current TP x PP, whatever TP x PP it was written with.
+
+    ``hf_config``: the model's config, checked against the checkpoint's family and tensor
+    shapes (ConversionError naming both on a mismatch). ``_extra_state`` entries (TE fp8
+    metadata) are not loaded. Collective over all ranks; requires ``initialize_parallel``.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    root = check_is_megatron_checkpoint(ckpt_dir)
+    if hf_config is not None:
+        _check_family(root, hf_config)
+        from megatron_agentrl.convert import get_mapping
+
+        check_checkpoint_matches(DistCheckpointReader(root), get_mapping(hf_config), f"checkpoint '{root}'")
+    sd = {k: v for k, v in model.sharded_state_dict().items()
+          if not (isinstance(v, ShardedObject) or k.endswith("_extra_state"))}
+    loaded = dist_checkpointing.load(sd, str(root))
+    result = model.load_state_dict(loaded, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise ConversionError(f"checkpoint '{root}' left parameters unloaded: missing {missing[:8]}, "
+                              f"unexpected {list(result.unexpected_keys)[:8]}")
+    logger.info("loaded megatron checkpoint %s", root)

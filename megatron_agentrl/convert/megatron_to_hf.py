@@ -1,0 +1,127 @@
+"""megatron-core distributed checkpoint -> Hugging Face safetensors checkpoint, streaming.
+
+``convert_megatron_to_hf(megatron_dir, out_dir)`` (also ``tools/convert_megatron_to_hf.py`` and
+``agentrl convert megatron-to-hf``) reads a ``torch_dist`` checkpoint written at any TP x PP (by
+:func:`~megatron_agentrl.convert.hf_to_megatron.convert_hf_to_megatron`, by
+:func:`~megatron_agentrl.convert.checkpoint.save_megatron_checkpoint`, or by megatron code that
+saved ``GPTModel.sharded_state_dict()``), one layer at a time, strips the vocab padding and
+writes safetensors shards with an index, config.json and the tokenizer files the checkpoint
+carries. Peak memory: one layer, or the embedding / output layer (twice: the stored chunk and
+the assembled tensor).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+import torch
+
+from megatron_agentrl.convert import get_mapping
+from megatron_agentrl.convert.base import ConversionError
+from megatron_agentrl.convert.checkpoint import (
+    HF_ASSETS_DIR,
+    DistCheckpointReader,
+    _check_family,
+    check_checkpoint_matches,
+    copy_hf_assets,
+    dtype_name,
+    parse_dtype,
+)
+from megatron_agentrl.convert.hf_to_megatron import hf_config_from_dict, load_hf_config_dict
+from megatron_agentrl.convert.safetensors_io import SafetensorsShardWriter, dtype_size, parse_size
+
+logger = logging.getLogger(__name__)
+
+
+def convert_megatron_to_hf(
+    megatron_dir: str | Path,
+    out_dir: str | Path,
+    hf_config: str | Path | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: str | int = "5GB",
+    progress: bool = True,
+    overwrite: bool = False,
+) -> Path:
+    """Convert the megatron distributed checkpoint ``megatron_dir`` to a Hugging Face directory.
+
+    Args:
+        megatron_dir: a megatron-core ``torch_dist`` checkpoint directory.
+        out_dir: output directory (created; must be empty unless ``overwrite``): gets
+            ``model-0000i-of-0000n.safetensors``, ``model.safetensors.index.json``,
+            ``config.json`` and the tokenizer / generation files found with the config.
+        hf_config: a HF directory or config.json describing the model; default: the copy the
+            checkpoint carries in ``megatron_dir/hf`` (required for checkpoints without one).
+        dtype: output dtype (``float32`` | ``bfloat16`` | ``float16``); None / ``auto``: as stored.
+        max_shard_size: bytes per safetensors shard, e.g. ``"5GB"``.
+        progress: show a progress bar (layers) on stderr.
+
+    Raises ConversionError naming the mismatch when the checkpoint is not a model of the
+    config's family and sizes (e.g. a Llama config on a GLM-4 checkpoint), FileNotFoundError
+    for a missing directory, config or data file.
+    """
+    from tqdm import tqdm
+
+    root = Path(megatron_dir)
+    reader = DistCheckpointReader(root)
+    cfg_src = Path(hf_config) if hf_config is not None else root / HF_ASSETS_DIR
+    if hf_config is None and not (cfg_src / "config.json").is_file():
+        raise FileNotFoundError(f"'{root}' carries no Hugging Face config ({cfg_src / 'config.json'}); "
+                                "pass hf_config / --hf-config with the model's config.json")
+    config_dict = load_hf_config_dict(cfg_src)
+    cfg = hf_config_from_dict(config_dict)
+    _check_family(root, cfg)
+    mapping = get_mapping(cfg)
+    check_checkpoint_matches(reader, mapping, f"checkpoint '{root}'")
+    out_dtype = parse_dtype(dtype)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ConversionError(f"output directory '{out}' is not empty; choose a new one or pass overwrite / --overwrite")
+    if overwrite:
+        for stale in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
+            stale.unlink(missing_ok=True)
+
+    # Plan every output tensor (name, shape, dtype) in the order they will be produced.
+    groups: list[list[str]] = [[n] for n in mapping.megatron_names() if not n.startswith("decoder.layers.")]
+    layer_groups = [mapping.layer_megatron_names(i) for i in range(mapping.num_layers)]
+    groups = groups[:1] + layer_groups + groups[1:]
+    plan = []
+    for group in groups:
+        for mname in group:
+            key, _ = mapping.checkpoint_key(mname)
+            for hf_name, shape in mapping.hf_shapes(mname).items():
+                plan.append((hf_name, shape, out_dtype or reader.dtype(key)))
+    writer = SafetensorsShardWriter(out, plan, parse_size(max_shard_size))
+    logger.info("converting %s (%s, %d layers) -> %s, %.2f GB", root, mapping.architecture, mapping.num_layers,
+                out, writer.total_size / 1e9)
+    bar = tqdm(total=writer.total_size, unit="B", unit_scale=True, desc="megatron->hf", disable=not progress)
+    try:
+        for group in groups:
+            requests = {}
+            for mname in group:
+                key, layer = mapping.checkpoint_key(mname)
+                shape = mapping.megatron_shape(mname)  # unpadded: reading it strips vocab padding
+                if layer is None:
+                    requests[mname] = (key, (0,) * len(shape), shape)
+                else:
+                    requests[mname] = (key, (layer,) + (0,) * len(shape), (1, *shape))
+            tensors = reader.read(requests, dtype=out_dtype)
+            for mname in group:
+                full = tensors.pop(mname)
+                if mapping.checkpoint_key(mname)[1] is not None:
+                    full = full[0]
+                for hf_name, t in mapping.to_hf(mname, full).items():
+                    writer.write(hf_name, t)
+                    bar.update(t.numel() * dtype_size(t.dtype))
+                del full
+    finally:
+        bar.close()
+    writer.close()
+    config_dict["architectures"] = [mapping.architecture]
+    stored = {d for _, _, d in plan}
+    if len(stored) == 1:
+        config_dict["dtype"] = dtype_name(stored.pop())
+        config_dict.pop("torch_dtype", None)
+    assets_dir = cfg_src if cfg_src.is_dir() else cfg_src.parent
+    copied = copy_hf_assets(assets_dir, out, config_dict)
+    logger.info("wrote %s (%d tensors, %s)", out, len(plan), ", ".join(copied))
+    return out
+

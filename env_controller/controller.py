@@ -16,7 +16,8 @@ Trainer-facing API (all JSON; errors are ``{"error": "...", "status": code}``):
 * ``POST /api/cancel`` with header ``session_id`` -> ``{session_id, status}``; 404 unknown session.
 * ``GET /api/list_workers``, ``GET /api/list_sessions``, ``GET /api/get_indices?name=``,
   ``GET /api/health``, ``GET /metrics`` (Prometheus).
-* Worker-facing: ``POST /api/receive_heartbeat {name, address, concurrency, indices}``.
+* Worker-facing: ``POST /api/receive_heartbeat {name, address, concurrency, indices}``,
+  ``POST /api/cancel_notice`` (header ``session_id``: the worker cancelled that session).
 
 Failure rules. A 5xx reply means the request had no effect (nothing was started or sent to a
 task), so clients may retry it. Once a worker may have acted, failures end the session and the
@@ -107,7 +108,7 @@ class ControllerConfig:
     sync_interval_s: float = 60.0
     max_worker_connections: int = 2048
     worker_keepalive_s: float = 3.0
-    remember_ended: int = 100_000
+    remember_ended: int = 50_000
 
     def __post_init__(self) -> None:
         """Check every value; ValueError naming the bad one."""
@@ -305,6 +306,7 @@ class Controller:
             ("POST", "/api/interact", "interact", self._h_interact),
             ("POST", "/api/cancel", "cancel", self._h_cancel),
             ("POST", "/api/receive_heartbeat", "receive_heartbeat", self._h_heartbeat),
+            ("POST", "/api/cancel_notice", "cancel_notice", self._h_cancel_notice),
             ("GET", "/api/list_workers", "list_workers", self._h_list_workers),
             ("GET", "/api/list_sessions", "list_sessions", self._h_list_sessions),
             ("GET", "/api/get_indices", "get_indices", self._h_get_indices),
@@ -686,6 +688,22 @@ class Controller:
         if event != "beat":  # new, revived or recovered: drop what it holds that we do not
             self._spawn(self.sync_worker(worker))
         return json_response({"worker_id": worker.id, "state": worker.state.value})
+
+    async def _h_cancel_notice(self, request: web.Request) -> web.Response:
+        """A worker says it cancelled a session on its own (AgentRL's ``/cancel_with_notice``)."""
+        value = request.headers.get(SESSION_HEADER)
+        if value is None:
+            value = (await read_json_object(request)).get("session_id")
+        sid = session_id_from(value, "session id ('session_id' header or body field)")
+        session = self.sessions.open.get(sid)
+        if session is not None:
+            reason = f"{session.worker.describe()} cancelled the session"
+            session.abort = (SampleStatus.CANCELLED, reason)
+            if session.call is not None and not session.call.done():
+                session.call.cancel()
+            final = None if session.busy else final_reply(SampleStatus.CANCELLED, reason)
+            self._end(session, SampleStatus.CANCELLED, reason, final=final)
+        return json_response({"session_id": sid})
 
     # -- monitor ---------------------------------------------------------------------------------
 

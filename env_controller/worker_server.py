@@ -7,7 +7,9 @@ Endpoints (under ``/api``, shapes as the ``agentrl-worker`` package serves them)
   metric}`` with the ``session_id`` header; 400 duplicate id or bad index, 406 at concurrency.
 * ``POST /interact {session_id, messages}`` -> ``{session_id, env_out: {...the same reply...}}``;
   400 ``No such session`` or a call still running.
-* ``POST /cancel {session_id}`` -> ``{session_id}``; ``POST /cancel_all``.
+* ``POST /cancel {session_id}`` -> ``{session_id}``; ``POST /cancel_all``;
+  ``POST /cancel_with_notice {session_id}`` (answers at once, cancels, then tells the controller
+  at ``/cancel_notice``).
 * ``GET /get_indices``, ``GET /get_sessions`` (``{session_id: index}``), ``GET /worker_status``
   (``{concurrency, current}``), ``POST /sample_status {session_id}``.
 
@@ -128,6 +130,7 @@ class WorkerServer:
         self._runner: web.AppRunner | None = None
         self._http: aiohttp.ClientSession | None = None
         self._loops: list[asyncio.Task[None]] = []
+        self._notices: set[asyncio.Future[None]] = set()
         #: set once a heartbeat was accepted (created in start(), inside the loop)
         self.heartbeat_ok: asyncio.Event | None = None
         self.app = self._build_app()
@@ -169,6 +172,8 @@ class WorkerServer:
         if self._loops:
             await asyncio.gather(*self._loops, return_exceptions=True)
         self._loops.clear()
+        if self._notices:
+            await asyncio.wait(list(self._notices), timeout=10)
         for sid in list(self._sessions):
             await self._cancel(sid)
         if self._runner is not None:
@@ -194,6 +199,7 @@ class WorkerServer:
         app.router.add_post("/api/start_sample", self._h_start)
         app.router.add_post("/api/interact", self._h_interact)
         app.router.add_post("/api/cancel", self._h_cancel)
+        app.router.add_post("/api/cancel_with_notice", self._h_cancel_with_notice)
         app.router.add_post("/api/cancel_all", self._h_cancel_all)
         app.router.add_post("/api/sample_status", self._h_sample_status)
         app.router.add_get("/api/get_indices", self._h_get_indices)
@@ -326,6 +332,31 @@ class WorkerServer:
         sid = session_id_from(body.get("session_id"), "'session_id'")
         if not await self._cancel(sid):
             raise HttpError(400, "No such session")
+        return json_response({"session_id": sid})
+
+    async def _h_cancel_with_notice(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request)
+        sid = session_id_from(body.get("session_id"), "'session_id'")
+        if sid not in self._sessions:
+            raise HttpError(400, "No such session")
+
+        async def cancel_and_notify() -> None:
+            await self._cancel(sid)
+            if self._http is None or self.controller_url is None:
+                return
+            headers = {SESSION_HEADER: str(sid)}
+            if self.token:
+                headers["Authorization"] = f"Bearer {self.token}"
+            try:
+                async with self._http.post(self.controller_url + "/cancel_notice", json={"session_id": sid},
+                                           headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                    await resp.read()
+            except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError) as e:
+                logger.warning("cancel notice of session %d to %s failed: %r", sid, self.controller_url, e)
+
+        task = asyncio.ensure_future(cancel_and_notify())
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
         return json_response({"session_id": sid})
 
     async def _h_cancel_all(self, request: web.Request) -> web.Response:

@@ -723,3 +723,24 @@ def test_env_controller_never_imports_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_cancel_with_notice_reaches_the_controller() -> None:
+    """AgentRL's worker-initiated cancel: the worker cancels, then tells the controller, which ends the session."""
+
+    async def go() -> None:
+        async with cluster() as (controller, workers, env):
+            sid, _ = await env.start_sample("echo", 1)
+            status, body, _ = await raw(workers[0].address + "/cancel_with_notice", json_body={"session_id": int(sid)})
+            assert status == 200 and body == {"session_id": int(sid)}
+            for _ in range(100):
+                if not controller.sessions.open:
+                    break
+                await asyncio.sleep(0.05)
+            assert controller.sessions.open == {} and workers[0]._sessions == {}
+            reply = await env.interact(sid, [tool_call("echo", {"text": "x"})])
+            assert reply.finish and reply.status is SampleStatus.CANCELLED and "cancelled the session" in reply.error
+            status, body, _ = await raw(controller.url + "/cancel_notice", headers={"session_id": "424242"})
+            assert status == 200  # unknown sessions are fine (the notice may arrive late)
+
+    run(go())

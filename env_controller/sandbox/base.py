@@ -155,6 +155,13 @@ class Sandbox(ABC):
         """
 
     @abstractmethod
+    def reset(self) -> None:
+        """Kill every process in the sandbox and start a fresh shell (files are kept).
+
+        Raises :class:`SandboxError` when the shell cannot be restarted, RuntimeError once closed.
+        """
+
+    @abstractmethod
     def close(self) -> None:
         """Kill everything in the sandbox and delete its files; safe to call more than once."""
 
@@ -463,18 +470,21 @@ class ShellSandbox(Sandbox):
     def _background_bomb(self) -> bool:
         """After a command: do processes it left behind grow to the process limit (a fork bomb)?
 
-        Counts again every 0.1 s while the count grows above the idle shell's, for at most 1 s.
+        While the sandbox holds more processes than the idle shell, counts again every 0.05 s
+        until the count stops growing for 4 counts in a row (or 1.5 s pass). A bomb that grows
+        slower than that (a starved CPU) is caught before or during the next command instead.
         """
         count = self._count_processes()
-        previous: int | None = None
-        for _ in range(10):
-            if count is None or count <= self._idle_processes:
-                return False
+        previous = -1
+        flat = 0
+        deadline = time.monotonic() + 1.5
+        while count is not None and count > self._idle_processes and time.monotonic() < deadline:
             if count >= self._bomb_threshold:
                 return True
-            if previous is not None and count <= previous:
+            flat = flat + 1 if count <= previous else 0
+            if flat >= 4:
                 return False
-            time.sleep(0.1)
+            time.sleep(0.05)
             previous, count = count, self._count_processes()
         return count is not None and count >= self._bomb_threshold
 
@@ -484,8 +494,7 @@ class ShellSandbox(Sandbox):
         if limit == "timeout":
             return f"the command ran past the {limit_s:g} s time limit and was killed; {reset}"
         if limit == "output_limit":
-            return (f"the command printed more than {self.limits.max_output_bytes} bytes and was killed "
-                    f"(only the first {self.limits.max_output_bytes} bytes are shown); {reset}")
+            return f"the command printed more than {self.limits.max_output_bytes} bytes and was killed; {reset}"
         if limit == "process_limit":
             return (f"the command reached the limit of {self.limits.max_processes} processes (a fork bomb?); "
                     f"all its processes were killed; {reset}")
@@ -504,6 +513,13 @@ class ShellSandbox(Sandbox):
             result = self.run(script)
             if not result.ok:
                 raise SandboxError(f"sandbox {self.id}: writing {target} failed: {result.error or result.output.strip()}")
+
+    def reset(self) -> None:
+        """See :meth:`Sandbox.reset`."""
+        with self._run_lock:
+            if self.closed:
+                raise RuntimeError(f"sandbox {self.id} is closed")
+            self._restart()
 
     def close(self) -> None:
         """See :meth:`Sandbox.close`."""

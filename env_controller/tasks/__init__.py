@@ -2,7 +2,9 @@
 
 ``build_task("lookup", seed=1)`` builds a registered task; :data:`TASKS` maps each name to its
 class. The three small function-call tasks of the CPU demo, from easy to harder:
-``lookup`` (read a hidden table), ``calc`` (use a calculator tool), ``guess`` (bisection).
+``lookup`` (read a hidden table), ``calc`` (use a calculator tool), ``guess`` (bisection);
+and the heavier ``os_shell`` (bash in a bubblewrap or Docker sandbox) and ``db`` (SQL on a
+MariaDB database of its own per session).
 """
 from __future__ import annotations
 
@@ -11,13 +13,17 @@ from typing import Any
 
 from env_controller.tasks.base import Task, TaskSession, ToolTask, ToolTaskSession
 from env_controller.tasks.calc import CalcTask
+from env_controller.tasks.db import DBTask
 from env_controller.tasks.guess import GuessTask
 from env_controller.tasks.lookup import LookupTask
+from env_controller.tasks.os_shell import OsShellTask
 
 TASKS: dict[str, type[Task]] = {
     LookupTask.name: LookupTask,
     CalcTask.name: CalcTask,
     GuessTask.name: GuessTask,
+    OsShellTask.name: OsShellTask,
+    DBTask.name: DBTask,
 }
 
 

@@ -1,0 +1,123 @@
+"""Tool tasks whose tool calls block (sandbox commands, SQL): the shared rules of
+:mod:`env_controller.tasks.base`, with the blocking work on a thread pool.
+
+:class:`BlockingToolTaskSession` runs :meth:`~env_controller.tasks.base.ToolTaskSession.step`
+and its own :meth:`~BlockingToolTaskSession.release` on the task's executor, so an asyncio
+worker keeps serving other sessions while a command runs. :class:`BlockingToolTask` opens
+sessions on the same executor and closes the sessions its demonstrations open.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from abc import abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from env_controller.protocol import TaskReply
+from env_controller.tasks.base import Message, ToolSchema, ToolTask, ToolTaskSession, make_tool_call
+
+logger = logging.getLogger(__name__)
+
+
+class BlockingToolTaskSession(ToolTaskSession):
+    """A :class:`ToolTaskSession` whose ``call_tool`` may block; see the module docstring."""
+
+    def __init__(self, tools: list[ToolSchema], max_turns: int, executor: ThreadPoolExecutor) -> None:
+        """``executor``: where :meth:`step` and :meth:`release` run."""
+        super().__init__(tools, max_turns)
+        self._executor = executor
+        self._release_lock = threading.Lock()
+        self._released = False
+
+    async def interact(self, assistant_message: Message) -> TaskReply:
+        """:meth:`step` on the executor."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.step, assistant_message)
+
+    async def close(self) -> None:
+        """:meth:`release_once` on the executor; safe to call more than once."""
+        self.closed = True
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self.release_once)
+
+    def release_once(self) -> None:
+        """Call :meth:`release` the first time only (blocking)."""
+        with self._release_lock:
+            if self._released:
+                return
+            self._released = True
+        self.closed = True
+        self.release()
+
+    @abstractmethod
+    def release(self) -> None:
+        """Free the session's external resources (blocking; called once)."""
+
+
+class BlockingToolTask(ToolTask):
+    """A :class:`ToolTask` whose sessions are :class:`BlockingToolTaskSession` s.
+
+    ``max_workers``: threads running blocking tool calls of all sessions of this task at once
+    (at least the number of sessions expected to run commands concurrently).
+    """
+
+    def __init__(self, seed: int = 0, num_samples: int = 512, max_turns: int | None = None,
+                 max_workers: int = 64) -> None:
+        """See :class:`ToolTask`; ValueError naming a bad ``max_workers``."""
+        super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns)
+        if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
+            raise ValueError(f"{self.name}: max_workers={max_workers!r} must be a positive integer")
+        self.max_workers = max_workers
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """The thread pool of blocking calls (created on first use)."""
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.max_workers, thread_name_prefix=f"agentrl-{self.name}")
+            return self._executor
+
+    @abstractmethod
+    def new_session(self, index: int) -> tuple[BlockingToolTaskSession, list[Message]]:
+        """A fresh session on a valid ``index`` and its first messages (blocking)."""
+
+    async def start(self, index: int) -> tuple[BlockingToolTaskSession, TaskReply]:
+        """See :meth:`Task.start`; the session is opened on the executor."""
+        self.check_index(index)
+        loop = asyncio.get_running_loop()
+        session, messages = await loop.run_in_executor(self.executor, self.new_session, index)
+        return session, TaskReply(messages=messages, tools=self.tools())
+
+    def demonstration(self, index: int) -> tuple[list[Message], list[ToolSchema]]:
+        """See :meth:`Task.demonstration` (blocking; the session it opens is released)."""
+        self.check_index(index)
+        session, messages = self.new_session(index)
+        try:
+            conversation = list(messages)
+            expert = self.expert(index)
+            name, args = next(expert)
+            for turn in range(self.max_turns):
+                message: dict[str, Any] = {"role": "assistant", "content": "",
+                                           "tool_calls": [make_tool_call(f"call_{turn}", name, args)]}
+                reply = session.step(message)
+                conversation.append(message)
+                conversation.extend(reply.messages)
+                if reply.finish:
+                    if reply.reward < 1.0:
+                        raise RuntimeError(f"{self.name}: the scripted expert failed on index {index}: {reply}")
+                    return conversation, self.tools()
+                name, args = expert.send(reply.messages[-1]["content"])
+            raise RuntimeError(f"{self.name}: the scripted expert did not finish index {index} in {self.max_turns} turns")
+        finally:
+            session.release_once()
+
+    def close(self) -> None:
+        """Stop the executor (running calls finish first); subclasses also release their servers."""
+        with self._executor_lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)

@@ -131,9 +131,9 @@ class _PipeChannel(Channel):
                 pass
 
 
-def _process_table(zombies: bool = False) -> dict[int, list[int]]:
-    """Children of every process, from the host's ``/proc`` (zombies only when ``zombies``)."""
-    children: dict[int, list[int]] = {}
+def _scan_processes() -> list[tuple[int, int, bool]]:
+    """``(pid, parent pid, is a zombie)`` of every process, from the host's ``/proc``."""
+    out: list[tuple[int, int, bool]] = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -143,22 +143,40 @@ def _process_table(zombies: bool = False) -> dict[int, list[int]]:
         except OSError:
             continue
         fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) < 2 or (fields[0] == b"Z" and not zombies):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(name))
-    return children
+        if len(fields) >= 2:
+            out.append((int(name), int(fields[1]), fields[0] == b"Z"))
+    return out
 
 
-def descendants(pid: int, zombies: bool = False) -> list[int]:
+_scan_lock = threading.Lock()
+_scan_cache: tuple[float, list[tuple[int, int, bool]]] = (0.0, [])
+
+
+def _processes(max_age_s: float) -> list[tuple[int, int, bool]]:
+    """:func:`_scan_processes`, shared by all sandboxes of the process when ``max_age_s`` allows."""
+    global _scan_cache
+    with _scan_lock:
+        taken, table = _scan_cache
+        if max_age_s > 0 and time.monotonic() - taken <= max_age_s:
+            return table
+        table = _scan_processes()
+        _scan_cache = (time.monotonic(), table)
+        return table
+
+
+def descendants(pid: int, zombies: bool = False, max_age_s: float = 0.0) -> list[int]:
     """Processes below ``pid`` in the host's process tree (zombies, which still count against
-    ``RLIMIT_NPROC``, only when ``zombies``)."""
-    table = _process_table(zombies)
+    ``RLIMIT_NPROC``, only when ``zombies``); ``max_age_s`` > 0 allows a recent shared scan."""
+    children: dict[int, list[int]] = {}
+    for p, parent, zombie in _processes(max_age_s):
+        if zombies or not zombie:
+            children.setdefault(parent, []).append(p)
     out: list[int] = []
-    stack = list(table.get(pid, []))
+    stack = list(children.get(pid, []))
     while stack:
         p = stack.pop()
         out.append(p)
-        stack.extend(table.get(p, []))
+        stack.extend(children.get(p, []))
     return out
 
 
@@ -330,7 +348,9 @@ class BwrapSandbox(ShellSandbox):
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return 0
-        return len(descendants(proc.pid, zombies=True))
+        # sandboxes polling at once share a scan of /proc; 0.04 s is below the 0.05 s between the
+        # counts of ShellSandbox._background_bomb, so consecutive counts are never the same scan
+        return len(descendants(proc.pid, zombies=True, max_age_s=0.04))
 
     def copy_in(self, files: Mapping[str, bytes | str], mode: int = 0o644) -> None:
         """See :meth:`Sandbox.copy_in`; files under the home are written from the host directly."""

@@ -20,6 +20,7 @@ setup(
         "tensorboard==2.21.0",
         "matplotlib==3.11.2",
         "rich==15.0.0",
+        "tqdm==4.70.1",  # weight converters' progress bars
         # env_controller: asyncio HTTP (controller, worker server, client) and Prometheus metrics
         "aiohttp==3.14.5",
         "prometheus_client==0.26.0",

@@ -143,16 +143,16 @@ def write_megatron_common_files(ckpt_dir: Path) -> None:
     torch.save({}, ckpt_dir / COMMON_STATE_FNAME)
 
 
-def copy_hf_assets(src: Path, dst: Path, config: dict[str, Any] | None = None) -> list[str]:
-    """Copy config.json, tokenizer and generation files that exist in ``src`` to ``dst``;
-    ``config`` (a dict) replaces config.json when given. Returns the names written."""
+def copy_hf_assets(src: Path | None, dst: Path, config: dict[str, Any] | None = None) -> list[str]:
+    """Copy config.json, tokenizer and generation files that exist in ``src`` (may be None) to
+    ``dst``; ``config`` (a dict) replaces config.json when given. Returns the names written."""
     dst.mkdir(parents=True, exist_ok=True)
     written = []
     for name in HF_ASSET_FILES:
         if name == "config.json" and config is not None:
             (dst / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             written.append(name)
-        elif (src / name).is_file():
+        elif src is not None and (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
             written.append(name)
     return written
@@ -232,8 +232,8 @@ class DistCheckpointReader:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.root = check_is_megatron_checkpoint(ckpt_dir)
-        md = FileSystemReader(str(self.root)).read_metadata()
-        self.tensors: dict[str, Any] = {k: v for k, v in md.state_dict_metadata.items()
+        self._metadata = FileSystemReader(str(self.root)).read_metadata()
+        self.tensors: dict[str, Any] = {k: v for k, v in self._metadata.state_dict_metadata.items()
                                         if isinstance(v, TensorStorageMetadata)}
 
     def keys(self) -> list[str]:
@@ -252,39 +252,48 @@ class DistCheckpointReader:
              dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """Read pieces: ``{name: (key, offsets, sizes)}`` -> ``{name: tensor of shape sizes}``.
 
-        A piece may span several stored chunks (it is resharded) but must lie inside the
-        stored global shape. ``dtype``: of the returned tensors (default: as stored).
+        A piece may span several stored chunks (it is resharded through
+        ``torch.distributed.checkpoint.load``) but must lie inside the stored global shape. A
+        piece inside one stored chunk is returned as a view of that chunk as loaded, without a
+        second copy (peak memory: the chunk). ``dtype``: of the returned tensors (default: as
+        stored).
         """
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+        out: dict[str, Tensor] = {}
         targets: dict[str, Tensor] = {}
-        by_key: dict[str, list[tuple[str, tuple[int, ...], tuple[int, ...]]]] = {}
+        resharded: list[ReadItem] = []
         for name, (key, offsets, sizes) in requests.items():
             if key not in self.tensors:
                 raise KeyError(f"checkpoint '{self.root}' has no tensor '{key}'")
             glob = self.shape(key)
             if len(offsets) != len(glob) or any(o + s > g for o, s, g in zip(offsets, sizes, glob)):
                 raise ValueError(f"piece {offsets}+{sizes} of '{key}' lies outside its stored shape {glob}")
-            targets[name] = torch.empty(sizes, dtype=dtype or self.dtype(key))
-            by_key.setdefault(key, []).append((name, offsets, sizes))
-        tensors = self.tensors
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            # The destination of each read is named after the piece (not the key), so that several
+            # pieces of one key (e.g. two layers) get their own targets.
+            items = [dataclasses.replace(it, dest_index=dataclasses.replace(it.dest_index, fqn=name))
+                     for it in create_read_items_for_chunk_list(key, self.tensors[key], [chunk])]
+            if len(items) == 1 and tuple(items[0].lengths) == tuple(sizes) and self._plain(items[0]):
+                t = self._load_chunk(items[0])
+                for dim, (off, length) in enumerate(zip(items[0].storage_offsets, items[0].lengths)):
+                    t = t.narrow(dim, off, length)
+                out[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
+                del t
+            else:
+                targets[name] = torch.empty(sizes, dtype=dtype or self.dtype(key))
+                resharded += items
+        if not resharded:
+            return out
 
         class _PieceLoadPlanner(DefaultLoadPlanner):
             def create_local_plan(self) -> LoadPlan:
-                items: list[ReadItem] = []
-                for key, pieces in by_key.items():
-                    for name, offsets, sizes in pieces:
-                        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-                        # The destination of each read is named after the piece (not the key), so
-                        # that several pieces of one key (e.g. two layers) get their own targets.
-                        for it in create_read_items_for_chunk_list(key, tensors[key], [chunk]):
-                            items.append(dataclasses.replace(
-                                it, dest_index=dataclasses.replace(it.dest_index, fqn=name)))
-                return LoadPlan(items)
+                return LoadPlan(resharded)
 
             def resolve_tensor(self, read_item: ReadItem) -> Tensor:
                 t = targets[read_item.dest_index.fqn]
@@ -295,12 +304,25 @@ class DistCheckpointReader:
             def commit_tensor(self, read_item: ReadItem, tensor: Tensor) -> None:
                 pass
 
-        from torch.distributed.checkpoint import FileSystemReader
-
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.load({}, storage_reader=FileSystemReader(str(self.root)), planner=_PieceLoadPlanner(), no_dist=True)
-        return targets
+        out.update(targets)
+        return out
+
+    def _plain(self, item: Any) -> bool:
+        """The stored chunk of ``item`` is a plain ``torch.save`` blob (no compression or other transform)."""
+        info = self._metadata.storage_data.get(item.storage_index)
+        return info is not None and not getattr(info, "transform_descriptors", None)
+
+    def _load_chunk(self, item: Any) -> Tensor:
+        """The whole stored chunk ``item`` reads from, loaded from its byte range of the data file
+        (the same ``torch.load`` of the same bytes as ``FileSystemReader.read_data``)."""
+        from torch.distributed.checkpoint.filesystem import _create_file_view
+
+        info = self._metadata.storage_data[item.storage_index]
+        with open(self.root / info.relative_path, "rb") as f:
+            return torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu", weights_only=True)
 
 
 # ------------------------------------------------------------------------ family / shape checks
@@ -407,7 +429,7 @@ def save_megatron_checkpoint(model: Any, ckpt_dir: str | Path, hf_config: Any,
         ).save(root)
         cfg = hf_config.to_dict()
         cfg["architectures"] = [mapping.architecture]
-        copy_hf_assets(Path(hf_assets_dir) if hf_assets_dir else root / "_none_", root / HF_ASSETS_DIR, cfg)
+        copy_hf_assets(Path(hf_assets_dir) if hf_assets_dir else None, root / HF_ASSETS_DIR, cfg)
     dist.barrier()
     logger.info("saved megatron checkpoint to %s", root)
     return root

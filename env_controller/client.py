@@ -11,9 +11,10 @@
 Errors map as in the local client: an unknown task or index raises ValueError, a malformed
 message :class:`~env_controller.local.MalformedMessageError`, an unknown session
 :class:`~env_controller.local.UnknownSessionError`. Every call has a timeout
-(:class:`EnvTimeoutError`). Retries: a 5xx reply (the controller guarantees it had no effect) and
-a connection that could not be opened are retried with exponential backoff; 4xx replies, timeouts
-and connections lost mid-request are not (an interact may have been applied).
+(:class:`EnvTimeoutError`). Retries, with exponential backoff: 5xx replies (503 only for
+``interact``, the one call that is not safe to repeat: the controller answers 503 only when it
+did nothing) and connections that could not be opened; never 4xx replies, timeouts or
+connections lost mid-request.
 """
 from __future__ import annotations
 
@@ -125,8 +126,12 @@ class HttpEnvClient:
         headers: dict[str, str] | None = None,
         params: dict[str, str] | None = None,
         timeout_s: float | None = None,
+        retry_5xx: bool = True,
     ) -> tuple[int, Any, Mapping[str, str]]:
-        """One API call with the retry rules; returns (status, parsed JSON or text, headers)."""
+        """One API call with the retry rules; returns (status, parsed JSON or text, headers).
+
+        ``retry_5xx=False`` retries only 503 (the controller's "nothing happened, try later").
+        """
         http = self._http()
         url = f"{self.url}/{endpoint}"
         data = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
@@ -160,7 +165,7 @@ class HttpEnvClient:
                 payload: Any = json.loads(raw) if raw else None
             except ValueError:
                 payload = raw.decode(errors="replace")
-            if status >= 500 and attempt < self.retries:
+            if (status >= 500 if retry_5xx else status == 503) and attempt < self.retries:
                 attempt += 1
                 wait = delay * random.uniform(0.5, 1.5)
                 try:
@@ -211,8 +216,8 @@ class HttpEnvClient:
         Raises :class:`UnknownSessionError` (404), :class:`MalformedMessageError` (400),
         :class:`EnvControllerError` otherwise.
         """
-        status, payload, _ = await self._request(
-            "interact", body={"messages": messages}, headers={SESSION_HEADER: str(session_id)}
+        status, payload, _ = await self._request(  # an interact may have acted: retry only on 503
+            "interact", body={"messages": messages}, headers={SESSION_HEADER: str(session_id)}, retry_5xx=False
         )
         if status == 200:
             return self._reply(payload, f"session {session_id}")

@@ -1,7 +1,8 @@
 """The environment controller: one asyncio HTTP server between the trainer and many task workers.
 
 Wire-compatible with the AgentBench-FC / AgentRL task-worker protocol (DESIGN.md, "Env
-protocol"). Workers register with heartbeats (:mod:`env_controller.registry`); the trainer
+protocol"). The server is aiohttp; calls to workers go through the small pooled HTTP/1.1 client
+of :mod:`env_controller.workerhttp`. Workers register with heartbeats (:mod:`env_controller.registry`); the trainer
 starts, drives and cancels sessions (:mod:`env_controller.sessions`); every start goes to the
 least-loaded alive worker of the task.
 
@@ -44,7 +45,6 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
-import aiohttp
 from aiohttp import web
 
 from env_controller._http import (
@@ -63,15 +63,13 @@ from env_controller.metrics import ControllerMetrics
 from env_controller.protocol import SampleStatus
 from env_controller.registry import NoWorkerError, RegistryError, Worker, WorkerRegistry, WorkerState
 from env_controller.sessions import Session, SessionTable, final_reply
+from env_controller.workerhttp import ConnectError, WorkerHttp, parse_url
 
 logger = logging.getLogger(__name__)
 
 _STATUSES = {s.value: s for s in SampleStatus}
 _perf = time.perf_counter
 _mono = time.monotonic
-_CONNECT_TIMEOUT_ERRORS: tuple[type[BaseException], ...] = tuple(
-    t for t in (getattr(aiohttp, "ConnectionTimeoutError", None),) if t is not None
-)
 
 
 @dataclass
@@ -87,7 +85,8 @@ class ControllerConfig:
     connect_timeout_s: limit on opening a connection to a worker.
     forget_dead_after_s: how long a dead worker stays listed.
     sync_interval_s: how often alive workers are asked for their sessions (orphans get cancelled).
-    max_worker_connections: pooled connections to workers, all together.
+    max_worker_connections: calls to workers in flight at once, all together (so also the most
+        open connections to workers).
     worker_keepalive_s: idle pooled connections to workers are closed after this long; keep it
         below the workers' own keep-alive timeout (uvicorn, which AgentRL workers use: 5 s) so that
         the controller never sends a request on a connection the worker is closing.
@@ -225,10 +224,11 @@ class Controller:
         self.sessions = SessionTable(remember=c.remember_ended)
         self.metrics = ControllerMetrics(self._open_per_task, self.registry.counts)
         self.port: int | None = None
-        self._http: aiohttp.ClientSession | None = None
+        self._http: WorkerHttp | None = None
         self._runner: web.AppRunner | None = None
         self._monitor_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
+        self._call_hist: dict[str, Any] = {}
         self._worker_headers = {"Content-Type": "application/json"}
         if c.token:
             self._worker_headers["Authorization"] = f"Bearer {c.token}"
@@ -249,10 +249,7 @@ class Controller:
         """Bind and serve; start the monitor (heartbeat timeouts, idle GC, worker sync). Returns the port."""
         c = self.config
         check_bind(c.host, c.token, "the controller")
-        connector = aiohttp.TCPConnector(
-            limit=c.max_worker_connections, limit_per_host=0, keepalive_timeout=c.worker_keepalive_s, ttl_dns_cache=300
-        )
-        self._http = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self._http = WorkerHttp(c.max_worker_connections, c.worker_keepalive_s, c.connect_timeout_s)
         try:
             self._runner, self.port = await start_site(self.app, c.host, c.port)
         except BaseException:
@@ -349,34 +346,24 @@ class Controller:
         The worker's own time is its ``x-worker-time`` header when present, else the round trip.
         Raises :class:`WorkerCallError`.
         """
-        assert self._http is not None, "the controller is not started"
-        url = worker.address + api
+        if self._http is None:
+            raise WorkerCallError("connect", "the controller is not started")
         data = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
-        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.connect_timeout_s)
         t0 = _perf()
         try:
-            async with self._http.request(method, url, data=data, headers=self._worker_headers, timeout=timeout) as resp:
-                raw = await resp.read()
-                status = resp.status
-                worker_time = resp.headers.get("x-worker-time")
-        except aiohttp.ClientConnectorError as e:
+            resp = await self._http.request(method, worker.address + api, data, self._worker_headers, timeout_s)
+        except ConnectError as e:
             self.metrics.worker_errors.labels(api, "connect").inc()
-            raise WorkerCallError("connect", f"cannot connect to {worker.describe()}: {e}") from None
-        except _CONNECT_TIMEOUT_ERRORS:
-            self.metrics.worker_errors.labels(api, "connect").inc()
-            raise WorkerCallError(
-                "connect", f"cannot connect to {worker.describe()} within {self.config.connect_timeout_s:g} s"
-            ) from None
-        except (TimeoutError, asyncio.TimeoutError):
+            raise WorkerCallError("connect", f"cannot reach {worker.describe()}: {e}") from None
+        except TimeoutError:
             self.metrics.worker_errors.labels(api, "timeout").inc()
             raise WorkerCallError("timeout", f"{worker.describe()} did not answer {api} within {timeout_s:g} s") from None
-        except (aiohttp.ClientError, OSError) as e:
+        except OSError as e:
             self.metrics.worker_errors.labels(api, "disconnect").inc()
-            raise WorkerCallError(
-                "disconnect", f"connection to {worker.describe()} lost during {api}: {type(e).__name__}: {e}"
-            ) from None
+            raise WorkerCallError("disconnect", f"connection to {worker.describe()} lost during {api}: {e}") from None
         rtt = _perf() - t0
-        self.metrics.worker_call_seconds.labels(api).observe(rtt)
+        raw, status, worker_time = resp.body, resp.status, resp.headers.get("x-worker-time")
+        self._call_seconds(api).observe(rtt)
         if status != 200:
             self.metrics.worker_errors.labels(api, "http").inc()
             raise WorkerCallError("http", f"{worker.describe()} answered {api} with HTTP {status}: {_detail(raw)}", status)
@@ -393,6 +380,12 @@ class Controller:
                 pass
         return WorkerReply(payload, own, rtt)
 
+    def _call_seconds(self, api: str) -> Any:
+        child = self._call_hist.get(api)
+        if child is None:
+            child = self._call_hist[api] = self.metrics.worker_call_seconds.labels(api)
+        return child
+
     async def _session_call(self, session: Session, api: str, body: dict[str, Any], timeout_s: float) -> WorkerReply:
         """A worker call on behalf of ``session`` that the controller can abort (raises _Aborted)."""
         call = asyncio.ensure_future(self.call_worker(session.worker, api, body, timeout_s))
@@ -407,6 +400,7 @@ class Controller:
             raise _Aborted(*session.abort) from None
         finally:
             session.call = None
+            del call  # a failed call's traceback holds this frame: no frame -> task -> exception cycle
 
     async def _cancel_on_worker(self, worker: Worker, session_id: int) -> None:
         worker.cancelling.add(session_id)
@@ -667,12 +661,16 @@ class Controller:
         concurrency, indices = body.get("concurrency"), body.get("indices")
         if not isinstance(name, str) or not name:
             raise HttpError(400, f"heartbeat: 'name' must be the task name (a non-empty string), got {name!r}")
-        if not isinstance(address, str) or not address.startswith(("http://", "https://")):
+        if not isinstance(address, str) or not address.startswith("http://"):
             raise HttpError(
                 400,
                 f"heartbeat: 'address' must be the worker's HTTP API URL, e.g. http://10.0.0.5:5021/api, got "
-                f"{address!r} (the gRPC transport is not supported)",
+                f"{address!r} (https and the gRPC transport are not supported)",
             )
+        try:
+            parse_url(address)
+        except ValueError as e:
+            raise HttpError(400, f"heartbeat: 'address': {e}") from None
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise HttpError(400, f"heartbeat: 'concurrency' must be a positive integer, got {concurrency!r}")
         if not isinstance(indices, list):
@@ -721,6 +719,8 @@ class Controller:
                 if now - last_gc >= gc_every:
                     last_gc = now
                     self._gc_idle(now)
+                    if self._http is not None:
+                        self._http.sweep()
                 if now - last_sync >= c.sync_interval_s:
                     last_sync = now
                     for worker in list(self.registry.workers.values()):

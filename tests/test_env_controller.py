@@ -645,7 +645,8 @@ def test_client_retries_5xx_and_refused_connections_only() -> None:
 
         async def interact(request: web.Request) -> web.Response:
             hits["interact"] += 1
-            return web.json_response({"error": "bad"}, status=400)
+            code = {"400": 400, "500": 500, "503": 503}[request.headers["session_id"]]
+            return web.json_response({"error": "bad"}, status=code)
 
         app = web.Application()
         app.router.add_post("/api/start_sample", start)
@@ -656,8 +657,14 @@ def test_client_retries_5xx_and_refused_connections_only() -> None:
             sid, reply = await env.start_sample("t", 0)
             assert sid == "5" and hits["start_sample"] == 3
             with pytest.raises(MalformedMessageError):
-                await env.interact(sid, [tool_call("x", {})])
+                await env.interact("400", [tool_call("x", {})])
             assert hits["interact"] == 1, "4xx is not retried"
+            with pytest.raises(EnvControllerError):
+                await env.interact("500", [tool_call("x", {})])
+            assert hits["interact"] == 2, "an interact that may have acted (500) is not retried"
+            with pytest.raises(EnvControllerError):
+                await env.interact("503", [tool_call("x", {})])
+            assert hits["interact"] == 6, "503 is retried"
             env.retries = 1
             hits["start_sample"] = 0
             with pytest.raises(EnvControllerError) as err:
@@ -744,3 +751,90 @@ def test_cancel_with_notice_reaches_the_controller() -> None:
             assert status == 200  # unknown sessions are fine (the notice may arrive late)
 
     run(go())
+
+
+# ----------------------------------------------------------------------------------------------
+# the controller's worker HTTP client against hand-written replies
+
+
+def test_worker_http_client_framing_pooling_and_errors() -> None:
+    from env_controller.workerhttp import ConnectError, Disconnected, WorkerHttp, parse_url
+
+    replies: list[list[bytes]] = []  # per request: the pieces the server writes (b"" = close)
+    connections: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                await reader.readexactly(length)
+                for piece in replies.pop(0):
+                    if piece == b"":
+                        writer.close()
+                        return
+                    if piece == b"hang":
+                        await asyncio.sleep(30)
+                    writer.write(piece)
+                    await writer.drain()
+                    await asyncio.sleep(0.01)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def go() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}/api/x"
+        http = WorkerHttp(max_in_flight=8, keepalive_s=5, connect_timeout_s=2)
+        try:
+            ok = b'HTTP/1.1 200 OK\r\nContent-Length: 7\r\nX-Worker-Time: 0.5\r\n\r\n{"a":1}'
+            replies.append([ok[:20], ok[20:50], ok[50:]])  # split anywhere
+            r = await http.request("POST", url, b"{}", {"Content-Type": "application/json"}, 5)
+            assert (r.status, r.body, r.headers["x-worker-time"]) == (200, b'{"a":1}', "0.5")
+            replies.append([b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n",
+                            b"2;ext=1\r\nde\r\n0\r\n\r\n"])
+            r = await http.request("GET", url, None, {}, 5)
+            assert (r.status, r.body) == (200, b"abcde")
+            assert len(connections) == 1, "keep-alive: one connection so far"
+            replies.append([b"HTTP/1.1 404 Not Found\r\nConnection: close\r\nContent-Length: 2\r\n\r\nno"])
+            r = await http.request("GET", url, None, {}, 5)
+            assert (r.status, r.body) == (404, b"no")
+            replies.append([b"HTTP/1.0 200 OK\r\n\r\nuntil-eof", b""])  # no length: the body ends at EOF
+            r = await http.request("GET", url, None, {}, 5)
+            assert r.body == b"until-eof" and len(connections) == 2
+            replies.append([b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", b""])
+            with pytest.raises(Disconnected):
+                await http.request("GET", url, None, {}, 5)
+            replies.append([b"hang"])
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError):
+                await http.request("GET", url, None, {}, 0.3)
+            assert time.monotonic() - t0 < 2
+            replies.append([ok])  # the timed-out connection was dropped: a new one serves this
+            r = await http.request("GET", url, None, {}, 5)
+            assert r.status == 200 and len(connections) == 5
+            assert parse_url("http://[::1]:9/api").host_header == "[::1]:9"
+            with pytest.raises(ValueError, match="only http://"):
+                parse_url("https://h/api")
+        finally:
+            await http.close()
+            server.close()
+            await server.wait_closed()
+        free = socket_port()
+        with pytest.raises(ConnectError):
+            await WorkerHttp().request("GET", f"http://127.0.0.1:{free}/", None, {}, 5)
+
+    run(go())
+
+
+def socket_port() -> int:
+    """A port nothing listens on (bound and released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

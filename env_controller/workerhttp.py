@@ -1,0 +1,299 @@
+"""A small pooled HTTP/1.1 client for the controller's calls to task workers.
+
+The controller's hot path is a proxy: every trainer request becomes one request to a worker.
+This client does only what those calls need (JSON POST/GET over plain ``http://``, keep-alive
+pooling, Content-Length or chunked replies) on asyncio protocols, at about a quarter of the CPU
+of a general-purpose client, which is most of the controller's own time per request.
+
+Errors: :class:`ConnectError` (the connection could not be opened: nothing was sent),
+:class:`Disconnected` (the connection failed after the request was sent), ``TimeoutError``.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import NamedTuple
+from urllib.parse import urlsplit
+
+
+class ConnectError(OSError):
+    """The connection could not be opened (refused, unreachable, connect timeout)."""
+
+
+class Disconnected(OSError):
+    """The connection broke before the whole reply arrived."""
+
+
+class Response(NamedTuple):
+    """A reply: status code, headers (names lower-cased) and body."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+class Target(NamedTuple):
+    """Where a URL points: host, port, path, and the Host header value."""
+
+    host: str
+    port: int
+    path: str
+    host_header: str
+
+
+def parse_url(url: str) -> Target:
+    """Split an ``http://host:port/path`` URL; ValueError for anything else (https included)."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"{url!r}: only http://host[:port]/path URLs are supported")
+    port = parts.port or 80
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    host = parts.hostname
+    host_header = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return Target(host, port, path, host_header)
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection; parses one reply at a time into ``self.waiter``."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.waiter: asyncio.Future[Response] | None = None
+        self.buf = bytearray()
+        self.closed = False
+        self.reusable = True
+        self.idle_since = time.monotonic()
+        self._head: tuple[int, dict[str, str]] | None = None
+        self._body_start = 0
+
+    # -- asyncio.Protocol --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # noqa: D102
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:  # noqa: D102
+        if self.waiter is None:  # bytes nobody asked for: the connection is out of step
+            self.close()
+            return
+        self.buf += data
+        try:
+            self._parse()
+        except ValueError as e:
+            self._fail(Disconnected(f"bad HTTP reply: {e}"))
+
+    def eof_received(self) -> bool:  # noqa: D102
+        if self.waiter is not None and self._head is not None and self._framing == "eof":
+            status, headers = self._head
+            self._finish(Response(status, headers, bytes(self.buf[self._body_start:])), reusable=False)
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
+        self.closed = True
+        if self.waiter is not None and not self.waiter.done():
+            reason = f"{type(exc).__name__}: {exc}" if exc else "the worker closed the connection"
+            self.waiter.set_exception(Disconnected(reason))
+
+    # -- parsing -----------------------------------------------------------------------------
+
+    _framing = "length"
+    _length = 0
+
+    def _parse(self) -> None:
+        buf = self.buf
+        while self._head is None:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > 65536:
+                    raise ValueError("reply headers longer than 64 KiB")
+                return
+            lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
+            version, _, rest = lines[0].partition(" ")
+            if not version.startswith("HTTP/1."):
+                raise ValueError(f"status line {lines[0][:80]!r}")
+            status = int(rest[:3])
+            headers: dict[str, str] = {}
+            for line in lines[1:]:
+                name, sep, value = line.partition(":")
+                if sep:
+                    headers[name.strip().lower()] = value.strip()
+            if 100 <= status < 200:  # interim reply: skip it
+                del buf[: end + 4]
+                continue
+            self._head = (status, headers)
+            self._body_start = end + 4
+            connection = headers.get("connection", "").lower()
+            self.reusable = (version == "HTTP/1.1" and connection != "close") or connection == "keep-alive"
+            if status in (204, 304):
+                self._framing, self._length = "length", 0
+            elif "chunked" in headers.get("transfer-encoding", "").lower():
+                self._framing = "chunked"
+            elif "content-length" in headers:
+                self._framing, self._length = "length", int(headers["content-length"])
+            else:
+                self._framing = "eof"
+        status, headers = self._head
+        if self._framing == "length":
+            if len(buf) - self._body_start >= self._length:
+                body = bytes(buf[self._body_start : self._body_start + self._length])
+                extra = len(buf) - self._body_start - self._length
+                self._finish(Response(status, headers, body), reusable=self.reusable and extra == 0)
+        elif self._framing == "chunked":
+            body = self._dechunk()
+            if body is not None:
+                self._finish(Response(status, headers, body), reusable=self.reusable)
+
+    def _dechunk(self) -> bytes | None:
+        out = bytearray()
+        pos = self._body_start
+        buf = self.buf
+        while True:
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                return None
+            size = int(bytes(buf[pos:eol]).split(b";")[0].strip() or b"0", 16)
+            if size == 0:  # the last chunk; (optional trailers and) an empty line end the body
+                return bytes(out) if buf.find(b"\r\n\r\n", eol) >= 0 else None
+            start = eol + 2
+            if len(buf) < start + size + 2:
+                return None
+            out += buf[start : start + size]
+            pos = start + size + 2
+
+    def _finish(self, response: Response, reusable: bool) -> None:
+        waiter, self.waiter = self.waiter, None
+        self.buf = bytearray()
+        self._head = None
+        self.reusable = reusable
+        if waiter is not None and not waiter.done():
+            waiter.set_result(response)
+
+    def _fail(self, exc: Exception) -> None:
+        waiter, self.waiter = self.waiter, None
+        self.close()
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+
+    def close(self) -> None:
+        """Close the connection (it leaves the pool)."""
+        self.closed = True
+        self.reusable = False
+        if self.transport is not None:
+            self.transport.close()
+
+
+class WorkerHttp:
+    """Pooled keep-alive HTTP/1.1 connections to many ``host:port`` pairs.
+
+    ``max_in_flight`` bounds concurrent requests (and so open connections); idle connections
+    are closed after ``keepalive_s`` (keep it below the servers' own keep-alive timeout).
+    """
+
+    def __init__(self, max_in_flight: int = 2048, keepalive_s: float = 3.0, connect_timeout_s: float = 5.0) -> None:
+        """See the class docstring."""
+        self.keepalive_s = float(keepalive_s)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self._targets: dict[str, Target] = {}
+        self._closed = False
+
+    def target(self, url: str) -> Target:
+        """``parse_url`` with a cache (a worker's few URLs are called many times)."""
+        t = self._targets.get(url)
+        if t is None:
+            if len(self._targets) > 10_000:
+                self._targets.clear()
+            t = self._targets[url] = parse_url(url)
+        return t
+
+    async def _connect(self, t: Target) -> _Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(_Conn, t.host, t.port)
+        except TimeoutError:
+            raise ConnectError(f"no connection to {t.host_header} within {self.connect_timeout_s:g} s") from None
+        except OSError as e:
+            raise ConnectError(f"cannot connect to {t.host_header}: {e.strerror or e}") from None
+        return conn
+
+    def _take_idle(self, key: tuple[str, int]) -> _Conn | None:
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < self.keepalive_s:
+                return conn
+            conn.close()
+        return None
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: Mapping[str, str],
+        timeout_s: float,
+    ) -> Response:
+        """Send one request and read the whole reply, within ``timeout_s`` (connect included)."""
+        if self._closed:
+            raise ConnectError("the worker HTTP client is closed")
+        t = self.target(url)
+        key = (t.host, t.port)
+        head = [f"{method} {t.path} HTTP/1.1\r\nHost: {t.host_header}\r\n"]
+        for name, value in headers.items():
+            head.append(f"{name}: {value}\r\n")
+        if body is not None:
+            head.append(f"Content-Length: {len(body)}\r\n")
+        head.append("\r\n")
+        data = "".join(head).encode("latin-1") + (body or b"")
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(timeout_s):
+            async with self._slots:
+                conn = self._take_idle(key) or await self._connect(t)
+                waiter: asyncio.Future[Response] = loop.create_future()
+                conn.waiter = waiter
+                try:
+                    assert conn.transport is not None
+                    conn.transport.write(data)
+                    response = await waiter
+                except BaseException:
+                    conn.waiter = None
+                    conn.close()
+                    raise
+                if conn.reusable and not conn.closed:
+                    conn.idle_since = time.monotonic()
+                    self._idle.setdefault(key, []).append(conn)
+                else:
+                    conn.close()
+                return response
+
+    def sweep(self) -> int:
+        """Close idle connections older than ``keepalive_s``; returns how many were closed."""
+        now = time.monotonic()
+        n = 0
+        for key, idle in list(self._idle.items()):
+            keep = []
+            for conn in idle:
+                if conn.closed or now - conn.idle_since >= self.keepalive_s:
+                    conn.close()
+                    n += 1
+                else:
+                    keep.append(conn)
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
+        return n
+
+    async def close(self) -> None:
+        """Close every idle connection and refuse new requests."""
+        self._closed = True
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
+        await asyncio.sleep(0)

@@ -11,7 +11,7 @@ tensor).
 
 Peak RSS of a child is its ``VmHWM`` (/proc/self/status). Two baselines are subtracted and both
 are reported: the bare interpreter (``python`` started, nothing imported) and the interpreter
-with the conversion code imported (torch, transformers, megatron-core). The headline
+with the conversion code imported (torch, transformers). The headline
 ``convert_peak_rss_gb`` is the larger of the two directions above the *bare* interpreter (so
 it includes the imports) -- the conservative reading of "above the interpreter's baseline".
 
@@ -62,8 +62,7 @@ def child(direction: str, src: str, dst: str, tp: int, bare_kb: int) -> None:
 
     warnings.filterwarnings("ignore")
     from megatron_agentrl.convert.hf_to_megatron import convert_hf_to_megatron  # noqa: F401  (imports torch,
-    from megatron_agentrl.convert.megatron_to_hf import convert_megatron_to_hf  # noqa: F401  transformers, megatron)
-    import megatron.core.dist_checkpointing  # noqa: F401
+    from megatron_agentrl.convert.megatron_to_hf import convert_megatron_to_hf  # noqa: F401  transformers)
     import transformers  # noqa: F401
 
     import_kb = _status_kb("VmRSS")

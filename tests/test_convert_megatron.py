@@ -42,14 +42,22 @@ def _load_and_forward(rank: int, world: int, cases: list[tuple[str, bool, dict[s
     from megatron_agentrl.convert.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
     from megatron_agentrl.megatron.model import build_gpt_model
 
+    from megatron_agentrl.config import ConfigError
+
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for family, tied, ckpts, save_dir in cases:
+    errors: dict[str, str] = {}
+    for i, (family, tied, ckpts, save_dir) in enumerate(cases):
         cfg = tiny_config(family, tied)
         res = out.setdefault(f"{family}-{tied}", {})
         for src, tp, pp in LOADS:
             reinit_parallel(tp, pp)
             model = build_gpt_model(cfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
             model.eval()
+            if (src, tp, pp) == LOADS[0]:  # the previous case's checkpoint: another family, or tying
+                try:
+                    load_megatron_checkpoint(model, cases[i - 1][2]["tp2"], cfg)
+                except ConfigError as e:
+                    errors[f"{family}-{tied}"] = str(e)
             load_megatron_checkpoint(model, ckpts[src], cfg)
             logits = megatron_logits(model, tokens, cfg.vocab_size, cfg.hidden_size)
             if logits is not None:
@@ -57,6 +65,7 @@ def _load_and_forward(rank: int, world: int, cases: list[tuple[str, bool, dict[s
             if (src, tp, pp) == ("tp2", 2, 1):
                 save_megatron_checkpoint(model, save_dir, cfg)
     ps.destroy_model_parallel()
+    out["errors"] = errors  # type: ignore[assignment]
     return out
 
 
@@ -77,7 +86,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
                  "pp2": str(convert_hf_to_megatron(d / "hf", d / "pp2", tp=1, pp=2, progress=False))}
         cases.append((family, tied, ckpts, str(d / "saved")))
     results = run_distributed(_load_and_forward, 2, cases, tokens, timeout_s=120)
-    out = {}
+    out: dict = {"errors": results[0]["errors"]}
     for key, (d, ref) in refs.items():
         got: dict[str, torch.Tensor] = {}
         for r in results:
@@ -125,6 +134,16 @@ def test_converter_writes_what_megatron_saves(family: str, tied: bool, converted
                 for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
     assert layout(d / "tp2") == layout(d / "saved")
+
+
+def test_loading_a_checkpoint_of_another_family_fails_clearly(converted) -> None:
+    """load_megatron_checkpoint refuses a checkpoint of another family (or another tying), naming both."""
+    errors = converted["errors"]
+    assert "is a glm4 (Glm4ForCausalLM) checkpoint, but the model config is qwen2" in errors["qwen2-False"]
+    assert "does not hold a qwen2 model of this config" in errors["qwen2-True"]  # untied checkpoint, tied config
+    assert "is a qwen2 (Qwen2ForCausalLM) checkpoint, but the model config is llama" in errors["llama-False"]
+    assert "does not hold a llama model" in errors["llama-True"] and "output_layer.weight" in errors["llama-True"]
+    assert "is a llama (LlamaForCausalLM) checkpoint, but the model config is glm4" in errors["glm4-False"]
 
 
 def test_families_are_covered() -> None:

@@ -43,6 +43,9 @@ INFO_FILE = "agentrl_checkpoint.json"
 HF_ASSETS_DIR = "hf"
 FORMAT = "megatron-agentrl/torch_dist"
 FORMAT_VERSION = 1
+# megatron-core's metadata.json for its torch_dist format (dist_checkpointing.core.CheckpointingConfig)
+MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                     "common_backend": "torch", "common_backend_version": 1}
 
 # Files copied along with config.json: tokenizer, chat template, generation defaults.
 HF_ASSET_FILES = (
@@ -135,12 +138,11 @@ def check_is_megatron_checkpoint(ckpt_dir: str | Path) -> Path:
 
 
 def write_megatron_common_files(ckpt_dir: Path) -> None:
-    """megatron-core's ``metadata.json`` (torch_dist / torch backends) and an empty ``common.pt``."""
-    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
-
-    save_config(CheckpointingConfig("torch_dist", 1, "torch", 1), str(ckpt_dir))
-    torch.save({}, ckpt_dir / COMMON_STATE_FNAME)
+    """megatron-core's ``metadata.json`` (what ``dist_checkpointing.core.save_config`` writes for
+    the torch_dist / torch backends) and an empty ``common.pt`` (the common state dict of a model).
+    Written directly, so that converting does not import megatron-core."""
+    (ckpt_dir / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
+    torch.save({}, ckpt_dir / "common.pt")
 
 
 def copy_hf_assets(src: Path | None, dst: Path, config: dict[str, Any] | None = None) -> list[str]:

@@ -79,6 +79,7 @@ def _setup_logging() -> None:
     for noisy in ("megatron", "torch.distributed", "transformers"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine and Apex) (is|are) not installed.*")
 
 
 def _main(add_arguments: Callable[[argparse.ArgumentParser], None], run: Callable[[argparse.Namespace], int],

@@ -372,6 +372,7 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
             "not_started": len(not_started),
             "lost": len(lost),
             "lost_examples": [o.lost for o in lost[:5]],
+            "not_started_reasons": dict(Counter(reason_kind(o.reason) for o in not_started).most_common()),
             "failed_reasons": dict(reasons.most_common()),
             "failure_reply_wait_s_max": round(max(fail_waits), 4) if fail_waits else None,
             "left_open_on_controller": leftover_controller,
@@ -457,6 +458,8 @@ def print_table(r: dict[str, Any]) -> None:
     print("failure reasons:")
     for reason, n in s["failed_reasons"].items():
         print(f"  {n:>6}  {reason}")
+    for reason, n in s["not_started_reasons"].items():
+        print(f"  {n:>6}  not started: {reason}")
     for ex in s["lost_examples"]:
         print(f"  lost: {ex}")
 

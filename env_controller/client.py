@@ -35,6 +35,11 @@ from env_controller.protocol import TaskReply
 
 logger = logging.getLogger(__name__)
 
+#: a connection to the controller could not be opened (refused, or not within connect_timeout_s)
+_CONNECT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientConnectorError,) + tuple(
+    t for t in (getattr(aiohttp, "ConnectionTimeoutError", None),) if t is not None
+)
+
 #: observer(endpoint, seconds, status, headers) called after each HTTP reply (for benchmarks)
 Observer = Callable[[str, float, int, Mapping[str, str]], None]
 
@@ -147,14 +152,14 @@ class HttpEnvClient:
                     raw = await resp.read()
                     status = resp.status
                     resp_headers = resp.headers
-            except aiohttp.ClientConnectorError as e:  # never reached the controller: safe to retry
+            except _CONNECT_ERRORS as e:  # never reached the controller: safe to retry
                 if attempt < self.retries:
                     attempt += 1
                     logger.warning("%s: cannot reach the controller (%s); retry %d/%d", endpoint, e, attempt, self.retries)
                     await asyncio.sleep(delay * random.uniform(0.5, 1.5))
                     delay *= 2
                     continue
-                raise EnvControllerError(0, f"cannot reach the controller at {self.url}: {e}") from None
+                raise EnvControllerError(0, f"cannot reach the controller at {self.url}: {e or type(e).__name__}") from None
             except (TimeoutError, asyncio.TimeoutError):
                 raise EnvTimeoutError(0, f"{endpoint}: no reply from the controller within {limit:g} s") from None
             except (aiohttp.ClientError, OSError) as e:

@@ -711,7 +711,9 @@ class Controller:
         gc_every = max(tick, min(5.0, c.session_idle_timeout_s / 4))
         last_gc = last_sync = _mono()
         while True:
+            before = _mono()
             await asyncio.sleep(tick)
+            self.registry.add_stall(_mono() - before - tick - 0.05)  # beyond 50 ms of ordinary jitter
             try:
                 for worker in self.registry.sweep():
                     self._worker_died(worker)

@@ -8,7 +8,8 @@ Each worker is in one of three states:
 * ``suspect``: silent for more than ``suspect_after_s``, or a call to it failed to connect; gets
   no new sessions, keeps its open ones; a heartbeat makes it alive again.
 * ``dead``: silent for more than ``dead_after_s`` (the heartbeat timeout); the controller ends its
-  sessions with ``task error``. A heartbeat revives it (as a fresh worker: its old sessions are
+  sessions with ``task error``. Time the controller itself spent stalled (its event loop behind,
+  e.g. on a starved CPU) does not count as silence: heartbeats may have waited unread. A heartbeat revives it (as a fresh worker: its old sessions are
   gone); a dead worker is forgotten after ``forget_after_s``.
 
 New sessions go to the least-loaded alive worker of the task (lowest open/concurrency, then
@@ -65,6 +66,7 @@ class Worker:
     state_since: float = 0.0
     last_pick: int = 0
     heartbeats: int = 0
+    stall_at_beat: float = 0.0
     sessions: set[int] = field(default_factory=set)
     cancelling: set[int] = field(default_factory=set)
 
@@ -142,6 +144,8 @@ class WorkerRegistry:
         self._by_address: dict[tuple[str, str], Worker] = {}
         self._ids = itertools.count(1)
         self._picks = itertools.count(1)
+        #: seconds the controller itself was stalled (event loop behind); see :meth:`add_stall`
+        self.stall = 0.0
 
     # -- heartbeats ------------------------------------------------------------------------------
 
@@ -188,6 +192,7 @@ class WorkerRegistry:
         if worker.state is not WorkerState.ALIVE:
             self._set_state(worker, WorkerState.ALIVE, "", now)
         worker.last_heartbeat = now
+        worker.stall_at_beat = self.stall
         worker.concurrency = concurrency
         worker.heartbeats += 1
         return worker, event
@@ -211,6 +216,17 @@ class WorkerRegistry:
             logger.error("%s is dead: %s", worker.describe(), reason)
             self._set_state(worker, WorkerState.DEAD, reason, self.clock())
 
+    def add_stall(self, seconds: float) -> None:
+        """The controller's event loop ran ``seconds`` late: heartbeats may wait unread that long,
+        so that time does not count as a worker's silence."""
+        if seconds > 0:
+            self.stall += seconds
+
+    def silence(self, worker: Worker, now: float | None = None) -> float:
+        """Seconds since ``worker``'s last heartbeat, less the controller's own stalls since then."""
+        now = self.clock() if now is None else now
+        return now - worker.last_heartbeat - (self.stall - worker.stall_at_beat)
+
     def sweep(self) -> list[Worker]:
         """Apply the heartbeat timeouts; returns the workers that became dead in this sweep.
 
@@ -219,7 +235,7 @@ class WorkerRegistry:
         now = self.clock()
         died: list[Worker] = []
         for worker in list(self.workers.values()):
-            silent = now - worker.last_heartbeat
+            silent = self.silence(worker, now)
             if worker.state is WorkerState.DEAD:
                 if now - worker.state_since > self.forget_after_s and not worker.sessions:
                     self._forget(worker)

@@ -718,6 +718,12 @@ def test_registry_states_and_least_loaded_choice() -> None:
     assert a.id not in reg.workers and b.id in reg.workers  # a forgotten; b dead but holds sessions
     assert reg.heartbeat("t", "http://b/api", 4, [0, 1])[1] == "revived"
     assert b.state is WorkerState.ALIVE
+    # time the controller itself was stalled does not count as a worker's silence
+    now[0] += 9
+    reg.add_stall(8)
+    assert reg.sweep() == [] and b.state is WorkerState.ALIVE and reg.silence(b) == pytest.approx(1)
+    now[0] += 9.5
+    assert reg.sweep() == [b]
 
 
 def test_env_controller_never_imports_torch() -> None:

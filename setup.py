@@ -28,6 +28,8 @@ setup(
         # env_controller sandboxes and the db task: the Docker SDK and a MySQL/MariaDB client
         "docker==7.2.0",
         "PyMySQL==1.2.4",
+        # megatron_agentrl.launch: Ray placement (train pool, rollout pools, env controller); it does not pull torch
+        "ray==2.60.0",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]==2.20.2", "nvidia-ml-py==13.615.71"],

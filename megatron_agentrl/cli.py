@@ -44,6 +44,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)  # fail fast, before spawning anything
     check_model_paths(cfg.model)
+    if cfg.ray.active and "WORLD_SIZE" not in os.environ:  # ray.enabled / ray.address: the trainer ranks are Ray actors
+        from megatron_agentrl.launch.ray_placement import run_on_ray
+
+        _setup_logging(0)
+        run_on_ray(cfg, args.config, args.overrides)
+        return 0
     nproc = args.nproc or cfg.parallel.tp * cfg.parallel.pp
     if "WORLD_SIZE" in os.environ or nproc == 1:  # under torchrun/srun, or one process
         _train(args.config, args.overrides)
@@ -74,12 +80,23 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_agentrl.convert.cli import register as register_convert_commands
 
     register_convert_commands(sub)  # agentrl convert hf-to-megatron | megatron-to-hf
+    from megatron_agentrl.launch import register as register_launch_commands
+
+    register_launch_commands(sub)  # agentrl slurm submit | status | cancel, agentrl plan
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except (ConfigError, FileNotFoundError) as e:
         print(f"agentrl: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a launch failure (Ray placement, a lost node, SLURM): one clear line
+        from megatron_agentrl.launch.ray_placement import RayLaunchError
+        from megatron_agentrl.launch.slurm import SlurmError
+
+        if not isinstance(e, (RayLaunchError, SlurmError)):
+            raise
+        print(f"agentrl: error: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

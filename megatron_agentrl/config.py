@@ -153,6 +153,103 @@ class TaskSpec:
 
 
 @dataclass
+class EnvConfig:
+    """Where the tasks run when they are not built in (``megatron_agentrl.launch``, the GLM-4 recipe).
+
+    controller_url: an env controller (AgentRL task-worker protocol) that serves the tasks, e.g.
+        "http://10.0.0.1:5020"; "" = the built-in tasks run in process (or, with ``ray.controller``,
+        behind the controller that the Ray launcher starts).
+    workers: the task workers expected to register with that controller, ``{task: [worker API URL, ...]}``
+        (``agentrl plan --check`` probes them; the workers register by heartbeat themselves).
+    token: bearer token of the controller ("" = ``$AGENTRL_CONTROLLER_TOKEN`` or none).
+    """
+
+    controller_url: str = ""
+    workers: dict[str, list[str]] = field(default_factory=dict)
+    token: str = ""
+
+
+@dataclass
+class RayConfig:
+    """Ray placement of a run (``megatron_agentrl.launch.ray_placement``).
+
+    enabled: run ``agentrl train`` as Ray actors; with ``address`` empty a local Ray is started.
+    address: a Ray cluster to join ("auto", "host:6379"); setting it implies enabled.
+    namespace: Ray namespace of the run's actors and placement groups.
+    num_cpus: CPUs a local Ray offers (0 = all of this machine); ignored when joining a cluster.
+    train_workers: trainer ranks, the train pool (0 = parallel.tp * parallel.pp, data parallel 1).
+    train_gpus_per_worker / train_cpus_per_worker: resources of one trainer rank (0 GPUs on CPU).
+    train_strategy: placement strategy of the train pool: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD.
+    rollout_gpus_per_engine: GPUs of one rollout engine (its tensor-parallel size); 0 = no rollout
+        pool: the engine runs inside trainer rank 0 (the local engine, CPU runs).
+    rollout_cpus_per_engine: CPUs of one rollout engine. The rollout side is one placement group
+        per version slot (``rollout.max_versions``) of ``rollout.engines_per_slot`` engines.
+    rollout_strategy: placement strategy of each rollout slot's group.
+    engine_server_module: the module run as ``python -m`` for each engine (SGLang's server).
+    controller: start the env controller as a Ray actor in its own placement group.
+    controller_cpus / controller_port: its CPUs and port (0 = a free port).
+    placement_timeout_s: limit on the placement groups becoming ready, seconds.
+    health_check_interval_s: how often the launcher checks its actors and nodes, seconds.
+    """
+
+    enabled: bool = False
+    address: str = ""
+    namespace: str = "agentrl"
+    num_cpus: int = 0
+    train_workers: int = 0
+    train_gpus_per_worker: float = 0.0
+    train_cpus_per_worker: float = 1.0
+    train_strategy: str = "PACK"
+    rollout_gpus_per_engine: int = 0
+    rollout_cpus_per_engine: float = 1.0
+    rollout_strategy: str = "PACK"
+    engine_server_module: str = "sglang.launch_server"
+    controller: bool = False
+    controller_cpus: float = 1.0
+    controller_port: int = 5020
+    placement_timeout_s: float = 300.0
+    health_check_interval_s: float = 5.0
+
+    @property
+    def active(self) -> bool:
+        """Whether ``agentrl train`` runs on Ray (``enabled`` or an ``address`` given)."""
+        return self.enabled or bool(self.address)
+
+
+@dataclass
+class SlurmConfig:
+    """Defaults of ``agentrl slurm submit`` (``megatron_agentrl.launch.slurm``); its flags override them.
+
+    nodes / gpus_per_node: the allocation; cpus_per_node: 0 = what SLURM gives (whole node with exclusive).
+    partition, account, time ("HH:MM:SS" or "D-HH:MM:SS"), job_name: as in sbatch ("" = cluster default).
+    container_image: run every step in this image (pyxis/enroot ``srun --container-image``); "" = none.
+    container_mounts: ``--container-mounts`` of those steps.
+    ray: start a Ray cluster in the allocation (head on the first node, workers on the rest) and train
+        on it; false = ``agentrl train`` directly (one node), or torchrun on every node.
+    ray_port: port of the Ray head; ray_start_timeout_s: limit on all nodes joining, seconds.
+    exclusive: ask for whole nodes.
+    setup: shell lines run on the first node before anything else (module load, source env, ...).
+    sbatch_args: extra ``#SBATCH`` options, e.g. ["--qos=high", "--mem=0"].
+    """
+
+    nodes: int = 1
+    gpus_per_node: int = 0
+    cpus_per_node: int = 0
+    partition: str = ""
+    account: str = ""
+    time: str | int = "04:00:00"
+    job_name: str = "agentrl"
+    container_image: str = ""
+    container_mounts: str = ""
+    ray: bool = True
+    ray_port: int = 6379
+    ray_start_timeout_s: float = 300.0
+    exclusive: bool = False
+    setup: list[str] = field(default_factory=list)
+    sbatch_args: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Config:
     """The whole run. Everything a run writes goes under ``output_dir``."""
 
@@ -166,6 +263,9 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     tasks: list[TaskSpec] = field(default_factory=list)
     log_every: int = 1
+    env: EnvConfig = field(default_factory=EnvConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def validate(self) -> None:
         """Range checks that types alone cannot express; raises ConfigError."""
@@ -208,6 +308,55 @@ class Config:
                 raise ConfigError(f"tasks[{i}].name is empty; give a registered task name")
             if not t.weight > 0:
                 raise ConfigError(f"tasks[{i}].weight={t.weight!r} must be > 0")
+        _validate_launch(self)
+
+
+_RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def _validate_launch(cfg: Config) -> None:
+    """Range checks of the ``env``, ``ray`` and ``slurm`` sections."""
+    import re
+
+    r, s = cfg.ray, cfg.slurm
+    if r.train_workers < 0 or (r.train_workers and r.train_workers % (cfg.parallel.tp * cfg.parallel.pp)):
+        raise ConfigError(f"ray.train_workers={r.train_workers!r} must be 0 (= parallel.tp * parallel.pp) or a positive "
+                          f"multiple of parallel.tp * parallel.pp = {cfg.parallel.tp * cfg.parallel.pp}")
+    for key in ("train_gpus_per_worker", "rollout_gpus_per_engine", "num_cpus", "controller_port"):
+        if getattr(r, key) < 0:
+            raise ConfigError(f"ray.{key}={getattr(r, key)!r} must be >= 0")
+    for key in ("train_cpus_per_worker", "rollout_cpus_per_engine", "controller_cpus", "placement_timeout_s",
+                "health_check_interval_s"):
+        if not getattr(r, key) > 0:
+            raise ConfigError(f"ray.{key}={getattr(r, key)!r} must be > 0")
+    if r.train_gpus_per_worker > 1 and r.train_gpus_per_worker != int(r.train_gpus_per_worker):
+        raise ConfigError(f"ray.train_gpus_per_worker={r.train_gpus_per_worker!r}: above 1 only whole GPUs are possible")
+    for key in ("train_strategy", "rollout_strategy"):
+        if getattr(r, key) not in _RAY_STRATEGIES:
+            raise ConfigError(f"ray.{key}={getattr(r, key)!r} is not one of {', '.join(_RAY_STRATEGIES)}")
+    if r.address and not (r.address == "auto" or re.fullmatch(r"(ray://)?[\w.\-\[\]:]+:\d+", r.address)):
+        raise ConfigError(f"ray.address={r.address!r} is not 'auto' or host:port (e.g. 10.0.0.1:6379); "
+                          "leave it empty to start a local Ray")
+    _positive(cfg, "slurm.nodes")
+    for key in ("gpus_per_node", "cpus_per_node"):
+        if getattr(s, key) < 0:
+            raise ConfigError(f"slurm.{key}={getattr(s, key)!r} must be >= 0")
+    if not 0 < s.ray_port < 65536:
+        raise ConfigError(f"slurm.ray_port={s.ray_port!r} must be a TCP port (1-65535)")
+    if not s.ray_start_timeout_s > 0:
+        raise ConfigError(f"slurm.ray_start_timeout_s={s.ray_start_timeout_s!r} must be > 0 seconds")
+    if isinstance(s.time, int):
+        raise ConfigError(f"slurm.time={s.time!r} was read as a number (YAML reads an unquoted 04:00:00 in base 60); "
+                          "quote it: time: \"04:00:00\" (on the command line: --time 04:00:00)")
+    if s.time and not re.fullmatch(r"(\d+-)?\d+(:\d{2}){0,2}", s.time):
+        raise ConfigError(f"slurm.time={s.time!r} is not a SLURM time limit such as 04:00:00 or 1-12:00:00")
+    if cfg.env.controller_url and not cfg.env.controller_url.startswith(("http://", "https://")):
+        raise ConfigError(f"env.controller_url={cfg.env.controller_url!r} must start with http:// or https://, "
+                          "e.g. http://127.0.0.1:5020")
+    for task, urls in cfg.env.workers.items():
+        if not isinstance(urls, list) or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
+            raise ConfigError(f"env.workers.{task}={urls!r} must be a list of worker URLs such as "
+                              "['http://10.0.0.2:5021/api']")
 
 
 def _positive(cfg: Config, *keys: str) -> None:

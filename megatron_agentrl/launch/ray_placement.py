@@ -1,0 +1,587 @@
+"""Ray placement of a run: the train pool, one rollout pool per version slot, the env controller.
+
+``agentrl train`` comes here when ``ray.enabled`` (a local Ray) or ``ray.address`` (a cluster to
+join) is set. :func:`run_on_ray`:
+
+1. connects to Ray (:func:`connect`);
+2. reserves every pool up front as a placement group (:func:`plan_pools`,
+   :func:`create_placement_groups`): ``train`` (one bundle per trainer rank, ``ray.train_*``),
+   ``rollout_slot{i}`` for each version slot ``i < rollout.max_versions`` (one bundle per engine of
+   ``ray.rollout_gpus_per_engine`` GPUs) and ``env_controller``; a layout the cluster cannot hold
+   fails within ``ray.placement_timeout_s`` with what was asked and what is there;
+3. starts the actors in their bundles: the env controller (:class:`EnvControllerActor`), one
+   engine server per rollout bundle (:class:`RolloutEngineActor`, ``python -m
+   ray.engine_server_module``: SGLang's server), then the trainer ranks (:class:`TrainWorker`),
+   which rendezvous through torch.distributed (rank 0's node and a free port) and each run the
+   same training entry point as ``agentrl train`` does (``megatron_agentrl.cli``);
+4. watches them every ``ray.health_check_interval_s``: a trainer rank, an engine or the
+   controller that dies, or a node of the run that Ray marks dead, ends the run with
+   :class:`RunLostError`, whose message names what was lost and where the last checkpoint is,
+   and how to resume from it. Everything the run created (actors, placement groups, a local Ray)
+   is released on every way out.
+
+Hand-off to the training code (which runs in the trainer actors): the controller URL goes in the
+override ``env.controller_url``; the engine URLs, one list per version slot, go in the environment
+variable ``AGENTRL_ROLLOUT_ENGINES`` (JSON, read with :func:`rollout_engines_from_env`) and in
+``{output_dir}/ray/engines.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_agentrl.config import Config, ConfigError
+
+logger = logging.getLogger(__name__)
+
+ENGINES_ENV = "AGENTRL_ROLLOUT_ENGINES"
+
+
+class RayLaunchError(RuntimeError):
+    """The run could not be placed on Ray, or it failed there; the message says what and the fix."""
+
+
+class PlacementError(RayLaunchError):
+    """The placement groups did not become ready in time (the cluster lacks the resources)."""
+
+
+class RunLostError(RayLaunchError):
+    """A node, a trainer rank, an engine or the controller was lost mid-run; the run was stopped."""
+
+
+@dataclass
+class PoolSpec:
+    """One placement group: its ``name``, resource ``bundles`` and Ray ``strategy``."""
+
+    name: str
+    bundles: list[dict[str, float]]
+    strategy: str
+
+
+def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+    return {"CPU": float(cpus), **({"GPU": float(gpus)} if gpus else {})}
+
+
+def plan_pools(cfg: Config) -> list[PoolSpec]:
+    """The placement groups of ``cfg``: train, one per rollout version slot (when the rollout runs in
+    engines of its own, ``ray.rollout_gpus_per_engine > 0``) and the env controller (``ray.controller``)."""
+    r = cfg.ray
+    workers = r.train_workers or cfg.parallel.tp * cfg.parallel.pp
+    pools = [PoolSpec("train", [_bundle(r.train_cpus_per_worker, r.train_gpus_per_worker)] * workers, r.train_strategy)]
+    if r.rollout_gpus_per_engine:
+        for slot in range(cfg.rollout.max_versions):
+            pools.append(PoolSpec(f"rollout_slot{slot}",
+                                  [_bundle(r.rollout_cpus_per_engine, r.rollout_gpus_per_engine)] * cfg.rollout.engines_per_slot,
+                                  r.rollout_strategy))
+    if r.controller:
+        pools.append(PoolSpec("env_controller", [_bundle(r.controller_cpus, 0)], "PACK"))
+    return pools
+
+
+def connect(cfg: Config) -> bool:
+    """Connect to Ray: the cluster at ``ray.address``, else a new local Ray (``ray.num_cpus`` CPUs).
+
+    Reuses a connection the caller already made. Returns True when this call started the
+    connection (the caller then shuts it down). RayLaunchError when the cluster cannot be reached.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {"namespace": cfg.ray.namespace, "include_dashboard": False,
+                              "configure_logging": False, "log_to_driver": True}
+    try:
+        if cfg.ray.address:
+            logger.info("joining the Ray cluster at %s", cfg.ray.address)
+            ray.init(address=cfg.ray.address, **kwargs)
+        else:
+            logger.info("starting a local Ray (%s CPUs)", cfg.ray.num_cpus or "all")
+            ray.init(num_cpus=cfg.ray.num_cpus or None, **kwargs)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise RayLaunchError(f"cannot connect to Ray at ray.address={cfg.ray.address!r}: {e}; start the cluster "
+                             "first (ray start --head) or leave ray.address empty for a local Ray") from None
+    return True
+
+
+def create_placement_groups(pools: list[PoolSpec], timeout_s: float, prefix: str = "agentrl") -> dict[str, Any]:
+    """Create one placement group per pool and wait until all are ready.
+
+    Returns ``{pool name: PlacementGroup}``. On timeout removes them and raises PlacementError
+    naming each pool that is not ready, what it asked for and what the cluster has.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pgs = {p.name: placement_group(p.bundles, strategy=p.strategy, name=f"{prefix}_{p.name}") for p in pools}
+    ready = {pg.ready(): name for name, pg in pgs.items()}
+    done, pending = ray.wait(list(ready), num_returns=len(ready), timeout=timeout_s)
+    if pending:
+        missing = [ready[ref] for ref in pending]
+        asked = "; ".join(f"{p.name}: {len(p.bundles)} x {p.bundles[0]} ({p.strategy})" for p in pools if p.name in missing)
+        have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+        free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+        for pg in pgs.values():
+            remove_placement_group(pg)
+        raise PlacementError(
+            f"placement groups not ready after {timeout_s:g}s: {asked}. The cluster has {have} (free {free}) on "
+            f"{len([n for n in ray.nodes() if n['Alive']])} node(s). Add nodes, or shrink the pools (ray.train_workers, "
+            "ray.*_gpus_*, rollout.max_versions, rollout.engines_per_slot), or raise ray.placement_timeout_s")
+    logger.info("placement groups ready: %s", ", ".join(f"{p.name} ({len(p.bundles)} x {p.bundles[0]})" for p in pools))
+    return pgs
+
+
+def remove_placement_groups(pgs: dict[str, Any]) -> None:
+    """Remove placement groups (ignores ones already gone)."""
+    from ray.util.placement_group import remove_placement_group
+
+    for pg in pgs.values():
+        try:
+            remove_placement_group(pg)
+        except Exception as e:  # noqa: BLE001 - best effort on the way out
+            logger.debug("placement group removal: %s", e)
+
+
+def rollout_engines_from_env() -> list[list[str]] | None:
+    """Engine URLs per version slot handed to the trainer by :func:`run_on_ray`, or None outside it."""
+    raw = os.environ.get(ENGINES_ENV)
+    return json.loads(raw) if raw else None
+
+
+def checkpoint_root(cfg: Config) -> Path:
+    """Where the pipeline writes checkpoints: ``checkpoint.dir``, else ``output_dir/checkpoints``."""
+    ck = getattr(cfg, "checkpoint", None)
+    return Path(ck.dir) if ck is not None and getattr(ck, "dir", None) else Path(cfg.output_dir) / "checkpoints"
+
+
+def latest_checkpoint(cfg: Config) -> str | None:
+    """The newest checkpoint of the run (the ``latest`` file, else the highest ``step_<k>``), or None."""
+    root = checkpoint_root(cfg)
+    latest = root / "latest"
+    if latest.is_file():
+        name = latest.read_text().strip()
+        path = Path(name) if Path(name).is_absolute() else root / name
+        if path.exists():
+            return str(path)
+    steps = [d for d in root.glob("step_*") if d.is_dir() and d.name[5:].isdigit()]
+    return str(max(steps, key=lambda d: int(d.name[5:]))) if steps else None
+
+
+def resume_hint(cfg: Config) -> str:
+    """What a user does to continue a stopped run, for error messages."""
+    ckpt = latest_checkpoint(cfg)
+    ck = getattr(cfg, "checkpoint", None)
+    if ckpt is None:
+        return (f"no checkpoint was written yet under {checkpoint_root(cfg)}"
+                + (" (set checkpoint.interval to save every N steps)" if ck is not None and not ck.interval else "")
+                + "; a new run starts from the beginning")
+    if ck is not None and ck.resume == "latest":
+        return f"the last checkpoint is {ckpt}; the same command resumes from it (checkpoint.resume: latest)"
+    return f"the last checkpoint is {ckpt}; resume from it with the same command plus checkpoint.resume=latest"
+
+
+# ------------------------------------------------------------------------------------- actors
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class _Placed:
+    """Base of the run's actors: where am I."""
+
+    def node(self) -> tuple[str, str]:
+        """(node id, node IP) of this actor."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), _node_ip()
+
+
+class _TrainWorker(_Placed):
+    """One trainer rank (a Ray actor): runs the training entry point of ``agentrl train``."""
+
+    def free_port(self) -> int:
+        """A free TCP port on this node (rank 0 offers it for the torch.distributed rendezvous)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    def run(self, config_path: str, overrides: list[str], env: dict[str, str], cwd: str) -> None:
+        """Train as one rank: ``env`` holds RANK, WORLD_SIZE, MASTER_ADDR/PORT and the hand-offs."""
+        import ray
+
+        os.chdir(cwd)
+        os.environ.update(env)
+        if len(ray.get_gpu_ids()) == 1:
+            os.environ["LOCAL_RANK"] = "0"  # Ray shows this actor its one GPU only
+        from megatron_agentrl import cli
+
+        cli._train(config_path, overrides)
+
+
+class _EnvControllerActor(_Placed):
+    """The env controller (``env_controller.controller.Controller``) served from a Ray actor."""
+
+    def __init__(self) -> None:
+        self._loop = None
+        self._controller = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, port: int, token: str | None, timeout_s: float = 60.0) -> str:
+        """Serve on all interfaces at ``port`` (0 = free) in a background thread; return its API URL."""
+        import asyncio
+
+        from env_controller.controller import Controller, ControllerConfig
+
+        host = "0.0.0.0" if token else "127.0.0.1"
+        self._controller = Controller(ControllerConfig(host=host, port=port, token=token))
+        started = threading.Event()
+        errors: list[BaseException] = []
+
+        def serve() -> None:
+            self._loop = asyncio.new_event_loop()
+            try:
+                self._loop.run_until_complete(self._controller.start())
+            except BaseException as e:  # noqa: BLE001 - reported to the caller
+                errors.append(e)
+                started.set()
+                return
+            started.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=serve, name="env-controller", daemon=True)
+        self._thread.start()
+        if not started.wait(timeout_s) or errors:
+            raise RayLaunchError(f"the env controller did not start on port {port}: {errors[0] if errors else 'timeout'}")
+        ip = _node_ip() if token else "127.0.0.1"
+        return f"http://{ip}:{self._controller.port}/api"
+
+    def ping(self) -> bool:
+        """True while the controller's thread runs."""
+        return bool(self._thread and self._thread.is_alive())
+
+    def stop(self) -> None:
+        """Stop serving."""
+        import asyncio
+
+        if self._loop is not None and self._controller is not None:
+            asyncio.run_coroutine_threadsafe(self._controller.stop(), self._loop).result(timeout=30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+class _RolloutEngineActor(_Placed):
+    """One rollout engine: an SGLang server (or a module with its command line) on this bundle's GPUs."""
+
+    def __init__(self) -> None:
+        self._engine = None
+
+    def start(self, model_path: str, server_module: str, dtype: str, startup_timeout_s: float, log_dir: str) -> str:
+        """Launch the server on the GPUs Ray gave this actor; return its URL once healthy."""
+        import ray
+
+        from rollout_sglang.sglang_engine import SGLangEngine
+
+        gpus = [int(g) for g in ray.get_gpu_ids()]
+        self._engine = SGLangEngine.launch(model_path, gpus=gpus, host="0.0.0.0", dtype=dtype,
+                                           startup_timeout_s=startup_timeout_s, log_dir=log_dir,
+                                           server_module=server_module)
+        port = self._engine.base_url.rsplit(":", 1)[1]
+        return f"http://{_node_ip()}:{port}"
+
+    def ping(self) -> bool:
+        """True while the server process runs."""
+        proc = self._engine.process if self._engine else None
+        return proc is not None and proc.poll() is None
+
+    def stop(self) -> None:
+        """Stop the server process."""
+        if self._engine is not None:
+            self._engine.shutdown()
+
+
+_REMOTE: dict[str, Any] = {}
+
+
+def _remote(cls: type) -> Any:
+    """The Ray actor class of ``cls`` (made once; ray is imported only when Ray is used)."""
+    import ray
+
+    if cls.__name__ not in _REMOTE:
+        _REMOTE[cls.__name__] = ray.remote(max_restarts=0, max_task_retries=0)(cls)
+    return _REMOTE[cls.__name__]
+
+
+# ----------------------------------------------------------------------------------- the run
+@dataclass
+class _Member:
+    """An actor of the run: its kind (trainer, engine, controller), its name in messages, where it lives."""
+
+    kind: str
+    what: str
+    actor: Any
+    node_id: str = ""
+    node_ip: str = ""
+
+
+class RayRun:
+    """One run on Ray: placement groups, actors, the watch loop, and cleanup (see the module doc)."""
+
+    def __init__(self, cfg: Config, config_path: str, overrides: list[str]) -> None:
+        """``cfg``: the loaded config; ``config_path`` / ``overrides``: what each trainer rank loads."""
+        self.cfg = cfg
+        self.config_path = str(Path(config_path).resolve())
+        self.overrides = list(overrides)
+        self.pools = plan_pools(cfg)
+        self.pgs: dict[str, Any] = {}
+        self.members: list[_Member] = []
+        self.prefix = f"agentrl_{os.getpid()}_{int(time.time())}"
+        self.controller_token = ""
+
+    def _options(self, pool: str, index: int, cpus: float, gpus: float, name: str) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {"num_cpus": cpus, "num_gpus": gpus, "name": f"{self.prefix}_{name}",
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pgs[pool], placement_group_bundle_index=index)}
+
+    def _add(self, kind: str, what: str, actor: Any) -> _Member:
+        """Record an actor of the run and the node it was placed on."""
+        import ray
+
+        m = _Member(kind, what, actor)
+        self.members.append(m)
+        m.node_id, m.node_ip = ray.get(actor.node.remote(), timeout=self.cfg.ray.placement_timeout_s)
+        return m
+
+    def start_controller(self) -> str:
+        """Start the env controller actor; returns its API URL."""
+        import secrets
+
+        import ray
+
+        r = self.cfg.ray
+        token = self.cfg.env.token or os.environ.get("AGENTRL_CONTROLLER_TOKEN") or secrets.token_hex(16)
+        self.controller_token = token
+        actor = _remote(_EnvControllerActor).options(**self._options("env_controller", 0, r.controller_cpus, 0,
+                                                                     "env_controller")).remote()
+        self._add("controller", "the env controller", actor)
+        url = ray.get(actor.start.remote(r.controller_port, token), timeout=120)
+        logger.info("env controller: %s (workers register there with the token in $AGENTRL_CONTROLLER_TOKEN)", url)
+        return url
+
+    def start_engines(self) -> list[list[str]]:
+        """Start one engine per rollout bundle; returns the URLs per version slot."""
+        import ray
+
+        r, ro = self.cfg.ray, self.cfg.rollout
+        model = self.cfg.model.checkpoint or self.cfg.model.hf_config
+        if not model:
+            raise ConfigError("ray.rollout_gpus_per_engine > 0 needs model.checkpoint (the HF weights the engines serve)")
+        log_dir = str(Path(self.cfg.output_dir).resolve() / "ray" / "engine_logs")
+        dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[self.cfg.model.dtype]
+        refs: list[list[Any]] = []
+        for slot in range(ro.max_versions):
+            refs.append([])
+            for i in range(ro.engines_per_slot):
+                actor = _remote(_RolloutEngineActor).options(**self._options(
+                    f"rollout_slot{slot}", i, r.rollout_cpus_per_engine, r.rollout_gpus_per_engine,
+                    f"engine_s{slot}_{i}")).remote()
+                self._add("engine", f"rollout engine {i} of version slot {slot}", actor)
+                refs[-1].append(actor.start.remote(str(model), r.engine_server_module, dtype,
+                                                   ro.engine_startup_timeout_s, log_dir))
+        urls = [ray.get(slot_refs, timeout=ro.engine_startup_timeout_s + 60) for slot_refs in refs]
+        logger.info("rollout engines: %s", urls)
+        return urls
+
+    def start_trainers(self) -> list[_Member]:
+        """Create the trainer rank actors in the train pool (not training yet)."""
+        r = self.cfg.ray
+        world = len(self.pools[0].bundles)
+        members = []
+        for rank in range(world):
+            actor = _remote(_TrainWorker).options(**self._options("train", rank, r.train_cpus_per_worker,
+                                                                  r.train_gpus_per_worker, f"train_{rank}")).remote()
+            members.append(self._add("trainer", f"trainer rank {rank}", actor))
+        return members
+
+    def run(self) -> dict[str, Any]:
+        """Place, start, watch; returns the run's summary.json (empty dict when there is none)."""
+        import ray
+
+        self.pgs = create_placement_groups(self.pools, self.cfg.ray.placement_timeout_s, self.prefix)
+        overrides = list(self.overrides)
+        env: dict[str, str] = {}
+        if self.cfg.ray.controller:
+            url = self.start_controller()
+            overrides.append(f"env.controller_url={url}")
+            env["AGENTRL_CONTROLLER_TOKEN"] = self.controller_token
+        if self.cfg.ray.rollout_gpus_per_engine:
+            engines = self.start_engines()
+            env[ENGINES_ENV] = json.dumps(engines)
+            out = Path(self.cfg.output_dir) / "ray"
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "engines.json").write_text(json.dumps(engines, indent=2))
+        trainers = self.start_trainers()
+        master_port = ray.get(trainers[0].actor.free_port.remote(), timeout=60)
+        world = len(trainers)
+        logger.info("train pool: %d rank(s) on %s; rendezvous %s:%d", world,
+                    ", ".join(sorted({m.node_ip for m in trainers})), trainers[0].node_ip, master_port)
+        refs = {}
+        for rank, m in enumerate(trainers):
+            rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                        "MASTER_ADDR": trainers[0].node_ip, "MASTER_PORT": str(master_port)}
+            refs[m.actor.run.remote(self.config_path, overrides, rank_env, os.getcwd())] = m
+        self._watch(refs)
+        summary = Path(self.cfg.output_dir) / "summary.json"
+        return json.loads(summary.read_text()) if summary.is_file() else {}
+
+    def _watch(self, refs: dict[Any, _Member]) -> None:
+        import ray
+        from ray.exceptions import RayTaskError
+
+        pending = list(refs)
+        others = [m for m in self.members if m.kind != "trainer"]
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=self.cfg.ray.health_check_interval_s)
+            for ref in done:
+                member = refs[ref]
+                try:
+                    ray.get(ref)
+                except RayTaskError as e:  # the training code raised: re-raise what it raised
+                    cause = e.cause if isinstance(e.cause, BaseException) else None
+                    if isinstance(cause, (ConfigError, FileNotFoundError)):
+                        raise cause from None
+                    raise RayLaunchError(f"{member.what} failed: {cause if cause is not None else e}") from None
+                except ray.exceptions.RayError as e:  # actor died, worker crashed, node died, object lost
+                    self._wait_for_dead_node()  # a dead node is the better message: give Ray a moment to see it
+                    raise self._lost(f"{member.what} (node {member.node_ip}, Ray node {member.node_id[:12]})",
+                                     f"its actor died ({_first_line(e)})") from None
+            if pending:
+                self._check_nodes(self.members)
+                for m in others:
+                    try:
+                        alive = ray.get(m.actor.ping.remote(), timeout=max(10.0, self.cfg.ray.health_check_interval_s))
+                    except ray.exceptions.GetTimeoutError:
+                        continue  # busy, not dead: the next tick asks again
+                    except ray.exceptions.RayError as e:
+                        self._wait_for_dead_node()
+                        raise self._lost(f"{m.what} (node {m.node_ip}, Ray node {m.node_id[:12]})", _first_line(e)) from None
+                    if not alive:
+                        raise self._lost(m.what, "its process exited")
+
+    def _wait_for_dead_node(self) -> None:
+        """After an actor died: raise the node's RunLostError if Ray marks its node dead within a few seconds."""
+        deadline = time.monotonic() + max(5.0, 2 * self.cfg.ray.health_check_interval_s)
+        while time.monotonic() < deadline:
+            self._check_nodes(self.members)
+            time.sleep(0.5)
+
+    def _check_nodes(self, members: list[_Member]) -> None:
+        """Raise RunLostError when a node that holds a member of the run is dead."""
+        import ray
+
+        alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+        for m in members:
+            if m.node_id and not alive.get(m.node_id, False):
+                lost = [x.what for x in members if x.node_id == m.node_id]
+                raise self._lost(f"node {m.node_ip} (Ray node {m.node_id[:12]})",
+                                 f"Ray marks it dead; it held {', '.join(lost)}")
+
+    def _lost(self, what: str, detail: str) -> RunLostError:
+        return RunLostError(f"Ray run lost {what} mid-run: {detail}. The run was stopped; {resume_hint(self.cfg)}. "
+                            "Check the cluster (ray status) before resubmitting.")
+
+    def cleanup(self) -> None:
+        """Stop the engines and the controller, kill every actor, remove the placement groups."""
+        import ray
+
+        for m in self.members:
+            if m.kind != "trainer":
+                try:
+                    ray.get(m.actor.stop.remote(), timeout=30)
+                except Exception as e:  # noqa: BLE001 - best effort on the way out
+                    logger.debug("stopping %s: %s", m.what, e)
+        for m in self.members:
+            try:
+                ray.kill(m.actor, no_restart=True)
+            except Exception as e:  # noqa: BLE001
+                logger.debug("killing %s: %s", m.what, e)
+        remove_placement_groups(self.pgs)
+        self.members, self.pgs = [], {}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def run_on_ray(cfg: Config, config_path: str, overrides: list[str]) -> dict[str, Any]:
+    """Run ``agentrl train`` on Ray for ``cfg`` (loaded from ``config_path`` + ``overrides``).
+
+    Returns the run's summary. Raises PlacementError when the pools do not fit, RunLostError when
+    a node or an actor of the run is lost, RayLaunchError when the training fails on a rank.
+    """
+    started = connect(cfg)
+    run = RayRun(cfg, config_path, overrides)
+    try:
+        return run.run()
+    finally:
+        run.cleanup()
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+def wait_for_nodes(address: str, nodes: int, timeout_s: float, poll_s: float = 2.0) -> int:
+    """Wait until the Ray cluster at ``address`` has ``nodes`` alive nodes; returns how many it has.
+
+    Raises RayLaunchError naming the nodes that joined when ``timeout_s`` passes first.
+    """
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if not ray.is_initialized():
+                ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=False)
+            alive = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
+            if len(alive) >= nodes:
+                return len(alive)
+        except (ConnectionError, RuntimeError) as e:
+            alive = []
+            logger.debug("Ray at %s not reachable yet: %s", address, e)
+        if time.monotonic() > deadline:
+            raise RayLaunchError(f"only {len(alive)} of {nodes} Ray node(s) joined {address} within {timeout_s:g}s "
+                                 f"(joined: {', '.join(alive) or 'none'}); see the job log for the ray start output")
+        time.sleep(poll_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m megatron_agentrl.launch.ray_placement wait --address A --nodes N --timeout S``."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    p = argparse.ArgumentParser(prog="python -m megatron_agentrl.launch.ray_placement")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("wait", help="wait until N nodes joined the Ray cluster")
+    w.add_argument("--address", required=True)
+    w.add_argument("--nodes", type=int, required=True)
+    w.add_argument("--timeout", type=float, default=300.0)
+    args = p.parse_args(argv)
+    try:
+        n = wait_for_nodes(args.address, args.nodes, args.timeout)
+    except RayLaunchError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 1
+    logger.info("Ray cluster at %s: %d node(s) alive", args.address, n)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

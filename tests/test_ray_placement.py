@@ -1,0 +1,141 @@
+"""Ray placement on a local Ray cluster (``ray.cluster_utils.Cluster``: real raylets on this machine).
+
+GPUs are logical resources here (the head node declares 4), so the pools are placed as on a GPU
+cluster while the trainer itself runs on CPU. One cluster serves the whole module: the placement
+groups of the pools, a layout that does not fit, a tiny training run on Ray with the env
+controller as an actor, and a node removed mid-run.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.placement_group import placement_group_table  # noqa: E402
+
+from megatron_agentrl.config import load_config  # noqa: E402
+from megatron_agentrl.launch.ray_placement import (  # noqa: E402
+    PlacementError,
+    RunLostError,
+    create_placement_groups,
+    plan_pools,
+    remove_placement_groups,
+    run_on_ray,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2",
+        "sft.steps=1", "sft.batch_size=4", "train.micro_batch_size=4", "eval.samples_per_task=2",
+        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_turns=2"]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 4, "include_dashboard": False})
+    ray.init(address=c.address, namespace="agentrl_test", log_to_driver=False)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def _cfg(tmp_path: Path, *extra: str):
+    return load_config(ROOT / "examples/configs/tiny_cpu.yaml",
+                       [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, *extra])
+
+
+def _ours_left() -> list[str]:
+    """Placement groups of runs that are not removed yet."""
+    return [pg["name"] for pg in placement_group_table().values()
+            if pg["name"].startswith("agentrl_") and pg["state"] != "REMOVED"]
+
+
+def test_pools_are_placement_groups(cluster: Cluster, tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "ray.train_workers=2", "ray.train_gpus_per_worker=1", "ray.train_cpus_per_worker=0.25",
+               "ray.rollout_gpus_per_engine=1", "ray.rollout_cpus_per_engine=0.25", "ray.controller=true",
+               "ray.controller_cpus=0.25")
+    cfg.rollout.max_versions = 2  # two version slots (the pipeline's own checks are not what this tests)
+    pools = plan_pools(cfg)
+    assert [(p.name, len(p.bundles)) for p in pools] == [("train", 2), ("rollout_slot0", 1), ("rollout_slot1", 1),
+                                                          ("env_controller", 1)]
+    assert pools[0].bundles[0] == {"CPU": 0.25, "GPU": 1.0}
+    pgs = create_placement_groups(pools, timeout_s=60, prefix="agentrl_test")
+    try:
+        table = {v["name"]: v for v in placement_group_table().values()}
+        for name in ("train", "rollout_slot0", "rollout_slot1", "env_controller"):
+            assert table[f"agentrl_test_{name}"]["state"] == "CREATED"
+        assert ray.available_resources().get("GPU", 0) == 0  # 2 train + 2 rollout slots hold all 4
+    finally:
+        remove_placement_groups(pgs)
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("GPU", 0) != 4:
+        assert time.monotonic() < deadline, "GPUs not released after removing the placement groups"
+        time.sleep(0.2)
+
+
+def test_layout_that_does_not_fit_fails_clearly(cluster: Cluster, tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "ray.train_workers=8", "ray.train_gpus_per_worker=1", "ray.train_cpus_per_worker=0.1",
+               "ray.placement_timeout_s=3")
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError) as err:
+        run_on_ray(cfg, str(ROOT / "examples/configs/tiny_cpu.yaml"), [])
+    msg = str(err.value)
+    assert "train: 8 x {'CPU': 0.1, 'GPU': 1.0}" in msg and "The cluster has" in msg and "'GPU': 4.0" in msg, msg
+    assert time.monotonic() - t0 < 30
+    assert not _ours_left()
+
+
+def test_train_on_ray_with_controller_actor(cluster: Cluster, tmp_path: Path) -> None:
+    overrides = [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, "train.steps=1",
+                 "ray.controller=true", "ray.controller_port=0", "ray.controller_cpus=0.5"]
+    cfg = load_config(ROOT / "examples/configs/tiny_cpu.yaml", overrides)
+    summary = run_on_ray(cfg, str(ROOT / "examples/configs/tiny_cpu.yaml"), overrides)
+    out = tmp_path / "run"
+    assert summary["hf_export"] == str(out / "hf_export") and (out / "hf_export" / "config.json").is_file()
+    # the trainer ranks got the controller actor's URL through the config
+    assert "controller_url: http://" in (out / "config.yaml").read_text()
+    assert not _ours_left()
+    alive = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("agentrl_")]
+    assert not alive, alive
+
+
+def test_node_lost_mid_run_stops_with_clear_message(cluster: Cluster, tmp_path: Path) -> None:
+    # the trainer asks for 3 CPUs: only the added node (4 CPUs) can hold it, the head has 2
+    node = cluster.add_node(num_cpus=4)
+    cluster.wait_for_nodes()
+    overrides = [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, "train.steps=1000",
+                 "ray.train_cpus_per_worker=3", "ray.health_check_interval_s=1"]
+    cfg = load_config(ROOT / "examples/configs/tiny_cpu.yaml", overrides)
+    result: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            run_on_ray(cfg, str(ROOT / "examples/configs/tiny_cpu.yaml"), overrides)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            result["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "run" / "config.yaml").is_file():  # rank 0 writes it when training starts
+        assert t.is_alive(), result
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.5)
+    t_kill = time.monotonic()
+    cluster.remove_node(node, allow_graceful=False)
+    t.join(timeout=90)
+    assert not t.is_alive(), "the run did not stop after its node was removed"
+    err = result.get("error")
+    assert isinstance(err, RunLostError), repr(err)
+    msg = str(err)
+    assert "lost" in msg and "mid-run" in msg and "trainer rank 0" in msg and "checkpoint" in msg, msg
+    assert "The run was stopped" in msg
+    print(f"run stopped {time.monotonic() - t_kill:.1f}s after its node was removed: {msg}")
+    assert not _ours_left()

@@ -7,6 +7,7 @@ controller as an actor, and a node removed mid-run.
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -92,15 +93,41 @@ def test_layout_that_does_not_fit_fails_clearly(cluster: Cluster, tmp_path: Path
     assert not _ours_left()
 
 
-def test_train_on_ray_with_controller_actor(cluster: Cluster, tmp_path: Path) -> None:
+def _tiny_hf_checkpoint(path: Path) -> Path:
+    """A random tiny Qwen2 checkpoint with the demo tokenizer's vocab (what the rollout engine serves)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rollout_sglang.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(ROOT / "examples/tokenizer/tiny_agent"))
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True)
+    Qwen2ForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def test_train_on_ray_with_controller_and_engine_actors(cluster: Cluster, tmp_path: Path) -> None:
+    """A tiny run on Ray: the env controller and one rollout engine (the SGLang stand-in, launched
+    the way SGLang is) as actors in their own placement groups, the trainer in the train pool."""
+    ckpt = _tiny_hf_checkpoint(tmp_path / "hf")
     overrides = [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, "train.steps=1",
-                 "ray.controller=true", "ray.controller_port=0", "ray.controller_cpus=0.5"]
+                 f"model.checkpoint={ckpt}", "ray.controller=true", "ray.controller_port=0",
+                 "ray.controller_cpus=0.25", "ray.rollout_gpus_per_engine=1", "ray.rollout_cpus_per_engine=0.25",
+                 "ray.engine_server_module=rollout_sglang.sglang_standin", "ray.train_cpus_per_worker=0.5"]
     cfg = load_config(ROOT / "examples/configs/tiny_cpu.yaml", overrides)
     summary = run_on_ray(cfg, str(ROOT / "examples/configs/tiny_cpu.yaml"), overrides)
     out = tmp_path / "run"
     assert summary["hf_export"] == str(out / "hf_export") and (out / "hf_export" / "config.json").is_file()
-    # the trainer ranks got the controller actor's URL through the config
+    # the trainer ranks got the controller actor's URL through the config ...
     assert "controller_url: http://" in (out / "config.yaml").read_text()
+    # ... and the engine URLs per version slot; the engine served until the run ended
+    slots = json.loads((out / "ray" / "engines.json").read_text())
+    assert len(slots) == 1 and len(slots[0]) == 1 and slots[0][0].startswith("http://")
+    logs = list((out / "ray" / "engine_logs").glob("sglang_*.log"))
+    assert logs and "stand-in ready" in logs[0].read_text(), logs
     assert not _ours_left()
     alive = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("agentrl_")]
     assert not alive, alive

@@ -205,7 +205,7 @@ class _Placed:
         return ray.get_runtime_context().get_node_id(), _node_ip()
 
 
-class _TrainWorker(_Placed):
+class TrainWorker(_Placed):
     """One trainer rank (a Ray actor): runs the training entry point of ``agentrl train``."""
 
     def free_port(self) -> int:
@@ -227,7 +227,7 @@ class _TrainWorker(_Placed):
         cli._train(config_path, overrides)
 
 
-class _EnvControllerActor(_Placed):
+class EnvControllerActor(_Placed):
     """The env controller (``env_controller.controller.Controller``) served from a Ray actor."""
 
     def __init__(self) -> None:
@@ -277,7 +277,7 @@ class _EnvControllerActor(_Placed):
             self._loop.call_soon_threadsafe(self._loop.stop)
 
 
-class _RolloutEngineActor(_Placed):
+class RolloutEngineActor(_Placed):
     """One rollout engine: an SGLang server (or a module with its command line) on this bundle's GPUs."""
 
     def __init__(self) -> None:
@@ -369,7 +369,7 @@ class RayRun:
         r = self.cfg.ray
         token = self.cfg.env.token or os.environ.get("AGENTRL_CONTROLLER_TOKEN") or secrets.token_hex(16)
         self.controller_token = token
-        actor = _remote(_EnvControllerActor).options(**self._options("env_controller", 0, r.controller_cpus, 0,
+        actor = _remote(EnvControllerActor).options(**self._options("env_controller", 0, r.controller_cpus, 0,
                                                                      "env_controller")).remote()
         self._add("controller", "the env controller", actor)
         url = ray.get(actor.start.remote(r.controller_port, token), timeout=120)
@@ -390,7 +390,7 @@ class RayRun:
         for slot in range(ro.max_versions):
             refs.append([])
             for i in range(ro.engines_per_slot):
-                actor = _remote(_RolloutEngineActor).options(**self._options(
+                actor = _remote(RolloutEngineActor).options(**self._options(
                     f"rollout_slot{slot}", i, r.rollout_cpus_per_engine, r.rollout_gpus_per_engine,
                     f"engine_s{slot}_{i}")).remote()
                 self._add("engine", f"rollout engine {i} of version slot {slot}", actor)
@@ -406,7 +406,7 @@ class RayRun:
         world = len(self.pools[0].bundles)
         members = []
         for rank in range(world):
-            actor = _remote(_TrainWorker).options(**self._options("train", rank, r.train_cpus_per_worker,
+            actor = _remote(TrainWorker).options(**self._options("train", rank, r.train_cpus_per_worker,
                                                                   r.train_gpus_per_worker, f"train_{rank}")).remote()
             members.append(self._add("trainer", f"trainer rank {rank}", actor))
         return members

@@ -57,6 +57,16 @@ class TrainConfig:
     micro_batch_size: samples per forward/backward; global batch = the whole rollout batch.
     clip_eps_low / clip_eps_high: PPO ratio clip range [1 - low, 1 + high] (asymmetric allowed).
     seed: seeds model init, sampling and task order.
+    tis_cap: truncated importance sampling for stale and cross-policy tokens: > 0 uses the
+        decoupled loss (ratio against the trainer's own log-probs at the step start, each token
+        weighted by min(pi_old / pi_behavior, tis_cap)); 0 = the classic loss, ratio against the
+        behavior log-probs, no weight (see ``megatron_agentrl.algo.losses``).
+    kl_coef: weight of the low-variance (k3) KL to the reference policy (the policy when RL
+        starts, after the SFT warm-up); 0 = off (no reference model kept).
+    entropy_coef: weight of the entropy bonus (mean token entropy is subtracted); 0 = off.
+    micro_batch_tokens: token budget of a micro-batch: samples are packed (longest first) so that
+        rows x longest row <= budget, each micro-batch cut to its own length; 0 = fixed
+        micro_batch_size rows.
     """
 
     steps: int = 20
@@ -69,6 +79,10 @@ class TrainConfig:
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.28
     seed: int = 1234
+    tis_cap: float = 0.0
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    micro_batch_tokens: int = 0
 
 
 @dataclass
@@ -144,12 +158,74 @@ class AlgoConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """How rollout and training are scheduled (``megatron_agentrl.pipeline``).
+
+    mode: "sync" (generate a step's groups, then train on them, then push weights) or "async"
+        (rollout keeps groups in flight while the trainer trains; a bounded queue between them).
+        Both run the same rollout manager and training step.
+    staleness: eta, async only: a new group starts only while
+        (version + eta + 1) * prompts_per_step > accepted + running groups, and no trained sample
+        has a token more than eta weight versions older than the trained policy (sync: 0).
+    queue_size: most finished groups waiting for the trainer plus groups in flight; 0 = auto
+        ((eta + 1) * prompts_per_step); at least prompts_per_step.
+    cohort_groups: groups that run their turns in lockstep in one agent-loop call; 0 = auto (the
+        whole step in sync mode, 1 in async mode).
+    batch_timeout_s: limit on the trainer waiting for one batch (and on a checkpoint's drain), s.
+    env_timeout_s: limit on every environment call of the agent loop, seconds.
+    sim_env_latency_s: > 0 adds simulated environment latency to every env call of the training
+        rollouts: Pareto(alpha) seconds with scale (minimum) sim_env_latency_s, capped at
+        sim_env_latency_max_s (0 = 100 x the scale). For benchmarks and tests; 0 = off.
+    sim_env_latency_alpha: Pareto shape (smaller = heavier tail; 1.5 has a finite mean 3 x scale
+        and infinite variance).
+    """
+
+    mode: str = "sync"
+    staleness: int = 1
+    queue_size: int = 0
+    cohort_groups: int = 0
+    batch_timeout_s: float = 1800.0
+    env_timeout_s: float = 120.0
+    sim_env_latency_s: float = 0.0
+    sim_env_latency_alpha: float = 1.5
+    sim_env_latency_max_s: float = 0.0
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints (megatron distributed checkpoint of model + optimizer, plus the pipeline state).
+
+    interval: save every this many RL steps (and after the last step); 0 = never.
+    dir: where checkpoints go (None: ``<output_dir>/checkpoints``); one ``step_<k>`` folder each
+        and a ``latest`` file naming the newest.
+    resume: None (start fresh), "latest" (the newest checkpoint under ``dir``, fresh start when
+        there is none) or the path of one ``step_<k>`` folder. A resumed run skips the SFT
+        warm-up and the first evaluation and trains step k+1 on the batch the uninterrupted run
+        would have trained on.
+    keep: how many newest checkpoints to keep (older ones are deleted); 0 = keep all.
+    """
+
+    interval: int = 0
+    dir: str | None = None
+    resume: str | None = None
+    keep: int = 2
+
+
+@dataclass
 class TaskSpec:
-    """One built-in task: its registry ``name``, sampling ``weight`` and constructor ``params``."""
+    """One built-in task: its registry ``name``, sampling ``weight`` and constructor ``params``.
+
+    binary_reward: train on 1.0 for a successful episode (the task's ``success`` metric, else
+        reward >= 1) and 0.0 otherwise, instead of the task's own reward.
+    timeout_penalty: subtracted from the reward of an episode that ran out of turns or context
+        ("task limit reached", "agent context limit") or whose env call timed out (>= 0).
+    """
 
     name: str = ""
     weight: float = 1.0
     params: dict[str, Any] = field(default_factory=dict)
+    binary_reward: bool = False
+    timeout_penalty: float = 0.0
 
 
 @dataclass
@@ -261,6 +337,8 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tasks: list[TaskSpec] = field(default_factory=list)
     log_every: int = 1
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -308,7 +386,75 @@ class Config:
                 raise ConfigError(f"tasks[{i}].name is empty; give a registered task name")
             if not t.weight > 0:
                 raise ConfigError(f"tasks[{i}].weight={t.weight!r} must be > 0")
+            if t.timeout_penalty < 0:
+                raise ConfigError(f"tasks[{i}].timeout_penalty={t.timeout_penalty!r} must be >= 0 "
+                                  "(it is subtracted from the reward)")
+        self._validate_train_extras()
+        self._validate_pipeline()
+        self._validate_checkpoint()
         _validate_launch(self)
+
+    def _validate_train_extras(self) -> None:
+        t = self.train
+        for key in ("tis_cap", "kl_coef", "entropy_coef"):
+            if getattr(t, key) < 0:
+                raise ConfigError(f"train.{key}={getattr(t, key)!r} must be >= 0 (0 turns it off)")
+        if 0 < t.tis_cap < 1:
+            raise ConfigError(f"train.tis_cap={t.tis_cap!r} must be 0 (off) or >= 1 (a cap below 1 would "
+                              "down-weight on-policy tokens); 2.0 is a common choice")
+        if t.micro_batch_tokens < 0:
+            raise ConfigError(f"train.micro_batch_tokens={t.micro_batch_tokens!r} must be >= 0 "
+                              "(0 = fixed train.micro_batch_size rows per micro-batch)")
+        if 0 < t.micro_batch_tokens < self.rollout.max_total_tokens:
+            raise ConfigError(f"train.micro_batch_tokens={t.micro_batch_tokens} is smaller than one episode can be "
+                              f"(rollout.max_total_tokens={self.rollout.max_total_tokens}); raise it to at least that")
+
+    def _validate_pipeline(self) -> None:
+        p = self.pipeline
+        if p.mode not in ("sync", "async"):
+            raise ConfigError(f"pipeline.mode={p.mode!r} is not one of sync, async")
+        if p.staleness < 0:
+            raise ConfigError(f"pipeline.staleness={p.staleness!r} must be >= 0 (0 = every sample from the "
+                              "newest weights)")
+        if p.queue_size < 0:
+            raise ConfigError(f"pipeline.queue_size={p.queue_size!r} must be >= 0 (0 = auto)")
+        if 0 < p.queue_size < self.rollout.prompts_per_step:
+            raise ConfigError(f"pipeline.queue_size={p.queue_size} cannot hold one step's "
+                              f"rollout.prompts_per_step={self.rollout.prompts_per_step} groups; raise it or use 0 (auto)")
+        if p.cohort_groups < 0:
+            raise ConfigError(f"pipeline.cohort_groups={p.cohort_groups!r} must be >= 0 (0 = auto)")
+        if p.cohort_groups > self.rollout.prompts_per_step:
+            raise ConfigError(f"pipeline.cohort_groups={p.cohort_groups} exceeds rollout.prompts_per_step="
+                              f"{self.rollout.prompts_per_step}; use at most that (or 0 = auto)")
+        for key in ("batch_timeout_s", "env_timeout_s"):
+            if not getattr(p, key) > 0:
+                raise ConfigError(f"pipeline.{key}={getattr(p, key)!r} must be > 0 seconds")
+        if p.sim_env_latency_s < 0 or p.sim_env_latency_max_s < 0:
+            raise ConfigError("pipeline.sim_env_latency_s and pipeline.sim_env_latency_max_s must be >= 0 (0 = off / auto)")
+        if not p.sim_env_latency_alpha > 0:
+            raise ConfigError(f"pipeline.sim_env_latency_alpha={p.sim_env_latency_alpha!r} must be > 0")
+        eta = p.staleness if p.mode == "async" else 0
+        if self.rollout.cross_policy != "latest" and self.rollout.max_versions - 1 > eta:
+            raise ConfigError(
+                f"rollout.max_versions={self.rollout.max_versions} keeps weights up to {self.rollout.max_versions - 1} "
+                f"versions old for cross-policy sampling, but pipeline.staleness allows {eta} "
+                f"(mode {p.mode}); use pipeline.mode=async with pipeline.staleness >= {self.rollout.max_versions - 1}, "
+                "or lower rollout.max_versions"
+            )
+        if p.mode == "async" and self.rollout.max_versions == 1 and self.rollout.engines_per_slot > 1:
+            raise ConfigError("pipeline.mode=async with rollout.max_versions=1 and rollout.engines_per_slot>1 is not "
+                              "supported: the version pool refuses requests while its only slot updates; use "
+                              "rollout.max_versions=2 or rollout.engines_per_slot=1")
+
+    def _validate_checkpoint(self) -> None:
+        c = self.checkpoint
+        if c.interval < 0:
+            raise ConfigError(f"checkpoint.interval={c.interval!r} must be >= 0 (0 = no checkpoints)")
+        if c.keep < 0:
+            raise ConfigError(f"checkpoint.keep={c.keep!r} must be >= 0 (0 = keep all)")
+        if c.resume is not None and c.resume != "latest" and not Path(c.resume).is_dir():
+            raise ConfigError(f"checkpoint.resume={c.resume!r} is not a directory; give 'latest' or the path of a "
+                              "step_<k> checkpoint folder (under <output_dir>/checkpoints)")
 
 
 _RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")

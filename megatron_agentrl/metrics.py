@@ -1,4 +1,4 @@
-"""Run metrics: TensorBoard scalars, a JSONL file, and the per-task reward plot.
+"""Run metrics: TensorBoard scalars and histograms, a JSONL file, GPU use, and the per-task reward plot.
 
 Everything lands under the run's ``output_dir``: ``tensorboard/`` (event files),
 ``metrics.jsonl`` (one JSON object per step) and ``reward_by_task.png``.
@@ -35,6 +35,13 @@ class MetricsLogger:
             for k, v in metrics.items():
                 self._tb.add_scalar(f"{phase}/{k}", float(v), step)
             self._tb.flush()
+
+    def histogram(self, step: int, name: str, values: list[float], phase: str = "rl") -> None:
+        """A TensorBoard histogram (e.g. the staleness of the step's samples); not written to the JSONL."""
+        if self._tb is not None and values:
+            import numpy as np
+
+            self._tb.add_histogram(f"{phase}/{name}", np.asarray(values, dtype=np.float64), step)
 
     def close(self) -> None:
         """Flush and close the files."""
@@ -73,3 +80,31 @@ def plot_task_rewards(jsonl_path: str | Path, png_path: str | Path, prefix: str 
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
     return png_path
+
+
+_NVML: object | None = None
+
+
+def gpu_stats() -> dict[str, float]:
+    """GPU use through ``nvidia-ml-py`` (``pynvml``): ``gpu/util`` (mean utilisation %, over the
+    visible GPUs) and ``gpu/mem_gb`` (memory used, GB, summed); ``{}`` without the package or a GPU."""
+    global _NVML
+    try:
+        import pynvml  # type: ignore[import-not-found]
+    except Exception:  # noqa: BLE001 - optional
+        return {}
+    try:
+        if _NVML is None:
+            pynvml.nvmlInit()
+            _NVML = pynvml
+        n = pynvml.nvmlDeviceGetCount()
+        if n == 0:
+            return {}
+        util, mem = 0.0, 0.0
+        for i in range(n):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            util += float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+            mem += float(pynvml.nvmlDeviceGetMemoryInfo(h).used) / 1e9
+        return {"gpu/util": util / n, "gpu/mem_gb": mem}
+    except Exception:  # noqa: BLE001 - no driver / no device
+        return {}

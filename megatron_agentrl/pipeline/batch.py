@@ -1,16 +1,21 @@
-"""From trajectories (or demonstrations) to the actor's TrainBatch: padding, GRPO advantages,
-per-task normalization."""
+"""From trajectories (or demonstrations) to the actor's TrainBatch: reward shaping, padding, GRPO
+advantages, per-task normalization."""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 from megatron_agentrl.algo.advantages import grpo_group_advantages, normalize_per_task
-from megatron_agentrl.config import AlgoConfig
+from megatron_agentrl.config import AlgoConfig, TaskSpec
 from megatron_agentrl.megatron.actor import TrainBatch
 from rollout_sglang.trajectory import Trajectory
+
+# Statuses that mean "ran out of turns, context or time" (the timeout penalty applies).
+TIMEOUT_STATUSES = ("task limit reached", "agent context limit")
 
 
 def pad_right(rows: Sequence[Sequence[float]], dtype: torch.dtype, pad: float = 0) -> torch.Tensor:
@@ -23,26 +28,92 @@ def pad_right(rows: Sequence[Sequence[float]], dtype: torch.dtype, pad: float = 
     return out
 
 
-def build_rl_batch(trajs: Sequence[Trajectory], task_names: Sequence[str], algo: AlgoConfig) -> tuple[TrainBatch, torch.Tensor]:
-    """The GRPO training batch of one step.
+def is_success(traj: Trajectory) -> bool:
+    """The task's ``success`` metric when it reports one, else ``reward >= 1``."""
+    return bool(traj.metrics.get("success", traj.reward >= 1.0))
 
-    Sample advantages are group-relative (``grpo_group_advantages`` over ``group_id``), spread
-    over each sample's generated tokens, then normalized per task over the batch when
-    ``algo.normalize_per_task``. ``task_names`` fixes the task-id order. Returns the batch and
-    the per-sample advantages ``[B]`` (for logging).
+
+def is_timeout(traj: Trajectory) -> bool:
+    """Whether the episode ran out of turns or context, or an env call timed out."""
+    return traj.status in TIMEOUT_STATUSES or (traj.status == "task error" and "timed out" in traj.error)
+
+
+def shape_reward(traj: Trajectory, spec: TaskSpec | None) -> float:
+    """The reward the trainer uses for ``traj`` under its task's settings.
+
+    ``spec.binary_reward``: 1.0 on success, else 0.0; then ``spec.timeout_penalty`` is
+    subtracted when :func:`is_timeout`. Without a spec, the env's reward unchanged.
+    """
+    if spec is None:
+        return float(traj.reward)
+    r = (1.0 if is_success(traj) else 0.0) if spec.binary_reward else float(traj.reward)
+    if spec.timeout_penalty and is_timeout(traj):
+        r -= float(spec.timeout_penalty)
+    return r
+
+
+@dataclass
+class RLBatch:
+    """A step's batch before per-task normalization (built on the rollout rank, sent to all).
+
+    batch: the TrainBatch with *raw* token advantages (group advantage on every policy token).
+    task_ids: ``[B]`` long, index into the run's task list.
+    sample_adv: ``[B]`` group-relative sample advantages (for logging).
+    rewards: ``[B]`` shaped rewards.
+    """
+
+    batch: TrainBatch
+    task_ids: torch.Tensor
+    sample_adv: torch.Tensor
+    rewards: torch.Tensor
+
+
+def build_rl_batch_raw(trajs: Sequence[Trajectory], task_names: Sequence[str], algo: AlgoConfig,
+                       specs: dict[str, TaskSpec] | None = None) -> RLBatch:
+    """Pad ``trajs`` and give every policy token its sample's GRPO group advantage.
+
+    Rewards are shaped per task (:func:`shape_reward` with ``specs[task]``); sample advantages
+    are group-relative (``grpo_group_advantages`` over ``group_id``). Per-task normalization is
+    left to :func:`normalize_batch` (run after the data-parallel split, globally over DP).
+    ``task_names`` fixes the task-id order.
     """
     task_id = {name: i for i, name in enumerate(task_names)}
-    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    unknown = sorted({t.task for t in trajs} - set(task_id))
+    if unknown:
+        raise ValueError(f"trajectories of tasks {unknown} that are not in the run's task list {list(task_names)}")
+    rewards = torch.tensor([shape_reward(t, (specs or {}).get(t.task)) for t in trajs], dtype=torch.float32)
     groups = torch.tensor([t.group_id for t in trajs], dtype=torch.long)
     sample_adv = grpo_group_advantages(rewards, groups, std_norm=algo.group_std_norm, eps=algo.eps)
     tokens = pad_right([t.token_ids for t in trajs], torch.long)
     mask = pad_right([t.loss_mask for t in trajs], torch.float32)
     behavior = pad_right([t.behavior_logprobs for t in trajs], torch.float32)
     adv = sample_adv[:, None] * mask
-    if algo.normalize_per_task:
-        tids = torch.tensor([task_id[t.task] for t in trajs], dtype=torch.long)
-        adv = normalize_per_task(adv, mask, tids, eps=algo.eps, num_tasks=len(task_names))
-    return TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior, advantages=adv), sample_adv
+    tids = torch.tensor([task_id[t.task] for t in trajs], dtype=torch.long)
+    return RLBatch(TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior, advantages=adv),
+                   tids, sample_adv, rewards)
+
+
+def normalize_batch(batch: TrainBatch, task_ids: torch.Tensor, algo: AlgoConfig, num_tasks: int,
+                    process_group: dist.ProcessGroup | None = None) -> TrainBatch:
+    """Per-task normalization of ``batch.advantages`` (``algo.normalize_per_task``), global over
+    ``process_group`` (the data-parallel group: every DP rank passes its own slice)."""
+    if not algo.normalize_per_task:
+        return batch
+    adv = normalize_per_task(batch.advantages, batch.loss_mask, task_ids, eps=algo.eps,
+                             process_group=process_group, num_tasks=num_tasks)
+    return TrainBatch(tokens=batch.tokens, loss_mask=batch.loss_mask, behavior_logprobs=batch.behavior_logprobs,
+                      advantages=adv, ref_logprobs=batch.ref_logprobs)
+
+
+def build_rl_batch(trajs: Sequence[Trajectory], task_names: Sequence[str], algo: AlgoConfig,
+                   specs: dict[str, TaskSpec] | None = None) -> tuple[TrainBatch, torch.Tensor]:
+    """The GRPO training batch of one step, normalized over the whole batch in this process.
+
+    Returns the batch and the per-sample advantages ``[B]`` (for logging). The training loop
+    uses :func:`build_rl_batch_raw` + :func:`normalize_batch` (normalization after the DP split).
+    """
+    rl = build_rl_batch_raw(trajs, task_names, algo, specs)
+    return normalize_batch(rl.batch, rl.task_ids, algo, len(task_names)), rl.sample_adv
 
 
 def build_sft_batch(examples: Sequence[tuple[list[int], list[int]]]) -> TrainBatch:
@@ -54,10 +125,10 @@ def build_sft_batch(examples: Sequence[tuple[list[int], list[int]]]) -> TrainBat
 
 
 def per_task_means(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """``reward/<task>`` and ``success/<task>`` means over ``trajs``."""
+    """``reward/<task>`` and ``success/<task>`` means over ``trajs`` (the env's own reward)."""
     acc: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for t in trajs:
-        acc[t.task].append((t.reward, float(t.metrics.get("success", t.reward >= 1.0))))
+        acc[t.task].append((t.reward, float(is_success(t))))
     out = {}
     for task, vals in sorted(acc.items()):
         out[f"reward/{task}"] = sum(v[0] for v in vals) / len(vals)

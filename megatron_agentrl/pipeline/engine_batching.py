@@ -1,0 +1,214 @@
+"""An Engine wrapper that merges concurrent ``generate`` calls into batched calls.
+
+With many trajectory groups in flight (the asynchronous pipeline), each group's turn is a
+small ``generate`` call. Engines that run one call at a time (the local PyTorch engine) would
+then decode 4 rows where they could decode 64. :class:`BatchingEngine` queues the calls that
+arrive while the engine is busy and sends them as one call when it is free (no timer: an idle
+engine takes a lone call at once), splitting the outputs back.
+
+Merging: calls are merged when their temperature, top-p, top-k and stop tokens agree; the
+merged call uses the largest ``max_new_tokens`` and each call's rows are cut back to its own
+cap (exactly what a capped call samples, since rows sample independently). A merged call of
+several callers is unseeded (the engine's own generator); a lone call keeps its seed, so a
+synchronous rollout (one call per turn) stays reproducible.
+
+It also gives the weight sync a safe pause: :meth:`pause` holds new engine calls and
+:meth:`wait_idle` blocks until the running one finished, so no generation ever sees half-loaded
+weights; in-flight trajectories then continue on the new weights (partial rollout).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from rollout_sglang.engine import GenerationOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Call:
+    prompts: list[list[int]]
+    params: SamplingParams
+    future: asyncio.Future
+
+
+def _merge_key(p: SamplingParams) -> tuple:
+    return (p.temperature, p.top_p, p.top_k, tuple(p.stop_token_ids))
+
+
+class BatchingEngine:
+    """Wraps an engine (the Engine protocol); merges concurrent generate calls (see module doc).
+
+    engine: the wrapped engine. max_batch_rows: most rows in one merged call.
+    resume_timeout_s: how long a held call waits for :meth:`resume` before failing.
+    Counters: ``busy_s`` (seconds the wrapped engine spent generating), ``calls`` and
+    ``rows`` (engine calls issued, rows generated), ``merged_calls`` (caller calls served).
+    """
+
+    def __init__(self, engine: Any, max_batch_rows: int = 512, resume_timeout_s: float = 600.0) -> None:
+        if max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows={max_batch_rows} must be >= 1")
+        self.engine = engine
+        self.max_batch_rows = int(max_batch_rows)
+        self.resume_timeout_s = float(resume_timeout_s)
+        self.busy_s = 0.0
+        self.calls = 0
+        self.rows = 0
+        self.merged_calls = 0
+        self._pending: list[_Call] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._worker: asyncio.Task | None = None
+        self._resumed = threading.Event()
+        self._resumed.set()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._busy_since: float | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ protocol
+    @property
+    def version(self) -> int:
+        """The wrapped engine's weight version."""
+        return int(self.engine.version)
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        """Queue the call; it runs alone or merged with others (outputs in prompt order)."""
+        if not prompts:
+            return []
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # a new event loop (e.g. an evaluation after the rollout loop ended)
+            self._loop, self._worker, self._pending = loop, None, []
+        fut: asyncio.Future = loop.create_future()
+        self._pending.append(_Call([list(p) for p in prompts], params, fut))
+        if self._worker is None or self._worker.done():
+            self._worker = loop.create_task(self._work())
+        return await fut
+
+    async def _wait_resumed(self) -> None:
+        deadline = time.monotonic() + self.resume_timeout_s
+        while not self._resumed.is_set():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine stayed paused for more than {self.resume_timeout_s:.0f}s; "
+                                   "a weight update did not finish (see the trainer's log)")
+            await asyncio.sleep(0.005)
+
+    async def _work(self) -> None:
+        while self._pending:
+            key = _merge_key(self._pending[0].params)
+            take: list[_Call] = []
+            rest: list[_Call] = []
+            rows = 0
+            for c in self._pending:
+                if c.future.done():  # the caller was cancelled
+                    continue
+                if _merge_key(c.params) == key and (not take or rows + len(c.prompts) <= self.max_batch_rows):
+                    take.append(c)
+                    rows += len(c.prompts)
+                else:
+                    rest.append(c)
+            self._pending = rest
+            if not take:
+                continue
+            # wait for resume, then mark busy atomically with the check (see pause / wait_idle)
+            while True:
+                try:
+                    await self._wait_resumed()
+                except TimeoutError as e:
+                    for c in take + self._pending:
+                        if not c.future.done():
+                            c.future.set_exception(e)
+                    self._pending = []
+                    return
+                with self._lock:
+                    if self._resumed.is_set():
+                        self._idle.clear()
+                        self._busy_since = time.perf_counter()
+                        break
+            await self._run(take)
+
+    async def _run(self, take: list[_Call]) -> None:
+        """One engine call for ``take`` (the worker marked the engine busy already)."""
+        prompts = [p for c in take for p in c.prompts]
+        if len(take) == 1:
+            params = take[0].params
+        else:
+            params = dataclasses.replace(take[0].params, max_new_tokens=max(c.params.max_new_tokens for c in take),
+                                         seed=None)
+        try:
+            outs = await self.engine.generate(prompts, params)
+        except BaseException as e:  # noqa: BLE001 - handed to every caller of the merged call
+            for c in take:
+                if not c.future.done():
+                    c.future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+            if not isinstance(e, Exception):
+                raise
+            return
+        finally:
+            with self._lock:
+                self.busy_s += time.perf_counter() - (self._busy_since or time.perf_counter())
+                self._busy_since = None
+                self._idle.set()
+        self.calls += 1
+        self.rows += len(prompts)
+        self.merged_calls += len(take)
+        i = 0
+        for c in take:
+            mine = outs[i: i + len(c.prompts)]
+            i += len(c.prompts)
+            cap = c.params.max_new_tokens
+            cut = [o if len(o.token_ids) <= cap else GenerationOutput(o.token_ids[:cap], o.logprobs[:cap], "length", o.version)
+                   for o in mine]
+            if not c.future.done():
+                c.future.set_result(cut)
+
+    def busy_seconds(self) -> float:
+        """``busy_s`` including the call running now (thread-safe)."""
+        with self._lock:
+            extra = time.perf_counter() - self._busy_since if self._busy_since is not None else 0.0
+            return self.busy_s + extra
+
+    # ------------------------------------------------------------ pause / weights
+    def pause(self) -> None:
+        """Hold new engine calls (the running one finishes; see :meth:`wait_idle`); pauses the engine too."""
+        with self._lock:
+            self._resumed.clear()
+        self.engine.pause()
+
+    def wait_idle(self, timeout_s: float) -> None:
+        """Block until no engine call is running (after :meth:`pause`); TimeoutError after ``timeout_s``."""
+        if not self._idle.wait(timeout_s):
+            raise TimeoutError(f"the engine did not finish its running generate call within {timeout_s:.0f}s")
+
+    def resume(self) -> None:
+        """Release held calls."""
+        self.engine.resume()
+        self._resumed.set()
+
+    def begin_weight_update(self, version: int, metadata: dict | None = None) -> None:
+        """Delegated to the wrapped engine."""
+        self.engine.begin_weight_update(version, metadata or {})
+
+    def receive_bucket(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Delegated to the wrapped engine."""
+        self.engine.receive_bucket(named_tensors)
+
+    def end_weight_update(self) -> None:
+        """Delegated to the wrapped engine."""
+        self.engine.end_weight_update()
+
+    def health(self) -> dict:
+        """The wrapped engine's health plus this wrapper's counters."""
+        h = dict(self.engine.health())
+        h.update({"batching_calls": self.calls, "batching_rows": self.rows, "paused_wrapper": not self._resumed.is_set()})
+        return h
+
+    def __repr__(self) -> str:
+        return f"BatchingEngine({self.engine!r})"

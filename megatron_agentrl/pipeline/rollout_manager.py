@@ -1,0 +1,493 @@
+"""The rollout side of both pipelines: trajectory groups in flight, a bounded queue, a staleness cap.
+
+:class:`RolloutManager` runs on the rollout rank in a thread of its own with its own asyncio
+event loop. It starts GRPO groups (``samples_per_prompt`` episodes of one task sample, drawn by
+a :class:`PromptSampler`) through the agent loop (``run_group_lockstep``) against an engine or a
+version pool and an env client, and puts each finished group on a queue. The trainer (another
+thread) takes a batch of ``batch_groups`` groups with :meth:`RolloutManager.get_batch` and, after
+each optimizer step and weight push, calls :meth:`RolloutManager.set_version`.
+
+Admission (AgentRL / AReaL): with trainer weight version ``v`` (steps done), staleness ``eta``
+and ``B = batch_groups``, a new group starts only while
+``(v + eta + 1) * B > accepted + running``, where ``accepted`` counts groups trained or waiting
+in the queue. ``eta = 0`` is the synchronous schedule (a step's groups start after the previous
+step's weights arrived; the trainer waits for all of them). ``queue_size`` bounds
+``waiting + running`` as well.
+
+Staleness guarantee: the batch for the step that trains version ``v`` takes the queued groups
+with the oldest weight version first, and a group whose oldest token was sampled by a version
+older than ``v - eta`` is never trained (it is dropped and counted in ``dropped_stale``; the
+admission rule keeps that rare). So no trained token is more than ``eta`` versions old.
+
+Partial rollout: a weight update pauses generation between turns (see
+:class:`~megatron_agentrl.pipeline.engine_batching.BatchingEngine`); in-flight episodes are kept
+and continue on the new weights, their turns recording the version that sampled them.
+
+Checkpoints: :meth:`drain` stops admission once the next batch is covered and waits until
+nothing runs, so :meth:`state_dict` (sampler state, queued groups with their trajectories,
+counters) holds the complete next batch; a run restored from it trains the same next batch.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_sglang.agent_loop import run_group_lockstep
+from rollout_sglang.engine import SamplingParams
+from rollout_sglang.trajectory import Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GroupRequest:
+    """One GRPO group to sample: ``size`` episodes of ``task`` sample ``index``; ``group_id`` is unique per run."""
+
+    group_id: int
+    task: str
+    index: int
+    size: int
+
+    def sample_ids(self) -> list[int]:
+        """Run-unique ids of the group's samples: ``group_id * size + j``."""
+        return [self.group_id * self.size + j for j in range(self.size)]
+
+
+class PromptSampler:
+    """A reproducible stream of :class:`GroupRequest` s: task by weight, index uniformly from its training indices.
+
+    tasks: task names; weights: their sampling weights; train_indices: task -> indices;
+    group_size: samples per group; seed: the stream's seed. The stream depends only on the seed
+    and how many groups were drawn, so :meth:`state_dict` / :meth:`load_state_dict` resume it.
+    """
+
+    def __init__(self, tasks: list[str], weights: list[float], train_indices: dict[str, list[int]],
+                 group_size: int, seed: int) -> None:
+        if len(tasks) != len(weights) or not tasks:
+            raise ValueError("PromptSampler needs one weight per task and at least one task")
+        missing = [t for t in tasks if not train_indices.get(t)]
+        if missing:
+            raise ValueError(f"tasks {missing} have no training indices")
+        self.tasks = list(tasks)
+        self.weights = list(weights)
+        self.train_indices = {t: list(v) for t, v in train_indices.items()}
+        self.group_size = int(group_size)
+        self._rng = random.Random(seed)
+        self.next_group_id = 0
+
+    def next(self) -> GroupRequest:
+        """The next group of the stream."""
+        task = self._rng.choices(self.tasks, weights=self.weights)[0]
+        index = self._rng.choice(self.train_indices[task])
+        req = GroupRequest(self.next_group_id, task, index, self.group_size)
+        self.next_group_id += 1
+        return req
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"rng": random state, "next_group_id": int}``."""
+        return {"rng": self._rng.getstate(), "next_group_id": self.next_group_id}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the stream from :meth:`state_dict`."""
+        self._rng.setstate(state["rng"])
+        self.next_group_id = int(state["next_group_id"])
+
+
+@dataclass
+class FinishedGroup:
+    """A sampled group: its request, trajectories (``request.size``), the trainer version when it
+    started, its acceptance order ``seq``, and wall times (``time.monotonic``)."""
+
+    request: GroupRequest
+    trajectories: list[Trajectory]
+    start_version: int
+    seq: int
+    t_start: float = 0.0
+    t_end: float = 0.0
+
+    @property
+    def min_version(self) -> int:
+        """The oldest weight version of any generated turn (``start_version`` when none was generated)."""
+        vs = [v for t in self.trajectories for v in t.versions]
+        return min(vs) if vs else self.start_version
+
+    @property
+    def max_version(self) -> int:
+        """The newest weight version of any generated turn (``start_version`` when none)."""
+        vs = [v for t in self.trajectories for v in t.versions]
+        return max(vs) if vs else self.start_version
+
+
+@dataclass
+class ManagerStats:
+    """Counters of a :class:`RolloutManager` (cumulative since it started)."""
+
+    started: int = 0
+    accepted: int = 0
+    consumed: int = 0
+    dropped_stale: int = 0
+    failed: int = 0
+    retried: int = 0
+    wait_s: float = 0.0
+    group_times: list[float] = field(default_factory=list)
+
+
+class RolloutError(RuntimeError):
+    """The rollout side failed (its thread died, or groups keep failing); the message says why."""
+
+
+class RolloutManager:
+    """Trajectory groups in flight, a bounded queue and the staleness cap (see the module doc).
+
+    engine: an Engine or a VersionPool (``run_group_lockstep`` accepts both).
+    env: an EnvClient. template: the ChatTemplate.
+    sampler: the :class:`PromptSampler`.
+    batch_groups: groups per training step (B). staleness: eta (0 = synchronous).
+    queue_size: most groups waiting + running (0 = (eta + 1) * B).
+    cohort_groups: groups run in lockstep by one agent-loop call (1 = each group on its own).
+    sampling: ``seed -> SamplingParams`` of a cohort. max_turns, max_total_tokens, env_timeout_s:
+    passed to the agent loop. version: the trainer version at start. seed: base of the cohorts'
+    sampling seeds. max_attempts: tries of a group whose agent-loop call raised.
+    on_group: optional callback (FinishedGroup) on the rollout thread, e.g. reward shaping.
+    total_groups: stop admitting once ``consumed + waiting + running`` reaches it (the groups the
+    run will train; None = no limit).
+    """
+
+    def __init__(self, engine: Any, env: Any, template: Any, sampler: PromptSampler, *, batch_groups: int,
+                 staleness: int, queue_size: int = 0, cohort_groups: int = 1,
+                 sampling: Callable[[int], SamplingParams], max_turns: int, max_total_tokens: int,
+                 env_timeout_s: float = 120.0, version: int = 0, seed: int = 0, max_attempts: int = 3,
+                 on_group: Callable[[FinishedGroup], None] | None = None, total_groups: int | None = None) -> None:
+        if batch_groups < 1 or staleness < 0 or cohort_groups < 1:
+            raise ValueError(f"batch_groups={batch_groups} and cohort_groups={cohort_groups} must be >= 1, "
+                             f"staleness={staleness} >= 0")
+        self.engine = engine
+        self.env = env
+        self.template = template
+        self.sampler = sampler
+        self.B = int(batch_groups)
+        self.eta = int(staleness)
+        self.queue_size = int(queue_size) if queue_size > 0 else (self.eta + 1) * self.B
+        if self.queue_size < self.B:
+            raise ValueError(f"queue_size={self.queue_size} must hold at least one batch ({self.B} groups)")
+        self.cohort_groups = int(cohort_groups)
+        self.sampling = sampling
+        self.max_turns = int(max_turns)
+        self.max_total_tokens = int(max_total_tokens)
+        self.env_timeout_s = float(env_timeout_s)
+        self.seed = int(seed)
+        self.max_attempts = int(max_attempts)
+        self.on_group = on_group
+        self.total_groups = total_groups
+        self.stats = ManagerStats()
+
+        self._cond = threading.Condition()
+        self._version = int(version)
+        self._queue: list[FinishedGroup] = []
+        self._running = 0
+        self._seq = 0
+        self._retry: list[tuple[GroupRequest, int]] = []  # (request, attempts so far), started first
+        self._running_reqs: dict[int, GroupRequest] = {}
+        self._draining = False
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def version(self) -> int:
+        """The trainer's weight version the manager admits against."""
+        with self._cond:
+            return self._version
+
+    def depth(self) -> tuple[int, int]:
+        """``(groups waiting in the queue, groups running)``."""
+        with self._cond:
+            return len(self._queue), self._running
+
+    def _capacity_locked(self) -> int:
+        accepted = self.stats.consumed + len(self._queue)
+        cap = (self._version + self.eta + 1) * self.B - (accepted + self._running)
+        cap = min(cap, self.queue_size - (len(self._queue) + self._running))
+        if self._draining:
+            cap = min(cap, self.B - (len(self._queue) + self._running))
+        if self.total_groups is not None:
+            cap = min(cap, self.total_groups - (accepted + self._running))
+        return cap
+
+    def _exhausted_locked(self) -> bool:
+        """No more groups will be admitted (``total_groups`` reached)."""
+        return self.total_groups is not None and \
+            self.stats.consumed + len(self._queue) + self._running >= self.total_groups
+
+    # ------------------------------------------------------------------ thread
+    def start(self) -> None:
+        """Start the rollout thread (idempotent)."""
+        if self._thread is not None:
+            return
+        ready = threading.Event()
+
+        def main() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            self._wake = asyncio.Event()
+            ready.set()
+            try:
+                loop.run_until_complete(self._main())
+            except BaseException as e:  # noqa: BLE001 - reported to the trainer
+                logger.exception("rollout thread failed")
+                with self._cond:
+                    self._error = e
+                    self._cond.notify_all()
+            finally:
+                try:
+                    loop.run_until_complete(loop.shutdown_asyncgens())
+                finally:
+                    loop.close()
+
+        self._thread = threading.Thread(target=main, name="rollout-manager", daemon=True)
+        self._thread.start()
+        if not ready.wait(30):
+            raise RolloutError("the rollout thread did not start within 30 s")
+
+    def _poke(self) -> None:
+        """Wake the admission loop (from any thread)."""
+        loop, wake = self._loop, self._wake
+        if loop is None or wake is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(wake.set)
+        except RuntimeError:  # loop closed meanwhile
+            pass
+
+    async def _main(self) -> None:
+        assert self._wake is not None
+        while True:
+            with self._cond:
+                if self._stopping:
+                    break
+                cap = self._capacity_locked()
+                cohort: list[tuple[GroupRequest, int]] = []
+                while cap > 0 and len(cohort) < self.cohort_groups:
+                    cohort.append(self._retry.pop(0) if self._retry else (self.sampler.next(), 0))
+                    cap -= 1
+                if cohort:
+                    self._running += len(cohort)
+                    self.stats.started += len(cohort)
+                    for req, _ in cohort:
+                        self._running_reqs[req.group_id] = req
+                    start_version = self._version
+            if cohort:
+                task = asyncio.get_running_loop().create_task(self._run_cohort(cohort, start_version))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                await asyncio.sleep(0)
+                continue
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in others:  # e.g. engine wrappers' workers
+            t.cancel()
+        if others:
+            await asyncio.gather(*others, return_exceptions=True)
+        aclose = getattr(self.env, "aclose", None)
+        if callable(aclose):
+            try:
+                await asyncio.wait_for(aclose(), self.env_timeout_s)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("closing env sessions at rollout stop: %r", e)
+
+    async def _run_cohort(self, cohort: list[tuple[GroupRequest, int]], start_version: int) -> None:
+        reqs = [(r.task, r.index, r.group_id) for r, _ in cohort for _ in range(r.size)]
+        first = cohort[0][0].group_id
+        seed = (self.seed * 1_000_003 + first * 104_729 + cohort[0][1] * 7) % (2 ** 31)
+        t0 = time.monotonic()
+        try:
+            trajs = await run_group_lockstep(
+                self.engine, self.env, self.template, reqs, self.sampling(seed),
+                max_turns=self.max_turns, max_total_tokens=self.max_total_tokens, env_timeout_s=self.env_timeout_s,
+            )
+        except asyncio.CancelledError:
+            with self._cond:
+                self._running -= len(cohort)
+                for r, _ in cohort:
+                    self._running_reqs.pop(r.group_id, None)
+                self._cond.notify_all()
+            raise
+        except Exception as e:  # noqa: BLE001 - retried, then counted as failed
+            logger.error("rollout of groups %s failed: %r", [r.group_id for r, _ in cohort], e)
+            with self._cond:
+                self._running -= len(cohort)
+                for r, attempts in cohort:
+                    self._running_reqs.pop(r.group_id, None)
+                    if attempts + 1 < self.max_attempts:
+                        self._retry.append((r, attempts + 1))
+                        self.stats.retried += 1
+                    else:
+                        self.stats.failed += 1
+                        self._error = RolloutError(f"group {r.group_id} ({r.task} #{r.index}) failed "
+                                                   f"{self.max_attempts} times; last error: {e!r}")
+                self._cond.notify_all()
+            self._poke()
+            return
+        t1 = time.monotonic()
+        groups: list[FinishedGroup] = []
+        i = 0
+        for r, _ in cohort:
+            g = FinishedGroup(r, trajs[i: i + r.size], start_version, -1, t0, t1)
+            i += r.size
+            if self.on_group is not None:
+                self.on_group(g)
+            groups.append(g)
+        with self._cond:
+            self._running -= len(cohort)
+            for g in groups:
+                self._running_reqs.pop(g.request.group_id, None)
+                g.seq = self._seq
+                self._seq += 1
+                self._queue.append(g)
+                self.stats.accepted += 1
+                self.stats.group_times.append(t1 - t0)
+            self._cond.notify_all()
+        self._poke()
+
+    # ------------------------------------------------------------------ trainer side
+    def set_version(self, version: int) -> None:
+        """The trainer finished a step and pushed weights ``version``: admit against it."""
+        with self._cond:
+            self._version = int(version)
+            self._cond.notify_all()
+        self._poke()
+
+    def _drop_stale_locked(self) -> int:
+        floor = self._version - self.eta
+        keep = [g for g in self._queue if g.min_version >= floor]
+        dropped = len(self._queue) - len(keep)
+        if dropped:
+            logger.warning("dropped %d finished group(s) older than %d versions (trainer at version %d)",
+                           dropped, self.eta, self._version)
+            self.stats.dropped_stale += dropped
+            self._queue = keep
+        return dropped
+
+    def _check_error_locked(self) -> None:
+        if self._error is not None:
+            raise RolloutError(f"rollout failed: {self._error!r}") from self._error
+        if self._thread is not None and not self._thread.is_alive() and not self._stopping:
+            raise RolloutError("the rollout thread ended unexpectedly (see the log above)")
+
+    def get_batch(self, timeout_s: float) -> list[FinishedGroup]:
+        """Block until ``batch_groups`` trainable groups are queued; take them (oldest version first).
+
+        Groups too stale for the current version are dropped first. Raises TimeoutError after
+        ``timeout_s`` seconds, RolloutError when the rollout side failed.
+        """
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        with self._cond:
+            while True:
+                self._check_error_locked()
+                if self._drop_stale_locked():
+                    self._poke()
+                if len(self._queue) >= self.B:
+                    self._queue.sort(key=lambda g: (g.min_version, g.seq))
+                    batch, self._queue = self._queue[: self.B], self._queue[self.B:]
+                    self.stats.consumed += self.B
+                    self.stats.wait_s += time.monotonic() - t0
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"no batch of {self.B} groups within {timeout_s:.0f}s (queued {len(self._queue)}, running "
+                        f"{self._running}, version {self._version}); raise pipeline.batch_timeout_s or check the "
+                        "environments and engines")
+                self._cond.wait(min(left, 1.0))
+        self._poke()
+        return batch
+
+    def drain(self, timeout_s: float) -> None:
+        """Stop admitting once the next batch is covered and wait until no group runs.
+
+        Afterwards the queue holds at least ``batch_groups`` groups (the next batch; fewer only when
+        ``total_groups`` is reached) and nothing is in flight, so :meth:`state_dict` is complete.
+        Admission resumes with :meth:`release`.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._draining = True
+        self._poke()
+        with self._cond:
+            while True:
+                self._check_error_locked()
+                self._drop_stale_locked()
+                if self._running == 0 and (len(self._queue) >= self.B or self._exhausted_locked()):
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the rollout did not drain within {timeout_s:.0f}s (queued {len(self._queue)}, "
+                                       f"running {self._running}); raise pipeline.batch_timeout_s")
+                self._cond.wait(min(left, 0.5))
+                self._poke()
+
+    def release(self) -> None:
+        """End a :meth:`drain`: admission continues."""
+        with self._cond:
+            self._draining = False
+        self._poke()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sampler state, queued groups (with trajectories), requests to restart, counters, version.
+
+        Call after :meth:`drain` (nothing running) for an exact resume; otherwise running groups
+        are recorded as requests and restarted (re-sampled) after a resume.
+        """
+        with self._cond:
+            restart = [(r, a) for r, a in self._retry] + [(r, 0) for r in self._running_reqs.values()]
+            return {
+                "sampler": self.sampler.state_dict(),
+                "queue": copy.deepcopy(self._queue),
+                "restart": copy.deepcopy(restart),
+                "consumed": self.stats.consumed,
+                "seq": self._seq,
+                "version": self._version,
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (before :meth:`start`); ``total_groups`` stays as constructed."""
+        if self._thread is not None:
+            raise RuntimeError("load_state_dict() must come before start()")
+        self.sampler.load_state_dict(state["sampler"])
+        self._queue = list(state["queue"])
+        self._retry = [(r, int(a)) for r, a in state["restart"]]
+        self.stats.consumed = int(state["consumed"])
+        self._seq = int(state["seq"])
+        self._version = int(state["version"])
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Cancel running groups (their env sessions are cancelled) and end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._poke()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.error("the rollout thread did not stop within %.0fs; leaving it (daemon)", timeout_s)

@@ -1,0 +1,65 @@
+"""Config errors of the pipeline, loss and checkpoint fields name the key, the value and the fix."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_agentrl.config import ConfigError, load_config
+
+BASE = "examples/configs/tiny_cpu.yaml"
+
+
+@pytest.mark.parametrize("override, match", [
+    ("pipeline.mode=fast", r"pipeline.mode='fast' is not one of sync, async"),
+    ("pipeline.staleness=-1", r"pipeline.staleness=-1 must be >= 0"),
+    ("pipeline.queue_size=3", r"pipeline.queue_size=3 cannot hold one step's rollout.prompts_per_step=12"),
+    ("pipeline.cohort_groups=13", r"pipeline.cohort_groups=13 exceeds rollout.prompts_per_step=12"),
+    ("pipeline.batch_timeout_s=0", r"pipeline.batch_timeout_s=0.0 must be > 0 seconds"),
+    ("pipeline.sim_env_latency_alpha=0", r"sim_env_latency_alpha=0.0 must be > 0"),
+    ("train.tis_cap=0.5", r"train.tis_cap=0.5 must be 0 \(off\) or >= 1"),
+    ("train.kl_coef=-1", r"train.kl_coef=-1.0 must be >= 0"),
+    ("train.micro_batch_tokens=100", r"train.micro_batch_tokens=100 is smaller than one episode"),
+    ("checkpoint.interval=-2", r"checkpoint.interval=-2 must be >= 0"),
+    ("checkpoint.resume=/nonexistent/step_000002", r"checkpoint.resume='/nonexistent/step_000002' is not a directory"),
+])
+def test_pipeline_config_errors(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(BASE, [override])
+
+
+def test_cross_policy_needs_staleness():
+    with pytest.raises(ConfigError, match=r"rollout.max_versions=3 keeps weights up to 2 versions old.*staleness >= 2"):
+        load_config(BASE, ["rollout.max_versions=3", "rollout.cross_policy=uniform", "pipeline.mode=async",
+                           "pipeline.staleness=1"])
+    cfg = load_config(BASE, ["rollout.max_versions=3", "rollout.cross_policy=uniform", "pipeline.mode=async",
+                             "pipeline.staleness=2"])
+    assert cfg.pipeline.staleness == 2
+
+
+def test_task_reward_options_and_unknown_key():
+    cfg = load_config(BASE, ["tasks=[{name: lookup, binary_reward: true, timeout_penalty: 0.5}]"])
+    assert cfg.tasks[0].binary_reward and cfg.tasks[0].timeout_penalty == 0.5
+    with pytest.raises(ConfigError, match="timeout_penalty=-0.5 must be >= 0"):
+        load_config(BASE, ["tasks=[{name: lookup, timeout_penalty: -0.5}]"])
+    with pytest.raises(ConfigError, match="unknown config key 'pipeline.stalenes'; did you mean 'pipeline.staleness'"):
+        load_config(BASE, ["pipeline.stalenes=2"])
+
+
+def test_reward_shaping():
+    from megatron_agentrl.config import TaskSpec
+    from megatron_agentrl.pipeline.batch import shape_reward
+    from rollout_sglang.trajectory import Trajectory
+
+    def traj(reward, status, success=None, error=""):
+        t = Trajectory([], [], [], [], [], "t", 0, 0, reward=reward, status=status, error=error)
+        if success is not None:
+            t.metrics["success"] = success
+        return t
+
+    binary = TaskSpec(name="t", binary_reward=True, timeout_penalty=0.25)
+    assert shape_reward(traj(0.7, "completed", success=1.0), binary) == 1.0
+    assert shape_reward(traj(0.7, "completed", success=0.0), binary) == 0.0
+    assert shape_reward(traj(0.0, "task limit reached"), binary) == -0.25
+    assert shape_reward(traj(0.0, "task error", error="interact timed out after 3.0s"), binary) == -0.25
+    assert shape_reward(traj(0.0, "task error", error="start_sample failed"), binary) == 0.0
+    assert shape_reward(traj(0.7, "agent context limit"), TaskSpec(name="t", timeout_penalty=0.5)) == pytest.approx(0.2)
+    assert shape_reward(traj(0.7, "completed"), None) == 0.7

@@ -85,6 +85,15 @@ def loadavg() -> float:
         return float("nan")
 
 
+def cpu_pressure() -> float:
+    """Linux PSI: % of the last 60 s in which some runnable task waited for a CPU (nan if unknown)."""
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        return float(dict(kv.split("=") for kv in line.split()[1:])["avg60"])
+    except (OSError, ValueError, KeyError, IndexError):
+        return float("nan")
+
+
 def pct(values: list[float], q: float) -> float:
     """The q-quantile (0..1) by nearest rank; nan for no values."""
     if not values:
@@ -320,7 +329,7 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         logger.info("killed worker %d (%s) at t=%.1f s", victim, worker_task[victim], kill_time[0] - t_origin)
 
     controller_pid = procs.procs[0].pid
-    cpu0, load0 = cpu_seconds(controller_pid), loadavg()
+    cpu0, load0, psi0 = cpu_seconds(controller_pid), loadavg(), cpu_pressure()
     runs = [asyncio.ensure_future(episode(i)) for i in range(args.sessions)]
     kill_task = asyncio.ensure_future(killer())
     done, pending = await asyncio.wait(runs, timeout=args.deadline_s)
@@ -330,7 +339,7 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         await asyncio.wait(pending, timeout=10)
     kill_task.cancel()
     wall = time.monotonic() - t_origin
-    controller_cpu, load1 = cpu_seconds(controller_pid) - cpu0, loadavg()
+    controller_cpu, load1, psi1 = cpu_seconds(controller_pid) - cpu0, loadavg(), cpu_pressure()
 
     # which sessions were on the killed worker: the controller's ended table is not exposed, so ask
     # the surviving workers' view instead: a failed session whose reason names the victim's address
@@ -358,7 +367,8 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     return {
         "config": {k: v for k, v in vars(args).items()},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "loadavg_1m_before": load0, "loadavg_1m_after": load1},
+                    "loadavg_1m_before": load0, "loadavg_1m_after": load1,
+                    "cpu_pressure_avg60_pct_before": psi0, "cpu_pressure_avg60_pct_after": psi1},
         "controller_cpu": {"seconds": round(controller_cpu, 2), "share_of_one_core": round(controller_cpu / wall, 3),
                            "us_per_request": round(1e6 * controller_cpu / max(1, sum(stats.status_codes.values())), 1)},
         "wall_s": round(wall, 2),
@@ -433,6 +443,8 @@ def print_table(r: dict[str, Any]) -> None:
                           f"state at end: {r['killed_worker']['state_at_end']}"),
         ("wall time, s", r["wall_s"]),
         ("machine load average (1 min) before / after", f"{r['machine']['loadavg_1m_before']} / {r['machine']['loadavg_1m_after']}"),
+        ("CPU pressure (PSI some avg60, %) before / after",
+         f"{r['machine']['cpu_pressure_avg60_pct_before']} / {r['machine']['cpu_pressure_avg60_pct_after']}"),
         ("controller CPU: share of a core, us per request", f"{r['controller_cpu']['share_of_one_core']}, {r['controller_cpu']['us_per_request']}"),
         ("interacts (rate/s)", f"{r['interacts']} ({r['interact_rate_per_s']})"),
         ("worker latency (simulated), ms", f"{c['latency_ms']} x U(0.5, 1.5)"),

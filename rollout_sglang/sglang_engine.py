@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -147,6 +148,8 @@ class SGLangEngine:
         self._pending_version: int | None = None
         self._extensions: list[str] | None = None
         self._paused = False
+        self._local = threading.local()  # one HTTP client per thread (client creation costs ~10 ms)
+        self._async_client: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
 
     # ------------------------------------------------------------------ plumbing
     def _url(self, endpoint: str) -> str:
@@ -165,12 +168,26 @@ class SGLangEngine:
             raise SGLangError(f"{endpoint} on {self.base_url} refused: {body.get('message', body)}")
         return body
 
+    def _client(self) -> httpx.Client:
+        """This thread's HTTP client (connections are kept alive between calls)."""
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = httpx.Client(headers=self.headers)
+            self._local.client = client
+        return client
+
+    def _aclient(self) -> httpx.AsyncClient:
+        """The async HTTP client of the running event loop (a new loop gets a new client)."""
+        loop = asyncio.get_running_loop()
+        if self._async_client is None or self._async_client[0] is not loop:
+            self._async_client = (loop, httpx.AsyncClient(headers=self.headers))
+        return self._async_client[1]
+
     def _call(self, method: str, endpoint: str, body: dict | None = None, timeout_s: float | None = None) -> Any:
         """One blocking HTTP call with a timeout; returns the decoded answer."""
         t = self.control_timeout_s if timeout_s is None else float(timeout_s)
         try:
-            with httpx.Client(timeout=httpx.Timeout(t), headers=self.headers) as client:
-                resp = client.request(method, self._url(endpoint), json=body)
+            resp = self._client().request(method, self._url(endpoint), json=body, timeout=httpx.Timeout(t))
         except httpx.TimeoutException as e:
             raise SGLangTimeout(
                 f"{endpoint} on {self.base_url} did not answer within {t:.1f}s; the server is stalled or "
@@ -198,8 +215,8 @@ class SGLangEngine:
         t = self.request_timeout_s
         version = self.version
         try:
-            async with httpx.AsyncClient(timeout=httpx.Timeout(t), headers=self.headers) as client:
-                resp = await asyncio.wait_for(client.post(self._url("/generate"), json=body), t + 1.0)
+            resp = await asyncio.wait_for(
+                self._aclient().post(self._url("/generate"), json=body, timeout=httpx.Timeout(t)), t + 1.0)
         except (httpx.TimeoutException, asyncio.TimeoutError) as e:
             raise SGLangTimeout(
                 f"/generate on {self.base_url} ({len(prompts)} prompts, max_new_tokens={params.max_new_tokens}) did "
@@ -259,13 +276,13 @@ class SGLangEngine:
         out = {"ok": False, "version": self.version, "paused": self._paused,
                "updating": self._pending_version is not None, "url": self.base_url, "server_weight_version": None}
         try:
-            with httpx.Client(timeout=httpx.Timeout(self.control_timeout_s), headers=self.headers) as client:
-                resp = client.get(self._url("/health"))
-                out["ok"] = resp.status_code == 200
-                if out["ok"]:
-                    info = client.get(self._url("/model_info"))
-                    if info.status_code == 200:
-                        out["server_weight_version"] = info.json().get("weight_version")
+            client, t = self._client(), httpx.Timeout(self.control_timeout_s)
+            resp = client.get(self._url("/health"), timeout=t)
+            out["ok"] = resp.status_code == 200
+            if out["ok"]:
+                info = client.get(self._url("/model_info"), timeout=t)
+                if info.status_code == 200:
+                    out["server_weight_version"] = info.json().get("weight_version")
         except httpx.HTTPError as e:
             out["error"] = repr(e)
         return out
@@ -280,9 +297,9 @@ class SGLangEngine:
                     f"became healthy; last lines of {self.log_path}:\n{_tail(self.log_path)}"
                 )
             try:
-                with httpx.Client(timeout=httpx.Timeout(max(0.5, min(5.0, deadline - time.monotonic())))) as c:
-                    if c.get(self._url("/health"), headers=self.headers).status_code == 200:
-                        return
+                t = httpx.Timeout(max(0.5, min(5.0, deadline - time.monotonic())))
+                if self._client().get(self._url("/health"), timeout=t).status_code == 200:
+                    return
             except httpx.HTTPError:
                 pass
             if time.monotonic() >= deadline:

@@ -27,7 +27,9 @@ and ``sampling_params.md``):
   (and the deprecated ``/get_model_info``), ``GET /server_info``.
 
 Known differences from SGLang (this is a stand-in, not an emulator): one rank per server (no
-tensor parallelism inside the engine); no radix cache (flush is a no-op); a pause never aborts
+tensor parallelism inside the engine); no radix cache (flush is a no-op); while paused, tensors
+sent one per broadcast are received straight into the engine's parameters (SGLang receives into
+buffers and then loads); a pause never aborts
 a generation already running (the local engine finishes it; new requests wait for
 ``/continue_generation``, as in SGLang); text prompts, streaming, stop strings, penalties and
 constrained decoding are refused with HTTP 400. Extensions, which real SGLang does not have:
@@ -124,12 +126,14 @@ class StandInServer:
         self.group_timeout_s = float(group_timeout_s)
         self.weight_version = str(engine.version)
         self.requests: list[str] = []  # endpoints served, in order (for tests)
+        self.update_log: list[str] = []  # one line per weight-update request (for tests)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
         self._stalled = threading.Event()
         self._stopping = threading.Event()
         self._update_open = False
+        self._param_views: dict[str, torch.Tensor] | None = None
         self._update_lock: asyncio.Lock | None = None
         self._paused = False
 
@@ -371,17 +375,47 @@ class StandInServer:
         return _ok("Succeeded to destroy custom process group.")
 
     def _load(self, pairs: list[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
-        """Load received tensors into the engine; a ``weight_version`` closes the update and stamps it."""
-        if not self._update_open:
-            self.engine.begin_weight_update(self.engine.version, {})
-            self._update_open = True
-        self.engine.receive_bucket(pairs)
+        """Load received tensors into the engine; a ``weight_version`` closes the update and stamps it.
+
+        While paused (nothing generates), tensors are copied straight into the parameters;
+        otherwise through the engine's weight update (under its lock).
+        """
+        views = self._in_place_targets()
+        if pairs and views is not None and not self._update_open:
+            for name, t in pairs:
+                dst = views.get(name)
+                if dst is None:
+                    raise KeyError(f"unknown parameter name {name!r}; weights must use Hugging Face names")
+                if tuple(dst.shape) != tuple(t.shape):
+                    raise ValueError(f"shape mismatch for {name!r}: engine has {tuple(dst.shape)}, "
+                                     f"received {tuple(t.shape)}")
+                dst.copy_(t)
+            pairs = []
+        if pairs:
+            if not self._update_open:
+                self.engine.begin_weight_update(self.engine.version, {})
+                self._update_open = True
+            self.engine.receive_bucket(pairs)
         if weight_version is not None:
-            self.engine.end_weight_update()
-            self._update_open = False
+            if self._update_open:
+                self.engine.end_weight_update()
+                self._update_open = False
             self.weight_version = str(weight_version)
             if str(weight_version).isdigit():
                 self.engine.version = int(weight_version)
+
+    def _in_place_targets(self) -> dict[str, torch.Tensor] | None:
+        """The engine's parameters by HF name, to receive per-tensor buckets into directly.
+
+        Only while generation is paused (``/pause_generation``): the version pool drains a slot
+        before pausing it, so no generation reads the weights while they change. Otherwise
+        tensors are received into buffers and loaded under the engine's lock.
+        """
+        if not self._paused:
+            return None
+        if self._param_views is None:
+            self._param_views = {k: v.data for k, v in self.engine.model.state_dict(keep_vars=True).items()}
+        return self._param_views
 
     async def _update(self, request: web.Request) -> web.Response:
         body = await self._json(request)
@@ -395,9 +429,18 @@ class StandInServer:
         checksum = body.get("agentrl_checksum")
         assert self._update_lock is not None
 
+        arrived = time.time()
+
         def work() -> None:
-            pairs = self.receiver.receive(names, dtypes, shapes, group, load_format, None, checksum)
+            started = time.time()
+            pairs = self.receiver.receive(names, dtypes, shapes, group, load_format, None, checksum,
+                                          into=self._in_place_targets())
+            received = time.time()
             self._load(pairs, None if version is None else str(version))
+            self.update_log.append(f"{len(names)} tensors ({load_format or 'per tensor'})")
+            logger.debug("update of %d tensors (%s): arrived %.3f, started +%.1f ms, received +%.1f ms, "
+                         "loaded +%.1f ms", len(names), load_format or "per tensor", arrived,
+                         1e3 * (started - arrived), 1e3 * (received - arrived), 1e3 * (time.time() - arrived))
 
         async with self._update_lock:
             try:

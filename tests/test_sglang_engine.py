@@ -47,7 +47,8 @@ def test_sampling_params_follow_the_per_row_seed_rule():
     assert isinstance(sampling_params_to_sglang(SamplingParams(), rows=2), dict)
 
 
-def test_client_generate_update_pause_continue(served):
+@pytest.mark.parametrize("wire_format", ["per_tensor", "flattened_bucket"])
+def test_client_generate_update_pause_continue(served, wire_format):
     server, client, engine, other = served
     prompts = [[1, 2, 3, 4], [5, 6]]
     params = SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, stop_token_ids=[7], seed=42)
@@ -61,10 +62,14 @@ def test_client_generate_update_pause_continue(served):
     assert all(o.version == 0 and len(o.token_ids) == len(o.logprobs) for o in outs)
 
     # init group + bucketed update over gloo: the served weights become `other`'s, version stamped
-    sender = BucketBroadcaster([client], "test-group", backend="gloo", init_timeout_s=20, bucket_timeout_s=20, checksum=True)
+    sender = BucketBroadcaster([client], "test-group", backend="gloo", init_timeout_s=20, bucket_timeout_s=20,
+                               checksum=True, wire_format=wire_format, small_tensor_bytes=1024)
     assert client.supports_checksum  # the stand-in's extension; real SGLang servers do not list it
     client.begin_weight_update(3)
     stats = sender.send(other.model.state_dict().items(), bucket_bytes=16 * 1024, weight_version="3")
+    kinds = {line.split("(")[1] for line in server.update_log}
+    # per_tensor: matrices one broadcast each, the small norms packed; flattened: everything packed
+    assert kinds == ({"per tensor)", "flattened_bucket)"} if wire_format == "per_tensor" else {"flattened_bucket)"})
     client.end_weight_update()
     assert stats.buckets > 3 and client.version == 3 and engine.version == 3
     for name, t in other.model.state_dict().items():

@@ -218,6 +218,7 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool) -> dict:
         _wait_for(tmpdir / "done", 120)
         out = {"logits": [_engine_logits(e) for e in engines], "before": before,
                "versions": [e.version for e in engines]}
+        out["update_log"] = [line for s in servers for line in s.update_log]
         for s in servers:
             s.stop()
         return out
@@ -236,7 +237,8 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool) -> dict:
 
     initialize_parallel(2, 1, seed=11)
     actor = MegatronActor(cfg, TrainConfig())
-    sender = WeightSender(actor, bucket_mb=0.05, init_timeout_s=60, bucket_timeout_s=60, checksum=True, backend="gloo")
+    sender = WeightSender(actor, bucket_mb=0.05, init_timeout_s=60, bucket_timeout_s=60, checksum=True, backend="gloo",
+                          small_tensor_bytes=4096)  # matrices one broadcast each, norms and biases packed
     _wait_for(tmpdir / "urls.json", 120)
     urls = json.loads((tmpdir / "urls.json").read_text())
     box: list = [None]
@@ -279,6 +281,7 @@ def test_tp2_actor_syncs_one_slot_and_leaves_the_other(tmp_path, tied):
     assert trainer0["pool_versions"] == [1, 0]
     assert trainer0["client_health"] == ["1", "1", "0"]
     assert host["versions"] == [1, 1, 0]
+    assert {line.split("(")[1] for line in host["update_log"]} == {"per tensor)", "flattened_bucket)"}
     for engine_logits in host["logits"][:2]:  # slot 0: the new weights
         torch.testing.assert_close(engine_logits, actor_logits, rtol=1e-4, atol=1e-5)
     # slot 1 kept version 0: its logits are the old ones, not the actor's

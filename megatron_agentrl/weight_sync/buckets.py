@@ -206,3 +206,60 @@ def bucket_checksum(flat: torch.Tensor) -> list[int]:
     total = int(cols.sum()) + int(tail.sum())
     weighted = int((cols * weights).sum()) + int((tail * weights[: tail.numel()]).sum())
     return [total, weighted]
+
+
+def tensors_checksum(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Checksum of a bucket sent tensor by tensor: ``[sum_i c_i[0], sum_i (i + 1) * c_i[1]]`` over
+    :func:`bucket_checksum` ``c_i`` of each tensor (order-sensitive)."""
+    total, weighted = 0, 0
+    for i, t in enumerate(tensors):
+        c = bucket_checksum(t)
+        total += c[0]
+        weighted += (i + 1) * c[1]
+    return [total, weighted]
+
+
+def iter_split_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, small_bytes: int
+) -> Iterator[tuple[BucketMeta, list[torch.Tensor], bool]]:
+    """Stream buckets in two kinds: ``(meta, tensors, packed)``.
+
+    Tensors of at least ``small_bytes`` go to per-tensor buckets (``packed`` False: each is sent
+    as it is, no copy); smaller ones (norms, biases) are gathered into their own buckets that are
+    sent packed (``packed`` True), so that they do not cost one collective each. Both kinds close
+    at ``bucket_bytes`` or on a dtype change; indices count the emitted buckets.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
+    open_: dict[bool, tuple[BucketMeta, list[torch.Tensor]] | None] = {True: None, False: None}
+    index = 0
+
+    def close(packed: bool) -> tuple[BucketMeta, list[torch.Tensor], bool] | None:
+        nonlocal index
+        cur = open_[packed]
+        open_[packed] = None
+        if cur is None:
+            return None
+        cur[0].index = index
+        index += 1
+        return cur[0], cur[1], packed
+
+    for name, t in named:
+        size = t.numel() * t.element_size()
+        packed = size < small_bytes
+        cur = open_[packed]
+        if cur is not None and (cur[0].dtype != t.dtype or cur[0].nbytes + size > bucket_bytes):
+            out = close(packed)
+            assert out is not None
+            yield out
+            cur = None
+        if cur is None:
+            cur = open_[packed] = (BucketMeta(index=-1, dtype=t.dtype), [])
+        cur[0].names.append(name)
+        cur[0].shapes.append(tuple(t.shape))
+        cur[0].numel += t.numel()
+        cur[1].append(t)
+    for packed in (False, True):
+        out = close(packed)
+        if out is not None:
+            yield out

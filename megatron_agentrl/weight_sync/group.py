@@ -75,6 +75,10 @@ class WeightGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = int(src)
         opts.rootTensor = 0
+        if self.backend == "gloo" and tensor.is_contiguous() and tensor.dtype != torch.uint8:
+            # gloo moves bytes; a byte view of the same memory skips its slower path for 16-bit
+            # floats (measured ~15% on bf16) and meets a typed receive of the same size
+            tensor = tensor.reshape(-1).view(torch.uint8)
         return self._pg.broadcast([tensor], opts)  # type: ignore[attr-defined]
 
     def wait(self, work: object, timeout_s: float | None = None, what: str = "broadcast") -> None:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from megatron_agentrl.weight_sync.buckets import BucketMeta, bucket_checksum, dtype_from_name, unpack
+from megatron_agentrl.weight_sync.buckets import BucketMeta, bucket_checksum, dtype_from_name, tensors_checksum, unpack
 from megatron_agentrl.weight_sync.group import WeightGroup, init_weight_group
 
 logger = logging.getLogger(__name__)
@@ -73,12 +74,15 @@ class BucketReceiver:
 
     def receive(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], group_name: str,
                 load_format: str | None = None, timeout_s: float | None = None,
-                checksum: Sequence[int] | None = None) -> list[tuple[str, torch.Tensor]]:
-        """Receive one update request's tensors from group rank 0; returns (name, tensor) pairs.
+                checksum: Sequence[int] | None = None,
+                into: Mapping[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
+        """Receive one update request's tensors from group rank 0; returns (name, tensor) pairs to load.
 
         load_format "flattened_bucket": one broadcast of a flat tensor of the (single) dtype, then
-        split; None: one broadcast per tensor, in order. ``checksum``: the sender's
-        :func:`bucket_checksum` of the flat bucket; a mismatch raises ChecksumMismatch.
+        split; None: one broadcast per tensor, in order (SGLang's default). ``into``: for the
+        per-tensor format, destinations to receive into directly (the engine's own parameters,
+        when nothing can read them meanwhile); a tensor received in place is not returned.
+        ``checksum``: the sender's checksum of the bucket; a mismatch raises ChecksumMismatch.
         """
         group = self._group(group_name)
         with self._group_locks[group_name]:
@@ -91,21 +95,34 @@ class BucketReceiver:
                 flat = buf[: meta.nbytes].view(meta.dtype)
                 group.broadcast(flat, src=0, timeout_s=timeout_s)
                 if checksum is not None:
-                    got = bucket_checksum(flat)
-                    if list(got) != [int(x) for x in checksum]:
-                        raise ChecksumMismatch(
-                            f"bucket of {len(names)} tensors ({names[0]} ...) arrived with checksum {got}, "
-                            f"the sender packed {list(checksum)}: the transfer corrupted it"
-                        )
+                    self._verify(bucket_checksum(flat), checksum, names)
                 return unpack(flat, meta)
             if load_format not in (None, "", "auto"):
                 raise ValueError(f"load_format={load_format!r} is not supported here; use 'flattened_bucket' or none")
-            out = []
+            received: list[tuple[str, torch.Tensor, bool]] = []
+            works = []
             for name, d, s in zip(names, dtypes, shapes):
-                t = torch.empty(tuple(int(x) for x in s), dtype=dtype_from_name(d), device=group.device)
-                group.broadcast(t, src=0, timeout_s=timeout_s)
-                out.append((str(name), t))
-            return out
+                shape, dtype = tuple(int(x) for x in s), dtype_from_name(d)
+                dst = into.get(name) if into is not None else None
+                in_place = (dst is not None and tuple(dst.shape) == shape and dst.dtype == dtype
+                            and dst.device == group.device and dst.is_contiguous())
+                t = dst if in_place else torch.empty(shape, dtype=dtype, device=group.device)
+                works.append(group.broadcast_async(t, src=0))
+                received.append((str(name), t, in_place))
+            deadline = time.monotonic() + (group.timeout_s if timeout_s is None else float(timeout_s))
+            for w in works:
+                group.wait(w, max(0.001, deadline - time.monotonic()), what=f"receive of {len(names)} tensors")
+            if checksum is not None:
+                self._verify(tensors_checksum([t for _, t, _ in received]), checksum, names)
+            return [(n, t) for n, t, in_place in received if not in_place]
+
+    @staticmethod
+    def _verify(got: list[int], expected: Sequence[int], names: Sequence[str]) -> None:
+        if list(got) != [int(x) for x in expected]:
+            raise ChecksumMismatch(
+                f"bucket of {len(names)} tensors ({names[0]} ...) arrived with checksum {got}, "
+                f"the sender's is {list(expected)}: the transfer corrupted it"
+            )
 
     def raw_receive(self, nbytes: int, group_name: str, timeout_s: float | None = None) -> float:
         """Receive one raw flat uint8 broadcast of ``nbytes`` (the benchmark's baseline); returns a byte sum probe."""

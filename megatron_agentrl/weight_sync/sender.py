@@ -5,11 +5,13 @@ Per sync, on every trainer rank (:meth:`WeightSender.sync`, collective):
 1. each pipeline stage's tensor-parallel group all-gathers its parameters (only data-parallel
    replica 0 takes part) and converts them to Hugging Face names with the family mapping
    (:func:`stage_hf_tensors`), one parameter at a time, so memory stays at one bucket;
-2. the stage's *source* rank (tp_rank 0 of DP replica 0) packs them into single-dtype buckets of
+2. the stage's *source* rank (tp_rank 0 of DP replica 0) groups them into single-dtype buckets of
    ``bucket_mb`` (:mod:`.buckets`) and, per bucket, asks every engine of the slot to receive it
-   (SGLang ``/update_weights_from_distributed`` with ``load_format="flattened_bucket"``) while it
-   broadcasts the bucket on the slot's dedicated group (:class:`BucketBroadcaster`); packing of
-   bucket k+1 overlaps the broadcast of bucket k (two pinned buffers);
+   (SGLang ``/update_weights_from_distributed`` with the bucket's names, dtypes and shapes) while
+   it broadcasts the bucket on the slot's dedicated group (:class:`BucketBroadcaster`). On the
+   wire a bucket is either one packed flat tensor (``load_format="flattened_bucket"``; packing of
+   bucket k+1 overlaps the broadcast of bucket k, two reused buffers) or one broadcast per tensor
+   straight from its memory (no copy); NCCL uses the first, gloo the second;
 3. all ranks agree on success (an all-reduce of a failure flag), so a failed or timed-out sync
    raises :class:`WeightSyncError` everywhere.
 
@@ -32,12 +34,21 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from megatron_agentrl.weight_sync.buckets import BucketMeta, bucket_checksum, iter_buckets, pack_into
+from megatron_agentrl.weight_sync.buckets import (
+    BucketMeta,
+    bucket_checksum,
+    iter_buckets,
+    iter_split_buckets,
+    pack_into,
+    tensors_checksum,
+)
 from megatron_agentrl.weight_sync.group import WeightGroup, WeightSyncTimeout, default_backend, free_port, init_weight_group
 
 logger = logging.getLogger(__name__)
 
 MB = 1024 * 1024
+WIRE_FORMATS = ("flattened_bucket", "per_tensor")
+SMALL_TENSOR_BYTES = 1 * MB  # per_tensor format: smaller tensors are packed together
 OUTPUT_LAYER = "output_layer.weight"
 
 
@@ -144,11 +155,15 @@ class BucketBroadcaster:
     init_timeout_s: limit on the group rendezvous; bucket_timeout_s: limit on each bucket
         (broadcast plus the engines' acknowledgement).
     checksum: send each bucket's checksum to targets that can verify it.
+    wire_format: default of :meth:`send` ("flattened_bucket" | "per_tensor"; None: flattened on
+        NCCL, per-tensor on gloo).
+    small_tensor_bytes: with "per_tensor", tensors under this size travel packed together.
     """
 
     def __init__(self, targets: Sequence[WeightUpdateTarget], group_name: str, *, master_address: str = "127.0.0.1",
                  backend: str | None = None, init_timeout_s: float = 300.0, bucket_timeout_s: float = 120.0,
-                 checksum: bool = False) -> None:
+                 checksum: bool = False, wire_format: str | None = None,
+                 small_tensor_bytes: int = SMALL_TENSOR_BYTES) -> None:
         if not targets:
             raise ValueError("BucketBroadcaster needs at least one target engine")
         self.targets = list(targets)
@@ -158,6 +173,10 @@ class BucketBroadcaster:
         self.init_timeout_s = float(init_timeout_s)
         self.bucket_timeout_s = float(bucket_timeout_s)
         self.checksum = bool(checksum)
+        self.wire_format = wire_format or ("flattened_bucket" if self.backend == "nccl" else "per_tensor")
+        self.small_tensor_bytes = int(small_tensor_bytes)
+        if self.wire_format not in WIRE_FORMATS:
+            raise ValueError(f"wire_format={wire_format!r} is not one of {WIRE_FORMATS}")
         self.world_size = 1 + sum(int(t.num_ranks) for t in self.targets)
         self.group: WeightGroup | None = None
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.targets)), thread_name_prefix="wsync")
@@ -236,51 +255,75 @@ class BucketBroadcaster:
         return buf
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
-             weight_version: str | None = None, load_format: str = "flattened_bucket") -> SyncStats:
-        """Pack ``named`` into buckets and broadcast them to every target; returns the stats.
+             weight_version: str | None = None, wire_format: str | None = None) -> SyncStats:
+        """Bucket ``named`` and broadcast every bucket to every target; returns the stats.
 
+        wire_format: how a bucket travels (both are SGLang formats of ``/update_weights_from_distributed``):
+            "flattened_bucket": packed into one flat tensor, one broadcast (``load_format=
+            "flattened_bucket"``); "per_tensor": one broadcast per tensor straight from the
+            tensor's memory, no packing (SGLang's default load format), except that tensors
+            under ``small_tensor_bytes`` (norms, biases) travel in packed buckets of their own,
+            so they do not cost one collective each. None: this
+            broadcaster's ``wire_format`` (flattened on NCCL, where packing in GPU memory is
+            cheap and one launch per bucket pays; per-tensor on gloo, where a CPU copy costs as
+            much as the transfer).
         weight_version: sent with the last bucket (SGLang stamps it on the server).
         Raises WeightSyncError naming the engine and the bucket on any failure or timeout; the
         group is closed then (the next send builds a new one).
         """
+        fmt = wire_format or self.wire_format
+        if fmt not in WIRE_FORMATS:
+            raise ValueError(f"wire_format={fmt!r} is not one of {WIRE_FORMATS}")
         self.connect()
         assert self.group is not None
         stats = SyncStats(version=int(weight_version) if weight_version and weight_version.isdigit() else -1)
         t0 = time.perf_counter()
-        pending: tuple[object, list, BucketMeta] | None = None
+        inflight: list[tuple[list, list, BucketMeta]] = []  # (works, acks, meta), oldest first, at most 2
         done: list[tuple[list, BucketMeta]] = []
         try:
-            it = iter_buckets(named, bucket_bytes)
+            if fmt == "flattened_bucket":
+                it = ((m, ts, True) for m, ts in iter_buckets(named, bucket_bytes))
+            else:
+                it = iter_split_buckets(named, bucket_bytes, min(self.small_tensor_bytes, bucket_bytes))
             nxt = next(it, None)
             slot = 0
             while nxt is not None:
-                meta, tensors = nxt
+                meta, tensors, packed = nxt
                 nxt = next(it, None)
-                buf = self._buffer(slot, meta.nbytes, bucket_bytes)
-                flat = pack_into(buf, meta, tensors)  # overlaps the broadcast in flight
+                while len(inflight) >= 2:  # the bucket two back must be done (its buffer is reused next)
+                    self._finish(inflight[0])
+                    done.append((inflight[0][1], inflight[0][2]))
+                    inflight.pop(0)
+                if packed:
+                    buf = self._buffer(slot, meta.nbytes, bucket_bytes)
+                    payload = [pack_into(buf, meta, tensors)]  # overlaps the broadcast in flight
+                    slot ^= 1
+                else:
+                    payload = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+                    if payload and payload[0].device != self.group.device:
+                        payload = [t.to(self.group.device) for t in payload]
                 del tensors
-                if flat.is_cuda:
+                if payload[0].is_cuda:
                     torch.cuda.current_stream().synchronize()
                 if self.checksum:
-                    meta.checksum = bucket_checksum(flat)
-                if pending is not None:
-                    self._finish(pending)
-                    done.append((pending[1], pending[2]))
-                    self._check_acks(done, wait=False)
+                    meta.checksum = bucket_checksum(payload[0]) if packed else tensors_checksum(payload)
+                if inflight:
+                    # the engines must be inside the previous bucket's request before this one is
+                    # posted (they serve update requests in arrival order): its first broadcast done
+                    self._finish(inflight[-1], first_only=True)
+                self._check_acks(done, wait=False)
                 wire = meta.wire()
                 futures = [(t, self._pool.submit(
                     t.update_weights_from_distributed, wire["names"], wire["dtypes"], wire["shapes"], self.group_name,
-                    load_format=load_format, flush_cache=False,
+                    load_format="flattened_bucket" if packed else None, flush_cache=False,
                     weight_version=weight_version if nxt is None else None,
                     checksum=meta.checksum if self.checksum and t.supports_checksum else None,
                     timeout_s=self.bucket_timeout_s))
                     for t in self.targets]
-                work = self.group.broadcast_async(flat, src=0)
-                pending = (work, futures, meta)
+                inflight.append(([self.group.broadcast_async(x, src=0) for x in payload], futures, meta))
                 stats.buckets += 1
                 stats.bytes += meta.nbytes
-                slot ^= 1
-            if pending is not None:
+            for pending in inflight:
                 self._finish(pending)
                 done.append((pending[1], pending[2]))
             self._check_acks(done, wait=True)
@@ -290,11 +333,15 @@ class BucketBroadcaster:
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _finish(self, pending: tuple[object, list, BucketMeta]) -> None:
-        work, futures, meta = pending
+    def _finish(self, pending: tuple[list, list, BucketMeta], first_only: bool = False) -> None:
+        """Wait for a bucket's broadcasts (``first_only``: the first one); WeightSyncError on timeout."""
+        works, futures, meta = pending
         assert self.group is not None
+        deadline = time.monotonic() + self.bucket_timeout_s
         try:
-            self.group.wait(work, self.bucket_timeout_s, what=f"bucket {meta.index} ({meta.nbytes / MB:.1f} MB)")
+            for work in works[:1] if first_only else works:
+                self.group.wait(work, max(0.001, deadline - time.monotonic()),
+                                what=f"bucket {meta.index} ({meta.nbytes / MB:.1f} MB)")
         except WeightSyncTimeout as e:
             errors = self._collect(futures, timeout_s=1.0)
             raise WeightSyncError(f"{e}" + (f"; engine errors: {errors}" if errors else "")) from e
@@ -321,11 +368,14 @@ class WeightSender:
     checksum: verify every bucket on engines that support it.
     master_address: an address of the source ranks' host that the engines can reach.
     backend: "nccl" / "gloo" (None: NCCL when CUDA is available).
+    wire_format: "flattened_bucket" | "per_tensor" (None: by backend, see :meth:`BucketBroadcaster.send`).
+    small_tensor_bytes: with "per_tensor", tensors under this size travel packed together.
     """
 
     def __init__(self, actor: Any, *, bucket_mb: float = 512, init_timeout_s: float = 300.0,
                  bucket_timeout_s: float = 120.0, checksum: bool = False, master_address: str = "127.0.0.1",
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, wire_format: str | None = None,
+                 small_tensor_bytes: int = SMALL_TENSOR_BYTES) -> None:
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb={bucket_mb} must be > 0")
         self.actor = actor
@@ -335,6 +385,8 @@ class WeightSender:
         self.checksum = bool(checksum)
         self.master_address = master_address
         self.backend = backend
+        self.wire_format = wire_format
+        self.small_tensor_bytes = int(small_tensor_bytes)
         self.is_source = actor.dp_rank == 0 and actor.tp_rank == 0
         self._broadcasters: dict[Hashable, BucketBroadcaster] = {}
 
@@ -347,7 +399,8 @@ class WeightSender:
             b = BucketBroadcaster(targets, f"agentrl-slot{slot_key}-pp{self.actor.pp_rank}",
                                   master_address=self.master_address, backend=self.backend,
                                   init_timeout_s=self.init_timeout_s, bucket_timeout_s=self.bucket_timeout_s,
-                                  checksum=self.checksum)
+                                  checksum=self.checksum, wire_format=self.wire_format,
+                                  small_tensor_bytes=self.small_tensor_bytes)
             self._broadcasters[key] = b
         return b
 

@@ -1,0 +1,224 @@
+"""Weight-sync bandwidth: the bucketed sync of a ~500M-parameter model vs one raw broadcast, on one gloo group.
+
+Two processes on this machine: the *trainer* (this process) holds the model's Hugging Face state
+dict (Qwen2.5-0.5B shapes, bf16, 494M parameters, ~0.99 GB); the *engine* process runs the SGLang
+stand-in over a local engine of the same architecture. Both join one weight-sync group (gloo over
+loopback). Measured side by side, interleaved, in one run on that one group:
+
+* **bucketed**: ``BucketBroadcaster.send``, the production path: per bucket an HTTP
+  ``/update_weights_from_distributed`` request (``flattened_bucket``), packing into the bucket
+  (overlapped with the previous bucket's broadcast), the broadcast, and on the engine the split
+  and the copy into the model's parameters; timed until the engine acknowledged the last bucket;
+* **raw**: one broadcast of a flat, preallocated buffer of the same number of bytes (the
+  stand-in's ``/agentrl/raw_broadcast`` extension receives it into a preallocated buffer);
+  timed the same way, until the engine acknowledged.
+
+Runs alternate (``--repeats`` pairs after one warm-up of each). Bandwidth = bytes / best run's
+seconds (on a shared machine, noise only ever adds time); the median of the per-pair ratios is
+printed beside it. The engine is paused around each bucketed sync, as the version pool does; those
+two calls are outside the timed region. Prints a table, writes ``bench/results/weight_sync.json``
+and ends with ``weight_sync_bandwidth_ratio: <bucketed / raw bandwidth>``.
+
+Usage: ``python bench/weight_sync.py [--bucket-mb 512] [--repeats 3] [--layers 24]``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+logger = logging.getLogger("bench.weight_sync")
+
+
+def qwen25_05b_config(layers: int):
+    """Qwen2.5-0.5B's shapes (hidden 896, 14/2 heads, MLP 4864, vocab 151936, tied), ``layers`` deep."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                       tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+
+def build_uninitialised(cfg, dtype: torch.dtype):
+    """The model with allocated, untouched-by-init parameters (the sync overwrites every one)."""
+    from transformers import Qwen2ForCausalLM
+
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model = model.to_empty(device="cpu").eval()
+    model.tie_weights()
+    return model
+
+
+def engine_main(conn, layers: int) -> None:
+    """The engine process: a stand-in server over a local engine; answers 'check' and 'stop' on ``conn``."""
+    logging.basicConfig(level=logging.WARNING, format="%(created).3f %(name)s %(message)s")
+    if os.environ.get("AGENTRL_BENCH_TRACE"):
+        logging.getLogger("rollout_sglang.sglang_standin").setLevel(logging.DEBUG)
+    from rollout_sglang.local_engine import LocalEngine
+    from rollout_sglang.sglang_standin import StandInServer
+
+    cfg = qwen25_05b_config(layers)
+    model = build_uninitialised(cfg, torch.bfloat16)
+    for p in model.parameters():  # touch the pages once, as a loaded engine's weights are
+        p.data.zero_()
+    engine = LocalEngine(model, dtype="bfloat16", device="cpu")
+    server = StandInServer(engine, group_timeout_s=600)
+    conn.send(server.start())
+    while True:
+        msg = conn.recv()
+        if msg == "stop":
+            break
+        if msg == "check":  # per-tensor sums, to verify the last sync landed
+            sd = engine.model.state_dict()
+            conn.send({k: float(v.float().sum()) for k, v in sd.items() if k != "lm_head.weight"})
+    server.stop()
+
+
+def make_state(cfg) -> dict[str, torch.Tensor]:
+    """The trainer's HF state dict (bf16), each tensor filled with its own constant (cheap, checkable)."""
+    model = build_uninitialised(cfg, torch.bfloat16)
+    state = {}
+    for i, (k, v) in enumerate(model.state_dict().items()):
+        if k == "lm_head.weight":  # tied to the embedding: the trainer does not send it
+            continue
+        state[k] = v.detach().clone().fill_(((i % 97) - 48) / 64.0)
+    return state
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; returns the result dict (also written to bench/results/weight_sync.json)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bucket-mb", type=float, default=512.0, help="bucket size, MiB (rollout.weight_sync_bucket_mb)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--wire-format", default=None, choices=["flattened_bucket", "per_tensor"],
+                    help="how a bucket travels (default: the gloo default, per_tensor)")
+    ap.add_argument("--layers", type=int, default=24, help="decoder layers (24 = Qwen2.5-0.5B, 494M parameters)")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "weight_sync.json"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+
+    from megatron_agentrl.weight_sync import BucketBroadcaster
+    from rollout_sglang.sglang_engine import SGLangEngine
+
+    cfg = qwen25_05b_config(args.layers)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=engine_main, args=(child, args.layers), daemon=True)
+    proc.start()
+    t0 = time.perf_counter()
+    state = make_state(cfg)
+    params = sum(v.numel() for v in state.values())
+    nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    deadline = time.monotonic() + 600
+    while not parent.poll(1.0):
+        if not proc.is_alive():
+            raise RuntimeError(f"the engine process exited with code {proc.exitcode} before serving")
+        if time.monotonic() > deadline:
+            raise TimeoutError("the engine process did not start serving within 600 s")
+    url = parent.recv()
+    print(f"model: Qwen2 {args.layers} layers, {params / 1e6:.0f}M parameters, {nbytes / 1e9:.3f} GB bf16 "
+          f"(setup {time.perf_counter() - t0:.1f}s); engine at {url}")
+
+    client = SGLangEngine(url, update_timeout_s=600, control_timeout_s=60)
+    sender = BucketBroadcaster([client], "bench", backend="gloo", init_timeout_s=120, bucket_timeout_s=600)
+    sender.connect()
+    group = sender.group
+    assert group is not None
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    flat.fill_(7)
+    pool = ThreadPoolExecutor(max_workers=2)
+    bucket_bytes = int(args.bucket_mb * 1024 * 1024)
+
+    def raw() -> float:
+        t = time.perf_counter()
+        fut = pool.submit(client._call, "POST", "/agentrl/raw_broadcast", {"nbytes": nbytes, "group_name": "bench"}, 600)
+        group.broadcast(flat, src=0, timeout_s=600)
+        fut.result(timeout=600)
+        return time.perf_counter() - t
+
+    buckets = [0]
+
+    def bucketed(version: int) -> float:
+        client.pause()  # the version pool pauses the slot for its update
+        t = time.perf_counter()
+        stats = sender.send(state.items(), bucket_bytes, weight_version=str(version), wire_format=args.wire_format)
+        t = time.perf_counter() - t
+        client.resume()
+        buckets[0] = stats.buckets
+        assert stats.bytes == nbytes, (stats.bytes, nbytes)
+        return t
+
+    raw()  # warm-up: connections, receive buffers
+    bucketed(0)
+    raw_s, bucket_s = [], []
+    for r in range(args.repeats):  # interleaved pairs, alternating which goes first
+        if r % 2 == 0:
+            raw_s.append(raw())
+            bucket_s.append(bucketed(r + 1))
+        else:
+            bucket_s.append(bucketed(r + 1))
+            raw_s.append(raw())
+    parent.send("check")
+    sums = parent.recv()
+    bad = [k for k, v in state.items() if abs(sums[k] - float(v.float().sum())) > 1e-3 * max(1.0, abs(sums[k]))]
+    parent.send("stop")
+    proc.join(30)
+    sender.close()
+    pool.shutdown()
+
+    # bandwidth of each path from its best run (noise on a shared machine only ever adds time);
+    # the median of the per-pair ratios is reported beside it
+    raw_best, bucket_best = min(raw_s), min(bucket_s)
+    raw_bw, bucket_bw = nbytes / raw_best / 1e9, nbytes / bucket_best / 1e9
+    ratio = bucket_bw / raw_bw
+    pair_ratio = statistics.median(r / b for r, b in zip(raw_s, bucket_s))
+    rows = [("raw broadcast (1 flat buffer)", 1, raw_best, statistics.median(raw_s), raw_bw, raw_s),
+            (f"bucketed sync ({args.bucket_mb:g} MiB buckets)", buckets[0], bucket_best, statistics.median(bucket_s),
+             bucket_bw, bucket_s)]
+    print(f"\n{'path':<34} {'buckets':>7} {'best s':>7} {'median s':>9} {'GB/s':>6}   runs (s)")
+    for name, nb, best, med, bw, runs in rows:
+        print(f"{name:<34} {nb:>7} {best:>7.3f} {med:>9.3f} {bw:>6.2f}   {', '.join(f'{x:.3f}' for x in runs)}")
+    print(f"median of per-pair ratios (raw s / bucketed s): {pair_ratio:.3f}")
+    print(f"weights verified on the engine: {'yes' if not bad else 'NO, mismatched: ' + ', '.join(bad[:5])}")
+    result = {
+        "bench": "weight_sync", "model": f"qwen2.5-0.5b shapes, {args.layers} layers", "parameters": params,
+        "bytes": nbytes, "dtype": "bfloat16", "backend": "gloo (loopback, 2 processes)",
+        "bucket_mb": args.bucket_mb, "buckets": buckets[0], "repeats": args.repeats,
+        "wire_format": args.wire_format or "per_tensor (gloo default)",
+        "raw_s": raw_s, "bucketed_s": bucket_s, "raw_gb_per_s_best": raw_bw, "bucketed_gb_per_s_best": bucket_bw,
+        "weight_sync_bandwidth_ratio": ratio, "median_pair_ratio": pair_ratio, "weights_verified": not bad,
+        "load_average_1m": os.getloadavg()[0],
+        "host": {"cpus": mp.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"results: {out}")
+    print(f"weight_sync_bandwidth_ratio: {ratio:.3f}")
+    if bad:
+        raise SystemExit(1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

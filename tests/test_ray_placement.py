@@ -166,3 +166,20 @@ def test_node_lost_mid_run_stops_with_clear_message(cluster: Cluster, tmp_path: 
     assert "The run was stopped" in msg
     print(f"run stopped {time.monotonic() - t_kill:.1f}s after its node was removed: {msg}")
     assert not _ours_left()
+
+
+def test_unreachable_cluster_address_fails_fast() -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "megatron_agentrl.cli", "train", "--config", "examples/configs/tiny_cpu.yaml",
+                           f"ray.address=127.0.0.1:{port}", "ray.placement_timeout_s=2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert f"cannot connect to Ray at ray.address='127.0.0.1:{port}'" in proc.stderr and "ray start --head" in proc.stderr
+    assert time.monotonic() - t0 < 60

@@ -87,6 +87,23 @@ def plan_pools(cfg: Config) -> list[PoolSpec]:
     return pools
 
 
+def gcs_reachable(address: str, timeout_s: float, poll_s: float = 1.0) -> bool:
+    """Whether a TCP connection to ``address`` (``host:port``, ``ray://host:port``) opens within ``timeout_s``.
+
+    ``ray.init`` retries an address where nothing listens for minutes; this answers first.
+    """
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, max(0.1, timeout_s))):
+                return True
+        except (OSError, ValueError):
+            if time.monotonic() + poll_s > deadline:
+                return False
+            time.sleep(poll_s)
+
+
 def connect(cfg: Config) -> bool:
     """Connect to Ray: the cluster at ``ray.address``, else a new local Ray (``ray.num_cpus`` CPUs).
 
@@ -102,6 +119,8 @@ def connect(cfg: Config) -> bool:
     try:
         if cfg.ray.address:
             logger.info("joining the Ray cluster at %s", cfg.ray.address)
+            if cfg.ray.address != "auto" and not gcs_reachable(cfg.ray.address, min(30.0, cfg.ray.placement_timeout_s)):
+                raise ConnectionError("nothing listens there")
             ray.init(address=cfg.ray.address, **kwargs)
         else:
             logger.info("starting a local Ray (%s CPUs)", cfg.ray.num_cpus or "all")
@@ -548,6 +567,9 @@ def wait_for_nodes(address: str, nodes: int, timeout_s: float, poll_s: float = 2
     import ray
 
     deadline = time.monotonic() + timeout_s
+    if not gcs_reachable(address, timeout_s):
+        raise RayLaunchError(f"no Ray head answers at {address} after {timeout_s:g}s; see the job log for the "
+                             "ray start --head output")
     while True:
         try:
             if not ray.is_initialized():

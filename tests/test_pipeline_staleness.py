@@ -144,7 +144,9 @@ TINY = [
 ]
 
 
-def test_async_pipeline_staleness_bound(tmp_path):
+@pytest.mark.parametrize("engines", ["one", "pool"])
+def test_async_pipeline_staleness_bound(tmp_path, engines):
+    """One local engine, or a version pool of two (cross-policy sampling over the live versions)."""
     from dist_utils import run_distributed
 
     out = tmp_path / "run"
@@ -152,6 +154,8 @@ def test_async_pipeline_staleness_bound(tmp_path):
     overrides = TINY + [f"output_dir={out}", "pipeline.mode=async", f"pipeline.staleness={eta}", "train.steps=6",
                         "rollout.prompts_per_step=3", "pipeline.sim_env_latency_s=0.01",
                         "pipeline.sim_env_latency_alpha=1.1", "pipeline.sim_env_latency_max_s=0.5"]
+    if engines == "pool":
+        overrides += ["rollout.max_versions=2", "rollout.cross_policy=uniform"]
     summary = run_distributed(_train, 1, overrides, timeout_s=120)[0]
     assert summary["mode"] == "async" and summary["trained_samples"] == 6 * 3 * 2
     rows = [json.loads(x) for x in (out / "batches.jsonl").read_text().splitlines()]

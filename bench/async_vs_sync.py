@@ -1,0 +1,197 @@
+#!/usr/bin/env python
+"""Asynchronous vs synchronous GRPO pipeline: trained samples per second, side by side in one process.
+
+Both modes run ``megatron_agentrl.pipeline.loop.run_training`` on the same tiny model (same seed,
+same random initialisation), the same multi-turn workload with heavy-tailed environment latency,
+and the same number of trained samples (``--steps`` x ``--prompts`` x ``--group``). Only
+``pipeline.mode`` differs:
+
+* ``sync``: a step's groups start once the previous step's weights are loaded, run their turns in
+  lockstep (one batched generate per turn), the trainer waits for the slowest episode, trains,
+  pushes weights;
+* ``async``: the rollout keeps up to ``(staleness + 1)`` steps of groups in flight (each group on
+  its own, generate calls merged by the batching engine) while the trainer trains on the groups
+  that finished, within the staleness cap.
+
+The workload ("dialog", registered for this process only): every episode asks for 2..max_turns
+assistant turns (by sample index) and answers each with a short user message; the reward is 1 when
+the last assistant turn holds a digit. It is multi-turn whatever the (untrained) policy writes.
+Every env call (start and each turn) first waits a Pareto(alpha) delay with minimum
+``--latency`` seconds, capped at ``--latency-max`` (``pipeline.sim_env_latency_*``).
+
+Throughput = trained samples / wall seconds of the RL phase (first step to last step, no
+evaluation). Prints a table, writes ``bench/results/async_vs_sync.json``; the last line is
+``async_speedup: <async / sync throughput>``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from env_controller.protocol import SampleStatus, TaskReply  # noqa: E402
+from env_controller.tasks import TASKS  # noqa: E402
+from env_controller.tasks.base import Task, TaskSession  # noqa: E402
+
+
+class DialogSession(TaskSession):
+    """Answers every assistant turn with a user message until ``turns`` turns were taken."""
+
+    def __init__(self, index: int, turns: int) -> None:
+        self.index, self.left = index, turns
+
+    async def interact(self, assistant_message: dict[str, Any]) -> TaskReply:
+        self.left -= 1
+        if self.left <= 0:
+            text = assistant_message.get("content") or ""
+            r = 1.0 if re.search(r"\d", text) else 0.0
+            return TaskReply(messages=[], status=SampleStatus.COMPLETED, finish=True, reward=r, metrics={"success": r})
+        return TaskReply(messages=[{"role": "user", "content": f"Go on ({self.left} turns left); end with a number."}])
+
+    async def close(self) -> None:
+        return None
+
+
+class DialogTask(Task):
+    """A multi-turn workload whose length does not depend on the policy (see the module doc)."""
+
+    name = "dialog"
+
+    def __init__(self, max_turns: int = 6, num_samples: int = 512) -> None:
+        self.max_turns, self.num_samples = max_turns, num_samples
+
+    def indices(self) -> list[int]:
+        return list(range(self.num_samples))
+
+    async def start(self, index: int) -> tuple[TaskSession, TaskReply]:
+        turns = 2 + index % (self.max_turns - 1)
+        msg = [{"role": "user", "content": f"Sample {index}: let us talk for {turns} turns; end with a number."}]
+        return DialogSession(index, turns), TaskReply(messages=msg)
+
+    def demonstration(self, index: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        raise NotImplementedError("dialog has no demonstrations (the benchmark runs without SFT)")
+
+
+def _overrides(args: argparse.Namespace, mode: str, out: Path, cohort: int = 0) -> list[str]:
+    return [f"pipeline.cohort_groups={cohort}",
+        f"output_dir={out}", f"pipeline.mode={mode}", f"pipeline.staleness={args.staleness}",
+        f"pipeline.sim_env_latency_s={args.latency}", f"pipeline.sim_env_latency_alpha={args.alpha}",
+        f"pipeline.sim_env_latency_max_s={args.latency_max}",
+        f"model.arch.hidden_size={args.hidden}", f"model.arch.intermediate_size={args.hidden * 3}",
+        f"model.arch.num_hidden_layers={args.layers}", "model.arch.num_attention_heads=4",
+        "model.arch.num_key_value_heads=2",
+        "sft.steps=0", "eval.samples_per_task=0", f"train.steps={args.steps}", "train.micro_batch_size=8",
+        "train.tis_cap=2.0", "train.lr=1e-4", f"train.seed={args.seed}",
+        f"rollout.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.group}",
+        f"rollout.max_turns={args.max_turns}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        "rollout.max_total_tokens=1024",
+        f"tasks=[{{name: dialog, params: {{max_turns: {args.max_turns}}}}}]",
+        "log_every=1",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=8, help="RL steps per mode")
+    p.add_argument("--prompts", type=int, default=4, help="groups per step (rollout.prompts_per_step)")
+    p.add_argument("--group", type=int, default=4, help="samples per group (rollout.samples_per_prompt)")
+    p.add_argument("--staleness", type=int, default=1, help="eta of the async mode")
+    p.add_argument("--latency", type=float, default=0.05, help="Pareto minimum of each env call's delay, s")
+    p.add_argument("--alpha", type=float, default=1.2, help="Pareto shape of the delay (smaller = heavier tail)")
+    p.add_argument("--latency-max", type=float, default=4.0, help="cap of one delay, s")
+    p.add_argument("--max-turns", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "async_vs_sync.json"))
+    p.add_argument("--sync-independent", action="store_true",
+                   help="also run sync with every group on its own (pipeline.cohort_groups=1) instead of the whole "
+                        "step in lockstep, and report its ratio too")
+    p.add_argument("-v", "--verbose", action="store_true", help="show the training log")
+    args = p.parse_args(argv)
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    TASKS[DialogTask.name] = DialogTask  # this process only
+    from megatron_agentrl.config import load_config
+    from megatron_agentrl.pipeline.loop import run_training
+
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="agentrl_bench_") as tmp:
+        runs = [("sync", "sync", 0), ("async", "async", 0)]
+        if args.sync_independent:
+            runs.append(("sync_independent", "sync", 1))
+        for name, mode, cohort in runs:
+            out = Path(tmp) / name
+            cfg = load_config(ROOT / "examples" / "configs" / "tiny_cpu.yaml", _overrides(args, mode, out, cohort))
+            os.chdir(ROOT)
+            t0 = time.perf_counter()
+            summary = run_training(cfg)
+            total = time.perf_counter() - t0
+            rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+            rl = [r for r in rows if r.get("phase") == "rl"]
+            mean = lambda k: sum(r[k] for r in rl) / len(rl)  # noqa: E731
+            results[name] = {
+                "trained_samples": summary["trained_samples"],
+                "trained_tokens": summary["trained_tokens"],
+                "rl_wall_s": summary["rl_wall_s"],
+                "samples_per_s": summary["samples_per_s"],
+                "tokens_per_s": summary["trained_tokens"] / summary["rl_wall_s"],
+                "run_wall_s": total,
+                "mean_step_s": mean("step_time_s"),
+                "mean_wait_batch_s": mean("wait_batch_s"),
+                "mean_train_s": mean("train_time_s"),
+                "mean_turns": mean("mean_turns"),
+                "staleness_mean": mean("staleness_mean"),
+                "staleness_max": max(r["staleness_max"] for r in rl),
+                "trainer_idle_frac": mean("trainer_idle_frac"),
+                "engine_idle_frac": mean("engine_idle_frac"),
+                "dropped_stale": summary["dropped_stale"],
+            }
+    s, a = results["sync"], results["async"]
+    speedup = a["samples_per_s"] / s["samples_per_s"]
+    cols = ["trained_samples", "rl_wall_s", "samples_per_s", "tokens_per_s", "mean_step_s", "mean_wait_batch_s",
+            "mean_train_s", "mean_turns", "staleness_mean", "staleness_max", "trainer_idle_frac", "engine_idle_frac",
+            "dropped_stale"]
+    names = list(results)
+    print(f"{'metric':<20}" + "".join(f"{n:>18}" for n in names))
+    for c in cols:
+        print(f"{c:<20}" + "".join(f"{results[n][c]:>18.3f}" if isinstance(results[n][c], float)
+                                   else f"{results[n][c]:>18}" for n in names))
+    extra = {}
+    if "sync_independent" in results:
+        extra["async_speedup_vs_sync_independent"] = a["samples_per_s"] / results["sync_independent"]["samples_per_s"]
+        print(f"async / sync_independent: {extra['async_speedup_vs_sync_independent']:.2f}")
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = (float("nan"),) * 3
+    record = {
+        "benchmark": "async_vs_sync", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": vars(args),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_at_end": load},
+        "results": results, "async_speedup": speedup, **extra,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs) | results: {args.out}")
+    print(f"async_speedup: {speedup:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

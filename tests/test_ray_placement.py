@@ -133,27 +133,30 @@ def test_train_on_ray_with_controller_and_engine_actors(cluster: Cluster, tmp_pa
     assert not alive, alive
 
 
-def test_node_lost_mid_run_stops_with_clear_message(cluster: Cluster, tmp_path: Path) -> None:
+def test_node_lost_mid_run_stops_with_a_resumable_checkpoint(cluster: Cluster, tmp_path: Path) -> None:
     # the trainer asks for 3 CPUs: only the added node (4 CPUs) can hold it, the head has 2
     node = cluster.add_node(num_cpus=4)
     cluster.wait_for_nodes()
-    overrides = [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, "train.steps=1000",
-                 "ray.train_cpus_per_worker=3", "ray.health_check_interval_s=1"]
-    cfg = load_config(ROOT / "examples/configs/tiny_cpu.yaml", overrides)
+    config = str(ROOT / "examples/configs/tiny_cpu.yaml")
+    base = [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, "ray.health_check_interval_s=1",
+            "checkpoint.interval=1", "checkpoint.resume=latest"]
+    overrides = [*base, "train.steps=1000", "ray.train_cpus_per_worker=3"]
+    cfg = load_config(config, overrides)
     result: dict[str, BaseException] = {}
 
     def run() -> None:
         try:
-            run_on_ray(cfg, str(ROOT / "examples/configs/tiny_cpu.yaml"), overrides)
+            run_on_ray(cfg, config, overrides)
         except BaseException as e:  # noqa: BLE001 - the test inspects it
             result["error"] = e
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "run" / "config.yaml").is_file():  # rank 0 writes it when training starts
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    deadline = time.monotonic() + 180
+    while not latest.is_file():  # the node goes down after the run saved a checkpoint
         assert t.is_alive(), result
-        assert time.monotonic() < deadline, "training did not start"
+        assert time.monotonic() < deadline, "no checkpoint written"
         time.sleep(0.5)
     t_kill = time.monotonic()
     cluster.remove_node(node, allow_graceful=False)
@@ -162,10 +165,17 @@ def test_node_lost_mid_run_stops_with_clear_message(cluster: Cluster, tmp_path: 
     err = result.get("error")
     assert isinstance(err, RunLostError), repr(err)
     msg = str(err)
-    assert "lost" in msg and "mid-run" in msg and "trainer rank 0" in msg and "checkpoint" in msg, msg
-    assert "The run was stopped" in msg
+    assert "lost" in msg and "mid-run" in msg and "trainer rank 0" in msg and "The run was stopped" in msg, msg
+    assert "the last checkpoint is " + str(tmp_path / "run" / "checkpoints" / "step_") in msg, msg
+    assert "the same command resumes from it" in msg, msg
     print(f"run stopped {time.monotonic() - t_kill:.1f}s after its node was removed: {msg}")
     assert not _ours_left()
+    # the same command, on what is left of the cluster (the trainer fits on the head now), resumes
+    step = int(latest.read_text().strip().removeprefix("step_"))
+    resumed = [*base, f"train.steps={step + 1}", "ray.train_cpus_per_worker=1"]
+    summary = run_on_ray(load_config(config, resumed), config, resumed)
+    assert summary["last_checkpoint"].endswith(f"step_{step + 1:06d}"), summary
+    assert (tmp_path / "run" / "hf_export" / "config.json").is_file()
 
 
 def test_unreachable_cluster_address_fails_fast() -> None:

@@ -167,7 +167,7 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
     }
     seq = cfg.rollout.max_total_tokens
     samples = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-    budget = getattr(cfg.train, "micro_batch_tokens", 0)  # token-budget packing, when the pipeline has it
+    budget = cfg.train.micro_batch_tokens  # token-budget packing (0 = micro_batch_size rows)
     mb_tokens = max(budget, seq) if budget else seq * cfg.train.micro_batch_size
     micro_batches = max(1, math.ceil(samples * seq / max(1, dp) / mb_tokens))
     in_flight = min(pp, micro_batches)

@@ -177,32 +177,26 @@ def rollout_engines_from_env() -> list[list[str]] | None:
 
 def checkpoint_root(cfg: Config) -> Path:
     """Where the pipeline writes checkpoints: ``checkpoint.dir``, else ``output_dir/checkpoints``."""
-    ck = getattr(cfg, "checkpoint", None)
-    return Path(ck.dir) if ck is not None and getattr(ck, "dir", None) else Path(cfg.output_dir) / "checkpoints"
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.output_dir) / "checkpoints"
 
 
 def latest_checkpoint(cfg: Config) -> str | None:
-    """The newest checkpoint of the run (the ``latest`` file, else the highest ``step_<k>``), or None."""
-    root = checkpoint_root(cfg)
-    latest = root / "latest"
-    if latest.is_file():
-        name = latest.read_text().strip()
-        path = Path(name) if Path(name).is_absolute() else root / name
-        if path.exists():
-            return str(path)
-    steps = [d for d in root.glob("step_*") if d.is_dir() and d.name[5:].isdigit()]
-    return str(max(steps, key=lambda d: int(d.name[5:]))) if steps else None
+    """The newest complete checkpoint of the run (what ``checkpoint.resume=latest`` loads), or None."""
+    from megatron_agentrl.pipeline.checkpoint import find_latest
+
+    path = find_latest(checkpoint_root(cfg))
+    return str(path) if path is not None else None
 
 
 def resume_hint(cfg: Config) -> str:
     """What a user does to continue a stopped run, for error messages."""
     ckpt = latest_checkpoint(cfg)
-    ck = getattr(cfg, "checkpoint", None)
+    ck = cfg.checkpoint
     if ckpt is None:
         return (f"no checkpoint was written yet under {checkpoint_root(cfg)}"
-                + (" (set checkpoint.interval to save every N steps)" if ck is not None and not ck.interval else "")
+                + (" (set checkpoint.interval to save every N steps)" if not ck.interval else "")
                 + "; a new run starts from the beginning")
-    if ck is not None and ck.resume == "latest":
+    if ck.resume == "latest":
         return f"the last checkpoint is {ckpt}; the same command resumes from it (checkpoint.resume: latest)"
     return f"the last checkpoint is {ckpt}; resume from it with the same command plus checkpoint.resume=latest"
 

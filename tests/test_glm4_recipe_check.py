@@ -1,0 +1,144 @@
+"""The GLM-4-9B multitask recipe: ``run_glm4_9b_multitask.sh --check`` on this machine, and its plan.
+
+The check runs with the real config (examples/configs/glm4_9b_multitask.yaml): it must pass here,
+where there is no GPU, no GLM-4 checkpoint and no AgentBench-FC worker, and say that it could not
+verify those; it must fail on a layout that cannot work anywhere.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from megatron_agentrl.config import ModelConfig, load_config
+from megatron_agentrl.launch.plan import ModelShape, estimate_memory
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "run_glm4_9b_multitask.sh"
+CONFIG = ROOT / "examples" / "configs" / "glm4_9b_multitask.yaml"
+REFERENCE = ROOT / "examples" / "configs" / "glm4_9b_0414" / "config.json"
+TASKS = ("alfworld-std", "dbbench-std", "kg-std", "os-std", "webshop-std")
+
+
+def _check(*overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    for var in ("GLM4_HF_DIR", "AGENTRL_ENV_CONTROLLER_URL"):
+        if env is None or var not in env:
+            full_env.pop(var, None)
+    return subprocess.run(["bash", str(SCRIPT), "--check", *overrides], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=180)
+
+
+def _lines(out: str, status: str) -> dict[str, str]:
+    prefix = f"[{status:>17}] "
+    return {line[len(prefix):].split("  ", 1)[0].strip(): line for line in out.splitlines() if line.startswith(prefix)}
+
+
+def test_check_passes_here_and_reports_what_it_cannot_verify() -> None:
+    proc = _check()
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "check passed" in out.splitlines()[-1]
+    ok, unverified = _lines(out, "ok"), _lines(out, "not verified here")
+    assert not _lines(out, "FAIL")
+    # verified anywhere: config, layout, memory per GPU, the recipe's switches, the script and tools
+    for item in ("config", "layout", "memory estimate", "cross-policy sampling", "per-task normalization",
+                 "sbatch script", "Ray", "agentrl convert"):
+        assert item in ok, f"{item} not verified:\n{out}"
+    assert "TP 2 x PP 2 x DP 2" in ok["layout"] and "16 GPUs in 2 node(s)" in ok["layout"]
+    # not verifiable here, and said so: GPUs, the weights, the task endpoints
+    if not shutil.which("nvidia-smi"):
+        assert "GPUs" in unverified and "2 node(s) x 8 GPU(s)" in unverified["GPUs"]
+    assert "model.checkpoint" in unverified
+    assert "env controller" in unverified and "not reachable from here" in unverified["env controller"]
+    for task in TASKS:
+        assert f"task {task}" in unverified, out
+    # the plan: per-GPU memory of both pools
+    assert "model: 9.40B parameters" in out
+    assert "train GPU   (GiB)" in out and "rollout GPU (GiB)" in out and "kv_cache" in out
+
+
+@pytest.fixture()
+def endpoint() -> Iterator[str]:
+    """A local HTTP server that answers every GET (stands in for the controller and a worker)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = json.dumps([0, 1, 2]).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_reachable_endpoints_and_present_weights_are_verified(endpoint: str, tmp_path: Path) -> None:
+    hf = tmp_path / "GLM-4-9B-0414"
+    hf.mkdir()
+    shutil.copy(REFERENCE, hf / "config.json")
+    (hf / "model.safetensors").write_bytes(b"")  # the check looks for weights, it does not load them
+    (hf / "tokenizer.json").write_text("{}")
+    proc = _check(f"env.workers={{alfworld-std: ['{endpoint}/api']}}",
+                  env={"GLM4_HF_DIR": str(hf), "AGENTRL_ENV_CONTROLLER_URL": endpoint})
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    ok, unverified = _lines(out, "ok"), _lines(out, "not verified here")
+    assert "answers (HTTP 200)" in ok["env controller"]
+    assert "1 worker(s) answer" in ok["task alfworld-std"]
+    assert "model.checkpoint" in ok and "model config" in ok and "glm4" in ok["model config"]
+    assert "task kg-std" in unverified and "no worker endpoint listed" in unverified["task kg-std"]
+
+
+@pytest.mark.parametrize("overrides, item, needle", [
+    (["parallel.pp=1"], "memory", "train pool needs"),            # 9.4B on TP 2 alone: ~100 GiB per GPU
+    (["parallel.tp=4", "parallel.pp=1"], "layout", "2 KV heads"),  # megatron cannot split 2 KV heads 4 ways
+    (["rollout.engines_per_slot=8"], "pools vs allocation", "need 24 GPUs"),
+    (["env.controller_url=''"], "tasks", "not built-in tasks"),
+])
+def test_check_fails_on_what_cannot_work_anywhere(overrides: list[str], item: str, needle: str) -> None:
+    proc = _check(*overrides)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    failed = _lines(proc.stdout, "FAIL")
+    assert item in failed and needle in failed[item], proc.stdout
+    assert proc.stdout.splitlines()[-1].startswith("check FAILED")
+
+
+def test_glm4_reference_numbers() -> None:
+    """The shipped reference config is GLM-4-9B-0414's, loads through the project's HF config path,
+    and the estimator's per-GPU numbers follow from it."""
+    from megatron_agentrl.hf_io import load_hf_config
+
+    hf = json.loads(REFERENCE.read_text())
+    shape = ModelShape.from_hf(hf)
+    assert round(shape.total_params() / 1e9, 2) == 9.40
+    assert shape.kv_bytes_per_token(2) == 2 * 40 * 2 * 128 * 2
+    hf_cfg = load_hf_config(ModelConfig(hf_config=str(REFERENCE)))
+    assert hf_cfg.model_type == "glm4" and hf_cfg.num_key_value_heads == 2
+    cfg = load_config(CONFIG)
+    plan = estimate_memory(hf, cfg, gpu_memory_gib=80, total_gpus=16)
+    stage = (20 * shape.layer_params() + shape.embedding_params()) / 2  # PP stage 0 of 2, split over TP 2
+    assert plan.train["weights"] == pytest.approx(stage * 2 / 1024**3)
+    assert plan.train["adam_states_fp32"] == pytest.approx(stage * 8 / 1024**3)
+    assert plan.rollout["weights"] == pytest.approx(shape.total_params() * 2 / 1024**3)
+    assert plan.layout["train_workers"] + plan.layout["rollout_gpus"] == 16
+    assert not plan.problems()

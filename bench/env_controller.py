@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--tasks", default="guess,calc", help="tasks, assigned to workers and sessions round robin")
     parser.add_argument("--latency-ms", type=float, default=50.0, help="simulated worker latency per call (mean)")
-    parser.add_argument("--think-s", type=float, default=3.0, help="simulated model time between turns (mean)")
+    parser.add_argument("--think-s", type=float, default=5.0, help="simulated model time between turns (mean)")
     parser.add_argument("--ramp-s", type=float, default=8.0, help="starts are spread over this long")
     parser.add_argument("--kill-after-s", type=float, default=2.0, help="kill a worker this long after all sessions are open")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)

@@ -413,8 +413,12 @@ def test_dead_worker_ends_its_sessions_within_the_heartbeat_timeout() -> None:
             await asyncio.sleep(0.1)
             t_last_beat = time.monotonic()
             await beat(controller.url, worker)
-            await asyncio.sleep(suspect + 0.2)
-            (state,) = [w["state"] for w in (await env.list_workers())["echo"]["workers"].values()]
+            await asyncio.sleep(suspect)
+            for _ in range(100):  # poll: the first state after alive must be suspect
+                (state,) = [w["state"] for w in (await env.list_workers())["echo"]["workers"].values()]
+                if state != "alive":
+                    break
+                await asyncio.sleep(0.02)
             assert state == "suspect"
             with pytest.raises(EnvControllerError) as err:
                 await env.start_sample("echo", 3)
@@ -422,7 +426,7 @@ def test_dead_worker_ends_its_sessions_within_the_heartbeat_timeout() -> None:
             reply = await asyncio.wait_for(hanging, 10)
             waited = time.monotonic() - t_last_beat
             assert reply.finish and reply.status is SampleStatus.TASK_ERROR
-            assert dead <= waited < dead + 0.6, waited
+            assert dead <= waited < dead + 1.5, waited  # + monitor tick and any stall of the loaded test machine
             reply = await env.interact(idle_sid, [tool_call("echo", {"text": "x"})])
             assert reply.finish and reply.status is SampleStatus.TASK_ERROR
             (state,) = [w["state"] for w in (await env.list_workers())["echo"]["workers"].values()]

@@ -104,7 +104,7 @@ def test_killed_worker_process_ends_its_sessions_others_complete(processes: list
             results = await asyncio.wait_for(asyncio.gather(*runs), 20)
             for (sid, _), (status, reward, seconds) in zip(started, results):
                 if any(sid == s for _, s in by_worker[victim_id]):
-                    assert status is SampleStatus.TASK_ERROR and seconds < 2 + 1, (sid, status, seconds)
+                    assert status is SampleStatus.TASK_ERROR and seconds < 2 + 3, (sid, status, seconds)
                 else:
                     assert status is SampleStatus.COMPLETED and reward == 1.0
             await asyncio.sleep(2.5)

@@ -13,8 +13,9 @@ several callers is unseeded (the engine's own generator); a lone call keeps its 
 synchronous rollout (one call per turn) stays reproducible.
 
 It also gives the weight sync a safe pause: :meth:`pause` holds new engine calls and
-:meth:`wait_idle` blocks until the running one finished, so no generation ever sees half-loaded
-weights; in-flight trajectories then continue on the new weights (partial rollout).
+:meth:`wait_idle` blocks until the running one finished (then pauses the engine itself), so no
+generation ever sees half-loaded weights; in-flight trajectories then continue on the new
+weights (partial rollout).
 """
 from __future__ import annotations
 
@@ -177,18 +178,19 @@ class BatchingEngine:
 
     # ------------------------------------------------------------ pause / weights
     def pause(self) -> None:
-        """Hold new engine calls (the running one finishes; see :meth:`wait_idle`); pauses the engine too."""
+        """Hold new engine calls (the running one finishes); :meth:`wait_idle` then pauses the wrapped engine."""
         with self._lock:
             self._resumed.clear()
-        self.engine.pause()
 
     def wait_idle(self, timeout_s: float) -> None:
-        """Block until no engine call is running (after :meth:`pause`); TimeoutError after ``timeout_s``."""
+        """Block until no engine call runs (after :meth:`pause`), then pause the wrapped engine (so an
+        engine whose pause aborts requests, like SGLang's, never loses one); TimeoutError after ``timeout_s``."""
         if not self._idle.wait(timeout_s):
             raise TimeoutError(f"the engine did not finish its running generate call within {timeout_s:.0f}s")
+        self.engine.pause()
 
     def resume(self) -> None:
-        """Release held calls."""
+        """Resume the wrapped engine and release held calls."""
         self.engine.resume()
         self._resumed.set()
 

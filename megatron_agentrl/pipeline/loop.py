@@ -62,17 +62,19 @@ class RolloutSide:
 
     engine: what the training rollouts use: a BatchingEngine, or a VersionPool of them.
     engines: every BatchingEngine (for the busy-time counters).
-    env: the environments (in-process); train_env: the same, behind simulated latency when
-    ``pipeline.sim_env_latency_s > 0``. template, tasks, train/eval index splits, rng (SFT
-    demonstrations), task weights and per-task specs.
+    env: the env client (in-process, or the env controller over HTTP); train_env: the same,
+    behind simulated latency when ``pipeline.sim_env_latency_s > 0``. template; tasks: the
+    built-in Task objects (demonstrations for SFT); task_names (config order), train/eval index
+    splits, rng (SFT demonstrations), task weights and per-task specs.
     """
 
     engine: Any
     engines: list[BatchingEngine]
-    env: LocalEnvClient
+    env: Any
     train_env: Any
     template: ChatTemplate
     tasks: dict[str, Any]
+    task_names: list[str]
     train_indices: dict[str, list[int]]
     eval_indices: dict[str, list[int]]
     rng: random.Random
@@ -91,31 +93,112 @@ class RolloutSide:
         return sum(e.busy_seconds() for e in self.engines) / max(1, len(self.engines))
 
 
-def _build_rollout(cfg: Config, tokenizer: Any, hf_config: Any, dtype: torch.dtype) -> RolloutSide:
+def _controller_indices(client: Any, names: list[str], timeout_s: float) -> dict[str, list[int]]:
+    """Each task's sample indices from the env controller (``GET /api/get_indices``)."""
+
+    async def fetch() -> dict[str, list[int]]:
+        try:
+            out = {}
+            for name in names:
+                idx = await asyncio.wait_for(client.indices(name), timeout_s)
+                bad = [i for i in idx if isinstance(i, bool) or not isinstance(i, int)]
+                if bad:
+                    raise ConfigError(f"task '{name}' on the env controller has non-integer sample indices (e.g. "
+                                      f"{bad[0]!r}); the trainer needs integer indices")
+                out[name] = list(idx)
+            return out
+        finally:
+            await client.aclose()
+
+    try:
+        return asyncio.run(fetch())
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - unreachable controller, unknown task
+        raise ConfigError(f"env.controller_url={client.url!r}: cannot list the sample indices of the tasks "
+                          f"{names} ({e!r}); start the controller and its task workers, or clear env.controller_url "
+                          "to run the built-in tasks in process") from e
+
+
+def _build_env(cfg: Config) -> tuple[Any, dict[str, Any], dict[str, list[int]]]:
+    """The env client (in-process, or the env controller over HTTP when ``env.controller_url`` is set),
+    the built-in Task objects (for demonstrations), and every task's sample indices."""
+    from env_controller.tasks import TASKS
+
+    names = [s.name for s in cfg.tasks]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ConfigError(f"tasks: '{dup}' is listed twice; list each task once (use its weight to sample it more)")
     tasks: dict[str, Any] = {}
     for spec in cfg.tasks:
-        if spec.name in tasks:
-            raise ConfigError(f"tasks: '{spec.name}' is listed twice; list each task once (use its weight to sample it more)")
-        tasks[spec.name] = build_task(spec.name, **spec.params)
+        if spec.name in TASKS and (not cfg.env.controller_url or cfg.sft.steps):
+            tasks[spec.name] = build_task(spec.name, **spec.params)
+    if cfg.env.controller_url:
+        from env_controller.client import HttpEnvClient
+
+        if cfg.sft.steps and len(tasks) < len(names):
+            remote = [n for n in names if n not in tasks]
+            raise ConfigError(f"sft.steps={cfg.sft.steps}: the tasks {remote} run behind the env controller and have "
+                              "no scripted demonstrations here; set sft.steps=0 or list only built-in tasks")
+        client = HttpEnvClient(cfg.env.controller_url, token=cfg.env.token or None,
+                               timeout_s=cfg.pipeline.env_timeout_s)
+        indices = _controller_indices(client, names, cfg.pipeline.env_timeout_s)
+        logger.info("environments: env controller %s", client.url)
+        return client, tasks, indices
+    unknown = [n for n in names if n not in tasks]
+    if unknown:
+        raise ConfigError(f"tasks {unknown} are not built-in tasks (built-in: {', '.join(sorted(TASKS))}); set "
+                          "env.controller_url to the env controller that serves them")
+    return LocalEnvClient(tasks, timeout_s=cfg.pipeline.env_timeout_s), tasks, \
+        {n: list(t.indices()) for n, t in tasks.items()}
+
+
+def remote_engine_slots(cfg: Config) -> list[list[Any]] | None:
+    """SGLang engine clients per version slot when the launcher started engine servers (the
+    ``AGENTRL_ROLLOUT_ENGINES`` hand-off of ``megatron_agentrl.launch.ray_placement``); None when
+    the rollout runs on local engines. Built on every rank (each is a small HTTP client)."""
+    from megatron_agentrl.launch.ray_placement import ENGINES_ENV, rollout_engines_from_env
+
+    urls = rollout_engines_from_env()
+    if not urls:
+        return None
+    if len(urls) != cfg.rollout.max_versions or any(len(s) != cfg.rollout.engines_per_slot for s in urls):
+        raise ConfigError(f"{ENGINES_ENV} lists {[len(s) for s in urls]} engines per slot, but the config asks for "
+                          f"rollout.max_versions={cfg.rollout.max_versions} slots of rollout.engines_per_slot="
+                          f"{cfg.rollout.engines_per_slot}; launch with the same config")
+    from rollout_sglang.sglang_engine import SGLangEngine
+
+    r = cfg.rollout
+    return [[SGLangEngine(u, request_timeout_s=r.engine_timeout_s, update_timeout_s=r.weight_sync_bucket_timeout_s)
+             for u in slot] for slot in urls]
+
+
+def _build_rollout(cfg: Config, tokenizer: Any, hf_config: Any, dtype: torch.dtype,
+                   remote: list[list[Any]] | None = None) -> RolloutSide:
+    env, tasks, indices = _build_env(cfg)
     train_idx, eval_idx = {}, {}
-    for name, task in tasks.items():
-        idx = list(task.indices())
+    for name, idx in indices.items():
         n_eval = cfg.eval.samples_per_task
         if n_eval >= len(idx):
             raise ConfigError(f"eval.samples_per_task={n_eval} leaves no training samples for task '{name}' ({len(idx)} samples); lower it")
         train_idx[name], eval_idx[name] = (idx[:-n_eval], idx[-n_eval:]) if n_eval else (idx, [])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n = cfg.rollout.max_versions * cfg.rollout.engines_per_slot
-    engines = [BatchingEngine(LocalEngine(hf_config, dtype=dtype, device=device, seed=cfg.train.seed + i,
-                                          resume_timeout_s=cfg.rollout.engine_timeout_s),
-                              resume_timeout_s=cfg.rollout.engine_timeout_s) for i in range(n)]
+    if remote is not None:
+        for c in (c for slot in remote for c in slot):
+            c.wait_healthy(cfg.rollout.engine_startup_timeout_s)
+        engines = [BatchingEngine(c, resume_timeout_s=cfg.rollout.engine_timeout_s) for slot in remote for c in slot]
+        logger.info("rollout engines: %s", [[c.base_url for c in slot] for slot in remote])
+    else:
+        engines = [BatchingEngine(LocalEngine(hf_config, dtype=dtype, device=device, seed=cfg.train.seed + i,
+                                              resume_timeout_s=cfg.rollout.engine_timeout_s),
+                                  resume_timeout_s=cfg.rollout.engine_timeout_s) for i in range(n)]
     if n == 1:
         engine: Any = engines[0]
     else:
         engine = VersionPool.from_engines(engines, cfg.rollout.max_versions, cfg.rollout.engines_per_slot,
                                           policy=cfg.rollout.cross_policy, recency_decay=cfg.rollout.recency_decay,
                                           seed=cfg.train.seed, drain_timeout_s=cfg.rollout.engine_timeout_s)
-    env = LocalEnvClient(tasks, timeout_s=cfg.pipeline.env_timeout_s)
     p = cfg.pipeline
     train_env: Any = env
     if p.sim_env_latency_s > 0:
@@ -123,8 +206,8 @@ def _build_rollout(cfg: Config, tokenizer: Any, hf_config: Any, dtype: torch.dty
                                      seed=cfg.train.seed)
     return RolloutSide(
         engine=engine, engines=engines, env=env, train_env=train_env, template=ChatTemplate(tokenizer), tasks=tasks,
-        train_indices=train_idx, eval_indices=eval_idx, rng=random.Random(cfg.train.seed),
-        weights=[s.weight for s in cfg.tasks], specs={s.name: s for s in cfg.tasks},
+        task_names=[s.name for s in cfg.tasks], train_indices=train_idx, eval_indices=eval_idx,
+        rng=random.Random(cfg.train.seed), weights=[s.weight for s in cfg.tasks], specs={s.name: s for s in cfg.tasks},
     )
 
 
@@ -157,7 +240,7 @@ def _sft_warmup(cfg: Config, actor: MegatronActor, ro: RolloutSide | None, metri
     for step in range(1, cfg.sft.steps + 1):
         batch = None
         if ro is not None:
-            names = list(ro.tasks)
+            names = ro.task_names
             examples = []
             for _ in range(cfg.sft.batch_size):
                 task = ro.rng.choices(names, weights=ro.weights)[0]
@@ -238,7 +321,7 @@ def _resolve_resume(cfg: Config, ckpt_root: Path) -> Path | None:
 def _make_manager(cfg: Config, ro: RolloutSide, version: int) -> RolloutManager:
     sync = cfg.pipeline.mode == "sync"
     B = cfg.rollout.prompts_per_step
-    sampler = PromptSampler(list(ro.tasks), ro.weights, ro.train_indices, cfg.rollout.samples_per_prompt,
+    sampler = PromptSampler(ro.task_names, ro.weights, ro.train_indices, cfg.rollout.samples_per_prompt,
                             seed=cfg.train.seed)
     cohort = cfg.pipeline.cohort_groups or (B if sync else 1)
     return RolloutManager(
@@ -307,18 +390,24 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
     resume = _resolve_resume(cfg, ckpt_root)
     ro: RolloutSide | None = None
     metrics: MetricsLogger | None = None
+    remote = remote_engine_slots(cfg)
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         import yaml
 
         (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-        ro = _build_rollout(cfg, tokenizer, hf_config, dtype)
+        ro = _build_rollout(cfg, tokenizer, hf_config, dtype, remote)
         metrics = MetricsLogger(out)
-        logger.info("output_dir: %s | mode: %s | tasks: %s | model: %s", out, cfg.pipeline.mode, ", ".join(ro.tasks),
+        logger.info("output_dir: %s | mode: %s | tasks: %s | model: %s", out, cfg.pipeline.mode, ", ".join(ro.task_names),
                     _describe(hf_config))
     task_names = [s.name for s in cfg.tasks]
-    publisher = WeightPublisher(actor, ro.engine if ro is not None else None, cfg.rollout.weight_sync_bucket_mb,
-                                timeout_s=cfg.rollout.engine_timeout_s)
+    r = cfg.rollout
+    publisher = WeightPublisher(
+        actor, ro.engine if ro is not None else None, r.weight_sync_bucket_mb, timeout_s=r.engine_timeout_s,
+        remote_slots=remote,
+        sender_kwargs={"init_timeout_s": r.weight_sync_init_timeout_s, "bucket_timeout_s": r.weight_sync_bucket_timeout_s,
+                       "checksum": r.weight_sync_checksum},
+    )
     trainer = Trainer(actor, cfg, task_names)
 
     state: dict[str, Any] | None = None
@@ -413,6 +502,7 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
     rl_wall = time.perf_counter() - t_rl
 
     after = evaluate(cfg, ro, seed=cfg.train.seed + 1) if rank0 else {}
+    publisher.close()
     final_state = actor.export_hf_state_dict()
     summary: dict[str, Any] = {}
     if rank0:

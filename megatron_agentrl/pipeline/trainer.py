@@ -87,28 +87,46 @@ class Trainer:
 class WeightPublisher:
     """Pushes the actor's weights to the rollout engines (see the module doc).
 
-    actor: the MegatronActor (every rank calls :meth:`push`: the export is collective).
+    actor: the MegatronActor (every rank calls :meth:`push`: it is collective).
     target: on rank 0 the engine (ideally a BatchingEngine) or VersionPool; None elsewhere.
     bucket_mb: bucket size of the hand-over, MiB. timeout_s: limit on waiting for a running
-    generate call to end before the update.
+    generate call to end (or a pool slot to drain) before the update.
+    remote_slots: for engines in other processes (SGLang servers), on EVERY rank, the
+        weight-update targets (``SGLangEngine`` clients) of each version slot; the weights then
+        go over a weight-sync group (``megatron_agentrl.weight_sync.WeightSender``, NCCL on GPUs,
+        gloo on CPU) instead of in-process. ``sender_kwargs``: WeightSender options.
     """
 
-    def __init__(self, actor: MegatronActor, target: Any, bucket_mb: float = 512, timeout_s: float = 600.0) -> None:
+    def __init__(self, actor: MegatronActor, target: Any, bucket_mb: float = 512, timeout_s: float = 600.0,
+                 remote_slots: list[list[Any]] | None = None, sender_kwargs: dict[str, Any] | None = None) -> None:
         self.actor = actor
         self.target = target
         self.bucket_bytes = max(1, int(bucket_mb * 1024 * 1024))
         self.timeout_s = float(timeout_s)
+        self.remote_slots = remote_slots
+        self.sender = None
+        if remote_slots is not None:
+            from megatron_agentrl.weight_sync import WeightSender
+
+            self.sender = WeightSender(actor, bucket_mb=bucket_mb, **(sender_kwargs or {}))
 
     def push(self, version: int, all_slots: bool = False) -> float:
-        """Export (collective) and load ``version`` into the engine / the oldest pool slot (every slot
-        with ``all_slots``). Returns seconds spent on this rank."""
+        """Send ``version`` to the engine / the oldest pool slot (every slot with ``all_slots``).
+        Collective over all trainer ranks. Returns seconds spent on this rank."""
+        t0 = time.perf_counter()
+        if self.sender is not None:
+            self._push_remote(version, all_slots)
+        else:
+            self._push_local(version, all_slots)
+        return time.perf_counter() - t0
+
+    def _push_local(self, version: int, all_slots: bool) -> None:
         from megatron_agentrl.weight_sync import deliver_direct
 
-        t0 = time.perf_counter()
         state = self.actor.export_hf_state_dict()
         target = self.target
         if target is None:
-            return time.perf_counter() - t0
+            return
         if isinstance(target, VersionPool):
             slots = list(range(len(target.slots))) if all_slots else [None]
             for s in slots:
@@ -119,15 +137,62 @@ class WeightPublisher:
                     target.abort_update(slot)
                     raise
                 target.end_update(slot)
+            return
+        self._pause(target)
+        try:
+            target.begin_weight_update(version, {})
+            deliver_direct([target], state.items(), self.bucket_bytes)  # a failure ends the run
+            target.end_weight_update()
+        finally:
+            target.resume()
+
+    def _pause(self, engine: Any) -> None:
+        engine.pause()
+        wait_idle = getattr(engine, "wait_idle", None)
+        if callable(wait_idle):
+            wait_idle(self.timeout_s)
+
+    def _push_remote(self, version: int, all_slots: bool) -> None:
+        target = self.target
+        n = len(self.remote_slots)
+        if is_rank0():
+            slots = list(range(n)) if all_slots or not isinstance(target, VersionPool) else [target.oldest_slot().index]
         else:
-            target.pause()
+            slots = None
+        slots = broadcast_object(slots)
+        for idx in slots:
+            opened, error = None, None
+            if target is not None:
+                try:
+                    if isinstance(target, VersionPool):
+                        opened = target.begin_update(version, slot=idx, timeout_s=self.timeout_s)
+                    else:
+                        self._pause(target)
+                        target.begin_weight_update(version, {})
+                        opened = target
+                except Exception as e:  # noqa: BLE001 - agreed on below, then raised
+                    error = e
+            failed = broadcast_object(error is not None)
+            if failed:
+                if opened is None and target is not None and not isinstance(target, VersionPool):
+                    target.resume()
+                raise RuntimeError(f"weight update of slot {idx} to version {version} could not start: {error!r}")
             try:
-                wait_idle = getattr(target, "wait_idle", None)
-                if callable(wait_idle):
-                    wait_idle(self.timeout_s)
-                target.begin_weight_update(version, {})
-                deliver_direct([target], state.items(), self.bucket_bytes)  # a failure ends the run
+                self.sender.sync(version, slot_key=idx, targets=self.remote_slots[idx])
+            except BaseException:
+                if isinstance(target, VersionPool):
+                    target.abort_update(opened)
+                elif target is not None:
+                    getattr(target.engine if hasattr(target, "engine") else target, "abort_weight_update", lambda: None)()
+                    target.resume()
+                raise
+            if isinstance(target, VersionPool):
+                target.end_update(opened)
+            elif target is not None:
                 target.end_weight_update()
-            finally:
                 target.resume()
-        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Close the weight-sync groups (remote engines)."""
+        if self.sender is not None:
+            self.sender.close()

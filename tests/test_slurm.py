@@ -270,6 +270,8 @@ def test_flags_are_validated(tmp_path: Path) -> None:
         build_job(cfg, ROOT / "examples/configs/tiny_cpu.yaml", [], time="soon")
     with pytest.raises(ValueError, match="slurm.nodes=0"):
         build_job(cfg, ROOT / "examples/configs/tiny_cpu.yaml", [], nodes=0)
+    with pytest.raises(ValueError, match="--partition 'gpu normal' has a space"):
+        build_job(cfg, ROOT / "examples/configs/tiny_cpu.yaml", [], partition="gpu normal")
     job = build_job(cfg, ROOT / "examples/configs/tiny_cpu.yaml", ["train.steps=3"], ray=False)
     script = render_sbatch(job)
     assert "ray start" not in script and "torch.distributed.run" in script and "train.steps=3" in script

@@ -206,10 +206,11 @@ def check_run(cfg: Config, config_path: str, overrides: list[str], *, reference_
             report.add(OK, "layout", f"TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']} train ranks; {lay['rollout_slots']} "
                        f"version slots x {lay['engines_per_slot']} engines x {lay['gpus_per_engine']} GPUs"
                        + (f"; {total} GPUs in {s.nodes} node(s)" if total else ""))
-            problems = plan.problems()
-            for p in problems:
-                report.add(FAIL, "memory" if "GiB" in p else "pools vs allocation", p)
-            if not any("GiB" in p for p in problems):
+            for p in plan.layout_problems:
+                report.add(FAIL, "pools vs allocation", p)
+            for p in plan.memory_problems():
+                report.add(FAIL, "memory", p)
+            if not plan.memory_problems():
                 detail = f"train ~{plan.train_total_gib:.1f} GiB per GPU"
                 if plan.rollout:
                     detail += f", rollout ~{plan.rollout_total_gib:.1f} GiB per GPU"

@@ -119,9 +119,9 @@ class MemoryPlan:
         """Everything a rollout-pool GPU holds (0 without a rollout pool)."""
         return sum(self.rollout.values())
 
-    def problems(self) -> list[str]:
-        """What does not fit, one sentence each with the fix; empty when the layout fits."""
-        out = list(self.layout_problems)
+    def memory_problems(self) -> list[str]:
+        """The pools that do not fit in ``gpu_memory_gib``, one sentence each with the fix."""
+        out = []
         if self.train_total_gib > self.gpu_memory_gib:
             out.append(f"train pool needs ~{self.train_total_gib:.1f} GiB per GPU, more than {self.gpu_memory_gib:.0f} GiB: "
                        "raise parallel.tp or parallel.pp, or lower train.micro_batch_size / rollout.max_total_tokens")
@@ -129,6 +129,10 @@ class MemoryPlan:
             out.append(f"rollout engines need ~{self.rollout_total_gib:.1f} GiB per GPU, more than {self.gpu_memory_gib:.0f} GiB: "
                        "raise ray.rollout_gpus_per_engine, or lower the sequences in flight per engine")
         return out
+
+    def problems(self) -> list[str]:
+        """Everything that does not fit (pools vs allocation, then memory); empty when the layout fits."""
+        return self.layout_problems + self.memory_problems()
 
 
 def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 80.0,

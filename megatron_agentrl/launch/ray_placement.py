@@ -237,7 +237,7 @@ class TrainWorker(_Placed):
             os.environ["LOCAL_RANK"] = "0"  # Ray shows this actor its one GPU only
         from megatron_agentrl import cli
 
-        cli._train(config_path, overrides)
+        cli._train(config_path, overrides)  # the entry point every rank of `agentrl train` runs
 
 
 class EnvControllerActor(_Placed):
@@ -248,14 +248,14 @@ class EnvControllerActor(_Placed):
         self._controller = None
         self._thread: threading.Thread | None = None
 
-    def start(self, port: int, token: str | None, timeout_s: float = 60.0) -> str:
-        """Serve on all interfaces at ``port`` (0 = free) in a background thread; return its API URL."""
+    def start(self, port: int, token: str, timeout_s: float = 60.0) -> str:
+        """Serve on all interfaces at ``port`` (0 = free), every request needing ``token``, in a
+        background thread; return its API URL."""
         import asyncio
 
         from env_controller.controller import Controller, ControllerConfig
 
-        host = "0.0.0.0" if token else "127.0.0.1"
-        self._controller = Controller(ControllerConfig(host=host, port=port, token=token))
+        self._controller = Controller(ControllerConfig(host="0.0.0.0", port=port, token=token))
         started = threading.Event()
         errors: list[BaseException] = []
 
@@ -274,8 +274,7 @@ class EnvControllerActor(_Placed):
         self._thread.start()
         if not started.wait(timeout_s) or errors:
             raise RayLaunchError(f"the env controller did not start on port {port}: {errors[0] if errors else 'timeout'}")
-        ip = _node_ip() if token else "127.0.0.1"
-        return f"http://{ip}:{self._controller.port}/api"
+        return f"http://{_node_ip()}:{self._controller.port}/api"
 
     def ping(self) -> bool:
         """True while the controller's thread runs."""
@@ -398,7 +397,6 @@ class RayRun:
         if not model:
             raise ConfigError("ray.rollout_gpus_per_engine > 0 needs model.checkpoint (the HF weights the engines serve)")
         log_dir = str(Path(self.cfg.output_dir).resolve() / "ray" / "engine_logs")
-        dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[self.cfg.model.dtype]
         refs: list[list[Any]] = []
         for slot in range(ro.max_versions):
             refs.append([])
@@ -407,7 +405,7 @@ class RayRun:
                     f"rollout_slot{slot}", i, r.rollout_cpus_per_engine, r.rollout_gpus_per_engine,
                     f"engine_s{slot}_{i}")).remote()
                 self._add("engine", f"rollout engine {i} of version slot {slot}", actor)
-                refs[-1].append(actor.start.remote(str(model), r.engine_server_module, dtype,
+                refs[-1].append(actor.start.remote(str(model), r.engine_server_module, self.cfg.model.dtype,
                                                    ro.engine_startup_timeout_s, log_dir))
         urls = [ray.get(slot_refs, timeout=ro.engine_startup_timeout_s + 60) for slot_refs in refs]
         logger.info("rollout engines: %s", urls)

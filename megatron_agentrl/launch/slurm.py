@@ -94,6 +94,13 @@ def build_job(cfg: Config, config_path: str | os.PathLike, overrides: list[str],
     script_dir = str((out if out.is_absolute() else Path(workdir) / out) / "slurm")
     if python is None:
         python = "python3" if slurm.container_image else sys.executable
+    # #SBATCH lines are not parsed by a shell: their values must be plain words
+    for what, value in (("--job-name", slurm.job_name), ("--partition", slurm.partition),
+                        ("--account", slurm.account), ("the working directory", workdir),
+                        ("output_dir", script_dir)):
+        if re.search(r"[\s'\"#$`\\]", value):
+            raise ConfigError(f"{what} {value!r} has a space, quote or shell character, which an #SBATCH line cannot "
+                              "carry; use a plain name or path")
     return SlurmJob(slurm=slurm, config_path=str(Path(config_path).resolve()), overrides=list(overrides),
                     workdir=workdir, script_dir=script_dir, python=python)
 
@@ -105,21 +112,21 @@ def _q(value: object) -> str:
 def render_sbatch(job: SlurmJob) -> str:
     """The sbatch script of ``job`` (bash). Pure: reads nothing, runs nothing."""
     s = job.slurm
-    head = ["#!/bin/bash", f"#SBATCH --job-name={_q(s.job_name)}", f"#SBATCH --nodes={s.nodes}",
+    head = ["#!/bin/bash", f"#SBATCH --job-name={s.job_name}", f"#SBATCH --nodes={s.nodes}",
             "#SBATCH --ntasks-per-node=1"]
     if s.gpus_per_node:
         head.append(f"#SBATCH --gpus-per-node={s.gpus_per_node}")
     if s.cpus_per_node:
         head.append(f"#SBATCH --cpus-per-task={s.cpus_per_node}")
     if s.partition:
-        head.append(f"#SBATCH --partition={_q(s.partition)}")
+        head.append(f"#SBATCH --partition={s.partition}")
     if s.account:
-        head.append(f"#SBATCH --account={_q(s.account)}")
+        head.append(f"#SBATCH --account={s.account}")
     if s.time:
         head.append(f"#SBATCH --time={s.time}")
     if s.exclusive:
         head.append("#SBATCH --exclusive")
-    head += [f"#SBATCH --output={_q(job.log_path)}", f"#SBATCH --chdir={_q(job.workdir)}"]
+    head += [f"#SBATCH --output={job.log_path}", f"#SBATCH --chdir={job.workdir}"]
     head += [f"#SBATCH {arg}" for arg in s.sbatch_args]
     container = []
     if s.container_image:

@@ -93,6 +93,15 @@ def engine_main(conn, layers: int) -> None:
     server.stop()
 
 
+def cpu_pressure() -> float | None:
+    """Linux PSI: % of the last 10 s in which some runnable task waited for a CPU (None if unavailable)."""
+    try:
+        first = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        return float(first.split("avg10=")[1].split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def make_state(cfg) -> dict[str, torch.Tensor]:
     """The trainer's HF state dict (bf16), each tensor filled with its own constant (cheap, checkable)."""
     model = build_uninitialised(cfg, torch.bfloat16)
@@ -167,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
         assert stats.bytes == nbytes, (stats.bytes, nbytes)
         return t
 
+    psi0 = cpu_pressure()
     raw()  # warm-up: connections, receive buffers
     bucketed(0)
     raw_s, bucket_s = [], []
@@ -177,12 +187,13 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             bucket_s.append(bucketed(r + 1))
             raw_s.append(raw())
+    psi1 = cpu_pressure()
     parent.send("check")
     sums = parent.recv()
     bad = [k for k, v in state.items() if abs(sums[k] - float(v.float().sum())) > 1e-3 * max(1.0, abs(sums[k]))]
+    sender.close()
     parent.send("stop")
     proc.join(30)
-    sender.close()
     pool.shutdown()
 
     # bandwidth of each path from its best run (noise on a shared machine only ever adds time);
@@ -197,7 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{'path':<34} {'buckets':>7} {'best s':>7} {'median s':>9} {'GB/s':>6}   runs (s)")
     for name, nb, best, med, bw, runs in rows:
         print(f"{name:<34} {nb:>7} {best:>7.3f} {med:>9.3f} {bw:>6.2f}   {', '.join(f'{x:.3f}' for x in runs)}")
-    print(f"median of per-pair ratios (raw s / bucketed s): {pair_ratio:.3f}")
+    print(f"median of per-pair ratios (raw s / bucketed s): {pair_ratio:.3f}; load average {os.getloadavg()[0]:.1f}, "
+          f"CPU pressure (PSI some avg10) {psi0}% before, {psi1}% after")
     print(f"weights verified on the engine: {'yes' if not bad else 'NO, mismatched: ' + ', '.join(bad[:5])}")
     result = {
         "bench": "weight_sync", "model": f"qwen2.5-0.5b shapes, {args.layers} layers", "parameters": params,
@@ -207,6 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
         "raw_s": raw_s, "bucketed_s": bucket_s, "raw_gb_per_s_best": raw_bw, "bucketed_gb_per_s_best": bucket_bw,
         "weight_sync_bandwidth_ratio": ratio, "median_pair_ratio": pair_ratio, "weights_verified": not bad,
         "load_average_1m": os.getloadavg()[0],
+        "cpu_pressure_some_avg10_pct_before": psi0, "cpu_pressure_some_avg10_pct_after": psi1,
         "host": {"cpus": mp.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

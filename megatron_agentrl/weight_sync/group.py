@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
 import time
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 
+GLOO_THREADS = int(os.environ.get("AGENTRL_GLOO_THREADS", "2"))  # gloo worker threads per group (torch's default: 2)
 _GRAVEYARD: list[list] = []  # backends of groups that timed out (see WeightGroup.close)
 
 
@@ -150,7 +152,11 @@ def init_weight_group(
         device = "cuda" if backend == "nccl" else "cpu"
         prefixed = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
         if backend == "gloo":
-            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._threads = GLOO_THREADS
+            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
         else:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout

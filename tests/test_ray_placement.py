@@ -110,8 +110,9 @@ def _tiny_hf_checkpoint(path: Path) -> Path:
 
 
 def test_train_on_ray_with_controller_and_engine_actors(cluster: Cluster, tmp_path: Path) -> None:
-    """A tiny run on Ray: the env controller and one rollout engine (the SGLang stand-in, launched
-    the way SGLang is) as actors in their own placement groups, the trainer in the train pool."""
+    """A tiny run on Ray: the env controller (with workers for the built-in tasks) and one rollout
+    engine (the SGLang stand-in, launched the way SGLang is) as actors in their own placement
+    groups, the trainer in the train pool; the episodes go through both over HTTP."""
     ckpt = _tiny_hf_checkpoint(tmp_path / "hf")
     overrides = [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, "train.steps=1",
                  f"model.checkpoint={ckpt}", "ray.controller=true", "ray.controller_port=0",

@@ -241,52 +241,64 @@ class TrainWorker(_Placed):
 
 
 class EnvControllerActor(_Placed):
-    """The env controller (``env_controller.controller.Controller``) served from a Ray actor."""
+    """The env controller (``env_controller.controller.Controller``) served from a Ray actor, with a
+    task worker (``env_controller.worker_server.WorkerServer``) for each built-in task of the run;
+    other tasks' workers (AgentBench-FC's, say) register with it themselves."""
 
     def __init__(self) -> None:
-        self._loop = None
-        self._controller = None
-        self._thread: threading.Thread | None = None
+        import asyncio
 
-    def start(self, port: int, token: str, timeout_s: float = 60.0) -> str:
-        """Serve on all interfaces at ``port`` (0 = free), every request needing ``token``, in a
-        background thread; return its API URL."""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="env-controller", daemon=True)
+        self._thread.start()
+        self._controller: Any = None
+        self._workers: list[Any] = []
+
+    def _run(self, coro: Any, timeout_s: float) -> Any:
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)
+
+    def start(self, port: int, token: str, builtin_tasks: list[tuple[str, dict[str, Any]]],
+              timeout_s: float = 120.0) -> str:
+        """Serve on all interfaces at ``port`` (0 = free), every request needing ``token``; start a
+        worker for each ``(task name, params)`` and wait until the controller accepted its heartbeat.
+        Returns the controller's API URL."""
         import asyncio
 
         from env_controller.controller import Controller, ControllerConfig
+        from env_controller.tasks import build_task
+        from env_controller.worker_server import WorkerServer
 
         self._controller = Controller(ControllerConfig(host="0.0.0.0", port=port, token=token))
-        started = threading.Event()
-        errors: list[BaseException] = []
-
-        def serve() -> None:
-            self._loop = asyncio.new_event_loop()
+        try:
+            self._run(self._controller.start(), timeout_s)
+        except Exception as e:  # noqa: BLE001 - reported to the launcher
+            raise RayLaunchError(f"the env controller did not start on port {port}: {e}") from None
+        local = f"http://127.0.0.1:{self._controller.port}/api"
+        for name, params in builtin_tasks:
+            worker = WorkerServer(build_task(name, **params), controller_url=local, host="127.0.0.1", port=0,
+                                  token=token)
+            self._run(worker.start(), timeout_s)
+            self._workers.append(worker)
             try:
-                self._loop.run_until_complete(self._controller.start())
-            except BaseException as e:  # noqa: BLE001 - reported to the caller
-                errors.append(e)
-                started.set()
-                return
-            started.set()
-            self._loop.run_forever()
-
-        self._thread = threading.Thread(target=serve, name="env-controller", daemon=True)
-        self._thread.start()
-        if not started.wait(timeout_s) or errors:
-            raise RayLaunchError(f"the env controller did not start on port {port}: {errors[0] if errors else 'timeout'}")
+                self._run(asyncio.wait_for(worker.heartbeat_ok.wait(), timeout_s), timeout_s + 5)
+            except Exception:  # noqa: BLE001
+                raise RayLaunchError(f"the worker of task '{name}' did not register with the env controller "
+                                     f"within {timeout_s:g}s") from None
         return f"http://{_node_ip()}:{self._controller.port}/api"
 
     def ping(self) -> bool:
-        """True while the controller's thread runs."""
-        return bool(self._thread and self._thread.is_alive())
+        """True while the controller's event loop runs."""
+        return self._thread.is_alive()
 
     def stop(self) -> None:
-        """Stop serving."""
-        import asyncio
-
-        if self._loop is not None and self._controller is not None:
-            asyncio.run_coroutine_threadsafe(self._controller.stop(), self._loop).result(timeout=30)
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        """Stop the workers, then the controller, then the loop."""
+        for worker in self._workers:
+            self._run(worker.stop(), 30)
+        if self._controller is not None and self._controller.port is not None:
+            self._run(self._controller.stop(), 30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
 
 
 class RolloutEngineActor(_Placed):
@@ -384,8 +396,12 @@ class RayRun:
         actor = _remote(EnvControllerActor).options(**self._options("env_controller", 0, r.controller_cpus, 0,
                                                                      "env_controller")).remote()
         self._add("controller", "the env controller", actor)
-        url = ray.get(actor.start.remote(r.controller_port, token), timeout=120)
-        logger.info("env controller: %s (workers register there with the token in $AGENTRL_CONTROLLER_TOKEN)", url)
+        from env_controller.tasks import TASKS
+
+        builtin = [(t.name, t.params) for t in self.cfg.tasks if t.name in TASKS]
+        url = ray.get(actor.start.remote(r.controller_port, token, builtin), timeout=300)
+        logger.info("env controller: %s, serving the built-in tasks %s; other task workers register there with the "
+                    "token in $AGENTRL_CONTROLLER_TOKEN", url, [n for n, _ in builtin] or "none")
         return url
 
     def start_engines(self) -> list[list[str]]:

@@ -103,7 +103,7 @@ def _overrides(args: argparse.Namespace, mode: str, out: Path, cohort: int = 0) 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=8, help="RL steps per mode")
+    p.add_argument("--steps", type=int, default=12, help="RL steps per mode")
     p.add_argument("--prompts", type=int, default=4, help="groups per step (rollout.prompts_per_step)")
     p.add_argument("--group", type=int, default=4, help="samples per group (rollout.samples_per_prompt)")
     p.add_argument("--staleness", type=int, default=1, help="eta of the async mode")

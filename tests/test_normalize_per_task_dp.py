@@ -82,3 +82,52 @@ def test_two_dp_ranks_equal_one():
         whole = normalize_per_task(adv, mask, task_ids, eps=EPS)
         assert torch.allclose(torch.cat(parts), whole, atol=1e-6)
         assert torch.allclose(torch.cat(parts), _reference(adv, mask, task_ids, EPS), atol=1e-5)
+
+
+def _trainer_step(rank: int, world: int) -> dict[str, float]:
+    """The training step (Trainer.step: DP split, per-task normalization over the DP group, one
+    optimizer step) on 2 DP ranks and on one DP rank (TP=2) from the same weights and batch."""
+    from transformers import Qwen2Config
+
+    from megatron.core import parallel_state
+
+    from megatron_agentrl.config import Config, TrainConfig
+    from megatron_agentrl.megatron.actor import MegatronActor, TrainBatch
+    from megatron_agentrl.megatron.parallel import initialize_parallel
+    from megatron_agentrl.pipeline.batch import RLBatch
+    from megatron_agentrl.pipeline.trainer import Trainer
+
+    hf = Qwen2Config(vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+                     rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    adv, mask, task_ids = _inputs(5)
+    g = torch.Generator().manual_seed(9)
+    tokens = torch.randint(1, 120, adv.shape, generator=g)
+    batch = TrainBatch(tokens, mask, -torch.rand(adv.shape, generator=g) * mask, adv)
+    rl = RLBatch(batch, task_ids, torch.zeros(adv.shape[0]), torch.zeros(adv.shape[0]))
+    cfg = Config()
+    cfg.train = TrainConfig(micro_batch_size=4, tis_cap=2.0, lr=1e-2)
+    out = {}
+    state = None
+    for tp in (1, 2):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        initialize_parallel(tp, 1, seed=3, timeout_s=60)
+        torch.manual_seed(0)
+        actor = MegatronActor(hf, cfg.train)
+        if state is None:
+            state = actor.export_hf_state_dict()
+        else:
+            actor.load_hf_state_dict(state)
+        stats = Trainer(actor, cfg, ["t0", "t1", "t2", "t3", "t4"]).step(rl if rank == 0 else None)
+        after = actor.export_hf_state_dict()
+        out[f"dp{actor.dp}"] = (stats["loss"], stats["grad_norm"], after)
+    (l2, n2, w2), (l1, n1, w1) = out["dp2"], out["dp1"]
+    return {"loss": abs(l2 - l1), "norm": abs(n2 - n1) / n1, "weights": max(float((w2[k] - w1[k]).abs().max()) for k in w1),
+            "loss_value": l1}
+
+
+def test_trainer_step_two_dp_ranks_equal_one():
+    out = run_distributed(_trainer_step, 2, timeout_s=90)[0]
+    assert out["loss"] < 1e-6 and out["norm"] < 1e-5 and out["weights"] < 1e-5, out  # Adam, lr 1e-2: fp32 reduction order
+    assert out["loss_value"] != 0.0

@@ -9,7 +9,8 @@ join) is set. :func:`run_on_ray`:
    ``rollout_slot{i}`` for each version slot ``i < rollout.max_versions`` (one bundle per engine of
    ``ray.rollout_gpus_per_engine`` GPUs) and ``env_controller``; a layout the cluster cannot hold
    fails within ``ray.placement_timeout_s`` with what was asked and what is there;
-3. starts the actors in their bundles: the env controller (:class:`EnvControllerActor`), one
+3. starts the actors in their bundles: the env controller with a worker for each built-in task
+   of the run (:class:`EnvControllerActor`; other task workers register with it), one
    engine server per rollout bundle (:class:`RolloutEngineActor`, ``python -m
    ray.engine_server_module``: SGLang's server), then the trainer ranks (:class:`TrainWorker`),
    which rendezvous through torch.distributed (rank 0's node and a free port) and each run the
@@ -21,7 +22,7 @@ join) is set. :func:`run_on_ray`:
    is released on every way out.
 
 Hand-off to the training code (which runs in the trainer actors): the controller URL goes in the
-override ``env.controller_url``; the engine URLs, one list per version slot, go in the environment
+override ``env.controller_url`` (its token in ``$AGENTRL_CONTROLLER_TOKEN``); the engine URLs, one list per version slot, go in the environment
 variable ``AGENTRL_ROLLOUT_ENGINES`` (JSON, read with :func:`rollout_engines_from_env`) and in
 ``{output_dir}/ray/engines.json``.
 """

@@ -1,6 +1,6 @@
-"""Bucketed weight sync: buckets, the dedicated gloo group, and a TP=2 actor syncing one slot of engines.
+"""Bucketed weight sync: buckets, the dedicated gloo group, and a TP=2 / PP=2 actor syncing one slot of engines.
 
-The end-to-end case runs 3 processes: 2 trainer ranks (TP=2 Megatron actor) and one engine host
+The end-to-end case runs 3 processes: 2 trainer ranks (TP=2 or PP=2 Megatron actor) and one engine host
 running three SGLang stand-in servers (local engines): slot 0 = two engines, slot 1 = one. The
 trainer drives them exactly as it drives SGLang: HTTP control, gloo broadcast of flat buckets.
 """
@@ -202,7 +202,7 @@ def _wait_for(path: Path, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def _sync_case(rank: int, world: int, tmp: str, tied: bool) -> dict:
+def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int) -> dict:
     tmpdir = Path(tmp)
     cfg = _hf_config(tied)
     if rank == 2:  # the engine host: three stand-ins, slot 0 = engines 0 and 1, slot 1 = engine 2
@@ -235,7 +235,7 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool) -> dict:
     from rollout_sglang.sglang_engine import SGLangEngine
     from rollout_sglang.version_pool import VersionPool
 
-    initialize_parallel(2, 1, seed=11)
+    initialize_parallel(tp, pp, seed=11)
     actor = MegatronActor(cfg, TrainConfig())
     sender = WeightSender(actor, bucket_mb=0.05, init_timeout_s=60, bucket_timeout_s=60, checksum=True, backend="gloo",
                           small_tensor_bytes=4096)  # matrices one broadcast each, norms and biases packed
@@ -249,22 +249,34 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool) -> dict:
         slot = pool.begin_update(version=1)  # the oldest slot: slot 0 (tie on version 0 -> lowest index)
         box = [slot.index]
     dist.broadcast_object_list(box, src=0)
-    stats = sender.sync(1, slot_key=box[0], targets=pool.slots[box[0]].engines if pool is not None else None)
+    if pool is not None:
+        targets = pool.slots[box[0]].engines
+    else:  # another stage's source rank reaches the same servers with its own clients
+        targets = [SGLangEngine(u, update_timeout_s=60) for u in (urls[:2], urls[2:])[box[0]]]
+    stats = sender.sync(1, slot_key=box[0], targets=targets)
     result: dict = {"bytes": stats.bytes, "buckets": stats.buckets}
     if pool is not None:
         pool.end_update(box[0])
         result["pool_versions"] = pool.versions
         result["client_health"] = [c.health()["server_weight_version"] for c in pool.engines]
 
-    # the actor's own logits (vocab-parallel over TP -> gathered, padding stripped)
-    actor.ddp.eval()
-    with torch.no_grad():
-        toks = _tokens()
-        pos = torch.arange(toks.shape[1]).unsqueeze(0).expand_as(toks)
-        local = actor.model(toks, pos, None).float().contiguous()
-        parts = [torch.empty_like(local) for _ in range(actor.tp)]
-        dist.all_gather(parts, local, group=parallel_state.get_tensor_model_parallel_group())
-        result["logits"] = torch.cat(parts, dim=-1)[..., :VOCAB]
+    if pp == 1:  # the actor's own logits (vocab-parallel over TP -> gathered, padding stripped)
+        actor.ddp.eval()
+        with torch.no_grad():
+            toks = _tokens()
+            pos = torch.arange(toks.shape[1]).unsqueeze(0).expand_as(toks)
+            local = actor.model(toks, pos, None).float().contiguous()
+            parts = [torch.empty_like(local) for _ in range(actor.tp)]
+            dist.all_gather(parts, local, group=parallel_state.get_tensor_model_parallel_group())
+            result["logits"] = torch.cat(parts, dim=-1)[..., :VOCAB]
+    else:  # PP: the logits of the actor's weights, gathered over the stages (collective)
+        from transformers import Qwen2ForCausalLM
+
+        state = actor.export_hf_state_dict()
+        model = Qwen2ForCausalLM(cfg).eval()
+        model.load_state_dict(state, strict=False)
+        model.tie_weights()
+        result["logits"] = _engine_logits(type("E", (), {"model": model})())
     sender.close()
     destroy_parallel()
     if rank == 0:
@@ -272,12 +284,15 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool) -> dict:
     return result
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_tp2_actor_syncs_one_slot_and_leaves_the_other(tmp_path, tied):
-    trainer0, trainer1, host = run_distributed(_sync_case, 3, str(tmp_path), tied, timeout_s=240)
+@pytest.mark.parametrize("tp,pp,tied", [(2, 1, False), (1, 2, True)])
+def test_actor_syncs_one_slot_and_leaves_the_other(tmp_path, tp, pp, tied):
+    """TP=2: one source rank, the other TP rank only gathers; PP=2: each stage broadcasts its own
+    layers on its own group (the tied embedding from stage 0 only)."""
+    trainer0, trainer1, host = run_distributed(_sync_case, 3, str(tmp_path), tied, tp, pp, timeout_s=240)
     actor_logits = trainer0["logits"]
     assert torch.equal(actor_logits, trainer1["logits"])
-    assert trainer0["buckets"] > 1 and trainer1["bytes"] == 0  # tp_rank 1 only took part in the gathers
+    assert trainer0["buckets"] > 1
+    assert (trainer1["bytes"] > 0) == (pp == 2)  # a second stage sends its layers; a second TP rank does not
     assert trainer0["pool_versions"] == [1, 0]
     assert trainer0["client_health"] == ["1", "1", "0"]
     assert host["versions"] == [1, 1, 0]

@@ -133,11 +133,12 @@ def _grads_fixed_vs_budget(rank: int, world: int) -> dict[str, float]:
     out: dict[str, float] = {}
     ref_grads = None
     ref_loss = None
-    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+    # the reference: fixed micro-batches at TP=1 (DP=2); then the token budget at TP=1, TP=2, PP=2
+    for tp, pp, budgets in ((1, 1, (0, 60)), (2, 1, (60,)), (1, 2, (60,))):
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         initialize_parallel(tp, pp, seed=7, timeout_s=60)
-        for budget in (0, 60):
+        for budget in budgets:
             tcfg = TrainConfig(micro_batch_size=3, micro_batch_tokens=budget, tis_cap=2.0, kl_coef=0.1,
                                entropy_coef=0.01)
             torch.manual_seed(11)

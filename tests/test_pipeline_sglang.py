@@ -12,7 +12,6 @@ from dist_utils import run_distributed
 def _run(rank: int, world: int, out: str) -> dict:
     import os
 
-    import torch
 
     from megatron_agentrl.cli import _setup_logging
     from megatron_agentrl.config import load_config

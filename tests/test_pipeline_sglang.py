@@ -12,7 +12,6 @@ from dist_utils import run_distributed
 def _run(rank: int, world: int, out: str) -> dict:
     import os
 
-
     from megatron_agentrl.cli import _setup_logging
     from megatron_agentrl.config import load_config
     from megatron_agentrl.hf_io import load_hf_config, load_hf_weights

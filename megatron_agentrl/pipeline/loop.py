@@ -434,6 +434,10 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
         start_step = 0
 
     eta = cfg.pipeline.staleness if cfg.pipeline.mode == "async" else 0
+    if rank0 and (eta > 0 or cfg.rollout.cross_policy != "latest") and cfg.train.tis_cap == 0:
+        logger.warning("off-policy tokens (pipeline.staleness=%d, rollout.cross_policy=%s) with train.tis_cap=0: they "
+                       "are corrected only by the PPO clip against their behavior log-probs; set train.tis_cap "
+                       "(e.g. 2.0) for truncated importance weights", eta, cfg.rollout.cross_policy)
     manager: RolloutManager | None = None
     batches_log = None
     if rank0:

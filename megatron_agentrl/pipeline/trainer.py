@@ -68,9 +68,10 @@ class Trainer:
     def step(self, rl: RLBatch | None) -> dict[str, float]:
         """Train on ``rl`` (given on rank 0, None elsewhere). Collective over all ranks.
 
-        Returns the actor's stats (per-token averages over the global batch: ``loss``,
-        ``pg_loss``, ``clip_frac``, ``approx_kl``, ``is_weight``..., ``grad_norm``,
-        ``num_tokens``) plus ``train_tokens`` (all tokens of the global batch, padding excluded).
+        Returns the actor's stats: per-token averages over the global batch (``loss``,
+        ``pg_loss``, ``clip_frac``, ``approx_kl``, and as enabled ``is_weight``, ``is_truncated``,
+        ``kl_ref``, ``entropy``), ``grad_norm`` (before clipping), ``num_tokens`` (global policy
+        tokens) and ``num_micro_batches`` (this rank).
         """
         rl = broadcast_object(rl)
         a = self.actor

@@ -121,6 +121,22 @@ class WeightGroup:
             _GRAVEYARD.append(holder)
 
 
+def host_store(master_address: str, world_size: int, timeout_s: float, port: int | None = None,
+               attempts: int = 5) -> tuple[dist.TCPStore, int]:
+    """Rank 0's TCPStore on a free port of ``master_address`` (retrying when another process takes
+    the port first); returns ``(store, port)``. Create it before telling the engines the port."""
+    timeout = datetime.timedelta(seconds=float(timeout_s))
+    last: Exception | None = None
+    for _ in range(attempts if port is None else 1):
+        p = int(port) if port is not None else free_port(master_address if master_address not in ("0.0.0.0", "") else "127.0.0.1")
+        try:
+            return dist.TCPStore(master_address, p, world_size, is_master=True, timeout=timeout,
+                                 wait_for_workers=False), p
+        except (RuntimeError, dist.DistError) as e:  # EADDRINUSE: the port was taken meanwhile
+            last = e
+    raise RuntimeError(f"could not host the weight-sync store on {master_address}: {last}") from last
+
+
 def init_weight_group(
     master_address: str,
     master_port: int,
@@ -129,12 +145,14 @@ def init_weight_group(
     group_name: str,
     backend: str | None = None,
     timeout_s: float = 300.0,
+    store: dist.TCPStore | None = None,
 ) -> WeightGroup:
     """Join (rank 0: host) the weight-sync group; returns when all ``world_size`` ranks joined.
 
     backend: "gloo" or "nccl" (None: NCCL when CUDA is available). NCCL needs the current CUDA
-    device set. Raises WeightSyncTimeout when the other ranks do not join within ``timeout_s``,
-    ValueError for bad arguments (with the fix).
+    device set. store: rank 0's store from :func:`host_store` (None: created here). Raises
+    WeightSyncTimeout when the other ranks do not join within ``timeout_s``, ValueError for bad
+    arguments (with the fix).
     """
     backend = backend or default_backend()
     if backend not in ("gloo", "nccl"):
@@ -146,8 +164,9 @@ def init_weight_group(
     timeout = datetime.timedelta(seconds=float(timeout_s))
     t0 = time.monotonic()
     try:
-        store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0),
-                              timeout=timeout, wait_for_workers=False)
+        if store is None:
+            store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0),
+                                  timeout=timeout, wait_for_workers=False)
         # the prefixes of SGLang's init_custom_process_group + torch's _new_process_group_helper
         device = "cuda" if backend == "nccl" else "cpu"
         prefixed = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))

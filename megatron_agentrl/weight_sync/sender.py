@@ -23,7 +23,6 @@ Pausing the slot, the version stamp and cache flushing are the version pool's pa
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,7 +41,7 @@ from megatron_agentrl.weight_sync.buckets import (
     pack_into,
     tensors_checksum,
 )
-from megatron_agentrl.weight_sync.group import WeightGroup, WeightSyncTimeout, default_backend, free_port, init_weight_group
+from megatron_agentrl.weight_sync.group import WeightGroup, WeightSyncTimeout, default_backend, host_store, init_weight_group
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +192,7 @@ class BucketBroadcaster:
             return
         if self.group is not None:
             self.close_group()
-        port = free_port(self.master_address if self.master_address not in ("0.0.0.0", "") else "127.0.0.1")
+        store, port = host_store(self.master_address, self.world_size, self.init_timeout_s)
         futures, offset = [], 1
         for t in self.targets:
             futures.append((t, self._pool.submit(
@@ -202,7 +201,7 @@ class BucketBroadcaster:
             offset += int(t.num_ranks)
         try:
             self.group = init_weight_group(self.master_address, port, 0, self.world_size, self.group_name,
-                                           self.backend, self.init_timeout_s)
+                                           self.backend, self.init_timeout_s, store=store)
         except Exception as e:
             errors = self._collect(futures, timeout_s=1.0)
             raise WeightSyncError(f"weight-sync group {self.group_name!r} could not be formed: {e}"

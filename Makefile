@@ -1,5 +1,6 @@
 # The two commands of a fresh machine: `make demo` and `make test`.
-PY ?= python3.11
+# the Python that creates the venv (not exported: scripts use .venv/bin/python)
+BASE_PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -7,8 +8,8 @@ STAMP := $(VENV)/.installed
 .PHONY: install demo test test-all clean
 
 $(STAMP): setup.py constraints.txt
-	@command -v $(PY) >/dev/null || { echo "error: $(PY) not found; install Python 3.11 or run 'make PY=/path/to/python3.11 ...'"; exit 1; }
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@command -v $(BASE_PYTHON) >/dev/null || { echo "error: $(BASE_PYTHON) not found; install Python 3.11 or run 'make BASE_PYTHON=/path/to/python3.11 ...'"; exit 1; }
+	test -x $(BIN)/python || $(BASE_PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU build of torch first, so that nothing pulls the multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0

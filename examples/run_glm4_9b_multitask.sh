@@ -13,11 +13,11 @@
 #                             (default checkpoints/GLM-4-9B-0414-megatron-tp<TP>pp<PP>)
 #   AGENTRL_ENV_CONTROLLER_URL  the env controller the AgentBench-FC task workers register with
 #   SLURM_PARTITION, SLURM_ACCOUNT, CONTAINER_IMAGE   passed to the submission when set
-#   PY                        the Python with megatron-agentrl installed (default .venv/bin/python)
+#   AGENTRL_PYTHON            the Python with megatron-agentrl installed (default .venv/bin/python)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-PY="${PY:-$ROOT/.venv/bin/python}"
+PY="${AGENTRL_PYTHON:-$ROOT/.venv/bin/python}"
 [ -x "$PY" ] || PY="$(command -v python3)"
 CONFIG="${CONFIG:-$ROOT/examples/configs/glm4_9b_multitask.yaml}"
 REFERENCE_HF_CONFIG="$ROOT/examples/configs/glm4_9b_0414/config.json"

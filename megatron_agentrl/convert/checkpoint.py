@@ -369,7 +369,7 @@ def _check_family(ckpt_dir: Path, hf_config: Any) -> CheckpointInfo | None:
 
 
 # ---------------------------------------------------------------------- live model save / load
-def _sync_save_strategy() -> Any:
+def sync_save_strategy() -> Any:
     """megatron's ``torch_dist`` save strategy, written synchronously in this process.
 
     megatron-core's own writer (``FileSystemWriterAsync``) forks writer processes, which a
@@ -417,7 +417,7 @@ def save_megatron_checkpoint(model: Any, ckpt_dir: str | Path, hf_config: Any,
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     sd = model.sharded_state_dict()
-    dist_checkpointing.save(sd, str(root), sharded_strategy=_sync_save_strategy())
+    dist_checkpointing.save(sd, str(root), sharded_strategy=sync_save_strategy())
     if dist.get_rank() == 0:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         dtype = next(model.parameters()).dtype

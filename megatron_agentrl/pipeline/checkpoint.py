@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_agentrl.convert.checkpoint import sync_save_strategy
+
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
@@ -64,27 +66,6 @@ def _barrier() -> None:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _sync_save_strategy() -> Any:
-    """megatron's ``torch_dist`` save strategy written synchronously in this process (no forked
-    writer processes, which daemonic workers cannot start); same files as megatron's writer."""
-    import torch.distributed.checkpoint as dcp
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner,
-        TorchDistSaveShardedStrategy,
-        _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict,
-    )
-
-    class SyncTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
-        def save(self, sharded_state_dict: Any, checkpoint_dir: Path) -> None:
-            sd, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-            pyt = mcore_to_pyt_state_dict(sd, False)
-            dcp.save(pyt, storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
-                     planner=MCoreSavePlanner(flatten_state_dict=False, can_run_decentralized_global_plan=False))
-
-    return SyncTorchDistSaveStrategy("torch_dist", 1)
 
 
 def _ensure_optimizer_state(actor: Any) -> None:
@@ -198,7 +179,7 @@ def save_checkpoint(root: str | Path, step: int, actor: Any, pipeline_state: dic
         (d / "rng").mkdir()
     _barrier()
     sd, _ = _sharded_state(actor, for_load=False)
-    dist_checkpointing.save(sd, str(d / MODEL_DIR), sharded_strategy=_sync_save_strategy())
+    dist_checkpointing.save(sd, str(d / MODEL_DIR), sharded_strategy=sync_save_strategy())
     torch.save(_rng_state(), d / "rng" / f"rank_{_rank()}.pt")
     _barrier()
     if rank0:

@@ -211,6 +211,24 @@ class WorkerServer:
         if self.latency_s > 0:
             await asyncio.sleep(self.latency_s * random.uniform(0.5, 1.5))
 
+    async def _run_in(self, entry: Any, call: Any, what: str) -> Any:
+        """Run a task call as ``entry.running`` (so /api/cancel can stop it) and map its end:
+        the call's result; a CANCELLED reply when it was cancelled; a task-error reply when it
+        raised. Clears ``entry.running`` and ``entry.busy`` in every case."""
+        entry.running = asyncio.ensure_future(call)
+        try:
+            return await entry.running
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():
+                raise
+            return TaskReply(messages=[], status=SampleStatus.CANCELLED, finish=True)
+        except Exception as e:  # noqa: BLE001 - a task's failure ends its sample
+            return self._error_reply(what, e)
+        finally:
+            entry.running = None
+            entry.busy = False
+
     def _error_reply(self, what: str, exc: BaseException) -> TaskReply:
         if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
             logger.error("%s timed out after %g s", what, self.timeout_s)
@@ -250,20 +268,8 @@ class WorkerServer:
             await self._delay()
             return await asyncio.wait_for(self.task.start(index), self.timeout_s)
 
-        session: TaskSession | None = None
-        entry.running = asyncio.ensure_future(run())
-        try:
-            session, reply = await entry.running
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if me is not None and me.cancelling():
-                raise
-            reply = TaskReply(messages=[], status=SampleStatus.CANCELLED, finish=True)
-        except Exception as e:  # noqa: BLE001 - a task's failure ends its sample
-            reply = self._error_reply(f"start of {self.name!r} index {index!r} (session {sid})", e)
-        finally:
-            entry.running = None
-            entry.busy = False
+        result = await self._run_in(entry, run(), f"start of {self.name!r} index {index!r} (session {sid})")
+        session, reply = result if isinstance(result, tuple) else (None, result)
         if self._sessions.get(sid) is not entry:  # cancelled while starting
             await self._close(session, sid)
             reply = TaskReply(messages=[], status=SampleStatus.CANCELLED, finish=True)
@@ -296,20 +302,8 @@ class WorkerServer:
             await self._delay()
             return await asyncio.wait_for(session.interact(message), self.timeout_s)
 
-        entry.running = asyncio.ensure_future(run())
-        try:
-            reply = await entry.running
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if me is not None and me.cancelling():
-                raise
-            reply = TaskReply(messages=[], status=SampleStatus.CANCELLED, finish=True)
-        except Exception as e:  # noqa: BLE001 - a task's failure ends its sample
-            reply = self._error_reply(f"interact of {self.name!r} session {sid}", e)
-        finally:
-            entry.running = None
-            entry.busy = False
-            entry.last_active = time.monotonic()
+        reply = await self._run_in(entry, run(), f"interact of {self.name!r} session {sid}")
+        entry.last_active = time.monotonic()
         if reply.finish and self._sessions.get(sid) is entry:
             del self._sessions[sid]
             await self._close(session, sid)

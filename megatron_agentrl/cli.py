@@ -32,7 +32,7 @@ def _train_worker(rank: int, world: int, port: int, config: str, overrides: list
 
 
 def _train(config: str, overrides: list[str]) -> None:
-    from megatron_agentrl.pipeline.sync_loop import run_training
+    from megatron_agentrl.pipeline.loop import run_training
 
     _setup_logging(int(os.environ.get("RANK", 0)))
     run_training(load_config(config, overrides))

@@ -16,7 +16,7 @@ def _serve_and_train(rank: int, world: int, out: str) -> dict:
     from env_controller.worker_server import WorkerServer
     from megatron_agentrl.cli import _setup_logging
     from megatron_agentrl.config import load_config
-    from megatron_agentrl.pipeline.sync_loop import run_training
+    from megatron_agentrl.pipeline.loop import run_training
 
     _setup_logging(rank)
     loop = asyncio.new_event_loop()

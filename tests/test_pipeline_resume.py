@@ -23,7 +23,7 @@ TINY = [
 def _train(rank: int, world: int, overrides: list[str]) -> dict:
     from megatron_agentrl.cli import _setup_logging
     from megatron_agentrl.config import load_config
-    from megatron_agentrl.pipeline.sync_loop import run_training
+    from megatron_agentrl.pipeline.loop import run_training
 
     _setup_logging(rank)
     return run_training(load_config("examples/configs/tiny_cpu.yaml", overrides))

@@ -16,7 +16,7 @@ def _run(rank: int, world: int, out: str) -> dict:
     from megatron_agentrl.config import load_config
     from megatron_agentrl.hf_io import load_hf_config, load_hf_weights
     from megatron_agentrl.launch.ray_placement import ENGINES_ENV
-    from megatron_agentrl.pipeline.sync_loop import run_training
+    from megatron_agentrl.pipeline.loop import run_training
     from rollout_sglang.local_engine import LocalEngine
     from rollout_sglang.sglang_standin import StandInServer
     from rollout_sglang.tokenizer import load_tokenizer

@@ -409,29 +409,42 @@ class WeightSender:
 
         targets: on each stage's source rank, the slot's engines reached over a weight-sync
             group (SGLang engine clients); ignored elsewhere.
-        direct_engines: on global rank 0, the slot's in-process engines (local engines with an
-            open weight update); with PP > 1 the full model is gathered to rank 0 for them.
+        direct_engines: on global rank 0 only (None elsewhere), the slot's in-process engines (local
+            engines with an open weight update); with PP > 1 every rank joins the full-model gather
+            (the ranks agree on the path first, so all run matching collectives).
         Returns this rank's stats; raises WeightSyncError on every rank when any rank failed.
         """
         t0 = time.perf_counter()
         stats = SyncStats(version=version)
         failure: BaseException | None = None
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        if direct_engines and self.actor.pp > 1:
-            state = self.actor.export_hf_state_dict()  # collective (TP then PP gather)
-            if rank0:
+        multi = dist.is_initialized() and dist.get_world_size() > 1
+        direct = bool(direct_engines)
+        if multi:  # every rank must take the same (collective) path: agree on whether any rank has them
+            flag = torch.tensor([1.0 if direct else 0.0], device=self.actor.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            any_direct = float(flag) > 0
+        else:
+            any_direct = direct
+        if direct and not rank0:
+            failure = ValueError(f"direct_engines were given on global rank {dist.get_rank()}; give the in-process "
+                                 "engines on global rank 0 only (other ranks pass None)")
+        if any_direct and self.actor.pp > 1:
+            state = self.actor.export_hf_state_dict()  # collective on every rank (TP then PP gather)
+            if direct and rank0:
                 try:
                     stats = deliver_direct(direct_engines, state.items(), self.bucket_bytes)
+                    stats.version = version
                 except Exception as e:  # noqa: BLE001 - agreed on below
                     failure = e
             del state
         elif self.actor.dp_rank == 0:
-            named = stage_hf_tensors(self.actor)
+            named = stage_hf_tensors(self.actor)  # collective over the stage's TP group
             try:
                 if self.is_source and targets:
                     s = self._broadcaster(slot_key, targets).send(named, self.bucket_bytes, weight_version=str(version))
                     stats.buckets, stats.bytes = s.buckets, s.bytes
-                elif self.is_source and direct_engines and rank0:
+                elif self.is_source and direct and rank0:
                     s = deliver_direct(direct_engines, named, self.bucket_bytes)
                     stats.buckets, stats.bytes = s.buckets, s.bytes
             except Exception as e:  # noqa: BLE001 - agreed on below
@@ -442,7 +455,7 @@ class WeightSender:
         if failure is not None:
             logger.error("weight sync of version %d failed on rank %s: %s", version,
                          dist.get_rank() if dist.is_initialized() else 0, failure)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if multi:
             flag = torch.tensor([1.0 if failure is not None else 0.0], device=self.actor.device)
             dist.all_reduce(flag)
             any_failed = float(flag) > 0

@@ -441,10 +441,6 @@ class Config:
                 f"(mode {p.mode}); use pipeline.mode=async with pipeline.staleness >= {self.rollout.max_versions - 1}, "
                 "or lower rollout.max_versions"
             )
-        if p.mode == "async" and self.rollout.max_versions == 1 and self.rollout.engines_per_slot > 1:
-            raise ConfigError("pipeline.mode=async with rollout.max_versions=1 and rollout.engines_per_slot>1 is not "
-                              "supported: the version pool refuses requests while its only slot updates; use "
-                              "rollout.max_versions=2 or rollout.engines_per_slot=1")
 
     def _validate_checkpoint(self) -> None:
         c = self.checkpoint

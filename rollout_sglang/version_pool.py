@@ -69,10 +69,12 @@ class VersionPool:
     seed: seeds the slot choice (and the router's tie-breaks), so runs are reproducible.
     drain_timeout_s: how long :meth:`begin_update` waits for the slot's in-flight requests.
     max_affinity_keys: how many trajectory -> engine entries the router remembers (LRU).
+    live_timeout_s: how long :meth:`generate` waits for a live slot when none is (None: ``drain_timeout_s``).
     """
 
     def __init__(self, slots: Sequence[Sequence[Engine]], *, policy: str = "latest", recency_decay: float = 0.5,
-                 seed: int = 0, drain_timeout_s: float = 600.0, max_affinity_keys: int = 100_000) -> None:
+                 seed: int = 0, drain_timeout_s: float = 600.0, max_affinity_keys: int = 100_000,
+                 live_timeout_s: float | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"cross_policy={policy!r} is not one of {POLICIES}")
         if not 0 < recency_decay <= 1:
@@ -82,6 +84,9 @@ class VersionPool:
         self.policy = policy
         self.recency_decay = float(recency_decay)
         self.drain_timeout_s = float(drain_timeout_s)
+        self.live_timeout_s = self.drain_timeout_s if live_timeout_s is None else float(live_timeout_s)
+        if not self.live_timeout_s >= 0:
+            raise ValueError(f"live_timeout_s={live_timeout_s!r} must be >= 0 seconds")
         self._rng = random.Random(seed)
         self._lock = threading.Condition()
         self.engines: list[Any] = []
@@ -167,29 +172,55 @@ class VersionPool:
 
         keys: one per request; requests with the same key (the turns of one trajectory) stick to
         the engine of their previous turn when it is in the chosen slot. Each returned engine
-        holds a lease (counted in flight) until :meth:`release`.
+        holds a lease (counted in flight) until :meth:`release`. RuntimeError when no slot is live
+        (:meth:`route_wait` waits instead).
         """
-        out = []
         with self._lock:
-            for key in keys:
-                slot = self._choose_locked()
-                eid = None
-                if key is not None:
-                    prev = self._affinity.get(key)
-                    if prev is not None and prev in slot.engine_ids:
-                        eid = prev
-                        self.stats["affinity_hits"] += 1
-                if eid is None:
-                    eid = min(slot.engine_ids, key=lambda e: (self._inflight[e], self._assigned[e]))
-                if key is not None:
-                    self._affinity[key] = eid
-                    self._affinity.move_to_end(key)
-                    while len(self._affinity) > self._max_affinity:
-                        self._affinity.popitem(last=False)
-                self._inflight[eid] += 1
-                self._assigned[eid] += 1
-                self.stats["routed"] += 1
-                out.append(eid)
+            return self._route_locked(keys)
+
+    async def route_wait(self, keys: Sequence[Hashable | None], timeout_s: float | None = None) -> list[int]:
+        """:meth:`route`, but while no slot is live wait for one (polling, without blocking the event
+        loop) at most ``timeout_s`` (None: ``live_timeout_s``); TimeoutError naming the slots after it."""
+        import asyncio
+
+        t = self.live_timeout_s if timeout_s is None else float(timeout_s)
+        deadline = time.monotonic() + t
+        delay = 0.002
+        while True:
+            with self._lock:
+                if any(s.live for s in self.slots):
+                    return self._route_locked(keys)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    states = {s.index: "updating" if s.updating else "failed" for s in self.slots}
+                    raise TimeoutError(
+                        f"no live slot in the version pool for {t:.1f}s (slot states: {states}): an update did not "
+                        "finish or every slot failed its sync; raise rollout.engine_timeout_s for slow syncs, or "
+                        "check the weight-sync errors in the trainer log")
+            await asyncio.sleep(min(delay, max(left, 0.0)))
+            delay = min(delay * 2, 0.05)
+
+    def _route_locked(self, keys: Sequence[Hashable | None]) -> list[int]:
+        out = []
+        for key in keys:
+            slot = self._choose_locked()
+            eid = None
+            if key is not None:
+                prev = self._affinity.get(key)
+                if prev is not None and prev in slot.engine_ids:
+                    eid = prev
+                    self.stats["affinity_hits"] += 1
+            if eid is None:
+                eid = min(slot.engine_ids, key=lambda e: (self._inflight[e], self._assigned[e]))
+            if key is not None:
+                self._affinity[key] = eid
+                self._affinity.move_to_end(key)
+                while len(self._affinity) > self._max_affinity:
+                    self._affinity.popitem(last=False)
+            self._inflight[eid] += 1
+            self._assigned[eid] += 1
+            self.stats["routed"] += 1
+            out.append(eid)
         return out
 
     def release(self, engine_id: int, n: int = 1) -> None:
@@ -217,7 +248,9 @@ class VersionPool:
                        keys: Sequence[Hashable | None] | None = None) -> list[GenerationOutput]:
         """Route every prompt (policy + router) and generate; outputs in prompt order.
 
-        Prompts that land on the same engine go in one batched call; with ``params.seed`` set,
+        While no slot is live (e.g. the only slot is updating) the call waits for one, at most
+        ``live_timeout_s`` (TimeoutError after it). Prompts that land on the same engine go in one
+        batched call; with ``params.seed`` set,
         the call on global engine ``e`` uses ``seed + e * len(prompts)`` (row ``j`` of it then
         ``seed + e * len(prompts) + j``), so no two rows share a random stream.
         """
@@ -225,7 +258,7 @@ class VersionPool:
 
         if not prompts:
             return []
-        eids = self.route(list(keys) if keys is not None else [None] * len(prompts))
+        eids = await self.route_wait(list(keys) if keys is not None else [None] * len(prompts))
         by_engine: dict[int, list[int]] = {}
         for i, e in enumerate(eids):
             by_engine.setdefault(e, []).append(i)
@@ -261,7 +294,7 @@ class VersionPool:
             if s.updating:
                 raise RuntimeError(f"slot {s.index} is already being updated")
             if not any(x.live for x in self.slots if x is not s):
-                logger.warning("updating slot %d leaves no live slot: generation waits until the update ends", s.index)
+                logger.info("updating slot %d leaves no live slot: generation waits until the update ends", s.index)
             s.updating = True
             deadline = time.monotonic() + t
             while any(self._inflight[e] for e in s.engine_ids):

@@ -230,3 +230,42 @@ def test_cross_policy_turns_mix_versions_and_log_probs_match_the_sampling_engine
             checked += end - start
     assert checked > 50
     assert pool.inflight() == [0, 0, 0, 0] and not pool._affinity  # leases returned, router memory freed
+
+
+def test_single_slot_requests_wait_for_its_update_instead_of_failing():
+    """max_versions=1 with several engines: generation waits while the only slot updates, then gets the new version."""
+    pool = make_pool(slots=(2,), live_timeout_s=30)
+    prompts = [[1], [2], [3]]
+
+    async def run() -> tuple[list[GenerationOutput], float]:
+        slot = await asyncio.to_thread(pool.begin_update, 1)
+        with pytest.raises(RuntimeError, match="no live slot"):
+            pool.route([None])  # the synchronous router still refuses
+        threading.Timer(0.3, pool.end_update, args=(slot,)).start()
+        t0 = time.monotonic()
+        outs = await pool.generate(prompts, SamplingParams(max_new_tokens=1))
+        return outs, time.monotonic() - t0
+
+    outs, waited = asyncio.run(run())
+    assert waited >= 0.25
+    assert [o.version for o in outs] == [1, 1, 1]
+    assert sorted({o.token_ids[0] for o in outs}) == [0, 1]  # both engines of the slot serve
+    assert pool.inflight() == [0, 0]
+
+
+def test_waiting_for_a_live_slot_times_out_with_a_clear_error():
+    pool = make_pool(slots=(2,), live_timeout_s=0.2)
+    pool.begin_update(1)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"no live slot in the version pool for 0.2s .*updating.*engine_timeout_s"):
+        asyncio.run(pool.generate([[1]], SamplingParams(max_new_tokens=1)))
+    assert time.monotonic() - t0 < 5
+    assert pool.inflight() == [0, 0]
+
+
+def test_config_accepts_async_with_one_slot_of_several_engines():
+    from megatron_agentrl.config import load_config
+
+    cfg = load_config("examples/configs/tiny_cpu.yaml", ["pipeline.mode=async", "rollout.max_versions=1",
+                                                         "rollout.engines_per_slot=2"])
+    assert cfg.rollout.engines_per_slot == 2 and cfg.pipeline.mode == "async"

@@ -21,6 +21,10 @@ class ConfigError(ValueError):
     """A bad config file, key or value; the message names it and the fix."""
 
 
+#: ``model.chat_template`` values: "auto" and ``rollout_sglang.chat_template.CHAT_TEMPLATES``.
+CHAT_TEMPLATE_CHOICES = ("auto", "qwen2", "glm4")
+
+
 @dataclass
 class ModelConfig:
     """The policy model.
@@ -31,6 +35,8 @@ class ModelConfig:
     checkpoint: Hugging Face weights directory (safetensors) to load; None = random init.
     tokenizer: a tokenizer directory or tokenizer.json file.
     dtype: compute dtype of actor and engine: float32 | bfloat16 | float16.
+    chat_template: the chat format of prompts, env replies and tool calls: qwen2 (ChatML with
+        Hermes tool calls) | glm4 (GLM-4-0414) | auto (glm4 for a glm4 model, else qwen2).
     """
 
     hf_config: str | None = None
@@ -38,6 +44,7 @@ class ModelConfig:
     checkpoint: str | None = None
     tokenizer: str = "examples/tokenizer/tiny_agent"
     dtype: str = "float32"
+    chat_template: str = "auto"
 
 
 @dataclass
@@ -379,6 +386,9 @@ class Config:
             raise ConfigError(f"model.dtype={self.model.dtype!r} is not one of float32, bfloat16, float16")
         if self.model.hf_config is None and not self.model.arch:
             raise ConfigError("model: set model.hf_config (a Hugging Face config dir) or model.arch (inline config fields)")
+        if self.model.chat_template not in CHAT_TEMPLATE_CHOICES:
+            raise ConfigError(f"model.chat_template={self.model.chat_template!r} is not one of "
+                              f"{', '.join(CHAT_TEMPLATE_CHOICES)} (auto: glm4 for a glm4 model, else qwen2)")
         if not self.tasks:
             raise ConfigError("tasks: the list is empty; add at least one entry such as {name: lookup}")
         for i, t in enumerate(self.tasks):

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from env_controller.protocol import SampleStatus, TaskReply
-from rollout_sglang.chat_template import ChatTemplate
+from rollout_sglang.chat_template import AnyChatTemplate
 from rollout_sglang.engine import Engine, SamplingParams
-from rollout_sglang.tool_parser import ToolCallParseError, parse_assistant_text
+from rollout_sglang.tool_parser import ToolCallParseError
 from rollout_sglang.trajectory import Trajectory
 from rollout_sglang.version_pool import VersionPool
 
@@ -60,7 +60,7 @@ class _Episode:
     tools: list[dict] = field(default_factory=list)
     done: bool = False
     num_calls: int = 0
-    needs_turn_end: bool = False  # the last turn ended without a stop token
+    turn_end: int | None = None  # the stop token that ended the last turn; None: cut by length
 
 
 def _finish(
@@ -99,7 +99,7 @@ async def _cancel(env: EnvClient, ep: _Episode, timeout_s: float) -> None:
 
 
 async def _start(
-    env: EnvClient, template: ChatTemplate, ep: _Episode, max_total_tokens: int, timeout_s: float
+    env: EnvClient, template: AnyChatTemplate, ep: _Episode, max_total_tokens: int, timeout_s: float
 ) -> None:
     """Start the env session and encode the prompt; may finish the episode (env error, context limit)."""
     t = ep.traj
@@ -135,7 +135,7 @@ async def _start(
 
 async def _interact(
     env: EnvClient,
-    template: ChatTemplate,
+    template: AnyChatTemplate,
     ep: _Episode,
     message: dict[str, Any],
     max_turns: int,
@@ -163,27 +163,24 @@ async def _interact(
         await _cancel(env, ep, timeout_s)
         return
     try:
-        piece = template.encode_env_reply(reply.messages)
+        # a turn cut by length gets the format's turn end first (Qwen2.5: <|im_end|>), an env token
+        piece = template.encode_env_reply(reply.messages, ended_with=ep.turn_end)
     except (ValueError, TypeError, KeyError) as e:
         logger.error("env session %s (%s #%d): cannot render the reply: %s", ep.session_id, t.task, t.index, e)
         _finish(ep, SampleStatus.TASK_ERROR, error=f"cannot render the env reply: {e}")
         await _cancel(env, ep, timeout_s)
         return
-    if ep.needs_turn_end:
-        # the turn stopped by length: close it as ChatML does before the env reply (not a policy token)
-        piece = [template.im_end_id] + piece
     if len(t.token_ids) + len(piece) >= max_total_tokens:
         _finish(ep, SampleStatus.AGENT_CONTEXT_LIMIT)
         await _cancel(env, ep, timeout_s)
         return
     _append(ep, piece, 0)
-    ep.needs_turn_end = False
 
 
 async def run_group_lockstep(
     engine: Engine | VersionPool,
     env: EnvClient,
-    template: ChatTemplate,
+    template: AnyChatTemplate,
     requests: list[tuple[str, int, int]],
     params: SamplingParams,
     max_turns: int,
@@ -248,7 +245,7 @@ async def _turns(
     engine: Any,
     pool: VersionPool | None,
     env: EnvClient,
-    template: ChatTemplate,
+    template: AnyChatTemplate,
     episodes: list[_Episode],
     params: SamplingParams,
     stop_ids: list[int],
@@ -301,10 +298,10 @@ async def _turns(
                 _finish(ep, SampleStatus.AGENT_CONTEXT_LIMIT)
                 cancels.append(ep)
                 continue
-            ep.needs_turn_end = not ended_by_stop
+            ep.turn_end = toks[-1] if ended_by_stop else None
             text = template.decode(toks[:-1] if ended_by_stop else toks)
             try:
-                message = parse_assistant_text(text, ep.tools or None, call_id_start=ep.num_calls)
+                message = template.parse_assistant(text, ep.tools or None, call_id_start=ep.num_calls)
             except ToolCallParseError as e:
                 logger.debug(
                     "env session %s (%s #%d) turn %d: agent validation failed: %s",

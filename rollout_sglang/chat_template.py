@@ -1,7 +1,12 @@
-"""Qwen2.5 / Hermes chat format, as text and as incremental token pieces.
+"""Chat formats as text and as incremental token pieces: Qwen2.5 / Hermes and GLM-4-0414.
 
-The layout is ChatML, ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, with Qwen2.5's
-function-calling conventions:
+Both classes share one interface (the agent loop, the SFT warm-up and the trainer use only it):
+``stop_token_ids``, ``render_text``, ``render_assistant``, ``encode_prompt``, ``encode_env_reply``,
+``encode_assistant``, ``encode_conversation``, ``parse_assistant`` and ``decode``.
+:func:`build_chat_template` picks one by name (``model.chat_template``: qwen2 | glm4 | auto).
+
+**Qwen2.5** (:class:`ChatTemplate`). The layout is ChatML, ``<|im_start|>{role}\\n{content}<|im_end|>\\n``
+per message, with Qwen2.5's function-calling conventions:
 
 * tools are described in the system message: the system text, then a ``# Tools`` section listing
   one JSON object per tool inside ``<tools></tools>`` and the instruction to answer with
@@ -17,6 +22,20 @@ never re-tokenized: :meth:`ChatTemplate.encode_prompt` (the messages + ``<|im_st
 then the generated turn (ending with ``<|im_end|>``), then :meth:`ChatTemplate.encode_env_reply`
 (``\\n`` + tool/user turns + ``<|im_start|>assistant\\n``), and so on. SFT warm-up uses
 :meth:`ChatTemplate.encode_conversation`, built from exactly the same pieces.
+
+**GLM-4-0414** (:class:`Glm4ChatTemplate`), the chat template of THUDM/GLM-4-9B-0414's
+``tokenizer_config.json`` (``tests/test_chat_template_glm4.py`` pins it). There is no end-of-turn
+token: every message starts with its role token and runs until the next one. The text is
+``[gMASK]<sop>``, then with tools a ``<|system|>`` block (``\\n# 可用工具\\n``, then per tool
+``\\n## {name}\\n\\n{function schema as JSON, indent 4}\\n在调用上述函数时，请使用 Json 格式表示调用的参数。``),
+then every system message as ``<|system|>\\n{content}``, then the other messages:
+``<|user|>\\n{content}``, ``<|assistant|>\\n{content}``, a call as ``<|assistant|>{name} \\n{arguments JSON}``
+and a tool result as ``<|observation|>\\n{content}``; the generation prompt is ``<|assistant|>``.
+OpenAI messages map onto it by :meth:`Glm4ChatTemplate.to_glm_messages`: an assistant message becomes
+its content (when non-empty) plus one ``metadata`` message per call, a ``tool`` message an
+``observation``. The model ends its turn by writing the next role token (its stop tokens are
+``<|user|>``, ``<|observation|>`` and ``<|endoftext|>``, as in GLM-4's generation_config), so
+the env reply piece after a generated turn leaves out the role token the model already wrote.
 """
 from __future__ import annotations
 
@@ -24,7 +43,18 @@ import json
 import logging
 from typing import Any, Sequence
 
-from rollout_sglang.tokenizer import ENDOFTEXT, IM_END, IM_START
+from rollout_sglang.tokenizer import (
+    ENDOFTEXT,
+    GLM_ASSISTANT,
+    GLM_OBSERVATION,
+    GLM_SYSTEM,
+    GLM_USER,
+    GMASK,
+    IM_END,
+    IM_START,
+    SOP,
+)
+from rollout_sglang.tool_parser import parse_assistant_text, parse_glm4_assistant_text
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +72,21 @@ _TOOLS_FOOTER = (
 )
 
 Message = dict[str, Any]
+
+#: Chat formats :func:`build_chat_template` knows (``model.chat_template`` also accepts "auto").
+CHAT_TEMPLATES = ("qwen2", "glm4")
+
+
+class _TurnEnd:
+    """Type of :data:`TURN_END`."""
+
+    def __repr__(self) -> str:
+        return "TURN_END"
+
+
+#: ``encode_env_reply(..., ended_with=TURN_END)``: the generated turn ended the way the format
+#: expects (Qwen2.5: ``<|im_end|>``; GLM-4: the role token of the reply's first message).
+TURN_END = _TurnEnd()
 
 
 def _tojson(obj: Any) -> str:
@@ -61,17 +106,24 @@ def _content_text(message: Message) -> str:
     return str(content)
 
 
-def _render_tool_call(call: dict[str, Any]) -> str:
-    """``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` for one OpenAI or HF-style call."""
+def _call_name_args(call: dict[str, Any]) -> tuple[Any, Any]:
+    """(name, arguments) of one OpenAI or HF-style call; JSON-string arguments are parsed to an object
+    (kept as the string, with a warning, when they are not JSON)."""
     fn = call.get("function", call)
     name = fn.get("name")
     args = fn.get("arguments", {})
     if isinstance(args, str):
-        # OpenAI messages carry arguments as a JSON string; Qwen's template dumps the object.
+        # OpenAI messages carry arguments as a JSON string; the templates dump the object.
         try:
             args = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError:
             logger.warning("tool call %r has arguments that are not JSON; rendering them as a string", name)
+    return name, args
+
+
+def _render_tool_call(call: dict[str, Any]) -> str:
+    """``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` for one OpenAI or HF-style call."""
+    name, args = _call_name_args(call)
     return f'<tool_call>\n{{"name": "{name}", "arguments": {_tojson(args)}}}\n</tool_call>'
 
 
@@ -83,6 +135,8 @@ class ChatTemplate:
     default_system: the system text used when the conversation starts without a system message
         (Qwen2.5's own by default; None to emit no system turn then, unless tools are given).
     """
+
+    name = "qwen2"
 
     def __init__(self, tokenizer: Any, default_system: str | None = QWEN_DEFAULT_SYSTEM) -> None:
         self.tokenizer = tokenizer
@@ -202,14 +256,17 @@ class ChatTemplate:
             self._generation_prompt_ids
         )
 
-    def encode_env_reply(self, messages: Sequence[Message]) -> list[int]:
+    def encode_env_reply(self, messages: Sequence[Message], ended_with: int | None | _TurnEnd = TURN_END) -> list[int]:
         """Token ids that follow a finished assistant turn (which ended with ``<|im_end|>``).
 
         ``\\n`` + the tool/user turns of ``messages`` + ``\\n<|im_start|>assistant\\n`` (just
-        ``\\n<|im_start|>assistant\\n`` when ``messages`` is empty).
+        ``\\n<|im_start|>assistant\\n`` when ``messages`` is empty). ended_with: the stop token that
+        ended the generated turn, or None when it was cut by length: then the piece starts with
+        ``<|im_end|>`` to close the turn (an env token, not a policy one).
         """
         turns = self._render_turns(list(messages), lead_newline=True)
-        return self._encode(turns + "\n") + list(self._generation_prompt_ids)
+        ids = self._encode(turns + "\n") + list(self._generation_prompt_ids)
+        return [self.im_end_id] + ids if ended_with is None else ids
 
     def encode_assistant(self, message: Message) -> list[int]:
         """Token ids of an assistant turn as the policy would generate it: its text + ``<|im_end|>``."""
@@ -244,6 +301,236 @@ class ChatTemplate:
             i = nxt
         return ids, mask
 
+    def parse_assistant(self, text: str, tools: Sequence[dict] | None = None, call_id_start: int = 0) -> Message:
+        """A generated turn's text as an OpenAI assistant message (Hermes tool calls, see
+        :func:`rollout_sglang.tool_parser.parse_assistant_text`); ToolCallParseError when malformed."""
+        return parse_assistant_text(text, tools, call_id_start=call_id_start)
+
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` with chat tokens kept (for parsing generated turns and for tests)."""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+# ------------------------------------------------------------------------------------ GLM-4-0414
+_GLM_TOOL_FOOTER = "\n在调用上述函数时，请使用 Json 格式表示调用的参数。"
+_GLM_ROLE_TOKENS = {"system": GLM_SYSTEM, "user": GLM_USER, "assistant": GLM_ASSISTANT, "observation": GLM_OBSERVATION}
+
+
+class Glm4ChatTemplate:
+    """GLM-4-0414 chat format bound to a tokenizer, with token-level incremental pieces.
+
+    tokenizer: a Hugging Face tokenizer with ``[gMASK]``, ``<sop>``, ``<|system|>``, ``<|user|>``,
+        ``<|assistant|>`` and ``<|observation|>`` as single tokens (GLM-4-0414's, or one from
+        :func:`rollout_sglang.tokenizer.train_bpe_tokenizer` with ``GLM4_SPECIAL_TOKENS``).
+
+    The template has no default system message. A generated turn is what follows the
+    ``<|assistant|>`` generation prompt and ends with a stop token (the next message's role
+    token); in a demonstration (:meth:`encode_conversation`) that token is part of the turn.
+    """
+
+    name = "glm4"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        vocab = tokenizer.get_vocab()
+        missing = [t for t in (GMASK, SOP, *_GLM_ROLE_TOKENS.values()) if t not in vocab]
+        if missing:
+            raise ValueError(
+                f"tokenizer has no {', '.join(missing)} token(s); the GLM-4 chat format needs [gMASK], <sop>, "
+                "<|system|>, <|user|>, <|assistant|> and <|observation|> as single tokens (use GLM-4-0414's "
+                "tokenizer, or set model.chat_template to the format of this tokenizer, e.g. qwen2)"
+            )
+        self.role_ids: dict[str, int] = {role: vocab[tok] for role, tok in _GLM_ROLE_TOKENS.items()}
+        eos_id = tokenizer.eos_token_id
+        if eos_id is None:
+            eos_id = vocab.get(ENDOFTEXT)
+        self.eos_token_id: int | None = eos_id
+        self._generation_prompt_ids = [self.role_ids["assistant"]]
+
+    # ----------------------------------------------------------------- text
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Token ids that end an assistant turn: ``<|user|>``, ``<|observation|>`` and eos (deduplicated)."""
+        ids = [self.role_ids["user"], self.role_ids["observation"]]
+        if self.eos_token_id is not None and self.eos_token_id not in ids:
+            ids.append(self.eos_token_id)
+        return ids
+
+    @staticmethod
+    def to_glm_messages(messages: Sequence[Message]) -> list[Message]:
+        """OpenAI-style messages as GLM-4's template takes them.
+
+        system / user: unchanged (content as text); assistant: its content as one message when it
+        is non-empty or there are no calls, then one ``{"role": "assistant", "metadata": name,
+        "content": arguments JSON}`` per call; tool: ``{"role": "observation", "content": ...}``.
+        Raises ValueError for another role.
+        """
+        out: list[Message] = []
+        for i, msg in enumerate(messages):
+            role = msg.get("role")
+            if role in ("system", "user", "observation"):
+                out.append({"role": role, "content": _content_text(msg)})
+            elif role == "tool":
+                out.append({"role": "observation", "content": _content_text(msg)})
+            elif role == "assistant":
+                calls = msg.get("tool_calls") or []
+                content = _content_text(msg)
+                if msg.get("metadata"):  # already in GLM form
+                    out.append({"role": "assistant", "metadata": msg["metadata"], "content": content})
+                    continue
+                if content or not calls:
+                    out.append({"role": "assistant", "content": content})
+                for call in calls:
+                    name, args = _call_name_args(call)
+                    out.append({"role": "assistant", "metadata": name,
+                                "content": args if isinstance(args, str) else _tojson(args)})
+            else:
+                raise ValueError(
+                    f"message {i} has role {role!r}; expected one of 'system', 'user', 'assistant', 'tool'"
+                )
+        return out
+
+    @staticmethod
+    def _render_glm(msg: Message) -> str:
+        """One GLM-form message: its role token and body (``<|assistant|>{meta} \\n`` for a call)."""
+        role = msg["role"]
+        if role == "assistant" and msg.get("metadata"):
+            return f"{GLM_ASSISTANT}{msg['metadata']} \n{msg['content']}"
+        return f"{_GLM_ROLE_TOKENS[role]}\n{msg['content']}"
+
+    def render_system(self, messages: Sequence[Message], tools: Sequence[dict] | None) -> str:
+        """``[gMASK]<sop>``, the tools block (when tools are given) and every system message, in order."""
+        text = GMASK + SOP
+        if tools:
+            text += f"{GLM_SYSTEM}\n# 可用工具\n"
+            for tool in tools:
+                fn = tool.get("function") or tool
+                text += f"\n## {fn.get('name')}\n\n{json.dumps(fn, ensure_ascii=False, indent=4)}{_GLM_TOOL_FOOTER}"
+        for msg in messages:
+            if msg.get("role") == "system":
+                text += f"{GLM_SYSTEM}\n{_content_text(msg)}"
+        return text
+
+    def render_assistant(self, message: Message) -> str:
+        """An assistant message as the text the model generates after ``<|assistant|>`` (no stop token).
+
+        ``\\n{content}`` (when non-empty, or when there are no calls), then per call
+        ``{name} \\n{arguments JSON}``, the parts joined by ``<|assistant|>``.
+        """
+        parts = self.to_glm_messages([{**message, "role": "assistant"}])
+        return GLM_ASSISTANT.join(self._render_glm(m)[len(GLM_ASSISTANT):] for m in parts)
+
+    def render_text(
+        self, messages: Sequence[Message], tools: Sequence[dict] | None = None, add_generation_prompt: bool = False
+    ) -> str:
+        """The whole conversation as text, identical to GLM-4-0414's jinja template output on
+        :meth:`to_glm_messages` of ``messages`` (system messages all come first, as there)."""
+        glm = self.to_glm_messages(messages)
+        text = self.render_system(messages, tools)
+        text += "".join(self._render_glm(m) for m in glm if m["role"] != "system")
+        if add_generation_prompt:
+            text += GLM_ASSISTANT
+        return text
+
+    # --------------------------------------------------------------- tokens
+    def _encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (chat tokens parsed as single ids, no BOS/EOS added)."""
+        if not text:
+            return []
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_prompt(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> list[int]:
+        """Token ids of the conversation so far plus the ``<|assistant|>`` generation prompt."""
+        return self._encode(self.render_text(messages, tools)) + list(self._generation_prompt_ids)
+
+    def encode_env_reply(self, messages: Sequence[Message], ended_with: int | None | _TurnEnd = TURN_END) -> list[int]:
+        """Token ids that follow a finished assistant turn: ``messages`` rendered in place, then ``<|assistant|>``.
+
+        ended_with: the stop token that ended the generated turn (None: cut by length). When it is
+        the role token the piece starts with (the model announced the reply, e.g. ``<|observation|>``
+        before tool results), that token is left out, as it is already in the trajectory;
+        ``TURN_END`` assumes so. A system message here is rendered where it stands (the full
+        template would move it to the front).
+        """
+        ids = self._encode("".join(self._render_glm(m) for m in self.to_glm_messages(messages)))
+        ids += list(self._generation_prompt_ids)
+        drop = ids[0] if isinstance(ended_with, _TurnEnd) else ended_with
+        if drop is not None and ids[0] == drop and drop != self.role_ids["assistant"]:
+            ids = ids[1:]
+        return ids
+
+    def turn_end_id(self, following: Sequence[Message]) -> int:
+        """The stop token that ends an assistant turn followed by ``following`` in a demonstration:
+        ``<|observation|>`` before a tool result, else ``<|user|>`` (also at the very end)."""
+        if following and following[0].get("role") in ("tool", "observation"):
+            return self.role_ids["observation"]
+        return self.role_ids["user"]
+
+    def encode_assistant(self, message: Message, turn_end: int | None = None) -> list[int]:
+        """Token ids of an assistant turn as the policy would generate it: its text + the stop token
+        ``turn_end`` (default ``<|observation|>`` when it calls tools, else ``<|user|>``)."""
+        if turn_end is None:
+            turn_end = self.role_ids["observation"] if message.get("tool_calls") else self.role_ids["user"]
+        return self._encode(self.render_assistant(message)) + [turn_end]
+
+    def encode_conversation(
+        self, messages: Sequence[Message], tools: Sequence[dict] | None = None
+    ) -> tuple[list[int], list[int]]:
+        """A whole demonstration as ``(token_ids, loss_mask)``, laid out exactly like an RL trajectory.
+
+        Prompt (every message before the first assistant message) + ``<|assistant|>``, mask 0;
+        each assistant turn (text + the stop token :meth:`turn_end_id` picks), mask 1; between two
+        assistant turns the env reply piece (without the role token the turn ended with), mask 0.
+        Messages after the last assistant message are dropped. Raises ValueError when there is no
+        assistant message.
+        """
+        first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
+        if first is None:
+            raise ValueError("encode_conversation needs at least one assistant message to train on")
+        ids = self.encode_prompt(messages[:first], tools)
+        mask = [0] * len(ids)
+        i = first
+        while True:
+            nxt = next((j for j in range(i + 1, len(messages)) if messages[j].get("role") == "assistant"), None)
+            between = messages[i + 1 : nxt] if nxt is not None else []
+            turn = self.encode_assistant(messages[i], self.turn_end_id(between))
+            ids += turn
+            mask += [1] * len(turn)
+            if nxt is None:
+                break
+            reply = self.encode_env_reply(between, ended_with=turn[-1])
+            ids += reply
+            mask += [0] * len(reply)
+            i = nxt
+        return ids, mask
+
+    def parse_assistant(self, text: str, tools: Sequence[dict] | None = None, call_id_start: int = 0) -> Message:
+        """A generated turn's text as an OpenAI assistant message (GLM-4 calls, see
+        :func:`rollout_sglang.tool_parser.parse_glm4_assistant_text`); ToolCallParseError when malformed."""
+        return parse_glm4_assistant_text(text, tools, call_id_start=call_id_start)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` with chat tokens kept (for parsing generated turns and for tests)."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+# ------------------------------------------------------------------------------------- selection
+AnyChatTemplate = ChatTemplate | Glm4ChatTemplate
+
+
+def resolve_chat_template(name: str, model_type: str | None = None) -> str:
+    """The chat format for ``model.chat_template=name``: "qwen2" or "glm4" as given; "auto" picks
+    glm4 for ``model_type`` glm4 and qwen2 (ChatML, the format of the repo's tiny tokenizers)
+    otherwise. Raises ValueError naming an unknown ``name``."""
+    if name == "auto":
+        return "glm4" if model_type == "glm4" else "qwen2"
+    if name not in CHAT_TEMPLATES:
+        raise ValueError(f"chat template {name!r} is not one of auto, {', '.join(CHAT_TEMPLATES)}")
+    return name
+
+
+def build_chat_template(name: str, tokenizer: Any, model_type: str | None = None) -> AnyChatTemplate:
+    """The chat format ``name`` (see :func:`resolve_chat_template`) bound to ``tokenizer``."""
+    resolved = resolve_chat_template(name, model_type)
+    logger.info("chat template: %s%s", resolved, f" (auto, model_type={model_type})" if name == "auto" else "")
+    return Glm4ChatTemplate(tokenizer) if resolved == "glm4" else ChatTemplate(tokenizer)

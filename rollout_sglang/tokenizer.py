@@ -6,13 +6,15 @@ network access. Tests and the CPU demo have no checkpoint to download, so
 the same decoder and the same chat special tokens as Qwen2.5 (``<|endoftext|>``, ``<|im_start|>``,
 ``<|im_end|>``, ``<tool_call>``, ``</tool_call>``, and ``<tool_response>``/``</tool_response>``),
 each a single id, so the chat template and tool-call parser work on it exactly as on Qwen2.5.
+Given GLM-4's chat tokens instead (:data:`GLM4_SPECIAL_TOKENS`), it stands in for GLM-4-0414's
+tokenizer the same way.
 """
 from __future__ import annotations
 
 import logging
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -30,6 +32,16 @@ TOOL_RESPONSE_END = "</tool_response>"
 SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END)
 #: Tool tags: single ids, but ordinary text when decoding (as ``<tool_call>`` is in Qwen2.5).
 TOOL_TOKENS: tuple[str, ...] = (TOOL_CALL_START, TOOL_CALL_END, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
+
+#: GLM-4 (0414) chat tokens: the prompt prefix and the role tokens that open every turn.
+GMASK = "[gMASK]"
+SOP = "<sop>"
+GLM_SYSTEM = "<|system|>"
+GLM_USER = "<|user|>"
+GLM_ASSISTANT = "<|assistant|>"
+GLM_OBSERVATION = "<|observation|>"
+#: GLM-4's control tokens (special, as in its tokenizer.json); ``<|endoftext|>`` is eos as in Qwen2.5.
+GLM4_SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, GMASK, SOP, GLM_SYSTEM, GLM_USER, GLM_ASSISTANT, GLM_OBSERVATION)
 
 #: Qwen2 / Qwen2.5 pre-tokenization regex (as in its tokenizer.json).
 QWEN2_PRETOKENIZE_REGEX = (
@@ -74,13 +86,23 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
 
 
 def train_bpe_tokenizer(
-    texts: Iterable[str], vocab_size: int, out_dir: str | os.PathLike, min_frequency: int = 2
+    texts: Iterable[str],
+    vocab_size: int,
+    out_dir: str | os.PathLike,
+    min_frequency: int = 2,
+    special_tokens: Sequence[str] = SPECIAL_TOKENS,
+    text_tokens: Sequence[str] = TOOL_TOKENS,
 ) -> PreTrainedTokenizerFast:
     """Train a Qwen2.5-style byte-level BPE tokenizer on ``texts`` and save it to ``out_dir``.
 
-    vocab_size: the total size, BPE vocabulary (256 bytes + merges) plus the 7 added chat tokens;
-        with little text fewer merges are learned, so use ``len(tokenizer)`` as the real size.
+    vocab_size: the total size, BPE vocabulary (256 bytes + merges) plus the added chat tokens
+        (7 by default); with little text fewer merges are learned, so use ``len(tokenizer)`` as
+        the real size.
     min_frequency: a pair must occur this often to be merged.
+    special_tokens: control tokens added as single special ids (Qwen2.5's by default;
+        :data:`GLM4_SPECIAL_TOKENS` for a GLM-4 stand-in); must include ``<|endoftext|>``.
+    text_tokens: tokens added as single ids that decode as ordinary text (Qwen2.5's tool tags by
+        default; ``()`` for GLM-4).
     Offline and deterministic (same texts, same result). The special tokens come after the BPE
     vocabulary, as in Qwen2.5; ``<|endoftext|>`` is both eos and pad. Writes ``tokenizer.json``
     and ``tokenizer_config.json`` (loadable by ``AutoTokenizer.from_pretrained(out_dir)``) and
@@ -88,7 +110,10 @@ def train_bpe_tokenizer(
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-    n_added = len(SPECIAL_TOKENS) + len(TOOL_TOKENS)
+    special_tokens, text_tokens = tuple(special_tokens), tuple(text_tokens)
+    if ENDOFTEXT not in special_tokens:
+        raise ValueError(f"special_tokens={special_tokens} must include {ENDOFTEXT!r} (the eos and pad token)")
+    n_added = len(special_tokens) + len(text_tokens)
     min_size = 256 + n_added
     if vocab_size < min_size:
         raise ValueError(
@@ -114,13 +139,14 @@ def train_bpe_tokenizer(
     # The chat tokens must not be learned as merges of their characters: strip them from the corpus.
     def _clean(it: Iterable[str]) -> Iterable[str]:
         for t in it:
-            for s in SPECIAL_TOKENS + TOOL_TOKENS:
+            for s in special_tokens + text_tokens:
                 t = t.replace(s, " ")
             yield t
 
     tok.train_from_iterator(_clean(texts), trainer=trainer)
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in TOOL_TOKENS])
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special_tokens])
+    if text_tokens:
+        tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in text_tokens])
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,17 @@
-"""Parse a generated assistant turn (Hermes / Qwen2.5 format) into an OpenAI assistant message.
+"""Parse a generated assistant turn into an OpenAI assistant message, in two formats.
 
-A tool call is a block ``<tool_call>\\n{"name": "<tool>", "arguments": {...}}\\n</tool_call>``; a turn
-may hold several. The text outside the blocks is the message content. Anything that looks like
-a call but is not a valid one raises :class:`ToolCallParseError`, which the agent loop turns into
-the status "agent validation failed".
+Hermes / Qwen2.5 (:func:`parse_assistant_text`): a tool call is a block
+``<tool_call>\\n{"name": "<tool>", "arguments": {...}}\\n</tool_call>``; a turn may hold several.
+The text outside the blocks is the message content.
+
+GLM-4-0414 (:func:`parse_glm4_assistant_text`): after ``<|assistant|>`` the model writes either
+content, which starts with a newline, or a call: the function name on its own line, then the
+arguments as one JSON object (``search\\n{"q": "x"}``); several messages in one turn are joined by
+``<|assistant|>`` (content first, then one call each), and a turn with calls ends with
+``<|observation|>``.
+
+Anything that looks like a call but is not a valid one raises :class:`ToolCallParseError`, which
+the agent loop turns into the status "agent validation failed".
 """
 from __future__ import annotations
 
@@ -11,7 +19,15 @@ import json
 import re
 from typing import Any, Sequence
 
-from rollout_sglang.tokenizer import IM_END, TOOL_CALL_END, TOOL_CALL_START
+from rollout_sglang.tokenizer import (
+    ENDOFTEXT,
+    GLM_ASSISTANT,
+    GLM_OBSERVATION,
+    GLM_USER,
+    IM_END,
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+)
 
 VALID_CALL_EXAMPLE = '<tool_call>\n{"name": "<tool name>", "arguments": {"<arg>": <value>, ...}}\n</tool_call>'
 
@@ -117,3 +133,79 @@ def parse_assistant_text(
     content_parts.append(text[pos:])
     content = "\n".join(p.strip() for p in content_parts if p.strip())
     return {"role": "assistant", "content": content, "tool_calls": calls}
+
+
+# --------------------------------------------------------------------------------------- GLM-4
+VALID_GLM4_CALL_EXAMPLE = '<tool name>\n{"<arg>": <value>, ...}'
+#: A GLM-4 function name: what OpenAI tool names allow, plus dots and colons (no spaces).
+_GLM4_NAME_RE = re.compile(r"[\w.:\-]+")
+
+
+def _fail_glm4(problem: str, snippet: str) -> ToolCallParseError:
+    """A ToolCallParseError naming ``problem``, quoting ``snippet`` and showing a valid GLM-4 call."""
+    return ToolCallParseError(
+        f"{problem}: {_shorten(snippet)!r}; a GLM-4 tool call is the function name on its own line, then the "
+        f"arguments as one JSON object: {VALID_GLM4_CALL_EXAMPLE!r}"
+    )
+
+
+def _parse_glm4_call(segment: str, names: set[str] | None) -> tuple[str, dict]:
+    """One call segment ``name\\n{json}`` (the name line may end with spaces) -> (name, arguments)."""
+    head, _, body = segment.partition("\n")
+    name = head.strip()
+    if not name:
+        raise _fail_glm4("tool call has an empty function name line", segment)
+    if not _GLM4_NAME_RE.fullmatch(name):
+        raise _fail_glm4(f"text after <|assistant|> is neither content (which starts with a newline) nor a "
+                         f"function name line ({name[:40]!r} is not a function name)", segment)
+    if names is not None and name not in names:
+        known = ", ".join(sorted(names)) or "(none)"
+        raise _fail_glm4(f"unknown tool {name!r} (available: {known})", segment)
+    raw = body.strip()
+    if not raw:
+        return name, {}
+    try:
+        args = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise _fail_glm4(f"arguments of tool call {name!r} are not valid JSON ({e.msg} at char {e.pos})", raw) from None
+    if not isinstance(args, dict):
+        raise _fail_glm4(f"arguments of tool call {name!r} must be a JSON object, got {type(args).__name__}", raw)
+    return name, args
+
+
+def parse_glm4_assistant_text(
+    text: str, tools: Sequence[dict] | None = None, call_id_start: int = 0
+) -> dict[str, Any]:
+    """Turn a generated GLM-4-0414 assistant turn into an OpenAI assistant message.
+
+    text: what the model wrote after the ``<|assistant|>`` generation prompt (a trailing stop
+        token, ``<|observation|>``, ``<|user|>`` or ``<|endoftext|>``, is ignored). It is split at
+        ``<|assistant|>``; a segment starting with a newline is content, any other non-blank
+        segment is one call ``name\\n{arguments}``.
+    tools, call_id_start, the result: as :func:`parse_assistant_text` (content segments are
+        stripped and joined by a newline; ``tool_calls`` empty for plain text).
+    Raises ToolCallParseError (quoting the bad text) for a name line that is not a function name,
+    an unknown tool, arguments that are not JSON or not an object.
+    """
+    for stop in (GLM_OBSERVATION, GLM_USER, ENDOFTEXT):
+        if text.endswith(stop):
+            text = text[: -len(stop)]
+            break
+    names = _tool_names(tools)
+    content_parts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for segment in text.split(GLM_ASSISTANT):
+        if not segment.strip():
+            continue
+        if segment.startswith("\n"):
+            content_parts.append(segment.strip())
+            continue
+        name, args = _parse_glm4_call(segment, names)
+        calls.append(
+            {
+                "id": f"call_{call_id_start + len(calls)}",
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
+            }
+        )
+    return {"role": "assistant", "content": "\n".join(content_parts), "tool_calls": calls}

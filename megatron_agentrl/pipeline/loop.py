@@ -44,7 +44,7 @@ from megatron_agentrl.pipeline.rollout_manager import FinishedGroup, PromptSampl
 from megatron_agentrl.pipeline.sim_env import LatencyEnvClient
 from megatron_agentrl.pipeline.trainer import Trainer, WeightPublisher, broadcast_object, is_rank0
 from rollout_sglang.agent_loop import run_group_lockstep
-from rollout_sglang.chat_template import ChatTemplate
+from rollout_sglang.chat_template import AnyChatTemplate, build_chat_template
 from rollout_sglang.engine import SamplingParams
 from rollout_sglang.local_engine import LocalEngine
 from rollout_sglang.tokenizer import load_tokenizer
@@ -72,7 +72,7 @@ class RolloutSide:
     engines: list[BatchingEngine]
     env: Any
     train_env: Any
-    template: ChatTemplate
+    template: AnyChatTemplate
     tasks: dict[str, Any]
     task_names: list[str]
     train_indices: dict[str, list[int]]
@@ -174,7 +174,7 @@ def remote_engine_slots(cfg: Config) -> list[list[Any]] | None:
 
 
 def _build_rollout(cfg: Config, tokenizer: Any, hf_config: Any, dtype: torch.dtype,
-                   remote: list[list[Any]] | None = None) -> RolloutSide:
+                   remote: list[list[Any]] | None = None, template: AnyChatTemplate | None = None) -> RolloutSide:
     env, tasks, indices = _build_env(cfg)
     train_idx, eval_idx = {}, {}
     for name, idx in indices.items():
@@ -205,10 +205,20 @@ def _build_rollout(cfg: Config, tokenizer: Any, hf_config: Any, dtype: torch.dty
         train_env = LatencyEnvClient(env, p.sim_env_latency_s, p.sim_env_latency_alpha, p.sim_env_latency_max_s,
                                      seed=cfg.train.seed)
     return RolloutSide(
-        engine=engine, engines=engines, env=env, train_env=train_env, template=ChatTemplate(tokenizer), tasks=tasks,
+        engine=engine, engines=engines, env=env, train_env=train_env,
+        template=template or _chat_template(cfg, tokenizer, hf_config), tasks=tasks,
         task_names=[s.name for s in cfg.tasks], train_indices=train_idx, eval_indices=eval_idx,
         rng=random.Random(cfg.train.seed), weights=[s.weight for s in cfg.tasks], specs={s.name: s for s in cfg.tasks},
     )
+
+
+def _chat_template(cfg: Config, tokenizer: Any, hf_config: Any) -> AnyChatTemplate:
+    """The chat format ``model.chat_template`` names (auto: from the model type), on ``tokenizer``."""
+    try:
+        return build_chat_template(cfg.model.chat_template, tokenizer, getattr(hf_config, "model_type", None))
+    except ValueError as e:
+        raise ConfigError(f"model.chat_template={cfg.model.chat_template!r} with model.tokenizer="
+                          f"'{cfg.model.tokenizer}': {e}") from None
 
 
 def _sampling(cfg: Config, ro: RolloutSide, temperature: float, seed: int | None) -> SamplingParams:
@@ -382,6 +392,7 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
     dtype = _DTYPES[cfg.model.dtype]
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     hf_config = load_hf_config(cfg.model, tokenizer)
+    template = _chat_template(cfg, tokenizer, hf_config)  # on every rank: a bad choice fails everywhere
     torch.manual_seed(cfg.train.seed)
     actor = MegatronActor(hf_config, cfg.train, dtype=dtype)
     if cfg.model.checkpoint:
@@ -396,7 +407,7 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
         import yaml
 
         (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-        ro = _build_rollout(cfg, tokenizer, hf_config, dtype, remote)
+        ro = _build_rollout(cfg, tokenizer, hf_config, dtype, remote, template)
         metrics = MetricsLogger(out)
         logger.info("output_dir: %s | mode: %s | tasks: %s | model: %s", out, cfg.pipeline.mode, ", ".join(ro.task_names),
                     _describe(hf_config))

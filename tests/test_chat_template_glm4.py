@@ -1,0 +1,352 @@
+"""GLM-4-0414 chat format: exact text against GLM-4-9B-0414's jinja template, incremental token
+pieces, the GLM-4 tool-call parser, template selection, and the agent loop on GLM turns."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+
+import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from rollout_sglang.agent_loop import run_group_lockstep
+from rollout_sglang.chat_template import (
+    CHAT_TEMPLATES,
+    ChatTemplate,
+    Glm4ChatTemplate,
+    build_chat_template,
+    resolve_chat_template,
+)
+from rollout_sglang.engine import GenerationOutput, SamplingParams
+from rollout_sglang.tokenizer import GLM4_SPECIAL_TOKENS, train_bpe_tokenizer
+from rollout_sglang.tool_parser import ToolCallParseError, parse_glm4_assistant_text
+
+# The "chat_template" of THUDM/GLM-4-9B-0414's tokenizer_config.json
+# (https://huggingface.co/THUDM/GLM-4-9B-0414/blob/main/tokenizer_config.json), written out here
+# to pin the format: tools as a "# 可用工具" system block, a call as an assistant message whose
+# ``metadata`` is the function name and whose content is the arguments JSON, tool results as
+# ``observation`` messages, generation prompt "<|assistant|>".
+GLM4_0414_TEMPLATE = (
+    "[gMASK]<sop>{%- if tools -%}<|system|>\n# 可用工具\n{% for tool in tools %}"
+    "{%- set function = tool.function if tool.get(\"function\") else tool %}\n\n## {{ function.name }}\n\n"
+    "{{ function | tojson(indent=4, ensure_ascii=False) }}\n在调用上述函数时，请使用 Json 格式表示调用的参数。"
+    "{%- endfor %}{%- endif -%}"
+    "{%- for msg in messages %}{%- if msg.role == 'system' %}<|system|>\n{{ msg.content }}{%- endif %}{%- endfor %}"
+    "{%- for message in messages if message.role != 'system' %}{%- set role = message['role'] %}"
+    "{%- set content = message['content'] %}{%- set meta = message.get(\"metadata\", \"\") %}"
+    "{%- if role == 'user' %}<|user|>\n{{ content }}"
+    "{%- elif role == 'assistant' and not meta %}<|assistant|>\n{{ content }}"
+    "{%- elif role == 'assistant' and meta %}<|assistant|>{{ meta }} \n{{ content }}"
+    "{%- elif role == 'observation' %}<|observation|>\n{{ content }}"
+    "{%- endif %}{%- endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the web (données, 搜索).",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+        },
+    },
+    {"type": "function", "function": {"name": "submit", "description": "Submit the answer.",
+                                      "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}}}},
+]
+
+
+def _call(cid: str, name: str, args: dict) -> dict:
+    """An OpenAI tool call with JSON-string arguments."""
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a careful research agent."},
+    {"role": "user", "content": "Who wrote Le Petit Prince? Answer with the name."},
+    {"role": "assistant", "content": "I will search for it.", "tool_calls": [_call("call_0", "search", {"q": "Le Petit Prince auteur"})]},
+    {"role": "tool", "tool_call_id": "call_0", "content": "Antoine de Saint-Exupéry (1943)."},
+    {"role": "assistant", "content": "", "tool_calls": [_call("call_1", "search", {"q": "Saint-Exupéry"}), _call("call_2", "search", {"q": "1943 novella"})]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "French writer and aviator."},
+    {"role": "tool", "tool_call_id": "call_2", "content": "{\"title\": \"The Little Prince\"}"},
+    {"role": "user", "content": "Please submit now."},
+    {"role": "assistant", "content": None, "tool_calls": [_call("call_3", "submit", {"answer": "Antoine de Saint-Exupéry"})]},
+    {"role": "tool", "tool_call_id": "call_3", "content": "ok"},
+    {"role": "assistant", "content": "Done: Antoine de Saint-Exupéry."},
+]
+
+
+def _glm_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI messages in the shape GLM-4's template renders: each call its own assistant message
+    (``metadata`` = name, content = arguments JSON), after the content when there is some; tool
+    results as ``observation``; content None -> ""."""
+    out = []
+    for m in copy.deepcopy(messages):
+        content = m.get("content") or ""
+        if m["role"] == "tool":
+            out.append({"role": "observation", "content": content})
+        elif m["role"] == "assistant":
+            calls = m.get("tool_calls") or []
+            if content or not calls:
+                out.append({"role": "assistant", "content": content})
+            for c in calls:
+                args = json.loads(c["function"]["arguments"])
+                out.append({"role": "assistant", "metadata": c["function"]["name"],
+                            "content": json.dumps(args, ensure_ascii=False)})
+        else:
+            out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """The ``tojson`` filter as Hugging Face's chat-template environment defines it."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _jinja_render(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+    """Render GLM4_0414_TEMPLATE with jinja2 configured as Hugging Face does."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = _tojson
+    return env.from_string(GLM4_0414_TEMPLATE).render(
+        messages=_glm_messages(messages), tools=tools, add_generation_prompt=add_generation_prompt
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    """A small byte-level BPE tokenizer with GLM-4's chat tokens, trained on the rendered conversations."""
+    texts = [_jinja_render(CONVERSATION, TOOLS, False), _jinja_render(CONVERSATION[1:], None, True)] * 5
+    return train_bpe_tokenizer(texts, vocab_size=700, out_dir=tmp_path_factory.mktemp("glmtok"),
+                               special_tokens=GLM4_SPECIAL_TOKENS, text_tokens=())
+
+
+@pytest.fixture(scope="module")
+def template(tokenizer) -> Glm4ChatTemplate:
+    return Glm4ChatTemplate(tokenizer)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [False, True])
+@pytest.mark.parametrize(
+    "messages, tools",
+    [
+        (CONVERSATION, TOOLS),  # system + tools
+        (CONVERSATION[1:], TOOLS),  # no system message, tools
+        (CONVERSATION[:2], None),  # system, no tools
+        (CONVERSATION[1:2], None),  # no system, no tools
+        (CONVERSATION[1:7], None),  # tool calls without a tool list
+        (CONVERSATION[1:3] + [{"role": "system", "content": "Be brief."}] + CONVERSATION[3:5], TOOLS),  # late system
+    ],
+)
+def test_render_text_matches_glm4_jinja(template: Glm4ChatTemplate, messages, tools, add_generation_prompt) -> None:
+    expected = _jinja_render(messages, tools, add_generation_prompt)
+    assert template.render_text(messages, tools, add_generation_prompt) == expected
+    # messages already in GLM form render the same
+    assert template.render_text(_glm_messages(messages), tools, add_generation_prompt) == expected
+
+
+def test_render_matches_transformers_apply_chat_template(tokenizer, template: Glm4ChatTemplate) -> None:
+    for tools in (TOOLS, None):
+        hf = tokenizer.apply_chat_template(_glm_messages(CONVERSATION), tools=tools, chat_template=GLM4_0414_TEMPLATE,
+                                           tokenize=False, add_generation_prompt=True)
+        assert template.render_text(CONVERSATION, tools, add_generation_prompt=True) == hf
+
+
+def test_format_details(template: Glm4ChatTemplate) -> None:
+    text = template.render_text(CONVERSATION, TOOLS)
+    assert text.startswith("[gMASK]<sop><|system|>\n# 可用工具\n\n## search\n\n{\n    \"name\": \"search\",\n")
+    assert '"description": "Search the web (données, 搜索).",' in text  # non-ASCII kept
+    assert "在调用上述函数时，请使用 Json 格式表示调用的参数。\n## submit\n\n{" in text
+    assert "参数。<|system|>\nYou are a careful research agent.<|user|>\nWho wrote" in text
+    assert ('<|assistant|>\nI will search for it.<|assistant|>search \n{"q": "Le Petit Prince auteur"}'
+            '<|observation|>\nAntoine de Saint-Exupéry (1943).<|assistant|>search \n{"q": "Saint-Exupéry"}'
+            '<|assistant|>search \n{"q": "1943 novella"}<|observation|>\nFrench writer and aviator.'
+            '<|observation|>\n{"title": "The Little Prince"}<|user|>\nPlease submit now.<|assistant|>submit \n') in text
+    assert text.endswith("<|observation|>\nok<|assistant|>\nDone: Antoine de Saint-Exupéry.")
+    assert template.render_assistant(CONVERSATION[4]) == 'search \n{"q": "Saint-Exupéry"}<|assistant|>search \n{"q": "1943 novella"}'
+    assert template.render_assistant({"role": "assistant", "content": "Hi"}) == "\nHi"
+    tok = template.tokenizer
+    assert template.stop_token_ids == [tok.convert_tokens_to_ids(t) for t in ("<|user|>", "<|observation|>", "<|endoftext|>")]
+
+
+def test_incremental_pieces_decode_to_full_render(template: Glm4ChatTemplate, tokenizer) -> None:
+    """prompt + (assistant turn + its stop token + env reply)* decodes to the full render, token for token."""
+    msgs = CONVERSATION
+    a_idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    ids = template.encode_prompt(msgs[: a_idx[0]], TOOLS)
+    assert template.decode(ids) == template.render_text(msgs[: a_idx[0]], TOOLS, add_generation_prompt=True)
+    for k, i in enumerate(a_idx):
+        following = msgs[i + 1 : a_idx[k + 1]] if k + 1 < len(a_idx) else []
+        turn = template.encode_assistant(msgs[i], template.turn_end_id(following))
+        assert template.decode(turn[:-1]) == template.render_assistant(msgs[i])
+        ids += turn
+        if k + 1 < len(a_idx):
+            assert turn[-1] in template.stop_token_ids
+            ids += template.encode_env_reply(following, ended_with=turn[-1])
+            assert template.decode(ids) == template.render_text(msgs[: a_idx[k + 1]], TOOLS, add_generation_prompt=True)
+    full = template.render_text(msgs, TOOLS)
+    assert full == _jinja_render(msgs, TOOLS, False)
+    assert template.decode(ids) == full + "<|user|>"  # the last turn ends as the model ends it
+    # pieces split at chat tokens: identical to tokenizing the whole text at once
+    assert ids == tokenizer.encode(full + "<|user|>", add_special_tokens=False)
+
+    conv_ids, mask = template.encode_conversation(msgs, TOOLS)
+    assert conv_ids == ids and len(mask) == len(conv_ids)
+    spans, start = [], None
+    for j, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = j
+        if not m and start is not None:
+            spans.append((start, j))
+            start = None
+    ends = ["<|observation|>", "<|observation|>", "<|observation|>", "<|user|>"]
+    assert [template.decode(conv_ids[s:e]) for s, e in spans] == [
+        template.render_assistant(msgs[i]) + end for i, end in zip(a_idx, ends)
+    ]
+
+
+def test_env_reply_piece_shapes(template: Glm4ChatTemplate) -> None:
+    obs, user = template.role_ids["observation"], template.role_ids["user"]
+    tool_then_user = [{"role": "tool", "content": "a"}, {"role": "user", "content": "b"}]
+    assert template.decode(template.encode_env_reply(tool_then_user)) == "\na<|user|>\nb<|assistant|>"
+    assert template.decode(template.encode_env_reply(tool_then_user, ended_with=obs)) == "\na<|user|>\nb<|assistant|>"
+    # the turn was cut by length, or ended with another stop token: the reply's role token is kept
+    for ended in (None, user, template.eos_token_id):
+        assert template.decode(template.encode_env_reply(tool_then_user, ended_with=ended)) == (
+            "<|observation|>\na<|user|>\nb<|assistant|>"
+        )
+    assert template.decode(template.encode_env_reply([])) == "<|assistant|>"
+    assert template.decode(template.encode_env_reply([{"role": "system", "content": "s"}], ended_with=None)) == (
+        "<|system|>\ns<|assistant|>"
+    )
+    with pytest.raises(ValueError, match="role 'robot'"):
+        template.encode_env_reply([{"role": "robot", "content": "x"}])
+    with pytest.raises(ValueError, match="at least one assistant"):
+        template.encode_conversation(CONVERSATION[:2])
+
+
+def test_tokenizer_without_glm_tokens_fails_clearly(tmp_path) -> None:
+    qwen_tok = train_bpe_tokenizer(["hello world"] * 3, vocab_size=300, out_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"no \[gMASK\], <sop>, <\|system\|>.*model.chat_template"):
+        Glm4ChatTemplate(qwen_tok)
+
+
+# ----------------------------------------------------------------------------------- the parser
+def test_parse_content_calls_and_stop_tokens() -> None:
+    text = '\nI will look.<|assistant|>search \n{"q": "héllo", "k": 3}<|assistant|>submit\n{}<|observation|>'
+    msg = parse_glm4_assistant_text(text, TOOLS, call_id_start=4)
+    assert msg["content"] == "I will look."
+    assert [c["id"] for c in msg["tool_calls"]] == ["call_4", "call_5"]
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["search", "submit"]
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"q": "héllo", "k": 3}
+    assert msg["tool_calls"][1]["function"]["arguments"] == "{}"
+    assert parse_glm4_assistant_text("\nThe answer is 42.  <|user|>", TOOLS) == {
+        "role": "assistant", "content": "The answer is 42.", "tool_calls": []}
+    # a call with no argument line, and any name when no tool list is given
+    assert parse_glm4_assistant_text("anything")["tool_calls"][0]["function"] == {"name": "anything", "arguments": "{}"}
+
+
+def test_parse_round_trips_render(template: Glm4ChatTemplate) -> None:
+    for m in CONVERSATION:
+        if m["role"] != "assistant":
+            continue
+        msg = template.parse_assistant(template.render_assistant(m), TOOLS)
+        assert msg["content"] == (m["content"] or "")
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in m.get("tool_calls") or []]
+
+
+@pytest.mark.parametrize(
+    "text, problem, quoted",
+    [
+        ('search\n{"q": }', "arguments of tool call 'search' are not valid JSON", '{"q": }'),
+        ('search\n["x"]', "must be a JSON object, got list", '["x"]'),
+        ('delete_all\n{}', "unknown tool 'delete_all' (available: search, submit)", "delete_all"),
+        ("Sure, here it is.", "neither content", "Sure, here it is."),
+        ('\nok<|assistant|>{"name": "search"}', "neither content", '{"name": "search"}'),
+        (' \n{"q": "x"}', "empty function name line", '{"q": "x"}'),
+    ],
+)
+def test_parse_errors_name_the_bad_text(text: str, problem: str, quoted: str) -> None:
+    with pytest.raises(ToolCallParseError) as e:
+        parse_glm4_assistant_text(text, TOOLS)
+    msg = str(e.value)
+    assert problem in msg and quoted in msg
+    assert "function name on its own line" in msg
+
+
+# -------------------------------------------------------------------------------- selection
+def test_template_selection(tokenizer, tmp_path) -> None:
+    assert resolve_chat_template("auto", "glm4") == "glm4"
+    assert resolve_chat_template("auto", "qwen2") == resolve_chat_template("auto", "llama") == "qwen2"
+    assert resolve_chat_template("glm4", "qwen2") == "glm4"
+    with pytest.raises(ValueError, match="'chatml' is not one of auto, qwen2, glm4"):
+        resolve_chat_template("chatml")
+    assert isinstance(build_chat_template("auto", tokenizer, "glm4"), Glm4ChatTemplate)
+    qwen_tok = train_bpe_tokenizer(["hello world"] * 3, vocab_size=300, out_dir=tmp_path)
+    assert isinstance(build_chat_template("auto", qwen_tok, "qwen2"), ChatTemplate)
+
+
+def test_config_accepts_the_template_names(tmp_path) -> None:
+    from megatron_agentrl.config import CHAT_TEMPLATE_CHOICES, ConfigError, ModelConfig, load_config
+
+    assert ModelConfig().chat_template == "auto" and CHAT_TEMPLATE_CHOICES == ("auto", *CHAT_TEMPLATES)
+    base = tmp_path / "c.yaml"
+    base.write_text("model:\n  arch: {model_type: glm4}\ntasks: [{name: lookup}]\n")
+    for name in ("auto", *CHAT_TEMPLATES):
+        assert load_config(base, [f"model.chat_template={name}"]).model.chat_template == name
+    with pytest.raises(ConfigError, match="model.chat_template='chatml' is not one of auto, qwen2, glm4"):
+        load_config(base, ["model.chat_template=chatml"])
+
+
+# ------------------------------------------------------------------------- the agent loop
+SCRIPT = ['\nLet me add.<|assistant|>add \n{"a": 40, "b": 2}<|observation|>',
+          'add\n{"a": 1, "b": 1}<|assistant|>add\n{"a": 2, "b": 2}<|observation|>',
+          "\nThe answer is 42.<|user|>"]
+
+
+class _GlmEngine:
+    """Emits SCRIPT[k] on its k-th call (one episode); log-prob -(k + 1) per token."""
+
+    def __init__(self, template: Glm4ChatTemplate) -> None:
+        self.template = template
+        self.calls = 0
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        turn, self.calls = self.calls, self.calls + 1
+        outs = []
+        for p in prompts:
+            assert self.template.decode(p).endswith("<|assistant|>")
+            ids = self.template.tokenizer.encode(SCRIPT[turn], add_special_tokens=False)
+            assert ids[-1] in params.stop_token_ids
+            outs.append(GenerationOutput(ids, [-(turn + 1.0)] * len(ids), "stop", 3))
+        await asyncio.sleep(0)
+        return outs
+
+
+def test_agent_loop_runs_glm4_turns(template: Glm4ChatTemplate) -> None:
+    from test_agent_loop import TOOLS as ADD_TOOLS, FakeEnv
+
+    env = FakeEnv()
+    params = SamplingParams(max_new_tokens=256, temperature=1.0, seed=0)
+    (traj,) = asyncio.run(run_group_lockstep(_GlmEngine(template), env, template, [("calc", 0, 0)], params,
+                                             max_turns=5, max_total_tokens=4096))
+    assert traj.status == "completed" and traj.reward == 1.0
+    (sid,) = env.history
+    sent = env.received[sid]
+    assert [len(m.get("tool_calls", [])) for m in sent] == [1, 2, 0]
+    assert sent[0]["content"] == "Let me add." and json.loads(sent[1]["tool_calls"][1]["function"]["arguments"]) == {"a": 2, "b": 2}
+    # the trajectory: prompt, then each generated turn as generated, then the env reply without the
+    # <|observation|> the model already wrote; it is the template's render of the episode (+ the
+    # final stop token) up to the space GLM-4's template puts after a call's name
+    h = env.history[sid]
+    obs = template.role_ids["observation"]
+    tok = template.tokenizer
+    expected = template.encode_prompt(h[:2], ADD_TOOLS) + tok.encode(SCRIPT[0], add_special_tokens=False)
+    expected += template.encode_env_reply(h[3:4], ended_with=obs) + tok.encode(SCRIPT[1], add_special_tokens=False)
+    expected += template.encode_env_reply(h[5:7], ended_with=obs) + tok.encode(SCRIPT[2], add_special_tokens=False)
+    assert traj.token_ids == expected
+    assert template.decode(traj.token_ids) == (template.render_text(h, ADD_TOOLS) + "<|user|>").replace(
+        '<|assistant|>add \n{"a": 1', '<|assistant|>add\n{"a": 1').replace('<|assistant|>add \n{"a": 2', '<|assistant|>add\n{"a": 2')
+    for (s, e), text in zip(traj.turn_spans, SCRIPT):
+        assert template.decode(traj.token_ids[s:e]) == text
+        assert traj.loss_mask[s:e] == [1] * (e - s)
+    assert sum(traj.loss_mask) == sum(e - s for s, e in traj.turn_spans)

@@ -30,9 +30,14 @@ class ModelConfig:
     """The policy model.
 
     hf_config: a Hugging Face config (a directory holding config.json, or a config.json path),
-        or None to use ``arch`` below to build a tiny model from scratch.
+        or None to use ``arch`` below to build a tiny model from scratch (or, with
+        megatron_checkpoint set and no arch, the config the converter stored in ``<dir>/hf``).
     arch: inline Hugging Face config fields (``model_type`` plus sizes) used when hf_config is None.
-    checkpoint: Hugging Face weights directory (safetensors) to load; None = random init.
+    checkpoint: Hugging Face weights directory (safetensors) to load; None = random init. SGLang
+        engines are launched from it (or from hf_config).
+    megatron_checkpoint: a megatron-core distributed checkpoint (``agentrl convert hf-to-megatron
+        --out-dir``) the trainer loads at start instead of ``checkpoint``'s safetensors, at any
+        TP x PP (it reshards on load); None = use ``checkpoint``.
     tokenizer: a tokenizer directory or tokenizer.json file.
     dtype: compute dtype of actor and engine: float32 | bfloat16 | float16.
     chat_template: the chat format of prompts, env replies and tool calls: qwen2 (ChatML with
@@ -42,6 +47,7 @@ class ModelConfig:
     hf_config: str | None = None
     arch: dict[str, Any] = field(default_factory=dict)
     checkpoint: str | None = None
+    megatron_checkpoint: str | None = None
     tokenizer: str = "examples/tokenizer/tiny_agent"
     dtype: str = "float32"
     chat_template: str = "auto"
@@ -384,7 +390,7 @@ class Config:
             raise ConfigError(f"sft.steps={self.sft.steps!r} must be >= 0 (0 disables the warm-up)")
         if self.model.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"model.dtype={self.model.dtype!r} is not one of float32, bfloat16, float16")
-        if self.model.hf_config is None and not self.model.arch:
+        if self.model.hf_config is None and not self.model.arch and not self.model.megatron_checkpoint:
             raise ConfigError("model: set model.hf_config (a Hugging Face config dir) or model.arch (inline config fields)")
         if self.model.chat_template not in CHAT_TEMPLATE_CHOICES:
             raise ConfigError(f"model.chat_template={self.model.chat_template!r} is not one of "

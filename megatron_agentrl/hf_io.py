@@ -4,6 +4,7 @@ Every path a user gives is checked here, with an error that names it and says wh
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -30,6 +31,12 @@ def check_model_paths(model: ModelConfig) -> None:
             f"model.checkpoint='{model.checkpoint}' is not a directory; point it at a Hugging Face "
             f"checkpoint directory (safetensors), or unset it for random init"
         )
+    if model.megatron_checkpoint is not None and not Path(model.megatron_checkpoint).is_dir():
+        raise ConfigError(
+            f"model.megatron_checkpoint='{model.megatron_checkpoint}' is not a directory; write it first with "
+            f"`agentrl convert hf-to-megatron --hf-dir <HF checkpoint> --out-dir {model.megatron_checkpoint}`, "
+            "or unset it to load model.checkpoint"
+        )
     if not Path(model.tokenizer).exists():
         raise ConfigError(
             f"model.tokenizer='{model.tokenizer}' does not exist; give a tokenizer directory or tokenizer.json "
@@ -38,13 +45,22 @@ def check_model_paths(model: ModelConfig) -> None:
 
 
 def load_hf_config(model: ModelConfig, tokenizer: Any | None = None):
-    """The ``transformers`` config of the policy, from ``model.hf_config`` or inline ``model.arch``.
+    """The ``transformers`` config of the policy, from ``model.hf_config`` or inline ``model.arch``
+    (neither given: the config the converter stored with ``model.megatron_checkpoint``, ``<dir>/hf``).
 
     With ``arch``, ``vocab_size`` defaults to the tokenizer's size and the pad/eos ids to the
     tokenizer's. Raises ConfigError for a missing path or an unsupported ``model_type``.
     """
     from transformers import AutoConfig
 
+    if model.hf_config is None and not model.arch and model.megatron_checkpoint:
+        stored = Path(model.megatron_checkpoint) / "hf" / "config.json"
+        if not stored.is_file():
+            raise ConfigError(
+                f"model.megatron_checkpoint='{model.megatron_checkpoint}' holds no hf/config.json (it was not "
+                "written by agentrl convert); set model.hf_config to the Hugging Face config of the model"
+            )
+        model = dataclasses.replace(model, hf_config=str(stored))
     if model.hf_config is not None:
         path = Path(model.hf_config)
         if path.is_dir():

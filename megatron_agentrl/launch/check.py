@@ -139,15 +139,22 @@ def _check_model(cfg: Config, report: CheckReport, reference: str | None, strict
 
         if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:
             report.add(FAIL, "model family", f"model_type={hf.get('model_type')!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}")
-    for key, value, want_dir in (("model.checkpoint", m.checkpoint, True), ("model.tokenizer", m.tokenizer, False)):
+    for key, value, want_dir in (("model.checkpoint", m.checkpoint, True), ("model.tokenizer", m.tokenizer, False),
+                                 ("model.megatron_checkpoint", m.megatron_checkpoint, True)):
         if value is None:
             continue
         p = Path(value)
         if (p.is_dir() if want_dir else p.exists()):
             if key == "model.checkpoint" and not (any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").is_file()):
                 report.add(FAIL, key, f"'{value}' holds no safetensors weights")
+            elif key == "model.megatron_checkpoint" and not ((p / "metadata.json").is_file() and (p / ".metadata").is_file()):
+                report.add(FAIL, key, f"'{value}' is not a megatron distributed checkpoint (no metadata.json and "
+                           f".metadata); write it with `agentrl convert hf-to-megatron --out-dir {value}`")
             else:
                 report.add(OK, key, f"'{value}' exists")
+        elif key == "model.megatron_checkpoint":
+            report.add(missing, key, f"'{value}' is not on this machine (write it there with `agentrl convert "
+                       f"hf-to-megatron --hf-dir <HF checkpoint> --out-dir {value}`)")
         else:
             report.add(missing, key, f"'{value}' is not on this machine (download the model there first)")
     return hf

@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_agentrl.convert import get_mapping
+from megatron_agentrl.convert.base import ConversionError
 from megatron_agentrl.convert.qwen2 import OUTPUT_LAYER, padded_vocab_size
 from megatron_agentrl.megatron.model import build_gpt_model
 
@@ -119,7 +121,8 @@ class MegatronActor:
         make_vocab_size_divisible_by: megatron vocab padding (to a multiple of this * tp).
 
     Requires ``initialize_parallel`` to have run. The weights start randomly initialised
-    (megatron init, std ``initializer_range``); load real ones with :meth:`load_hf_state_dict`.
+    (megatron init, std ``initializer_range``); load real ones with :meth:`load_hf_state_dict`
+    or :meth:`load_megatron_checkpoint`.
     """
 
     def __init__(
@@ -246,6 +249,33 @@ class MegatronActor:
                 p.copy_(shard)
                 if m is not p:
                     m.copy_(shard)
+
+    def load_megatron_checkpoint(self, ckpt_dir: str | Path) -> None:
+        """Load a megatron-core distributed checkpoint (``agentrl convert hf-to-megatron --out-dir``,
+        or ``save_megatron_checkpoint``) written at any TP x PP; collective over all ranks.
+
+        Raises FileNotFoundError for a missing directory and ConversionError (a ConfigError) for
+        a directory that is not such a checkpoint or holds another model (family, layers, sizes),
+        each naming ``ckpt_dir`` and the fix.
+        """
+        from megatron_agentrl.convert.checkpoint import load_megatron_checkpoint
+
+        root = Path(ckpt_dir)
+        convert = f"agentrl convert hf-to-megatron --hf-dir <HF checkpoint> --out-dir {root}"
+        if not root.is_dir():
+            raise FileNotFoundError(f"megatron checkpoint '{root}' is not a directory; write it first with `{convert}`")
+        if (root / "model_optim").is_dir() and not (root / "metadata.json").is_file():
+            raise ConversionError(f"'{root}' is a training checkpoint (model + optimizer + pipeline state); resume "
+                                  f"from it with checkpoint.resume={root} instead")
+        if not (root / "metadata.json").is_file() and (root / "config.json").is_file():
+            raise ConversionError(f"'{root}' is a Hugging Face checkpoint, not a megatron one; convert it with "
+                                  f"`agentrl convert hf-to-megatron --hf-dir {root} --out-dir <dir>`, or load it "
+                                  "as model.checkpoint")
+        load_megatron_checkpoint(self.model, root, self.hf_config)
+        with torch.no_grad():
+            for (_, p), m in zip(self.named_params, self.masters):
+                if m is not p:
+                    m.copy_(p)
 
     def export_hf_state_dict(self) -> dict[str, Tensor]:
         """Full HF-named tensors of the whole model (vocab padding removed), on EVERY rank, on the CPU.

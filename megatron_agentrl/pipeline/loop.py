@@ -316,6 +316,19 @@ def run_training(cfg: Config) -> dict[str, Any]:
         destroy_parallel()
 
 
+def _load_megatron_weights(cfg: Config, actor: MegatronActor) -> None:
+    """The actor's start weights from ``model.megatron_checkpoint`` (any TP x PP); errors name the key."""
+    path = cfg.model.megatron_checkpoint
+    try:
+        actor.load_megatron_checkpoint(path)
+    except (FileNotFoundError, ConfigError) as e:
+        hint = ""
+        if isinstance(e, ConfigError) and (Path(path) / "hf" / "config.json").is_file() and cfg.model.hf_config:
+            hint = f" (the checkpoint's own config is '{Path(path) / 'hf'}'; set model.hf_config to it)"
+        raise ConfigError(f"model.megatron_checkpoint='{path}': {e}{hint}") from e
+    logger.info("start weights: megatron checkpoint %s", path)
+
+
 def _resolve_resume(cfg: Config, ckpt_root: Path) -> Path | None:
     path: Path | None = None
     if is_rank0() and cfg.checkpoint.resume:
@@ -395,7 +408,9 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
     template = _chat_template(cfg, tokenizer, hf_config)  # on every rank: a bad choice fails everywhere
     torch.manual_seed(cfg.train.seed)
     actor = MegatronActor(hf_config, cfg.train, dtype=dtype)
-    if cfg.model.checkpoint:
+    if cfg.model.megatron_checkpoint:
+        _load_megatron_weights(cfg, actor)
+    elif cfg.model.checkpoint:
         actor.load_hf_state_dict(load_hf_weights(cfg.model.checkpoint))
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
     resume = _resolve_resume(cfg, ckpt_root)

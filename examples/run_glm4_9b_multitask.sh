@@ -9,8 +9,8 @@
 #
 # Environment:
 #   GLM4_HF_DIR               the Hugging Face checkpoint (default checkpoints/GLM-4-9B-0414)
-#   GLM4_MEGATRON_DIR         where the converted megatron checkpoint goes
-#                             (default checkpoints/GLM-4-9B-0414-megatron-tp<TP>pp<PP>)
+#   GLM4_MEGATRON_DIR         where the converted megatron checkpoint goes and the trainer starts from
+#                             (default: the config's model.megatron_checkpoint)
 #   AGENTRL_ENV_CONTROLLER_URL  the env controller the AgentBench-FC task workers register with
 #   SLURM_PARTITION, SLURM_ACCOUNT, CONTAINER_IMAGE   passed to the submission when set
 #   AGENTRL_PYTHON            the Python with megatron-agentrl installed (default .venv/bin/python)
@@ -41,6 +41,9 @@ done
 # The checkpoint paths and endpoints the environment gives replace the config's.
 if [ -n "${GLM4_HF_DIR:-}" ]; then
   OVERRIDES=("model.hf_config=$GLM4_HF_DIR" "model.checkpoint=$GLM4_HF_DIR" "model.tokenizer=$GLM4_HF_DIR" "${OVERRIDES[@]}")
+fi
+if [ -n "${GLM4_MEGATRON_DIR:-}" ]; then
+  OVERRIDES=("model.megatron_checkpoint=$GLM4_MEGATRON_DIR" "${OVERRIDES[@]}")
 fi
 if [ -n "${AGENTRL_ENV_CONTROLLER_URL:-}" ]; then
   OVERRIDES=("env.controller_url=$AGENTRL_ENV_CONTROLLER_URL" "${OVERRIDES[@]}")
@@ -74,10 +77,15 @@ fi
 
 # 1. The HF checkpoint, converted once to a megatron distributed checkpoint at the run's TP x PP:
 #    this checks the weights against the GLM-4 mapping and the layout before any GPU is allocated.
+#    The trainer starts from that checkpoint (model.megatron_checkpoint; it loads at any TP x PP).
 HF_DIR="$(cfg_value model.checkpoint)"
 TP="$(cfg_value parallel.tp)"
 PP="$(cfg_value parallel.pp)"
-MEGATRON_DIR="${GLM4_MEGATRON_DIR:-$ROOT/checkpoints/GLM-4-9B-0414-megatron-tp${TP}pp${PP}}"
+MEGATRON_DIR="$(cfg_value model.megatron_checkpoint)"
+if [ -z "$MEGATRON_DIR" ] || [ "$MEGATRON_DIR" = None ]; then
+  MEGATRON_DIR="checkpoints/GLM-4-9B-0414-megatron-tp${TP}pp${PP}"
+fi
+OVERRIDES+=("model.megatron_checkpoint=$MEGATRON_DIR")
 if [ ! -d "$HF_DIR" ]; then
   echo "run_glm4_9b_multitask.sh: the HF checkpoint '$HF_DIR' does not exist; download GLM-4-9B-0414 there" \
        "(e.g. huggingface-cli download THUDM/GLM-4-9B-0414 --local-dir $HF_DIR) or set GLM4_HF_DIR" >&2

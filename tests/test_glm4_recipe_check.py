@@ -142,3 +142,32 @@ def test_glm4_reference_numbers() -> None:
     assert plan.rollout["weights"] == pytest.approx(shape.total_params() * 2 / 1024**3)
     assert plan.layout["train_workers"] + plan.layout["rollout_gpus"] == 16
     assert not plan.problems()
+
+
+@pytest.mark.parametrize("megatron_dir", [None, "custom"])
+def test_script_trains_from_the_checkpoint_it_converts(tmp_path: Path, megatron_dir: str | None) -> None:
+    """Submit mode with a stand-in for ``agentrl``: the conversion's --out-dir is the
+    model.megatron_checkpoint the pre-flight check and the submitted job get."""
+    hf = tmp_path / "GLM-4-9B-0414"
+    hf.mkdir()
+    log = tmp_path / "agentrl.log"
+    stub = tmp_path / "python"
+    real = os.path.realpath(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv").is_dir() else shutil.which("python3")
+    stub.write_text(f'#!/usr/bin/env bash\nif [ "$1" = -m ] && [ "$2" = megatron_agentrl.cli ]; then\n'
+                    f'  shift 2; printf "%s\\n" "$*" >> "{log}"; exit 0\nfi\nexec "{real}" "$@"\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "AGENTRL_PYTHON": str(stub), "GLM4_HF_DIR": str(hf)}
+    env.pop("AGENTRL_ENV_CONTROLLER_URL", None)
+    env.pop("GLM4_MEGATRON_DIR", None)
+    want = "checkpoints/GLM-4-9B-0414-megatron-tp2pp2"  # the config's model.megatron_checkpoint
+    if megatron_dir:
+        want = str(tmp_path / megatron_dir)
+        env["GLM4_MEGATRON_DIR"] = want
+    proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    convert, check, submit = log.read_text().splitlines()
+    assert convert.startswith(f"convert hf-to-megatron --hf-dir {hf} --out-dir {want} --tp 2 --pp 2")
+    assert check.startswith("plan --check") and submit.startswith("slurm submit")
+    for line in (check, submit):
+        given = [a.split("=", 1)[1] for a in line.split() if a.startswith("model.megatron_checkpoint=")]
+        assert given and set(given) == {want}, line

@@ -3,7 +3,7 @@ pipeline on one CUDA device.
 
 ``-m gpu`` tests skip without CUDA. Each GPU test runs a helper whose device is an argument, so
 the same helper bodies and assertions also run on the CPU, in the ``slow`` CPU variants at the end
-(``pytest -m slow tests/test_gpu.py``, about 3 minutes on 2 cores); the default run
+(``pytest -m slow tests/test_gpu.py``, 1-3 minutes on 2 shared cores); the default run
 (``-m "not gpu and not slow"``) runs none of them (the benchmark scripts' CPU smoke runs are in
 test_bench_scripts.py).
 

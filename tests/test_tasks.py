@@ -77,6 +77,30 @@ def test_demonstration_replays_to_full_reward(name: str) -> None:
     run(go())
 
 
+@pytest.mark.parametrize("name, most", [("lookup", 0.15), ("calc", 0.0), ("guess", 0.45)])
+def test_careless_demonstrations_replay_and_mostly_fail(name: str, most: float) -> None:
+    """The careless player's conversations are real episodes (replayable), fixed per index, and
+    succeed far less often than the expert: what the demo's warm-up mixes in for RL to unlearn."""
+    task = build_task(name)
+    c = LocalEnvClient({name: task})
+
+    async def go() -> float:
+        wins = 0
+        for index in task.indices()[:120]:
+            demo, tools = task.careless_demonstration(index)
+            assert tools == task.tools() and demo == task.careless_demonstration(index)[0]
+            assistant = [m for m in demo if m["role"] == "assistant"]
+            conversation, reply = await replay(c, name, index, assistant)
+            assert conversation == demo and reply.finish
+            wins += reply.metrics["success"] == 1.0
+        return wins / 120
+
+    assert run(go()) <= most
+    if name != "guess":   # the careless lookup/calc player never calls the tool
+        assert all(m["tool_calls"][0]["function"]["name"] == "answer"
+                   for i in range(20) for m in task.careless_demonstration(i)[0] if m["role"] == "assistant")
+
+
 def test_wrong_answers_get_zero() -> None:
     async def go() -> None:
         lookup = build_task("lookup")

@@ -5,7 +5,8 @@ A :class:`Task` owns a deterministic list of sample indices; ``start(index)`` op
 ``session.interact(assistant_message)`` executes the assistant's tool calls and replies with one
 ``{"role": "tool", "tool_call_id", "content"}`` message per executed call.
 ``demonstration(index)`` returns the conversation of a scripted expert solving the sample, for a
-supervised warm-up.
+supervised warm-up; ``careless_demonstration(index)`` that of a low-effort player (when the task
+has one), which a warm-up mixes in so that RL has a bad habit to unlearn.
 
 Rules shared by every :class:`ToolTask` (the built-in tasks):
 
@@ -94,6 +95,15 @@ class Task(ABC):
         assistant messages through a session would produce them, ending with the reply that
         finished the episode.
         """
+
+    def careless_demonstration(self, index: int) -> tuple[list[Message], list[ToolSchema]] | None:
+        """A low-effort player's conversation on sample ``index`` (it may fail), or None.
+
+        Mixed into the supervised warm-up (``sft.careless_fraction``) so that the warm-up policy
+        holds both a good and a bad behaviour and RL has to find from reward which one pays.
+        Tasks without such a player return None (the default).
+        """
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,6 +311,10 @@ class ToolTask(Task):
     def expert(self, index: int) -> Expert:
         """The scripted expert on sample ``index`` (see :data:`Expert`)."""
 
+    def careless(self, index: int, rng: random.Random) -> Expert | None:
+        """A low-effort player on sample ``index`` drawing its choices from ``rng``, or None (default)."""
+        return None
+
     # -- shared ------------------------------------------------------------------------------
 
     def indices(self) -> list[int]:
@@ -327,10 +341,25 @@ class ToolTask(Task):
     def demonstration(self, index: int) -> tuple[list[Message], list[ToolSchema]]:
         """See :meth:`Task.demonstration`; produced by running :meth:`expert` against a session."""
         self.check_index(index)
+        conversation, reply = self._play(index, self.expert(index), "scripted expert")
+        if reply.reward < 1.0:
+            raise RuntimeError(f"{self.name}: the scripted expert failed on index {index}: {reply}")
+        return conversation, self.tools()
+
+    def careless_demonstration(self, index: int) -> tuple[list[Message], list[ToolSchema]] | None:
+        """See :meth:`Task.careless_demonstration`; runs :meth:`careless` (deterministic per index)."""
+        self.check_index(index)
+        player = self.careless(index, random.Random(f"{self.name}/{self.seed}/{index}/careless"))
+        if player is None:
+            return None
+        conversation, _ = self._play(index, player, "careless player")
+        return conversation, self.tools()
+
+    def _play(self, index: int, player: Expert, who: str) -> tuple[list[Message], TaskReply]:
+        """Replay ``player``'s calls through a fresh session until the episode finishes."""
         session, messages = self.new_session(index)
         conversation = list(messages)
-        expert = self.expert(index)
-        name, args = next(expert)
+        name, args = next(player)
         for turn in range(self.max_turns):
             message = {
                 "role": "assistant",
@@ -341,8 +370,6 @@ class ToolTask(Task):
             conversation.append(message)
             conversation.extend(reply.messages)
             if reply.finish:
-                if reply.reward < 1.0:
-                    raise RuntimeError(f"{self.name}: the scripted expert failed on index {index}: {reply}")
-                return conversation, self.tools()
-            name, args = expert.send(reply.messages[-1]["content"])
-        raise RuntimeError(f"{self.name}: the scripted expert did not finish index {index} in {self.max_turns} turns")
+                return conversation, reply
+            name, args = player.send(reply.messages[-1]["content"])
+        raise RuntimeError(f"{self.name}: the {who} did not finish index {index} in {self.max_turns} turns")

@@ -1,6 +1,7 @@
 """``calc`` (medium): one addition or multiplication done with a calculator tool, then answered."""
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, ToolTask, ToolTaskSession, function_schema
@@ -35,7 +36,8 @@ class CalcTask(ToolTask):
 
     Tools: ``add(a: integer, b: integer)`` and ``multiply(a: integer, b: integer)`` return the
     exact result as text; ``answer(value: integer)`` ends the episode.
-    Expert: the matching operation on (A, B), then ``answer(result)`` (2 turns).
+    Expert: the matching operation on (A, B), then ``answer(result)`` (2 turns). Careless player:
+    ``answer`` at once with a wrong estimate of the result.
     Reward: 1 when the answered integer equals the exact result (whether or not a tool was used),
     else 0; 0 on the turn limit (default 4 tool calls) or a message without tool calls.
     """
@@ -75,3 +77,9 @@ class CalcTask(ToolTask):
         op, a, b = self.sample(index)
         result = yield op, {"a": a, "b": b}
         yield "answer", {"value": int(result)}
+
+    def careless(self, index: int, rng: random.Random) -> Expert:
+        """Answers at once without a tool: an estimate off the true result by 1 to 25 %."""
+        op, a, b = self.sample(index)
+        exact = _OPS[op][1](a, b)
+        yield "answer", {"value": max(0, exact + rng.choice((-1, 1)) * rng.randint(1, max(2, exact // 4)))}

@@ -1,6 +1,7 @@
 """``lookup`` (easy): read one value out of a small hidden table, then answer it."""
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, ToolTask, ToolTaskSession, function_schema
@@ -49,7 +50,8 @@ class LookupTask(ToolTask):
     Tools: ``lookup(key: string)`` returns the key's value (a color word), or ``error: ...`` for a
     key not in the table (keys compare case-insensitively, surrounding quotes ignored);
     ``answer(value: string)`` ends the episode.
-    Expert: ``lookup(key)``, then ``answer(value)`` (2 turns).
+    Expert: ``lookup(key)``, then ``answer(value)`` (2 turns). Careless player: ``answer`` with a
+    random color at once.
     Reward: 1 when the answered value equals the key's value (case-insensitive, surrounding
     whitespace, quotes and a final period ignored), else 0; 0 on the turn limit (default 4 tool
     calls) or a message without tool calls.
@@ -86,3 +88,7 @@ class LookupTask(ToolTask):
         _, key = self.sample(index)
         value = yield "lookup", {"key": key}
         yield "answer", {"value": value}
+
+    def careless(self, index: int, rng: random.Random) -> Expert:
+        """Answers a random color without looking the key up (right 1 time in 12)."""
+        yield "answer", {"value": rng.choice(VALUES)}

@@ -244,19 +244,30 @@ def evaluate(cfg: Config, ro: RolloutSide, seed: int) -> dict[str, float]:
     return per_task_means(trajs)
 
 
+def _sft_example(cfg: Config, ro: RolloutSide, short: bool) -> tuple[list[int], list[int]]:
+    """One demonstration as ``(token_ids, loss_mask)``: a task drawn by weight, a training index,
+    the careless player with probability ``sft.careless_fraction`` (when the task has one), in the
+    short format (empty system prompt, no tool schemas) or the full one."""
+    task = ro.rng.choices(ro.task_names, weights=ro.weights)[0]
+    index = ro.rng.choice(ro.train_indices[task])
+    demo = None
+    if cfg.sft.careless_fraction and ro.rng.random() < cfg.sft.careless_fraction:
+        demo = ro.tasks[task].careless_demonstration(index)
+    messages, tools = demo or ro.tasks[task].demonstration(index)
+    if short:
+        return ro.template.encode_conversation([{"role": "system", "content": ""}, *messages], None)
+    return ro.template.encode_conversation(messages, tools)
+
+
 def _sft_warmup(cfg: Config, actor: MegatronActor, ro: RolloutSide | None, metrics: MetricsLogger | None) -> None:
-    """Supervised steps on the tasks' scripted demonstrations (same token layout as RL turns)."""
+    """Supervised steps on the tasks' demonstrations (same token layout as RL turns; the first
+    ``sft.short_format_steps`` in the short format)."""
     actor.set_lr(cfg.sft.lr)
     for step in range(1, cfg.sft.steps + 1):
         batch = None
         if ro is not None:
-            names = ro.task_names
-            examples = []
-            for _ in range(cfg.sft.batch_size):
-                task = ro.rng.choices(names, weights=ro.weights)[0]
-                messages, tools = ro.tasks[task].demonstration(ro.rng.choice(ro.train_indices[task]))
-                examples.append(ro.template.encode_conversation(messages, tools))
-            batch = build_sft_batch(examples)
+            short = step <= cfg.sft.short_format_steps
+            batch = build_sft_batch([_sft_example(cfg, ro, short) for _ in range(cfg.sft.batch_size)])
         batch = broadcast_object(batch)
         t0 = time.perf_counter()
         stats = actor.train_step(actor.dp_slice(batch), loss_type="sft")

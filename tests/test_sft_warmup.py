@@ -1,0 +1,56 @@
+"""The supervised warm-up's examples: short format, careless mix, same generated tokens."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+from env_controller.tasks import build_task
+from megatron_agentrl.config import load_config
+from megatron_agentrl.pipeline.loop import _sft_example
+from rollout_sglang.chat_template import ChatTemplate
+from rollout_sglang.tokenizer import load_tokenizer
+
+CONFIG = "examples/configs/tiny_cpu.yaml"
+
+
+def _rollout_side(seed: int) -> SimpleNamespace:
+    names = ["lookup", "calc", "guess"]
+    tok = load_tokenizer("examples/tokenizer/tiny_agent")
+    return SimpleNamespace(rng=random.Random(seed), task_names=names, weights=[1.0] * 3,
+                           train_indices={n: list(range(100)) for n in names},
+                           tasks={n: build_task(n) for n in names}, template=ChatTemplate(tok))
+
+
+def _generated(ids: list[int], mask: list[int]) -> list[int]:
+    return [t for t, m in zip(ids, mask) if m]
+
+
+def test_short_format_trains_the_same_generated_tokens_on_shorter_sequences():
+    cfg = load_config(CONFIG, ["sft.careless_fraction=0"])
+    short = [_sft_example(cfg, _rollout_side(s), short=True) for s in range(12)]
+    full = [_sft_example(cfg, _rollout_side(s), short=False) for s in range(12)]
+    for (s_ids, s_mask), (f_ids, f_mask) in zip(short, full):
+        assert _generated(s_ids, s_mask) == _generated(f_ids, f_mask)   # the same calls and answers
+        assert len(s_ids) < len(f_ids) - 100                             # no tool schemas, no system text
+    assert sum(len(i) for i, _ in full) > 2.5 * sum(len(i) for i, _ in short)
+
+
+def test_careless_fraction_mixes_careless_episodes():
+    """With careless_fraction 0.5, about half of lookup/calc demonstrations answer without the tool."""
+    cfg = load_config(CONFIG, ["sft.careless_fraction=0.5"])
+    ro = _rollout_side(0)
+    tok = ro.template.tokenizer
+    first_calls = []
+    for _ in range(300):
+        ids, mask = _sft_example(cfg, ro, short=True)
+        text = tok.decode(_generated(ids, mask))
+        if '"name": "guess"' not in text:
+            first_calls.append('"name": "answer"' in text.split("</tool_call>")[0])
+    share = sum(first_calls) / len(first_calls)
+    assert 0.35 < share < 0.65, share
+    cfg0 = load_config(CONFIG, ["sft.careless_fraction=0"])
+    ro0 = _rollout_side(0)
+    for _ in range(60):
+        ids, mask = _sft_example(cfg0, ro0, short=True)
+        text = tok.decode(_generated(ids, mask))
+        assert '"name": "guess"' in text or '"name": "answer"' not in text.split("</tool_call>")[0]

@@ -63,6 +63,18 @@ def test_pack_unpack_roundtrip_and_streaming_plan_agree():
             assert torch.equal(t, src), name
 
 
+def test_copy_bytes_is_exact_for_cpu_tensors_and_falls_back_otherwise():
+    from megatron_agentrl.weight_sync.buckets import copy_bytes
+
+    src = torch.randn(300, 7).to(torch.bfloat16)
+    dst = torch.zeros(2100, dtype=torch.bfloat16)
+    copy_bytes(dst, src)  # the memcpy path (same dtype, contiguous)
+    assert torch.equal(dst.view(300, 7), src)
+    out = torch.zeros(7, 300)
+    copy_bytes(out, src.float().t())  # non-contiguous source: torch's copy
+    assert torch.equal(out, src.float().t())
+
+
 def test_checksum_detects_corruption_and_shifts():
     x = torch.randn(1000)
     c = bucket_checksum(x)

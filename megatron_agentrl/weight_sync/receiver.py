@@ -14,7 +14,14 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from megatron_agentrl.weight_sync.buckets import BucketMeta, bucket_checksum, dtype_from_name, tensors_checksum, unpack
+from megatron_agentrl.weight_sync.buckets import (
+    BucketMeta,
+    bucket_checksum,
+    copy_bytes,
+    dtype_from_name,
+    tensors_checksum,
+    unpack,
+)
 from megatron_agentrl.weight_sync.group import WeightGroup, init_weight_group
 
 logger = logging.getLogger(__name__)
@@ -79,9 +86,10 @@ class BucketReceiver:
         """Receive one update request's tensors from group rank 0; returns (name, tensor) pairs to load.
 
         load_format "flattened_bucket": one broadcast of a flat tensor of the (single) dtype, then
-        split; None: one broadcast per tensor, in order (SGLang's default). ``into``: for the
-        per-tensor format, destinations to receive into directly (the engine's own parameters,
-        when nothing can read them meanwhile); a tensor received in place is not returned.
+        split; None: one broadcast per tensor, in order (SGLang's default). ``into``:
+        destinations to load directly (the engine's own parameters, when nothing can read them
+        meanwhile): per-tensor broadcasts land in them, a flattened bucket is copied into them
+        with one memcpy each; a tensor loaded that way is not returned.
         ``checksum``: the sender's checksum of the bucket; a mismatch raises ChecksumMismatch.
         """
         group = self._group(group_name)
@@ -96,7 +104,18 @@ class BucketReceiver:
                 group.broadcast(flat, src=0, timeout_s=timeout_s)
                 if checksum is not None:
                     self._verify(bucket_checksum(flat), checksum, names)
-                return unpack(flat, meta)
+                pairs = unpack(flat, meta)
+                if into is None:
+                    return pairs
+                rest = []
+                for name, t in pairs:
+                    dst = into.get(name)
+                    if (dst is not None and dst.shape == t.shape and dst.dtype == t.dtype and dst.device == t.device
+                            and dst.is_contiguous()):
+                        copy_bytes(dst, t)
+                    else:
+                        rest.append((name, t))
+                return rest
             if load_format not in (None, "", "auto"):
                 raise ValueError(f"load_format={load_format!r} is not supported here; use 'flattened_bucket' or none")
             received: list[tuple[str, torch.Tensor, bool]] = []
@@ -110,7 +129,7 @@ class BucketReceiver:
                 works.append(group.broadcast_async(t, src=0))
                 received.append((str(name), t, in_place))
             deadline = time.monotonic() + (group.timeout_s if timeout_s is None else float(timeout_s))
-            for w in works:
+            for w in reversed(works):  # the last one done, the others are too: one wake-up, not one per tensor
                 group.wait(w, max(0.001, deadline - time.monotonic()), what=f"receive of {len(names)} tensors")
             if checksum is not None:
                 self._verify(tensors_checksum([t for _, t, _ in received]), checksum, names)

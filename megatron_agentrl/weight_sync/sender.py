@@ -11,7 +11,9 @@ Per sync, on every trainer rank (:meth:`WeightSender.sync`, collective):
    it broadcasts the bucket on the slot's dedicated group (:class:`BucketBroadcaster`). On the
    wire a bucket is either one packed flat tensor (``load_format="flattened_bucket"``; packing of
    bucket k+1 overlaps the broadcast of bucket k, two reused buffers) or one broadcast per tensor
-   straight from its memory (no copy); NCCL uses the first, gloo the second;
+   straight from its memory (no copy); NCCL uses the first, gloo the second. With PP > 1 the
+   stages send in turn (stage 0, then 1, ...), because an engine serves one update request at a
+   time and two engines serving two stages' groups in different orders would deadlock;
 3. all ranks agree on success (an all-reduce of a failure flag), so a failed or timed-out sync
    raises :class:`WeightSyncError` everywhere.
 
@@ -338,7 +340,7 @@ class BucketBroadcaster:
         assert self.group is not None
         deadline = time.monotonic() + self.bucket_timeout_s
         try:
-            for work in works[:1] if first_only else works:
+            for work in works[:1] if first_only else works[::-1]:  # the last first: one wake-up per bucket
                 self.group.wait(work, max(0.001, deadline - time.monotonic()),
                                 what=f"bucket {meta.index} ({meta.nbytes / MB:.1f} MB)")
         except WeightSyncTimeout as e:
@@ -438,19 +440,16 @@ class WeightSender:
                 except Exception as e:  # noqa: BLE001 - agreed on below
                     failure = e
             del state
-        elif self.actor.dp_rank == 0:
-            named = stage_hf_tensors(self.actor)  # collective over the stage's TP group
-            try:
-                if self.is_source and targets:
-                    s = self._broadcaster(slot_key, targets).send(named, self.bucket_bytes, weight_version=str(version))
-                    stats.buckets, stats.bytes = s.buckets, s.bytes
-                elif self.is_source and direct and rank0:
-                    s = deliver_direct(direct_engines, named, self.bucket_bytes)
-                    stats.buckets, stats.bytes = s.buckets, s.bytes
-            except Exception as e:  # noqa: BLE001 - agreed on below
-                failure = e
-            for _ in named:  # keep taking part in the TP gathers after a failure (or as a non-source rank)
-                pass
+        else:
+            # PP > 1: the stages take turns (an all-reduce between turns), so each engine of the
+            # slot serves one stage's group at a time; engines handle update requests one by one,
+            # and two engines taking two stages' buckets in different orders would deadlock
+            for turn in range(self.actor.pp):
+                if self.actor.pp_rank == turn and self.actor.dp_rank == 0:
+                    failure = self._send_stage(version, slot_key, targets, direct_engines if direct and rank0 else None,
+                                               stats) or failure
+                if self.actor.pp > 1:
+                    dist.all_reduce(torch.zeros(1, device=self.actor.device))
         stats.per_stage[self.actor.pp_rank] = stats.bytes
         if failure is not None:
             logger.error("weight sync of version %d failed on rank %s: %s", version,
@@ -466,6 +465,25 @@ class WeightSender:
                                   + (f": {failure}" if failure is not None else " on another rank")) from failure
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _send_stage(self, version: int, slot_key: Hashable, targets: Sequence[WeightUpdateTarget] | None,
+                    direct_engines: Sequence[Any] | None, stats: SyncStats) -> BaseException | None:
+        """This stage's part (every TP rank of DP replica 0 runs it): gather, and on the source send.
+        Fills ``stats``; returns the failure instead of raising, so the ranks can agree on it."""
+        named = stage_hf_tensors(self.actor)  # collective over the stage's TP group
+        failure: BaseException | None = None
+        try:
+            if self.is_source and targets:
+                s = self._broadcaster(slot_key, targets).send(named, self.bucket_bytes, weight_version=str(version))
+                stats.buckets, stats.bytes = s.buckets, s.bytes
+            elif self.is_source and direct_engines:
+                s = deliver_direct(direct_engines, named, self.bucket_bytes)
+                stats.buckets, stats.bytes = s.buckets, s.bytes
+        except Exception as e:  # noqa: BLE001 - agreed on by the caller
+            failure = e
+        for _ in named:  # keep taking part in the TP gathers after a failure (or as a non-source rank)
+            pass
+        return failure
 
     def close(self) -> None:
         """Close every group this rank opened."""

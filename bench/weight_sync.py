@@ -5,10 +5,12 @@ dict (Qwen2.5-0.5B shapes, bf16, 494M parameters, ~0.99 GB); the *engine* proces
 stand-in over a local engine of the same architecture. Both join one weight-sync group (gloo over
 loopback). Measured side by side, interleaved, in one run on that one group:
 
-* **bucketed**: ``BucketBroadcaster.send``, the production path: per bucket an HTTP
-  ``/update_weights_from_distributed`` request (``flattened_bucket``), packing into the bucket
-  (overlapped with the previous bucket's broadcast), the broadcast, and on the engine the split
-  and the copy into the model's parameters; timed until the engine acknowledged the last bucket;
+* **bucketed**: ``BucketBroadcaster.send``, the production path with the gloo defaults (wire
+  format ``per_tensor``: one broadcast per matrix straight from its memory, tensors under
+  ``SMALL_TENSOR_BYTES`` packed into buckets of their own; buckets of ``--bucket-mb``): per
+  bucket an HTTP ``/update_weights_from_distributed`` request, the broadcasts, and on the
+  engine the load into the model's parameters (received in place while paused, packed ones
+  copied in); timed until the engine acknowledged the last bucket;
 * **raw**: one broadcast of a flat, preallocated buffer of the same number of bytes (the
   stand-in's ``/agentrl/raw_broadcast`` extension receives it into a preallocated buffer);
   timed the same way, until the engine acknowledged.
@@ -16,8 +18,10 @@ loopback). Measured side by side, interleaved, in one run on that one group:
 Runs alternate (``--repeats`` pairs after one warm-up of each). Bandwidth = bytes / best run's
 seconds (on a shared machine, noise only ever adds time); the median of the per-pair ratios is
 printed beside it. The engine is paused around each bucketed sync, as the version pool does; those
-two calls are outside the timed region. Prints a table, writes ``bench/results/weight_sync.json``
-and ends with ``weight_sync_bandwidth_ratio: <bucketed / raw bandwidth>``.
+two calls are outside the timed region. The CPU seconds each path costs the trainer and the engine
+process are printed beside the times (on a loaded host they show what the wall time hides).
+Prints a table, writes ``bench/results/weight_sync.json`` and ends with
+``weight_sync_bandwidth_ratio: <bucketed / raw bandwidth>``.
 
 Usage: ``python bench/weight_sync.py [--bucket-mb 512] [--repeats 3] [--layers 24]``
 """
@@ -102,6 +106,15 @@ def cpu_pressure() -> float | None:
         return None
 
 
+def process_cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds of process ``pid`` (None: this one), all threads."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def make_state(cfg) -> dict[str, torch.Tensor]:
     """The trainer's HF state dict (bf16), each tensor filled with its own constant (cheap, checkable)."""
     model = build_uninitialised(cfg, torch.bfloat16)
@@ -126,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
     from megatron_agentrl.weight_sync import BucketBroadcaster
+    from megatron_agentrl.weight_sync.sender import SMALL_TENSOR_BYTES
     from rollout_sglang.sglang_engine import SGLangEngine
 
     cfg = qwen25_05b_config(args.layers)
@@ -157,20 +171,27 @@ def main(argv: list[str] | None = None) -> dict:
     pool = ThreadPoolExecutor(max_workers=2)
     bucket_bytes = int(args.bucket_mb * 1024 * 1024)
 
+    cpu: dict[str, list[tuple[float, float]]] = {"raw": [], "bucketed": []}
+
     def raw() -> float:
+        c0, e0 = process_cpu_s(), process_cpu_s(proc.pid)
         t = time.perf_counter()
         fut = pool.submit(client._call, "POST", "/agentrl/raw_broadcast", {"nbytes": nbytes, "group_name": "bench"}, 600)
         group.broadcast(flat, src=0, timeout_s=600)
         fut.result(timeout=600)
-        return time.perf_counter() - t
+        t = time.perf_counter() - t
+        cpu["raw"].append((process_cpu_s() - c0, process_cpu_s(proc.pid) - e0))
+        return t
 
     buckets = [0]
 
     def bucketed(version: int) -> float:
         client.pause()  # the version pool pauses the slot for its update
+        c0, e0 = process_cpu_s(), process_cpu_s(proc.pid)
         t = time.perf_counter()
         stats = sender.send(state.items(), bucket_bytes, weight_version=str(version), wire_format=args.wire_format)
         t = time.perf_counter() - t
+        cpu["bucketed"].append((process_cpu_s() - c0, process_cpu_s(proc.pid) - e0))
         client.resume()
         buckets[0] = stats.buckets
         assert stats.bytes == nbytes, (stats.bytes, nbytes)
@@ -179,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     psi0 = cpu_pressure()
     raw()  # warm-up: connections, receive buffers
     bucketed(0)
+    cpu = {"raw": [], "bucketed": []}
     raw_s, bucket_s = [], []
     for r in range(args.repeats):  # interleaved pairs, alternating which goes first
         if r % 2 == 0:
@@ -208,6 +230,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{'path':<34} {'buckets':>7} {'best s':>7} {'median s':>9} {'GB/s':>6}   runs (s)")
     for name, nb, best, med, bw, runs in rows:
         print(f"{name:<34} {nb:>7} {best:>7.3f} {med:>9.3f} {bw:>6.2f}   {', '.join(f'{x:.3f}' for x in runs)}")
+    med_cpu = {k: (statistics.median(c[0] for c in v), statistics.median(c[1] for c in v)) for k, v in cpu.items()}
+    print("CPU seconds per run (median; trainer, engine): " + "; ".join(
+        f"{k} {a:.3f}, {b:.3f}" for k, (a, b) in med_cpu.items()))
     print(f"median of per-pair ratios (raw s / bucketed s): {pair_ratio:.3f}; load average {os.getloadavg()[0]:.1f}, "
           f"CPU pressure (PSI some avg10) {psi0}% before, {psi1}% after")
     print(f"weights verified on the engine: {'yes' if not bad else 'NO, mismatched: ' + ', '.join(bad[:5])}")
@@ -218,6 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
         "wire_format": args.wire_format or "per_tensor (gloo default)",
         "raw_s": raw_s, "bucketed_s": bucket_s, "raw_gb_per_s_best": raw_bw, "bucketed_gb_per_s_best": bucket_bw,
         "weight_sync_bandwidth_ratio": ratio, "median_pair_ratio": pair_ratio, "weights_verified": not bad,
+        "cpu_s_median_trainer_engine": med_cpu, "small_tensor_bytes": SMALL_TENSOR_BYTES,
         "load_average_1m": os.getloadavg()[0],
         "cpu_pressure_some_avg10_pct_before": psi0, "cpu_pressure_some_avg10_pct_after": psi1,
         "host": {"cpus": mp.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},

@@ -49,7 +49,10 @@ logger = logging.getLogger(__name__)
 
 MB = 1024 * 1024
 WIRE_FORMATS = ("flattened_bucket", "per_tensor")
-SMALL_TENSOR_BYTES = 1 * MB  # per_tensor format: smaller tensors are packed together
+# per_tensor format: smaller tensors are packed together. On gloo a collective costs ~0.5 ms of CPU
+# on each side, a packing copy (sender) plus a load copy (engine) ~0.27 ms per MB: packing pays
+# below ~2 MB (Qwen2.5-0.5B: 72 collectives instead of 121, 1.3x fewer wake-ups)
+SMALL_TENSOR_BYTES = 2 * MB
 OUTPUT_LAYER = "output_layer.weight"
 
 

@@ -306,8 +306,11 @@ class BucketBroadcaster:
                     payload = [t if t.is_contiguous() else t.contiguous() for t in tensors]
                     if payload and payload[0].device != self.group.device:
                         payload = [t.to(self.group.device) for t in payload]
+                # a CUDA source copied (non_blocking) into a CPU bucket, or a CUDA payload: the
+                # copies must be done before the checksum and the broadcast read the bytes
+                src_cuda = payload[0].is_cuda or any(t.is_cuda for t in tensors)
                 del tensors
-                if payload[0].is_cuda:
+                if src_cuda:
                     torch.cuda.current_stream().synchronize()
                 if self.checksum:
                     meta.checksum = bucket_checksum(payload[0]) if packed else tensors_checksum(payload)

@@ -106,9 +106,9 @@ class SFTConfig:
         prompt and no tool schemas (sequences ~4x shorter, so ~4x cheaper): a tiny model learns
         to copy arguments from the prompt and tool replies there first; the rest use the full
         chat format of RL.
-    careless_fraction: share of demonstrations played by the task's careless player (e.g.
-        answering without the tool) instead of the expert, for tasks that have one; the warm-up
-        policy then holds a bad habit that RL has to unlearn from reward alone.
+    careless_fraction: share of the full-format demonstrations played by the task's careless
+        player (e.g. answering without the tool) instead of the expert, for tasks that have one;
+        the warm-up policy then holds a bad habit that RL has to unlearn from reward alone.
     """
 
     steps: int = 0

@@ -127,7 +127,58 @@ def _render_tool_call(call: dict[str, Any]) -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {_tojson(args)}}}\n</tool_call>'
 
 
-class ChatTemplate:
+class _TokenTemplate:
+    """What both chat formats share: plain encoding, decoding, and the demonstration layout.
+
+    Subclasses provide ``encode_prompt``, ``encode_assistant(message, turn_end)``,
+    ``turn_end_id(following)`` and ``encode_env_reply(messages, ended_with)``.
+    """
+
+    tokenizer: Any
+
+    def _encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (chat tokens parsed as single ids, no BOS/EOS added)."""
+        if not text:
+            return []
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_conversation(
+        self, messages: Sequence[Message], tools: Sequence[dict] | None = None
+    ) -> tuple[list[int], list[int]]:
+        """A whole demonstration as ``(token_ids, loss_mask)``, laid out exactly like an RL trajectory.
+
+        Prompt (every message before the first assistant message) + generation prompt, mask 0;
+        each assistant turn (text + the stop token :meth:`turn_end_id` picks), mask 1; between two
+        assistant turns, the env reply piece (:meth:`encode_env_reply` after that stop token),
+        mask 0. Messages after the last assistant message are dropped. Raises ValueError when
+        there is no assistant message.
+        """
+        first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
+        if first is None:
+            raise ValueError("encode_conversation needs at least one assistant message to train on")
+        ids = self.encode_prompt(messages[:first], tools)
+        mask = [0] * len(ids)
+        i = first
+        while True:
+            nxt = next((j for j in range(i + 1, len(messages)) if messages[j].get("role") == "assistant"), None)
+            between = messages[i + 1 : nxt] if nxt is not None else []
+            turn = self.encode_assistant(messages[i], self.turn_end_id(between))
+            ids += turn
+            mask += [1] * len(turn)
+            if nxt is None:
+                break
+            reply = self.encode_env_reply(between, ended_with=turn[-1])
+            ids += reply
+            mask += [0] * len(reply)
+            i = nxt
+        return ids, mask
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` with chat tokens kept (for parsing generated turns and for tests)."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+class ChatTemplate(_TokenTemplate):
     """Qwen2.5 chat format bound to a tokenizer, with token-level incremental pieces.
 
     tokenizer: a Hugging Face tokenizer whose vocabulary has ``<|im_start|>`` and ``<|im_end|>`` as
@@ -155,7 +206,6 @@ class ChatTemplate:
             eos_id = vocab.get(ENDOFTEXT)
         self.eos_token_id: int | None = eos_id
         self._generation_prompt_ids = self._encode(f"{IM_START}assistant\n")
-        self._turn_end_ids = [self.im_end_id]
 
     # ----------------------------------------------------------------- text
     @property
@@ -244,12 +294,6 @@ class ChatTemplate:
         return text
 
     # --------------------------------------------------------------- tokens
-    def _encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (chat tokens parsed as single ids, no BOS/EOS added)."""
-        if not text:
-            return []
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
     def encode_prompt(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> list[int]:
         """Token ids of the conversation so far plus the ``<|im_start|>assistant\\n`` generation prompt."""
         return self._encode(self.render_text(messages, tools, add_generation_prompt=False)) + list(
@@ -268,47 +312,20 @@ class ChatTemplate:
         ids = self._encode(turns + "\n") + list(self._generation_prompt_ids)
         return [self.im_end_id] + ids if ended_with is None else ids
 
-    def encode_assistant(self, message: Message) -> list[int]:
-        """Token ids of an assistant turn as the policy would generate it: its text + ``<|im_end|>``."""
-        return self._encode(self.render_assistant(message)) + list(self._turn_end_ids)
+    def encode_assistant(self, message: Message, turn_end: int | None = None) -> list[int]:
+        """Token ids of an assistant turn as the policy would generate it: its text + ``turn_end``
+        (default ``<|im_end|>``)."""
+        return self._encode(self.render_assistant(message)) + [self.im_end_id if turn_end is None else turn_end]
 
-    def encode_conversation(
-        self, messages: Sequence[Message], tools: Sequence[dict] | None = None
-    ) -> tuple[list[int], list[int]]:
-        """A whole demonstration as ``(token_ids, loss_mask)``, laid out exactly like an RL trajectory.
-
-        Prompt (every message before the first assistant message) + generation prompt, mask 0;
-        each assistant turn (text + ``<|im_end|>``), mask 1; between two assistant turns, the env
-        reply piece (:meth:`encode_env_reply`), mask 0. Messages after the last assistant message
-        are dropped. Raises ValueError when there is no assistant message.
-        """
-        first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
-        if first is None:
-            raise ValueError("encode_conversation needs at least one assistant message to train on")
-        ids = self.encode_prompt(messages[:first], tools)
-        mask = [0] * len(ids)
-        i = first
-        while True:
-            turn = self.encode_assistant(messages[i])
-            ids += turn
-            mask += [1] * len(turn)
-            nxt = next((j for j in range(i + 1, len(messages)) if messages[j].get("role") == "assistant"), None)
-            if nxt is None:
-                break
-            reply = self.encode_env_reply(messages[i + 1 : nxt])
-            ids += reply
-            mask += [0] * len(reply)
-            i = nxt
-        return ids, mask
+    def turn_end_id(self, following: Sequence[Message]) -> int:
+        """The stop token that ends an assistant turn in a demonstration: always ``<|im_end|>``."""
+        return self.im_end_id
 
     def parse_assistant(self, text: str, tools: Sequence[dict] | None = None, call_id_start: int = 0) -> Message:
         """A generated turn's text as an OpenAI assistant message (Hermes tool calls, see
         :func:`rollout_sglang.tool_parser.parse_assistant_text`); ToolCallParseError when malformed."""
         return parse_assistant_text(text, tools, call_id_start=call_id_start)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of ``token_ids`` with chat tokens kept (for parsing generated turns and for tests)."""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 # ------------------------------------------------------------------------------------ GLM-4-0414
@@ -316,7 +333,7 @@ _GLM_TOOL_FOOTER = "\n在调用上述函数时，请使用 Json 格式表示调�
 _GLM_ROLE_TOKENS = {"system": GLM_SYSTEM, "user": GLM_USER, "assistant": GLM_ASSISTANT, "observation": GLM_OBSERVATION}
 
 
-class Glm4ChatTemplate:
+class Glm4ChatTemplate(_TokenTemplate):
     """GLM-4-0414 chat format bound to a tokenizer, with token-level incremental pieces.
 
     tokenizer: a Hugging Face tokenizer with ``[gMASK]``, ``<sop>``, ``<|system|>``, ``<|user|>``,
@@ -433,12 +450,6 @@ class Glm4ChatTemplate:
         return text
 
     # --------------------------------------------------------------- tokens
-    def _encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (chat tokens parsed as single ids, no BOS/EOS added)."""
-        if not text:
-            return []
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
     def encode_prompt(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> list[int]:
         """Token ids of the conversation so far plus the ``<|assistant|>`` generation prompt."""
         return self._encode(self.render_text(messages, tools)) + list(self._generation_prompt_ids)
@@ -473,45 +484,11 @@ class Glm4ChatTemplate:
             turn_end = self.role_ids["observation"] if message.get("tool_calls") else self.role_ids["user"]
         return self._encode(self.render_assistant(message)) + [turn_end]
 
-    def encode_conversation(
-        self, messages: Sequence[Message], tools: Sequence[dict] | None = None
-    ) -> tuple[list[int], list[int]]:
-        """A whole demonstration as ``(token_ids, loss_mask)``, laid out exactly like an RL trajectory.
-
-        Prompt (every message before the first assistant message) + ``<|assistant|>``, mask 0;
-        each assistant turn (text + the stop token :meth:`turn_end_id` picks), mask 1; between two
-        assistant turns the env reply piece (without the role token the turn ended with), mask 0.
-        Messages after the last assistant message are dropped. Raises ValueError when there is no
-        assistant message.
-        """
-        first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
-        if first is None:
-            raise ValueError("encode_conversation needs at least one assistant message to train on")
-        ids = self.encode_prompt(messages[:first], tools)
-        mask = [0] * len(ids)
-        i = first
-        while True:
-            nxt = next((j for j in range(i + 1, len(messages)) if messages[j].get("role") == "assistant"), None)
-            between = messages[i + 1 : nxt] if nxt is not None else []
-            turn = self.encode_assistant(messages[i], self.turn_end_id(between))
-            ids += turn
-            mask += [1] * len(turn)
-            if nxt is None:
-                break
-            reply = self.encode_env_reply(between, ended_with=turn[-1])
-            ids += reply
-            mask += [0] * len(reply)
-            i = nxt
-        return ids, mask
-
     def parse_assistant(self, text: str, tools: Sequence[dict] | None = None, call_id_start: int = 0) -> Message:
         """A generated turn's text as an OpenAI assistant message (GLM-4 calls, see
         :func:`rollout_sglang.tool_parser.parse_glm4_assistant_text`); ToolCallParseError when malformed."""
         return parse_glm4_assistant_text(text, tools, call_id_start=call_id_start)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of ``token_ids`` with chat tokens kept (for parsing generated turns and for tests)."""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 # ------------------------------------------------------------------------------------- selection

@@ -246,12 +246,12 @@ def evaluate(cfg: Config, ro: RolloutSide, seed: int) -> dict[str, float]:
 
 def _sft_example(cfg: Config, ro: RolloutSide, short: bool) -> tuple[list[int], list[int]]:
     """One demonstration as ``(token_ids, loss_mask)``: a task drawn by weight, a training index,
-    the careless player with probability ``sft.careless_fraction`` (when the task has one), in the
-    short format (empty system prompt, no tool schemas) or the full one."""
+    in the short format (empty system prompt, no tool schemas: the expert only) or the full one
+    (the careless player with probability ``sft.careless_fraction``, when the task has one)."""
     task = ro.rng.choices(ro.task_names, weights=ro.weights)[0]
     index = ro.rng.choice(ro.train_indices[task])
     demo = None
-    if cfg.sft.careless_fraction and ro.rng.random() < cfg.sft.careless_fraction:
+    if not short and cfg.sft.careless_fraction and ro.rng.random() < cfg.sft.careless_fraction:
         demo = ro.tasks[task].careless_demonstration(index)
     messages, tools = demo or ro.tasks[task].demonstration(index)
     if short:
@@ -559,7 +559,9 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         if before or after:
             logger.info("\n%s", _final_table(before, after, task_names))
-        logger.info("plot: %s | TensorBoard: %s | HF export: %s", png, out / "tensorboard", export_dir)
+        logger.info("plot: %s | TensorBoard: %s", png, out / "tensorboard")
+        logger.info("checkpoint (resume with checkpoint.resume=<dir>): %s | HF export of the trained model: %s",
+                    last_ckpt or "none (checkpoint.interval=0)", export_dir)
     return summary
 
 

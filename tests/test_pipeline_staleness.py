@@ -26,8 +26,10 @@ from rollout_sglang.tokenizer import load_tokenizer
 class FakeEngine:
     """Answers every prompt with "ok" + <|im_end|> after a short compute time; stamps its version."""
 
-    def __init__(self, template: ChatTemplate) -> None:
+    def __init__(self, template: ChatTemplate, lag: int = 0) -> None:
         self.version = 0
+        self.lag = lag  # cross-policy stand-in: every other call is answered by a version `lag` older
+        self.calls = 0
         self.ok = template.tokenizer.encode("ok", add_special_tokens=False) + [template.im_end_id]
         self.paused = False
         self.pending = None
@@ -35,7 +37,9 @@ class FakeEngine:
     async def generate(self, prompts, params: SamplingParams):
         assert not self.paused, "generate ran while the engine was paused for a weight update"
         await asyncio.sleep(0.002)
-        return [GenerationOutput(list(self.ok), [-0.5] * len(self.ok), "stop", self.version) for _ in prompts]
+        self.calls += 1
+        version = max(0, self.version - self.lag) if self.calls % 2 else self.version
+        return [GenerationOutput(list(self.ok), [-0.5] * len(self.ok), "stop", version) for _ in prompts]
 
     def pause(self):
         self.paused = True
@@ -86,16 +90,19 @@ def template() -> ChatTemplate:
     return ChatTemplate(load_tokenizer("examples/tokenizer/tiny_agent"))
 
 
-@pytest.mark.parametrize("eta", [0, 1, 2])
-def test_manager_never_trains_samples_older_than_eta(template, eta):
+@pytest.mark.parametrize("eta, lag", [(0, 0), (1, 0), (2, 0), (2, 1)])
+def test_manager_never_trains_samples_older_than_eta(template, eta, lag):
+    """lag: turns may come from a version up to ``lag`` older (cross-policy sampling over lag + 1
+    live versions); admission runs that much less ahead (the bound below)."""
     B, G, steps = 4, 2, 40
-    engine = BatchingEngine(FakeEngine(template))
+    engine = BatchingEngine(FakeEngine(template, lag))
     env = LatencyEnvClient(MultiTurnEnv(), scale_s=0.002, alpha=1.1, max_s=0.25, seed=eta)  # heavy tail
     sampler = PromptSampler(["talk"], [1.0], {"talk": list(range(64))}, G, seed=eta)
     stop_ids = list(template.stop_token_ids)
     mgr = RolloutManager(engine, env, template, sampler, batch_groups=B, staleness=eta, cohort_groups=1,
                          sampling=lambda seed: SamplingParams(max_new_tokens=8, stop_token_ids=stop_ids, seed=seed),
-                         max_turns=6, max_total_tokens=2048, env_timeout_s=10, total_groups=None)
+                         max_turns=6, max_total_tokens=2048, env_timeout_s=10, total_groups=None,
+                         version_lag=lag)
     mgr.start()
     staleness, multi_version, bound_ok = [], 0, True
     try:
@@ -107,8 +114,8 @@ def test_manager_never_trains_samples_older_than_eta(template, eta):
                 for t in g.trajectories:
                     staleness.append(version - min(t.versions))
                     multi_version += len(set(t.versions)) > 1
-            with mgr._cond:  # admission bound: accepted + running <= (version + eta + 1) * B
-                bound_ok &= mgr.stats.consumed + len(mgr._queue) + mgr._running <= (version + eta + 1) * B
+            with mgr._cond:  # admission bound: accepted + running <= (version + eta - lag + 1) * B
+                bound_ok &= mgr.stats.consumed + len(mgr._queue) + mgr._running <= (version + eta - lag + 1) * B
             time.sleep(0.003)  # "training"
             engine.pause()  # the weight push: hold new calls, wait for the running one
             engine.wait_idle(10)

@@ -311,8 +311,8 @@ class ToolTask(Task):
     def expert(self, index: int) -> Expert:
         """The scripted expert on sample ``index`` (see :data:`Expert`)."""
 
-    def careless(self, index: int, rng: random.Random) -> Expert | None:
-        """A low-effort player on sample ``index`` drawing its choices from ``rng``, or None (default)."""
+    def careless(self, index: int) -> Expert | None:
+        """A low-effort player on sample ``index`` (e.g. one that gives up at once), or None (default)."""
         return None
 
     # -- shared ------------------------------------------------------------------------------
@@ -347,9 +347,9 @@ class ToolTask(Task):
         return conversation, self.tools()
 
     def careless_demonstration(self, index: int) -> tuple[list[Message], list[ToolSchema]] | None:
-        """See :meth:`Task.careless_demonstration`; runs :meth:`careless` (deterministic per index)."""
+        """See :meth:`Task.careless_demonstration`; runs :meth:`careless`."""
         self.check_index(index)
-        player = self.careless(index, random.Random(f"{self.name}/{self.seed}/{index}/careless"))
+        player = self.careless(index)
         if player is None:
             return None
         conversation, _ = self._play(index, player, "careless player")

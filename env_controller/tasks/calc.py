@@ -1,7 +1,6 @@
 """``calc`` (medium): one addition or multiplication done with a calculator tool, then answered."""
 from __future__ import annotations
 
-import random
 from typing import Any
 
 from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, ToolTask, ToolTaskSession, function_schema
@@ -36,8 +35,8 @@ class CalcTask(ToolTask):
 
     Tools: ``add(a: integer, b: integer)`` and ``multiply(a: integer, b: integer)`` return the
     exact result as text; ``answer(value: integer)`` ends the episode.
-    Expert: the matching operation on (A, B), then ``answer(result)`` (2 turns). Careless player:
-    ``answer`` at once with a wrong estimate of the result.
+    Expert: the matching operation on (A, B), then ``answer(result)`` (2 turns). Careless player: gives
+    up at once (``answer(0)``).
     Reward: 1 when the answered integer equals the exact result (whether or not a tool was used),
     else 0; 0 on the turn limit (default 4 tool calls) or a message without tool calls.
     """
@@ -78,8 +77,6 @@ class CalcTask(ToolTask):
         result = yield op, {"a": a, "b": b}
         yield "answer", {"value": int(result)}
 
-    def careless(self, index: int, rng: random.Random) -> Expert:
-        """Answers at once without a tool: an estimate off the true result by 1 to 25 %."""
-        op, a, b = self.sample(index)
-        exact = _OPS[op][1](a, b)
-        yield "answer", {"value": max(0, exact + rng.choice((-1, 1)) * rng.randint(1, max(2, exact // 4)))}
+    def careless(self, index: int) -> Expert:
+        """Gives up at once: ``answer(0)`` without a tool."""
+        yield "answer", {"value": 0}

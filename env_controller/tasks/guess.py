@@ -1,7 +1,6 @@
 """``guess`` (harder): find a hidden number by bisection on higher/lower feedback."""
 from __future__ import annotations
 
-import random
 from typing import Any
 
 from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, ToolTask, ToolTaskSession, function_schema
@@ -37,7 +36,7 @@ class GuessTask(ToolTask):
     ``correct``, which ends the episode; a guess outside ``1..max_value`` gets an error message
     (and costs its turn).
     Expert: bisection from the middle, ``n = (lo + hi) // 2`` (at most 4 guesses for 1..15).
-    Careless player: random guesses that ignore the replies (about ``max_turns / max_value``).
+    Careless player: guesses 1 every time, whatever the replies (right 1 time in ``max_value``).
     Reward: 1 when the number is guessed within ``max_turns`` guesses (default 4), else 0
     (status ``task limit reached``); 0 on a message without tool calls.
     Defaults need a perfect bisection on the deepest numbers; raise ``max_turns`` to make it easier.
@@ -83,7 +82,7 @@ class GuessTask(ToolTask):
             elif feedback == "lower":
                 hi = mid - 1
 
-    def careless(self, index: int, rng: random.Random) -> Expert:
-        """Distinct random guesses that ignore the replies."""
-        for n in rng.sample(range(1, self.max_value + 1), self.max_value):
-            yield "guess", {"n": n}
+    def careless(self, index: int) -> Expert:
+        """Ignores the replies: guesses 1 every time."""
+        while True:
+            yield "guess", {"n": 1}

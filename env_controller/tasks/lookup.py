@@ -1,7 +1,6 @@
 """``lookup`` (easy): read one value out of a small hidden table, then answer it."""
 from __future__ import annotations
 
-import random
 from typing import Any
 
 from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, ToolTask, ToolTaskSession, function_schema
@@ -50,8 +49,8 @@ class LookupTask(ToolTask):
     Tools: ``lookup(key: string)`` returns the key's value (a color word), or ``error: ...`` for a
     key not in the table (keys compare case-insensitively, surrounding quotes ignored);
     ``answer(value: string)`` ends the episode.
-    Expert: ``lookup(key)``, then ``answer(value)`` (2 turns). Careless player: ``answer`` with a
-    random color at once.
+    Expert: ``lookup(key)``, then ``answer(value)`` (2 turns). Careless player: gives up at once
+    (``answer`` with an empty value).
     Reward: 1 when the answered value equals the key's value (case-insensitive, surrounding
     whitespace, quotes and a final period ignored), else 0; 0 on the turn limit (default 4 tool
     calls) or a message without tool calls.
@@ -89,6 +88,6 @@ class LookupTask(ToolTask):
         value = yield "lookup", {"key": key}
         yield "answer", {"value": value}
 
-    def careless(self, index: int, rng: random.Random) -> Expert:
-        """Answers a random color without looking the key up (right 1 time in 12)."""
-        yield "answer", {"value": rng.choice(VALUES)}
+    def careless(self, index: int) -> Expert:
+        """Gives up at once: ``answer`` with an empty value, without looking the key up."""
+        yield "answer", {"value": ""}

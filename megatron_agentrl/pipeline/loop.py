@@ -365,6 +365,7 @@ def _make_manager(cfg: Config, ro: RolloutSide, version: int) -> RolloutManager:
         sampling=lambda seed: _sampling(cfg, ro, cfg.rollout.temperature, seed),
         max_turns=cfg.rollout.max_turns, max_total_tokens=cfg.rollout.max_total_tokens,
         env_timeout_s=cfg.pipeline.env_timeout_s, version=version, seed=cfg.train.seed,
+        version_lag=0 if sync or cfg.rollout.cross_policy == "latest" else cfg.rollout.max_versions - 1,
         total_groups=cfg.train.steps * B,
     )
 

@@ -9,8 +9,9 @@ each optimizer step and weight push, calls :meth:`RolloutManager.set_version`.
 
 Admission (AgentRL / AReaL): with trainer weight version ``v`` (steps done), staleness ``eta``
 and ``B = batch_groups``, a new group starts only while
-``(v + eta + 1) * B > accepted + running``, where ``accepted`` counts groups trained or waiting
-in the queue. ``eta = 0`` is the synchronous schedule (a step's groups start after the previous
+``(v + eta - lag + 1) * B > accepted + running``, where ``accepted`` counts groups trained or waiting
+in the queue and ``lag`` is how many versions older than the trainer's a new group's turns may be
+sampled with (cross-policy over ``max_versions`` slots: ``max_versions - 1``; 0 on-policy). ``eta = 0`` is the synchronous schedule (a step's groups start after the previous
 step's weights arrived; the trainer waits for all of them). ``queue_size`` bounds
 ``waiting + running`` as well.
 
@@ -164,10 +165,15 @@ class RolloutManager:
                  staleness: int, queue_size: int = 0, cohort_groups: int = 1,
                  sampling: Callable[[int], SamplingParams], max_turns: int, max_total_tokens: int,
                  env_timeout_s: float = 120.0, version: int = 0, seed: int = 0, max_attempts: int = 3,
+                 version_lag: int = 0,
                  on_group: Callable[[FinishedGroup], None] | None = None, total_groups: int | None = None) -> None:
         if batch_groups < 1 or staleness < 0 or cohort_groups < 1:
             raise ValueError(f"batch_groups={batch_groups} and cohort_groups={cohort_groups} must be >= 1, "
                              f"staleness={staleness} >= 0")
+        if not 0 <= version_lag <= staleness:
+            raise ValueError(f"version_lag={version_lag} must be in 0..staleness={staleness}: turns sampled by "
+                             "versions that old could never be trained")
+        self.lag = int(version_lag)
         self.engine = engine
         self.env = env
         self.template = template
@@ -217,7 +223,7 @@ class RolloutManager:
 
     def _capacity_locked(self) -> int:
         accepted = self.stats.consumed + len(self._queue)
-        cap = (self._version + self.eta + 1) * self.B - (accepted + self._running)
+        cap = (self._version + self.eta - self.lag + 1) * self.B - (accepted + self._running)
         cap = min(cap, self.queue_size - (len(self._queue) + self._running))
         if self._draining:
             cap = min(cap, self.B - (len(self._queue) + self._running))

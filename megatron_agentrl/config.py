@@ -102,10 +102,10 @@ class TrainConfig:
 class SFTConfig:
     """Optional supervised warm-up on the tasks' scripted demonstrations before RL (0 steps = off).
 
-    short_format_steps: the first of ``steps`` render each demonstration with an empty system
-        prompt and no tool schemas (sequences ~4x shorter, so ~4x cheaper): a tiny model learns
-        to copy arguments from the prompt and tool replies there first; the rest use the full
-        chat format of RL.
+    short_format_steps: the first of ``steps`` (all of them when larger) render each
+        demonstration with an empty system prompt and no tool schemas (sequences ~4x shorter,
+        so ~4x cheaper): a tiny model learns to copy arguments from the prompt and tool replies
+        there first; the rest use the full chat format of RL.
     careless_fraction: share of the full-format demonstrations played by the task's careless
         player (e.g. answering without the tool) instead of the expert, for tasks that have one;
         the warm-up policy then holds a bad habit that RL has to unlearn from reward alone.
@@ -399,9 +399,9 @@ class Config:
             raise ConfigError(f"eval.temperature={self.eval.temperature!r} must be > 0")
         if self.sft.steps < 0:
             raise ConfigError(f"sft.steps={self.sft.steps!r} must be >= 0 (0 disables the warm-up)")
-        if not 0 <= self.sft.short_format_steps <= self.sft.steps:
-            raise ConfigError(f"sft.short_format_steps={self.sft.short_format_steps!r} must be in 0..sft.steps "
-                              f"({self.sft.steps}): it counts the first warm-up steps, which use the short format")
+        if self.sft.short_format_steps < 0:
+            raise ConfigError(f"sft.short_format_steps={self.sft.short_format_steps!r} must be >= 0: it counts the "
+                              "first warm-up steps (of sft.steps), which use the short format")
         if not 0.0 <= self.sft.careless_fraction < 1.0:
             raise ConfigError(f"sft.careless_fraction={self.sft.careless_fraction!r} must be in [0, 1): "
                               "the share of demonstrations played carelessly")

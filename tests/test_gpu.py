@@ -322,14 +322,14 @@ TINY_RUN = [
 
 
 def async_run(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
-    """Child entry point: ``run_training`` on tiny_cpu.yaml with ``overrides``; returns the summary
+    """Child entry point: ``run_training`` on tests/configs/tiny_test.yaml with ``overrides``; returns the summary
     plus whether (and how much) CUDA memory the run used."""
     from megatron_agentrl.cli import _setup_logging
     from megatron_agentrl.config import load_config
     from megatron_agentrl.pipeline.loop import run_training
 
     _setup_logging(rank)
-    summary = run_training(load_config("examples/configs/tiny_cpu.yaml", overrides))
+    summary = run_training(load_config("tests/configs/tiny_test.yaml", overrides))
     summary["cuda_max_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
     return summary
 

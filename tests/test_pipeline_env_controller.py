@@ -43,7 +43,7 @@ def _serve_and_train(rank: int, world: int, out: str) -> dict:
 
     url = asyncio.run_coroutine_threadsafe(up(), loop).result(30)
     try:
-        cfg = load_config("examples/configs/tiny_cpu.yaml", [
+        cfg = load_config("tests/configs/tiny_test.yaml", [
             f"output_dir={out}", f"env.controller_url={url}", "tasks=[{name: lookup}, {name: calc}]",
             "model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2",
             "sft.steps=0", "train.steps=3", "train.micro_batch_size=4", "rollout.prompts_per_step=2",
@@ -74,6 +74,6 @@ def test_unknown_task_without_controller_is_a_config_error(tmp_path):
     from megatron_agentrl.config import ConfigError, load_config
     from megatron_agentrl.pipeline.loop import _build_env
 
-    cfg = load_config("examples/configs/tiny_cpu.yaml", [f"output_dir={tmp_path}", "tasks=[{name: webshop}]"])
+    cfg = load_config("tests/configs/tiny_test.yaml", [f"output_dir={tmp_path}", "tasks=[{name: webshop}]"])
     with pytest.raises(ConfigError, match=r"tasks \['webshop'\] are not built-in tasks .* set env.controller_url"):
         _build_env(cfg)

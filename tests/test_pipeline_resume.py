@@ -26,7 +26,7 @@ def _train(rank: int, world: int, overrides: list[str]) -> dict:
     from megatron_agentrl.pipeline.loop import run_training
 
     _setup_logging(rank)
-    return run_training(load_config("examples/configs/tiny_cpu.yaml", overrides))
+    return run_training(load_config("tests/configs/tiny_test.yaml", overrides))
 
 
 def _steps(out: Path) -> dict[int, dict]:

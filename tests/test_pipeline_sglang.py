@@ -22,7 +22,7 @@ def _run(rank: int, world: int, out: str) -> dict:
     from rollout_sglang.tokenizer import load_tokenizer
 
     _setup_logging(rank)
-    cfg = load_config("examples/configs/tiny_cpu.yaml", [
+    cfg = load_config("tests/configs/tiny_test.yaml", [
         f"output_dir={out}", "model.arch.hidden_size=32", "model.arch.intermediate_size=64",
         "model.arch.num_hidden_layers=2", "sft.steps=0", "train.steps=3", "train.micro_batch_size=4",
         "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",

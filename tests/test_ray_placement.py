@@ -48,7 +48,7 @@ def cluster() -> Iterator[Cluster]:
 
 
 def _cfg(tmp_path: Path, *extra: str):
-    return load_config(ROOT / "examples/configs/tiny_cpu.yaml",
+    return load_config(ROOT / "tests/configs/tiny_test.yaml",
                        [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, *extra])
 
 
@@ -86,7 +86,7 @@ def test_layout_that_does_not_fit_fails_clearly(cluster: Cluster, tmp_path: Path
                "ray.placement_timeout_s=3")
     t0 = time.monotonic()
     with pytest.raises(PlacementError) as err:
-        run_on_ray(cfg, str(ROOT / "examples/configs/tiny_cpu.yaml"), [])
+        run_on_ray(cfg, str(ROOT / "tests/configs/tiny_test.yaml"), [])
     msg = str(err.value)
     assert "train: 8 x {'CPU': 0.1, 'GPU': 1.0}" in msg and "The cluster has" in msg and "'GPU': 4.0" in msg, msg
     assert time.monotonic() - t0 < 30
@@ -118,8 +118,8 @@ def test_train_on_ray_with_controller_and_engine_actors(cluster: Cluster, tmp_pa
                  f"model.checkpoint={ckpt}", "ray.controller=true", "ray.controller_port=0",
                  "ray.controller_cpus=0.25", "ray.rollout_gpus_per_engine=1", "ray.rollout_cpus_per_engine=0.25",
                  "ray.engine_server_module=rollout_sglang.sglang_standin", "ray.train_cpus_per_worker=0.5"]
-    cfg = load_config(ROOT / "examples/configs/tiny_cpu.yaml", overrides)
-    summary = run_on_ray(cfg, str(ROOT / "examples/configs/tiny_cpu.yaml"), overrides)
+    cfg = load_config(ROOT / "tests/configs/tiny_test.yaml", overrides)
+    summary = run_on_ray(cfg, str(ROOT / "tests/configs/tiny_test.yaml"), overrides)
     out = tmp_path / "run"
     assert summary["hf_export"] == str(out / "hf_export") and (out / "hf_export" / "config.json").is_file()
     # the trainer ranks got the controller actor's URL through the config ...
@@ -138,7 +138,7 @@ def test_node_lost_mid_run_stops_with_a_resumable_checkpoint(cluster: Cluster, t
     # the trainer asks for 3 CPUs: only the added node (4 CPUs) can hold it, the head has 2
     node = cluster.add_node(num_cpus=4)
     cluster.wait_for_nodes()
-    config = str(ROOT / "examples/configs/tiny_cpu.yaml")
+    config = str(ROOT / "tests/configs/tiny_test.yaml")
     base = [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, "ray.health_check_interval_s=1",
             "checkpoint.interval=1", "checkpoint.resume=latest"]
     overrides = [*base, "train.steps=1000", "ray.train_cpus_per_worker=3"]
@@ -188,7 +188,7 @@ def test_unreachable_cluster_address_fails_fast() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "megatron_agentrl.cli", "train", "--config", "examples/configs/tiny_cpu.yaml",
+    proc = subprocess.run([sys.executable, "-m", "megatron_agentrl.cli", "train", "--config", "tests/configs/tiny_test.yaml",
                            f"ray.address=127.0.0.1:{port}", "ray.placement_timeout_s=2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stdout + proc.stderr

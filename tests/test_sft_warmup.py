@@ -10,7 +10,7 @@ from megatron_agentrl.pipeline.loop import _sft_example
 from rollout_sglang.chat_template import ChatTemplate
 from rollout_sglang.tokenizer import load_tokenizer
 
-CONFIG = "examples/configs/tiny_cpu.yaml"
+CONFIG = "tests/configs/tiny_test.yaml"
 
 
 def _rollout_side(seed: int) -> SimpleNamespace:

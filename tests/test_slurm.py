@@ -201,7 +201,7 @@ def test_submit_tiny_training_runs_to_completion(slurm: LocalSlurm, tmp_path: Pa
     overrides = [f"output_dir={out}", *TINY, "checkpoint.interval=1"]
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "tools/submit_slurm.py", "--config", "examples/configs/tiny_cpu.yaml", "--no-ray",
+        [sys.executable, "tools/submit_slurm.py", "--config", "tests/configs/tiny_test.yaml", "--no-ray",
          "--time", "00:15:00", "--job-name", "agentrl-tiny", "--wait", "--wait-timeout", "600", *overrides],
         cwd=ROOT, env=slurm.env, capture_output=True, text=True, timeout=700)
     logs = sorted((out / "slurm").glob("slurm-*.out"))
@@ -228,7 +228,7 @@ def test_submit_tiny_training_runs_to_completion(slurm: LocalSlurm, tmp_path: Pa
 def test_cancel_and_unknown_job(slurm: LocalSlurm, tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "tools/submit_slurm.py", "--config", "examples/configs/tiny_cpu.yaml", "--no-ray",
+        [sys.executable, "tools/submit_slurm.py", "--config", "tests/configs/tiny_test.yaml", "--no-ray",
          f"output_dir={out}", *TINY, "train.steps=1000"],
         cwd=ROOT, env=slurm.env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -249,7 +249,7 @@ def test_cancel_and_unknown_job(slurm: LocalSlurm, tmp_path: Path) -> None:
 def test_dry_run_prints_the_ray_script_without_slurm(tmp_path: Path) -> None:
     """--dry-run needs no SLURM: head on the first node, workers on the rest, wait, train, cleanup."""
     proc = subprocess.run(
-        [sys.executable, "tools/submit_slurm.py", "--config", "examples/configs/tiny_cpu.yaml", "--dry-run",
+        [sys.executable, "tools/submit_slurm.py", "--config", "tests/configs/tiny_test.yaml", "--dry-run",
          "--nodes", "3", "--gpus-per-node", "8", "--partition", "gpu", "--account", "proj", "--time", "02:00:00",
          "--container-image", "nvcr.io/nvidia/pytorch:25.01-py3", f"output_dir={tmp_path}", "train.steps=7"],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -265,14 +265,14 @@ def test_dry_run_prints_the_ray_script_without_slurm(tmp_path: Path) -> None:
 
 
 def test_flags_are_validated(tmp_path: Path) -> None:
-    cfg = load_config(ROOT / "examples/configs/tiny_cpu.yaml", [f"output_dir={tmp_path}"])
+    cfg = load_config(ROOT / "tests/configs/tiny_test.yaml", [f"output_dir={tmp_path}"])
     with pytest.raises(ValueError, match="slurm.time='soon'"):
-        build_job(cfg, ROOT / "examples/configs/tiny_cpu.yaml", [], time="soon")
+        build_job(cfg, ROOT / "tests/configs/tiny_test.yaml", [], time="soon")
     with pytest.raises(ValueError, match="slurm.nodes=0"):
-        build_job(cfg, ROOT / "examples/configs/tiny_cpu.yaml", [], nodes=0)
+        build_job(cfg, ROOT / "tests/configs/tiny_test.yaml", [], nodes=0)
     with pytest.raises(ValueError, match="--partition 'gpu normal' has a space"):
-        build_job(cfg, ROOT / "examples/configs/tiny_cpu.yaml", [], partition="gpu normal")
-    job = build_job(cfg, ROOT / "examples/configs/tiny_cpu.yaml", ["train.steps=3"], ray=False)
+        build_job(cfg, ROOT / "tests/configs/tiny_test.yaml", [], partition="gpu normal")
+    job = build_job(cfg, ROOT / "tests/configs/tiny_test.yaml", ["train.steps=3"], ray=False)
     script = render_sbatch(job)
     assert "ray start" not in script and "torch.distributed.run" in script and "train.steps=3" in script
 
@@ -281,7 +281,7 @@ def test_ray_path_runs_in_slurm(slurm: LocalSlurm, tmp_path: Path) -> None:
     """The default path: Ray head started by the job with srun, agentrl train joins it, cleanup after."""
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "tools/submit_slurm.py", "--config", "examples/configs/tiny_cpu.yaml", "--ray",
+        [sys.executable, "tools/submit_slurm.py", "--config", "tests/configs/tiny_test.yaml", "--ray",
          "--cpus-per-node", str(os.cpu_count()), "--time", "00:15:00", "--wait", "--wait-timeout", "600",
          f"output_dir={out}", *TINY, "ray.num_cpus=0", "ray.health_check_interval_s=2"],
         cwd=ROOT, env=slurm.env, capture_output=True, text=True, timeout=700)

@@ -22,7 +22,7 @@ def _train(rank: int, world: int, overrides: list[str]) -> dict:
     from megatron_agentrl.pipeline.loop import run_training
 
     _setup_logging(rank)
-    return run_training(load_config("examples/configs/tiny_cpu.yaml", overrides))
+    return run_training(load_config("tests/configs/tiny_test.yaml", overrides))
 
 
 @pytest.mark.parametrize("tp", [1, 2])

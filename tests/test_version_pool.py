@@ -266,6 +266,6 @@ def test_waiting_for_a_live_slot_times_out_with_a_clear_error():
 def test_config_accepts_async_with_one_slot_of_several_engines():
     from megatron_agentrl.config import load_config
 
-    cfg = load_config("examples/configs/tiny_cpu.yaml", ["pipeline.mode=async", "rollout.max_versions=1",
+    cfg = load_config("tests/configs/tiny_test.yaml", ["pipeline.mode=async", "rollout.max_versions=1",
                                                          "rollout.engines_per_slot=2"])
     assert cfg.rollout.engines_per_slot == 2 and cfg.pipeline.mode == "async"

@@ -44,7 +44,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -54,6 +53,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench._common import git_commit  # noqa: E402
 
 from megatron_agentrl.algo.advantages import _segment_sum, normalize_per_task  # noqa: E402
 
@@ -134,14 +135,6 @@ def time_fn(fn: Callable[[], object], device: torch.device, warmup: int, repeats
         _sync(device)
         times.append(time.perf_counter() - t0)
     return times
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001 - informational
-        return "unknown"
 
 
 def _device_name(device: torch.device) -> str:
@@ -250,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{label:>8} {name:>15} skipped: {row[name + '_skipped']}")
     measured = [lab for lab, r in results.items() if "fused_copy_fraction" in r]
     record = {
-        "benchmark": "gpu_advantages", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": _git_commit(),
+        "benchmark": "gpu_advantages", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": git_commit(),
         "device": _device_name(device), "torch": torch.__version__, "args": vars(args),
         "min_bytes_per_token": MIN_BYTES_PER_TOKEN_FP32, "results": results,
     }

@@ -51,7 +51,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -62,6 +61,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench._common import git_commit  # noqa: E402
 
 logger = logging.getLogger("bench.gpu_train")
 
@@ -298,14 +299,6 @@ def measure(name: str, fn: Callable[[], dict[str, Any]], need: str | None, devic
         return {"skipped": reason}
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001 - informational
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="0.5b,1.5b,7b", help=f"comma-separated, from {list(SIZES)}")
@@ -386,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{r['achieved_tflops']:>8.2f} {r['mfu']:>6.3f} {r['peak_mem_gb']:>8.1f}")
         if "megatron_over_transformers" in row:
             print(f"{size:>5} megatron / transformers throughput: {row['megatron_over_transformers']:.2f}")
-    record = {"benchmark": "gpu_train", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": _git_commit(),
+    record = {"benchmark": "gpu_train", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": git_commit(),
               "device": device_name, "peak_flops": peak, "peak_source": peak_src, "torch": torch.__version__,
               "platform": platform.platform(), "args": vars(args), "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

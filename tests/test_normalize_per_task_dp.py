@@ -56,6 +56,19 @@ def test_matches_plain_per_task_reference():
                 assert abs(float(vals.mean())) < 1e-4
 
 
+
+def test_precise_when_the_mean_dwarfs_the_spread():
+    """Float32 advantages around 1e4 with a spread of ~1 (a reward offset the group baseline did not
+    remove): the result still matches the float64 reference of the same float32 inputs, where a
+    float32 E[A^2] - mean^2 would lose every digit of the variance."""
+    adv, mask, task_ids = _inputs(7)
+    adv = (adv + 1.0e4 + 37.0 * (task_ids[:, None] == 1)) * mask
+    out = normalize_per_task(adv, mask, task_ids, eps=EPS)
+    ref = _reference(adv, mask, task_ids, EPS)
+    assert torch.allclose(out, ref, atol=2e-4), (out - ref).abs().max()
+    assert float(ref.abs().max()) > 1.0  # the spread survived: not all zeros
+
+
 def _dp_worker(rank: int, world: int, seeds: list[int]) -> list[torch.Tensor]:
     import torch.distributed as dist
 

@@ -51,21 +51,23 @@ def normalize_per_task(
     advantages: ``[B, T]`` float token advantages; mask: ``[B, T]`` (1 = token counts);
     task_ids: ``[B]`` int in ``[0, num_tasks)``. Returns ``(A - mean_k) / (std_k + eps)`` for every
     masked token of a task-k sample, where mean and population std are taken over the masked
-    tokens of all task-k samples in the global batch: the per-task sums (count and sum, then the
-    sum of squared deviations from the task mean) are all-reduced over ``process_group`` (the
-    data-parallel group) when one is given, and ``num_tasks`` (default: the max task id + 1,
-    agreed across the group; this costs a device-to-host sync) sizes them. Masked-out tokens come
-    back as 0. Output dtype: ``advantages.dtype``.
+    tokens of all task-k samples in the global batch: the per-task sums are all-reduced over
+    ``process_group`` (the data-parallel group) when one is given, and ``num_tasks`` (default: the
+    max task id + 1, agreed across the group; this costs a device-to-host sync) sizes them.
+    Masked-out tokens come back as 0. Output dtype: ``advantages.dtype``.
 
-    How (vectorized, no Python loop over samples or tasks, no host sync when ``num_tasks`` is
-    given): ``D = A * mask`` is formed once in the compute dtype (float32 for float32 and 16-bit
-    inputs, float64 for float64); per row, ``count`` and ``sum D`` reduce it; segment sums over
-    tasks (float64, ``[B, 2] -> [2, K]``) give each task's mean; ``D -= mask * mean_k`` in place;
-    per row the sum of ``D^2`` (one norm reduction) is segment-summed into the task's population
-    variance, as in the two-pass variance algorithm (no ``E[A^2] - mean^2`` cancellation); last
-    ``D *= 1 / (std_k + eps)`` in place. Memory traffic for float32 inputs: about 44 bytes per
-    token (five elementwise / reduction kernels over ``[B, T]``), against 20 for a fully fused
-    two-pass kernel; ``bench/gpu_advantages.py`` measures it against a device copy.
+    How (one pass of segment sums and one all-reduce; vectorized, no Python loop over samples or
+    tasks, no host sync when ``num_tasks`` is given): ``D = A * mask`` is formed once in the
+    compute dtype (float32 for float32 and 16-bit inputs, float64 for float64) and shifted in
+    place by its row mean ``c_r`` (``D -= mask * c_r``); per row, the token count ``n_r``, the sum
+    ``s_r`` (both accumulated in float64) and the shifted square sum ``q_r`` give
+    ``sum A^2 = q_r + 2 c_r s_r - n_r c_r^2`` exactly; one segment sum over tasks (float64, ``[B, 3] -> [3, K]``) and one all-reduce give
+    each task's count, sum and sum of squares, hence mean and population variance. The row shift
+    keeps the float32 part free of cancellation (for GRPO advantages, constant over a sample's
+    tokens, ``q_r`` is ~0), and the variance's remaining subtraction happens in float64. Last,
+    ``D += mask * (c_r - mean_k)`` and ``D *= 1 / (std_k + eps)`` in place. Memory traffic for
+    float32 inputs: about 44 bytes per token; ``bench/gpu_advantages.py`` measures it against a
+    device copy.
     """
     if advantages.shape != mask.shape or advantages.dim() != 2:
         raise ValueError(f"advantages {tuple(advantages.shape)} and mask {tuple(mask.shape)} must both be [B, T]")
@@ -81,16 +83,19 @@ def normalize_per_task(
     cdt = advantages.dtype if advantages.dtype in (torch.float32, torch.float64) else torch.float32
     m = mask.to(cdt)
     d = advantages.to(cdt) * m  # a fresh tensor: the rest works on it in place
-    per_sample = torch.stack([m.sum(1), d.sum(1)], dim=1).double()  # [B, 2]
-    stats = _segment_sum(per_sample, task_ids, num_tasks).T.contiguous()  # [2, K]: count, sum
+    n64 = m.sum(1, dtype=torch.float64)  # [B]
+    s64 = d.sum(1, dtype=torch.float64)  # accumulated in float64: the identity below needs the exact sum
+    shift = (s64 / n64.clamp_min(1.0)).to(cdt)  # c_r, in the compute dtype: the one D is shifted by
+    d.addcmul_(m, -shift.unsqueeze(1))  # (A - c_r) * mask
+    q = torch.linalg.vector_norm(d, dim=1).double().square()
+    c64 = shift.double()
+    per_sample = torch.stack([n64, s64, q + c64 * (2.0 * s64 - n64 * c64)], dim=1)  # [B, 3]
+    stats = _segment_sum(per_sample, task_ids, num_tasks).T.contiguous()  # [3, K]: count, sum, sum of squares
     if use_group:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=process_group)
     count = stats[0].clamp_min(1.0)
     mean = stats[1] / count
-    d.addcmul_(m, (-mean)[task_ids].unsqueeze(1).to(cdt))  # (A - mean_k) * mask
-    sq = torch.linalg.vector_norm(d, dim=1).double().square()  # [B]: sum of squared deviations
-    m2 = _segment_sum(sq, task_ids, num_tasks)  # [K]
-    if use_group:
-        dist.all_reduce(m2, op=dist.ReduceOp.SUM, group=process_group)
-    inv_std = 1.0 / ((m2 / count).sqrt() + eps)
+    var = (stats[2] / count - mean.square()).clamp_min(0.0)
+    inv_std = 1.0 / (var.sqrt() + eps)
+    d.addcmul_(m, (c64 - mean[task_ids]).unsqueeze(1).to(cdt))  # (A - mean_k) * mask
     return d.mul_(inv_std[task_ids].unsqueeze(1).to(cdt)).to(advantages.dtype)

@@ -82,10 +82,19 @@ class RolloutSide:
     specs: dict[str, TaskSpec] = field(default_factory=dict)
 
     def latest_engine(self) -> Any:
-        """An engine holding the newest weights (for evaluation)."""
+        """An engine of the live slot with the newest weights (for evaluation).
+
+        RuntimeError when no slot is live (every slot updating or failed its last sync): an
+        updating or failed slot may hold partly loaded weights, which evaluation must not read.
+        """
         if isinstance(self.engine, VersionPool):
-            slot = max(self.engine.slots, key=lambda s: (s.live, s.version))
-            return slot.engines[0]
+            live = [s for s in self.engine.slots if s.live]
+            if not live:
+                states = ", ".join(f"slot {s.index}: v{s.version} {'failed' if s.failed else 'updating'}"
+                                   for s in self.engine.slots)
+                raise RuntimeError(f"no live engine slot to evaluate on ({states}); a weight sync failed or is "
+                                   "still running; see the weight-sync errors above")
+            return max(live, key=lambda s: s.version).engines[0]
         return self.engine
 
     def busy_seconds(self) -> float:

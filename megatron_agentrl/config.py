@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -109,6 +110,11 @@ class SFTConfig:
     careless_fraction: share of the full-format demonstrations played by the task's careless
         player (e.g. answering without the tool) instead of the expert, for tasks that have one;
         the warm-up policy then holds a bad habit that RL has to unlearn from reward alone.
+    lr_decay_style: "constant" | "linear" | "cosine": the learning rate goes from ``lr`` down to
+        ``min_lr`` over each phase of the warm-up (the short-format steps, then the full-format
+        ones: it restarts at ``lr`` when the format changes), so that each phase ends on small,
+        low-noise steps; "constant" keeps ``lr`` throughout.
+    min_lr: the learning rate at the end of each phase (0 <= min_lr <= lr).
     """
 
     steps: int = 0
@@ -116,6 +122,18 @@ class SFTConfig:
     batch_size: int = 16
     short_format_steps: int = 0
     careless_fraction: float = 0.0
+    lr_decay_style: str = "constant"
+    min_lr: float = 0.0
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of warm-up step ``step`` (1-based), by ``lr_decay_style``."""
+        short = min(self.short_format_steps, self.steps)
+        start, length = (0, short) if step <= short else (short, self.steps - short)
+        if self.lr_decay_style == "constant" or length <= 1:
+            return self.lr
+        frac = (step - start - 1) / (length - 1)  # 0 at the phase's first step, 1 at its last
+        decay = 1.0 - frac if self.lr_decay_style == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+        return self.min_lr + (self.lr - self.min_lr) * decay
 
 
 @dataclass
@@ -402,6 +420,11 @@ class Config:
         if self.sft.short_format_steps < 0:
             raise ConfigError(f"sft.short_format_steps={self.sft.short_format_steps!r} must be >= 0: it counts the "
                               "first warm-up steps (of sft.steps), which use the short format")
+        if self.sft.lr_decay_style not in ("constant", "linear", "cosine"):
+            raise ConfigError(f"sft.lr_decay_style={self.sft.lr_decay_style!r} is not one of constant, linear, cosine")
+        if not 0.0 <= self.sft.min_lr <= self.sft.lr:
+            raise ConfigError(f"sft.min_lr={self.sft.min_lr!r} must be in [0, sft.lr={self.sft.lr!r}]: the warm-up "
+                              "decays from lr down to min_lr")
         if not 0.0 <= self.sft.careless_fraction < 1.0:
             raise ConfigError(f"sft.careless_fraction={self.sft.careless_fraction!r} must be in [0, 1): "
                               "the share of demonstrations played carelessly")

@@ -34,6 +34,23 @@ def test_bad_values_name_key_and_value():
         load_config(DEMO, ["train.lr"])
 
 
+
+def test_sft_learning_rate_schedule():
+    """The warm-up's cosine decay runs from lr to min_lr within each phase and restarts at the format
+    switch; bad schedule settings name the key."""
+    cfg = load_config(DEMO, ["sft.steps=10", "sft.short_format_steps=4", "sft.lr=1e-3", "sft.min_lr=1e-4",
+                             "sft.lr_decay_style=cosine"])
+    lrs = [cfg.sft.lr_at(s) for s in range(1, 11)]
+    assert lrs[0] == pytest.approx(1e-3) and lrs[3] == pytest.approx(1e-4)  # short phase: steps 1..4
+    assert lrs[4] == pytest.approx(1e-3) and lrs[9] == pytest.approx(1e-4)  # full phase restarts
+    assert all(a > b for a, b in zip(lrs[4:], lrs[5:]))
+    flat = load_config(DEMO, ["sft.lr_decay_style=constant", "sft.lr=2e-3"])
+    assert {flat.sft.lr_at(s) for s in (1, 500, 900)} == {2e-3}
+    with pytest.raises(ConfigError, match=r"sft.lr_decay_style='exp' is not one of constant, linear, cosine"):
+        load_config(DEMO, ["sft.lr_decay_style=exp"])
+    with pytest.raises(ConfigError, match=r"sft.min_lr=0.01 must be in \[0, sft.lr="):
+        load_config(DEMO, ["sft.min_lr=0.01"])
+
 def test_missing_config_file():
     with pytest.raises(ConfigError, match=r"config file 'nope.yaml' does not exist"):
         load_config("nope.yaml")

@@ -270,9 +270,10 @@ def _sft_example(cfg: Config, ro: RolloutSide, short: bool) -> tuple[list[int], 
 
 def _sft_warmup(cfg: Config, actor: MegatronActor, ro: RolloutSide | None, metrics: MetricsLogger | None) -> None:
     """Supervised steps on the tasks' demonstrations (same token layout as RL turns; the first
-    ``sft.short_format_steps`` in the short format)."""
-    actor.set_lr(cfg.sft.lr)
+    ``sft.short_format_steps`` in the short format; learning rate by ``sft.lr_at``)."""
     for step in range(1, cfg.sft.steps + 1):
+        lr = cfg.sft.lr_at(step)
+        actor.set_lr(lr)
         batch = None
         if ro is not None:
             short = step <= cfg.sft.short_format_steps
@@ -281,7 +282,7 @@ def _sft_warmup(cfg: Config, actor: MegatronActor, ro: RolloutSide | None, metri
         t0 = time.perf_counter()
         stats = actor.train_step(actor.dp_slice(batch), loss_type="sft")
         if metrics is not None:
-            metrics.log(step, {**stats, "step_time_s": time.perf_counter() - t0}, phase="sft")
+            metrics.log(step, {**stats, "lr": lr, "step_time_s": time.perf_counter() - t0}, phase="sft")
             if step % cfg.log_every == 0 or step == cfg.sft.steps:
                 logger.info("sft step %d/%d | nll/token %.3f | %.2fs", step, cfg.sft.steps, stats["loss"], time.perf_counter() - t0)
     actor.set_lr(cfg.train.lr)

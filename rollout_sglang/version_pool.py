@@ -128,6 +128,20 @@ class VersionPool:
         live = [s.version for s in self.slots if s.live]
         return max(live) if live else -1
 
+    def slot_states(self) -> str:
+        """Each slot's index, version and state, for messages (e.g. "slot 0: v3 live, slot 1: v2 updating")."""
+        return ", ".join(f"slot {s.index}: v{s.version} {'live' if s.live else 'failed' if s.failed else 'updating'}"
+                         for s in self.slots)
+
+    def newest_live_slot(self) -> Slot:
+        """The live slot with the newest version; RuntimeError naming the slot states when none is live
+        (an updating or failed slot may hold partly loaded weights)."""
+        live = [s for s in self.slots if s.live]
+        if not live:
+            raise RuntimeError(f"no live engine slot in the version pool ({self.slot_states()}); a weight sync "
+                               "failed or is still running; see the weight-sync errors in the trainer log")
+        return max(live, key=lambda s: s.version)
+
     def slot_of_engine(self, engine_id: int) -> Slot:
         """The slot that holds global engine ``engine_id``."""
         return self._slot_of[engine_id]
@@ -192,9 +206,8 @@ class VersionPool:
                     return self._route_locked(keys)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    states = {s.index: "updating" if s.updating else "failed" for s in self.slots}
                     raise TimeoutError(
-                        f"no live slot in the version pool for {t:.1f}s (slot states: {states}): an update did not "
+                        f"no live slot in the version pool for {t:.1f}s ({self.slot_states()}): an update did not "
                         "finish or every slot failed its sync; raise rollout.engine_timeout_s for slow syncs, or "
                         "check the weight-sync errors in the trainer log")
             await asyncio.sleep(min(delay, max(left, 0.0)))

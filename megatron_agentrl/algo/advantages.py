@@ -61,8 +61,9 @@ def normalize_per_task(
     compute dtype (float32 for float32 and 16-bit inputs, float64 for float64) and shifted in
     place by its row mean ``c_r`` (``D -= mask * c_r``); per row, the token count ``n_r``, the sum
     ``s_r`` (both accumulated in float64) and the shifted square sum ``q_r`` give
-    ``sum A^2 = q_r + 2 c_r s_r - n_r c_r^2`` exactly; one segment sum over tasks (float64, ``[B, 3] -> [3, K]``) and one all-reduce give
-    each task's count, sum and sum of squares, hence mean and population variance. The row shift
+    ``sum A^2 = q_r + 2 c_r s_r - n_r c_r^2`` exactly; one segment sum over tasks (float64,
+    ``[B, 3] -> [3, K]``) and one all-reduce give each task's count, sum and sum of squares, hence
+    mean and population variance. The row shift
     keeps the float32 part free of cancellation (for GRPO advantages, constant over a sample's
     tokens, ``q_r`` is ~0), and the variance's remaining subtraction happens in float64. Last,
     ``D += mask * (c_r - mean_k)`` and ``D *= 1 / (std_k + eps)`` in place. Memory traffic for

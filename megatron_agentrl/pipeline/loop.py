@@ -88,13 +88,7 @@ class RolloutSide:
         updating or failed slot may hold partly loaded weights, which evaluation must not read.
         """
         if isinstance(self.engine, VersionPool):
-            live = [s for s in self.engine.slots if s.live]
-            if not live:
-                states = ", ".join(f"slot {s.index}: v{s.version} {'failed' if s.failed else 'updating'}"
-                                   for s in self.engine.slots)
-                raise RuntimeError(f"no live engine slot to evaluate on ({states}); a weight sync failed or is "
-                                   "still running; see the weight-sync errors above")
-            return max(live, key=lambda s: s.version).engines[0]
+            return self.engine.newest_live_slot().engines[0]
         return self.engine
 
     def busy_seconds(self) -> float:

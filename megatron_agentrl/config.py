@@ -257,6 +257,9 @@ class CheckpointConfig:
 class TaskSpec:
     """One built-in task: its registry ``name``, sampling ``weight`` and constructor ``params``.
 
+    weight: the task's share of RL prompts (relative to the other tasks' weights).
+    sft_weight: its share of the warm-up demonstrations (None: ``weight``); e.g. give the task
+        the warm-up leaves weakest more RL rollouts without changing the warm-up mixture.
     binary_reward: train on 1.0 for a successful episode (the task's ``success`` metric, else
         reward >= 1) and 0.0 otherwise, instead of the task's own reward.
     timeout_penalty: subtracted from the reward of an episode that ran out of turns or context
@@ -265,6 +268,7 @@ class TaskSpec:
 
     name: str = ""
     weight: float = 1.0
+    sft_weight: float | None = None
     params: dict[str, Any] = field(default_factory=dict)
     binary_reward: bool = False
     timeout_penalty: float = 0.0
@@ -442,6 +446,8 @@ class Config:
                 raise ConfigError(f"tasks[{i}].name is empty; give a registered task name")
             if not t.weight > 0:
                 raise ConfigError(f"tasks[{i}].weight={t.weight!r} must be > 0")
+            if t.sft_weight is not None and not t.sft_weight > 0:
+                raise ConfigError(f"tasks[{i}].sft_weight={t.sft_weight!r} must be > 0 (or left out: the task's weight)")
             if t.timeout_penalty < 0:
                 raise ConfigError(f"tasks[{i}].timeout_penalty={t.timeout_penalty!r} must be >= 0 "
                                   "(it is subtracted from the reward)")

@@ -1,4 +1,6 @@
 """Config loading: YAML + overrides, and the messages a user sees for bad keys, values and paths."""
+from pathlib import Path
+
 import pytest
 
 from megatron_agentrl.cli import main
@@ -23,7 +25,7 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
         load_config(bad)
 
 
-def test_bad_values_name_key_and_value():
+def test_bad_values_name_key_and_value(tmp_path):
     with pytest.raises(ConfigError, match=r"parallel.tp='two' must be an integer"):
         load_config(DEMO, ["parallel.tp=two"])
     with pytest.raises(ConfigError, match=r"rollout.samples_per_prompt=0 must be a positive integer"):
@@ -32,6 +34,10 @@ def test_bad_values_name_key_and_value():
         load_config(DEMO, ["model.dtype=fp8"])
     with pytest.raises(ConfigError, match=r"override 'train.lr' is not of the form key=value"):
         load_config(DEMO, ["train.lr"])
+    bad = tmp_path / "sft_weight.yaml"
+    bad.write_text(Path(DEMO).read_text().replace("{name: calc, weight: 1.0}", "{name: calc, sft_weight: 0}"))
+    with pytest.raises(ConfigError, match=r"tasks\[1\].sft_weight=0.0 must be > 0"):
+        load_config(bad)
 
 
 

@@ -13,10 +13,12 @@ from rollout_sglang.tokenizer import load_tokenizer
 CONFIG = "tests/configs/tiny_test.yaml"
 
 
-def _rollout_side(seed: int) -> SimpleNamespace:
+def _rollout_side(seed: int, weights: list[float] | None = None, sft_weights: list[float] | None = None
+                  ) -> SimpleNamespace:
     names = ["lookup", "calc", "guess"]
     tok = load_tokenizer("examples/tokenizer/tiny_agent")
-    return SimpleNamespace(rng=random.Random(seed), task_names=names, weights=[1.0] * 3,
+    return SimpleNamespace(rng=random.Random(seed), task_names=names, weights=weights or [1.0] * 3,
+                           sft_weights=sft_weights or weights or [1.0] * 3,
                            train_indices={n: list(range(100)) for n in names},
                            tasks={n: build_task(n) for n in names}, template=ChatTemplate(tok))
 
@@ -53,3 +55,22 @@ def test_careless_fraction_mixes_careless_episodes():
         ids, mask = _sft_example(cfg, ro, short=True)
         text = tok.decode(_generated(ids, mask))
         assert '"name": "guess"' in text or '"name": "answer"' not in text.split("</tool_call>")[0]
+
+
+def test_sft_weights_set_the_demonstration_mix_apart_from_rl_weights():
+    """The warm-up draws tasks by ``sft_weight``: calc weighted 4 for RL only keeps the warm-up
+    mix (and its draws) unchanged; calc's sft_weight 4 makes two thirds of the demonstrations calc."""
+    cfg = load_config(CONFIG, ["sft.careless_fraction=0"])
+
+    def calc_share(ro: SimpleNamespace) -> tuple[float, list[list[int]]]:
+        examples = [_sft_example(cfg, ro, short=True) for _ in range(300)]
+        texts = [ro.template.tokenizer.decode(_generated(i, m)) for i, m in examples]
+        return sum('"name": "add"' in t or '"name": "multiply"' in t for t in texts) / len(texts), \
+            [i for i, _ in examples]
+
+    even, even_ids = calc_share(_rollout_side(0))
+    rl_only, rl_only_ids = calc_share(_rollout_side(0, weights=[1.0, 4.0, 1.0], sft_weights=[1.0, 1.0, 1.0]))
+    sft_calc, _ = calc_share(_rollout_side(0, sft_weights=[1.0, 4.0, 1.0]))
+    assert rl_only_ids == even_ids
+    assert 0.25 < even < 0.42, even
+    assert 0.58 < sft_calc < 0.75, sft_calc

@@ -65,7 +65,8 @@ class RolloutSide:
     env: the env client (in-process, or the env controller over HTTP); train_env: the same,
     behind simulated latency when ``pipeline.sim_env_latency_s > 0``. template; tasks: the
     built-in Task objects (demonstrations for SFT); task_names (config order), train/eval index
-    splits, rng (SFT demonstrations), task weights and per-task specs.
+    splits, rng (SFT demonstrations), task weights (RL prompts), SFT weights (demonstrations)
+    and per-task specs.
     """
 
     engine: Any
@@ -79,6 +80,7 @@ class RolloutSide:
     eval_indices: dict[str, list[int]]
     rng: random.Random
     weights: list[float] = field(default_factory=list)
+    sft_weights: list[float] = field(default_factory=list)
     specs: dict[str, TaskSpec] = field(default_factory=dict)
 
     def latest_engine(self) -> Any:
@@ -211,7 +213,8 @@ def _build_rollout(cfg: Config, tokenizer: Any, hf_config: Any, dtype: torch.dty
         engine=engine, engines=engines, env=env, train_env=train_env,
         template=template or _chat_template(cfg, tokenizer, hf_config), tasks=tasks,
         task_names=[s.name for s in cfg.tasks], train_indices=train_idx, eval_indices=eval_idx,
-        rng=random.Random(cfg.train.seed), weights=[s.weight for s in cfg.tasks], specs={s.name: s for s in cfg.tasks},
+        rng=random.Random(cfg.train.seed), weights=[s.weight for s in cfg.tasks],
+        sft_weights=[s.weight if s.sft_weight is None else s.sft_weight for s in cfg.tasks], specs={s.name: s for s in cfg.tasks},
     )
 
 
@@ -248,10 +251,10 @@ def evaluate(cfg: Config, ro: RolloutSide, seed: int) -> dict[str, float]:
 
 
 def _sft_example(cfg: Config, ro: RolloutSide, short: bool) -> tuple[list[int], list[int]]:
-    """One demonstration as ``(token_ids, loss_mask)``: a task drawn by weight, a training index,
+    """One demonstration as ``(token_ids, loss_mask)``: a task drawn by SFT weight, a training index,
     in the short format (empty system prompt, no tool schemas: the expert only) or the full one
     (the careless player with probability ``sft.careless_fraction``, when the task has one)."""
-    task = ro.rng.choices(ro.task_names, weights=ro.weights)[0]
+    task = ro.rng.choices(ro.task_names, weights=ro.sft_weights or ro.weights)[0]
     index = ro.rng.choice(ro.train_indices[task])
     demo = None
     if not short and cfg.sft.careless_fraction and ro.rng.random() < cfg.sft.careless_fraction:

@@ -15,15 +15,16 @@ loopback). Measured side by side, interleaved, in one run on that one group:
   stand-in's ``/agentrl/raw_broadcast`` extension receives it into a preallocated buffer);
   timed the same way, until the engine acknowledged.
 
-Runs alternate (``--repeats`` pairs after one warm-up of each). Bandwidth = bytes / best run's
-seconds (on a shared machine, noise only ever adds time); the median of the per-pair ratios is
-printed beside it. The engine is paused around each bucketed sync, as the version pool does; those
+Runs alternate (``--repeats`` pairs after one warm-up of each; 21 by default: with 7 the best raw
+time alone moved by 0.19-0.30 s between runs on the 2-core VM, with 21 it held at 0.211 s).
+Bandwidth = bytes / best run's seconds (on a shared machine, noise only ever adds time); the
+median of the per-pair ratios is printed beside it. The engine is paused around each bucketed sync, as the version pool does; those
 two calls are outside the timed region. The CPU seconds each path costs the trainer and the engine
 process are printed beside the times (on a loaded host they show what the wall time hides).
 Prints a table, writes ``bench/results/weight_sync.json`` and ends with
 ``weight_sync_bandwidth_ratio: <bucketed / raw bandwidth>``.
 
-Usage: ``python bench/weight_sync.py [--bucket-mb 512] [--repeats 3] [--layers 24]``
+Usage: ``python bench/weight_sync.py [--bucket-mb 512] [--repeats 21] [--layers 24]``
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; returns the result dict (also written to bench/results/weight_sync.json)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bucket-mb", type=float, default=512.0, help="bucket size, MiB (rollout.weight_sync_bucket_mb)")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--wire-format", default=None, choices=["flattened_bucket", "per_tensor"],
                     help="how a bucket travels (default: the gloo default, per_tensor)")
     ap.add_argument("--layers", type=int, default=24, help="decoder layers (24 = Qwen2.5-0.5B, 494M parameters)")

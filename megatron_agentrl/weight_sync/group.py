@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 # gloo worker threads of a weight-sync group (torch's default is 2). The sync is one ordered stream
 # of broadcasts from rank 0 over one TCP connection per peer, so a second worker thread only runs
 # two of them at once on that connection: more thread hand-offs and CPU contention, no overlap.
-# Measured (bench/weight_sync.py, 2 cores): median bucketed/raw ratio 0.71-0.74 with 2 threads,
-# 0.82-0.86 with 1. AGENTRL_GLOO_THREADS overrides it.
+# Measured (bench/weight_sync.py, 2 cores, 3 interleaved runs each): bucketed/raw bandwidth ratio
+# 0.71-0.77 with 2 threads, 0.77-0.85 with 1. AGENTRL_GLOO_THREADS overrides it.
 GLOO_THREADS = int(os.environ.get("AGENTRL_GLOO_THREADS", "1"))
 _GRAVEYARD: list[list] = []  # backends of groups that timed out (see WeightGroup.close)
 

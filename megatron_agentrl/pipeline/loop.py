@@ -214,7 +214,8 @@ def _build_rollout(cfg: Config, tokenizer: Any, hf_config: Any, dtype: torch.dty
         template=template or _chat_template(cfg, tokenizer, hf_config), tasks=tasks,
         task_names=[s.name for s in cfg.tasks], train_indices=train_idx, eval_indices=eval_idx,
         rng=random.Random(cfg.train.seed), weights=[s.weight for s in cfg.tasks],
-        sft_weights=[s.weight if s.sft_weight is None else s.sft_weight for s in cfg.tasks], specs={s.name: s for s in cfg.tasks},
+        sft_weights=[s.weight if s.sft_weight is None else s.sft_weight for s in cfg.tasks],
+        specs={s.name: s for s in cfg.tasks},
     )
 
 

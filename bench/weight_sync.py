@@ -18,9 +18,10 @@ loopback). Measured side by side, interleaved, in one run on that one group:
 Runs alternate (``--repeats`` pairs after one warm-up of each; 21 by default: with 7 the best raw
 time alone moved by 0.19-0.30 s between runs on the 2-core VM, with 21 it held at 0.211 s).
 Bandwidth = bytes / best run's seconds (on a shared machine, noise only ever adds time); the
-median of the per-pair ratios is printed beside it. The engine is paused around each bucketed sync, as the version pool does; those
-two calls are outside the timed region. The CPU seconds each path costs the trainer and the engine
-process are printed beside the times (on a loaded host they show what the wall time hides).
+median of the per-pair ratios is printed beside it. The engine is paused around each bucketed
+sync, as the version pool does; those two calls are outside the timed region. The CPU seconds
+each path costs the trainer and the engine process are printed beside the times (on a loaded
+host they show what the wall time hides).
 Prints a table, writes ``bench/results/weight_sync.json`` and ends with
 ``weight_sync_bandwidth_ratio: <bucketed / raw bandwidth>``.
 

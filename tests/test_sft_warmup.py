@@ -69,7 +69,7 @@ def test_sft_weights_set_the_demonstration_mix_apart_from_rl_weights():
             [i for i, _ in examples]
 
     even, even_ids = calc_share(_rollout_side(0))
-    rl_only, rl_only_ids = calc_share(_rollout_side(0, weights=[1.0, 4.0, 1.0], sft_weights=[1.0, 1.0, 1.0]))
+    _, rl_only_ids = calc_share(_rollout_side(0, weights=[1.0, 4.0, 1.0], sft_weights=[1.0, 1.0, 1.0]))
     sft_calc, _ = calc_share(_rollout_side(0, sft_weights=[1.0, 4.0, 1.0]))
     assert rl_only_ids == even_ids
     assert 0.25 < even < 0.42, even

@@ -255,7 +255,7 @@ def _sft_example(cfg: Config, ro: RolloutSide, short: bool) -> tuple[list[int], 
     """One demonstration as ``(token_ids, loss_mask)``: a task drawn by SFT weight, a training index,
     in the short format (empty system prompt, no tool schemas: the expert only) or the full one
     (the careless player with probability ``sft.careless_fraction``, when the task has one)."""
-    task = ro.rng.choices(ro.task_names, weights=ro.sft_weights or ro.weights)[0]
+    task = ro.rng.choices(ro.task_names, weights=ro.sft_weights)[0]
     index = ro.rng.choice(ro.train_indices[task])
     demo = None
     if not short and cfg.sft.careless_fraction and ro.rng.random() < cfg.sft.careless_fraction:

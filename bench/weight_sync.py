@@ -93,6 +93,10 @@ def engine_main(conn, layers: int) -> None:
         msg = conn.recv()
         if msg == "stop":
             break
+        if msg == "zero":  # forget the synced weights, so that the next check sees one sync alone
+            for p in model.parameters():
+                p.data.zero_()
+            conn.send("zeroed")
         if msg == "check":  # per-tensor sums, to verify the last sync landed
             sd = engine.model.state_dict()
             conn.send({k: float(v.float().sum()) for k, v in sd.items() if k != "lm_head.weight"})
@@ -136,6 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--wire-format", default=None, choices=["flattened_bucket", "per_tensor"],
                     help="how a bucket travels (default: the gloo default, per_tensor)")
     ap.add_argument("--layers", type=int, default=24, help="decoder layers (24 = Qwen2.5-0.5B, 494M parameters)")
+    ap.add_argument("--small-mb", type=float, default=None,
+                    help="per_tensor: tensors under this many MiB travel packed (default: the sender's SMALL_TENSOR_BYTES)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "weight_sync.json"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -164,7 +170,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"(setup {time.perf_counter() - t0:.1f}s); engine at {url}")
 
     client = SGLangEngine(url, update_timeout_s=600, control_timeout_s=60)
-    sender = BucketBroadcaster([client], "bench", backend="gloo", init_timeout_s=120, bucket_timeout_s=600)
+    small = SMALL_TENSOR_BYTES if args.small_mb is None else int(args.small_mb * 1024 * 1024)
+    sender = BucketBroadcaster([client], "bench", backend="gloo", init_timeout_s=120, bucket_timeout_s=600,
+                               small_tensor_bytes=small)
     sender.connect()
     group = sender.group
     assert group is not None
@@ -173,45 +181,60 @@ def main(argv: list[str] | None = None) -> dict:
     pool = ThreadPoolExecutor(max_workers=2)
     bucket_bytes = int(args.bucket_mb * 1024 * 1024)
 
-    cpu: dict[str, list[tuple[float, float]]] = {"raw": [], "bucketed": []}
-
-    def raw() -> float:
-        c0, e0 = process_cpu_s(), process_cpu_s(proc.pid)
-        t = time.perf_counter()
+    def raw() -> int:
         fut = pool.submit(client._call, "POST", "/agentrl/raw_broadcast", {"nbytes": nbytes, "group_name": "bench"}, 600)
         group.broadcast(flat, src=0, timeout_s=600)
         fut.result(timeout=600)
-        t = time.perf_counter() - t
-        cpu["raw"].append((process_cpu_s() - c0, process_cpu_s(proc.pid) - e0))
-        return t
+        return 1
 
-    buckets = [0]
+    version = [0]
 
-    def bucketed(version: int) -> float:
-        client.pause()  # the version pool pauses the slot for its update
+    def bucketed(transport: str | None = None) -> int:
+        version[0] += 1
+        stats = sender.send(state.items(), bucket_bytes, weight_version=str(version[0]), wire_format=args.wire_format,
+                            transport=transport)
+        assert stats.bytes == nbytes, (stats.bytes, nbytes)
+        return stats.buckets
+
+    # (label, run, pause the engine around it): the version pool pauses the slot for its update;
+    # the pause and resume calls are outside the timed region
+    paths = {"raw": ("raw broadcast (1 flat buffer)", raw, False),
+             "bucketed": (f"bucketed sync ({args.bucket_mb:g} MiB, {sender.transport})", bucketed, True)}
+    if sender.transport != "broadcast":  # what an engine without the send_recv extension (SGLang) receives
+        paths["bucketed_broadcast"] = (f"bucketed sync ({args.bucket_mb:g} MiB, broadcast)",
+                                       lambda: bucketed("broadcast"), True)
+    times: dict[str, list[float]] = {k: [] for k in paths}
+    cpu: dict[str, list[tuple[float, float]]] = {k: [] for k in paths}
+    buckets: dict[str, int] = {}
+
+    def timed(key: str) -> None:
+        _, fn, pause = paths[key]
+        if pause:
+            client.pause()
         c0, e0 = process_cpu_s(), process_cpu_s(proc.pid)
         t = time.perf_counter()
-        stats = sender.send(state.items(), bucket_bytes, weight_version=str(version), wire_format=args.wire_format)
-        t = time.perf_counter() - t
-        cpu["bucketed"].append((process_cpu_s() - c0, process_cpu_s(proc.pid) - e0))
-        client.resume()
-        buckets[0] = stats.buckets
-        assert stats.bytes == nbytes, (stats.bytes, nbytes)
-        return t
+        buckets[key] = fn()
+        times[key].append(time.perf_counter() - t)
+        cpu[key].append((process_cpu_s() - c0, process_cpu_s(proc.pid) - e0))
+        if pause:
+            client.resume()
 
     psi0 = cpu_pressure()
-    raw()  # warm-up: connections, receive buffers
-    bucketed(0)
-    cpu = {"raw": [], "bucketed": []}
-    raw_s, bucket_s = [], []
-    for r in range(args.repeats):  # interleaved pairs, alternating which goes first
-        if r % 2 == 0:
-            raw_s.append(raw())
-            bucket_s.append(bucketed(r + 1))
-        else:
-            bucket_s.append(bucketed(r + 1))
-            raw_s.append(raw())
+    for key in paths:  # warm-up: connections, receive buffers
+        timed(key)
+    times = {k: [] for k in paths}
+    cpu = {k: [] for k in paths}
+    keys = list(paths)
+    for r in range(args.repeats):  # interleaved rounds, rotating which path goes first
+        for i in range(len(keys)):
+            timed(keys[(r + i) % len(keys)])
     psi1 = cpu_pressure()
+    # verify the default path alone: zero the engine's weights, sync once more, compare
+    parent.send("zero")
+    parent.recv()
+    client.pause()
+    bucketed()
+    client.resume()
     parent.send("check")
     sums = parent.recv()
     bad = [k for k, v in state.items() if abs(sums[k] - float(v.float().sum())) > 1e-3 * max(1.0, abs(sums[k]))]
@@ -221,31 +244,30 @@ def main(argv: list[str] | None = None) -> dict:
     pool.shutdown()
 
     # bandwidth of each path from its best run (noise on a shared machine only ever adds time);
-    # the median of the per-pair ratios is reported beside it
-    raw_best, bucket_best = min(raw_s), min(bucket_s)
-    raw_bw, bucket_bw = nbytes / raw_best / 1e9, nbytes / bucket_best / 1e9
-    ratio = bucket_bw / raw_bw
-    pair_ratio = statistics.median(r / b for r, b in zip(raw_s, bucket_s))
-    rows = [("raw broadcast (1 flat buffer)", 1, raw_best, statistics.median(raw_s), raw_bw, raw_s),
-            (f"bucketed sync ({args.bucket_mb:g} MiB buckets)", buckets[0], bucket_best, statistics.median(bucket_s),
-             bucket_bw, bucket_s)]
-    print(f"\n{'path':<34} {'buckets':>7} {'best s':>7} {'median s':>9} {'GB/s':>6}   runs (s)")
-    for name, nb, best, med, bw, runs in rows:
-        print(f"{name:<34} {nb:>7} {best:>7.3f} {med:>9.3f} {bw:>6.2f}   {', '.join(f'{x:.3f}' for x in runs)}")
+    # the median of the per-round ratios is reported beside it
+    best = {k: min(v) for k, v in times.items()}
+    bw = {k: nbytes / best[k] / 1e9 for k in paths}
+    ratio = bw["bucketed"] / bw["raw"]
+    pair_ratio = {k: statistics.median(r / b for r, b in zip(times["raw"], times[k])) for k in paths if k != "raw"}
+    print(f"\n{'path':<40} {'buckets':>7} {'best s':>7} {'median s':>9} {'GB/s':>6}   runs (s)")
+    for k, (label, _, _) in paths.items():
+        print(f"{label:<40} {buckets[k]:>7} {best[k]:>7.3f} {statistics.median(times[k]):>9.3f} {bw[k]:>6.2f}   "
+              + ", ".join(f"{x:.3f}" for x in times[k]))
     med_cpu = {k: (statistics.median(c[0] for c in v), statistics.median(c[1] for c in v)) for k, v in cpu.items()}
     print("CPU seconds per run (median; trainer, engine): " + "; ".join(
         f"{k} {a:.3f}, {b:.3f}" for k, (a, b) in med_cpu.items()))
-    print(f"median of per-pair ratios (raw s / bucketed s): {pair_ratio:.3f}; load average {os.getloadavg()[0]:.1f}, "
-          f"CPU pressure (PSI some avg10) {psi0}% before, {psi1}% after")
+    print("bandwidth ratio to raw (best runs): " + ", ".join(f"{k} {bw[k] / bw['raw']:.3f}" for k in pair_ratio)
+          + "; median of per-round ratios (raw s / path s): " + ", ".join(f"{k} {v:.3f}" for k, v in pair_ratio.items()))
+    print(f"load average {os.getloadavg()[0]:.1f}, CPU pressure (PSI some avg10) {psi0}% before, {psi1}% after")
     print(f"weights verified on the engine: {'yes' if not bad else 'NO, mismatched: ' + ', '.join(bad[:5])}")
     result = {
         "bench": "weight_sync", "model": f"qwen2.5-0.5b shapes, {args.layers} layers", "parameters": params,
         "bytes": nbytes, "dtype": "bfloat16", "backend": "gloo (loopback, 2 processes)",
-        "bucket_mb": args.bucket_mb, "buckets": buckets[0], "repeats": args.repeats,
-        "wire_format": args.wire_format or "per_tensor (gloo default)",
-        "raw_s": raw_s, "bucketed_s": bucket_s, "raw_gb_per_s_best": raw_bw, "bucketed_gb_per_s_best": bucket_bw,
-        "weight_sync_bandwidth_ratio": ratio, "median_pair_ratio": pair_ratio, "weights_verified": not bad,
-        "cpu_s_median_trainer_engine": med_cpu, "small_tensor_bytes": SMALL_TENSOR_BYTES,
+        "bucket_mb": args.bucket_mb, "buckets": buckets, "repeats": args.repeats,
+        "wire_format": args.wire_format or "per_tensor (gloo default)", "transport": sender.transport,
+        "seconds": times, "gb_per_s_best": bw, "ratio_to_raw_best": {k: bw[k] / bw["raw"] for k in pair_ratio},
+        "weight_sync_bandwidth_ratio": ratio, "median_round_ratio": pair_ratio, "weights_verified": not bad,
+        "cpu_s_median_trainer_engine": med_cpu, "small_tensor_bytes": small,
         "load_average_1m": os.getloadavg()[0],
         "cpu_pressure_some_avg10_pct_before": psi0, "cpu_pressure_some_avg10_pct_after": psi1,
         "host": {"cpus": mp.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},

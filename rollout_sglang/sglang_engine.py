@@ -309,16 +309,25 @@ class SGLangEngine:
                 )
             time.sleep(poll_s)
 
-    @property
-    def supports_checksum(self) -> bool:
-        """Whether the server verifies bucket checksums (the stand-in's extension; SGLang: no)."""
+    def _extension(self, name: str) -> bool:
+        """Whether ``/server_info`` lists ``name`` in ``agentrl_extensions`` (asked once; SGLang lists none)."""
         if self._extensions is None:
             try:
                 info = self._call("GET", "/server_info")
                 self._extensions = list(info.get("agentrl_extensions", [])) if isinstance(info, dict) else []
             except SGLangError:
                 self._extensions = []
-        return "bucket_checksum" in self._extensions
+        return name in self._extensions
+
+    @property
+    def supports_checksum(self) -> bool:
+        """Whether the server verifies bucket checksums (the stand-in's extension; SGLang: no)."""
+        return self._extension("bucket_checksum")
+
+    @property
+    def supports_send_recv(self) -> bool:
+        """Whether the server takes a bucket as point-to-point messages (the stand-in's extension; SGLang: no)."""
+        return self._extension("send_recv")
 
     # ------------------------------------------------------------ weight update
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -333,12 +342,18 @@ class SGLangEngine:
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str = "weight_update_group", *, load_format: str | None = None,
                                         flush_cache: bool = True, weight_version: str | None = None,
-                                        checksum: list[int] | None = None, timeout_s: float | None = None) -> None:
+                                        checksum: list[int] | None = None, timeout_s: float | None = None,
+                                        send_recv_tag: int | None = None) -> None:
         """``POST /update_weights_from_distributed``: the server receives the tensors from group rank 0 and loads them.
 
         load_format "flattened_bucket": one broadcast of the flat bucket (SGLang >= 0.5.2), None:
         one broadcast per tensor. ``checksum`` is sent only to servers that verify it.
+        ``send_recv_tag``: the tensors come as point-to-point messages numbered from it (servers
+        with the ``send_recv`` extension only; ValueError otherwise, before anything is sent).
         """
+        if send_recv_tag is not None and not self.supports_send_recv:
+            raise ValueError(f"{self.base_url} does not list the send_recv extension (SGLang receives broadcasts); "
+                             "send without send_recv_tag")
         body: dict[str, Any] = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
                                 "group_name": group_name, "flush_cache": bool(flush_cache)}
         if load_format is not None:
@@ -347,6 +362,8 @@ class SGLangEngine:
             body["weight_version"] = str(weight_version)
         if checksum is not None and self.supports_checksum:
             body["agentrl_checksum"] = [int(x) for x in checksum]
+        if send_recv_tag is not None:
+            body["agentrl_send_recv_tag"] = int(send_recv_tag)
         self._call("POST", "/update_weights_from_distributed", body,
                    timeout_s if timeout_s is not None else self.update_timeout_s)
 

@@ -34,7 +34,9 @@ a generation already running (the local engine finishes it; new requests wait fo
 ``/continue_generation``, as in SGLang); text prompts, streaming, stop strings, penalties and
 constrained decoding are refused with HTTP 400. Extensions, which real SGLang does not have:
 ``/server_info`` lists ``agentrl_extensions``; ``/update_weights_from_distributed`` accepts
-``agentrl_checksum`` (verified against the received bucket); ``POST /agentrl/raw_broadcast
+``agentrl_checksum`` (verified against the received bucket) and ``agentrl_send_recv_tag`` (the
+bucket comes as point-to-point messages numbered from that tag, not as broadcasts: on gloo they
+stream without a round trip per tensor); ``POST /agentrl/raw_broadcast
 {nbytes, group_name}`` receives one raw buffer (the benchmark's baseline). Test hook:
 :meth:`StandInServer.stall` makes every request hang, to test client timeouts.
 
@@ -63,7 +65,7 @@ from rollout_sglang.local_engine import LocalEngine
 logger = logging.getLogger(__name__)
 
 SGLANG_DOCS_VERSION = "0.5.x"
-EXTENSIONS = ["bucket_checksum", "raw_broadcast"]
+EXTENSIONS = ["bucket_checksum", "raw_broadcast", "send_recv"]
 
 # SGLang sampling keys: those the stand-in honours, and those it accepts only at their defaults
 _SUPPORTED_SP = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed",
@@ -427,6 +429,10 @@ class StandInServer:
         load_format = body.get("load_format")
         version = body.get("weight_version")
         checksum = body.get("agentrl_checksum")
+        tag = body.get("agentrl_send_recv_tag")
+        if tag is not None and (isinstance(tag, bool) or not isinstance(tag, int) or tag < 0):
+            return _fail(f"Failed to update parameter online: agentrl_send_recv_tag={tag!r} must be a "
+                         "non-negative integer (the first message number of this bucket), or absent for broadcasts")
         assert self._update_lock is not None
 
         arrived = time.time()
@@ -434,7 +440,7 @@ class StandInServer:
         def work() -> None:
             started = time.time()
             pairs = self.receiver.receive(names, dtypes, shapes, group, load_format, None, checksum,
-                                          into=self._in_place_targets())
+                                          into=self._in_place_targets(), send_recv_tag=tag)
             received = time.time()
             self._load(pairs, None if version is None else str(version))
             self.update_log.append(f"{len(names)} tensors ({load_format or 'per tensor'})")

@@ -3,7 +3,8 @@
 What an SGLang server does for ``/init_weights_update_group`` and
 ``/update_weights_from_distributed``, in plain torch: join the group at ``rank_offset``, then per
 request receive either one flattened bucket (``load_format="flattened_bucket"``, one broadcast)
-or one broadcast per tensor (SGLang's default), and hand the tensors to the engine.
+or one broadcast per tensor (SGLang's default), and hand the tensors to the engine. With the
+stand-in's ``send_recv`` extension the same tensors arrive as point-to-point messages instead.
 """
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ class BucketReceiver:
     def receive(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], group_name: str,
                 load_format: str | None = None, timeout_s: float | None = None,
                 checksum: Sequence[int] | None = None,
-                into: Mapping[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
+                into: Mapping[str, torch.Tensor] | None = None,
+                send_recv_tag: int | None = None) -> list[tuple[str, torch.Tensor]]:
         """Receive one update request's tensors from group rank 0; returns (name, tensor) pairs to load.
 
         load_format "flattened_bucket": one broadcast of a flat tensor of the (single) dtype, then
@@ -91,6 +93,9 @@ class BucketReceiver:
         meanwhile): per-tensor broadcasts land in them, a flattened bucket is copied into them
         with one memcpy each; a tensor loaded that way is not returned.
         ``checksum``: the sender's checksum of the bucket; a mismatch raises ChecksumMismatch.
+        ``send_recv_tag``: the sender sends point-to-point instead of broadcasting (the stand-in's
+        ``send_recv`` extension): the flat bucket is message ``send_recv_tag``, per-tensor
+        tensor ``i`` is message ``send_recv_tag + i``; all receives are posted at once.
         """
         group = self._group(group_name)
         with self._group_locks[group_name]:
@@ -101,7 +106,10 @@ class BucketReceiver:
                     buf = torch.empty(meta.nbytes, dtype=torch.uint8, device=group.device)
                     self._buffers[group_name] = buf
                 flat = buf[: meta.nbytes].view(meta.dtype)
-                group.broadcast(flat, src=0, timeout_s=timeout_s)
+                if send_recv_tag is None:
+                    group.broadcast(flat, src=0, timeout_s=timeout_s)
+                else:
+                    group.wait(group.recv_async(flat, 0, send_recv_tag), timeout_s, what="receive of a flat bucket")
                 if checksum is not None:
                     self._verify(bucket_checksum(flat), checksum, names)
                 pairs = unpack(flat, meta)
@@ -120,13 +128,14 @@ class BucketReceiver:
                 raise ValueError(f"load_format={load_format!r} is not supported here; use 'flattened_bucket' or none")
             received: list[tuple[str, torch.Tensor, bool]] = []
             works = []
-            for name, d, s in zip(names, dtypes, shapes):
+            for i, (name, d, s) in enumerate(zip(names, dtypes, shapes)):
                 shape, dtype = tuple(int(x) for x in s), dtype_from_name(d)
                 dst = into.get(name) if into is not None else None
                 in_place = (dst is not None and tuple(dst.shape) == shape and dst.dtype == dtype
                             and dst.device == group.device and dst.is_contiguous())
                 t = dst if in_place else torch.empty(shape, dtype=dtype, device=group.device)
-                works.append(group.broadcast_async(t, src=0))
+                works.append(group.broadcast_async(t, src=0) if send_recv_tag is None
+                             else group.recv_async(t, 0, send_recv_tag + i))
                 received.append((str(name), t, in_place))
             deadline = time.monotonic() + (group.timeout_s if timeout_s is None else float(timeout_s))
             for w in reversed(works):  # the last one done, the others are too: one wake-up, not one per tensor

@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 MB = 1024 * 1024
 WIRE_FORMATS = ("flattened_bucket", "per_tensor")
+TRANSPORTS = ("broadcast", "send_recv")
 # per_tensor format: smaller tensors are packed together. On gloo a collective costs ~0.5 ms of CPU
 # on each side, a packing copy (sender) plus a load copy (engine) ~0.27 ms per MB: packing pays
 # below ~2 MB (Qwen2.5-0.5B: 72 collectives instead of 121, 1.3x fewer wake-ups)
@@ -67,11 +68,14 @@ class WeightUpdateTarget(Protocol):
     num_ranks: ranks the engine contributes to the group (an SGLang server: its TP size).
     name: for messages (e.g. the server URL).
     supports_checksum: whether :meth:`update_weights_from_distributed` can verify a checksum.
+    supports_send_recv: whether it can receive a bucket as point-to-point messages
+        (``send_recv_tag``) instead of broadcasts (the stand-in's extension; SGLang: no).
     """
 
     name: str
     num_ranks: int
     supports_checksum: bool
+    supports_send_recv: bool
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: str, timeout_s: float) -> None:
@@ -81,8 +85,12 @@ class WeightUpdateTarget(Protocol):
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str, *, load_format: str | None, flush_cache: bool,
                                         weight_version: str | None, checksum: list[int] | None,
-                                        timeout_s: float) -> None:
-        """Receive one bucket from group rank 0 and load it; raises with the engine's message on failure."""
+                                        timeout_s: float, send_recv_tag: int | None = None) -> None:
+        """Receive one bucket from group rank 0 and load it; raises with the engine's message on failure.
+
+        send_recv_tag: None: the bucket arrives by broadcast; else as point-to-point messages
+        numbered from it (one per tensor, or one for a flattened bucket).
+        """
         ...
 
     def destroy_weights_update_group(self, group_name: str, timeout_s: float) -> None:
@@ -162,12 +170,15 @@ class BucketBroadcaster:
     wire_format: default of :meth:`send` ("flattened_bucket" | "per_tensor"; None: flattened on
         NCCL, per-tensor on gloo).
     small_tensor_bytes: with "per_tensor", tensors under this size travel packed together.
+    transport: "broadcast" (what SGLang receives) or "send_recv" (one point-to-point send per
+        tensor and engine rank, all posted at once; gloo only, engines with the ``send_recv``
+        extension); None: "send_recv" on gloo when every target supports it, else "broadcast".
     """
 
     def __init__(self, targets: Sequence[WeightUpdateTarget], group_name: str, *, master_address: str = "127.0.0.1",
                  backend: str | None = None, init_timeout_s: float = 300.0, bucket_timeout_s: float = 120.0,
                  checksum: bool = False, wire_format: str | None = None,
-                 small_tensor_bytes: int = SMALL_TENSOR_BYTES) -> None:
+                 small_tensor_bytes: int = SMALL_TENSOR_BYTES, transport: str | None = None) -> None:
         if not targets:
             raise ValueError("BucketBroadcaster needs at least one target engine")
         self.targets = list(targets)
@@ -181,6 +192,13 @@ class BucketBroadcaster:
         self.small_tensor_bytes = int(small_tensor_bytes)
         if self.wire_format not in WIRE_FORMATS:
             raise ValueError(f"wire_format={wire_format!r} is not one of {WIRE_FORMATS}")
+        if transport not in (None, *TRANSPORTS):
+            raise ValueError(f"transport={transport!r} is not one of {TRANSPORTS} (or None: chosen per backend)")
+        if transport == "send_recv" and self.backend != "gloo":
+            raise ValueError(f"transport='send_recv' is for gloo groups; backend {self.backend!r} broadcasts "
+                             "(use transport=None or 'broadcast')")
+        self._transport = transport  # None: resolved on first use (asks the engines)
+        self._tag = 0  # the next point-to-point message number on the current group
         self.world_size = 1 + sum(int(t.num_ranks) for t in self.targets)
         self.group: WeightGroup | None = None
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.targets)), thread_name_prefix="wsync")
@@ -190,6 +208,26 @@ class BucketBroadcaster:
             logger.warning("checksum verify requested but engines %s cannot verify (SGLang's API has no checksum); "
                            "their buckets go unverified", names)
 
+    @property
+    def transport(self) -> str:
+        """How :meth:`send` moves tensors by default: "broadcast" or "send_recv" (resolved on first use)."""
+        if self._transport is None:
+            able = self.backend == "gloo" and all(getattr(t, "supports_send_recv", False) for t in self.targets)
+            self._transport = "send_recv" if able else "broadcast"
+        return self._transport
+
+    def _checked_transport(self, transport: str) -> str:
+        """``transport`` when this group's backend and engines can use it; ValueError naming the fix otherwise."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r} is not one of {TRANSPORTS}")
+        if transport == "send_recv":
+            lacking = [t.name for t in self.targets if not getattr(t, "supports_send_recv", False)]
+            if self.backend != "gloo" or lacking:
+                raise ValueError(f"transport='send_recv' needs a gloo group (this one: {self.backend}) and engines "
+                                 f"with the send_recv extension (lacking it: {lacking}); SGLang servers receive "
+                                 "broadcasts: use transport='broadcast'")
+        return transport
+
     # ------------------------------------------------------------------ group
     def connect(self) -> None:
         """Create the group (rank 0 here, engines at their rank offsets); no-op when connected."""
@@ -197,6 +235,8 @@ class BucketBroadcaster:
             return
         if self.group is not None:
             self.close_group()
+        self._checked_transport(self.transport)  # refuse a bad choice before any engine joins
+        self._tag = 0
         store, port = host_store(self.master_address, self.world_size, self.init_timeout_s)
         futures, offset = [], 1
         for t in self.targets:
@@ -259,8 +299,9 @@ class BucketBroadcaster:
         return buf
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
-             weight_version: str | None = None, wire_format: str | None = None) -> SyncStats:
-        """Bucket ``named`` and broadcast every bucket to every target; returns the stats.
+             weight_version: str | None = None, wire_format: str | None = None,
+             transport: str | None = None) -> SyncStats:
+        """Bucket ``named`` and send every bucket to every target; returns the stats.
 
         wire_format: how a bucket travels (both are SGLang formats of ``/update_weights_from_distributed``):
             "flattened_bucket": packed into one flat tensor, one broadcast (``load_format=
@@ -271,6 +312,7 @@ class BucketBroadcaster:
             broadcaster's ``wire_format`` (flattened on NCCL, where packing in GPU memory is
             cheap and one launch per bucket pays; per-tensor on gloo, where a CPU copy costs as
             much as the transfer).
+        transport: "broadcast" | "send_recv" for this call (None: :attr:`transport`).
         weight_version: sent with the last bucket (SGLang stamps it on the server).
         Raises WeightSyncError naming the engine and the bucket on any failure or timeout; the
         group is closed then (the next send builds a new one).
@@ -278,11 +320,13 @@ class BucketBroadcaster:
         fmt = wire_format or self.wire_format
         if fmt not in WIRE_FORMATS:
             raise ValueError(f"wire_format={fmt!r} is not one of {WIRE_FORMATS}")
+        p2p = self._checked_transport(transport or self.transport) == "send_recv"
         self.connect()
         assert self.group is not None
         stats = SyncStats(version=int(weight_version) if weight_version and weight_version.isdigit() else -1)
         t0 = time.perf_counter()
-        inflight: list[tuple[list, list, BucketMeta]] = []  # (works, acks, meta), oldest first, at most 2
+        # (works, acks, meta, works of the first tensor), oldest first, at most 2
+        inflight: list[tuple[list, list, BucketMeta, int]] = []
         done: list[tuple[list, BucketMeta]] = []
         try:
             if fmt == "flattened_bucket":
@@ -320,14 +364,16 @@ class BucketBroadcaster:
                     self._finish(inflight[-1], first_only=True)
                 self._check_acks(done, wait=False)
                 wire = meta.wire()
+                tag = self._tag if p2p else None
+                self._tag += len(payload) if p2p else 0
                 futures = [(t, self._pool.submit(
                     t.update_weights_from_distributed, wire["names"], wire["dtypes"], wire["shapes"], self.group_name,
                     load_format="flattened_bucket" if packed else None, flush_cache=False,
                     weight_version=weight_version if nxt is None else None,
                     checksum=meta.checksum if self.checksum and t.supports_checksum else None,
-                    timeout_s=self.bucket_timeout_s))
+                    timeout_s=self.bucket_timeout_s, send_recv_tag=tag))
                     for t in self.targets]
-                inflight.append(([self.group.broadcast_async(x, src=0) for x in payload], futures, meta))
+                inflight.append((self._post(payload, tag), futures, meta, self.world_size - 1 if p2p else 1))
                 stats.buckets += 1
                 stats.bytes += meta.nbytes
             for pending in inflight:
@@ -340,13 +386,25 @@ class BucketBroadcaster:
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _finish(self, pending: tuple[list, list, BucketMeta], first_only: bool = False) -> None:
-        """Wait for a bucket's broadcasts (``first_only``: the first one); WeightSyncError on timeout."""
-        works, futures, meta = pending
+    def _post(self, payload: list[torch.Tensor], tag: int | None) -> list:
+        """Start moving a bucket's tensors to every engine rank; returns the works, the first tensor's first.
+
+        tag None: one broadcast per tensor; else tensor ``i`` goes as message ``tag + i`` to each rank.
+        """
+        assert self.group is not None
+        if tag is None:
+            return [self.group.broadcast_async(x, src=0) for x in payload]
+        return [self.group.send_async(x, r, tag + i) for i, x in enumerate(payload) for r in range(1, self.world_size)]
+
+    def _finish(self, pending: tuple[list, list, BucketMeta, int], first_only: bool = False) -> None:
+        """Wait for a bucket's transfers (``first_only``: the first tensor's); WeightSyncError on timeout."""
+        works, futures, meta, first = pending
         assert self.group is not None
         deadline = time.monotonic() + self.bucket_timeout_s
+        todo = works[:first] if first_only else works[::-1]  # the last first: one wake-up per bucket
+        del works[:len(todo)]  # a point-to-point work can be waited for only once
         try:
-            for work in works[:1] if first_only else works[::-1]:  # the last first: one wake-up per bucket
+            for work in todo:
                 self.group.wait(work, max(0.001, deadline - time.monotonic()),
                                 what=f"bucket {meta.index} ({meta.nbytes / MB:.1f} MB)")
         except WeightSyncTimeout as e:

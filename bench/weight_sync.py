@@ -6,26 +6,31 @@ stand-in over a local engine of the same architecture. Both join one weight-sync
 loopback). Measured side by side, interleaved, in one run on that one group:
 
 * **bucketed**: ``BucketBroadcaster.send``, the production path with the gloo defaults (wire
-  format ``per_tensor``: one broadcast per matrix straight from its memory, tensors under
-  ``SMALL_TENSOR_BYTES`` packed into buckets of their own; buckets of ``--bucket-mb``): per
-  bucket an HTTP ``/update_weights_from_distributed`` request, the broadcasts, and on the
-  engine the load into the model's parameters (received in place while paused, packed ones
-  copied in); timed until the engine acknowledged the last bucket;
+  format ``per_tensor``: one message per matrix straight from its memory, tensors under the
+  transport's ``SMALL_TENSOR_BYTES`` packed into buckets of their own; buckets of
+  ``--bucket-mb``; transport ``send_recv``, since the stand-in offers it: every tensor of a bucket
+  a point-to-point send, all posted at once): per bucket an HTTP
+  ``/update_weights_from_distributed`` request, the transfers, and on the engine the load into
+  the model's parameters (received in place while paused, packed ones copied in); timed until
+  the engine acknowledged the last bucket;
+* **bucketed, broadcast**: the same with one broadcast per tensor, what an engine without the
+  extension (an SGLang server) receives; reported beside, not in the final ratio;
 * **raw**: one broadcast of a flat, preallocated buffer of the same number of bytes (the
   stand-in's ``/agentrl/raw_broadcast`` extension receives it into a preallocated buffer);
   timed the same way, until the engine acknowledged.
 
-Runs alternate (``--repeats`` pairs after one warm-up of each; 21 by default: with 7 the best raw
-time alone moved by 0.19-0.30 s between runs on the 2-core VM, with 21 it held at 0.211 s).
-Bandwidth = bytes / best run's seconds (on a shared machine, noise only ever adds time); the
-median of the per-pair ratios is printed beside it. The engine is paused around each bucketed
-sync, as the version pool does; those two calls are outside the timed region. The CPU seconds
-each path costs the trainer and the engine process are printed beside the times (on a loaded
-host they show what the wall time hides).
+Runs are interleaved (``--repeats`` rounds after one warm-up of each, the order rotating; 21 by
+default: with 7 the best raw time alone moved by 0.19-0.30 s between runs on the 2-core VM, with
+21 it held at 0.211 s). Bandwidth = bytes / best run's seconds (on a shared machine, noise only
+ever adds time); the median of the per-round ratios is printed beside it. The engine is paused
+around each bucketed sync, as the version pool does; those two calls are outside the timed
+region. The CPU seconds each path costs the trainer and the engine process are printed beside
+the times (on a loaded host they show what the wall time hides). At the end the engine's
+weights are zeroed and one more default sync must restore every tensor.
 Prints a table, writes ``bench/results/weight_sync.json`` and ends with
 ``weight_sync_bandwidth_ratio: <bucketed / raw bandwidth>``.
 
-Usage: ``python bench/weight_sync.py [--bucket-mb 512] [--repeats 21] [--layers 24]``
+Usage: ``python bench/weight_sync.py [--bucket-mb 512] [--repeats 21] [--layers 24] [--small-mb M]``
 """
 from __future__ import annotations
 
@@ -141,7 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="how a bucket travels (default: the gloo default, per_tensor)")
     ap.add_argument("--layers", type=int, default=24, help="decoder layers (24 = Qwen2.5-0.5B, 494M parameters)")
     ap.add_argument("--small-mb", type=float, default=None,
-                    help="per_tensor: tensors under this many MiB travel packed (default: the sender's SMALL_TENSOR_BYTES)")
+                    help="per_tensor: tensors under this many MiB travel packed (default: the sender's "
+                         "SMALL_TENSOR_BYTES of each transport)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "weight_sync.json"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -170,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"(setup {time.perf_counter() - t0:.1f}s); engine at {url}")
 
     client = SGLangEngine(url, update_timeout_s=600, control_timeout_s=60)
-    small = SMALL_TENSOR_BYTES if args.small_mb is None else int(args.small_mb * 1024 * 1024)
+    small = None if args.small_mb is None else int(args.small_mb * 1024 * 1024)
     sender = BucketBroadcaster([client], "bench", backend="gloo", init_timeout_s=120, bucket_timeout_s=600,
                                small_tensor_bytes=small)
     sender.connect()
@@ -267,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
         "wire_format": args.wire_format or "per_tensor (gloo default)", "transport": sender.transport,
         "seconds": times, "gb_per_s_best": bw, "ratio_to_raw_best": {k: bw[k] / bw["raw"] for k in pair_ratio},
         "weight_sync_bandwidth_ratio": ratio, "median_round_ratio": pair_ratio, "weights_verified": not bad,
-        "cpu_s_median_trainer_engine": med_cpu, "small_tensor_bytes": small,
+        "cpu_s_median_trainer_engine": med_cpu, "small_tensor_bytes": small or SMALL_TENSOR_BYTES,
         "load_average_1m": os.getloadavg()[0],
         "cpu_pressure_some_avg10_pct_before": psi0, "cpu_pressure_some_avg10_pct_after": psi1,
         "host": {"cpus": mp.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},

@@ -443,9 +443,10 @@ class StandInServer:
                                           into=self._in_place_targets(), send_recv_tag=tag)
             received = time.time()
             self._load(pairs, None if version is None else str(version))
-            self.update_log.append(f"{len(names)} tensors ({load_format or 'per tensor'})")
-            logger.debug("update of %d tensors (%s): arrived %.3f, started +%.1f ms, received +%.1f ms, "
-                         "loaded +%.1f ms", len(names), load_format or "per tensor", arrived,
+            how = "broadcast" if tag is None else "send_recv"
+            self.update_log.append(f"{len(names)} tensors ({load_format or 'per tensor'}, {how})")
+            logger.debug("update of %d tensors (%s, %s): arrived %.3f, started +%.1f ms, received +%.1f ms, "
+                         "loaded +%.1f ms", len(names), load_format or "per tensor", how, arrived,
                          1e3 * (started - arrived), 1e3 * (received - arrived), 1e3 * (time.time() - arrived))
 
         async with self._update_lock:

@@ -68,8 +68,11 @@ def test_client_generate_update_pause_continue(served, wire_format):
     client.begin_weight_update(3)
     stats = sender.send(other.model.state_dict().items(), bucket_bytes=16 * 1024, weight_version="3")
     kinds = {line.split("(")[1] for line in server.update_log}
-    # per_tensor: matrices one broadcast each, the small norms packed; flattened: everything packed
-    assert kinds == ({"per tensor)", "flattened_bucket)"} if wire_format == "per_tensor" else {"flattened_bucket)"})
+    # per_tensor: matrices one message each, the small norms packed; flattened: everything packed;
+    # the stand-in offers send_recv, so on gloo the tensors come as point-to-point sends
+    assert sender.transport == "send_recv"
+    assert kinds == ({"per tensor, send_recv)", "flattened_bucket, send_recv)"} if wire_format == "per_tensor"
+                     else {"flattened_bucket, send_recv)"})
     client.end_weight_update()
     assert stats.buckets > 3 and client.version == 3 and engine.version == 3
     for name, t in other.model.state_dict().items():
@@ -134,11 +137,41 @@ def test_stalled_server_times_out_instead_of_hanging(served):
     sender.close()
 
 
-def test_stalled_update_times_out_per_bucket(served):
-    """The group forms, then the engine stops answering: the bucket broadcast times out."""
+def test_send_recv_goes_only_to_engines_that_offer_it(served):
+    """An engine that does not list the send_recv extension (as SGLang's servers do not) gets broadcasts."""
+    server, client, engine, other = served
+    state = other.model.state_dict()
+    assert client.supports_send_recv
+    sglang_like = SGLangEngine(server.url, update_timeout_s=30)
+    sglang_like._extensions = ["bucket_checksum"]  # what /server_info would list without the extension
+    sender = BucketBroadcaster([sglang_like], "g-bcast", backend="gloo", init_timeout_s=20, bucket_timeout_s=20,
+                               small_tensor_bytes=1024)
+    assert sender.transport == "broadcast"
+    sender.send(state.items(), bucket_bytes=16 * 1024, weight_version="4")
+    assert server.update_log and all(line.endswith(", broadcast)") for line in server.update_log)
+    for name, t in state.items():
+        assert torch.equal(engine.model.state_dict()[name], t), name
+    with pytest.raises(ValueError, match="send_recv extension .*lacking it: \\['http"):
+        sender.send(state.items(), bucket_bytes=16 * 1024, transport="send_recv")
+    with pytest.raises(ValueError, match="does not list the send_recv extension"):
+        sglang_like.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[32]], "g-bcast",
+                                                    send_recv_tag=0, timeout_s=5)
+    sender.close()
+    with pytest.raises(SGLangError, match="agentrl_send_recv_tag=-1 must be a non-negative integer"):
+        client._call("POST", "/update_weights_from_distributed", {
+            "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[32]], "group_name": "g-bcast",
+            "agentrl_send_recv_tag": -1}, 5)
+    with pytest.raises(ValueError, match="for gloo groups"):
+        BucketBroadcaster([client], "g-nccl", backend="nccl", transport="send_recv")
+
+
+@pytest.mark.parametrize("transport", [None, "broadcast"])
+def test_stalled_update_times_out_per_bucket(served, transport):
+    """The group forms, then the engine stops answering: the bucket's transfer times out."""
     server, _, engine, other = served
     client = SGLangEngine(server.url, control_timeout_s=2.0, update_timeout_s=2.0)
-    sender = BucketBroadcaster([client], "bucket-stall", backend="gloo", init_timeout_s=10, bucket_timeout_s=2)
+    sender = BucketBroadcaster([client], "bucket-stall", backend="gloo", init_timeout_s=10, bucket_timeout_s=2,
+                               transport=transport)
     sender.connect()
     server.stall()
     t0 = time.perf_counter()

@@ -214,7 +214,7 @@ def _wait_for(path: Path, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int) -> dict:
+def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, transport: str | None) -> dict:
     tmpdir = Path(tmp)
     cfg = _hf_config(tied)
     if rank == 2:  # the engine host: three stand-ins, slot 0 = engines 0 and 1, slot 1 = engine 2
@@ -250,7 +250,7 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int) ->
     initialize_parallel(tp, pp, seed=11)
     actor = MegatronActor(cfg, TrainConfig())
     sender = WeightSender(actor, bucket_mb=0.05, init_timeout_s=60, bucket_timeout_s=60, checksum=True, backend="gloo",
-                          small_tensor_bytes=4096)  # matrices one broadcast each, norms and biases packed
+                          small_tensor_bytes=4096, transport=transport)  # matrices one message each, norms packed
     _wait_for(tmpdir / "urls.json", 120)
     urls = json.loads((tmpdir / "urls.json").read_text())
     box: list = [None]
@@ -296,11 +296,12 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int) ->
     return result
 
 
-@pytest.mark.parametrize("tp,pp,tied", [(2, 1, False), (1, 2, True)])
-def test_actor_syncs_one_slot_and_leaves_the_other(tmp_path, tp, pp, tied):
-    """TP=2: one source rank, the other TP rank only gathers; PP=2: each stage broadcasts its own
-    layers on its own group (the tied embedding from stage 0 only)."""
-    trainer0, trainer1, host = run_distributed(_sync_case, 3, str(tmp_path), tied, tp, pp, timeout_s=240)
+@pytest.mark.parametrize("tp,pp,tied,transport", [(2, 1, False, None), (1, 2, True, "broadcast")])
+def test_actor_syncs_one_slot_and_leaves_the_other(tmp_path, tp, pp, tied, transport):
+    """TP=2: one source rank, the other TP rank only gathers; PP=2: each stage sends its own
+    layers on its own group (the tied embedding from stage 0 only). The stand-ins take
+    point-to-point sends (the default on gloo) or, as SGLang does, broadcasts."""
+    trainer0, trainer1, host = run_distributed(_sync_case, 3, str(tmp_path), tied, tp, pp, transport, timeout_s=240)
     actor_logits = trainer0["logits"]
     assert torch.equal(actor_logits, trainer1["logits"])
     assert trainer0["buckets"] > 1
@@ -308,7 +309,8 @@ def test_actor_syncs_one_slot_and_leaves_the_other(tmp_path, tp, pp, tied):
     assert trainer0["pool_versions"] == [1, 0]
     assert trainer0["client_health"] == ["1", "1", "0"]
     assert host["versions"] == [1, 1, 0]
-    assert {line.split("(")[1] for line in host["update_log"]} == {"per tensor)", "flattened_bucket)"}
+    how = transport or "send_recv"
+    assert {line.split("(")[1] for line in host["update_log"]} == {f"per tensor, {how})", f"flattened_bucket, {how})"}
     for engine_logits in host["logits"][:2]:  # slot 0: the new weights
         torch.testing.assert_close(engine_logits, actor_logits, rtol=1e-4, atol=1e-5)
     # slot 1 kept version 0: its logits are the old ones, not the actor's

@@ -11,7 +11,10 @@ Per sync, on every trainer rank (:meth:`WeightSender.sync`, collective):
    it broadcasts the bucket on the slot's dedicated group (:class:`BucketBroadcaster`). On the
    wire a bucket is either one packed flat tensor (``load_format="flattened_bucket"``; packing of
    bucket k+1 overlaps the broadcast of bucket k, two reused buffers) or one broadcast per tensor
-   straight from its memory (no copy); NCCL uses the first, gloo the second. With PP > 1 the
+   straight from its memory (no copy); NCCL uses the first, gloo the second. On gloo, engines
+   that offer it (the stand-in's ``send_recv`` extension) get point-to-point sends instead of
+   broadcasts, all of a bucket posted at once (a gloo broadcast waits a round trip before each
+   tensor; SGLang itself receives broadcasts, and gets them). With PP > 1 the
    stages send in turn (stage 0, then 1, ...), because an engine serves one update request at a
    time and two engines serving two stages' groups in different orders would deadlock;
 3. all ranks agree on success (an all-reduce of a failure flag), so a failed or timed-out sync
@@ -50,10 +53,14 @@ logger = logging.getLogger(__name__)
 MB = 1024 * 1024
 WIRE_FORMATS = ("flattened_bucket", "per_tensor")
 TRANSPORTS = ("broadcast", "send_recv")
-# per_tensor format: smaller tensors are packed together. On gloo a collective costs ~0.5 ms of CPU
-# on each side, a packing copy (sender) plus a load copy (engine) ~0.27 ms per MB: packing pays
-# below ~2 MB (Qwen2.5-0.5B: 72 collectives instead of 121, 1.3x fewer wake-ups)
-SMALL_TENSOR_BYTES = 2 * MB
+# per_tensor format: smaller tensors are packed together, the threshold by transport. A gloo
+# broadcast costs ~0.5 ms of CPU on each side and a round trip, a packing copy (sender) plus a load
+# copy (engine) ~0.27 ms per MB: packing pays below ~2 MB (Qwen2.5-0.5B: 72 collectives instead of
+# 121). Point-to-point sends posted at once cost no round trip, so only tensors far smaller pay
+# packing: bench/weight_sync.py, bucketed/raw bandwidth with send_recv, 2 MiB: 0.80-0.91 (4 runs),
+# 1 MiB: 0.89, 0.90, 128 KiB: 0.88, 0.88, 256 KiB: 0.93, 0.97 (Qwen2.5-0.5B's k/v projections,
+# 229 KB each, still packed), 32 KiB: 0.93.
+SMALL_TENSOR_BYTES = {"broadcast": 2 * MB, "send_recv": MB // 4}
 OUTPUT_LAYER = "output_layer.weight"
 
 
@@ -169,7 +176,8 @@ class BucketBroadcaster:
     checksum: send each bucket's checksum to targets that can verify it.
     wire_format: default of :meth:`send` ("flattened_bucket" | "per_tensor"; None: flattened on
         NCCL, per-tensor on gloo).
-    small_tensor_bytes: with "per_tensor", tensors under this size travel packed together.
+    small_tensor_bytes: with "per_tensor", tensors under this size travel packed together (None:
+        :data:`SMALL_TENSOR_BYTES` of the transport).
     transport: "broadcast" (what SGLang receives) or "send_recv" (one point-to-point send per
         tensor and engine rank, all posted at once; gloo only, engines with the ``send_recv``
         extension); None: "send_recv" on gloo when every target supports it, else "broadcast".
@@ -178,7 +186,7 @@ class BucketBroadcaster:
     def __init__(self, targets: Sequence[WeightUpdateTarget], group_name: str, *, master_address: str = "127.0.0.1",
                  backend: str | None = None, init_timeout_s: float = 300.0, bucket_timeout_s: float = 120.0,
                  checksum: bool = False, wire_format: str | None = None,
-                 small_tensor_bytes: int = SMALL_TENSOR_BYTES, transport: str | None = None) -> None:
+                 small_tensor_bytes: int | None = None, transport: str | None = None) -> None:
         if not targets:
             raise ValueError("BucketBroadcaster needs at least one target engine")
         self.targets = list(targets)
@@ -189,7 +197,7 @@ class BucketBroadcaster:
         self.bucket_timeout_s = float(bucket_timeout_s)
         self.checksum = bool(checksum)
         self.wire_format = wire_format or ("flattened_bucket" if self.backend == "nccl" else "per_tensor")
-        self.small_tensor_bytes = int(small_tensor_bytes)
+        self.small_tensor_bytes = None if small_tensor_bytes is None else int(small_tensor_bytes)
         if self.wire_format not in WIRE_FORMATS:
             raise ValueError(f"wire_format={wire_format!r} is not one of {WIRE_FORMATS}")
         if transport not in (None, *TRANSPORTS):
@@ -308,7 +316,8 @@ class BucketBroadcaster:
             "flattened_bucket"``); "per_tensor": one broadcast per tensor straight from the
             tensor's memory, no packing (SGLang's default load format), except that tensors
             under ``small_tensor_bytes`` (norms, biases) travel in packed buckets of their own,
-            so they do not cost one collective each. None: this
+            so they do not cost one message each. With transport "send_recv" each broadcast
+            is a point-to-point send per engine rank instead. None: this
             broadcaster's ``wire_format`` (flattened on NCCL, where packing in GPU memory is
             cheap and one launch per bucket pays; per-tensor on gloo, where a CPU copy costs as
             much as the transfer).
@@ -320,7 +329,9 @@ class BucketBroadcaster:
         fmt = wire_format or self.wire_format
         if fmt not in WIRE_FORMATS:
             raise ValueError(f"wire_format={fmt!r} is not one of {WIRE_FORMATS}")
-        p2p = self._checked_transport(transport or self.transport) == "send_recv"
+        transport = self._checked_transport(transport or self.transport)
+        p2p = transport == "send_recv"
+        small = SMALL_TENSOR_BYTES[transport] if self.small_tensor_bytes is None else self.small_tensor_bytes
         self.connect()
         assert self.group is not None
         stats = SyncStats(version=int(weight_version) if weight_version and weight_version.isdigit() else -1)
@@ -332,7 +343,7 @@ class BucketBroadcaster:
             if fmt == "flattened_bucket":
                 it = ((m, ts, True) for m, ts in iter_buckets(named, bucket_bytes))
             else:
-                it = iter_split_buckets(named, bucket_bytes, min(self.small_tensor_bytes, bucket_bytes))
+                it = iter_split_buckets(named, bucket_bytes, min(small, bucket_bytes))
             nxt = next(it, None)
             slot = 0
             while nxt is not None:
@@ -434,13 +445,14 @@ class WeightSender:
     master_address: an address of the source ranks' host that the engines can reach.
     backend: "nccl" / "gloo" (None: NCCL when CUDA is available).
     wire_format: "flattened_bucket" | "per_tensor" (None: by backend, see :meth:`BucketBroadcaster.send`).
-    small_tensor_bytes: with "per_tensor", tensors under this size travel packed together.
+    small_tensor_bytes: with "per_tensor", tensors under this size travel packed together (None: by transport).
+    transport: "broadcast" | "send_recv" (None: by backend and engines, see :class:`BucketBroadcaster`).
     """
 
     def __init__(self, actor: Any, *, bucket_mb: float = 512, init_timeout_s: float = 300.0,
                  bucket_timeout_s: float = 120.0, checksum: bool = False, master_address: str = "127.0.0.1",
                  backend: str | None = None, wire_format: str | None = None,
-                 small_tensor_bytes: int = SMALL_TENSOR_BYTES) -> None:
+                 small_tensor_bytes: int | None = None, transport: str | None = None) -> None:
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb={bucket_mb} must be > 0")
         self.actor = actor
@@ -451,7 +463,8 @@ class WeightSender:
         self.master_address = master_address
         self.backend = backend
         self.wire_format = wire_format
-        self.small_tensor_bytes = int(small_tensor_bytes)
+        self.small_tensor_bytes = small_tensor_bytes
+        self.transport = transport
         self.is_source = actor.dp_rank == 0 and actor.tp_rank == 0
         self._broadcasters: dict[Hashable, BucketBroadcaster] = {}
 
@@ -465,7 +478,7 @@ class WeightSender:
                                   master_address=self.master_address, backend=self.backend,
                                   init_timeout_s=self.init_timeout_s, bucket_timeout_s=self.bucket_timeout_s,
                                   checksum=self.checksum, wire_format=self.wire_format,
-                                  small_tensor_bytes=self.small_tensor_bytes)
+                                  small_tensor_bytes=self.small_tensor_bytes, transport=self.transport)
             self._broadcasters[key] = b
         return b
 

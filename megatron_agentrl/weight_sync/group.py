@@ -40,8 +40,8 @@ GLOO_THREADS = int(os.environ.get("AGENTRL_GLOO_THREADS", "1"))
 # the tensors of a group's lifetime 0, 1, 2, ... and tells each request its first number. Why
 # point-to-point at all: a gloo broadcast runs on the group's worker thread, one at a time, and
 # each one waits a round trip (the receiver announces its buffer, the sender starts) before its
-# bytes flow; 42 broadcasts of 8.7 MB moved 3.6-4.6 GB/s where one flat broadcast of the same
-# bytes moved 5.0, while 42 sends all posted at once moved 4.9-5.0 (2 cores, loopback).
+# bytes flow. bench/gloo_transport.py (42 tensors of 8.3 MiB, 2 cores, loopback, 3 runs): best
+# 3.9-4.6 GB/s as broadcasts, 4.7-4.9 as sends all posted at once, 4.6-4.9 as one flat broadcast.
 SEND_RECV_TAGS = 1 << 30
 _GRAVEYARD: list[list] = []  # backends of groups that timed out (see WeightGroup.close)
 

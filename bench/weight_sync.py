@@ -127,13 +127,14 @@ def process_cpu_s(pid: int | None = None) -> float:
 
 
 def make_state(cfg) -> dict[str, torch.Tensor]:
-    """The trainer's HF state dict (bf16), each tensor filled with its own constant (cheap, checkable)."""
+    """The trainer's HF state dict (bf16), each tensor filled with its own non-zero constant, exact in bf16
+    (cheap, and checkable after the engine's weights were zeroed)."""
     model = build_uninitialised(cfg, torch.bfloat16)
     state = {}
     for i, (k, v) in enumerate(model.state_dict().items()):
         if k == "lm_head.weight":  # tied to the embedding: the trainer does not send it
             continue
-        state[k] = v.detach().clone().fill_(((i % 97) - 48) / 64.0)
+        state[k] = v.detach().clone().fill_((2 * (i % 97) - 97) / 128.0)
     return state
 
 

@@ -315,7 +315,9 @@ class SGLangEngine:
             try:
                 info = self._call("GET", "/server_info")
                 self._extensions = list(info.get("agentrl_extensions", [])) if isinstance(info, dict) else []
-            except SGLangError:
+            except SGLangError as e:
+                logger.warning("%s: GET /server_info failed (%s); treating it as a plain SGLang server (no "
+                               "checksum verify, weights by broadcast)", self.base_url, e)
                 self._extensions = []
         return name in self._extensions
 

@@ -200,11 +200,8 @@ class BucketBroadcaster:
         self.small_tensor_bytes = None if small_tensor_bytes is None else int(small_tensor_bytes)
         if self.wire_format not in WIRE_FORMATS:
             raise ValueError(f"wire_format={wire_format!r} is not one of {WIRE_FORMATS}")
-        if transport not in (None, *TRANSPORTS):
-            raise ValueError(f"transport={transport!r} is not one of {TRANSPORTS} (or None: chosen per backend)")
-        if transport == "send_recv" and self.backend != "gloo":
-            raise ValueError(f"transport='send_recv' is for gloo groups; backend {self.backend!r} broadcasts "
-                             "(use transport=None or 'broadcast')")
+        if transport is not None:
+            self._checked_transport(transport, ask_engines=False)  # the engines are asked at connect
         self._transport = transport  # None: resolved on first use (asks the engines)
         self._tag = 0  # the next point-to-point message number on the current group
         self.world_size = 1 + sum(int(t.num_ranks) for t in self.targets)
@@ -224,16 +221,19 @@ class BucketBroadcaster:
             self._transport = "send_recv" if able else "broadcast"
         return self._transport
 
-    def _checked_transport(self, transport: str) -> str:
-        """``transport`` when this group's backend and engines can use it; ValueError naming the fix otherwise."""
+    def _checked_transport(self, transport: str, ask_engines: bool = True) -> str:
+        """``transport`` when this group's backend (and, with ``ask_engines``, its engines) can use it;
+        ValueError naming the fix otherwise."""
         if transport not in TRANSPORTS:
-            raise ValueError(f"transport={transport!r} is not one of {TRANSPORTS}")
-        if transport == "send_recv":
+            raise ValueError(f"transport={transport!r} is not one of {TRANSPORTS} (or None: chosen per backend)")
+        if transport == "send_recv" and self.backend != "gloo":
+            raise ValueError(f"transport='send_recv' is for gloo groups; backend {self.backend!r} broadcasts "
+                             "(use transport=None or 'broadcast')")
+        if transport == "send_recv" and ask_engines:
             lacking = [t.name for t in self.targets if not getattr(t, "supports_send_recv", False)]
-            if self.backend != "gloo" or lacking:
-                raise ValueError(f"transport='send_recv' needs a gloo group (this one: {self.backend}) and engines "
-                                 f"with the send_recv extension (lacking it: {lacking}); SGLang servers receive "
-                                 "broadcasts: use transport='broadcast'")
+            if lacking:
+                raise ValueError(f"transport='send_recv' needs engines with the send_recv extension (lacking it: "
+                                 f"{lacking}); SGLang servers receive broadcasts: use transport='broadcast'")
         return transport
 
     # ------------------------------------------------------------------ group

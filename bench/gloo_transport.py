@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "gloo_transport.json"))
     args = ap.parse_args(argv)
+    from bench._common import git_commit
     from megatron_agentrl.weight_sync.group import free_port
 
     nbytes = int(args.tensor_mb * 2**20)
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"bench": "gloo_transport", "tensors": args.tensors, "tensor_bytes": nbytes, "repeats": args.repeats,
               "seconds": times, "gb_per_s_best": {m: total / min(times[m]) / 1e9 for m in MODES},
               "send_recv_vs_broadcast_speedup": speedup, "torch": torch.__version__,
-              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+              "commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -20,6 +20,8 @@ setup(
         "tensorboard==2.21.0",
         "matplotlib==3.11.2",
         "rich==15.0.0",
+        # rollout_sglang.sglang_engine: the SGLang server's HTTP client (sync, pooled)
+        "httpx==0.28.1",
         "tqdm==4.70.1",  # weight converters' progress bars
         # env_controller: asyncio HTTP (controller, worker server, client) and Prometheus metrics
         "aiohttp==3.14.5",
@@ -35,7 +37,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]==2.20.2", "nvidia-ml-py==13.615.71"],
         "sglang": ["sglang==0.5.23"],
         # agentrl-worker: the AgentRL task-worker package, for the controller compatibility test
-        "dev": ["pytest==9.2.0", "agentrl-worker==0.4.0"],
+        "dev": ["pytest==9.2.0", "agentrl-worker==0.4.0", "import-linter==2.16", "ruff==0.17.6"],
     },
     entry_points={"console_scripts": ["agentrl=megatron_agentrl.cli:main"]},
 )

@@ -156,6 +156,10 @@ class RolloutConfig:
     weight_sync_init_timeout_s / weight_sync_bucket_timeout_s: limits on the weight-sync group
         rendezvous and on each bucket, seconds.
     weight_sync_checksum: verify every bucket on engines that support it (not SGLang's API).
+    engine_urls: SGLang servers that are already running, one list per version slot (exactly
+        ``max_versions`` slots of ``engines_per_slot`` URLs ``http(s)://host:port`` each), e.g.
+        ``[["http://10.0.0.5:30000"], ["http://10.0.0.6:30000"]]``; empty = the run starts its own
+        engines (local engines, or SGLang servers that the Ray launcher starts).
     """
 
     prompts_per_step: int = 8
@@ -175,6 +179,7 @@ class RolloutConfig:
     weight_sync_init_timeout_s: float = 300.0
     weight_sync_bucket_timeout_s: float = 120.0
     weight_sync_checksum: bool = False
+    engine_urls: list[list[str]] = field(default_factory=list)
 
 
 @dataclass
@@ -415,6 +420,7 @@ class Config:
                     "weight_sync_bucket_timeout_s"):
             if not getattr(self.rollout, key) > 0:
                 raise ConfigError(f"rollout.{key}={getattr(self.rollout, key)!r} must be > 0 seconds")
+        _validate_engine_urls(self.rollout)
         if self.eval.samples_per_task < 0:
             raise ConfigError(f"eval.samples_per_task={self.eval.samples_per_task!r} must be >= 0 (0 disables evaluation)")
         if not self.eval.temperature > 0:
@@ -513,6 +519,36 @@ class Config:
         if c.resume is not None and c.resume != "latest" and not Path(c.resume).is_dir():
             raise ConfigError(f"checkpoint.resume={c.resume!r} is not a directory; give 'latest' or the path of a "
                               "step_<k> checkpoint folder (under <output_dir>/checkpoints)")
+
+
+def _validate_engine_urls(r: RolloutConfig) -> None:
+    """``rollout.engine_urls``: empty, or max_versions slots of engines_per_slot http(s)://host:port URLs."""
+    if not r.engine_urls:
+        return
+    shape = [len(slot) for slot in r.engine_urls]
+    if len(shape) != r.max_versions or any(n != r.engines_per_slot for n in shape):
+        raise ConfigError(f"rollout.engine_urls={r.engine_urls!r} has {len(shape)} slot(s) of {shape} URL(s), but "
+                          f"rollout.max_versions={r.max_versions} slots of rollout.engines_per_slot="
+                          f"{r.engines_per_slot} URL(s) each are needed; give one list of SGLang server URLs per "
+                          "version slot, or [] to start the engines here")
+    for i, slot in enumerate(r.engine_urls):
+        for j, url in enumerate(slot):
+            if not _is_host_port_url(url):
+                raise ConfigError(f"rollout.engine_urls[{i}][{j}]={url!r} is not an http(s)://host:port URL "
+                                  "such as http://10.0.0.5:30000")
+
+
+def _is_host_port_url(url: str) -> bool:
+    """True for ``http(s)://host:port`` with an optional trailing slash and nothing else."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        port = u.port
+    except ValueError:
+        return False
+    return (u.scheme in ("http", "https") and bool(u.hostname) and port is not None and u.path in ("", "/")
+            and not (u.query or u.fragment or u.username or u.password))
 
 
 _RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")

@@ -82,3 +82,21 @@ def test_cli_reports_bad_key_without_traceback(capsys):
     assert "unknown config key 'train.lrr'" in err and "did you mean 'train.lr'" in err
     assert main(["train", "--config", DEMO, "model.hf_config=/no/such/model", "train.steps=1"]) == 2
     assert "model.hf_config='/no/such/model' does not exist" in capsys.readouterr().err
+
+
+def test_engine_urls_override_and_shape():
+    """rollout.engine_urls: one list of SGLang URLs per version slot, settable on the command line
+    (with or without the shell's quotes); a wrong shape or a URL without a port names the key."""
+    slots = [["http://127.0.0.1:3001"], ["http://127.0.0.1:3002"]]
+    quoted = load_config(DEMO, ['rollout.engine_urls=[["http://127.0.0.1:3001"],["http://127.0.0.1:3002"]]'])
+    bare = load_config(DEMO, ["rollout.engine_urls=[[http://127.0.0.1:3001],[http://127.0.0.1:3002]]"])
+    assert quoted.rollout.engine_urls == bare.rollout.engine_urls == slots
+    assert load_config(DEMO).rollout.engine_urls == []
+    with pytest.raises(ConfigError, match=r"rollout.engine_urls=.* has 1 slot\(s\) of \[1\] URL\(s\), but "
+                                          r"rollout.max_versions=2 slots"):
+        load_config(DEMO, ["rollout.engine_urls=[[http://127.0.0.1:3001]]"])
+    with pytest.raises(ConfigError, match=r"rollout.engine_urls\[1\]\[0\]='http://127.0.0.1' is not an "
+                                          r"http\(s\)://host:port URL"):
+        load_config(DEMO, ["rollout.engine_urls=[[http://127.0.0.1:3001],[http://127.0.0.1]]"])
+    with pytest.raises(ConfigError, match=r"rollout.engine_urls\[0\]\[0\]='ftp://a:1' is not an"):
+        load_config(DEMO, ["rollout.engine_urls=[[ftp://a:1],[http://b:2]]"])

@@ -213,12 +213,14 @@ class MegatronActor:
         for g in self.optimizer.param_groups:
             g["lr"] = float(lr)
 
-    def dp_slice(self, batch: TrainBatch) -> TrainBatch:
-        """This DP rank's contiguous slice of a global batch (near-equal split of the rows)."""
+    def dp_slice(self, rows: TrainBatch | Tensor) -> TrainBatch | Tensor:
+        """This DP rank's contiguous slice of a global batch, or of a per-row tensor ``[B, ...]`` (e.g. the
+        batch's task ids): a near-equal split of the ``B`` rows, the same for both."""
         if self.dp == 1:
-            return batch
-        idx = torch.tensor_split(torch.arange(batch.tokens.shape[0]), self.dp)[self.dp_rank]
-        return batch.select(idx)
+            return rows
+        batch = isinstance(rows, TrainBatch)
+        idx = torch.tensor_split(torch.arange(rows.tokens.shape[0] if batch else rows.shape[0]), self.dp)[self.dp_rank]
+        return rows.select(idx) if batch else rows[idx]
 
     # ---------------------------------------------------------------- weights
     def load_hf_state_dict(self, state: Mapping[str, Tensor]) -> None:

@@ -1,4 +1,11 @@
-"""The ``agentrl`` command line: ``agentrl train --config run.yaml [key=value ...]``."""
+"""The ``agentrl`` command line: ``agentrl train --config run.yaml [key=value ...]`` and the other subcommands.
+
+``agentrl train`` runs the training of :mod:`megatron_agentrl.train_rank` in this process, in
+``--nproc`` local processes, or in Ray actors (``ray.enabled`` / ``ray.address``). Under
+``torchrun`` or ``srun`` (``WORLD_SIZE`` set) each process trains its own rank::
+
+    torchrun --nproc-per-node 2 -m megatron_agentrl.cli train --config run.yaml parallel.tp=2
+"""
 from __future__ import annotations
 
 import argparse
@@ -7,35 +14,16 @@ import os
 import sys
 
 from megatron_agentrl.config import ConfigError, load_config
+from megatron_agentrl.train_rank import setup_logging, train_rank
 
 logger = logging.getLogger("agentrl")
 
 
-def _setup_logging(rank: int) -> None:
-    """INFO on rank 0, WARNING elsewhere; one plain line per record; third-party noise muted."""
-    import warnings
-
-    level = logging.INFO if rank == 0 else logging.WARNING
-    fmt = "%(asctime)s " + (f"[rank {rank}] " if rank else "") + "%(message)s"
-    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", stream=sys.stdout, force=True)
-    for noisy in ("megatron", "torch.distributed", "matplotlib", "PIL"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    # megatron-core warns on every CPU run about optional CUDA-only extras (Apex, CUDA graphs)
-    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-    warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*|.*full scope is deprecated.*")
-
-
-def _train_worker(rank: int, world: int, port: int, config: str, overrides: list[str]) -> None:
+def _train_spawned(rank: int, world: int, port: int, config: str, overrides: list[str]) -> None:
+    """One of the local processes of ``agentrl train --nproc N``: rank ``rank`` of ``world``."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    _train(config, overrides)
-
-
-def _train(config: str, overrides: list[str]) -> None:
-    from megatron_agentrl.pipeline.loop import run_training
-
-    _setup_logging(int(os.environ.get("RANK", 0)))
-    run_training(load_config(config, overrides))
+    train_rank(config, overrides)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -44,15 +32,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)  # fail fast, before spawning anything
     check_model_paths(cfg.model)
-    if cfg.ray.active and "WORLD_SIZE" not in os.environ:  # ray.enabled / ray.address: the trainer ranks are Ray actors
+    # ray.enabled / ray.address: the trainer ranks are Ray actors
+    if cfg.ray.active and "WORLD_SIZE" not in os.environ:
         from megatron_agentrl.launch.ray_placement import run_on_ray
 
-        _setup_logging(0)
+        setup_logging(0)
         run_on_ray(cfg, args.config, args.overrides)
         return 0
     nproc = args.nproc or cfg.parallel.tp * cfg.parallel.pp
     if "WORLD_SIZE" in os.environ or nproc == 1:  # under torchrun/srun, or one process
-        _train(args.config, args.overrides)
+        train_rank(args.config, args.overrides)
         return 0
     import socket
 
@@ -61,7 +50,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_train_worker, args=(nproc, port, args.config, args.overrides), nprocs=nproc, start_method="spawn")
+    mp.start_processes(_train_spawned, args=(nproc, port, args.config, args.overrides), nprocs=nproc,
+                       start_method="spawn")
     return 0
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 ray = pytest.importorskip("ray")
 
@@ -117,16 +118,17 @@ def test_train_on_ray_with_controller_and_engine_actors(cluster: Cluster, tmp_pa
     overrides = [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, "train.steps=1",
                  f"model.checkpoint={ckpt}", "ray.controller=true", "ray.controller_port=0",
                  "ray.controller_cpus=0.25", "ray.rollout_gpus_per_engine=1", "ray.rollout_cpus_per_engine=0.25",
-                 "ray.engine_server_module=rollout_sglang.sglang_standin", "ray.train_cpus_per_worker=0.5"]
+                 "ray.engine_server_module=rollout_sglang.testing.sglang_standin", "ray.train_cpus_per_worker=0.5"]
     cfg = load_config(ROOT / "tests/configs/tiny_test.yaml", overrides)
     summary = run_on_ray(cfg, str(ROOT / "tests/configs/tiny_test.yaml"), overrides)
     out = tmp_path / "run"
     assert summary["hf_export"] == str(out / "hf_export") and (out / "hf_export" / "config.json").is_file()
     # the trainer ranks got the controller actor's URL through the config ...
     assert "controller_url: http://" in (out / "config.yaml").read_text()
-    # ... and the engine URLs per version slot; the engine served until the run ended
+    # ... and the engine URLs per version slot, also through the config; the engine served until the run ended
     slots = json.loads((out / "ray" / "engines.json").read_text())
     assert len(slots) == 1 and len(slots[0]) == 1 and slots[0][0].startswith("http://")
+    assert yaml.safe_load((out / "config.yaml").read_text())["rollout"]["engine_urls"] == slots
     logs = list((out / "ray" / "engine_logs").glob("sglang_*.log"))
     assert logs and "stand-in ready" in logs[0].read_text(), logs
     assert not _ours_left()

@@ -14,17 +14,17 @@ join) is set. :func:`run_on_ray`:
    engine server per rollout bundle (:class:`RolloutEngineActor`, ``python -m
    ray.engine_server_module``: SGLang's server), then the trainer ranks (:class:`TrainWorker`),
    which rendezvous through torch.distributed (rank 0's node and a free port) and each run the
-   same training entry point as ``agentrl train`` does (``megatron_agentrl.cli``);
+   same training entry point as ``agentrl train`` does (``megatron_agentrl.train_rank``);
 4. watches them every ``ray.health_check_interval_s``: a trainer rank, an engine or the
    controller that dies, or a node of the run that Ray marks dead, ends the run with
    :class:`RunLostError`, whose message names what was lost and where the last checkpoint is,
    and how to resume from it. Everything the run created (actors, placement groups, a local Ray)
    is released on every way out.
 
-Hand-off to the training code (which runs in the trainer actors): the controller URL goes in the
-override ``env.controller_url`` (its token in ``$AGENTRL_CONTROLLER_TOKEN``); the engine URLs, one list per version slot, go in the environment
-variable ``AGENTRL_ROLLOUT_ENGINES`` (JSON, read with :func:`rollout_engines_from_env`) and in
-``{output_dir}/ray/engines.json``.
+Hand-off to the training code (which runs in the trainer actors), as config overrides: the
+controller URL in ``env.controller_url`` (its token in ``$AGENTRL_CONTROLLER_TOKEN``), the engine
+URLs, one list per version slot, in ``rollout.engine_urls`` (JSON); the engine URLs are also
+written to ``{output_dir}/ray/engines.json``.
 """
 from __future__ import annotations
 
@@ -236,9 +236,9 @@ class TrainWorker(_Placed):
         os.environ.update(env)
         if len(ray.get_gpu_ids()) == 1:
             os.environ["LOCAL_RANK"] = "0"  # Ray shows this actor its one GPU only
-        from megatron_agentrl import cli
+        from megatron_agentrl.train_rank import train_rank
 
-        cli._train(config_path, overrides)  # the entry point every rank of `agentrl train` runs
+        train_rank(config_path, overrides)
 
 
 class EnvControllerActor(_Placed):
@@ -452,7 +452,7 @@ class RayRun:
             env["AGENTRL_CONTROLLER_TOKEN"] = self.controller_token
         if self.cfg.ray.rollout_gpus_per_engine:
             engines = self.start_engines()
-            env[ENGINES_ENV] = json.dumps(engines)
+            overrides.append(f"rollout.engine_urls={json.dumps(engines)}")
             out = Path(self.cfg.output_dir) / "ray"
             out.mkdir(parents=True, exist_ok=True)
             (out / "engines.json").write_text(json.dumps(engines, indent=2))

@@ -1,0 +1,47 @@
+"""Train one rank of a run: the training entry point that every launcher calls.
+
+``agentrl train`` (in its own process, or in each local process it spawns), the Ray trainer actors
+(``megatron_agentrl.launch.ray_placement.TrainWorker``) and ``torchrun``/``srun`` (``torchrun
+--nproc-per-node N -m megatron_agentrl.cli train --config run.yaml [key=value ...]``) all end in
+:func:`train_rank`. The rank and the torch.distributed rendezvous come from the environment
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); everything else,
+the URLs of engines and controller started elsewhere included, comes in the config and overrides.
+
+This module sits above the pipeline and below every launcher: the pipeline never imports it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from typing import Any
+
+from megatron_agentrl.config import load_config
+
+
+def setup_logging(rank: int) -> None:
+    """Log INFO on rank 0 and WARNING on the other ranks, one plain line per record on stdout;
+    mute third-party noise."""
+    level = logging.INFO if rank == 0 else logging.WARNING
+    fmt = "%(asctime)s " + (f"[rank {rank}] " if rank else "") + "%(message)s"
+    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    for noisy in ("megatron", "torch.distributed", "matplotlib", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # megatron-core warns on every CPU run about optional CUDA-only extras (Apex, CUDA graphs)
+    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*|.*full scope is deprecated.*")
+
+
+def train_rank(config: str, overrides: list[str]) -> dict[str, Any]:
+    """Train this process's rank of the run of YAML ``config`` with ``key=value`` ``overrides``.
+
+    Returns the run's summary on rank 0 (``{}`` on the other ranks). Raises ConfigError for a
+    bad config or override.
+    """
+    # torch and megatron-core load only here, when a rank trains: `agentrl --help` and the Ray
+    # driver, which import this module, stay light
+    from megatron_agentrl.pipeline.loop import run_training
+
+    setup_logging(int(os.environ.get("RANK", 0)))
+    return run_training(load_config(config, overrides))

@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all clean
+.PHONY: install demo test test-all lint clean
 
 $(STAMP): setup.py constraints.txt
 	@command -v $(BASE_PYTHON) >/dev/null || { echo "error: $(BASE_PYTHON) not found; install Python 3.11 or run 'make BASE_PYTHON=/path/to/python3.11 ...'"; exit 1; }
@@ -26,6 +26,11 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# the import contracts of .importlinter (layers, env_controller without torch, no cycles), then ruff
+lint: $(STAMP)
+	$(BIN)/lint-imports
+	$(BIN)/ruff check
 
 clean:
 	rm -rf $(VENV) outputs

@@ -216,13 +216,14 @@ async def fetch_overhead_histogram(env: HttpEnvClient) -> dict[str, float]:
     return {"interact_count": count, "interact_share_le_10ms": le10 / count if count else float("nan")}
 
 
-async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
+async def drive(args: argparse.Namespace, procs: Procs, worker_client: str) -> dict[str, Any]:
     tasks = args.tasks.split(",")
     cport = free_port()
     url = f"http://127.0.0.1:{cport}/api"
     procs.spawn("controller", [
         "controller", "--port", str(cport), "--suspect-after", str(args.suspect_after),
         "--heartbeat-timeout", str(args.heartbeat_timeout), "--log-level", "WARNING",
+        "--worker-client", worker_client,
     ])
     per_task = Counter(tasks[i % len(tasks)] for i in range(args.workers))
     sessions_per_task = Counter(tasks[i % len(tasks)] for i in range(args.sessions))
@@ -365,11 +366,13 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     cl = stats.client_ms
     interacts = len(ov["interact"])
     return {
+        "worker_client": worker_client,
         "config": {k: v for k, v in vars(args).items()},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                     "loadavg_1m_before": load0, "loadavg_1m_after": load1,
                     "cpu_pressure_avg60_pct_before": psi0, "cpu_pressure_avg60_pct_after": psi1},
         "controller_cpu": {"seconds": round(controller_cpu, 2), "share_of_one_core": round(controller_cpu / wall, 3),
+                           "requests": sum(stats.status_codes.values()),
                            "us_per_request": round(1e6 * controller_cpu / max(1, sum(stats.status_codes.values())), 1)},
         "wall_s": round(wall, 2),
         "sessions": {
@@ -462,7 +465,7 @@ def print_table(r: dict[str, Any]) -> None:
     p = r["prometheus_overhead"]
     rows.append(("/metrics: interact overheads <= 10 ms", f"{p['interact_share_le_10ms']:.4f} of {int(p['interact_count'])}"))
     width = max(len(k) for k, _ in rows)
-    print(f"\nenv controller bench: {c['sessions']} sessions, {c['workers']} workers ({c['tasks']}), "
+    print(f"\nenv controller bench ({r['worker_client']}): {c['sessions']} sessions, {c['workers']} workers ({c['tasks']}), "
           f"{r['machine']['cpus']} CPUs")
     print("-" * (width + 40))
     for k, v in rows:
@@ -474,6 +477,28 @@ def print_table(r: dict[str, Any]) -> None:
         print(f"  {n:>6}  not started: {reason}")
     for ex in s["lost_examples"]:
         print(f"  lost: {ex}")
+
+
+def compare(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per worker client, over all its rounds: controller CPU per request and interact latencies."""
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(r["worker_client"] for r in results):
+        rs = [r for r in results if r["worker_client"] == name]
+        cpu = sum(r["controller_cpu"]["seconds"] for r in rs)
+        n = sum(r["controller_cpu"]["requests"] for r in rs)
+        out[name] = {
+            "rounds": len(rs),
+            "controller_cpu_s": round(cpu, 3),
+            "requests": n,
+            "controller_cpu_us_per_request": round(1e6 * cpu / max(1, n), 1),
+            "per_round_us_per_request": [r["controller_cpu"]["us_per_request"] for r in rs],
+            "interact_overhead_p50_p99_ms": [[r["controller_overhead_ms"]["interact"]["p50"],
+                                              r["controller_overhead_ms"]["interact"]["p99"]] for r in rs],
+            "interact_rtt_p50_p99_ms": [[r["client_view_ms"]["interact"]["rtt_p50"],
+                                         r["client_view_ms"]["interact"]["rtt_p99"]] for r in rs],
+            "lost": sum(r["sessions"]["lost"] for r in rs),
+        }
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -492,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--call-timeout", type=float, default=60.0)
     parser.add_argument("--max-connections", type=int, default=1024)
     parser.add_argument("--deadline-s", type=float, default=300.0, help="sessions without a final reply by then are lost")
+    parser.add_argument("--clients", default="workerhttp", help="controller worker clients to run, comma-separated")
+    parser.add_argument("--rounds", type=int, default=1, help="runs per client; every other round in reverse order")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "env_controller.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -500,21 +527,30 @@ def main(argv: list[str] | None = None) -> int:
     raise_nofile_limit()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    log_dir = Path(tempfile.mkdtemp(prefix="agentrl-bench-env-"))
-    procs = Procs(log_dir)
-    try:
-        result = asyncio.run(drive(args, procs))
-    except BaseException:
-        logger.error("bench failed; process logs kept in %s", log_dir)
-        raise
-    finally:
-        procs.close()
-    shutil.rmtree(log_dir, ignore_errors=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print_table(result)
+    clients = args.clients.split(",")
+    results = []
+    for round_ in range(args.rounds):
+        for client in clients if round_ % 2 == 0 else clients[::-1]:
+            log_dir = Path(tempfile.mkdtemp(prefix="agentrl-bench-env-"))
+            procs = Procs(log_dir)
+            logger.info("round %d: %s", round_, client)
+            try:
+                result = asyncio.run(drive(args, procs, client))
+            except BaseException:
+                logger.error("bench failed; process logs kept in %s", log_dir)
+                raise
+            finally:
+                procs.close()
+            shutil.rmtree(log_dir, ignore_errors=True)
+            results.append(result)
+            print_table(result)
+    comparison = compare(results)
+    out.write_text(json.dumps({"runs": results, "comparison": comparison}, indent=2) + "\n")
+    print(json.dumps(comparison, indent=2))
     print(f"results: {out}")
-    print(f"env_lost_sessions: {result['sessions']['lost']}")
-    return 0 if result["sessions"]["lost"] == 0 else 1
+    lost = sum(r["sessions"]["lost"] for r in results)
+    print(f"env_lost_sessions: {lost}")
+    return 0 if lost == 0 else 1
 
 
 if __name__ == "__main__":

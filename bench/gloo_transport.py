@@ -7,14 +7,15 @@ moves ``--tensors`` tensors of ``--tensor-mb`` each to rank 1 in three ways, int
 * **broadcast**: one broadcast per tensor, all started at once (what SGLang receives); gloo runs
   them one at a time on the group's worker thread;
 * **send_recv**: one point-to-point send per tensor (rank 1 posts the matching receives), all
-  posted at once (the weight sync's ``send_recv`` transport).
+  posted at once (the SGLang stand-in's ``send_recv`` transport, ``rollout_sglang.testing.transport``).
 
 Defaults: 42 tensors of 8.3 MiB, Qwen2.5-0.5B's MLP matrices (896 x 4864, bf16). Best and median
 of ``--repeats`` rounds after two warm-up rounds; prints a table, writes
-``bench/results/gloo_transport.json`` and ends with ``send_recv_vs_broadcast_speedup: <best
-broadcast s / best send_recv s>``.
+``bench/results/gloo_transport.json`` (``--out``) and ends with ``send_recv_vs_broadcast_speedup:
+<best broadcast s / best send_recv s>``. ``--smoke``: 4 tensors of 64 KiB, 2 rounds, in seconds
+(checks that every mode runs; the speedup means nothing then).
 
-Usage: ``python bench/gloo_transport.py [--tensors 42] [--tensor-mb 8.3125] [--repeats 12]``
+Usage: ``python bench/gloo_transport.py [--tensors 42] [--tensor-mb 8.3125] [--repeats 12] [--smoke] [--out PATH]``
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ MODES = ("flat", "broadcast", "send_recv")
 
 def rank_main(rank: int, port: int, tensors: int, nbytes: int, repeats: int, out) -> None:
     """One rank: join the group, run the interleaved rounds; rank 0 puts {mode: [seconds]} on ``out``."""
-    from megatron_agentrl.weight_sync.group import init_weight_group
+    from rollout_sglang.weight_update.group import init_weight_group
 
     group = init_weight_group("127.0.0.1", port, rank, 2, "gloo-transport", "gloo", timeout_s=120)
     parts = [torch.full((nbytes,), rank, dtype=torch.uint8) for _ in range(tensors)]
@@ -77,10 +78,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tensors", type=int, default=42)
     ap.add_argument("--tensor-mb", type=float, default=896 * 4864 * 2 / 2**20, help="MiB per tensor")
     ap.add_argument("--repeats", type=int, default=12)
+    ap.add_argument("--smoke", action="store_true", help="4 tensors of 64 KiB, 2 rounds: seconds (overrides the sizes)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "gloo_transport.json"))
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.tensors, args.tensor_mb, args.repeats = 4, 1 / 16, 2
     from bench._common import git_commit
-    from megatron_agentrl.weight_sync.group import free_port
+    from rollout_sglang.weight_update.group import free_port
 
     nbytes = int(args.tensor_mb * 2**20)
     ctx = mp.get_context("spawn")
@@ -100,7 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{m:<10} {1e3 * min(times[m]):>8.1f} {1e3 * statistics.median(times[m]):>10.1f} "
               f"{total / min(times[m]) / 1e9:>10.2f}")
     speedup = min(times["broadcast"]) / min(times["send_recv"])
-    result = {"bench": "gloo_transport", "tensors": args.tensors, "tensor_bytes": nbytes, "repeats": args.repeats,
+    result = {"bench": "gloo_transport", "smoke": args.smoke, "tensors": args.tensors, "tensor_bytes": nbytes,
+              "repeats": args.repeats,
               "seconds": times, "gb_per_s_best": {m: total / min(times[m]) / 1e9 for m in MODES},
               "send_recv_vs_broadcast_speedup": speedup, "torch": torch.__version__,
               "commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}

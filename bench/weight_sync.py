@@ -5,16 +5,16 @@ dict (Qwen2.5-0.5B shapes, bf16, 494M parameters, ~0.99 GB); the *engine* proces
 stand-in over a local engine of the same architecture. Both join one weight-sync group (gloo over
 loopback). Measured side by side, interleaved, in one run on that one group:
 
-* **bucketed**: ``BucketBroadcaster.send``, the production path with the gloo defaults (wire
-  format ``per_tensor``: one message per matrix straight from its memory, tensors under the
-  transport's ``SMALL_TENSOR_BYTES`` packed into buckets of their own; buckets of
-  ``--bucket-mb``; transport ``send_recv``, since the stand-in offers it: every tensor of a bucket
-  a point-to-point send, all posted at once): per bucket an HTTP
+* **bucketed**: ``BucketBroadcaster.send`` with the gloo defaults (wire format ``per_tensor``:
+  one message per matrix straight from its memory, tensors under the transport's
+  ``small_tensor_bytes`` packed into buckets of their own; buckets of ``--bucket-mb``) and the
+  stand-in's transport (``StandInTransport``: every tensor of a bucket a point-to-point send,
+  all posted at once): per bucket an HTTP
   ``/update_weights_from_distributed`` request, the transfers, and on the engine the load into
   the model's parameters (received in place while paused, packed ones copied in); timed until
   the engine acknowledged the last bucket;
-* **bucketed, broadcast**: the same with one broadcast per tensor, what an engine without the
-  extension (an SGLang server) receives; reported beside, not in the final ratio;
+* **bucketed, broadcast**: the same with SGLang's transport (``SGLangBroadcast``, one broadcast
+  per tensor), what an SGLang server receives; reported beside, not in the final ratio;
 * **raw**: one broadcast of a flat, preallocated buffer of the same number of bytes (the
   stand-in's ``/agentrl/raw_broadcast`` extension receives it into a preallocated buffer);
   timed the same way, until the engine acknowledged.
@@ -27,10 +27,13 @@ around each bucketed sync, as the version pool does; those two calls are outside
 region. The CPU seconds each path costs the trainer and the engine process are printed beside
 the times (on a loaded host they show what the wall time hides). At the end the engine's
 weights are zeroed and one more default sync must restore every tensor.
-Prints a table, writes ``bench/results/weight_sync.json`` and ends with
-``weight_sync_bandwidth_ratio: <bucketed / raw bandwidth>``.
+Prints a table, writes ``bench/results/weight_sync.json`` (``--out``) and ends with
+``weight_sync_bandwidth_ratio: <bucketed / raw bandwidth>``. ``--smoke``: a tiny model (2 layers,
+hidden 64, vocab 1024), 256 KiB buckets and 2 rounds, in seconds (checks that the paths run and the
+weights arrive; the ratio means nothing then).
 
-Usage: ``python bench/weight_sync.py [--bucket-mb 512] [--repeats 21] [--layers 24] [--small-mb M]``
+Usage: ``python bench/weight_sync.py [--bucket-mb 512] [--repeats 21] [--layers 24] [--small-mb M] [--smoke]
+[--out PATH]``
 """
 from __future__ import annotations
 
@@ -54,13 +57,19 @@ sys.path.insert(0, str(REPO))
 logger = logging.getLogger("bench.weight_sync")
 
 
-def qwen25_05b_config(layers: int):
-    """Qwen2.5-0.5B's shapes (hidden 896, 14/2 heads, MLP 4864, vocab 151936, tied), ``layers`` deep."""
+def qwen25_05b_config(layers: int, smoke: bool = False):
+    """Qwen2.5-0.5B's shapes (hidden 896, 14/2 heads, MLP 4864, vocab 151936, tied), ``layers`` deep;
+    ``smoke``: the same layout at hidden 64, 4/2 heads, MLP 256, vocab 1024."""
     from transformers import Qwen2Config
 
+    rope = {"rope_type": "default", "rope_theta": 1000000.0}
+    if smoke:
+        return Qwen2Config(vocab_size=1024, hidden_size=64, intermediate_size=256, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           tie_word_embeddings=True, rope_parameters=rope)
     return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
                        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
-                       tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+                       tie_word_embeddings=True, rope_parameters=rope)
 
 
 def build_uninitialised(cfg, dtype: torch.dtype):
@@ -79,15 +88,15 @@ def build_uninitialised(cfg, dtype: torch.dtype):
     return model
 
 
-def engine_main(conn, layers: int) -> None:
+def engine_main(conn, layers: int, smoke: bool) -> None:
     """The engine process: a stand-in server over a local engine; answers 'check' and 'stop' on ``conn``."""
     logging.basicConfig(level=logging.WARNING, format="%(created).3f %(name)s %(message)s")
     if os.environ.get("AGENTRL_BENCH_TRACE"):
-        logging.getLogger("rollout_sglang.sglang_standin").setLevel(logging.DEBUG)
+        logging.getLogger("rollout_sglang.testing.sglang_standin").setLevel(logging.DEBUG)
     from rollout_sglang.local_engine import LocalEngine
-    from rollout_sglang.sglang_standin import StandInServer
+    from rollout_sglang.testing.sglang_standin import StandInServer
 
-    cfg = qwen25_05b_config(layers)
+    cfg = qwen25_05b_config(layers, smoke)
     model = build_uninitialised(cfg, torch.bfloat16)
     for p in model.parameters():  # touch the pages once, as a loaded engine's weights are
         p.data.zero_()
@@ -147,20 +156,25 @@ def main(argv: list[str] | None = None) -> dict:
                     help="how a bucket travels (default: the gloo default, per_tensor)")
     ap.add_argument("--layers", type=int, default=24, help="decoder layers (24 = Qwen2.5-0.5B, 494M parameters)")
     ap.add_argument("--small-mb", type=float, default=None,
-                    help="per_tensor: tensors under this many MiB travel packed (default: the sender's "
-                         "SMALL_TENSOR_BYTES of each transport)")
+                    help="per_tensor: tensors under this many MiB travel packed (default: each transport's "
+                         "small_tensor_bytes)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny model, 2 layers, 256 KiB buckets, 2 rounds: seconds on a CPU (overrides the sizes)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "weight_sync.json"))
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.layers, args.bucket_mb, args.repeats = 2, 0.25, 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
     from megatron_agentrl.weight_sync import BucketBroadcaster
-    from megatron_agentrl.weight_sync.sender import SMALL_TENSOR_BYTES
     from rollout_sglang.sglang_engine import SGLangEngine
+    from rollout_sglang.testing.transport import StandInTransport
+    from rollout_sglang.weight_update import SGLangBroadcast
 
-    cfg = qwen25_05b_config(args.layers)
+    cfg = qwen25_05b_config(args.layers, args.smoke)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=engine_main, args=(child, args.layers), daemon=True)
+    proc = ctx.Process(target=engine_main, args=(child, args.layers, args.smoke), daemon=True)
     proc.start()
     t0 = time.perf_counter()
     state = make_state(cfg)
@@ -173,13 +187,15 @@ def main(argv: list[str] | None = None) -> dict:
         if time.monotonic() > deadline:
             raise TimeoutError("the engine process did not start serving within 600 s")
     url = parent.recv()
-    print(f"model: Qwen2 {args.layers} layers, {params / 1e6:.0f}M parameters, {nbytes / 1e9:.3f} GB bf16 "
+    sizes = " (smoke sizes)" if args.smoke else ""
+    print(f"model: Qwen2 {args.layers} layers{sizes}, {params / 1e6:.0f}M parameters, {nbytes / 1e9:.3f} GB bf16 "
           f"(setup {time.perf_counter() - t0:.1f}s); engine at {url}")
 
     client = SGLangEngine(url, update_timeout_s=600, control_timeout_s=60)
     small = None if args.small_mb is None else int(args.small_mb * 1024 * 1024)
+    sglang_transport = SGLangBroadcast()
     sender = BucketBroadcaster([client], "bench", backend="gloo", init_timeout_s=120, bucket_timeout_s=600,
-                               small_tensor_bytes=small)
+                               small_tensor_bytes=small, transport=StandInTransport())
     sender.connect()
     group = sender.group
     assert group is not None
@@ -189,14 +205,15 @@ def main(argv: list[str] | None = None) -> dict:
     bucket_bytes = int(args.bucket_mb * 1024 * 1024)
 
     def raw() -> int:
-        fut = pool.submit(client._call, "POST", "/agentrl/raw_broadcast", {"nbytes": nbytes, "group_name": "bench"}, 600)
+        body = {"nbytes": nbytes, "group_name": "bench"}
+        fut = pool.submit(client._call, "POST", "/agentrl/raw_broadcast", body, 600)
         group.broadcast(flat, src=0, timeout_s=600)
         fut.result(timeout=600)
         return 1
 
     version = [0]
 
-    def bucketed(transport: str | None = None) -> int:
+    def bucketed(transport: SGLangBroadcast | None = None) -> int:
         version[0] += 1
         stats = sender.send(state.items(), bucket_bytes, weight_version=str(version[0]), wire_format=args.wire_format,
                             transport=transport)
@@ -206,10 +223,10 @@ def main(argv: list[str] | None = None) -> dict:
     # (label, run, pause the engine around it): the version pool pauses the slot for its update;
     # the pause and resume calls are outside the timed region
     paths = {"raw": ("raw broadcast (1 flat buffer)", raw, False),
-             "bucketed": (f"bucketed sync ({args.bucket_mb:g} MiB, {sender.transport})", bucketed, True)}
-    if sender.transport != "broadcast":  # what an engine without the send_recv extension (SGLang) receives
-        paths["bucketed_broadcast"] = (f"bucketed sync ({args.bucket_mb:g} MiB, broadcast)",
-                                       lambda: bucketed("broadcast"), True)
+             "bucketed": (f"bucketed sync ({args.bucket_mb:g} MiB, {sender.transport.name})", bucketed, True),
+             # what an SGLang server receives
+             "bucketed_broadcast": (f"bucketed sync ({args.bucket_mb:g} MiB, {sglang_transport.name})",
+                                    lambda: bucketed(sglang_transport), True)}
     times: dict[str, list[float]] = {k: [] for k in paths}
     cpu: dict[str, list[tuple[float, float]]] = {k: [] for k in paths}
     buckets: dict[str, int] = {}
@@ -264,17 +281,19 @@ def main(argv: list[str] | None = None) -> dict:
     print("CPU seconds per run (median; trainer, engine): " + "; ".join(
         f"{k} {a:.3f}, {b:.3f}" for k, (a, b) in med_cpu.items()))
     print("bandwidth ratio to raw (best runs): " + ", ".join(f"{k} {bw[k] / bw['raw']:.3f}" for k in pair_ratio)
-          + "; median of per-round ratios (raw s / path s): " + ", ".join(f"{k} {v:.3f}" for k, v in pair_ratio.items()))
+          + "; median of per-round ratios (raw s / path s): "
+          + ", ".join(f"{k} {v:.3f}" for k, v in pair_ratio.items()))
     print(f"load average {os.getloadavg()[0]:.1f}, CPU pressure (PSI some avg10) {psi0}% before, {psi1}% after")
     print(f"weights verified on the engine: {'yes' if not bad else 'NO, mismatched: ' + ', '.join(bad[:5])}")
     result = {
         "bench": "weight_sync", "model": f"qwen2.5-0.5b shapes, {args.layers} layers", "parameters": params,
         "bytes": nbytes, "dtype": "bfloat16", "backend": "gloo (loopback, 2 processes)",
         "bucket_mb": args.bucket_mb, "buckets": buckets, "repeats": args.repeats,
-        "wire_format": args.wire_format or "per_tensor (gloo default)", "transport": sender.transport,
+        "wire_format": args.wire_format or "per_tensor (gloo default)", "transport": sender.transport.name,
         "seconds": times, "gb_per_s_best": bw, "ratio_to_raw_best": {k: bw[k] / bw["raw"] for k in pair_ratio},
         "weight_sync_bandwidth_ratio": ratio, "median_round_ratio": pair_ratio, "weights_verified": not bad,
-        "cpu_s_median_trainer_engine": med_cpu, "small_tensor_bytes": small or SMALL_TENSOR_BYTES,
+        "cpu_s_median_trainer_engine": med_cpu, "smoke": args.smoke,
+        "small_tensor_bytes": small or {t.name: t.small_tensor_bytes for t in (sender.transport, sglang_transport)},
         "load_average_1m": os.getloadavg()[0],
         "cpu_pressure_some_avg10_pct_before": psi0, "cpu_pressure_some_avg10_pct_after": psi1,
         "host": {"cpus": mp.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},

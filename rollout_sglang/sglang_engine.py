@@ -2,7 +2,7 @@
 
 :class:`SGLangEngine` is both an :class:`~rollout_sglang.engine.Engine` (for the agent loop and
 the version pool) and a weight-update target of the trainer's bucketed sync
-(``megatron_agentrl.weight_sync.WeightUpdateTarget``). It maps the protocol onto SGLang's native
+(:class:`rollout_sglang.weight_update.WeightUpdateTarget`). It maps the protocol onto SGLang's native
 endpoints (request/response shapes as documented for SGLang 0.5.x: ``io_struct.py`` and
 ``entrypoints/http_server.py``):
 
@@ -40,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -309,7 +309,7 @@ class SGLangEngine:
                 )
             time.sleep(poll_s)
 
-    def _extension(self, name: str) -> bool:
+    def has_extension(self, name: str) -> bool:
         """Whether ``/server_info`` lists ``name`` in ``agentrl_extensions`` (asked once; SGLang lists none)."""
         if self._extensions is None:
             try:
@@ -317,19 +317,9 @@ class SGLangEngine:
                 self._extensions = list(info.get("agentrl_extensions", [])) if isinstance(info, dict) else []
             except SGLangError as e:
                 logger.warning("%s: GET /server_info failed (%s); treating it as a plain SGLang server (no "
-                               "checksum verify, weights by broadcast)", self.base_url, e)
+                               "extensions)", self.base_url, e)
                 self._extensions = []
         return name in self._extensions
-
-    @property
-    def supports_checksum(self) -> bool:
-        """Whether the server verifies bucket checksums (the stand-in's extension; SGLang: no)."""
-        return self._extension("bucket_checksum")
-
-    @property
-    def supports_send_recv(self) -> bool:
-        """Whether the server takes a bucket as point-to-point messages (the stand-in's extension; SGLang: no)."""
-        return self._extension("send_recv")
 
     # ------------------------------------------------------------ weight update
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -344,28 +334,27 @@ class SGLangEngine:
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str = "weight_update_group", *, load_format: str | None = None,
                                         flush_cache: bool = True, weight_version: str | None = None,
-                                        checksum: list[int] | None = None, timeout_s: float | None = None,
-                                        send_recv_tag: int | None = None) -> None:
+                                        timeout_s: float | None = None,
+                                        extra_fields: Mapping[str, Any] | None = None) -> None:
         """``POST /update_weights_from_distributed``: the server receives the tensors from group rank 0 and loads them.
 
         load_format "flattened_bucket": one broadcast of the flat bucket (SGLang >= 0.5.2), None:
-        one broadcast per tensor. ``checksum`` is sent only to servers that verify it.
-        ``send_recv_tag``: the tensors come as point-to-point messages numbered from it (servers
-        with the ``send_recv`` extension only; ValueError otherwise, before anything is sent).
+        one broadcast per tensor. ``extra_fields``: request fields beyond SGLang's, from a
+        transport for servers that list the matching extension (ValueError when one would
+        replace an SGLang field).
         """
-        if send_recv_tag is not None and not self.supports_send_recv:
-            raise ValueError(f"{self.base_url} does not list the send_recv extension (SGLang receives broadcasts); "
-                             "send without send_recv_tag")
         body: dict[str, Any] = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
                                 "group_name": group_name, "flush_cache": bool(flush_cache)}
         if load_format is not None:
             body["load_format"] = load_format
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        if checksum is not None and self.supports_checksum:
-            body["agentrl_checksum"] = [int(x) for x in checksum]
-        if send_recv_tag is not None:
-            body["agentrl_send_recv_tag"] = int(send_recv_tag)
+        if extra_fields:
+            clash = sorted(set(extra_fields) & set(body))
+            if clash:
+                raise ValueError(f"extra_fields {clash} would replace SGLang's own request fields; "
+                                 "give extension fields other names")
+            body.update(extra_fields)
         self._call("POST", "/update_weights_from_distributed", body,
                    timeout_s if timeout_s is not None else self.update_timeout_s)
 
@@ -382,8 +371,8 @@ class SGLangEngine:
     def receive_bucket(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Not available: an SGLang server receives buckets over the weight-sync group, not in-process."""
         raise NotImplementedError(
-            f"SGLangEngine ({self.base_url}) receives weights over a weight-sync group: use "
-            "megatron_agentrl.weight_sync.WeightSender / BucketBroadcaster with this engine as a target"
+            f"SGLangEngine ({self.base_url}) receives weights over a weight-sync group: use the trainer's "
+            "WeightSender / BucketBroadcaster (megatron_agentrl.weight_sync) with this engine as a target"
         )
 
     def end_weight_update(self) -> None:

@@ -244,7 +244,7 @@ def weight_sync_two_processes(rank: int, world: int, tmp: str, device: str, shap
     cfg = qwen2_config(shape)
     if rank == 1:
         from rollout_sglang.local_engine import LocalEngine
-        from rollout_sglang.sglang_standin import StandInServer
+        from rollout_sglang.testing.sglang_standin import StandInServer
 
         engine = LocalEngine(cfg, device=device, dtype=torch.bfloat16, init_seed=0)
         server = StandInServer(engine, group_timeout_s=120)

@@ -17,7 +17,8 @@ from megatron_agentrl.weight_sync import BucketBroadcaster, WeightSyncError
 from rollout_sglang.engine import SamplingParams
 from rollout_sglang.local_engine import LocalEngine
 from rollout_sglang.sglang_engine import SGLangEngine, SGLangError, SGLangTimeout, sampling_params_to_sglang
-from rollout_sglang.sglang_standin import StandInServer
+from rollout_sglang.testing.sglang_standin import StandInServer
+from rollout_sglang.testing.transport import StandInTransport
 
 
 def tiny_config():
@@ -63,14 +64,15 @@ def test_client_generate_update_pause_continue(served, wire_format):
 
     # init group + bucketed update over gloo: the served weights become `other`'s, version stamped
     sender = BucketBroadcaster([client], "test-group", backend="gloo", init_timeout_s=20, bucket_timeout_s=20,
-                               checksum=True, wire_format=wire_format, small_tensor_bytes=1024)
-    assert client.supports_checksum  # the stand-in's extension; real SGLang servers do not list it
+                               wire_format=wire_format, small_tensor_bytes=1024,
+                               transport=StandInTransport(checksum=True))
+    assert client.has_extension("bucket_checksum")  # the stand-in's extension; real SGLang servers do not list it
     client.begin_weight_update(3)
     stats = sender.send(other.model.state_dict().items(), bucket_bytes=16 * 1024, weight_version="3")
     kinds = {line.split("(")[1] for line in server.update_log}
     # per_tensor: matrices one message each, the small norms packed; flattened: everything packed;
-    # the stand-in offers send_recv, so on gloo the tensors come as point-to-point sends
-    assert sender.transport == "send_recv"
+    # the stand-in's transport on gloo: the tensors come as point-to-point sends
+    assert sender.transport.name == "send_recv"
     assert kinds == ({"per tensor, send_recv)", "flattened_bucket, send_recv)"} if wire_format == "per_tensor"
                      else {"flattened_bucket, send_recv)"})
     client.end_weight_update()
@@ -141,35 +143,38 @@ def test_send_recv_goes_only_to_engines_that_offer_it(served):
     """An engine that does not list the send_recv extension (as SGLang's servers do not) gets broadcasts."""
     server, client, engine, other = served
     state = other.model.state_dict()
-    assert client.supports_send_recv
+    assert client.has_extension("send_recv")
     sglang_like = SGLangEngine(server.url, update_timeout_s=30)
     sglang_like._extensions = ["bucket_checksum"]  # what /server_info would list without the extension
     sender = BucketBroadcaster([sglang_like], "g-bcast", backend="gloo", init_timeout_s=20, bucket_timeout_s=20,
                                small_tensor_bytes=1024)
-    assert sender.transport == "broadcast"
+    assert sender.transport.name == "broadcast"
     sender.send(state.items(), bucket_bytes=16 * 1024, weight_version="4")
     assert server.update_log and all(line.endswith(", broadcast)") for line in server.update_log)
     for name, t in state.items():
         assert torch.equal(engine.model.state_dict()[name], t), name
     with pytest.raises(ValueError, match="send_recv extension .*lacking it: \\['http"):
-        sender.send(state.items(), bucket_bytes=16 * 1024, transport="send_recv")
+        sender.send(state.items(), bucket_bytes=16 * 1024, transport=StandInTransport())
     with pytest.raises(ValueError, match="does not list the send_recv extension"):
+        StandInTransport().request_fields([client, sglang_like], [state["model.norm.weight"]], packed=False, seq=0)
+    with pytest.raises(ValueError, match="would replace SGLang's own request fields"):
         sglang_like.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[32]], "g-bcast",
-                                                    send_recv_tag=0, timeout_s=5)
+                                                    timeout_s=5, extra_fields={"group_name": "other"})
     sender.close()
     with pytest.raises(SGLangError, match="agentrl_send_recv_tag=-1 must be a non-negative integer"):
         client._call("POST", "/update_weights_from_distributed", {
             "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[32]], "group_name": "g-bcast",
             "agentrl_send_recv_tag": -1}, 5)
     with pytest.raises(ValueError, match="for gloo groups"):
-        BucketBroadcaster([client], "g-nccl", backend="nccl", transport="send_recv")
+        BucketBroadcaster([client], "g-nccl", backend="nccl", transport=StandInTransport())
 
 
-@pytest.mark.parametrize("transport", [None, "broadcast"])
-def test_stalled_update_times_out_per_bucket(served, transport):
+@pytest.mark.parametrize("send_recv", [True, False])
+def test_stalled_update_times_out_per_bucket(served, send_recv):
     """The group forms, then the engine stops answering: the bucket's transfer times out."""
     server, _, engine, other = served
     client = SGLangEngine(server.url, control_timeout_s=2.0, update_timeout_s=2.0)
+    transport = StandInTransport() if send_recv else None  # None: SGLang's broadcasts
     sender = BucketBroadcaster([client], "bucket-stall", backend="gloo", init_timeout_s=10, bucket_timeout_s=2,
                                transport=transport)
     sender.connect()
@@ -187,7 +192,7 @@ def test_launch_waits_for_health_and_reports_failures(tmp_path, monkeypatch):
     model_dir = tmp_path / "model"
     LocalEngine.from_config(cfg, init_seed=0).model.save_pretrained(model_dir)
 
-    eng = SGLangEngine.launch(model_dir, server_module="rollout_sglang.sglang_standin", startup_timeout_s=120,
+    eng = SGLangEngine.launch(model_dir, server_module="rollout_sglang.testing.sglang_standin", startup_timeout_s=120,
                               log_dir=tmp_path / "logs", request_timeout_s=60)
     try:
         assert eng.health()["ok"]
@@ -198,7 +203,7 @@ def test_launch_waits_for_health_and_reports_failures(tmp_path, monkeypatch):
     assert eng.process is None
 
     with pytest.raises(SGLangError, match="exited with code"):
-        SGLangEngine.launch(tmp_path / "missing", server_module="rollout_sglang.sglang_standin",
+        SGLangEngine.launch(tmp_path / "missing", server_module="rollout_sglang.testing.sglang_standin",
                             startup_timeout_s=120, log_dir=tmp_path / "logs")
 
     (tmp_path / "slow_server.py").write_text("import time\ntime.sleep(120)\n")

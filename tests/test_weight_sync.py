@@ -16,13 +16,12 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from megatron_agentrl.weight_sync import (
-    BucketBroadcaster,
+from megatron_agentrl.weight_sync import BucketBroadcaster, WeightSyncError
+from rollout_sglang.testing.checksum import ChecksumMismatch, bucket_checksum
+from rollout_sglang.testing.transport import StandInTransport
+from rollout_sglang.weight_update import (
     BucketMeta,
     BucketReceiver,
-    ChecksumMismatch,
-    WeightSyncError,
-    bucket_checksum,
     free_port,
     init_weight_group,
     iter_buckets,
@@ -64,7 +63,7 @@ def test_pack_unpack_roundtrip_and_streaming_plan_agree():
 
 
 def test_copy_bytes_is_exact_for_cpu_tensors_and_falls_back_otherwise():
-    from megatron_agentrl.weight_sync.buckets import copy_bytes
+    from rollout_sglang.weight_update.buckets import copy_bytes
 
     src = torch.randn(300, 7).to(torch.bfloat16)
     dst = torch.zeros(2100, dtype=torch.bfloat16)
@@ -124,7 +123,7 @@ def test_group_broadcast_and_init_timeout_in_threads():
     assert all(torch.equal(results[r], torch.arange(6.0)) for r in (1, 2))
 
     # a rank that never joins: the others get a timeout error after init_timeout, not a hang
-    from megatron_agentrl.weight_sync import WeightSyncTimeout
+    from rollout_sglang.weight_update import WeightSyncTimeout
 
     t0 = time.perf_counter()
     with pytest.raises(WeightSyncTimeout, match="only part of the 2 ranks joined"):
@@ -165,8 +164,7 @@ def test_checksum_mismatch_fails_the_sync(monkeypatch):
 
     from rollout_sglang.local_engine import LocalEngine
     from rollout_sglang.sglang_engine import SGLangEngine
-    from rollout_sglang.sglang_standin import StandInServer
-    import megatron_agentrl.weight_sync.sender as sender_mod
+    from rollout_sglang.testing.sglang_standin import StandInServer
 
     cfg = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, max_position_embeddings=32)
@@ -175,8 +173,10 @@ def test_checksum_mismatch_fails_the_sync(monkeypatch):
     server.start()
     try:
         client = SGLangEngine(server.url, update_timeout_s=20)
-        sender = BucketBroadcaster([client], "ck", backend="gloo", init_timeout_s=20, bucket_timeout_s=20, checksum=True)
-        monkeypatch.setattr(sender_mod, "bucket_checksum", lambda flat: [1, 2])  # what a corrupted transfer looks like
+        sender = BucketBroadcaster([client], "ck", backend="gloo", init_timeout_s=20, bucket_timeout_s=20,
+                                   transport=StandInTransport(checksum=True))
+        # the sender's checksum of every bucket is off: what a corrupted transfer looks like to the engine
+        monkeypatch.setattr(StandInTransport, "_checksum", staticmethod(lambda payload, packed: [1, 2]))
         with pytest.raises(WeightSyncError, match="checksum"):
             sender.send(LocalEngine.from_config(cfg, init_seed=1).model.state_dict().items(), bucket_bytes=1 << 20)
         sender.close()
@@ -214,12 +214,12 @@ def _wait_for(path: Path, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, transport: str | None) -> dict:
+def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, transport: str) -> dict:
     tmpdir = Path(tmp)
     cfg = _hf_config(tied)
     if rank == 2:  # the engine host: three stand-ins, slot 0 = engines 0 and 1, slot 1 = engine 2
         from rollout_sglang.local_engine import LocalEngine
-        from rollout_sglang.sglang_standin import StandInServer
+        from rollout_sglang.testing.sglang_standin import StandInServer
 
         engines = [LocalEngine.from_config(cfg, init_seed=0) for _ in range(3)]
         servers = [StandInServer(e, group_timeout_s=60) for e in engines]
@@ -237,7 +237,6 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, tr
 
     os.environ["WORLD_SIZE"] = "2"  # the trainer's own world: ranks 0 and 1
     import torch.distributed as dist
-
     from megatron.core import parallel_state
 
     from megatron_agentrl.config import TrainConfig
@@ -250,7 +249,8 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, tr
     initialize_parallel(tp, pp, seed=11)
     actor = MegatronActor(cfg, TrainConfig())
     sender = WeightSender(actor, bucket_mb=0.05, init_timeout_s=60, bucket_timeout_s=60, checksum=True, backend="gloo",
-                          small_tensor_bytes=4096, transport=transport)  # matrices one message each, norms packed
+                          small_tensor_bytes=4096,  # matrices one message each, norms packed
+                          transport=StandInTransport(send_recv=transport == "send_recv"))
     _wait_for(tmpdir / "urls.json", 120)
     urls = json.loads((tmpdir / "urls.json").read_text())
     box: list = [None]
@@ -296,11 +296,11 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, tr
     return result
 
 
-@pytest.mark.parametrize("tp,pp,tied,transport", [(2, 1, False, None), (1, 2, True, "broadcast")])
+@pytest.mark.parametrize("tp,pp,tied,transport", [(2, 1, False, "send_recv"), (1, 2, True, "broadcast")])
 def test_actor_syncs_one_slot_and_leaves_the_other(tmp_path, tp, pp, tied, transport):
     """TP=2: one source rank, the other TP rank only gathers; PP=2: each stage sends its own
     layers on its own group (the tied embedding from stage 0 only). The stand-ins take
-    point-to-point sends (the default on gloo) or, as SGLang does, broadcasts."""
+    point-to-point sends (their extension) or, as SGLang does, broadcasts; checksums verified."""
     trainer0, trainer1, host = run_distributed(_sync_case, 3, str(tmp_path), tied, tp, pp, transport, timeout_s=240)
     actor_logits = trainer0["logits"]
     assert torch.equal(actor_logits, trainer1["logits"])
@@ -309,7 +309,7 @@ def test_actor_syncs_one_slot_and_leaves_the_other(tmp_path, tp, pp, tied, trans
     assert trainer0["pool_versions"] == [1, 0]
     assert trainer0["client_health"] == ["1", "1", "0"]
     assert host["versions"] == [1, 1, 0]
-    how = transport or "send_recv"
+    how = transport
     assert {line.split("(")[1] for line in host["update_log"]} == {f"per tensor, {how})", f"flattened_bucket, {how})"}
     for engine_logits in host["logits"][:2]:  # slot 0: the new weights
         torch.testing.assert_close(engine_logits, actor_logits, rtol=1e-4, atol=1e-5)

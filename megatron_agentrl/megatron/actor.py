@@ -298,22 +298,12 @@ class MegatronActor:
         return self._export(lambda p: p.main_grad)
 
     def _export(self, getter: Callable[[torch.nn.Parameter], Tensor]) -> dict[str, Tensor]:
-        from megatron.core import parallel_state
+        from megatron_agentrl.weight_sync.gather import stage_hf_tensors
 
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        local: dict[str, Tensor] = {}
-        for name, p in self.named_params:
-            if self._is_tied_copy(name):
-                continue  # the first stage exports the embedding
-            t = getter(p).contiguous()
-            if self.tp > 1 and self.mapping.tp_layout(name).partition_dim is not None:
-                shards = [torch.empty_like(t) for _ in range(self.tp)]
-                dist.all_gather(shards, t, group=tp_group)
-            else:
-                shards = [t]
-            full = self.mapping.unshard(name, shards, strip_vocab=True)
-            for hf_name, x in self.mapping.to_hf(name, full).items():
-                local[hf_name] = x.detach().to("cpu", copy=True).contiguous()
+        # this stage's tensors (TP-gathered, HF names; the tied embedding from the first stage only)
+        local: dict[str, Tensor] = {
+            hf_name: x.detach().to("cpu", copy=True) for hf_name, x in stage_hf_tensors(self, getter)
+        }
         if self.pp == 1:
             return local
         return self._gather_over_pp(local)

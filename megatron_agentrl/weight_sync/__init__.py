@@ -1,24 +1,18 @@
-"""Bucketed weight sync from the Megatron trainer to rollout engines over a dedicated group.
+"""Trainer side of the weight sync: the actor's weights under HF names, bucketed, sent to the engines.
 
-See :mod:`.sender` (trainer side), :mod:`.receiver` (engine side for non-SGLang engines),
-:mod:`.buckets` (packing) and :mod:`.group` (the process group with timeouts).
+:mod:`.gather` (the actor's tensors under Hugging Face names), :mod:`.broadcaster` (group rank 0
+sending buckets to one slot's engines), :mod:`.sender` (:class:`WeightSender`, the collective
+sync of every trainer rank), :mod:`.direct` (in-process engines), :mod:`.outcome` (stats and the
+error). The engine side (bucket layout, the group, transports, the receiver) is
+:mod:`rollout_sglang.weight_update`.
 """
-from megatron_agentrl.weight_sync.buckets import BucketMeta, bucket_checksum, iter_buckets, pack, plan_buckets, unpack
-from megatron_agentrl.weight_sync.group import WeightGroup, WeightSyncTimeout, free_port, init_weight_group
-from megatron_agentrl.weight_sync.receiver import BucketReceiver, ChecksumMismatch
-from megatron_agentrl.weight_sync.sender import (
-    BucketBroadcaster,
-    SyncStats,
-    WeightSender,
-    WeightSyncError,
-    WeightUpdateTarget,
-    deliver_direct,
-    stage_hf_tensors,
-)
+from megatron_agentrl.weight_sync.broadcaster import WIRE_FORMATS, BucketBroadcaster
+from megatron_agentrl.weight_sync.direct import deliver_direct
+from megatron_agentrl.weight_sync.gather import stage_hf_tensors
+from megatron_agentrl.weight_sync.outcome import SyncStats, WeightSyncError
+from megatron_agentrl.weight_sync.sender import WeightSender
 
 __all__ = [
-    "BucketBroadcaster", "BucketMeta", "BucketReceiver", "ChecksumMismatch", "SyncStats", "WeightGroup",
-    "WeightSender", "WeightSyncError", "WeightSyncTimeout", "WeightUpdateTarget", "bucket_checksum",
-    "deliver_direct", "free_port", "init_weight_group", "iter_buckets", "pack", "plan_buckets",
-    "stage_hf_tensors", "unpack",
+    "WIRE_FORMATS", "BucketBroadcaster", "SyncStats", "WeightSender", "WeightSyncError", "deliver_direct",
+    "stage_hf_tensors",
 ]

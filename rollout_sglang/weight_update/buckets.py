@@ -1,4 +1,4 @@
-"""Packing Hugging Face-named tensors into flat, single-dtype buckets for broadcast.
+"""Bucket layout of a weight update: Hugging Face-named tensors in flat, single-dtype buckets.
 
 A bucket is one contiguous 1-D tensor of a single dtype holding several parameters back to
 back (row-major, no padding), in the layout of SGLang's ``FlattenedTensorBucket``
@@ -9,6 +9,9 @@ from the bucket's ``names``, ``dtypes`` and ``shapes`` alone.
 Buckets are planned greedily in the order the tensors arrive: a bucket closes when the next
 tensor would push it past ``bucket_bytes`` or has another dtype; a tensor larger than
 ``bucket_bytes`` gets a bucket of its own.
+
+Dtypes travel by name (:data:`DTYPES`, SGLang's spelling); :func:`dtype_from_name` is the one
+name -> ``torch.dtype`` lookup of the project.
 """
 from __future__ import annotations
 
@@ -19,35 +22,42 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-_DTYPE_NAMES = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float64: "float64",
-    torch.int64: "int64",
-    torch.int32: "int32",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.bool: "bool",
+# dtype wire names (SGLang's: ``getattr(torch, name)`` inverts them) -> torch dtypes
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
 }
-_NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+# other spellings that config files and command lines use, accepted by dtype_from_name
+DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                                 "half": "float16", "double": "float64"}
+_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The SGLang wire name of a dtype ("bfloat16", "float32", ...; ``getattr(torch, name)`` inverts it)."""
+    """The wire name of a dtype ("bfloat16", "float32", ...); ValueError for dtypes a bucket cannot carry."""
     try:
-        return _DTYPE_NAMES[dtype]
+        return _NAMES[dtype]
     except KeyError:
-        raise ValueError(f"dtype {dtype} cannot be sent in a weight bucket; supported: {sorted(_NAME_DTYPES)}") from None
+        raise ValueError(f"dtype {dtype} cannot be sent in a weight bucket; supported: {sorted(DTYPES)}") from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of :func:`dtype_name`; accepts a "torch." prefix. ValueError naming the bad value."""
-    key = str(name).removeprefix("torch.")
+    """The torch dtype of a name: a key of :data:`DTYPES` or :data:`DTYPE_ALIASES`, any case, an optional
+    "torch." prefix. ValueError naming the bad value and the accepted names."""
+    key = str(name).strip().lower().removeprefix("torch.")
+    key = DTYPE_ALIASES.get(key, key)
     try:
-        return _NAME_DTYPES[key]
+        return DTYPES[key]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r} in a weight bucket; expected one of {sorted(_NAME_DTYPES)}") from None
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)} "
+                         f"(or {sorted(DTYPE_ALIASES)})") from None
 
 
 @dataclass
@@ -58,7 +68,6 @@ class BucketMeta:
     dtype: the single dtype of every tensor in the bucket.
     names / shapes: the tensors, in packing order (Hugging Face names).
     numel: total elements; nbytes: total bytes (= numel * element size).
-    checksum: :func:`bucket_checksum` of the packed bucket, filled by the sender when verifying.
     """
 
     index: int
@@ -66,7 +75,6 @@ class BucketMeta:
     names: list[str] = field(default_factory=list)
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     numel: int = 0
-    checksum: list[int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -205,40 +213,6 @@ def unpack(flat: torch.Tensor, meta: BucketMeta) -> list[tuple[str, torch.Tensor
             f"bucket {meta.index}: flat tensor has {flat.numel()} x {flat.dtype}, metadata says {meta.numel} x {meta.dtype}"
         )
     return [(n, flat[s:e].view(shape)) for n, shape, (s, e) in zip(meta.names, meta.shapes, meta.offsets())]
-
-
-_CHECK_PERIOD = 251  # prime: a shift of the bytes by any amount that is not a multiple of 502 bytes shows
-
-
-def bucket_checksum(flat: torch.Tensor) -> list[int]:
-    """Exact, device-independent checksum of a packed bucket: ``[sum(w_i), sum((i mod 251 + 1) * w_i)]``.
-
-    The bucket's bytes are read as 16-bit words ``w_i`` (8-bit for odd byte counts) and summed in
-    int64, so the same bytes give the same two numbers on CPU and GPU; the position-weighted sum
-    catches swapped or shifted data that a plain sum misses. Cost: one reduction over a
-    ``[n / 251, 251]`` view, no copy.
-    """
-    raw = flat.contiguous().view(-1).view(torch.uint8)
-    words = raw.view(torch.int16) if raw.numel() % 2 == 0 else raw
-    n = words.numel()
-    main = n - n % _CHECK_PERIOD
-    weights = torch.arange(1, _CHECK_PERIOD + 1, dtype=torch.int64, device=words.device)
-    cols = words[:main].view(-1, _CHECK_PERIOD).sum(dim=0, dtype=torch.int64) if main else weights.new_zeros(_CHECK_PERIOD)
-    tail = words[main:].to(torch.int64)
-    total = int(cols.sum()) + int(tail.sum())
-    weighted = int((cols * weights).sum()) + int((tail * weights[: tail.numel()]).sum())
-    return [total, weighted]
-
-
-def tensors_checksum(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """Checksum of a bucket sent tensor by tensor: ``[sum_i c_i[0], sum_i (i + 1) * c_i[1]]`` over
-    :func:`bucket_checksum` ``c_i`` of each tensor (order-sensitive)."""
-    total, weighted = 0, 0
-    for i, t in enumerate(tensors):
-        c = bucket_checksum(t)
-        total += c[0]
-        weighted += (i + 1) * c[1]
-    return [total, weighted]
 
 
 def iter_split_buckets(

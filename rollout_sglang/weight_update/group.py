@@ -36,12 +36,9 @@ logger = logging.getLogger(__name__)
 # Measured (bench/weight_sync.py, 2 cores, 3 interleaved runs each): bucketed/raw bandwidth ratio
 # 0.71-0.77 with 2 threads, 0.77-0.85 with 1. AGENTRL_GLOO_THREADS overrides it.
 GLOO_THREADS = int(os.environ.get("AGENTRL_GLOO_THREADS", "1"))
-# point-to-point message tags wrap at this (gloo keys messages by a 32-bit slot); the sender numbers
-# the tensors of a group's lifetime 0, 1, 2, ... and tells each request its first number. Why
-# point-to-point at all: a gloo broadcast runs on the group's worker thread, one at a time, and
-# each one waits a round trip (the receiver announces its buffer, the sender starts) before its
-# bytes flow. bench/gloo_transport.py (42 tensors of 8.3 MiB, 2 cores, loopback, 3 runs): best
-# 3.9-4.6 GB/s as broadcasts, 4.7-4.9 as sends all posted at once, 4.6-4.9 as one flat broadcast.
+# point-to-point message tags wrap at this (gloo keys messages by a 32-bit slot). SGLang's API moves
+# weights by broadcast only; the point-to-point operations serve transports that number their
+# messages themselves (the stand-in's, rollout_sglang.testing.transport).
 SEND_RECV_TAGS = 1 << 30
 _GRAVEYARD: list[list] = []  # backends of groups that timed out (see WeightGroup.close)
 
@@ -104,7 +101,8 @@ class WeightGroup:
 
         On gloo a send is posted from the calling thread, not queued behind the group's worker
         thread as a collective is: a receiver that posted all its receives up front gets a whole
-        bucket as one stream, with no idle round trip between tensors (see :data:`SEND_RECV_TAGS`).
+        bucket as one stream, with no idle round trip between tensors. Tags wrap at
+        :data:`SEND_RECV_TAGS`.
         """
         return self._pg.send([self._wire(tensor)], int(dst), int(tag) % SEND_RECV_TAGS)  # type: ignore[attr-defined]
 

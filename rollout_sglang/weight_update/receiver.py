@@ -3,8 +3,9 @@
 What an SGLang server does for ``/init_weights_update_group`` and
 ``/update_weights_from_distributed``, in plain torch: join the group at ``rank_offset``, then per
 request receive either one flattened bucket (``load_format="flattened_bucket"``, one broadcast)
-or one broadcast per tensor (SGLang's default), and hand the tensors to the engine. With the
-stand-in's ``send_recv`` extension the same tensors arrive as point-to-point messages instead.
+or one broadcast per tensor (SGLang's default), and hand the tensors to the engine. Another
+:class:`~rollout_sglang.weight_update.transport.ReceiveTransport` can replace the broadcasts
+(the stand-in's point-to-point extension).
 """
 from __future__ import annotations
 
@@ -15,21 +16,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from megatron_agentrl.weight_sync.buckets import (
-    BucketMeta,
-    bucket_checksum,
-    copy_bytes,
-    dtype_from_name,
-    tensors_checksum,
-    unpack,
-)
-from megatron_agentrl.weight_sync.group import WeightGroup, init_weight_group
+from rollout_sglang.weight_update.buckets import BucketMeta, copy_bytes, dtype_from_name, unpack
+from rollout_sglang.weight_update.group import WeightGroup, init_weight_group
+from rollout_sglang.weight_update.transport import BroadcastReceive, ReceiveTransport
 
 logger = logging.getLogger(__name__)
-
-
-class ChecksumMismatch(RuntimeError):
-    """A received bucket's checksum differs from the sender's."""
 
 
 class BucketReceiver:
@@ -67,10 +58,6 @@ class BucketReceiver:
             raise KeyError(f"no weight-sync group {group_name!r} on this engine (known: {sorted(self._groups)})")
         group.close()
 
-    def has_group(self, group_name: str) -> bool:
-        """Whether ``group_name`` was initialised here."""
-        return group_name in self._groups
-
     def _group(self, group_name: str) -> WeightGroup:
         group = self._groups.get(group_name)
         if group is None:
@@ -82,23 +69,21 @@ class BucketReceiver:
 
     def receive(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], group_name: str,
                 load_format: str | None = None, timeout_s: float | None = None,
-                checksum: Sequence[int] | None = None,
                 into: Mapping[str, torch.Tensor] | None = None,
-                send_recv_tag: int | None = None) -> list[tuple[str, torch.Tensor]]:
+                transport: ReceiveTransport | None = None) -> list[tuple[str, torch.Tensor]]:
         """Receive one update request's tensors from group rank 0; returns (name, tensor) pairs to load.
 
-        load_format "flattened_bucket": one broadcast of a flat tensor of the (single) dtype, then
-        split; None: one broadcast per tensor, in order (SGLang's default). ``into``:
-        destinations to load directly (the engine's own parameters, when nothing can read them
-        meanwhile): per-tensor broadcasts land in them, a flattened bucket is copied into them
-        with one memcpy each; a tensor loaded that way is not returned.
-        ``checksum``: the sender's checksum of the bucket; a mismatch raises ChecksumMismatch.
-        ``send_recv_tag``: the sender sends point-to-point instead of broadcasting (the stand-in's
-        ``send_recv`` extension): the flat bucket is message ``send_recv_tag``, per-tensor
-        tensor ``i`` is message ``send_recv_tag + i``; all receives are posted at once.
+        load_format "flattened_bucket": one flat tensor of the (single) dtype, then split; None:
+        one tensor per name, in order (SGLang's default). ``into``: destinations to load directly
+        (the engine's own parameters, when nothing can read them meanwhile): per-tensor receives
+        land in them, a flattened bucket is copied into them with one memcpy each; a tensor
+        loaded that way is not returned. ``transport``: how the tensors arrive and are checked
+        (None: SGLang's broadcasts). ``timeout_s``: limit on the whole receive (None: the group's).
         """
         group = self._group(group_name)
+        transport = transport or BroadcastReceive()
         with self._group_locks[group_name]:
+            deadline = time.monotonic() + (group.timeout_s if timeout_s is None else float(timeout_s))
             if load_format == "flattened_bucket":
                 meta = BucketMeta.from_wire(names, dtypes, shapes)
                 buf = self._buffers.get(group_name)
@@ -106,12 +91,8 @@ class BucketReceiver:
                     buf = torch.empty(meta.nbytes, dtype=torch.uint8, device=group.device)
                     self._buffers[group_name] = buf
                 flat = buf[: meta.nbytes].view(meta.dtype)
-                if send_recv_tag is None:
-                    group.broadcast(flat, src=0, timeout_s=timeout_s)
-                else:
-                    group.wait(group.recv_async(flat, 0, send_recv_tag), timeout_s, what="receive of a flat bucket")
-                if checksum is not None:
-                    self._verify(bucket_checksum(flat), checksum, names)
+                self._wait(group, transport.post(group, [flat]), deadline, "receive of a flat bucket")
+                transport.verify([flat], packed=True)
                 pairs = unpack(flat, meta)
                 if into is None:
                     return pairs
@@ -127,41 +108,23 @@ class BucketReceiver:
             if load_format not in (None, "", "auto"):
                 raise ValueError(f"load_format={load_format!r} is not supported here; use 'flattened_bucket' or none")
             received: list[tuple[str, torch.Tensor, bool]] = []
-            works = []
-            for i, (name, d, s) in enumerate(zip(names, dtypes, shapes)):
+            for name, d, s in zip(names, dtypes, shapes):
                 shape, dtype = tuple(int(x) for x in s), dtype_from_name(d)
                 dst = into.get(name) if into is not None else None
                 in_place = (dst is not None and tuple(dst.shape) == shape and dst.dtype == dtype
                             and dst.device == group.device and dst.is_contiguous())
                 t = dst if in_place else torch.empty(shape, dtype=dtype, device=group.device)
-                works.append(group.broadcast_async(t, src=0) if send_recv_tag is None
-                             else group.recv_async(t, 0, send_recv_tag + i))
                 received.append((str(name), t, in_place))
-            deadline = time.monotonic() + (group.timeout_s if timeout_s is None else float(timeout_s))
-            for w in reversed(works):  # the last one done, the others are too: one wake-up, not one per tensor
-                group.wait(w, max(0.001, deadline - time.monotonic()), what=f"receive of {len(names)} tensors")
-            if checksum is not None:
-                self._verify(tensors_checksum([t for _, t, _ in received]), checksum, names)
+            tensors = [t for _, t, _ in received]
+            self._wait(group, transport.post(group, tensors), deadline, f"receive of {len(names)} tensors")
+            transport.verify(tensors, packed=False)
             return [(n, t) for n, t, in_place in received if not in_place]
 
     @staticmethod
-    def _verify(got: list[int], expected: Sequence[int], names: Sequence[str]) -> None:
-        if list(got) != [int(x) for x in expected]:
-            raise ChecksumMismatch(
-                f"bucket of {len(names)} tensors ({names[0]} ...) arrived with checksum {got}, "
-                f"the sender's is {list(expected)}: the transfer corrupted it"
-            )
-
-    def raw_receive(self, nbytes: int, group_name: str, timeout_s: float | None = None) -> float:
-        """Receive one raw flat uint8 broadcast of ``nbytes`` (the benchmark's baseline); returns a byte sum probe."""
-        group = self._group(group_name)
-        with self._group_locks[group_name]:
-            buf = self._buffers.get(group_name)
-            if buf is None or buf.numel() < nbytes:
-                buf = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
-                self._buffers[group_name] = buf
-            group.broadcast(buf[:nbytes], src=0, timeout_s=timeout_s)
-            return float(buf[: min(nbytes, 1024)].sum())
+    def _wait(group: WeightGroup, works: list, deadline: float, what: str) -> None:
+        """Wait for every work until ``deadline`` (monotonic seconds); WeightSyncTimeout after it."""
+        for w in reversed(works):  # the last one done, the others are too: one wake-up, not one per tensor
+            group.wait(w, max(0.001, deadline - time.monotonic()), what=what)
 
     def close(self) -> None:
         """Leave every group."""

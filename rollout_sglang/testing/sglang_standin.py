@@ -34,13 +34,12 @@ a generation already running (the local engine finishes it; new requests wait fo
 ``/continue_generation``, as in SGLang); text prompts, streaming, stop strings, penalties and
 constrained decoding are refused with HTTP 400. Extensions, which real SGLang does not have:
 ``/server_info`` lists ``agentrl_extensions``; ``/update_weights_from_distributed`` accepts
-``agentrl_checksum`` (verified against the received bucket) and ``agentrl_send_recv_tag`` (the
-bucket comes as point-to-point messages numbered from that tag, not as broadcasts: on gloo they
-stream without a round trip per tensor); ``POST /agentrl/raw_broadcast
+``agentrl_checksum`` and ``agentrl_send_recv_tag`` (the trainer side of both is
+:class:`rollout_sglang.testing.transport.StandInTransport`); ``POST /agentrl/raw_broadcast
 {nbytes, group_name}`` receives one raw buffer (the benchmark's baseline). Test hook:
 :meth:`StandInServer.stall` makes every request hang, to test client timeouts.
 
-Run as a process with SGLang's command line: ``python -m rollout_sglang.sglang_standin
+Run as a process with SGLang's command line: ``python -m rollout_sglang.testing.sglang_standin
 --model-path DIR --host 127.0.0.1 --port 30000`` (other SGLang flags are accepted and ignored).
 """
 from __future__ import annotations
@@ -58,14 +57,15 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from megatron_agentrl.weight_sync.receiver import BucketReceiver
 from rollout_sglang.engine import SamplingParams
 from rollout_sglang.local_engine import LocalEngine
+from rollout_sglang.testing.transport import CHECKSUM_FIELD, EXT_CHECKSUM, EXT_SEND_RECV, TAG_FIELD, StandInReceive
+from rollout_sglang.weight_update.receiver import BucketReceiver
 
 logger = logging.getLogger(__name__)
 
 SGLANG_DOCS_VERSION = "0.5.x"
-EXTENSIONS = ["bucket_checksum", "raw_broadcast", "send_recv"]
+EXTENSIONS = [EXT_CHECKSUM, "raw_broadcast", EXT_SEND_RECV]
 
 # SGLang sampling keys: those the stand-in honours, and those it accepts only at their defaults
 _SUPPORTED_SP = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed",
@@ -428,22 +428,21 @@ class StandInServer:
         group = str(body.get("group_name", "weight_update_group"))
         load_format = body.get("load_format")
         version = body.get("weight_version")
-        checksum = body.get("agentrl_checksum")
-        tag = body.get("agentrl_send_recv_tag")
-        if tag is not None and (isinstance(tag, bool) or not isinstance(tag, int) or tag < 0):
-            return _fail(f"Failed to update parameter online: agentrl_send_recv_tag={tag!r} must be a "
-                         "non-negative integer (the first message number of this bucket), or absent for broadcasts")
+        try:
+            transport = StandInReceive(body.get(TAG_FIELD), body.get(CHECKSUM_FIELD), names)
+        except ValueError as e:
+            return _fail(f"Failed to update parameter online: {e}")
         assert self._update_lock is not None
 
         arrived = time.time()
 
         def work() -> None:
             started = time.time()
-            pairs = self.receiver.receive(names, dtypes, shapes, group, load_format, None, checksum,
-                                          into=self._in_place_targets(), send_recv_tag=tag)
+            pairs = self.receiver.receive(names, dtypes, shapes, group, load_format, into=self._in_place_targets(),
+                                          transport=transport)
             received = time.time()
             self._load(pairs, None if version is None else str(version))
-            how = "broadcast" if tag is None else "send_recv"
+            how = transport.how
             self.update_log.append(f"{len(names)} tensors ({load_format or 'per tensor'}, {how})")
             logger.debug("update of %d tensors (%s, %s): arrived %.3f, started +%.1f ms, received +%.1f ms, "
                          "loaded +%.1f ms", len(names), load_format or "per tensor", how, arrived,
@@ -461,10 +460,15 @@ class StandInServer:
     async def _raw_broadcast(self, request: web.Request) -> web.Response:
         body = await self._json(request)
         assert self._update_lock is not None
+
+        def work(nbytes: int, group: str) -> float:
+            # one flat uint8 bucket: a single broadcast into the group's reused receive buffer
+            [(_, buf)] = self.receiver.receive(["raw"], ["uint8"], [[nbytes]], group, "flattened_bucket")
+            return float(buf[: min(nbytes, 1024)].sum())
+
         async with self._update_lock:
             try:
-                probe = await self._blocking(self.receiver.raw_receive, int(body["nbytes"]),
-                                             str(body.get("group_name", "weight_update_group")))
+                probe = await self._blocking(work, int(body["nbytes"]), str(body.get("group_name", "weight_update_group")))
             except Exception as e:  # noqa: BLE001
                 return _fail(f"raw broadcast failed: {e}")
         return web.json_response({"success": True, "message": "received", "probe": probe})
@@ -489,7 +493,7 @@ class StandInServer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m rollout_sglang.sglang_standin --model-path DIR [--host H] [--port P] [SGLang flags]``."""
+    """``python -m rollout_sglang.testing.sglang_standin --model-path DIR [--host H] [--port P] [SGLang flags]``."""
     parser = argparse.ArgumentParser(description="SGLang stand-in server backed by the local engine (CPU)")
     parser.add_argument("--model-path", required=True, help="Hugging Face checkpoint directory")
     parser.add_argument("--host", default="127.0.0.1")

@@ -1,0 +1,42 @@
+"""The actor's parameters as full Hugging Face tensors, one at a time (the one HF-name gather).
+
+Used by the weight sync (tensors straight to the engines) and by the actor's own exports
+(:meth:`MegatronActor.export_hf_state_dict`, :meth:`MegatronActor.export_hf_grads`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_agentrl.convert.base import OUTPUT_LAYER
+
+
+def stage_hf_tensors(actor: Any, getter: Callable[[torch.nn.Parameter], torch.Tensor] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """This PP stage's parameters as full (TP-gathered, vocab-unpadded) Hugging Face tensors.
+
+    Yields ``(hf_name, tensor)`` in model order, on the actor's device, in the dtype ``getter``
+    gives (default: each parameter's data, the model's dtype; ``lambda p: p.main_grad`` for the
+    fp32 gradients). Collective over the tensor-parallel group: every TP rank of the stage must
+    run the iterator to the end. The last stage's copy of a tied embedding is skipped (stage 0
+    has it).
+    """
+    from megatron.core import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tied = bool(getattr(actor.hf_config, "tie_word_embeddings", False))
+    for name, p in actor.named_params:
+        if tied and name == OUTPUT_LAYER:
+            continue
+        t = (p.detach() if getter is None else getter(p)).contiguous()
+        if actor.tp > 1 and actor.mapping.tp_layout(name).partition_dim is not None:
+            shards = [torch.empty_like(t) for _ in range(actor.tp)]
+            dist.all_gather(shards, t, group=tp_group)
+        else:
+            shards = [t]
+        full = actor.mapping.unshard(name, shards, strip_vocab=True)
+        for hf_name, x in actor.mapping.to_hf(name, full).items():
+            yield hf_name, x.contiguous()

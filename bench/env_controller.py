@@ -24,15 +24,18 @@ adds the network stack both ways and this driver's own event-loop delays.
 
     .venv/bin/python bench/env_controller.py                    # 4000 sessions, 4 workers
     .venv/bin/python bench/env_controller.py --sessions 500     # quicker
+    .venv/bin/python bench/env_controller.py --smoke            # seconds: 24 sessions, 2 workers
 
-Prints a table, writes ``bench/results/env_controller.json``; the last line is
-``env_lost_sessions: <n>``.
+The controller's CPU per request (user + system seconds of its process over the run, from
+``/proc/<pid>/stat``, divided by the trainer's requests) is in the table and the JSON.
+
+Prints a table, writes ``bench/results/env_controller.json`` (``--out``; with ``--smoke``
+``env_controller_smoke.json``); the last line is ``env_lost_sessions: <n>``.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import math
 import os
@@ -41,7 +44,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,18 +56,19 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
 from env_controller._http import install_uvloop, raise_nofile_limit  # noqa: E402
 from env_controller.client import EnvControllerError, HttpEnvClient  # noqa: E402
+from env_controller.net import free_port  # noqa: E402
 from env_controller.protocol import SampleStatus  # noqa: E402
 from env_controller.tasks import build_task  # noqa: E402
 
 logger = logging.getLogger("bench.env_controller")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: --smoke: one task on two workers (one is killed), short think and heartbeat times
+SMOKE = {"sessions": 24, "workers": 2, "tasks": "guess", "latency_ms": 5.0, "think_s": 0.1, "ramp_s": 0.5,
+         "kill_after_s": 0.3, "heartbeat_interval": 0.2, "suspect_after": 0.6, "heartbeat_timeout": 1.2,
+         "max_connections": 64, "deadline_s": 60.0}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -216,14 +219,13 @@ async def fetch_overhead_histogram(env: HttpEnvClient) -> dict[str, float]:
     return {"interact_count": count, "interact_share_le_10ms": le10 / count if count else float("nan")}
 
 
-async def drive(args: argparse.Namespace, procs: Procs, worker_client: str) -> dict[str, Any]:
+async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     tasks = args.tasks.split(",")
     cport = free_port()
     url = f"http://127.0.0.1:{cport}/api"
     procs.spawn("controller", [
         "controller", "--port", str(cport), "--suspect-after", str(args.suspect_after),
         "--heartbeat-timeout", str(args.heartbeat_timeout), "--log-level", "WARNING",
-        "--worker-client", worker_client,
     ])
     per_task = Counter(tasks[i % len(tasks)] for i in range(args.workers))
     sessions_per_task = Counter(tasks[i % len(tasks)] for i in range(args.sessions))
@@ -366,7 +368,6 @@ async def drive(args: argparse.Namespace, procs: Procs, worker_client: str) -> d
     cl = stats.client_ms
     interacts = len(ov["interact"])
     return {
-        "worker_client": worker_client,
         "config": {k: v for k, v in vars(args).items()},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                     "loadavg_1m_before": load0, "loadavg_1m_after": load1,
@@ -465,7 +466,7 @@ def print_table(r: dict[str, Any]) -> None:
     p = r["prometheus_overhead"]
     rows.append(("/metrics: interact overheads <= 10 ms", f"{p['interact_share_le_10ms']:.4f} of {int(p['interact_count'])}"))
     width = max(len(k) for k, _ in rows)
-    print(f"\nenv controller bench ({r['worker_client']}): {c['sessions']} sessions, {c['workers']} workers ({c['tasks']}), "
+    print(f"\nenv controller bench: {c['sessions']} sessions, {c['workers']} workers ({c['tasks']}), "
           f"{r['machine']['cpus']} CPUs")
     print("-" * (width + 40))
     for k, v in rows:
@@ -479,78 +480,48 @@ def print_table(r: dict[str, Any]) -> None:
         print(f"  lost: {ex}")
 
 
-def compare(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per worker client, over all its rounds: controller CPU per request and interact latencies."""
-    out: dict[str, Any] = {}
-    for name in dict.fromkeys(r["worker_client"] for r in results):
-        rs = [r for r in results if r["worker_client"] == name]
-        cpu = sum(r["controller_cpu"]["seconds"] for r in rs)
-        n = sum(r["controller_cpu"]["requests"] for r in rs)
-        out[name] = {
-            "rounds": len(rs),
-            "controller_cpu_s": round(cpu, 3),
-            "requests": n,
-            "controller_cpu_us_per_request": round(1e6 * cpu / max(1, n), 1),
-            "per_round_us_per_request": [r["controller_cpu"]["us_per_request"] for r in rs],
-            "interact_overhead_p50_p99_ms": [[r["controller_overhead_ms"]["interact"]["p50"],
-                                              r["controller_overhead_ms"]["interact"]["p99"]] for r in rs],
-            "interact_rtt_p50_p99_ms": [[r["client_view_ms"]["interact"]["rtt_p50"],
-                                         r["client_view_ms"]["interact"]["rtt_p99"]] for r in rs],
-            "lost": sum(r["sessions"]["lost"] for r in rs),
-        }
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser("env_controller", __doc__)
     parser.add_argument("--sessions", type=int, default=4000)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--tasks", default="guess,calc", help="tasks, assigned to workers and sessions round robin")
     parser.add_argument("--latency-ms", type=float, default=50.0, help="simulated worker latency per call (mean)")
     parser.add_argument("--think-s", type=float, default=5.0, help="simulated model time between turns (mean)")
     parser.add_argument("--ramp-s", type=float, default=8.0, help="starts are spread over this long")
-    parser.add_argument("--kill-after-s", type=float, default=2.0, help="kill a worker this long after all sessions are open")
+    parser.add_argument("--kill-after-s", type=float, default=2.0,
+                        help="kill a worker this long after all sessions are open")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
     parser.add_argument("--suspect-after", type=float, default=3.0)
     parser.add_argument("--heartbeat-timeout", type=float, default=6.0)
     parser.add_argument("--retries", type=int, default=3)
     parser.add_argument("--call-timeout", type=float, default=60.0)
     parser.add_argument("--max-connections", type=int, default=1024)
-    parser.add_argument("--deadline-s", type=float, default=300.0, help="sessions without a final reply by then are lost")
-    parser.add_argument("--clients", default="workerhttp", help="controller worker clients to run, comma-separated")
-    parser.add_argument("--rounds", type=int, default=1, help="runs per client; every other round in reverse order")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "env_controller.json"))
-    args = parser.parse_args(argv)
+    parser.add_argument("--deadline-s", type=float, default=300.0,
+                        help="sessions without a final reply by then are lost")
+    args = parse_bench_args(parser, argv, SMOKE)
+    tasks = args.tasks.split(",")
+    if not any(sum(1 for i in range(args.workers) if tasks[i % len(tasks)] == t) >= 2 for t in tasks):
+        parser.error(f"--workers {args.workers} with --tasks {args.tasks}: the killed worker's task needs a "
+                     f"second worker; give --workers >= {len(tasks) + 1}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("env_controller.client").setLevel(logging.ERROR)
     install_uvloop()
     raise_nofile_limit()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    clients = args.clients.split(",")
-    results = []
-    for round_ in range(args.rounds):
-        for client in clients if round_ % 2 == 0 else clients[::-1]:
-            log_dir = Path(tempfile.mkdtemp(prefix="agentrl-bench-env-"))
-            procs = Procs(log_dir)
-            logger.info("round %d: %s", round_, client)
-            try:
-                result = asyncio.run(drive(args, procs, client))
-            except BaseException:
-                logger.error("bench failed; process logs kept in %s", log_dir)
-                raise
-            finally:
-                procs.close()
-            shutil.rmtree(log_dir, ignore_errors=True)
-            results.append(result)
-            print_table(result)
-    comparison = compare(results)
-    out.write_text(json.dumps({"runs": results, "comparison": comparison}, indent=2) + "\n")
-    print(json.dumps(comparison, indent=2))
+    log_dir = Path(tempfile.mkdtemp(prefix="agentrl-bench-env-"))
+    procs = Procs(log_dir)
+    try:
+        result = asyncio.run(drive(args, procs))
+    except BaseException:
+        logger.error("bench failed; process logs kept in %s", log_dir)
+        raise
+    finally:
+        procs.close()
+    shutil.rmtree(log_dir, ignore_errors=True)
+    out = write_record(args.out, {"bench": "env_controller", "commit": git_commit(), **result})
+    print_table(result)
     print(f"results: {out}")
-    lost = sum(r["sessions"]["lost"] for r in results)
-    print(f"env_lost_sessions: {lost}")
-    return 0 if lost == 0 else 1
+    print(f"env_lost_sessions: {result['sessions']['lost']}")
+    return 0 if result["sessions"]["lost"] == 0 else 1
 
 
 if __name__ == "__main__":

@@ -48,8 +48,6 @@ def add_controller_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-idle-timeout", type=float, default=600.0, help="seconds without interact before a session is closed (default 600)")
     p.add_argument("--interact-timeout", type=float, default=240.0, help="limit on one worker interact call, seconds (default 240)")
     p.add_argument("--start-timeout", type=float, default=240.0, help="limit on one worker start_sample call, seconds (default 240)")
-    p.add_argument("--worker-client", default="workerhttp", choices=("aiohttp", "workerhttp"),
-                   help="HTTP client for calls to workers (default workerhttp)")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
 
@@ -111,7 +109,7 @@ def controller(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, token=resolve_token(args.token),
             heartbeat_timeout_s=args.heartbeat_timeout, suspect_after_s=args.suspect_after,
             session_idle_timeout_s=args.session_idle_timeout, interact_timeout_s=args.interact_timeout,
-            start_timeout_s=args.start_timeout, worker_client=args.worker_client,
+            start_timeout_s=args.start_timeout,
         )
         from env_controller._http import check_bind
 

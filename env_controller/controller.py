@@ -63,8 +63,7 @@ from env_controller.metrics import ControllerMetrics
 from env_controller.protocol import SampleStatus
 from env_controller.registry import NoWorkerError, RegistryError, Worker, WorkerRegistry, WorkerState
 from env_controller.sessions import Session, SessionTable, final_reply
-from env_controller.worker_client import CLIENTS, WorkerClient, make_worker_client
-from env_controller.workerhttp import ConnectError, parse_url
+from env_controller.workerhttp import ConnectError, WorkerHttp, parse_url
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +108,6 @@ class ControllerConfig:
     max_worker_connections: int = 2048
     worker_keepalive_s: float = 3.0
     remember_ended: int = 50_000
-    worker_client: str = "workerhttp"
 
     def __post_init__(self) -> None:
         """Check every value; ValueError naming the bad one."""
@@ -124,8 +122,6 @@ class ControllerConfig:
             )
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"controller config: port={self.port!r} must be 0..65535 (0 picks a free port)")
-        if self.worker_client not in CLIENTS:
-            raise ValueError(f"controller config: worker_client={self.worker_client!r} must be one of {CLIENTS}")
         for name in ("max_worker_connections", "remember_ended"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -228,7 +224,7 @@ class Controller:
         self.sessions = SessionTable(remember=c.remember_ended)
         self.metrics = ControllerMetrics(self._open_per_task, self.registry.counts)
         self.port: int | None = None
-        self._http: WorkerClient | None = None
+        self._http: WorkerHttp | None = None
         self._runner: web.AppRunner | None = None
         self._monitor_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
@@ -253,7 +249,7 @@ class Controller:
         """Bind and serve; start the monitor (heartbeat timeouts, idle GC, worker sync). Returns the port."""
         c = self.config
         check_bind(c.host, c.token, "the controller")
-        self._http = make_worker_client(c.worker_client, c.max_worker_connections, c.worker_keepalive_s, c.connect_timeout_s)
+        self._http = WorkerHttp(c.max_worker_connections, c.worker_keepalive_s, c.connect_timeout_s)
         try:
             self._runner, self.port = await start_site(self.app, c.host, c.port)
         except BaseException:

@@ -23,13 +23,14 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from env_controller.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +73,6 @@ def find_mariadb() -> tuple[str, str]:
         raise MariaDBUnavailableError(
             f"found {server} but not mariadb-install-db / mysql_install_db to create a data directory; {INSTALL_HINT}")
     return server, install
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -164,7 +159,7 @@ class MariaDBServer:
             self._cleanup_dir()
             raise MariaDBStartError(f"{self.install_bin} failed (exit {install.returncode}):\n{out}")
         if self.port is None:
-            self.port = _free_port()
+            self.port = free_port()
         args = [
             self.server_bin, "--no-defaults", f"--datadir={data}", f"--socket={self.socket_path}",
             f"--port={self.port}", "--bind-address=127.0.0.1", f"--pid-file={self.dir / 'mysqld.pid'}",

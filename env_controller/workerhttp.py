@@ -2,8 +2,9 @@
 
 The controller's hot path is a proxy: every trainer request becomes one request to a worker.
 This client does only what those calls need (JSON POST/GET over plain ``http://``, keep-alive
-pooling, Content-Length or chunked replies) on asyncio protocols, at about a quarter of the CPU
-of a general-purpose client, which is most of the controller's own time per request.
+pooling, Content-Length or chunked replies) on asyncio protocols. Measured side by side with
+aiohttp's pooled ``ClientSession`` (docs/BENCHMARKS.md), it takes about a third of aiohttp's CPU
+per call and leaves the whole controller about 30% less CPU per request.
 
 Errors: :class:`ConnectError` (the connection could not be opened: nothing was sent),
 :class:`Disconnected` (the connection failed after the request was sent), ``TimeoutError``.

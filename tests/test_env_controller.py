@@ -19,6 +19,7 @@ import pytest
 from env_controller.client import EnvControllerError, HttpEnvClient
 from env_controller.controller import Controller, ControllerConfig, normalize_reply
 from env_controller.local import MalformedMessageError, UnknownSessionError
+from env_controller.net import free_port
 from env_controller.protocol import SampleStatus, TaskReply
 from env_controller.registry import NoWorkerError, RegistryError, WorkerRegistry, WorkerState
 from env_controller.tasks import Task, TaskSession, build_task
@@ -834,17 +835,8 @@ def test_worker_http_client_framing_pooling_and_errors() -> None:
             await http.close()
             server.close()
             await server.wait_closed()
-        free = socket_port()
+        free = free_port()  # nothing listens there
         with pytest.raises(ConnectError):
             await WorkerHttp().request("GET", f"http://127.0.0.1:{free}/", None, {}, 5)
 
     run(go())
-
-
-def socket_port() -> int:
-    """A port nothing listens on (bound and released)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ pytest.importorskip("agentrl.worker.task_worker", reason="agentrl-worker is in t
 from env_controller.client import EnvControllerError, HttpEnvClient  # noqa: E402
 from env_controller.controller import Controller, ControllerConfig  # noqa: E402
 from env_controller.local import MalformedMessageError, UnknownSessionError  # noqa: E402
+from env_controller.net import free_port  # noqa: E402
 from env_controller.protocol import SampleStatus  # noqa: E402
 
 TASK_MODULE = '''
@@ -80,12 +80,6 @@ arwadd:
     concurrency: 4
     num_samples: 20
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def call(name: str, args: dict[str, Any]) -> dict[str, Any]:

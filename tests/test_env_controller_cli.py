@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,11 @@ from typing import Any
 import pytest
 
 from env_controller.client import HttpEnvClient
+from env_controller.net import free_port
 from env_controller.protocol import SampleStatus
 from env_controller.tasks import build_task
 
 AGENTRL = [sys.executable, "-m", "megatron_agentrl.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

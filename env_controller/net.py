@@ -1,0 +1,16 @@
+"""Network helpers shared by every package (env_controller is the lowest layer)."""
+from __future__ import annotations
+
+import socket
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that is free right now (the OS picks it).
+
+    ``host``: an IPv4 or IPv6 address, or ``""`` / ``"0.0.0.0"`` for every interface. The port is
+    released before returning, so another process may take it before the caller binds it.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host.strip("[]"), 0))
+        return int(s.getsockname()[1])

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     for p in procs:
         p.join(60)
     total = nbytes * args.tensors
-    print(f"{args.tensors} tensors of {nbytes / 2**20:.2f} MiB ({total / 1e6:.0f} MB), gloo over loopback, 2 processes")
+    print(f"{args.tensors} tensors of {nbytes / 2**20:.2f} MiB ({total / 1e6:.3g} MB), gloo over loopback, 2 processes")
     print(f"{'mode':<10} {'best ms':>8} {'median ms':>10} {'GB/s best':>10}")
     for m in MODES:
         print(f"{m:<10} {1e3 * min(times[m]):>8.1f} {1e3 * statistics.median(times[m]):>10.1f} "

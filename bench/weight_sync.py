@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise TimeoutError("the engine process did not start serving within 600 s")
     url = parent.recv()
     sizes = " (smoke sizes)" if args.smoke else ""
-    print(f"model: Qwen2 {args.layers} layers{sizes}, {params / 1e6:.0f}M parameters, {nbytes / 1e9:.3f} GB bf16 "
+    print(f"model: Qwen2 {args.layers} layers{sizes}, {params / 1e6:.3g}M parameters, {nbytes / 1e9:.3g} GB bf16 "
           f"(setup {time.perf_counter() - t0:.1f}s); engine at {url}")
 
     client = SGLangEngine(url, update_timeout_s=600, control_timeout_s=60)

@@ -358,7 +358,8 @@ class SGLangEngine:
         self._call("POST", "/update_weights_from_distributed", body,
                    timeout_s if timeout_s is not None else self.update_timeout_s)
 
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group", timeout_s: float | None = None) -> None:
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group",
+                                     timeout_s: float | None = None) -> None:
         """``POST /destroy_weights_update_group {"group_name"}``."""
         self._call("POST", "/destroy_weights_update_group", {"group_name": group_name}, timeout_s)
 

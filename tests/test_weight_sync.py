@@ -14,14 +14,18 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
+
 from megatron_agentrl.weight_sync import BucketBroadcaster, WeightSyncError
-from rollout_sglang.testing.checksum import ChecksumMismatch, bucket_checksum
-from rollout_sglang.testing.transport import StandInTransport
+from rollout_sglang.testing.checksum import ChecksumMismatch, bucket_checksum, tensors_checksum
+from rollout_sglang.testing.transport import StandInReceive, StandInTransport
 from rollout_sglang.weight_update import (
+    DTYPES,
     BucketMeta,
     BucketReceiver,
+    SGLangBroadcast,
+    dtype_from_name,
+    dtype_name,
     free_port,
     init_weight_group,
     iter_buckets,
@@ -48,8 +52,8 @@ def test_plan_respects_size_dtype_and_order():
 
 def test_pack_unpack_roundtrip_and_streaming_plan_agree():
     g = torch.Generator().manual_seed(0)
-    named = [(f"t{i}", torch.randn(*s, generator=g).to(d)) for i, (s, d) in
-             enumerate([((3, 4), torch.float32), ((7,), torch.float32), ((2, 2, 2), torch.bfloat16), ((5,), torch.float32)])]
+    specs = [((3, 4), torch.float32), ((7,), torch.float32), ((2, 2, 2), torch.bfloat16), ((5,), torch.float32)]
+    named = [(f"t{i}", torch.randn(*s, generator=g).to(d)) for i, (s, d) in enumerate(specs)]
     streamed = list(iter_buckets(named, bucket_bytes=64))
     planned = plan_buckets([(n, t.shape, t.dtype) for n, t in named], bucket_bytes=64)
     assert [m.names for m, _ in streamed] == [m.names for m in planned]
@@ -92,6 +96,70 @@ def test_wire_metadata_errors_are_clear():
         BucketMeta.from_wire(["a", "b"], ["float32", "bfloat16"], [[1], [1]])
     with pytest.raises(ValueError, match="unknown dtype"):
         BucketMeta.from_wire(["a"], ["complex32"], [[1]])
+
+
+def test_dtype_names_round_trip_and_accept_aliases():
+    for name, dtype in DTYPES.items():
+        assert dtype_name(dtype) == name and dtype_from_name(name) is dtype
+    assert dtype_from_name("torch.bfloat16") is torch.bfloat16
+    assert dtype_from_name("BF16") is torch.bfloat16 and dtype_from_name("half") is torch.float16
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'; expected one of"):
+        dtype_from_name("fp8")
+    with pytest.raises(ValueError, match="cannot be sent in a weight bucket"):
+        dtype_name(torch.complex64)
+
+
+# ----------------------------------------------------------------------------- transports
+class _Target:
+    """A weight-update target that only answers which extensions it lists."""
+
+    def __init__(self, name: str, extensions: list[str]) -> None:
+        self.name, self.num_ranks, self.extensions = name, 1, extensions
+
+    def has_extension(self, name: str) -> bool:
+        return name in self.extensions
+
+
+def test_transports_tell_each_engine_only_what_it_understands(caplog):
+    both, sends_only = _Target("both", ["send_recv", "bucket_checksum"]), _Target("sends", ["send_recv"])
+    payload = [torch.arange(6.0), torch.ones(3)]
+    assert SGLangBroadcast().request_fields([both, sends_only], payload, packed=False, seq=5) == [{}, {}]
+    transport = StandInTransport(checksum=True)
+    fields = transport.request_fields([both, sends_only], payload, packed=False, seq=5)
+    assert fields[0] == {"agentrl_send_recv_tag": 5, "agentrl_checksum": tensors_checksum(payload)}
+    assert fields[1] == {"agentrl_send_recv_tag": 5}  # no checksum for an engine that cannot verify it
+    with caplog.at_level("WARNING"):
+        transport.check("gloo", [both, sends_only])
+    assert "['sends'] cannot verify" in caplog.text
+    with pytest.raises(ValueError, match="lacking it: \\['plain'\\]"):
+        transport.check("gloo", [_Target("plain", [])])
+    assert StandInTransport().small_tensor_bytes < SGLangBroadcast().small_tensor_bytes
+    assert StandInTransport(send_recv=False).small_tensor_bytes == SGLangBroadcast().small_tensor_bytes
+
+
+def test_sender_checksum_needs_a_transport_that_verifies(caplog):
+    from types import SimpleNamespace
+
+    from megatron_agentrl.weight_sync import WeightSender
+
+    actor = SimpleNamespace(dp_rank=0, tp_rank=0)
+    with caplog.at_level("WARNING"):
+        plain = WeightSender(actor, checksum=True)  # SGLang's broadcasts: no checksum field in its API
+    assert isinstance(plain.transport, SGLangBroadcast) and "buckets go unverified" in caplog.text
+    verified = WeightSender(actor, checksum=True, transport=StandInTransport(send_recv=False))
+    assert verified.transport.checksum and verified.transport.name == "broadcast"
+    assert not WeightSender(actor, transport=StandInTransport()).transport.checksum
+
+
+def test_stand_in_receive_checks_its_fields_and_the_bucket():
+    with pytest.raises(ValueError, match="agentrl_send_recv_tag=-1 must be a non-negative integer"):
+        StandInReceive(tag=-1)
+    with pytest.raises(ValueError, match="agentrl_checksum='x' must be a list of two integers"):
+        StandInReceive(checksum="x")
+    x = torch.randn(50)
+    StandInReceive(checksum=bucket_checksum(x), names=["w"]).verify([x], packed=True)
+    with pytest.raises(ChecksumMismatch, match="bucket of 1 tensors \\(w ...\\) arrived with checksum"):
+        StandInReceive(checksum=bucket_checksum(x + 1), names=["w"]).verify([x], packed=True)
 
 
 # ------------------------------------------------------------------------------- the group

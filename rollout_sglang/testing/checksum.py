@@ -29,7 +29,10 @@ def bucket_checksum(flat: torch.Tensor) -> list[int]:
     n = words.numel()
     main = n - n % _CHECK_PERIOD
     weights = torch.arange(1, _CHECK_PERIOD + 1, dtype=torch.int64, device=words.device)
-    cols = words[:main].view(-1, _CHECK_PERIOD).sum(dim=0, dtype=torch.int64) if main else weights.new_zeros(_CHECK_PERIOD)
+    if main:
+        cols = words[:main].view(-1, _CHECK_PERIOD).sum(dim=0, dtype=torch.int64)
+    else:
+        cols = weights.new_zeros(_CHECK_PERIOD)
     tail = words[main:].to(torch.int64)
     total = int(cols.sum()) + int(tail.sum())
     weighted = int((cols * weights).sum()) + int((tail * weights[: tail.numel()]).sum())

@@ -315,7 +315,7 @@ class StandInServer:
             raise BadRequest(str(e)) from None
         dt = time.perf_counter() - t0
         items = []
-        for i, (o, p) in enumerate(outs):
+        for i, (o, _) in enumerate(outs):
             if o.finish_reason == "stop":
                 fr = {"type": "stop", "matched": o.token_ids[-1]}
             else:
@@ -468,7 +468,8 @@ class StandInServer:
 
         async with self._update_lock:
             try:
-                probe = await self._blocking(work, int(body["nbytes"]), str(body.get("group_name", "weight_update_group")))
+                probe = await self._blocking(work, int(body["nbytes"]),
+                                             str(body.get("group_name", "weight_update_group")))
             except Exception as e:  # noqa: BLE001
                 return _fail(f"raw broadcast failed: {e}")
         return web.json_response({"success": True, "message": "received", "probe": probe})
@@ -507,7 +508,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         logger.warning("ignoring SGLang flags the stand-in does not implement: %s", " ".join(unknown))
     if args.tp_size != 1:
-        logger.warning("--tp-size %d: the stand-in serves one rank; it joins weight-sync groups as one rank", args.tp_size)
+        logger.warning("--tp-size %d: the stand-in serves one rank; it joins weight-sync groups as one rank",
+                       args.tp_size)
     dtype = "float32" if args.dtype in ("auto", "float", "float32") else args.dtype
     engine = LocalEngine.from_pretrained(args.model_path, dtype=dtype, device="cpu")
     server = StandInServer(engine, host=args.host, port=args.port, model_path=args.model_path)

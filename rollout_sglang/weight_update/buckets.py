@@ -96,15 +96,18 @@ class BucketMeta:
         return {"names": list(self.names), "dtypes": [d] * len(self.names), "shapes": [list(s) for s in self.shapes]}
 
     @classmethod
-    def from_wire(cls, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], index: int = 0) -> "BucketMeta":
+    def from_wire(cls, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+                  index: int = 0) -> BucketMeta:
         """Rebuild the metadata from SGLang request fields; ValueError when lengths differ or dtypes are mixed."""
         if not (len(names) == len(dtypes) == len(shapes)):
-            raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) must have the same length")
+            raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) "
+                             "must have the same length")
         if not names:
             raise ValueError("a weight bucket needs at least one tensor (names is empty)")
         kinds = {dtype_from_name(d) for d in dtypes}
         if len(kinds) != 1:
-            raise ValueError(f"a flattened bucket holds one dtype, got {sorted(str(k) for k in kinds)}; split it by dtype")
+            raise ValueError(f"a flattened bucket holds one dtype, got {sorted(str(k) for k in kinds)}; "
+                             "split it by dtype")
         meta = cls(index=index, dtype=kinds.pop())
         for n, s in zip(names, shapes):
             meta.names.append(str(n))
@@ -210,7 +213,8 @@ def unpack(flat: torch.Tensor, meta: BucketMeta) -> list[tuple[str, torch.Tensor
     """(name, tensor) views into ``flat`` (no copy), in packing order. ValueError when sizes disagree."""
     if flat.numel() != meta.numel or flat.dtype != meta.dtype:
         raise ValueError(
-            f"bucket {meta.index}: flat tensor has {flat.numel()} x {flat.dtype}, metadata says {meta.numel} x {meta.dtype}"
+            f"bucket {meta.index}: flat tensor has {flat.numel()} x {flat.dtype}, "
+            f"metadata says {meta.numel} x {meta.dtype}"
         )
     return [(n, flat[s:e].view(shape)) for n, shape, (s, e) in zip(meta.names, meta.shapes, meta.offsets())]
 

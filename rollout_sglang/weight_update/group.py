@@ -82,7 +82,8 @@ class WeightGroup:
     def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor as the backend should move it (raises when the group is unusable)."""
         if self.broken:
-            raise RuntimeError(f"weight-sync group {self.name!r} timed out or failed earlier; close it and build a new one")
+            raise RuntimeError(f"weight-sync group {self.name!r} timed out or failed earlier; "
+                               "close it and build a new one")
         if self.backend == "gloo" and tensor.is_contiguous() and tensor.dtype != torch.uint8:
             # gloo moves bytes; a byte view of the same memory skips its slower path for 16-bit
             # floats (measured ~15% on bf16) and meets a typed receive of the same size
@@ -155,7 +156,8 @@ def host_store(master_address: str, world_size: int, timeout_s: float, port: int
     timeout = datetime.timedelta(seconds=float(timeout_s))
     last: Exception | None = None
     for _ in range(attempts if port is None else 1):
-        p = int(port) if port is not None else free_port(master_address if master_address not in ("0.0.0.0", "") else "127.0.0.1")
+        host = master_address if master_address not in ("0.0.0.0", "") else "127.0.0.1"
+        p = int(port) if port is not None else free_port(host)
         try:
             return dist.TCPStore(master_address, p, world_size, is_master=True, timeout=timeout,
                                  wait_for_workers=False), p
@@ -196,7 +198,8 @@ def init_weight_group(
                                   timeout=timeout, wait_for_workers=False)
         # the prefixes of SGLang's init_custom_process_group + torch's _new_process_group_helper
         device = "cuda" if backend == "nccl" else "cpu"
-        prefixed = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
+        prefixed = dist.PrefixStore(f"{device}/",
+                                    dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timeout

@@ -38,9 +38,3 @@ class Trajectory:
         """Number of policy-generated tokens."""
         return int(sum(self.loss_mask))
 
-    def token_versions(self) -> list[int]:
-        """Per-token weight version (-1 for prompt/environment tokens); len == len(token_ids)."""
-        out = [-1] * len(self.token_ids)
-        for (start, end), v in zip(self.turn_spans, self.versions):
-            out[start:end] = [v] * (end - start)
-        return out

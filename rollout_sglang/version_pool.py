@@ -10,7 +10,7 @@
   update (each engine stamps the new version, SGLang engines flush their prefix cache) and
   resumes the slot; :meth:`VersionPool.abort_update` marks the slot failed (never sampled until a
   later sync succeeds) and resumes it.
-* **Cross-policy sampling.** Per request (per turn of a trajectory) :meth:`VersionPool.choose_slot`
+* **Cross-policy sampling.** Per request (per turn of a trajectory) :meth:`VersionPool.route`
   draws a slot by ``policy``, from a seeded generator: ``"latest"`` (on-policy: only slots that
   hold the newest version), ``"uniform"`` (every live version equally likely), ``"recency"``
   (the k-th newest live version with weight ``recency_decay ** k``). Slots that hold the chosen
@@ -24,6 +24,7 @@ Thread-safety: routing, leases and updates are guarded by one lock; :meth:`begin
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -161,18 +162,16 @@ class VersionPool:
             return {v: 1.0 for v in versions}
         return {v: self.recency_decay ** k for k, v in enumerate(versions)}
 
-    def choose_slot(self) -> Slot:
-        """Draw a live slot by the policy (seeded); RuntimeError when every slot is updating or failed."""
-        with self._lock:
-            return self._choose_locked()
-
     def _choose_locked(self) -> Slot:
+        """Draw a live slot by the policy (seeded); RuntimeError when every slot is updating or failed."""
         live = [s for s in self.slots if s.live]
         if not live:
             raise RuntimeError("no live slot in the version pool: every slot is updating or failed a sync")
         weights = self._weights(live)
         versions = list(weights)
-        v = versions[0] if len(versions) == 1 else self._rng.choices(versions, weights=[weights[x] for x in versions])[0]
+        v = versions[0]
+        if len(versions) > 1:
+            v = self._rng.choices(versions, weights=[weights[x] for x in versions])[0]
         candidates = [s for s in live if s.version == v]
         if len(candidates) == 1:
             return candidates[0]
@@ -250,7 +249,8 @@ class VersionPool:
             for k in keys:
                 self._affinity.pop(k, None)
 
-    async def generate_on(self, engine_id: int, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+    async def generate_on(self, engine_id: int, prompts: list[list[int]],
+                          params: SamplingParams) -> list[GenerationOutput]:
         """``generate`` on engine ``engine_id``, then release the ``len(prompts)`` leases :meth:`route` took."""
         try:
             return await self.engines[engine_id].generate(prompts, params)
@@ -277,11 +277,11 @@ class VersionPool:
             by_engine.setdefault(e, []).append(i)
         calls = []
         for e, rows in by_engine.items():
-            p = params if params.seed is None else SamplingParams(**{**params.__dict__, "seed": params.seed + e * len(prompts)})
+            p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + e * len(prompts))
             calls.append(self.generate_on(e, [prompts[i] for i in rows], p))
         results = await asyncio.gather(*calls)
         out: list[GenerationOutput | None] = [None] * len(prompts)
-        for (e, rows), res in zip(by_engine.items(), results):
+        for rows, res in zip(by_engine.values(), results):
             for i, o in zip(rows, res):
                 out[i] = o
         return out  # type: ignore[return-value]
@@ -307,7 +307,7 @@ class VersionPool:
             if s.updating:
                 raise RuntimeError(f"slot {s.index} is already being updated")
             if not any(x.live for x in self.slots if x is not s):
-                logger.info("updating slot %d leaves no live slot: generation waits until the update ends", s.index)
+                logger.debug("updating slot %d leaves no live slot: generation waits until the update ends", s.index)
             s.updating = True
             deadline = time.monotonic() + t
             while any(self._inflight[e] for e in s.engine_ids):
@@ -329,7 +329,7 @@ class VersionPool:
                 s.updating = False
             raise
         s.pending_version = int(version)
-        logger.info("slot %d (version %d) paused for the update to version %d", s.index, s.version, version)
+        logger.debug("slot %d (version %d) paused for the update to version %d", s.index, s.version, version)
         return s
 
     def end_update(self, slot: Slot | int) -> None:
@@ -350,7 +350,7 @@ class VersionPool:
             s.failed = False
             s.updated_at = time.monotonic()
             self._lock.notify_all()
-        logger.info("slot %d now serves version %d (pool versions %s)", s.index, s.version, self.versions)
+        logger.debug("slot %d now serves version %d (pool versions %s)", s.index, s.version, self.versions)
 
     def abort_update(self, slot: Slot | int) -> None:
         """A sync of the slot failed: mark it failed (not sampled until a sync succeeds) and resume it."""

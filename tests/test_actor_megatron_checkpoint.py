@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 from test_convert_roundtrip import VOCAB, megatron_logits, reinit_parallel, tiny_config, write_tiny_checkpoint
 
@@ -28,7 +27,7 @@ def _start_from_megatron(rank: int, world: int, ckpt: str, hf_dir: str, tokens: 
     from megatron_agentrl.config import ConfigError, ModelConfig, TrainConfig
     from megatron_agentrl.hf_io import load_hf_config
     from megatron_agentrl.megatron.actor import MegatronActor
-    from megatron_agentrl.pipeline.loop import _load_megatron_weights
+    from megatron_agentrl.pipeline.loop import load_start_weights
 
     cfg = load_hf_config(ModelConfig(megatron_checkpoint=ckpt))  # the config stored in <ckpt>/hf
     out: dict = {"model_type": cfg.model_type, "logits": {}, "errors": {}}
@@ -48,7 +47,7 @@ def _start_from_megatron(rank: int, world: int, ckpt: str, hf_dir: str, tokens: 
     for name, a, path in (("missing", actor, str(Path(ckpt).parent / "not-converted")),
                           ("hf_dir", actor, hf_dir), ("shape", other, ckpt)):
         try:
-            _load_megatron_weights(SimpleNamespace(model=ModelConfig(megatron_checkpoint=path, hf_config=hf_dir)), a)
+            load_start_weights(SimpleNamespace(model=ModelConfig(megatron_checkpoint=path, hf_config=hf_dir)), a)
         except ConfigError as e:
             out["errors"][name] = str(e)
     ps.destroy_model_parallel()

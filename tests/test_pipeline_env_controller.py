@@ -14,11 +14,11 @@ def _serve_and_train(rank: int, world: int, out: str) -> dict:
     from env_controller.controller import Controller, ControllerConfig
     from env_controller.tasks import build_task
     from env_controller.worker_server import WorkerServer
-    from megatron_agentrl.cli import _setup_logging
     from megatron_agentrl.config import load_config
     from megatron_agentrl.pipeline.loop import run_training
+    from megatron_agentrl.train_rank import setup_logging
 
-    _setup_logging(rank)
+    setup_logging(rank)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -72,8 +72,8 @@ def test_unknown_task_without_controller_is_a_config_error(tmp_path):
     import pytest
 
     from megatron_agentrl.config import ConfigError, load_config
-    from megatron_agentrl.pipeline.loop import _build_env
+    from megatron_agentrl.pipeline.rollout_side import build_env
 
     cfg = load_config("tests/configs/tiny_test.yaml", [f"output_dir={tmp_path}", "tasks=[{name: webshop}]"])
     with pytest.raises(ConfigError, match=r"tasks \['webshop'\] are not built-in tasks .* set env.controller_url"):
-        _build_env(cfg)
+        build_env(cfg)

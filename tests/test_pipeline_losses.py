@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
+
 from megatron_agentrl.algo.losses import clipped_policy_loss, k3_kl, policy_loss, vocab_parallel_entropy
 from megatron_agentrl.config import TrainConfig
 from megatron_agentrl.megatron.actor import effective_lengths, plan_micro_batches

@@ -1,5 +1,5 @@
 """The training loop with SGLang engines (stand-in servers on loopback, backed by local engines),
-handed over as the Ray launcher does (``AGENTRL_ROLLOUT_ENGINES``): a version pool of two slots,
+handed over as the Ray launcher does (``rollout.engine_urls``): a version pool of two slots,
 cross-policy sampling, asynchronous mode, weights over a gloo weight-sync group. After the run
 the newest slot's engine holds exactly the trained weights."""
 from __future__ import annotations
@@ -10,31 +10,30 @@ from dist_utils import run_distributed
 
 
 def _run(rank: int, world: int, out: str) -> dict:
-    import os
-
-    from megatron_agentrl.cli import _setup_logging
     from megatron_agentrl.config import load_config
     from megatron_agentrl.hf_io import load_hf_config, load_hf_weights
-    from megatron_agentrl.launch.ray_placement import ENGINES_ENV
     from megatron_agentrl.pipeline.loop import run_training
+    from megatron_agentrl.train_rank import setup_logging
     from rollout_sglang.local_engine import LocalEngine
-    from rollout_sglang.sglang_standin import StandInServer
+    from rollout_sglang.testing.sglang_standin import StandInServer
     from rollout_sglang.tokenizer import load_tokenizer
 
-    _setup_logging(rank)
-    cfg = load_config("tests/configs/tiny_test.yaml", [
+    setup_logging(rank)
+    overrides = [
         f"output_dir={out}", "model.arch.hidden_size=32", "model.arch.intermediate_size=64",
         "model.arch.num_hidden_layers=2", "sft.steps=0", "train.steps=3", "train.micro_batch_size=4",
         "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
         "eval.samples_per_task=0", "pipeline.mode=async", "pipeline.staleness=1", "rollout.max_versions=2",
         "rollout.cross_policy=uniform", "train.tis_cap=2.0",
-    ])
+    ]
+    cfg = load_config("tests/configs/tiny_test.yaml", overrides)
     hf_config = load_hf_config(cfg.model, load_tokenizer(cfg.model.tokenizer))
     engines = [LocalEngine.from_config(hf_config, init_seed=0) for _ in range(2)]
     servers = [StandInServer(e, group_timeout_s=60) for e in engines]
     urls = [s.start() for s in servers]
-    os.environ[ENGINES_ENV] = json.dumps([[urls[0]], [urls[1]]])
     try:
+        cfg = load_config("tests/configs/tiny_test.yaml",
+                          overrides + [f"rollout.engine_urls={json.dumps([[urls[0]], [urls[1]]])}"])
         summary = run_training(cfg)
     finally:
         for s in servers:

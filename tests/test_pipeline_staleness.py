@@ -1,8 +1,9 @@
 """The staleness cap: over runs with heavy-tailed environment latency, no trained sample has a
 token sampled by weights more than eta versions older than the policy being trained.
 
-1. The rollout manager alone (fake engine and env, real agent loop and batching engine), 40 fast
-   training steps with weight updates pausing in-flight generation (partial rollout).
+1. The rollout manager alone (fake engine and env, real agent loop, batching engine and one-slot
+   version pool), 40 fast training steps with weight updates pausing in-flight generation (partial
+   rollout).
 2. The whole asynchronous pipeline (tiny model, megatron actor, local engine, built-in tasks).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from megatron_agentrl.pipeline.sim_env import LatencyEnvClient
 from rollout_sglang.chat_template import ChatTemplate
 from rollout_sglang.engine import GenerationOutput, SamplingParams
 from rollout_sglang.tokenizer import load_tokenizer
+from rollout_sglang.version_pool import VersionPool
 
 
 class FakeEngine:
@@ -95,7 +97,7 @@ def test_manager_never_trains_samples_older_than_eta(template, eta, lag):
     """lag: turns may come from a version up to ``lag`` older (cross-policy sampling over lag + 1
     live versions); admission runs that much less ahead (the bound below)."""
     B, G, steps = 4, 2, 40
-    engine = BatchingEngine(FakeEngine(template, lag))
+    engine = VersionPool([[BatchingEngine(FakeEngine(template, lag))]])
     env = LatencyEnvClient(MultiTurnEnv(), scale_s=0.002, alpha=1.1, max_s=0.25, seed=eta)  # heavy tail
     sampler = PromptSampler(["talk"], [1.0], {"talk": list(range(64))}, G, seed=eta)
     stop_ids = list(template.stop_token_ids)
@@ -117,11 +119,8 @@ def test_manager_never_trains_samples_older_than_eta(template, eta, lag):
             with mgr._cond:  # admission bound: accepted + running <= (version + eta - lag + 1) * B
                 bound_ok &= mgr.stats.consumed + len(mgr._queue) + mgr._running <= (version + eta - lag + 1) * B
             time.sleep(0.003)  # "training"
-            engine.pause()  # the weight push: hold new calls, wait for the running one
-            engine.wait_idle(10)
-            engine.begin_weight_update(version + 1, {})
-            engine.end_weight_update()
-            engine.resume()
+            slot = engine.begin_update(version + 1, timeout_s=10)  # the weight push: drain, pause, open
+            engine.end_update(slot)
             mgr.set_version(version + 1)
     finally:
         mgr.stop(timeout_s=10)
@@ -136,11 +135,11 @@ def test_manager_never_trains_samples_older_than_eta(template, eta, lag):
 
 
 def _train(rank: int, world: int, overrides: list[str]) -> dict:
-    from megatron_agentrl.cli import _setup_logging
     from megatron_agentrl.config import load_config
     from megatron_agentrl.pipeline.loop import run_training
+    from megatron_agentrl.train_rank import setup_logging
 
-    _setup_logging(rank)
+    setup_logging(rank)
     return run_training(load_config("tests/configs/tiny_test.yaml", overrides))
 
 

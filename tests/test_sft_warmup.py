@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from env_controller.tasks import build_task
 from megatron_agentrl.config import load_config
-from megatron_agentrl.pipeline.loop import _sft_example
+from megatron_agentrl.pipeline.sft import sft_example
 from rollout_sglang.chat_template import ChatTemplate
 from rollout_sglang.tokenizer import load_tokenizer
 
@@ -29,8 +29,8 @@ def _generated(ids: list[int], mask: list[int]) -> list[int]:
 
 def test_short_format_trains_the_same_generated_tokens_on_shorter_sequences():
     cfg = load_config(CONFIG, ["sft.careless_fraction=0"])
-    short = [_sft_example(cfg, _rollout_side(s), short=True) for s in range(12)]
-    full = [_sft_example(cfg, _rollout_side(s), short=False) for s in range(12)]
+    short = [sft_example(cfg, _rollout_side(s), short=True) for s in range(12)]
+    full = [sft_example(cfg, _rollout_side(s), short=False) for s in range(12)]
     for (s_ids, s_mask), (f_ids, f_mask) in zip(short, full):
         assert _generated(s_ids, s_mask) == _generated(f_ids, f_mask)   # the same calls and answers
         assert len(s_ids) < len(f_ids) - 100                             # no tool schemas, no system text
@@ -45,14 +45,14 @@ def test_careless_fraction_mixes_careless_episodes():
     tok = ro.template.tokenizer
     first_calls = []
     for _ in range(300):
-        ids, mask = _sft_example(cfg, ro, short=False)
+        ids, mask = sft_example(cfg, ro, short=False)
         text = tok.decode(_generated(ids, mask))
         if '"name": "guess"' not in text:
             first_calls.append('"name": "answer"' in text.split("</tool_call>")[0])
     share = sum(first_calls) / len(first_calls)
     assert 0.35 < share < 0.65, share
     for _ in range(60):
-        ids, mask = _sft_example(cfg, ro, short=True)
+        ids, mask = sft_example(cfg, ro, short=True)
         text = tok.decode(_generated(ids, mask))
         assert '"name": "guess"' in text or '"name": "answer"' not in text.split("</tool_call>")[0]
 
@@ -63,7 +63,7 @@ def test_sft_weights_set_the_demonstration_mix_apart_from_rl_weights():
     cfg = load_config(CONFIG, ["sft.careless_fraction=0"])
 
     def calc_share(ro: SimpleNamespace) -> tuple[float, list[list[int]]]:
-        examples = [_sft_example(cfg, ro, short=True) for _ in range(300)]
+        examples = [sft_example(cfg, ro, short=True) for _ in range(300)]
         texts = [ro.template.tokenizer.decode(_generated(i, m)) for i, m in examples]
         return sum('"name": "add"' in t or '"name": "multiply"' in t for t in texts) / len(texts), \
             [i for i, _ in examples]

@@ -10,7 +10,6 @@ import asyncio
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 
 TOKENIZER = "examples/tokenizer/tiny_agent"
@@ -30,7 +29,8 @@ def _episodes(engine, template, temperature: float) -> tuple[list[list[int]], li
     lps = [[0.0] * len(p) for p in prompts]
     env_reply = template.encode_env_reply([{"role": "tool", "tool_call_id": "call_0", "content": "higher"}])
     for turn in range(3):
-        params = SamplingParams(max_new_tokens=12, temperature=temperature, stop_token_ids=template.stop_token_ids, seed=turn)
+        params = SamplingParams(max_new_tokens=12, temperature=temperature, stop_token_ids=template.stop_token_ids,
+                                seed=turn)
         outs = asyncio.run(engine.generate(seqs, params))
         for i, o in enumerate(outs):
             seqs[i] += o.token_ids

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from dist_utils import run_distributed
 
 TINY = [
@@ -17,11 +16,11 @@ TINY = [
 
 
 def _train(rank: int, world: int, overrides: list[str]) -> dict:
-    from megatron_agentrl.cli import _setup_logging
     from megatron_agentrl.config import load_config
     from megatron_agentrl.pipeline.loop import run_training
+    from megatron_agentrl.train_rank import setup_logging
 
-    _setup_logging(rank)
+    setup_logging(rank)
     return run_training(load_config("tests/configs/tiny_test.yaml", overrides))
 
 

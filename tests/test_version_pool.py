@@ -274,10 +274,10 @@ def test_config_accepts_async_with_one_slot_of_several_engines():
 def test_evaluation_reads_only_a_live_slot():
     """Evaluation (RolloutSide.latest_engine) takes the newest *live* slot, and refuses when every
     slot is updating or failed, instead of reading half-loaded weights."""
-    from megatron_agentrl.pipeline.loop import RolloutSide
+    from megatron_agentrl.pipeline.rollout_side import RolloutSide
 
     pool = VersionPool([[FakeEngine(0, version=3)], [FakeEngine(1, version=2)]])
-    side = RolloutSide(engine=pool, engines=[], env=None, train_env=None, template=None, tasks={}, task_names=[],
+    side = RolloutSide(pool=pool, engines=[], env=None, train_env=None, template=None, tasks={}, task_names=[],
                        train_indices={}, eval_indices={}, rng=None)
     assert side.latest_engine().eid == 0
     pool.slots[0].updating = True  # the newest slot is mid-update: the older live one serves evaluation

@@ -68,8 +68,8 @@ class RLBatch:
     rewards: torch.Tensor
 
 
-def build_rl_batch_raw(trajs: Sequence[Trajectory], task_names: Sequence[str], algo: AlgoConfig,
-                       specs: dict[str, TaskSpec] | None = None) -> RLBatch:
+def build_rl_batch(trajs: Sequence[Trajectory], task_names: Sequence[str], algo: AlgoConfig,
+                   specs: dict[str, TaskSpec] | None = None) -> RLBatch:
     """Pad ``trajs`` and give every policy token its sample's GRPO group advantage.
 
     Rewards are shaped per task (:func:`shape_reward` with ``specs[task]``); sample advantages
@@ -103,17 +103,6 @@ def normalize_batch(batch: TrainBatch, task_ids: torch.Tensor, algo: AlgoConfig,
                              process_group=process_group, num_tasks=num_tasks)
     return TrainBatch(tokens=batch.tokens, loss_mask=batch.loss_mask, behavior_logprobs=batch.behavior_logprobs,
                       advantages=adv, ref_logprobs=batch.ref_logprobs)
-
-
-def build_rl_batch(trajs: Sequence[Trajectory], task_names: Sequence[str], algo: AlgoConfig,
-                   specs: dict[str, TaskSpec] | None = None) -> tuple[TrainBatch, torch.Tensor]:
-    """The GRPO training batch of one step, normalized over the whole batch in this process.
-
-    Returns the batch and the per-sample advantages ``[B]`` (for logging). The training loop
-    uses :func:`build_rl_batch_raw` + :func:`normalize_batch` (normalization after the DP split).
-    """
-    rl = build_rl_batch_raw(trajs, task_names, algo, specs)
-    return normalize_batch(rl.batch, rl.task_ids, algo, len(task_names)), rl.sample_adv
 
 
 def build_sft_batch(examples: Sequence[tuple[list[int], list[int]]]) -> TrainBatch:

@@ -84,10 +84,10 @@ def _ensure_optimizer_state(actor: Any) -> None:
 def _sharded_state(actor: Any, for_load: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """The sharded state dict of model + optimizer (+ masters, + reference) and the torch optimizer
     state dict it was built from (its ``state`` entries become ShardedTensors)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor, optim_state_to_sharding_state
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
 
     model_sd = actor.model.sharded_state_dict()
     if for_load:
@@ -197,7 +197,7 @@ def save_checkpoint(root: str | Path, step: int, actor: Any, pipeline_state: dic
             for p in old[: max(0, len(old) - (keep - 1))]:
                 shutil.rmtree(p, ignore_errors=True)
     _barrier()
-    logger.info("checkpoint step %d saved to %s (%.1fs)", step, d, time.perf_counter() - t0)
+    logger.debug("checkpoint step %d saved to %s (%.1fs)", step, d, time.perf_counter() - t0)
     return d
 
 
@@ -214,7 +214,8 @@ def load_checkpoint(path: str | Path, actor: Any) -> dict[str, Any]:
     meta_file = d / "meta.json"
     if not meta_file.is_file() or not (d / MODEL_DIR).is_dir() or not (d / PIPELINE_FILE).is_file():
         raise CheckpointError(f"'{d}' is not a complete checkpoint (meta.json, {MODEL_DIR}/ and {PIPELINE_FILE} "
-                              "expected); give a step_<k> folder written by a training run, or checkpoint.resume=latest")
+                              "expected); give a step_<k> folder written by a training run, or "
+                              "checkpoint.resume=latest")
     meta = json.loads(meta_file.read_text())
     world = dist.get_world_size() if dist.is_initialized() else 1
     if (meta["tp"], meta["pp"], meta["world_size"]) != (actor.tp, actor.pp, world):

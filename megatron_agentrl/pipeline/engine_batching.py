@@ -12,10 +12,10 @@ cap (exactly what a capped call samples, since rows sample independently). A mer
 several callers is unseeded (the engine's own generator); a lone call keeps its seed, so a
 synchronous rollout (one call per turn) stays reproducible.
 
-It also gives the weight sync a safe pause: :meth:`pause` holds new engine calls and
-:meth:`wait_idle` blocks until the running one finished (then pauses the engine itself), so no
-generation ever sees half-loaded weights; in-flight trajectories then continue on the new
-weights (partial rollout).
+Weight updates go through the version pool, which drains a slot before it pauses the slot's
+engines: :meth:`pause` then holds the calls that arrive later and pauses the wrapped engine, so no
+generation ever sees half-loaded weights; in-flight trajectories continue on the new weights after
+:meth:`resume` (partial rollout).
 """
 from __future__ import annotations
 
@@ -69,8 +69,6 @@ class BatchingEngine:
         self._worker: asyncio.Task | None = None
         self._resumed = threading.Event()
         self._resumed.set()
-        self._idle = threading.Event()
-        self._idle.set()
         self._busy_since: float | None = None
         self._lock = threading.Lock()
 
@@ -118,7 +116,7 @@ class BatchingEngine:
             self._pending = rest
             if not take:
                 continue
-            # wait for resume, then mark busy atomically with the check (see pause / wait_idle)
+            # wait for resume, then mark busy atomically with the check (a pause in between holds the call)
             while True:
                 try:
                     await self._wait_resumed()
@@ -130,7 +128,6 @@ class BatchingEngine:
                     return
                 with self._lock:
                     if self._resumed.is_set():
-                        self._idle.clear()
                         self._busy_since = time.perf_counter()
                         break
             await self._run(take)
@@ -156,7 +153,6 @@ class BatchingEngine:
             with self._lock:
                 self.busy_s += time.perf_counter() - (self._busy_since or time.perf_counter())
                 self._busy_since = None
-                self._idle.set()
         self.calls += 1
         self.rows += len(prompts)
         self.merged_calls += len(take)
@@ -165,7 +161,8 @@ class BatchingEngine:
             mine = outs[i: i + len(c.prompts)]
             i += len(c.prompts)
             cap = c.params.max_new_tokens
-            cut = [o if len(o.token_ids) <= cap else GenerationOutput(o.token_ids[:cap], o.logprobs[:cap], "length", o.version)
+            cut = [o if len(o.token_ids) <= cap
+                   else GenerationOutput(o.token_ids[:cap], o.logprobs[:cap], "length", o.version)
                    for o in mine]
             if not c.future.done():
                 c.future.set_result(cut)
@@ -178,15 +175,10 @@ class BatchingEngine:
 
     # ------------------------------------------------------------ pause / weights
     def pause(self) -> None:
-        """Hold new engine calls (the running one finishes); :meth:`wait_idle` then pauses the wrapped engine."""
+        """Hold new engine calls and pause the wrapped engine. Call it when no call runs (the version pool
+        drains a slot first): an engine whose pause aborts requests, like SGLang's, would lose the running one."""
         with self._lock:
             self._resumed.clear()
-
-    def wait_idle(self, timeout_s: float) -> None:
-        """Block until no engine call runs (after :meth:`pause`), then pause the wrapped engine (so an
-        engine whose pause aborts requests, like SGLang's, never loses one); TimeoutError after ``timeout_s``."""
-        if not self._idle.wait(timeout_s):
-            raise TimeoutError(f"the engine did not finish its running generate call within {timeout_s:.0f}s")
         self.engine.pause()
 
     def resume(self) -> None:
@@ -206,10 +198,20 @@ class BatchingEngine:
         """Delegated to the wrapped engine."""
         self.engine.end_weight_update()
 
+    def abort_weight_update(self) -> None:
+        """Close a failed update: the wrapped engine's ``abort_weight_update`` (an SGLang client forgets the
+        open update without stamping a version), or ``end_weight_update`` for engines that have none."""
+        abort = getattr(self.engine, "abort_weight_update", None)
+        if callable(abort):
+            abort()
+        else:
+            self.engine.end_weight_update()
+
     def health(self) -> dict:
         """The wrapped engine's health plus this wrapper's counters."""
         h = dict(self.engine.health())
-        h.update({"batching_calls": self.calls, "batching_rows": self.rows, "paused_wrapper": not self._resumed.is_set()})
+        h.update({"batching_calls": self.calls, "batching_rows": self.rows,
+                  "paused_wrapper": not self._resumed.is_set()})
         return h
 
     def __repr__(self) -> str:

@@ -11,18 +11,18 @@ Admission (AgentRL / AReaL): with trainer weight version ``v`` (steps done), sta
 and ``B = batch_groups``, a new group starts only while
 ``(v + eta - lag + 1) * B > accepted + running``, where ``accepted`` counts groups trained or waiting
 in the queue and ``lag`` is how many versions older than the trainer's a new group's turns may be
-sampled with (cross-policy over ``max_versions`` slots: ``max_versions - 1``; 0 on-policy). ``eta = 0`` is the synchronous schedule (a step's groups start after the previous
-step's weights arrived; the trainer waits for all of them). ``queue_size`` bounds
-``waiting + running`` as well.
+sampled with (cross-policy over ``max_versions`` slots: ``max_versions - 1``; 0 on-policy).
+``eta = 0`` is the synchronous schedule (a step's groups start after the previous step's weights
+arrived; the trainer waits for all of them). ``queue_size`` bounds ``waiting + running`` as well.
 
 Staleness guarantee: the batch for the step that trains version ``v`` takes the queued groups
 with the oldest weight version first, and a group whose oldest token was sampled by a version
 older than ``v - eta`` is never trained (it is dropped and counted in ``dropped_stale``; the
 admission rule keeps that rare). So no trained token is more than ``eta`` versions old.
 
-Partial rollout: a weight update pauses generation between turns (see
-:class:`~megatron_agentrl.pipeline.engine_batching.BatchingEngine`); in-flight episodes are kept
-and continue on the new weights, their turns recording the version that sampled them.
+Partial rollout: a weight update pauses generation of its version slot between turns (see
+:class:`~rollout_sglang.version_pool.VersionPool`); in-flight episodes are kept and continue on
+the new weights, their turns recording the version that sampled them.
 
 Checkpoints: :meth:`drain` stops admission once the next batch is covered and waits until
 nothing runs, so :meth:`state_dict` (sampler state, queued groups with their trajectories,
@@ -119,12 +119,6 @@ class FinishedGroup:
         vs = [v for t in self.trajectories for v in t.versions]
         return min(vs) if vs else self.start_version
 
-    @property
-    def max_version(self) -> int:
-        """The newest weight version of any generated turn (``start_version`` when none)."""
-        vs = [v for t in self.trajectories for v in t.versions]
-        return max(vs) if vs else self.start_version
-
 
 @dataclass
 class ManagerStats:
@@ -147,7 +141,7 @@ class RolloutError(RuntimeError):
 class RolloutManager:
     """Trajectory groups in flight, a bounded queue and the staleness cap (see the module doc).
 
-    engine: an Engine or a VersionPool (``run_group_lockstep`` accepts both).
+    engine: the VersionPool (or one Engine) the groups sample from (``run_group_lockstep`` takes both).
     env: an EnvClient. template: the ChatTemplate.
     sampler: the :class:`PromptSampler`.
     batch_groups: groups per training step (B). staleness: eta (0 = synchronous).

@@ -1,0 +1,223 @@
+"""What rank 0 samples with: the environments, the engines in one version pool, the chat template,
+the task splits, and the rollout manager built from them.
+
+The engines always form a :class:`~rollout_sglang.version_pool.VersionPool` of
+``rollout.max_versions`` slots of ``rollout.engines_per_slot`` engines (one slot of one engine is
+the simple case): local PyTorch engines, or the SGLang servers ``rollout.engine_urls`` lists. Each
+engine sits behind a :class:`~.engine_batching.BatchingEngine` that merges concurrent calls.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from env_controller.local import LocalEnvClient
+from env_controller.tasks import build_task
+from megatron_agentrl.config import Config, ConfigError, TaskSpec
+from megatron_agentrl.pipeline.engine_batching import BatchingEngine
+from megatron_agentrl.pipeline.rollout_manager import PromptSampler, RolloutManager
+from megatron_agentrl.pipeline.sim_env import LatencyEnvClient
+from rollout_sglang.chat_template import AnyChatTemplate, build_chat_template
+from rollout_sglang.engine import SamplingParams
+from rollout_sglang.local_engine import LocalEngine
+from rollout_sglang.sglang_engine import SGLangEngine
+from rollout_sglang.version_pool import VersionPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutSide:
+    """What rank 0 holds for sampling.
+
+    pool: the VersionPool the training rollouts use. engines: its BatchingEngines (for the
+    busy-time counters). env: the env client (in-process, or the env controller over HTTP);
+    train_env: the same, behind simulated latency when ``pipeline.sim_env_latency_s > 0``.
+    template; tasks: the built-in Task objects (demonstrations for SFT); task_names (config
+    order), train/eval index splits, rng (SFT demonstrations), task weights (RL prompts), SFT
+    weights (demonstrations) and per-task specs.
+    """
+
+    pool: VersionPool
+    engines: list[BatchingEngine]
+    env: Any
+    train_env: Any
+    template: AnyChatTemplate
+    tasks: dict[str, Any]
+    task_names: list[str]
+    train_indices: dict[str, list[int]]
+    eval_indices: dict[str, list[int]]
+    rng: random.Random
+    weights: list[float] = field(default_factory=list)
+    sft_weights: list[float] = field(default_factory=list)
+    specs: dict[str, TaskSpec] = field(default_factory=dict)
+
+    def latest_engine(self) -> Any:
+        """An engine of the live slot with the newest weights (for evaluation).
+
+        RuntimeError when no slot is live (every slot updating or failed its last sync): an
+        updating or failed slot may hold partly loaded weights, which evaluation must not read.
+        """
+        return self.pool.newest_live_slot().engines[0]
+
+    def busy_seconds(self) -> float:
+        """Seconds the engines spent generating, averaged over engines."""
+        return sum(e.busy_seconds() for e in self.engines) / max(1, len(self.engines))
+
+
+def _controller_indices(client: Any, names: list[str], timeout_s: float) -> dict[str, list[int]]:
+    """Each task's sample indices from the env controller (``GET /api/get_indices``)."""
+
+    async def fetch() -> dict[str, list[int]]:
+        try:
+            out = {}
+            for name in names:
+                idx = await asyncio.wait_for(client.indices(name), timeout_s)
+                bad = [i for i in idx if isinstance(i, bool) or not isinstance(i, int)]
+                if bad:
+                    raise ConfigError(f"task '{name}' on the env controller has non-integer sample indices (e.g. "
+                                      f"{bad[0]!r}); the trainer needs integer indices")
+                out[name] = list(idx)
+            return out
+        finally:
+            await client.aclose()
+
+    try:
+        return asyncio.run(fetch())
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - unreachable controller, unknown task
+        raise ConfigError(f"env.controller_url={client.url!r}: cannot list the sample indices of the tasks "
+                          f"{names} ({e!r}); start the controller and its task workers, or clear env.controller_url "
+                          "to run the built-in tasks in process") from e
+
+
+def build_env(cfg: Config) -> tuple[Any, dict[str, Any], dict[str, list[int]]]:
+    """The env client (in-process, or the env controller over HTTP when ``env.controller_url`` is set),
+    the built-in Task objects (for demonstrations), and every task's sample indices."""
+    from env_controller.tasks import TASKS
+
+    names = [s.name for s in cfg.tasks]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ConfigError(f"tasks: '{dup}' is listed twice; list each task once (use its weight to sample it more)")
+    tasks: dict[str, Any] = {}
+    for spec in cfg.tasks:
+        if spec.name in TASKS and (not cfg.env.controller_url or cfg.sft.steps):
+            tasks[spec.name] = build_task(spec.name, **spec.params)
+    if cfg.env.controller_url:
+        from env_controller.client import HttpEnvClient
+
+        if cfg.sft.steps and len(tasks) < len(names):
+            remote = [n for n in names if n not in tasks]
+            raise ConfigError(f"sft.steps={cfg.sft.steps}: the tasks {remote} run behind the env controller and have "
+                              "no scripted demonstrations here; set sft.steps=0 or list only built-in tasks")
+        client = HttpEnvClient(cfg.env.controller_url, token=cfg.env.token or None,
+                               timeout_s=cfg.pipeline.env_timeout_s)
+        indices = _controller_indices(client, names, cfg.pipeline.env_timeout_s)
+        logger.info("environments: env controller %s", client.url)
+        return client, tasks, indices
+    unknown = [n for n in names if n not in tasks]
+    if unknown:
+        raise ConfigError(f"tasks {unknown} are not built-in tasks (built-in: {', '.join(sorted(TASKS))}); set "
+                          "env.controller_url to the env controller that serves them")
+    return LocalEnvClient(tasks, timeout_s=cfg.pipeline.env_timeout_s), tasks, \
+        {n: list(t.indices()) for n, t in tasks.items()}
+
+
+def remote_engines(cfg: Config) -> list[list[SGLangEngine]] | None:
+    """SGLang engine clients per version slot for the servers ``rollout.engine_urls`` lists; None when
+    the rollout runs on local engines (the list is empty). Built on every rank (each is a small HTTP
+    client: the weight sync needs them everywhere)."""
+    r = cfg.rollout
+    if not r.engine_urls:
+        return None
+    return [[SGLangEngine(u, request_timeout_s=r.engine_timeout_s, update_timeout_s=r.weight_sync_bucket_timeout_s)
+             for u in slot] for slot in r.engine_urls]
+
+
+def build_rollout_side(cfg: Config, hf_config: Any, dtype: torch.dtype, template: AnyChatTemplate,
+                       remote: list[list[SGLangEngine]] | None = None) -> RolloutSide:
+    """Rank 0's rollout side: env, task splits (the last ``eval.samples_per_task`` indices of each task
+    are held out), engines (``remote`` SGLang clients, or local engines of ``hf_config`` in ``dtype``)
+    in one version pool."""
+    env, tasks, indices = build_env(cfg)
+    train_idx, eval_idx = {}, {}
+    for name, idx in indices.items():
+        n_eval = cfg.eval.samples_per_task
+        if n_eval >= len(idx):
+            raise ConfigError(f"eval.samples_per_task={n_eval} leaves no training samples for task '{name}' "
+                              f"({len(idx)} samples); lower it")
+        train_idx[name], eval_idx[name] = (idx[:-n_eval], idx[-n_eval:]) if n_eval else (idx, [])
+    r = cfg.rollout
+    if remote is not None:
+        for c in (c for slot in remote for c in slot):
+            c.wait_healthy(r.engine_startup_timeout_s)
+        engines = [BatchingEngine(c, resume_timeout_s=r.engine_timeout_s) for slot in remote for c in slot]
+        logger.info("rollout engines: %s", [[c.base_url for c in slot] for slot in remote])
+    else:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        engines = [BatchingEngine(LocalEngine(hf_config, dtype=dtype, device=device, seed=cfg.train.seed + i,
+                                              resume_timeout_s=r.engine_timeout_s),
+                                  resume_timeout_s=r.engine_timeout_s)
+                   for i in range(r.max_versions * r.engines_per_slot)]
+    pool = VersionPool.from_engines(engines, r.max_versions, r.engines_per_slot, policy=r.cross_policy,
+                                    recency_decay=r.recency_decay, seed=cfg.train.seed,
+                                    drain_timeout_s=r.engine_timeout_s)
+    p = cfg.pipeline
+    train_env: Any = env
+    if p.sim_env_latency_s > 0:
+        train_env = LatencyEnvClient(env, p.sim_env_latency_s, p.sim_env_latency_alpha, p.sim_env_latency_max_s,
+                                     seed=cfg.train.seed)
+    return RolloutSide(
+        pool=pool, engines=engines, env=env, train_env=train_env, template=template, tasks=tasks,
+        task_names=[s.name for s in cfg.tasks], train_indices=train_idx, eval_indices=eval_idx,
+        rng=random.Random(cfg.train.seed), weights=[s.weight for s in cfg.tasks],
+        sft_weights=[s.weight if s.sft_weight is None else s.sft_weight for s in cfg.tasks],
+        specs={s.name: s for s in cfg.tasks},
+    )
+
+
+def chat_template(cfg: Config, tokenizer: Any, hf_config: Any) -> AnyChatTemplate:
+    """The chat format ``model.chat_template`` names (auto: from the model type), on ``tokenizer``."""
+    try:
+        return build_chat_template(cfg.model.chat_template, tokenizer, getattr(hf_config, "model_type", None))
+    except ValueError as e:
+        raise ConfigError(f"model.chat_template={cfg.model.chat_template!r} with model.tokenizer="
+                          f"'{cfg.model.tokenizer}': {e}") from None
+
+
+def sampling_params(cfg: Config, ro: RolloutSide, temperature: float, seed: int | None) -> SamplingParams:
+    """The sampling settings of a rollout turn (``rollout.*`` caps, the template's stop tokens)."""
+    return SamplingParams(
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=temperature,
+        top_p=cfg.rollout.top_p,
+        stop_token_ids=list(ro.template.stop_token_ids),
+        seed=seed,
+    )
+
+
+def make_manager(cfg: Config, ro: RolloutSide, version: int) -> RolloutManager:
+    """The rollout manager of ``pipeline.mode`` (sync: staleness 0, a step's groups in lockstep;
+    async: ``pipeline.staleness``, groups one by one) over the pool, at weight version ``version``."""
+    sync = cfg.pipeline.mode == "sync"
+    B = cfg.rollout.prompts_per_step
+    sampler = PromptSampler(ro.task_names, ro.weights, ro.train_indices, cfg.rollout.samples_per_prompt,
+                            seed=cfg.train.seed)
+    cohort = cfg.pipeline.cohort_groups or (B if sync else 1)
+    return RolloutManager(
+        ro.pool, ro.train_env, ro.template, sampler, batch_groups=B,
+        staleness=0 if sync else cfg.pipeline.staleness,
+        queue_size=cfg.pipeline.queue_size, cohort_groups=cohort,
+        sampling=lambda seed: sampling_params(cfg, ro, cfg.rollout.temperature, seed),
+        max_turns=cfg.rollout.max_turns, max_total_tokens=cfg.rollout.max_total_tokens,
+        env_timeout_s=cfg.pipeline.env_timeout_s, version=version, seed=cfg.train.seed,
+        version_lag=0 if sync or cfg.rollout.cross_policy == "latest" else cfg.rollout.max_versions - 1,
+        total_groups=cfg.train.steps * B,
+    )

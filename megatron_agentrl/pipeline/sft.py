@@ -1,0 +1,59 @@
+"""The supervised warm-up on the tasks' scripted demonstrations (before RL, ``sft.steps > 0``).
+
+Demonstrations use the same token layout as RL turns. The first ``sft.short_format_steps`` render
+them in a short format (empty system prompt, no tool schemas, the expert only) that is cheaper to
+learn from; later ones in the full format, a ``sft.careless_fraction`` of them by a careless
+player when the task has one. The learning rate follows ``sft.lr_at``.
+"""
+from __future__ import annotations
+
+import time
+
+from megatron_agentrl.config import Config
+from megatron_agentrl.megatron.actor import MegatronActor
+from megatron_agentrl.metrics import MetricsLogger
+from megatron_agentrl.pipeline.batch import build_sft_batch
+from megatron_agentrl.pipeline.distributed import broadcast_object
+from megatron_agentrl.pipeline.progress import Progress
+from megatron_agentrl.pipeline.rollout_side import RolloutSide
+
+
+def sft_example(cfg: Config, ro: RolloutSide, short: bool) -> tuple[list[int], list[int]]:
+    """One demonstration as ``(token_ids, loss_mask)``: a task drawn by SFT weight, a training index,
+    in the short format or the full one (see the module doc)."""
+    task = ro.rng.choices(ro.task_names, weights=ro.sft_weights)[0]
+    index = ro.rng.choice(ro.train_indices[task])
+    demo = None
+    if not short and cfg.sft.careless_fraction and ro.rng.random() < cfg.sft.careless_fraction:
+        demo = ro.tasks[task].careless_demonstration(index)
+    messages, tools = demo or ro.tasks[task].demonstration(index)
+    if short:
+        return ro.template.encode_conversation([{"role": "system", "content": ""}, *messages], None)
+    return ro.template.encode_conversation(messages, tools)
+
+
+def sft_warmup(cfg: Config, actor: MegatronActor, ro: RolloutSide | None, metrics: MetricsLogger | None,
+               progress: Progress) -> None:
+    """``sft.steps`` supervised steps (collective: rank 0 passes ``ro`` and ``metrics``, the others None).
+
+    Every step goes to ``metrics`` (phase "sft": the actor's stats, ``lr``, ``step_time_s``);
+    ``progress`` shows step, nll/token, lr and s/step. The actor's learning rate is ``train.lr`` after.
+    """
+    title = f"SFT warm-up (batch {cfg.sft.batch_size})"
+    t_start = time.perf_counter()
+    with progress.phase(title, cfg.sft.steps) as phase:
+        for step in range(1, cfg.sft.steps + 1):
+            lr = cfg.sft.lr_at(step)
+            actor.set_lr(lr)
+            batch = None
+            if ro is not None:
+                short = step <= cfg.sft.short_format_steps
+                batch = build_sft_batch([sft_example(cfg, ro, short) for _ in range(cfg.sft.batch_size)])
+            batch = broadcast_object(batch)
+            t0 = time.perf_counter()
+            stats = actor.train_step(actor.dp_slice(batch), loss_type="sft")
+            if metrics is not None:
+                metrics.log(step, {**stats, "lr": lr, "step_time_s": time.perf_counter() - t0}, phase="sft")
+            phase.update(step, {"nll/token": f"{stats['loss']:.3f}", "lr": f"{lr:.2e}",
+                                "s/step": f"{(time.perf_counter() - t_start) / step:.2f}"})
+    actor.set_lr(cfg.train.lr)

@@ -190,7 +190,7 @@ class HttpEnvClient:
             raise EnvControllerError(200, f"{what}: the controller's reply is not a JSON object: {payload!r:.200}")
         try:
             r = TaskReply.from_json(payload)
-        except (ValueError, TypeError) as e:
+        except ValueError as e:
             raise EnvControllerError(200, f"{what}: bad reply from the controller: {e}") from None
         error = str(payload.get("error") or "")
         if error:

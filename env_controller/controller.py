@@ -60,14 +60,13 @@ from env_controller._http import (
 )
 from env_controller.local import MalformedMessageError, validate_assistant_messages
 from env_controller.metrics import ControllerMetrics
-from env_controller.protocol import SampleStatus
+from env_controller.protocol import SampleStatus, TaskReply
 from env_controller.registry import NoWorkerError, RegistryError, Worker, WorkerRegistry, WorkerState
 from env_controller.sessions import Session, SessionTable, final_reply
 from env_controller.workerhttp import ConnectError, WorkerHttp, parse_url
 
 logger = logging.getLogger(__name__)
 
-_STATUSES = {s.value: s for s in SampleStatus}
 _perf = time.perf_counter
 _mono = time.monotonic
 
@@ -172,41 +171,6 @@ def _detail(raw: bytes) -> str:
             if key in body:
                 return str(body[key])
     return text.strip()
-
-
-def normalize_reply(payload: Any) -> dict[str, Any]:
-    """A worker's start/interact reply as the trainer-facing flat reply.
-
-    Accepts the flat form and AgentRL's ``{"session_id", "env_out": {...}}``, ``metric`` or
-    ``metrics``. Raises ValueError naming what is wrong.
-    """
-    if isinstance(payload, dict) and isinstance(payload.get("env_out"), dict):
-        payload = payload["env_out"]
-    if not isinstance(payload, dict):
-        raise ValueError(f"reply is not a JSON object but {type(payload).__name__}")
-    messages = payload.get("messages")
-    if messages is None:
-        messages = []
-    if not isinstance(messages, list):
-        raise ValueError(f"reply 'messages' is {type(messages).__name__}, not a list")
-    tools = payload.get("tools") or []
-    if not isinstance(tools, list):
-        raise ValueError(f"reply 'tools' is {type(tools).__name__}, not a list")
-    raw_status = payload.get("status", "running")
-    status = _STATUSES.get(raw_status)
-    if status is None:
-        raise ValueError(f"reply status {raw_status!r} is not one of {sorted(_STATUSES)}")
-    finish = bool(payload.get("finish", False)) or status is not SampleStatus.RUNNING
-    try:
-        reward = float(payload.get("reward") or 0.0)
-    except (TypeError, ValueError):
-        raise ValueError(f"reply reward {payload.get('reward')!r} is not a number") from None
-    metrics = payload.get("metrics")
-    if metrics is None:
-        metrics = payload.get("metric")
-    if not isinstance(metrics, dict):
-        metrics = {}
-    return {"messages": messages, "tools": tools, "status": status.value, "finish": finish, "reward": reward, "metrics": metrics}
 
 
 class Controller:
@@ -554,18 +518,18 @@ class Controller:
                 session.busy = False
             break
         try:
-            reply = normalize_reply(answer.payload)
+            reply = TaskReply.from_json(answer.payload)
         except ValueError as e:
             return self._fail(session, SampleStatus.TASK_ERROR, f"{worker.describe()} start_sample: {e}", cancel_on_worker=True)
         session.last_active = _mono()
         self.metrics.sessions_started.labels(name).inc()
-        if reply["finish"]:
-            self._end(session, reply["status"], "finished at start")
+        if reply.finish:
+            self._end(session, reply.status, "finished at start")
         elif session.abort is not None:
             return self._fail(session, *session.abort)
         headers = self._timing_headers(t0, answer, self.metrics.overhead_start)
         headers[SESSION_HEADER] = str(session.id)
-        return json_response(reply, headers=headers)
+        return json_response(reply.to_json(), headers=headers)
 
     async def _h_interact(self, request: web.Request) -> web.Response:
         t0 = _perf()
@@ -601,16 +565,16 @@ class Controller:
         finally:
             session.busy = False
         try:
-            reply = normalize_reply(answer.payload)
+            reply = TaskReply.from_json(answer.payload)
         except ValueError as e:
             return self._fail(session, SampleStatus.TASK_ERROR, f"{worker.describe()} interact: {e}", cancel_on_worker=True)
         session.turns += 1
         session.last_active = _mono()
-        if reply["finish"]:
-            self._end(session, reply["status"], "finished by the task")
+        if reply.finish:
+            self._end(session, reply.status, "finished by the task")
         elif session.abort is not None:
             return self._fail(session, *session.abort)
-        return json_response(reply, headers=self._timing_headers(t0, answer, self.metrics.overhead_interact))
+        return json_response(reply.to_json(), headers=self._timing_headers(t0, answer, self.metrics.overhead_interact))
 
     async def _h_cancel(self, request: web.Request) -> web.Response:
         sid = self._session_from_header(request)

@@ -44,35 +44,55 @@ class TaskReply:
     reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
-        """The wire form (status as its string)."""
+    def to_json(self, metrics_key: str = "metrics") -> dict[str, Any]:
+        """The wire form (status as its string); AgentRL task workers call the metrics ``metric``."""
         return {
             "messages": self.messages,
             "tools": self.tools,
             "status": self.status.value,
             "finish": self.finish,
             "reward": self.reward,
-            "metrics": self.metrics,
+            metrics_key: self.metrics,
         }
 
     @classmethod
-    def from_json(cls, body: dict[str, Any]) -> "TaskReply":
-        """Parse the wire form; raises ValueError naming the bad field."""
-        try:
-            status = SampleStatus(body.get("status", "running"))
-        except ValueError:
-            raise ValueError(
-                f"unknown status {body.get('status')!r}; expected one of "
-                f"{[s.value for s in SampleStatus]}"
-            ) from None
-        messages = body.get("messages", [])
+    def from_json(cls, body: Any) -> "TaskReply":
+        """Parse a reply in any of its wire forms; raises ValueError naming the bad field.
+
+        Accepts the flat form and AgentRL's interact reply ``{"session_id", "env_out": {...}}``,
+        with ``metrics`` or ``metric``. A status other than ``running`` implies ``finish``.
+        """
+        if isinstance(body, dict) and isinstance(body.get("env_out"), dict):
+            body = body["env_out"]
+        if not isinstance(body, dict):
+            raise ValueError(f"reply is not a JSON object but {type(body).__name__}")
+        messages = body.get("messages")
+        if messages is None:
+            messages = []
         if not isinstance(messages, list):
-            raise ValueError(f"'messages' must be a list of message objects, got {type(messages).__name__}")
+            raise ValueError(f"reply 'messages' is {type(messages).__name__}, not a list")
+        tools = body.get("tools") or []
+        if not isinstance(tools, list):
+            raise ValueError(f"reply 'tools' is {type(tools).__name__}, not a list")
+        raw_status = body.get("status", "running")
+        status = _STATUSES.get(raw_status) if isinstance(raw_status, str) else None
+        if status is None:
+            raise ValueError(f"reply status {raw_status!r} is not one of {sorted(_STATUSES)}")
+        try:
+            reward = float(body.get("reward") or 0.0)
+        except (TypeError, ValueError):
+            raise ValueError(f"reply reward {body.get('reward')!r} is not a number") from None
+        metrics = body.get("metrics")
+        if metrics is None:
+            metrics = body.get("metric")
         return cls(
             messages=messages,
-            tools=list(body.get("tools") or []),
+            tools=tools,
             status=status,
-            finish=bool(body.get("finish", False)),
-            reward=float(body.get("reward", 0.0) or 0.0),
-            metrics=dict(body.get("metrics") or body.get("metric") or {}),
+            finish=bool(body.get("finish", False)) or status is not SampleStatus.RUNNING,
+            reward=reward,
+            metrics=metrics if isinstance(metrics, dict) else {},
         )
+
+
+_STATUSES = {s.value: s for s in SampleStatus}

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from env_controller.protocol import SampleStatus
+from env_controller.protocol import SampleStatus, TaskReply
 from env_controller.registry import Index, Worker
 
 
@@ -60,15 +60,7 @@ class Ended:
 
 def final_reply(status: SampleStatus, reason: str) -> dict[str, Any]:
     """A finished flat reply with no messages, carrying ``reason`` in ``error``."""
-    return {
-        "messages": [],
-        "tools": [],
-        "status": status.value,
-        "finish": True,
-        "reward": 0.0,
-        "metrics": {},
-        "error": reason,
-    }
+    return {**TaskReply(messages=[], status=status, finish=True).to_json(), "error": reason}
 
 
 class SessionTable:

@@ -69,17 +69,6 @@ def normalize_controller_url(url: str) -> str:
     return url if url.endswith("/api") else url + "/api"
 
 
-def _wire(reply: TaskReply) -> dict[str, Any]:
-    return {
-        "messages": reply.messages,
-        "tools": reply.tools,
-        "status": reply.status.value,
-        "finish": reply.finish,
-        "reward": reply.reward,
-        "metric": reply.metrics,
-    }
-
-
 class WorkerServer:
     """Serves one task over the task-worker protocol and heartbeats to a controller."""
 
@@ -279,7 +268,7 @@ class WorkerServer:
         else:
             entry.session = session
             entry.last_active = time.monotonic()
-        return json_response(_wire(reply), headers={SESSION_HEADER: str(sid), "x-worker-time": f"{_perf() - t0:.6f}"})
+        return json_response(reply.to_json("metric"), headers={SESSION_HEADER: str(sid), "x-worker-time": f"{_perf() - t0:.6f}"})
 
     async def _h_interact(self, request: web.Request) -> web.Response:
         t0 = _perf()
@@ -308,7 +297,7 @@ class WorkerServer:
             del self._sessions[sid]
             await self._close(session, sid)
         return json_response(
-            {"session_id": sid, "env_out": _wire(reply)}, headers={"x-worker-time": f"{_perf() - t0:.6f}"}
+            {"session_id": sid, "env_out": reply.to_json("metric")}, headers={"x-worker-time": f"{_perf() - t0:.6f}"}
         )
 
     async def _cancel(self, sid: int) -> bool:

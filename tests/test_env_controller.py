@@ -10,14 +10,14 @@ import base64
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import aiohttp
 import pytest
 
 from env_controller.client import EnvControllerError, HttpEnvClient
-from env_controller.controller import Controller, ControllerConfig, normalize_reply
+from env_controller.controller import Controller, ControllerConfig
 from env_controller.local import MalformedMessageError, UnknownSessionError
 from env_controller.net import free_port
 from env_controller.protocol import SampleStatus, TaskReply
@@ -229,9 +229,10 @@ def test_agent_loop_runs_over_the_http_client() -> None:
     texts = [render(m) for m in turns]
 
     async def go() -> None:
+        import tempfile
+
         from rollout_sglang.chat_template import ChatTemplate
         from rollout_sglang.tokenizer import train_bpe_tokenizer
-        import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
             corpus = texts + [json.dumps(task.tools()), demo[0]["content"], "correct pink red"]
@@ -618,7 +619,7 @@ def test_worker_server_speaks_the_agentrl_worker_protocol() -> None:
             assert status == 406 and "concurrency limit" in body["error"]
             status, body, _ = await raw(api + "/interact", json_body={"session_id": 7, "messages": [tool_call("echo", {"text": "hi"})]})
             assert status == 200 and body["session_id"] == 7 and body["env_out"]["messages"][0]["content"] == "hi"
-            assert normalize_reply(body)["status"] == "running"
+            assert TaskReply.from_json(body).to_json()["status"] == "running"
             status, body, _ = await raw(api + "/interact", json_body={"session_id": 70, "messages": []})
             assert status == 400 and body["error"] == "No such session"
             assert (await raw(api + "/get_sessions", method="GET"))[1] == {"7": 1, "8": 2}
@@ -690,6 +691,24 @@ def test_client_retries_5xx_and_refused_connections_only() -> None:
 
 # ----------------------------------------------------------------------------------------------
 # the registry on its own (a fake clock)
+
+
+def test_task_reply_parses_every_wire_form_and_names_the_bad_field() -> None:
+    flat = TaskReply.from_json({"messages": None, "status": "running", "metrics": {"success": 1.0}})
+    assert (flat.messages, flat.finish, flat.metrics) == ([], False, {"success": 1.0})
+    wrapped = TaskReply.from_json({"session_id": 3, "env_out": {"status": "completed", "reward": "1", "metric": {"s": 1}}})
+    assert (wrapped.status, wrapped.finish, wrapped.reward, wrapped.metrics) == (SampleStatus.COMPLETED, True, 1.0, {"s": 1})
+    assert TaskReply.from_json(wrapped.to_json()) == wrapped
+    assert TaskReply.from_json(wrapped.to_json("metric")) == wrapped
+    for body, message in [
+        ([], "not a JSON object but list"),
+        ({"messages": {}}, "'messages' is dict, not a list"),
+        ({"tools": "x"}, "'tools' is str, not a list"),
+        ({"status": "done"}, "status 'done' is not one of"),
+        ({"reward": "high"}, "reward 'high' is not a number"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            TaskReply.from_json(body)
 
 
 def test_registry_states_and_least_loaded_choice() -> None:

@@ -1,19 +1,25 @@
 """The one run configuration: dataclasses loaded from YAML plus ``key=value`` overrides.
 
 ``load_config("run.yaml", ["train.lr=1e-4", "parallel.tp=2"])`` returns a validated
-:class:`Config`. An unknown key, a value of the wrong type or an out-of-range value raises
-:class:`ConfigError` naming the dotted key, the bad value and what is accepted.
+:class:`Config`. Each section checks its own fields when it is built (``__post_init__``, with
+``Literal`` types for choices), so one class holds a section's fields and their rules; the
+checks that span sections live in :meth:`Config.validate`. An unknown key, a value of the wrong
+type or an out-of-range value raises :class:`ConfigError` naming the dotted key, the bad value
+and what is accepted.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import yaml
 
@@ -22,12 +28,100 @@ class ConfigError(ValueError):
     """A bad config file, key or value; the message names it and the fix."""
 
 
+class _FieldError(ConfigError):
+    """A bad field of one section: ``key`` (the section's place), ``name``, ``value`` and ``rule``.
+
+    The section that raises it knows only its default place (``TaskSpec``: "task"); :func:`_build`
+    and :meth:`Config.validate` say it again with the place in the file (``tasks[2]``).
+    """
+
+    def __init__(self, key: str, name: str, value: Any, rule: str) -> None:
+        super().__init__(f"{key}.{name}={value!r} {rule}")
+        self.name, self.value, self.rule = name, value, rule
+
+    def at(self, key: str) -> _FieldError:
+        """The same error, placed under ``key``."""
+        return _FieldError(key, self.name, self.value, self.rule)
+
+
+ChatTemplateName = Literal["auto", "qwen2", "glm4"]
 #: ``model.chat_template`` values: "auto" and ``rollout_sglang.chat_template.CHAT_TEMPLATES``.
-CHAT_TEMPLATE_CHOICES = ("auto", "qwen2", "glm4")
+CHAT_TEMPLATE_CHOICES: tuple[str, ...] = typing.get_args(ChatTemplateName)
+RayStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The resolved field types of a dataclass (annotations are strings under ``from __future__``)."""
+    return typing.get_type_hints(cls)
+
+
+class _Section:
+    """Base of the config sections: each checks its own fields when it is built.
+
+    :meth:`check` refuses non-finite floats and a value outside a ``Literal`` field's choices;
+    each section extends it with its own ranges. ``KEY`` is the section's place in
+    :class:`Config`, the prefix of its messages; ``CHOICE_HINTS`` adds a word on a choice field.
+    """
+
+    KEY: ClassVar[str] = ""
+    CHOICE_HINTS: ClassVar[dict[str, str]] = {}
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise ConfigError naming the first bad field."""
+        hints = _hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise self.bad(f.name, "must be a finite number")
+            choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else ()
+            if choices and value not in choices:
+                hint = self.CHOICE_HINTS.get(f.name)
+                raise self.bad(f.name, f"is not one of {', '.join(choices)}" + (f" ({hint})" if hint else ""))
+
+    def bad(self, name: str, rule: str) -> _FieldError:
+        """The error for field ``name`` (its current value) breaking ``rule``."""
+        return _FieldError(self.KEY, name, getattr(self, name), rule)
+
+    def require(self, ok: bool, name: str, rule: str) -> None:
+        """Raise :meth:`bad` unless ``ok``."""
+        if not ok:
+            raise self.bad(name, rule)
+
+    def require_positive_int(self, *names: str) -> None:
+        """Each field of ``names`` is >= 1."""
+        for name in names:
+            self.require(getattr(self, name) >= 1, name, "must be a positive integer")
+
+    def require_non_negative(self, *names: str, why: str = "") -> None:
+        """Each field of ``names`` is >= 0; ``why`` says what 0 means."""
+        for name in names:
+            self.require(getattr(self, name) >= 0, name, "must be >= 0" + (f" ({why})" if why else ""))
+
+    def require_above_zero(self, *names: str, unit: str = "") -> None:
+        """Each field of ``names`` is > 0 (``unit`` ends the message, e.g. "seconds")."""
+        for name in names:
+            self.require(getattr(self, name) > 0, name, "must be > 0" + (f" {unit}" if unit else ""))
+
+
+def _is_host_port_url(url: str) -> bool:
+    """True for ``http(s)://host:port`` with an optional trailing slash and nothing else."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        port = u.port
+    except ValueError:
+        return False
+    return (u.scheme in ("http", "https") and bool(u.hostname) and port is not None and u.path in ("", "/")
+            and not (u.query or u.fragment or u.username or u.password))
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     """The policy model.
 
     hf_config: a Hugging Face config (a directory holding config.json, or a config.json path),
@@ -43,34 +137,55 @@ class ModelConfig:
     dtype: compute dtype of actor and engine: float32 | bfloat16 | float16.
     chat_template: the chat format of prompts, env replies and tool calls: qwen2 (ChatML with
         Hermes tool calls) | glm4 (GLM-4-0414) | auto (glm4 for a glm4 model, else qwen2).
+
+    Which of hf_config / arch / megatron_checkpoint is set is checked by :meth:`Config.validate`
+    (a section may be built empty and filled in).
     """
+
+    KEY: ClassVar[str] = "model"
+    CHOICE_HINTS: ClassVar[dict[str, str]] = {"chat_template": "auto: glm4 for a glm4 model, else qwen2"}
 
     hf_config: str | None = None
     arch: dict[str, Any] = field(default_factory=dict)
     checkpoint: str | None = None
     megatron_checkpoint: str | None = None
     tokenizer: str = "examples/tokenizer/tiny_agent"
-    dtype: str = "float32"
-    chat_template: str = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    chat_template: ChatTemplateName = "auto"
+
+    def check(self) -> None:
+        """See :class:`_Section`; the paths are checked where they are read (``megatron_agentrl.hf_io``)."""
+        super().check()
+        for name in ("hf_config", "checkpoint", "megatron_checkpoint", "tokenizer"):
+            self.require(getattr(self, name) != "", name, "is empty; give a path"
+                         + ("" if name == "tokenizer" else " or leave it out"))
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(_Section):
     """Megatron model parallelism; data parallel size = world size / (tp * pp)."""
+
+    KEY: ClassVar[str] = "parallel"
 
     tp: int = 1
     pp: int = 1
 
+    def check(self) -> None:
+        """See :class:`_Section`."""
+        super().check()
+        self.require_positive_int("tp", "pp")
+
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_Section):
     """Optimizer and policy-loss settings of the RL phase.
 
     steps: RL steps (one rollout batch + one optimizer pass each).
-    lr: Adam learning rate; weight_decay, adam_beta1/2, grad_clip: as usual.
+    lr: Adam learning rate; weight_decay (>= 0), adam_beta1/2 (in [0, 1)), grad_clip (0 = off): as usual.
     micro_batch_size: samples per forward/backward; global batch = the whole rollout batch.
-    clip_eps_low / clip_eps_high: PPO ratio clip range [1 - low, 1 + high] (asymmetric allowed).
-    seed: seeds model init, sampling and task order.
+    clip_eps_low / clip_eps_high: PPO ratio clip range [1 - low, 1 + high] (asymmetric allowed;
+        low in [0, 1), high >= 0).
+    seed: seeds model init, sampling and task order (0 <= seed < 2**32).
     tis_cap: truncated importance sampling for stale and cross-policy tokens: > 0 uses the
         decoupled loss (ratio against the trainer's own log-probs at the step start, each token
         weighted by min(pi_old / pi_behavior, tis_cap)); 0 = the classic loss, ratio against the
@@ -82,6 +197,8 @@ class TrainConfig:
         rows x longest row <= budget, each micro-batch cut to its own length; 0 = fixed
         micro_batch_size rows.
     """
+
+    KEY: ClassVar[str] = "train"
 
     steps: int = 20
     lr: float = 1e-4
@@ -98,9 +215,28 @@ class TrainConfig:
     entropy_coef: float = 0.0
     micro_batch_tokens: int = 0
 
+    def check(self) -> None:
+        """See :class:`_Section`."""
+        super().check()
+        self.require_positive_int("steps", "micro_batch_size")
+        self.require_above_zero("lr")
+        self.require_non_negative("weight_decay")
+        self.require_non_negative("grad_clip", why="0 = no clipping")
+        for name in ("adam_beta1", "adam_beta2"):
+            self.require(0 <= getattr(self, name) < 1, name, "must be in [0, 1) (a decay rate of Adam's moments)")
+        self.require(0 <= self.clip_eps_low < 1, "clip_eps_low",
+                     "must be in [0, 1): the ratio is clipped from below at 1 - clip_eps_low (0.2 is usual)")
+        self.require(self.clip_eps_high >= 0, "clip_eps_high",
+                     "must be >= 0: the ratio is clipped from above at 1 + clip_eps_high (0.28 is usual)")
+        self.require(0 <= self.seed < 2**32, "seed", "must be in [0, 2**32)")
+        self.require_non_negative("tis_cap", "kl_coef", "entropy_coef", why="0 turns it off")
+        self.require(not 0 < self.tis_cap < 1, "tis_cap", "must be 0 (off) or >= 1 (a cap below 1 would "
+                     "down-weight on-policy tokens); 2.0 is a common choice")
+        self.require_non_negative("micro_batch_tokens", why="0 = fixed train.micro_batch_size rows per micro-batch")
+
 
 @dataclass
-class SFTConfig:
+class SFTConfig(_Section):
     """Optional supervised warm-up on the tasks' scripted demonstrations before RL (0 steps = off).
 
     short_format_steps: the first of ``steps`` (all of them when larger) render each
@@ -117,13 +253,28 @@ class SFTConfig:
     min_lr: the learning rate at the end of each phase (0 <= min_lr <= lr).
     """
 
+    KEY: ClassVar[str] = "sft"
+
     steps: int = 0
     lr: float = 1e-3
     batch_size: int = 16
     short_format_steps: int = 0
     careless_fraction: float = 0.0
-    lr_decay_style: str = "constant"
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     min_lr: float = 0.0
+
+    def check(self) -> None:
+        """See :class:`_Section`."""
+        super().check()
+        self.require_non_negative("steps", why="0 disables the warm-up")
+        self.require_above_zero("lr")
+        self.require_positive_int("batch_size")
+        self.require(self.short_format_steps >= 0, "short_format_steps", "must be >= 0: it counts the first "
+                     "warm-up steps (of sft.steps), which use the short format")
+        self.require(0.0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, sft.lr={self.lr!r}]: the warm-up "
+                     "decays from lr down to min_lr")
+        self.require(0.0 <= self.careless_fraction < 1.0, "careless_fraction", "must be in [0, 1): the share of "
+                     "demonstrations played carelessly")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of warm-up step ``step`` (1-based), by ``lr_decay_style``."""
@@ -137,12 +288,13 @@ class SFTConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(_Section):
     """Sampling of trajectory groups.
 
     prompts_per_step: distinct task samples per RL step; samples_per_prompt: group size for GRPO.
-    max_turns: agent turns per episode; max_new_tokens: tokens per turn;
-    max_total_tokens: whole-episode cap (context limit).
+    max_turns: agent turns per episode; max_new_tokens: tokens per turn (below max_total_tokens);
+    max_total_tokens: whole-episode cap (context limit, prompt included; >= 2).
+    temperature (> 0), top_p (in (0, 1]): sampling of the training rollouts.
 
     Engines, versions and weight sync (``rollout_sglang.version_pool``, ``megatron_agentrl.weight_sync``):
     max_versions: version slots kept alive (each sync updates the oldest slot, so the pool holds
@@ -162,6 +314,9 @@ class RolloutConfig:
         engines (local engines, or SGLang servers that the Ray launcher starts).
     """
 
+    KEY: ClassVar[str] = "rollout"
+    CHOICE_HINTS: ClassVar[dict[str, str]] = {"cross_policy": "latest = on-policy, cross-policy sampling off"}
+
     prompts_per_step: int = 8
     samples_per_prompt: int = 4
     temperature: float = 1.0
@@ -171,7 +326,7 @@ class RolloutConfig:
     max_total_tokens: int = 512
     max_versions: int = 1
     engines_per_slot: int = 1
-    cross_policy: str = "latest"
+    cross_policy: Literal["latest", "uniform", "recency"] = "latest"
     recency_decay: float = 0.5
     engine_timeout_s: float = 600.0
     engine_startup_timeout_s: float = 900.0
@@ -181,31 +336,85 @@ class RolloutConfig:
     weight_sync_checksum: bool = False
     engine_urls: list[list[str]] = field(default_factory=list)
 
+    def check(self) -> None:
+        """See :class:`_Section`."""
+        super().check()
+        self.require_positive_int("prompts_per_step", "samples_per_prompt", "max_turns", "max_new_tokens",
+                                  "max_total_tokens")
+        self.require(self.max_total_tokens >= 2, "max_total_tokens",
+                     "must be >= 2: an episode holds its prompt and at least one generated token")
+        self.require(self.max_new_tokens < self.max_total_tokens, "max_new_tokens",
+                     f"must be below rollout.max_total_tokens={self.max_total_tokens} (one turn cannot outgrow "
+                     "the whole episode, prompt included); lower it or raise max_total_tokens")
+        self.require(self.temperature > 0, "temperature", "must be > 0 (use a small value such as 0.01 for "
+                     "near-greedy)")
+        self.require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        self.require_positive_int("max_versions", "engines_per_slot", "weight_sync_bucket_mb")
+        self.require(0 < self.recency_decay <= 1, "recency_decay", "must be in (0, 1]")
+        self.require(self.cross_policy == "latest" or self.max_versions >= 2, "cross_policy",
+                     "needs rollout.max_versions >= 2 (one slot holds only the latest version); raise "
+                     "max_versions or use cross_policy=latest")
+        self.require_above_zero("engine_timeout_s", "engine_startup_timeout_s", "weight_sync_init_timeout_s",
+                                "weight_sync_bucket_timeout_s", unit="seconds")
+        self._check_engine_urls()
+
+    def _check_engine_urls(self) -> None:
+        if not self.engine_urls:
+            return
+        shape = [len(slot) for slot in self.engine_urls]
+        self.require(len(shape) == self.max_versions and all(n == self.engines_per_slot for n in shape),
+                     "engine_urls", f"has {len(shape)} slot(s) of {shape} URL(s), but rollout.max_versions="
+                     f"{self.max_versions} slots of rollout.engines_per_slot={self.engines_per_slot} URL(s) each "
+                     "are needed; give one list of SGLang server URLs per version slot, or [] to start the "
+                     "engines here")
+        for i, slot in enumerate(self.engine_urls):
+            for j, url in enumerate(slot):
+                if not _is_host_port_url(url):
+                    raise _FieldError(self.KEY, f"engine_urls[{i}][{j}]", url, "is not an http(s)://host:port URL "
+                                      "such as http://10.0.0.5:30000")
+
 
 @dataclass
-class EvalConfig:
+class EvalConfig(_Section):
     """Per-task success measured before and after RL on held-out samples (0 samples = off).
 
     samples_per_task: held-out indices per task (taken from the end of each task's index list,
     never trained on); temperature: sampling temperature of the evaluation.
     """
 
+    KEY: ClassVar[str] = "eval"
+
     samples_per_task: int = 32
     temperature: float = 1.0
 
+    def check(self) -> None:
+        """See :class:`_Section`."""
+        super().check()
+        self.require_non_negative("samples_per_task", why="0 disables evaluation")
+        self.require_above_zero("temperature")
+
 
 @dataclass
-class AlgoConfig:
+class AlgoConfig(_Section):
     """GRPO settings: group advantages (reward minus group mean, optionally / group std),
-    then per-task normalization of token advantages over the global batch."""
+    then per-task normalization of token advantages over the global batch; ``eps`` (> 0) is
+    added to every standard deviation that divides."""
+
+    KEY: ClassVar[str] = "algo"
 
     group_std_norm: bool = True
     normalize_per_task: bool = True
     eps: float = 1e-6
 
+    def check(self) -> None:
+        """See :class:`_Section`."""
+        super().check()
+        self.require(self.eps > 0, "eps", "must be > 0: it keeps the division by a zero standard deviation "
+                     "finite (1e-6 is usual)")
+
 
 @dataclass
-class PipelineConfig:
+class PipelineConfig(_Section):
     """How rollout and training are scheduled (``megatron_agentrl.pipeline``).
 
     mode: "sync" (generate a step's groups, then train on them, then push weights) or "async"
@@ -227,7 +436,9 @@ class PipelineConfig:
         and infinite variance).
     """
 
-    mode: str = "sync"
+    KEY: ClassVar[str] = "pipeline"
+
+    mode: Literal["sync", "async"] = "sync"
     staleness: int = 1
     queue_size: int = 0
     cohort_groups: int = 0
@@ -237,9 +448,18 @@ class PipelineConfig:
     sim_env_latency_alpha: float = 1.5
     sim_env_latency_max_s: float = 0.0
 
+    def check(self) -> None:
+        """See :class:`_Section`."""
+        super().check()
+        self.require_non_negative("staleness", why="0 = every sample from the newest weights")
+        self.require_non_negative("queue_size", "cohort_groups", why="0 = auto")
+        self.require_above_zero("batch_timeout_s", "env_timeout_s", unit="seconds")
+        self.require_non_negative("sim_env_latency_s", "sim_env_latency_max_s", why="0 = off / auto")
+        self.require_above_zero("sim_env_latency_alpha")
+
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(_Section):
     """Checkpoints (megatron distributed checkpoint of model + optimizer, plus the pipeline state).
 
     interval: save every this many RL steps (and after the last step); 0 = never.
@@ -252,24 +472,39 @@ class CheckpointConfig:
     keep: how many newest checkpoints to keep (older ones are deleted); 0 = keep all.
     """
 
+    KEY: ClassVar[str] = "checkpoint"
+
     interval: int = 0
     dir: str | None = None
     resume: str | None = None
     keep: int = 2
 
+    def check(self) -> None:
+        """See :class:`_Section`."""
+        super().check()
+        self.require_non_negative("interval", why="0 = no checkpoints")
+        self.require_non_negative("keep", why="0 = keep all")
+        self.require(self.resume is None or self.resume == "latest" or Path(self.resume).is_dir(), "resume",
+                     "is not a directory; give 'latest' or the path of a step_<k> checkpoint folder "
+                     "(under <output_dir>/checkpoints)")
+
 
 @dataclass
-class TaskSpec:
-    """One built-in task: its registry ``name``, sampling ``weight`` and constructor ``params``.
+class TaskSpec(_Section):
+    """One task: its ``name``, sampling ``weight`` and, for a built-in task, constructor ``params``.
 
     weight: the task's share of RL prompts (relative to the other tasks' weights).
     sft_weight: its share of the warm-up demonstrations (None: ``weight``); e.g. give the task
         the warm-up leaves weakest more RL rollouts without changing the warm-up mixture.
+    params: keyword arguments of the built-in task's class (``env_controller.tasks``); checked
+        against it by :meth:`Config.validate` when the task runs in process.
     binary_reward: train on 1.0 for a successful episode (the task's ``success`` metric, else
         reward >= 1) and 0.0 otherwise, instead of the task's own reward.
     timeout_penalty: subtracted from the reward of an episode that ran out of turns or context
         ("task limit reached", "agent context limit") or whose env call timed out (>= 0).
     """
+
+    KEY: ClassVar[str] = "task"
 
     name: str = ""
     weight: float = 1.0
@@ -278,9 +513,20 @@ class TaskSpec:
     binary_reward: bool = False
     timeout_penalty: float = 0.0
 
+    def check(self) -> None:
+        """See :class:`_Section`."""
+        super().check()
+        self.require(bool(self.name), "name", "is empty; give a registered task name")
+        self.require(self.weight > 0, "weight", "must be > 0")
+        self.require(self.sft_weight is None or self.sft_weight > 0, "sft_weight",
+                     "must be > 0 (or left out: the task's weight)")
+        self.require(self.timeout_penalty >= 0, "timeout_penalty", "must be >= 0 (it is subtracted from the reward)")
+        bad = [k for k in self.params if not isinstance(k, str) or not k.isidentifier()]
+        self.require(not bad, "params", f"has the key {bad[0]!r}, which is not a parameter name" if bad else "")
+
 
 @dataclass
-class EnvConfig:
+class EnvConfig(_Section):
     """Where the tasks run when they are not built in (``megatron_agentrl.launch``, the GLM-4 recipe).
 
     controller_url: an env controller (AgentRL task-worker protocol) that serves the tasks, e.g.
@@ -291,13 +537,26 @@ class EnvConfig:
     token: bearer token of the controller ("" = ``$AGENTRL_CONTROLLER_TOKEN`` or none).
     """
 
+    KEY: ClassVar[str] = "env"
+
     controller_url: str = ""
     workers: dict[str, list[str]] = field(default_factory=dict)
     token: str = ""
 
+    def check(self) -> None:
+        """See :class:`_Section`."""
+        super().check()
+        self.require(not self.controller_url or self.controller_url.startswith(("http://", "https://")),
+                     "controller_url", "must start with http:// or https://, e.g. http://127.0.0.1:5020")
+        for task, urls in self.workers.items():
+            if not isinstance(urls, list) or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
+                                                     for u in urls):
+                raise _FieldError(self.KEY, f"workers.{task}", urls, "must be a list of worker URLs such as "
+                                  "['http://10.0.0.2:5021/api']")
+
 
 @dataclass
-class RayConfig:
+class RayConfig(_Section):
     """Ray placement of a run (``megatron_agentrl.launch.ray_placement``).
 
     enabled: run ``agentrl train`` as Ray actors; with ``address`` empty a local Ray is started.
@@ -319,6 +578,8 @@ class RayConfig:
     health_check_interval_s: how often the launcher checks its actors and nodes, seconds.
     """
 
+    KEY: ClassVar[str] = "ray"
+
     enabled: bool = False
     address: str = ""
     namespace: str = "agentrl"
@@ -326,10 +587,10 @@ class RayConfig:
     train_workers: int = 0
     train_gpus_per_worker: float = 0.0
     train_cpus_per_worker: float = 1.0
-    train_strategy: str = "PACK"
+    train_strategy: RayStrategy = "PACK"
     rollout_gpus_per_engine: int = 0
     rollout_cpus_per_engine: float = 1.0
-    rollout_strategy: str = "PACK"
+    rollout_strategy: RayStrategy = "PACK"
     engine_server_module: str = "sglang.launch_server"
     controller: bool = False
     controller_cpus: float = 1.0
@@ -342,9 +603,25 @@ class RayConfig:
         """Whether ``agentrl train`` runs on Ray (``enabled`` or an ``address`` given)."""
         return self.enabled or bool(self.address)
 
+    def check(self) -> None:
+        """See :class:`_Section`; ``train_workers`` against the parallel layout: :meth:`Config.validate`."""
+        super().check()
+        self.require_non_negative("train_workers", "train_gpus_per_worker", "rollout_gpus_per_engine", "num_cpus")
+        self.require(self.controller_port < 65536, "controller_port", "must be a TCP port (1-65535) or 0 (a free port)")
+        self.require_non_negative("controller_port")
+        self.require_above_zero("train_cpus_per_worker", "rollout_cpus_per_engine", "controller_cpus",
+                                "placement_timeout_s", "health_check_interval_s")
+        g = self.train_gpus_per_worker
+        self.require(g <= 1 or g == int(g), "train_gpus_per_worker", "above 1 only whole GPUs are possible")
+        self.require(not self.address or self.address == "auto"
+                     or re.fullmatch(r"(ray://)?[\w.\-\[\]:]+:\d+", self.address) is not None, "address",
+                     "is not 'auto' or host:port (e.g. 10.0.0.1:6379); leave it empty to start a local Ray")
+        self.require(bool(self.engine_server_module), "engine_server_module",
+                     "is empty; give the module of the engine server, e.g. sglang.launch_server")
+
 
 @dataclass
-class SlurmConfig:
+class SlurmConfig(_Section):
     """Defaults of ``agentrl slurm submit`` (``megatron_agentrl.launch.slurm``); its flags override them.
 
     nodes / gpus_per_node: the allocation; cpus_per_node: 0 = what SLURM gives (whole node with exclusive).
@@ -358,6 +635,8 @@ class SlurmConfig:
     setup: shell lines run on the first node before anything else (module load, source env, ...).
     sbatch_args: extra ``#SBATCH`` options, e.g. ["--qos=high", "--mem=0"].
     """
+
+    KEY: ClassVar[str] = "slurm"
 
     nodes: int = 1
     gpus_per_node: int = 0
@@ -375,10 +654,26 @@ class SlurmConfig:
     setup: list[str] = field(default_factory=list)
     sbatch_args: list[str] = field(default_factory=list)
 
+    def check(self) -> None:
+        """See :class:`_Section`."""
+        super().check()
+        self.require_positive_int("nodes")
+        self.require_non_negative("gpus_per_node", "cpus_per_node")
+        self.require(0 < self.ray_port < 65536, "ray_port", "must be a TCP port (1-65535)")
+        self.require_above_zero("ray_start_timeout_s", unit="seconds")
+        self.require(not isinstance(self.time, int), "time", "was read as a number (YAML reads an unquoted "
+                     "04:00:00 in base 60); quote it: time: \"04:00:00\" (on the command line: --time 04:00:00)")
+        self.require(not self.time or re.fullmatch(r"(\d+-)?\d+(:\d{2}){0,2}", str(self.time)) is not None, "time",
+                     "is not a SLURM time limit such as 04:00:00 or 1-12:00:00")
+
 
 @dataclass
 class Config:
-    """The whole run. Everything a run writes goes under ``output_dir``."""
+    """The whole run. Everything a run writes goes under ``output_dir``.
+
+    Built empty (``Config()``) it is not yet a run: :meth:`validate` (which :func:`load_config`
+    calls) checks that it is complete and that its sections agree with each other.
+    """
 
     output_dir: str = "outputs/run"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -397,226 +692,87 @@ class Config:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def validate(self) -> None:
-        """Range checks that types alone cannot express; raises ConfigError."""
-        _positive(self, "parallel.tp", "parallel.pp", "train.steps", "train.micro_batch_size",
-                  "rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_turns",
-                  "rollout.max_new_tokens", "rollout.max_total_tokens", "sft.batch_size")
-        if not self.train.lr > 0:
-            raise ConfigError(f"train.lr={self.train.lr!r} must be > 0")
-        if not self.rollout.temperature > 0:
-            raise ConfigError(f"rollout.temperature={self.rollout.temperature!r} must be > 0 (use a small value such as 0.01 for near-greedy)")
-        if not 0 < self.rollout.top_p <= 1:
-            raise ConfigError(f"rollout.top_p={self.rollout.top_p!r} must be in (0, 1]")
-        _positive(self, "rollout.max_versions", "rollout.engines_per_slot", "rollout.weight_sync_bucket_mb")
-        if self.rollout.cross_policy not in ("latest", "uniform", "recency"):
-            raise ConfigError(f"rollout.cross_policy={self.rollout.cross_policy!r} is not one of latest, uniform, recency "
-                              "(latest = on-policy, cross-policy sampling off)")
-        if not 0 < self.rollout.recency_decay <= 1:
-            raise ConfigError(f"rollout.recency_decay={self.rollout.recency_decay!r} must be in (0, 1]")
-        if self.rollout.cross_policy != "latest" and self.rollout.max_versions < 2:
-            raise ConfigError(f"rollout.cross_policy={self.rollout.cross_policy!r} needs rollout.max_versions >= 2 "
-                              "(one slot holds only the latest version); raise max_versions or use cross_policy=latest")
-        for key in ("engine_timeout_s", "engine_startup_timeout_s", "weight_sync_init_timeout_s",
-                    "weight_sync_bucket_timeout_s"):
-            if not getattr(self.rollout, key) > 0:
-                raise ConfigError(f"rollout.{key}={getattr(self.rollout, key)!r} must be > 0 seconds")
-        _validate_engine_urls(self.rollout)
-        if self.eval.samples_per_task < 0:
-            raise ConfigError(f"eval.samples_per_task={self.eval.samples_per_task!r} must be >= 0 (0 disables evaluation)")
-        if not self.eval.temperature > 0:
-            raise ConfigError(f"eval.temperature={self.eval.temperature!r} must be > 0")
-        if self.sft.steps < 0:
-            raise ConfigError(f"sft.steps={self.sft.steps!r} must be >= 0 (0 disables the warm-up)")
-        if self.sft.short_format_steps < 0:
-            raise ConfigError(f"sft.short_format_steps={self.sft.short_format_steps!r} must be >= 0: it counts the "
-                              "first warm-up steps (of sft.steps), which use the short format")
-        if self.sft.lr_decay_style not in ("constant", "linear", "cosine"):
-            raise ConfigError(f"sft.lr_decay_style={self.sft.lr_decay_style!r} is not one of constant, linear, cosine")
-        if not 0.0 <= self.sft.min_lr <= self.sft.lr:
-            raise ConfigError(f"sft.min_lr={self.sft.min_lr!r} must be in [0, sft.lr={self.sft.lr!r}]: the warm-up "
-                              "decays from lr down to min_lr")
-        if not 0.0 <= self.sft.careless_fraction < 1.0:
-            raise ConfigError(f"sft.careless_fraction={self.sft.careless_fraction!r} must be in [0, 1): "
-                              "the share of demonstrations played carelessly")
-        if self.model.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"model.dtype={self.model.dtype!r} is not one of float32, bfloat16, float16")
+        """Check every section again (a field may have been set after it was built), then what
+        spans sections; raises ConfigError naming the key."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, _Section):
+                value.check()
+        for i, spec in enumerate(self.tasks):
+            _placed(f"tasks[{i}]", spec.check)
+        if self.log_every < 1:
+            raise ConfigError(f"log_every={self.log_every!r} must be a positive integer (log every this many steps)")
         if self.model.hf_config is None and not self.model.arch and not self.model.megatron_checkpoint:
-            raise ConfigError("model: set model.hf_config (a Hugging Face config dir) or model.arch (inline config fields)")
-        if self.model.chat_template not in CHAT_TEMPLATE_CHOICES:
-            raise ConfigError(f"model.chat_template={self.model.chat_template!r} is not one of "
-                              f"{', '.join(CHAT_TEMPLATE_CHOICES)} (auto: glm4 for a glm4 model, else qwen2)")
-        if not self.tasks:
-            raise ConfigError("tasks: the list is empty; add at least one entry such as {name: lookup}")
-        for i, t in enumerate(self.tasks):
-            if not t.name:
-                raise ConfigError(f"tasks[{i}].name is empty; give a registered task name")
-            if not t.weight > 0:
-                raise ConfigError(f"tasks[{i}].weight={t.weight!r} must be > 0")
-            if t.sft_weight is not None and not t.sft_weight > 0:
-                raise ConfigError(f"tasks[{i}].sft_weight={t.sft_weight!r} must be > 0 (or left out: the task's weight)")
-            if t.timeout_penalty < 0:
-                raise ConfigError(f"tasks[{i}].timeout_penalty={t.timeout_penalty!r} must be >= 0 "
-                                  "(it is subtracted from the reward)")
-        self._validate_train_extras()
-        self._validate_pipeline()
-        self._validate_checkpoint()
-        _validate_launch(self)
-
-    def _validate_train_extras(self) -> None:
-        t = self.train
-        for key in ("tis_cap", "kl_coef", "entropy_coef"):
-            if getattr(t, key) < 0:
-                raise ConfigError(f"train.{key}={getattr(t, key)!r} must be >= 0 (0 turns it off)")
-        if 0 < t.tis_cap < 1:
-            raise ConfigError(f"train.tis_cap={t.tis_cap!r} must be 0 (off) or >= 1 (a cap below 1 would "
-                              "down-weight on-policy tokens); 2.0 is a common choice")
-        if t.micro_batch_tokens < 0:
-            raise ConfigError(f"train.micro_batch_tokens={t.micro_batch_tokens!r} must be >= 0 "
-                              "(0 = fixed train.micro_batch_size rows per micro-batch)")
-        if 0 < t.micro_batch_tokens < self.rollout.max_total_tokens:
+            raise ConfigError("model: set model.hf_config (a Hugging Face config dir) or model.arch (inline config "
+                              "fields)")
+        self._validate_tasks()
+        t, r, p = self.train, self.rollout, self.pipeline
+        if 0 < t.micro_batch_tokens < r.max_total_tokens:
             raise ConfigError(f"train.micro_batch_tokens={t.micro_batch_tokens} is smaller than one episode can be "
-                              f"(rollout.max_total_tokens={self.rollout.max_total_tokens}); raise it to at least that")
-
-    def _validate_pipeline(self) -> None:
-        p = self.pipeline
-        if p.mode not in ("sync", "async"):
-            raise ConfigError(f"pipeline.mode={p.mode!r} is not one of sync, async")
-        if p.staleness < 0:
-            raise ConfigError(f"pipeline.staleness={p.staleness!r} must be >= 0 (0 = every sample from the "
-                              "newest weights)")
-        if p.queue_size < 0:
-            raise ConfigError(f"pipeline.queue_size={p.queue_size!r} must be >= 0 (0 = auto)")
-        if 0 < p.queue_size < self.rollout.prompts_per_step:
+                              f"(rollout.max_total_tokens={r.max_total_tokens}); raise it to at least that")
+        if 0 < p.queue_size < r.prompts_per_step:
             raise ConfigError(f"pipeline.queue_size={p.queue_size} cannot hold one step's "
-                              f"rollout.prompts_per_step={self.rollout.prompts_per_step} groups; raise it or use 0 (auto)")
-        if p.cohort_groups < 0:
-            raise ConfigError(f"pipeline.cohort_groups={p.cohort_groups!r} must be >= 0 (0 = auto)")
-        if p.cohort_groups > self.rollout.prompts_per_step:
+                              f"rollout.prompts_per_step={r.prompts_per_step} groups; raise it or use 0 (auto)")
+        if p.cohort_groups > r.prompts_per_step:
             raise ConfigError(f"pipeline.cohort_groups={p.cohort_groups} exceeds rollout.prompts_per_step="
-                              f"{self.rollout.prompts_per_step}; use at most that (or 0 = auto)")
-        for key in ("batch_timeout_s", "env_timeout_s"):
-            if not getattr(p, key) > 0:
-                raise ConfigError(f"pipeline.{key}={getattr(p, key)!r} must be > 0 seconds")
-        if p.sim_env_latency_s < 0 or p.sim_env_latency_max_s < 0:
-            raise ConfigError("pipeline.sim_env_latency_s and pipeline.sim_env_latency_max_s must be >= 0 (0 = off / auto)")
-        if not p.sim_env_latency_alpha > 0:
-            raise ConfigError(f"pipeline.sim_env_latency_alpha={p.sim_env_latency_alpha!r} must be > 0")
+                              f"{r.prompts_per_step}; use at most that (or 0 = auto)")
         eta = p.staleness if p.mode == "async" else 0
-        if self.rollout.cross_policy != "latest" and self.rollout.max_versions - 1 > eta:
+        if r.cross_policy != "latest" and r.max_versions - 1 > eta:
             raise ConfigError(
-                f"rollout.max_versions={self.rollout.max_versions} keeps weights up to {self.rollout.max_versions - 1} "
+                f"rollout.max_versions={r.max_versions} keeps weights up to {r.max_versions - 1} "
                 f"versions old for cross-policy sampling, but pipeline.staleness allows {eta} "
-                f"(mode {p.mode}); use pipeline.mode=async with pipeline.staleness >= {self.rollout.max_versions - 1}, "
+                f"(mode {p.mode}); use pipeline.mode=async with pipeline.staleness >= {r.max_versions - 1}, "
                 "or lower rollout.max_versions"
             )
+        ranks = self.parallel.tp * self.parallel.pp
+        if self.ray.train_workers % ranks:
+            raise ConfigError(f"ray.train_workers={self.ray.train_workers!r} must be 0 (= parallel.tp * parallel.pp) "
+                              f"or a positive multiple of parallel.tp * parallel.pp = {ranks}")
 
-    def _validate_checkpoint(self) -> None:
-        c = self.checkpoint
-        if c.interval < 0:
-            raise ConfigError(f"checkpoint.interval={c.interval!r} must be >= 0 (0 = no checkpoints)")
-        if c.keep < 0:
-            raise ConfigError(f"checkpoint.keep={c.keep!r} must be >= 0 (0 = keep all)")
-        if c.resume is not None and c.resume != "latest" and not Path(c.resume).is_dir():
-            raise ConfigError(f"checkpoint.resume={c.resume!r} is not a directory; give 'latest' or the path of a "
-                              "step_<k> checkpoint folder (under <output_dir>/checkpoints)")
+    def builds_task_here(self, spec: TaskSpec) -> bool:
+        """Whether the trainer builds ``spec``'s built-in task in process: it runs the task's episodes
+        (no ``env.controller_url``) or its demonstrations (``sft.steps`` > 0)."""
+        from env_controller.tasks import TASKS
+
+        return spec.name in TASKS and (not self.env.controller_url or self.sft.steps > 0)
+
+    def _validate_tasks(self) -> None:
+        """A non-empty list of distinct tasks; the params of each task built here fit its class."""
+        from env_controller.tasks import TaskParamError, build_task
+
+        if not self.tasks:
+            raise ConfigError("tasks: the list is empty; add at least one entry such as {name: lookup}")
+        names = [s.name for s in self.tasks]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ConfigError(f"tasks: '{dup}' is listed twice; list each task once (use its weight to sample it more)")
+        for i, spec in enumerate(self.tasks):
+            if not self.builds_task_here(spec):
+                continue  # served by the env controller, which owns its parameters
+            try:
+                build_task(spec.name, **spec.params)
+            except TaskParamError as e:
+                raise ConfigError(f"tasks[{i}].params.{e.param}={e.value!r} {e.rule}") from None
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"tasks[{i}].params={spec.params!r} do not fit task '{spec.name}': {e}") from None
 
 
-def _validate_engine_urls(r: RolloutConfig) -> None:
-    """``rollout.engine_urls``: empty, or max_versions slots of engines_per_slot http(s)://host:port URLs."""
-    if not r.engine_urls:
-        return
-    shape = [len(slot) for slot in r.engine_urls]
-    if len(shape) != r.max_versions or any(n != r.engines_per_slot for n in shape):
-        raise ConfigError(f"rollout.engine_urls={r.engine_urls!r} has {len(shape)} slot(s) of {shape} URL(s), but "
-                          f"rollout.max_versions={r.max_versions} slots of rollout.engines_per_slot="
-                          f"{r.engines_per_slot} URL(s) each are needed; give one list of SGLang server URLs per "
-                          "version slot, or [] to start the engines here")
-    for i, slot in enumerate(r.engine_urls):
-        for j, url in enumerate(slot):
-            if not _is_host_port_url(url):
-                raise ConfigError(f"rollout.engine_urls[{i}][{j}]={url!r} is not an http(s)://host:port URL "
-                                  "such as http://10.0.0.5:30000")
-
-
-def _is_host_port_url(url: str) -> bool:
-    """True for ``http(s)://host:port`` with an optional trailing slash and nothing else."""
-    from urllib.parse import urlsplit
-
+def _placed(key: str, check: typing.Callable[[], Any]) -> Any:
+    """Run ``check`` (a section's constructor or check), its field errors placed under ``key``."""
     try:
-        u = urlsplit(url)
-        port = u.port
-    except ValueError:
-        return False
-    return (u.scheme in ("http", "https") and bool(u.hostname) and port is not None and u.path in ("", "/")
-            and not (u.query or u.fragment or u.username or u.password))
-
-
-_RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-
-
-def _validate_launch(cfg: Config) -> None:
-    """Range checks of the ``env``, ``ray`` and ``slurm`` sections."""
-    import re
-
-    r, s = cfg.ray, cfg.slurm
-    if r.train_workers < 0 or (r.train_workers and r.train_workers % (cfg.parallel.tp * cfg.parallel.pp)):
-        raise ConfigError(f"ray.train_workers={r.train_workers!r} must be 0 (= parallel.tp * parallel.pp) or a positive "
-                          f"multiple of parallel.tp * parallel.pp = {cfg.parallel.tp * cfg.parallel.pp}")
-    for key in ("train_gpus_per_worker", "rollout_gpus_per_engine", "num_cpus", "controller_port"):
-        if getattr(r, key) < 0:
-            raise ConfigError(f"ray.{key}={getattr(r, key)!r} must be >= 0")
-    for key in ("train_cpus_per_worker", "rollout_cpus_per_engine", "controller_cpus", "placement_timeout_s",
-                "health_check_interval_s"):
-        if not getattr(r, key) > 0:
-            raise ConfigError(f"ray.{key}={getattr(r, key)!r} must be > 0")
-    if r.train_gpus_per_worker > 1 and r.train_gpus_per_worker != int(r.train_gpus_per_worker):
-        raise ConfigError(f"ray.train_gpus_per_worker={r.train_gpus_per_worker!r}: above 1 only whole GPUs are possible")
-    for key in ("train_strategy", "rollout_strategy"):
-        if getattr(r, key) not in _RAY_STRATEGIES:
-            raise ConfigError(f"ray.{key}={getattr(r, key)!r} is not one of {', '.join(_RAY_STRATEGIES)}")
-    if r.address and not (r.address == "auto" or re.fullmatch(r"(ray://)?[\w.\-\[\]:]+:\d+", r.address)):
-        raise ConfigError(f"ray.address={r.address!r} is not 'auto' or host:port (e.g. 10.0.0.1:6379); "
-                          "leave it empty to start a local Ray")
-    _positive(cfg, "slurm.nodes")
-    for key in ("gpus_per_node", "cpus_per_node"):
-        if getattr(s, key) < 0:
-            raise ConfigError(f"slurm.{key}={getattr(s, key)!r} must be >= 0")
-    if not 0 < s.ray_port < 65536:
-        raise ConfigError(f"slurm.ray_port={s.ray_port!r} must be a TCP port (1-65535)")
-    if not s.ray_start_timeout_s > 0:
-        raise ConfigError(f"slurm.ray_start_timeout_s={s.ray_start_timeout_s!r} must be > 0 seconds")
-    if isinstance(s.time, int):
-        raise ConfigError(f"slurm.time={s.time!r} was read as a number (YAML reads an unquoted 04:00:00 in base 60); "
-                          "quote it: time: \"04:00:00\" (on the command line: --time 04:00:00)")
-    if s.time and not re.fullmatch(r"(\d+-)?\d+(:\d{2}){0,2}", s.time):
-        raise ConfigError(f"slurm.time={s.time!r} is not a SLURM time limit such as 04:00:00 or 1-12:00:00")
-    if cfg.env.controller_url and not cfg.env.controller_url.startswith(("http://", "https://")):
-        raise ConfigError(f"env.controller_url={cfg.env.controller_url!r} must start with http:// or https://, "
-                          "e.g. http://127.0.0.1:5020")
-    for task, urls in cfg.env.workers.items():
-        if not isinstance(urls, list) or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
-            raise ConfigError(f"env.workers.{task}={urls!r} must be a list of worker URLs such as "
-                              "['http://10.0.0.2:5021/api']")
-
-
-def _positive(cfg: Config, *keys: str) -> None:
-    for key in keys:
-        obj: Any = cfg
-        for part in key.split("."):
-            obj = getattr(obj, part)
-        if obj < 1:
-            raise ConfigError(f"{key}={obj!r} must be a positive integer")
-
-
-def _resolve_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+        return check()
+    except _FieldError as e:
+        raise e.at(key) from None
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
-    """Check/convert ``value`` to the annotated type ``hint``; ConfigError on mismatch."""
+    """Check/convert ``value`` to the annotated type ``hint``; ConfigError on mismatch.
+
+    ``Literal`` choices pass through: the section checks them, with its hint on the choice.
+    """
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
-    if hint is Any:
+    if hint is Any or origin is Literal:
         return value
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -652,6 +808,9 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if isinstance(value, float) and value.is_integer():  # 1e8 is read as a float
+            raise ConfigError(f"{key}={value!r} must be an integer; write it without a decimal point or exponent "
+                              f"({int(value)})")
         raise ConfigError(f"{key}={value!r} must be an integer")
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -665,7 +824,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
-    hints = _resolve_hints(cls)
+    """``cls(**data)`` with every value coerced to its field's type; ConfigError names the key."""
+    hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for k, v in data.items():
@@ -677,7 +837,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
             hint = f"; did you mean '{(prefix + '.' if prefix else '') + close[0]}'?" if close else ""
             raise ConfigError(f"unknown config key '{key}'{hint} (valid keys here: {', '.join(names)})")
         kwargs[k] = _coerce(v, hints[k], key)
-    return cls(**kwargs)
+    return _placed(prefix, lambda: cls(**kwargs))
 
 
 def _abbreviates(short: str, long: str) -> bool:
@@ -699,6 +859,62 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def read_mapping_file(path: str | Path, fmt: Literal["yaml", "json"], what: str) -> dict[str, Any]:
+    """The mapping (a YAML mapping, a JSON object) that the file at ``path`` holds.
+
+    ``what`` names the file in messages (e.g. "config file 'run.yaml'"). Raises ConfigError for
+    a missing or unreadable file, text that is not UTF-8, bad syntax, or a top level that is not
+    a mapping; an empty YAML file is an empty mapping.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} does not exist or is not a file")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                          "save it as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"{what} cannot be read: {e.strerror}") from None
+    kind = "a JSON object" if fmt == "json" else "a mapping"
+    try:
+        loaded = json.loads(text) if fmt == "json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{what} is not valid {fmt.upper()}: {_syntax_error_text(e)}") from None
+    if loaded is None and fmt == "yaml":
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{what} must hold {kind} at the top level, got {type(loaded).__name__}")
+    return loaded
+
+
+def _syntax_error_text(e: Exception) -> str:
+    """One line for a JSON or YAML syntax error: what is wrong and where (line, column)."""
+    mark = getattr(e, "problem_mark", None)
+    if isinstance(e, yaml.MarkedYAMLError) and mark is not None:
+        context = f" ({e.context})" if e.context else ""
+        return f"{e.problem}{context} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(e).split())
+
+
+def _parse_override(ov: str) -> tuple[str, Any]:
+    """``key=value`` -> (key, value parsed as YAML); ConfigError when there is no ``=``."""
+    if "=" not in ov:
+        raise ConfigError(f"override '{ov}' is not of the form key=value (e.g. train.lr=1e-4)")
+    key, raw = ov.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    # YAML reads 1e-4 as a string; accept plain float literals too.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else value
+        except ValueError:
+            pass
+    return key.strip(), value
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a YAML config, apply ``key=value`` overrides (values parsed as YAML), validate.
 
@@ -706,33 +922,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{path}' does not exist; pass an existing YAML file such as examples/configs/tiny_cpu.yaml")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file '{path}' must hold a mapping at the top level, got {type(loaded).__name__}")
-        data = loaded
+        if not Path(path).is_file():
+            raise ConfigError(f"config file '{path}' does not exist or is not a file; pass a YAML file such as "
+                              "examples/configs/tiny_cpu.yaml")
+        data = read_mapping_file(path, "yaml", f"config file '{path}'")
     for ov in overrides or []:
-        if "=" not in ov:
-            raise ConfigError(f"override '{ov}' is not of the form key=value (e.g. train.lr=1e-4)")
-        key, raw = ov.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        # YAML reads 1e-4 as a string; accept plain float literals too.
-        if isinstance(value, str):
-            try:
-                value = float(value) if any(c in value for c in ".eE") else value
-            except ValueError:
-                pass
-        _set_dotted(data, key.strip(), value)
+        _set_dotted(data, *_parse_override(ov))
     cfg = _build(Config, data, "")
     cfg.validate()
     return cfg

@@ -5,14 +5,13 @@ Every path a user gives is checked here, with an error that names it and says wh
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_agentrl.config import ConfigError, ModelConfig
+from megatron_agentrl.config import ConfigError, ModelConfig, read_mapping_file
 
 logger = logging.getLogger(__name__)
 
@@ -20,12 +19,10 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "glm4")
 
 
 def check_model_paths(model: ModelConfig) -> None:
-    """Fail fast, before any process starts, when a path in ``model`` does not exist."""
-    if model.hf_config is not None and not Path(model.hf_config).exists():
-        raise ConfigError(
-            f"model.hf_config='{model.hf_config}' does not exist (expected a Hugging Face model "
-            f"directory with config.json, or the config.json itself); fix the path or use model.arch"
-        )
+    """Fail fast, before any process starts, when a path in ``model`` does not exist or
+    ``model.hf_config`` does not hold a JSON object."""
+    if model.hf_config is not None:
+        read_hf_config_json(model.hf_config)
     if model.checkpoint is not None and not Path(model.checkpoint).is_dir():
         raise ConfigError(
             f"model.checkpoint='{model.checkpoint}' is not a directory; point it at a Hugging Face "
@@ -62,18 +59,7 @@ def load_hf_config(model: ModelConfig, tokenizer: Any | None = None):
             )
         model = dataclasses.replace(model, hf_config=str(stored))
     if model.hf_config is not None:
-        path = Path(model.hf_config)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ConfigError(
-                f"model.hf_config='{model.hf_config}' does not exist (expected a Hugging Face model "
-                f"directory with config.json, or the config.json itself); fix the path or use model.arch"
-            )
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"model.hf_config: '{path}' is not valid JSON: {e}") from None
+        data = read_hf_config_json(model.hf_config)
     else:
         data = dict(model.arch)
         if tokenizer is not None:
@@ -90,7 +76,11 @@ def load_hf_config(model: ModelConfig, tokenizer: Any | None = None):
         )
     data.pop("transformers_version", None)
     data.pop("architectures", None)
-    cfg = AutoConfig.for_model(model_type, **data)
+    try:
+        cfg = AutoConfig.for_model(model_type, **data)
+    except (TypeError, ValueError) as e:
+        where = f"model.hf_config='{model.hf_config}'" if model.hf_config is not None else "model.arch"
+        raise ConfigError(f"{where}: transformers refuses the {model_type} config: {' '.join(str(e).split())}") from None
     cfg.architectures = [_ARCHS[model_type]]
     if tokenizer is not None and cfg.vocab_size < len(tokenizer):
         raise ConfigError(
@@ -98,6 +88,23 @@ def load_hf_config(model: ModelConfig, tokenizer: Any | None = None):
             f"('{model.tokenizer}'); use the tokenizer that belongs to the model"
         )
     return cfg
+
+
+def read_hf_config_json(hf_config: str) -> dict[str, Any]:
+    """The JSON object of ``model.hf_config`` (a model directory holding config.json, or the file).
+
+    Raises ConfigError naming model.hf_config for a missing file, text that is not UTF-8, bad
+    JSON, or JSON that is not an object.
+    """
+    path = Path(hf_config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"model.hf_config='{hf_config}' does not exist (expected a Hugging Face model "
+            f"directory with config.json, or the config.json itself); fix the path or use model.arch"
+        )
+    return read_mapping_file(path, "json", f"model.hf_config: '{path}'")
 
 
 _ARCHS = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "glm4": "Glm4ForCausalLM"}
@@ -118,7 +125,11 @@ def load_hf_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
         )
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_mapping_file(index, "json", f"'{index}'").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ConfigError(f"'{index}' has no weight_map of tensor name -> shard file; rewrite the checkpoint "
+                              "with transformers' save_pretrained")
+        shards = sorted(set(weight_map.values()))
     elif (root / "model.safetensors").is_file():
         shards = ["model.safetensors"]
     else:

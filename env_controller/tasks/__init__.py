@@ -17,6 +17,7 @@ from env_controller.tasks.db import DBTask
 from env_controller.tasks.guess import GuessTask
 from env_controller.tasks.lookup import LookupTask
 from env_controller.tasks.os_shell import OsShellTask
+from env_controller.tasks.params import TaskParamError
 
 TASKS: dict[str, type[Task]] = {
     LookupTask.name: LookupTask,
@@ -30,8 +31,9 @@ TASKS: dict[str, type[Task]] = {
 def build_task(name: str, **params: Any) -> Task:
     """Build the registered task ``name`` with constructor ``params``.
 
-    Raises ValueError naming an unknown task (and listing the registered ones), an unknown
-    parameter (and listing the accepted ones), or a bad parameter value.
+    Raises ValueError naming an unknown task (and listing the registered ones), and
+    :class:`TaskParamError` (a ValueError) naming an unknown parameter (and listing the accepted
+    ones) or a bad parameter value.
     """
     cls = TASKS.get(name)
     if cls is None:
@@ -39,10 +41,10 @@ def build_task(name: str, **params: Any) -> Task:
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     unknown = sorted(set(params) - set(accepted))
     if unknown:
-        raise ValueError(
-            f"task {name!r} has no parameter {', '.join(map(repr, unknown))}; accepted: {', '.join(accepted)}"
-        )
+        raise TaskParamError(name, unknown[0], params[unknown[0]], f"is not a parameter of task {name!r}; accepted: "
+                             f"{', '.join(accepted)}", message=f"task {name!r} has no parameter "
+                             f"{', '.join(map(repr, unknown))}; accepted: {', '.join(accepted)}")
     return cls(**params)
 
 
-__all__ = ["TASKS", "Task", "TaskSession", "ToolTask", "ToolTaskSession", "build_task"]
+__all__ = ["TASKS", "Task", "TaskParamError", "TaskSession", "ToolTask", "ToolTaskSession", "build_task"]

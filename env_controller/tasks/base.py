@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from env_controller.protocol import SampleStatus, TaskReply
+from env_controller.tasks.params import int_param
 
 logger = logging.getLogger(__name__)
 
@@ -284,18 +285,11 @@ class ToolTask(Task):
     default_max_turns: ClassVar[int] = 4
 
     def __init__(self, seed: int = 0, num_samples: int = 512, max_turns: int | None = None) -> None:
-        """Validate the common params; raises ValueError naming a bad one."""
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"{self.name}: seed={seed!r} must be an integer")
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"{self.name}: num_samples={num_samples!r} must be a positive integer")
-        if max_turns is None:
-            max_turns = self.default_max_turns
-        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
-            raise ValueError(f"{self.name}: max_turns={max_turns!r} must be a positive integer")
-        self.seed = seed
-        self.num_samples = num_samples
-        self.max_turns = max_turns
+        """Validate the common params; raises TaskParamError (a ValueError) naming a bad one."""
+        self.seed = int_param(self.name, "seed", seed)
+        self.num_samples = int_param(self.name, "num_samples", num_samples, low=1)
+        self.max_turns = int_param(self.name, "max_turns", self.default_max_turns if max_turns is None else max_turns,
+                                   low=1)
 
     # -- to implement ------------------------------------------------------------------------
 

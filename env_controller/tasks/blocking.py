@@ -17,6 +17,7 @@ from typing import Any
 
 from env_controller.protocol import TaskReply
 from env_controller.tasks.base import Message, ToolSchema, ToolTask, ToolTaskSession, make_tool_call
+from env_controller.tasks.params import int_param
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +66,9 @@ class BlockingToolTask(ToolTask):
 
     def __init__(self, seed: int = 0, num_samples: int = 512, max_turns: int | None = None,
                  max_workers: int = 64) -> None:
-        """See :class:`ToolTask`; ValueError naming a bad ``max_workers``."""
+        """See :class:`ToolTask`; TaskParamError naming a bad ``max_workers``."""
         super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns)
-        if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
-            raise ValueError(f"{self.name}: max_workers={max_workers!r} must be a positive integer")
-        self.max_workers = max_workers
+        self.max_workers = int_param(self.name, "max_workers", max_workers, low=1)
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
 

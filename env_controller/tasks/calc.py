@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, ToolTask, ToolTaskSession, function_schema
+from env_controller.tasks.params import TaskParamError, int_param
 
 TOOLS: list[ToolSchema] = [
     function_schema("add", "Return a + b.", {"a": "integer", "b": "integer"}),
@@ -47,12 +48,11 @@ class CalcTask(ToolTask):
                  low: int = 2, high: int = 49) -> None:
         """``low``/``high``: inclusive operand range (0 <= low < high); other params: :class:`ToolTask`."""
         super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns)
-        for key, val in (("low", low), ("high", high)):
-            if isinstance(val, bool) or not isinstance(val, int):
-                raise ValueError(f"calc: {key}={val!r} must be an integer")
-        if not 0 <= low < high:
-            raise ValueError(f"calc: need 0 <= low < high, got low={low!r}, high={high!r}")
-        self.low, self.high = low, high
+        self.low = int_param(self.name, "low", low, low=0)
+        self.high = int_param(self.name, "high", high)
+        if not low < high:
+            raise TaskParamError(self.name, "high", high, f"must be above low={low!r}",
+                                 message=f"calc: need 0 <= low < high, got low={low!r}, high={high!r}")
 
     def tools(self) -> list[ToolSchema]:
         """``add``, ``multiply`` and ``answer``."""

@@ -30,6 +30,7 @@ from typing import Any
 
 from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, function_schema
 from env_controller.tasks.blocking import BlockingToolTask, BlockingToolTaskSession
+from env_controller.tasks.params import bool_param, int_param, seconds_param, str_param
 
 logger = logging.getLogger(__name__)
 
@@ -491,21 +492,18 @@ class DBTask(BlockingToolTask):
                  admin_user: str = "root", admin_password: str = "", start_server: bool = False,
                  query_timeout_s: float = 5.0, max_rows: int = 50, max_output_chars: int = 4000,
                  max_workers: int = 64) -> None:
-        """Validate the params (ValueError naming a bad one); no connection is made yet."""
+        """Validate the params (TaskParamError naming a bad one); no connection is made yet."""
         super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns, max_workers=max_workers)
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-            raise ValueError(f"db: port={port!r} must be an integer in 1..65535")
-        if isinstance(query_timeout_s, bool) or not isinstance(query_timeout_s, (int, float)) or not query_timeout_s > 0:
-            raise ValueError(f"db: query_timeout_s={query_timeout_s!r} must be a positive number of seconds")
-        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-            raise ValueError(f"db: max_rows={max_rows!r} must be a positive integer")
-        self.host, self.port, self.unix_socket = host, port, unix_socket
-        self.admin_user, self.admin_password = admin_user, admin_password
-        self.start_server = bool(start_server)
-        self.query_timeout_s = float(query_timeout_s)
-        self.max_rows = max_rows
+        self.host = str_param(self.name, "host", host)
+        self.port = int_param(self.name, "port", port, low=1, high=65535)
+        self.unix_socket = str_param(self.name, "unix_socket", unix_socket, optional=True)
+        self.admin_user = str_param(self.name, "admin_user", admin_user)
+        self.admin_password = str_param(self.name, "admin_password", admin_password, empty=True)
+        self.start_server = bool_param(self.name, "start_server", start_server)
+        self.query_timeout_s = seconds_param(self.name, "query_timeout_s", query_timeout_s)
+        self.max_rows = int_param(self.name, "max_rows", max_rows, low=1)
         self.max_scan_rows = 100_000
-        self.max_output_chars = max_output_chars
+        self.max_output_chars = int_param(self.name, "max_output_chars", max_output_chars, low=100)
         self._server: Any = None
         self._server_lock = threading.Lock()
 

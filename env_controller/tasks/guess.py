@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, ToolTask, ToolTaskSession, function_schema
+from env_controller.tasks.params import TaskParamError, int_param
 
 TOOLS: list[ToolSchema] = [
     function_schema("guess", "Guess the number.", {"n": "integer"}),
@@ -47,15 +48,11 @@ class GuessTask(ToolTask):
     def __init__(self, seed: int = 0, num_samples: int = 512, max_turns: int | None = None, max_value: int = 15) -> None:
         """``max_value``: the hidden number lies in ``1..max_value`` (>= 2); other params: :class:`ToolTask`."""
         super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns)
-        if isinstance(max_value, bool) or not isinstance(max_value, int) or max_value < 2:
-            raise ValueError(f"guess: max_value={max_value!r} must be an integer >= 2")
+        self.max_value = int_param(self.name, "max_value", max_value, low=2)
         needed = max_value.bit_length()
         if self.max_turns < needed:
-            raise ValueError(
-                f"guess: max_turns={self.max_turns} is too few to always find a number in 1..{max_value} "
-                f"(bisection needs {needed}); raise max_turns or lower max_value"
-            )
-        self.max_value = max_value
+            raise TaskParamError(self.name, "max_turns", self.max_turns, f"is too few to always find a number in "
+                                 f"1..{max_value} (bisection needs {needed}); raise max_turns or lower max_value")
 
     def tools(self) -> list[ToolSchema]:
         """``guess``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, ToolTask, ToolTaskSession, function_schema
+from env_controller.tasks.params import int_param
 
 KEYS: tuple[str, ...] = (
     "ant", "bear", "cat", "crow", "deer", "dog", "duck", "eel", "fox", "frog", "goat", "hawk",
@@ -61,9 +62,7 @@ class LookupTask(ToolTask):
     def __init__(self, seed: int = 0, num_samples: int = 512, max_turns: int | None = None, num_keys: int = 6) -> None:
         """``num_keys``: entries of each sample's hidden table (1..24); other params: :class:`ToolTask`."""
         super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns)
-        if isinstance(num_keys, bool) or not isinstance(num_keys, int) or not 1 <= num_keys <= len(KEYS):
-            raise ValueError(f"lookup: num_keys={num_keys!r} must be an integer in 1..{len(KEYS)}")
-        self.num_keys = num_keys
+        self.num_keys = int_param(self.name, "num_keys", num_keys, low=1, high=len(KEYS))
 
     def tools(self) -> list[ToolSchema]:
         """``lookup`` and ``answer``."""

@@ -21,6 +21,7 @@ from typing import Any
 from env_controller.sandbox import Sandbox, SandboxBackend, SandboxError, SandboxLimits, make_backend
 from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, function_schema
 from env_controller.tasks.blocking import BlockingToolTask, BlockingToolTaskSession
+from env_controller.tasks.params import TaskParamError, int_param, seconds_param, str_param
 
 logger = logging.getLogger(__name__)
 
@@ -367,18 +368,16 @@ class OsShellTask(BlockingToolTask):
                  backend: str | SandboxBackend = "bwrap", command_timeout_s: float = 10.0, memory_mb: int = 1024,
                  max_processes: int = 64, max_output_chars: int = 4000, image: str = "ubuntu:22.04",
                  max_workers: int = 64) -> None:
-        """Validate the params (ValueError naming a bad one); the backend starts on first use."""
+        """Validate the params (TaskParamError naming a bad one); the backend starts on first use."""
         super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns, max_workers=max_workers)
-        if not isinstance(backend, (str, SandboxBackend)) or (isinstance(backend, str) and backend not in ("bwrap", "docker")):
-            raise ValueError(f"os_shell: backend={backend!r} must be 'bwrap', 'docker' or a SandboxBackend")
-        if isinstance(max_output_chars, bool) or not isinstance(max_output_chars, int) or max_output_chars < 100:
-            raise ValueError(f"os_shell: max_output_chars={max_output_chars!r} must be an integer >= 100")
-        try:
-            self.limits = SandboxLimits(timeout_s=command_timeout_s, memory_mb=memory_mb, max_processes=max_processes)
-        except ValueError as exc:
-            raise ValueError(f"os_shell: {exc}") from None
-        self.max_output_chars = max_output_chars
-        self.image = image
+        if not (isinstance(backend, SandboxBackend) or backend in ("bwrap", "docker")):
+            raise TaskParamError(self.name, "backend", backend, "must be 'bwrap', 'docker' or a SandboxBackend")
+        self.max_output_chars = int_param(self.name, "max_output_chars", max_output_chars, low=100)
+        self.limits = SandboxLimits(timeout_s=seconds_param(self.name, "command_timeout_s", command_timeout_s),
+                                    memory_mb=int_param(self.name, "memory_mb", memory_mb, low=1),
+                                    # the sandbox's shell alone needs 3 processes
+                                    max_processes=int_param(self.name, "max_processes", max_processes, low=4))
+        self.image = str_param(self.name, "image", image)
         self._backend_spec = backend
         self._backend: SandboxBackend | None = backend if isinstance(backend, SandboxBackend) else None
         self._backend_lock = threading.Lock()

@@ -1,10 +1,14 @@
-"""Helpers shared by the bench scripts."""
+"""Helpers shared by the bench scripts: the ``--smoke`` / ``--out`` options, the JSON record, the commit."""
 from __future__ import annotations
 
+import argparse
+import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
 
 
 def git_commit() -> str:
@@ -14,3 +18,45 @@ def git_commit() -> str:
                               timeout=10).stdout.strip() or "unknown"
     except Exception:  # noqa: BLE001 - informational
         return "unknown"
+
+
+def bench_parser(name: str, doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser for bench ``name`` with the options every bench has: ``--smoke`` and ``--out``.
+
+    The description is the first paragraph of ``doc`` (the script's docstring). ``--out`` defaults
+    to ``bench/results/<name>.json``, or ``bench/results/<name>_smoke.json`` with ``--smoke`` (see
+    ``parse_bench_args``), so that a smoke run never overwrites a measurement.
+    """
+    p = argparse.ArgumentParser(description=(doc or name).split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes on the CPU, seconds: checks that the script runs (its figures mean nothing)")
+    p.add_argument("--out", default=str(RESULTS / f"{name}.json"), help="where the JSON record goes")
+    p.set_defaults(_bench_name=name)
+    return p
+
+
+def parse_bench_args(parser: argparse.ArgumentParser, argv: list[str] | None,
+                     smoke: dict[str, Any]) -> argparse.Namespace:
+    """Parse ``argv``; with ``--smoke`` the values in ``smoke`` (keyed by ``dest``) replace the defaults.
+
+    Options given explicitly still win over the smoke values, so ``--smoke --steps 3`` runs the
+    smoke sizes with three steps.
+    """
+    known, _ = parser.parse_known_args(argv)
+    if known.smoke:
+        unknown = sorted(k for k in smoke if not hasattr(known, k))
+        if unknown:
+            raise ValueError(f"smoke values for options the parser lacks: {unknown}")
+        parser.set_defaults(**smoke, out=str(RESULTS / f"{known._bench_name}_smoke.json"))
+    args = parser.parse_args(argv)
+    del args._bench_name
+    return args
+
+
+def write_record(path: str | Path, record: dict[str, Any]) -> Path:
+    """Write ``record`` as indented JSON to ``path`` (parents created); returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return out

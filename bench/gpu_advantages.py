@@ -12,8 +12,9 @@ and a task id per row drawn from ``--tasks`` tasks. Timed variants (each the med
   host sync), the library path;
 * ``fused_compiled`` (``--compile``): the same function through ``torch.compile`` (Inductor may
   merge the elementwise and reduction kernels), measured side by side;
-* ``previous``: the implementation before issue 8 (float64 throughout, three separate row
-  reductions; kept here verbatim for the comparison), unless ``--no-previous``;
+* ``previous``: a one-pass float64 variant (count, sum and sum of squares in three row
+  reductions, variance as E[a^2] - mean^2), beside the library's two-pass statistics, unless
+  ``--no-previous``;
 * ``unfused``: what a user would write: a Python loop over the tasks present (``unique`` syncs),
   boolean-mask indexing, masked mean / std per task, writes per task;
 * ``copy``: ``dst.copy_(src)`` of a float32 buffer of ``S`` bytes, where ``2 S`` equals the minimal
@@ -30,17 +31,16 @@ or pays launch and sync latency, gets a lower fraction.
 Correctness is checked too: every variant's output must equal the unfused reference within
 ``1e-4`` (float32) on the smallest size; a mismatch aborts the run.
 
-Prints a table, writes ``bench/results/gpu_advantages.json`` and ends with
+Prints a table, writes ``bench/results/gpu_advantages.json`` (``--out``) and ends with
 ``fused_norm_copy_bw_fraction_<size>: <fraction>`` for the largest size measured (``100m`` for
-1e8 tokens). Runs on CPU too (``--device cpu --tokens 1e6``) as a smoke test of the script; CPU
-figures say nothing about a GPU.
+1e8 tokens). ``--smoke``: CPU, 2e4 and 1e5 tokens in rows of 500, 2 repeats, in seconds (CPU
+figures say nothing about a GPU).
 
-Usage: ``python bench/gpu_advantages.py [--device cuda] [--tokens 1e6,1e7,1e8] [--compile]``
+Usage: ``python bench/gpu_advantages.py [--device cuda] [--tokens 1e6,1e7,1e8] [--compile] [--smoke] [--out PATH]``
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -54,11 +54,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench._common import git_commit  # noqa: E402
-
+from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
 from megatron_agentrl.algo.advantages import _segment_sum, normalize_per_task  # noqa: E402
 
 MIN_BYTES_PER_TOKEN_FP32 = 20  # pass 1: read A, mask (4 + 4); pass 2: read A, mask, write out (4 + 4 + 4)
+SMOKE = {"device": "cpu", "tokens": "2e4,1e5", "seq_len": 500, "warmup": 1, "repeats": 2}
 
 
 def size_label(n: int) -> str:
@@ -101,7 +101,7 @@ def unfused_normalize(adv: torch.Tensor, mask: torch.Tensor, task_ids: torch.Ten
 
 def previous_normalize(advantages: torch.Tensor, mask: torch.Tensor, task_ids: torch.Tensor, eps: float = 1e-6,
                        num_tasks: int | None = None) -> torch.Tensor:
-    """``normalize_per_task`` as it was before issue 8 (no process group), for the side-by-side figure."""
+    """One-pass float64 per-task normalization (no process group), for the side-by-side figure."""
     task_ids = task_ids.to(device=advantages.device, dtype=torch.long)
     if num_tasks is None:
         num_tasks = int(task_ids.max().item()) + 1
@@ -137,10 +137,72 @@ def time_fn(fn: Callable[[], object], device: torch.device, warmup: int, repeats
     return times
 
 
+def time_copy(nbytes: int, device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """Seconds of each ``dst.copy_(src)`` of a float32 buffer of ``nbytes / 2`` bytes (``nbytes`` moved)."""
+    src = torch.empty(nbytes // 8, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    return time_fn(lambda: dst.copy_(src), device, warmup, repeats)
+
+
+def check_against_loop(variants: dict[str, Callable[[], torch.Tensor]], reference: torch.Tensor, label: str,
+                       row: dict) -> None:
+    """Record each variant's largest difference from the unfused loop in ``row``; abort on one >= 1e-4."""
+    for name, fn in variants.items():
+        err = float((fn() - reference).abs().max())
+        row[f"max_abs_err_{name}"] = err
+        if not err < 1e-4:
+            raise SystemExit(f"{name} differs from the unfused reference by {err:.3g} at {label} tokens")
+
+
+def measure_size(n: int, args: argparse.Namespace, device: torch.device, compiled: Callable | None,
+                 check: bool) -> dict:
+    """Time the copy and every variant on ``n`` tokens; ``check``: first compare each with the loop."""
+    label = size_label(n)
+    row: dict = {"tokens_requested": n}
+    try:
+        adv, mask, tids = make_inputs(n, args.seq_len, args.tasks, device)
+    except torch.OutOfMemoryError as e:
+        return {**row, "skipped": f"out of memory building the inputs: {str(e).splitlines()[0]}"}
+    B, T = adv.shape
+    tokens = B * T
+    min_bytes = MIN_BYTES_PER_TOKEN_FP32 * tokens
+    row.update(tokens=tokens, rows=B, seq_len=T, masked_frac=float(mask.mean()), min_bytes=min_bytes)
+    K = args.tasks
+    variants: dict[str, Callable[[], torch.Tensor]] = {
+        "fused": lambda: normalize_per_task(adv, mask, tids, num_tasks=K),
+    }
+    if compiled is not None:
+        variants["fused_compiled"] = lambda: compiled(adv, mask, tids, num_tasks=K)
+    if not args.no_previous:
+        variants["previous"] = lambda: previous_normalize(adv, mask, tids, num_tasks=K)
+    if tokens <= args.unfused_max_tokens:
+        variants["unfused"] = lambda: unfused_normalize(adv, mask, tids)
+    if check:
+        check_against_loop(variants, unfused_normalize(adv, mask, tids), label, row)
+    timings = {"copy": time_copy(min_bytes, device, args.warmup, args.repeats)}
+    for name, fn in variants.items():
+        try:
+            timings[name] = time_fn(fn, device, args.warmup, args.repeats)
+        except torch.OutOfMemoryError as e:
+            row[f"{name}_skipped"] = f"out of memory: {str(e).splitlines()[0]}"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    t_copy = statistics.median(timings["copy"])
+    row["copy_gb_s"] = min_bytes / t_copy / 1e9
+    for name, ts in timings.items():
+        t = statistics.median(ts)
+        row[f"{name}_ms"] = t * 1e3
+        row[f"{name}_ms_min"] = min(ts) * 1e3
+        row[f"{name}_gb_s"] = min_bytes / t / 1e9
+        row[f"{name}_copy_fraction"] = t_copy / t
+    return row
+
+
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    cpu = platform.processor() or platform.machine()
+    return f"cpu ({cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 
 
 def parse_tokens(text: str) -> list[int]:
@@ -152,7 +214,7 @@ def parse_tokens(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser("gpu_advantages", __doc__)
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     ap.add_argument("--tokens", default="1e6,1e7,1e8", help="comma-separated token counts (B*T)")
     ap.add_argument("--seq-len", type=int, default=4096, help="T, tokens per row")
@@ -160,71 +222,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--compile", action="store_true", help="also time torch.compile(normalize_per_task)")
-    ap.add_argument("--no-previous", action="store_true", help="skip the pre-issue-8 implementation")
+    ap.add_argument("--no-previous", action="store_true", help="skip the one-pass float64 variant")
     ap.add_argument("--unfused-max-tokens", type=float, default=1e8,
                     help="skip the unfused loop above this many tokens (it needs several times the memory)")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "gpu_advantages.json"))
-    args = ap.parse_args(argv)
+    args = parse_bench_args(ap, argv, SMOKE)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: CUDA is not available here; run with --device cpu --tokens 1e6 for a smoke run")
+        raise SystemExit(f"--device {args.device}: CUDA is not available here; use --device cpu, or --smoke")
     sizes = parse_tokens(args.tokens)
 
     compiled = torch.compile(normalize_per_task) if args.compile else None
     results: dict[str, dict] = {}
-    checked = False
-    for n in sorted(sizes):
-        label = size_label(n)
-        row: dict = {"tokens_requested": n}
-        try:
-            adv, mask, tids = make_inputs(n, args.seq_len, args.tasks, device)
-        except torch.OutOfMemoryError as e:
-            results[label] = {**row, "skipped": f"out of memory building the inputs: {str(e).splitlines()[0]}"}
-            continue
-        B, T = adv.shape
-        tokens = B * T
-        min_bytes = MIN_BYTES_PER_TOKEN_FP32 * tokens
-        row.update(tokens=tokens, rows=B, seq_len=T, masked_frac=float(mask.mean()), min_bytes=min_bytes)
-        K = args.tasks
-        variants: dict[str, Callable[[], torch.Tensor]] = {
-            "fused": lambda: normalize_per_task(adv, mask, tids, num_tasks=K),
-        }
-        if compiled is not None:
-            variants["fused_compiled"] = lambda: compiled(adv, mask, tids, num_tasks=K)
-        if not args.no_previous:
-            variants["previous"] = lambda: previous_normalize(adv, mask, tids, num_tasks=K)
-        if tokens <= args.unfused_max_tokens:
-            variants["unfused"] = lambda: unfused_normalize(adv, mask, tids)
-        if not checked:  # correctness on the smallest size, against the plain loop
-            ref = unfused_normalize(adv, mask, tids)
-            for name, fn in variants.items():
-                err = float((fn() - ref).abs().max())
-                row[f"max_abs_err_{name}"] = err
-                if not err < 1e-4:
-                    raise SystemExit(f"{name} differs from the unfused reference by {err:.3g} at {label} tokens")
-            del ref
-            checked = True
-        src = torch.empty(min_bytes // 8, dtype=torch.float32, device=device).normal_()
-        dst = torch.empty_like(src)
-        timings = {"copy": time_fn(lambda: dst.copy_(src), device, args.warmup, args.repeats)}
-        del src, dst
-        for name, fn in variants.items():
-            try:
-                timings[name] = time_fn(fn, device, args.warmup, args.repeats)
-            except torch.OutOfMemoryError as e:
-                row[f"{name}_skipped"] = f"out of memory: {str(e).splitlines()[0]}"
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        t_copy = statistics.median(timings["copy"])
-        row["copy_gb_s"] = min_bytes / t_copy / 1e9
-        for name, ts in timings.items():
-            t = statistics.median(ts)
-            row[f"{name}_ms"] = t * 1e3
-            row[f"{name}_ms_min"] = min(ts) * 1e3
-            row[f"{name}_gb_s"] = min_bytes / t / 1e9
-            row[f"{name}_copy_fraction"] = t_copy / t
-        results[label] = row
-        del adv, mask, tids
+    for i, n in enumerate(sorted(sizes)):
+        results[size_label(n)] = measure_size(n, args, device, compiled, check=i == 0)
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -247,8 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": _device_name(device), "torch": torch.__version__, "args": vars(args),
         "min_bytes_per_token": MIN_BYTES_PER_TOKEN_FP32, "results": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    write_record(args.out, record)
     print(f"results: {args.out}")
     if not measured:
         print("fused_norm_copy_bw_fraction: nan")

@@ -34,18 +34,18 @@ dim, ``S`` the sequence length. MFU = FLOPs per token x tokens per second / peak
 of the device: 989e12 for H100 SXM and H200, 756e12 for H100 PCIe, 312e12 for A100 (by
 ``torch.cuda.get_device_name``), or ``--peak-tflops``.
 
-Prints a table, writes ``bench/results/gpu_train.json`` and ends with ``gpu_mfu_<size>: <MFU of
-the Megatron actor>`` for 1.5b when measured, else the largest size measured. ``--device cpu
---sizes tiny`` is a smoke run of the script (no meaningful MFU; pass ``--peak-tflops`` to get a
-number at all).
+Prints a table, writes ``bench/results/gpu_train.json`` (``--out``) and ends with ``gpu_mfu_<size>:
+<MFU of the Megatron actor>`` for 1.5b when measured, else the largest size measured. ``--smoke``:
+the tiny size on the CPU (32 tokens x 4 samples, one warm-up and one timed step, a nominal peak of
+0.05 TFLOP/s so that MFU is a number), in seconds; its MFU means nothing.
 
-Usage: ``python bench/gpu_train.py [--sizes 0.5b,1.5b,7b] [--seq-len 2048] [--batch 8] [--micro-batch 1]``
+Usage: ``python bench/gpu_train.py [--sizes 0.5b,1.5b,7b] [--seq-len 2048] [--batch 8] [--micro-batch 1] [--smoke]
+[--out PATH]``
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import math
 import os
@@ -54,6 +54,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench._common import git_commit  # noqa: E402
+from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
 
 logger = logging.getLogger("bench.gpu_train")
 
@@ -77,6 +78,8 @@ SIZES: dict[str, dict[str, Any]] = {
     "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
 }
+SMOKE = {"device": "cpu", "sizes": "tiny", "seq_len": 32, "batch": 4, "micro_batch": 2, "prompt_len": 4,
+         "steps": 1, "warmup": 1, "peak_tflops": 0.05}
 PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12), ("A100", 312e12))
 ACTOR_BYTES_PER_PARAM = 18  # bf16 weight 2 + fp32 master 4 + fp32 main_grad 4 + Adam moments 8
 BASELINE_BYTES_PER_PARAM = 8  # bf16 weight 2 + bf16 grad 2 + bf16 Adam moments 4
@@ -269,7 +272,7 @@ def run_transformers(hf_cfg: Any, batch: Any, args: argparse.Namespace, device: 
                 "backward_s": statistics.median(bwd), "optimizer_s": statistics.median(opt_t),
                 "loss": loss_val, "grad_norm": norm, "peak_mem_gb": _peak_gb(device), "step_s_all": step}
     finally:
-        del model, opt
+        model = opt = None  # drop the references so that _free can release the memory
         _free(device)
 
 
@@ -299,8 +302,34 @@ def measure(name: str, fn: Callable[[], dict[str, Any]], need: str | None, devic
         return {"skipped": reason}
 
 
+def measure_size(size: str, args: argparse.Namespace, device: torch.device, peak: float) -> dict[str, Any]:
+    """One size: both sides on the same batch, with tokens/s, TFLOP/s, MFU and their throughput ratio."""
+    hf_cfg = qwen2_config(size, args.seq_len)
+    counts = param_counts(hf_cfg)
+    fpt = flops_per_token(hf_cfg, args.seq_len)
+    batch = make_batch(args.batch, args.seq_len, int(hf_cfg.vocab_size), args.prompt_len)
+    tokens = args.batch * args.seq_len
+    row: dict[str, Any] = {"params": counts["total"], "matmul_params": counts["matmul"],
+                           "flops_per_token": fpt, "tokens_per_step": tokens}
+    sides = {"megatron": (run_megatron, ACTOR_BYTES_PER_PARAM)}
+    if not args.skip_baseline:
+        sides["transformers"] = (run_transformers, BASELINE_BYTES_PER_PARAM)
+    for name, (run, bpp) in sides.items():
+        r = measure(f"{size}/{name}", partial(run, hf_cfg, batch, args, device),
+                    _fits(counts["total"], bpp, device), device)
+        if "step_s" in r:
+            r["tokens_per_s"] = tokens / r["step_s"]
+            r["achieved_tflops"] = fpt * r["tokens_per_s"] / 1e12
+            r["mfu"] = fpt * r["tokens_per_s"] / peak
+        row[name] = r
+    m, t = row.get("megatron", {}), row.get("transformers", {})
+    if "tokens_per_s" in m and "tokens_per_s" in t:
+        row["megatron_over_transformers"] = m["tokens_per_s"] / t["tokens_per_s"]
+    return row
+
+
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser("gpu_train", __doc__)
     ap.add_argument("--sizes", default="0.5b,1.5b,7b", help=f"comma-separated, from {list(SIZES)}")
     ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sample")
     ap.add_argument("--batch", type=int, default=8, help="samples per GRPO step (global batch)")
@@ -312,8 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --sizes tiny: a smoke run)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak dense FLOP/s of the device, TFLOP/s")
     ap.add_argument("--skip-baseline", action="store_true", help="only the Megatron actor")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "gpu_train.json"))
-    args = ap.parse_args(argv)
+    args = parse_bench_args(ap, argv, SMOKE)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     sizes = [s.strip().lower() for s in args.sizes.split(",") if s.strip()]
     bad = [s for s in sizes if s not in SIZES]
@@ -337,27 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict[str, dict[str, Any]] = {}
     try:
         for size in sizes:
-            hf_cfg = qwen2_config(size, args.seq_len)
-            counts = param_counts(hf_cfg)
-            fpt = flops_per_token(hf_cfg, args.seq_len)
-            batch = make_batch(args.batch, args.seq_len, int(hf_cfg.vocab_size), args.prompt_len)
-            tokens = args.batch * args.seq_len
-            row: dict[str, Any] = {"params": counts["total"], "matmul_params": counts["matmul"],
-                                   "flops_per_token": fpt, "tokens_per_step": tokens}
-            sides = {"megatron": (lambda: run_megatron(hf_cfg, batch, args, device), ACTOR_BYTES_PER_PARAM)}
-            if not args.skip_baseline:
-                sides["transformers"] = (lambda: run_transformers(hf_cfg, batch, args, device), BASELINE_BYTES_PER_PARAM)
-            for name, (fn, bpp) in sides.items():
-                r = measure(f"{size}/{name}", fn, _fits(counts["total"], bpp, device), device)
-                if "step_s" in r:
-                    r["tokens_per_s"] = tokens / r["step_s"]
-                    r["achieved_tflops"] = fpt * r["tokens_per_s"] / 1e12
-                    r["mfu"] = fpt * r["tokens_per_s"] / peak
-                row[name] = r
-            m, t = row.get("megatron", {}), row.get("transformers", {})
-            if "tokens_per_s" in m and "tokens_per_s" in t:
-                row["megatron_over_transformers"] = m["tokens_per_s"] / t["tokens_per_s"]
-            results[size] = row
+            results[size] = measure_size(size, args, device, peak)
     finally:
         destroy_parallel()
 
@@ -374,7 +382,8 @@ def main(argv: list[str] | None = None) -> dict:
             if "skipped" in r:
                 print(f"{size:>5} {name:>12} skipped: {r['skipped']}")
                 continue
-            print(f"{size:>5} {name:>12} {r['params'] / 1e9:>7.3f}B {r['step_s'] * 1e3:>9.1f} {r['forward_s'] * 1e3:>8.1f} "
+            print(f"{size:>5} {name:>12} {r['params'] / 1e9:>7.3f}B {r['step_s'] * 1e3:>9.1f} "
+                  f"{r['forward_s'] * 1e3:>8.1f} "
                   f"{r['backward_s'] * 1e3:>8.1f} {r['optimizer_s'] * 1e3:>8.1f} {r['tokens_per_s']:>10.0f} "
                   f"{r['achieved_tflops']:>8.2f} {r['mfu']:>6.3f} {r['peak_mem_gb']:>8.1f}")
         if "megatron_over_transformers" in row:
@@ -382,8 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
     record = {"benchmark": "gpu_train", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": git_commit(),
               "device": device_name, "peak_flops": peak, "peak_source": peak_src, "torch": torch.__version__,
               "platform": platform.platform(), "args": vars(args), "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    write_record(args.out, record)
     print(f"results: {args.out}")
     measured = [s for s, r in results.items() if "mfu" in r.get("megatron", {})]
     key = "1.5b" if "1.5b" in measured else (measured[-1] if measured else (sizes[-1] if sizes else "none"))

@@ -17,13 +17,15 @@ it includes the imports) -- the conservative reading of "above the interpreter's
 
     .venv/bin/python bench/convert.py            # bf16, tp=1; ~3.1 GB x 3 written to a temp dir
     .venv/bin/python bench/convert.py --tp 2 --dtype float32 --keep
+    .venv/bin/python bench/convert.py --smoke --out /tmp/convert.json
 
-Prints a table, writes ``bench/results/convert.json``, removes the written checkpoints (unless
-``--keep``); the last line is ``convert_peak_rss_gb: <value>``.
+Prints a table, writes ``bench/results/convert.json`` (``--out``), removes the written checkpoints
+(unless ``--keep``); the last line is ``convert_peak_rss_gb: <value>``. ``--smoke``: the same
+steps on a tiny Qwen2-shaped model (``--model tiny``: 2 layers, hidden 64, vocab 512, float32, shards
+of 100 kB), in seconds; its memory figure is mostly the imports.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -38,6 +40,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._common import bench_parser, parse_bench_args, write_record  # noqa: E402  (only the standard library)
+
 
 def _status_kb(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -49,10 +53,16 @@ def _status_kb(field: str) -> int:
 # The bare interpreter: only the standard library modules above are loaded.
 _BARE_KB = _status_kb("VmRSS")
 
-QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-                   rms_norm_eps=1e-6, tie_word_embeddings=True,
-                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+_ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
+MODELS: dict[str, dict[str, Any]] = {
+    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters=_ROPE),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                 rope_parameters=_ROPE),
+}
+SMOKE = {"model": "tiny", "dtype": "float32", "max_shard_size": "100kB"}
 
 
 # ------------------------------------------------------------------------------------- child
@@ -61,9 +71,10 @@ def child(direction: str, src: str, dst: str, tp: int, bare_kb: int) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from megatron_agentrl.convert.hf_to_megatron import convert_hf_to_megatron  # noqa: F401  (imports torch,
-    from megatron_agentrl.convert.megatron_to_hf import convert_megatron_to_hf  # noqa: F401  transformers)
-    import transformers  # noqa: F401
+    import transformers  # noqa: F401  (the conversion imports torch and transformers)
+
+    from megatron_agentrl.convert.hf_to_megatron import convert_hf_to_megatron
+    from megatron_agentrl.convert.megatron_to_hf import convert_megatron_to_hf
 
     import_kb = _status_kb("VmRSS")
     t0 = time.perf_counter()
@@ -89,9 +100,10 @@ def run_child(direction: str, src: Path, dst: Path, tp: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- parent
-def write_random_checkpoint(out: Path, dtype: Any, max_shard_size: str) -> tuple[int, int, float]:
-    """Write the random Qwen2.5-1.5B-shaped checkpoint (config.json, tokenizer files, shards +
-    index), one tensor at a time. Returns (parameters, bytes, seconds)."""
+def write_random_checkpoint(out: Path, shape: dict[str, Any], dtype: Any,
+                            max_shard_size: str) -> tuple[int, int, float]:
+    """Write a random Qwen2 checkpoint of ``shape`` (Qwen2Config fields): config.json, tokenizer
+    files, shards + index, one tensor at a time. Returns (parameters, bytes, seconds)."""
     import torch
     from transformers import Qwen2Config
 
@@ -99,7 +111,7 @@ def write_random_checkpoint(out: Path, dtype: Any, max_shard_size: str) -> tuple
     from megatron_agentrl.convert.safetensors_io import SafetensorsShardWriter, dtype_size, parse_size
 
     t0 = time.perf_counter()
-    cfg = Qwen2Config(**QWEN25_1_5B)
+    cfg = Qwen2Config(**shape)
     cfg.architectures = ["Qwen2ForCausalLM"]
     cfg.dtype = str(dtype).removeprefix("torch.")
     out.mkdir(parents=True)
@@ -144,19 +156,20 @@ def verify_identical(a: Path, b: Path) -> int:
     return len(ra.tensors)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The parent: write, convert both ways in child processes, verify, print, write the JSON."""
     if len(sys.argv) == 6 and sys.argv[1] == "--child":
         child(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), _BARE_KB)
         return
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench_parser("convert", __doc__)
+    parser.add_argument("--model", default="qwen2.5-1.5b", choices=list(MODELS), help="shape of the random model")
     parser.add_argument("--tp", type=int, default=1, help="TP layout of the megatron checkpoint (1: worst-case memory)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--max-shard-size", default="2GB", help="shard size of the random HF input")
     parser.add_argument("--workdir", default=None, help="where to write the checkpoints (default: a new temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the written checkpoints")
     parser.add_argument("--limit-gb", type=float, default=2.0, help="peak RSS budget above the interpreter")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "convert.json"))
-    args = parser.parse_args()
+    args = parse_bench_args(parser, argv, SMOKE)
 
     import torch
 
@@ -168,8 +181,8 @@ def main() -> None:
         if d.exists():
             shutil.rmtree(d)
     try:
-        print(f"writing a random Qwen2.5-1.5B-shaped checkpoint ({args.dtype}) to {hf} ...", flush=True)
-        n_params, n_bytes, t_write = write_random_checkpoint(hf, dtype, args.max_shard_size)
+        print(f"writing a random {args.model}-shaped checkpoint ({args.dtype}) to {hf} ...", flush=True)
+        n_params, n_bytes, t_write = write_random_checkpoint(hf, MODELS[args.model], dtype, args.max_shard_size)
         print(f"  {n_params / 1e9:.3f} B parameters, {n_bytes / 1e9:.2f} GB in {t_write:.1f} s", flush=True)
         print("converting hf -> megatron ...", flush=True)
         a = run_child("hf2mg", hf, mg, args.tp)
@@ -202,7 +215,8 @@ def main() -> None:
           f"({n_params / 1e9:.3f} B params, {args.dtype}), megatron checkpoint {mg_bytes / 1e9:.2f} GB; "
           f"budget {args.limit_gb} GB: {'OK' if headline < args.limit_gb else 'EXCEEDED'}")
     result = {
-        "bench": "convert", "model": "Qwen2.5-1.5B-shaped (random)", "config": QWEN25_1_5B, "dtype": args.dtype,
+        "bench": "convert", "smoke": args.smoke, "model": f"{args.model}-shaped (random)",
+        "config": MODELS[args.model], "dtype": args.dtype,
         "tp": args.tp, "params": n_params, "model_bytes": n_bytes, "megatron_bytes": mg_bytes,
         "write_random_s": t_write, "verify_s": t_verify, "roundtrip_identical": True, "tensors": n_tensors,
         "directions": rows, "convert_peak_rss_gb": headline, "limit_gb": args.limit_gb,
@@ -210,10 +224,7 @@ def main() -> None:
                  "platform": platform.platform()},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"results: {out}")
+    print(f"results: {write_record(args.out, result)}")
     print(f"convert_peak_rss_gb: {headline:.3f}")
 
 

@@ -1,8 +1,9 @@
 """HTTP plumbing shared by the controller and the worker server (aiohttp, asyncio).
 
 JSON error replies, the bind rule (loopback by default, a bearer token required elsewhere), the
-token check, request-body parsing with errors that name the bad field, and a small runner that
-serves an aiohttp app on ``host:port`` (port 0 picks a free port) with uvloop when installed.
+token check, request-body parsing with errors that name the bad field, a small runner that
+serves an aiohttp app on ``host:port`` (port 0 picks a free port) with uvloop when installed,
+and :class:`HttpService`, the lifecycle both servers share.
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import logging
 import os
 import resource
 import signal
-from collections.abc import Awaitable, Callable
-from typing import Any
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Self
 
 from aiohttp import web
 
@@ -57,6 +59,14 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
 def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
     """The JSON error reply ``{"error": message, "status": status}``."""
     return json_response({"error": message, "status": status}, status=status, headers=headers)
+
+
+def base_api_url(url: str) -> str:
+    """A controller URL, ``http://host:port`` or ``http://host:port/api``, as ``http://host:port/api``."""
+    url = url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"controller URL {url!r} must start with http:// or https://, e.g. http://127.0.0.1:5020")
+    return url if url.endswith("/api") else url + "/api"
 
 
 def is_loopback(host: str) -> bool:
@@ -216,6 +226,50 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
             bound = int(addr[1])
             break
     return runner, bound
+
+
+class HttpService(ABC):
+    """An aiohttp app with the token / JSON-error middleware, served on ``host:port`` under the
+    bind rule, stopped with a bounded wait, usable as ``async with service:``.
+
+    Subclasses implement :meth:`start` and :meth:`stop` around :meth:`_serve` and :meth:`_unserve`.
+    """
+
+    def __init__(self, token: str | None, routes: Iterable[tuple[str, str, Handler]]) -> None:
+        """``token``: bearer token required on every request (None: none); ``routes``: (method, path, handler)."""
+        self.app = web.Application(middlewares=[make_middleware(token)], client_max_size=MAX_BODY_BYTES)
+        for method, path, handler in routes:
+            self.app.router.add_route(method, path, handler)
+        self._runner: web.AppRunner | None = None
+
+    async def _serve(self, host: str, port: int, token: str | None, what: str) -> int:
+        """Check the bind rule for ``what`` (ValueError) and serve the app; returns the bound port."""
+        check_bind(host, token, what)
+        self._runner, bound = await start_site(self.app, host, port)
+        return bound
+
+    async def _unserve(self) -> None:
+        """Stop serving (waits at most 10 s for open requests)."""
+        if self._runner is not None:
+            await asyncio.wait_for(self._runner.cleanup(), timeout=10)
+            self._runner = None
+
+    @abstractmethod
+    async def start(self) -> int:
+        """Serve; returns the bound port."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Stop serving and release everything."""
+
+    async def __aenter__(self) -> Self:
+        """``async with service:`` starts it."""
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        """Stops it."""
+        await self.stop()
 
 
 async def wait_for_signal() -> None:

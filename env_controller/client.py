@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from env_controller._http import SESSION_HEADER, resolve_token
+from env_controller._http import SESSION_HEADER, base_api_url, resolve_token
 from env_controller.local import MalformedMessageError, UnknownSessionError
 from env_controller.protocol import TaskReply
 
@@ -64,14 +64,6 @@ class EnvControllerError(RuntimeError):
 
 class EnvTimeoutError(EnvControllerError, TimeoutError):
     """No reply within the client's timeout."""
-
-
-def base_api_url(url: str) -> str:
-    """``http://host:port`` or ``http://host:port/api`` -> ``http://host:port/api``."""
-    url = url.rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"controller URL {url!r} must start with http:// or https://, e.g. http://127.0.0.1:5020")
-    return url if url.endswith("/api") else url + "/api"
 
 
 class HttpEnvClient:

@@ -48,15 +48,12 @@ from typing import Any, NamedTuple
 from aiohttp import web
 
 from env_controller._http import (
-    MAX_BODY_BYTES,
     SESSION_HEADER,
     HttpError,
-    check_bind,
+    HttpService,
     json_response,
-    make_middleware,
     read_json_object,
     session_id_from,
-    start_site,
 )
 from env_controller.local import MalformedMessageError, validate_assistant_messages
 from env_controller.metrics import ControllerMetrics
@@ -173,7 +170,7 @@ def _detail(raw: bytes) -> str:
     return text.strip()
 
 
-class Controller:
+class Controller(HttpService):
     """The controller's state and its aiohttp application.
 
     ``await controller.start()`` serves it (returns the bound port); ``await controller.stop()``
@@ -189,14 +186,13 @@ class Controller:
         self.metrics = ControllerMetrics(self._open_per_task, self.registry.counts)
         self.port: int | None = None
         self._http: WorkerHttp | None = None
-        self._runner: web.AppRunner | None = None
         self._monitor_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
         self._call_hist: dict[str, Any] = {}
         self._worker_headers = {"Content-Type": "application/json"}
         if c.token:
             self._worker_headers["Authorization"] = f"Bearer {c.token}"
-        self.app = self._build_app()
+        super().__init__(c.token, self._routes())
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -212,12 +208,12 @@ class Controller:
     async def start(self) -> int:
         """Bind and serve; start the monitor (heartbeat timeouts, idle GC, worker sync). Returns the port."""
         c = self.config
-        check_bind(c.host, c.token, "the controller")
         self._http = WorkerHttp(c.max_worker_connections, c.worker_keepalive_s, c.connect_timeout_s)
         try:
-            self._runner, self.port = await start_site(self.app, c.host, c.port)
+            self.port = await self._serve(c.host, c.port, c.token, "the controller")
         except BaseException:
             await self._http.close()
+            self._http = None
             raise
         self._monitor_task = asyncio.create_task(self._monitor(), name="controller-monitor")
         logger.info("controller listening on %s (token %s)", self.url, "required" if c.token else "off")
@@ -237,21 +233,10 @@ class Controller:
             task.cancel()
         if self._bg:
             await asyncio.wait(list(self._bg), timeout=5)
-        if self._runner is not None:
-            await asyncio.wait_for(self._runner.cleanup(), timeout=10)
-            self._runner = None
+        await self._unserve()
         if self._http is not None:
             await self._http.close()
             self._http = None
-
-    async def __aenter__(self) -> "Controller":
-        """``async with Controller(cfg) as c:`` starts it."""
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        """Stops it."""
-        await self.stop()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -260,8 +245,7 @@ class Controller:
 
     # -- app -------------------------------------------------------------------------------------
 
-    def _build_app(self) -> web.Application:
-        app = web.Application(middlewares=[make_middleware(self.config.token)], client_max_size=MAX_BODY_BYTES)
+    def _routes(self) -> list[tuple[str, str, Any]]:
         routes = [
             ("POST", "/api/start_sample", "start_sample", self._h_start),
             ("POST", "/api/interact", "interact", self._h_interact),
@@ -274,9 +258,7 @@ class Controller:
             ("GET", "/api/health", "health", self._h_health),
             ("GET", "/metrics", "metrics", self._h_metrics),
         ]
-        for method, path, endpoint, handler in routes:
-            app.router.add_route(method, path, self._instrument(endpoint, handler))
-        return app
+        return [(method, path, self._instrument(endpoint, handler)) for method, path, endpoint, handler in routes]
 
     def _instrument(self, endpoint: str, handler: Any) -> Any:
         seconds = self.metrics.request_seconds.labels(endpoint)

@@ -34,15 +34,13 @@ import aiohttp
 from aiohttp import web
 
 from env_controller._http import (
-    MAX_BODY_BYTES,
     SESSION_HEADER,
     HttpError,
-    check_bind,
+    HttpService,
+    base_api_url,
     json_response,
-    make_middleware,
     read_json_object,
     session_id_from,
-    start_site,
 )
 from env_controller.local import MalformedMessageError, validate_assistant_messages
 from env_controller.protocol import SampleStatus, TaskReply
@@ -61,15 +59,7 @@ class _Open:
     last_active: float = field(default_factory=time.monotonic)
 
 
-def normalize_controller_url(url: str) -> str:
-    """``http://host:port`` or ``http://host:port/api`` -> ``http://host:port/api``."""
-    url = url.rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"controller URL {url!r} must start with http:// or https://, e.g. http://127.0.0.1:5020/api")
-    return url if url.endswith("/api") else url + "/api"
-
-
-class WorkerServer:
+class WorkerServer(HttpService):
     """Serves one task over the task-worker protocol and heartbeats to a controller."""
 
     def __init__(
@@ -103,7 +93,7 @@ class WorkerServer:
             raise ValueError(f"worker: latency_s={latency_s!r} must be >= 0")
         self.task = task
         self.name = name or getattr(task, "name", None) or type(task).__name__
-        self.controller_url = normalize_controller_url(controller_url) if controller_url else None
+        self.controller_url = base_api_url(controller_url) if controller_url else None
         self.host = host
         self.port = port
         self._self_address = self_address.rstrip("/") if self_address else None
@@ -116,13 +106,12 @@ class WorkerServer:
         self.indices: list[Any] = list(task.indices())
         self._index_set = set(self.indices)
         self._sessions: dict[int, _Open] = {}
-        self._runner: web.AppRunner | None = None
         self._http: aiohttp.ClientSession | None = None
         self._loops: list[asyncio.Task[None]] = []
         self._notices: set[asyncio.Future[None]] = set()
         #: set once a heartbeat was accepted (created in start(), inside the loop)
         self.heartbeat_ok: asyncio.Event | None = None
-        self.app = self._build_app()
+        super().__init__(token, self._routes())
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -141,9 +130,8 @@ class WorkerServer:
 
     async def start(self) -> int:
         """Bind, serve, and start heartbeating; returns the bound port."""
-        check_bind(self.host, self.token, "the worker")
         self.heartbeat_ok = asyncio.Event()
-        self._runner, self.port = await start_site(self.app, self.host, self.port)
+        self.port = await self._serve(self.host, self.port, self.token, "the worker")
         self._http = aiohttp.ClientSession()
         self._loops.append(asyncio.create_task(self._gc_loop(), name="worker-gc"))
         if self.controller_url:
@@ -165,36 +153,25 @@ class WorkerServer:
             await asyncio.wait(list(self._notices), timeout=10)
         for sid in list(self._sessions):
             await self._cancel(sid)
-        if self._runner is not None:
-            await asyncio.wait_for(self._runner.cleanup(), timeout=10)
-            self._runner = None
+        await self._unserve()
         if self._http is not None:
             await self._http.close()
             self._http = None
 
-    async def __aenter__(self) -> "WorkerServer":
-        """``async with WorkerServer(...) as w:`` starts it."""
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        """Stops it."""
-        await self.stop()
-
     # -- app -------------------------------------------------------------------------------------
 
-    def _build_app(self) -> web.Application:
-        app = web.Application(middlewares=[make_middleware(self.token)], client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/api/start_sample", self._h_start)
-        app.router.add_post("/api/interact", self._h_interact)
-        app.router.add_post("/api/cancel", self._h_cancel)
-        app.router.add_post("/api/cancel_with_notice", self._h_cancel_with_notice)
-        app.router.add_post("/api/cancel_all", self._h_cancel_all)
-        app.router.add_post("/api/sample_status", self._h_sample_status)
-        app.router.add_get("/api/get_indices", self._h_get_indices)
-        app.router.add_get("/api/get_sessions", self._h_get_sessions)
-        app.router.add_get("/api/worker_status", self._h_worker_status)
-        return app
+    def _routes(self) -> list[tuple[str, str, Any]]:
+        return [
+            ("POST", "/api/start_sample", self._h_start),
+            ("POST", "/api/interact", self._h_interact),
+            ("POST", "/api/cancel", self._h_cancel),
+            ("POST", "/api/cancel_with_notice", self._h_cancel_with_notice),
+            ("POST", "/api/cancel_all", self._h_cancel_all),
+            ("POST", "/api/sample_status", self._h_sample_status),
+            ("GET", "/api/get_indices", self._h_get_indices),
+            ("GET", "/api/get_sessions", self._h_get_sessions),
+            ("GET", "/api/worker_status", self._h_worker_status),
+        ]
 
     async def _delay(self) -> None:
         if self.latency_s > 0:

@@ -35,10 +35,11 @@ from __future__ import annotations
 import logging
 import re
 import secrets
+import select
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from types import TracebackType
@@ -264,6 +265,30 @@ def ansi_c_quote(data: bytes) -> str:
             out.append(chr(byte))
     out.append("'")
     return "".join(out)
+
+
+def proc_stat(pid: int | str) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, parent pid, ...; see
+    proc(5), shifted by two), or None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(b")") + 2:].split()
+
+
+def read_when_ready(source: int | object, timeout_s: float, read: Callable[[], bytes]) -> bytes | None:
+    """Wait at most ``timeout_s`` for ``source`` (a file descriptor or socket) to be readable, then
+    ``read()`` once: ``b""`` when nothing came, None at end of stream (as :meth:`Channel.recv`)."""
+    readable, _, _ = select.select([source], [], [], max(0.0, timeout_s))
+    if not readable:
+        return b""
+    try:
+        chunk = read()
+    except (BlockingIOError, TimeoutError):
+        return b""
+    return chunk or None
 
 
 class Channel(ABC):

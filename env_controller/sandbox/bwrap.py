@@ -48,6 +48,8 @@ from env_controller.sandbox.base import (
     SandboxLimits,
     SandboxUnavailableError,
     ShellSandbox,
+    proc_stat,
+    read_when_ready,
 )
 
 logger = logging.getLogger(__name__)
@@ -109,16 +111,8 @@ class _PipeChannel(Channel):
         """See :meth:`Channel.recv`."""
         if self._eof:
             return None
-        readable, _, _ = select.select([self._out], [], [], max(0.0, timeout_s))
-        if not readable:
-            return b""
-        try:
-            chunk = os.read(self._out, 1 << 16)
-        except BlockingIOError:
-            return b""
-        if not chunk:
-            self._eof = True
-            return None
+        chunk = read_when_ready(self._out, timeout_s, lambda: os.read(self._out, 1 << 16))
+        self._eof = chunk is None
         return chunk
 
     def close(self) -> None:
@@ -137,13 +131,8 @@ def _scan_processes() -> list[tuple[int, int, bool]]:
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) >= 2:
+        fields = proc_stat(name)
+        if fields is not None and len(fields) >= 2:
             out.append((int(name), int(fields[1]), fields[0] == b"Z"))
     return out
 
@@ -181,12 +170,8 @@ def descendants(pid: int, zombies: bool = False, max_age_s: float = 0.0) -> list
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2:].split()[:1] != [b"Z"]
+    fields = proc_stat(pid)
+    return fields is not None and fields[:1] != [b"Z"]
 
 
 def _safe_write(root: Path, rel: PurePosixPath, data: bytes, mode: int, uid: int | None) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import socket
 import struct
 import time
@@ -36,6 +35,8 @@ from env_controller.sandbox.base import (
     SandboxLimits,
     SandboxUnavailableError,
     ShellSandbox,
+    proc_stat,
+    read_when_ready,
 )
 
 logger = logging.getLogger(__name__)
@@ -51,13 +52,8 @@ _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 def _start_time(pid: int) -> str | None:
     """The start time (clock ticks since boot) of process ``pid``, or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2:].split()
-    return fields[19].decode() if len(fields) > 19 else None
+    fields = proc_stat(pid)
+    return fields[19].decode() if fields is not None and len(fields) > 19 else None
 
 
 def owner_id(pid: int | None = None) -> str:
@@ -110,19 +106,13 @@ class _ExecChannel(Channel):
         """See :meth:`Channel.recv`."""
         if self._eof:
             return None
-        readable, _, _ = select.select([self._sock], [], [], max(0.0, timeout_s))
-        if not readable:
-            return b""
         try:
-            chunk = self._sock.recv(1 << 16)
-        except (BlockingIOError, socket.timeout):
-            return b""
-        except OSError:
-            chunk = b""
-        if not chunk:
+            chunk = read_when_ready(self._sock, timeout_s, lambda: self._sock.recv(1 << 16))
+        except OSError:  # a broken attach connection ends the stream like EOF
+            chunk = None
+        if chunk is None:
             self._eof = True
-            data = self._frames()
-            return data or None
+            return self._frames() or None
         self._raw += chunk
         return self._frames()
 

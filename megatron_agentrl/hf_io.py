@@ -80,7 +80,8 @@ def load_hf_config(model: ModelConfig, tokenizer: Any | None = None):
         cfg = AutoConfig.for_model(model_type, **data)
     except (TypeError, ValueError) as e:
         where = f"model.hf_config='{model.hf_config}'" if model.hf_config is not None else "model.arch"
-        raise ConfigError(f"{where}: transformers refuses the {model_type} config: {' '.join(str(e).split())}") from None
+        detail = " ".join(str(e).split())
+        raise ConfigError(f"{where}: transformers refuses the {model_type} config: {detail}") from None
     cfg.architectures = [_ARCHS[model_type]]
     if tokenizer is not None and cfg.vocab_size < len(tokenizer):
         raise ConfigError(
@@ -121,7 +122,8 @@ def load_hf_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     if not root.is_dir():
         raise FileNotFoundError(
             f"model.checkpoint='{checkpoint}' is not a directory; point it at a Hugging Face checkpoint "
-            f"directory holding model.safetensors (or model.safetensors.index.json and its shards), or unset it for random init"
+            "directory holding model.safetensors (or model.safetensors.index.json and its shards), or unset it for "
+            "random init"
         )
     index = root / "model.safetensors.index.json"
     if index.is_file():
@@ -146,7 +148,8 @@ def load_hf_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_hf_checkpoint(state: dict[str, torch.Tensor], hf_config, out_dir: str | Path, tokenizer: Any | None = None) -> Path:
+def save_hf_checkpoint(state: dict[str, torch.Tensor], hf_config: Any, out_dir: str | Path,
+                       tokenizer: Any | None = None) -> Path:
     """Write ``state`` (HF names) as ``model.safetensors`` plus config.json (and tokenizer files) to ``out_dir``."""
     from safetensors.torch import save_file
 
@@ -154,7 +157,8 @@ def save_hf_checkpoint(state: dict[str, torch.Tensor], hf_config, out_dir: str |
     out.mkdir(parents=True, exist_ok=True)
     if getattr(hf_config, "tie_word_embeddings", False):
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     hf_config.save_pretrained(str(out))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))

@@ -14,7 +14,7 @@ import pytest
 
 from env_controller.local import LocalEnvClient, MalformedMessageError, UnknownSessionError
 from env_controller.protocol import SampleStatus, TaskReply
-from env_controller.tasks import TASKS, Task, TaskSession, build_task
+from env_controller.tasks import TASKS, Task, TaskParamError, TaskSession, build_task
 from env_controller.tasks.base import make_tool_call
 
 NAMES = ["lookup", "calc", "guess"]
@@ -269,6 +269,39 @@ def test_registry_and_param_errors() -> None:
         build_task("guess", max_turns=2)
     easy = build_task("guess", max_value=7, max_turns=3)
     assert max(sum(m["role"] == "assistant" for m in easy.demonstration(i)[0]) for i in range(50)) == 3
+
+
+@pytest.mark.parametrize("name, params, param, rule", [
+    ("calc", {"nkeys": 3}, "nkeys",
+     "is not a parameter of task 'calc'; accepted: seed, num_samples, max_turns, low, high"),
+    ("lookup", {"seed": 1.5}, "seed", "must be an integer"),
+    ("lookup", {"num_samples": True}, "num_samples", "must be a positive integer"),
+    ("lookup", {"num_keys": 99}, "num_keys", "must be an integer in 1..24"),
+    ("calc", {"low": -1}, "low", "must be an integer >= 0"),
+    ("calc", {"low": 9, "high": 3}, "high", "must be above low=9"),
+    ("guess", {"max_value": 1}, "max_value", "must be an integer >= 2"),
+    ("guess", {"max_turns": 2}, "max_turns", "is too few to always find a number in 1..15 (bisection needs 4); "
+                                             "raise max_turns or lower max_value"),
+    ("os_shell", {"command_timeout_s": float("inf")}, "command_timeout_s",
+     "must be a positive (finite) number of seconds"),
+    ("os_shell", {"max_processes": 3}, "max_processes", "must be an integer >= 4"),
+    ("os_shell", {"memory_mb": 0}, "memory_mb", "must be a positive integer"),
+    ("os_shell", {"image": ""}, "image", "must be a non-empty string"),
+    ("os_shell", {"max_workers": 0}, "max_workers", "must be a positive integer"),
+    ("db", {"port": 70000}, "port", "must be an integer in 1..65535"),
+    ("db", {"admin_password": 1234}, "admin_password", "must be a string"),
+    ("db", {"unix_socket": 5}, "unix_socket", "must be a non-empty string or null"),
+    ("db", {"start_server": "yes"}, "start_server", "must be true or false"),
+    ("db", {"query_timeout_s": float("nan")}, "query_timeout_s", "must be a positive (finite) number of seconds"),
+    ("db", {"max_output_chars": 10}, "max_output_chars", "must be an integer >= 100"),
+])
+def test_each_task_names_its_bad_param(name: str, params: dict[str, Any], param: str, rule: str) -> None:
+    """Every built-in task checks its own params when built; the error names the param, the value and the rule,
+    which the trainer's config turns into ``tasks[i].params.<param>=<value> <rule>``."""
+    with pytest.raises(TaskParamError) as info:
+        build_task(name, **params)
+    assert (info.value.param, info.value.value, info.value.rule) == (param, params[param], rule)
+    assert isinstance(info.value, ValueError) and str(info.value)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_agentrl.config import TrainConfig
 from megatron_agentrl.convert import get_mapping
 from megatron_agentrl.convert.base import ConversionError
 from megatron_agentrl.convert.qwen2 import OUTPUT_LAYER, padded_vocab_size
@@ -114,8 +115,8 @@ class MegatronActor:
 
     Args:
         hf_config: transformers config of the policy (``model_type`` "qwen2").
-        train_cfg: ``megatron_agentrl.config.TrainConfig`` (lr, adam betas, weight_decay,
-            grad_clip, micro_batch_size, clip_eps_low/high).
+        train_cfg: the RL optimizer and loss settings (lr, adam betas, weight_decay, grad_clip,
+            micro_batch_size / micro_batch_tokens, clip_eps_low/high, tis_cap, kl_coef, entropy_coef).
         dtype: parameter / compute dtype (float32, bfloat16, float16); bf16/fp16 keep fp32
             master weights and fp32 gradient accumulation.
         make_vocab_size_divisible_by: megatron vocab padding (to a multiple of this * tp).
@@ -128,7 +129,7 @@ class MegatronActor:
     def __init__(
         self,
         hf_config: Any,
-        train_cfg: Any,
+        train_cfg: TrainConfig,
         dtype: torch.dtype = torch.float32,
         make_vocab_size_divisible_by: int = 128,
     ) -> None:
@@ -182,10 +183,10 @@ class MegatronActor:
         for (name, _), m in zip(self.named_params, self.masters):
             (no_decay if m.ndim == 1 or name.endswith(".bias") else decay).append(m)
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": float(train_cfg.weight_decay)},
+            [{"params": decay, "weight_decay": train_cfg.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],
-            lr=float(train_cfg.lr),
-            betas=(float(train_cfg.adam_beta1), float(train_cfg.adam_beta2)),
+            lr=train_cfg.lr,
+            betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
             eps=1e-8,
         )
         # Vocab entries of this TP shard that are padding (masked to -inf in log-softmax).
@@ -442,7 +443,7 @@ class MegatronActor:
         B, T = tokens.shape
         if T < 2 or B == 0:
             return torch.zeros(B, T, dtype=torch.float32)
-        budget = int(getattr(self.train_cfg, "micro_batch_tokens", 0) or 0) if loss_mask is not None else 0
+        budget = self.train_cfg.micro_batch_tokens if loss_mask is not None else 0
         plan, widths = self._plan(loss_mask, B, T, micro_batch_size, budget)
 
         def loss_func(mb: dict[str, Tensor], output: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
@@ -482,7 +483,7 @@ class MegatronActor:
             with torch.no_grad():
                 for (_, p), r in zip(self.named_params, self._ref_params):
                     p.copy_(r)
-            return self.compute_logprobs(tokens, temperature, int(self.train_cfg.micro_batch_size), loss_mask=loss_mask)
+            return self.compute_logprobs(tokens, temperature, self.train_cfg.micro_batch_size, loss_mask=loss_mask)
         finally:
             with torch.no_grad():
                 for (_, p), x in zip(self.named_params, saved):
@@ -495,11 +496,11 @@ class MegatronActor:
             return ["loss"]
         cfg = self.train_cfg
         keys = ["loss", "pg_loss", "clip_frac", "approx_kl"]
-        if float(getattr(cfg, "tis_cap", 0.0) or 0.0) > 0:
+        if cfg.tis_cap > 0:
             keys += ["is_weight", "is_truncated"]
         if with_ref:
             keys.append("kl_ref")
-        if float(getattr(cfg, "entropy_coef", 0.0) or 0.0) > 0:
+        if cfg.entropy_coef > 0:
             keys.append("entropy")
         return keys
 
@@ -532,9 +533,7 @@ class MegatronActor:
         if B == 0:
             raise ValueError("empty batch on this data-parallel rank: give at least one sample per DP rank")
         cfg = self.train_cfg
-        tis_cap = float(getattr(cfg, "tis_cap", 0.0) or 0.0)
-        kl_coef = float(getattr(cfg, "kl_coef", 0.0) or 0.0)
-        entropy_coef = float(getattr(cfg, "entropy_coef", 0.0) or 0.0)
+        tis_cap, kl_coef, entropy_coef = cfg.tis_cap, cfg.kl_coef, cfg.entropy_coef
         with_ref = loss_type == "grpo" and batch.ref_logprobs is not None
         if loss_type == "grpo" and kl_coef > 0 and not with_ref:
             raise ValueError("train.kl_coef > 0 needs batch.ref_logprobs (compute_ref_logprobs)")
@@ -554,7 +553,7 @@ class MegatronActor:
                 lp = self._token_logprobs(output, mb["tokens"], temperature, scaled=scaled if entropy_coef > 0 else None)
                 loss, stats = policy_loss(
                     lp, mb["behavior_logprobs"].to(lp.dtype), mb["advantages"].to(lp.dtype), mask,
-                    clip_eps_low=float(cfg.clip_eps_low), clip_eps_high=float(cfg.clip_eps_high),
+                    clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
                     old_logprobs=lp.detach() if tis_cap > 0 else None, tis_cap=tis_cap,
                     ref_logprobs=mb["ref_logprobs"].to(lp.dtype) if with_ref else None, kl_coef=kl_coef,
                     entropy=entropy, entropy_coef=entropy_coef,
@@ -574,8 +573,7 @@ class MegatronActor:
         }
         if with_ref:
             data["ref_logprobs"] = batch.ref_logprobs.float()
-        budget = int(getattr(cfg, "micro_batch_tokens", 0) or 0)
-        plan, widths = self._plan(data["loss_mask"], B, T, int(cfg.micro_batch_size), budget)
+        plan, widths = self._plan(data["loss_mask"], B, T, cfg.micro_batch_size, cfg.micro_batch_tokens)
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         outs = self._run(data, plan, widths, False, loss_func)
@@ -616,7 +614,7 @@ class MegatronActor:
         if not math.isfinite(norm):
             logger.warning("non-finite grad norm %s: optimizer step skipped", norm)
             return norm
-        clip = float(self.train_cfg.grad_clip)
+        clip = self.train_cfg.grad_clip
         coef = clip / (norm + 1e-6) if clip > 0 else 1.0
         for (_, p), m in zip(self.named_params, self.masters):
             if coef < 1.0:

@@ -8,8 +8,11 @@ on the held-out evaluation samples right after the supervised warm-up (``before_
 RL (``after_rl``), same samples, same sampling temperature. The gain of a task is the mean over
 seeds of (after - before), in percentage points.
 
-Prints a table per seed and the means, writes ``bench/results/demo_learning.json``; the last line
-is ``demo_min_task_gain_points: <the smallest mean gain over the tasks>``.
+Prints a table per seed and the means, writes ``bench/results/demo_learning.json`` (``--out``;
+the runs' output directories go under ``--workdir``); the last line is
+``demo_min_task_gain_points: <the smallest mean gain over the tasks>``. ``--smoke``: one seed of a
+tiny demo (2 warm-up steps, 1 RL step, 2 evaluation samples per task, short turns; the runs in a
+temporary directory), in seconds; its gain means nothing.
 """
 from __future__ import annotations
 
@@ -19,15 +22,28 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from statistics import mean
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench._common import bench_parser, parse_bench_args, write_record  # noqa: E402
+
+SMOKE = {"seeds": "1", "timeout": 600.0}
+# the demo at its smallest: each phase runs once, on short sequences
+SMOKE_OVERRIDES = ["sft.steps=2", "sft.short_format_steps=1", "sft.batch_size=4", "train.steps=1",
+                   "train.micro_batch_size=4", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+                   "rollout.max_turns=2", "rollout.max_new_tokens=8", "eval.samples_per_task=2",
+                   "checkpoint.interval=0", "model.arch.hidden_size=32", "model.arch.intermediate_size=64",
+                   "model.arch.num_hidden_layers=1"]
 
 
-def run_seed(config: str, seed: int, out_dir: Path, overrides: list[str], timeout_s: float) -> tuple[dict[str, Any], float]:
+def run_seed(config: str, seed: int, out_dir: Path, overrides: list[str],
+             timeout_s: float) -> tuple[dict[str, Any], float]:
     """Run the demo for one seed in a subprocess; returns (its summary.json, wall seconds)."""
     cmd = [sys.executable, "-m", "megatron_agentrl.cli", "train", "--config", config,
            f"train.seed={seed}", f"output_dir={out_dir}", *overrides]
@@ -38,10 +54,17 @@ def run_seed(config: str, seed: int, out_dir: Path, overrides: list[str], timeou
         try:
             proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise SystemExit(f"seed {seed}: the demo ran past --timeout {timeout_s:.0f}s; its log is {log}")
+            _log_tail(log)
+            raise SystemExit(f"seed {seed}: the demo ran past --timeout {timeout_s:.0f}s; its log is {log}") from None
     if proc.returncode != 0:
+        _log_tail(log)
         raise SystemExit(f"seed {seed}: the demo failed (exit {proc.returncode}); its log is {log}")
     return json.loads((out_dir / "summary.json").read_text()), time.perf_counter() - t0
+
+
+def _log_tail(log: Path, lines: int = 40) -> None:
+    """Copy the last ``lines`` of a failed run's log to stderr (a temporary workdir goes away)."""
+    sys.stderr.write("".join(log.read_text(errors="replace").splitlines(keepends=True)[-lines:]))
 
 
 def task_success(summary: dict[str, Any], phase: str) -> dict[str, float]:
@@ -49,23 +72,35 @@ def task_success(summary: dict[str, Any], phase: str) -> dict[str, float]:
     return {k.split("/", 1)[1]: v for k, v in summary[phase].items() if k.startswith("success/")}
 
 
-def main() -> None:
-    """Run the seeds, print the table, write the JSON, print the last line."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    """Parse the options, run the seeds under ``--workdir`` (a temporary one with ``--smoke``)."""
+    p = bench_parser("demo_learning", __doc__)
     p.add_argument("--config", default="examples/configs/tiny_cpu.yaml")
     p.add_argument("--seeds", default="1,2,3", help="comma-separated train.seed values")
-    p.add_argument("--out", default="bench/results/demo_learning", help="per-seed output dirs go under here")
+    p.add_argument("--workdir", default=None,
+                   help="per-seed output dirs go under here (default bench/results/demo_learning; with --smoke a "
+                        "temporary directory)")
     p.add_argument("--timeout", type=float, default=1800.0, help="limit on one seed's run, seconds")
     p.add_argument("overrides", nargs="*", help="extra key=value config overrides for every seed")
-    args = p.parse_args()
+    args = parse_bench_args(p, argv, SMOKE)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if not seeds:
         raise SystemExit(f"--seeds {args.seeds!r} names no seed; give e.g. --seeds 1,2,3")
-    out_root = (ROOT / args.out).resolve()
+    overrides = [*SMOKE_OVERRIDES, *args.overrides] if args.smoke else args.overrides
+    if args.workdir is not None:
+        run_seeds(args, seeds, overrides, (ROOT / args.workdir).resolve())
+    elif args.smoke:
+        with tempfile.TemporaryDirectory(prefix="agentrl_demo_smoke_") as tmp:
+            run_seeds(args, seeds, overrides, Path(tmp))
+    else:
+        run_seeds(args, seeds, overrides, ROOT / "bench" / "results" / "demo_learning")
 
+
+def run_seeds(args: argparse.Namespace, seeds: list[int], overrides: list[str], out_root: Path) -> None:
+    """Run the seeds under ``out_root``, print the table, write the JSON, print the last line."""
     rows, per_seed = [], {}
     for seed in seeds:
-        summary, wall = run_seed(args.config, seed, out_root / f"seed{seed}", args.overrides, args.timeout)
+        summary, wall = run_seed(args.config, seed, out_root / f"seed{seed}", overrides, args.timeout)
         before, after = task_success(summary, "before_rl"), task_success(summary, "after_rl")
         per_seed[seed] = {"before": before, "after": after, "wall_s": wall, "rl_wall_s": summary.get("rl_wall_s")}
         for task in sorted(before):
@@ -80,13 +115,11 @@ def main() -> None:
         b = 100 * mean(r[2] for r in rows if r[1] == t)
         a = 100 * mean(r[3] for r in rows if r[1] == t)
         print(f"{t:<10}{b:>13.1f}{a:>12.1f}{gains[t]:>15.1f}")
-    result = {"config": args.config, "seeds": seeds, "overrides": args.overrides, "per_seed": per_seed,
+    result = {"config": args.config, "smoke": args.smoke, "seeds": seeds, "overrides": overrides, "per_seed": per_seed,
               "mean_gain_points": gains, "demo_min_task_gain_points": min(gains.values()),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
               "date": time.strftime("%Y-%m-%d")}
-    out = ROOT / "bench" / "results" / "demo_learning.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    print(f"results: {write_record(args.out, result)}")
     print(f"demo_min_task_gain_points: {min(gains.values()):.1f}")
 
 

@@ -9,7 +9,7 @@
         await env.cancel(session_id)                                 # idempotent
 
 Errors map as in the local client: an unknown task or index raises ValueError, a malformed
-message :class:`~env_controller.local.MalformedMessageError`, an unknown session
+message :class:`~env_controller.protocol.MalformedMessageError`, an unknown session
 :class:`~env_controller.local.UnknownSessionError`. Every call has a timeout
 (:class:`EnvTimeoutError`). Retries, with exponential backoff: 5xx replies (503 only for
 ``interact``, the one call that is not safe to repeat: the controller answers 503 only when it
@@ -30,8 +30,8 @@ from typing import Any
 import aiohttp
 
 from env_controller._http import SESSION_HEADER, base_api_url, resolve_token
-from env_controller.local import MalformedMessageError, UnknownSessionError
-from env_controller.protocol import TaskReply
+from env_controller.local import UnknownSessionError
+from env_controller.protocol import MalformedMessageError, TaskReply
 
 logger = logging.getLogger(__name__)
 

@@ -55,9 +55,8 @@ from env_controller._http import (
     read_json_object,
     session_id_from,
 )
-from env_controller.local import MalformedMessageError, validate_assistant_messages
 from env_controller.metrics import ControllerMetrics
-from env_controller.protocol import SampleStatus, TaskReply
+from env_controller.protocol import MalformedMessageError, SampleStatus, TaskReply, validate_assistant_messages
 from env_controller.registry import NoWorkerError, RegistryError, Worker, WorkerRegistry, WorkerState
 from env_controller.sessions import Session, SessionTable, final_reply
 from env_controller.workerhttp import ConnectError, WorkerHttp, parse_url

@@ -2,10 +2,12 @@
 
 Every reply a task gives, in-process or over HTTP, is a :class:`TaskReply`: the OpenAI-style
 messages that are new since the last reply, the tools (OpenAI function schemas, sent on
-start), a status, whether the episode is finished, and the reward.
+start), a status, whether the episode is finished, and the reward. Every action the agent sends
+is one assistant message, checked by :func:`validate_assistant_messages`.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -96,3 +98,65 @@ class TaskReply:
 
 
 _STATUSES = {s.value: s for s in SampleStatus}
+
+
+class MalformedMessageError(ValueError):
+    """An interact body that is not ``[assistant message]`` of the OpenAI shape."""
+
+
+def validate_assistant_messages(messages: Any) -> dict[str, Any]:
+    """Check an interact body and return its assistant message, normalized.
+
+    ``messages`` must be a list holding one ``{"role": "assistant", "content": str | None,
+    "tool_calls": [...] | None}``; each tool call must be ``{"id": str (optional), "type":
+    "function" (optional), "function": {"name": str, "arguments": str | dict}}``. The returned
+    copy has ``content`` as a string, ``tool_calls`` as a list, every call with an ``id`` and
+    ``type``, and dict ``arguments`` serialized to JSON. Invalid JSON inside ``arguments`` is not
+    a shape error: the task answers it with an explanatory tool message.
+    Raises :class:`MalformedMessageError` naming the bad field.
+    """
+    if not isinstance(messages, list) or len(messages) != 1:
+        got = f"a list of {len(messages)}" if isinstance(messages, list) else type(messages).__name__
+        raise MalformedMessageError(f"'messages' must be a list holding exactly one assistant message, got {got}")
+    message = messages[0]
+    if not isinstance(message, dict):
+        raise MalformedMessageError(f"messages[0] must be an object, got {type(message).__name__}")
+    if message.get("role") != "assistant":
+        raise MalformedMessageError(f"messages[0].role must be 'assistant', got {message.get('role')!r}")
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        raise MalformedMessageError(f"messages[0].content must be a string or null, got {type(content).__name__}")
+    calls = message.get("tool_calls")
+    if calls is None:
+        calls = []
+    if not isinstance(calls, list):
+        raise MalformedMessageError(f"messages[0].tool_calls must be a list or null, got {type(calls).__name__}")
+    out_calls: list[dict[str, Any]] = []
+    for i, call in enumerate(calls):
+        where = f"messages[0].tool_calls[{i}]"
+        if not isinstance(call, dict):
+            raise MalformedMessageError(f"{where} must be an object, got {type(call).__name__}")
+        call_id = call.get("id")
+        if call_id is None:
+            call_id = f"call_{i}"
+        elif not isinstance(call_id, str) or not call_id:
+            raise MalformedMessageError(f"{where}.id must be a non-empty string, got {call_id!r}")
+        if call.get("type", "function") != "function":
+            raise MalformedMessageError(f"{where}.type must be 'function', got {call.get('type')!r}")
+        fn = call.get("function")
+        if not isinstance(fn, dict):
+            raise MalformedMessageError(f"{where}.function must be an object with 'name' and 'arguments', got {fn!r}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise MalformedMessageError(f"{where}.function.name must be a non-empty string, got {name!r}")
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, dict):
+            arguments = json.dumps(arguments)
+        elif arguments is None:
+            arguments = "{}"
+        elif not isinstance(arguments, str):
+            raise MalformedMessageError(
+                f"{where}.function.arguments must be a JSON string, got {type(arguments).__name__}"
+            )
+        out_calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+    return {"role": "assistant", "content": content or "", "tool_calls": out_calls}

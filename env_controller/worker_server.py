@@ -42,8 +42,7 @@ from env_controller._http import (
     read_json_object,
     session_id_from,
 )
-from env_controller.local import MalformedMessageError, validate_assistant_messages
-from env_controller.protocol import SampleStatus, TaskReply
+from env_controller.protocol import MalformedMessageError, SampleStatus, TaskReply, validate_assistant_messages
 from env_controller.tasks.base import Task, TaskSession
 
 logger = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ import pytest
 
 from env_controller.client import EnvControllerError, HttpEnvClient
 from env_controller.controller import Controller, ControllerConfig
-from env_controller.local import MalformedMessageError, UnknownSessionError
+from env_controller.local import UnknownSessionError
 from env_controller.net import free_port
-from env_controller.protocol import SampleStatus, TaskReply
+from env_controller.protocol import MalformedMessageError, SampleStatus, TaskReply
 from env_controller.registry import NoWorkerError, RegistryError, WorkerRegistry, WorkerState
 from env_controller.tasks import Task, TaskSession, build_task
 from env_controller.tasks.base import make_tool_call

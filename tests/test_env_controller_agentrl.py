@@ -23,9 +23,9 @@ pytest.importorskip("agentrl.worker.task_worker", reason="agentrl-worker is in t
 
 from env_controller.client import EnvControllerError, HttpEnvClient  # noqa: E402
 from env_controller.controller import Controller, ControllerConfig  # noqa: E402
-from env_controller.local import MalformedMessageError, UnknownSessionError  # noqa: E402
+from env_controller.local import UnknownSessionError  # noqa: E402
 from env_controller.net import free_port  # noqa: E402
-from env_controller.protocol import SampleStatus  # noqa: E402
+from env_controller.protocol import MalformedMessageError, SampleStatus  # noqa: E402
 
 TASK_MODULE = '''
 """An AgentRL task: add two numbers (tool ``add``), then ``answer``."""

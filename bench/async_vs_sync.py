@@ -3,8 +3,10 @@
 
 Both modes run ``megatron_agentrl.pipeline.loop.run_training`` on the same tiny model (same seed,
 same random initialisation), the same multi-turn workload with heavy-tailed environment latency,
-and the same number of trained samples (``--steps`` x ``--prompts`` x ``--group``). Only
-``pipeline.mode`` differs:
+and the same number of trained samples (``--steps`` x ``--prompts`` x ``--group``). Every setting
+that matters is set here, not taken from the demo config: one version slot with on-policy sampling
+(``rollout.max_versions=1``, ``rollout.cross_policy=latest``) in both modes, no warm-up, no
+evaluation, no checkpoint. Only ``pipeline.mode`` (and its ``pipeline.staleness``) differs:
 
 * ``sync``: a step's groups start once the previous step's weights are loaded, run their turns in
   lockstep (one batched generate per turn), the trainer waits for the slowest episode, trains,
@@ -20,8 +22,9 @@ Every env call (start and each turn) first waits a Pareto(alpha) delay with mini
 ``--latency`` seconds, capped at ``--latency-max`` (``pipeline.sim_env_latency_*``).
 
 Throughput = trained samples / wall seconds of the RL phase (first step to last step, no
-evaluation). Prints a table, writes ``bench/results/async_vs_sync.json``; the last line is
-``async_speedup: <async / sync throughput>``.
+evaluation). Prints a table, writes ``bench/results/async_vs_sync.json`` (``--out``); the last line
+is ``async_speedup: <async / sync throughput>``. ``--smoke``: 2 steps of 2 groups of 2 on a
+one-layer model with short turns and 10 ms latencies, in seconds; its speedup means nothing.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._common import bench_parser, parse_bench_args, write_record  # noqa: E402
 from env_controller.protocol import SampleStatus, TaskReply  # noqa: E402
 from env_controller.tasks import TASKS  # noqa: E402
 from env_controller.tasks.base import Task, TaskSession  # noqa: E402
@@ -83,9 +87,17 @@ class DialogTask(Task):
         raise NotImplementedError("dialog has no demonstrations (the benchmark runs without SFT)")
 
 
+SMOKE = {"steps": 2, "prompts": 2, "group": 2, "latency": 0.01, "latency_max": 0.05, "max_turns": 3,
+         "max_new_tokens": 4, "hidden": 32, "layers": 1}
+
+
 def _overrides(args: argparse.Namespace, mode: str, out: Path, cohort: int = 0) -> list[str]:
+    """The config overrides of one mode's run (on top of the demo config, whose own choices do not count)."""
+    staleness = args.staleness if mode == "async" else 0
     return [f"pipeline.cohort_groups={cohort}",
-        f"output_dir={out}", f"pipeline.mode={mode}", f"pipeline.staleness={args.staleness}",
+        f"output_dir={out}", f"pipeline.mode={mode}", f"pipeline.staleness={staleness}", "pipeline.queue_size=0",
+        "rollout.max_versions=1", "rollout.engines_per_slot=1", "rollout.cross_policy=latest",
+        "rollout.temperature=1.0", "checkpoint.interval=0", "parallel.tp=1", "parallel.pp=1",
         f"pipeline.sim_env_latency_s={args.latency}", f"pipeline.sim_env_latency_alpha={args.alpha}",
         f"pipeline.sim_env_latency_max_s={args.latency_max}",
         f"model.arch.hidden_size={args.hidden}", f"model.arch.intermediate_size={args.hidden * 3}",
@@ -101,8 +113,44 @@ def _overrides(args: argparse.Namespace, mode: str, out: Path, cohort: int = 0) 
     ]
 
 
+def run_mode(args: argparse.Namespace, mode: str, out: Path, cohort: int) -> dict[str, Any]:
+    """Train one mode into ``out``; its throughput (trained samples and tokens per RL second) and step means."""
+    from megatron_agentrl.config import load_config
+    from megatron_agentrl.pipeline.loop import run_training
+
+    cfg = load_config(ROOT / "examples" / "configs" / "tiny_cpu.yaml", _overrides(args, mode, out, cohort))
+    os.chdir(ROOT)
+    t0 = time.perf_counter()
+    summary = run_training(cfg)
+    total = time.perf_counter() - t0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r.get("phase") == "rl"]
+
+    def mean(key: str) -> float:
+        return sum(r[key] for r in rl) / len(rl)
+
+    return {
+        "trained_samples": summary["trained_samples"],
+        "trained_tokens": summary["trained_tokens"],
+        "rl_wall_s": summary["rl_wall_s"],
+        "samples_per_s": summary["samples_per_s"],
+        "tokens_per_s": summary["trained_tokens"] / summary["rl_wall_s"],
+        "run_wall_s": total,
+        "mean_step_s": mean("step_time_s"),
+        "mean_wait_batch_s": mean("wait_batch_s"),
+        "mean_train_s": mean("train_time_s"),
+        "mean_turns": mean("mean_turns"),
+        "staleness_mean": mean("staleness_mean"),
+        "staleness_max": max(r["staleness_max"] for r in rl),
+        "trainer_idle_frac": mean("trainer_idle_frac"),
+        "engine_idle_frac": mean("engine_idle_frac"),
+        "dropped_stale": summary["dropped_stale"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """Run sync, async (and with ``--sync-independent`` sync with independent groups); print, write the JSON."""
+    p = bench_parser("async_vs_sync", __doc__)
     p.add_argument("--steps", type=int, default=12, help="RL steps per mode")
     p.add_argument("--prompts", type=int, default=4, help="groups per step (rollout.prompts_per_step)")
     p.add_argument("--group", type=int, default=4, help="samples per group (rollout.samples_per_prompt)")
@@ -115,12 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "async_vs_sync.json"))
     p.add_argument("--sync-independent", action="store_true",
                    help="also run sync with every group on its own (pipeline.cohort_groups=1) instead of the whole "
                         "step in lockstep, and report its ratio too")
     p.add_argument("-v", "--verbose", action="store_true", help="show the training log")
-    args = p.parse_args(argv)
+    args = parse_bench_args(p, argv, SMOKE)
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stdout, force=True)
@@ -128,8 +175,6 @@ def main(argv: list[str] | None = None) -> int:
 
     warnings.filterwarnings("ignore")
     TASKS[DialogTask.name] = DialogTask  # this process only
-    from megatron_agentrl.config import load_config
-    from megatron_agentrl.pipeline.loop import run_training
 
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="agentrl_bench_") as tmp:
@@ -138,31 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(("sync_independent", "sync", 1))
         for name, mode, cohort in runs:
             out = Path(tmp) / name
-            cfg = load_config(ROOT / "examples" / "configs" / "tiny_cpu.yaml", _overrides(args, mode, out, cohort))
-            os.chdir(ROOT)
-            t0 = time.perf_counter()
-            summary = run_training(cfg)
-            total = time.perf_counter() - t0
-            rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-            rl = [r for r in rows if r.get("phase") == "rl"]
-            mean = lambda k: sum(r[k] for r in rl) / len(rl)  # noqa: E731
-            results[name] = {
-                "trained_samples": summary["trained_samples"],
-                "trained_tokens": summary["trained_tokens"],
-                "rl_wall_s": summary["rl_wall_s"],
-                "samples_per_s": summary["samples_per_s"],
-                "tokens_per_s": summary["trained_tokens"] / summary["rl_wall_s"],
-                "run_wall_s": total,
-                "mean_step_s": mean("step_time_s"),
-                "mean_wait_batch_s": mean("wait_batch_s"),
-                "mean_train_s": mean("train_time_s"),
-                "mean_turns": mean("mean_turns"),
-                "staleness_mean": mean("staleness_mean"),
-                "staleness_max": max(r["staleness_max"] for r in rl),
-                "trainer_idle_frac": mean("trainer_idle_frac"),
-                "engine_idle_frac": mean("engine_idle_frac"),
-                "dropped_stale": summary["dropped_stale"],
-            }
+            results[name] = run_mode(args, mode, out, cohort)
     s, a = results["sync"], results["async"]
     speedup = a["samples_per_s"] / s["samples_per_s"]
     cols = ["trained_samples", "rl_wall_s", "samples_per_s", "tokens_per_s", "mean_step_s", "mean_wait_batch_s",
@@ -186,9 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_at_end": load},
         "results": results, "async_speedup": speedup, **extra,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs) | results: {args.out}")
+    write_record(args.out, record)
+    print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs) | "
+          f"results: {args.out}")
     print(f"async_speedup: {speedup:.2f}")
     return 0
 

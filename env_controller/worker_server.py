@@ -246,13 +246,18 @@ class WorkerServer(HttpService):
             entry.last_active = time.monotonic()
         return json_response(reply.to_json("metric"), headers={SESSION_HEADER: str(sid), "x-worker-time": f"{_perf() - t0:.6f}"})
 
-    async def _h_interact(self, request: web.Request) -> web.Response:
-        t0 = _perf()
+    async def _open_session(self, request: web.Request) -> tuple[dict[str, Any], int, _Open]:
+        """The request body, its ``session_id`` and that open session; HttpError 400 when none is open."""
         body = await read_json_object(request)
         sid = session_id_from(body.get("session_id"), "'session_id'")
         entry = self._sessions.get(sid)
         if entry is None:
             raise HttpError(400, "No such session")
+        return body, sid, entry
+
+    async def _h_interact(self, request: web.Request) -> web.Response:
+        t0 = _perf()
+        body, sid, entry = await self._open_session(request)
         if entry.busy or entry.session is None:
             raise HttpError(400, "Task Executing, please do not send new request.")
         try:
@@ -294,10 +299,7 @@ class WorkerServer(HttpService):
         return json_response({"session_id": sid})
 
     async def _h_cancel_with_notice(self, request: web.Request) -> web.Response:
-        body = await read_json_object(request)
-        sid = session_id_from(body.get("session_id"), "'session_id'")
-        if sid not in self._sessions:
-            raise HttpError(400, "No such session")
+        _, sid, _ = await self._open_session(request)
 
         async def cancel_and_notify() -> None:
             await self._cancel(sid)
@@ -324,11 +326,7 @@ class WorkerServer(HttpService):
         return json_response({"cancelled": sids})
 
     async def _h_sample_status(self, request: web.Request) -> web.Response:
-        body = await read_json_object(request)
-        sid = session_id_from(body.get("session_id"), "'session_id'")
-        entry = self._sessions.get(sid)
-        if entry is None:
-            raise HttpError(400, "No such session")
+        _, sid, entry = await self._open_session(request)
         return json_response({"session_id": sid, "index": entry.index, "status": {"busy": entry.busy}})
 
     async def _h_get_indices(self, request: web.Request) -> web.Response:

@@ -325,7 +325,7 @@ class ShellSandbox(Sandbox):
     process_poll_s: float = 0.25
 
     def __init__(self, sandbox_id: str, limits: SandboxLimits) -> None:
-        """See :class:`Sandbox`; call :meth:`_start_shell` once the backend's resources exist."""
+        """See :class:`Sandbox`; call :meth:`_open` once the backend's resources exist."""
         super().__init__(sandbox_id, limits)
         self._shell: _Shell | None = None
         self._run_lock = threading.Lock()
@@ -383,6 +383,14 @@ class ShellSandbox(Sandbox):
         count = self._count_processes()
         self._idle_processes = count if count is not None else 0
         logger.debug("sandbox %s: shell ready in %.2f s", self.id, time.monotonic() - started)
+
+    def _open(self) -> None:
+        """Start the first shell; when that fails, release the backend's resources and re-raise."""
+        try:
+            self._start_shell()
+        except BaseException:
+            self._cleanup()
+            raise
 
     def _restart(self) -> None:
         """Kill the current shell and everything it started, then start a fresh one."""

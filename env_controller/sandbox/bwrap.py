@@ -216,11 +216,7 @@ class BwrapSandbox(ShellSandbox):
         self.host_home.mkdir(mode=0o700)
         if backend.host_uid is not None:
             os.chown(self.host_home, backend.host_uid, backend.host_uid)
-        try:
-            self._start_shell()
-        except BaseException:
-            self._cleanup()
-            raise
+        self._open()
 
     @property
     def pid(self) -> int | None:

@@ -162,11 +162,7 @@ class DockerSandbox(ShellSandbox):
         except docker.errors.DockerException as exc:
             raise SandboxError(f"sandbox {sandbox_id}: cannot start a container from {backend.image!r}: {exc}") from exc
         logger.debug("sandbox %s: container %s", sandbox_id, self.container.id[:12])
-        try:
-            self._start_shell()
-        except BaseException:
-            self._cleanup()
-            raise
+        self._open()
 
     def _spawn(self) -> Channel:
         """Attach a new ``bash`` exec in the container."""

@@ -416,7 +416,9 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     }
 
 
-def windows(timeline: list[tuple[float, float]], t0: float, t_kill: float | None, width_s: float = 2.0) -> list[dict[str, Any]]:
+def windows(
+    timeline: list[tuple[float, float]], t0: float, t_kill: float | None, width_s: float = 2.0
+) -> list[dict[str, Any]]:
     """Interact overhead per time window (seconds since the start; the kill marked)."""
     buckets: dict[int, list[float]] = {}
     for t, v in timeline:
@@ -443,28 +445,45 @@ def print_table(r: dict[str, Any]) -> None:
         ("sessions lost", s["lost"]),
         ("sessions left open on controller", s["left_open_on_controller"]),
         ("longest wait for a failure reply, s", s["failure_reply_wait_s_max"]),
-        ("killed worker", f"#{r['killed_worker']['index']} ({r['killed_worker']['task']}) at t={r['killed_worker']['killed_at_s']} s, "
-                          f"state at end: {r['killed_worker']['state_at_end']}"),
+        (
+            "killed worker",
+            f"#{r['killed_worker']['index']} ({r['killed_worker']['task']}) "
+            f"at t={r['killed_worker']['killed_at_s']} s, state at end: {r['killed_worker']['state_at_end']}",
+        ),
         ("wall time, s", r["wall_s"]),
-        ("machine load average (1 min) before / after", f"{r['machine']['loadavg_1m_before']} / {r['machine']['loadavg_1m_after']}"),
-        ("CPU pressure (PSI some avg60, %) before / after",
-         f"{r['machine']['cpu_pressure_avg60_pct_before']} / {r['machine']['cpu_pressure_avg60_pct_after']}"),
-        ("controller CPU: share of a core, us per request", f"{r['controller_cpu']['share_of_one_core']}, {r['controller_cpu']['us_per_request']}"),
+        (
+            "machine load average (1 min) before / after",
+            f"{r['machine']['loadavg_1m_before']} / {r['machine']['loadavg_1m_after']}",
+        ),
+        (
+            "CPU pressure (PSI some avg60, %) before / after",
+            f"{r['machine']['cpu_pressure_avg60_pct_before']} / {r['machine']['cpu_pressure_avg60_pct_after']}",
+        ),
+        (
+            "controller CPU: share of a core, us per request",
+            f"{r['controller_cpu']['share_of_one_core']}, {r['controller_cpu']['us_per_request']}",
+        ),
         ("interacts (rate/s)", f"{r['interacts']} ({r['interact_rate_per_s']})"),
         ("worker latency (simulated), ms", f"{c['latency_ms']} x U(0.5, 1.5)"),
     ]
     for ep in ("interact", "start_sample"):
         o = r["controller_overhead_ms"][ep]
-        rows.append((f"controller overhead {ep} p50 / p99 / max, ms", f"{o['p50']} / {o['p99']} / {o['max']}  (n={o['n']})"))
+        rows.append(
+            (f"controller overhead {ep} p50 / p99 / max, ms", f"{o['p50']} / {o['p99']} / {o['max']}  (n={o['n']})")
+        )
     for ep in ("interact", "start_sample"):
         o = r["controller_outside_worker_call_ms"][ep]
         rows.append((f"  of it outside the worker call, {ep} p50 / p99, ms", f"{o['p50']} / {o['p99']}"))
     for ep in ("interact",):
         v = r["client_view_ms"][ep]
         rows.append((f"client view {ep}: rtt p50 / p99, ms", f"{v['rtt_p50']} / {v['rtt_p99']}"))
-        rows.append((f"client view {ep}: rtt - worker p50 / p99, ms", f"{v['minus_worker_p50']} / {v['minus_worker_p99']}"))
+        rows.append(
+            (f"client view {ep}: rtt - worker p50 / p99, ms", f"{v['minus_worker_p50']} / {v['minus_worker_p99']}")
+        )
     p = r["prometheus_overhead"]
-    rows.append(("/metrics: interact overheads <= 10 ms", f"{p['interact_share_le_10ms']:.4f} of {int(p['interact_count'])}"))
+    rows.append(
+        ("/metrics: interact overheads <= 10 ms", f"{p['interact_share_le_10ms']:.4f} of {int(p['interact_count'])}")
+    )
     width = max(len(k) for k, _ in rows)
     print(f"\nenv controller bench: {c['sessions']} sessions, {c['workers']} workers ({c['tasks']}), "
           f"{r['machine']['cpus']} CPUs")

@@ -43,28 +43,70 @@ def add_controller_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; elsewhere needs --token)")
     p.add_argument("--port", type=int, default=5020, help="port to bind (default 5020; 0 picks a free one)")
     p.add_argument("--token", default=None, help=f"bearer token required on every request (default ${TOKEN_ENV})")
-    p.add_argument("--heartbeat-timeout", type=float, default=15.0, help="seconds without heartbeat before a worker is dead (default 15)")
-    p.add_argument("--suspect-after", type=float, default=9.0, help="seconds without heartbeat before a worker gets no new sessions (default 9)")
-    p.add_argument("--session-idle-timeout", type=float, default=600.0, help="seconds without interact before a session is closed (default 600)")
-    p.add_argument("--interact-timeout", type=float, default=240.0, help="limit on one worker interact call, seconds (default 240)")
-    p.add_argument("--start-timeout", type=float, default=240.0, help="limit on one worker start_sample call, seconds (default 240)")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=15.0,
+        help="seconds without heartbeat before a worker is dead (default 15)",
+    )
+    p.add_argument(
+        "--suspect-after",
+        type=float,
+        default=9.0,
+        help="seconds without heartbeat before a worker gets no new sessions (default 9)",
+    )
+    p.add_argument(
+        "--session-idle-timeout",
+        type=float,
+        default=600.0,
+        help="seconds without interact before a session is closed (default 600)",
+    )
+    p.add_argument(
+        "--interact-timeout", type=float, default=240.0, help="limit on one worker interact call, seconds (default 240)"
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=240.0,
+        help="limit on one worker start_sample call, seconds (default 240)",
+    )
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``agentrl worker``."""
-    p.add_argument("--task", required=True, help="a registered task (lookup, calc, guess, ...) or module.path:TaskClass")
-    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="task constructor parameter (value parsed as YAML); repeatable")
+    p.add_argument(
+        "--task", required=True, help="a registered task (lookup, calc, guess, ...) or module.path:TaskClass"
+    )
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="task constructor parameter (value parsed as YAML); repeatable",
+    )
     p.add_argument("--name", default=None, help="task name announced to the controller (default: the task's name)")
-    p.add_argument("--controller", default="http://127.0.0.1:5020/api", help="controller API URL (default http://127.0.0.1:5020/api)")
+    p.add_argument(
+        "--controller",
+        default="http://127.0.0.1:5020/api",
+        help="controller API URL (default http://127.0.0.1:5020/api)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; elsewhere needs --token)")
     p.add_argument("--port", type=int, default=5021, help="port to bind (default 5021; 0 picks a free one)")
-    p.add_argument("--self-address", default=None, help="URL the controller reaches this worker at (default http://<host>:<port>/api)")
+    p.add_argument(
+        "--self-address",
+        default=None,
+        help="URL the controller reaches this worker at (default http://<host>:<port>/api)",
+    )
     p.add_argument("--concurrency", type=int, default=64, help="open sessions allowed (default 64)")
     p.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between heartbeats (default 2)")
     p.add_argument("--timeout", type=float, default=60.0, help="limit on each task call, seconds (default 60)")
-    p.add_argument("--latency-ms", type=float, default=0.0, help="simulated extra latency per start/interact, ms (benchmarks)")
-    p.add_argument("--token", default=None, help=f"bearer token: sent to the controller, required from it (default ${TOKEN_ENV})")
+    p.add_argument(
+        "--latency-ms", type=float, default=0.0, help="simulated extra latency per start/interact, ms (benchmarks)"
+    )
+    p.add_argument(
+        "--token", default=None, help=f"bearer token: sent to the controller, required from it (default ${TOKEN_ENV})"
+    )
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
 

@@ -147,15 +147,21 @@ class HttpEnvClient:
             except _CONNECT_ERRORS as e:  # never reached the controller: safe to retry
                 if attempt < self.retries:
                     attempt += 1
-                    logger.warning("%s: cannot reach the controller (%s); retry %d/%d", endpoint, e, attempt, self.retries)
+                    logger.warning(
+                        "%s: cannot reach the controller (%s); retry %d/%d", endpoint, e, attempt, self.retries
+                    )
                     await asyncio.sleep(delay * random.uniform(0.5, 1.5))
                     delay *= 2
                     continue
-                raise EnvControllerError(0, f"cannot reach the controller at {self.url}: {e or type(e).__name__}") from None
+                raise EnvControllerError(
+                    0, f"cannot reach the controller at {self.url}: {e or type(e).__name__}"
+                ) from None
             except (TimeoutError, asyncio.TimeoutError):
                 raise EnvTimeoutError(0, f"{endpoint}: no reply from the controller within {limit:g} s") from None
             except (aiohttp.ClientError, OSError) as e:
-                raise EnvControllerError(0, f"{endpoint}: connection to the controller lost: {type(e).__name__}: {e}") from None
+                raise EnvControllerError(
+                    0, f"{endpoint}: connection to the controller lost: {type(e).__name__}: {e}"
+                ) from None
             if self.observer is not None:
                 self.observer(endpoint, time.perf_counter() - t0, status, resp_headers)
             try:
@@ -201,7 +207,9 @@ class HttpEnvClient:
         if status == 200:
             session_id = headers.get(SESSION_HEADER)
             if session_id is None:
-                raise EnvControllerError(200, f"start_sample({task!r}, {index!r}): the reply has no '{SESSION_HEADER}' header")
+                raise EnvControllerError(
+                    200, f"start_sample({task!r}, {index!r}): the reply has no '{SESSION_HEADER}' header"
+                )
             return session_id, self._reply(payload, f"session {session_id} ({task} #{index})")
         if status in (400, 404):
             raise ValueError(_message(payload))

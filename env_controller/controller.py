@@ -302,7 +302,9 @@ class Controller(HttpService):
             raise WorkerCallError("connect", f"cannot reach {worker.describe()}: {e}") from None
         except TimeoutError:
             self.metrics.worker_errors.labels(api, "timeout").inc()
-            raise WorkerCallError("timeout", f"{worker.describe()} did not answer {api} within {timeout_s:g} s") from None
+            raise WorkerCallError(
+                "timeout", f"{worker.describe()} did not answer {api} within {timeout_s:g} s"
+            ) from None
         except OSError as e:
             self.metrics.worker_errors.labels(api, "disconnect").inc()
             raise WorkerCallError("disconnect", f"connection to {worker.describe()} lost during {api}: {e}") from None
@@ -311,12 +313,16 @@ class Controller(HttpService):
         self._call_seconds(api).observe(rtt)
         if status != 200:
             self.metrics.worker_errors.labels(api, "http").inc()
-            raise WorkerCallError("http", f"{worker.describe()} answered {api} with HTTP {status}: {_detail(raw)}", status)
+            raise WorkerCallError(
+                "http", f"{worker.describe()} answered {api} with HTTP {status}: {_detail(raw)}", status
+            )
         try:
             payload = json.loads(raw) if raw else None
         except ValueError:
             self.metrics.worker_errors.labels(api, "bad_reply").inc()
-            raise WorkerCallError("bad_reply", f"{worker.describe()} answered {api} with non-JSON: {raw[:200]!r}") from None
+            raise WorkerCallError(
+                "bad_reply", f"{worker.describe()} answered {api} with non-JSON: {raw[:200]!r}"
+            ) from None
         own = rtt
         if worker_time is not None:
             try:
@@ -362,7 +368,9 @@ class Controller(HttpService):
     async def sync_worker(self, worker: Worker) -> int:
         """Ask ``worker`` for its sessions and cancel those the controller does not hold; returns how many."""
         try:
-            payload = (await self.call_worker(worker, "/get_sessions", None, self.config.cancel_timeout_s, method="GET")).payload
+            payload = (
+                await self.call_worker(worker, "/get_sessions", None, self.config.cancel_timeout_s, method="GET")
+            ).payload
         except WorkerCallError as e:
             logger.warning("sync of %s failed: %s", worker.describe(), e.message)
             return 0
@@ -377,7 +385,9 @@ class Controller(HttpService):
             if sid not in worker.sessions and sid not in worker.cancelling:
                 orphans.append(sid)
         if orphans:
-            logger.info("%s holds %d session(s) the controller does not know; cancelling them", worker.describe(), len(orphans))
+            logger.info(
+                "%s holds %d session(s) the controller does not know; cancelling them", worker.describe(), len(orphans)
+            )
             await asyncio.gather(*(self._cancel_on_worker(worker, sid) for sid in orphans))
         return len(orphans)
 
@@ -398,12 +408,16 @@ class Controller(HttpService):
             return False
         self.metrics.sessions_ended.labels(session.task, status).inc()
         if log and status == SampleStatus.TASK_ERROR.value:
-            logger.warning("session %d (%s #%s) ended with task error: %s", session.id, session.task, session.index, reason)
+            logger.warning(
+                "session %d (%s #%s) ended with task error: %s", session.id, session.task, session.index, reason
+            )
         if cancel_on_worker and session.worker.state is not WorkerState.DEAD:
             self._spawn(self._cancel_on_worker(session.worker, session.id))
         return True
 
-    def _fail(self, session: Session, status: SampleStatus, reason: str, cancel_on_worker: bool = False) -> web.Response:
+    def _fail(
+        self, session: Session, status: SampleStatus, reason: str, cancel_on_worker: bool = False
+    ) -> web.Response:
         """End ``session`` and answer the trainer with the finished reply carrying ``reason``."""
         self._end(session, status, reason, cancel_on_worker=cancel_on_worker)
         self.sessions.take_final(session.id)
@@ -501,7 +515,9 @@ class Controller(HttpService):
         try:
             reply = TaskReply.from_json(answer.payload)
         except ValueError as e:
-            return self._fail(session, SampleStatus.TASK_ERROR, f"{worker.describe()} start_sample: {e}", cancel_on_worker=True)
+            return self._fail(
+                session, SampleStatus.TASK_ERROR, f"{worker.describe()} start_sample: {e}", cancel_on_worker=True
+            )
         session.last_active = _mono()
         self.metrics.sessions_started.labels(name).inc()
         if reply.finish:
@@ -523,7 +539,9 @@ class Controller(HttpService):
                 return json_response(final, headers={SESSION_HEADER: str(sid)})
             raise HttpError(404, self.sessions.why_unknown(sid))
         if session.busy:
-            raise HttpError(409, f"session {sid} is busy: its previous interact is not answered yet; send one interact at a time")
+            raise HttpError(
+                409, f"session {sid} is busy: its previous interact is not answered yet; send one interact at a time"
+            )
         if "messages" not in body:
             raise HttpError(400, "missing 'messages': a list holding the one assistant message of this turn")
         try:
@@ -548,7 +566,9 @@ class Controller(HttpService):
         try:
             reply = TaskReply.from_json(answer.payload)
         except ValueError as e:
-            return self._fail(session, SampleStatus.TASK_ERROR, f"{worker.describe()} interact: {e}", cancel_on_worker=True)
+            return self._fail(
+                session, SampleStatus.TASK_ERROR, f"{worker.describe()} interact: {e}", cancel_on_worker=True
+            )
         session.turns += 1
         session.last_active = _mono()
         if reply.finish:
@@ -585,13 +605,21 @@ class Controller(HttpService):
             raise HttpError(400, "missing query parameter 'name': GET /api/get_indices?name=<task>")
         entry = self.registry.tasks.get(name)
         if entry is None:
-            raise HttpError(404, f"unknown task {name!r}; tasks with registered workers: {', '.join(sorted(self.registry.tasks)) or 'none'}")
+            known = ", ".join(sorted(self.registry.tasks)) or "none"
+            raise HttpError(404, f"unknown task {name!r}; tasks with registered workers: {known}")
         return json_response(entry.indices)
 
     async def _h_health(self, request: web.Request) -> web.Response:
         counts = self.registry.counts()
         alive = sum(n for (_, state), n in counts.items() if state == WorkerState.ALIVE.value)
-        return json_response({"status": "ok", "workers_alive": alive, "workers": len(self.registry.workers), "sessions": len(self.sessions.open)})
+        return json_response(
+            {
+                "status": "ok",
+                "workers_alive": alive,
+                "workers": len(self.registry.workers),
+                "sessions": len(self.sessions.open),
+            }
+        )
 
     async def _h_metrics(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -677,7 +705,8 @@ class Controller(HttpService):
                 logger.exception("controller monitor step failed")
 
     def _worker_died(self, worker: Worker) -> None:
-        """End every session of a dead worker with ``task error``: abort calls in flight, park a final reply for idle ones."""
+        """End every session of a dead worker with ``task error``: abort calls in flight, park a final
+        reply for idle ones."""
         self.metrics.worker_deaths.labels(worker.name).inc()
         reason = f"{worker.describe()} declared dead: {worker.reason}"
         n = 0
@@ -693,7 +722,13 @@ class Controller(HttpService):
                     session.call.cancel()
                 self._end(session, SampleStatus.TASK_ERROR, reason, log=False)
             else:
-                self._end(session, SampleStatus.TASK_ERROR, reason, final=final_reply(SampleStatus.TASK_ERROR, reason), log=False)
+                self._end(
+                    session,
+                    SampleStatus.TASK_ERROR,
+                    reason,
+                    final=final_reply(SampleStatus.TASK_ERROR, reason),
+                    log=False,
+                )
         if n:
             logger.error("%d session(s) of %s ended with task error", n, worker.describe())
 
@@ -702,7 +737,9 @@ class Controller(HttpService):
         for session in list(self.sessions.open.values()):
             idle = now - session.last_active
             if not session.busy and idle > limit:
-                reason = f"closed by the controller after {idle:.0f} s without interact (session idle timeout {limit:g} s)"
+                reason = (
+                    f"closed by the controller after {idle:.0f} s without interact (session idle timeout {limit:g} s)"
+                )
                 self._end(
                     session, SampleStatus.TASK_ERROR, reason,
                     final=final_reply(SampleStatus.TASK_ERROR, reason), cancel_on_worker=True,

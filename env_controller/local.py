@@ -55,7 +55,9 @@ class LocalEnvClient:
     def __init__(self, tasks: dict[str, Task], timeout_s: float = 30) -> None:
         """``tasks``: name -> built task; ``timeout_s``: limit on each task call (start, interact, close)."""
         if not isinstance(tasks, dict) or not tasks:
-            raise ValueError("LocalEnvClient needs a non-empty dict of task name -> Task (see env_controller.tasks.build_task)")
+            raise ValueError(
+                "LocalEnvClient needs a non-empty dict of task name -> Task (see env_controller.tasks.build_task)"
+            )
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
         self.tasks = dict(tasks)

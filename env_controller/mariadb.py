@@ -189,7 +189,9 @@ class MariaDBServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise MariaDBStartError(
-                    f"{self.server_bin} exited with code {self.proc.returncode} while starting; error log:\n{self._log_tail()}")
+                    f"{self.server_bin} exited with code {self.proc.returncode} while starting; "
+                    f"error log:\n{self._log_tail()}"
+                )
             if os.path.exists(self.socket_path):
                 try:
                     pymysql.connect(unix_socket=self.socket_path, user="root", password="", connect_timeout=5).close()

@@ -12,7 +12,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 #: fine buckets for the controller's own time (target p99 < 10 ms)
-OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1.0)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1,
+                    0.25, 1.0)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 240.0)
 
 
@@ -33,7 +34,9 @@ class _TableCollector(Collector):
         for task, n in sorted(self._sessions().items()):
             g.add_metric([task], n)
         yield g
-        w = GaugeMetricFamily("agentrl_controller_workers", "Registered workers per task and state", labels=["task", "state"])
+        w = GaugeMetricFamily(
+            "agentrl_controller_workers", "Registered workers per task and state", labels=["task", "state"]
+        )
         for (task, state), n in sorted(self._workers().items()):
             w.add_metric([task, state], n)
         yield w
@@ -66,12 +69,19 @@ class ControllerMetrics:
             "agentrl_controller_worker_call_seconds", "Round trip of controller -> worker calls", ["api"],
             buckets=LATENCY_BUCKETS, registry=r,
         )
-        self.sessions_started = Counter("agentrl_controller_sessions_started", "Sessions started per task", ["task"], registry=r)
+        self.sessions_started = Counter(
+            "agentrl_controller_sessions_started", "Sessions started per task", ["task"], registry=r
+        )
         self.sessions_ended = Counter(
-            "agentrl_controller_sessions_ended", "Sessions ended per task and final status", ["task", "status"], registry=r
+            "agentrl_controller_sessions_ended",
+            "Sessions ended per task and final status",
+            ["task", "status"],
+            registry=r,
         )
         self.heartbeats = Counter("agentrl_controller_heartbeats", "Heartbeats received", registry=r)
-        self.worker_deaths = Counter("agentrl_controller_worker_deaths", "Workers declared dead per task", ["task"], registry=r)
+        self.worker_deaths = Counter(
+            "agentrl_controller_worker_deaths", "Workers declared dead per task", ["task"], registry=r
+        )
         self.worker_errors = Counter(
             "agentrl_controller_worker_errors", "Failed controller -> worker calls by kind", ["api", "kind"], registry=r
         )

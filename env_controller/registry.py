@@ -9,8 +9,9 @@ Each worker is in one of three states:
   no new sessions, keeps its open ones; a heartbeat makes it alive again.
 * ``dead``: silent for more than ``dead_after_s`` (the heartbeat timeout); the controller ends its
   sessions with ``task error``. Time the controller itself spent stalled (its event loop behind,
-  e.g. on a starved CPU) does not count as silence: heartbeats may have waited unread. A heartbeat revives it (as a fresh worker: its old sessions are
-  gone); a dead worker is forgotten after ``forget_after_s``.
+  e.g. on a starved CPU) does not count as silence: heartbeats may have waited unread. A
+  heartbeat revives it (as a fresh worker: its old sessions are gone); a dead worker is forgotten
+  after ``forget_after_s``.
 
 New sessions go to the least-loaded alive worker of the task (lowest open/concurrency, then
 fewest open sessions, then the one picked least recently). All methods are synchronous and take
@@ -130,7 +131,8 @@ class WorkerRegistry:
         forget_after_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """Timeouts in seconds since the last heartbeat: suspect, dead; forget a dead worker after ``forget_after_s``."""
+        """Timeouts in seconds since the last heartbeat: suspect, dead; forget a dead worker after
+        ``forget_after_s``."""
         if not 0 < suspect_after_s < dead_after_s:
             raise ValueError(
                 f"need 0 < suspect_after_s ({suspect_after_s}) < dead_after_s (heartbeat timeout, {dead_after_s})"
@@ -185,7 +187,11 @@ class WorkerRegistry:
             logger.info("registered %s, concurrency %d, %d indices", worker.describe(), concurrency, len(indices))
         elif worker.state is WorkerState.DEAD:
             event = "revived"
-            logger.warning("%s is back after being declared dead (%s); its old sessions stay ended", worker.describe(), worker.reason)
+            logger.warning(
+                "%s is back after being declared dead (%s); its old sessions stay ended",
+                worker.describe(),
+                worker.reason,
+            )
         elif worker.state is WorkerState.SUSPECT:
             event = "recovered"
             logger.info("%s is alive again (was suspect: %s)", worker.describe(), worker.reason)

@@ -113,7 +113,8 @@ class SessionTable:
                 f"open sessions: {len(self.open)}"
             )
         detail = f": {ended.reason}" if ended.reason and ended.reason != ended.status else ""
-        return f"session {session_id} ({ended.task}) already ended with status {ended.status!r}{detail}; start a new sample"
+        return (f"session {session_id} ({ended.task}) already ended with status {ended.status!r}{detail}; "
+                "start a new sample")
 
     def dump(self) -> dict[str, Any]:
         """``/api/list_sessions``: open sessions by id."""

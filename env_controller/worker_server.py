@@ -225,7 +225,9 @@ class WorkerServer(HttpService):
         if len(self._sessions) >= self.concurrency:
             raise HttpError(406, f"Sample concurrency limit reached: {self.concurrency}")
         if isinstance(index, bool) or index not in self._index_set:
-            raise HttpError(400, f"task {self.name!r} has no sample index {index!r}; it has {len(self.indices)} indices")
+            raise HttpError(
+                400, f"task {self.name!r} has no sample index {index!r}; it has {len(self.indices)} indices"
+            )
         entry = _Open(index)
         self._sessions[sid] = entry
 
@@ -244,7 +246,9 @@ class WorkerServer(HttpService):
         else:
             entry.session = session
             entry.last_active = time.monotonic()
-        return json_response(reply.to_json("metric"), headers={SESSION_HEADER: str(sid), "x-worker-time": f"{_perf() - t0:.6f}"})
+        return json_response(
+            reply.to_json("metric"), headers={SESSION_HEADER: str(sid), "x-worker-time": f"{_perf() - t0:.6f}"}
+        )
 
     async def _open_session(self, request: web.Request) -> tuple[dict[str, Any], int, _Open]:
         """The request body, its ``session_id`` and that open session; HttpError 400 when none is open."""
@@ -352,7 +356,9 @@ class WorkerServer(HttpService):
             ) as resp:
                 text = await resp.text()
                 if resp.status != 200:
-                    logger.error("controller rejected the heartbeat of %s: HTTP %d %s", self.name, resp.status, text[:500])
+                    logger.error(
+                        "controller rejected the heartbeat of %s: HTTP %d %s", self.name, resp.status, text[:500]
+                    )
                     return False
         except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError) as e:
             logger.debug("heartbeat to %s failed: %r", self.controller_url, e)

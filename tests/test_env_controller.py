@@ -53,10 +53,14 @@ class EchoSession(TaskSession):
             await asyncio.sleep(args["seconds"])
             name = "echo"
         if name == "finish":
-            return TaskReply(messages=[], status=SampleStatus.COMPLETED, finish=True, reward=1.0, metrics={"success": 1.0})
+            return TaskReply(
+                messages=[], status=SampleStatus.COMPLETED, finish=True, reward=1.0, metrics={"success": 1.0}
+            )
         if name == "boom":
             raise RuntimeError("the sandbox exploded")
-        return TaskReply(messages=[{"role": "tool", "tool_call_id": call["id"], "content": str(args.get("text", "slept"))}])
+        return TaskReply(
+            messages=[{"role": "tool", "tool_call_id": call["id"], "content": str(args.get("text", "slept"))}]
+        )
 
     async def close(self) -> None:
         self.closed = True
@@ -135,7 +139,12 @@ async def raw(
 
 async def beat(controller_url: str, worker: WorkerServer, **override: Any) -> tuple[int, Any]:
     """Send one heartbeat on behalf of ``worker`` (tests that drive heartbeats by hand)."""
-    body = {"name": worker.name, "address": worker.address, "concurrency": worker.concurrency, "indices": worker.indices}
+    body = {
+        "name": worker.name,
+        "address": worker.address,
+        "concurrency": worker.concurrency,
+        "indices": worker.indices,
+    }
     body.update(override)
     status, payload, _ = await raw(controller_url + "/receive_heartbeat", json_body=body)
     return status, payload
@@ -281,8 +290,20 @@ def test_bad_requests_get_clear_4xx_json_errors() -> None:
                 ("interact", json.dumps({"messages": []}), {"session_id": "12345"}, 404, "unknown session 12345"),
                 ("cancel", "", {"session_id": "12345"}, 404, "unknown session 12345"),
                 ("receive_heartbeat", json.dumps({"name": "x"}), {}, 400, "'address'"),
-                ("receive_heartbeat", json.dumps({"name": "x", "address": "http://h:1/api", "concurrency": 0, "indices": []}), {}, 400, "'concurrency'"),
-                ("receive_heartbeat", json.dumps({"name": "x", "address": "http://h:1/api", "concurrency": 1, "indices": [None]}), {}, 400, "every index"),
+                (
+                    "receive_heartbeat",
+                    json.dumps({"name": "x", "address": "http://h:1/api", "concurrency": 0, "indices": []}),
+                    {},
+                    400,
+                    "'concurrency'",
+                ),
+                (
+                    "receive_heartbeat",
+                    json.dumps({"name": "x", "address": "http://h:1/api", "concurrency": 1, "indices": [None]}),
+                    {},
+                    400,
+                    "every index",
+                ),
                 ("no_such_endpoint", "{}", {}, 404, "no such endpoint"),
             ]
             for endpoint, data, headers, want, text in cases:
@@ -533,10 +554,14 @@ def test_token_is_required_when_set_and_off_loopback() -> None:
         async with cluster(config=fast_config(token=token), token=token) as (controller, _, _):
             status, body, headers = await raw(controller.url + "/list_workers", method="GET")
             assert status == 401 and "bearer token" in body["error"] and headers["WWW-Authenticate"] == "Bearer"
-            status, _, _ = await raw(controller.url + "/list_workers", method="GET", headers={"Authorization": "Bearer nope"})
+            status, _, _ = await raw(
+                controller.url + "/list_workers", method="GET", headers={"Authorization": "Bearer nope"}
+            )
             assert status == 401
             basic = base64.b64encode(f"agentrl:{token}".encode()).decode()
-            status, body, _ = await raw(controller.url + "/list_workers", method="GET", headers={"Authorization": f"Basic {basic}"})
+            status, body, _ = await raw(
+                controller.url + "/list_workers", method="GET", headers={"Authorization": f"Basic {basic}"}
+            )
             assert status == 200 and "echo" in body  # the worker's heartbeats carried the token
             env = HttpEnvClient(controller.url, token=token)
             try:
@@ -613,11 +638,14 @@ def test_worker_server_speaks_the_agentrl_worker_protocol() -> None:
             assert status == 200 and headers["session_id"] == "7" and float(headers["x-worker-time"]) >= 0
             assert body == {"messages": [{"role": "user", "content": "sample 1"}], "tools": [], "status": "running",
                             "finish": False, "reward": 0.0, "metric": {}}
-            assert (await raw(api + "/start_sample", json_body={"index": 1, "session_id": 7}))[1]["error"] == "Session ID already exists"
+            again = await raw(api + "/start_sample", json_body={"index": 1, "session_id": 7})
+            assert again[1]["error"] == "Session ID already exists"
             assert (await raw(api + "/start_sample", json_body={"index": 2, "session_id": 8}))[0] == 200
             status, body, _ = await raw(api + "/start_sample", json_body={"index": 3, "session_id": 9})
             assert status == 406 and "concurrency limit" in body["error"]
-            status, body, _ = await raw(api + "/interact", json_body={"session_id": 7, "messages": [tool_call("echo", {"text": "hi"})]})
+            status, body, _ = await raw(
+                api + "/interact", json_body={"session_id": 7, "messages": [tool_call("echo", {"text": "hi"})]}
+            )
             assert status == 200 and body["session_id"] == 7 and body["env_out"]["messages"][0]["content"] == "hi"
             assert TaskReply.from_json(body).to_json()["status"] == "running"
             status, body, _ = await raw(api + "/interact", json_body={"session_id": 70, "messages": []})
@@ -696,8 +724,11 @@ def test_client_retries_5xx_and_refused_connections_only() -> None:
 def test_task_reply_parses_every_wire_form_and_names_the_bad_field() -> None:
     flat = TaskReply.from_json({"messages": None, "status": "running", "metrics": {"success": 1.0}})
     assert (flat.messages, flat.finish, flat.metrics) == ([], False, {"success": 1.0})
-    wrapped = TaskReply.from_json({"session_id": 3, "env_out": {"status": "completed", "reward": "1", "metric": {"s": 1}}})
-    assert (wrapped.status, wrapped.finish, wrapped.reward, wrapped.metrics) == (SampleStatus.COMPLETED, True, 1.0, {"s": 1})
+    wrapped = TaskReply.from_json(
+        {"session_id": 3, "env_out": {"status": "completed", "reward": "1", "metric": {"s": 1}}}
+    )
+    expected = (SampleStatus.COMPLETED, True, 1.0, {"s": 1})
+    assert (wrapped.status, wrapped.finish, wrapped.reward, wrapped.metrics) == expected
     assert TaskReply.from_json(wrapped.to_json()) == wrapped
     assert TaskReply.from_json(wrapped.to_json("metric")) == wrapped
     for body, message in [
@@ -755,7 +786,8 @@ def test_env_controller_never_imports_torch() -> None:
     import sys
 
     code = (
-        "import sys, env_controller.controller, env_controller.worker_server, env_controller.client, env_controller.cli; "
+        "import sys, env_controller.controller, env_controller.worker_server, env_controller.client, "
+        "env_controller.cli; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -825,8 +857,12 @@ def test_worker_http_client_framing_pooling_and_errors() -> None:
             replies.append([ok[:20], ok[20:50], ok[50:]])  # split anywhere
             r = await http.request("POST", url, b"{}", {"Content-Type": "application/json"}, 5)
             assert (r.status, r.body, r.headers["x-worker-time"]) == (200, b'{"a":1}', "0.5")
-            replies.append([b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n",
-                            b"2;ext=1\r\nde\r\n0\r\n\r\n"])
+            replies.append(
+                [
+                    b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n",
+                    b"2;ext=1\r\nde\r\n0\r\n\r\n",
+                ]
+            )
             r = await http.request("GET", url, None, {}, 5)
             assert (r.status, r.body) == (200, b"abcde")
             assert len(connections) == 1, "keep-alive: one connection so far"

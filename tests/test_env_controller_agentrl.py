@@ -83,8 +83,13 @@ arwadd:
 
 
 def call(name: str, args: dict[str, Any]) -> dict[str, Any]:
-    return {"role": "assistant", "content": None,
-            "tool_calls": [{"id": f"call_{name}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": f"call_{name}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+        ],
+    }
 
 
 @pytest.fixture
@@ -108,7 +113,9 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
             pass
 
 
-def start_agentrl_worker(files: Path, controller_url: str, processes: list[subprocess.Popen[bytes]]) -> tuple[subprocess.Popen[bytes], str]:
+def start_agentrl_worker(
+    files: Path, controller_url: str, processes: list[subprocess.Popen[bytes]]
+) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     address = f"http://127.0.0.1:{port}/api"
     env = dict(os.environ, PYTHONPATH=str(files) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -122,11 +129,14 @@ def start_agentrl_worker(files: Path, controller_url: str, processes: list[subpr
     return proc, address
 
 
-async def wait_registered(env: HttpEnvClient, proc: subprocess.Popen[bytes], name: str, limit_s: float = 60) -> dict[str, Any]:
+async def wait_registered(
+    env: HttpEnvClient, proc: subprocess.Popen[bytes], name: str, limit_s: float = 60
+) -> dict[str, Any]:
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"agentrl worker exited with {proc.returncode}: {proc.stderr.read().decode()[-3000:]}")  # type: ignore[union-attr]
+            stderr = proc.stderr.read().decode()[-3000:]  # type: ignore[union-attr]
+            raise AssertionError(f"agentrl worker exited with {proc.returncode}: {stderr}")
         workers = await env.list_workers()
         if name in workers:
             return workers[name]
@@ -140,7 +150,9 @@ async def worker_sessions(address: str) -> dict[str, Any]:
             return await r.json()
 
 
-def test_agentrl_worker_serves_sessions_through_our_controller(agentrl_worker_files: Path, processes: list[Any]) -> None:
+def test_agentrl_worker_serves_sessions_through_our_controller(
+    agentrl_worker_files: Path, processes: list[Any]
+) -> None:
     # AgentRL workers heartbeat every 8 s: the suspect threshold must stay above that
     config = ControllerConfig(port=0, suspect_after_s=10.0, heartbeat_timeout_s=20.0)
 

@@ -36,17 +36,22 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 def spawn(processes: list[subprocess.Popen[bytes]], *args: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([*AGENTRL, *args, "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [*AGENTRL, *args, "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     processes.append(proc)
     return proc
 
 
-async def wait_for_workers(env: HttpEnvClient, n: int, procs: list[subprocess.Popen[bytes]], limit_s: float = 30) -> None:
+async def wait_for_workers(
+    env: HttpEnvClient, n: int, procs: list[subprocess.Popen[bytes]], limit_s: float = 30
+) -> None:
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         for p in procs:
             if p.poll() is not None:
-                raise AssertionError(f"process exited with {p.returncode}: {p.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+                stderr = p.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+                raise AssertionError(f"process exited with {p.returncode}: {stderr}")
         try:
             workers = await env.list_workers()
             if sum(len(t["workers"]) for t in workers.values()) >= n:
@@ -59,7 +64,9 @@ async def wait_for_workers(env: HttpEnvClient, n: int, procs: list[subprocess.Po
 
 def test_killed_worker_process_ends_its_sessions_others_complete(processes: list[Any]) -> None:
     cport, wports = free_port(), [free_port(), free_port()]
-    controller = spawn(processes, "controller", "--port", str(cport), "--suspect-after", "1", "--heartbeat-timeout", "2")
+    controller = spawn(
+        processes, "controller", "--port", str(cport), "--suspect-after", "1", "--heartbeat-timeout", "2"
+    )
     url = f"http://127.0.0.1:{cport}/api"
     workers = [
         spawn(processes, "worker", "--task", "lookup", "--controller", url, "--port", str(p), "--concurrency", "8",

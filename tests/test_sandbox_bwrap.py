@@ -66,7 +66,9 @@ def backend() -> Iterator[BwrapBackend]:
         assert not b.base_dir.exists()
         assert _our_bwraps() == []
         leaked = [p for p, start in seen if _identity(p) == (p, start)]
-        assert leaked == [], f"sandbox processes survived close: {[(p, Path(f'/proc/{p}/status').read_text()[:200]) for p in leaked]}"
+        assert leaked == [], (
+            f"sandbox processes survived close: {[(p, Path(f'/proc/{p}/status').read_text()[:200]) for p in leaked]}"
+        )
 
 
 def test_persistent_shell_files_and_exit_codes(backend: BwrapBackend) -> None:
@@ -127,7 +129,10 @@ def test_writes_outside_the_sandbox_fail(backend: BwrapBackend) -> None:
         a, b = backend.create(), backend.create()
         for path in ("/usr/bin/evil", "/etc/passwd", "/evil", "/home/evil", "/proc/sys/kernel/hostname"):
             r = a.run(f"echo x > {path}")
-            assert r.exit_code != 0 and ("Read-only file system" in r.output or "Permission denied" in r.output), (path, r)
+            assert r.exit_code != 0 and ("Read-only file system" in r.output or "Permission denied" in r.output), (
+                path,
+                r,
+            )
         r = a.run("rm -rf /usr/share/doc 2>&1 | head -1; ls /usr/share/doc | wc -l")
         assert "Read-only file system" in r.output and int(r.output.split()[-1]) > 0
         r = a.run("cat /etc/shadow; ls /root /work /run 2>&1")

@@ -175,7 +175,13 @@ class FakeDockerDaemon:
         if any(c["name"] == name for c in self.containers.values()):
             return self._reply(h, 409, {"message": f"Conflict. The container name {name!r} is already in use"})
         cid = secrets.token_hex(32)
-        self.containers[cid] = {"name": name, "config": body, "running": False, "procs": [], "created": int(time.time())}
+        self.containers[cid] = {
+            "name": name,
+            "config": body,
+            "running": False,
+            "procs": [],
+            "created": int(time.time()),
+        }
         self._reply(h, 201, {"Id": cid, "Warnings": []})
 
     def _inspect(self, cid: str) -> dict[str, Any]:
@@ -192,7 +198,9 @@ class FakeDockerDaemon:
         out = []
         for cid, c in self.containers.items():
             labels = c["config"].get("Labels") or {}
-            ok = all((labels.get(f.split("=", 1)[0]) == f.split("=", 1)[1]) if "=" in f else f in labels for f in wanted)
+            ok = all(
+                (labels.get(f.split("=", 1)[0]) == f.split("=", 1)[1]) if "=" in f else f in labels for f in wanted
+            )
             if ok and (c["running"] or query.get("all") in ("1", "true", "True")):
                 out.append({"Id": cid, "Names": ["/" + c["name"]], "Labels": labels,
                             "State": "running" if c["running"] else "created", "Created": c["created"]})
@@ -298,7 +306,9 @@ def fake() -> Any:
         daemon.stop()
 
 
-LIMITS = SandboxLimits(timeout_s=2, max_processes=32, max_output_bytes=4096, memory_mb=256, tmp_mb=16, start_timeout_s=10)
+LIMITS = SandboxLimits(
+    timeout_s=2, max_processes=32, max_output_bytes=4096, memory_mb=256, tmp_mb=16, start_timeout_s=10
+)
 
 
 def _backend(fake: FakeDockerDaemon, home: Path, **kw: Any) -> DockerBackend:

@@ -370,9 +370,8 @@ class ShellSandbox(Sandbox):
                     )
                 chunk = channel.recv(min(left, 0.5))
                 if chunk is None:
-                    raise SandboxError(
-                        f"sandbox {self.id}: the shell exited while starting: {bytes(shell.pending[-500:]).decode(errors='replace').strip()!r}"
-                    )
+                    printed = bytes(shell.pending[-500:]).decode(errors="replace").strip()
+                    raise SandboxError(f"sandbox {self.id}: the shell exited while starting: {printed!r}")
                 shell.pending += chunk
         except (OSError, SandboxError):
             channel.close()
@@ -531,7 +530,8 @@ class ShellSandbox(Sandbox):
         if limit == "process_limit":
             return (f"the command reached the limit of {self.limits.max_processes} processes (a fork bomb?); "
                     f"all its processes were killed; {reset}")
-        return f"the shell exited (by 'exit', or killed for exceeding the {self.limits.memory_mb} MB memory limit); {reset}"
+        return (f"the shell exited (by 'exit', or killed for exceeding the {self.limits.memory_mb} MB memory limit); "
+                f"{reset}")
 
     def copy_in(self, files: Mapping[str, bytes | str], mode: int = 0o644) -> None:
         """See :meth:`Sandbox.copy_in`; this default writes through the shell (``printf`` builtin)."""
@@ -545,7 +545,9 @@ class ShellSandbox(Sandbox):
             )
             result = self.run(script)
             if not result.ok:
-                raise SandboxError(f"sandbox {self.id}: writing {target} failed: {result.error or result.output.strip()}")
+                raise SandboxError(
+                    f"sandbox {self.id}: writing {target} failed: {result.error or result.output.strip()}"
+                )
 
     def reset(self) -> None:
         """See :meth:`Sandbox.reset`."""

@@ -149,15 +149,29 @@ class DockerSandbox(ShellSandbox):
         file_bytes = limits.max_file_mb << 20
         try:
             self.container = backend.client.containers.run(
-                backend.image, command=["sleep", "infinity"], detach=True, name=sandbox_id,
-                labels=all_labels, hostname="sandbox", init=True,
-                network_mode="none", read_only=True,
-                tmpfs={"/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777",
-                       self.workdir: f"rw,nosuid,nodev,size={backend.home_mb}m,uid={backend.uid},gid={backend.gid},mode=0700"},
-                mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
-                pids_limit=limits.max_processes, cap_drop=["ALL"], security_opt=["no-new-privileges"],
+                backend.image,
+                command=["sleep", "infinity"],
+                detach=True,
+                name=sandbox_id,
+                labels=all_labels,
+                hostname="sandbox",
+                init=True,
+                network_mode="none",
+                read_only=True,
+                tmpfs={
+                    "/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777",
+                    self.workdir: (
+                        f"rw,nosuid,nodev,size={backend.home_mb}m,uid={backend.uid},gid={backend.gid},mode=0700"
+                    ),
+                },
+                mem_limit=f"{limits.memory_mb}m",
+                memswap_limit=f"{limits.memory_mb}m",
+                pids_limit=limits.max_processes,
+                cap_drop=["ALL"],
+                security_opt=["no-new-privileges"],
                 ulimits=[Ulimit(name="fsize", soft=file_bytes, hard=file_bytes), Ulimit(name="core", soft=0, hard=0)],
-                environment=self.env, working_dir=self.workdir,
+                environment=self.env,
+                working_dir=self.workdir,
             )
         except docker.errors.DockerException as exc:
             raise SandboxError(f"sandbox {sandbox_id}: cannot start a container from {backend.image!r}: {exc}") from exc
@@ -173,7 +187,9 @@ class DockerSandbox(ShellSandbox):
                                       environment=self.env)["Id"]
             sock = api.exec_start(exec_id, socket=True)
         except self._errors.DockerException as exc:
-            raise SandboxError(f"sandbox {self.id}: cannot start bash in container {self.container.id[:12]}: {exc}") from exc
+            raise SandboxError(
+                f"sandbox {self.id}: cannot start bash in container {self.container.id[:12]}: {exc}"
+            ) from exc
         return _ExecChannel(sock, send_timeout_s=self.limits.start_timeout_s)
 
     def _kill(self) -> None:

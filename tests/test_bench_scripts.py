@@ -1,5 +1,7 @@
-"""The GPU benchmark scripts run end to end in their CPU smoke modes (tiny sizes), write their JSON
-and end with the ``name: value`` line that docs/BENCHMARKS.md quotes."""
+"""Every bench script runs end to end in its smoke mode (``--smoke``: tiny sizes, CPU, seconds), writes
+its JSON where ``--out`` says and ends with the ``name: value`` line that docs/BENCHMARKS.md quotes.
+
+The scripts are found by glob, so a new script without a smoke mode fails here."""
 from __future__ import annotations
 
 import json
@@ -7,25 +9,21 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.name for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_"))
+LAST_LINE = re.compile(r"^[A-Za-z0-9_./-]+: \S+")
+TIMEOUT_S = 300
 
 
-def _run(args: list[str], timeout_s: float = 120) -> list[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout_s, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout.strip().splitlines()
-
-
-def test_gpu_advantages_cpu_smoke(tmp_path):
-    out = tmp_path / "adv.json"
-    lines = _run(["bench/gpu_advantages.py", "--device", "cpu", "--tokens", "2e4,1e5", "--seq-len", "500",
-                  "--warmup", "1", "--repeats", "2", "--out", str(out)])
+def _check_gpu_advantages(lines: list[str], rec: dict[str, Any]) -> None:
     m = re.fullmatch(r"fused_norm_copy_bw_fraction_100k: (\d+\.\d+)", lines[-1])
     assert m and float(m.group(1)) > 0, lines[-3:]
-    rec = json.loads(out.read_text())
     row = rec["results"]["100k"]
     assert row["tokens"] == 100_000 and row["rows"] == 200
     for name in ("copy", "fused", "previous", "unfused"):
@@ -34,17 +32,59 @@ def test_gpu_advantages_cpu_smoke(tmp_path):
     assert rec["results"]["20k"]["max_abs_err_fused"] < 1e-4
 
 
-def test_gpu_train_cpu_smoke(tmp_path):
-    out = tmp_path / "train.json"
-    lines = _run(["bench/gpu_train.py", "--device", "cpu", "--sizes", "tiny", "--seq-len", "32", "--batch", "4",
-                  "--micro-batch", "2", "--prompt-len", "4", "--steps", "1", "--warmup", "1",
-                  "--peak-tflops", "0.05", "--out", str(out)])
+def _check_gpu_train(lines: list[str], rec: dict[str, Any]) -> None:
     m = re.fullmatch(r"gpu_mfu_tiny: (\d+\.\d+)", lines[-1])
     assert m and float(m.group(1)) > 0, lines[-3:]
-    row = json.loads(out.read_text())["results"]["tiny"]
+    row = rec["results"]["tiny"]
     for side in ("megatron", "transformers"):
         r = row[side]
         assert r["params"] == row["params"], (side, r["params"], row["params"])  # the FLOP count's N is the model's
         assert r["step_s"] > 0 and r["optimizer_s"] > 0 and r["forward_s"] > 0 and r["tokens_per_s"] > 0
         assert abs(r["mfu"] - row["flops_per_token"] * r["tokens_per_s"] / 0.05e12) < 1e-9
     assert row["megatron_over_transformers"] > 0
+
+
+def _check_async_vs_sync(lines: list[str], rec: dict[str, Any]) -> None:
+    sync, async_ = rec["results"]["sync"], rec["results"]["async"]
+    assert sync["trained_samples"] == async_["trained_samples"] > 0  # the same work in both modes
+    assert sync["staleness_max"] == 0
+    assert rec["async_speedup"] == pytest.approx(async_["samples_per_s"] / sync["samples_per_s"])
+
+
+def _check_convert(lines: list[str], rec: dict[str, Any]) -> None:
+    assert rec["roundtrip_identical"] and rec["tensors"] > 0
+    assert [d["direction"] for d in rec["directions"]] == ["hf2mg", "mg2hf"]
+
+
+def _check_demo_learning(lines: list[str], rec: dict[str, Any]) -> None:
+    seed = rec["per_seed"]["1"]
+    assert set(seed["before"]) == set(seed["after"]) == set(rec["mean_gain_points"]) != set()
+
+
+CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
+    "gpu_advantages.py": _check_gpu_advantages,
+    "gpu_train.py": _check_gpu_train,
+    "async_vs_sync.py": _check_async_vs_sync,
+    "convert.py": _check_convert,
+    "demo_learning.py": _check_demo_learning,
+}
+
+
+def test_every_check_names_a_script():
+    assert set(CHECKS) <= set(SCRIPTS), sorted(set(CHECKS) - set(SCRIPTS))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bench_smoke(script, tmp_path):
+    out = tmp_path / f"{Path(script).stem}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, f"bench/{script}", "--smoke", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines and LAST_LINE.match(lines[-1]), lines[-3:]
+    assert out.is_file(), f"{script} --smoke wrote no JSON at --out {out}"
+    rec = json.loads(out.read_text())
+    check = CHECKS.get(script)
+    if check is not None:
+        check(lines, rec)

@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
-    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --sizes tiny: a smoke run)")
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (--smoke runs the tiny size there)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak dense FLOP/s of the device, TFLOP/s")
     ap.add_argument("--skip-baseline", action="store_true", help="only the Megatron actor")
     args = parse_bench_args(ap, argv, SMOKE)
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--sizes: unknown {bad}; choose from {list(SIZES)}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: CUDA is not available here; use --device cpu --sizes tiny for a smoke run")
+        raise SystemExit(f"--device {args.device}: CUDA is not available here; use --device cpu, or --smoke")
     if device.type == "cpu" and any(s != "tiny" for s in sizes):
         logger.warning("sizes %s on the CPU will be very slow", [s for s in sizes if s != "tiny"])
     if args.batch % args.micro_batch:

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         args.tensors, args.tensor_mb, args.repeats = 4, 1 / 16, 2
     from bench._common import git_commit
-    from rollout_sglang.weight_update.group import free_port
+    from env_controller.net import free_port
 
     nbytes = int(args.tensor_mb * 2**20)
     ctx = mp.get_context("spawn")

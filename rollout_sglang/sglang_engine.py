@@ -47,6 +47,7 @@ from typing import Any
 import httpx
 import torch
 
+from env_controller.net import free_port
 from rollout_sglang.engine import GenerationOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -60,14 +61,6 @@ class SGLangError(RuntimeError):
 
 class SGLangTimeout(SGLangError, TimeoutError):
     """An SGLang call or the server start did not finish within its timeout."""
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host if host not in ("0.0.0.0", "") else "127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _tail(path: Path | None, n: int = 40) -> str:
@@ -413,7 +406,7 @@ class SGLangEngine:
         within ``startup_timeout_s`` (the process is killed), SGLangError with the log tail when it
         exits early. ``server_module`` lets tests launch the stand-in the same way.
         """
-        port = int(port) if port else _free_port(host)
+        port = int(port) if port else free_port(host)
         log_root = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="sglang_logs_"))
         log_root.mkdir(parents=True, exist_ok=True)
         log_path = log_root / f"sglang_{port}.log"

@@ -14,18 +14,12 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (chosen by the OS)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from env_controller.net import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],

@@ -17,6 +17,7 @@ import torch
 from dist_utils import run_distributed
 
 from megatron_agentrl.weight_sync import BucketBroadcaster, WeightSyncError
+from env_controller.net import free_port
 from rollout_sglang.testing.checksum import ChecksumMismatch, bucket_checksum, tensors_checksum
 from rollout_sglang.testing.transport import StandInReceive, StandInTransport
 from rollout_sglang.weight_update import (
@@ -26,7 +27,6 @@ from rollout_sglang.weight_update import (
     SGLangBroadcast,
     dtype_from_name,
     dtype_name,
-    free_port,
     init_weight_group,
     iter_buckets,
     pack,

@@ -17,24 +17,17 @@ import logging
 import math
 import os
 import random
-import socket
 
 import torch
 import torch.distributed as dist
 
+from env_controller.net import free_port
 from megatron_agentrl.config import ConfigError
 from megatron_agentrl.megatron import cpu_bridge
 
 logger = logging.getLogger(__name__)
 
 _OWNS_PROCESS_GROUP = False
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _init_torch_distributed(timeout_s: float) -> None:

@@ -23,7 +23,6 @@ from rollout_sglang.weight_update.group import (
     WeightGroup,
     WeightSyncTimeout,
     default_backend,
-    free_port,
     host_store,
     init_weight_group,
 )
@@ -39,6 +38,6 @@ from rollout_sglang.weight_update.transport import (
 __all__ = [
     "DTYPES", "DTYPE_ALIASES", "BroadcastReceive", "BucketMeta", "BucketReceiver", "BucketTransport",
     "ReceiveTransport", "SGLangBroadcast", "WeightGroup", "WeightSyncTimeout", "WeightUpdateTarget", "copy_bytes",
-    "default_backend", "dtype_from_name", "dtype_name", "free_port", "host_store", "init_weight_group",
+    "default_backend", "dtype_from_name", "dtype_name", "host_store", "init_weight_group",
     "iter_buckets", "iter_split_buckets", "pack", "pack_into", "plan_buckets", "unpack",
 ]

@@ -21,11 +21,12 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
+
+from env_controller.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +46,6 @@ _GRAVEYARD: list[list] = []  # backends of groups that timed out (see WeightGrou
 
 class WeightSyncTimeout(TimeoutError):
     """A weight-sync step (group init, a bucket) did not finish within its timeout."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that is free right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def default_backend() -> str:

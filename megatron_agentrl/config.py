@@ -307,7 +307,8 @@ class RolloutConfig(_Section):
     weight_sync_bucket_mb: bucket size of the weight broadcast, MiB.
     weight_sync_init_timeout_s / weight_sync_bucket_timeout_s: limits on the weight-sync group
         rendezvous and on each bucket, seconds.
-    weight_sync_checksum: verify every bucket on engines that support it (not SGLang's API).
+    weight_sync_checksum: verify every bucket where the transport can (the stand-in's transport in
+        rollout_sglang.testing); SGLang's broadcasts carry no checksum, so with them it only warns.
     engine_urls: SGLang servers that are already running, one list per version slot (exactly
         ``max_versions`` slots of ``engines_per_slot`` URLs ``http(s)://host:port`` each), e.g.
         ``[["http://10.0.0.5:30000"], ["http://10.0.0.6:30000"]]``; empty = the run starts its own

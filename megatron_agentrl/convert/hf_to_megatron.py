@@ -11,7 +11,6 @@ elements, or one layer's MLP. The result loads at any TP x PP
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatron_agentrl.config import read_mapping_file
 from megatron_agentrl.convert import ARCHITECTURES, MAPPINGS, get_mapping
 from megatron_agentrl.convert.base import ConversionError, GPTMapping, padded_vocab_size
 from megatron_agentrl.convert.checkpoint import (
@@ -48,10 +48,7 @@ def load_hf_config_dict(hf_dir: str | Path) -> dict[str, Any]:
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"'{path}' does not exist; a Hugging Face checkpoint directory needs config.json")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConversionError(f"'{path}' is not valid JSON: {e}") from None
+    data = read_mapping_file(path, "json", f"'{path}'")
     archs = data.get("architectures") or []
     model_type = data.get("model_type")
     if model_type not in MAPPINGS:

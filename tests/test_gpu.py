@@ -269,6 +269,7 @@ def weight_sync_two_processes(rank: int, world: int, tmp: str, device: str, shap
     from megatron_agentrl.megatron.parallel import destroy_parallel, initialize_parallel
     from megatron_agentrl.weight_sync import WeightSender
     from rollout_sglang.sglang_engine import SGLangEngine
+    from rollout_sglang.testing.transport import StandInTransport
 
     try:
         initialize_parallel(1, 1, seed=21)
@@ -278,8 +279,9 @@ def weight_sync_two_processes(rank: int, world: int, tmp: str, device: str, shap
         actor.train_step(TrainBatch(b.tokens, b.loss_mask, lp * b.loss_mask, b.advantages))
         _wait_for(tmpdir / "url", 120)
         client = SGLangEngine((tmpdir / "url").read_text(), request_timeout_s=120, update_timeout_s=120)
+        # the stand-in's transport: SGLang's broadcasts carry no checksum to verify the buckets by
         sender = WeightSender(actor, bucket_mb=0.25, init_timeout_s=120, bucket_timeout_s=120, checksum=True,
-                              backend="gloo", small_tensor_bytes=4096)
+                              backend="gloo", small_tensor_bytes=4096, transport=StandInTransport())
         client.pause()
         stats = sender.sync(1, slot_key=0, targets=[client])
         client.resume()

@@ -19,8 +19,6 @@ Usage: ``python bench/gloo_transport.py [--tensors 42] [--tensor-mb 8.3125] [--r
 """
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -31,6 +29,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
 
 MODES = ("flat", "broadcast", "send_recv")
 
@@ -74,16 +74,12 @@ def rank_main(rank: int, port: int, tensors: int, nbytes: int, repeats: int, out
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; returns the result dict (also written to bench/results/gloo_transport.json)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bench_parser("gloo_transport", __doc__)
     ap.add_argument("--tensors", type=int, default=42)
     ap.add_argument("--tensor-mb", type=float, default=896 * 4864 * 2 / 2**20, help="MiB per tensor")
     ap.add_argument("--repeats", type=int, default=12)
-    ap.add_argument("--smoke", action="store_true", help="4 tensors of 64 KiB, 2 rounds: seconds (overrides the sizes)")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "gloo_transport.json"))
-    args = ap.parse_args(argv)
-    if args.smoke:
-        args.tensors, args.tensor_mb, args.repeats = 4, 1 / 16, 2
-    from bench._common import git_commit
+    # smoke: 4 tensors of 64 KiB, 2 rounds: seconds
+    args = parse_bench_args(ap, argv, {"tensors": 4, "tensor_mb": 1 / 16, "repeats": 2})
     from env_controller.net import free_port
 
     nbytes = int(args.tensor_mb * 2**20)
@@ -109,9 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
               "seconds": times, "gb_per_s_best": {m: total / min(times[m]) / 1e9 for m in MODES},
               "send_recv_vs_broadcast_speedup": speedup, "torch": torch.__version__,
               "commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_record(args.out, result)
     print(f"results: {out}")
     print(f"send_recv_vs_broadcast_speedup: {speedup:.3f}")
     return result

@@ -37,8 +37,6 @@ Usage: ``python bench/weight_sync.py [--bucket-mb 512] [--repeats 21] [--layers 
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -53,6 +51,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
 
 logger = logging.getLogger("bench.weight_sync")
 
@@ -149,7 +149,7 @@ def make_state(cfg) -> dict[str, torch.Tensor]:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; returns the result dict (also written to bench/results/weight_sync.json)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bench_parser("weight_sync", __doc__)
     ap.add_argument("--bucket-mb", type=float, default=512.0, help="bucket size, MiB (rollout.weight_sync_bucket_mb)")
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--wire-format", default=None, choices=["flattened_bucket", "per_tensor"],
@@ -158,12 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--small-mb", type=float, default=None,
                     help="per_tensor: tensors under this many MiB travel packed (default: each transport's "
                          "small_tensor_bytes)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny model, 2 layers, 256 KiB buckets, 2 rounds: seconds on a CPU (overrides the sizes)")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "weight_sync.json"))
-    args = ap.parse_args(argv)
-    if args.smoke:
-        args.layers, args.bucket_mb, args.repeats = 2, 0.25, 2
+    # smoke: a tiny model (2 layers), 256 KiB buckets, 2 rounds: seconds on a CPU
+    args = parse_bench_args(ap, argv, {"layers": 2, "bucket_mb": 0.25, "repeats": 2})
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
     from megatron_agentrl.weight_sync import BucketBroadcaster
@@ -297,11 +293,9 @@ def main(argv: list[str] | None = None) -> dict:
         "load_average_1m": os.getloadavg()[0],
         "cpu_pressure_some_avg10_pct_before": psi0, "cpu_pressure_some_avg10_pct_after": psi1,
         "host": {"cpus": mp.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_record(args.out, result)
     print(f"results: {out}")
     print(f"weight_sync_bandwidth_ratio: {ratio:.3f}")
     if bad:

@@ -9,12 +9,14 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): setup.py constraints.txt
 	@command -v $(BASE_PYTHON) >/dev/null || { echo "error: $(BASE_PYTHON) not found; install Python 3.11 or run 'make BASE_PYTHON=/path/to/python3.11 ...'"; exit 1; }
-	test -x $(BIN)/python || $(BASE_PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# the CPU build of torch first, so that nothing pulls the multi-GB CUDA build
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
-	touch $(STAMP)
+	@test -x $(BIN)/python || $(BASE_PYTHON) -m venv $(VENV)
+	@echo "installing into $(VENV) (a few minutes; pip's output goes to $(VENV)/install.log)"
+	@# the CPU build of torch first, so that nothing pulls the multi-GB CUDA build
+	@{ $(BIN)/pip install --upgrade pip && \
+	   $(BIN)/pip install torch==2.13.0 && \
+	   $(BIN)/pip install -c constraints.txt -e '.[dev]'; } > $(VENV)/install.log 2>&1 || \
+	 { tail -n 40 $(VENV)/install.log; echo "error: installing into $(VENV) failed (whole log: $(VENV)/install.log)"; exit 1; }
+	@touch $(STAMP)
 
 install: $(STAMP)
 

@@ -50,7 +50,7 @@ def evaluate(cfg: Config, ro: RolloutSide, seed: int, progress: Progress | None 
         result = per_task_means(trajs)
         turns = max((len(t.versions) for t in trajs), default=0)
         phase.update(figures={"success": format_success(result)},
-                     done=f"{len(trajs)} episodes of up to {turns} turn{'s' if turns != 1 else ''}")
+                     done=f"{len(trajs)} episodes (longest {turns} turn{'s' if turns != 1 else ''})")
     return result
 
 

@@ -55,22 +55,22 @@ class Phase:
             self.completed = int(completed)
         if self._bar is not None:
             progress, task = self._bar
-            progress.update(task, completed=self.completed, figures=self._figures_text())
+            figures = "  ".join(f"{k} {v}" for k, v in self.figures.items())
+            progress.update(task, completed=self.completed, figures=figures)
         elif self._every and completed is not None and self.completed % self._every == 0 \
                 and self.completed < (self.total or 0):
             logger.info("%s: %d/%d %s%s | %s", self.title, self.completed, self.total, self.unit,
-                        self._figures_text(" | "), _fmt_duration(time.perf_counter() - self.t0))
+                        self._figures_text(), _fmt_duration(time.perf_counter() - self.t0))
 
-    def _figures_text(self, lead: str = "") -> str:
-        """The figures as ``name value`` pairs joined by " | ", each preceded by ``lead`` when given."""
-        pairs = [f"{k} {v}" for k, v in self.figures.items()]
-        return "".join(f"{lead}{p}" for p in pairs) if lead else " | ".join(pairs)
+    def _figures_text(self) -> str:
+        """The figures as `` | name value`` pairs (for log lines)."""
+        return "".join(f" | {k} {v}" for k, v in self.figures.items())
 
     def summary(self) -> str:
         """The phase's last line: what was done, in how long, its last figures."""
         done = self.done or (f"{self.completed}/{self.total} {self.unit}" if self.total else "done")
         return (f"{self.title}: {done} in {_fmt_duration(time.perf_counter() - self.t0)}"
-                f"{self._figures_text(' | ')}")
+                f"{self._figures_text()}")
 
 
 class Progress:
@@ -114,10 +114,10 @@ class Progress:
         )
         from rich.progress import Progress as RichProgress
 
+        # narrow enough for an 80-column terminal: the figures matter more than a long bar
         columns = [SpinnerColumn(), TextColumn("{task.description}")]
         if total:
-            columns += [BarColumn(), MofNCompleteColumn(), TextColumn(unit), TimeElapsedColumn(), TextColumn("eta"),
-                        TimeRemainingColumn()]
+            columns += [BarColumn(bar_width=12), MofNCompleteColumn(), TimeRemainingColumn()]
         else:
             columns += [TimeElapsedColumn()]
         columns += [TextColumn("{task.fields[figures]}")]

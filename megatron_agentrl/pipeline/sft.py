@@ -39,7 +39,7 @@ def sft_warmup(cfg: Config, actor: MegatronActor, ro: RolloutSide | None, metric
     Every step goes to ``metrics`` (phase "sft": the actor's stats, ``lr``, ``step_time_s``);
     ``progress`` shows step, nll/token, lr and s/step. The actor's learning rate is ``train.lr`` after.
     """
-    title = f"SFT warm-up (batch {cfg.sft.batch_size})"
+    title = "SFT warm-up"
     t_start = time.perf_counter()
     with progress.phase(title, cfg.sft.steps) as phase:
         for step in range(1, cfg.sft.steps + 1):
@@ -54,6 +54,6 @@ def sft_warmup(cfg: Config, actor: MegatronActor, ro: RolloutSide | None, metric
             stats = actor.train_step(actor.dp_slice(batch), loss_type="sft")
             if metrics is not None:
                 metrics.log(step, {**stats, "lr": lr, "step_time_s": time.perf_counter() - t0}, phase="sft")
-            phase.update(step, {"nll/token": f"{stats['loss']:.3f}", "lr": f"{lr:.2e}",
+            phase.update(step, {"nll/token": f"{stats['loss']:.3f}", "lr": f"{lr:.1e}",
                                 "s/step": f"{(time.perf_counter() - t_start) / step:.2f}"})
     actor.set_lr(cfg.train.lr)

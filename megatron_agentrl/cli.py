@@ -12,11 +12,20 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable, Sequence
 
+from env_controller.cli import register as register_env_commands
 from megatron_agentrl.config import ConfigError, load_config
+from megatron_agentrl.convert import cli as convert_cli
+from megatron_agentrl.launch import check, slurm
+from megatron_agentrl.launch.ray_placement import RayLaunchError, run_on_ray
+from megatron_agentrl.launch.slurm import SlurmError
 from megatron_agentrl.train_rank import setup_logging, train_rank
 
 logger = logging.getLogger("agentrl")
+
+# a subcommand: its name, its help, the function that adds its options, the function that runs it (exit status)
+Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 
 def _train_spawned(rank: int, world: int, port: int, config: str, overrides: list[str]) -> None:
@@ -34,8 +43,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_model_paths(cfg.model)
     # ray.enabled / ray.address: the trainer ranks are Ray actors
     if cfg.ray.active and "WORLD_SIZE" not in os.environ:
-        from megatron_agentrl.launch.ray_placement import run_on_ray
-
         setup_logging(0)
         run_on_ray(cfg, args.config, args.overrides)
         return 0
@@ -55,36 +62,47 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``agentrl`` console script."""
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``agentrl train``."""
+    p.add_argument("--config", required=True, help="YAML config, e.g. examples/configs/tiny_cpu.yaml")
+    p.add_argument("--nproc", type=int, default=0,
+                   help="local processes to spawn (default: parallel.tp * parallel.pp)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=5 parallel.tp=2")
+
+
+def add_commands(sub: argparse._SubParsersAction, commands: Sequence[Command]) -> None:
+    """Add one subcommand per ``(name, help, function adding its options, function running it)`` of
+    ``commands`` to the argparse subparsers ``sub``."""
+    for name, help_text, add_arguments, run in commands:
+        p = sub.add_parser(name, help=help_text)
+        add_arguments(p)
+        p.set_defaults(func=run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``agentrl`` parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="agentrl", description="Agentic RL on megatron-core (AgentRL).")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train a policy from a YAML config")
-    p.add_argument("--config", required=True, help="YAML config, e.g. examples/configs/tiny_cpu.yaml")
-    p.add_argument("--nproc", type=int, default=0, help="local processes to spawn (default: parallel.tp * parallel.pp)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=5 parallel.tp=2")
-    p.set_defaults(func=cmd_train)
-    from env_controller.cli import register as register_env_commands
-
+    add_commands(sub, [("train", "train a policy from a YAML config", add_train_arguments, cmd_train)])
     register_env_commands(sub)  # agentrl controller / agentrl worker
-    from megatron_agentrl.convert.cli import register as register_convert_commands
+    convert = sub.add_parser("convert", help="convert weights between Hugging Face and megatron checkpoints")
+    add_commands(convert.add_subparsers(dest="convert_command", required=True), convert_cli.COMMANDS)
+    submit = sub.add_parser("slurm", help="submit a training run to SLURM (Ray head + workers), follow or cancel it")
+    add_commands(submit.add_subparsers(dest="slurm_command", required=True), slurm.COMMANDS)
+    add_commands(sub, [("plan", "layout and per-GPU memory plan of a run; --check: pre-flight check",
+                        check.add_plan_arguments, check.run_plan)])
+    return parser
 
-    register_convert_commands(sub)  # agentrl convert hf-to-megatron | megatron-to-hf
-    from megatron_agentrl.launch import register as register_launch_commands
 
-    register_launch_commands(sub)  # agentrl slurm submit | status | cancel, agentrl plan
-    args = parser.parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``agentrl`` console script."""
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ConfigError, FileNotFoundError) as e:
         print(f"agentrl: error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:  # a launch failure (Ray placement, a lost node, SLURM): one clear line
-        from megatron_agentrl.launch.ray_placement import RayLaunchError
-        from megatron_agentrl.launch.slurm import SlurmError
-
-        if not isinstance(e, (RayLaunchError, SlurmError)):
-            raise
+    except (RayLaunchError, SlurmError) as e:  # a launch failure (Ray placement, a lost node, SLURM): one clear line
         print(f"agentrl: error: {e}", file=sys.stderr)
         return 3
 

@@ -59,16 +59,13 @@ def run_megatron_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``convert`` with its two subcommands to the ``agentrl`` subparsers ``sub``."""
-    p = sub.add_parser("convert", help="convert weights between Hugging Face and megatron checkpoints")
-    conv = p.add_subparsers(dest="direction", required=True)
-    a = conv.add_parser("hf-to-megatron", help="HF safetensors -> megatron distributed checkpoint (any TP x PP)")
-    add_hf_to_megatron_arguments(a)
-    a.set_defaults(func=run_hf_to_megatron)
-    b = conv.add_parser("megatron-to-hf", help="megatron distributed checkpoint -> HF safetensors")
-    add_megatron_to_hf_arguments(b)
-    b.set_defaults(func=run_megatron_to_hf)
+# the subcommands of ``agentrl convert``: name, help, the function that adds its options, the one that runs it
+COMMANDS = (
+    ("hf-to-megatron", "HF safetensors -> megatron distributed checkpoint (any TP x PP)",
+     add_hf_to_megatron_arguments, run_hf_to_megatron),
+    ("megatron-to-hf", "megatron distributed checkpoint -> HF safetensors",
+     add_megatron_to_hf_arguments, run_megatron_to_hf),
+)
 
 
 def _setup_logging() -> None:

@@ -296,14 +296,15 @@ def run_plan(args: argparse.Namespace) -> int:
     return 1 if plan.problems() else 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``plan`` to the ``agentrl`` subparsers ``sub``."""
-    p = sub.add_parser("plan", help="layout and per-GPU memory plan of a run; --check: pre-flight check")
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``agentrl plan``."""
     p.add_argument("--config", required=True, help="run config YAML")
-    p.add_argument("--check", action="store_true", help="check config, paths, endpoints, GPUs, memory; report what cannot be verified here")
-    p.add_argument("--strict", action="store_true", help="with --check: what cannot be verified here fails too (run it on the cluster)")
-    p.add_argument("--reference-hf-config", default=None, help="config.json (or its directory) to plan from when model.hf_config is not here")
+    p.add_argument("--check", action="store_true",
+                   help="check config, paths, endpoints, GPUs, memory; report what cannot be verified here")
+    p.add_argument("--strict", action="store_true",
+                   help="with --check: what cannot be verified here fails too (run it on the cluster)")
+    p.add_argument("--reference-hf-config", default=None,
+                   help="config.json (or its directory) to plan from when model.hf_config is not here")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU, GiB (default 80: H100 80GB)")
     p.add_argument("--probe-timeout", type=float, default=3.0, help="seconds to wait for each endpoint")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the run config")
-    p.set_defaults(func=run_plan)

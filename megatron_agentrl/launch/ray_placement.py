@@ -44,8 +44,6 @@ from megatron_agentrl.config import Config, ConfigError
 
 logger = logging.getLogger(__name__)
 
-ENGINES_ENV = "AGENTRL_ROLLOUT_ENGINES"
-
 
 class RayLaunchError(RuntimeError):
     """The run could not be placed on Ray, or it failed there; the message says what and the fix."""
@@ -168,12 +166,6 @@ def remove_placement_groups(pgs: dict[str, Any]) -> None:
             remove_placement_group(pg)
         except Exception as e:  # noqa: BLE001 - best effort on the way out
             logger.debug("placement group removal: %s", e)
-
-
-def rollout_engines_from_env() -> list[list[str]] | None:
-    """Engine URLs per version slot handed to the trainer by :func:`run_on_ray`, or None outside it."""
-    raw = os.environ.get(ENGINES_ENV)
-    return json.loads(raw) if raw else None
 
 
 def checkpoint_root(cfg: Config) -> Path:

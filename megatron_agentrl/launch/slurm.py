@@ -362,19 +362,17 @@ def run_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``slurm submit | status | cancel`` to the ``agentrl`` subparsers ``sub``."""
-    p = sub.add_parser("slurm", help="submit a training run to SLURM (Ray head + workers), follow or cancel it")
-    s = p.add_subparsers(dest="slurm_command", required=True)
-    a = s.add_parser("submit", help="render the sbatch script from the config and flags, and submit it")
-    add_submit_arguments(a)
-    a.set_defaults(func=run_submit)
-    b = s.add_parser("status", help="state of jobs")
-    b.add_argument("job_ids", nargs="+")
-    b.set_defaults(func=run_status)
-    c = s.add_parser("cancel", help="cancel jobs (scancel)")
-    c.add_argument("job_ids", nargs="+")
-    c.set_defaults(func=run_cancel)
+def _add_job_ids(p: argparse.ArgumentParser) -> None:
+    """The options of ``slurm status`` and ``slurm cancel``: one or more job ids."""
+    p.add_argument("job_ids", nargs="+")
+
+
+# the subcommands of ``agentrl slurm``: name, help, the function that adds its options, the one that runs it
+COMMANDS = (
+    ("submit", "render the sbatch script from the config and flags, and submit it", add_submit_arguments, run_submit),
+    ("status", "state of jobs", _add_job_ids, run_status),
+    ("cancel", "cancel jobs (scancel)", _add_job_ids, run_cancel),
+)
 
 
 def main_submit(argv: list[str] | None = None) -> int:

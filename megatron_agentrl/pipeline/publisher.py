@@ -15,12 +15,13 @@ over a weight-sync group (``WeightSender``: NCCL on GPUs, gloo on CPU) that ever
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from megatron_agentrl.megatron.actor import MegatronActor
 from megatron_agentrl.pipeline.distributed import broadcast_object
 from megatron_agentrl.weight_sync import WeightSender, deliver_direct
-from rollout_sglang.version_pool import VersionPool
+from rollout_sglang.version_pool import Slot, VersionPool
 
 
 class WeightPublisher:
@@ -66,7 +67,7 @@ class WeightPublisher:
             return []
         return list(range(len(self.pool.slots))) if all_slots else [self.pool.oldest_slot().index]
 
-    def _update(self, idx: int, version: int, deliver: Any) -> None:
+    def _update(self, idx: int, version: int, deliver: Callable[[Slot], Any]) -> None:
         """Rank 0: open slot ``idx``'s update, ``deliver(slot)``, close it (marked failed when delivery fails)."""
         slot = self.pool.begin_update(version, slot=idx, timeout_s=self.timeout_s)
         try:

@@ -31,19 +31,12 @@ from typing import Any, Iterable
 import torch
 
 from rollout_sglang.engine import GenerationOutput, SamplingParams
+from rollout_sglang.weight_update.buckets import dtype_from_name
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
+# the dtypes a model runs in (the wire names of weight_update.buckets, floating point only)
+_MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
@@ -52,10 +45,13 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
         return torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    key = str(dtype).lower().removeprefix("torch.")
-    if key not in _DTYPES:
+    try:
+        resolved = dtype_from_name(dtype)
+    except ValueError:
+        resolved = None
+    if resolved not in _MODEL_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of 'float32', 'bfloat16', 'float16'")
-    return _DTYPES[key]
+    return resolved
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -408,7 +404,7 @@ class LocalEngine:
             )
         self.version = self._pending_version
         self._pending_version = None
-        logger.info("engine serves weight version %d (update took %.3fs)", self.version, time.monotonic() - self._update_started)
+        logger.debug("engine serves weight version %d (update took %.3fs)", self.version, time.monotonic() - self._update_started)
 
     def load_state_dict(self, version: int, state: dict[str, torch.Tensor]) -> None:
         """begin_weight_update + one bucket with all of ``state`` + end_weight_update."""

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from megatron_agentrl.convert.base import ConversionError, GPTMapping
+from rollout_sglang.weight_update.buckets import dtype_from_name
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ HF_ASSET_FILES = (
     "chat_template.jinja", "chat_template.json",
 )
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
@@ -63,10 +64,13 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
         return name
     if name == "auto":
         return None
-    key = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name)
-    if key not in _DTYPES:
-        raise ConversionError(f"dtype={name!r} must be one of auto, {', '.join(_DTYPES)}")
-    return _DTYPES[key]
+    try:
+        dtype = dtype_from_name(name)
+    except ValueError:
+        dtype = None
+    if dtype not in _MODEL_DTYPES:
+        raise ConversionError(f"dtype={name!r} must be one of auto, float32, bfloat16, float16")
+    return dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -40,7 +40,8 @@ done
 
 # The checkpoint paths and endpoints the environment gives replace the config's.
 if [ -n "${GLM4_HF_DIR:-}" ]; then
-  OVERRIDES=("model.hf_config=$GLM4_HF_DIR" "model.checkpoint=$GLM4_HF_DIR" "model.tokenizer=$GLM4_HF_DIR" "${OVERRIDES[@]}")
+  OVERRIDES=("model.hf_config=$GLM4_HF_DIR" "model.checkpoint=$GLM4_HF_DIR" "model.tokenizer=$GLM4_HF_DIR"
+             "${OVERRIDES[@]}")
 fi
 if [ -n "${GLM4_MEGATRON_DIR:-}" ]; then
   OVERRIDES=("model.megatron_checkpoint=$GLM4_MEGATRON_DIR" "${OVERRIDES[@]}")
@@ -95,7 +96,8 @@ if [ -d "$MEGATRON_DIR" ] && [ -n "$(ls -A "$MEGATRON_DIR")" ]; then
   echo "[glm4] megatron checkpoint already converted: $MEGATRON_DIR"
 else
   echo "[glm4] converting $HF_DIR -> $MEGATRON_DIR (TP $TP, PP $PP)"
-  "${AGENTRL[@]}" convert hf-to-megatron --hf-dir "$HF_DIR" --out-dir "$MEGATRON_DIR" --tp "$TP" --pp "$PP" --dtype bfloat16
+  "${AGENTRL[@]}" convert hf-to-megatron --hf-dir "$HF_DIR" --out-dir "$MEGATRON_DIR" --tp "$TP" --pp "$PP" \
+    --dtype bfloat16
 fi
 
 # 2. The pre-flight check again, now with the weights in place (what only the compute nodes can

@@ -101,7 +101,8 @@ class LocalSlurm:
             "ReturnToService=2",
             "MinJobAge=600",
             "KillWait=5",
-            f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory={int(_mem_mb() * 0.8)} State=UNKNOWN",
+            f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory={int(_mem_mb() * 0.8)} "
+            "State=UNKNOWN",
             "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP",
         ]) + "\n")
         self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i"])
@@ -153,7 +154,8 @@ class LocalSlurm:
     def stop(self) -> None:
         """Cancel every job, stop the daemons (TERM, then KILL), reap leftover step daemons."""
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
-            subprocess.run(["scancel", "--full", "--user", str(os.getuid())], env=self.env, capture_output=True, timeout=30)
+            subprocess.run(["scancel", "--full", "--user", str(os.getuid())], env=self.env, capture_output=True,
+                           timeout=30)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 q = subprocess.run(["squeue", "-h"], capture_output=True, text=True, env=self.env, timeout=30)

@@ -125,11 +125,13 @@ def _check_model(cfg: Config, report: CheckReport, reference: str | None, strict
             report.add(OK, "model config", f"{m.hf_config}: {hf.get('model_type')} {hf.get('architectures', [''])[0]}")
         elif reference and (ref := _read_hf_config(reference)) is not None:
             hf = ref
-            report.add(missing, "model config", f"model.hf_config='{m.hf_config}' is not on this machine; the plan uses "
-                       f"the reference config {reference} ({ref.get('model_type')}, same numbers as the published model)")
+            report.add(missing, "model config", f"model.hf_config='{m.hf_config}' is not on this machine; the plan "
+                       f"uses the reference config {reference} ({ref.get('model_type')}, same numbers as the "
+                       "published model)")
         else:
             report.add(FAIL if strict or not reference else missing, "model config",
-                       f"model.hf_config='{m.hf_config}' does not exist and no reference config was given; nothing to plan from")
+                       f"model.hf_config='{m.hf_config}' does not exist and no reference config was given; "
+                       "nothing to plan from")
     elif m.arch:
         hf = dict(m.arch)
         hf.setdefault("vocab_size", 32000)
@@ -138,16 +140,19 @@ def _check_model(cfg: Config, report: CheckReport, reference: str | None, strict
         from megatron_agentrl.hf_io import SUPPORTED_MODEL_TYPES
 
         if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:
-            report.add(FAIL, "model family", f"model_type={hf.get('model_type')!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+            report.add(FAIL, "model family",
+                       f"model_type={hf.get('model_type')!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}")
     for key, value, want_dir in (("model.checkpoint", m.checkpoint, True), ("model.tokenizer", m.tokenizer, False),
                                  ("model.megatron_checkpoint", m.megatron_checkpoint, True)):
         if value is None:
             continue
         p = Path(value)
         if (p.is_dir() if want_dir else p.exists()):
-            if key == "model.checkpoint" and not (any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").is_file()):
+            has_safetensors = any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").is_file()
+            is_dist_ckpt = (p / "metadata.json").is_file() and (p / ".metadata").is_file()
+            if key == "model.checkpoint" and not has_safetensors:
                 report.add(FAIL, key, f"'{value}' holds no safetensors weights")
-            elif key == "model.megatron_checkpoint" and not ((p / "metadata.json").is_file() and (p / ".metadata").is_file()):
+            elif key == "model.megatron_checkpoint" and not is_dist_ckpt:
                 report.add(FAIL, key, f"'{value}' is not a megatron distributed checkpoint (no metadata.json and "
                            f".metadata); write it with `agentrl convert hf-to-megatron --out-dir {value}`")
             else:
@@ -169,26 +174,29 @@ def _check_tasks(cfg: Config, report: CheckReport, strict: bool, timeout_s: floa
     if local:
         report.add(OK, "built-in tasks", ", ".join(local) + " (run in process)")
     if remote and not env.controller_url and not cfg.ray.controller:
-        report.add(FAIL, "tasks", f"{', '.join(remote)} are not built-in tasks and nothing serves them: set env.controller_url "
-                   "to the controller the task workers register with (or ray.controller: true)")
+        report.add(FAIL, "tasks", f"{', '.join(remote)} are not built-in tasks and nothing serves them: set "
+                   "env.controller_url to the controller the task workers register with (or ray.controller: true)")
         return
     unreachable = UNVERIFIED if not strict else FAIL
     if env.controller_url:
         from env_controller.client import base_api_url
 
         ok, why = probe_http(base_api_url(env.controller_url) + "/list_workers", timeout_s)
-        report.add(OK if ok else unreachable, "env controller", f"{env.controller_url}: " + (f"answers ({why})" if ok else f"not reachable from here ({why})"))
+        report.add(OK if ok else unreachable, "env controller",
+                   f"{env.controller_url}: " + (f"answers ({why})" if ok else f"not reachable from here ({why})"))
     elif cfg.ray.controller:
         report.add(OK, "env controller", "started by the Ray launcher in its own placement group (ray.controller)")
     for task in remote:
         urls = env.workers.get(task, [])
         if not urls:
-            report.add(unreachable, f"task {task}", "no worker endpoint listed in env.workers; its workers must register with the controller")
+            report.add(unreachable, f"task {task}",
+                       "no worker endpoint listed in env.workers; its workers must register with the controller")
             continue
         answers = [(u, *probe_http(u.rstrip("/") + "/get_indices", timeout_s)) for u in urls]
         bad = [f"{u} ({why})" for u, ok, why in answers if not ok]
         if bad:
-            report.add(unreachable, f"task {task}", f"{len(bad)} of {len(urls)} worker(s) not reachable from here: " + ", ".join(bad))
+            report.add(unreachable, f"task {task}",
+                       f"{len(bad)} of {len(urls)} worker(s) not reachable from here: " + ", ".join(bad))
         else:
             report.add(OK, f"task {task}", f"{len(urls)} worker(s) answer")
 
@@ -210,8 +218,9 @@ def check_run(cfg: Config, config_path: str, overrides: list[str], *, reference_
         else:
             report.plan = plan
             lay = plan.layout
-            report.add(OK, "layout", f"TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']} train ranks; {lay['rollout_slots']} "
-                       f"version slots x {lay['engines_per_slot']} engines x {lay['gpus_per_engine']} GPUs"
+            report.add(OK, "layout", f"TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']} train ranks; "
+                       f"{lay['rollout_slots']} version slots x {lay['engines_per_slot']} engines x "
+                       f"{lay['gpus_per_engine']} GPUs"
                        + (f"; {total} GPUs in {s.nodes} node(s)" if total else ""))
             for p in plan.layout_problems:
                 report.add(FAIL, "pools vs allocation", p)
@@ -227,16 +236,19 @@ def check_run(cfg: Config, config_path: str, overrides: list[str], *, reference_
                            f"{s.gpus_per_node} GPUs; keep TP within a node")
 
     gpus = _gpus_here()
-    need = f"{s.nodes} node(s) x {s.gpus_per_node} GPU(s) of >= {gpu_memory_gib:.0f} GiB" if s.gpus_per_node else "no GPU"
+    need = (f"{s.nodes} node(s) x {s.gpus_per_node} GPU(s) of >= {gpu_memory_gib:.0f} GiB" if s.gpus_per_node
+            else "no GPU")
     if not gpus:
         report.add(UNVERIFIED if s.gpus_per_node else OK, "GPUs",
                    f"no CUDA GPU on this machine; the run needs {need}" if s.gpus_per_node else "the run needs no GPU")
     else:
         small = [g for g in gpus if g[1] < 0.95 * gpu_memory_gib]
-        report.add(FAIL if small else OK, "GPUs", f"{len(gpus)} here ({gpus[0][0]}, {gpus[0][1]:.0f} GiB); the run needs {need}")
+        report.add(FAIL if small else OK, "GPUs",
+                   f"{len(gpus)} here ({gpus[0][0]}, {gpus[0][1]:.0f} GiB); the run needs {need}")
 
     if cfg.rollout.cross_policy != "latest":
-        report.add(OK, "cross-policy sampling", f"{cfg.rollout.cross_policy} over {cfg.rollout.max_versions} version slots")
+        report.add(OK, "cross-policy sampling",
+                   f"{cfg.rollout.cross_policy} over {cfg.rollout.max_versions} version slots")
     if cfg.algo.normalize_per_task:
         report.add(OK, "per-task normalization", f"on, over {len(cfg.tasks)} task(s)")
 
@@ -253,7 +265,8 @@ def check_run(cfg: Config, config_path: str, overrides: list[str], *, reference_
 
     try:
         script = render_sbatch(build_job(cfg, config_path, overrides))
-        report.add(OK, "sbatch script", f"renders ({len(script.splitlines())} lines; agentrl slurm submit --dry-run prints it)")
+        report.add(OK, "sbatch script",
+                   f"renders ({len(script.splitlines())} lines; agentrl slurm submit --dry-run prints it)")
     except ConfigError as e:
         report.add(FAIL, "sbatch script", str(e))
     if shutil.which("sbatch") is None:
@@ -265,7 +278,8 @@ def check_run(cfg: Config, config_path: str, overrides: list[str], *, reference_
 
     for module, what in (("ray", "Ray"), ("megatron_agentrl.convert.cli", "agentrl convert")):
         found = importlib.util.find_spec(module) is not None
-        report.add(OK if found else FAIL, what, "importable" if found else f"'{module}' is missing: reinstall (make install)")
+        report.add(OK if found else FAIL, what,
+                   "importable" if found else f"'{module}' is missing: reinstall (make install)")
     return report
 
 

@@ -13,8 +13,9 @@ The estimate is rough by design and errs high:
   fp32 (the actor's DDP buffer reduces in fp32); fp32 master weights when the compute dtype is not
   fp32; Adam's two fp32 moments (no distributed optimizer, as the actor builds it); activations
   of one micro-batch (``train.micro_batch_size`` sequences of ``rollout.max_total_tokens``, or the
-  ``train.micro_batch_tokens`` budget when set), ``34 * tokens * h / tp`` bytes per layer (flash-attention, no recomputation: Korthikanti et al., 2022) times the
-  micro-batches 1F1B keeps in flight on the first stage, plus the fp32 logits of the last stage.
+  ``train.micro_batch_tokens`` budget when set), ``34 * tokens * h / tp`` bytes per layer
+  (flash-attention, no recomputation: Korthikanti et al., 2022) times the micro-batches 1F1B keeps
+  in flight on the first stage, plus the fp32 logits of the last stage.
 * **rollout pool** (per GPU of one engine of ``ray.rollout_gpus_per_engine`` GPUs): weights in
   ``model.dtype`` split by the engine's TP, and the KV cache of the sequences one engine serves
   at once: ``2 * layers * kv_heads * head_dim * bytes`` per token, KV heads split by TP (replicated
@@ -123,11 +124,13 @@ class MemoryPlan:
         """The pools that do not fit in ``gpu_memory_gib``, one sentence each with the fix."""
         out = []
         if self.train_total_gib > self.gpu_memory_gib:
-            out.append(f"train pool needs ~{self.train_total_gib:.1f} GiB per GPU, more than {self.gpu_memory_gib:.0f} GiB: "
-                       "raise parallel.tp or parallel.pp, or lower train.micro_batch_size / rollout.max_total_tokens")
+            out.append(f"train pool needs ~{self.train_total_gib:.1f} GiB per GPU, more than "
+                       f"{self.gpu_memory_gib:.0f} GiB: raise parallel.tp or parallel.pp, or lower "
+                       "train.micro_batch_size / rollout.max_total_tokens")
         if self.rollout and self.rollout_total_gib > self.gpu_memory_gib:
-            out.append(f"rollout engines need ~{self.rollout_total_gib:.1f} GiB per GPU, more than {self.gpu_memory_gib:.0f} GiB: "
-                       "raise ray.rollout_gpus_per_engine, or lower the sequences in flight per engine")
+            out.append(f"rollout engines need ~{self.rollout_total_gib:.1f} GiB per GPU, more than "
+                       f"{self.gpu_memory_gib:.0f} GiB: raise ray.rollout_gpus_per_engine, or lower the sequences "
+                       "in flight per engine")
         return out
 
     def problems(self) -> list[str]:
@@ -149,7 +152,8 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     if shape.num_heads % tp or shape.num_kv_heads % tp:
         raise ConfigError(f"parallel.tp={tp} does not divide the model's {shape.num_heads} attention heads and "
-                          f"{shape.num_kv_heads} KV heads (megatron splits both); choose a divisor of {shape.num_kv_heads}")
+                          f"{shape.num_kv_heads} KV heads (megatron splits both); choose a divisor of "
+                          f"{shape.num_kv_heads}")
     if shape.num_layers % pp:
         raise ConfigError(f"parallel.pp={pp} does not divide the model's {shape.num_layers} layers; choose a divisor")
     wbytes = _DTYPE_BYTES[cfg.model.dtype]
@@ -208,12 +212,13 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
     plan = MemoryPlan(params_billion=shape.total_params() / 1e9, layout=layout, train=train, rollout=rollout,
                       gpu_memory_gib=gpu_memory_gib, notes=notes)
     if total_gpus is not None:
-        need = math.ceil(train_workers * cfg.ray.train_gpus_per_worker) + engines * engine_tp
+        train_gpus = math.ceil(train_workers * cfg.ray.train_gpus_per_worker)
+        need = train_gpus + engines * engine_tp
         plan.layout["total_gpus"] = total_gpus
         if need > total_gpus:
-            plan.layout_problems.append(f"the pools need {need} GPUs (train {math.ceil(train_workers * cfg.ray.train_gpus_per_worker)}, "
-                                        f"rollout {engines * engine_tp}) but the allocation has {total_gpus}: add nodes or shrink "
-                                        "ray.train_workers / rollout.max_versions / rollout.engines_per_slot")
+            plan.layout_problems.append(f"the pools need {need} GPUs (train {train_gpus}, rollout "
+                                        f"{engines * engine_tp}) but the allocation has {total_gpus}: add nodes or "
+                                        "shrink ray.train_workers / rollout.max_versions / rollout.engines_per_slot")
         elif need < total_gpus:
             plan.notes.append(f"{total_gpus - need} of {total_gpus} GPUs are left unused by the pools")
     return plan
@@ -228,7 +233,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"up to {lay['micro_batches_per_step']} micro-batches per step per DP rank",
         f"rollout pool: {lay['rollout_slots']} version slots x {lay['engines_per_slot']} engines x "
         f"{lay['gpus_per_engine']} GPUs = {lay['rollout_gpus']} GPUs",
-        f"train GPU   (GiB): " + ", ".join(f"{k} {v:.1f}" for k, v in plan.train.items())
+        "train GPU   (GiB): " + ", ".join(f"{k} {v:.1f}" for k, v in plan.train.items())
         + f" | total {plan.train_total_gib:.1f} of {plan.gpu_memory_gib:.0f}",
     ]
     if plan.rollout:

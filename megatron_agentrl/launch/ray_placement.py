@@ -77,10 +77,9 @@ def plan_pools(cfg: Config) -> list[PoolSpec]:
     workers = r.train_workers or cfg.parallel.tp * cfg.parallel.pp
     pools = [PoolSpec("train", [_bundle(r.train_cpus_per_worker, r.train_gpus_per_worker)] * workers, r.train_strategy)]
     if r.rollout_gpus_per_engine:
+        engine = _bundle(r.rollout_cpus_per_engine, r.rollout_gpus_per_engine)
         for slot in range(cfg.rollout.max_versions):
-            pools.append(PoolSpec(f"rollout_slot{slot}",
-                                  [_bundle(r.rollout_cpus_per_engine, r.rollout_gpus_per_engine)] * cfg.rollout.engines_per_slot,
-                                  r.rollout_strategy))
+            pools.append(PoolSpec(f"rollout_slot{slot}", [engine] * cfg.rollout.engines_per_slot, r.rollout_strategy))
     if r.controller:
         pools.append(PoolSpec("env_controller", [_bundle(r.controller_cpus, 0)], "PACK"))
     return pools
@@ -144,15 +143,17 @@ def create_placement_groups(pools: list[PoolSpec], timeout_s: float, prefix: str
     done, pending = ray.wait(list(ready), num_returns=len(ready), timeout=timeout_s)
     if pending:
         missing = [ready[ref] for ref in pending]
-        asked = "; ".join(f"{p.name}: {len(p.bundles)} x {p.bundles[0]} ({p.strategy})" for p in pools if p.name in missing)
+        asked = "; ".join(f"{p.name}: {len(p.bundles)} x {p.bundles[0]} ({p.strategy})"
+                          for p in pools if p.name in missing)
         have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
         free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
         for pg in pgs.values():
             remove_placement_group(pg)
         raise PlacementError(
             f"placement groups not ready after {timeout_s:g}s: {asked}. The cluster has {have} (free {free}) on "
-            f"{len([n for n in ray.nodes() if n['Alive']])} node(s). Add nodes, or shrink the pools (ray.train_workers, "
-            "ray.*_gpus_*, rollout.max_versions, rollout.engines_per_slot), or raise ray.placement_timeout_s")
+            f"{len([n for n in ray.nodes() if n['Alive']])} node(s). Add nodes, or shrink the pools "
+            "(ray.train_workers, ray.*_gpus_*, rollout.max_versions, rollout.engines_per_slot), or raise "
+            "ray.placement_timeout_s")
     logger.info("placement groups ready: %s", ", ".join(f"{p.name} ({len(p.bundles)} x {p.bundles[0]})" for p in pools))
     return pgs
 
@@ -366,7 +367,8 @@ class RayRun:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return {"num_cpus": cpus, "num_gpus": gpus, "name": f"{self.prefix}_{name}",
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pgs[pool], placement_group_bundle_index=index)}
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pgs[pool],
+                                                                        placement_group_bundle_index=index)}
 
     def _add(self, kind: str, what: str, actor: Any) -> _Member:
         """Record an actor of the run and the node it was placed on."""
@@ -404,7 +406,8 @@ class RayRun:
         r, ro = self.cfg.ray, self.cfg.rollout
         model = self.cfg.model.checkpoint or self.cfg.model.hf_config
         if not model:
-            raise ConfigError("ray.rollout_gpus_per_engine > 0 needs model.checkpoint (the HF weights the engines serve)")
+            raise ConfigError("ray.rollout_gpus_per_engine > 0 needs model.checkpoint "
+                              "(the HF weights the engines serve)")
         log_dir = str(Path(self.cfg.output_dir).resolve() / "ray" / "engine_logs")
         refs: list[list[Any]] = []
         for slot in range(ro.max_versions):
@@ -492,7 +495,8 @@ class RayRun:
                         continue  # busy, not dead: the next tick asks again
                     except ray.exceptions.RayError as e:
                         self._wait_for_dead_node()
-                        raise self._lost(f"{m.what} (node {m.node_ip}, Ray node {m.node_id[:12]})", _first_line(e)) from None
+                        raise self._lost(f"{m.what} (node {m.node_ip}, Ray node {m.node_id[:12]})",
+                                         _first_line(e)) from None
                     if not alive:
                         raise self._lost(m.what, "its process exited")
 

@@ -155,7 +155,8 @@ def render_sbatch(job: SlurmJob) -> str:
         'if [ "$GPUS_PER_NODE" -gt 0 ]; then STEP+=(--gpus-per-task="$GPUS_PER_NODE"); fi',
         'log() { echo "[agentrl-slurm $(date +%H:%M:%S)] $*"; }',
         # The batch step runs on the head node already; a container needs a step of its own there.
-        'on_head() { if [ "${#CONTAINER[@]}" -gt 0 ]; then "${STEP[@]}" -w "$HEAD" "${CONTAINER[@]}" "$@"; else "$@"; fi; }',
+        ('on_head() { if [ "${#CONTAINER[@]}" -gt 0 ]; then "${STEP[@]}" -w "$HEAD" "${CONTAINER[@]}" "$@"; '
+         'else "$@"; fi; }'),
         "STEP_PIDS=()",
         "cleanup() {",
         "  local rc=$?",
@@ -174,7 +175,8 @@ def render_sbatch(job: SlurmJob) -> str:
         "}",
         "trap cleanup EXIT",
         "trap 'exit 143' INT TERM",
-        'log "job $SLURM_JOB_ID: $NNODES node(s) ${NODES[*]}, head $HEAD ($HEAD_IP), $GPUS_PER_NODE GPU(s) and $CPUS_PER_NODE CPU(s) per node"',
+        ('log "job $SLURM_JOB_ID: $NNODES node(s) ${NODES[*]}, head $HEAD ($HEAD_IP), $GPUS_PER_NODE GPU(s) and '
+         '$CPUS_PER_NODE CPU(s) per node"'),
     ]
     if s.ray:
         body += [
@@ -186,7 +188,8 @@ def render_sbatch(job: SlurmJob) -> str:
             'export RAY_AUTH_TOKEN="$(od -An -N32 -tx1 /dev/urandom | tr -d \' \\n\')"',
             'log "starting the Ray head on $HEAD ($RAY_ADDRESS_ARG)"',
             '"${STEP[@]}" -w "$HEAD" "${CONTAINER[@]}" "${RAY[@]}" start --head --block --disable-usage-stats \\',
-            '  --node-ip-address="$HEAD_IP" --port="$RAY_PORT" --num-cpus="$CPUS_PER_NODE" --num-gpus="$GPUS_PER_NODE" \\',
+            ('  --node-ip-address="$HEAD_IP" --port="$RAY_PORT" --num-cpus="$CPUS_PER_NODE" '
+             '--num-gpus="$GPUS_PER_NODE" \\'),
             '  --temp-dir="/tmp/ray_agentrl_${SLURM_JOB_ID}" &',
             "STEP_PIDS+=($!)",
             'on_head "$PY" -m megatron_agentrl.launch.ray_placement wait --address "$RAY_ADDRESS_ARG" --nodes 1 '
@@ -197,10 +200,11 @@ def render_sbatch(job: SlurmJob) -> str:
             '    --disable-usage-stats --num-cpus="$CPUS_PER_NODE" --num-gpus="$GPUS_PER_NODE" &',
             "  STEP_PIDS+=($!)",
             "done",
-            'on_head "$PY" -m megatron_agentrl.launch.ray_placement wait --address "$RAY_ADDRESS_ARG" --nodes "$NNODES" '
-            f'--timeout {s.ray_start_timeout_s:g}',
+            'on_head "$PY" -m megatron_agentrl.launch.ray_placement wait --address "$RAY_ADDRESS_ARG" '
+            f'--nodes "$NNODES" --timeout {s.ray_start_timeout_s:g}',
             'log "Ray cluster up: $NNODES node(s); training"',
-            'on_head "${AGENTRL[@]}" train --config "$CONFIG" "${OVERRIDES[@]}" ray.enabled=true ray.address="$RAY_ADDRESS_ARG"',
+            ('on_head "${AGENTRL[@]}" train --config "$CONFIG" "${OVERRIDES[@]}" ray.enabled=true '
+             'ray.address="$RAY_ADDRESS_ARG"'),
         ]
     else:
         body += [
@@ -209,8 +213,10 @@ def render_sbatch(job: SlurmJob) -> str:
             '  on_head "${AGENTRL[@]}" train --config "$CONFIG" "${OVERRIDES[@]}"',
             "else",
             '  log "training with torchrun on $NNODES nodes"',
-            '  srun --overlap --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_NODE" "${CONTAINER[@]}" \\',
-            '    "$PY" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$(( GPUS_PER_NODE > 0 ? GPUS_PER_NODE : 1 ))" \\',
+            ('  srun --overlap --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_NODE" '
+             '"${CONTAINER[@]}" \\'),
+            ('    "$PY" -m torch.distributed.run --nnodes="$NNODES" '
+             '--nproc-per-node="$(( GPUS_PER_NODE > 0 ? GPUS_PER_NODE : 1 ))" \\'),
             '    --rdzv-backend=c10d --rdzv-endpoint="$HEAD_IP:29500" --rdzv-id="$SLURM_JOB_ID" \\',
             '    -m megatron_agentrl.cli train --config "$CONFIG" "${OVERRIDES[@]}"',
             "fi",
@@ -233,7 +239,8 @@ def _run(cmd: list[str], timeout_s: float = 60.0) -> subprocess.CompletedProcess
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise SlurmError(f"'{' '.join(cmd)}' did not answer within {timeout_s:g}s; is slurmctld up? (scontrol ping)") from None
+        raise SlurmError(f"'{' '.join(cmd)}' did not answer within {timeout_s:g}s; is slurmctld up? "
+                         "(scontrol ping)") from None
 
 
 def submit(script: str | os.PathLike) -> str:
@@ -304,7 +311,8 @@ def add_submit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--container-image", help="run the steps in this image (pyxis); default: slurm.container_image")
     p.add_argument("--container-mounts", help="--container-mounts of those steps")
     ray = p.add_mutually_exclusive_group()
-    ray.add_argument("--ray", dest="ray", action="store_true", default=None, help="start Ray in the allocation (default: slurm.ray)")
+    ray.add_argument("--ray", dest="ray", action="store_true", default=None,
+                     help="start Ray in the allocation (default: slurm.ray)")
     ray.add_argument("--no-ray", dest="ray", action="store_false", help="train without Ray (torchrun on several nodes)")
     p.add_argument("--exclusive", action="store_true", default=None, help="whole nodes")
     p.add_argument("--python", help="interpreter on the nodes (default: this one; python3 in a container)")

@@ -110,7 +110,8 @@ class BlockingToolTask(ToolTask):
                         raise RuntimeError(f"{self.name}: the scripted expert failed on index {index}: {reply}")
                     return conversation, self.tools()
                 name, args = expert.send(reply.messages[-1]["content"])
-            raise RuntimeError(f"{self.name}: the scripted expert did not finish index {index} in {self.max_turns} turns")
+            raise RuntimeError(
+                f"{self.name}: the scripted expert did not finish index {index} in {self.max_turns} turns")
         finally:
             session.release_once()
 

@@ -67,7 +67,8 @@ ORDERS_DDL = ("CREATE TABLE orders (id INT PRIMARY KEY, customer VARCHAR(40) NOT
 SCHEMAS = {
     "employees": "employees(id INT PRIMARY KEY, name VARCHAR, department VARCHAR, salary INT, hire_year INT)",
     "products": "products(id INT PRIMARY KEY, name VARCHAR, category VARCHAR, price DECIMAL(8,2), stock INT)",
-    "orders": "orders(id INT PRIMARY KEY, customer VARCHAR, product_id INT (products.id), quantity INT, order_date DATE)",
+    "orders": ("orders(id INT PRIMARY KEY, customer VARCHAR, product_id INT (products.id), quantity INT, "
+               "order_date DATE)"),
 }
 
 
@@ -157,14 +158,16 @@ def _q_max_salary(rng: random.Random) -> DBSample:
 def _q_top_earner(rng: random.Random) -> DBSample:
     emp = _employees(rng)
     year = rng.choice(sorted({r[4] for r in emp.rows}))
-    return DBSample("top_earner", f"Who has the highest salary among the employees hired in {year}? Answer with the name.",
+    return DBSample("top_earner",
+                    f"Who has the highest salary among the employees hired in {year}? Answer with the name.",
                     [emp], f"SELECT name FROM employees WHERE hire_year = {year} ORDER BY salary DESC LIMIT 1")
 
 
 def _q_avg_price(rng: random.Random) -> DBSample:
     prod = _products(rng)
     cat = rng.choice(sorted({r[2] for r in prod.rows}))
-    return DBSample("avg_price", f"What is the average price of the products in the category {cat}, rounded to 2 decimals?",
+    return DBSample("avg_price",
+                    f"What is the average price of the products in the category {cat}, rounded to 2 decimals?",
                     [prod], f"SELECT ROUND(AVG(price), 2) FROM products WHERE category = {_sql_str(cat)}")
 
 
@@ -186,9 +189,11 @@ def _q_distinct_customers(rng: random.Random) -> DBSample:
     prod = _products(rng)
     orders = _orders(rng, prod)
     month = rng.choice(sorted({r[4].month for r in orders.rows}))
-    return DBSample("distinct_customers", f"How many different customers placed at least one order in month {month} of 2024?",
+    return DBSample("distinct_customers",
+                    f"How many different customers placed at least one order in month {month} of 2024?",
                     [prod, orders],
-                    f"SELECT COUNT(DISTINCT customer) FROM orders WHERE MONTH(order_date) = {month} AND YEAR(order_date) = 2024")
+                    f"SELECT COUNT(DISTINCT customer) FROM orders WHERE MONTH(order_date) = {month} "
+                    "AND YEAR(order_date) = 2024")
 
 
 def _q_join_quantity(rng: random.Random) -> DBSample:
@@ -216,9 +221,12 @@ def _m_insert_employee(rng: random.Random) -> DBSample:
     taken = {r[1] for r in emp.rows}
     name = next(n for n in _people(rng, 60) if n not in taken)
     new_id = max(r[0] for r in emp.rows) + 1
-    dept, salary, year = rng.choice(sorted({r[2] for r in emp.rows})), rng.randint(60, 190) * 500, rng.randint(2020, 2025)
+    dept = rng.choice(sorted({r[2] for r in emp.rows}))
+    salary = rng.randint(60, 190) * 500
+    year = rng.randint(2020, 2025)
     return DBSample(
-        "insert_employee", f"Add the employee {name} with id {new_id}, department {dept}, salary {salary}, hired in {year}.",
+        "insert_employee",
+        f"Add the employee {name} with id {new_id}, department {dept}, salary {salary}, hired in {year}.",
         [emp], f"INSERT INTO employees (id, name, department, salary, hire_year) VALUES "
                f"({new_id}, {_sql_str(name)}, {_sql_str(dept)}, {salary}, {year})", target="employees")
 
@@ -231,7 +239,8 @@ def _m_delete_out_of_stock(rng: random.Random) -> DBSample:
         prod.rows[i] = (*prod.rows[i][:4], 0)
         cats = [prod.rows[i][2]]
     cat = rng.choice(cats)
-    return DBSample("delete_out_of_stock", f"Delete the products of the category {cat} that are out of stock (stock 0).",
+    return DBSample("delete_out_of_stock",
+                    f"Delete the products of the category {cat} that are out of stock (stock 0).",
                     [prod], f"DELETE FROM products WHERE category = {_sql_str(cat)} AND stock = 0", target="products")
 
 
@@ -356,7 +365,8 @@ class DBSession(BlockingToolTaskSession):
 
         self.conn = pymysql.connect(**self.task.connect_args(self.user, self.password), database=self.database,
                                     autocommit=True, connect_timeout=10, read_timeout=self.task.query_timeout_s + 3,
-                                    write_timeout=30, init_command=f"SET SESSION max_statement_time = {self.task.query_timeout_s:g}")
+                                    write_timeout=30,
+                                    init_command=f"SET SESSION max_statement_time = {self.task.query_timeout_s:g}")
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult:
         """``execute_sql`` runs one statement; ``commit_final_answer`` grades and ends the episode."""
@@ -395,8 +405,9 @@ class DBSession(BlockingToolTaskSession):
             if code in (2013, 2006, 2014, 0) or "timed out" in str(exc):
                 self._reset_connection()
                 self.sql_errors += 1
-                return (f"error: the statement ran past the {self.task.query_timeout_s:g} s limit or lost its connection "
-                        "and was cancelled; a new connection was opened (session variables and temporary tables are gone)")
+                return (f"error: the statement ran past the {self.task.query_timeout_s:g} s limit or lost its "
+                        "connection and was cancelled; a new connection was opened (session variables and temporary "
+                        "tables are gone)")
             self.sql_errors += 1
             return self._sql_error(exc)
         except pymysql.MySQLError as exc:
@@ -524,7 +535,8 @@ class DBTask(BlockingToolTask):
     def connect_args(self, user: str, password: str) -> dict[str, Any]:
         """``pymysql.connect`` arguments for ``user`` on the task's server."""
         self._ensure_server()
-        where: dict[str, Any] = {"unix_socket": self.unix_socket} if self.unix_socket else {"host": self.host, "port": self.port}
+        where: dict[str, Any] = (
+            {"unix_socket": self.unix_socket} if self.unix_socket else {"host": self.host, "port": self.port})
         return {**where, "user": user, "password": password, "charset": "utf8mb4"}
 
     def admin(self) -> Any:
@@ -586,7 +598,8 @@ class DBTask(BlockingToolTask):
                             "WITH MAX_USER_CONNECTIONS 2", (password, password))
                 for host in ("localhost", "%"):
                     cur.execute("GRANT SELECT, INSERT, UPDATE, DELETE, CREATE, DROP, ALTER, INDEX, CREATE VIEW, "
-                                f"SHOW VIEW, CREATE TEMPORARY TABLES, LOCK TABLES ON `{database}`.* TO '{user}'@'{host}'")
+                                "SHOW VIEW, CREATE TEMPORARY TABLES, LOCK TABLES "
+                                f"ON `{database}`.* TO '{user}'@'{host}'")
                 self._load(cur, database, sample.tables)
                 if sample.is_query:
                     cur.execute(sample.solution)

@@ -3,7 +3,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, ToolTask, ToolTaskSession, function_schema
+from env_controller.tasks.base import (
+    Expert,
+    Message,
+    ToolResult,
+    ToolSchema,
+    ToolTask,
+    ToolTaskSession,
+    function_schema,
+)
 from env_controller.tasks.params import TaskParamError, int_param
 
 TOOLS: list[ToolSchema] = [
@@ -45,7 +53,8 @@ class GuessTask(ToolTask):
 
     name = "guess"
 
-    def __init__(self, seed: int = 0, num_samples: int = 512, max_turns: int | None = None, max_value: int = 15) -> None:
+    def __init__(self, seed: int = 0, num_samples: int = 512, max_turns: int | None = None,
+                 max_value: int = 15) -> None:
         """``max_value``: the hidden number lies in ``1..max_value`` (>= 2); other params: :class:`ToolTask`."""
         super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns)
         self.max_value = int_param(self.name, "max_value", max_value, low=2)

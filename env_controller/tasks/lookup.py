@@ -3,7 +3,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, ToolTask, ToolTaskSession, function_schema
+from env_controller.tasks.base import (
+    Expert,
+    Message,
+    ToolResult,
+    ToolSchema,
+    ToolTask,
+    ToolTaskSession,
+    function_schema,
+)
 from env_controller.tasks.params import int_param
 
 KEYS: tuple[str, ...] = (

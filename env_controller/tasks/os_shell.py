@@ -143,7 +143,8 @@ def _distinct_cities(rng: random.Random) -> ShellSample:
     n = len({r.split(",")[1] for r in rows})
     return ShellSample(
         "distinct_cities", "~/people.csv has a header line, then one person per line: name,city,age. How many "
-        "distinct cities appear in it? Answer with the number only.", {"people.csv": "name,city,age\n" + "\n".join(rows) + "\n"},
+        "distinct cities appear in it? Answer with the number only.",
+        {"people.csv": "name,city,age\n" + "\n".join(rows) + "\n"},
         solution="tail -n +2 ~/people.csv | cut -d, -f2 | sort -u | wc -l", answer=str(n), answer_type="int")
 
 
@@ -311,7 +312,8 @@ class OsShellSession(BlockingToolTaskSession):
             return ToolResult("correct" if ok else "wrong", finish=True, success=ok)
         assert sample.check is not None
         ok = self.run_check(answer)
-        return ToolResult("the change is correct" if ok else "the change is not what was asked", finish=True, success=ok)
+        return ToolResult("the change is correct" if ok else "the change is not what was asked", finish=True,
+                          success=ok)
 
     def run_check(self, answer: str = "") -> bool:
         """Run the sample's check script in a fresh shell of the sandbox (clean environment, the

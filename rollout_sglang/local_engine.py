@@ -89,7 +89,8 @@ def _build_from_config(hf_config: Any, init_seed: int | None) -> torch.nn.Module
 
     if not isinstance(hf_config, PreTrainedConfig):
         raise TypeError(
-            f"LocalEngine needs a torch model, a transformers config or a checkpoint path; got {type(hf_config).__name__}"
+            "LocalEngine needs a torch model, a transformers config or a checkpoint path; "
+            f"got {type(hf_config).__name__}"
         )
     if init_seed is None:
         return AutoModelForCausalLM.from_config(hf_config)
@@ -404,7 +405,8 @@ class LocalEngine:
             )
         self.version = self._pending_version
         self._pending_version = None
-        logger.debug("engine serves weight version %d (update took %.3fs)", self.version, time.monotonic() - self._update_started)
+        logger.debug("engine serves weight version %d (update took %.3fs)", self.version,
+                     time.monotonic() - self._update_started)
 
     def load_state_dict(self, version: int, state: dict[str, torch.Tensor]) -> None:
         """begin_weight_update + one bucket with all of ``state`` + end_weight_update."""

@@ -187,7 +187,8 @@ class SGLangEngine:
                 "overloaded (check its log; raise the timeout for very large requests)"
             ) from e
         except httpx.HTTPError as e:
-            raise SGLangError(f"{endpoint} on {self.base_url} could not be reached: {e!r}; is the server running?") from e
+            raise SGLangError(
+                f"{endpoint} on {self.base_url} could not be reached: {e!r}; is the server running?") from e
         return self._raise_for(endpoint, resp)
 
     # ---------------------------------------------------------------- generation
@@ -216,7 +217,8 @@ class SGLangEngine:
                 f"not answer within {t:.1f}s; the server is stalled or overloaded (raise request_timeout_s?)"
             ) from e
         except httpx.HTTPError as e:
-            raise SGLangError(f"/generate on {self.base_url} could not be reached: {e!r}; is the server running?") from e
+            raise SGLangError(
+                f"/generate on {self.base_url} could not be reached: {e!r}; is the server running?") from e
         data = self._raise_for("/generate", resp)
         items = data if isinstance(data, list) else [data]
         if len(items) != len(prompts):
@@ -234,7 +236,8 @@ class SGLangEngine:
             )
         lps = meta.get("output_token_logprobs")
         if lps is None:
-            raise SGLangError(f"/generate on {self.base_url}: no output_token_logprobs in the answer (was return_logprob dropped?)")
+            raise SGLangError(f"/generate on {self.base_url}: no output_token_logprobs in the answer "
+                              "(was return_logprob dropped?)")
         ids = item.get("output_ids")
         if ids is None:
             ids = [int(x[1]) for x in lps]
@@ -245,7 +248,8 @@ class SGLangEngine:
                               f"{len(logprobs)} log-probs")
         reported = meta.get("weight_version")
         if reported is not None and str(reported).isdigit() and int(reported) != version:
-            logger.warning("%s reports weight_version %s while the client stamp is %d", self.base_url, reported, version)
+            logger.warning("%s reports weight_version %s while the client stamp is %d", self.base_url, reported,
+                           version)
         return GenerationOutput(ids, logprobs, "stop" if kind == "stop" else "length", version)
 
     # ----------------------------------------------------------- pause / resume

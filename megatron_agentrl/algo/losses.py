@@ -94,7 +94,8 @@ def vocab_parallel_entropy(logits: Tensor, tp_group=None) -> Tensor:
     """
     from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
-    use_tp = tp_group is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size(tp_group) > 1
+    use_tp = (tp_group is not None and torch.distributed.is_initialized()
+              and torch.distributed.get_world_size(tp_group) > 1)
     m = logits.detach().amax(dim=-1, keepdim=True)
     if use_tp:
         torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=tp_group)

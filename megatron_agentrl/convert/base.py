@@ -349,7 +349,8 @@ class GPTMapping:
             raise ConversionError(f"tp={tp} does not divide {', '.join(bad)}; choose tp in {divisors}")
         if self.num_layers % pp:
             divisors = [p for p in range(1, self.num_layers + 1) if self.num_layers % p == 0]
-            raise ConversionError(f"pp={pp} does not divide num_hidden_layers={self.num_layers}; choose pp in {divisors}")
+            raise ConversionError(
+                f"pp={pp} does not divide num_hidden_layers={self.num_layers}; choose pp in {divisors}")
 
     # ------------------------------------------------------------ conversion
     def to_megatron(self, mname: str, hf: Mapping[str, Tensor]) -> Tensor:

@@ -126,12 +126,14 @@ def check_is_megatron_checkpoint(ckpt_dir: str | Path) -> Path:
         raise FileNotFoundError(f"'{ckpt_dir}' is not a directory; give a megatron distributed checkpoint directory")
     meta = root / "metadata.json"
     if not meta.is_file() or not (root / ".metadata").is_file():
-        hint = " (it looks like a Hugging Face checkpoint: use hf-to-megatron)" if (root / "config.json").is_file() else ""
+        looks_hf = (root / "config.json").is_file()
+        hint = " (it looks like a Hugging Face checkpoint: use hf-to-megatron)" if looks_hf else ""
         raise ConversionError(f"'{root}' is not a megatron-core distributed checkpoint: metadata.json and .metadata "
                               f"are required{hint}")
     backend = json.loads(meta.read_text()).get("sharded_backend")
     if backend != "torch_dist":
-        raise ConversionError(f"'{root}': sharded_backend={backend!r}; only megatron's 'torch_dist' format is supported")
+        raise ConversionError(
+            f"'{root}': sharded_backend={backend!r}; only megatron's 'torch_dist' format is supported")
     md = FileSystemReader(str(root)).read_metadata()
     files = sorted({s.relative_path for s in md.storage_data.values()})
     missing = [f for f in files if not (root / f).is_file()]

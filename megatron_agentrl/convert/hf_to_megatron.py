@@ -224,7 +224,8 @@ def convert_hf_to_megatron(
     check_hf_tensors(reader, mapping)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConversionError(f"output directory '{out}' is not empty; choose a new one or pass overwrite / --overwrite")
+        raise ConversionError(
+            f"output directory '{out}' is not empty; choose a new one or pass overwrite / --overwrite")
     out.mkdir(parents=True, exist_ok=True)
     if overwrite:
         for stale in [*out.glob("*.distcp"), out / ".metadata"]:

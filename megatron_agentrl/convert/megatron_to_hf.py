@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+
 import torch
 
 from megatron_agentrl.convert import get_mapping
@@ -74,7 +75,8 @@ def convert_megatron_to_hf(
     out_dtype = parse_dtype(dtype)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConversionError(f"output directory '{out}' is not empty; choose a new one or pass overwrite / --overwrite")
+        raise ConversionError(
+            f"output directory '{out}' is not empty; choose a new one or pass overwrite / --overwrite")
     if overwrite:
         for stale in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
             stale.unlink(missing_ok=True)

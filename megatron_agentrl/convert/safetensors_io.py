@@ -169,7 +169,8 @@ class SafetensorsReader:
         if out is None:
             out = torch.empty(shape, dtype=info.dtype)
         elif tuple(out.shape) != tuple(shape) or out.dtype != info.dtype or not out.is_contiguous():
-            raise ValueError(f"out has shape {tuple(out.shape)} {out.dtype}, '{name}' needs {tuple(shape)} {info.dtype}")
+            raise ValueError(
+                f"out has shape {tuple(out.shape)} {out.dtype}, '{name}' needs {tuple(shape)} {info.dtype}")
         n = end - start
         if n != out.numel() * out.element_size():
             raise ConversionError(f"'{info.path}': tensor {name} has {n} bytes, its shape {shape} needs "

@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 LOSS_TYPES = ("grpo", "sft")
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# megatron's loss function of one micro-batch: (micro-batch, output) -> (loss, num_tokens, stats)
+LossFunc = Callable[[dict[str, Tensor], Tensor], tuple[Tensor, Tensor, dict[str, Tensor]]]
 
 
 @dataclass
@@ -366,7 +368,7 @@ class MegatronActor:
                              f"[{int(tokens.min())}, {int(tokens.max())}]")
 
     def _run(self, batch: dict[str, Tensor], plan: list[list[int]], widths: list[int], forward_only: bool,
-             loss_func: Callable[[dict[str, Tensor], Tensor], tuple[Tensor, Tensor, dict[str, Tensor]]]) -> list[dict[str, Tensor]]:
+             loss_func: LossFunc) -> list[dict[str, Tensor]]:
         """Run megatron's forward(-backward) schedule over ``batch`` (dict of ``[B, T]``) in micro-batches.
 
         plan: row indices of each micro-batch; widths: the columns each micro-batch keeps. With
@@ -550,7 +552,8 @@ class MegatronActor:
                 if entropy_coef > 0:
                     ent = vocab_parallel_entropy(scaled, tp_group)
                     entropy = torch.cat([ent.new_zeros(ent.shape[0], 1), ent], dim=1)
-                lp = self._token_logprobs(output, mb["tokens"], temperature, scaled=scaled if entropy_coef > 0 else None)
+                lp = self._token_logprobs(output, mb["tokens"], temperature,
+                                          scaled=scaled if entropy_coef > 0 else None)
                 loss, stats = policy_loss(
                     lp, mb["behavior_logprobs"].to(lp.dtype), mb["advantages"].to(lp.dtype), mask,
                     clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,

@@ -71,7 +71,8 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bo
 
 @functools.lru_cache(maxsize=32)
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
-    """Stand-in for ``transformer.utils.get_default_causal_mask``: ``[sq, sq]`` bool, True above the diagonal (masked)."""
+    """Stand-in for ``transformer.utils.get_default_causal_mask``: ``[sq, sq]`` bool, True above the
+    diagonal (masked)."""
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 

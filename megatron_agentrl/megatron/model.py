@@ -105,7 +105,8 @@ def _family_options(hf_config: Any) -> dict[str, Any]:
     elif model_type == "glm4":
         opts = {"add_qkv_bias": bool(getattr(hf_config, "attention_bias", True)), "rotary_interleaved": True}
     else:
-        raise ConfigError(f"model_type={model_type!r} is not supported by the Megatron actor; supported: {SUPPORTED_MODEL_TYPES}")
+        raise ConfigError(f"model_type={model_type!r} is not supported by the Megatron actor; "
+                          f"supported: {SUPPORTED_MODEL_TYPES}")
     if partial != 1.0 and model_type != "glm4":
         raise ConfigError(f"partial_rotary_factor={partial} is only supported for glm4")
     if not 0.0 < partial <= 1.0:
@@ -127,7 +128,8 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32) 
 
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"model_type={model_type!r} is not supported by the Megatron actor; supported: {SUPPORTED_MODEL_TYPES}")
+        raise ConfigError(f"model_type={model_type!r} is not supported by the Megatron actor; "
+                          f"supported: {SUPPORTED_MODEL_TYPES}")
     act = getattr(hf_config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ConfigError(f"hidden_act={act!r}: only silu (SwiGLU) is supported")

@@ -53,7 +53,8 @@ def _init_torch_distributed(timeout_s: float) -> None:
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timeout
         )
     _OWNS_PROCESS_GROUP = True
-    logger.info("torch.distributed initialised: backend=%s rank=%d world=%d", backend, dist.get_rank(), dist.get_world_size())
+    logger.info("torch.distributed initialised: backend=%s rank=%d world=%d", backend, dist.get_rank(),
+                dist.get_world_size())
 
 
 def initialize_parallel(tp: int, pp: int, seed: int, timeout_s: float = 300) -> None:

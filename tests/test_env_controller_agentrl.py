@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,20 +96,6 @@ def agentrl_worker_files(tmp_path: Path) -> Path:
     (tmp_path / "arw_add_task.py").write_text(textwrap.dedent(TASK_MODULE))
     (tmp_path / "arw.yaml").write_text(CONFIG)
     return tmp_path
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Processes a test starts; all killed (by pid) and reaped at teardown."""
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not fail
-            pass
 
 
 def start_agentrl_worker(

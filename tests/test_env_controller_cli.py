@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,20 +18,6 @@ from env_controller.protocol import SampleStatus
 from env_controller.tasks import build_task
 
 AGENTRL = [sys.executable, "-m", "megatron_agentrl.cli"]
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Processes a test starts; all killed (by pid) and reaped at teardown."""
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            pass
 
 
 def spawn(processes: list[subprocess.Popen[bytes]], *args: str) -> subprocess.Popen[bytes]:

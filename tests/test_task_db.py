@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from task_replay import call, replay
 
 from env_controller.local import LocalEnvClient
 from env_controller.mariadb import MariaDBServer, MariaDBUnavailableError, find_mariadb
-from env_controller.protocol import SampleStatus, TaskReply
+from env_controller.protocol import SampleStatus
 from env_controller.tasks import TASKS, build_task
-from env_controller.tasks.base import make_tool_call
 from env_controller.tasks.db import GENERATORS, DBSession, DBTask, answer_matches
 
 pymysql = pytest.importorskip("pymysql", reason="PyMySQL is not installed (pip install PyMySQL)")
@@ -32,10 +32,6 @@ def _mariadb_missing() -> str | None:
 
 needs_mariadb = pytest.mark.skipif(_mariadb_missing() is not None,
                                    reason=f"{_mariadb_missing()} (CI installs it)")
-
-
-def call(name: str, args: dict[str, Any], call_id: str = "c0") -> dict[str, Any]:
-    return {"role": "assistant", "content": "", "tool_calls": [make_tool_call(call_id, name, args)]}
 
 
 def _alive(pid: int) -> bool:
@@ -85,17 +81,6 @@ def task(server: MariaDBServer) -> Iterator[DBTask]:
         assert _leftovers(server) == ([], []), "a session's database or account was not dropped"
 
 
-async def _replay(c: LocalEnvClient, index: int, assistant: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], TaskReply]:
-    sid, reply = await c.start_sample("db", index)
-    conversation = list(reply.messages)
-    for message in assistant:
-        assert not reply.finish
-        conversation.append(message)
-        reply = await c.interact(sid, [message])
-        conversation.extend(reply.messages)
-    return conversation, reply
-
-
 # ----------------------------------------------------------------------------------------------
 # no server needed
 
@@ -142,7 +127,8 @@ def test_missing_server_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch)
 def test_unreachable_server_is_a_task_error() -> None:
     async def go() -> None:
         t = DBTask(unix_socket="/nonexistent/mysqld.sock")
-        with pytest.raises(ConnectionError, match="cannot connect to MariaDB at /nonexistent/mysqld.sock.*start_server=True"):
+        with pytest.raises(ConnectionError,
+                           match="cannot connect to MariaDB at /nonexistent/mysqld.sock.*start_server=True"):
             await t.start(0)
         c = LocalEnvClient({"db": t})
         _, reply = await c.start_sample("db", 0)
@@ -164,7 +150,7 @@ def test_demonstrations_replay_to_full_reward(task: DBTask) -> None:
             demo, tools = task.demonstration(index)
             assistant = [m for m in demo if m["role"] == "assistant"]
             assert len(assistant) == 2 and tools == task.tools()
-            conversation, reply = await _replay(c, index, assistant)
+            conversation, reply = await replay(c, "db", index, assistant)
             assert conversation == demo
             assert reply.finish and reply.status is SampleStatus.COMPLETED and reply.reward == 1.0
             assert reply.metrics == {"success": 1.0, "turns": 2.0, "statements": 1.0, "sql_errors": 0.0}
@@ -180,16 +166,16 @@ def test_wrong_answers_and_wrong_changes_score_zero(task: DBTask) -> None:
         for index in range(12):
             sample = task.sample(index)
             if sample.is_query:
-                _, reply = await _replay(c, index, [call("commit_final_answer", {"answer": "12345.67"})])
+                _, reply = await replay(c, "db", index, [call("commit_final_answer", {"answer": "12345.67"})])
                 assert reply.messages[-1]["content"] == "wrong"
             else:
-                _, reply = await _replay(c, index, [call("commit_final_answer", {"answer": "done"})])
+                _, reply = await replay(c, "db", index, [call("commit_final_answer", {"answer": "done"})])
                 assert reply.messages[-1]["content"] == "the database is not as requested"
                 # the right change plus one more row changed is wrong too
                 extra = f"DELETE FROM {sample.target} WHERE id = 1"
-                _, reply = await _replay(c, index, [call("execute_sql", {"sql": sample.solution}),
-                                                    call("execute_sql", {"sql": extra}),
-                                                    call("commit_final_answer", {"answer": "done"})])
+                _, reply = await replay(c, "db", index, [call("execute_sql", {"sql": sample.solution}),
+                                                         call("execute_sql", {"sql": extra}),
+                                                         call("commit_final_answer", {"answer": "done"})])
             assert reply.finish and reply.status is SampleStatus.COMPLETED
             assert reply.reward == 0.0 and reply.metrics["success"] == 0.0
 

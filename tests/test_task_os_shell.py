@@ -11,20 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from task_replay import call, replay
 
 from env_controller.local import LocalEnvClient
-from env_controller.protocol import SampleStatus, TaskReply
+from env_controller.protocol import SampleStatus
 from env_controller.sandbox.bwrap import descendants, find_bwrap
 from env_controller.tasks import TASKS, build_task
-from env_controller.tasks.base import make_tool_call
 from env_controller.tasks.os_shell import GENERATORS, OsShellTask, answer_matches, normalize_answer
 
 needs_bwrap = pytest.mark.skipif(
     find_bwrap() is None, reason="bubblewrap is not installed: apt-get install bubblewrap (CI installs it)")
-
-
-def call(name: str, args: dict[str, Any], call_id: str = "c0") -> dict[str, Any]:
-    return {"role": "assistant", "content": "", "tool_calls": [make_tool_call(call_id, name, args)]}
 
 
 def run(coro: Any) -> Any:
@@ -91,17 +87,6 @@ def test_answer_matching() -> None:
 # real sandboxes
 
 
-async def _replay(c: LocalEnvClient, index: int, assistant: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], TaskReply]:
-    sid, reply = await c.start_sample("os_shell", index)
-    conversation = list(reply.messages)
-    for message in assistant:
-        assert not reply.finish
-        conversation.append(message)
-        reply = await c.interact(sid, [message])
-        conversation.extend(reply.messages)
-    return conversation, reply
-
-
 @needs_bwrap
 def test_demonstrations_replay_to_full_reward(task: OsShellTask) -> None:
     async def go() -> None:
@@ -111,7 +96,7 @@ def test_demonstrations_replay_to_full_reward(task: OsShellTask) -> None:
             assert demo[0]["role"] == "user" and "Task: " in demo[0]["content"]
             assistant = [m for m in demo if m["role"] == "assistant"]
             assert len(assistant) == 2
-            conversation, reply = await _replay(c, index, assistant)
+            conversation, reply = await replay(c, "os_shell", index, assistant)
             assert conversation == demo
             assert reply.finish and reply.status is SampleStatus.COMPLETED and reply.reward == 1.0
             assert reply.metrics == {"success": 1.0, "turns": 2.0, "commands": 1.0, "limit_hits": 0.0}
@@ -128,14 +113,15 @@ def test_wrong_answers_and_skipped_changes_score_zero(task: OsShellTask) -> None
         for index in range(12):
             sample = task.sample(index)
             if sample.answer is not None:
-                _, reply = await _replay(c, index, [call("answer_action", {"answer": sample.answer + "9"})])
+                _, reply = await replay(c, "os_shell", index, [call("answer_action", {"answer": sample.answer + "9"})])
                 assert reply.messages[-1]["content"] == "wrong"
-                _, reply2 = await _replay(c, index, [call("finish_action", {})])
+                _, reply2 = await replay(c, "os_shell", index, [call("finish_action", {})])
                 assert reply2.reward == 0.0 and "use answer_action" in reply2.messages[-1]["content"]
             else:
                 # shadowing the tools the check uses does not fool it: it runs in a fresh shell
                 cheat = "env() { return 0; }; bash() { return 0; }; test() { return 0; }; export -f env bash test"
-                _, reply = await _replay(c, index, [call("bash_action", {"script": cheat}), call("finish_action", {})])
+                _, reply = await replay(c, "os_shell", index,
+                                        [call("bash_action", {"script": cheat}), call("finish_action", {})])
                 assert reply.messages[-1]["content"] == "the change is not what was asked"
             assert reply.finish and reply.status is SampleStatus.COMPLETED and reply.reward == 0.0
             assert reply.metrics["success"] == 0.0
@@ -146,7 +132,8 @@ def test_wrong_answers_and_skipped_changes_score_zero(task: OsShellTask) -> None
 @needs_bwrap
 def test_escape_attempts_get_clear_tool_errors(task: OsShellTask) -> None:
     attempts = [
-        ("curl -sS -m 2 http://example.com || (exec 3<>/dev/tcp/1.1.1.1/80)", ["Network is unreachable", "[exit code 1]"]),
+        ("curl -sS -m 2 http://example.com || (exec 3<>/dev/tcp/1.1.1.1/80)",
+         ["Network is unreachable", "[exit code 1]"]),
         ("echo pwned > /etc/motd", ["Read-only file system", "[exit code 1]"]),
         ("touch /usr/bin/evil /outside", ["Read-only file system", "[exit code 1]"]),
         ("bomb() { bomb | bomb; }; bomb", ["error: the command reached the limit of 32 processes (a fork bomb?)"]),
@@ -188,7 +175,8 @@ def test_parallel_sessions_are_independent(task: OsShellTask) -> None:
         assistant = [m for m in demo if m["role"] == "assistant"]
         sid, _ = await c.start_sample("os_shell", index)
         # leave a marker file, then make sure no other session sees it
-        reply = await c.interact(sid, [call("bash_action", {"script": f"echo {index} > ~/marker; ls ~/marker* | wc -l"})])
+        script = f"echo {index} > ~/marker; ls ~/marker* | wc -l"
+        reply = await c.interact(sid, [call("bash_action", {"script": script})])
         assert reply.messages[0]["content"] == "1\n"
         for message in assistant:
             reply = await c.interact(sid, [message])

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from task_replay import call, replay
 
 from env_controller.local import LocalEnvClient, MalformedMessageError, UnknownSessionError
 from env_controller.protocol import SampleStatus, TaskReply
@@ -26,27 +27,8 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def call(name: str, args: Any, call_id: str = "c0") -> dict[str, Any]:
-    """An assistant message with one tool call; ``args`` dict (JSON-encoded) or a raw string."""
-    message = make_tool_call(call_id, name, {})
-    message["function"]["arguments"] = args if isinstance(args, str) else json.dumps(args)
-    return {"role": "assistant", "content": "", "tool_calls": [message]}
-
-
 def client(name: str, **params: Any) -> LocalEnvClient:
     return LocalEnvClient({name: build_task(name, **params)})
-
-
-async def replay(c: LocalEnvClient, name: str, index: int, assistant: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], TaskReply]:
-    """Send the assistant messages in order; return the whole conversation and the last reply."""
-    sid, reply = await c.start_sample(name, index)
-    conversation = list(reply.messages)
-    for message in assistant:
-        assert not reply.finish
-        conversation.append(message)
-        reply = await c.interact(sid, [message])
-        conversation.extend(reply.messages)
-    return conversation, reply
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,7 +88,8 @@ def test_wrong_answers_get_zero() -> None:
         lookup = build_task("lookup")
         table, key = lookup.sample(0)
         wrong = next(v for v in ("red", "blue") if v != table[key])
-        _, reply = await replay(client("lookup"), "lookup", 0, [call("lookup", {"key": key}), call("answer", {"value": wrong})])
+        _, reply = await replay(client("lookup"), "lookup", 0,
+                                [call("lookup", {"key": key}), call("answer", {"value": wrong})])
         assert reply.finish and reply.status is SampleStatus.COMPLETED
         assert reply.reward == 0.0 and reply.metrics["success"] == 0.0
         # case and a trailing period do not matter
@@ -154,7 +137,7 @@ def test_bad_calls_get_explanations_and_cost_a_turn(name: str) -> None:
         messages = [call(tool, args, f"c{i}") for i, (tool, args, _) in enumerate(BAD_CALLS[name])]
         messages += [call("launch", {"x": 1}, "u"), call(BAD_CALLS[name][0][0], "{not json", "j")]
         expected = [text for _, _, text in BAD_CALLS[name]] + ["unknown tool 'launch'", "not valid JSON"]
-        for turn, (message, text) in enumerate(zip(messages, expected), start=1):
+        for message, text in zip(messages, expected):
             reply = await c.interact(sid, [message])
             assert len(reply.messages) == 1
             tool_message = reply.messages[0]
@@ -163,7 +146,7 @@ def test_bad_calls_get_explanations_and_cost_a_turn(name: str) -> None:
             assert tool_message["content"].startswith("error:") and text in tool_message["content"], tool_message
             assert not reply.finish and reply.status is SampleStatus.RUNNING and reply.metrics == {}
         # the agent recovers: the rest of the turn budget (one call) is still usable
-        assert turn == 5 and c.list_sessions() == [sid]
+        assert len(messages) == len(expected) == 5 and c.list_sessions() == [sid]
         demo, _ = c.tasks[name].demonstration(0)
         last_call = [m for m in demo if m["role"] == "assistant"][-1]
         if name != "guess":  # the final call alone wins in lookup/calc
@@ -195,7 +178,8 @@ def test_turn_limit(name: str) -> None:
 def test_message_without_tool_calls_is_an_invalid_action(name: str) -> None:
     async def go() -> None:
         c = client(name)
-        for body in ({"role": "assistant", "content": "the answer is 4"}, {"role": "assistant", "content": None, "tool_calls": []}):
+        for body in ({"role": "assistant", "content": "the answer is 4"},
+                     {"role": "assistant", "content": None, "tool_calls": []}):
             sid, _ = await c.start_sample(name, 2)
             reply = await c.interact(sid, [body])
             assert reply.finish and reply.status is SampleStatus.AGENT_INVALID_ACTION
@@ -224,7 +208,8 @@ def test_several_calls_in_one_message() -> None:
         c = LocalEnvClient({"guess": guess})
         sid, _ = await c.start_sample("guess", 0)
         wrong = [n for n in range(1, 16) if n != guess.target(0)][:5]
-        body = {"role": "assistant", "content": "", "tool_calls": [make_tool_call(f"g{n}", "guess", {"n": n}) for n in wrong]}
+        body = {"role": "assistant", "content": "",
+                "tool_calls": [make_tool_call(f"g{n}", "guess", {"n": n}) for n in wrong]}
         reply = await c.interact(sid, [body])  # each call is a turn: the limit stops the 5th
         assert len(reply.messages) == 4 and reply.status is SampleStatus.TASK_LIMIT_REACHED
 
@@ -257,7 +242,8 @@ def test_registry_and_param_errors() -> None:
     assert all(issubclass(cls, Task) for cls in TASKS.values())
     with pytest.raises(ValueError, match=r"unknown task 'sudoku'; registered tasks: calc, db, guess, lookup, os_shell"):
         build_task("sudoku")
-    with pytest.raises(ValueError, match=r"task 'calc' has no parameter 'nkeys'; accepted: seed, num_samples, max_turns, low, high"):
+    with pytest.raises(ValueError, match=r"task 'calc' has no parameter 'nkeys'; "
+                                         r"accepted: seed, num_samples, max_turns, low, high"):
         build_task("calc", nkeys=3)
     with pytest.raises(ValueError, match=r"num_samples=0"):
         build_task("lookup", num_samples=0)
@@ -322,7 +308,8 @@ def test_client_errors_and_session_lifecycle() -> None:
         s1, r1 = await c.start_sample("calc", 0)
         s2, _ = await c.start_sample("calc", 0)
         assert s1 != s2 and c.list_sessions() == [s1, s2]
-        assert r1.messages[0]["role"] == "user" and [t["function"]["name"] for t in r1.tools] == ["add", "multiply", "answer"]
+        assert r1.messages[0]["role"] == "user"
+        assert [t["function"]["name"] for t in r1.tools] == ["add", "multiply", "answer"]
 
         malformed: list[tuple[Any, str]] = [
             ({"role": "assistant"}, "must be a list"),
@@ -331,11 +318,16 @@ def test_client_errors_and_session_lifecycle() -> None:
             ([{"role": "assistant", "content": 5}], "content must be a string or null"),
             ([{"role": "assistant", "tool_calls": {"name": "add"}}], "tool_calls must be a list"),
             ([{"role": "assistant", "tool_calls": ["add"]}], r"tool_calls\[0\] must be an object"),
-            ([{"role": "assistant", "tool_calls": [{"id": "a", "name": "add"}]}], r"tool_calls\[0\].function must be an object"),
-            ([{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}], r"function.name must be a non-empty string"),
-            ([{"role": "assistant", "tool_calls": [{"function": {"name": "add", "arguments": 5}}]}], r"arguments must be a JSON string"),
-            ([{"role": "assistant", "tool_calls": [{"type": "code", "function": {"name": "add"}}]}], r"type must be 'function'"),
-            ([{"role": "assistant", "tool_calls": [{"id": 7, "function": {"name": "add"}}]}], r"id must be a non-empty string"),
+            ([{"role": "assistant", "tool_calls": [{"id": "a", "name": "add"}]}],
+             r"tool_calls\[0\].function must be an object"),
+            ([{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}],
+             r"function.name must be a non-empty string"),
+            ([{"role": "assistant", "tool_calls": [{"function": {"name": "add", "arguments": 5}}]}],
+             r"arguments must be a JSON string"),
+            ([{"role": "assistant", "tool_calls": [{"type": "code", "function": {"name": "add"}}]}],
+             r"type must be 'function'"),
+            ([{"role": "assistant", "tool_calls": [{"id": 7, "function": {"name": "add"}}]}],
+             r"id must be a non-empty string"),
         ]
         for body, text in malformed:
             with pytest.raises(MalformedMessageError, match=text):
@@ -343,7 +335,8 @@ def test_client_errors_and_session_lifecycle() -> None:
         assert c.list_sessions() == [s1, s2]  # a malformed body leaves the session as it was
 
         # arguments as a dict and a missing id are accepted
-        reply = await c.interact(s1, [{"role": "assistant", "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}])
+        reply = await c.interact(
+            s1, [{"role": "assistant", "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}])
         assert reply.messages == [{"role": "tool", "tool_call_id": "call_0", "content": "5"}]
 
         await c.cancel(s1)
@@ -415,7 +408,8 @@ def test_env_controller_does_not_import_torch() -> None:
 # a random policy: some signal, not too much, and the tasks differ
 
 
-def random_message(rng: random.Random, tools: list[dict[str, Any]], conversation: list[dict[str, Any]], turn: int) -> dict[str, Any]:
+def random_message(rng: random.Random, tools: list[dict[str, Any]], conversation: list[dict[str, Any]],
+                   turn: int) -> dict[str, Any]:
     """A uniformly random tool with arguments copied from the observations.
 
     Each argument draws from the latest user/tool message (probability 1/2) or from all of them:

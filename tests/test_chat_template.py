@@ -5,8 +5,8 @@ import copy
 import json
 from pathlib import Path
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 import pytest
+from chat_samples import CONVERSATION, mask_spans, render_jinja
 
 from rollout_sglang.chat_template import QWEN_DEFAULT_SYSTEM, ChatTemplate
 from rollout_sglang.tokenizer import SPECIAL_TOKENS, TOOL_TOKENS, load_tokenizer, train_bpe_tokenizer
@@ -84,28 +84,9 @@ TOOLS = [
     },
     {
         "type": "function",
-        "function": {"name": "submit", "description": "Submit the answer.", "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}}},
+        "function": {"name": "submit", "description": "Submit the answer.",
+                     "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}}},
     },
-]
-
-
-def _call(cid: str, name: str, args: dict) -> dict:
-    """An OpenAI tool call with JSON-string arguments."""
-    return {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
-
-
-CONVERSATION = [
-    {"role": "system", "content": "You are a careful research agent."},
-    {"role": "user", "content": "Who wrote Le Petit Prince? Answer with the name."},
-    {"role": "assistant", "content": "I will search for it.", "tool_calls": [_call("call_0", "search", {"q": "Le Petit Prince auteur"})]},
-    {"role": "tool", "tool_call_id": "call_0", "content": "Antoine de Saint-Exupéry (1943)."},
-    {"role": "assistant", "content": "", "tool_calls": [_call("call_1", "search", {"q": "Saint-Exupéry"}), _call("call_2", "search", {"q": "1943 novella"})]},
-    {"role": "tool", "tool_call_id": "call_1", "content": "French writer and aviator."},
-    {"role": "tool", "tool_call_id": "call_2", "content": "{\"title\": \"The Little Prince\"}"},
-    {"role": "user", "content": "Please submit now."},
-    {"role": "assistant", "content": None, "tool_calls": [_call("call_3", "submit", {"answer": "Antoine de Saint-Exupéry"})]},
-    {"role": "tool", "tool_call_id": "call_3", "content": "ok"},
-    {"role": "assistant", "content": "Done: Antoine de Saint-Exupéry."},
 ]
 
 
@@ -121,12 +102,8 @@ def _hf_messages(messages: list[dict]) -> list[dict]:
 
 
 def _jinja_render(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-    """Render QWEN25_TEMPLATE with jinja2 configured as Hugging Face does (tojson = json.dumps, non-ASCII kept)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-    return env.from_string(QWEN25_TEMPLATE).render(
-        messages=_hf_messages(messages), tools=tools, add_generation_prompt=add_generation_prompt
-    )
+    """Render QWEN25_TEMPLATE with jinja2 configured as Hugging Face does."""
+    return render_jinja(QWEN25_TEMPLATE, _hf_messages(messages), tools, add_generation_prompt)
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +171,8 @@ def test_render_matches_transformers_apply_chat_template(tokenizer, template: Ch
 def test_format_details(template: ChatTemplate) -> None:
     text = template.render_text(CONVERSATION, TOOLS)
     assert text.startswith("<|im_start|>system\nYou are a careful research agent.\n\n# Tools\n\n")
-    assert '\n<tools>\n{"type": "function", "function": {"name": "search", "description": "Search the web (données).' in text
+    assert ('\n<tools>\n{"type": "function", "function": {"name": "search", '
+            '"description": "Search the web (données).') in text
     assert (
         '<|im_start|>assistant\nI will search for it.\n<tool_call>\n{"name": "search", "arguments": '
         '{"q": "Le Petit Prince auteur"}}\n</tool_call><|im_end|>\n'
@@ -233,13 +211,7 @@ def test_incremental_pieces_decode_to_full_render(template: ChatTemplate, tokeni
     assert conv_ids == ids
     assert len(mask) == len(conv_ids)
     # mask-1 tokens are exactly the assistant turns (text + <|im_end|>)
-    spans, start = [], None
-    for j, m in enumerate(mask + [0]):
-        if m and start is None:
-            start = j
-        if not m and start is not None:
-            spans.append((start, j))
-            start = None
+    spans = mask_spans(mask)
     assert [template.decode(conv_ids[s:e]) for s, e in spans] == [
         template.render_assistant(msgs[i]) + "<|im_end|>" for i in a_idx
     ]

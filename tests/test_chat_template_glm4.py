@@ -7,7 +7,7 @@ import copy
 import json
 
 import pytest
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from chat_samples import CONVERSATION, mask_spans, render_jinja
 
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.chat_template import (
@@ -55,26 +55,6 @@ TOOLS = [
 ]
 
 
-def _call(cid: str, name: str, args: dict) -> dict:
-    """An OpenAI tool call with JSON-string arguments."""
-    return {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
-
-
-CONVERSATION = [
-    {"role": "system", "content": "You are a careful research agent."},
-    {"role": "user", "content": "Who wrote Le Petit Prince? Answer with the name."},
-    {"role": "assistant", "content": "I will search for it.", "tool_calls": [_call("call_0", "search", {"q": "Le Petit Prince auteur"})]},
-    {"role": "tool", "tool_call_id": "call_0", "content": "Antoine de Saint-Exupéry (1943)."},
-    {"role": "assistant", "content": "", "tool_calls": [_call("call_1", "search", {"q": "Saint-Exupéry"}), _call("call_2", "search", {"q": "1943 novella"})]},
-    {"role": "tool", "tool_call_id": "call_1", "content": "French writer and aviator."},
-    {"role": "tool", "tool_call_id": "call_2", "content": "{\"title\": \"The Little Prince\"}"},
-    {"role": "user", "content": "Please submit now."},
-    {"role": "assistant", "content": None, "tool_calls": [_call("call_3", "submit", {"answer": "Antoine de Saint-Exupéry"})]},
-    {"role": "tool", "tool_call_id": "call_3", "content": "ok"},
-    {"role": "assistant", "content": "Done: Antoine de Saint-Exupéry."},
-]
-
-
 def _glm_messages(messages: list[dict]) -> list[dict]:
     """OpenAI messages in the shape GLM-4's template renders: each call its own assistant message
     (``metadata`` = name, content = arguments JSON), after the content when there is some; tool
@@ -97,18 +77,9 @@ def _glm_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    """The ``tojson`` filter as Hugging Face's chat-template environment defines it."""
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
 def _jinja_render(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
     """Render GLM4_0414_TEMPLATE with jinja2 configured as Hugging Face does."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = _tojson
-    return env.from_string(GLM4_0414_TEMPLATE).render(
-        messages=_glm_messages(messages), tools=tools, add_generation_prompt=add_generation_prompt
-    )
+    return render_jinja(GLM4_0414_TEMPLATE, _glm_messages(messages), tools, add_generation_prompt)
 
 
 @pytest.fixture(scope="module")
@@ -161,10 +132,12 @@ def test_format_details(template: Glm4ChatTemplate) -> None:
             '<|assistant|>search \n{"q": "1943 novella"}<|observation|>\nFrench writer and aviator.'
             '<|observation|>\n{"title": "The Little Prince"}<|user|>\nPlease submit now.<|assistant|>submit \n') in text
     assert text.endswith("<|observation|>\nok<|assistant|>\nDone: Antoine de Saint-Exupéry.")
-    assert template.render_assistant(CONVERSATION[4]) == 'search \n{"q": "Saint-Exupéry"}<|assistant|>search \n{"q": "1943 novella"}'
+    assert template.render_assistant(CONVERSATION[4]) == (
+        'search \n{"q": "Saint-Exupéry"}<|assistant|>search \n{"q": "1943 novella"}')
     assert template.render_assistant({"role": "assistant", "content": "Hi"}) == "\nHi"
     tok = template.tokenizer
-    assert template.stop_token_ids == [tok.convert_tokens_to_ids(t) for t in ("<|user|>", "<|observation|>", "<|endoftext|>")]
+    stops = ("<|user|>", "<|observation|>", "<|endoftext|>")
+    assert template.stop_token_ids == [tok.convert_tokens_to_ids(t) for t in stops]
 
 
 def test_incremental_pieces_decode_to_full_render(template: Glm4ChatTemplate, tokenizer) -> None:
@@ -190,13 +163,7 @@ def test_incremental_pieces_decode_to_full_render(template: Glm4ChatTemplate, to
 
     conv_ids, mask = template.encode_conversation(msgs, TOOLS)
     assert conv_ids == ids and len(mask) == len(conv_ids)
-    spans, start = [], None
-    for j, m in enumerate(mask + [0]):
-        if m and start is None:
-            start = j
-        if not m and start is not None:
-            spans.append((start, j))
-            start = None
+    spans = mask_spans(mask)
     ends = ["<|observation|>", "<|observation|>", "<|observation|>", "<|user|>"]
     assert [template.decode(conv_ids[s:e]) for s, e in spans] == [
         template.render_assistant(msgs[i]) + end for i, end in zip(a_idx, ends)
@@ -323,7 +290,8 @@ class _GlmEngine:
 
 
 def test_agent_loop_runs_glm4_turns(template: Glm4ChatTemplate) -> None:
-    from test_agent_loop import TOOLS as ADD_TOOLS, FakeEnv
+    from test_agent_loop import TOOLS as ADD_TOOLS
+    from test_agent_loop import FakeEnv
 
     env = FakeEnv()
     params = SamplingParams(max_new_tokens=256, temperature=1.0, seed=0)
@@ -333,7 +301,8 @@ def test_agent_loop_runs_glm4_turns(template: Glm4ChatTemplate) -> None:
     (sid,) = env.history
     sent = env.received[sid]
     assert [len(m.get("tool_calls", [])) for m in sent] == [1, 2, 0]
-    assert sent[0]["content"] == "Let me add." and json.loads(sent[1]["tool_calls"][1]["function"]["arguments"]) == {"a": 2, "b": 2}
+    assert sent[0]["content"] == "Let me add."
+    assert json.loads(sent[1]["tool_calls"][1]["function"]["arguments"]) == {"a": 2, "b": 2}
     # the trajectory: prompt, then each generated turn as generated, then the env reply without the
     # <|observation|> the model already wrote; it is the template's render of the episode (+ the
     # final stop token) up to the space GLM-4's template puts after a call's name
@@ -344,8 +313,10 @@ def test_agent_loop_runs_glm4_turns(template: Glm4ChatTemplate) -> None:
     expected += template.encode_env_reply(h[3:4], ended_with=obs) + tok.encode(SCRIPT[1], add_special_tokens=False)
     expected += template.encode_env_reply(h[5:7], ended_with=obs) + tok.encode(SCRIPT[2], add_special_tokens=False)
     assert traj.token_ids == expected
-    assert template.decode(traj.token_ids) == (template.render_text(h, ADD_TOOLS) + "<|user|>").replace(
-        '<|assistant|>add \n{"a": 1', '<|assistant|>add\n{"a": 1').replace('<|assistant|>add \n{"a": 2', '<|assistant|>add\n{"a": 2')
+    rendered = template.render_text(h, ADD_TOOLS) + "<|user|>"
+    rendered = rendered.replace('<|assistant|>add \n{"a": 1', '<|assistant|>add\n{"a": 1')
+    rendered = rendered.replace('<|assistant|>add \n{"a": 2', '<|assistant|>add\n{"a": 2')
+    assert template.decode(traj.token_ids) == rendered
     for (s, e), text in zip(traj.turn_spans, SCRIPT):
         assert template.decode(traj.token_ids[s:e]) == text
         assert traj.loss_mask[s:e] == [1] * (e - s)

@@ -1,0 +1,62 @@
+"""The conversation the chat-template tests render, and a jinja2 chat template rendered as Hugging
+Face renders it; shared by the Qwen2.5 and GLM-4 template tests."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+def tool_call(cid: str, name: str, args: dict) -> dict:
+    """An OpenAI tool call with JSON-string arguments."""
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+# system, user, calls with content / several calls / no content, tool results (one JSON), a late
+# user turn and a final plain answer; non-ASCII text throughout
+CONVERSATION = [
+    {"role": "system", "content": "You are a careful research agent."},
+    {"role": "user", "content": "Who wrote Le Petit Prince? Answer with the name."},
+    {"role": "assistant", "content": "I will search for it.",
+     "tool_calls": [tool_call("call_0", "search", {"q": "Le Petit Prince auteur"})]},
+    {"role": "tool", "tool_call_id": "call_0", "content": "Antoine de Saint-Exupéry (1943)."},
+    {"role": "assistant", "content": "",
+     "tool_calls": [tool_call("call_1", "search", {"q": "Saint-Exupéry"}),
+                    tool_call("call_2", "search", {"q": "1943 novella"})]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "French writer and aviator."},
+    {"role": "tool", "tool_call_id": "call_2", "content": "{\"title\": \"The Little Prince\"}"},
+    {"role": "user", "content": "Please submit now."},
+    {"role": "assistant", "content": None,
+     "tool_calls": [tool_call("call_3", "submit", {"answer": "Antoine de Saint-Exupéry"})]},
+    {"role": "tool", "tool_call_id": "call_3", "content": "ok"},
+    {"role": "assistant", "content": "Done: Antoine de Saint-Exupéry."},
+]
+
+
+def hf_tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+              sort_keys: bool = False) -> str:
+    """The ``tojson`` filter as Hugging Face's chat-template environment defines it (non-ASCII kept)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def render_jinja(template: str, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+    """Render the jinja chat ``template`` with jinja2 configured as Hugging Face does; ``messages``
+    must already be in the shape the template expects."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = hf_tojson
+    return env.from_string(template).render(messages=messages, tools=tools,
+                                            add_generation_prompt=add_generation_prompt)
+
+
+def mask_spans(mask: list[int]) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of 1s in a loss mask, end exclusive."""
+    spans: list[tuple[int, int]] = []
+    start = None
+    for j, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = j
+        if not m and start is not None:
+            spans.append((start, j))
+            start = None
+    return spans

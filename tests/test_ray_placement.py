@@ -131,6 +131,8 @@ def test_train_on_ray_with_controller_and_engine_actors(cluster: Cluster, tmp_pa
     assert yaml.safe_load((out / "config.yaml").read_text())["rollout"]["engine_urls"] == slots
     logs = list((out / "ray" / "engine_logs").glob("sglang_*.log"))
     assert logs and "stand-in ready" in logs[0].read_text(), logs
+    # the trainer found the engine by that URL: it opened the weight-sync group with it
+    assert "weight-sync group" in logs[0].read_text(), logs[0].read_text()
     assert not _ours_left()
     alive = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("agentrl_")]
     assert not alive, alive

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from dist_utils import run_distributed
-from test_convert_roundtrip import VOCAB, megatron_logits, reinit_parallel, tiny_config, write_tiny_checkpoint
+from tiny_models import VOCAB, megatron_logits, reinit_parallel, tiny_config, write_tiny_checkpoint
 
 RTOL = 1e-4
 

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
-from test_convert_roundtrip import (
+from tiny_models import (
     FAMILIES,
     VOCAB,
     megatron_logits,
@@ -39,10 +38,9 @@ def _load_and_forward(rank: int, world: int, cases: list[tuple[str, bool, dict[s
     checkpoint, forward; the TP=2 model of each case also saves itself."""
     from megatron.core import parallel_state as ps
 
+    from megatron_agentrl.config import ConfigError
     from megatron_agentrl.convert.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
     from megatron_agentrl.megatron.model import build_gpt_model
-
-    from megatron_agentrl.config import ConfigError
 
     out: dict[str, dict[str, torch.Tensor]] = {}
     errors: dict[str, str] = {}
@@ -70,7 +68,9 @@ def _load_and_forward(rank: int, world: int, cases: list[tuple[str, bool, dict[s
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.Tensor, dict[str, torch.Tensor]]]:
+def converted(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, tuple[Path, torch.Tensor, dict[str, torch.Tensor]]]:
     """Per case: its directory, the transformers logits and the Megatron logits of every load
     (all cases in one 2-process run)."""
     from megatron_agentrl.convert.hf_to_megatron import convert_hf_to_megatron
@@ -104,7 +104,8 @@ def test_converted_checkpoint_logits_at_tp2_pp2_tp1(family: str, tied: bool, con
     logging.getLogger(__name__).info("%s tied=%s max |logits - transformers| (max |logits| %.2f): %s",
                                      family, tied, float(ref.abs().max()), diffs)
     for k, v in got.items():
-        torch.testing.assert_close(v, ref, rtol=RTOL, atol=RTOL * float(ref.abs().max()), msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(v, ref, rtol=RTOL, atol=RTOL * float(ref.abs().max()),
+                                   msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("family,tied", CASES)

@@ -9,32 +9,15 @@ import logging
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
+from tiny_models import reinit_parallel, tiny_model
+
 from megatron_agentrl.config import TrainConfig
 
 ATOL = 1e-5
 
 
 # ---------------------------------------------------------------- helpers (run in children)
-def tiny_hf(tied: bool, vocab: int = 200, layers: int = 2, seed: int = 0):
-    """A tiny random Qwen2ForCausalLM (fp32, eval) with every weight randomised."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      rms_norm_eps=1e-6, tie_word_embeddings=tied, rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.1 * torch.randn_like(p))
-    return cfg, model
-
-
 def hf_state(model) -> dict[str, torch.Tensor]:
     """HF state dict as a trainer would get it (tied models: no lm_head.weight)."""
     sd = {k: v.clone() for k, v in model.state_dict().items()}
@@ -65,16 +48,6 @@ def make_batch(vocab: int, B: int = 6, T: int = 12, seed: int = 1):
     return TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior, advantages=adv)
 
 
-def _reinit(tp: int, pp: int) -> None:
-    from megatron.core import parallel_state
-
-    from megatron_agentrl.megatron.parallel import initialize_parallel
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    initialize_parallel(tp, pp, seed=1234, timeout_s=60)
-
-
 # -------------------------------------------------------------- child entry points
 def _single_process_checks(rank: int, world: int) -> dict[str, float]:
     """(1) logits / logprobs equal transformers for untied and tied; error messages."""
@@ -94,7 +67,7 @@ def _single_process_checks(rank: int, world: int) -> dict[str, float]:
     out = {}
     tokens = torch.randint(0, 200, (5, 14), generator=torch.Generator().manual_seed(3))
     for tied in (False, True):
-        cfg, hf = tiny_hf(tied)
+        cfg, hf = tiny_model("qwen2", tied, vocab=200)
         actor = MegatronActor(cfg, TrainConfig(micro_batch_size=2))
         actor.load_hf_state_dict(hf_state(hf))
         pos = torch.arange(14).unsqueeze(0).expand(5, -1)
@@ -125,10 +98,10 @@ def _tp_logprobs(rank: int, world: int) -> list[float]:
     tokens = torch.randint(0, 300, (3, 10), generator=torch.Generator().manual_seed(5))
     diffs = []
     for tied in (False, True):
-        cfg, hf = tiny_hf(tied, vocab=300)
+        cfg, hf = tiny_model("qwen2", tied, vocab=300)
         results = {}
         for tp in (1, 2):
-            _reinit(tp, 1)
+            reinit_parallel(tp, 1)
             actor = MegatronActor(cfg, TrainConfig())
             actor.load_hf_state_dict(hf_state(hf))
             results[tp] = actor.compute_logprobs(tokens, temperature=0.9, micro_batch_size=2)
@@ -159,12 +132,12 @@ def _pp_grads(rank: int, world: int) -> dict[str, float]:
     out = {}
     tcfg = TrainConfig(micro_batch_size=2)
     for tied in (False, True):
-        cfg, hf = tiny_hf(tied, layers=4)
+        cfg, hf = tiny_model("qwen2", tied, vocab=200, layers=4)
         batch = make_batch(cfg.vocab_size)
         grads = {"hf": hf_reference_grads(hf, batch, tcfg)}
         stats, norms = {}, {}
         for tp, pp in ((1, 1), (1, 2), (2, 1)):
-            _reinit(tp, pp)
+            reinit_parallel(tp, pp)
             actor = MegatronActor(cfg, tcfg)
             actor.load_hf_state_dict(hf_state(hf))
             stats[tp, pp] = actor.compute_grads(actor.dp_slice(batch), "grpo", temperature=1.0)
@@ -188,11 +161,11 @@ def _export_roundtrip(rank: int, world: int) -> dict[str, bool]:
 
     out = {}
     for tied in (False, True):
-        cfg, hf = tiny_hf(tied, vocab=300, layers=2)
+        cfg, hf = tiny_model("qwen2", tied, vocab=300, layers=2)
         sd = hf_state(hf)
         sd.pop("model.rotary_emb.inv_freq", None)
         for tp, pp in ((1, 1), (2, 1), (1, 2)):
-            _reinit(tp, pp)
+            reinit_parallel(tp, pp)
             actor = MegatronActor(cfg, TrainConfig())
             actor.load_hf_state_dict(sd)
             exported = actor.export_hf_state_dict()
@@ -207,7 +180,7 @@ def _sft_lowers_loss(rank: int, world: int) -> list[float]:
     from megatron_agentrl.megatron.parallel import destroy_parallel, initialize_parallel
 
     initialize_parallel(1, 1, seed=0)
-    cfg, hf = tiny_hf(True)
+    cfg, hf = tiny_model("qwen2", True, vocab=200)
     actor = MegatronActor(cfg, TrainConfig(lr=3e-3, micro_batch_size=2))
     actor.load_hf_state_dict(hf_state(hf))
     batch = make_batch(cfg.vocab_size)
@@ -226,7 +199,7 @@ def test_mapping_layouts_roundtrip():
     from megatron_agentrl.convert import get_mapping
     from megatron_agentrl.convert.qwen2 import padded_vocab_size
 
-    cfg, hf = tiny_hf(False, vocab=300)
+    cfg, hf = tiny_model("qwen2", False, vocab=300)
     mp = get_mapping(cfg)
     sd = hf_state(hf)
     assert padded_vocab_size(300, 128, 2) == 512 and padded_vocab_size(256, 128, 2) == 256

@@ -1,0 +1,109 @@
+"""Tiny random Hugging Face models of each family (Qwen2, Llama, GLM-4), written with
+``transformers``, and a megatron forward that returns full-vocab logits at any TP x PP: shared by
+the conversion, Megatron actor and checkpoint tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("qwen2", "llama", "glm4")
+VOCAB = 300  # padded to 384 at TP=1 and 512 at TP=2: the padding differs between layouts
+
+
+def tiny_config(family: str, tied: bool = False, vocab: int = VOCAB, layers: int = 2):
+    """A tiny transformers config of ``family`` (4 heads, 2 KV heads, head_dim 16)."""
+    import transformers as T
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                  rms_norm_eps=1e-6, tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "qwen2":
+        return T.Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    if family == "llama":
+        # Llama 3.x rope scaling (megatron fixes low/high freq factors 1/4 and 8192 positions)
+        return T.LlamaConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    if family == "glm4":
+        return T.Glm4Config(**common, attention_bias=True, rope_parameters={
+            "rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5})
+    raise ValueError(family)
+
+
+def tiny_model(family: str, tied: bool = False, vocab: int = VOCAB, layers: int = 2, seed: int = 0):
+    """A tiny random ``*ForCausalLM`` of ``family`` (fp32, eval) with every weight randomised."""
+    import transformers as T
+
+    cfg = tiny_config(family, tied, vocab, layers)
+    cls = {"qwen2": T.Qwen2ForCausalLM, "llama": T.LlamaForCausalLM, "glm4": T.Glm4ForCausalLM}[family]
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    return cfg, model
+
+
+def write_tiny_checkpoint(family: str, out: Path, tied: bool = False, dtype: torch.dtype = torch.float32,
+                          max_shard_size: str | None = None, tokenizer: bool = True, **kw):
+    """Save a tiny model of ``family`` to ``out`` with ``save_pretrained`` (plus a small
+    tokenizer.json / tokenizer_config.json when ``tokenizer``); returns the model."""
+    cfg, model = tiny_model(family, tied, **kw)
+    model = model.to(dtype)
+    extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out), **extra)
+    if tokenizer:
+        (out / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}}}\n')
+        (out / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}\n')
+    return model
+
+
+def read_safetensors_dir(d: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in ``d``."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def reinit_parallel(tp: int, pp: int) -> None:
+    """(Re)initialise megatron's groups at ``tp`` x ``pp`` on the current processes."""
+    from megatron.core import parallel_state
+
+    from megatron_agentrl.megatron.parallel import initialize_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    initialize_parallel(tp, pp, seed=1234, timeout_s=60)
+
+
+def megatron_logits(model, tokens: torch.Tensor, vocab: int, hidden: int) -> torch.Tensor | None:
+    """Full-vocab logits ``[B, S, vocab]`` of a megatron ``GPTModel`` stage at the current TP x PP
+    (activations passed between PP stages with send/recv; the vocab-parallel output gathered
+    over TP, padding removed). Returned on the last PP stage, None elsewhere. Collective."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    B, S = tokens.shape
+    pos = torch.arange(S).unsqueeze(0).expand(B, S)
+    with torch.no_grad():
+        if not ps.is_pipeline_first_stage():
+            h = torch.empty(S, B, hidden)
+            dist.recv(h, src=ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(h)
+        out = model(tokens, pos, None)
+        if not ps.is_pipeline_last_stage():
+            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            return None
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        parts = [torch.empty_like(out) for _ in range(tp)]
+        dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+        out = torch.cat(parts, dim=-1)
+    return out[..., :vocab].clone()

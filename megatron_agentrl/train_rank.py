@@ -28,8 +28,9 @@ def setup_logging(rank: int) -> None:
     logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", stream=sys.stdout, force=True)
     for noisy in ("megatron", "torch.distributed", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    # megatron-core warns on every CPU run about optional CUDA-only extras (Apex, CUDA graphs)
-    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    # megatron-core warns on every CPU run, at import, about optional CUDA-only extras
+    # (TransformerEngine, Apex, CUDA graphs): set before the pipeline imports it
+    warnings.filterwarnings("ignore", message=".*Apex (is|are) not installed.*")
     warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*|.*full scope is deprecated.*")
 
 
@@ -41,7 +42,7 @@ def train_rank(config: str, overrides: list[str]) -> dict[str, Any]:
     """
     # torch and megatron-core load only here, when a rank trains: `agentrl --help` and the Ray
     # driver, which import this module, stay light
+    setup_logging(int(os.environ.get("RANK", 0)))
     from megatron_agentrl.pipeline.loop import run_training
 
-    setup_logging(int(os.environ.get("RANK", 0)))
     return run_training(load_config(config, overrides))

@@ -31,7 +31,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 
 CUDA = torch.cuda.is_available()
@@ -326,11 +325,11 @@ TINY_RUN = [
 def async_run(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
     """Child entry point: ``run_training`` on tests/configs/tiny_test.yaml with ``overrides``; returns the summary
     plus whether (and how much) CUDA memory the run used."""
-    from megatron_agentrl.cli import _setup_logging
+    from megatron_agentrl.train_rank import setup_logging
     from megatron_agentrl.config import load_config
     from megatron_agentrl.pipeline.loop import run_training
 
-    _setup_logging(rank)
+    setup_logging(rank)
     summary = run_training(load_config("tests/configs/tiny_test.yaml", overrides))
     summary["cuda_max_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
     return summary

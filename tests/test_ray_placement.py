@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
-from megatron_agentrl.config import load_config  # noqa: E402
+from megatron_agentrl.config import ConfigError, load_config  # noqa: E402
 from megatron_agentrl.launch.ray_placement import (  # noqa: E402
     PlacementError,
     RunLostError,
@@ -200,3 +200,10 @@ def test_unreachable_cluster_address_fails_fast() -> None:
     assert f"cannot connect to Ray at ray.address='127.0.0.1:{port}'" in proc.stderr
     assert "ray start --head" in proc.stderr
     assert time.monotonic() - t0 < 60
+
+
+def test_running_engines_and_ray_engines_together_are_refused(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "ray.rollout_gpus_per_engine=1", "rollout.engine_urls=[[http://127.0.0.1:3001]]")
+    with pytest.raises(ConfigError, match=r"rollout.engine_urls=.*ray.rollout_gpus_per_engine=1 asks Ray to start "
+                                          r"its own; clear one of the two"):
+        plan_pools(cfg)

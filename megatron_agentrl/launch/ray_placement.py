@@ -72,8 +72,13 @@ def _bundle(cpus: float, gpus: float) -> dict[str, float]:
 
 def plan_pools(cfg: Config) -> list[PoolSpec]:
     """The placement groups of ``cfg``: train, one per rollout version slot (when the rollout runs in
-    engines of its own, ``ray.rollout_gpus_per_engine > 0``) and the env controller (``ray.controller``)."""
+    engines of its own, ``ray.rollout_gpus_per_engine > 0``) and the env controller (``ray.controller``).
+    ConfigError when the config also names running engines (``rollout.engine_urls``)."""
     r = cfg.ray
+    if r.rollout_gpus_per_engine and cfg.rollout.engine_urls:
+        raise ConfigError(f"rollout.engine_urls={cfg.rollout.engine_urls} names running engines, but "
+                          f"ray.rollout_gpus_per_engine={r.rollout_gpus_per_engine} asks Ray to start its own; "
+                          "clear one of the two")
     workers = r.train_workers or cfg.parallel.tp * cfg.parallel.pp
     pools = [PoolSpec("train", [_bundle(r.train_cpus_per_worker, r.train_gpus_per_worker)] * workers, r.train_strategy)]
     if r.rollout_gpus_per_engine:

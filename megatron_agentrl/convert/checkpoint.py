@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from megatron_agentrl.convert.base import ConversionError, GPTMapping
-from rollout_sglang.weight_update.buckets import dtype_from_name
+from rollout_sglang.local_engine import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +55,6 @@ HF_ASSET_FILES = (
     "chat_template.jinja", "chat_template.json",
 )
 
-_MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     """``"float32" | "bfloat16" | "float16"`` (or a torch dtype) -> torch dtype; None / "auto" -> None."""
     if name is None or isinstance(name, torch.dtype):
@@ -65,12 +62,9 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     if name == "auto":
         return None
     try:
-        dtype = dtype_from_name(name)
+        return resolve_dtype(name)
     except ValueError:
-        dtype = None
-    if dtype not in _MODEL_DTYPES:
-        raise ConversionError(f"dtype={name!r} must be one of auto, float32, bfloat16, float16")
-    return dtype
+        raise ConversionError(f"dtype={name!r} must be one of auto, float32, bfloat16, float16") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

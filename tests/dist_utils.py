@@ -7,6 +7,9 @@ each and returns the per-rank return values (pickled back; tensors are copied). 
 raises, the others are killed and an AssertionError carries that rank's traceback; if the
 deadline passes, stragglers are killed and the error names them. ``fn`` must be importable
 (defined at the top level of a module).
+
+``wait_for_file(path, timeout_s)`` lets one of those processes wait for a file that another writes
+(a URL, a "done" marker).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import queue
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from env_controller.net import free_port
@@ -94,3 +98,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         _kill(procs)
         results.close()
     return [done[r] for r in range(world_size)]
+
+
+def wait_for_file(path: Path, timeout_s: float) -> None:
+    """Return once ``path`` exists (polled every 0.1 s); TimeoutError after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s}s")
+        time.sleep(0.1)

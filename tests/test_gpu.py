@@ -25,13 +25,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import run_distributed, wait_for_file
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False); "
@@ -75,7 +74,10 @@ def peaky_state(cfg: Any, seed: int = 0) -> dict[str, torch.Tensor]:
             if name.endswith("norm.weight"):
                 sd[name] = 1.0 + 0.1 * torch.randn_like(p)
             else:
-                std = 2.4 / cfg.hidden_size ** 0.5 if "embed" in name else (1.0 / p.shape[-1] ** 0.5 if p.dim() == 2 else 0.05)
+                if "embed" in name:
+                    std = 2.4 / cfg.hidden_size ** 0.5
+                else:
+                    std = 1.0 / p.shape[-1] ** 0.5 if p.dim() == 2 else 0.05
                 sd[name] = torch.randn_like(p) * std
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
@@ -112,7 +114,8 @@ def fixed_batch(vocab: int, B: int = 8, T: int = 48, seed: int = 1):
     return TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=torch.zeros(B, T), advantages=adv)
 
 
-def engine_vs_actor(actor: Any, cfg: Any, device: str, dtype: torch.dtype, temperature: float = 1.0) -> dict[str, float]:
+def engine_vs_actor(actor: Any, cfg: Any, device: str, dtype: torch.dtype,
+                    temperature: float = 1.0) -> dict[str, float]:
     """Load the actor's weights into a LocalEngine on ``device``/``dtype``, sample 4 x 16 tokens,
     and compare the engine's log-probs of its tokens with the actor's recomputed ones.
 
@@ -222,14 +225,6 @@ def check_actor_numerics(out: dict[str, Any], device: str) -> None:
     assert s[-1] < s[0] - 0.1 and s == sorted(s, reverse=True), f"SFT loss did not decrease monotonically: {s}"
 
 
-def _wait_for(path: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {timeout_s}s")
-        time.sleep(0.1)
-
-
 def _probe_tokens(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(7))
 
@@ -253,7 +248,7 @@ def weight_sync_two_processes(rank: int, world: int, tmp: str, device: str, shap
             before = engine.model(probe).logits.float().cpu()
         (tmpdir / "url.tmp").write_text(url)
         os.replace(tmpdir / "url.tmp", tmpdir / "url")
-        _wait_for(tmpdir / "done", 240)
+        wait_for_file(tmpdir / "done", 240)
         with torch.no_grad():
             after = engine.model(probe).logits.float().cpu()
         state = {k: v.detach().cpu().clone() for k, v in engine.model.state_dict().items()}
@@ -276,7 +271,7 @@ def weight_sync_two_processes(rank: int, world: int, tmp: str, device: str, shap
         b = fixed_batch(cfg.vocab_size)
         lp = actor.compute_logprobs(b.tokens, micro_batch_size=4)
         actor.train_step(TrainBatch(b.tokens, b.loss_mask, lp * b.loss_mask, b.advantages))
-        _wait_for(tmpdir / "url", 120)
+        wait_for_file(tmpdir / "url", 120)
         client = SGLangEngine((tmpdir / "url").read_text(), request_timeout_s=120, update_timeout_s=120)
         # the stand-in's transport: SGLang's broadcasts carry no checksum to verify the buckets by
         sender = WeightSender(actor, bucket_mb=0.25, init_timeout_s=120, bucket_timeout_s=120, checksum=True,
@@ -325,9 +320,9 @@ TINY_RUN = [
 def async_run(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
     """Child entry point: ``run_training`` on tests/configs/tiny_test.yaml with ``overrides``; returns the summary
     plus whether (and how much) CUDA memory the run used."""
-    from megatron_agentrl.train_rank import setup_logging
     from megatron_agentrl.config import load_config
     from megatron_agentrl.pipeline.loop import run_training
+    from megatron_agentrl.train_rank import setup_logging
 
     setup_logging(rank)
     summary = run_training(load_config("tests/configs/tiny_test.yaml", overrides))

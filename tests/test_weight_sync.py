@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import run_distributed, wait_for_file
 
-from megatron_agentrl.weight_sync import BucketBroadcaster, WeightSyncError
 from env_controller.net import free_port
+from megatron_agentrl.weight_sync import BucketBroadcaster, WeightSyncError
 from rollout_sglang.testing.checksum import ChecksumMismatch, bucket_checksum, tensors_checksum
 from rollout_sglang.testing.transport import StandInReceive, StandInTransport
 from rollout_sglang.weight_update import (
@@ -274,14 +274,6 @@ def _engine_logits(engine) -> torch.Tensor:
         return engine.model(_tokens()).logits.float()
 
 
-def _wait_for(path: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {timeout_s}s")
-        time.sleep(0.1)
-
-
 def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, transport: str) -> dict:
     tmpdir = Path(tmp)
     cfg = _hf_config(tied)
@@ -295,7 +287,7 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, tr
         before = _engine_logits(engines[2])
         (tmpdir / "urls.json.tmp").write_text(json.dumps(urls))
         os.replace(tmpdir / "urls.json.tmp", tmpdir / "urls.json")
-        _wait_for(tmpdir / "done", 120)
+        wait_for_file(tmpdir / "done", 120)
         out = {"logits": [_engine_logits(e) for e in engines], "before": before,
                "versions": [e.version for e in engines]}
         out["update_log"] = [line for s in servers for line in s.update_log]
@@ -319,7 +311,7 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, tr
     sender = WeightSender(actor, bucket_mb=0.05, init_timeout_s=60, bucket_timeout_s=60, checksum=True, backend="gloo",
                           small_tensor_bytes=4096,  # matrices one message each, norms packed
                           transport=StandInTransport(send_recv=transport == "send_recv"))
-    _wait_for(tmpdir / "urls.json", 120)
+    wait_for_file(tmpdir / "urls.json", 120)
     urls = json.loads((tmpdir / "urls.json").read_text())
     box: list = [None]
     pool = None

@@ -15,8 +15,9 @@ from rollout_sglang.engine import GenerationOutput, SamplingParams
 from rollout_sglang.tokenizer import train_bpe_tokenizer
 
 TOOLS = [
-    {"type": "function", "function": {"name": "add", "description": "Add two integers.",
-                                      "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}},
+    {"type": "function", "function": {
+        "name": "add", "description": "Add two integers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}},
 ]
 
 
@@ -90,7 +91,8 @@ class FakeEnv:
             raise ConnectionError("worker unreachable")
         self._n += 1
         sid = f"{task}-{index}-{self._n}"
-        msgs = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": f"Solve the task EP={task}."}]
+        msgs = [{"role": "system", "content": "You add numbers."},
+                {"role": "user", "content": f"Solve the task EP={task}."}]
         self.received[sid] = []
         self.history[sid] = list(msgs)
         return sid, TaskReply(messages=msgs, tools=TOOLS)
@@ -105,7 +107,8 @@ class FakeEnv:
         self.received[session_id].append(msg)
         self.history[session_id].append(msg)
         if not msg.get("tool_calls"):
-            return TaskReply(messages=[], status=SampleStatus.COMPLETED, finish=True, reward=1.0, metrics={"success": 1.0})
+            return TaskReply(messages=[], status=SampleStatus.COMPLETED, finish=True, reward=1.0,
+                             metrics={"success": 1.0})
         replies = []
         for c in msg["tool_calls"]:
             args = json.loads(c["function"]["arguments"])
@@ -189,7 +192,8 @@ def test_max_turns_gives_task_limit(template: ChatTemplate) -> None:
 def test_context_limit_cuts_the_turn(template: ChatTemplate) -> None:
     engine, env = FakeEngine(template), FakeEnv()
     prompt_len = len(template.encode_prompt(
-        [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Solve the task EP=chatty."}], TOOLS
+        [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Solve the task EP=chatty."}],
+        TOOLS,
     ))
     (t,) = run(engine, env, template, [("chatty", 0, 0)], max_total_tokens=prompt_len + 5)
     assert t.status == "agent context limit" and len(t.token_ids) == prompt_len + 5
@@ -224,7 +228,8 @@ def test_length_cut_turn_is_parsed_and_closed(template: ChatTemplate) -> None:
 def test_env_errors_and_timeouts_are_task_errors(template: ChatTemplate) -> None:
     engine, env = FakeEngine(template), FakeEnv()
     t0 = time.perf_counter()
-    trajs = run(engine, env, template, [("raises", 0, 0), ("hangs", 0, 0), ("calc", 0, 0), ("nostart", 0, 0)], timeout=0.3)
+    trajs = run(engine, env, template, [("raises", 0, 0), ("hangs", 0, 0), ("calc", 0, 0), ("nostart", 0, 0)],
+                timeout=0.3)
     assert time.perf_counter() - t0 < 5
     assert [t.status for t in trajs] == ["task error", "task error", "completed", "task error"]
     assert sorted(env.cancelled) == ["hangs-0-2", "raises-0-1"]

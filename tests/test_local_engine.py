@@ -72,7 +72,8 @@ def test_top_k_one_is_greedy(engine: LocalEngine) -> None:
     topk1 = asyncio.run(engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0, top_k=1, seed=1)))
     assert [o.token_ids for o in greedy] == [o.token_ids for o in topk1]
     for prompt, out in zip(PROMPTS, topk1):  # log-probs are still those before truncation (not 0)
-        torch.testing.assert_close(torch.tensor(out.logprobs), _rescore(engine, prompt, out.token_ids, 1.0), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), _rescore(engine, prompt, out.token_ids, 1.0),
+                                   atol=1e-5, rtol=0)
         assert max(out.logprobs) < 0
 
 
@@ -80,7 +81,8 @@ def test_stop_tokens_end_rows_independently(engine: LocalEngine) -> None:
     free = asyncio.run(engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.0)))
     stop_tok = free[0].token_ids[3]
     first = free[0].token_ids.index(stop_tok)
-    outs = asyncio.run(engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=[stop_tok])))
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=[stop_tok])
+    outs = asyncio.run(engine.generate(PROMPTS, params))
     assert outs[0].token_ids == free[0].token_ids[: first + 1]  # stop token kept
     assert outs[0].finish_reason == "stop" and len(outs[0].logprobs) == first + 1
     for f, o in zip(free, outs):
@@ -89,7 +91,8 @@ def test_stop_tokens_end_rows_independently(engine: LocalEngine) -> None:
             assert o.token_ids == f.token_ids[: k + 1] and o.finish_reason == "stop"
         else:  # rows that never emit it continue, unaffected by finished rows leaving the batch
             assert o.token_ids == f.token_ids and o.finish_reason == "length"
-        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(f.logprobs[: len(o.logprobs)]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(f.logprobs[: len(o.logprobs)]),
+                                   atol=1e-5, rtol=0)
 
 
 def test_edge_cases_and_errors(engine: LocalEngine) -> None:
@@ -123,7 +126,8 @@ def test_weight_update_changes_outputs_and_version(caplog: pytest.LogCaptureFixt
     assert [o.token_ids for o in after] == [o.token_ids for o in expected]
     assert [o.token_ids for o in after] != [o.token_ids for o in before]
 
-    with pytest.raises(KeyError, match="unknown parameter name 'model.layers.0.self_attn.q_proj.weigth'.*close matches"):
+    with pytest.raises(KeyError,
+                       match="unknown parameter name 'model.layers.0.self_attn.q_proj.weigth'.*close matches"):
         eng.load_state_dict(5, {"model.layers.0.self_attn.q_proj.weigth": torch.zeros(1)})
     with pytest.raises(ValueError, match="shape mismatch for 'model.norm.weight'"):
         eng.load_state_dict(5, {"model.norm.weight": torch.zeros(7)})

@@ -3,8 +3,8 @@ masks, and gives the same result on 2 data-parallel (gloo) ranks as on one."""
 from __future__ import annotations
 
 import torch
-
 from dist_utils import run_distributed
+
 from megatron_agentrl.algo.advantages import normalize_per_task
 
 EPS = 1e-6
@@ -100,9 +100,8 @@ def test_two_dp_ranks_equal_one():
 def _trainer_step(rank: int, world: int) -> dict[str, float]:
     """The training step (Trainer.step: DP split, per-task normalization over the DP group, one
     optimizer step) on 2 DP ranks and on one DP rank (TP=2) from the same weights and batch."""
-    from transformers import Qwen2Config
-
     from megatron.core import parallel_state
+    from transformers import Qwen2Config
 
     from megatron_agentrl.config import Config, TrainConfig
     from megatron_agentrl.megatron.actor import MegatronActor, TrainBatch
@@ -136,11 +135,12 @@ def _trainer_step(rank: int, world: int) -> dict[str, float]:
         after = actor.export_hf_state_dict()
         out[f"dp{actor.dp}"] = (stats["loss"], stats["grad_norm"], after)
     (l2, n2, w2), (l1, n1, w1) = out["dp2"], out["dp1"]
-    return {"loss": abs(l2 - l1), "norm": abs(n2 - n1) / n1, "weights": max(float((w2[k] - w1[k]).abs().max()) for k in w1),
-            "loss_value": l1}
+    return {"loss": abs(l2 - l1), "norm": abs(n2 - n1) / n1,
+            "weights": max(float((w2[k] - w1[k]).abs().max()) for k in w1), "loss_value": l1}
 
 
 def test_trainer_step_two_dp_ranks_equal_one():
     out = run_distributed(_trainer_step, 2, timeout_s=90)[0]
-    assert out["loss"] < 1e-6 and out["norm"] < 1e-5 and out["weights"] < 1e-5, out  # Adam, lr 1e-2: fp32 reduction order
+    # Adam, lr 1e-2: fp32 reduction order
+    assert out["loss"] < 1e-6 and out["norm"] < 1e-5 and out["weights"] < 1e-5, out
     assert out["loss_value"] != 0.0

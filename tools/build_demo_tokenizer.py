@@ -18,7 +18,6 @@ from env_controller.tasks import build_task  # noqa: E402
 from rollout_sglang.chat_template import ChatTemplate  # noqa: E402
 from rollout_sglang.tokenizer import train_bpe_tokenizer  # noqa: E402
 
-
 #: the small learnable tasks of the CPU demo (os_shell and db need bwrap / MariaDB and a bigger model)
 DEMO_TASKS = ("calc", "guess", "lookup")
 

@@ -8,13 +8,15 @@ setup(
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["megatron_agentrl*", "rollout_sglang*", "env_controller*"]),
     install_requires=[
-        # torch 2.13.0: on a CPU-only machine install the CPU wheel first (see Makefile)
-        "torch==2.13.0",
+        # ranges that admit the pinned SGLang's own versions (the `sglang` extra installs us next to
+        # it); constraints.txt holds the exact versions CI tests. On a CPU-only machine install the
+        # CPU wheel of torch first (see Makefile)
+        "torch>=2.13.0,<2.15",
         "megatron-core==0.16.1",
-        "transformers==5.23.0",
-        "tokenizers==0.23.3",
+        "transformers>=5.19.0,<5.24",
+        "tokenizers>=0.23.2,<0.24",
         "safetensors==0.8.0",
-        "numpy==2.4.6",
+        "numpy>=2.3,<2.5",  # SGLang needs mistral_common, which takes numpy < 2.4 on Python 3.11
         "pyyaml==6.0.3",
         "jinja2==3.1.6",
         "tensorboard==2.21.0",

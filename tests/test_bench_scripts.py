@@ -61,17 +61,40 @@ def _check_demo_learning(lines: list[str], rec: dict[str, Any]) -> None:
     assert set(seed["before"]) == set(seed["after"]) == set(rec["mean_gain_points"]) != set()
 
 
+def _check_env_controller(lines: list[str], rec: dict[str, Any]) -> None:
+    s = rec["sessions"]
+    assert s["started"] == s["planned"] > 0 and s["lost"] == 0 and s["left_open_on_controller"] == 0
+    # every failure is a session of the killed worker, and each got a reason
+    assert s["failed"] == s["failed_on_killed_worker"] == sum(s["failed_reasons"].values())
+    assert s["completed"] + s["failed"] == s["started"]
+
+
+def _check_gloo_transport(lines: list[str], rec: dict[str, Any]) -> None:
+    assert set(rec["seconds"]) == {"flat", "broadcast", "send_recv"}
+    assert all(len(t) == rec["repeats"] and min(t) > 0 for t in rec["seconds"].values())
+
+
+def _check_weight_sync(lines: list[str], rec: dict[str, Any]) -> None:
+    assert rec["weights_verified"]  # the engine's weights equal what was sent, after a zeroing
+    assert set(rec["seconds"]) == {"raw", "bucketed", "bucketed_broadcast"}
+    assert rec["weight_sync_bandwidth_ratio"] == pytest.approx(rec["ratio_to_raw_best"]["bucketed"])
+
+
 CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
     "gpu_advantages.py": _check_gpu_advantages,
     "gpu_train.py": _check_gpu_train,
     "async_vs_sync.py": _check_async_vs_sync,
     "convert.py": _check_convert,
     "demo_learning.py": _check_demo_learning,
+    "env_controller.py": _check_env_controller,
+    "gloo_transport.py": _check_gloo_transport,
+    "weight_sync.py": _check_weight_sync,
 }
 
 
-def test_every_check_names_a_script():
-    assert set(CHECKS) <= set(SCRIPTS), sorted(set(CHECKS) - set(SCRIPTS))
+def test_every_script_has_its_record_checked():
+    """A new bench script gets a check of its JSON record here, not only of its exit code."""
+    assert set(CHECKS) == set(SCRIPTS), (sorted(set(SCRIPTS) - set(CHECKS)), sorted(set(CHECKS) - set(SCRIPTS)))
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -7,6 +7,8 @@ setup(
     description="Asynchronous multi-turn, multi-task agentic RL on megatron-core (after AgentRL, arXiv 2510.04206)",
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["megatron_agentrl*", "rollout_sglang*", "env_controller*"]),
+    # SGLang's request contract, read from its wheel (rollout_sglang.testing.sglang_contract)
+    package_data={"rollout_sglang.testing": ["sglang_contract_*.json"]},
     install_requires=[
         # ranges that admit the pinned SGLang's own versions (the `sglang` extra installs us next to
         # it); constraints.txt holds the exact versions CI tests. On a CPU-only machine install the
@@ -39,7 +41,8 @@ setup(
         "gpu": ["transformer-engine[pytorch]==2.20.2", "nvidia-ml-py==13.615.71"],
         "sglang": ["sglang==0.5.23"],
         # agentrl-worker: the AgentRL task-worker package, for the controller compatibility test
-        "dev": ["pytest==9.2.0", "agentrl-worker==0.4.0", "import-linter==2.16", "ruff==0.17.6"],
+        # msgspec: to run SGLang's own generated request decoder (api/v1) from its wheel in the tests
+        "dev": ["pytest==9.2.0", "agentrl-worker==0.4.0", "import-linter==2.16", "ruff==0.17.6", "msgspec==0.22.0"],
     },
     entry_points={"console_scripts": ["agentrl=megatron_agentrl.cli:main"]},
 )

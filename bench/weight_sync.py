@@ -192,32 +192,42 @@ def main(argv: list[str] | None = None) -> dict:
     sglang_transport = SGLangBroadcast()
     sender = BucketBroadcaster([client], "bench", backend="gloo", init_timeout_s=120, bucket_timeout_s=600,
                                small_tensor_bytes=small, transport=StandInTransport())
-    sender.connect()
-    group = sender.group
-    assert group is not None
     flat = torch.empty(nbytes, dtype=torch.uint8)
     flat.fill_(7)
     pool = ThreadPoolExecutor(max_workers=2)
     bucket_bytes = int(args.bucket_mb * 1024 * 1024)
-
-    def raw() -> int:
-        body = {"nbytes": nbytes, "group_name": "bench"}
-        fut = pool.submit(client._call, "POST", "/agentrl/raw_broadcast", body, 600)
-        group.broadcast(flat, src=0, timeout_s=600)
-        fut.result(timeout=600)
-        return 1
-
     version = [0]
 
     def bucketed(transport: SGLangBroadcast | None = None) -> int:
-        version[0] += 1
         stats = sender.send(state.items(), bucket_bytes, weight_version=str(version[0]), wire_format=args.wire_format,
                             transport=transport)
         assert stats.bytes == nbytes, (stats.bytes, nbytes)
         return stats.buckets
 
-    # (label, run, pause the engine around it): the version pool pauses the slot for its update;
-    # the pause and resume calls are outside the timed region
+    def update(fn) -> int:
+        """One weight update as the version pool runs it: paused, inside the server's update session."""
+        version[0] += 1
+        client.pause()
+        client.begin_weight_update(version[0])
+        try:
+            return fn()
+        finally:
+            client.end_weight_update()
+            client.resume()
+
+    update(bucketed)  # the group forms inside the first update (as SGLang's engines join it)
+    group = sender.group
+    assert group is not None
+
+    def raw() -> int:
+        body = {"nbytes": nbytes, "group_name": sender.group_name}
+        fut = pool.submit(client._call, "POST", "/agentrl/raw_broadcast", body, 600)
+        group.broadcast(flat, src=0, timeout_s=600)
+        fut.result(timeout=600)
+        return 1
+
+    # (label, run, is a weight update): the version pool pauses the slot and opens the server's update
+    # session around a sync; those calls are outside the timed region
     paths = {"raw": ("raw broadcast (1 flat buffer)", raw, False),
              "bucketed": (f"bucketed sync ({args.bucket_mb:g} MiB, {sender.transport.name})", bucketed, True),
              # what an SGLang server receives
@@ -228,16 +238,17 @@ def main(argv: list[str] | None = None) -> dict:
     buckets: dict[str, int] = {}
 
     def timed(key: str) -> None:
-        _, fn, pause = paths[key]
-        if pause:
-            client.pause()
-        c0, e0 = process_cpu_s(), process_cpu_s(proc.pid)
-        t = time.perf_counter()
-        buckets[key] = fn()
-        times[key].append(time.perf_counter() - t)
-        cpu[key].append((process_cpu_s() - c0, process_cpu_s(proc.pid) - e0))
-        if pause:
-            client.resume()
+        _, fn, is_update = paths[key]
+
+        def run() -> int:
+            c0, e0 = process_cpu_s(), process_cpu_s(proc.pid)
+            t = time.perf_counter()
+            n = fn()
+            times[key].append(time.perf_counter() - t)
+            cpu[key].append((process_cpu_s() - c0, process_cpu_s(proc.pid) - e0))
+            return n
+
+        buckets[key] = update(run) if is_update else run()
 
     psi0 = cpu_pressure()
     for key in paths:  # warm-up: connections, receive buffers
@@ -252,9 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
     # verify the default path alone: zero the engine's weights, sync once more, compare
     parent.send("zero")
     parent.recv()
-    client.pause()
-    bucketed()
-    client.resume()
+    update(bucketed)
     parent.send("check")
     sums = parent.recv()
     bad = [k for k, v in state.items() if abs(sums[k] - float(v.float().sum())) > 1e-3 * max(1.0, abs(sums[k]))]

@@ -14,3 +14,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host.strip("[]"), 0))
         return int(s.getsockname()[1])
+
+
+def address_towards(host: str, port: int = 9) -> str:
+    """The address of this machine that ``host`` reaches it by: the source address the OS routes to
+    ``host`` from (no packet is sent). ``127.0.0.1`` for loopback hosts; OSError when ``host`` does
+    not resolve or no route leads there.
+    """
+    infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_DGRAM)
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)  # UDP: picks the route and source address, sends nothing
+        return str(s.getsockname()[0])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import ipaddress
 import json
 import math
 import re
@@ -105,6 +106,19 @@ class _Section:
         """Each field of ``names`` is > 0 (``unit`` ends the message, e.g. "seconds")."""
         for name in names:
             self.require(getattr(self, name) > 0, name, "must be > 0" + (f" {unit}" if unit else ""))
+
+
+def _is_host(value: str) -> bool:
+    """'' or a bare host: a name or IPv4 address (no scheme, port, path or spaces), or an IPv6 address."""
+    if not value:
+        return True
+    if ":" in value:
+        try:
+            ipaddress.IPv6Address(value.strip("[]"))
+            return True
+        except ValueError:
+            return False
+    return not any(c.isspace() or c in "/@?#" for c in value)
 
 
 def _is_host_port_url(url: str) -> bool:
@@ -312,7 +326,14 @@ class RolloutConfig(_Section):
     engine_urls: SGLang servers that are already running, one list per version slot (exactly
         ``max_versions`` slots of ``engines_per_slot`` URLs ``http(s)://host:port`` each), e.g.
         ``[["http://10.0.0.5:30000"], ["http://10.0.0.6:30000"]]``; empty = the run starts its own
-        engines (local engines, or SGLang servers that the Ray launcher starts).
+        engines (local engines, or SGLang servers that the Ray launcher starts). Each server's
+        rank count in the weight-sync group is its ``tp_size`` (asked from ``/server_info``).
+    weight_sync_master_address: the address of each sending trainer rank that the engines connect
+        to for the weight-sync group; "" = the address this host routes to the first engine from
+        (right for one network; set it when the engines reach the trainers by another interface).
+    engine_api_key_env / engine_admin_api_key_env: names of environment variables holding the
+        servers' ``--api-key`` and ``--admin-api-key`` (unset or empty: no key); keys stay out of
+        config files and logs.
     """
 
     KEY: ClassVar[str] = "rollout"
@@ -336,6 +357,9 @@ class RolloutConfig(_Section):
     weight_sync_bucket_timeout_s: float = 120.0
     weight_sync_checksum: bool = False
     engine_urls: list[list[str]] = field(default_factory=list)
+    weight_sync_master_address: str = ""
+    engine_api_key_env: str = "SGLANG_API_KEY"
+    engine_admin_api_key_env: str = "SGLANG_ADMIN_API_KEY"
 
     def check(self) -> None:
         """See :class:`_Section`."""
@@ -358,6 +382,9 @@ class RolloutConfig(_Section):
         self.require_above_zero("engine_timeout_s", "engine_startup_timeout_s", "weight_sync_init_timeout_s",
                                 "weight_sync_bucket_timeout_s", unit="seconds")
         self._check_engine_urls()
+        self.require(_is_host(self.weight_sync_master_address), "weight_sync_master_address",
+                     "must be a host name or IP address such as 10.0.0.4 (no scheme, port or path), or '' to "
+                     "pick the address that routes to the engines")
 
     def _check_engine_urls(self) -> None:
         if not self.engine_urls:

@@ -13,12 +13,17 @@ protocol                                    SGLang
                                             "return_logprob": true}`` -> per prompt ``output_ids`` and
                                             ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]``)
 ``pause()`` / ``resume()``                  ``POST /pause_generation {"mode"}`` / ``POST /continue_generation {}``
+``begin_weight_update(version)``            ``POST /begin_weight_update {}`` (opens the server's weight-update session)
 ``init_weights_update_group(...)``          ``POST /init_weights_update_group {master_address, master_port,
                                             rank_offset, world_size, group_name, backend}``
 ``update_weights_from_distributed(...)``    ``POST /update_weights_from_distributed {names, dtypes, shapes,
-                                            group_name, flush_cache, weight_version, load_format}``
-``end_weight_update()``                     ``POST /flush_cache`` (prefix cache built with old weights), version stamp
+                                            group_name, flush_cache, weight_version, load_format}`` (only
+                                            inside a session: SGLang refuses it otherwise)
+``end_weight_update()``                     ``POST /end_weight_update {}``, ``POST /flush_cache`` (prefix cache
+                                            built with old weights), version stamp
+``abort_weight_update()``                   ``POST /end_weight_update {}`` (the session closed, no stamp)
 ``health()``                                ``GET /health`` (+ ``GET /model_info`` for ``weight_version``)
+``num_ranks``                               ``GET /server_info`` ``tp_size`` (unless given)
 ==========================================  ==================================================
 
 Every call has a timeout (``request_timeout_s`` for generation, ``control_timeout_s`` for
@@ -27,6 +32,10 @@ pause/continue/flush/health, the caller's for weight updates) and raises
 and the fix. The version of a generation is the client-side stamp (set by
 :meth:`end_weight_update` after a successful sync); the version pool drains a slot before
 updating it, so no generation spans two versions.
+
+Keys: ``api_key`` (``--api-key``) goes with every request; ``admin_api_key`` (``--admin-api-key``)
+replaces it on the control endpoints SGLang marks ``ADMIN_OPTIONAL`` (pause, continue, flush, the
+weight-update calls), which then accept only the admin key.
 """
 from __future__ import annotations
 
@@ -34,6 +43,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -53,6 +63,14 @@ from rollout_sglang.engine import GenerationOutput, SamplingParams
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+# endpoints SGLang marks @auth_level(AuthLevel.ADMIN_OPTIONAL): with --admin-api-key only that key opens them
+ADMIN_ENDPOINTS = frozenset({
+    "/pause_generation", "/continue_generation", "/flush_cache", "/init_weights_update_group",
+    "/update_weights_from_distributed", "/destroy_weights_update_group", "/begin_weight_update",
+    "/end_weight_update",
+})
+# sampling_seed is an int64 on the server; row seeds are base + row, so bases stay below 2**62
+_SEED_BASE_LIMIT = 1 << 62
 
 
 class SGLangError(RuntimeError):
@@ -70,11 +88,14 @@ def _tail(path: Path | None, n: int = 40) -> str:
     return "\n".join(lines[-n:])
 
 
-def sampling_params_to_sglang(params: SamplingParams, rows: int) -> list[dict[str, Any]] | dict[str, Any]:
-    """SGLang ``sampling_params`` for ``rows`` prompts: one dict, or one per row when seeded.
+def sampling_params_to_sglang(params: SamplingParams, rows: int) -> list[dict[str, Any]]:
+    """SGLang ``sampling_params`` for ``rows`` prompts, one dict per row, each with its own ``sampling_seed``.
 
-    With ``params.seed`` set, row ``i`` gets ``sampling_seed = seed + i`` (the engine protocol's
-    per-row seeding rule). ``skip_special_tokens``/``no_stop_trim`` keep every token id as sampled.
+    Row ``i`` gets ``sampling_seed = base + i`` (the engine protocol's per-row seeding rule), where
+    ``base`` is ``params.seed``, else a fresh random number: under SGLang's
+    ``--enable-deterministic-inference`` a row without a seed samples with seed 42, so the rows of a
+    GRPO group would all come out the same. ``skip_special_tokens``/``no_stop_trim`` keep every
+    token id as sampled.
     """
     base: dict[str, Any] = {
         "max_new_tokens": int(params.max_new_tokens),
@@ -85,9 +106,8 @@ def sampling_params_to_sglang(params: SamplingParams, rows: int) -> list[dict[st
         "skip_special_tokens": False,
         "no_stop_trim": True,
     }
-    if params.seed is None:
-        return base
-    return [{**base, "sampling_seed": int(params.seed) + i} for i in range(rows)]
+    first = int(params.seed) if params.seed is not None else random.SystemRandom().randrange(_SEED_BASE_LIMIT)
+    return [{**base, "sampling_seed": first + i} for i in range(rows)]
 
 
 class SGLangEngine:
@@ -95,15 +115,15 @@ class SGLangEngine:
 
     base_url: e.g. "http://10.0.0.5:30000".
     version: the weight version the server starts with.
-    num_ranks: GPUs (TP ranks) of the server; each joins the weight-sync group.
+    num_ranks: GPUs (TP ranks) of the server; each joins the weight-sync group. None: the server's
+        ``tp_size`` from ``GET /server_info``, asked on first use.
     request_timeout_s: limit on one ``/generate`` call; control_timeout_s: on pause, continue,
         flush and health; update_timeout_s: default limit on weight-update calls.
     pause_mode: SGLang's pause mode ("abort" | "retract" | "in_place"); the version pool drains
         the slot first, so nothing is in flight when it pauses.
-    send_sampling_seed: send per-row ``sampling_seed`` when ``SamplingParams.seed`` is set
-        (SGLang >= 0.5.3 honours it with ``--enable-deterministic-inference``); turn off for
-        servers that reject the key.
     api_key: sent as ``Authorization: Bearer`` when the server was started with ``--api-key``.
+    admin_api_key: the server's ``--admin-api-key``, sent instead of ``api_key`` on the control
+        endpoints (:data:`ADMIN_ENDPOINTS`).
     process / log_path: the server process when this client launched it (see :meth:`launch`).
     """
 
@@ -112,30 +132,31 @@ class SGLangEngine:
         base_url: str,
         *,
         version: int = 0,
-        num_ranks: int = 1,
+        num_ranks: int | None = None,
         request_timeout_s: float = 600.0,
         control_timeout_s: float = 60.0,
         update_timeout_s: float = 600.0,
         pause_mode: str = "abort",
-        send_sampling_seed: bool = True,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         process: subprocess.Popen | None = None,
         log_path: Path | None = None,
     ) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode={pause_mode!r} is not one of {PAUSE_MODES}")
-        if num_ranks < 1:
-            raise ValueError(f"num_ranks={num_ranks} must be >= 1 (the server's tensor-parallel size)")
+        if num_ranks is not None and num_ranks < 1:
+            raise ValueError(f"num_ranks={num_ranks} must be >= 1 (the server's tensor-parallel size), or None to "
+                             "ask the server")
         self.base_url = base_url.rstrip("/")
         self.name = self.base_url
         self.version: int = int(version)
-        self.num_ranks = int(num_ranks)
+        self._num_ranks = None if num_ranks is None else int(num_ranks)
         self.request_timeout_s = float(request_timeout_s)
         self.control_timeout_s = float(control_timeout_s)
         self.update_timeout_s = float(update_timeout_s)
         self.pause_mode = pause_mode
-        self.send_sampling_seed = bool(send_sampling_seed)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._admin_headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else self.headers
         self.process = process
         self.log_path = log_path
         self._pending_version: int | None = None
@@ -156,7 +177,11 @@ class SGLangEngine:
             body = resp.text
         if resp.status_code >= 400:
             msg = body.get("message") or body.get("error") or body if isinstance(body, dict) else body
-            raise SGLangError(f"{endpoint} on {self.base_url} failed with HTTP {resp.status_code}: {msg}")
+            hint = ""
+            if resp.status_code in (401, 403):
+                hint = ("; the server wants a key: pass api_key (its --api-key), and admin_api_key (its "
+                        "--admin-api-key) for the control endpoints")
+            raise SGLangError(f"{endpoint} on {self.base_url} failed with HTTP {resp.status_code}: {msg}{hint}")
         if isinstance(body, dict) and body.get("success") is False:
             raise SGLangError(f"{endpoint} on {self.base_url} refused: {body.get('message', body)}")
         return body
@@ -177,10 +202,12 @@ class SGLangEngine:
         return self._async_client[1]
 
     def _call(self, method: str, endpoint: str, body: dict | None = None, timeout_s: float | None = None) -> Any:
-        """One blocking HTTP call with a timeout; returns the decoded answer."""
+        """One blocking HTTP call with a timeout (the admin key on admin endpoints); returns the decoded answer."""
         t = self.control_timeout_s if timeout_s is None else float(timeout_s)
+        headers = self._admin_headers if endpoint in ADMIN_ENDPOINTS else None
         try:
-            resp = self._client().request(method, self._url(endpoint), json=body, timeout=httpx.Timeout(t))
+            resp = self._client().request(method, self._url(endpoint), json=body, timeout=httpx.Timeout(t),
+                                          headers=headers)
         except httpx.TimeoutException as e:
             raise SGLangTimeout(
                 f"{endpoint} on {self.base_url} did not answer within {t:.1f}s; the server is stalled or "
@@ -203,8 +230,6 @@ class SGLangEngine:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         sp = sampling_params_to_sglang(params, len(prompts))
-        if isinstance(sp, list) and not self.send_sampling_seed:
-            sp = {k: v for k, v in sp[0].items() if k != "sampling_seed"}
         body = {"input_ids": [list(map(int, p)) for p in prompts], "sampling_params": sp, "return_logprob": True}
         t = self.request_timeout_s
         version = self.version
@@ -306,12 +331,39 @@ class SGLangEngine:
                 )
             time.sleep(poll_s)
 
+    def server_info(self) -> dict:
+        """``GET /server_info``: the server's resolved launch arguments (``tp_size``, ...) and scheduler state."""
+        info = self._call("GET", "/server_info")
+        if not isinstance(info, dict):
+            raise SGLangError(f"/server_info on {self.base_url} answered {str(info)[:200]!r}, not a JSON object")
+        return info
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks this server contributes to a weight-sync group: its tensor-parallel size (asked once).
+
+        SGLang joins a weight-update group at ``rank_offset + tp_rank`` from every TP rank; a server
+        with ``dp_size`` or ``pp_size`` above 1 would put several ranks on one offset, so it is refused.
+        """
+        if self._num_ranks is None:
+            info = self.server_info()
+            sizes = {k: info.get(k, 1) for k in ("tp_size", "pp_size", "dp_size")}
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes.values()):
+                raise SGLangError(f"/server_info on {self.base_url} reports {sizes}; expected positive integers "
+                                  "(pass num_ranks= to the client to skip the question)")
+            if sizes["pp_size"] > 1 or sizes["dp_size"] > 1:
+                raise SGLangError(
+                    f"{self.base_url} runs with pp_size={sizes['pp_size']}, dp_size={sizes['dp_size']}: SGLang joins a "
+                    "weight-update group at rank_offset + tp_rank only, so replicas or stages would collide; launch "
+                    "one server per data-parallel replica with --pp-size 1")
+            self._num_ranks = int(sizes["tp_size"])
+        return self._num_ranks
+
     def has_extension(self, name: str) -> bool:
         """Whether ``/server_info`` lists ``name`` in ``agentrl_extensions`` (asked once; SGLang lists none)."""
         if self._extensions is None:
             try:
-                info = self._call("GET", "/server_info")
-                self._extensions = list(info.get("agentrl_extensions", [])) if isinstance(info, dict) else []
+                self._extensions = list(self.server_info().get("agentrl_extensions", []))
             except SGLangError as e:
                 logger.warning("%s: GET /server_info failed (%s); treating it as a plain SGLang server (no "
                                "extensions)", self.base_url, e)
@@ -361,9 +413,23 @@ class SGLangEngine:
         self._call("POST", "/destroy_weights_update_group", {"group_name": group_name}, timeout_s)
 
     def begin_weight_update(self, version: int, metadata: dict | None = None) -> None:
-        """Start an update to ``version`` (the buckets then arrive over the weight-sync group)."""
+        """Open the server's weight-update session for ``version`` (``POST /begin_weight_update``); the
+        buckets then arrive over the weight-sync group.
+
+        A session the server still holds from an update that never closed (a trainer that died
+        mid-sync) is closed first: its weights are about to be overwritten anyway.
+        """
         if self._pending_version is not None:
             raise RuntimeError(f"weight update to version {self._pending_version} of {self.base_url} is still open")
+        try:
+            self._call("POST", "/begin_weight_update", {})
+        except SGLangError as e:
+            if "already open" not in str(e):
+                raise
+            logger.warning("%s still had a weight-update session open (an earlier update did not finish); closing "
+                           "it before updating to version %d", self.base_url, version)
+            self._call("POST", "/end_weight_update", {})
+            self._call("POST", "/begin_weight_update", {})
         self._pending_version = int(version)
 
     def receive_bucket(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -374,15 +440,27 @@ class SGLangEngine:
         )
 
     def end_weight_update(self) -> None:
-        """Finish the update: flush the prefix cache and stamp the new version."""
+        """Finish the update: close the server's session (``POST /end_weight_update``, which finalizes the
+        loaded weights), flush the prefix cache and stamp the new version."""
         if self._pending_version is None:
             raise RuntimeError(f"end_weight_update() on {self.base_url} without begin_weight_update()")
-        self.flush_cache()
+        try:
+            self._call("POST", "/end_weight_update", {})
+            self.flush_cache()
+        except BaseException:
+            self._pending_version = None  # the server's session is closed or unknown: a new begin sorts it out
+            raise
         self.version, self._pending_version = self._pending_version, None
 
     def abort_weight_update(self) -> None:
-        """Forget an open update without stamping a version (the weights may be partial)."""
+        """Close an update that failed: the server's session ends (best effort, so the next update can
+        begin) and no version is stamped (the weights may be partial)."""
         self._pending_version = None
+        try:
+            self._call("POST", "/end_weight_update", {})
+        except SGLangError as e:
+            logger.warning("%s: closing the failed weight update's session failed (%s); the next update closes it",
+                           self.base_url, e)
 
     # ------------------------------------------------------------------ process
     @classmethod

@@ -277,7 +277,9 @@ def weight_sync_two_processes(rank: int, world: int, tmp: str, device: str, shap
         sender = WeightSender(actor, bucket_mb=0.25, init_timeout_s=120, bucket_timeout_s=120, checksum=True,
                               backend="gloo", small_tensor_bytes=4096, transport=StandInTransport())
         client.pause()
+        client.begin_weight_update(1)  # SGLang takes weights only inside its update session
         stats = sender.sync(1, slot_key=0, targets=[client])
+        client.end_weight_update()
         client.resume()
         sender.close()
         actor.ddp.eval()

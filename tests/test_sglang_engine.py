@@ -45,7 +45,11 @@ def test_sampling_params_follow_the_per_row_seed_rule():
     sp = sampling_params_to_sglang(SamplingParams(max_new_tokens=4, seed=10, stop_token_ids=[3]), rows=3)
     assert [x["sampling_seed"] for x in sp] == [10, 11, 12]
     assert sp[0]["stop_token_ids"] == [3] and sp[0]["no_stop_trim"] is True
-    assert isinstance(sampling_params_to_sglang(SamplingParams(), rows=2), dict)
+    # unseeded: still one seed per row (SGLang's deterministic sampler would give every unseeded row
+    # seed 42), a fresh base per call
+    a, b = (sampling_params_to_sglang(SamplingParams(), rows=2) for _ in range(2))
+    assert a[1]["sampling_seed"] == a[0]["sampling_seed"] + 1 and a[0]["sampling_seed"] != b[0]["sampling_seed"]
+    assert all(0 <= x["sampling_seed"] < 2**63 for x in a + b)
 
 
 @pytest.mark.parametrize("wire_format", ["per_tensor", "flattened_bucket"])
@@ -99,8 +103,9 @@ def test_client_generate_update_pause_continue(served, wire_format):
     assert len(res[0].token_ids) == 2 and waited < 10
     client.flush_cache()
     sender.close()
-    expected = ["/generate", "/server_info", "/init_weights_update_group", "/update_weights_from_distributed",
-                "/flush_cache", "/pause_generation", "/continue_generation", "/destroy_weights_update_group"]
+    expected = ["/generate", "/server_info", "/begin_weight_update", "/init_weights_update_group",
+                "/update_weights_from_distributed", "/end_weight_update", "/flush_cache", "/pause_generation",
+                "/continue_generation", "/destroy_weights_update_group"]
     assert set(expected) <= set(server.requests)
 
 
@@ -110,8 +115,10 @@ def test_bad_requests_give_clear_errors(served):
         asyncio.run(client.generate([[10_000]], SamplingParams(max_new_tokens=2)))
     with pytest.raises(SGLangError, match="nccl"):
         client.init_weights_update_group("127.0.0.1", 1, 1, 2, "g", backend="nccl", timeout_s=5)
+    client.begin_weight_update(1)
     with pytest.raises(SGLangError, match="not initialised"):
         client.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[32]], "nope", timeout_s=5)
+    client.abort_weight_update()
     dead = SGLangEngine("http://127.0.0.1:9", control_timeout_s=2)
     with pytest.raises(SGLangError, match="could not be reached"):
         dead.pause()
@@ -131,7 +138,7 @@ def test_stalled_server_times_out_instead_of_hanging(served):
         client.flush_cache()
     # weight sync to a stalled engine: the group never forms -> a timeout error, not a hang
     sender = BucketBroadcaster([client], "stalled-group", backend="gloo", init_timeout_s=2, bucket_timeout_s=2)
-    with pytest.raises(WeightSyncError, match="could not be formed|failed to join"):
+    with pytest.raises(WeightSyncError, match="could not be formed|failed to join|rank count"):
         sender.send(other.model.state_dict().items(), bucket_bytes=1 << 20)
     assert time.perf_counter() - t0 < 20
     server.stall(False)
@@ -149,7 +156,9 @@ def test_send_recv_goes_only_to_engines_that_offer_it(served):
     sender = BucketBroadcaster([sglang_like], "g-bcast", backend="gloo", init_timeout_s=20, bucket_timeout_s=20,
                                small_tensor_bytes=1024)
     assert sender.transport.name == "broadcast"
+    sglang_like.begin_weight_update(4)
     sender.send(state.items(), bucket_bytes=16 * 1024, weight_version="4")
+    sglang_like.end_weight_update()
     assert server.update_log and all(line.endswith(", broadcast)") for line in server.update_log)
     for name, t in state.items():
         assert torch.equal(engine.model.state_dict()[name], t), name
@@ -161,23 +170,28 @@ def test_send_recv_goes_only_to_engines_that_offer_it(served):
         sglang_like.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[32]], "g-bcast",
                                                     timeout_s=5, extra_fields={"group_name": "other"})
     sender.close()
+    client.begin_weight_update(5)
     with pytest.raises(SGLangError, match="agentrl_send_recv_tag=-1 must be a non-negative integer"):
         client._call("POST", "/update_weights_from_distributed", {
             "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[32]], "group_name": "g-bcast",
             "agentrl_send_recv_tag": -1}, 5)
+    client.abort_weight_update()
     with pytest.raises(ValueError, match="for gloo groups"):
         BucketBroadcaster([client], "g-nccl", backend="nccl", transport=StandInTransport())
 
 
 @pytest.mark.parametrize("send_recv", [True, False])
 def test_stalled_update_times_out_per_bucket(served, send_recv):
-    """The group forms, then the engine stops answering: the bucket's transfer times out."""
+    """The group forms (inside a first sync), then the engine stops answering: the bucket's transfer times out."""
     server, _, engine, other = served
     client = SGLangEngine(server.url, control_timeout_s=2.0, update_timeout_s=2.0)
     transport = StandInTransport() if send_recv else None  # None: SGLang's broadcasts
     sender = BucketBroadcaster([client], "bucket-stall", backend="gloo", init_timeout_s=10, bucket_timeout_s=2,
                                transport=transport)
-    sender.connect()
+    client.begin_weight_update(1)
+    sender.send(other.model.state_dict().items(), bucket_bytes=1 << 20)
+    client.end_weight_update()
+    client.begin_weight_update(2)
     server.stall()
     t0 = time.perf_counter()
     with pytest.raises(WeightSyncError, match="did not finish within|no answer"):

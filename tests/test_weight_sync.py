@@ -22,16 +22,16 @@ from rollout_sglang.testing.checksum import ChecksumMismatch, bucket_checksum, t
 from rollout_sglang.testing.transport import StandInReceive, StandInTransport
 from rollout_sglang.weight_update import (
     DTYPES,
-    BucketMeta,
     BucketReceiver,
     SGLangBroadcast,
     dtype_from_name,
     dtype_name,
+    flattened_layout,
     init_weight_group,
     iter_buckets,
     pack,
     plan_buckets,
-    unpack,
+    unflatten_bytes,
 )
 
 VOCAB = 120
@@ -59,9 +59,12 @@ def test_pack_unpack_roundtrip_and_streaming_plan_agree():
     assert [m.names for m, _ in streamed] == [m.names for m in planned]
     for meta, tensors in streamed:
         flat = pack(meta, tensors)
-        assert flat.numel() == meta.numel and flat.dtype == meta.dtype
+        # raw bytes on the wire: NCCL matches a broadcast by count and type, and SGLang receives uint8
+        assert flat.dtype == torch.uint8 and flat.numel() == meta.nbytes
         wire = meta.wire()
-        back = unpack(flat.clone(), BucketMeta.from_wire(wire["names"], wire["dtypes"], wire["shapes"]))
+        layout, nbytes = flattened_layout(wire["names"], wire["dtypes"], wire["shapes"])
+        assert nbytes == meta.nbytes
+        back = unflatten_bytes(flat.clone(), layout)
         for (name, t), src in zip(back, tensors):
             assert torch.equal(t, src), name
 
@@ -89,13 +92,26 @@ def test_checksum_detects_corruption_and_shifts():
     assert bucket_checksum(z) != c
 
 
-def test_wire_metadata_errors_are_clear():
+def test_flattened_layout_reads_buckets_as_sglang_does():
+    # one bucket may mix dtypes, each tensor aligned to its element size (SGLang's FlattenedTensorBucket)
+    layout, nbytes = flattened_layout(["a", "b", "c"], ["float32", "bfloat16", "bfloat16"], [[2], [3], [1]])
+    assert [(n, d, s, start) for n, d, s, start in layout] == [
+        ("a", torch.float32, (2,), 0), ("b", torch.bfloat16, (3,), 8), ("c", torch.bfloat16, (1,), 14)]
+    assert nbytes == 16
+    raw = torch.cat([torch.tensor([1.0, 2.0]).view(torch.uint8),
+                     torch.tensor([3.0, 4.0, 5.0, 6.0], dtype=torch.bfloat16).view(torch.uint8)])
+    back = dict(unflatten_bytes(raw, layout))
+    assert back["a"].tolist() == [1.0, 2.0] and back["b"].tolist() == [3.0, 4.0, 5.0] and back["c"].tolist() == [6.0]
     with pytest.raises(ValueError, match="same length"):
-        BucketMeta.from_wire(["a"], ["float32", "float32"], [[1]])
-    with pytest.raises(ValueError, match="one dtype"):
-        BucketMeta.from_wire(["a", "b"], ["float32", "bfloat16"], [[1], [1]])
+        flattened_layout(["a"], ["float32", "float32"], [[1]])
+    with pytest.raises(ValueError, match="'b' \\(float32\\) would start at byte 2"):
+        flattened_layout(["a", "b"], ["bfloat16", "float32"], [[1], [1]])
+    with pytest.raises(ValueError, match="negative dimension"):
+        flattened_layout(["a"], ["float32"], [[-1]])
+    with pytest.raises(ValueError, match="names is empty"):
+        flattened_layout([], [], [])
     with pytest.raises(ValueError, match="unknown dtype"):
-        BucketMeta.from_wire(["a"], ["complex32"], [[1]])
+        flattened_layout(["a"], ["complex32"], [[1]])
 
 
 def test_dtype_names_round_trip_and_accept_aliases():

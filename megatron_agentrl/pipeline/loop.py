@@ -49,6 +49,7 @@ from megatron_agentrl.pipeline.rollout_side import (
     chat_template,
     make_manager,
     remote_engines,
+    weight_sync_master_address,
 )
 from megatron_agentrl.pipeline.sft import sft_warmup
 from megatron_agentrl.pipeline.step_metrics import format_step, step_metrics
@@ -172,7 +173,8 @@ class TrainingRun:
             self.actor, self.ro.pool if self.ro is not None else None, r.weight_sync_bucket_mb,
             timeout_s=r.engine_timeout_s, remote_slots=remote,
             sender_kwargs={"init_timeout_s": r.weight_sync_init_timeout_s,
-                           "bucket_timeout_s": r.weight_sync_bucket_timeout_s, "checksum": r.weight_sync_checksum},
+                           "bucket_timeout_s": r.weight_sync_bucket_timeout_s, "checksum": r.weight_sync_checksum,
+                           "master_address": weight_sync_master_address(cfg)},
         )
         self.trainer = Trainer(self.actor, cfg, self.task_names)
 

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from env_controller.local import LocalEnvClient
+from env_controller.net import address_towards
 from env_controller.tasks import build_task
 from megatron_agentrl.config import Config, ConfigError, TaskSpec
 from megatron_agentrl.pipeline.engine_batching import BatchingEngine
@@ -137,8 +140,24 @@ def remote_engines(cfg: Config) -> list[list[SGLangEngine]] | None:
     r = cfg.rollout
     if not r.engine_urls:
         return None
-    return [[SGLangEngine(u, request_timeout_s=r.engine_timeout_s, update_timeout_s=r.weight_sync_bucket_timeout_s)
-             for u in slot] for slot in r.engine_urls]
+    keys = {"api_key": os.environ.get(r.engine_api_key_env) or None,
+            "admin_api_key": os.environ.get(r.engine_admin_api_key_env) or None}
+    return [[SGLangEngine(u, request_timeout_s=r.engine_timeout_s, update_timeout_s=r.weight_sync_bucket_timeout_s,
+                          **keys) for u in slot] for slot in r.engine_urls]
+
+
+def weight_sync_master_address(cfg: Config) -> str:
+    """The address the engines reach this rank by for the weight-sync group: ``rollout.weight_sync_master_address``,
+    else the address this host routes to the first engine from (so each node answers for itself)."""
+    r = cfg.rollout
+    if r.weight_sync_master_address or not r.engine_urls:
+        return r.weight_sync_master_address or "127.0.0.1"
+    host = urllib.parse.urlparse(r.engine_urls[0][0]).hostname or "127.0.0.1"
+    try:
+        return address_towards(host)
+    except OSError as e:
+        raise ConfigError(f"rollout.engine_urls: no route from this host to {host} ({e}); check the URL, or set "
+                          "rollout.weight_sync_master_address to this host's address on the engines' network") from e
 
 
 def build_rollout_side(cfg: Config, hf_config: Any, dtype: torch.dtype, template: AnyChatTemplate,

@@ -4,15 +4,23 @@ Per bucket, :meth:`BucketBroadcaster.send` asks every engine of the slot to rece
 ``/update_weights_from_distributed`` with the bucket's names, dtypes and shapes) while it moves
 the bucket on the slot's dedicated group through its transport
 (:class:`rollout_sglang.weight_update.BucketTransport`; default SGLang's broadcasts). On the wire a
-bucket is either one packed flat tensor (``load_format="flattened_bucket"``; packing of bucket k+1
-overlaps the transfer of bucket k, two reused buffers) or one tensor per parameter straight from
-its memory (no copy); NCCL uses the first, gloo the second.
+bucket is either one packed flat tensor of raw bytes (``load_format="flattened_bucket"``; packing
+of bucket k+1 overlaps the transfer of bucket k, two reused buffers) or one tensor per parameter
+straight from its memory (no copy); NCCL uses the first, gloo the second.
+
+The group forms as SGLang's engines join it: with NCCL only inside their first
+``/update_weights_from_distributed``, with gloo inside ``/init_weights_update_group``. So rank 0
+builds its side in the background and waits for it only after the first bucket's requests are
+out, under ``init_timeout_s``. Every group gets a fresh name: an engine keeps a group whose
+destroy failed, and torch refuses a group name twice.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Iterable, Sequence
+import uuid
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -35,15 +43,37 @@ MB = 1024 * 1024
 WIRE_FORMATS = ("flattened_bucket", "per_tensor")
 
 
+def _in_thread(fn: Callable[[], WeightGroup], name: str) -> Future:
+    """Run ``fn`` on a daemon thread of its own; its result (or error) in a Future. A formation that
+    hangs until its own timeout then blocks nothing else."""
+    fut: Future = Future()
+    fut.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the group
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
+
+
+def _close_when_formed(fut: Future) -> None:
+    """Done-callback for an abandoned formation: close the group if it formed after all."""
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result().close()
+
+
 class BucketBroadcaster:
     """Group rank 0 of one weight-sync group: sends buckets to every target engine of a slot.
 
     targets: the engines (each contributes ``num_ranks`` ranks, in list order, after rank 0).
-    group_name: the group's name (engines key their groups by it).
+    group_name: the base of the group's name; each group formed gets a fresh ``<base>-<8 hex>``.
     master_address: an address of this host that every engine can reach (the TCPStore lives here).
     backend: "nccl" / "gloo" (None: NCCL when CUDA is available).
-    init_timeout_s: limit on the group rendezvous; bucket_timeout_s: limit on each bucket
-        (transfer plus the engines' acknowledgement).
+    init_timeout_s: limit on the group rendezvous (which may end inside the first bucket's receive);
+        bucket_timeout_s: limit on each bucket (transfer plus the engines' acknowledgement).
     wire_format: default of :meth:`send` ("flattened_bucket" | "per_tensor"; None: flattened on
         NCCL, per-tensor on gloo).
     small_tensor_bytes: with "per_tensor", tensors under this size travel packed together (None:
@@ -60,7 +90,8 @@ class BucketBroadcaster:
         if not targets:
             raise ValueError("BucketBroadcaster needs at least one target engine")
         self.targets = list(targets)
-        self.group_name = group_name
+        self.group_base = group_name
+        self.group_name = group_name  # the current group's (fresh at every connect)
         self.master_address = master_address
         self.backend = backend or default_backend()
         self.init_timeout_s = float(init_timeout_s)
@@ -72,50 +103,99 @@ class BucketBroadcaster:
         self.transport: BucketTransport = transport if transport is not None else SGLangBroadcast()
         self.transport.check(self.backend)  # the engines are asked at connect
         self._seq = 0  # tensors posted on the current group so far (the transports' message counter)
-        self.world_size = 1 + sum(int(t.num_ranks) for t in self.targets)
+        self.world_size = 0  # 1 + the engines' ranks, known from connect() on (an engine may be asked)
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
+                       else torch.device("cpu"))
         self.group: WeightGroup | None = None
+        self._forming: Future | None = None  # rank 0's side of the group while the engines join
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.targets)), thread_name_prefix="wsync")
         self._buffers: list[torch.Tensor | None] = [None, None]
 
     # ------------------------------------------------------------------ group
     def connect(self) -> None:
-        """Create the group (rank 0 here, engines at their rank offsets); no-op when connected."""
-        if self.group is not None and not self.group.broken:
+        """Start forming a group: host its store, have every engine join (rank offsets in list order),
+        build rank 0's side in the background. No-op while a usable group exists or is forming.
+
+        Returns once the engines accepted ``/init_weights_update_group``; rank 0's side is awaited
+        by the first bucket (:meth:`_await_group`). WeightSyncError naming the engines that failed.
+        """
+        if self._forming is not None or (self.group is not None and not self.group.broken):
             return
         if self.group is not None:
             self.close_group()
         self.transport.check(self.backend, self.targets)  # refuse a bad choice before any engine joins
         self._seq = 0
+        self.group_name = f"{self.group_base}-{uuid.uuid4().hex[:8]}"
+        try:
+            ranks = [int(t.num_ranks) for t in self.targets]
+        except Exception as e:
+            raise WeightSyncError(f"weight-sync group {self.group_name!r}: could not learn every engine's rank count "
+                                  f"(its tensor-parallel size): {e}") from e
+        self.world_size = 1 + sum(ranks)
         store, port = host_store(self.master_address, self.world_size, self.init_timeout_s)
         futures, offset = [], 1
-        for t in self.targets:
+        for t, n in zip(self.targets, ranks):
             futures.append((t, self._pool.submit(
                 t.init_weights_update_group, self.master_address, port, offset, self.world_size, self.group_name,
                 self.backend, self.init_timeout_s)))
-            offset += int(t.num_ranks)
-        try:
-            self.group = init_weight_group(self.master_address, port, 0, self.world_size, self.group_name,
-                                           self.backend, self.init_timeout_s, store=store)
-        except Exception as e:
-            errors = self._collect(futures, timeout_s=1.0)
-            raise WeightSyncError(f"weight-sync group {self.group_name!r} could not be formed: {e}"
-                                  + (f"; engine errors: {errors}" if errors else "")) from e
+            offset += n
+        device, name = self.device, self.group_name
+
+        def form() -> WeightGroup:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            return init_weight_group(self.master_address, port, 0, self.world_size, name, self.backend,
+                                     self.init_timeout_s, store=store)
+
+        self._forming = _in_thread(form, f"wsync-form-{name}")
         errors = self._collect(futures, timeout_s=self.init_timeout_s)
         if errors:
             self.close_group()
             raise WeightSyncError(f"weight-sync group {self.group_name!r}: engines failed to join: {errors}")
 
+    def _await_group(self, requests: list[tuple[WeightUpdateTarget, Future]]) -> WeightGroup:
+        """Rank 0's side of the group, waiting (at most ``init_timeout_s``) until every engine joined;
+        ``requests`` (the first bucket's) are watched meanwhile, so an engine that refuses fails fast."""
+        if self.group is not None:
+            return self.group
+        assert self._forming is not None, "connect() first"
+        deadline = time.monotonic() + self.init_timeout_s
+        while True:
+            try:
+                self.group = self._forming.result(timeout=0.1)
+                self._forming = None
+                return self.group
+            except FutureTimeout:
+                pass
+            except Exception as e:
+                errors = self._collect(requests, timeout_s=1.0)
+                raise WeightSyncError(f"weight-sync group {self.group_name!r} could not be formed: {e}"
+                                      + (f"; engine errors: {errors}" if errors else "")) from e
+            refused = self._collect([(t, f) for t, f in requests if f.done()], timeout_s=0.0)
+            if refused:
+                raise WeightSyncError(f"weight-sync group {self.group_name!r}: engines refused the first bucket "
+                                      f"before joining: {refused}")
+            if time.monotonic() >= deadline:
+                raise WeightSyncError(
+                    f"weight-sync group {self.group_name!r}: not every engine joined within {self.init_timeout_s:.1f}s "
+                    "of being asked for the first bucket; check that each can reach the master address "
+                    f"{self.master_address} (rollout.weight_sync_master_address) and that its log shows the request")
+
     def close_group(self) -> None:
-        """Tell the engines to leave the group (best effort) and drop ours."""
-        if self.group is None:
+        """Tell the engines to leave the group (best effort) and drop ours (also one still forming)."""
+        if self.group is None and self._forming is None:
             return
         for t in self.targets:
             try:
                 t.destroy_weights_update_group(self.group_name, timeout_s=min(30.0, self.bucket_timeout_s))
-            except Exception as e:  # noqa: BLE001 - best effort
+            except Exception as e:  # noqa: BLE001 - best effort; the next group has a fresh name
                 logger.warning("engine %s: destroy_weights_update_group(%s) failed: %s", t.name, self.group_name, e)
-        self.group.close()
-        self.group = None
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        if self._forming is not None:
+            self._forming.add_done_callback(_close_when_formed)
+            self._forming = None
 
     def close(self) -> None:
         """Close the group and the worker threads."""
@@ -137,13 +217,12 @@ class BucketBroadcaster:
 
     # ----------------------------------------------------------------- buckets
     def _buffer(self, slot: int, nbytes: int, bucket_bytes: int) -> torch.Tensor:
-        assert self.group is not None
         if nbytes > bucket_bytes:  # an oversize tensor: a one-off buffer
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         buf = self._buffers[slot]
-        if buf is None or buf.numel() < bucket_bytes or buf.device != self.group.device:
-            pin = self.group.device.type == "cpu" and torch.cuda.is_available()
-            buf = torch.empty(bucket_bytes, dtype=torch.uint8, device=self.group.device, pin_memory=pin)
+        if buf is None or buf.numel() < bucket_bytes or buf.device != self.device:
+            pin = self.device.type == "cpu" and torch.cuda.is_available()
+            buf = torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
             self._buffers[slot] = buf
         return buf
 
@@ -153,7 +232,7 @@ class BucketBroadcaster:
         """Bucket ``named`` and send every bucket to every target; returns the stats.
 
         wire_format: how a bucket travels (both are SGLang formats of ``/update_weights_from_distributed``):
-            "flattened_bucket": packed into one flat tensor, one message (``load_format=
+            "flattened_bucket": packed into one flat tensor of raw bytes, one message (``load_format=
             "flattened_bucket"``); "per_tensor": one message per tensor straight from the
             tensor's memory, no packing (SGLang's default load format), except that tensors
             under ``small_tensor_bytes`` (norms, biases) travel in packed buckets of their own,
@@ -172,12 +251,13 @@ class BucketBroadcaster:
         transport.check(self.backend, self.targets)
         small = transport.small_tensor_bytes if self.small_tensor_bytes is None else self.small_tensor_bytes
         self.connect()
-        assert self.group is not None
         stats = SyncStats(version=int(weight_version) if weight_version and weight_version.isdigit() else -1)
         t0 = time.perf_counter()
-        # (works, acks, meta, works of the first tensor), oldest first, at most 2
-        inflight: list[tuple[list, list, BucketMeta, int]] = []
-        done: list[tuple[list, BucketMeta]] = []
+        # the bucket on the wire: (works, acks, meta). At most one: an engine must have finished bucket k
+        # before it is asked for bucket k+1. Its requests travel on separate connections, so a later one
+        # could overtake an earlier one, and with a broadcast tree (gloo or NCCL beyond 3 ranks) rank 0's
+        # transfer completing says nothing about the ranks further down the tree.
+        inflight: tuple[list, list, BucketMeta] | None = None
         try:
             if fmt == "flattened_bucket":
                 it = ((m, ts, True) for m, ts in iter_buckets(named, bucket_bytes))
@@ -188,18 +268,14 @@ class BucketBroadcaster:
             while nxt is not None:
                 meta, tensors, packed = nxt
                 nxt = next(it, None)
-                while len(inflight) >= 2:  # the bucket two back must be done (its buffer is reused next)
-                    self._finish(inflight[0])
-                    done.append((inflight[0][1], inflight[0][2]))
-                    inflight.pop(0)
                 if packed:
                     buf = self._buffer(slot, meta.nbytes, bucket_bytes)
-                    payload = [pack_into(buf, meta, tensors)]  # overlaps the transfer in flight
+                    payload = [pack_into(buf, meta, tensors)]  # raw bytes; overlaps the transfer in flight
                     slot ^= 1
                 else:
                     payload = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-                    if payload and payload[0].device != self.group.device:
-                        payload = [t.to(self.group.device) for t in payload]
+                    if payload and payload[0].device != self.device:
+                        payload = [t.to(self.device) for t in payload]
                 # a CUDA source copied (non_blocking) into a CPU bucket, or a CUDA payload: the
                 # copies must be done before the transport reads the bytes
                 src_cuda = payload[0].is_cuda or any(t.is_cuda for t in tensors)
@@ -207,11 +283,9 @@ class BucketBroadcaster:
                 if src_cuda:
                     torch.cuda.current_stream().synchronize()
                 fields = transport.request_fields(self.targets, payload, packed, self._seq)
-                if inflight:
-                    # the engines must be inside the previous bucket's request before this one is
-                    # posted (they serve update requests in arrival order): its first transfer done
-                    self._finish(inflight[-1], first_only=True)
-                self._check_acks(done, wait=False)
+                if inflight is not None:
+                    self._finish(inflight)
+                    inflight = None
                 wire = meta.wire()
                 futures = [(t, self._pool.submit(
                     t.update_weights_from_distributed, wire["names"], wire["dtypes"], wire["shapes"], self.group_name,
@@ -219,45 +293,34 @@ class BucketBroadcaster:
                     weight_version=weight_version if nxt is None else None, timeout_s=self.bucket_timeout_s,
                     extra_fields=extra or None))
                     for t, extra in zip(self.targets, fields)]
-                works, first = transport.post(self.group, payload, self._seq)
+                group = self._await_group(futures)  # the first bucket's requests let lazy engines join
+                works = transport.post(group, payload, self._seq)
                 self._seq += len(payload)
-                inflight.append((works, futures, meta, first))
+                inflight = (works, futures, meta)
                 stats.buckets += 1
                 stats.bytes += meta.nbytes
-            for pending in inflight:
-                self._finish(pending)
-                done.append((pending[1], pending[2]))
-            self._check_acks(done, wait=True)
+            if inflight is not None:
+                self._finish(inflight)
         except Exception:
             self.close_group()
             raise
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _finish(self, pending: tuple[list, list, BucketMeta, int], first_only: bool = False) -> None:
-        """Wait for a bucket's transfers (``first_only``: the first tensor's); WeightSyncError on timeout."""
-        works, futures, meta, first = pending
+    def _finish(self, pending: tuple[list, list, BucketMeta]) -> None:
+        """Wait for a bucket's transfers, then for every engine's acknowledgement; WeightSyncError naming
+        the engines and the bucket on a timeout or a refusal."""
+        works, futures, meta = pending
         assert self.group is not None
         deadline = time.monotonic() + self.bucket_timeout_s
-        todo = works[:first] if first_only else works[::-1]  # the last first: one wake-up per bucket
-        del works[:len(todo)]  # a point-to-point work can be waited for only once
         try:
-            for work in todo:
+            for work in reversed(works):  # the last first: one wake-up per bucket
                 self.group.wait(work, max(0.001, deadline - time.monotonic()),
                                 what=f"bucket {meta.index} ({meta.nbytes / MB:.1f} MB)")
         except WeightSyncTimeout as e:
             errors = self._collect(futures, timeout_s=1.0)
             raise WeightSyncError(f"{e}" + (f"; engine errors: {errors}" if errors else "")) from e
-
-    def _check_acks(self, done: list[tuple[list, BucketMeta]], wait: bool) -> None:
-        """Raise for any engine that refused a bucket; with ``wait``, wait for every acknowledgement."""
-        remaining = []
-        for futures, meta in done:
-            if not wait and not all(f.done() for _, f in futures):
-                remaining.append((futures, meta))
-                continue
-            errors = self._collect(futures, timeout_s=self.bucket_timeout_s)
-            if errors:
-                raise WeightSyncError(f"bucket {meta.index} ({len(meta.names)} tensors, first {meta.names[0]!r}) "
-                                      f"was not loaded: {errors}")
-        done[:] = remaining
+        errors = self._collect(futures, timeout_s=max(0.001, deadline - time.monotonic()))
+        if errors:
+            raise WeightSyncError(f"bucket {meta.index} ({len(meta.names)} tensors, first {meta.names[0]!r}) "
+                                  f"was not loaded: {errors}")

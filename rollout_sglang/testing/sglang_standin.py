@@ -2,51 +2,58 @@
 
 SGLang cannot run on this project's CPU machines, so the SGLang client
 (:class:`rollout_sglang.sglang_engine.SGLangEngine`) and the weight sync are exercised against
-this server. It answers the endpoints the project uses with the request and response shapes of
-**SGLang 0.5.x's native HTTP API** (``python/sglang/srt/entrypoints/http_server.py`` and
-``python/sglang/srt/managers/io_struct.py`` of the 0.5 series, plus ``docs/basic_usage/native_api``
-and ``sampling_params.md``):
+this server. Every request is first checked against **SGLang's own request definitions** of the
+pinned version (:mod:`rollout_sglang.testing.sglang_contract`, read from the SGLang wheel: the
+``io_struct.py`` request classes, ``api/v1`` ``GenerateRequest``/``SamplingParams`` and the
+routes of ``http_server.py``), with one rule stricter than SGLang: a field SGLang does not know is
+refused (SGLang would drop it silently). Then it follows SGLang's behaviour:
 
-* ``POST /generate``: ``GenerateReqInput`` with ``input_ids`` (one list or a batch),
-  ``sampling_params`` (one dict or one per prompt; ``max_new_tokens``, ``temperature``, ``top_p``,
-  ``top_k``, ``stop_token_ids``, ``sampling_seed``, ...), ``return_logprob``; answers one object
-  (or a list for a batch) ``{"text", "output_ids", "meta_info": {"id", "finish_reason":
-  {"type": "stop", "matched": id} | {"type": "length", "length": n}, "prompt_tokens",
-  "completion_tokens", "cached_tokens", "output_token_logprobs": [[logprob, token_id, null], ...],
-  "weight_version", "e2e_latency"}}``; a bad request is HTTP 400 ``{"error": {"message"}}``.
-* ``POST /init_weights_update_group`` ``{master_address, master_port, rank_offset, world_size,
-  group_name, backend}`` and ``POST /update_weights_from_distributed`` ``{names, dtypes, shapes,
-  group_name, flush_cache, abort_all_requests, weight_version, load_format}`` (``load_format
-  "flattened_bucket"``: one broadcast of the flat bucket; otherwise one broadcast per tensor, as
-  SGLang's model runner does), ``POST /destroy_weights_update_group {group_name}``: each answers
-  ``{"success", "message"}`` (HTTP 400 when ``success`` is false). The group rendezvous uses the
+* ``POST /generate`` with ``input_ids`` (one list or a batch), ``sampling_params`` (one dict or one
+  per prompt), ``return_logprob``; answers one object (or a list for a batch) ``{"text",
+  "output_ids", "meta_info": {"id", "finish_reason": {"type": "stop", "matched": id} | {"type":
+  "length", "length": n}, "prompt_tokens", "completion_tokens", "cached_tokens",
+  "output_token_logprobs": [[logprob, token_id, null], ...], "weight_version", "e2e_latency"}}``.
+  With ``deterministic`` (``--enable-deterministic-inference``) a row without ``sampling_seed``
+  samples with seed 42, as SGLang's sampler does.
+* The weight update: ``/init_weights_update_group`` (every simulated TP rank joins at ``rank_offset
+  + tp_rank``; with ``lazy_join``, the default, the group's collectives start only at the first
+  update request, as SGLang's NCCL communicator does, so a trainer that waits for the group first
+  hangs), ``/begin_weight_update`` and ``/end_weight_update`` (one session at a time; a second begin
+  is refused), ``/update_weights_from_distributed`` (refused outside a session; ``load_format
+  "flattened_bucket"``: one broadcast of raw bytes, else one broadcast per tensor; with
+  ``flush_cache`` true it fails while requests run), ``/destroy_weights_update_group``. Each answers
+  ``{"success", "message"}``, HTTP 400 when ``success`` is false. The group rendezvous uses the
   store layout of SGLang's ``init_custom_process_group``.
-* ``POST /pause_generation {"mode": "abort" | "retract" | "in_place"}`` and
-  ``POST /continue_generation {}``: ``{"message": "...", "status": "ok"}``.
-* ``GET|POST /flush_cache``, ``GET /health``, ``GET /health_generate``, ``GET /model_info``
-  (and the deprecated ``/get_model_info``), ``GET /server_info``.
+* ``/pause_generation {"mode"}``, ``/continue_generation``, ``/flush_cache`` (400 while requests
+  run, after waiting up to ``?timeout=`` seconds), ``/health``, ``/health_generate``,
+  ``/model_info``, ``/server_info`` (``tp_size``, ``pp_size``, ``dp_size``).
+* Keys: ``api_key`` and ``admin_api_key`` with SGLang's per-endpoint rules (health probes open;
+  ``ADMIN_OPTIONAL`` endpoints take the admin key when one is set).
 
-Known differences from SGLang (this is a stand-in, not an emulator): one rank per server (no
-tensor parallelism inside the engine); no radix cache (flush is a no-op); while paused, tensors
-sent one per broadcast are received straight into the engine's parameters (SGLang receives into
-buffers and then loads); a pause never aborts
-a generation already running (the local engine finishes it; new requests wait for
+Known differences from SGLang (this is a stand-in, not an emulator): TP ranks are threads that each
+receive every broadcast (rank 0's copy is loaded, the others are checked equal to it); no radix
+cache (a flush drops nothing); while paused, tensors sent one per broadcast are received straight
+into the engine's parameters (SGLang receives into buffers and then loads); a pause never aborts a
+generation already running (the local engine finishes it; new requests wait for
 ``/continue_generation``, as in SGLang); text prompts, streaming, stop strings, penalties and
 constrained decoding are refused with HTTP 400. Extensions, which real SGLang does not have:
 ``/server_info`` lists ``agentrl_extensions``; ``/update_weights_from_distributed`` accepts
 ``agentrl_checksum`` and ``agentrl_send_recv_tag`` (the trainer side of both is
 :class:`rollout_sglang.testing.transport.StandInTransport`); ``POST /agentrl/raw_broadcast
-{nbytes, group_name}`` receives one raw buffer (the benchmark's baseline). Test hook:
-:meth:`StandInServer.stall` makes every request hang, to test client timeouts.
+{nbytes, group_name}`` receives one raw buffer (the benchmark's baseline). Test hooks:
+:meth:`StandInServer.stall` makes every request hang (client timeouts); ``refuse_destroy`` makes
+``/destroy_weights_update_group`` fail and keep the group, as when torch's destroy fails.
 
 Run as a process with SGLang's command line: ``python -m rollout_sglang.testing.sglang_standin
---model-path DIR --host 127.0.0.1 --port 30000`` (other SGLang flags are accepted and ignored).
+--model-path DIR --host 127.0.0.1 --port 30000 [--tp-size N] [--api-key K] [--admin-api-key K]
+[--enable-deterministic-inference]`` (other SGLang flags are accepted and ignored).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import secrets
 import signal
 import socket
 import threading
@@ -59,13 +66,15 @@ from aiohttp import web
 
 from rollout_sglang.engine import SamplingParams
 from rollout_sglang.local_engine import LocalEngine
+from rollout_sglang.testing.sglang_contract import Contract, ContractError, load_contract
 from rollout_sglang.testing.transport import CHECKSUM_FIELD, EXT_CHECKSUM, EXT_SEND_RECV, TAG_FIELD, StandInReceive
 from rollout_sglang.weight_update.receiver import BucketReceiver
 
 logger = logging.getLogger(__name__)
 
-SGLANG_DOCS_VERSION = "0.5.x"
 EXTENSIONS = [EXT_CHECKSUM, "raw_broadcast", EXT_SEND_RECV]
+# request fields of the stand-in's extensions (SGLang would ignore them silently; the stand-in reads them)
+EXTENSION_FIELDS = frozenset({CHECKSUM_FIELD, TAG_FIELD})
 
 # SGLang sampling keys: those the stand-in honours, and those it accepts only at their defaults
 _SUPPORTED_SP = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed",
@@ -116,16 +125,38 @@ class StandInServer:
     host / port: where to listen (port 0: a free port); ``url`` after :meth:`start`.
     model_path: reported by ``/model_info``.
     group_timeout_s: limit on joining a weight-sync group and on each receive, seconds.
+    tp_size: weight-sync ranks the server joins with (SGLang: one per TP rank, at ``rank_offset +
+        tp_rank``); every rank receives every broadcast, and rank 0's copy is loaded after the
+        others were checked equal to it.
+    lazy_join: join a weight-sync group's collectives only at the first update request, as SGLang
+        does on NCCL (the default: what production sees); False joins inside
+        ``/init_weights_update_group``, as SGLang does on gloo.
+    deterministic: as ``--enable-deterministic-inference``: a row without ``sampling_seed`` samples
+        with seed 42, so equal prompts give equal samples.
+    api_key / admin_api_key: as ``--api-key`` / ``--admin-api-key`` (SGLang's auth rules per endpoint).
+    contract: the SGLang request contract every request is checked against (None: the pinned
+        version's, :func:`rollout_sglang.testing.sglang_contract.load_contract`).
     """
 
     def __init__(self, engine: LocalEngine, *, host: str = "127.0.0.1", port: int = 0,
-                 model_path: str = "standin", group_timeout_s: float = 300.0) -> None:
+                 model_path: str = "standin", group_timeout_s: float = 300.0, tp_size: int = 1,
+                 lazy_join: bool = True, deterministic: bool = False, api_key: str | None = None,
+                 admin_api_key: str | None = None, contract: Contract | None = None) -> None:
+        if tp_size < 1:
+            raise ValueError(f"tp_size={tp_size} must be >= 1")
         self.engine = engine
         self.host = host
         self.port = int(port)
         self.model_path = model_path
-        self.receiver = BucketReceiver()
+        self.tp_size = int(tp_size)
+        self.receivers = [BucketReceiver(lazy_join=lazy_join) for _ in range(self.tp_size)]
+        self.receiver = self.receivers[0]
         self.group_timeout_s = float(group_timeout_s)
+        self.deterministic = bool(deterministic)
+        self.api_key, self.admin_api_key = api_key, admin_api_key
+        self.contract = contract if contract is not None else load_contract()
+        self.refuse_destroy = False  # test hook: /destroy_weights_update_group fails and keeps the group
+        self.bodies: list[tuple[str, Any]] = []  # (path, JSON body) of every request, in order (for tests)
         self.weight_version = str(engine.version)
         self.requests: list[str] = []  # endpoints served, in order (for tests)
         self.update_log: list[str] = []  # one line per weight-update request (for tests)
@@ -138,6 +169,9 @@ class StandInServer:
         self._param_views: dict[str, torch.Tensor] | None = None
         self._update_lock: asyncio.Lock | None = None
         self._paused = False
+        self._session_open = False  # SGLang's weight-update session (begin/end_weight_update)
+        self._pending_version: int | None = None  # stamped on the engine when its open update closes
+        self._running = 0  # /generate requests being served
 
     # --------------------------------------------------------------- lifecycle
     @property
@@ -182,9 +216,12 @@ class StandInServer:
         r.add_post("/init_weights_update_group", self._init_group)
         r.add_post("/update_weights_from_distributed", self._update)
         r.add_post("/destroy_weights_update_group", self._destroy_group)
+        r.add_post("/begin_weight_update", self._begin_update)
+        r.add_post("/end_weight_update", self._end_update)
         r.add_post("/pause_generation", self._pause)
         r.add_post("/continue_generation", self._continue)
-        r.add_route("*", "/flush_cache", self._flush_cache)
+        r.add_get("/flush_cache", self._flush_cache)
+        r.add_post("/flush_cache", self._flush_cache)
         r.add_get("/health", self._health)
         r.add_get("/health_generate", self._health)
         r.add_get("/model_info", self._model_info)
@@ -199,7 +236,8 @@ class StandInServer:
         sock.bind((self.host, self.port))
         self.port = int(sock.getsockname()[1])
         await web.SockSite(self._runner, sock).start()
-        logger.info("SGLang stand-in (docs %s) serving %s on %s", SGLANG_DOCS_VERSION, self.model_path, self.url)
+        logger.info("SGLang stand-in (SGLang %s contract) serving %s on %s", self.contract.pin, self.model_path,
+                    self.url)
 
     async def _shutdown(self) -> None:
         if self._runner is not None:
@@ -229,13 +267,36 @@ class StandInServer:
             await asyncio.sleep(0.05)
         if self._stopping.is_set():
             return web.Response(status=503, text="stand-in is shutting down")
+        if not self._authorized(request):
+            return web.json_response({"error": "Unauthorized"}, status=401)
         try:
+            if request.path in self.contract.paths:
+                body = await self._json(request) if request.body_exists else None
+                self.bodies.append((request.path, body))
+                self.contract.check_request(request.path, body, method=request.method,
+                                            allow_extra=EXTENSION_FIELDS)
             return await handler(request)
+        except ContractError as e:
+            # FastAPI answers a body its request class refuses with 422; /generate's contract gate with 400
+            return web.json_response({"error": {"message": str(e)}}, status=400 if request.path == "/generate" else 422)
         except BadRequest as e:
             return web.json_response({"error": {"message": str(e)}}, status=400)
 
+    def _authorized(self, request: web.Request) -> bool:
+        """SGLang's key rules: health probes are open; ADMIN_OPTIONAL endpoints take the admin key when
+        one is set (else the API key); every other endpoint takes the API key when one is set."""
+        path = request.path
+        if path.startswith(("/health", "/ready", "/metrics")):
+            return True
+        admin = path in self.contract.paths and self.contract.auth_level(path) == "ADMIN_OPTIONAL"
+        key = (self.admin_api_key or self.api_key) if admin else self.api_key
+        if not key:
+            return True
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token, key)
+
     async def _json(self, request: web.Request) -> dict[str, Any]:
-        if not request.can_read_body:
+        if not request.body_exists:  # (can_read_body turns False once the middleware read it)
             return {}
         try:
             body = await request.json()
@@ -285,12 +346,15 @@ class StandInServer:
         if len(sps) != n:
             raise BadRequest(f"{len(sps)} sampling_params for {n} prompts")
         parsed = [_sampling_params(sp) for sp in sps]
+        if self.deterministic:  # SGLang's sampler takes seed 42 for a row without one
+            parsed = [(p, 42 if seed is None else seed) for p, seed in parsed]
         want_lp = body.get("return_logprob")
         want_lp = [bool(x) for x in want_lp] if isinstance(want_lp, list) else [bool(want_lp)] * n
         rid = body.get("rid")
         rids = rid if isinstance(rid, list) else [f"{rid}_{i}" if rid else uuid.uuid4().hex for i in range(n)]
 
         t0 = time.perf_counter()
+        self._running += 1
         outs: list[Any] = [None] * n
         groups: dict[tuple, list[int]] = {}
         for i, (p, _) in enumerate(parsed):
@@ -313,6 +377,8 @@ class StandInServer:
                         outs[r] = (o, p)
         except ValueError as e:
             raise BadRequest(str(e)) from None
+        finally:
+            self._running -= 1
         dt = time.perf_counter() - t0
         items = []
         for i, (o, _) in enumerate(outs):
@@ -347,6 +413,16 @@ class StandInServer:
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def _flush_cache(self, request: web.Request) -> web.Response:
+        """As SGLang: refused (400) while requests run, after waiting up to ``?timeout=`` seconds for them."""
+        try:
+            timeout = float(request.query.get("timeout", "0"))
+        except ValueError:
+            raise BadRequest(f"timeout={request.query.get('timeout')!r} must be a number of seconds") from None
+        deadline = time.monotonic() + max(0.0, timeout)
+        while self._running and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if self._running:
+            return web.Response(status=400, text="Flush cache failed: requests are still running or queued.\n")
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are running "
                                  "or waiting requests, the operation will not be performed.)\n")
 
@@ -361,26 +437,56 @@ class StandInServer:
             return _fail(f"Failed to init process group: bad request field {e!r}")
         if args[5] == "nccl" and not torch.cuda.is_available():
             return _fail("Failed to init process group: backend 'nccl' needs CUDA, which this engine lacks; use 'gloo'")
+        master, port, offset, world, name, backend = args
+
+        def join(tp_rank: int) -> None:  # SGLang: every TP rank joins at rank_offset + tp_rank
+            self.receivers[tp_rank].init_group(master, port, offset + tp_rank, world, name, backend,
+                                               self.group_timeout_s)
+
         try:
-            await self._blocking(self.receiver.init_group, *args, self.group_timeout_s)
+            await asyncio.gather(*(self._blocking(join, r) for r in range(self.tp_size)))
         except Exception as e:  # noqa: BLE001 - reported to the client
             logger.error("init_weights_update_group failed: %s", e)
-            return _fail(f"Failed to init process group: {e}")
+            return _fail(f"Failed to initialize custom process group: {e}.")
         return _ok("Succeeded to initialize custom process group.")
 
     async def _destroy_group(self, request: web.Request) -> web.Response:
         body = await self._json(request)
+        name = str(body.get("group_name", "weight_update_group"))
+        if self.refuse_destroy:
+            return _fail(f"Failed to destroy custom process group {name!r} (test hook: the group stays registered).")
         try:
-            await self._blocking(self.receiver.destroy_group, str(body.get("group_name", "weight_update_group")))
+            for receiver in self.receivers:
+                await self._blocking(receiver.destroy_group, name)
         except KeyError as e:
             return _fail(str(e))
         return _ok("Succeeded to destroy custom process group.")
 
+    async def _begin_update(self, request: web.Request) -> web.Response:
+        if self._session_open:
+            return _fail("a weight-update session is already open; call end_weight_update() first")
+        self._session_open = True
+        return _ok("Success")
+
+    async def _end_update(self, request: web.Request) -> web.Response:
+        if not self._session_open:
+            return _fail("no weight-update session is open; call begin_weight_update() first")
+        assert self._update_lock is not None
+        async with self._update_lock:
+            if self._update_open:  # tensors loaded through the engine's update: close it
+                self.engine.end_weight_update()
+                self._update_open = False
+            if self._pending_version is not None:
+                self.engine.version, self._pending_version = self._pending_version, None
+        self._session_open = False
+        return _ok("Success")
+
     def _load(self, pairs: list[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
-        """Load received tensors into the engine; a ``weight_version`` closes the update and stamps it.
+        """Load received tensors into the engine; a ``weight_version`` is recorded as the server's.
 
         While paused (nothing generates), tensors are copied straight into the parameters;
-        otherwise through the engine's weight update (under its lock).
+        otherwise through the engine's weight update (under its lock), which
+        ``/end_weight_update`` closes.
         """
         views = self._in_place_targets()
         if pairs and views is not None and not self._update_open:
@@ -399,12 +505,11 @@ class StandInServer:
                 self._update_open = True
             self.engine.receive_bucket(pairs)
         if weight_version is not None:
-            if self._update_open:
-                self.engine.end_weight_update()
-                self._update_open = False
             self.weight_version = str(weight_version)
-            if str(weight_version).isdigit():
+            if str(weight_version).isdigit() and not self._update_open:
                 self.engine.version = int(weight_version)
+            elif str(weight_version).isdigit():
+                self._pending_version = int(weight_version)
 
     def _in_place_targets(self) -> dict[str, torch.Tensor] | None:
         """The engine's parameters by HF name, to receive per-tensor buckets into directly.
@@ -428,21 +533,37 @@ class StandInServer:
         group = str(body.get("group_name", "weight_update_group"))
         load_format = body.get("load_format")
         version = body.get("weight_version")
+        if not self._session_open:
+            return _fail("update_weights_from_distributed must run between begin_weight_update() and "
+                         "end_weight_update()")
         try:
-            transport = StandInReceive(body.get(TAG_FIELD), body.get(CHECKSUM_FIELD), names)
+            transports = [StandInReceive(body.get(TAG_FIELD), body.get(CHECKSUM_FIELD), names)
+                          for _ in range(self.tp_size)]
         except ValueError as e:
             return _fail(f"Failed to update parameter online: {e}")
         assert self._update_lock is not None
 
         arrived = time.time()
 
+        def receive_other(tp_rank: int) -> list[tuple[str, torch.Tensor]]:
+            return [(n, t.clone()) for n, t in self.receivers[tp_rank].receive(
+                names, dtypes, shapes, group, load_format, transport=transports[tp_rank])]
+
         def work() -> None:
             started = time.time()
+            copies: list[tuple[int, list[tuple[str, torch.Tensor]]]] = []
+            others = [threading.Thread(target=lambda r=r: copies.append((r, receive_other(r))), daemon=True)
+                      for r in range(1, self.tp_size)]
+            for t in others:
+                t.start()
             pairs = self.receiver.receive(names, dtypes, shapes, group, load_format, into=self._in_place_targets(),
-                                          transport=transport)
+                                          transport=transports[0])
+            for t in others:
+                t.join(self.group_timeout_s)
+            self._check_tp_copies(names, pairs, copies)
             received = time.time()
             self._load(pairs, None if version is None else str(version))
-            how = transport.how
+            how = transports[0].how
             self.update_log.append(f"{len(names)} tensors ({load_format or 'per tensor'}, {how})")
             logger.debug("update of %d tensors (%s, %s): arrived %.3f, started +%.1f ms, received +%.1f ms, "
                          "loaded +%.1f ms", len(names), load_format or "per tensor", how, arrived,
@@ -455,7 +576,24 @@ class StandInServer:
                 logger.error("update_weights_from_distributed failed: %s", e)
                 return _fail(f"Failed to update parameter online: {e}. The full weights of the ModelRunner are "
                              "partially updated. Please discard the whole weights.")
+            if body.get("flush_cache", True) and self._running:
+                return _fail("Weights were updated, but the cache was not flushed because requests are still running "
+                             "or queued. Retract or finish them, then call /flush_cache.")
         return _ok("Succeeded to update parameter online.")
+
+    def _check_tp_copies(self, names: list[str], pairs: list[tuple[str, torch.Tensor]],
+                         copies: list[tuple[int, list[tuple[str, torch.Tensor]]]]) -> None:
+        """Every simulated TP rank must have received the bucket, byte for byte what rank 0 received."""
+        if len(copies) != self.tp_size - 1:
+            got = sorted(r for r, _ in copies)
+            raise RuntimeError(f"TP ranks {sorted(set(range(1, self.tp_size)) - set(got))} did not receive the bucket")
+        views = self._in_place_targets() or {}
+        rank0 = dict(pairs)
+        for rank, received in copies:
+            for name, t in received:
+                ref = rank0.get(name, views.get(name))
+                if ref is None or not torch.equal(ref.view(t.shape), t):
+                    raise RuntimeError(f"TP rank {rank} received other bytes than rank 0 for {name!r}")
 
     async def _raw_broadcast(self, request: web.Request) -> web.Response:
         body = await self._json(request)
@@ -487,8 +625,9 @@ class StandInServer:
 
     async def _server_info(self, request: web.Request) -> web.Response:
         return web.json_response({
-            "version": f"agentrl-standin (SGLang {SGLANG_DOCS_VERSION} API)", "model_path": self.model_path,
-            "tp_size": 1, "agentrl_standin": True, "agentrl_extensions": EXTENSIONS,
+            "version": f"agentrl-standin (SGLang {self.contract.pin} API)", "model_path": self.model_path,
+            "tp_size": self.tp_size, "pp_size": 1, "dp_size": 1, "agentrl_standin": True,
+            "agentrl_extensions": EXTENSIONS,
             "weight_version": self.weight_version, "paused": self._paused,
         })
 
@@ -502,17 +641,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--admin-api-key", default=None)
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
     args, unknown = parser.parse_known_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if unknown:
         logger.warning("ignoring SGLang flags the stand-in does not implement: %s", " ".join(unknown))
-    if args.tp_size != 1:
-        logger.warning("--tp-size %d: the stand-in serves one rank; it joins weight-sync groups as one rank",
-                       args.tp_size)
     dtype = "float32" if args.dtype in ("auto", "float", "float32") else args.dtype
     engine = LocalEngine.from_pretrained(args.model_path, dtype=dtype, device="cpu")
-    server = StandInServer(engine, host=args.host, port=args.port, model_path=args.model_path)
+    server = StandInServer(engine, host=args.host, port=args.port, model_path=args.model_path, tp_size=args.tp_size,
+                           deterministic=args.enable_deterministic_inference, api_key=args.api_key,
+                           admin_api_key=args.admin_api_key)
     server.start()
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -121,13 +121,11 @@ class StandInTransport:
     def _checksum(payload: Sequence[torch.Tensor], packed: bool) -> list[int]:
         return payload_checksum(payload, packed)
 
-    def post(self, group: WeightGroup, payload: Sequence[torch.Tensor], seq: int) -> tuple[list, int]:
-        """Sends: tensor ``i`` as message ``seq + i`` to every engine rank (the first ``world_size - 1``
-        works move tensor 0); broadcasts otherwise."""
+    def post(self, group: WeightGroup, payload: Sequence[torch.Tensor], seq: int) -> list:
+        """Sends: tensor ``i`` as message ``seq + i`` to every engine rank; broadcasts otherwise."""
         if not self.send_recv:
-            return [group.broadcast_async(x, src=0) for x in payload], 1
-        works = [group.send_async(x, r, seq + i) for i, x in enumerate(payload) for r in range(1, group.world_size)]
-        return works, group.world_size - 1
+            return [group.broadcast_async(x, src=0) for x in payload]
+        return [group.send_async(x, r, seq + i) for i, x in enumerate(payload) for r in range(1, group.world_size)]
 
     def __repr__(self) -> str:
         return (f"StandInTransport(send_recv={self.send_recv}, checksum={self.checksum}, "

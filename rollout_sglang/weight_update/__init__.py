@@ -1,6 +1,6 @@
 """The engine side of a weight update: bucket layout, the weight-sync group, transports, the receiver.
 
-:mod:`.buckets` (packing tensors into flat single-dtype buckets, dtype names), :mod:`.group` (the
+:mod:`.buckets` (packing tensors into flat raw-byte buckets, dtype names), :mod:`.group` (the
 dedicated trainer -> engines process group, its rendezvous and timeouts), :mod:`.transport` (how a
 bucket travels; SGLang's broadcasts), :mod:`.receiver` (receiving buckets in plain torch, for
 engines that are not SGLang). Needs only torch; the trainer's sender builds on it.
@@ -12,12 +12,13 @@ from rollout_sglang.weight_update.buckets import (
     copy_bytes,
     dtype_from_name,
     dtype_name,
+    flattened_layout,
     iter_buckets,
     iter_split_buckets,
     pack,
     pack_into,
     plan_buckets,
-    unpack,
+    unflatten_bytes,
 )
 from rollout_sglang.weight_update.group import (
     WeightGroup,
@@ -38,6 +39,6 @@ from rollout_sglang.weight_update.transport import (
 __all__ = [
     "DTYPES", "DTYPE_ALIASES", "BroadcastReceive", "BucketMeta", "BucketReceiver", "BucketTransport",
     "ReceiveTransport", "SGLangBroadcast", "WeightGroup", "WeightSyncTimeout", "WeightUpdateTarget", "copy_bytes",
-    "default_backend", "dtype_from_name", "dtype_name", "host_store", "init_weight_group",
-    "iter_buckets", "iter_split_buckets", "pack", "pack_into", "plan_buckets", "unpack",
+    "default_backend", "dtype_from_name", "dtype_name", "flattened_layout", "host_store", "init_weight_group",
+    "iter_buckets", "iter_split_buckets", "pack", "pack_into", "plan_buckets", "unflatten_bytes",
 ]

@@ -2,9 +2,10 @@
 
 A bucket is one contiguous 1-D tensor of a single dtype holding several parameters back to
 back (row-major, no padding), in the layout of SGLang's ``FlattenedTensorBucket``
-(``load_format="flattened_bucket"`` of ``/update_weights_from_distributed``): tensor ``i``
-occupies elements ``[offset_i, offset_i + numel_i)``. The receiving side rebuilds the tensors
-from the bucket's ``names``, ``dtypes`` and ``shapes`` alone.
+(``load_format="flattened_bucket"`` of ``/update_weights_from_distributed``): it travels as raw
+bytes, tensor ``i`` at elements ``[offset_i, offset_i + numel_i)`` of the bucket's dtype. The
+receiving side rebuilds the tensors from the request's ``names``, ``dtypes`` and ``shapes`` alone
+(:func:`flattened_layout`; SGLang's receiver also takes buckets that mix dtypes).
 
 Buckets are planned greedily in the order the tensors arrive: a bucket closes when the next
 tensor would push it past ``bucket_bytes`` or has another dtype; a tensor larger than
@@ -95,26 +96,6 @@ class BucketMeta:
         d = dtype_name(self.dtype)
         return {"names": list(self.names), "dtypes": [d] * len(self.names), "shapes": [list(s) for s in self.shapes]}
 
-    @classmethod
-    def from_wire(cls, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-                  index: int = 0) -> BucketMeta:
-        """Rebuild the metadata from SGLang request fields; ValueError when lengths differ or dtypes are mixed."""
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) "
-                             "must have the same length")
-        if not names:
-            raise ValueError("a weight bucket needs at least one tensor (names is empty)")
-        kinds = {dtype_from_name(d) for d in dtypes}
-        if len(kinds) != 1:
-            raise ValueError(f"a flattened bucket holds one dtype, got {sorted(str(k) for k in kinds)}; "
-                             "split it by dtype")
-        meta = cls(index=index, dtype=kinds.pop())
-        for n, s in zip(names, shapes):
-            meta.names.append(str(n))
-            meta.shapes.append(tuple(int(x) for x in s))
-            meta.numel += math.prod(meta.shapes[-1])
-        return meta
-
 
 def plan_buckets(specs: Iterable[tuple[str, Sequence[int], torch.dtype]], bucket_bytes: int) -> list[BucketMeta]:
     """Group ``(name, shape, dtype)`` specs into buckets of at most ``bucket_bytes`` each (see module doc)."""
@@ -183,7 +164,10 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def pack_into(buffer: torch.Tensor, meta: BucketMeta, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Copy ``tensors`` into the first ``meta.nbytes`` of ``buffer`` (a uint8 tensor); returns the typed flat view.
+    """Copy ``tensors`` into the first ``meta.nbytes`` of ``buffer`` (a uint8 tensor); returns those bytes.
+
+    The returned uint8 slice is the bucket as it goes on the wire: SGLang receives a flattened
+    bucket as raw bytes, and NCCL matches a broadcast by element count and type.
 
     ``buffer`` must be a contiguous uint8 tensor with at least ``meta.nbytes`` elements on the
     device the bucket is sent from; a too-small buffer raises ValueError. One copy per tensor
@@ -199,24 +183,56 @@ def pack_into(buffer: torch.Tensor, meta: BucketMeta, tensors: Sequence[torch.Te
             copy_bytes(flat[start:end], t.contiguous())
         else:
             flat[start:end].view(t.shape).copy_(t, non_blocking=True)
-    return flat
+    return buffer[: meta.nbytes]
 
 
 def pack(meta: BucketMeta, tensors: Sequence[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
-    """A new flat 1-D tensor of ``meta.dtype`` holding ``tensors`` back to back."""
+    """A new raw-byte (uint8, 1-D) bucket holding ``tensors`` back to back (see :func:`pack_into`)."""
     dev = torch.device(device) if device is not None else (tensors[0].device if tensors else torch.device("cpu"))
     buf = torch.empty(meta.nbytes, dtype=torch.uint8, device=dev)
     return pack_into(buf, meta, tensors)
 
 
-def unpack(flat: torch.Tensor, meta: BucketMeta) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) views into ``flat`` (no copy), in packing order. ValueError when sizes disagree."""
-    if flat.numel() != meta.numel or flat.dtype != meta.dtype:
-        raise ValueError(
-            f"bucket {meta.index}: flat tensor has {flat.numel()} x {flat.dtype}, "
-            f"metadata says {meta.numel} x {meta.dtype}"
-        )
-    return [(n, flat[s:e].view(shape)) for n, shape, (s, e) in zip(meta.names, meta.shapes, meta.offsets())]
+# one tensor of a received flattened bucket: (name, dtype, shape, first byte)
+TensorSpan = tuple[str, torch.dtype, tuple[int, ...], int]
+
+
+def flattened_layout(names: Sequence[str], dtypes: Sequence[str],
+                     shapes: Sequence[Sequence[int]]) -> tuple[list[TensorSpan], int]:
+    """The byte layout of a received ``load_format="flattened_bucket"`` request, as SGLang reads it.
+
+    The bucket travels as raw bytes (one uint8 tensor); tensor ``i`` starts at byte ``start_i``, right
+    after tensor ``i-1``, in its own dtype (a bucket may mix dtypes). Returns
+    ``([(name, dtype, shape, start_byte), ...], total_bytes)``. ValueError, naming the tensor, for
+    lengths that differ, an empty bucket, a negative dimension or a tensor whose start is not a
+    multiple of its element size (SGLang refuses those too).
+    """
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) "
+                         "must have the same length")
+    if not names:
+        raise ValueError("a weight bucket needs at least one tensor (names is empty)")
+    layout, offset = [], 0
+    for name, d, s in zip(names, dtypes, shapes):
+        dtype, shape = dtype_from_name(d), tuple(int(x) for x in s)
+        if any(x < 0 for x in shape):
+            raise ValueError(f"negative dimension in the shape {list(shape)} of {name!r}")
+        size = torch.empty((), dtype=dtype).element_size()
+        if offset % size:
+            raise ValueError(f"{name!r} ({d}) would start at byte {offset} of the flattened bucket, not a multiple "
+                             f"of its element size {size}; order a bucket's tensors so each one is aligned")
+        layout.append((str(name), dtype, shape, offset))
+        offset += math.prod(shape) * size
+    return layout, offset
+
+
+def unflatten_bytes(flat: torch.Tensor, layout: Sequence[TensorSpan]) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) views into the raw-byte bucket ``flat`` (uint8, 1-D) per :func:`flattened_layout`."""
+    out = []
+    for name, dtype, shape, start in layout:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out.append((name, flat[start:start + nbytes].view(dtype).view(shape)))
+    return out
 
 
 def iter_split_buckets(

@@ -12,6 +12,11 @@ store prefixes (no entry in torch's global group registry), so several ranks of 
 live in one process (threads) -- the stand-in server and the benchmark rely on that -- and it
 rendezvouses with an engine that used the registered helper.
 
+When the group forms: gloo connects every pair in :func:`init_weight_group` (all ranks must call
+it at about the same time), NCCL at the group's first collective. An SGLang engine on NCCL thus
+joins only inside its first ``/update_weights_from_distributed``; the trainer's side must not
+wait for the group before that request is out (see ``BucketBroadcaster``).
+
 Timeouts: ``timeout_s`` bounds the rendezvous (a missing peer raises) and every collective;
 :meth:`WeightGroup.broadcast` additionally waits at most its own ``timeout_s``. After a timeout
 the group is unusable: :meth:`WeightGroup.close` it and build a new one.
@@ -170,7 +175,8 @@ def init_weight_group(
     timeout_s: float = 300.0,
     store: dist.TCPStore | None = None,
 ) -> WeightGroup:
-    """Join (rank 0: host) the weight-sync group; returns when all ``world_size`` ranks joined.
+    """Join (rank 0: host) the weight-sync group; with gloo it returns when all ``world_size`` ranks
+    joined, with NCCL at once (the ranks meet at the first collective).
 
     backend: "gloo" or "nccl" (None: NCCL when CUDA is available). NCCL needs the current CUDA
     device set. store: rank 0's store from :func:`host_store` (None: created here). Raises
@@ -203,12 +209,9 @@ def init_weight_group(
         else:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
+            # NCCL creates the communicator at the first collective, as SGLang's engines do: no probe here
+            # (an engine joins only when its first update request receives, so a probe would wait forever)
             pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-            # NCCL communicators are created lazily: force the rendezvous now, under the timeout
-            probe = torch.zeros(1, device="cuda")
-            o = dist.BroadcastOptions()
-            o.rootRank = 0
-            pg.broadcast([probe], o).wait(timeout)
     except (RuntimeError, dist.DistError) as e:  # DistStoreError / gloo connect timeouts
         if "timeout" in str(e).lower() or "timed out" in str(e).lower():
             raise WeightSyncTimeout(

@@ -85,9 +85,8 @@ class BucketTransport(Protocol):
         """
         ...
 
-    def post(self, group: WeightGroup, payload: Sequence[torch.Tensor], seq: int) -> tuple[list, int]:
-        """Start moving ``payload`` to every engine rank; returns ``(works, first)``: the work handles,
-        of which the first ``first`` move the first tensor."""
+    def post(self, group: WeightGroup, payload: Sequence[torch.Tensor], seq: int) -> list:
+        """Start moving ``payload`` to every engine rank; returns the work handles."""
         ...
 
 
@@ -125,9 +124,9 @@ class SGLangBroadcast:
         """No fields beyond SGLang's."""
         return [{} for _ in targets]
 
-    def post(self, group: WeightGroup, payload: Sequence[torch.Tensor], seq: int) -> tuple[list, int]:
-        """One broadcast per tensor, in order; the first work moves the first tensor."""
-        return [group.broadcast_async(x, src=0) for x in payload], 1
+    def post(self, group: WeightGroup, payload: Sequence[torch.Tensor], seq: int) -> list:
+        """One broadcast per tensor, in order."""
+        return [group.broadcast_async(x, src=0) for x in payload]
 
     def __repr__(self) -> str:
         return f"SGLangBroadcast(small_tensor_bytes={self.small_tensor_bytes})"

@@ -261,8 +261,10 @@ def test_checksum_mismatch_fails_the_sync(monkeypatch):
                                    transport=StandInTransport(checksum=True))
         # the sender's checksum of every bucket is off: what a corrupted transfer looks like to the engine
         monkeypatch.setattr(StandInTransport, "_checksum", staticmethod(lambda payload, packed: [1, 2]))
+        client.begin_weight_update(1)
         with pytest.raises(WeightSyncError, match="checksum"):
             sender.send(LocalEngine.from_config(cfg, init_seed=1).model.state_dict().items(), bucket_bytes=1 << 20)
+        client.abort_weight_update()
         sender.close()
     finally:
         server.stop()

@@ -62,6 +62,16 @@ def assert_served(engine: LocalEngine, state: dict[str, torch.Tensor]) -> None:
         assert torch.equal(served[name], t.to(served[name].dtype)), name
 
 
+def in_session(client: SGLangEngine, fn) -> None:
+    """``fn()`` inside the server's weight-update session, opened and closed by hand, so that a test
+    checks one rule alone (the session itself is covered above)."""
+    client._call("POST", "/begin_weight_update", {})
+    try:
+        fn()
+    finally:
+        client._call("POST", "/end_weight_update", {})
+
+
 def client_of(server: StandInServer, **kwargs) -> SGLangEngine:
     return SGLangEngine(server.url, request_timeout_s=30, control_timeout_s=10, update_timeout_s=20, **kwargs)
 
@@ -242,35 +252,31 @@ class RecordingBroadcast(SGLangBroadcast):
 def test_a_flattened_bucket_goes_out_as_raw_bytes(standin):
     """SGLang receives a flattened bucket into a uint8 tensor; NCCL matches a broadcast by count and
     type, so a bf16 view of the same bytes would not meet it."""
-    server, engine = standin()
+    server, engine = standin(lazy_join=False)
     client = client_of(server)
     state = other_weights(torch.bfloat16)
     transport = RecordingBroadcast()
     sender = BucketBroadcaster([client], "raw", backend="gloo", init_timeout_s=15, bucket_timeout_s=15,
                                wire_format="flattened_bucket", transport=transport)
-    client.begin_weight_update(1)
-    sender.send(state.items(), bucket_bytes=16 * 1024, weight_version="1")
-    client.end_weight_update()
+    in_session(client, lambda: sender.send(state.items(), bucket_bytes=16 * 1024, weight_version="1"))
     assert transport.wire_dtypes and set(transport.wire_dtypes) == {torch.uint8}
     assert_served(engine, state)
     sender.close()
 
 
 def test_a_new_group_gets_a_fresh_name_after_a_failed_destroy(standin):
-    server, engine = standin()
+    server, engine = standin(lazy_join=False)
     server.refuse_destroy = True  # the old group stays registered on the engine, as after a failed destroy
     client = client_of(server)
     state = other_weights()
     sender = BucketBroadcaster([client], "renamed", backend="gloo", init_timeout_s=15, bucket_timeout_s=15)
     names = []
     for version in (1, 2):
-        client.begin_weight_update(version)
-        sender.send(state.items(), bucket_bytes=16 * 1024, weight_version=str(version))
-        client.end_weight_update()
+        in_session(client, lambda v=version: sender.send(state.items(), bucket_bytes=16 * 1024, weight_version=str(v)))
         names.append(sender.group_name)
         sender.close_group()  # destroy fails on the server; the next group must not reuse the name
     assert names[0] != names[1] and all(n.startswith("renamed-") for n in names)
-    assert client.version == 2
+    assert engine.version == 2
     sender.close()
 
 

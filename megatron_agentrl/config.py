@@ -462,6 +462,11 @@ class PipelineConfig(_Section):
         sim_env_latency_max_s (0 = 100 x the scale). For benchmarks and tests; 0 = off.
     sim_env_latency_alpha: Pareto shape (smaller = heavier tail; 1.5 has a finite mean 3 x scale
         and infinite variance).
+    collapse_window / collapse_drop / collapse_patience: the collapse alarm
+        (``megatron_agentrl.pipeline.collapse``): a task whose training reward stays below
+        (1 - collapse_drop) x its recent level (the mean of its last collapse_window steps, and at
+        least 0.2 lower) for collapse_patience steps in a row gets a console warning and
+        ``collapse/<task>`` = 1 in the metrics; collapse_window 0 = off.
     """
 
     KEY: ClassVar[str] = "pipeline"
@@ -475,11 +480,17 @@ class PipelineConfig(_Section):
     sim_env_latency_s: float = 0.0
     sim_env_latency_alpha: float = 1.5
     sim_env_latency_max_s: float = 0.0
+    collapse_window: int = 10
+    collapse_drop: float = 0.5
+    collapse_patience: int = 3
 
     def check(self) -> None:
         """See :class:`_Section`."""
         super().check()
         self.require_non_negative("staleness", why="0 = every sample from the newest weights")
+        self.require_non_negative("collapse_window", why="0 = no collapse alarm")
+        self.require(0 < self.collapse_drop <= 1, "collapse_drop", "must be in (0, 1] (0.5: half the recent level)")
+        self.require_positive_int("collapse_patience")
         self.require_non_negative("queue_size", "cohort_groups", why="0 = auto")
         self.require_above_zero("batch_timeout_s", "env_timeout_s", unit="seconds")
         self.require_non_negative("sim_env_latency_s", "sim_env_latency_max_s", why="0 = off / auto")

@@ -38,6 +38,7 @@ from megatron_agentrl.megatron.parallel import destroy_parallel, initialize_para
 from megatron_agentrl.metrics import MetricsLogger, plot_task_rewards
 from megatron_agentrl.pipeline.batch import build_rl_batch
 from megatron_agentrl.pipeline.checkpoint import find_latest, load_checkpoint, save_checkpoint
+from megatron_agentrl.pipeline.collapse import CollapseMonitor
 from megatron_agentrl.pipeline.distributed import broadcast_object, is_rank0
 from megatron_agentrl.pipeline.evaluation import evaluate, final_table
 from megatron_agentrl.pipeline.progress import Progress
@@ -177,6 +178,8 @@ class TrainingRun:
                            "master_address": weight_sync_master_address(cfg)},
         )
         self.trainer = Trainer(self.actor, cfg, self.task_names)
+        p = cfg.pipeline
+        self.collapse = CollapseMonitor(p.collapse_window, p.collapse_drop, patience=p.collapse_patience)
 
     def warm_up(self) -> None:
         """The weights RL starts from, in every slot: a checkpoint's (``checkpoint.resume``: its step,
@@ -253,6 +256,10 @@ class TrainingRun:
         self.consumed_ids.extend(ids)
         self.trained_samples += sum(len(g.trajectories) for g in groups)
         self.trained_tokens += int(m["train_tokens"])
+        flags, alarms = self.collapse.update(step, m)
+        m.update(flags)
+        for message in alarms:
+            logger.warning(message)
         self.metrics.log(step, m)
         self.metrics.histogram(step, "staleness", [float(s) for s in staleness])
         self.batches_log.write(json.dumps({

@@ -59,6 +59,10 @@ def _check_convert(lines: list[str], rec: dict[str, Any]) -> None:
 def _check_demo_learning(lines: list[str], rec: dict[str, Any]) -> None:
     seed = rec["per_seed"]["1"]
     assert set(seed["before"]) == set(seed["after"]) == set(rec["mean_gain_points"]) != set()
+    for phase in ("before", "after"):  # each success rate comes with its interval, around it
+        for task, (low, high) in seed["interval_95"][phase].items():
+            assert 0.0 <= low <= seed[phase][task] <= high <= 1.0
+    assert set(rec["worst_seed_gain_points"]) == set(rec["mean_gain_points"])
 
 
 def _check_env_controller(lines: list[str], rec: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import math
 from typing import Any
 
 from megatron_agentrl.config import Config
@@ -36,8 +37,10 @@ class _TurnCounter:
 def evaluate(cfg: Config, ro: RolloutSide, seed: int, progress: Progress | None = None,
              title: str = "evaluation") -> dict[str, float]:
     """Per-task mean reward and success (``reward/<task>``, ``success/<task>``) on the held-out
-    indices, newest live weights, no simulated latency. Rank 0 only. ``progress`` shows the turns
-    as they run and logs one line at the end (the success per task)."""
+    indices, with the episode count (``episodes/<task>``) and the 95 % Wilson interval of the success
+    rate (``success_low/<task>``, ``success_high/<task>``); newest live weights, no simulated
+    latency. Rank 0 only. ``progress`` shows the turns as they run and logs one line at the end (the
+    success per task with its interval)."""
     reqs = [(task, i, n) for n, (task, i) in enumerate((t, i) for t, idx in ro.eval_indices.items() for i in idx)]
     if not reqs:
         return {}
@@ -48,15 +51,40 @@ def evaluate(cfg: Config, ro: RolloutSide, seed: int, progress: Progress | None 
             max_total_tokens=cfg.rollout.max_total_tokens, env_timeout_s=cfg.pipeline.env_timeout_s,
         ))
         result = per_task_means(trajs)
+        for task in sorted({t.task for t in trajs}):
+            n = sum(t.task == task for t in trajs)
+            low, high = wilson_interval(round(result[f"success/{task}"] * n), n)
+            result.update({f"episodes/{task}": float(n), f"success_low/{task}": low, f"success_high/{task}": high})
         turns = max((len(t.versions) for t in trajs), default=0)
         phase.update(figures={"success": format_success(result)},
                      done=f"{len(trajs)} episodes (longest {turns} turn{'s' if turns != 1 else ''})")
     return result
 
 
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a success rate from ``successes`` of ``n`` trials (in [0, 1];
+    z = 1.96: 95 %); ``(0, 1)`` when ``n`` is 0. Unlike the normal approximation it stays inside
+    [0, 1] and keeps its width at 0 or n successes."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _success_text(m: dict[str, float], task: str) -> str:
+    """``50.0% (43.1-56.9)``: a task's success with its interval when the evaluation has one."""
+    text = f"{100 * m[f'success/{task}']:.1f}%"
+    if f"success_low/{task}" in m:
+        text += f" ({100 * m[f'success_low/{task}']:.0f}-{100 * m[f'success_high/{task}']:.0f})"
+    return text
+
+
 def format_success(m: dict[str, float]) -> str:
-    """``lookup 50%, calc 10%`` from an evaluation's ``success/<task>`` entries."""
-    return ", ".join(f"{k.split('/', 1)[1]} {100 * v:.0f}%" for k, v in m.items() if k.startswith("success/"))
+    """``lookup 50.0% (43-57), calc 10.0% (6-15)`` from an evaluation's entries."""
+    tasks = [k.split("/", 1)[1] for k in m if k.startswith("success/")]
+    return ", ".join(f"{t} {_success_text(m, t)}" for t in tasks)
 
 
 def final_table(before: dict[str, float], after: dict[str, float], task_names: list[str]) -> str:
@@ -64,14 +92,15 @@ def final_table(before: dict[str, float], after: dict[str, float], task_names: l
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="Per-task success on held-out samples")
-    for col in ("task", "before RL", "after RL", "change (points)"):
+    table = Table(title="Per-task success on held-out samples (95 % interval)")
+    for col in ("task", "episodes", "before RL", "after RL", "change (points)"):
         table.add_column(col, justify="right" if col != "task" else "left")
     for t in task_names:
         b, a = before.get(f"success/{t}"), after.get(f"success/{t}")
-        fmt = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+        n = after.get(f"episodes/{t}", before.get(f"episodes/{t}"))
         diff = "-" if a is None or b is None else f"{100 * (a - b):+.1f}"
-        table.add_row(t, fmt(b), fmt(a), diff)
+        table.add_row(t, "-" if n is None else f"{n:.0f}", "-" if b is None else _success_text(before, t),
+                      "-" if a is None else _success_text(after, t), diff)
     console = Console(file=io.StringIO(), width=100)
     console.print(table)
     return console.file.getvalue()

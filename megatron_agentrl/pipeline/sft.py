@@ -2,8 +2,8 @@
 
 Demonstrations use the same token layout as RL turns. The first ``sft.short_format_steps`` render
 them in a short format (empty system prompt, no tool schemas, the expert only) that is cheaper to
-learn from; later ones in the full format, a ``sft.careless_fraction`` of them by a careless
-player when the task has one. The learning rate follows ``sft.lr_at``.
+learn from; later ones in the full format, ``sft.careless_fraction`` of each task's by its careless
+player when it has one (evenly spread, see :class:`DemoSampler`). The learning rate follows ``sft.lr_at``.
 """
 from __future__ import annotations
 
@@ -18,18 +18,45 @@ from megatron_agentrl.pipeline.progress import Progress
 from megatron_agentrl.pipeline.rollout_side import RolloutSide
 
 
-def sft_example(cfg: Config, ro: RolloutSide, short: bool) -> tuple[list[int], list[int]]:
-    """One demonstration as ``(token_ids, loss_mask)``: a task drawn by SFT weight, a training index,
-    in the short format or the full one (see the module doc)."""
-    task = ro.rng.choices(ro.task_names, weights=ro.sft_weights)[0]
-    index = ro.rng.choice(ro.train_indices[task])
-    demo = None
-    if not short and cfg.sft.careless_fraction and ro.rng.random() < cfg.sft.careless_fraction:
-        demo = ro.tasks[task].careless_demonstration(index)
-    messages, tools = demo or ro.tasks[task].demonstration(index)
-    if short:
-        return ro.template.encode_conversation([{"role": "system", "content": ""}, *messages], None)
-    return ro.template.encode_conversation(messages, tools)
+class DemoSampler:
+    """The warm-up's demonstrations, one at a time: a task drawn by SFT weight, a training index, the
+    short format or the full one (see the module doc).
+
+    In the full format, the careless player plays a task's demonstrations at exactly
+    ``sft.careless_fraction`` of them, spread evenly over that task's draws (a per-task running
+    share, not a coin per demonstration): the choice between the habit and the skill is one or two
+    tokens whose probability follows the last few batches, and coin-flip counts left it anywhere
+    from 5 % to 95 % careless at the end of the warm-up, depending on the seed.
+    """
+
+    def __init__(self, cfg: Config, ro: RolloutSide) -> None:
+        self.cfg, self.ro = cfg, ro
+        self._careless_due = dict.fromkeys(ro.task_names, 0.0)
+
+    def _careless_turn(self, task: str) -> bool:
+        """Whether this full-format demonstration of ``task`` is the careless player's (even spread)."""
+        self._careless_due[task] += self.cfg.sft.careless_fraction
+        if self._careless_due[task] >= 1.0 - 1e-9:
+            self._careless_due[task] -= 1.0
+            return True
+        return False
+
+    def example(self, short: bool) -> tuple[list[int], list[int]]:
+        """One demonstration as ``(token_ids, loss_mask)``."""
+        ro = self.ro
+        task = ro.rng.choices(ro.task_names, weights=ro.sft_weights)[0]
+        index = ro.rng.choice(ro.train_indices[task])
+        demo = None
+        if not short and self.cfg.sft.careless_fraction and self._careless_turn(task):
+            demo = ro.tasks[task].careless_demonstration(index)
+        messages, tools = demo or ro.tasks[task].demonstration(index)
+        if short:
+            return ro.template.encode_conversation([{"role": "system", "content": ""}, *messages], None)
+        return ro.template.encode_conversation(messages, tools)
+
+    def batch(self, short: bool) -> list[tuple[list[int], list[int]]]:
+        """``sft.batch_size`` demonstrations."""
+        return [self.example(short) for _ in range(self.cfg.sft.batch_size)]
 
 
 def sft_warmup(cfg: Config, actor: MegatronActor, ro: RolloutSide | None, metrics: MetricsLogger | None,
@@ -41,14 +68,14 @@ def sft_warmup(cfg: Config, actor: MegatronActor, ro: RolloutSide | None, metric
     """
     title = "SFT warm-up"
     t_start = time.perf_counter()
+    demos = DemoSampler(cfg, ro) if ro is not None else None
     with progress.phase(title, cfg.sft.steps) as phase:
         for step in range(1, cfg.sft.steps + 1):
             lr = cfg.sft.lr_at(step)
             actor.set_lr(lr)
             batch = None
-            if ro is not None:
-                short = step <= cfg.sft.short_format_steps
-                batch = build_sft_batch([sft_example(cfg, ro, short) for _ in range(cfg.sft.batch_size)])
+            if demos is not None:
+                batch = build_sft_batch(demos.batch(short=step <= cfg.sft.short_format_steps))
             batch = broadcast_object(batch)
             t0 = time.perf_counter()
             stats = actor.train_step(actor.dp_slice(batch), loss_type="sft")

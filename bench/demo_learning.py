@@ -116,6 +116,11 @@ def main(argv: list[str] | None = None) -> None:
         run_seeds(args, seeds, overrides, ROOT / "bench" / "results" / "demo_learning")
 
 
+def _rate(success: float, interval: list[float] | None) -> str:
+    """``52% (44-61)``: a success rate with its interval, in percent."""
+    return f"{100 * success:.0f}%" + (f" ({100 * interval[0]:.0f}-{100 * interval[1]:.0f})" if interval else "")
+
+
 def run_seeds(args: argparse.Namespace, seeds: list[int], overrides: list[str], out_root: Path) -> None:
     """Run the seeds under ``out_root``, print the table, write the JSON, print the last line."""
     jobs = min(args.jobs, len(seeds))
@@ -137,12 +142,9 @@ def run_seeds(args: argparse.Namespace, seeds: list[int], overrides: list[str], 
         for task in sorted(before):
             rows.append((seed, task, before[task], after[task]))
 
-        def fmt(phase: str, t: str) -> str:
-            b = lo_hi[phase].get(t)
-            return f"{100 * per_seed[seed][phase][t]:.0f}%" + (f" ({100 * b[0]:.0f}-{100 * b[1]:.0f})" if b else "")
-
-        print(f"seed {seed}: {wall:.0f}s | " + ", ".join(f"{t} {fmt('before', t)} -> {fmt('after', t)}"
-                                                        for t in sorted(before)), flush=True)
+        print(f"seed {seed}: {wall:.0f}s | " + ", ".join(
+            f"{t} {_rate(before[t], lo_hi['before'].get(t))} -> {_rate(after[t], lo_hi['after'].get(t))}"
+            for t in sorted(before)), flush=True)
 
     tasks = sorted({r[1] for r in rows})
     gains = {t: 100 * mean(a - b for _, task, b, a in rows if task == t) for t in tasks}

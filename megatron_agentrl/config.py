@@ -265,6 +265,8 @@ class SFTConfig(_Section):
         ones: it restarts at ``lr`` when the format changes), so that each phase ends on small,
         low-noise steps; "constant" keeps ``lr`` throughout.
     min_lr: the learning rate at the end of each phase (0 <= min_lr <= lr).
+    full_format_lr: the learning rate the full-format phase starts from (default: ``lr``); lower
+        keeps the switch of format from overwriting what the short phase learned.
     """
 
     KEY: ClassVar[str] = "sft"
@@ -276,6 +278,7 @@ class SFTConfig(_Section):
     careless_fraction: float = 0.0
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     min_lr: float = 0.0
+    full_format_lr: float | None = None
 
     def check(self) -> None:
         """See :class:`_Section`."""
@@ -287,6 +290,10 @@ class SFTConfig(_Section):
                      "warm-up steps (of sft.steps), which use the short format")
         self.require(0.0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, sft.lr={self.lr!r}]: the warm-up "
                      "decays from lr down to min_lr")
+        if self.full_format_lr is not None:
+            self.require_above_zero("full_format_lr")
+            self.require(self.min_lr <= self.full_format_lr, "full_format_lr", f"must be >= sft.min_lr="
+                         f"{self.min_lr!r}: the full-format phase decays from it down to min_lr")
         self.require(0.0 <= self.careless_fraction < 1.0, "careless_fraction", "must be in [0, 1): the share of "
                      "demonstrations played carelessly")
 
@@ -294,11 +301,12 @@ class SFTConfig(_Section):
         """The learning rate of warm-up step ``step`` (1-based), by ``lr_decay_style``."""
         short = min(self.short_format_steps, self.steps)
         start, length = (0, short) if step <= short else (short, self.steps - short)
+        peak = self.lr if step <= short or self.full_format_lr is None else self.full_format_lr
         if self.lr_decay_style == "constant" or length <= 1:
-            return self.lr
+            return peak
         frac = (step - start - 1) / (length - 1)  # 0 at the phase's first step, 1 at its last
         decay = 1.0 - frac if self.lr_decay_style == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
-        return self.min_lr + (self.lr - self.min_lr) * decay
+        return self.min_lr + (peak - self.min_lr) * decay
 
 
 @dataclass

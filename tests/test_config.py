@@ -59,6 +59,15 @@ def test_sft_learning_rate_schedule():
         load_config(DEMO, ["sft.lr_decay_style=exp"])
     with pytest.raises(ConfigError, match=r"sft.min_lr=0.01 must be in \[0, sft.lr="):
         load_config(DEMO, ["sft.min_lr=0.01"])
+    # the full-format phase may start lower than the short one, and decays from there
+    split = load_config(DEMO, ["sft.steps=10", "sft.short_format_steps=4", "sft.lr=1e-3", "sft.full_format_lr=4e-4",
+                               "sft.min_lr=1e-4", "sft.lr_decay_style=linear"])
+    lrs = [split.sft.lr_at(s) for s in range(1, 11)]
+    assert lrs[0] == pytest.approx(1e-3) and lrs[4] == pytest.approx(4e-4) and lrs[9] == pytest.approx(1e-4)
+    with pytest.raises(ConfigError, match=r"sft.full_format_lr=5e-05 must be >= sft.min_lr=0.0001"):
+        load_config(DEMO, ["sft.min_lr=1e-4", "sft.full_format_lr=5e-5"])
+    with pytest.raises(ConfigError, match=r"sft.full_format_lr"):
+        load_config(DEMO, ["sft.full_format_lr=0"])
 
 def test_missing_config_file():
     with pytest.raises(ConfigError, match=r"config file 'nope.yaml' does not exist"):

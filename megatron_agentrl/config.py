@@ -265,8 +265,8 @@ class SFTConfig(_Section):
         ones: it restarts at ``lr`` when the format changes), so that each phase ends on small,
         low-noise steps; "constant" keeps ``lr`` throughout.
     min_lr: the learning rate at the end of each phase (0 <= min_lr <= lr).
-    full_format_lr: the learning rate the full-format phase starts from (default: ``lr``); lower
-        keeps the switch of format from overwriting what the short phase learned.
+    full_format_lr: the learning rate the full-format phase starts from (default: ``lr``), so that
+        the two phases can run at different rates.
     """
 
     KEY: ClassVar[str] = "sft"

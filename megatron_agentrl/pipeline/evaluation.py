@@ -4,10 +4,11 @@ from __future__ import annotations
 import asyncio
 import io
 import math
+from collections import Counter
 from typing import Any
 
 from megatron_agentrl.config import Config
-from megatron_agentrl.pipeline.batch import per_task_means
+from megatron_agentrl.pipeline.batch import is_success, per_task_means
 from megatron_agentrl.pipeline.progress import Phase, Progress
 from megatron_agentrl.pipeline.rollout_side import RolloutSide, sampling_params
 from rollout_sglang.agent_loop import run_group_lockstep
@@ -51,9 +52,9 @@ def evaluate(cfg: Config, ro: RolloutSide, seed: int, progress: Progress | None 
             max_total_tokens=cfg.rollout.max_total_tokens, env_timeout_s=cfg.pipeline.env_timeout_s,
         ))
         result = per_task_means(trajs)
-        for task in sorted({t.task for t in trajs}):
-            n = sum(t.task == task for t in trajs)
-            low, high = wilson_interval(round(result[f"success/{task}"] * n), n)
+        episodes, successes = Counter(t.task for t in trajs), Counter(t.task for t in trajs if is_success(t))
+        for task, n in sorted(episodes.items()):
+            low, high = wilson_interval(successes[task], n)
             result.update({f"episodes/{task}": float(n), f"success_low/{task}": low, f"success_high/{task}": high})
         turns = max((len(t.versions) for t in trajs), default=0)
         phase.update(figures={"success": format_success(result)},

@@ -73,12 +73,17 @@ def test_pools_are_placement_groups(cluster: Cluster, tmp_path: Path) -> None:
         table = {v["name"]: v for v in placement_group_table().values()}
         for name in ("train", "rollout_slot0", "rollout_slot1", "env_controller"):
             assert table[f"agentrl_test_{name}"]["state"] == "CREATED"
-        assert ray.available_resources().get("GPU", 0) == 0  # 2 train + 2 rollout slots hold all 4
+        _wait_for_free_gpus(0, "2 train + 2 rollout slots should hold all 4 GPUs")
     finally:
         remove_placement_groups(pgs)
-    deadline = time.monotonic() + 30
-    while ray.available_resources().get("GPU", 0) != 4:
-        assert time.monotonic() < deadline, "GPUs not released after removing the placement groups"
+    _wait_for_free_gpus(4, "GPUs not released after removing the placement groups")
+
+
+def _wait_for_free_gpus(n: float, why: str, timeout_s: float = 30.0) -> None:
+    """Ray's resource view reaches the driver asynchronously: poll it, with a deadline."""
+    deadline = time.monotonic() + timeout_s
+    while (free := ray.available_resources().get("GPU", 0)) != n:
+        assert time.monotonic() < deadline, f"{why}: {free} GPUs free after {timeout_s} s, expected {n}"
         time.sleep(0.2)
 
 

@@ -210,6 +210,9 @@ class TrainConfig(_Section):
     micro_batch_tokens: token budget of a micro-batch: samples are packed (longest first) so that
         rows x longest row <= budget, each micro-batch cut to its own length; 0 = fixed
         micro_batch_size rows.
+    use_distributed_optimizer: megatron-core's distributed optimizer: the fp32 main weights and
+        Adam moments are sharded over the data-parallel ranks (each holds 1/DP of them), gradients
+        reduce-scattered and parameters all-gathered; false = every DP rank keeps all of them.
     """
 
     KEY: ClassVar[str] = "train"
@@ -228,6 +231,7 @@ class TrainConfig(_Section):
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     micro_batch_tokens: int = 0
+    use_distributed_optimizer: bool = True
 
     def check(self) -> None:
         """See :class:`_Section`."""

@@ -3,8 +3,9 @@
 A tiny random GLM-4 model is written with ``transformers`` and converted with ``agentrl convert
 hf-to-megatron`` at TP=2; on 2 gloo processes a :class:`MegatronActor` is built at TP=1 (DP=2)
 and at TP=2 from the config the converter stored (``<dir>/hf``), loads the checkpoint and must
-give the ``transformers`` logits (fp32, rtol 1e-4); a bf16 actor's fp32 master weights follow the
-load. A missing directory, an HF directory and a checkpoint of another shape fail with the key,
+give the ``transformers`` logits (fp32, rtol 1e-4); a bf16 actor's fp32 main weights (megatron's
+optimizer) follow the load: an optimizer step at lr 0 leaves the loaded weights in place. A
+missing directory, an HF directory and a checkpoint of another shape fail with the key,
 the path and the fix.
 """
 from __future__ import annotations
@@ -39,7 +40,11 @@ def _start_from_megatron(rank: int, world: int, ckpt: str, hf_dir: str, tokens: 
         out["logits"][f"tp{tp}"] = megatron_logits(actor.model, tokens, cfg.vocab_size, cfg.hidden_size)
     bf16 = MegatronActor(cfg, TrainConfig(), dtype=torch.bfloat16)
     bf16.load_megatron_checkpoint(ckpt)
-    out["masters_follow"] = all(torch.equal(m, p.float()) for (_, p), m in zip(bf16.named_params, bf16.masters))
+    loaded = [p.detach().clone() for _, p in bf16.named_params]
+    bf16.set_lr(0.0)  # a step that changes nothing, except where it copies stale fp32 main weights back
+    bf16.ddp.zero_grad_buffer()
+    bf16.optimizer_step()
+    out["masters_follow"] = all(torch.equal(a, p) for a, (_, p) in zip(loaded, bf16.named_params))
 
     reinit_parallel(1, 1)
     actor = MegatronActor(cfg, TrainConfig())

@@ -84,6 +84,16 @@ def _check_weight_sync(lines: list[str], rec: dict[str, Any]) -> None:
     assert rec["weight_sync_bandwidth_ratio"] == pytest.approx(rec["ratio_to_raw_best"]["bucketed"])
 
 
+def _check_train_scale(lines: list[str], rec: dict[str, Any]) -> None:
+    m = re.fullmatch(r"dist_opt_state_ratio_dp2: (\d+\.\d+)", lines[-1])
+    assert m and float(m.group(1)) == pytest.approx(rec["dist_opt_state_ratio_dp2"], abs=1e-3)
+    assert len(rec["dp2"]) == 2 and rec["dp1"]["state_bytes"] > 0
+    # the two layouts train the same model on the same batch: same loss, every rank stepped
+    assert all(abs(r["loss"] - rec["dp1"]["loss"]) < 1e-4 for r in rec["dp2"])
+    assert all(r["adam_steps"] == rec["spec"]["steps"] for r in (rec["dp1"], *rec["dp2"]))
+    assert 0.4 < rec["dist_opt_state_ratio_dp2"] <= 0.6  # each DP rank holds about half
+
+
 CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
     "gpu_advantages.py": _check_gpu_advantages,
     "gpu_train.py": _check_gpu_train,
@@ -92,6 +102,7 @@ CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
     "demo_learning.py": _check_demo_learning,
     "env_controller.py": _check_env_controller,
     "gloo_transport.py": _check_gloo_transport,
+    "train_scale.py": _check_train_scale,
     "weight_sync.py": _check_weight_sync,
 }
 

@@ -3,7 +3,8 @@ sample ids with the same loss (fp32, CPU) as the uninterrupted run.
 
 Sync mode: three separate runs (uninterrupted; stopped after step 2; resumed from that stop).
 Async mode (TP=2 on 2 processes, heavy-tailed env latency, KL and entropy on): the checkpoint
-holds the drained queue, so the resumed step 3 equals the uninterrupted run's step 3.
+holds the drained queue, so the resumed step 3 equals the uninterrupted run's step 3. A checkpoint
+of 2 data-parallel ranks resumes on one process.
 """
 from __future__ import annotations
 
@@ -70,3 +71,44 @@ def test_async_tp2_resume_matches_uninterrupted(tmp_path):
     f, r = _steps(full), _steps(resumed)
     assert sorted(r) == [3]
     _same(f[3], r[3])
+
+
+def _adam_steps(ckpt: Path) -> set[float]:
+    """The Adam step count(s) a checkpoint stores (megatron keeps it with the param groups)."""
+    import torch
+
+    common = torch.load(ckpt / "model_optim" / "common.pt", weights_only=False)
+    found: set[float] = set()
+
+    def walk(x) -> None:
+        if isinstance(x, dict):
+            if "step" in x and not isinstance(x["step"], (dict, list)):
+                found.add(float(x["step"]))
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(common.get("optimizer", common))
+    return found
+
+
+def test_dp2_checkpoint_resumes_at_dp1(tmp_path):
+    """Saved by 2 data-parallel ranks with the distributed optimizer (each holding half the Adam
+    state), resumed on one process: step 3 trains on the same samples with the loss of the
+    uninterrupted DP=2 run, and the Adam step count goes on from 2 to 3."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run_distributed(_train, 2, TINY + [f"output_dir={full}", "train.steps=3"], timeout_s=150)
+    ckpt = full / "checkpoints" / "step_000002"
+    assert json.loads((ckpt / "meta.json").read_text())["dp"] == 2
+    run_distributed(_train, 1, TINY + [f"output_dir={resumed}", "train.steps=3", f"checkpoint.resume={ckpt}"],
+                    timeout_s=120)
+    f, r = _steps(full), _steps(resumed)
+    assert sorted(r) == [3]
+    assert f[3]["sample_ids"] == r[3]["sample_ids"]
+    assert abs(f[3]["loss"] - r[3]["loss"]) <= 1e-5 * max(1.0, abs(f[3]["loss"])), (f[3]["loss"], r[3]["loss"])
+    assert abs(f[3]["grad_norm"] - r[3]["grad_norm"]) <= 1e-5 * max(1.0, f[3]["grad_norm"])
+    assert f[3]["grad_norm"] != f[2]["grad_norm"]  # the step does depend on the state
+    assert _adam_steps(ckpt) == {2.0}
+    assert _adam_steps(resumed / "checkpoints" / "step_000003") == {3.0}

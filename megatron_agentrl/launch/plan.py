@@ -11,7 +11,8 @@ The estimate is rough by design and errs high:
 
 * **train pool** (per GPU, the largest pipeline stage): weights in ``model.dtype``; gradients in
   fp32 (the actor's DDP buffer reduces in fp32); fp32 master weights when the compute dtype is not
-  fp32; Adam's two fp32 moments (no distributed optimizer, as the actor builds it); activations
+  fp32 and Adam's two fp32 moments, both divided by the DP size under
+  ``train.use_distributed_optimizer`` (megatron shards them over the DP ranks); activations
   of one micro-batch (``train.micro_batch_size`` sequences of ``rollout.max_total_tokens``, or the
   ``train.micro_batch_tokens`` budget when set), ``34 * tokens * h / tp`` bytes per layer
   (flash-attention, no recomputation: Korthikanti et al., 2022) times the micro-batches 1F1B keeps
@@ -167,11 +168,12 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
     extra = emb + (0 if shape.tied_embeddings else emb) if pp == 1 else emb
     stage_params = (layers_per_stage * shape.layer_params() + extra) / tp
     masters = 0 if wbytes == 4 else 4
+    shards = max(1, dp) if cfg.train.use_distributed_optimizer else 1
     train = {
         "weights": stage_params * wbytes / GiB,
         "grads_fp32": stage_params * 4 / GiB,
-        "master_weights_fp32": stage_params * masters / GiB,
-        "adam_states_fp32": stage_params * 8 / GiB,
+        "master_weights_fp32": stage_params * masters / shards / GiB,
+        "adam_states_fp32": stage_params * 8 / shards / GiB,
     }
     seq = cfg.rollout.max_total_tokens
     samples = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt

@@ -9,10 +9,11 @@ global number of masked tokens (megatron's ``calculate_per_token_loss`` path:
 ``finalize_model_grads`` all-reduces grads over DP and scales them by 1 / global tokens).
 
 Gradients live in megatron ``DistributedDataParallel`` fp32 grad buffers (``param.main_grad``);
-the optimizer is ``torch.optim.AdamW`` on fp32 master weights (the parameters themselves in
-fp32, fp32 copies for bf16/fp16), with megatron-style global-norm clipping (each weight counted
-once across TP / PP and the tied embedding copy). megatron's own optimizer classes are not used
-because their fp16/bf16 and clipping paths require CUDA tensors.
+the optimizer is megatron-core's own (``get_megatron_optimizer``: Adam with decoupled weight
+decay, none on biases and norms; fp32 main weights for bf16/fp16 parameters, a dynamic loss scale
+for fp16; global-norm clipping with each weight counted once across TP / PP and the tied
+embedding copy), with ``train.use_distributed_optimizer`` sharding main weights and Adam moments
+over the DP ranks. On CPU it runs through ``cpu_bridge``.
 """
 from __future__ import annotations
 
@@ -138,6 +139,7 @@ class MegatronActor:
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("MegatronActor needs megatron_agentrl.megatron.parallel.initialize_parallel() first")
@@ -160,37 +162,35 @@ class MegatronActor:
         self.model = build_gpt_model(hf_config, self.pre_process, self.post_process, dtype,
                                      make_vocab_size_divisible_by)
         self.config = self.model.config
+        dist_opt = train_cfg.use_distributed_optimizer
         self.ddp = DistributedDataParallel(
             config=self.config,
             ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=dist_opt
             ),
             module=self.model,
         )
         self.ddp.broadcast_params()  # identical replicas across DP
         self.config.no_sync_func = self.ddp.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.grad_scale_func = None
         self.device = next(self.model.parameters()).device
 
         # (global Megatron name, parameter) of this stage / TP shard.
         self.named_params: list[tuple[str, torch.nn.Parameter]] = [
             (self._global_name(n), p) for n, p in self.model.named_parameters()
         ]
-        if dtype == torch.float32:
-            self.masters = [p for _, p in self.named_params]
-        else:
-            self.masters = [torch.nn.Parameter(p.detach().float().clone()) for _, p in self.named_params]
-        decay, no_decay = [], []
-        for (name, _), m in zip(self.named_params, self.masters):
-            (no_decay if m.ndim == 1 or name.endswith(".bias") else decay).append(m)
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": train_cfg.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=train_cfg.lr,
-            betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
-            eps=1e-8,
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
+                            adam_beta1=train_cfg.adam_beta1, adam_beta2=train_cfg.adam_beta2, adam_eps=1e-8,
+                            clip_grad=train_cfg.grad_clip, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+                            params_dtype=dtype, use_distributed_optimizer=dist_opt),
+            [self.ddp],
+            # gloo groups serve megatron's legacy gather-to-rank-0 checkpoint format, which we do not use
+            use_gloo_process_groups=False,
         )
+        # fp16: megatron's schedules multiply each micro-batch loss by the dynamic loss scale
+        self.config.grad_scale_func = self.optimizer.scale_loss if dtype == torch.float16 else None
+        self.set_lr(train_cfg.lr)
         # Vocab entries of this TP shard that are padding (masked to -inf in log-softmax).
         per = self.padded_vocab // self.tp
         ids = torch.arange(self.tp_rank * per, (self.tp_rank + 1) * per, device=self.device)
@@ -212,9 +212,21 @@ class MegatronActor:
         return self.tied and name == OUTPUT_LAYER
 
     def set_lr(self, lr: float) -> None:
-        """Set the learning rate of every parameter group."""
+        """Set the learning rate (and weight decay) of every parameter group, as megatron's
+        ``OptimizerParamScheduler`` does: ``lr * lr_mult`` and ``train.weight_decay * wd_mult``
+        (megatron gives biases and other 1-D weights such as norms ``wd_mult`` 0)."""
         for g in self.optimizer.param_groups:
-            g["lr"] = float(lr)
+            g["lr"] = float(lr) * g.get("lr_mult", 1.0)
+            g["weight_decay"] = self.train_cfg.weight_decay * g.get("wd_mult", 1.0)
+
+    @property
+    def optimizer_step_count(self) -> int:
+        """Adam steps taken (0 before the first)."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for st in opt.optimizer.state.values():
+                if "step" in st:
+                    return int(float(st["step"]))
+        return 0
 
     def dp_slice(self, rows: TrainBatch | Tensor) -> TrainBatch | Tensor:
         """This DP rank's contiguous slice of a global batch, or of a per-row tensor ``[B, ...]`` (e.g. the
@@ -245,15 +257,14 @@ class MegatronActor:
                 f"missing [{show(missing)}]; unexpected [{show(unexpected)}]"
             )
         with torch.no_grad():
-            for (name, p), m in zip(self.named_params, self.masters):
+            for name, p in self.named_params:
                 full = self.mapping.to_megatron(name, state)
                 shard = self.mapping.shard(name, full, self.tp_rank, self.tp, self.padded_vocab)
                 if shard.shape != p.shape:
                     raise ValueError(f"{name}: HF tensors {self.mapping.hf_names(name)} give shard shape "
                                      f"{tuple(shard.shape)}, the model expects {tuple(p.shape)}")
                 p.copy_(shard)
-                if m is not p:
-                    m.copy_(shard)
+        self.optimizer.reload_model_params()  # the fp32 main weights follow
 
     def load_megatron_checkpoint(self, ckpt_dir: str | Path) -> None:
         """Load a megatron-core distributed checkpoint (``agentrl convert hf-to-megatron --out-dir``,
@@ -277,10 +288,7 @@ class MegatronActor:
                                   f"`agentrl convert hf-to-megatron --hf-dir {root} --out-dir <dir>`, or load it "
                                   "as model.checkpoint")
         load_megatron_checkpoint(self.model, root, self.hf_config)
-        with torch.no_grad():
-            for (_, p), m in zip(self.named_params, self.masters):
-                if m is not p:
-                    m.copy_(p)
+        self.optimizer.reload_model_params()  # the fp32 main weights follow
 
     def export_hf_state_dict(self) -> dict[str, Tensor]:
         """Full HF-named tensors of the whole model (vocab padding removed), on EVERY rank, on the CPU.
@@ -298,7 +306,24 @@ class MegatronActor:
         :meth:`train_step` they are the clipped ones. The tied embedding's grad is the sum of
         both uses. Collective.
         """
+        self._gather_grad_shards()
         return self._export(lambda p: p.main_grad)
+
+    def _gather_grad_shards(self) -> None:
+        """With the distributed optimizer, the grad reduce is a reduce-scatter: each DP rank's buffer
+        holds the reduced grads of its own shard only. All-gather the shards over DP so that every
+        rank's ``main_grad`` is the whole reduced gradient (the optimizer reads its shard only, and
+        the next step zeroes the buffers)."""
+        if not self.train_cfg.use_distributed_optimizer or self.dp == 1:
+            return
+        for group in (*self.ddp.bucket_groups, *self.ddp.expert_parallel_bucket_groups):
+            size = group.intra_distributed_optimizer_instance_size
+            rank = group.intra_distributed_optimizer_instance_rank
+            for bucket in group.buckets:
+                shard = bucket.grad_data.numel() // size
+                local = bucket.grad_data[rank * shard:(rank + 1) * shard].clone()
+                dist.all_gather_into_tensor(bucket.grad_data, local,
+                                            group=group.intra_distributed_optimizer_instance_group)
 
     def _export(self, getter: Callable[[torch.nn.Parameter], Tensor]) -> dict[str, Tensor]:
         from megatron_agentrl.weight_sync.gather import stage_hf_tensors
@@ -596,39 +621,29 @@ class MegatronActor:
         return result
 
     def _grad_norm(self) -> float:
-        """Global L2 norm of ``main_grad`` over the whole model (each weight counted once)."""
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-        from megatron.core.transformer.module import param_is_not_shared
-
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for _, p in self.named_params:
-            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-                sq += p.main_grad.float().pow(2).sum()
-        dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
-        return float(sq.sqrt())
+        """Global L2 norm of the current gradients over the whole model (each weight counted once);
+        collective over all ranks."""
+        self.optimizer.prepare_grads()
+        return float(self.optimizer.get_grad_norm())
 
     def optimizer_step(self) -> float:
-        """Clip the current grads to ``train_cfg.grad_clip`` (if > 0) and apply one AdamW step.
+        """Clip the current grads to ``train_cfg.grad_clip`` (if > 0) and apply one optimizer step.
 
-        Returns the pre-clip global grad norm; a non-finite norm skips the step.
+        Returns the pre-clip global grad norm; a non-finite norm (or an fp16 overflow) skips the step
+        on every rank, so that one bad batch cannot write NaN into the weights.
         """
-        norm = self._grad_norm()
+        if self.optimizer.prepare_grads():  # fp16 overflow: the loss scaler backs off
+            self.optimizer.zero_grad()
+            logger.warning("fp16 gradient overflow: optimizer step skipped (loss scale lowered)")
+            return float("inf")
+        norm = float(self.optimizer.get_grad_norm())
         if not math.isfinite(norm):
+            self.optimizer.zero_grad()
             logger.warning("non-finite grad norm %s: optimizer step skipped", norm)
             return norm
-        clip = self.train_cfg.grad_clip
-        coef = clip / (norm + 1e-6) if clip > 0 else 1.0
-        for (_, p), m in zip(self.named_params, self.masters):
-            if coef < 1.0:
-                p.main_grad.mul_(coef)
-            m.grad = p.main_grad if p.main_grad.dtype == m.dtype else p.main_grad.to(m.dtype)
-        self.optimizer.step()
-        with torch.no_grad():
-            for (_, p), m in zip(self.named_params, self.masters):
-                m.grad = None
-                if m is not p:
-                    p.copy_(m)
+        ok, _, _ = self.optimizer.step()  # prepares the grads again (idempotent), clips, steps
+        if not ok:
+            logger.warning("megatron's optimizer skipped the step (grad norm %s)", norm)
         return norm
 
     def train_step(self, batch: TrainBatch, loss_type: str = "grpo", temperature: float = 1.0) -> dict[str, float]:

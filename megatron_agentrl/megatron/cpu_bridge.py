@@ -3,7 +3,8 @@
 megatron-core (0.16) assumes a GPU in a handful of places that the trainer reaches even
 when every tensor lives on the CPU. :func:`install` patches exactly those, in memory and
 only in this process (the installed package is never modified), and only when
-``torch.cuda.is_available()`` is False; on a CUDA machine it does nothing.
+``torch.cuda.is_available()`` is False; on a CUDA machine it does nothing (except the
+torch-AdamW checkpoint fixes at the end of this list).
 
 What is bridged, and which megatron function needs it:
 
@@ -31,8 +32,19 @@ What is bridged, and which megatron function needs it:
    which allocates on ``device="cuda"``, whenever ``attention_mask`` is None; the name it
    imported is replaced by a CPU version (same values, cached per length).
 
-The trainer does not use megatron's optimizer (``megatron.core.optimizer``), whose fp16/bf16
-and clipping paths hard-code CUDA tensor types; see ``megatron_agentrl.megatron.actor``.
+7. megatron's optimizer modules (``optimizer``, ``distrib_optimizer``, ``clip_grads``,
+   ``grad_scaler``) allocate flags, scales and norms with ``device="cuda"``: their ``torch`` name
+   is a proxy whose tensor factories send CUDA to the CPU. ``clip_grads``' fallback L2 norm
+   (no apex / TE) is replaced by a CPU one.
+8. The mixed-precision and distributed optimizers (``__init__``) and ``clip_grad_by_total_norm_fp32``
+   sort or assert parameters by ``Tensor.type()`` names such as ``torch.cuda.FloatTensor``: within
+   those calls a CPU float tensor reports its CUDA type name.
+9. ``DistributedOptimizer.get_parameter_state_dp_zero`` (the gather behind the fully-reshardable
+   checkpoint) moves shards with ``.cuda()``: within it, ``Tensor.cuda`` is the identity.
+
+Without apex / TransformerEngine (on either device) two checkpoint-load paths of the distributed
+optimizer mishandle torch AdamW's ``step``; :func:`_install_torch_adam_checkpoint_fixes` corrects
+them, also on a CUDA machine.
 """
 from __future__ import annotations
 
@@ -40,7 +52,7 @@ import contextlib
 import functools
 import logging
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -76,8 +88,17 @@ def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
-class _CpuZerosTorch(types.ModuleType):
-    """A proxy of the ``torch`` module whose ``zeros`` sends ``device="cuda"`` to the CPU."""
+def _on_cpu(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with a CUDA ``device`` replaced by the CPU."""
+    dev = kwargs.get("device")
+    if dev is not None and torch.device(dev).type == "cuda":
+        kwargs["device"] = "cpu"
+    return kwargs
+
+
+class _CpuFactoryTorch(types.ModuleType):
+    """A proxy of the ``torch`` module whose tensor factories (``zeros``, ``ones``, ``empty``,
+    ``full``, ``tensor``) send ``device="cuda"`` to the CPU; every other name is torch's own."""
 
     def __init__(self) -> None:
         super().__init__("torch")
@@ -87,11 +108,71 @@ class _CpuZerosTorch(types.ModuleType):
 
     @staticmethod
     def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
-        """``torch.zeros`` with a CUDA ``device`` argument replaced by the CPU."""
-        dev = kwargs.get("device")
-        if dev is not None and torch.device(dev).type == "cuda":
-            kwargs["device"] = "cpu"
-        return torch.zeros(*args, **kwargs)
+        """``torch.zeros``, on the CPU when asked for CUDA."""
+        return torch.zeros(*args, **_on_cpu(kwargs))
+
+    @staticmethod
+    def ones(*args: Any, **kwargs: Any) -> torch.Tensor:
+        """``torch.ones``, on the CPU when asked for CUDA."""
+        return torch.ones(*args, **_on_cpu(kwargs))
+
+    @staticmethod
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        """``torch.empty``, on the CPU when asked for CUDA."""
+        return torch.empty(*args, **_on_cpu(kwargs))
+
+    @staticmethod
+    def full(*args: Any, **kwargs: Any) -> torch.Tensor:
+        """``torch.full``, on the CPU when asked for CUDA."""
+        return torch.full(*args, **_on_cpu(kwargs))
+
+    @staticmethod
+    def tensor(*args: Any, **kwargs: Any) -> torch.Tensor:
+        """``torch.tensor``, on the CPU when asked for CUDA."""
+        return torch.tensor(*args, **_on_cpu(kwargs))
+
+
+def _cpu_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], per_tensor: bool,
+                 *args: Any) -> tuple[torch.Tensor, None]:
+    """Stand-in for ``utils.local_multi_tensor_l2_norm`` (clip_grads' fallback without apex / TE): the
+    L2 norm over every tensor of ``tensor_lists`` as a ``[1]`` fp32 CPU tensor."""
+    norms = [torch.linalg.vector_norm(t.float()) for ts in tensor_lists for t in ts]
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    return total.reshape(1), None
+
+
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+@contextlib.contextmanager
+def _tensor_type_reads_as_cuda() -> Iterator[None]:
+    """Within the block, ``Tensor.type()`` (no argument) names a CPU float tensor by its CUDA type:
+    megatron's mixed-precision and distributed optimizers sort parameters by those names."""
+    orig = torch.Tensor.type
+
+    def _type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = orig(self, *args, **kwargs)
+        if args or kwargs:
+            return name
+        return _CUDA_TYPE_NAMES.get(name, name)
+
+    torch.Tensor.type = _type  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = orig  # type: ignore[method-assign]
+
+
+def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run under :func:`_tensor_type_reads_as_cuda`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _tensor_type_reads_as_cuda():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 @contextlib.contextmanager
@@ -152,13 +233,56 @@ def _make_cpu_tracker_class() -> type:
     return CpuRNGStatesTracker
 
 
+_TORCH_ADAM_FIXED = False
+
+
+def _install_torch_adam_checkpoint_fixes() -> None:
+    """Where megatron-core runs without apex / TransformerEngine (on CPU, and on a GPU without TE), its
+    distributed optimizer wraps ``torch.optim.AdamW``, whose per-parameter ``step`` two checkpoint-load
+    paths of megatron 0.16 mishandle: ``load_state_dict`` gives every parameter the SAME step tensor
+    (each optimizer step then advances it once per parameter), and the fully-reshardable load copies
+    every state key including ``step``, which the checkpoint keeps apart (KeyError). Each parameter
+    gets a step of its own after a load, and the per-parameter copy leaves ``step`` alone."""
+    global _TORCH_ADAM_FIXED
+    from megatron.core.optimizer import distrib_optimizer
+
+    if _TORCH_ADAM_FIXED or distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    cls = distrib_optimizer.DistributedOptimizer
+    orig_set, orig_load = cls._set_main_param_and_optimizer_states, cls.load_state_dict
+
+    @functools.wraps(orig_set)
+    def _set_main_param_and_optimizer_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None) if "step" not in tensors else None
+        try:
+            orig_set(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    @functools.wraps(orig_load)
+    def load_state_dict(self: Any, state_dict: Any) -> None:
+        orig_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+
+    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states  # type: ignore[method-assign]
+    cls.load_state_dict = load_state_dict  # type: ignore[method-assign]
+    _TORCH_ADAM_FIXED = True
+
+
 def install() -> bool:
     """Install the CPU bridge (idempotent). Returns True when active, False on a CUDA machine.
 
     Call before building megatron models or running its schedules; ``initialize_parallel``
-    calls it for you.
+    calls it for you. The torch-AdamW checkpoint fixes (see
+    :func:`_install_torch_adam_checkpoint_fixes`) are installed on either device.
     """
     global _INSTALLED
+    _install_torch_adam_checkpoint_fixes()
     if torch.cuda.is_available():
         return False
     if _INSTALLED:
@@ -183,7 +307,7 @@ def install() -> bool:
         mrandom.initialize_rng_tracker(force_reset=True)
 
     # 4: the schedules' device="cuda" token counter.
-    schedules.torch = _CpuZerosTorch()  # type: ignore[attr-defined]
+    schedules.torch = _CpuFactoryTorch()  # type: ignore[attr-defined]
 
     # 5: Tensor.cuda() on the tied embedding in GPTModel.__init__ (PP > 1).
     cls = language_module.LanguageModule
@@ -198,6 +322,28 @@ def install() -> bool:
 
     # 6: the causal mask of the unfused attention softmax.
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+
+    # 7-9: megatron's optimizer (mixed precision, distributed optimizer, clipping, loss scaler).
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    for module in (moptimizer, distrib_optimizer, clip_grads, grad_scaler):
+        module.torch = _CpuFactoryTorch()  # type: ignore[attr-defined]
+    clip_grads.l2_norm_impl = _cpu_l2_norm
+    for cls_ in (moptimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
+        cls_.__init__ = _with_cuda_type_names(cls_.__init__)  # type: ignore[method-assign]
+    dist_opt = distrib_optimizer.DistributedOptimizer
+    orig_dp_zero = dist_opt.get_parameter_state_dp_zero
+
+    @functools.wraps(orig_dp_zero)
+    def get_parameter_state_dp_zero(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with _tensor_cuda_is_identity():  # the shards it gathers for a checkpoint are already on the CPU
+            return orig_dp_zero(self, *args, **kwargs)
+
+    dist_opt.get_parameter_state_dp_zero = get_parameter_state_dp_zero  # type: ignore[method-assign]
+    clip_by_norm = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_by_norm
+    moptimizer.clip_grad_by_total_norm_fp32 = clip_by_norm  # imported by name there
 
     _INSTALLED = True
     logger.debug("megatron-core CPU bridge installed")

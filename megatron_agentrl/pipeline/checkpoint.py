@@ -3,10 +3,10 @@
 One checkpoint is a folder ``<checkpoint.dir>/step_<k>`` holding:
 
 * ``model_optim/``: a megatron-core distributed checkpoint (``torch_dist``) of the model
-  (``model.*`` keys of ``GPTModel.sharded_state_dict``), the AdamW state (``optimizer.state.
-  exp_avg.*``, ``optimizer.state.exp_avg_sq.*`` sharded like their parameters; step count and
-  hyper-parameters in the common part), the fp32 master weights when the model is not fp32
-  (``optimizer.master.*``) and the KL reference weights when kept (``reference.*``);
+  (``model.*`` keys of ``GPTModel.sharded_state_dict``), megatron's optimizer state as its own
+  ``sharded_state_dict`` gives it (Adam moments, fp32 main weights when the model is not fp32,
+  step count; the distributed optimizer in its ``fully_reshardable`` layout) and the KL reference
+  weights when kept (``reference.*``);
 * ``rng/rank_<r>.pt``: every rank's Python, torch (CPU and CUDA) and megatron model-parallel
   RNG states;
 * ``pipeline.pt`` (rank 0): the pipeline's state: step and weight version, the rollout
@@ -68,71 +68,55 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _ensure_optimizer_state(actor: Any) -> None:
-    """Create zero AdamW state for parameters that have none yet (a fresh optimizer), so that a
-    load has tensors to fill."""
-    opt = actor.optimizer
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state[p]
-            if "exp_avg" not in st:
-                st["step"] = torch.tensor(0.0)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+# megatron's distributed optimizer saved in the canonical per-parameter layout (gathered per DP group
+# at save, sliced per rank at load): loadable at another DP size and TP x PP. The default
+# ("fully_sharded_model_space") cannot be saved with megatron-core 0.16.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
-def _sharded_state(actor: Any, for_load: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The sharded state dict of model + optimizer (+ masters, + reference) and the torch optimizer
-    state dict it was built from (its ``state`` entries become ShardedTensors)."""
+def _prime_optimizer_state(actor: Any) -> None:
+    """Give a fresh optimizer the Adam state a load fills: moments (megatron's ``init_state_fn``) and a
+    ``step`` of its own per parameter (megatron reads one common step from the torch optimizer's
+    state, which a fresh ``torch.optim.AdamW`` has none of before its first step)."""
+    for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        opt.init_state_fn(opt.optimizer, opt.config)
+        for st in opt.optimizer.state.values():
+            st.setdefault("step", torch.tensor(0.0))
+
+
+def _sharded_state(actor: Any, for_load: bool) -> dict[str, Any]:
+    """The sharded state dict of model + optimizer (+ the KL reference weights when kept)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor, optim_state_to_sharding_state
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
     model_sd = actor.model.sharded_state_dict()
     if for_load:
         model_sd = {k: v for k, v in model_sd.items()
                     if not (isinstance(v, ShardedObject) or k.endswith("_extra_state"))}
-    tensors, _ = extract_sharded_tensors_and_factories(dict(model_sd))
-    by_param = {id(t.data): t for t in nested_values(tensors)}
-    opt = actor.optimizer
-    opt_params = [p for g in opt.param_groups for p in g["params"]]
-    opt_index = {id(m): i for i, m in enumerate(opt_params)}
-    id_map: dict[int, Any] = {}
-    masters: dict[str, Any] = {}
-    reference: dict[str, Any] = {}
-    ref_params = getattr(actor, "_ref_params", None)
-    for i, ((name, p), m) in enumerate(zip(actor.named_params, actor.masters)):
-        sh = by_param.get(id(p))
-        if sh is None:
-            if getattr(actor, "_is_tied_copy", lambda n: False)(name):
-                # the last stage's copy of a tied embedding: its state equals the embedding's (kept
-                # in sync by megatron's embedding all-reduce) and is restored from there on load
-                continue
-            raise CheckpointError(f"parameter {name} has no entry in the model's sharded state dict; "
-                                  "this model layout is not supported by the checkpoint code")
-        id_map[opt_index[id(m)]] = sh
-        # keyed by the parameter's position (layer tensors share one stacked key)
-        if m is not p:
-            masters[str(i)] = make_sharded_optimizer_tensor(sh, m, prefix="optimizer.master")
-        if ref_params is not None:
-            reference[str(i)] = make_sharded_optimizer_tensor(sh, ref_params[i], prefix="reference")
     if for_load:
-        _ensure_optimizer_state(actor)
-    optim_sd = opt.state_dict()
-    step_count = 0
-    for st in optim_sd["state"].values():
-        if "step" in st:
-            step_count = int(float(st["step"]))
-            break
-    optim_sd["state"] = {k: v for k, v in optim_sd["state"].items() if k in id_map}
-    optim_state_to_sharding_state(optim_sd, id_map, exclude_keys=("step",))
-    sd: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd, "optimizer_step": step_count}
-    if masters:
-        sd["masters"] = masters
-    if reference:
+        _prime_optimizer_state(actor)
+    sd: dict[str, Any] = {
+        "model": model_sd,
+        "optimizer": actor.optimizer.sharded_state_dict(model_sd, is_loading=for_load, metadata=OPTIMIZER_METADATA),
+    }
+    ref_params = getattr(actor, "_ref_params", None)
+    if ref_params is not None:
+        tensors, _ = extract_sharded_tensors_and_factories(dict(model_sd))
+        by_param = {id(t.data): t for t in nested_values(tensors)}
+        reference: dict[str, Any] = {}
+        for i, (name, p) in enumerate(actor.named_params):
+            sh = by_param.get(id(p))
+            if sh is None:
+                if actor._is_tied_copy(name):
+                    continue  # the last stage's copy of a tied embedding: restored from the embedding
+                raise CheckpointError(f"parameter {name} has no entry in the model's sharded state dict; "
+                                      "this model layout is not supported by the checkpoint code")
+            # keyed by the parameter's position (layer tensors share one stacked key)
+            reference[str(i)] = make_sharded_optimizer_tensor(sh, ref_params[i], prefix="reference")
         sd["reference"] = reference
-    return sd, optim_sd
+    return sd
 
 
 def _rng_state() -> dict[str, Any]:
@@ -178,7 +162,7 @@ def save_checkpoint(root: str | Path, step: int, actor: Any, pipeline_state: dic
         (d / MODEL_DIR).mkdir(parents=True)
         (d / "rng").mkdir()
     _barrier()
-    sd, _ = _sharded_state(actor, for_load=False)
+    sd = _sharded_state(actor, for_load=False)
     dist_checkpointing.save(sd, str(d / MODEL_DIR), sharded_strategy=sync_save_strategy())
     torch.save(_rng_state(), d / "rng" / f"rank_{_rank()}.pt")
     _barrier()
@@ -187,6 +171,8 @@ def save_checkpoint(root: str | Path, step: int, actor: Any, pipeline_state: dic
         meta = {"step": step, "version": (pipeline_state or {}).get("version", step), "tp": actor.tp, "pp": actor.pp,
                 "dp": actor.dp, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "dtype": str(actor.dtype).removeprefix("torch."), "has_reference": actor.has_reference,
+                "optimizer_format": "megatron/" + OPTIMIZER_METADATA["distrib_optim_sharding_type"],
+                "use_distributed_optimizer": actor.train_cfg.use_distributed_optimizer,
                 "time": time.time()}
         (d / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         tmp = root / (LATEST + ".tmp")
@@ -201,12 +187,37 @@ def save_checkpoint(root: str | Path, step: int, actor: Any, pipeline_state: dic
     return d
 
 
+def _rng_file(d: Path, meta: dict[str, Any], actor: Any) -> Path:
+    """This rank's RNG file in checkpoint ``d``: its own when the layout is unchanged; with another
+    DP size, that of the old rank at the same TP x PP position (DP rank modulo the old DP size);
+    with another TP x PP, rank 0's (sampling and init streams then differ from an unbroken run)."""
+    tp, pp, old_world = meta["tp"], meta["pp"], meta["world_size"]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if (tp, pp, old_world) == (actor.tp, actor.pp, world):
+        rank = _rank()
+    elif (tp, pp) == (actor.tp, actor.pp):
+        old_dp = old_world // (tp * pp)
+        rank = actor.tp_rank + tp * ((actor.dp_rank % old_dp) + old_dp * actor.pp_rank)
+    else:
+        rank = 0
+    if rank != _rank() and _rank() == 0:
+        logger.warning("checkpoint '%s' was written with tp=%d pp=%d on %d processes, this run has tp=%d pp=%d on %d: "
+                       "weights and optimizer state are resharded; RNG streams are taken from the nearest rank",
+                       d, tp, pp, old_world, actor.tp, actor.pp, world)
+    f = d / "rng" / f"rank_{rank}.pt"
+    if not f.is_file():
+        raise CheckpointError(f"checkpoint '{d}' has no RNG state for rank {rank} ({f}); it is incomplete: resume "
+                              "from an earlier step_<k> folder")
+    return f
+
+
 def load_checkpoint(path: str | Path, actor: Any) -> dict[str, Any]:
-    """Load model, optimizer, masters, reference and this rank's RNG from checkpoint ``path``;
+    """Load model, optimizer, reference and this rank's RNG from checkpoint ``path``;
     return the pipeline state (on every rank). Collective over all ranks.
 
-    Raises CheckpointError naming the folder when it is not a complete checkpoint, or when it was
-    written with another TP x PP x DP layout (RNG and data order would not match).
+    A checkpoint written at another TP x PP x DP layout is resharded (weights, Adam state, step
+    count); see :func:`_rng_file` for the RNG. Raises CheckpointError naming the folder when it is
+    not a complete checkpoint or was written by an earlier checkpoint format.
     """
     from megatron.core import dist_checkpointing
 
@@ -217,37 +228,24 @@ def load_checkpoint(path: str | Path, actor: Any) -> dict[str, Any]:
                               "expected); give a step_<k> folder written by a training run, or "
                               "checkpoint.resume=latest")
     meta = json.loads(meta_file.read_text())
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if (meta["tp"], meta["pp"], meta["world_size"]) != (actor.tp, actor.pp, world):
-        raise CheckpointError(
-            f"checkpoint '{d}' was written with tp={meta['tp']} pp={meta['pp']} on {meta['world_size']} processes; "
-            f"this run has tp={actor.tp} pp={actor.pp} on {world}; resume with the same layout")
-    rng_file = d / "rng" / f"rank_{_rank()}.pt"
-    if not rng_file.is_file():
-        raise CheckpointError(f"checkpoint '{d}' has no RNG state for rank {_rank()} ({rng_file})")
+    if "optimizer_format" not in meta:
+        raise CheckpointError(f"checkpoint '{d}' was written by an earlier version of this trainer (its own AdamW "
+                              "state, not megatron's optimizer), which this version cannot resume; finish that run "
+                              "with the version that wrote it, or start a new one from its weights (model.checkpoint "
+                              "= the run's hf_export folder)")
+    rng_file = _rng_file(d, meta, actor)
     if meta.get("has_reference") and not actor.has_reference:
         actor.snapshot_reference()  # a placeholder the load fills
-    sd, optim_sd = _sharded_state(actor, for_load=True)
-    has_ref = "reference" in sd
+    sd = _sharded_state(actor, for_load=True)
     loaded = dist_checkpointing.load(sd, str(d / MODEL_DIR))
     result = actor.model.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
         raise CheckpointError(f"checkpoint '{d}' left parameters unloaded: missing {missing[:8]}, "
                               f"unexpected {list(result.unexpected_keys)[:8]}")
-    opt = actor.optimizer
-    step_count = float(loaded["optimizer_step"])
-    state = {k: {**v, "step": torch.tensor(step_count)} for k, v in loaded["optimizer"]["state"].items()}
-    full = {"state": state, "param_groups": loaded["optimizer"]["param_groups"]}
-    for g_loaded, g_cur in zip(full["param_groups"], optim_sd["param_groups"]):
-        g_loaded["params"] = list(g_cur["params"].obj if hasattr(g_cur["params"], "obj") else g_cur["params"])
-    opt.load_state_dict(full)
-    with torch.no_grad():
-        masters = loaded.get("masters", {})
-        for i, ((_, p), m) in enumerate(zip(actor.named_params, actor.masters)):
-            if m is not p:
-                m.copy_(masters[str(i)] if str(i) in masters else p.detach().float())
-        if has_ref:
+    actor.optimizer.load_state_dict(loaded["optimizer"])
+    if "reference" in loaded:
+        with torch.no_grad():
             ref = loaded["reference"]
             actor._ref_params = [ref[str(i)].clone() if str(i) in ref else p.detach().clone()
                                  for i, (_, p) in enumerate(actor.named_params)]

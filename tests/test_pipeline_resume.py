@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from dist_utils import run_distributed
 
 TINY = [
@@ -97,7 +98,8 @@ def _adam_steps(ckpt: Path) -> set[float]:
 def test_dp2_checkpoint_resumes_at_dp1(tmp_path):
     """Saved by 2 data-parallel ranks with the distributed optimizer (each holding half the Adam
     state), resumed on one process: step 3 trains on the same samples with the loss of the
-    uninterrupted DP=2 run, and the Adam step count goes on from 2 to 3."""
+    uninterrupted DP=2 run, and the Adam step count goes on from 2 to 3. Resuming it without the
+    distributed optimizer is refused with the key to set."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     run_distributed(_train, 2, TINY + [f"output_dir={full}", "train.steps=3"], timeout_s=150)
     ckpt = full / "checkpoints" / "step_000002"
@@ -111,4 +113,8 @@ def test_dp2_checkpoint_resumes_at_dp1(tmp_path):
     assert abs(f[3]["grad_norm"] - r[3]["grad_norm"]) <= 1e-5 * max(1.0, f[3]["grad_norm"])
     assert f[3]["grad_norm"] != f[2]["grad_norm"]  # the step does depend on the state
     assert _adam_steps(ckpt) == {2.0}
+    with pytest.raises(AssertionError, match=r"resume with train.use_distributed_optimizer=true"):
+        run_distributed(_train, 1, TINY + [f"output_dir={tmp_path / 'other'}", "train.steps=3",
+                                           f"checkpoint.resume={ckpt}", "train.use_distributed_optimizer=false"],
+                        timeout_s=120)
     assert _adam_steps(resumed / "checkpoints" / "step_000003") == {3.0}

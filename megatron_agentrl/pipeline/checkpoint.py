@@ -233,6 +233,12 @@ def load_checkpoint(path: str | Path, actor: Any) -> dict[str, Any]:
                               "state, not megatron's optimizer), which this version cannot resume; finish that run "
                               "with the version that wrote it, or start a new one from its weights (model.checkpoint "
                               "= the run's hf_export folder)")
+    written, now = meta.get("use_distributed_optimizer"), actor.train_cfg.use_distributed_optimizer
+    if written is not None and written != now:
+        was = str(written).lower()
+        raise CheckpointError(f"checkpoint '{d}' was written with train.use_distributed_optimizer={was} and this run "
+                              f"has {str(now).lower()}: megatron's two optimizer layouts do not load into each other; "
+                              f"resume with train.use_distributed_optimizer={was}")
     rng_file = _rng_file(d, meta, actor)
     if meta.get("has_reference") and not actor.has_reference:
         actor.snapshot_reference()  # a placeholder the load fills

@@ -88,12 +88,20 @@ def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
-def _on_cpu(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` with a CUDA ``device`` replaced by the CPU."""
-    dev = kwargs.get("device")
-    if dev is not None and torch.device(dev).type == "cuda":
-        kwargs["device"] = "cpu"
-    return kwargs
+_FACTORIES = frozenset({"zeros", "ones", "empty", "full", "tensor"})
+
+
+def _cpu_factory(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``factory`` (e.g. ``torch.zeros``) with a CUDA ``device`` argument replaced by the CPU."""
+
+    @functools.wraps(factory)
+    def make(*args: Any, **kwargs: Any) -> torch.Tensor:
+        dev = kwargs.get("device")
+        if dev is not None and torch.device(dev).type == "cuda":
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return make
 
 
 class _CpuFactoryTorch(types.ModuleType):
@@ -104,32 +112,8 @@ class _CpuFactoryTorch(types.ModuleType):
         super().__init__("torch")
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-    @staticmethod
-    def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
-        """``torch.zeros``, on the CPU when asked for CUDA."""
-        return torch.zeros(*args, **_on_cpu(kwargs))
-
-    @staticmethod
-    def ones(*args: Any, **kwargs: Any) -> torch.Tensor:
-        """``torch.ones``, on the CPU when asked for CUDA."""
-        return torch.ones(*args, **_on_cpu(kwargs))
-
-    @staticmethod
-    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-        """``torch.empty``, on the CPU when asked for CUDA."""
-        return torch.empty(*args, **_on_cpu(kwargs))
-
-    @staticmethod
-    def full(*args: Any, **kwargs: Any) -> torch.Tensor:
-        """``torch.full``, on the CPU when asked for CUDA."""
-        return torch.full(*args, **_on_cpu(kwargs))
-
-    @staticmethod
-    def tensor(*args: Any, **kwargs: Any) -> torch.Tensor:
-        """``torch.tensor``, on the CPU when asked for CUDA."""
-        return torch.tensor(*args, **_on_cpu(kwargs))
+        attr = getattr(torch, name)
+        return _cpu_factory(attr) if name in _FACTORIES else attr
 
 
 def _cpu_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], per_tensor: bool,
@@ -164,12 +148,13 @@ def _tensor_type_reads_as_cuda() -> Iterator[None]:
         torch.Tensor.type = orig  # type: ignore[method-assign]
 
 
-def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run under :func:`_tensor_type_reads_as_cuda`."""
+def _within(context: Callable[[], contextlib.AbstractContextManager[None]],
+            fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run inside a fresh ``context()`` at every call."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with _tensor_type_reads_as_cuda():
+        with context():
             return fn(*args, **kwargs)
 
     return wrapper
@@ -311,14 +296,8 @@ def install() -> bool:
 
     # 5: Tensor.cuda() on the tied embedding in GPTModel.__init__ (PP > 1).
     cls = language_module.LanguageModule
-    orig_setup = cls.setup_embeddings_and_output_layer
-
-    @functools.wraps(orig_setup)
-    def setup_embeddings_and_output_layer(self: Any) -> None:
-        with _tensor_cuda_is_identity():
-            orig_setup(self)
-
-    cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer  # type: ignore[method-assign]
+    cls.setup_embeddings_and_output_layer = _within(  # type: ignore[method-assign]
+        _tensor_cuda_is_identity, cls.setup_embeddings_and_output_layer)
 
     # 6: the causal mask of the unfused attention softmax.
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
@@ -331,17 +310,12 @@ def install() -> bool:
         module.torch = _CpuFactoryTorch()  # type: ignore[attr-defined]
     clip_grads.l2_norm_impl = _cpu_l2_norm
     for cls_ in (moptimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
-        cls_.__init__ = _with_cuda_type_names(cls_.__init__)  # type: ignore[method-assign]
+        cls_.__init__ = _within(_tensor_type_reads_as_cuda, cls_.__init__)  # type: ignore[method-assign]
     dist_opt = distrib_optimizer.DistributedOptimizer
-    orig_dp_zero = dist_opt.get_parameter_state_dp_zero
-
-    @functools.wraps(orig_dp_zero)
-    def get_parameter_state_dp_zero(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with _tensor_cuda_is_identity():  # the shards it gathers for a checkpoint are already on the CPU
-            return orig_dp_zero(self, *args, **kwargs)
-
-    dist_opt.get_parameter_state_dp_zero = get_parameter_state_dp_zero  # type: ignore[method-assign]
-    clip_by_norm = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    # the shards it gathers for a checkpoint are already on the CPU
+    dist_opt.get_parameter_state_dp_zero = _within(  # type: ignore[method-assign]
+        _tensor_cuda_is_identity, dist_opt.get_parameter_state_dp_zero)
+    clip_by_norm = _within(_tensor_type_reads_as_cuda, clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = clip_by_norm
     moptimizer.clip_grad_by_total_norm_fp32 = clip_by_norm  # imported by name there
 

@@ -193,14 +193,15 @@ def _rng_file(d: Path, meta: dict[str, Any], actor: Any) -> Path:
     with another TP x PP, rank 0's (sampling and init streams then differ from an unbroken run)."""
     tp, pp, old_world = meta["tp"], meta["pp"], meta["world_size"]
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if (tp, pp, old_world) == (actor.tp, actor.pp, world):
+    same = (tp, pp, old_world) == (actor.tp, actor.pp, world)
+    if same:
         rank = _rank()
     elif (tp, pp) == (actor.tp, actor.pp):
         old_dp = old_world // (tp * pp)
         rank = actor.tp_rank + tp * ((actor.dp_rank % old_dp) + old_dp * actor.pp_rank)
     else:
         rank = 0
-    if rank != _rank() and _rank() == 0:
+    if not same and _rank() == 0:
         logger.warning("checkpoint '%s' was written with tp=%d pp=%d on %d processes, this run has tp=%d pp=%d on %d: "
                        "weights and optimizer state are resharded; RNG streams are taken from the nearest rank",
                        d, tp, pp, old_world, actor.tp, actor.pp, world)

@@ -47,6 +47,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_on_ray(cfg, args.config, args.overrides)
         return 0
     nproc = args.nproc or cfg.parallel.tp * cfg.parallel.pp
+    if "WORLD_SIZE" in os.environ:
+        cfg.check_world_size(int(os.environ["WORLD_SIZE"]), "WORLD_SIZE")
+    else:
+        cfg.check_world_size(nproc, f"--nproc {nproc}")
     if "WORLD_SIZE" in os.environ or nproc == 1:  # under torchrun/srun, or one process
         train_rank(args.config, args.overrides)
         return 0

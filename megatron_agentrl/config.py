@@ -174,6 +174,24 @@ class ModelConfig(_Section):
             self.require(getattr(self, name) != "", name, "is empty; give a path"
                          + ("" if name == "tokenizer" else " or leave it out"))
 
+    def num_layers(self) -> int | None:
+        """``num_hidden_layers`` of the policy as far as it can be read here: from ``arch``, or from the
+        config.json of ``hf_config`` / ``megatron_checkpoint`` when it exists (None otherwise; a bad path
+        is reported where it is read)."""
+        if self.hf_config is None and self.arch:
+            value = self.arch.get("num_hidden_layers")
+        else:
+            path = Path(self.hf_config) if self.hf_config is not None else (
+                Path(self.megatron_checkpoint) / "hf" if self.megatron_checkpoint else None)
+            if path is None:
+                return None
+            path = path / "config.json" if path.is_dir() else path
+            try:
+                value = read_mapping_file(path, "json", str(path)).get("num_hidden_layers")
+            except ConfigError:
+                return None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
 
 @dataclass
 class ParallelConfig(_Section):
@@ -207,12 +225,20 @@ class TrainConfig(_Section):
     kl_coef: weight of the low-variance (k3) KL to the reference policy (the policy when RL
         starts, after the SFT warm-up); 0 = off (no reference model kept).
     entropy_coef: weight of the entropy bonus (mean token entropy is subtracted); 0 = off.
-    micro_batch_tokens: token budget of a micro-batch: samples are packed (longest first) so that
-        rows x longest row <= budget, each micro-batch cut to its own length; 0 = fixed
-        micro_batch_size rows.
+    micro_batch_tokens: token budget of a micro-batch (samples placed longest first): packed, the
+        summed lengths of its samples <= budget; unpacked, rows x longest row <= budget, each
+        micro-batch cut to its own length; 0 = micro_batch_size samples per micro-batch.
+    sequence_packing: pack each micro-batch's samples into one sequence (THD, ``cu_seqlens``;
+        positions restart in every sample, attention stays within it), so that no token is
+        computed for padding; false = right-padded rows.
     use_distributed_optimizer: megatron-core's distributed optimizer: the fp32 main weights and
         Adam moments are sharded over the data-parallel ranks (each holds 1/DP of them), gradients
         reduce-scattered and parameters all-gathered; false = every DP rank keeps all of them.
+    recompute: activation recomputation in the backward pass: "none"; "selective" (the core
+        attention of every layer: megatron-core's ``recompute_granularity=selective``); "full"
+        (whole layers: only each layer's input is kept).
+    recompute_num_layers: with recompute=full, how many layers of each pipeline stage recompute
+        (the first ones; megatron's ``recompute_method=block``); 0 = all of them.
     """
 
     KEY: ClassVar[str] = "train"
@@ -231,7 +257,10 @@ class TrainConfig(_Section):
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     micro_batch_tokens: int = 0
+    sequence_packing: bool = True
     use_distributed_optimizer: bool = True
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_num_layers: int = 0
 
     def check(self) -> None:
         """See :class:`_Section`."""
@@ -250,7 +279,10 @@ class TrainConfig(_Section):
         self.require_non_negative("tis_cap", "kl_coef", "entropy_coef", why="0 turns it off")
         self.require(not 0 < self.tis_cap < 1, "tis_cap", "must be 0 (off) or >= 1 (a cap below 1 would "
                      "down-weight on-policy tokens); 2.0 is a common choice")
-        self.require_non_negative("micro_batch_tokens", why="0 = fixed train.micro_batch_size rows per micro-batch")
+        self.require_non_negative("micro_batch_tokens", why="0 = train.micro_batch_size samples per micro-batch")
+        self.require_non_negative("recompute_num_layers", why="0 = every layer of a stage, with recompute=full")
+        self.require(self.recompute_num_layers == 0 or self.recompute == "full", "recompute_num_layers",
+                     f"only applies to train.recompute=full (it is {self.recompute!r}); set it to 0")
 
 
 @dataclass
@@ -775,10 +807,34 @@ class Config:
                 f"(mode {p.mode}); use pipeline.mode=async with pipeline.staleness >= {r.max_versions - 1}, "
                 "or lower rollout.max_versions"
             )
+        self._validate_layers()
         ranks = self.parallel.tp * self.parallel.pp
         if self.ray.train_workers % ranks:
             raise ConfigError(f"ray.train_workers={self.ray.train_workers!r} must be 0 (= parallel.tp * parallel.pp) "
                               f"or a positive multiple of parallel.tp * parallel.pp = {ranks}")
+
+    def _validate_layers(self) -> None:
+        """The pipeline stages split the layers evenly; recomputation asks for no more layers than a stage has."""
+        layers, pp, t = self.model.num_layers(), self.parallel.pp, self.train
+        if layers is None:
+            return
+        if layers % pp:
+            raise ConfigError(f"parallel.pp={pp} does not divide the model's num_hidden_layers={layers}; use a "
+                              f"divisor of {layers}")
+        if t.recompute_num_layers > layers // pp:
+            raise ConfigError(f"train.recompute_num_layers={t.recompute_num_layers} exceeds the {layers // pp} layers "
+                              f"of a pipeline stage (num_hidden_layers={layers} / parallel.pp={pp}); use at most "
+                              f"{layers // pp} (0 = all of them)")
+
+    def check_world_size(self, world: int, source: str = "the world size") -> None:
+        """Refuse a number of trainer processes that ``parallel.tp * parallel.pp`` does not divide
+        (``source`` names where the number came from, e.g. "--nproc 3")."""
+        ranks = self.parallel.tp * self.parallel.pp
+        if world < 1 or world % ranks:
+            raise ConfigError(f"{source} = {world} trainer processes is not a multiple of parallel.tp * parallel.pp = "
+                              f"{self.parallel.tp} * {self.parallel.pp} = {ranks} (the data-parallel size, which "
+                              f"train.use_distributed_optimizer shards over, is their quotient); launch a multiple of "
+                              f"{ranks} processes or change parallel.tp / parallel.pp")
 
     def builds_task_here(self, spec: TaskSpec) -> bool:
         """Whether the trainer builds ``spec``'s built-in task in process: it runs the task's episodes

@@ -11,7 +11,7 @@ from dist_utils import run_distributed
 
 from megatron_agentrl.algo.losses import clipped_policy_loss, k3_kl, policy_loss, vocab_parallel_entropy
 from megatron_agentrl.config import TrainConfig
-from megatron_agentrl.megatron.actor import effective_lengths, plan_micro_batches
+from megatron_agentrl.megatron.packing import effective_lengths, plan_micro_batches
 
 
 def test_truncated_importance_weights_by_hand():
@@ -122,7 +122,7 @@ def _batch(vocab: int):
     return TrainBatch(tokens, mask, behavior, adv, ref)
 
 
-def _grads_fixed_vs_budget(rank: int, world: int) -> dict[str, float]:
+def _layouts_same_grads(rank: int, world: int) -> dict[str, float]:
     from megatron.core import parallel_state
 
     from megatron_agentrl.megatron.actor import MegatronActor
@@ -131,42 +131,57 @@ def _grads_fixed_vs_budget(rank: int, world: int) -> dict[str, float]:
     cfg = _tiny()
     batch = _batch(cfg.vocab_size)
     out: dict[str, float] = {}
-    ref_grads = None
-    ref_loss = None
-    # the reference: fixed micro-batches at TP=1 (DP=2); then the token budget at TP=1, TP=2, PP=2
-    for tp, pp, budgets in ((1, 1, (0, 60)), (2, 1, (60,)), (1, 2, (60,))):
+    ref = None
+    # the reference: padded rows in fixed micro-batches at TP=1 (DP=2); then token budgets, packed
+    # sequences and recomputation at TP=1, TP=2, PP=2: (micro_batch_tokens, sequence_packing, recompute)
+    variants = {
+        (1, 1): [(0, False, "none"), (60, False, "none"), (0, True, "none"), (40, True, "none"),
+                 (40, True, "selective"), (40, True, "full"), (0, False, "full")],
+        (2, 1): [(60, False, "none"), (40, True, "none"), (40, True, "selective")],
+        (1, 2): [(60, False, "none"), (40, True, "none"), (40, True, "full")],
+    }
+    for (tp, pp), runs in variants.items():
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         initialize_parallel(tp, pp, seed=7, timeout_s=60)
-        for budget in budgets:
-            tcfg = TrainConfig(micro_batch_size=3, micro_batch_tokens=budget, tis_cap=2.0, kl_coef=0.1,
-                               entropy_coef=0.01)
+        for budget, packed, recompute in runs:
+            tcfg = TrainConfig(micro_batch_size=3, micro_batch_tokens=budget, sequence_packing=packed,
+                               recompute=recompute, tis_cap=2.0, kl_coef=0.1, entropy_coef=0.01)
             torch.manual_seed(11)
             actor = MegatronActor(cfg, tcfg)
-            if ref_grads is None:
+            if ref is None:
                 state = actor.export_hf_state_dict()
             else:
                 actor.load_hf_state_dict(state)
+            lp = actor.compute_logprobs(batch.tokens, 0.9, 3, loss_mask=batch.loss_mask)  # the whole batch
             stats = actor.compute_grads(actor.dp_slice(batch), "grpo", temperature=0.9)
             grads = actor.export_hf_grads()
-            if ref_grads is None:
-                ref_grads, ref_loss = grads, stats
+            if ref is None:
+                ref = grads, stats, lp
                 continue
-            key = f"tp{tp}pp{pp}b{budget}"
+            ref_grads, ref_stats, ref_lp = ref
+            key = f"tp{tp}pp{pp}b{budget}{'packed' if packed else 'padded'}-{recompute}"
+            # grads relative to the largest one, where they are not tiny
             scale = max(float(g.abs().max()) for g in ref_grads.values())
-            out[key + "_grad"] = max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads) / scale
-            out[key + "_loss"] = max(abs(stats[k] - ref_loss[k]) for k in ("loss", "kl_ref", "entropy", "is_weight"))
-            out[key + "_ntok"] = abs(stats["num_tokens"] - ref_loss["num_tokens"])
-    out["micro_batches_budget"] = stats["num_micro_batches"]
+            out[key + "_grad"] = max(float(((grads[k] - ref_grads[k]).abs() * (ref_grads[k].abs() > 1e-5)).max())
+                                     for k in ref_grads) / scale
+            out[key + "_loss"] = max(abs(stats[k] - ref_stats[k]) for k in ("loss", "kl_ref", "entropy", "is_weight"))
+            out[key + "_ntok"] = abs(stats["num_tokens"] - ref_stats["num_tokens"])
+            out[key + "_logprob"] = float(((lp - ref_lp) * batch.loss_mask).abs().max())
+            out[key + "_mb"] = stats["num_micro_batches"]
     return out
 
 
-def test_token_budget_micro_batches_same_loss_and_grads_tp_pp():
-    out = run_distributed(_grads_fixed_vs_budget, 2, timeout_s=120)[0]
+def test_packing_budget_and_recompute_same_logprobs_loss_and_grads_tp_pp():
+    """Padded vs packed micro-batches, token budgets and recomputation (selective, full) give the same
+    log-probs, loss and gradients as fixed padded micro-batches, at TP=1/2 and PP=2."""
+    out = run_distributed(_layouts_same_grads, 2, timeout_s=240)[0]
     for k, v in out.items():
         if k.endswith("_grad"):
-            assert v < 1e-4, (k, out)
-        elif k.endswith("_loss"):
+            assert v < 1e-5, (k, out)
+        elif k.endswith("_loss") or k.endswith("_logprob"):
             assert v < 1e-5, (k, out)
         elif k.endswith("_ntok"):
             assert v == 0, (k, out)
+    # packing 4 rows of this rank under a 40-token budget takes fewer micro-batches than 3 rows each
+    assert out["tp1pp1b40packed-none_mb"] < out["tp1pp1b0packed-none_mb"] + 1, out

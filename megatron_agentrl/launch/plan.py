@@ -16,7 +16,10 @@ The estimate is rough by design and errs high:
   of one micro-batch (``train.micro_batch_size`` sequences of ``rollout.max_total_tokens``, or the
   ``train.micro_batch_tokens`` budget when set), ``34 * tokens * h / tp`` bytes per layer
   (flash-attention, no recomputation: Korthikanti et al., 2022) times the micro-batches 1F1B keeps
-  in flight on the first stage, plus the fp32 logits of the last stage.
+  in flight on the first stage, plus the fp32 logits of the last stage. ``train.recompute=full``
+  keeps only each recomputed layer's input (``tokens * h`` values) plus one layer's activations
+  while it is recomputed; ``selective`` recomputes the core attention, whose ``[s, s]`` scores a
+  flash kernel never stores, so it changes nothing in this estimate.
 * **rollout pool** (per GPU of one engine of ``ray.rollout_gpus_per_engine`` GPUs): weights in
   ``model.dtype`` split by the engine's TP, and the KV cache of the sequences one engine serves
   at once: ``2 * layers * kv_heads * head_dim * bytes`` per token, KV heads split by TP (replicated
@@ -182,7 +185,15 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
     micro_batches = max(1, math.ceil(samples * seq / max(1, dp) / mb_tokens))
     in_flight = min(pp, micro_batches)
     per_layer_act = 34 * mb_tokens * shape.hidden_size * (wbytes / 2) / tp
-    train["activations"] = per_layer_act * layers_per_stage * in_flight / GiB
+    recompute = cfg.train.recompute
+    if recompute == "full":
+        # a recomputed layer keeps only its input; one layer's activations live while it is recomputed
+        recomputed = cfg.train.recompute_num_layers or layers_per_stage
+        kept = recomputed * mb_tokens * shape.hidden_size * wbytes + (layers_per_stage - recomputed) * per_layer_act
+        train["activations"] = (kept * in_flight + per_layer_act) / GiB
+    else:
+        # selective (the core attention) saves nothing here: a flash kernel keeps no [s, s] scores anyway
+        train["activations"] = per_layer_act * layers_per_stage * in_flight / GiB
     train["logits_fp32"] = mb_tokens * (shape.vocab_size / tp) * 4 * 2 / GiB  # logits + log-softmax
     train["runtime_overhead"] = RUNTIME_OVERHEAD_GIB
 

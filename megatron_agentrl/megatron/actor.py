@@ -35,6 +35,7 @@ from megatron_agentrl.convert import get_mapping
 from megatron_agentrl.convert.base import ConversionError
 from megatron_agentrl.convert.qwen2 import OUTPUT_LAYER, padded_vocab_size
 from megatron_agentrl.megatron.model import build_gpt_model
+from megatron_agentrl.megatron.packing import effective_lengths, pack, plan_micro_batches, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -68,43 +69,9 @@ class TrainBatch:
                             for f in fields(self)))
 
 
-def effective_lengths(loss_mask: Tensor) -> Tensor:
-    """Per row, the length that matters for the loss: last masked position + 1 (at least 2, at most T).
-
-    Tokens after the last policy token never influence the loss (causal attention), so a
-    micro-batch can be cut to its rows' longest effective length. ``loss_mask [B, T]`` -> ``[B]`` long.
-    """
-    B, T = loss_mask.shape
-    pos = torch.arange(1, T + 1, dtype=torch.long).expand(B, T)
-    last = (pos * (loss_mask.detach().cpu() > 0).long()).amax(dim=1) if T else torch.zeros(B, dtype=torch.long)
-    return last.clamp(min=min(2, T), max=T)
-
-
-def plan_micro_batches(lengths: list[int], micro_batch_size: int, token_budget: int = 0) -> list[list[int]]:
-    """Group row indices into micro-batches.
-
-    token_budget 0: consecutive chunks of ``micro_batch_size`` rows (the order of the batch).
-    token_budget > 0: rows sorted longest first, packed greedily so that each micro-batch's
-    rows x longest row <= token_budget (a row longer than the budget gets a micro-batch of its
-    own). Every row appears in exactly one micro-batch. Returns lists of row indices.
-    """
-    n = len(lengths)
-    if n == 0:
-        return []
-    if token_budget <= 0:
-        return [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
-    order = sorted(range(n), key=lambda i: (-lengths[i], i))
-    plan: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        width = lengths[cur[0]] if cur else lengths[i]
-        if cur and (len(cur) + 1) * width > token_budget:
-            plan.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        plan.append(cur)
-    return plan
+def _zero_at_starts(x: Tensor, seq_starts: Tensor | None) -> Tensor:
+    """``x [b, t]`` with the first token of each packed sequence set to 0 (no-op for padded rows)."""
+    return x if seq_starts is None else x.masked_fill(seq_starts, 0.0)
 
 
 def _pad_rows(x: Tensor, rows: int) -> Tensor:
@@ -160,7 +127,7 @@ class MegatronActor:
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
 
         self.model = build_gpt_model(hf_config, self.pre_process, self.post_process, dtype,
-                                     make_vocab_size_divisible_by)
+                                     make_vocab_size_divisible_by, train_cfg.recompute, train_cfg.recompute_num_layers)
         self.config = self.model.config
         dist_opt = train_cfg.use_distributed_optimizer
         self.ddp = DistributedDataParallel(
@@ -375,15 +342,16 @@ class MegatronActor:
         return logits.contiguous()
 
     def _token_logprobs(self, logits: Tensor, tokens: Tensor, temperature: float,
-                        scaled: Tensor | None = None) -> Tensor:
-        """``[B, T]`` fp32 log-probs of ``tokens`` from vocab-parallel logits ``[B, T, V/tp]``; column 0 is 0."""
+                        scaled: Tensor | None = None, seq_starts: Tensor | None = None) -> Tensor:
+        """``[B, T]`` fp32 log-probs of ``tokens`` from vocab-parallel logits ``[B, T, V/tp]``; column 0
+        (and, in a packed row, the first token of every sequence: ``seq_starts``) is 0."""
         from megatron.core import tensor_parallel
 
         # vocab_parallel_cross_entropy shifts and exponentiates its input in place: a shared
         # ``scaled`` (also used for the entropy) goes in as a copy
         scaled = self._scaled_logits(logits, temperature) if scaled is None else scaled.clone()
         nll = tensor_parallel.vocab_parallel_cross_entropy(scaled, tokens[:, 1:].contiguous())
-        return torch.cat([nll.new_zeros(nll.shape[0], 1), -nll], dim=1)
+        return _zero_at_starts(torch.cat([nll.new_zeros(nll.shape[0], 1), -nll], dim=1), seq_starts)
 
     def _check_tokens(self, tokens: Tensor) -> None:
         if tokens.ndim != 2 or tokens.dtype not in (torch.long, torch.int32, torch.int64):
@@ -392,33 +360,52 @@ class MegatronActor:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}); got range "
                              f"[{int(tokens.min())}, {int(tokens.max())}]")
 
-    def _run(self, batch: dict[str, Tensor], plan: list[list[int]], widths: list[int], forward_only: bool,
+    def _run(self, batch: dict[str, Tensor], plan: list[list[int]], lengths: list[int], forward_only: bool,
              loss_func: LossFunc) -> list[dict[str, Tensor]]:
         """Run megatron's forward(-backward) schedule over ``batch`` (dict of ``[B, T]``) in micro-batches.
 
-        plan: row indices of each micro-batch; widths: the columns each micro-batch keeps. With
-        PP > 1 every micro-batch is padded to the same rows x width (the pipeline's p2p shapes).
+        plan: row indices of each micro-batch; lengths: the columns that matter in each row. With
+        ``train.sequence_packing`` a micro-batch is its rows packed into one THD row (the loss function
+        gets ``[1, t]`` fields plus ``seq_starts``); else its rows cut to the longest of them. With
+        PP > 1 every micro-batch has the same shape (the pipeline's p2p buffers): packed rows are
+        padded to the longest pack, padded rows to ``T`` columns and the most rows.
         """
+        from megatron.core.packed_seq_params import PackedSeqParams
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         T = batch["tokens"].shape[1]
-        rows = max(len(ix) for ix in plan)
-        if self.pp > 1:
-            widths = [T] * len(plan)
+        packed = self.train_cfg.sequence_packing
+        if packed:
+            rows = 1
+            totals = [sum(lengths[i] for i in ix) for ix in plan]
+            pad_to = max(totals) if self.pp > 1 else 0
+            seq_length = max(totals)
+        else:
+            rows = max(len(ix) for ix in plan)
+            widths = [T] * len(plan) if self.pp > 1 else [max(lengths[i] for i in ix) for ix in plan]
+            seq_length = max(widths)
 
-        def micro_batches() -> Iterator[dict[str, Tensor]]:
-            for ix, w in zip(plan, widths):
+        def micro_batches() -> Iterator[tuple[dict[str, Tensor], Any]]:
+            for j, ix in enumerate(plan):
+                if packed:
+                    p = pack(batch, ix, lengths, pad_to)
+                    mb = {**p.fields, "position_ids": p.position_ids, "seq_starts": p.seq_starts}
+                    cu = p.cu_seqlens.to(self.device)
+                    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                             max_seqlen_q=p.max_seqlen, max_seqlen_kv=p.max_seqlen)
+                    yield {k: v.to(self.device) for k, v in mb.items()}, params
+                    continue
                 index = torch.tensor(ix, dtype=torch.long)
-                mb = {k: v[index, :w].to(self.device) for k, v in batch.items()}
+                mb = {k: v[index, :widths[j]].to(self.device) for k, v in batch.items()}
                 if self.pp > 1:
                     mb = {k: _pad_rows(v, rows) for k, v in mb.items()}
-                yield mb
+                b, w = mb["tokens"].shape
+                mb["position_ids"] = torch.arange(w, device=self.device).unsqueeze(0).expand(b, w)
+                yield mb, None
 
-        def forward_step(data_iterator: Iterator[dict[str, Tensor]], model: Any) -> tuple[Tensor, Callable]:
-            mb = next(data_iterator)
-            b, w = mb["tokens"].shape
-            position_ids = torch.arange(w, device=self.device).unsqueeze(0).expand(b, w)
-            out = model(mb["tokens"], position_ids, None)
+        def forward_step(data_iterator: Iterator[tuple[dict[str, Tensor], Any]], model: Any) -> tuple[Tensor, Callable]:
+            mb, params = next(data_iterator)
+            out = model(mb["tokens"], mb["position_ids"], None, packed_seq_params=params)
             return out, partial(loss_func, mb)
 
         fb = get_forward_backward_func()
@@ -427,21 +414,17 @@ class MegatronActor:
             data_iterator=micro_batches(),
             model=[self.ddp],
             num_microbatches=len(plan),
-            seq_length=max(widths),
+            seq_length=seq_length,
             micro_batch_size=rows,
             forward_only=forward_only,
         )
 
     def _plan(self, loss_mask: Tensor | None, B: int, T: int, micro_batch_size: int,
               token_budget: int) -> tuple[list[list[int]], list[int]]:
-        """Micro-batch plan and widths: by effective length (``loss_mask`` given) or full width ``T``."""
-        if loss_mask is None:
-            lengths = [T] * B
-        else:
-            lengths = effective_lengths(loss_mask).tolist()
-        plan = plan_micro_batches(lengths, micro_batch_size, token_budget)
-        widths = [max(lengths[i] for i in ix) for ix in plan]
-        return plan, widths
+        """Micro-batch plan and each row's length: by effective length (``loss_mask`` given) or ``T``."""
+        lengths = [T] * B if loss_mask is None else effective_lengths(loss_mask).tolist()
+        plan = plan_micro_batches(lengths, micro_batch_size, token_budget, packed=self.train_cfg.sequence_packing)
+        return plan, lengths
 
     def _broadcast_from_last_stage(self, x: Tensor) -> Tensor:
         from megatron.core import parallel_state
@@ -471,23 +454,26 @@ class MegatronActor:
         if T < 2 or B == 0:
             return torch.zeros(B, T, dtype=torch.float32)
         budget = self.train_cfg.micro_batch_tokens if loss_mask is not None else 0
-        plan, widths = self._plan(loss_mask, B, T, micro_batch_size, budget)
+        plan, lengths = self._plan(loss_mask, B, T, micro_batch_size, budget)
 
         def loss_func(mb: dict[str, Tensor], output: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-            lp = self._token_logprobs(output, mb["tokens"], temperature)
+            lp = self._token_logprobs(output, mb["tokens"], temperature, seq_starts=mb.get("seq_starts"))
             return lp.new_zeros(()), torch.tensor(0, dtype=torch.int), {"logprobs": lp.detach()}
 
         self.ddp.eval()
         try:
             with torch.no_grad():
-                outs = self._run({"tokens": tokens.long()}, plan, widths, True, loss_func)
+                outs = self._run({"tokens": tokens.long()}, plan, lengths, True, loss_func)
         finally:
             self.ddp.train()
         lp = torch.zeros(B, T, dtype=torch.float32, device=self.device)
         if self.post_process:
             for ix, o in zip(plan, outs):
                 x = o["logprobs"]
-                lp[torch.tensor(ix, dtype=torch.long, device=self.device), : x.shape[1]] = x[: len(ix)].float()
+                if self.train_cfg.sequence_packing:
+                    unpack(x, ix, lengths, lp)
+                else:
+                    lp[torch.tensor(ix, dtype=torch.long, device=self.device), : x.shape[1]] = x[: len(ix)].float()
         return self._broadcast_from_last_stage(lp).cpu()
 
     # -------------------------------------------------------------- reference
@@ -569,6 +555,7 @@ class MegatronActor:
 
         def loss_func(mb: dict[str, Tensor], output: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
             mask = mb["loss_mask"].float()
+            starts = mb.get("seq_starts")
             if loss_type == "grpo":
                 from megatron_agentrl.algo.losses import vocab_parallel_entropy
 
@@ -576,9 +563,9 @@ class MegatronActor:
                 entropy = None
                 if entropy_coef > 0:
                     ent = vocab_parallel_entropy(scaled, tp_group)
-                    entropy = torch.cat([ent.new_zeros(ent.shape[0], 1), ent], dim=1)
+                    entropy = _zero_at_starts(torch.cat([ent.new_zeros(ent.shape[0], 1), ent], dim=1), starts)
                 lp = self._token_logprobs(output, mb["tokens"], temperature,
-                                          scaled=scaled if entropy_coef > 0 else None)
+                                          scaled=scaled if entropy_coef > 0 else None, seq_starts=starts)
                 loss, stats = policy_loss(
                     lp, mb["behavior_logprobs"].to(lp.dtype), mb["advantages"].to(lp.dtype), mask,
                     clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
@@ -587,7 +574,7 @@ class MegatronActor:
                     entropy=entropy, entropy_coef=entropy_coef,
                 )
             else:
-                lp = self._token_logprobs(output, mb["tokens"], temperature)
+                lp = self._token_logprobs(output, mb["tokens"], temperature, seq_starts=starts)
                 loss, stats = sft_loss(lp, mask)
             reported = {"loss": loss.detach(), "num_tokens": mask.sum().detach()}
             reported.update({k: v.detach() for k, v in stats.items()})
@@ -601,10 +588,10 @@ class MegatronActor:
         }
         if with_ref:
             data["ref_logprobs"] = batch.ref_logprobs.float()
-        plan, widths = self._plan(data["loss_mask"], B, T, cfg.micro_batch_size, cfg.micro_batch_tokens)
+        plan, lengths = self._plan(data["loss_mask"], B, T, cfg.micro_batch_size, cfg.micro_batch_tokens)
         self.ddp.train()
         self.ddp.zero_grad_buffer()
-        outs = self._run(data, plan, widths, False, loss_func)
+        outs = self._run(data, plan, lengths, False, loss_func)
 
         sums = torch.zeros(len(stat_keys) + 1, dtype=torch.float64, device=self.device)
         if self.post_process:

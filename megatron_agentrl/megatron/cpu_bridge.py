@@ -27,19 +27,14 @@ What is bridged, and which megatron function needs it:
    the tied word embedding with ``weight.data.cuda()`` before its first/last-stage
    all-reduce when PP > 1 and embeddings are tied; during that call only,
    ``Tensor.cuda`` returns the tensor itself.
-6. ``fusions.fused_softmax.FusedScaleMaskSoftmax.forward_torch_softmax`` (the local-spec
-   attention softmax) builds the causal mask with ``transformer.utils.get_default_causal_mask``,
-   which allocates on ``device="cuda"``, whenever ``attention_mask`` is None; the name it
-   imported is replaced by a CPU version (same values, cached per length).
-
-7. megatron's optimizer modules (``optimizer``, ``distrib_optimizer``, ``clip_grads``,
+6. megatron's optimizer modules (``optimizer``, ``distrib_optimizer``, ``clip_grads``,
    ``grad_scaler``) allocate flags, scales and norms with ``device="cuda"``: their ``torch`` name
    is a proxy whose tensor factories send CUDA to the CPU. ``clip_grads``' fallback L2 norm
    (no apex / TE) is replaced by a CPU one.
-8. The mixed-precision and distributed optimizers (``__init__``) and ``clip_grad_by_total_norm_fp32``
+7. The mixed-precision and distributed optimizers (``__init__``) and ``clip_grad_by_total_norm_fp32``
    sort or assert parameters by ``Tensor.type()`` names such as ``torch.cuda.FloatTensor``: within
    those calls a CPU float tensor reports its CUDA type name.
-9. ``DistributedOptimizer.get_parameter_state_dp_zero`` (the gather behind the fully-reshardable
+8. ``DistributedOptimizer.get_parameter_state_dp_zero`` (the gather behind the fully-reshardable
    checkpoint) moves shards with ``.cuda()``: within it, ``Tensor.cuda`` is the identity.
 
 Without apex / TransformerEngine (on either device) two checkpoint-load paths of the distributed
@@ -79,13 +74,6 @@ def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bo
 def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
     """Stand-in for ``tensor_parallel.random._set_cuda_rng_state``: set the CPU generator state."""
     torch.set_rng_state(new_state)
-
-
-@functools.lru_cache(maxsize=32)
-def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
-    """Stand-in for ``transformer.utils.get_default_causal_mask``: ``[sq, sq]`` bool, True above the
-    diagonal (masked)."""
-    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
 _FACTORIES = frozenset({"zeros", "ones", "empty", "full", "tensor"})
@@ -273,7 +261,6 @@ def install() -> bool:
     if _INSTALLED:
         return True
 
-    from megatron.core.fusions import fused_softmax
     from megatron.core.models.common.language_module import language_module
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mrandom
@@ -299,10 +286,7 @@ def install() -> bool:
     cls.setup_embeddings_and_output_layer = _within(  # type: ignore[method-assign]
         _tensor_cuda_is_identity, cls.setup_embeddings_and_output_layer)
 
-    # 6: the causal mask of the unfused attention softmax.
-    fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
-
-    # 7-9: megatron's optimizer (mixed precision, distributed optimizer, clipping, loss scaler).
+    # 6-8: megatron's optimizer (mixed precision, distributed optimizer, clipping, loss scaler).
     from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler
     from megatron.core.optimizer import optimizer as moptimizer
 

@@ -12,7 +12,8 @@ logits equal the ``transformers`` model's, for each supported family:
   built from megatron-core's ``TransformerLayer`` and norm modules).
 
 No dropout. TransformerEngine layer specs are used when TransformerEngine imports, else
-megatron-core's local specs (CPU). All CUDA-only fusions are turned off when CUDA is absent.
+megatron-core's local specs with our SDPA core attention (``attention.py``), which also takes packed
+(THD) sequences. All CUDA-only fusions are turned off when CUDA is absent.
 """
 from __future__ import annotations
 
@@ -114,10 +115,29 @@ def _family_options(hf_config: Any) -> dict[str, Any]:
     return opts
 
 
-def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32) -> "Any":
+def recompute_options(recompute: str, recompute_num_layers: int, layers_per_stage: int) -> dict[str, Any]:
+    """megatron-core's recomputation fields for ``train.recompute`` / ``train.recompute_num_layers``:
+    "none" -> none; "selective" -> the core attention of every layer; "full" -> whole layers, the
+    first ``recompute_num_layers`` of each stage (0 = all)."""
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    if recompute != "full":
+        raise ConfigError(f"train.recompute={recompute!r} is not one of none, selective, full")
+    if recompute_num_layers > layers_per_stage:
+        raise ConfigError(f"train.recompute_num_layers={recompute_num_layers} exceeds the {layers_per_stage} layers "
+                          f"of a pipeline stage; use at most {layers_per_stage} (0 = all of them)")
+    return {"recompute_granularity": "full", "recompute_method": "block",
+            "recompute_num_layers": recompute_num_layers or layers_per_stage}
+
+
+def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, recompute: str = "none",
+                            recompute_num_layers: int = 0) -> "Any":
     """A megatron ``TransformerConfig`` equivalent to the HF config, for the current TP/PP sizes.
 
     Requires ``initialize_parallel`` (reads TP/PP sizes from megatron's parallel_state).
+    ``recompute`` / ``recompute_num_layers``: activation recomputation (:func:`recompute_options`).
     ``dtype`` is the parameter / compute dtype (float32, bfloat16 or float16). The residual
     stream stays in ``dtype`` (``fp32_residual_connection=False``), as in transformers/SGLang.
     ``calculate_per_token_loss=True``: losses are sums over tokens divided by the global token
@@ -191,6 +211,7 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32) 
         calculate_per_token_loss=True,
         variable_seq_lengths=False,
         deallocate_pipeline_outputs=False,
+        **recompute_options(recompute, recompute_num_layers, n_layers // pp),
     )
 
 
@@ -288,15 +309,31 @@ def glm4_layer_spec(base_spec: Any, use_te: bool) -> Any:
         **fields, post_self_attn_layernorm=norm, post_mlp_layernorm=norm))
 
 
+def with_core_attention(spec: Any, core_attention: type) -> Any:
+    """``spec`` (a GPT layer spec) with its self-attention's core attention replaced by ``core_attention``."""
+    import dataclasses
+
+    attn = spec.submodules.self_attention
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, core_attention=core_attention))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))
+
+
 def layer_spec(hf_config: Any) -> Any:
-    """The megatron-core transformer layer spec for ``hf_config``'s family (TE when available)."""
+    """The megatron-core transformer layer spec for ``hf_config``'s family: TransformerEngine's when it
+    imports (with CUDA), else megatron-core's local spec with :class:`SDPACoreAttention` as its core
+    attention (flash / memory-efficient SDPA kernels on GPU, packed THD sequences everywhere)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from megatron_agentrl.megatron.attention import SDPACoreAttention
+
     use_te = _have_te()
-    spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec(normalization="RMSNorm")
+    if use_te:
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = with_core_attention(get_gpt_layer_local_spec(normalization="RMSNorm"), SDPACoreAttention)
     if getattr(hf_config, "model_type", None) == "glm4":
         spec = glm4_layer_spec(spec, use_te)
     return spec
@@ -308,6 +345,8 @@ def build_gpt_model(
     post_process: bool,
     dtype: torch.dtype = torch.float32,
     make_vocab_size_divisible_by: int = 128,
+    recompute: str = "none",
+    recompute_num_layers: int = 0,
 ) -> "Any":
     """The ``GPTModel`` chunk of this PP stage for ``hf_config`` (randomly initialised).
 
@@ -317,6 +356,7 @@ def build_gpt_model(
         post_process: this stage holds the final norm and output layer (last PP stage).
         dtype: parameter dtype.
         make_vocab_size_divisible_by: the vocab is padded to a multiple of this times TP.
+        recompute, recompute_num_layers: activation recomputation (:func:`recompute_options`).
 
     The output layer is vocab-parallel (``parallel_output=True``): without labels the model
     returns logits ``[B, S, padded_vocab / tp]``; padded vocab entries must be masked by the
@@ -327,7 +367,7 @@ def build_gpt_model(
 
     from megatron_agentrl.convert.base import padded_vocab_size
 
-    config = make_transformer_config(hf_config, dtype)
+    config = make_transformer_config(hf_config, dtype, recompute, recompute_num_layers)
     spec = layer_spec(hf_config)
     theta = rope_theta(hf_config)
     scaling = rope_scaling_factor(hf_config)

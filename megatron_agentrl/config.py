@@ -792,7 +792,8 @@ class Config:
         t, r, p = self.train, self.rollout, self.pipeline
         if 0 < t.micro_batch_tokens < r.max_total_tokens:
             raise ConfigError(f"train.micro_batch_tokens={t.micro_batch_tokens} is smaller than one episode can be "
-                              f"(rollout.max_total_tokens={r.max_total_tokens}); raise it to at least that")
+                              f"(rollout.max_total_tokens={r.max_total_tokens}), so a micro-batch could not hold "
+                              "the longest trajectory; raise it to at least that")
         if 0 < p.queue_size < r.prompts_per_step:
             raise ConfigError(f"pipeline.queue_size={p.queue_size} cannot hold one step's "
                               f"rollout.prompts_per_step={r.prompts_per_step} groups; raise it or use 0 (auto)")

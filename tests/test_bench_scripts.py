@@ -85,8 +85,15 @@ def _check_weight_sync(lines: list[str], rec: dict[str, Any]) -> None:
 
 
 def _check_train_scale(lines: list[str], rec: dict[str, Any]) -> None:
-    m = re.fullmatch(r"dist_opt_state_ratio_dp2: (\d+\.\d+)", lines[-1])
+    m = re.fullmatch(r"dist_opt_state_ratio_dp2: (\d+\.\d+)", lines[-2])
     assert m and float(m.group(1)) == pytest.approx(rec["dist_opt_state_ratio_dp2"], abs=1e-3)
+    m = re.fullmatch(r"packing_speedup: (\d+\.\d+)", lines[-1])
+    assert m and float(m.group(1)) == pytest.approx(rec["packing_speedup"], abs=1e-3)
+    layouts = rec["packing"]["layouts"]
+    # packed micro-batches compute no padding; padded ones do on trajectories of uneven lengths
+    assert layouts["packed"]["pad_fraction"] == 0 and layouts["packed_budget"]["pad_fraction"] == 0
+    assert layouts["padded"]["pad_fraction"] > 0.05
+    assert all(r["tokens_per_s"] > 0 for r in layouts.values())
     assert len(rec["dp2"]) == 2 and rec["dp1"]["state_bytes"] > 0
     # the two layouts train the same model on the same batch: same loss, every rank stepped
     assert all(abs(r["loss"] - rec["dp1"]["loss"]) < 1e-4 for r in rec["dp2"])

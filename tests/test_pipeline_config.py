@@ -28,6 +28,29 @@ def test_pipeline_config_errors(override, match):
         load_config(BASE, [override])
 
 
+@pytest.mark.parametrize("argv, names", [
+    (["--nproc", "3", "parallel.tp=2"], ["--nproc 3", "parallel.tp * parallel.pp", "multiple of 2"]),
+    (["train.sequence_packing=true", "train.micro_batch_tokens=100"],
+     ["train.micro_batch_tokens=100", "rollout.max_total_tokens=640", "longest trajectory"]),
+    (["train.recompute=full", "train.recompute_num_layers=3", "parallel.pp=2"],
+     ["train.recompute_num_layers=3", "num_hidden_layers=4", "parallel.pp=2", "at most 2"]),
+    (["train.recompute=selective", "train.recompute_num_layers=1"],
+     ["train.recompute_num_layers=1", "train.recompute=full"]),
+    (["train.recompute=partial"], ["train.recompute='partial' is not one of none, selective, full"]),
+    (["parallel.pp=3"], ["parallel.pp=3 does not divide", "num_hidden_layers=4"]),
+])
+def test_scale_path_layouts_stop_at_load_with_one_line(argv, names, capsys):
+    """A layout that cannot run (processes vs TP x PP, a packed micro-batch below the longest trajectory,
+    recomputing more layers than a stage has) stops before any process starts, naming the keys."""
+    from megatron_agentrl.cli import main
+
+    assert main(["train", "--config", BASE, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("agentrl: error: ") and err.count("\n") == 1, err
+    for name in names:
+        assert name in err, (name, err)
+
+
 def test_cross_policy_needs_staleness():
     with pytest.raises(ConfigError, match=r"rollout.max_versions=3 keeps weights up to 2 versions old.*staleness >= 2"):
         load_config(BASE, ["rollout.max_versions=3", "rollout.cross_policy=uniform", "pipeline.mode=async",

@@ -129,8 +129,8 @@ class MemoryPlan:
         out = []
         if self.train_total_gib > self.gpu_memory_gib:
             out.append(f"train pool needs ~{self.train_total_gib:.1f} GiB per GPU, more than "
-                       f"{self.gpu_memory_gib:.0f} GiB: raise parallel.tp or parallel.pp, or lower "
-                       "train.micro_batch_size / rollout.max_total_tokens")
+                       f"{self.gpu_memory_gib:.0f} GiB: raise parallel.tp or parallel.pp, set train.recompute=full, "
+                       "or lower train.micro_batch_size / train.micro_batch_tokens / rollout.max_total_tokens")
         if self.rollout and self.rollout_total_gib > self.gpu_memory_gib:
             out.append(f"rollout engines need ~{self.rollout_total_gib:.1f} GiB per GPU, more than "
                        f"{self.gpu_memory_gib:.0f} GiB: raise ray.rollout_gpus_per_engine, or lower the sequences "

@@ -44,6 +44,8 @@ def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float]
         "mean_turns": sum(len(t.versions) for t in trajs) / len(trajs),
         "mean_generated_tokens": gen_tokens / len(trajs),
         "train_tokens": float(train_tokens),
+        "traj_tokens_min": float(min(len(t.token_ids) for t in trajs)),
+        "traj_tokens_max": float(max(len(t.token_ids) for t in trajs)),
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": float(max(staleness)),
         "versions_per_traj_mean": sum(nversions) / len(nversions),

@@ -132,8 +132,10 @@ class MegatronActor:
         dist_opt = train_cfg.use_distributed_optimizer
         self.ddp = DistributedDataParallel(
             config=self.config,
+            # the grad reduce (all-reduce, or reduce-scatter for the distributed optimizer) of each bucket
+            # starts during the last micro-batch's backward, as soon as the bucket's grads are complete
             ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=dist_opt
+                grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=dist_opt
             ),
             module=self.model,
         )

@@ -4,7 +4,8 @@
 For each size (``--sizes``, random-init Qwen2.5-shaped models, bf16 by default):
 
 * **megatron**: ``MegatronActor`` (TP=1, PP=1, megatron-core GPTModel with TransformerEngine specs
-  when TE imports, else megatron-core's local specs) runs one GRPO step per iteration:
+  when TE imports, else megatron-core's local specs with our SDPA core attention; the actor's
+  defaults: packed micro-batches, megatron's distributed optimizer) runs one GRPO step per iteration:
   ``compute_grads`` (megatron's forward-backward schedule over ``--batch / --micro-batch``
   micro-batches, the clipped policy loss, vocab-parallel log-probs) then ``optimizer_step``
   (global-norm clip, AdamW on fp32 master weights, copy back to bf16);

@@ -208,12 +208,30 @@ class ParallelConfig(_Section):
         self.require_positive_int("tp", "pp")
 
 
+def scheduled_lr(step: int, length: int, peak: float, min_lr: float, style: str, warmup: int = 0) -> float:
+    """The learning rate of step ``step`` (1-based) of a phase of ``length`` steps: a linear warm-up to
+    ``peak`` over the first ``warmup`` steps, then ``style`` ("constant" | "linear" | "cosine") from
+    ``peak`` at the first step after the warm-up down to ``min_lr`` at the phase's last step (what
+    megatron's ``OptimizerParamScheduler`` does, per phase)."""
+    if step <= warmup:
+        return peak * step / warmup
+    length -= warmup
+    if style == "constant" or length <= 1:
+        return peak
+    frac = min(1.0, (step - warmup - 1) / (length - 1))  # 0 at the first decaying step, 1 at the last
+    decay = 1.0 - frac if style == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+    return min_lr + (peak - min_lr) * decay
+
+
 @dataclass
 class TrainConfig(_Section):
     """Optimizer and policy-loss settings of the RL phase.
 
     steps: RL steps (one rollout batch + one optimizer pass each).
     lr: Adam learning rate; weight_decay (>= 0), adam_beta1/2 (in [0, 1)), grad_clip (0 = off): as usual.
+    lr_warmup_steps: the first RL steps raise the learning rate linearly from lr / lr_warmup_steps to lr.
+    lr_decay_style: "constant" | "linear" | "cosine": after the warm-up, from ``lr`` down to ``min_lr``
+        at the last RL step; min_lr: 0 <= min_lr <= lr.
     micro_batch_size: samples per forward/backward; global batch = the whole rollout batch.
     clip_eps_low / clip_eps_high: PPO ratio clip range [1 - low, 1 + high] (asymmetric allowed;
         low in [0, 1), high >= 0).
@@ -245,6 +263,9 @@ class TrainConfig(_Section):
 
     steps: int = 20
     lr: float = 1e-4
+    lr_warmup_steps: int = 0
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    min_lr: float = 0.0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -267,6 +288,10 @@ class TrainConfig(_Section):
         super().check()
         self.require_positive_int("steps", "micro_batch_size")
         self.require_above_zero("lr")
+        self.require(0 <= self.lr_warmup_steps < self.steps, "lr_warmup_steps",
+                     f"must be in [0, train.steps={self.steps}): the warm-up's steps come first")
+        self.require(0.0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, train.lr={self.lr!r}]: RL decays "
+                     "from lr down to min_lr")
         self.require_non_negative("weight_decay")
         self.require_non_negative("grad_clip", why="0 = no clipping")
         for name in ("adam_beta1", "adam_beta2"):
@@ -283,6 +308,10 @@ class TrainConfig(_Section):
         self.require_non_negative("recompute_num_layers", why="0 = every layer of a stage, with recompute=full")
         self.require(self.recompute_num_layers == 0 or self.recompute == "full", "recompute_num_layers",
                      f"only applies to train.recompute=full (it is {self.recompute!r}); set it to 0")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of RL step ``step`` (1-based): warm-up, then ``lr_decay_style``."""
+        return scheduled_lr(step, self.steps, self.lr, self.min_lr, self.lr_decay_style, self.lr_warmup_steps)
 
 
 @dataclass
@@ -338,11 +367,7 @@ class SFTConfig(_Section):
         short = min(self.short_format_steps, self.steps)
         start, length = (0, short) if step <= short else (short, self.steps - short)
         peak = self.lr if step <= short or self.full_format_lr is None else self.full_format_lr
-        if self.lr_decay_style == "constant" or length <= 1:
-            return peak
-        frac = (step - start - 1) / (length - 1)  # 0 at the phase's first step, 1 at its last
-        decay = 1.0 - frac if self.lr_decay_style == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
-        return self.min_lr + (peak - self.min_lr) * decay
+        return scheduled_lr(step - start, length, peak, self.min_lr, self.lr_decay_style)
 
 
 @dataclass

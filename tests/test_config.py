@@ -69,6 +69,21 @@ def test_sft_learning_rate_schedule():
     with pytest.raises(ConfigError, match=r"sft.full_format_lr"):
         load_config(DEMO, ["sft.full_format_lr=0"])
 
+def test_rl_learning_rate_schedule():
+    """RL's learning rate: a linear warm-up over train.lr_warmup_steps, then the decay style down to
+    train.min_lr at the last step; bad settings name the key."""
+    cfg = load_config(DEMO, ["train.steps=10", "train.lr=1e-3", "train.lr_warmup_steps=2", "train.min_lr=1e-4",
+                             "train.lr_decay_style=linear"])
+    lrs = [cfg.train.lr_at(s) for s in range(1, 11)]
+    assert lrs[:3] == pytest.approx([5e-4, 1e-3, 1e-3]) and lrs[9] == pytest.approx(1e-4)
+    assert all(a > b for a, b in zip(lrs[2:], lrs[3:]))
+    assert {load_config(DEMO).train.lr_at(s) for s in (1, 30, 60)} == {1e-3}  # the demo's: constant
+    with pytest.raises(ConfigError, match=r"train.lr_warmup_steps=10 must be in \[0, train.steps=10\)"):
+        load_config(DEMO, ["train.steps=10", "train.lr_warmup_steps=10"])
+    with pytest.raises(ConfigError, match=r"train.min_lr=0.1 must be in \[0, train.lr="):
+        load_config(DEMO, ["train.min_lr=0.1"])
+
+
 def test_missing_config_file():
     with pytest.raises(ConfigError, match=r"config file 'nope.yaml' does not exist"):
         load_config("nope.yaml")

@@ -131,7 +131,7 @@ def _trainer_step(rank: int, world: int) -> dict[str, float]:
             state = actor.export_hf_state_dict()
         else:
             actor.load_hf_state_dict(state)
-        stats = Trainer(actor, cfg, ["t0", "t1", "t2", "t3", "t4"]).step(rl if rank == 0 else None)
+        stats = Trainer(actor, cfg, ["t0", "t1", "t2", "t3", "t4"]).step(rl if rank == 0 else None, 1)
         after = actor.export_hf_state_dict()
         out[f"dp{actor.dp}"] = (stats["loss"], stats["grad_norm"], after)
     (l2, n2, w2), (l1, n1, w1) = out["dp2"], out["dp1"]

@@ -237,7 +237,7 @@ class TrainingRun:
                                 self.ro.specs)
         wait_s = time.perf_counter() - t_step
         t0 = time.perf_counter()
-        stats = self.trainer.step(rl)
+        stats = self.trainer.step(rl, step)
         train_s = time.perf_counter() - t0
         sync_s = self.publisher.push(step)
         if self.manager is not None:

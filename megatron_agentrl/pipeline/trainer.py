@@ -35,8 +35,9 @@ class Trainer:
 
         return parallel_state.get_data_parallel_group()
 
-    def step(self, rl: RLBatch | None) -> dict[str, float]:
-        """Train on ``rl`` (given on rank 0, None elsewhere). Collective over all ranks.
+    def step(self, rl: RLBatch | None, step: int) -> dict[str, float]:
+        """Train RL step ``step`` (1-based; its learning rate is ``train.lr_at(step)``) on ``rl`` (given on
+        rank 0, None elsewhere). Collective over all ranks.
 
         Returns the actor's stats: per-token averages over the global batch (``loss``,
         ``pg_loss``, ``clip_frac``, ``approx_kl``, and as enabled ``is_weight``, ``is_truncated``,
@@ -50,4 +51,7 @@ class Trainer:
         temperature = self.cfg.rollout.temperature
         if self.cfg.train.kl_coef > 0:
             local.ref_logprobs = a.compute_ref_logprobs(local.tokens, local.loss_mask, temperature)
-        return a.train_step(local, loss_type="grpo", temperature=temperature)
+        a.set_lr(self.cfg.train.lr_at(step))
+        stats = a.train_step(local, loss_type="grpo", temperature=temperature)
+        stats["lr"] = self.cfg.train.lr_at(step)
+        return stats

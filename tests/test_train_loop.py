@@ -76,7 +76,8 @@ def test_cli_trains_the_demo_config_at_dp2_on_the_scale_path(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "megatron_agentrl.cli", "train", "--config", "examples/configs/tiny_cpu.yaml",
            "--nproc", "2", "train.use_distributed_optimizer=true", "train.sequence_packing=true",
-           "train.recompute=selective", "train.lr_decay_style=linear", "train.min_lr=1e-4", f"output_dir={out}", "sft.steps=2", "sft.short_format_steps=1",
+           "train.recompute=selective", "train.lr_decay_style=linear", "train.min_lr=1e-4", f"output_dir={out}",
+           "sft.steps=2", "sft.short_format_steps=1",
            "sft.batch_size=4", "train.steps=2", "train.micro_batch_size=4", "rollout.prompts_per_step=2",
            "rollout.samples_per_prompt=2", "rollout.max_turns=2", "rollout.max_new_tokens=8",
            "eval.samples_per_task=2", "checkpoint.interval=2", "model.arch.hidden_size=32",

@@ -176,6 +176,11 @@ def test_async_pipeline_staleness_bound(tmp_path, engines):
     for m in metrics:
         assert m["staleness_max"] <= eta
         assert abs(sum(m[f"staleness/{k}"] for k in range(eta + 1)) - 1) < 1e-9
+        # every policy token has a lag within the cap; at lag 0 the engine ran the trained weights, so
+        # its log-probs are the trainer's (fp32), whichever version slot served the turn
+        assert sum(m.get(f"mismatch/tokens_lag{k}", 0) for k in range(eta + 1)) == m["num_tokens"], m
+        if "mismatch/abs_lag0" in m:
+            assert m["mismatch/abs_lag0"] < 1e-4, m
         for key in ("queue_depth", "trainer_idle_frac", "engine_idle_frac", "versions_per_traj_mean",
                     "trained_tokens_per_s", "rollout_time_s", "train_time_s"):
             assert key in m

@@ -35,6 +35,11 @@ def test_sync_loop_writes_metrics_plot_and_export(tmp_path, tp):
     for r in rl:
         assert any(k.startswith("reward/") for k in r)
         assert r["gen_tokens_per_s"] > 0 and r["train_tokens_per_s"] > 0 and r["step_time_s"] > 0
+        # synchronous: every token was sampled by the weights being trained, and the engine's
+        # log-probs are the trainer's (fp32): a slot that missed a weight update would show here
+        assert r["mismatch/tokens_lag0"] == r["num_tokens"] and not any(
+            k.startswith("mismatch/tokens_lag") and k != "mismatch/tokens_lag0" for k in r), r
+        assert r["mismatch/abs_lag0"] < 1e-4 and r["mismatch/kl_lag0"] < 1e-6, r
     assert set(summary["before_rl"]) == set(summary["after_rl"]) == {
         f"{m}/{t}" for m in ("reward", "success", "episodes", "success_low", "success_high")
         for t in ("lookup", "calc", "guess")

@@ -55,6 +55,9 @@ class TrainBatch:
     advantages: float token advantages; 0 where mask is 0.
     ref_logprobs: optional float log-probs under the reference policy (the KL term,
         ``train.kl_coef > 0``); None otherwise.
+    version_lag: optional long, how many weight versions older than the trained one the engine that
+        sampled ``tokens[b, t]`` was (-1 for tokens no engine sampled); given, the train-vs-rollout
+        mismatch is reported per lag (``megatron_agentrl.algo.mismatch``).
     """
 
     tokens: Tensor
@@ -62,6 +65,7 @@ class TrainBatch:
     behavior_logprobs: Tensor
     advantages: Tensor
     ref_logprobs: Tensor | None = None
+    version_lag: Tensor | None = None
 
     def select(self, index: slice | Tensor) -> "TrainBatch":
         """Rows ``index`` of every field (None fields stay None)."""
@@ -533,11 +537,14 @@ class MegatronActor:
         Returns per-token averages over the global batch (:meth:`loss_stat_keys`: ``loss``, and
         for grpo ``pg_loss``, ``clip_frac``, ``approx_kl``, ``is_weight``, ``is_truncated``,
         ``kl_ref``, ``entropy`` as enabled), ``num_tokens`` (global masked tokens) and
-        ``num_micro_batches`` (this rank). Collective over all ranks.
+        ``num_micro_batches`` (this rank); with ``batch.version_lag`` also the ``mismatch/*`` metrics
+        per version lag (:func:`megatron_agentrl.algo.mismatch.lag_metrics`, computed from the log-probs
+        of this forward, i.e. the weights at the step start). Collective over all ranks.
         """
         from megatron.core import parallel_state
 
         from megatron_agentrl.algo.losses import policy_loss, sft_loss
+        from megatron_agentrl.algo.mismatch import LAG_BUCKETS, lag_metrics, lag_sums
 
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}")
@@ -550,6 +557,7 @@ class MegatronActor:
         cfg = self.train_cfg
         tis_cap, kl_coef, entropy_coef = cfg.tis_cap, cfg.kl_coef, cfg.entropy_coef
         with_ref = loss_type == "grpo" and batch.ref_logprobs is not None
+        with_lag = loss_type == "grpo" and batch.version_lag is not None
         if loss_type == "grpo" and kl_coef > 0 and not with_ref:
             raise ValueError("train.kl_coef > 0 needs batch.ref_logprobs (compute_ref_logprobs)")
         stat_keys = self.loss_stat_keys(loss_type, with_ref)
@@ -575,6 +583,8 @@ class MegatronActor:
                     ref_logprobs=mb["ref_logprobs"].to(lp.dtype) if with_ref else None, kl_coef=kl_coef,
                     entropy=entropy, entropy_coef=entropy_coef,
                 )
+                if with_lag:
+                    stats["lag_sums"] = lag_sums(lp, mb["behavior_logprobs"].to(lp.dtype), mask, mb["version_lag"])
             else:
                 lp = self._token_logprobs(output, mb["tokens"], temperature, seq_starts=starts)
                 loss, stats = sft_loss(lp, mask)
@@ -590,23 +600,31 @@ class MegatronActor:
         }
         if with_ref:
             data["ref_logprobs"] = batch.ref_logprobs.float()
+        if with_lag:
+            data["version_lag"] = batch.version_lag.long()
         plan, lengths = self._plan(data["loss_mask"], B, T, cfg.micro_batch_size, cfg.micro_batch_tokens)
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         outs = self._run(data, plan, lengths, False, loss_func)
 
-        sums = torch.zeros(len(stat_keys) + 1, dtype=torch.float64, device=self.device)
+        # one vector summed over micro-batches and DP ranks: the stats, the token count, the lag sums
+        n_stats = len(stat_keys) + 1
+        sums = torch.zeros(n_stats + (LAG_BUCKETS * 3 if with_lag else 0), dtype=torch.float64, device=self.device)
         if self.post_process:
             for o in outs:
                 for i, k in enumerate(stat_keys):
                     sums[i] += o[k].double()
-                sums[-1] += o["num_tokens"].double()
+                sums[n_stats - 1] += o["num_tokens"].double()
+                if with_lag:
+                    sums[n_stats:] += o["lag_sums"].reshape(-1)
             dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
         sums = self._broadcast_from_last_stage(sums)
-        n = float(sums[-1])
+        n = float(sums[n_stats - 1])
         result = {k: float(sums[i]) / max(n, 1.0) for i, k in enumerate(stat_keys)}
         result["num_tokens"] = n
         result["num_micro_batches"] = float(len(plan))
+        if with_lag:
+            result.update(lag_metrics(sums[n_stats:].reshape(LAG_BUCKETS, 3).cpu()))
         return result
 
     def _grad_norm(self) -> float:

@@ -2,6 +2,7 @@
 advantages, per-task normalization."""
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_agentrl.algo.advantages import grpo_group_advantages, normalize_per_task
+from megatron_agentrl.algo.mismatch import token_versions
 from megatron_agentrl.config import AlgoConfig, TaskSpec
 from megatron_agentrl.megatron.actor import TrainBatch
 from rollout_sglang.trajectory import Trajectory
@@ -69,13 +71,14 @@ class RLBatch:
 
 
 def build_rl_batch(trajs: Sequence[Trajectory], task_names: Sequence[str], algo: AlgoConfig,
-                   specs: dict[str, TaskSpec] | None = None) -> RLBatch:
+                   specs: dict[str, TaskSpec] | None = None, trained_version: int | None = None) -> RLBatch:
     """Pad ``trajs`` and give every policy token its sample's GRPO group advantage.
 
     Rewards are shaped per task (:func:`shape_reward` with ``specs[task]``); sample advantages
     are group-relative (``grpo_group_advantages`` over ``group_id``). Per-task normalization is
     left to :func:`normalize_batch` (run after the data-parallel split, globally over DP).
-    ``task_names`` fixes the task-id order.
+    ``task_names`` fixes the task-id order. With ``trained_version`` (the weight version this batch
+    trains), every generated token gets its version lag (``TrainBatch.version_lag``).
     """
     task_id = {name: i for i, name in enumerate(task_names)}
     unknown = sorted({t.task for t in trajs} - set(task_id))
@@ -89,8 +92,13 @@ def build_rl_batch(trajs: Sequence[Trajectory], task_names: Sequence[str], algo:
     behavior = pad_right([t.behavior_logprobs for t in trajs], torch.float32)
     adv = sample_adv[:, None] * mask
     tids = torch.tensor([task_id[t.task] for t in trajs], dtype=torch.long)
-    return RLBatch(TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior, advantages=adv),
-                   tids, sample_adv, rewards)
+    lag = None
+    if trained_version is not None:
+        versions = pad_right([token_versions(t.turn_spans, t.versions, len(t.token_ids)) for t in trajs], torch.long,
+                             pad=-1)
+        lag = torch.where(versions >= 0, trained_version - versions, versions)
+    return RLBatch(TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior, advantages=adv,
+                              version_lag=lag), tids, sample_adv, rewards)
 
 
 def normalize_batch(batch: TrainBatch, task_ids: torch.Tensor, algo: AlgoConfig, num_tasks: int,
@@ -101,8 +109,7 @@ def normalize_batch(batch: TrainBatch, task_ids: torch.Tensor, algo: AlgoConfig,
         return batch
     adv = normalize_per_task(batch.advantages, batch.loss_mask, task_ids, eps=algo.eps,
                              process_group=process_group, num_tasks=num_tasks)
-    return TrainBatch(tokens=batch.tokens, loss_mask=batch.loss_mask, behavior_logprobs=batch.behavior_logprobs,
-                      advantages=adv, ref_logprobs=batch.ref_logprobs)
+    return dataclasses.replace(batch, advantages=adv)
 
 
 def build_sft_batch(examples: Sequence[tuple[list[int], list[int]]]) -> TrainBatch:

@@ -240,8 +240,10 @@ class TrainConfig(_Section):
         decoupled loss (ratio against the trainer's own log-probs at the step start, each token
         weighted by min(pi_old / pi_behavior, tis_cap)); 0 = the classic loss, ratio against the
         behavior log-probs, no weight (see ``megatron_agentrl.algo.losses``).
-    kl_coef: weight of the low-variance (k3) KL to the reference policy (the policy when RL
-        starts, after the SFT warm-up); 0 = off (no reference model kept).
+    kl_coef: weight of the KL to the reference policy (the policy when RL starts, after the SFT
+        warm-up); 0 = off (no reference model kept).
+    kl_estimator: the per-token KL term: "k3" (``exp(d) - d - 1``, GRPO's) or "k2" (``d**2 / 2``,
+        whose gradient stays linear in ``d = log p_ref - log p``; see ``algo.losses.kl_to_reference``).
     entropy_coef: weight of the entropy bonus (mean token entropy is subtracted); 0 = off.
     micro_batch_tokens: token budget of a micro-batch (samples placed longest first): packed, the
         summed lengths of its samples <= budget; unpacked, rows x longest row <= budget, each
@@ -276,6 +278,7 @@ class TrainConfig(_Section):
     seed: int = 1234
     tis_cap: float = 0.0
     kl_coef: float = 0.0
+    kl_estimator: Literal["k3", "k2"] = "k3"
     entropy_coef: float = 0.0
     micro_batch_tokens: int = 0
     sequence_packing: bool = True

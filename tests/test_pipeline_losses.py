@@ -9,7 +9,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-from megatron_agentrl.algo.losses import clipped_policy_loss, k3_kl, policy_loss, vocab_parallel_entropy
+from megatron_agentrl.algo.losses import clipped_policy_loss, kl_to_reference, policy_loss, vocab_parallel_entropy
 from megatron_agentrl.config import TrainConfig
 from megatron_agentrl.megatron.packing import effective_lengths, plan_micro_batches
 
@@ -43,15 +43,29 @@ def test_tis_off_is_the_classic_loss():
     assert a.item() == b.item() and "is_weight" not in stats
 
 
-def test_k3_kl_by_hand():
+def test_kl_estimators_by_hand():
     lp = torch.tensor([[math.log(0.5), math.log(0.25), 3.0]], requires_grad=True)
     ref = torch.tensor([[math.log(0.25), math.log(0.5), -3.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    kl = k3_kl(lp, ref, mask)
+    kl = kl_to_reference(lp, ref, mask)  # k3
     # d = ref - lp = log .5, log 2: (e^d - d - 1) = .5 + log 2 - 1, 2 - log 2 - 1 -> sum .5
     assert kl.item() == pytest.approx(0.5, abs=1e-6)
     kl.backward()
     assert torch.allclose(lp.grad, torch.tensor([[0.5, -1.0, 0.0]]), atol=1e-6)  # 1 - e^d
+    lp.grad = None
+    k2 = kl_to_reference(lp, ref, mask, "k2")  # d^2 / 2, gradient -d
+    assert k2.item() == pytest.approx(math.log(2) ** 2, abs=1e-6)
+    k2.backward()
+    assert torch.allclose(lp.grad, torch.tensor([[-math.log(0.5), -math.log(2), 0.0]]), atol=1e-6)
+    # a token the current policy has all but dropped (d = 12): k3's gradient explodes, k2's stays linear
+    far = torch.tensor([[-14.0]], requires_grad=True)
+    kl_to_reference(far, torch.tensor([[-2.0]]), torch.ones(1, 1)).backward()
+    assert far.grad.item() < -1e5
+    far.grad = None
+    kl_to_reference(far, torch.tensor([[-2.0]]), torch.ones(1, 1), "k2").backward()
+    assert far.grad.item() == pytest.approx(-12.0)
+    with pytest.raises(ValueError, match="'k1' is not one of"):
+        kl_to_reference(lp, ref, mask, "k1")
 
 
 def test_entropy_and_combined_loss():

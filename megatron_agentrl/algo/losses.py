@@ -72,16 +72,26 @@ def clipped_policy_loss(
     return loss_sum, stats
 
 
-def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
-    """Low-variance (k3) estimator of KL(current || reference), summed over masked tokens.
+KL_ESTIMATORS = ("k3", "k2")
 
-    ``[B, T]`` inputs; per token with ``d = ref_logprobs - logprobs``: ``exp(d) - d - 1`` (>= 0,
-    unbiased for the KL when tokens are sampled from the current policy; Schulman's k3).
-    Differentiable in ``logprobs``.
+
+def kl_to_reference(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str = "k3") -> Tensor:
+    """A per-token estimate of KL(current || reference), summed over masked tokens; ``[B, T]`` inputs,
+    differentiable in ``logprobs``. With ``d = ref_logprobs - logprobs`` per token:
+
+    * ``k3``: ``exp(d) - d - 1`` (>= 0; Schulman's low-variance estimator, GRPO's KL term). As a loss
+      its gradient on a token is ``-(exp(d) - 1)``, which grows exponentially when the current policy
+      gives a sampled token far less probability than the reference (stale and cross-policy tokens
+      can be such tokens), so one token can dominate a clipped step;
+    * ``k2``: ``d ** 2 / 2`` (>= 0): its gradient ``-d`` grows linearly and, on tokens sampled from
+      the current policy, is the exact gradient of the KL; the same as k3's to first order in ``d``.
     """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"KL estimator {estimator!r} is not one of {KL_ESTIMATORS}")
     mask = mask.to(logprobs.dtype)
     d = (ref_logprobs.detach() - logprobs) * mask
-    return ((torch.exp(d) - d - 1.0) * mask).sum()
+    per_token = torch.expm1(d) - d if estimator == "k3" else 0.5 * d * d
+    return (per_token * mask).sum()
 
 
 def vocab_parallel_entropy(logits: Tensor, tp_group=None) -> Tensor:
@@ -122,12 +132,14 @@ def policy_loss(
     tis_cap: float = 0.0,
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The GRPO training loss of one micro-batch, summed over masked tokens.
 
-    ``loss = clipped_policy_loss(...) + kl_coef * k3_kl(logprobs, ref_logprobs) - entropy_coef * sum(entropy)``
+    ``loss = clipped_policy_loss(...) + kl_coef * kl_to_reference(logprobs, ref_logprobs, kl_estimator)
+    - entropy_coef * sum(entropy)``
     (all sums over masked tokens; ``[B, T]`` inputs, ``entropy`` per position ``[B, T]``).
     The KL term needs ``ref_logprobs`` when ``kl_coef > 0``; the entropy bonus needs ``entropy``
     when ``entropy_coef > 0``. Stats (per-token sums): those of :func:`clipped_policy_loss`,
@@ -141,7 +153,7 @@ def policy_loss(
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's log-probs of the batch)")
     if ref_logprobs is not None:
-        kl = k3_kl(logprobs, ref_logprobs, maskf)
+        kl = kl_to_reference(logprobs, ref_logprobs, maskf, kl_estimator)
         stats["kl_ref"] = kl.detach()
         if kl_coef > 0:
             loss = loss + kl_coef * kl

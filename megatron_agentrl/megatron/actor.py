@@ -581,6 +581,7 @@ class MegatronActor:
                     clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
                     old_logprobs=lp.detach() if tis_cap > 0 else None, tis_cap=tis_cap,
                     ref_logprobs=mb["ref_logprobs"].to(lp.dtype) if with_ref else None, kl_coef=kl_coef,
+                    kl_estimator=cfg.kl_estimator,
                     entropy=entropy, entropy_coef=entropy_coef,
                 )
                 if with_lag:

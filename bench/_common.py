@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import subprocess
+import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +64,48 @@ def write_record(path: str | Path, record: dict[str, Any]) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2, default=str) + "\n")
     return out
+
+
+def _rank_entry(target: Callable[..., dict], rank: int, world: int, port: int, args: tuple, q: Any) -> None:
+    """Run ``target(rank, world, port, *args)`` in a spawned process; put ``(rank, result)`` on ``q``,
+    or ``(rank, {"error": traceback})`` when it raises."""
+    try:
+        q.put((rank, target(rank, world, port, *args)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        q.put((rank, {"error": f"{e!r}\n{traceback.format_exc()}"}))
+
+
+def run_ranks(target: Callable[..., dict], world: int, args: tuple, timeout_s: float, what: str) -> list[dict]:
+    """Run ``target(rank, world, port, *args) -> dict`` on ``world`` spawned processes (``port``: a free
+    loopback port for their rendezvous) and return the ranks' dicts in rank order.
+
+    ``target`` must be a module-level function. A rank that raises, or a run past ``timeout_s``
+    seconds, ends the bench with SystemExit naming ``what`` (and the rank's traceback); every process
+    is joined or killed before this returns.
+    """
+    from env_controller.net import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_entry, args=(target, r, world, port, args, q), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, dict] = {}
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(out) < world:
+            try:
+                rank, rec = q.get(timeout=max(1.0, deadline - time.monotonic()))
+            except Exception:  # queue.Empty
+                raise SystemExit(f"the {what} run did not finish within {timeout_s:.0f} s") from None
+            if "error" in rec:
+                raise SystemExit(f"rank {rank} of the {what} run (world {world}) failed:\n{rec['error']}")
+            out[rank] = rec
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world)]

@@ -19,7 +19,6 @@ Usage: ``python bench/gloo_transport.py [--tensors 42] [--tensor-mb 8.3125] [--r
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -30,13 +29,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
+from bench._common import bench_parser, git_commit, parse_bench_args, run_ranks, write_record  # noqa: E402
 
 MODES = ("flat", "broadcast", "send_recv")
 
 
-def rank_main(rank: int, port: int, tensors: int, nbytes: int, repeats: int, out) -> None:
-    """One rank: join the group, run the interleaved rounds; rank 0 puts {mode: [seconds]} on ``out``."""
+def rank_main(rank: int, world: int, port: int, tensors: int, nbytes: int, repeats: int) -> dict:
+    """One rank: join the group, run the interleaved rounds; returns {mode: [seconds]}."""
     from rollout_sglang.weight_update.group import init_weight_group
 
     group = init_weight_group("127.0.0.1", port, rank, 2, "gloo-transport", "gloo", timeout_s=120)
@@ -67,9 +66,8 @@ def rank_main(rank: int, port: int, tensors: int, nbytes: int, repeats: int, out
             s = one(mode)
             if r >= 2:
                 times[mode].append(s)
-    if rank == 0:
-        out.put(times)
     group.close()
+    return times
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -80,19 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=12)
     # smoke: 4 tensors of 64 KiB, 2 rounds: seconds
     args = parse_bench_args(ap, argv, {"tensors": 4, "tensor_mb": 1 / 16, "repeats": 2})
-    from env_controller.net import free_port
-
     nbytes = int(args.tensor_mb * 2**20)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, port, args.tensors, nbytes, args.repeats, q), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    times = q.get(timeout=900)
-    for p in procs:
-        p.join(60)
+    times = run_ranks(rank_main, 2, (args.tensors, nbytes, args.repeats), 900.0, "gloo transport")[0]
     total = nbytes * args.tensors
     print(f"{args.tensors} tensors of {nbytes / 2**20:.2f} MiB ({total / 1e6:.3g} MB), gloo over loopback, 2 processes")
     print(f"{'mode':<10} {'best ms':>8} {'median ms':>10} {'GB/s best':>10}")

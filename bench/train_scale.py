@@ -32,7 +32,6 @@ Usage: ``python bench/train_scale.py [--hidden 512] [--layers 8] [--steps 4] [--
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -44,7 +43,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
+from bench._common import bench_parser, git_commit, parse_bench_args, run_ranks, write_record  # noqa: E402
 
 
 def _state_bytes(actor: Any) -> int:
@@ -175,48 +174,23 @@ def _packing_rank(args: dict) -> dict:
             "mean": trained / len(lengths)}, "params": sum(p.numel() for _, p in actor.named_params)}
 
 
-def _rank_main(rank: int, world: int, port: int, job: str, args: dict, dist_opt: bool, q: Any) -> None:
+def _rank_main(rank: int, world: int, port: int, job: str, args: dict, dist_opt: bool) -> dict:
+    """One rank of a part (``job``: "dist_opt" or "packing"), one thread."""
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"})
-    try:
-        import torch
+                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"})
+    import torch
 
-        from megatron_agentrl.megatron.parallel import destroy_parallel, initialize_parallel
+    from megatron_agentrl.megatron.parallel import destroy_parallel, initialize_parallel
 
-        torch.set_num_threads(1)
-        initialize_parallel(1, 1, seed=0)
-        q.put((rank, _packing_rank(args) if job == "packing" else _dist_opt_rank(args, dist_opt)))
-        destroy_parallel()
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        import traceback
-
-        q.put((rank, {"error": f"{e!r}\n{traceback.format_exc()}"}))
+    torch.set_num_threads(1)
+    initialize_parallel(1, 1, seed=0)
+    result = _packing_rank(args) if job == "packing" else _dist_opt_rank(args, dist_opt)
+    destroy_parallel()
+    return result
 
 
 def _run(world: int, job: str, args: dict, dist_opt: bool, timeout_s: float) -> list[dict]:
-    from env_controller.net import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, job, args, dist_opt, q), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict[int, dict] = {}
-    try:
-        deadline = time.monotonic() + timeout_s
-        while len(out) < world:
-            rank, rec = q.get(timeout=max(1.0, deadline - time.monotonic()))
-            if "error" in rec:
-                raise SystemExit(f"rank {rank} of the {job} run (world {world}) failed:\n{rec['error']}")
-            out[rank] = rec
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(world)]
+    return run_ranks(_rank_main, world, (job, args, dist_opt), timeout_s, job)
 
 
 def main(argv: list[str] | None = None) -> dict:

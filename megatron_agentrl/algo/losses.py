@@ -68,11 +68,17 @@ def clipped_policy_loss(
     with torch.no_grad():
         stats["clip_frac"] = ((clipped < unclipped).to(mask.dtype) * mask).sum()
         behav_log_ratio = (logprobs.detach() - behavior_logprobs) * mask
-        stats["approx_kl"] = (((torch.exp(behav_log_ratio) - 1.0) - behav_log_ratio) * mask).sum()
+        stats["approx_kl"] = (k3(behav_log_ratio) * mask).sum()
     return loss_sum, stats
 
 
 KL_ESTIMATORS = ("k3", "k2")
+
+
+def k3(log_ratio: Tensor) -> Tensor:
+    """Schulman's k3 term per token, ``(r - 1) - log r`` with ``log r = log_ratio`` (>= 0): with tokens
+    drawn from q and ``r = p / q``, its mean estimates KL(q || p)."""
+    return torch.expm1(log_ratio) - log_ratio
 
 
 def kl_to_reference(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str = "k3") -> Tensor:
@@ -90,7 +96,7 @@ def kl_to_reference(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estima
         raise ValueError(f"KL estimator {estimator!r} is not one of {KL_ESTIMATORS}")
     mask = mask.to(logprobs.dtype)
     d = (ref_logprobs.detach() - logprobs) * mask
-    per_token = torch.expm1(d) - d if estimator == "k3" else 0.5 * d * d
+    per_token = k3(d) if estimator == "k3" else 0.5 * d * d
     return (per_token * mask).sum()
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megatron_agentrl.algo.losses import k3
+
 #: lag buckets 0, 1, ..., LAG_BUCKETS - 2, and "LAG_BUCKETS - 1 or more"
 LAG_BUCKETS = 8
 
@@ -31,7 +33,7 @@ def lag_sums(logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor, lag: Ten
     bucket = lag[keep].long().clamp(max=LAG_BUCKETS - 1)
     out = torch.zeros(LAG_BUCKETS, 3, dtype=torch.float64, device=logprobs.device)
     out[:, 0].index_add_(0, bucket, delta.abs())
-    out[:, 1].index_add_(0, bucket, torch.expm1(delta) - delta)
+    out[:, 1].index_add_(0, bucket, k3(delta))
     out[:, 2].index_add_(0, bucket, torch.ones_like(delta))
     return out
 

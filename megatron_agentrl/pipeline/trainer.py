@@ -51,7 +51,6 @@ class Trainer:
         temperature = self.cfg.rollout.temperature
         if self.cfg.train.kl_coef > 0:
             local.ref_logprobs = a.compute_ref_logprobs(local.tokens, local.loss_mask, temperature)
-        a.set_lr(self.cfg.train.lr_at(step))
-        stats = a.train_step(local, loss_type="grpo", temperature=temperature)
-        stats["lr"] = self.cfg.train.lr_at(step)
-        return stats
+        lr = self.cfg.train.lr_at(step)
+        a.set_lr(lr)
+        return {**a.train_step(local, loss_type="grpo", temperature=temperature), "lr": lr}

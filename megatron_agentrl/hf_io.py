@@ -12,10 +12,9 @@ from typing import Any
 import torch
 
 from megatron_agentrl.config import ConfigError, ModelConfig, read_mapping_file
+from megatron_agentrl.convert import MODEL_TYPES as SUPPORTED_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "glm4")
 
 
 def check_model_paths(model: ModelConfig) -> None:
@@ -82,7 +81,9 @@ def load_hf_config(model: ModelConfig, tokenizer: Any | None = None):
         where = f"model.hf_config='{model.hf_config}'" if model.hf_config is not None else "model.arch"
         detail = " ".join(str(e).split())
         raise ConfigError(f"{where}: transformers refuses the {model_type} config: {detail}") from None
-    cfg.architectures = [_ARCHS[model_type]]
+    from megatron_agentrl.convert import MAPPINGS
+
+    cfg.architectures = [MAPPINGS[model_type].architecture]
     if tokenizer is not None and cfg.vocab_size < len(tokenizer):
         raise ConfigError(
             f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens "
@@ -106,9 +107,6 @@ def read_hf_config_json(hf_config: str) -> dict[str, Any]:
             f"directory with config.json, or the config.json itself); fix the path or use model.arch"
         )
     return read_mapping_file(path, "json", f"model.hf_config: '{path}'")
-
-
-_ARCHS = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "glm4": "Glm4ForCausalLM"}
 
 
 def load_hf_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Converted checkpoints in megatron-core models (CPU, gloo, 2 processes), for every family.
 
-For each of Qwen2, Llama and GLM-4 a tiny random model is written with ``transformers`` and
+For each of Qwen2, Qwen3, Llama and GLM-4 a tiny random model is written with ``transformers`` and
 converted with ``--tp 2`` and with ``--pp 2``; a megatron ``GPTModel`` built at TP=2, at PP=2 and
 at TP=1 (DP=2) loads each through megatron's ``dist_checkpointing.load`` and must give the
 ``transformers`` model's logits (fp32, rtol 1e-4). The TP=2 model then saves itself with
@@ -29,7 +29,7 @@ RTOL = 1e-4
 LOADS = (("tp2", 2, 1), ("tp2", 1, 2), ("tp2", 1, 1), ("pp2", 1, 2), ("pp2", 2, 1))
 
 
-CASES = (("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True), ("glm4", False))
+CASES = (("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True), ("glm4", False), ("qwen3", True))
 
 
 def _load_and_forward(rank: int, world: int, cases: list[tuple[str, bool, dict[str, str], str]],
@@ -140,11 +140,12 @@ def test_converter_writes_what_megatron_saves(family: str, tied: bool, converted
 def test_loading_a_checkpoint_of_another_family_fails_clearly(converted) -> None:
     """load_megatron_checkpoint refuses a checkpoint of another family (or another tying), naming both."""
     errors = converted["errors"]
-    assert "is a glm4 (Glm4ForCausalLM) checkpoint, but the model config is qwen2" in errors["qwen2-False"]
+    assert "is a qwen3 (Qwen3ForCausalLM) checkpoint, but the model config is qwen2" in errors["qwen2-False"]
     assert "does not hold a qwen2 model of this config" in errors["qwen2-True"]  # untied checkpoint, tied config
     assert "is a qwen2 (Qwen2ForCausalLM) checkpoint, but the model config is llama" in errors["llama-False"]
     assert "does not hold a llama model" in errors["llama-True"] and "output_layer.weight" in errors["llama-True"]
     assert "is a llama (LlamaForCausalLM) checkpoint, but the model config is glm4" in errors["glm4-False"]
+    assert "is a glm4 (Glm4ForCausalLM) checkpoint, but the model config is qwen3" in errors["qwen3-True"]
 
 
 def test_families_are_covered() -> None:

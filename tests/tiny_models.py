@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face models of each family (Qwen2, Llama, GLM-4), written with
+"""Tiny random Hugging Face models of each family (Qwen2, Qwen3, Llama, GLM-4), written with
 ``transformers``, and a megatron forward that returns full-vocab logits at any TP x PP: shared by
 the conversion, Megatron actor and checkpoint tests."""
 from __future__ import annotations
@@ -7,12 +7,12 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("qwen2", "llama", "glm4")
+FAMILIES = ("qwen2", "qwen3", "llama", "glm4")
 VOCAB = 300  # padded to 384 at TP=1 and 512 at TP=2: the padding differs between layouts
 
 
 def tiny_config(family: str, tied: bool = False, vocab: int = VOCAB, layers: int = 2):
-    """A tiny transformers config of ``family`` (4 heads, 2 KV heads, head_dim 16)."""
+    """A tiny transformers config of ``family`` (4 heads, 2 KV heads, head_dim 16; 24 for qwen3)."""
     import transformers as T
 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
@@ -20,6 +20,8 @@ def tiny_config(family: str, tied: bool = False, vocab: int = VOCAB, layers: int
                   rms_norm_eps=1e-6, tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if family == "qwen2":
         return T.Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    if family == "qwen3":  # head_dim 24: q/k/v widths differ from hidden_size, as in Qwen3-0.6B
+        return T.Qwen3Config(**{**common, "head_dim": 24}, rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
     if family == "llama":
         # Llama 3.x rope scaling (megatron fixes low/high freq factors 1/4 and 8192 positions)
         return T.LlamaConfig(**common, rope_parameters={
@@ -36,7 +38,8 @@ def tiny_model(family: str, tied: bool = False, vocab: int = VOCAB, layers: int 
     import transformers as T
 
     cfg = tiny_config(family, tied, vocab, layers)
-    cls = {"qwen2": T.Qwen2ForCausalLM, "llama": T.LlamaForCausalLM, "glm4": T.Glm4ForCausalLM}[family]
+    cls = {"qwen2": T.Qwen2ForCausalLM, "qwen3": T.Qwen3ForCausalLM, "llama": T.LlamaForCausalLM,
+           "glm4": T.Glm4ForCausalLM}[family]
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     with torch.no_grad():

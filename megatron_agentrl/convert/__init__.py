@@ -2,7 +2,7 @@
 
 ``get_mapping(hf_config)`` returns the mapping object for a transformers config (dispatch on
 ``model_type``); see :class:`megatron_agentrl.convert.base.GPTMapping` for the interface.
-Families: ``qwen2`` (Qwen2 / Qwen2.5), ``llama``, ``glm4`` (GLM-4-0414).
+Families: ``qwen2`` (Qwen2 / Qwen2.5), ``qwen3`` (Qwen3 dense), ``llama``, ``glm4`` (GLM-4-0414).
 
 Converters (streaming, bounded memory): :func:`megatron_agentrl.convert.hf_to_megatron.convert_hf_to_megatron`,
 :func:`megatron_agentrl.convert.megatron_to_hf.convert_megatron_to_hf`; megatron-core distributed
@@ -18,15 +18,21 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from megatron_agentrl.convert.base import ConversionError, GPTMapping
 
-__all__ = ["ARCHITECTURES", "MAPPINGS", "ConversionError", "GPTMapping", "get_mapping"]
+__all__ = ["ARCHITECTURES", "MAPPINGS", "MODEL_TYPES", "ConversionError", "GPTMapping", "get_mapping"]
+
+# The transformers ``model_type`` of every family with a mapping (and so a Megatron model build).
+MODEL_TYPES = ("qwen2", "qwen3", "llama", "glm4")
 
 
 def _families() -> dict[str, type]:
     from megatron_agentrl.convert.glm4 import Glm4Mapping
     from megatron_agentrl.convert.llama import LlamaMapping
     from megatron_agentrl.convert.qwen2 import Qwen2Mapping
+    from megatron_agentrl.convert.qwen3 import Qwen3Mapping
 
-    return {"qwen2": Qwen2Mapping, "llama": LlamaMapping, "glm4": Glm4Mapping}
+    families = {"qwen2": Qwen2Mapping, "qwen3": Qwen3Mapping, "llama": LlamaMapping, "glm4": Glm4Mapping}
+    assert tuple(families) == MODEL_TYPES
+    return families
 
 
 def get_mapping(hf_config: Any) -> "GPTMapping":

@@ -2,7 +2,7 @@
 
 Pure tensor code (no torch.distributed): used by the actor (load / export), the offline
 converters (``hf_to_megatron``, ``megatron_to_hf``) and the live weight sync alike. A family
-module (``qwen2.py``, ``llama.py``, ``glm4.py``) subclasses :class:`GPTMapping` and sets
+module (``qwen2.py``, ``qwen3.py``, ``llama.py``, ``glm4.py``) subclasses :class:`GPTMapping` and sets
 its class flags; everything else is shared.
 
 Vocabulary of this module:
@@ -71,6 +71,11 @@ _POST_NORM_SUFFIX_KIND = {
     "post_self_attn_layernorm.weight": "post_self_attn_norm",
     "post_mlp_layernorm.weight": "post_mlp_norm",
 }
+# Per-head RMSNorms of the query and key (Qwen3; megatron-core's ``qk_layernorm``).
+_QK_NORM_SUFFIX_KIND = {
+    "self_attention.q_layernorm.weight": "q_norm",
+    "self_attention.k_layernorm.weight": "k_norm",
+}
 # Local layer-spec suffix -> the suffix megatron-core's sharded_state_dict stores it under
 # (the local spec's ``sharded_state_dict_keys_map``; TE names are stored as they are).
 _CKPT_SUFFIX = {
@@ -126,6 +131,8 @@ class GPTMapping:
       separate ``gate_proj`` / ``up_proj``.
     * ``post_norms``: each layer also has ``post_self_attn_layernorm`` and
       ``post_mlp_layernorm`` (GLM-4).
+    * ``qk_norms``: each layer normalises every head's query and key (``[head_dim]`` RMSNorm
+      weights, Qwen3).
     * :meth:`_qkv_bias`: whether q/k/v projections carry a bias.
 
     Args:
@@ -143,6 +150,7 @@ class GPTMapping:
     architecture: str = ""
     hf_fused_gate_up: bool = False
     post_norms: bool = False
+    qk_norms: bool = False
 
     def __init__(self, hf_config: Any) -> None:
         self.num_layers = int(hf_config.num_hidden_layers)
@@ -162,6 +170,8 @@ class GPTMapping:
         self._suffix_kind = dict(_LAYER_SUFFIX_KIND)
         if self.post_norms:
             self._suffix_kind.update(_POST_NORM_SUFFIX_KIND)
+        if self.qk_norms:
+            self._suffix_kind.update(_QK_NORM_SUFFIX_KIND)
 
     def _qkv_bias(self, hf_config: Any) -> bool:
         """Whether q/k/v carry a bias in this family (subclasses override)."""
@@ -191,6 +201,8 @@ class GPTMapping:
         names = [p + in_norm, p + "self_attention.linear_qkv.weight"]
         if self.qkv_bias:
             names.append(p + "self_attention.linear_qkv.bias")
+        if self.qk_norms:
+            names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
         names.append(p + "self_attention.linear_proj.weight")
         if self.post_norms:
             names.append(p + "post_self_attn_layernorm.weight")
@@ -241,6 +253,8 @@ class GPTMapping:
             return [p + "post_self_attn_layernorm.weight"]
         if kind == "post_mlp_norm":
             return [p + "post_mlp_layernorm.weight"]
+        if kind in ("q_norm", "k_norm"):
+            return [p + f"self_attn.{kind}.weight"]
         if kind == "qkv":
             suffix = mname.rsplit(".", 1)[1]
             return [p + f"self_attn.{x}_proj.{suffix}" for x in ("q", "k", "v")]
@@ -281,6 +295,8 @@ class GPTMapping:
             return (2 * self.intermediate_size, h)
         if kind == "fc2":
             return (h, self.intermediate_size)
+        if kind in ("q_norm", "k_norm"):
+            return (d,)
         return (h,)  # norms
 
     def hf_shapes(self, mname: str) -> dict[str, tuple[int, ...]]:

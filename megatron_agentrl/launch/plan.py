@@ -56,6 +56,7 @@ class ModelShape:
     tied_embeddings: bool
     qkv_bias: bool
     norms_per_layer: int
+    qk_norms: bool = False
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelShape":
@@ -79,6 +80,7 @@ class ModelShape:
             tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             norms_per_layer=4 if model_type == "glm4" else 2,  # GLM-4: extra norms after attention and MLP
+            qk_norms=model_type == "qwen3",  # Qwen3: an RMSNorm over each head's query and key
         )
 
     def layer_params(self) -> int:
@@ -86,7 +88,7 @@ class ModelShape:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
         mlp = 3 * h * self.intermediate_size
-        return attn + mlp + self.norms_per_layer * h
+        return attn + mlp + self.norms_per_layer * h + (2 * self.head_dim if self.qk_norms else 0)
 
     def embedding_params(self) -> int:
         """Input embedding (the output layer is as large unless tied)."""

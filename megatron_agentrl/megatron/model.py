@@ -5,7 +5,9 @@ logits equal the ``transformers`` model's, for each supported family:
 
 * ``qwen2`` (Qwen2 / Qwen2.5): RMSNorm, SwiGLU, QKV bias, grouped-query attention, rotary
   embeddings with the config's theta, tied or untied embeddings;
-* ``llama``: the same without biases; default or ``llama3`` rope scaling;
+* ``qwen3`` (Qwen3 dense): no QKV bias (unless ``attention_bias``), an RMSNorm over each head's
+  query and key before the rotary embedding (megatron-core's ``qk_layernorm``);
+* ``llama``: the same as Qwen2 without biases; default or ``llama3`` rope scaling;
 * ``glm4`` (GLM-4-0414): QKV bias (``attention_bias``), partial interleaved rotary
   (``partial_rotary_factor``; GLM rotates pairs ``(2i, 2i+1)``), and two extra RMSNorms per
   layer on the attention and MLP outputs before each residual add (:func:`glm4_layer_spec`,
@@ -24,10 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_agentrl.config import ConfigError
+from megatron_agentrl.convert import MODEL_TYPES as SUPPORTED_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "glm4")
 
 # Llama 3.x rope scaling as megatron-core implements it (RotaryEmbedding._apply_scaling):
 # only ``factor`` is configurable, the rest is fixed.
@@ -98,6 +99,9 @@ def _family_options(hf_config: Any) -> dict[str, Any]:
     partial = partial_rotary_factor(hf_config)
     if model_type == "qwen2":
         opts = {"add_qkv_bias": True, "rotary_interleaved": False}
+    elif model_type == "qwen3":
+        opts = {"add_qkv_bias": bool(getattr(hf_config, "attention_bias", False)), "rotary_interleaved": False,
+                "qk_layernorm": True}
     elif model_type == "llama":
         for flag in ("attention_bias", "mlp_bias"):
             if getattr(hf_config, flag, False):
@@ -186,6 +190,7 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, 
         add_bias_linear=False,
         add_qkv_bias=family["add_qkv_bias"],
         rotary_interleaved=family["rotary_interleaved"],
+        qk_layernorm=family.get("qk_layernorm", False),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
@@ -330,10 +335,12 @@ def layer_spec(hf_config: Any) -> Any:
     from megatron_agentrl.megatron.attention import SDPACoreAttention
 
     use_te = _have_te()
+    qk_layernorm = getattr(hf_config, "model_type", None) == "qwen3"
     if use_te:
-        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     else:
-        spec = with_core_attention(get_gpt_layer_local_spec(normalization="RMSNorm"), SDPACoreAttention)
+        spec = with_core_attention(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm),
+                                   SDPACoreAttention)
     if getattr(hf_config, "model_type", None) == "glm4":
         spec = glm4_layer_spec(spec, use_te)
     return spec

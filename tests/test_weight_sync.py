@@ -275,12 +275,10 @@ def test_checksum_mismatch_fails_the_sync(monkeypatch):
 
 
 # ------------------------------------------------------------- TP=2 actor -> slot of engines
-def _hf_config(tied: bool):
-    from transformers import Qwen2Config
+def _hf_config(tied: bool, family: str = "qwen2"):
+    from tiny_models import tiny_config
 
-    return Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
-                       tie_word_embeddings=tied)
+    return tiny_config(family, tied, vocab=VOCAB)
 
 
 def _tokens() -> torch.Tensor:
@@ -292,9 +290,9 @@ def _engine_logits(engine) -> torch.Tensor:
         return engine.model(_tokens()).logits.float()
 
 
-def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, transport: str) -> dict:
+def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, transport: str, family: str) -> dict:
     tmpdir = Path(tmp)
-    cfg = _hf_config(tied)
+    cfg = _hf_config(tied, family)
     if rank == 2:  # the engine host: three stand-ins, slot 0 = engines 0 and 1, slot 1 = engine 2
         from rollout_sglang.local_engine import LocalEngine
         from rollout_sglang.testing.sglang_standin import StandInServer
@@ -360,10 +358,10 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, tr
             dist.all_gather(parts, local, group=parallel_state.get_tensor_model_parallel_group())
             result["logits"] = torch.cat(parts, dim=-1)[..., :VOCAB]
     else:  # PP: the logits of the actor's weights, gathered over the stages (collective)
-        from transformers import Qwen2ForCausalLM
+        from transformers import AutoModelForCausalLM
 
         state = actor.export_hf_state_dict()
-        model = Qwen2ForCausalLM(cfg).eval()
+        model = AutoModelForCausalLM.from_config(cfg).eval()
         model.load_state_dict(state, strict=False)
         model.tie_weights()
         result["logits"] = _engine_logits(type("E", (), {"model": model})())
@@ -374,12 +372,16 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, tr
     return result
 
 
-@pytest.mark.parametrize("tp,pp,tied,transport", [(2, 1, False, "send_recv"), (1, 2, True, "broadcast")])
-def test_actor_syncs_one_slot_and_leaves_the_other(tmp_path, tp, pp, tied, transport):
+@pytest.mark.parametrize("tp,pp,tied,transport,family", [(2, 1, False, "send_recv", "qwen2"),
+                                                          (1, 2, True, "broadcast", "qwen2"),
+                                                          (2, 1, True, "broadcast", "qwen3")])
+def test_actor_syncs_one_slot_and_leaves_the_other(tmp_path, tp, pp, tied, transport, family):
     """TP=2: one source rank, the other TP rank only gathers; PP=2: each stage sends its own
     layers on its own group (the tied embedding from stage 0 only). The stand-ins take
-    point-to-point sends (their extension) or, as SGLang does, broadcasts; checksums verified."""
-    trainer0, trainer1, host = run_distributed(_sync_case, 3, str(tmp_path), tied, tp, pp, transport, timeout_s=240)
+    point-to-point sends (their extension) or, as SGLang does, broadcasts; checksums verified.
+    Qwen3: its per-head q/k norms reach the engines under their HF names."""
+    trainer0, trainer1, host = run_distributed(_sync_case, 3, str(tmp_path), tied, tp, pp, transport, family,
+                                               timeout_s=240)
     actor_logits = trainer0["logits"]
     assert torch.equal(actor_logits, trainer1["logits"])
     assert trainer0["buckets"] > 1

@@ -21,7 +21,8 @@ def tiny_config(family: str, tied: bool = False, vocab: int = VOCAB, layers: int
     if family == "qwen2":
         return T.Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
     if family == "qwen3":  # head_dim 24: q/k/v widths differ from hidden_size, as in Qwen3-0.6B
-        return T.Qwen3Config(**{**common, "head_dim": 24}, rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+        return T.Qwen3Config(**{**common, "head_dim": 24},
+                             rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
     if family == "llama":
         # Llama 3.x rope scaling (megatron fixes low/high freq factors 1/4 and 8192 positions)
         return T.LlamaConfig(**common, rope_parameters={

@@ -46,7 +46,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         setup_logging(0)
         run_on_ray(cfg, args.config, args.overrides)
         return 0
-    nproc = args.nproc or cfg.parallel.tp * cfg.parallel.pp
+    nproc = args.nproc or cfg.parallel.model_parallel_size
     if "WORLD_SIZE" in os.environ:
         cfg.check_world_size(int(os.environ["WORLD_SIZE"]), "WORLD_SIZE")
     else:
@@ -70,7 +70,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``agentrl train``."""
     p.add_argument("--config", required=True, help="YAML config, e.g. examples/configs/tiny_cpu.yaml")
     p.add_argument("--nproc", type=int, default=0,
-                   help="local processes to spawn (default: parallel.tp * parallel.pp)")
+                   help="local processes to spawn (default: parallel.tp * parallel.pp * parallel.cp)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=5 parallel.tp=2")
 
 

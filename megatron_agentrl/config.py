@@ -195,17 +195,33 @@ class ModelConfig(_Section):
 
 @dataclass
 class ParallelConfig(_Section):
-    """Megatron model parallelism; data parallel size = world size / (tp * pp)."""
+    """Megatron model parallelism; data parallel size = world size / (tp * pp * cp).
+
+    tp: tensor-parallel size; pp: pipeline-parallel size (stages).
+    cp: context-parallel size: each sequence is split over ``cp`` ranks (megatron's load-balanced
+        layout of ``2 * cp`` chunks; the trainer pads every sequence to a multiple of ``2 * cp``).
+    """
 
     KEY: ClassVar[str] = "parallel"
 
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
     def check(self) -> None:
         """See :class:`_Section`."""
         super().check()
-        self.require_positive_int("tp", "pp")
+        self.require_positive_int("tp", "pp", "cp")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks of one data-parallel replica: ``tp * pp * cp``."""
+        return self.tp * self.pp * self.cp
+
+    def describe_ranks(self) -> str:
+        """``parallel.tp * parallel.pp * parallel.cp = 1 * 2 * 2 = 4`` (for messages)."""
+        return (f"parallel.tp * parallel.pp * parallel.cp = {self.tp} * {self.pp} * {self.cp} = "
+                f"{self.model_parallel_size}")
 
 
 def scheduled_lr(step: int, length: int, peak: float, min_lr: float, style: str, warmup: int = 0) -> float:
@@ -674,7 +690,7 @@ class RayConfig(_Section):
     address: a Ray cluster to join ("auto", "host:6379"); setting it implies enabled.
     namespace: Ray namespace of the run's actors and placement groups.
     num_cpus: CPUs a local Ray offers (0 = all of this machine); ignored when joining a cluster.
-    train_workers: trainer ranks, the train pool (0 = parallel.tp * parallel.pp, data parallel 1).
+    train_workers: trainer ranks, the train pool (0 = parallel.tp * parallel.pp * parallel.cp, data parallel 1).
     train_gpus_per_worker / train_cpus_per_worker: resources of one trainer rank (0 GPUs on CPU).
     train_strategy: placement strategy of the train pool: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD.
     rollout_gpus_per_engine: GPUs of one rollout engine (its tensor-parallel size); 0 = no rollout
@@ -837,10 +853,9 @@ class Config:
                 "or lower rollout.max_versions"
             )
         self._validate_layers()
-        ranks = self.parallel.tp * self.parallel.pp
-        if self.ray.train_workers % ranks:
-            raise ConfigError(f"ray.train_workers={self.ray.train_workers!r} must be 0 (= parallel.tp * parallel.pp) "
-                              f"or a positive multiple of parallel.tp * parallel.pp = {ranks}")
+        if self.ray.train_workers % self.parallel.model_parallel_size:
+            raise ConfigError(f"ray.train_workers={self.ray.train_workers!r} must be 0 (= parallel.tp * parallel.pp * "
+                              f"parallel.cp) or a positive multiple of {self.parallel.describe_ranks()}")
 
     def _validate_layers(self) -> None:
         """The pipeline stages split the layers evenly; recomputation asks for no more layers than a stage has."""
@@ -856,14 +871,14 @@ class Config:
                               f"{layers // pp} (0 = all of them)")
 
     def check_world_size(self, world: int, source: str = "the world size") -> None:
-        """Refuse a number of trainer processes that ``parallel.tp * parallel.pp`` does not divide
-        (``source`` names where the number came from, e.g. "--nproc 3")."""
-        ranks = self.parallel.tp * self.parallel.pp
+        """Refuse a number of trainer processes that ``parallel.tp * parallel.pp * parallel.cp`` does not
+        divide (``source`` names where the number came from, e.g. "--nproc 3")."""
+        ranks = self.parallel.model_parallel_size
         if world < 1 or world % ranks:
-            raise ConfigError(f"{source} = {world} trainer processes is not a multiple of parallel.tp * parallel.pp = "
-                              f"{self.parallel.tp} * {self.parallel.pp} = {ranks} (the data-parallel size, which "
+            raise ConfigError(f"{source} = {world} trainer processes is not a multiple of "
+                              f"{self.parallel.describe_ranks()} (the data-parallel size, which "
                               f"train.use_distributed_optimizer shards over, is their quotient); launch a multiple of "
-                              f"{ranks} processes or change parallel.tp / parallel.pp")
+                              f"{ranks} processes or change parallel.tp / parallel.pp / parallel.cp")
 
     def builds_task_here(self, spec: TaskSpec) -> bool:
         """Whether the trainer builds ``spec``'s built-in task in process: it runs the task's episodes

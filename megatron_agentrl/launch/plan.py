@@ -1,4 +1,4 @@
-"""Memory plan of a run: what one GPU holds for a TP/PP train pool and the rollout pool.
+"""Memory plan of a run: what one GPU holds for a TP/PP/CP train pool and the rollout pool.
 
 Works from the Hugging Face config numbers alone (sizes, heads, vocab), so a cluster layout can be
 checked on a laptop before any weights are downloaded::
@@ -11,13 +11,14 @@ The estimate is rough by design and errs high:
 
 * **train pool** (per GPU, the largest pipeline stage): weights in ``model.dtype``; gradients in
   fp32 (the actor's DDP buffer reduces in fp32); fp32 master weights when the compute dtype is not
-  fp32 and Adam's two fp32 moments, both divided by the DP size under
-  ``train.use_distributed_optimizer`` (megatron shards them over the DP ranks); activations
+  fp32 and Adam's two fp32 moments, both divided by DP x CP under
+  ``train.use_distributed_optimizer`` (megatron shards them over the DP and CP ranks); activations
   of one micro-batch (``train.micro_batch_size`` sequences of ``rollout.max_total_tokens``, or the
   ``train.micro_batch_tokens`` budget when set), ``34 * tokens * h / tp`` bytes per layer
   (flash-attention, no recomputation: Korthikanti et al., 2022) times the micro-batches 1F1B keeps
-  in flight on the first stage, plus the fp32 logits of the last stage. ``train.recompute=full``
-  keeps only each recomputed layer's input (``tokens * h`` values) plus one layer's activations
+  in flight on the first stage, plus the fp32 logits of the last stage; context parallelism
+  (``parallel.cp``) divides the tokens of each micro-batch, hence activations and logits, by ``cp``.
+  ``train.recompute=full`` keeps only each recomputed layer's input (``tokens * h`` values) plus one layer's activations
   while it is recomputed; ``selective`` recomputes the core attention, whose ``[s, s]`` scores a
   flash kernel never stores, so it changes nothing in this estimate.
 * **rollout pool** (per GPU of one engine of ``ray.rollout_gpus_per_engine`` GPUs): weights in
@@ -131,7 +132,8 @@ class MemoryPlan:
         out = []
         if self.train_total_gib > self.gpu_memory_gib:
             out.append(f"train pool needs ~{self.train_total_gib:.1f} GiB per GPU, more than "
-                       f"{self.gpu_memory_gib:.0f} GiB: raise parallel.tp or parallel.pp, set train.recompute=full, "
+                       f"{self.gpu_memory_gib:.0f} GiB: raise parallel.tp, parallel.pp or parallel.cp (long "
+                       "sequences), set train.recompute=full, "
                        "or lower train.micro_batch_size / train.micro_batch_tokens / rollout.max_total_tokens")
         if self.rollout and self.rollout_total_gib > self.gpu_memory_gib:
             out.append(f"rollout engines need ~{self.rollout_total_gib:.1f} GiB per GPU, more than "
@@ -163,8 +165,9 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
     if shape.num_layers % pp:
         raise ConfigError(f"parallel.pp={pp} does not divide the model's {shape.num_layers} layers; choose a divisor")
     wbytes = _DTYPE_BYTES[cfg.model.dtype]
-    train_workers = cfg.ray.train_workers or tp * pp
-    dp = train_workers // (tp * pp)
+    cp = cfg.parallel.cp
+    train_workers = cfg.ray.train_workers or tp * pp * cp
+    dp = train_workers // (tp * pp * cp)
 
     # The largest stage: its layers plus the embedding (first stage) or the output layer (last stage);
     # with pp == 1 the one stage holds both.
@@ -173,7 +176,7 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
     extra = emb + (0 if shape.tied_embeddings else emb) if pp == 1 else emb
     stage_params = (layers_per_stage * shape.layer_params() + extra) / tp
     masters = 0 if wbytes == 4 else 4
-    shards = max(1, dp) if cfg.train.use_distributed_optimizer else 1
+    shards = max(1, dp) * cp if cfg.train.use_distributed_optimizer else 1
     train = {
         "weights": stage_params * wbytes / GiB,
         "grads_fp32": stage_params * 4 / GiB,
@@ -186,17 +189,18 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
     mb_tokens = max(budget, seq) if budget else seq * cfg.train.micro_batch_size
     micro_batches = max(1, math.ceil(samples * seq / max(1, dp) / mb_tokens))
     in_flight = min(pp, micro_batches)
-    per_layer_act = 34 * mb_tokens * shape.hidden_size * (wbytes / 2) / tp
+    local_tokens = mb_tokens / cp  # each CP rank holds 1 / cp of every sequence
+    per_layer_act = 34 * local_tokens * shape.hidden_size * (wbytes / 2) / tp
     recompute = cfg.train.recompute
     if recompute == "full":
         # a recomputed layer keeps only its input; one layer's activations live while it is recomputed
         recomputed = cfg.train.recompute_num_layers or layers_per_stage
-        kept = recomputed * mb_tokens * shape.hidden_size * wbytes + (layers_per_stage - recomputed) * per_layer_act
+        kept = recomputed * local_tokens * shape.hidden_size * wbytes + (layers_per_stage - recomputed) * per_layer_act
         train["activations"] = (kept * in_flight + per_layer_act) / GiB
     else:
         # selective (the core attention) saves nothing here: a flash kernel keeps no [s, s] scores anyway
         train["activations"] = per_layer_act * layers_per_stage * in_flight / GiB
-    train["logits_fp32"] = mb_tokens * (shape.vocab_size / tp) * 4 * 2 / GiB  # logits + log-softmax
+    train["logits_fp32"] = local_tokens * (shape.vocab_size / tp) * 4 * 2 / GiB  # logits + log-softmax
     train["runtime_overhead"] = RUNTIME_OVERHEAD_GIB
 
     rollout: dict[str, float] = {}
@@ -219,7 +223,7 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
     else:
         notes.append("no rollout pool (ray.rollout_gpus_per_engine=0): the engine runs inside trainer rank 0")
     layout = {
-        "tp": tp, "pp": pp, "dp": dp, "train_gpus": train_workers if cfg.ray.train_gpus_per_worker else 0,
+        "tp": tp, "pp": pp, "cp": cp, "dp": dp, "train_gpus": train_workers if cfg.ray.train_gpus_per_worker else 0,
         "train_workers": train_workers, "rollout_slots": cfg.rollout.max_versions,
         "engines_per_slot": cfg.rollout.engines_per_slot, "gpus_per_engine": engine_tp,
         "rollout_gpus": engines * engine_tp, "micro_batches_per_step": micro_batches,
@@ -244,7 +248,8 @@ def format_plan(plan: MemoryPlan) -> str:
     lay = plan.layout
     lines = [
         f"model: {plan.params_billion:.2f}B parameters",
-        f"train pool: {lay['train_workers']} ranks = TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']}, "
+        f"train pool: {lay['train_workers']} ranks = TP {lay['tp']} x PP {lay['pp']} x CP {lay['cp']} "
+        f"x DP {lay['dp']}, "
         f"up to {lay['micro_batches_per_step']} micro-batches per step per DP rank",
         f"rollout pool: {lay['rollout_slots']} version slots x {lay['engines_per_slot']} engines x "
         f"{lay['gpus_per_engine']} GPUs = {lay['rollout_gpus']} GPUs",

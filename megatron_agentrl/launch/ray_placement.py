@@ -79,7 +79,7 @@ def plan_pools(cfg: Config) -> list[PoolSpec]:
         raise ConfigError(f"rollout.engine_urls={cfg.rollout.engine_urls} names running engines, but "
                           f"ray.rollout_gpus_per_engine={r.rollout_gpus_per_engine} asks Ray to start its own; "
                           "clear one of the two")
-    workers = r.train_workers or cfg.parallel.tp * cfg.parallel.pp
+    workers = r.train_workers or cfg.parallel.model_parallel_size
     pools = [PoolSpec("train", [_bundle(r.train_cpus_per_worker, r.train_gpus_per_worker)] * workers, r.train_strategy)]
     if r.rollout_gpus_per_engine:
         engine = _bundle(r.rollout_cpus_per_engine, r.rollout_gpus_per_engine)

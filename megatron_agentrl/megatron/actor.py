@@ -1,12 +1,22 @@
 """The Megatron actor: one PP stage of a GPT model with TP shards, log-probs, loss and optimizer step.
 
-Parallel layout (see ``parallel.initialize_parallel``): world = tp * pp * dp. Every rank of a
-data-parallel replica (its TP x PP ranks) must be given the SAME batch; different DP ranks
+Parallel layout (see ``parallel.initialize_parallel``): world = tp * pp * cp * dp. Every rank of a
+data-parallel replica (its TP x PP x CP ranks) must be given the SAME batch; different DP ranks
 should be given different slices of the global batch (``MegatronActor.dp_slice`` cuts the
 slice of this rank). Losses are averaged per token over the whole global batch: the sum of
-per-token losses over all masked tokens of all micro-batches and DP ranks, divided by the
+per-token losses over all masked tokens of all micro-batches and DP (and CP) ranks, divided by the
 global number of masked tokens (megatron's ``calculate_per_token_loss`` path:
-``finalize_model_grads`` all-reduces grads over DP and scales them by 1 / global tokens).
+``finalize_model_grads`` all-reduces grads and token counts over DP x CP and scales the grads by
+1 / global tokens).
+
+Context parallelism (cp > 1): each micro-batch (padded rows, or a packed THD row) is padded so that
+every sequence is a multiple of ``2 * cp`` tokens, then cut with megatron's load-balanced layout
+(``context_parallel.py``; per sequence for THD); each CP rank runs the model on its shard. Token
+``t + 1`` is predicted at position ``t``, which may sit on another rank than token ``t + 1``, so the
+per-token inputs of the loss (the target token, mask, advantages, behaviour / reference log-probs)
+are shifted one position left before the cut (``_cp_shard``); every rank then computes log-probs,
+entropy and loss terms of its own positions only, and log-probs that are returned are gathered
+over CP and shifted back.
 
 Gradients live in megatron ``DistributedDataParallel`` fp32 grad buffers (``param.main_grad``);
 the optimizer is megatron-core's own (``get_megatron_optimizer``: Adam with decoupled weight
@@ -35,7 +45,7 @@ from megatron_agentrl.convert import get_mapping
 from megatron_agentrl.convert.base import ConversionError
 from megatron_agentrl.convert.qwen2 import OUTPUT_LAYER, padded_vocab_size
 from megatron_agentrl.megatron.model import build_gpt_model
-from megatron_agentrl.megatron.packing import effective_lengths, pack, plan_micro_batches, unpack
+from megatron_agentrl.megatron.packing import effective_lengths, pack, padded_length, plan_micro_batches, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +86,14 @@ class TrainBatch:
 def _zero_at_starts(x: Tensor, seq_starts: Tensor | None) -> Tensor:
     """``x [b, t]`` with the first token of each packed sequence set to 0 (no-op for padded rows)."""
     return x if seq_starts is None else x.masked_fill(seq_starts, 0.0)
+
+
+def _pad_cols(x: Tensor, width: int) -> Tensor:
+    """``x [b, t]`` with zero columns appended up to ``width`` (context parallelism may round a
+    micro-batch past the batch's ``T``)."""
+    if x.shape[1] >= width:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], width - x.shape[1])], dim=1)
 
 
 def _pad_rows(x: Tensor, rows: int) -> Tensor:
@@ -124,6 +142,8 @@ class MegatronActor:
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.dp = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.cp = parallel_state.get_context_parallel_world_size()
+        self.cp_rank = parallel_state.get_context_parallel_rank()
         self.pre_process = parallel_state.is_pipeline_first_stage()
         self.post_process = parallel_state.is_pipeline_last_stage()
         self.vocab_size = int(hf_config.vocab_size)
@@ -168,8 +188,8 @@ class MegatronActor:
         per = self.padded_vocab // self.tp
         ids = torch.arange(self.tp_rank * per, (self.tp_rank + 1) * per, device=self.device)
         self._vocab_pad_mask = (ids >= self.vocab_size) if self.padded_vocab > self.vocab_size else None
-        logger.info("MegatronActor: tp=%d/%d pp=%d/%d dp=%d/%d, %d local params, padded vocab %d",
-                    self.tp_rank, self.tp, self.pp_rank, self.pp, self.dp_rank, self.dp,
+        logger.info("MegatronActor: tp=%d/%d pp=%d/%d cp=%d/%d dp=%d/%d, %d local params, padded vocab %d",
+                    self.tp_rank, self.tp, self.pp_rank, self.pp, self.cp_rank, self.cp, self.dp_rank, self.dp,
                     sum(p.numel() for _, p in self.named_params), self.padded_vocab)
 
     # ------------------------------------------------------------------ names
@@ -283,11 +303,11 @@ class MegatronActor:
         return self._export(lambda p: p.main_grad)
 
     def _gather_grad_shards(self) -> None:
-        """With the distributed optimizer, the grad reduce is a reduce-scatter: each DP rank's buffer
-        holds the reduced grads of its own shard only. All-gather the shards over DP so that every
+        """With the distributed optimizer, the grad reduce is a reduce-scatter: each DP (x CP) rank's buffer
+        holds the reduced grads of its own shard only. All-gather the shards over DP x CP so that every
         rank's ``main_grad`` is the whole reduced gradient (the optimizer reads its shard only, and
         the next step zeroes the buffers)."""
-        if not self.train_cfg.use_distributed_optimizer or self.dp == 1:
+        if not self.train_cfg.use_distributed_optimizer or self.dp * self.cp == 1:
             return
         for group in (*self.ddp.bucket_groups, *self.ddp.expert_parallel_bucket_groups):
             size = group.intra_distributed_optimizer_instance_size
@@ -338,9 +358,10 @@ class MegatronActor:
         return out
 
     # -------------------------------------------------------------- log-probs
-    def _scaled_logits(self, logits: Tensor, temperature: float) -> Tensor:
-        """``[B, T-1, V/tp]`` fp32 logits / temperature with padded vocab entries at the dtype's minimum."""
-        logits = logits[:, :-1].float()
+    def _scaled_logits(self, logits: Tensor, temperature: float, shifted: bool = False) -> Tensor:
+        """``[B, T-1, V/tp]`` fp32 logits / temperature with padded vocab entries at the dtype's minimum
+        (``[B, T, V/tp]`` when ``shifted``: the targets are already one position left, see ``_cp_shard``)."""
+        logits = (logits if shifted else logits[:, :-1]).float()
         if temperature != 1.0:
             logits = logits / temperature
         if self._vocab_pad_mask is not None:
@@ -348,16 +369,58 @@ class MegatronActor:
         return logits.contiguous()
 
     def _token_logprobs(self, logits: Tensor, tokens: Tensor, temperature: float,
-                        scaled: Tensor | None = None, seq_starts: Tensor | None = None) -> Tensor:
+                        scaled: Tensor | None = None, seq_starts: Tensor | None = None,
+                        labels: Tensor | None = None) -> Tensor:
         """``[B, T]`` fp32 log-probs of ``tokens`` from vocab-parallel logits ``[B, T, V/tp]``; column 0
-        (and, in a packed row, the first token of every sequence: ``seq_starts``) is 0."""
+        (and, in a packed row, the first token of every sequence: ``seq_starts``) is 0.
+        With ``labels`` (a context-parallel shard, see ``_cp_shard``): position ``t``'s log-prob of
+        ``labels[:, t]``, 0 where ``seq_starts`` (there the shifted target starts a sequence)."""
         from megatron.core import tensor_parallel
 
+        shifted = labels is not None
         # vocab_parallel_cross_entropy shifts and exponentiates its input in place: a shared
         # ``scaled`` (also used for the entropy) goes in as a copy
-        scaled = self._scaled_logits(logits, temperature) if scaled is None else scaled.clone()
+        scaled = self._scaled_logits(logits, temperature, shifted) if scaled is None else scaled.clone()
+        if shifted:
+            nll = tensor_parallel.vocab_parallel_cross_entropy(scaled, labels.contiguous())
+            return _zero_at_starts(-nll, seq_starts)
         nll = tensor_parallel.vocab_parallel_cross_entropy(scaled, tokens[:, 1:].contiguous())
         return _zero_at_starts(torch.cat([nll.new_zeros(nll.shape[0], 1), -nll], dim=1), seq_starts)
+
+    def _cp_group(self) -> Any:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_context_parallel_group()
+
+    def _cp_shard(self, mb: dict[str, Tensor], bounds: list[int]) -> dict[str, Tensor]:
+        """This CP rank's shard of a micro-batch whose every sequence (``bounds``: ``[0, w]`` for padded
+        rows, the ``cu_seqlens`` of a packed row) is a multiple of ``2 * cp`` long.
+
+        Every field but ``tokens`` and ``position_ids`` (the model's inputs) is rolled one position
+        left, and ``labels`` (the tokens rolled left) added: position ``t`` then holds what the loss
+        needs of token ``t + 1``, which the logits at ``t`` predict. ``seq_starts`` (the first column
+        of padded rows) rolls with them: True where the target starts a sequence (or wraps around to
+        column 0), whose log-prob is 0, as without CP. Then every field is cut to this rank's
+        positions (:func:`~megatron_agentrl.megatron.context_parallel.local_index`)."""
+        from megatron_agentrl.megatron.context_parallel import local_index
+
+        tokens = mb["tokens"]
+        if "seq_starts" not in mb:
+            starts = torch.zeros_like(tokens, dtype=torch.bool)
+            starts[:, 0] = True
+            mb = {**mb, "seq_starts": starts}
+        out = {k: (v if k in ("tokens", "position_ids") else torch.roll(v, -1, dims=1)) for k, v in mb.items()}
+        out["labels"] = torch.roll(tokens, -1, dims=1)
+        index = local_index(bounds, self.cp, self.cp_rank, tokens.device)
+        return {k: v.index_select(1, index) for k, v in out.items()}
+
+    def _cp_unshard(self, x: Tensor, bounds: list[int]) -> Tensor:
+        """The full-row per-token values from this rank's ``x`` (positions of :meth:`_cp_shard`, values of the
+        shifted targets) and the other CP ranks': gathered over CP and rolled back one position right,
+        so that column ``t`` holds token ``t``'s value. Collective over the CP group."""
+        from megatron_agentrl.megatron.context_parallel import gather_full
+
+        return torch.roll(gather_full(x, bounds, self.cp, self._cp_group()), 1, dims=1)
 
     def _check_tokens(self, tokens: Tensor) -> None:
         if tokens.ndim != 2 or tokens.dtype not in (torch.long, torch.int32, torch.int64):
@@ -381,32 +444,43 @@ class MegatronActor:
 
         T = batch["tokens"].shape[1]
         packed = self.train_cfg.sequence_packing
+        # context parallelism: every sequence a multiple of 2 * cp tokens (zeros appended, after the
+        # tokens that matter, so causal attention leaves those unchanged)
+        multiple = 2 * self.cp if self.cp > 1 else 1
         if packed:
             rows = 1
-            totals = [sum(lengths[i] for i in ix) for ix in plan]
+            totals = [sum(padded_length(lengths[i], multiple) for i in ix) for ix in plan]
             pad_to = max(totals) if self.pp > 1 else 0
             seq_length = max(totals)
         else:
             rows = max(len(ix) for ix in plan)
             widths = [T] * len(plan) if self.pp > 1 else [max(lengths[i] for i in ix) for ix in plan]
+            widths = [padded_length(w, multiple) for w in widths]
             seq_length = max(widths)
 
         def micro_batches() -> Iterator[tuple[dict[str, Tensor], Any]]:
             for j, ix in enumerate(plan):
                 if packed:
-                    p = pack(batch, ix, lengths, pad_to)
-                    mb = {**p.fields, "position_ids": p.position_ids, "seq_starts": p.seq_starts}
+                    p = pack(batch, ix, lengths, pad_to, multiple)
+                    mb = {k: v.to(self.device) for k, v in
+                          {**p.fields, "position_ids": p.position_ids, "seq_starts": p.seq_starts}.items()}
                     cu = p.cu_seqlens.to(self.device)
                     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                              max_seqlen_q=p.max_seqlen, max_seqlen_kv=p.max_seqlen)
-                    yield {k: v.to(self.device) for k, v in mb.items()}, params
+                    if self.cp > 1:
+                        # cu_seqlens stay those of the full packed row; *_padded for TransformerEngine's CP
+                        params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = cu
+                        mb = {**self._cp_shard(mb, p.cu_seqlens.tolist()), "cp_bounds": p.cu_seqlens.tolist()}
+                    yield mb, params
                     continue
                 index = torch.tensor(ix, dtype=torch.long)
-                mb = {k: v[index, :widths[j]].to(self.device) for k, v in batch.items()}
+                mb = {k: _pad_cols(v[index, :widths[j]], widths[j]).to(self.device) for k, v in batch.items()}
                 if self.pp > 1:
                     mb = {k: _pad_rows(v, rows) for k, v in mb.items()}
                 b, w = mb["tokens"].shape
                 mb["position_ids"] = torch.arange(w, device=self.device).unsqueeze(0).expand(b, w)
+                if self.cp > 1:
+                    mb = {**self._cp_shard(mb, [0, w]), "cp_bounds": [0, w]}
                 yield mb, None
 
         def forward_step(data_iterator: Iterator[tuple[dict[str, Tensor], Any]], model: Any) -> tuple[Tensor, Callable]:
@@ -463,7 +537,10 @@ class MegatronActor:
         plan, lengths = self._plan(loss_mask, B, T, micro_batch_size, budget)
 
         def loss_func(mb: dict[str, Tensor], output: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-            lp = self._token_logprobs(output, mb["tokens"], temperature, seq_starts=mb.get("seq_starts"))
+            lp = self._token_logprobs(output, mb["tokens"], temperature, seq_starts=mb.get("seq_starts"),
+                                      labels=mb.get("labels"))
+            if self.cp > 1:  # the whole micro-batch, in token order, on every CP rank
+                lp = self._cp_unshard(lp.detach(), mb["cp_bounds"])
             return lp.new_zeros(()), torch.tensor(0, dtype=torch.int), {"logprobs": lp.detach()}
 
         self.ddp.eval()
@@ -474,12 +551,15 @@ class MegatronActor:
             self.ddp.train()
         lp = torch.zeros(B, T, dtype=torch.float32, device=self.device)
         if self.post_process:
+            multiple = 2 * self.cp if self.cp > 1 else 1
             for ix, o in zip(plan, outs):
                 x = o["logprobs"]
                 if self.train_cfg.sequence_packing:
-                    unpack(x, ix, lengths, lp)
+                    unpack(x, ix, lengths, lp, multiple)
                 else:
-                    lp[torch.tensor(ix, dtype=torch.long, device=self.device), : x.shape[1]] = x[: len(ix)].float()
+                    # the micro-batch's width before any context-parallel rounding
+                    w = min(x.shape[1], T if self.pp > 1 else max(lengths[i] for i in ix))
+                    lp[torch.tensor(ix, dtype=torch.long, device=self.device), :w] = x[: len(ix), :w].float()
         return self._broadcast_from_last_stage(lp).cpu()
 
     # -------------------------------------------------------------- reference
@@ -566,16 +646,20 @@ class MegatronActor:
         def loss_func(mb: dict[str, Tensor], output: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
             mask = mb["loss_mask"].float()
             starts = mb.get("seq_starts")
+            labels = mb.get("labels")  # context parallelism: targets and fields shifted (_cp_shard)
             if loss_type == "grpo":
                 from megatron_agentrl.algo.losses import vocab_parallel_entropy
 
-                scaled = self._scaled_logits(output, temperature)
+                scaled = self._scaled_logits(output, temperature, shifted=labels is not None)
                 entropy = None
                 if entropy_coef > 0:
                     ent = vocab_parallel_entropy(scaled, tp_group)
-                    entropy = _zero_at_starts(torch.cat([ent.new_zeros(ent.shape[0], 1), ent], dim=1), starts)
+                    if labels is None:
+                        ent = torch.cat([ent.new_zeros(ent.shape[0], 1), ent], dim=1)
+                    entropy = _zero_at_starts(ent, starts)
                 lp = self._token_logprobs(output, mb["tokens"], temperature,
-                                          scaled=scaled if entropy_coef > 0 else None, seq_starts=starts)
+                                          scaled=scaled if entropy_coef > 0 else None, seq_starts=starts,
+                                          labels=labels)
                 loss, stats = policy_loss(
                     lp, mb["behavior_logprobs"].to(lp.dtype), mb["advantages"].to(lp.dtype), mask,
                     clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
@@ -587,7 +671,7 @@ class MegatronActor:
                 if with_lag:
                     stats["lag_sums"] = lag_sums(lp, mb["behavior_logprobs"].to(lp.dtype), mask, mb["version_lag"])
             else:
-                lp = self._token_logprobs(output, mb["tokens"], temperature, seq_starts=starts)
+                lp = self._token_logprobs(output, mb["tokens"], temperature, seq_starts=starts, labels=labels)
                 loss, stats = sft_loss(lp, mask)
             reported = {"loss": loss.detach(), "num_tokens": mask.sum().detach()}
             reported.update({k: v.detach() for k, v in stats.items()})
@@ -608,7 +692,7 @@ class MegatronActor:
         self.ddp.zero_grad_buffer()
         outs = self._run(data, plan, lengths, False, loss_func)
 
-        # one vector summed over micro-batches and DP ranks: the stats, the token count, the lag sums
+        # one vector summed over micro-batches and DP x CP ranks: the stats, the token count, the lag sums
         n_stats = len(stat_keys) + 1
         sums = torch.zeros(n_stats + (LAG_BUCKETS * 3 if with_lag else 0), dtype=torch.float64, device=self.device)
         if self.post_process:
@@ -618,7 +702,7 @@ class MegatronActor:
                 sums[n_stats - 1] += o["num_tokens"].double()
                 if with_lag:
                     sums[n_stats:] += o["lag_sums"].reshape(-1)
-            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         sums = self._broadcast_from_last_stage(sums)
         n = float(sums[n_stats - 1])
         result = {k: float(sums[i]) / max(n, 1.0) for i, k in enumerate(stat_keys)}

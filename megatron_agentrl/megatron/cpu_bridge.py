@@ -36,6 +36,10 @@ What is bridged, and which megatron function needs it:
    those calls a CPU float tensor reports its CUDA type name.
 8. ``DistributedOptimizer.get_parameter_state_dp_zero`` (the gather behind the fully-reshardable
    checkpoint) moves shards with ``.cuda()``: within it, ``Tensor.cuda`` is the identity.
+9. ``rope_utils.get_pos_emb_on_this_cp_rank`` (the rotary embedding's slice for this context-parallel
+   rank, padded rows) builds its chunk index in pinned memory and moves it with ``.cuda()``:
+   :func:`_cpu_pos_emb_on_this_cp_rank` selects the same chunks on the embedding's own device (also
+   where ``rotary_pos_embedding`` and ``yarn_rotary_pos_embedding`` imported it by name).
 
 Without apex / TransformerEngine (on either device) two checkpoint-load paths of the distributed
 optimizer mishandle torch AdamW's ``step``; :func:`_install_torch_adam_checkpoint_fixes` corrects
@@ -74,6 +78,19 @@ def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bo
 def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
     """Stand-in for ``tensor_parallel.random._set_cuda_rng_state``: set the CPU generator state."""
     torch.set_rng_state(new_state)
+
+
+def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+    """Stand-in for ``rope_utils.get_pos_emb_on_this_cp_rank``: of ``pos_emb`` cut into ``2 * cp`` chunks
+    along ``seq_dim``, chunks ``cp_rank`` and ``2 * cp - 1 - cp_rank`` (megatron's load-balanced
+    context-parallel layout), with the index on ``pos_emb``'s device instead of pinned memory + CUDA."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[(seq_dim + 1):])
+    pos_emb = pos_emb.index_select(seq_dim, cp_idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[(seq_dim + 2):])
 
 
 _FACTORIES = frozenset({"zeros", "ones", "empty", "full", "tensor"})
@@ -302,6 +319,12 @@ def install() -> bool:
     clip_by_norm = _within(_tensor_type_reads_as_cuda, clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = clip_by_norm
     moptimizer.clip_grad_by_total_norm_fp32 = clip_by_norm  # imported by name there
+
+    # 9: the rotary embedding's context-parallel slice (imported by name by the rotary modules).
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank  # type: ignore[attr-defined]
 
     _INSTALLED = True
     logger.debug("megatron-core CPU bridge installed")

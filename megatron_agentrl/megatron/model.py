@@ -138,9 +138,9 @@ def recompute_options(recompute: str, recompute_num_layers: int, layers_per_stag
 
 def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, recompute: str = "none",
                             recompute_num_layers: int = 0) -> "Any":
-    """A megatron ``TransformerConfig`` equivalent to the HF config, for the current TP/PP sizes.
+    """A megatron ``TransformerConfig`` equivalent to the HF config, for the current TP/PP/CP sizes.
 
-    Requires ``initialize_parallel`` (reads TP/PP sizes from megatron's parallel_state).
+    Requires ``initialize_parallel`` (reads TP/PP/CP sizes from megatron's parallel_state).
     ``recompute`` / ``recompute_num_layers``: activation recomputation (:func:`recompute_options`).
     ``dtype`` is the parameter / compute dtype (float32, bfloat16 or float16). The residual
     stream stays in ``dtype`` (``fp32_residual_connection=False``), as in transformers/SGLang.
@@ -164,6 +164,7 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, 
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
     n_layers = int(hf_config.num_hidden_layers)
     n_heads = int(hf_config.num_attention_heads)
     n_kv = int(getattr(hf_config, "num_key_value_heads", None) or n_heads)
@@ -196,6 +197,7 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, 
         init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         sequence_parallel=False,
         params_dtype=dtype,
         pipeline_dtype=dtype,

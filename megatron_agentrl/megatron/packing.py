@@ -72,12 +72,13 @@ def plan_micro_batches(lengths: list[int], micro_batch_size: int, token_budget: 
 class PackedRows:
     """Rows of one micro-batch packed into a single THD row.
 
-    fields: each input field as ``[1, t]`` (the rows' first ``len_i`` tokens, concatenated, then
-        ``pad`` zeros); position_ids: ``[1, t]``, restarting at 0 in every sequence;
+    fields: each input field as ``[1, t]`` (the rows' first ``len_i`` tokens, each followed by zeros up
+        to a multiple of ``multiple``, concatenated, then ``pad`` zeros); position_ids: ``[1, t]``,
+        restarting at 0 in every sequence;
     seq_starts: ``[1, t]`` bool, True at the first token of each sequence (whose prediction would
         come from the previous sequence, so log-probs and entropy there are defined as 0, as in
-        column 0 of a padded row); cu_seqlens: ``[n + 1]`` int32 boundaries (the padding, if any,
-        is a last sequence of its own); max_seqlen: the longest sequence.
+        column 0 of a padded row); cu_seqlens: ``[n + 1]`` int32 boundaries of the (padded) sequences
+        (the padding, if any, is a last sequence of its own); max_seqlen: the longest sequence.
     """
 
     fields: dict[str, Tensor]
@@ -87,21 +88,33 @@ class PackedRows:
     max_seqlen: int
 
 
-def pack(batch: dict[str, Tensor], rows: list[int], lengths: list[int], pad_to: int = 0) -> PackedRows:
-    """Pack ``batch`` rows ``rows`` (each cut to ``lengths[row]``) into one row, padded to ``pad_to`` tokens
-    (0 = no padding; the pipeline needs equal shapes when PP > 1)."""
+def padded_length(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (a packed sequence's length with its padding)."""
+    return -(-int(n) // multiple) * multiple
+
+
+def pack(batch: dict[str, Tensor], rows: list[int], lengths: list[int], pad_to: int = 0,
+         multiple: int = 1) -> PackedRows:
+    """Pack ``batch`` rows ``rows`` (each cut to ``lengths[row]``, then zero-padded to a multiple of
+    ``multiple``: context parallelism needs every sequence a multiple of ``2 * cp``) into one row,
+    padded to ``pad_to`` tokens (0 = no padding; the pipeline needs equal shapes when PP > 1)."""
     lens = [int(lengths[i]) for i in rows]
-    total = sum(lens)
+    seqs = [padded_length(n, multiple) for n in lens]
+    total = sum(seqs)
     pad = max(0, pad_to - total)
     index = torch.tensor(rows, dtype=torch.long)
     fields = {}
     for k, v in batch.items():
         picked = v.index_select(0, index)
-        parts = [picked[j, :n] for j, n in enumerate(lens)]
+        parts = []
+        for j, (n, m) in enumerate(zip(lens, seqs)):
+            parts.append(picked[j, :n])
+            if m > n:
+                parts.append(v.new_zeros(m - n))
         if pad:
             parts.append(v.new_zeros(pad))
         fields[k] = torch.cat(parts).unsqueeze(0)
-    seg = lens + ([pad] if pad else [])
+    seg = seqs + ([pad] if pad else [])
     cu = torch.zeros(len(seg) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(seg, dtype=torch.int32), 0)
     position_ids = torch.cat([torch.arange(n, dtype=torch.long) for n in seg]).unsqueeze(0)
@@ -110,12 +123,12 @@ def pack(batch: dict[str, Tensor], rows: list[int], lengths: list[int], pad_to: 
     return PackedRows(fields, position_ids, starts, cu, max(seg))
 
 
-def unpack(x: Tensor, rows: list[int], lengths: list[int], out: Tensor) -> None:
+def unpack(x: Tensor, rows: list[int], lengths: list[int], out: Tensor, multiple: int = 1) -> None:
     """Write packed per-token values ``x [1, t]`` (or ``[t]``) of ``rows`` back into ``out [B, T]``
-    (row ``r`` gets its first ``lengths[r]`` columns)."""
+    (row ``r`` gets its first ``lengths[r]`` columns; ``multiple`` as given to :func:`pack`)."""
     x = x.reshape(-1)
     off = 0
     for r in rows:
         n = int(lengths[r])
         out[r, :n] = x[off: off + n].to(out.dtype)
-        off += n
+        off += padded_length(n, multiple)

@@ -76,7 +76,9 @@ class WeightSender:
             else:
                 logger.warning("checksum verify requested but transport %r cannot have buckets verified (SGLang's "
                                "API has no checksum); buckets go unverified", self.transport)
-        self.is_source = actor.dp_rank == 0 and actor.tp_rank == 0
+        # one sender per stage: TP rank 0 of the first DP replica's first CP rank (CP ranks hold the same weights)
+        self._replica0 = actor.dp_rank == 0 and getattr(actor, "cp_rank", 0) == 0
+        self.is_source = self._replica0 and actor.tp_rank == 0
         self._broadcasters: dict[Hashable, BucketBroadcaster] = {}
 
     def _broadcaster(self, slot_key: Hashable, targets: Sequence[WeightUpdateTarget]) -> BucketBroadcaster:
@@ -133,7 +135,7 @@ class WeightSender:
             # slot serves one stage's group at a time; engines handle update requests one by one,
             # and two engines taking two stages' buckets in different orders would deadlock
             for turn in range(self.actor.pp):
-                if self.actor.pp_rank == turn and self.actor.dp_rank == 0:
+                if self.actor.pp_rank == turn and self._replica0:
                     failure = self._send_stage(version, slot_key, targets, direct_engines if direct and rank0 else None,
                                                stats) or failure
                 if self.actor.pp > 1:
@@ -156,7 +158,7 @@ class WeightSender:
 
     def _send_stage(self, version: int, slot_key: Hashable, targets: Sequence[WeightUpdateTarget] | None,
                     direct_engines: Sequence[Any] | None, stats: SyncStats) -> BaseException | None:
-        """This stage's part (every TP rank of DP replica 0 runs it): gather, and on the source send.
+        """This stage's part (every TP rank of DP replica 0, CP rank 0 runs it): gather, and on the source send.
         Fills ``stats``; returns the failure instead of raising, so the ranks can agree on it."""
         named = stage_hf_tensors(self.actor)  # collective over the stage's TP group
         failure: BaseException | None = None

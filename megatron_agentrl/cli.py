@@ -70,7 +70,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``agentrl train``."""
     p.add_argument("--config", required=True, help="YAML config, e.g. examples/configs/tiny_cpu.yaml")
     p.add_argument("--nproc", type=int, default=0,
-                   help="local processes to spawn (default: parallel.tp * parallel.pp * parallel.cp)")
+                   help="local processes to spawn (default: the smallest world of the layout, "
+                        "parallel.tp * parallel.pp * parallel.cp; with parallel.ep, lcm(tp * cp, ep) * pp)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=5 parallel.tp=2")
 
 

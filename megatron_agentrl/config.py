@@ -200,6 +200,9 @@ class ParallelConfig(_Section):
     tp: tensor-parallel size; pp: pipeline-parallel size (stages).
     cp: context-parallel size: each sequence is split over ``cp`` ranks (megatron's load-balanced
         layout of ``2 * cp`` chunks; the trainer pads every sequence to a multiple of ``2 * cp``).
+    ep: expert-parallel size (mixture-of-experts models): the experts of each MoE layer are split
+        over ``ep`` ranks of a pipeline stage (tokens travel to their experts by all-to-all); experts
+        are not split by TP. ``ep`` must divide the expert count and the ranks of a stage.
     """
 
     KEY: ClassVar[str] = "parallel"
@@ -207,19 +210,24 @@ class ParallelConfig(_Section):
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
 
     def check(self) -> None:
         """See :class:`_Section`."""
         super().check()
-        self.require_positive_int("tp", "pp", "cp")
+        self.require_positive_int("tp", "pp", "cp", "ep")
 
     @property
     def model_parallel_size(self) -> int:
-        """Ranks of one data-parallel replica: ``tp * pp * cp``."""
-        return self.tp * self.pp * self.cp
+        """The smallest world this layout runs on (every world is a multiple of it):
+        ``tp * pp * cp``, or ``lcm(tp * cp, ep) * pp`` with expert parallelism."""
+        return math.lcm(self.tp * self.cp, self.ep) * self.pp
 
     def describe_ranks(self) -> str:
-        """``parallel.tp * parallel.pp * parallel.cp = 1 * 2 * 2 = 4`` (for messages)."""
+        """``parallel.tp * parallel.pp * parallel.cp = 1 * 2 * 2 = 4`` (for messages; ``ep`` when > 1)."""
+        if self.ep > 1:
+            return (f"lcm(parallel.tp * parallel.cp, parallel.ep) * parallel.pp = "
+                    f"lcm({self.tp} * {self.cp}, {self.ep}) * {self.pp} = {self.model_parallel_size}")
         return (f"parallel.tp * parallel.pp * parallel.cp = {self.tp} * {self.pp} * {self.cp} = "
                 f"{self.model_parallel_size}")
 
@@ -275,6 +283,11 @@ class TrainConfig(_Section):
         (whole layers: only each layer's input is kept).
     recompute_num_layers: with recompute=full, how many layers of each pipeline stage recompute
         (the first ones; megatron's ``recompute_method=block``); 0 = all of them.
+    moe_aux_loss_coeff: mixture-of-experts models: weight of the router's auxiliary load-balancing
+        loss (megatron's ``aux_loss``); 0 = off, the usual choice in RL, where routing should stay as
+        the engines sample it.
+    moe_capacity_factor: expert capacity as a multiple of an even share of the tokens (tokens past it
+        are dropped, counted in ``moe/dropped_frac``); null = no dropping (dropless).
     """
 
     KEY: ClassVar[str] = "train"
@@ -301,6 +314,8 @@ class TrainConfig(_Section):
     use_distributed_optimizer: bool = True
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_num_layers: int = 0
+    moe_aux_loss_coeff: float = 0.0
+    moe_capacity_factor: float | None = None
 
     def check(self) -> None:
         """See :class:`_Section`."""
@@ -327,6 +342,9 @@ class TrainConfig(_Section):
         self.require_non_negative("recompute_num_layers", why="0 = every layer of a stage, with recompute=full")
         self.require(self.recompute_num_layers == 0 or self.recompute == "full", "recompute_num_layers",
                      f"only applies to train.recompute=full (it is {self.recompute!r}); set it to 0")
+        self.require_non_negative("moe_aux_loss_coeff", why="0 turns it off")
+        self.require(self.moe_capacity_factor is None or self.moe_capacity_factor > 0, "moe_capacity_factor",
+                     "must be > 0 (1.0 = an even share per expert), or null for no token dropping")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of RL step ``step`` (1-based): warm-up, then ``lr_decay_style``."""
@@ -690,7 +708,8 @@ class RayConfig(_Section):
     address: a Ray cluster to join ("auto", "host:6379"); setting it implies enabled.
     namespace: Ray namespace of the run's actors and placement groups.
     num_cpus: CPUs a local Ray offers (0 = all of this machine); ignored when joining a cluster.
-    train_workers: trainer ranks, the train pool (0 = parallel.tp * parallel.pp * parallel.cp, data parallel 1).
+    train_workers: trainer ranks, the train pool (0 = the smallest world of the layout: parallel.tp * parallel.pp *
+        parallel.cp, data parallel 1; see ``ParallelConfig.model_parallel_size``).
     train_gpus_per_worker / train_cpus_per_worker: resources of one trainer rank (0 GPUs on CPU).
     train_strategy: placement strategy of the train pool: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD.
     rollout_gpus_per_engine: GPUs of one rollout engine (its tensor-parallel size); 0 = no rollout
@@ -854,8 +873,8 @@ class Config:
             )
         self._validate_layers()
         if self.ray.train_workers % self.parallel.model_parallel_size:
-            raise ConfigError(f"ray.train_workers={self.ray.train_workers!r} must be 0 (= parallel.tp * parallel.pp * "
-                              f"parallel.cp) or a positive multiple of {self.parallel.describe_ranks()}")
+            raise ConfigError(f"ray.train_workers={self.ray.train_workers!r} must be 0 (the smallest world of the "
+                              f"layout) or a positive multiple of {self.parallel.describe_ranks()}")
 
     def _validate_layers(self) -> None:
         """The pipeline stages split the layers evenly; recomputation asks for no more layers than a stage has."""
@@ -871,14 +890,15 @@ class Config:
                               f"{layers // pp} (0 = all of them)")
 
     def check_world_size(self, world: int, source: str = "the world size") -> None:
-        """Refuse a number of trainer processes that ``parallel.tp * parallel.pp * parallel.cp`` does not
-        divide (``source`` names where the number came from, e.g. "--nproc 3")."""
+        """Refuse a number of trainer processes that the layout's smallest world
+        (:attr:`ParallelConfig.model_parallel_size`) does not divide (``source`` names where the number
+        came from, e.g. "--nproc 3")."""
         ranks = self.parallel.model_parallel_size
         if world < 1 or world % ranks:
             raise ConfigError(f"{source} = {world} trainer processes is not a multiple of "
                               f"{self.parallel.describe_ranks()} (the data-parallel size, which "
                               f"train.use_distributed_optimizer shards over, is their quotient); launch a multiple of "
-                              f"{ranks} processes or change parallel.tp / parallel.pp / parallel.cp")
+                              f"{ranks} processes or change parallel.tp / parallel.pp / parallel.cp / parallel.ep")
 
     def builds_task_here(self, spec: TaskSpec) -> bool:
         """Whether the trainer builds ``spec``'s built-in task in process: it runs the task's episodes

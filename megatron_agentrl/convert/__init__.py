@@ -2,7 +2,8 @@
 
 ``get_mapping(hf_config)`` returns the mapping object for a transformers config (dispatch on
 ``model_type``); see :class:`megatron_agentrl.convert.base.GPTMapping` for the interface.
-Families: ``qwen2`` (Qwen2 / Qwen2.5), ``qwen3`` (Qwen3 dense), ``llama``, ``glm4`` (GLM-4-0414).
+Families: ``qwen2`` (Qwen2 / Qwen2.5), ``qwen3`` (Qwen3 dense), ``llama``, ``glm4`` (GLM-4-0414), and the
+mixture-of-experts ``qwen3_moe`` (Qwen3-MoE) and ``glm4_moe`` (GLM-4.5, GLM-4.5-Air).
 
 Converters (streaming, bounded memory): :func:`megatron_agentrl.convert.hf_to_megatron.convert_hf_to_megatron`,
 :func:`megatron_agentrl.convert.megatron_to_hf.convert_megatron_to_hf`; megatron-core distributed
@@ -21,16 +22,19 @@ if TYPE_CHECKING:
 __all__ = ["ARCHITECTURES", "MAPPINGS", "MODEL_TYPES", "ConversionError", "GPTMapping", "get_mapping"]
 
 # The transformers ``model_type`` of every family with a mapping (and so a Megatron model build).
-MODEL_TYPES = ("qwen2", "qwen3", "llama", "glm4")
+MODEL_TYPES = ("qwen2", "qwen3", "llama", "glm4", "qwen3_moe", "glm4_moe")
 
 
 def _families() -> dict[str, type]:
     from megatron_agentrl.convert.glm4 import Glm4Mapping
+    from megatron_agentrl.convert.glm4_moe import Glm4MoeMapping
     from megatron_agentrl.convert.llama import LlamaMapping
     from megatron_agentrl.convert.qwen2 import Qwen2Mapping
     from megatron_agentrl.convert.qwen3 import Qwen3Mapping
+    from megatron_agentrl.convert.qwen3_moe import Qwen3MoeMapping
 
-    families = {"qwen2": Qwen2Mapping, "qwen3": Qwen3Mapping, "llama": LlamaMapping, "glm4": Glm4Mapping}
+    families = {"qwen2": Qwen2Mapping, "qwen3": Qwen3Mapping, "llama": LlamaMapping, "glm4": Glm4Mapping,
+                "qwen3_moe": Qwen3MoeMapping, "glm4_moe": Glm4MoeMapping}
     assert tuple(families) == MODEL_TYPES
     return families
 

@@ -1,9 +1,9 @@
-"""Megatron-core <-> Hugging Face weight mapping shared by every dense GPT family.
+"""Megatron-core <-> Hugging Face weight mapping shared by every GPT family, dense and MoE.
 
 Pure tensor code (no torch.distributed): used by the actor (load / export), the offline
 converters (``hf_to_megatron``, ``megatron_to_hf``) and the live weight sync alike. A family
-module (``qwen2.py``, ``qwen3.py``, ``llama.py``, ``glm4.py``) subclasses :class:`GPTMapping` and sets
-its class flags; everything else is shared.
+module (``qwen2.py``, ``qwen3.py``, ``llama.py``, ``glm4.py``, ``qwen3_moe.py``, ``glm4_moe.py``)
+subclasses :class:`GPTMapping` and sets its class flags and MoE facts; everything else is shared.
 
 Vocabulary of this module:
 
@@ -22,11 +22,20 @@ Vocabulary of this module:
   embedding / output layer are first zero-padded to the padded vocab size
   (a multiple of ``make_vocab_size_divisible_by * tp``) and then split on dim 0. Norms are
   replicated.
+* **Experts** (MoE layers): expert ``e`` of layer ``i`` is
+  ``decoder.layers.<i>.mlp.experts.local_experts.<e>.linear_fc1.weight`` (``[gate; up]``) and
+  ``...linear_fc2.weight`` with the *global* expert index (an expert-parallel rank renames its local
+  experts, see ``actor.py``); experts are not split over TP (expert tensor parallel size 1). The
+  router is ``mlp.router.weight`` (and ``mlp.router.expert_bias``, a buffer, for GLM-4.5), a shared
+  expert ``mlp.shared_experts.linear_fc1/fc2.weight`` (split over TP like a dense MLP).
 * **Checkpoint key**: the key of megatron-core's distributed checkpoint
   (``GPTModel.sharded_state_dict()``): layer tensors of all layers are one global tensor
-  ``[num_layers, *full shape]`` under ``decoder.layers.<TE-style suffix>``; the vocab
-  tensors are stored padded (``[padded_vocab, hidden]``) and loaded with
-  ``allow_shape_mismatch``, so another padding (another TP) still loads.
+  ``[num_layers, *full shape]`` under ``decoder.layers.<TE-style suffix>``, experts
+  ``[num_layers, num_experts, *full shape]`` under ``decoder.layers.mlp.experts.experts.linear_fc1.weight``.
+  When dense and MoE layers mix (GLM-4.5's first dense layers) megatron keys every layer on its own
+  (``decoder.layers.<i>.<suffix>``, experts ``[num_experts, ...]``). The vocab tensors are stored
+  padded (``[padded_vocab, hidden]``) and loaded with ``allow_shape_mismatch``, so another padding
+  (another TP) still loads.
 """
 from __future__ import annotations
 
@@ -49,6 +58,7 @@ HF_LM_HEAD = "lm_head.weight"
 HF_FINAL_NORM = "model.norm.weight"
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
 # HF keys that may appear in a state dict but are not parameters to load.
 _HF_IGNORABLE_RE = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -76,6 +86,15 @@ _QK_NORM_SUFFIX_KIND = {
     "self_attention.q_layernorm.weight": "q_norm",
     "self_attention.k_layernorm.weight": "k_norm",
 }
+# The router and shared expert of a MoE layer (experts are matched by ``_EXPERT_RE``).
+_MOE_SUFFIX_KIND = {
+    "mlp.router.weight": "router",
+    "mlp.router.expert_bias": "expert_bias",
+    "mlp.shared_experts.linear_fc1.weight": "shared_fc1",
+    "mlp.shared_experts.linear_fc2.weight": "shared_fc2",
+}
+# Kinds whose Megatron tensor is ``[gate; up]`` of two HF tensors.
+_GATED_KINDS = ("fc1", "expert_fc1", "shared_fc1")
 # Local layer-spec suffix -> the suffix megatron-core's sharded_state_dict stores it under
 # (the local spec's ``sharded_state_dict_keys_map``; TE names are stored as they are).
 _CKPT_SUFFIX = {
@@ -134,6 +153,8 @@ class GPTMapping:
     * ``qk_norms``: each layer normalises every head's query and key (``[head_dim]`` RMSNorm
       weights, Qwen3).
     * :meth:`_qkv_bias`: whether q/k/v projections carry a bias.
+    * MoE families: :meth:`_num_experts`, :meth:`_moe_layers`, :meth:`_shared_expert_size` and the
+      ``expert_bias`` flag (the router's score-correction bias, GLM-4.5).
 
     Args:
         hf_config: a transformers config (or any object with ``num_hidden_layers``,
@@ -151,6 +172,7 @@ class GPTMapping:
     hf_fused_gate_up: bool = False
     post_norms: bool = False
     qk_norms: bool = False
+    expert_bias: bool = False
 
     def __init__(self, hf_config: Any) -> None:
         self.num_layers = int(hf_config.num_hidden_layers)
@@ -167,15 +189,40 @@ class GPTMapping:
             raise ConversionError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
             )
+        self.num_experts = self._num_experts(hf_config)
+        self.moe_layers = self._moe_layers(hf_config) if self.num_experts else [False] * self.num_layers
+        self.moe_intermediate_size = int(hf_config.moe_intermediate_size) if self.num_experts else 0
+        self.shared_expert_size = self._shared_expert_size(hf_config) if self.num_experts else 0
+        # megatron stacks layers in its checkpoint only when all layers are alike (all dense or all MoE)
+        self.stacked_layers = len(set(self.moe_layers)) <= 1
         self._suffix_kind = dict(_LAYER_SUFFIX_KIND)
         if self.post_norms:
             self._suffix_kind.update(_POST_NORM_SUFFIX_KIND)
         if self.qk_norms:
             self._suffix_kind.update(_QK_NORM_SUFFIX_KIND)
+        if self.num_experts:
+            self._suffix_kind.update(_MOE_SUFFIX_KIND)
 
     def _qkv_bias(self, hf_config: Any) -> bool:
         """Whether q/k/v carry a bias in this family (subclasses override)."""
         return False
+
+    def _num_experts(self, hf_config: Any) -> int:
+        """Routed experts per MoE layer; 0 for a dense family (MoE subclasses override)."""
+        return 0
+
+    def _moe_layers(self, hf_config: Any) -> list[bool]:
+        """Per layer, whether its MLP is a MoE layer (MoE subclasses override)."""
+        return [True] * self.num_layers
+
+    def _shared_expert_size(self, hf_config: Any) -> int:
+        """FFN width of the shared expert; 0 for none (subclasses override)."""
+        return 0
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer is a mixture-of-experts layer."""
+        return any(self.moe_layers)
 
     # ----------------------------------------------------------------- names
     def megatron_names(self, te_names: bool = False) -> list[str]:
@@ -206,6 +253,17 @@ class GPTMapping:
         names.append(p + "self_attention.linear_proj.weight")
         if self.post_norms:
             names.append(p + "post_self_attn_layernorm.weight")
+        if self.moe_layers[layer]:
+            # TE's MoE layer keeps its own pre-MLP norm (no fused fc1 to hold it)
+            names += [p + "pre_mlp_layernorm.weight", p + "mlp.router.weight"]
+            if self.expert_bias:
+                names.append(p + "mlp.router.expert_bias")
+            for e in range(self.num_experts):
+                names += [p + f"mlp.experts.local_experts.{e}.linear_fc1.weight",
+                          p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"]
+            if self.shared_expert_size:
+                names += [p + "mlp.shared_experts.linear_fc1.weight", p + "mlp.shared_experts.linear_fc2.weight"]
+            return names
         names += [p + mlp_norm, p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
         if self.post_norms:
             names.append(p + "post_mlp_layernorm.weight")
@@ -222,18 +280,37 @@ class GPTMapping:
         """HF keys that may be present but carry nothing to load (rotary buffers, a tied lm_head)."""
         if _HF_IGNORABLE_RE.search(name):
             return True
+        m = re.match(r"^model\.layers\.(\d+)\.", name)
+        if m and self.num_layers <= int(m.group(1)) < self.num_layers + self.extra_hf_layers:
+            return True
         return self.tie_word_embeddings and name == HF_LM_HEAD
+
+    # HF layers past num_hidden_layers that a checkpoint may carry and that are not loaded
+    # (GLM-4.5's multi-token-prediction layer); subclasses set it from their config
+    extra_hf_layers: int = 0
 
     def _split(self, mname: str) -> tuple[int | None, str]:
         if mname in (EMBEDDING, OUTPUT_LAYER, FINAL_NORM):
             return None, mname
         m = _LAYER_RE.match(mname)
-        if not m or m.group(2) not in self._suffix_kind:
+        expert = _EXPERT_RE.match(m.group(2)) if m else None
+        if not m or (m.group(2) not in self._suffix_kind and expert is None):
             raise KeyError(f"'{mname}' is not a Megatron parameter name of a {self.model_type} GPTModel")
         layer = int(m.group(1))
         if layer >= self.num_layers:
             raise KeyError(f"'{mname}': layer {layer} out of range (num_hidden_layers={self.num_layers})")
+        if expert is not None:
+            if not self.moe_layers[layer] or int(expert.group(1)) >= self.num_experts:
+                raise KeyError(f"'{mname}': layer {layer} has no expert {expert.group(1)} "
+                               f"({self.num_experts if self.moe_layers[layer] else 0} experts)")
+            return layer, "expert_" + expert.group(2)[len("linear_"):]
         return layer, self._suffix_kind[m.group(2)]
+
+    def expert_index(self, mname: str) -> int | None:
+        """The global expert index of an expert's Megatron name, else None."""
+        m = _LAYER_RE.match(mname)
+        expert = _EXPERT_RE.match(m.group(2)) if m else None
+        return int(expert.group(1)) if expert else None
 
     def hf_names(self, mname: str) -> list[str]:
         """The HF parameter names the Megatron parameter ``mname`` is built from (in order)."""
@@ -264,6 +341,19 @@ class GPTMapping:
             if self.hf_fused_gate_up:
                 return [p + "mlp.gate_up_proj.weight"]
             return [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        if kind == "router":
+            return [p + "mlp.gate.weight"]
+        if kind == "expert_bias":
+            return [p + "mlp.gate.e_score_correction_bias"]
+        if kind in ("expert_fc1", "expert_fc2"):
+            e = self.expert_index(mname)
+            if kind == "expert_fc1":
+                return [p + f"mlp.experts.{e}.gate_proj.weight", p + f"mlp.experts.{e}.up_proj.weight"]
+            return [p + f"mlp.experts.{e}.down_proj.weight"]
+        if kind == "shared_fc1":
+            return [p + "mlp.shared_experts.gate_proj.weight", p + "mlp.shared_experts.up_proj.weight"]
+        if kind == "shared_fc2":
+            return [p + "mlp.shared_experts.down_proj.weight"]
         return [p + "mlp.down_proj.weight"]  # fc2
 
     def tp_layout(self, mname: str) -> TPLayout:
@@ -273,10 +363,12 @@ class GPTMapping:
             return TPLayout(0, vocab=True) if kind in (EMBEDDING, OUTPUT_LAYER) else TPLayout(None)
         if kind == "qkv":
             return TPLayout(0)
-        if kind == "fc1":
+        if kind in ("fc1", "shared_fc1"):
             return TPLayout(0, gated=True)
-        if kind in ("proj", "fc2"):
+        if kind in ("proj", "fc2", "shared_fc2"):
             return TPLayout(1)
+        if kind == "expert_fc1":  # not split over TP, but stored as gate and up halves
+            return TPLayout(None, gated=True)
         return TPLayout(None)
 
     # ---------------------------------------------------------------- shapes
@@ -297,7 +389,20 @@ class GPTMapping:
             return (h, self.intermediate_size)
         if kind in ("q_norm", "k_norm"):
             return (d,)
+        if kind == "router":
+            return (self.num_experts, h)
+        if kind == "expert_bias":
+            return (self.num_experts,)
+        if kind in ("expert_fc1", "shared_fc1"):
+            width = self.moe_intermediate_size if kind == "expert_fc1" else self.shared_expert_size
+            return (2 * width, h)
+        if kind in ("expert_fc2", "shared_fc2"):
+            return (h, self.moe_intermediate_size if kind == "expert_fc2" else self.shared_expert_size)
         return (h,)  # norms
+
+    def keeps_fp32(self, mname: str) -> bool:
+        """Tensors stored in fp32 whatever the model's dtype (the router's expert bias)."""
+        return self._split(mname)[1] == "expert_bias"
 
     def hf_shapes(self, mname: str) -> dict[str, tuple[int, ...]]:
         """HF name -> shape of the HF tensors :meth:`to_hf` makes from ``mname`` (in order)."""
@@ -305,21 +410,33 @@ class GPTMapping:
         return {k: tuple(v.shape) for k, v in self.to_hf(mname, meta).items()}
 
     # ------------------------------------------------------------ checkpoint
-    def checkpoint_key(self, mname: str) -> tuple[str, int | None]:
-        """``(key, layer)`` of ``mname`` in megatron-core's distributed checkpoint.
+    def checkpoint_key(self, mname: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        """``(key, index, stack)`` of ``mname`` in megatron-core's distributed checkpoint.
 
-        Layer tensors share one key for all layers (``decoder.layers.<TE-style suffix>``,
-        global shape ``[num_layers, *full shape]``) and ``layer`` is the index on the stacked
-        axis; other tensors return ``layer=None``. A tied model's output layer is stored as
+        The stored tensor under ``key`` has global shape ``(*stack, *full shape)`` and ``mname`` is
+        the piece at ``index`` on those leading axes. Layer tensors of a model whose layers are all
+        alike share one key (``decoder.layers.<TE-style suffix>``, ``stack = (num_layers,)``,
+        ``index = (layer,)``; experts add the expert axis); a model mixing dense and MoE layers has
+        a key per layer (``decoder.layers.<i>.<suffix>``; experts ``stack = (num_experts,)``).
+        Other tensors have empty ``index`` and ``stack``. A tied model's output layer is stored as
         the embedding.
         """
-        layer, _ = self._split(mname)
+        layer, kind = self._split(mname)
         if layer is None:
             if mname == OUTPUT_LAYER and self.tie_word_embeddings:
-                return EMBEDDING, None
-            return mname, None
+                return EMBEDDING, (), ()
+            return mname, (), ()
         suffix = _LAYER_RE.match(mname).group(2)  # type: ignore[union-attr]
-        return "decoder.layers." + _CKPT_SUFFIX.get(suffix, suffix), layer
+        index: tuple[int, ...] = ()
+        stack: tuple[int, ...] = ()
+        if kind in ("expert_fc1", "expert_fc2"):
+            suffix = f"mlp.experts.experts.linear_{kind[len('expert_'):]}.weight"
+            index, stack = (self.expert_index(mname),), (self.num_experts,)  # type: ignore[assignment]
+        else:  # a MoE layer's pre-MLP norm too: the local spec's keys map names it after the fused fc1's norm
+            suffix = _CKPT_SUFFIX.get(suffix, suffix)
+        if self.stacked_layers:
+            return "decoder.layers." + suffix, (layer, *index), (self.num_layers, *stack)
+        return f"decoder.layers.{layer}." + suffix, index, stack
 
     def checkpoint_chunks(self, mname: str, tp: int, padded_vocab: int | None = None) -> list[CheckpointChunk]:
         """The pieces a TP=``tp`` model stores for ``mname`` (as megatron's ``sharded_state_dict``
@@ -330,7 +447,9 @@ class GPTMapping:
         if lay.vocab:
             shape[0] = padded_vocab if padded_vocab is not None else shape[0]
         zero = (0,) * len(shape)
-        if lay.partition_dim is None or tp == 1 and not lay.gated:
+        if lay.gated and lay.partition_dim is None:  # an expert: not split over TP
+            tp = 1
+        elif lay.partition_dim is None or tp == 1 and not lay.gated:
             return [CheckpointChunk(zero, tuple(shape))]
         dim = lay.partition_dim
         if lay.gated:
@@ -351,22 +470,29 @@ class GPTMapping:
         return [CheckpointChunk(tuple(r * per if i == dim else 0 for i in range(len(shape))), sizes)
                 for r in range(tp)]
 
-    def check_parallel(self, tp: int, pp: int) -> None:
-        """Raise ConversionError unless this model splits over ``tp`` x ``pp`` (heads, KV heads,
-        FFN width by TP; layers by PP)."""
-        if tp < 1 or pp < 1:
-            raise ConversionError(f"tp={tp}, pp={pp}: both must be positive integers")
-        bad = [f"{what}={n}" for what, n in (("num_attention_heads", self.num_heads),
-                                             ("num_key_value_heads", self.num_kv_heads),
-                                             ("intermediate_size", self.intermediate_size)) if n % tp]
+    def check_parallel(self, tp: int, pp: int, ep: int = 1) -> None:
+        """Raise ConversionError unless this model splits over ``tp`` x ``pp`` x ``ep`` (heads, KV heads,
+        the dense and shared-expert FFN widths by TP; layers by PP; experts by EP)."""
+        if tp < 1 or pp < 1 or ep < 1:
+            raise ConversionError(f"tp={tp}, pp={pp}, ep={ep}: all must be positive integers")
+        widths = [("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads)]
+        if not all(self.moe_layers):
+            widths.append(("intermediate_size", self.intermediate_size))
+        if self.shared_expert_size:
+            widths.append(("shared expert width", self.shared_expert_size))
+        bad = [f"{what}={n}" for what, n in widths if n % tp]
         if bad:
-            divisors = [t for t in range(1, self.num_kv_heads + 1)
-                        if self.num_kv_heads % t == 0 and self.num_heads % t == 0 and self.intermediate_size % t == 0]
+            divisors = [t for t in range(1, self.num_kv_heads + 1) if all(n % t == 0 for _, n in widths)]
             raise ConversionError(f"tp={tp} does not divide {', '.join(bad)}; choose tp in {divisors}")
         if self.num_layers % pp:
             divisors = [p for p in range(1, self.num_layers + 1) if self.num_layers % p == 0]
             raise ConversionError(
                 f"pp={pp} does not divide num_hidden_layers={self.num_layers}; choose pp in {divisors}")
+        if ep > 1 and not self.is_moe:
+            raise ConversionError(f"ep={ep}: a {self.model_type} model has no experts; use ep=1")
+        if self.is_moe and self.num_experts % ep:
+            divisors = [e for e in range(1, self.num_experts + 1) if self.num_experts % e == 0]
+            raise ConversionError(f"ep={ep} does not divide the {self.num_experts} experts; choose ep in {divisors}")
 
     # ------------------------------------------------------------ conversion
     def to_megatron(self, mname: str, hf: Mapping[str, Tensor]) -> Tensor:
@@ -380,7 +506,7 @@ class GPTMapping:
         ts = [hf[n] for n in names]
         if kind == "qkv":
             return self._interleave_qkv(*ts)
-        if kind == "fc1" and len(ts) == 2:
+        if kind in _GATED_KINDS and len(ts) == 2:
             return torch.cat(ts, dim=0)
         return ts[0]
 
@@ -390,7 +516,7 @@ class GPTMapping:
         _, kind = self._split(mname)
         if kind == "qkv":
             return dict(zip(names, self._deinterleave_qkv(full)))
-        if kind == "fc1" and len(names) == 2:
+        if kind in _GATED_KINDS and len(names) == 2:
             gate, up = torch.chunk(full, 2, dim=0)
             return {names[0]: gate, names[1]: up}
         return {names[0]: full}

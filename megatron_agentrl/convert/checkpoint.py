@@ -333,9 +333,8 @@ def check_checkpoint_matches(reader: DistCheckpointReader, mapping: GPTMapping, 
     (same keys; layer stacks ``[num_layers, ...]``; shapes equal up to vocab padding)."""
     expected: dict[str, tuple[int, ...]] = {}
     for mname in mapping.megatron_names():
-        key, layer = mapping.checkpoint_key(mname)
-        shape = mapping.megatron_shape(mname)
-        expected[key] = (mapping.num_layers, *shape) if layer is not None else shape
+        key, _, stack = mapping.checkpoint_key(mname)
+        expected[key] = (*stack, *mapping.megatron_shape(mname))
     stored = set(reader.keys())
     missing = sorted(set(expected) - stored)
     unexpected = sorted(stored - set(expected))

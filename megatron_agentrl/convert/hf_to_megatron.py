@@ -104,7 +104,7 @@ class _ChunkProducer:
     """Makes checkpoint chunks from HF tensors, keeping only the current full Megatron tensor."""
 
     def __init__(self, reader: SafetensorsReader, mapping: GPTMapping, dtype: torch.dtype | None,
-                 key_to_names: dict[str, list[str]], progress: Any) -> None:
+                 key_to_names: dict[str, dict[tuple[int, ...], str]], progress: Any) -> None:
         self.reader = reader
         self.mapping = mapping
         self.dtype = dtype
@@ -119,18 +119,16 @@ class _ChunkProducer:
         hf = {n: self.reader.read(n) for n in self.mapping.hf_names(mname)}
         full = self.mapping.to_megatron(mname, hf)
         del hf
-        if self.dtype is not None:
+        if self.dtype is not None and not self.mapping.keeps_fp32(mname):
             full = full.to(self.dtype)
         self._cached = (mname, full)
         return full
 
     def __call__(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Tensor:
         names = self.key_to_names[key]
-        stacked = key.startswith("decoder.layers.")
-        if stacked:
-            mname, offsets, sizes = names[offsets[0]], offsets[1:], sizes[1:]
-        else:
-            mname = names[0]
+        depth = len(next(iter(names)))  # leading stacked axes (layer, expert), one element each per chunk
+        mname = names[tuple(offsets[:depth])]
+        offsets, sizes = offsets[depth:], sizes[depth:]
         if self.mapping.tp_layout(mname).vocab:
             out = self._vocab_rows(mname, offsets[0], sizes[0])
         else:
@@ -138,7 +136,7 @@ class _ChunkProducer:
             out = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone()
         if self.progress is not None:
             self.progress.update(out.numel() * out.element_size())
-        return out.unsqueeze(0) if stacked else out
+        return out.reshape((1,) * depth + tuple(out.shape))
 
     def _vocab_rows(self, mname: str, start: int, rows: int) -> Tensor:
         """Rows ``[start, start + rows)`` of the padded vocab tensor, read straight from disk."""
@@ -156,31 +154,27 @@ class _ChunkProducer:
 
 
 def plan_checkpoint(mapping: GPTMapping, reader: SafetensorsReader, tp: int, padded_vocab: int,
-                    dtype: torch.dtype | None) -> tuple[list[StoredTensor], dict[str, list[str]]]:
-    """The keys, global shapes and TP chunks to write, and key -> Megatron names (one per layer
-    for stacked keys, in layer order)."""
-    key_to_names: dict[str, list[str]] = {}
-    first: dict[str, str] = {}
+                    dtype: torch.dtype | None) -> tuple[list[StoredTensor], dict[str, dict[tuple[int, ...], str]]]:
+    """The keys, global shapes and TP chunks to write, and key -> {index on its stacked axes ->
+    Megatron name} (one name per layer, or per layer and expert, for stacked keys)."""
+    key_to_names: dict[str, dict[tuple[int, ...], str]] = {}
+    stack_of: dict[str, tuple[int, ...]] = {}
     for mname in mapping.megatron_names():
-        key, _ = mapping.checkpoint_key(mname)
-        key_to_names.setdefault(key, []).append(mname)
-        first.setdefault(key, mname)
+        key, index, stack = mapping.checkpoint_key(mname)
+        key_to_names.setdefault(key, {})[index] = mname
+        stack_of[key] = stack
     specs = []
     for key, names in key_to_names.items():
-        mname = first[key]
-        stacked = key.startswith("decoder.layers.")
+        mname = next(iter(names.values()))
         shape = list(mapping.megatron_shape(mname))
         if mapping.tp_layout(mname).vocab:
             shape[0] = padded_vocab
         chunks = mapping.checkpoint_chunks(mname, tp, padded_vocab)
         src_dtype = reader.info(mapping.hf_names(mname)[0]).dtype
-        if stacked:
-            glob = (len(names), *shape)
-            pieces = tuple(((layer, *c.offsets), (1, *c.sizes)) for layer in range(len(names)) for c in chunks)
-        else:
-            glob = tuple(shape)
-            pieces = tuple((c.offsets, c.sizes) for c in chunks)
-        specs.append(StoredTensor(key, glob, dtype or src_dtype, pieces))
+        out_dtype = src_dtype if dtype is None or mapping.keeps_fp32(mname) else dtype
+        ones = (1,) * len(stack_of[key])
+        pieces = tuple(((*index, *c.offsets), (*ones, *c.sizes)) for index in names for c in chunks)
+        specs.append(StoredTensor(key, (*stack_of[key], *shape), out_dtype, pieces))
     return specs, key_to_names
 
 
@@ -202,8 +196,8 @@ def convert_hf_to_megatron(
             with an index); tokenizer / generation files are copied along into ``out_dir/hf``.
         out_dir: created; must not already hold a checkpoint unless ``overwrite``.
         tp, pp: target tensor / pipeline parallel sizes (TP must divide the attention and KV
-            heads and the FFN width, PP the layers). The stored tensors do not depend on PP,
-            and any other TP x PP loads the result too.
+            heads and the FFN width, PP the layers). The stored tensors do not depend on PP
+            or on the expert-parallel size, and any other TP x PP x EP loads the result too.
         dtype: stored dtype (``float32`` | ``bfloat16`` | ``float16``); None / ``auto`` keeps
             the HF tensors' dtypes.
         make_vocab_size_divisible_by: vocab padding, to a multiple of this times ``tp``.

@@ -88,7 +88,7 @@ def convert_megatron_to_hf(
     plan = []
     for group in groups:
         for mname in group:
-            key, _ = mapping.checkpoint_key(mname)
+            key = mapping.checkpoint_key(mname)[0]
             for hf_name, shape in mapping.hf_shapes(mname).items():
                 plan.append((hf_name, shape, out_dtype or reader.dtype(key)))
     writer = SafetensorsShardWriter(out, plan, parse_size(max_shard_size))
@@ -99,17 +99,13 @@ def convert_megatron_to_hf(
         for group in groups:
             requests = {}
             for mname in group:
-                key, layer = mapping.checkpoint_key(mname)
+                key, index, _ = mapping.checkpoint_key(mname)
                 shape = mapping.megatron_shape(mname)  # unpadded: reading it strips vocab padding
-                if layer is None:
-                    requests[mname] = (key, (0,) * len(shape), shape)
-                else:
-                    requests[mname] = (key, (layer,) + (0,) * len(shape), (1, *shape))
+                requests[mname] = (key, (*index, *(0,) * len(shape)), (*(1,) * len(index), *shape))
             tensors = reader.read(requests, dtype=out_dtype)
             for mname in group:
                 full = tensors.pop(mname)
-                if mapping.checkpoint_key(mname)[1] is not None:
-                    full = full[0]
+                full = full.reshape(mapping.megatron_shape(mname))
                 for hf_name, t in mapping.to_hf(mname, full).items():
                     writer.write(hf_name, t)
                     bar.update(t.numel() * dtype_size(t.dtype))

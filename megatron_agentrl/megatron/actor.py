@@ -45,12 +45,14 @@ from megatron_agentrl.convert import get_mapping
 from megatron_agentrl.convert.base import ConversionError
 from megatron_agentrl.convert.qwen2 import OUTPUT_LAYER, padded_vocab_size
 from megatron_agentrl.megatron.model import build_gpt_model
+from megatron_agentrl.megatron.moe import MoEStats
 from megatron_agentrl.megatron.packing import effective_lengths, pack, padded_length, plan_micro_batches, unpack
 
 logger = logging.getLogger(__name__)
 
 LOSS_TYPES = ("grpo", "sft")
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT_RE = re.compile(r"(?<=^mlp\.experts\.)local_experts\.(\d+)\.")
 # megatron's loss function of one micro-batch: (micro-batch, output) -> (loss, num_tokens, stats)
 LossFunc = Callable[[dict[str, Tensor], Tensor], tuple[Tensor, Tensor, dict[str, Tensor]]]
 
@@ -144,6 +146,8 @@ class MegatronActor:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.cp = parallel_state.get_context_parallel_world_size()
         self.cp_rank = parallel_state.get_context_parallel_rank()
+        self.ep = parallel_state.get_expert_model_parallel_world_size()
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
         self.pre_process = parallel_state.is_pipeline_first_stage()
         self.post_process = parallel_state.is_pipeline_last_stage()
         self.vocab_size = int(hf_config.vocab_size)
@@ -151,7 +155,8 @@ class MegatronActor:
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
 
         self.model = build_gpt_model(hf_config, self.pre_process, self.post_process, dtype,
-                                     make_vocab_size_divisible_by, train_cfg.recompute, train_cfg.recompute_num_layers)
+                                     make_vocab_size_divisible_by, train_cfg.recompute, train_cfg.recompute_num_layers,
+                                     train_cfg.moe_aux_loss_coeff, train_cfg.moe_capacity_factor)
         self.config = self.model.config
         dist_opt = train_cfg.use_distributed_optimizer
         self.ddp = DistributedDataParallel(
@@ -168,10 +173,17 @@ class MegatronActor:
         self.config.finalize_model_grads_func = finalize_model_grads
         self.device = next(self.model.parameters()).device
 
-        # (global Megatron name, parameter) of this stage / TP shard.
+        # (global Megatron name, parameter) of this stage / TP shard / EP rank's experts.
+        self.local_experts = self.mapping.num_experts // self.ep
         self.named_params: list[tuple[str, torch.nn.Parameter]] = [
             (self._global_name(n), p) for n, p in self.model.named_parameters()
         ]
+        # buffers that are weights of the HF model (the router's expert bias): loaded and exported, not trained
+        self.named_buffers: list[tuple[str, Tensor]] = [
+            (self._global_name(n), b) for n, b in self.model.named_buffers() if n.endswith("mlp.router.expert_bias")
+        ]
+        self.moe_stats = (MoEStats(self.model, int(hf_config.num_experts_per_tok), self.mapping.num_layers,
+                                   train_cfg.moe_aux_loss_coeff > 0) if self.mapping.is_moe else None)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
                             adam_beta1=train_cfg.adam_beta1, adam_beta2=train_cfg.adam_beta2, adam_eps=1e-8,
@@ -194,11 +206,14 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ names
     def _global_name(self, local_name: str) -> str:
+        """The Megatron name of a TP=1, PP=1, EP=1 model: global layer and expert indices."""
         m = _LAYER_RE.match(local_name)
         if not m:
             return local_name
         layer = self.model.decoder.layers[int(m.group(1))]
-        return f"decoder.layers.{layer.layer_number - 1}.{m.group(2)}"
+        suffix = _LOCAL_EXPERT_RE.sub(lambda e: f"local_experts.{self.ep_rank * self.local_experts + int(e.group(1))}.",
+                                      m.group(2))
+        return f"decoder.layers.{layer.layer_number - 1}.{suffix}"
 
     def _is_tied_copy(self, name: str) -> bool:
         """The last stage's copy of the tied embedding (exported once, from the embedding)."""
@@ -250,7 +265,7 @@ class MegatronActor:
                 f"missing [{show(missing)}]; unexpected [{show(unexpected)}]"
             )
         with torch.no_grad():
-            for name, p in self.named_params:
+            for name, p in [*self.named_params, *self.named_buffers]:
                 full = self.mapping.to_megatron(name, state)
                 shard = self.mapping.shard(name, full, self.tp_rank, self.tp, self.padded_vocab)
                 if shard.shape != p.shape:
@@ -290,7 +305,7 @@ class MegatronActor:
         other stages of its pipeline). Collective: all ranks must call it. dtype: the model's.
         Names are ``mapping.hf_param_names()``: a tied model has no ``lm_head.weight`` entry.
         """
-        return self._export(lambda p: p.detach())
+        return self._export(None)
 
     def export_hf_grads(self) -> dict[str, Tensor]:
         """The current fp32 gradients (``main_grad``) in HF names, gathered like :meth:`export_hf_state_dict`.
@@ -318,7 +333,7 @@ class MegatronActor:
                 dist.all_gather_into_tensor(bucket.grad_data, local,
                                             group=group.intra_distributed_optimizer_instance_group)
 
-    def _export(self, getter: Callable[[torch.nn.Parameter], Tensor]) -> dict[str, Tensor]:
+    def _export(self, getter: Callable[[torch.nn.Parameter], Tensor] | None) -> dict[str, Tensor]:
         from megatron_agentrl.weight_sync.gather import stage_hf_tensors
 
         # this stage's tensors (TP-gathered, HF names; the tied embedding from the first stage only)
@@ -619,7 +634,8 @@ class MegatronActor:
         ``kl_ref``, ``entropy`` as enabled), ``num_tokens`` (global masked tokens) and
         ``num_micro_batches`` (this rank); with ``batch.version_lag`` also the ``mismatch/*`` metrics
         per version lag (:func:`megatron_agentrl.algo.mismatch.lag_metrics`, computed from the log-probs
-        of this forward, i.e. the weights at the step start). Collective over all ranks.
+        of this forward, i.e. the weights at the step start); for a MoE model the ``moe/*`` routing
+        metrics (:meth:`megatron_agentrl.megatron.moe.MoEStats.step_metrics`). Collective over all ranks.
         """
         from megatron.core import parallel_state
 
@@ -690,7 +706,13 @@ class MegatronActor:
         plan, lengths = self._plan(data["loss_mask"], B, T, cfg.micro_batch_size, cfg.micro_batch_tokens)
         self.ddp.train()
         self.ddp.zero_grad_buffer()
-        outs = self._run(data, plan, lengths, False, loss_func)
+        if self.moe_stats is not None:
+            self.moe_stats.recording = True
+        try:
+            outs = self._run(data, plan, lengths, False, loss_func)
+        finally:
+            if self.moe_stats is not None:
+                self.moe_stats.recording = False
 
         # one vector summed over micro-batches and DP x CP ranks: the stats, the token count, the lag sums
         n_stats = len(stat_keys) + 1
@@ -710,6 +732,8 @@ class MegatronActor:
         result["num_micro_batches"] = float(len(plan))
         if with_lag:
             result.update(lag_metrics(sums[n_stats:].reshape(LAG_BUCKETS, 3).cpu()))
+        if self.moe_stats is not None:
+            result.update(self.moe_stats.step_metrics(len(plan)))
         return result
 
     def _grad_norm(self) -> float:

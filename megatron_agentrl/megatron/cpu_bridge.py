@@ -41,9 +41,17 @@ What is bridged, and which megatron function needs it:
    :func:`_cpu_pos_emb_on_this_cp_rank` selects the same chunks on the embedding's own device (also
    where ``rotary_pos_embedding`` and ``yarn_rotary_pos_embedding`` imported it by name).
 
+10. The all-to-all token dispatcher of MoE layers (``MoEAlltoAllTokenDispatcher``) creates a
+   ``torch.cuda.Stream`` for its device-to-host copies and moves its split sizes to the host only
+   when they are CUDA tensors, so on the CPU they reach ``all_to_all_single`` as tensors, which
+   it refuses: on CPU the class's stream is a placeholder and the split sizes become Python lists
+   at the point where the CUDA path copies them to the host.
+
 Without apex / TransformerEngine (on either device) two checkpoint-load paths of the distributed
 optimizer mishandle torch AdamW's ``step``; :func:`_install_torch_adam_checkpoint_fixes` corrects
-them, also on a CUDA machine.
+them, also on a CUDA machine. Likewise ``moe_utils`` refers to ``te_general_gemm`` (the router's
+fp32 GEMM) without defining it when TransformerEngine is missing; it is set to None there, which
+selects megatron's own ``torch.mm`` path.
 """
 from __future__ import annotations
 
@@ -264,6 +272,33 @@ def _install_torch_adam_checkpoint_fixes() -> None:
     _TORCH_ADAM_FIXED = True
 
 
+def _install_moe_without_te() -> None:
+    """``moe_utils.te_general_gemm`` is referenced but undefined without TransformerEngine."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+
+
+def _split_sizes_as_lists(self: Any, point: str, tokens_per_expert: torch.Tensor | None = None) -> Any:
+    """CPU stand-in for ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``: where the CUDA path
+    copies the split sizes to the host (``cuda_dtoh_point``), turn them into lists of ints."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for attr in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, attr, None)
+            if torch.is_tensor(value):
+                setattr(self, attr, value.tolist())
+    return tokens_per_expert
+
+
+def _install_moe_dispatcher_bridge() -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()  # never entered on CPU (see above)
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _split_sizes_as_lists  # type: ignore[method-assign]
+
+
 def install() -> bool:
     """Install the CPU bridge (idempotent). Returns True when active, False on a CUDA machine.
 
@@ -273,6 +308,7 @@ def install() -> bool:
     """
     global _INSTALLED
     _install_torch_adam_checkpoint_fixes()
+    _install_moe_without_te()
     if torch.cuda.is_available():
         return False
     if _INSTALLED:
@@ -325,6 +361,9 @@ def install() -> bool:
 
     for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
         module.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank  # type: ignore[attr-defined]
+
+    # 10: the MoE all-to-all dispatcher's side stream and split sizes.
+    _install_moe_dispatcher_bridge()
 
     _INSTALLED = True
     logger.debug("megatron-core CPU bridge installed")

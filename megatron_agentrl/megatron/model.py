@@ -11,7 +11,11 @@ logits equal the ``transformers`` model's, for each supported family:
 * ``glm4`` (GLM-4-0414): QKV bias (``attention_bias``), partial interleaved rotary
   (``partial_rotary_factor``; GLM rotates pairs ``(2i, 2i+1)``), and two extra RMSNorms per
   layer on the attention and MLP outputs before each residual add (:func:`glm4_layer_spec`,
-  built from megatron-core's ``TransformerLayer`` and norm modules).
+  built from megatron-core's ``TransformerLayer`` and norm modules);
+* ``qwen3_moe`` (Qwen3-MoE): Qwen3's attention, MoE MLPs (``moe.py``);
+* ``glm4_moe`` (GLM-4.5): QKV bias, partial rotary of the first half of each head's dims
+  (not interleaved), optional q/k norms (``use_qk_norm``), MoE MLPs with a shared expert and
+  dense first layers (``moe.py``).
 
 No dropout. TransformerEngine layer specs are used when TransformerEngine imports, else
 megatron-core's local specs with our SDPA core attention (``attention.py``), which also takes packed
@@ -27,6 +31,7 @@ import torch.nn.functional as F
 
 from megatron_agentrl.config import ConfigError
 from megatron_agentrl.convert import MODEL_TYPES as SUPPORTED_MODEL_TYPES
+from megatron_agentrl.megatron.moe import is_moe, moe_options
 
 logger = logging.getLogger(__name__)
 
@@ -109,11 +114,17 @@ def _family_options(hf_config: Any) -> dict[str, Any]:
         opts = {"add_qkv_bias": False, "rotary_interleaved": False}
     elif model_type == "glm4":
         opts = {"add_qkv_bias": bool(getattr(hf_config, "attention_bias", True)), "rotary_interleaved": True}
+    elif model_type == "qwen3_moe":
+        opts = {"add_qkv_bias": bool(getattr(hf_config, "attention_bias", False)), "rotary_interleaved": False,
+                "qk_layernorm": True}
+    elif model_type == "glm4_moe":
+        opts = {"add_qkv_bias": bool(getattr(hf_config, "attention_bias", True)), "rotary_interleaved": False,
+                "qk_layernorm": bool(getattr(hf_config, "use_qk_norm", False))}
     else:
         raise ConfigError(f"model_type={model_type!r} is not supported by the Megatron actor; "
                           f"supported: {SUPPORTED_MODEL_TYPES}")
-    if partial != 1.0 and model_type != "glm4":
-        raise ConfigError(f"partial_rotary_factor={partial} is only supported for glm4")
+    if partial != 1.0 and model_type not in ("glm4", "glm4_moe"):
+        raise ConfigError(f"partial_rotary_factor={partial} is only supported for glm4 and glm4_moe")
     if not 0.0 < partial <= 1.0:
         raise ConfigError(f"partial_rotary_factor={partial} must be in (0, 1]")
     return opts
@@ -137,10 +148,13 @@ def recompute_options(recompute: str, recompute_num_layers: int, layers_per_stag
 
 
 def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, recompute: str = "none",
-                            recompute_num_layers: int = 0) -> "Any":
-    """A megatron ``TransformerConfig`` equivalent to the HF config, for the current TP/PP/CP sizes.
+                            recompute_num_layers: int = 0, moe_aux_loss_coeff: float = 0.0,
+                            moe_capacity_factor: float | None = None) -> "Any":
+    """A megatron ``TransformerConfig`` equivalent to the HF config, for the current TP/PP/CP/EP sizes.
 
-    Requires ``initialize_parallel`` (reads TP/PP/CP sizes from megatron's parallel_state).
+    Requires ``initialize_parallel`` (reads TP/PP/CP/EP sizes from megatron's parallel_state).
+    ``moe_aux_loss_coeff`` / ``moe_capacity_factor``: the MoE training settings of a MoE family
+    (:func:`megatron_agentrl.megatron.moe.moe_options`).
     ``recompute`` / ``recompute_num_layers``: activation recomputation (:func:`recompute_options`).
     ``dtype`` is the parameter / compute dtype (float32, bfloat16 or float16). The residual
     stream stays in ``dtype`` (``fp32_residual_connection=False``), as in transformers/SGLang.
@@ -165,6 +179,7 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
     n_layers = int(hf_config.num_hidden_layers)
     n_heads = int(hf_config.num_attention_heads)
     n_kv = int(getattr(hf_config, "num_key_value_heads", None) or n_heads)
@@ -176,6 +191,7 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, 
         )
     head_dim = getattr(hf_config, "head_dim", None) or int(hf_config.hidden_size) // n_heads
     family = _family_options(hf_config)
+    moe = moe_options(hf_config, ep, moe_aux_loss_coeff, moe_capacity_factor)
     cuda = torch.cuda.is_available()
     return TransformerConfig(
         num_layers=n_layers,
@@ -219,6 +235,7 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, 
         variable_seq_lengths=False,
         deallocate_pipeline_outputs=False,
         **recompute_options(recompute, recompute_num_layers, n_layers // pp),
+        **moe,
     )
 
 
@@ -325,11 +342,16 @@ def with_core_attention(spec: Any, core_attention: type) -> Any:
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))
 
 
-def layer_spec(hf_config: Any) -> Any:
+def layer_spec(hf_config: Any, config: Any = None) -> Any:
     """The megatron-core transformer layer spec for ``hf_config``'s family: TransformerEngine's when it
     imports (with CUDA), else megatron-core's local spec with :class:`SDPACoreAttention` as its core
-    attention (flash / memory-efficient SDPA kernels on GPU, packed THD sequences everywhere)."""
+    attention (flash / memory-efficient SDPA kernels on GPU, packed THD sequences everywhere).
+
+    A MoE family gets megatron's decoder block spec for this pipeline stage instead (dense and MoE
+    layers as ``config.moe_layer_freq`` says; ``config``: its ``TransformerConfig``, required then).
+    """
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
@@ -337,13 +359,21 @@ def layer_spec(hf_config: Any) -> Any:
     from megatron_agentrl.megatron.attention import SDPACoreAttention
 
     use_te = _have_te()
-    qk_layernorm = getattr(hf_config, "model_type", None) == "qwen3"
+    model_type = getattr(hf_config, "model_type", None)
+    if is_moe(hf_config):
+        if config is None:
+            raise ValueError(f"layer_spec of a {model_type} model needs its TransformerConfig")
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+        if not use_te:
+            block.layer_specs = [with_core_attention(s, SDPACoreAttention) for s in block.layer_specs]
+        return block
+    qk_layernorm = model_type == "qwen3"
     if use_te:
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     else:
         spec = with_core_attention(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm),
                                    SDPACoreAttention)
-    if getattr(hf_config, "model_type", None) == "glm4":
+    if model_type == "glm4":
         spec = glm4_layer_spec(spec, use_te)
     return spec
 
@@ -356,6 +386,8 @@ def build_gpt_model(
     make_vocab_size_divisible_by: int = 128,
     recompute: str = "none",
     recompute_num_layers: int = 0,
+    moe_aux_loss_coeff: float = 0.0,
+    moe_capacity_factor: float | None = None,
 ) -> "Any":
     """The ``GPTModel`` chunk of this PP stage for ``hf_config`` (randomly initialised).
 
@@ -366,6 +398,7 @@ def build_gpt_model(
         dtype: parameter dtype.
         make_vocab_size_divisible_by: the vocab is padded to a multiple of this times TP.
         recompute, recompute_num_layers: activation recomputation (:func:`recompute_options`).
+        moe_aux_loss_coeff, moe_capacity_factor: MoE training settings (:func:`make_transformer_config`).
 
     The output layer is vocab-parallel (``parallel_output=True``): without labels the model
     returns logits ``[B, S, padded_vocab / tp]``; padded vocab entries must be masked by the
@@ -376,8 +409,9 @@ def build_gpt_model(
 
     from megatron_agentrl.convert.base import padded_vocab_size
 
-    config = make_transformer_config(hf_config, dtype, recompute, recompute_num_layers)
-    spec = layer_spec(hf_config)
+    config = make_transformer_config(hf_config, dtype, recompute, recompute_num_layers, moe_aux_loss_coeff,
+                                     moe_capacity_factor)
+    spec = layer_spec(hf_config, config)
     theta = rope_theta(hf_config)
     scaling = rope_scaling_factor(hf_config)
     tp = parallel_state.get_tensor_model_parallel_world_size()

@@ -8,7 +8,9 @@
 * when torch.distributed is already initialized by the caller: it is reused.
 
 Backend: ``nccl`` when CUDA is available, else ``gloo`` (with the CPU bridge installed).
-World size = tp * pp * cp * dp; megatron's rank order is ``tp-cp-ep-dp-pp`` (TP fastest).
+World size = tp * pp * cp * dp; megatron's rank order is ``tp-cp-ep-dp-pp`` (TP fastest). Expert
+parallelism (``ep``) splits the experts of MoE layers over ``ep`` ranks carved out of each stage's
+``tp * cp * dp`` ranks; experts are not split by TP (expert tensor parallel size 1).
 """
 from __future__ import annotations
 
@@ -57,26 +59,28 @@ def _init_torch_distributed(timeout_s: float) -> None:
                 dist.get_world_size())
 
 
-def initialize_parallel(tp: int, pp: int, seed: int, timeout_s: float = 300, cp: int = 1) -> None:
-    """Initialise torch.distributed (if needed) and megatron's TP/PP/CP/DP groups, then seed.
+def initialize_parallel(tp: int, pp: int, seed: int, timeout_s: float = 300, cp: int = 1, ep: int = 1) -> None:
+    """Initialise torch.distributed (if needed) and megatron's TP/PP/CP/EP/DP groups, then seed.
 
     Args:
         tp: tensor-parallel size; pp: pipeline-parallel size; cp: context-parallel size (each
             sequence split over ``cp`` ranks). The world size must be a multiple of ``tp * pp * cp``;
-            data-parallel size = world / (tp * pp * cp).
+            data-parallel size = world / (tp * pp * cp). ep: expert-parallel size (MoE models); it
+            must divide ``world / pp``.
         seed: base seed. Python/torch RNGs get ``seed + 100 * pp_rank`` (as megatron's
             training loop does, so stages do not init layers identically); megatron's
             model-parallel RNG tracker is seeded with ``seed`` (offset per TP rank by megatron).
         timeout_s: timeout of the process group's collectives, seconds.
 
     Raises:
-        ConfigError (a ValueError) when the world size is not divisible by ``tp * pp * cp`` or
-        megatron was already initialised with different sizes.
+        ConfigError (a ValueError) when the world size is not divisible by ``tp * pp * cp``, ``ep`` does
+        not divide the ranks of a stage, or megatron was already initialised with different sizes.
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    if tp < 1 or pp < 1 or cp < 1:
-        raise ConfigError(f"parallel.tp={tp}, parallel.pp={pp}, parallel.cp={cp}: all must be positive integers")
+    if tp < 1 or pp < 1 or cp < 1 or ep < 1:
+        raise ConfigError(f"parallel.tp={tp}, parallel.pp={pp}, parallel.cp={cp}, parallel.ep={ep}: all must be "
+                          "positive integers")
     cpu_bridge.install()
     if not dist.is_initialized():
         _init_torch_distributed(timeout_s)
@@ -87,22 +91,29 @@ def initialize_parallel(tp: int, pp: int, seed: int, timeout_s: float = 300, cp:
             f"world size {world} is not divisible by parallel.tp * parallel.pp * parallel.cp = {tp} * {pp} * {cp} = "
             f"{ranks}; launch a multiple of {ranks} processes or change parallel.tp / parallel.pp / parallel.cp"
         )
+    if (world // pp) % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide the {world // pp} ranks of a pipeline stage "
+                          f"(world {world} / parallel.pp {pp}); launch a multiple of {ep * pp} processes or change "
+                          "parallel.ep")
     if parallel_state.model_parallel_is_initialized():
         cur = (
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_context_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
         )
-        if cur != (tp, pp, cp):
+        if cur != (tp, pp, cp, ep):
             raise ConfigError(
-                f"megatron is already initialised with tp={cur[0]}, pp={cur[1]}, cp={cur[2]}, not tp={tp}, pp={pp}, "
-                f"cp={cp}; call destroy_parallel() first"
+                f"megatron is already initialised with tp={cur[0]}, pp={cur[1]}, cp={cur[2]}, ep={cur[3]}, "
+                f"not tp={tp}, pp={pp}, cp={cp}, ep={ep}; call destroy_parallel() first"
             )
     else:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             context_parallel_size=cp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=1,
             distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
             create_gloo_process_groups=torch.cuda.is_available(),
         )
@@ -111,10 +122,12 @@ def initialize_parallel(tp: int, pp: int, seed: int, timeout_s: float = 300, cp:
     torch.manual_seed(seed + 100 * pp_rank)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     logger.info(
-        "megatron parallel: tp=%d pp=%d cp=%d dp=%d (rank %d: tp_rank=%d pp_rank=%d cp_rank=%d dp_rank=%d)",
-        tp, pp, cp, world // ranks, dist.get_rank(),
+        "megatron parallel: tp=%d pp=%d cp=%d ep=%d dp=%d (rank %d: tp_rank=%d pp_rank=%d cp_rank=%d ep_rank=%d "
+        "dp_rank=%d)",
+        tp, pp, cp, ep, world // ranks, dist.get_rank(),
         parallel_state.get_tensor_model_parallel_rank(), pp_rank,
-        parallel_state.get_context_parallel_rank(), parallel_state.get_data_parallel_rank(),
+        parallel_state.get_context_parallel_rank(), parallel_state.get_expert_model_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
     )
 
 

@@ -70,7 +70,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
     from the first to the last RL step), ``trained_samples``, ``trained_tokens``,
     ``samples_per_s``, ``dropped_stale``, ``last_checkpoint``.
     """
-    initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed, cp=cfg.parallel.cp)
+    initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed, cp=cfg.parallel.cp, ep=cfg.parallel.ep)
     try:
         run = TrainingRun(cfg)
         run.setup()

@@ -3,7 +3,8 @@
 Per sync, on every trainer rank (:meth:`WeightSender.sync`, collective):
 
 1. each pipeline stage's tensor-parallel group all-gathers its parameters (only data-parallel
-   replica 0 takes part) and converts them to Hugging Face names with the family mapping
+   replica 0 takes part; with expert parallelism every rank, each expert all-gathered over the
+   expert-parallel group) and converts them to Hugging Face names with the family mapping
    (:func:`~megatron_agentrl.weight_sync.gather.stage_hf_tensors`), one parameter at a time, so
    memory stays at one bucket;
 2. the stage's *source* rank (tp_rank 0 of DP replica 0) groups them into single-dtype buckets of
@@ -76,9 +77,11 @@ class WeightSender:
             else:
                 logger.warning("checksum verify requested but transport %r cannot have buckets verified (SGLang's "
                                "API has no checksum); buckets go unverified", self.transport)
-        # one sender per stage: TP rank 0 of the first DP replica's first CP rank (CP ranks hold the same weights)
-        self._replica0 = actor.dp_rank == 0 and getattr(actor, "cp_rank", 0) == 0
-        self.is_source = self._replica0 and actor.tp_rank == 0
+        # one sender per stage: TP rank 0 of the first DP replica's first CP rank (CP ranks hold the same weights);
+        # with expert parallelism every rank of the stage gathers, as the experts are spread over DP ranks
+        replica0 = actor.dp_rank == 0 and actor.cp_rank == 0
+        self._gathers = replica0 or actor.ep > 1
+        self.is_source = replica0 and actor.tp_rank == 0
         self._broadcasters: dict[Hashable, BucketBroadcaster] = {}
 
     def _broadcaster(self, slot_key: Hashable, targets: Sequence[WeightUpdateTarget]) -> BucketBroadcaster:
@@ -135,7 +138,7 @@ class WeightSender:
             # slot serves one stage's group at a time; engines handle update requests one by one,
             # and two engines taking two stages' buckets in different orders would deadlock
             for turn in range(self.actor.pp):
-                if self.actor.pp_rank == turn and self._replica0:
+                if self.actor.pp_rank == turn and self._gathers:
                     failure = self._send_stage(version, slot_key, targets, direct_engines if direct and rank0 else None,
                                                stats) or failure
                 if self.actor.pp > 1:
@@ -158,7 +161,8 @@ class WeightSender:
 
     def _send_stage(self, version: int, slot_key: Hashable, targets: Sequence[WeightUpdateTarget] | None,
                     direct_engines: Sequence[Any] | None, stats: SyncStats) -> BaseException | None:
-        """This stage's part (every TP rank of DP replica 0, CP rank 0 runs it): gather, and on the source send.
+        """This stage's part (every TP rank of DP replica 0, CP rank 0 runs it; every rank with EP): gather, and on
+        the source send.
         Fills ``stats``; returns the failure instead of raising, so the ranks can agree on it."""
         named = stage_hf_tensors(self.actor)  # collective over the stage's TP group
         failure: BaseException | None = None

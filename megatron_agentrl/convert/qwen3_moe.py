@@ -1,0 +1,36 @@
+"""Megatron-core <-> Hugging Face weight mapping for Qwen3-MoE (``Qwen3MoeForCausalLM``, e.g. Qwen3-30B-A3B).
+
+Qwen3's attention (q/k norms, no QKV bias unless ``attention_bias``) with MoE MLPs
+(transformers 5.23 ``modeling_qwen3_moe``; the names are those of the checkpoints on disk, which
+transformers 5 fuses into 3-D expert tensors only in memory):
+
+* ``mlp.gate.weight`` ``[num_experts, hidden]`` <-> ``mlp.router.weight``;
+* ``mlp.experts.<e>.gate_proj / up_proj.weight`` <-> ``mlp.experts.local_experts.<e>.linear_fc1.weight``
+  (``[gate; up]``), ``mlp.experts.<e>.down_proj.weight`` <-> ``...linear_fc2.weight``;
+* layer ``i`` is a MoE layer when ``i`` is not in ``mlp_only_layers`` and
+  ``(i + 1) % decoder_sparse_step == 0``; the others keep a dense MLP of ``intermediate_size``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_agentrl.convert.base import GPTMapping
+
+
+class Qwen3MoeMapping(GPTMapping):
+    """Name and layout mapping for one ``Qwen3MoeForCausalLM`` config (see :class:`GPTMapping`)."""
+
+    model_type = "qwen3_moe"
+    architecture = "Qwen3MoeForCausalLM"
+    qk_norms = True
+
+    def _qkv_bias(self, hf_config: Any) -> bool:
+        return bool(getattr(hf_config, "attention_bias", False))
+
+    def _num_experts(self, hf_config: Any) -> int:
+        return int(hf_config.num_experts)
+
+    def _moe_layers(self, hf_config: Any) -> list[bool]:
+        step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+        return [i not in dense and (i + 1) % step == 0 for i in range(self.num_layers)]

@@ -1,0 +1,195 @@
+"""Mixture-of-experts: megatron-core's MoE settings for each MoE family, and the per-step MoE metrics.
+
+Families (transformers 5.23 ``modeling_qwen3_moe`` / ``modeling_glm4_moe``):
+
+* ``qwen3_moe`` (``Qwen3MoeForCausalLM``): softmax router over ``num_experts``, top
+  ``num_experts_per_tok``, renormalised over the chosen experts when ``norm_topk_prob`` (megatron:
+  top-k of the logits, then a softmax over them, which is the same); sparse layers where
+  ``(i + 1) % decoder_sparse_step == 0`` and ``i`` not in ``mlp_only_layers``, dense MLPs
+  (``intermediate_size``) elsewhere.
+* ``glm4_moe`` (``Glm4MoeForCausalLM``, GLM-4.5 / GLM-4.5-Air): sigmoid router with a per-expert
+  score-correction bias that chooses the experts but not their weights (megatron's
+  ``expert_bias``), group-limited top-k (``n_group`` / ``topk_group``), weights renormalised and
+  scaled by ``routed_scaling_factor``, a shared expert of ``n_shared_experts *
+  moe_intermediate_size``, and dense MLPs in the first ``first_k_dense_replace`` layers.
+
+Training settings (``train.moe_*``) and the layout (``parallel.ep``): router logits always in fp32,
+the all-to-all token dispatcher, experts not split by TP (expert tensor parallel 1, as the peers'
+MoE recipes use), the auxiliary load-balancing loss with ``train.moe_aux_loss_coeff`` (0 = off),
+token dropping when ``train.moe_capacity_factor`` is set (None = dropless). The router's expert
+bias stays fixed during RL (megatron's aux-loss-free bias update rate 0), so the engines, which
+receive it as ``e_score_correction_bias``, route exactly as the trainer does.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_agentrl.config import ConfigError
+from megatron_agentrl.convert import get_mapping
+
+
+def is_moe(hf_config: Any) -> bool:
+    """Whether ``hf_config`` describes a mixture-of-experts model."""
+    return get_mapping(hf_config).is_moe
+
+
+def moe_options(hf_config: Any, ep: int, aux_loss_coeff: float = 0.0,
+                capacity_factor: float | None = None) -> dict[str, Any]:
+    """megatron ``TransformerConfig`` fields for ``hf_config``'s experts ({} for a dense family).
+
+    ep: expert-parallel size (must divide the expert count); aux_loss_coeff: the load-balancing
+    loss's coefficient (0 = none); capacity_factor: expert capacity as a multiple of the even share
+    (None = no token dropping). Raises ConfigError for router settings megatron cannot express.
+    """
+    mapping = get_mapping(hf_config)
+    model_type = mapping.model_type
+    if not mapping.is_moe:
+        if ep != 1:
+            raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model; model_type={model_type!r} "
+                              "has no MoE layer: set parallel.ep=1")
+        return {}
+    experts = mapping.num_experts
+    topk = int(hf_config.num_experts_per_tok)
+    if not 1 <= topk <= experts:
+        raise ConfigError(f"{model_type}: num_experts_per_tok={topk} must be in [1, {experts}] (the expert count)")
+    if experts % ep:
+        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise ConfigError(f"parallel.ep={ep} does not divide the {experts} experts of the model; "
+                          f"choose ep in {divisors}")
+    pattern = mapping.moe_layers
+    opts: dict[str, Any] = {
+        "num_moe_experts": experts,
+        "moe_router_topk": topk,
+        "moe_ffn_hidden_size": int(hf_config.moe_intermediate_size),
+        # an int 1 keeps megatron's stacked checkpoint layout; a list makes its keys per layer
+        "moe_layer_freq": 1 if all(pattern) else [int(x) for x in pattern],
+        "moe_router_dtype": "fp32",
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": False,
+        "moe_permute_fusion": False,
+        "moe_router_fusion": False,
+        "moe_aux_loss_coeff": float(aux_loss_coeff),
+        "moe_router_load_balancing_type": "aux_loss" if aux_loss_coeff > 0 else "none",
+        "moe_expert_capacity_factor": capacity_factor,
+        "moe_pad_expert_input_to_capacity": False,
+        "expert_model_parallel_size": ep,
+        "expert_tensor_parallel_size": 1,
+    }
+    if model_type == "qwen3_moe":
+        # norm_topk_prob: softmax over the top-k logits (= renormalised); else top-k of the full softmax
+        opts.update(moe_router_score_function="softmax",
+                    moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)))
+    else:
+        if not getattr(hf_config, "norm_topk_prob", True) and topk > 1:
+            raise ConfigError("glm4_moe with norm_topk_prob=False is not supported (megatron renormalises "
+                              "sigmoid router weights over the chosen experts)")
+        groups = int(getattr(hf_config, "n_group", 1) or 1)
+        group_topk = int(getattr(hf_config, "topk_group", 1) or 1)
+        if groups > 1:
+            if experts % groups or topk % group_topk or topk // group_topk != 2:
+                raise ConfigError(f"glm4_moe n_group={groups}, topk_group={group_topk}, num_experts_per_tok={topk}: "
+                                  "megatron scores a group by its top num_experts_per_tok / topk_group experts, "
+                                  "transformers by its top 2; only settings where both agree are supported")
+            opts.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+        opts.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                    moe_router_bias_update_rate=0.0,
+                    moe_router_topk_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0)))
+        if mapping.shared_expert_size:
+            opts["moe_shared_expert_intermediate_size"] = mapping.shared_expert_size
+    return opts
+
+
+class MoEStats:
+    """The MoE metrics of each training step: token routing of every router of this rank's model chunk,
+    and megatron's auxiliary-loss tracker.
+
+    Hooks each megatron ``TopKRouter`` (whose forward returns ``(probs, routing_map)``, the map
+    ``[tokens, experts]`` after any capacity drop) and, while :attr:`recording`, sums the routed tokens
+    per expert over the forward passes; :meth:`step_metrics` reduces them over the data-parallel
+    (x context-parallel) ranks and the pipeline stages and starts over. Padding tokens are routed, and
+    counted, too. ``num_layers``: the model's layers; ``aux_loss``: whether megatron tracks its
+    load-balancing loss (``train.moe_aux_loss_coeff`` > 0).
+    """
+
+    AUX_LOSS_NAME = "load_balancing_loss"  # megatron's tracker name for the "aux_loss" balancing type
+
+    def __init__(self, model: torch.nn.Module, topk: int, num_layers: int, aux_loss: bool) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.topk = topk
+        self.num_layers = num_layers
+        self.aux_loss = aux_loss
+        self.recording = False
+        self._counts: dict[int, torch.Tensor] = {}
+        self._tokens: dict[int, float] = {}
+        self._handles = []
+        for i, module in enumerate(m for m in model.modules() if isinstance(m, TopKRouter)):
+            self._handles.append(module.register_forward_hook(self._hook(i)))
+
+    def _hook(self, idx: int) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            if not self.recording:
+                return  # log-prob passes are not training steps
+            routing_map = output[1].detach()
+            counts = routing_map.sum(dim=0).to(torch.float64)
+            prev = self._counts.get(idx)
+            self._counts[idx] = counts if prev is None else prev + counts
+            self._tokens[idx] = self._tokens.get(idx, 0.0) + float(routing_map.shape[0])
+        return hook
+
+    def step_metrics(self, num_micro_batches: int) -> dict[str, float]:
+        """The step's MoE metrics, averaged over every MoE layer of the model; collective over all ranks.
+
+        ``moe/load_imbalance``: tokens of the busiest expert over the mean (1.0 = perfectly even);
+        ``moe/expert_tokens_cv``: coefficient of variation of tokens per expert;
+        ``moe/dropped_frac``: share of routed (token, expert) assignments dropped by the capacity;
+        ``moe/<aux loss name>``: megatron's tracked router losses (the load-balancing loss, without
+        its coefficient) per micro-batch, when ``train.moe_aux_loss_coeff`` > 0.
+        """
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.transformer.moe.moe_utils import (
+            clear_aux_losses_tracker,
+            get_moe_layer_wise_logging_tracker,
+        )
+
+        dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        pp = parallel_state.get_pipeline_model_parallel_group()
+        sums = torch.zeros(4, dtype=torch.float64)  # imbalance, cv, dropped, layers: summed over the stages
+        if self._counts:
+            idx = sorted(self._counts)
+            counts = torch.stack([self._counts[i] for i in idx])  # [layers of this stage, experts]
+            tokens = torch.tensor([self._tokens[i] for i in idx], dtype=torch.float64)
+            dist.all_reduce(counts, group=dp_cp)
+            dist.all_reduce(tokens, group=dp_cp)
+            mean = counts.mean(dim=1).clamp_min(1e-12)
+            sums[0] = (counts.max(dim=1).values / mean).sum()
+            sums[1] = (counts.std(dim=1, unbiased=False) / mean).sum()
+            sums[2] = (1.0 - counts.sum(dim=1) / (tokens * self.topk).clamp_min(1.0)).clamp_min(0.0).sum()
+            sums[3] = len(idx)
+        self._counts.clear()
+        self._tokens.clear()
+        dist.all_reduce(sums, group=pp)
+        layers = max(float(sums[3]), 1.0)
+        out = {"moe/load_imbalance": float(sums[0]) / layers, "moe/expert_tokens_cv": float(sums[1]) / layers,
+               "moe/dropped_frac": float(sums[2]) / layers}
+        tracker = get_moe_layer_wise_logging_tracker()
+        # the same names on every rank, also on a stage without MoE layers (its tracker is empty)
+        for name in [self.AUX_LOSS_NAME] if self.aux_loss else []:
+            entry = tracker.get(name)
+            values = (entry["values"].to(torch.float64) if entry is not None
+                      else torch.zeros(self.num_layers, dtype=torch.float64))
+            dist.all_reduce(values, group=pp)
+            dist.all_reduce(values, group=dp_cp)
+            values /= dist.get_world_size(dp_cp) * max(num_micro_batches, 1)
+            out[f"moe/{name}"] = float(values.sum()) / layers
+        clear_aux_losses_tracker()
+        return out
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

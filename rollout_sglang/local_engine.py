@@ -23,6 +23,7 @@ import asyncio
 import difflib
 import logging
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -32,6 +33,10 @@ import torch
 
 from rollout_sglang.engine import GenerationOutput, SamplingParams
 from rollout_sglang.weight_update.buckets import dtype_from_name
+
+# One expert's weight as checkpoints (and SGLang) name it; transformers 5 holds a layer's experts fused
+# in memory: ``experts.gate_up_proj [E, 2 * I, H]`` ([gate; up] per expert) and ``experts.down_proj [E, H, I]``.
+_PER_EXPERT_RE = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 logger = logging.getLogger(__name__)
 
@@ -376,20 +381,36 @@ class LocalEngine:
             raise RuntimeError("receive_bucket() called outside a weight update; call begin_weight_update() first")
         with self._weights_lock, torch.no_grad():
             for name, tensor in named_tensors:
-                target = self._named.get(name)
-                if target is None:
-                    close = difflib.get_close_matches(name, list(self._named), n=3)
-                    raise KeyError(
-                        f"unknown parameter name {name!r} for {type(self.model).__name__}; weights must use "
-                        f"Hugging Face names (close matches: {close or 'none'}; e.g. {next(iter(self._named))!r})"
-                    )
+                owner, target = self.weight_target(name)
                 if tuple(target.shape) != tuple(tensor.shape):
                     raise ValueError(
                         f"shape mismatch for {name!r}: engine has {tuple(target.shape)}, received "
                         f"{tuple(tensor.shape)}; do the trainer and engine use the same model config?"
                     )
                 target.data.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
-                self._updated.add(id(target))
+                self._updated.add(id(owner))
+
+    def weight_target(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(model tensor, the part of it named)`` for the Hugging Face name ``name``: the tensor itself, or for
+        one expert of a fused MoE layer (``...experts.<e>.gate_proj.weight``) its slice of the fused tensor.
+
+        Raises KeyError for a name the model does not have, with close matches.
+        """
+        target = self._named.get(name)
+        if target is not None:
+            return target, target
+        m = _PER_EXPERT_RE.match(name)
+        if m is not None:
+            e, proj = int(m.group("e")), m.group("proj")
+            fused = self._named.get(m.group("prefix") + (".down_proj" if proj == "down_proj" else ".gate_up_proj"))
+            if fused is not None and fused.dim() == 3 and e < fused.shape[0]:
+                if proj == "down_proj":
+                    return fused, fused[e]
+                half = fused.shape[1] // 2
+                return fused, (fused[e, :half] if proj == "gate_proj" else fused[e, half:])
+        close = difflib.get_close_matches(name, list(self._named), n=3)
+        raise KeyError(f"unknown parameter name {name!r} for {type(self.model).__name__}; weights must use "
+                       f"Hugging Face names (close matches: {close or 'none'}; e.g. {next(iter(self._named))!r})")
 
     def end_weight_update(self) -> None:
         """Finish the update: the engine now serves the new version. Parameters not received are logged."""

@@ -1,10 +1,11 @@
 """Converted checkpoints in megatron-core models (CPU, gloo, 2 processes), for every family.
 
-For each of Qwen2, Qwen3, Llama and GLM-4 a tiny random model is written with ``transformers`` and
-converted with ``--tp 2`` and with ``--pp 2``; a megatron ``GPTModel`` built at TP=2, at PP=2 and
-at TP=1 (DP=2) loads each through megatron's ``dist_checkpointing.load`` and must give the
-``transformers`` model's logits (fp32, rtol 1e-4). The TP=2 model then saves itself with
-``save_megatron_checkpoint`` and that checkpoint converts back to the original HF tensors.
+For each of Qwen2, Qwen3, Llama, GLM-4, Qwen3-MoE and GLM-4.5 MoE a tiny random model is written with
+``transformers`` and converted with ``--tp 2`` and with ``--pp 2``; a megatron ``GPTModel`` built at
+TP=2, at PP=2 and at TP=1 (DP=2), and the MoE ones also at EP=2, loads each through megatron's
+``dist_checkpointing.load`` and must give the ``transformers`` model's logits (fp32, rtol 1e-4). The
+TP=2 model (the EP=2 one for MoE) then saves itself with ``save_megatron_checkpoint`` and that
+checkpoint converts back to the original HF tensors.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from dist_utils import run_distributed
 from tiny_models import (
     FAMILIES,
+    MOE_FAMILIES,
     VOCAB,
     megatron_logits,
     read_safetensors_dir,
@@ -25,11 +27,22 @@ from tiny_models import (
 )
 
 RTOL = 1e-4
-# (checkpoint converted with, layout loaded at): TP=2 -> TP=2 / PP=2 / TP=1; PP=2 -> PP=2 / TP=2
-LOADS = (("tp2", 2, 1), ("tp2", 1, 2), ("tp2", 1, 1), ("pp2", 1, 2), ("pp2", 2, 1))
+# (checkpoint converted with, layout loaded at TP, PP, EP): TP=2 -> TP=2 / PP=2 / TP=1; PP=2 -> PP=2 / TP=2
+LOADS = (("tp2", 2, 1, 1), ("tp2", 1, 2, 1), ("tp2", 1, 1, 1), ("pp2", 1, 2, 1), ("pp2", 2, 1, 1))
+# MoE models also load at EP=2 (the experts split over the two ranks), from both checkpoints
+MOE_LOADS = LOADS + (("tp2", 1, 1, 2), ("pp2", 1, 1, 2))
 
 
-CASES = (("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True), ("glm4", False), ("qwen3", True))
+CASES = (("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True), ("glm4", False), ("qwen3", True),
+         ("qwen3_moe", False), ("glm4_moe", True))
+
+
+def _loads(family: str) -> tuple[tuple[str, int, int, int], ...]:
+    return MOE_LOADS if family in MOE_FAMILIES else LOADS
+
+
+# the layouts whose models save themselves, and the directory suffix of each
+SAVERS = {("tp2", 2, 1, 1): "", ("tp2", 1, 1, 2): "_ep2"}
 
 
 def _load_and_forward(rank: int, world: int, cases: list[tuple[str, bool, dict[str, str], str]],
@@ -47,11 +60,11 @@ def _load_and_forward(rank: int, world: int, cases: list[tuple[str, bool, dict[s
     for i, (family, tied, ckpts, save_dir) in enumerate(cases):
         cfg = tiny_config(family, tied)
         res = out.setdefault(f"{family}-{tied}", {})
-        for src, tp, pp in LOADS:
-            reinit_parallel(tp, pp)
+        for src, tp, pp, ep in _loads(family):
+            reinit_parallel(tp, pp, ep)
             model = build_gpt_model(cfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
             model.eval()
-            if (src, tp, pp) == LOADS[0]:  # the previous case's checkpoint: another family, or tying
+            if (src, tp, pp, ep) == LOADS[0]:  # the previous case's checkpoint: another family, or tying
                 try:
                     load_megatron_checkpoint(model, cases[i - 1][2]["tp2"], cfg)
                 except ConfigError as e:
@@ -59,9 +72,9 @@ def _load_and_forward(rank: int, world: int, cases: list[tuple[str, bool, dict[s
             load_megatron_checkpoint(model, ckpts[src], cfg)
             logits = megatron_logits(model, tokens, cfg.vocab_size, cfg.hidden_size)
             if logits is not None:
-                res[f"{src}->tp{tp}pp{pp}"] = logits
-            if (src, tp, pp) == ("tp2", 2, 1):
-                save_megatron_checkpoint(model, save_dir, cfg)
+                res[f"{src}->tp{tp}pp{pp}ep{ep}"] = logits
+            if (src, tp, pp, ep) in SAVERS:
+                save_megatron_checkpoint(model, save_dir + SAVERS[src, tp, pp, ep], cfg)
     ps.destroy_model_parallel()
     out["errors"] = errors  # type: ignore[assignment]
     return out
@@ -97,9 +110,10 @@ def converted(
 
 @pytest.mark.parametrize("family,tied", CASES)
 def test_converted_checkpoint_logits_at_tp2_pp2_tp1(family: str, tied: bool, converted) -> None:
-    """Converted at TP=2 (and at PP=2), loaded at TP=2, PP=2 and TP=1: logits equal transformers'."""
+    """Converted at TP=2 (and at PP=2), loaded at TP=2, PP=2 and TP=1 (and EP=2 for MoE): logits equal
+    transformers'."""
     _, ref, got = converted[f"{family}-{tied}"]
-    assert set(got) == {f"{s}->tp{t}pp{p}" for s, t, p in LOADS}, sorted(got)
+    assert set(got) == {f"{s}->tp{t}pp{p}ep{e}" for s, t, p, e in _loads(family)}, sorted(got)
     diffs = {k: float((v - ref).abs().max()) for k, v in got.items()}
     logging.getLogger(__name__).info("%s tied=%s max |logits - transformers| (max |logits| %.2f): %s",
                                      family, tied, float(ref.abs().max()), diffs)
@@ -110,14 +124,17 @@ def test_converted_checkpoint_logits_at_tp2_pp2_tp1(family: str, tied: bool, con
 
 @pytest.mark.parametrize("family,tied", CASES)
 def test_model_saved_checkpoint_converts_back(family: str, tied: bool, converted, tmp_path: Path) -> None:
-    """The checkpoint a TP=2 model saved itself (save_megatron_checkpoint) converts to the original HF tensors."""
+    """The checkpoint a TP=2 model (and a MoE model at EP=2) saved itself (save_megatron_checkpoint) converts to
+    the original HF tensors."""
     from megatron_agentrl.convert.megatron_to_hf import convert_megatron_to_hf
 
     d, _, _ = converted[f"{family}-{tied}"]
-    convert_megatron_to_hf(d / "saved", tmp_path / "hf_back", progress=False)
-    orig, back = read_safetensors_dir(d / "hf"), read_safetensors_dir(tmp_path / "hf_back")
-    assert set(back) == set(orig)
-    assert all(torch.equal(back[k], orig[k]) for k in orig)
+    orig = read_safetensors_dir(d / "hf")
+    for saved in ["saved", "saved_ep2"] if family in MOE_FAMILIES else ["saved"]:
+        convert_megatron_to_hf(d / saved, tmp_path / saved, progress=False)
+        back = read_safetensors_dir(tmp_path / saved)
+        assert set(back) == set(orig), saved
+        assert all(torch.equal(back[k], orig[k]) for k in orig), saved
 
 
 @pytest.mark.parametrize("family,tied", CASES)
@@ -140,12 +157,15 @@ def test_converter_writes_what_megatron_saves(family: str, tied: bool, converted
 def test_loading_a_checkpoint_of_another_family_fails_clearly(converted) -> None:
     """load_megatron_checkpoint refuses a checkpoint of another family (or another tying), naming both."""
     errors = converted["errors"]
-    assert "is a qwen3 (Qwen3ForCausalLM) checkpoint, but the model config is qwen2" in errors["qwen2-False"]
+    assert "is a glm4_moe (Glm4MoeForCausalLM) checkpoint, but the model config is qwen2" in errors["qwen2-False"]
     assert "does not hold a qwen2 model of this config" in errors["qwen2-True"]  # untied checkpoint, tied config
     assert "is a qwen2 (Qwen2ForCausalLM) checkpoint, but the model config is llama" in errors["llama-False"]
     assert "does not hold a llama model" in errors["llama-True"] and "output_layer.weight" in errors["llama-True"]
     assert "is a llama (LlamaForCausalLM) checkpoint, but the model config is glm4" in errors["glm4-False"]
     assert "is a glm4 (Glm4ForCausalLM) checkpoint, but the model config is qwen3" in errors["qwen3-True"]
+    assert "is a qwen3 (Qwen3ForCausalLM) checkpoint, but the model config is qwen3_moe" in errors["qwen3_moe-False"]
+    assert ("is a qwen3_moe (Qwen3MoeForCausalLM) checkpoint, but the model config is glm4_moe"
+            in errors["glm4_moe-True"])
 
 
 def test_families_are_covered() -> None:

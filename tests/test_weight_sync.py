@@ -158,7 +158,7 @@ def test_sender_checksum_needs_a_transport_that_verifies(caplog):
 
     from megatron_agentrl.weight_sync import WeightSender
 
-    actor = SimpleNamespace(dp_rank=0, tp_rank=0)
+    actor = SimpleNamespace(dp_rank=0, tp_rank=0, cp_rank=0, ep=1)
     with caplog.at_level("WARNING"):
         plain = WeightSender(actor, checksum=True)  # SGLang's broadcasts: no checksum field in its API
     assert isinstance(plain.transport, SGLangBroadcast) and "buckets go unverified" in caplog.text
@@ -290,7 +290,8 @@ def _engine_logits(engine) -> torch.Tensor:
         return engine.model(_tokens()).logits.float()
 
 
-def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, transport: str, family: str) -> dict:
+def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, transport: str, family: str,
+               ep: int = 1) -> dict:
     tmpdir = Path(tmp)
     cfg = _hf_config(tied, family)
     if rank == 2:  # the engine host: three stand-ins, slot 0 = engines 0 and 1, slot 1 = engine 2
@@ -322,7 +323,7 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, tr
     from rollout_sglang.sglang_engine import SGLangEngine
     from rollout_sglang.version_pool import VersionPool
 
-    initialize_parallel(tp, pp, seed=11)
+    initialize_parallel(tp, pp, seed=11, ep=ep)
     actor = MegatronActor(cfg, TrainConfig())
     sender = WeightSender(actor, bucket_mb=0.05, init_timeout_s=60, bucket_timeout_s=60, checksum=True, backend="gloo",
                           small_tensor_bytes=4096,  # matrices one message each, norms packed
@@ -372,15 +373,18 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, tr
     return result
 
 
-@pytest.mark.parametrize("tp,pp,tied,transport,family", [(2, 1, False, "send_recv", "qwen2"),
-                                                          (1, 2, True, "broadcast", "qwen2"),
-                                                          (2, 1, True, "broadcast", "qwen3")])
-def test_actor_syncs_one_slot_and_leaves_the_other(tmp_path, tp, pp, tied, transport, family):
+@pytest.mark.parametrize("tp,pp,ep,tied,transport,family", [(2, 1, 1, False, "send_recv", "qwen2"),
+                                                             (1, 2, 1, True, "broadcast", "qwen2"),
+                                                             (2, 1, 1, True, "broadcast", "qwen3"),
+                                                             (1, 1, 2, False, "broadcast", "glm4_moe")])
+def test_actor_syncs_one_slot_and_leaves_the_other(tmp_path, tp, pp, ep, tied, transport, family):
     """TP=2: one source rank, the other TP rank only gathers; PP=2: each stage sends its own
     layers on its own group (the tied embedding from stage 0 only). The stand-ins take
     point-to-point sends (their extension) or, as SGLang does, broadcasts; checksums verified.
-    Qwen3: its per-head q/k norms reach the engines under their HF names."""
-    trainer0, trainer1, host = run_distributed(_sync_case, 3, str(tmp_path), tied, tp, pp, transport, family,
+    Qwen3: its per-head q/k norms reach the engines under their HF names. GLM-4.5 MoE at EP=2: the
+    source sends every expert (half of them gathered from the other EP rank) under the checkpoints'
+    per-expert names, with the router's expert bias, the shared expert and the dense first layer."""
+    trainer0, trainer1, host = run_distributed(_sync_case, 3, str(tmp_path), tied, tp, pp, transport, family, ep,
                                                timeout_s=240)
     actor_logits = trainer0["logits"]
     assert torch.equal(actor_logits, trainer1["logits"])

@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face models of each family (Qwen2, Qwen3, Llama, GLM-4), written with
+"""Tiny random Hugging Face models of each family (Qwen2, Qwen3, Llama, GLM-4, Qwen3-MoE, GLM-4.5 MoE), written with
 ``transformers``, and a megatron forward that returns full-vocab logits at any TP x PP: shared by
 the conversion, Megatron actor and checkpoint tests."""
 from __future__ import annotations
@@ -7,12 +7,14 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("qwen2", "qwen3", "llama", "glm4")
+FAMILIES = ("qwen2", "qwen3", "llama", "glm4", "qwen3_moe", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
 VOCAB = 300  # padded to 384 at TP=1 and 512 at TP=2: the padding differs between layouts
 
 
 def tiny_config(family: str, tied: bool = False, vocab: int = VOCAB, layers: int = 2):
-    """A tiny transformers config of ``family`` (4 heads, 2 KV heads, head_dim 16; 24 for qwen3)."""
+    """A tiny transformers config of ``family`` (4 heads, 2 KV heads, head_dim 16; 24 for qwen3); the MoE
+    families have 4 experts of width 32, 2 per token (GLM-4.5: a shared expert, the first layer dense)."""
     import transformers as T
 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
@@ -31,6 +33,15 @@ def tiny_config(family: str, tied: bool = False, vocab: int = VOCAB, layers: int
     if family == "glm4":
         return T.Glm4Config(**common, attention_bias=True, rope_parameters={
             "rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5})
+    moe = dict(moe_intermediate_size=32, num_experts_per_tok=2)
+    if family == "qwen3_moe":
+        return T.Qwen3MoeConfig(**common, **moe, num_experts=4, norm_topk_prob=True,
+                                rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    if family == "glm4_moe":
+        return T.Glm4MoeConfig(**common, **moe, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+                               routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+                               rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
+                                                "partial_rotary_factor": 0.5})
     raise ValueError(family)
 
 
@@ -40,7 +51,7 @@ def tiny_model(family: str, tied: bool = False, vocab: int = VOCAB, layers: int 
 
     cfg = tiny_config(family, tied, vocab, layers)
     cls = {"qwen2": T.Qwen2ForCausalLM, "qwen3": T.Qwen3ForCausalLM, "llama": T.LlamaForCausalLM,
-           "glm4": T.Glm4ForCausalLM}[family]
+           "glm4": T.Glm4ForCausalLM, "qwen3_moe": T.Qwen3MoeForCausalLM, "glm4_moe": T.Glm4MoeForCausalLM}[family]
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     with torch.no_grad():
@@ -49,6 +60,9 @@ def tiny_model(family: str, tied: bool = False, vocab: int = VOCAB, layers: int 
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # GLM-4.5's router bias chooses experts: make it matter
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
     return cfg, model
 
 
@@ -76,15 +90,15 @@ def read_safetensors_dir(d: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def reinit_parallel(tp: int, pp: int) -> None:
-    """(Re)initialise megatron's groups at ``tp`` x ``pp`` on the current processes."""
+def reinit_parallel(tp: int, pp: int, ep: int = 1) -> None:
+    """(Re)initialise megatron's groups at ``tp`` x ``pp`` (x ``ep``) on the current processes."""
     from megatron.core import parallel_state
 
     from megatron_agentrl.megatron.parallel import initialize_parallel
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    initialize_parallel(tp, pp, seed=1234, timeout_s=60)
+    initialize_parallel(tp, pp, seed=1234, timeout_s=60, ep=ep)
 
 
 def megatron_logits(model, tokens: torch.Tensor, vocab: int, hidden: int) -> torch.Tensor | None:

@@ -1,7 +1,7 @@
-"""Memory plan of a run: what one GPU holds for a TP/PP/CP train pool and the rollout pool.
+"""Memory plan of a run: what one GPU holds for a TP/PP/CP/EP train pool and the rollout pool.
 
-Works from the Hugging Face config numbers alone (sizes, heads, vocab), so a cluster layout can be
-checked on a laptop before any weights are downloaded::
+Works from the Hugging Face config numbers alone (sizes, heads, vocab, experts), so a cluster layout
+can be checked on a laptop before any weights are downloaded::
 
     hf = json.load(open("GLM-4-9B-0414/config.json"))
     plan = estimate_memory(hf, cfg)          # cfg: the run's Config
@@ -21,15 +21,38 @@ The estimate is rough by design and errs high:
   ``train.recompute=full`` keeps only each recomputed layer's input (``tokens * h`` values) plus one layer's activations
   while it is recomputed; ``selective`` recomputes the core attention, whose ``[s, s]`` scores a
   flash kernel never stores, so it changes nothing in this estimate.
+* **mixture-of-experts layers** (the model's MoE facts come from its weight mapping,
+  :func:`megatron_agentrl.convert.get_mapping`: ``E`` experts of FFN width ``f``, top ``k`` per
+  token, a shared expert of width ``s``, and which layers are MoE; GLM-4.5's first layers stay
+  dense and count as above). Parameters of a MoE layer: attention and norms as a dense layer's,
+  split over TP; the router ``E * h``, replicated over TP; the experts ``E * 3 * h * f``, split over
+  ``parallel.ep`` and *not* over TP (expert tensor parallel 1); the shared expert ``3 * h * s``,
+  split over TP. The fp32 master weights and Adam moments of the experts shard over the
+  expert-data-parallel size ``train ranks / (ep * pp)`` (with expert TP 1; CP ranks count in it),
+  the others over DP x CP; gradients are not sharded. Activations of a MoE layer, bytes per token of
+  a micro-batch (on a CP rank), in place of the dense ``34 * h / tp``::
+
+      (15 * h + 8 * s) / tp + 12 * E + c * k * (4 * h + 8 * f)
+
+  ``15 * h``: Korthikanti's attention (``11 h``) and norms (``4 h``) without the dense MLP's
+  ``19 h``; ``8 * s``: the shared expert's ``[gate; up]``, SwiGLU output and product; ``12 * E``:
+  fp32 router logits, scores and routing map; each of the ``k`` routed copies of a token keeps its
+  dispatched input and weighted output (``2 x 2 h``) and its expert's ``[gate; up]``, SwiGLU output
+  and product (``8 f``). Experts and router are not divided by TP: the actor runs without sequence
+  parallelism, so every TP rank routes all tokens of its micro-batch. ``c`` is
+  ``train.moe_capacity_factor`` (an upper bound on an expert's share) or 1 without token dropping,
+  i.e. even routing; a dropless router that piles tokens onto one rank's experts holds more.
 * **rollout pool** (per GPU of one engine of ``ray.rollout_gpus_per_engine`` GPUs): weights in
   ``model.dtype`` split by the engine's TP, and the KV cache of the sequences one engine serves
   at once: ``2 * layers * kv_heads * head_dim * bytes`` per token, KV heads split by TP (replicated
-  when TP exceeds them).
+  when TP exceeds them). Engines serve a MoE model with tensor parallelism only (SGLang
+  ``--tp-size``, no expert parallelism): each engine GPU holds ``1 / tp`` of *all* experts.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from megatron_agentrl.config import Config, ConfigError
@@ -42,9 +65,25 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RUNTIME_OVERHEAD_GIB = 4.0
 
 
+def _mapping_facts(hf: dict[str, Any]) -> Any | None:
+    """The weight mapping of ``hf``'s family (the authority on its MoE layout), or None for a
+    ``model_type`` without one; ConfigError names a field the family needs and ``hf`` lacks."""
+    from megatron_agentrl.convert import MODEL_TYPES
+
+    if hf.get("model_type") not in MODEL_TYPES:
+        return None
+    from megatron_agentrl.convert import get_mapping
+
+    try:
+        return get_mapping(SimpleNamespace(**hf))
+    except AttributeError as e:
+        raise ConfigError(f"the {hf.get('model_type')} model config lacks {e.name or e}; give the model's "
+                          "Hugging Face config.json (model.hf_config or model.arch)") from None
+
+
 @dataclass
 class ModelShape:
-    """The numbers of a decoder-only transformer that memory depends on."""
+    """The numbers of a decoder-only transformer that memory depends on (dense or mixture-of-experts)."""
 
     model_type: str
     hidden_size: int
@@ -58,6 +97,14 @@ class ModelShape:
     qkv_bias: bool
     norms_per_layer: int
     qk_norms: bool = False
+    #: routed experts per MoE layer (0: a dense model), their FFN width, experts per token
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    experts_per_token: int = 0
+    #: FFN width of the shared expert of each MoE layer (0: none)
+    shared_expert_size: int = 0
+    #: per layer, whether its MLP is a MoE layer (empty: all dense)
+    moe_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelShape":
@@ -69,7 +116,7 @@ class ModelShape:
                               "decoder-only model (model.hf_config or model.arch)")
         heads = int(hf["num_attention_heads"])
         model_type = str(hf.get("model_type", ""))
-        return cls(
+        shape = cls(
             model_type=model_type,
             hidden_size=int(hf["hidden_size"]),
             intermediate_size=int(hf["intermediate_size"]),
@@ -83,13 +130,55 @@ class ModelShape:
             norms_per_layer=4 if model_type == "glm4" else 2,  # GLM-4: extra norms after attention and MLP
             qk_norms=model_type == "qwen3",  # Qwen3: an RMSNorm over each head's query and key
         )
+        mapping = _mapping_facts(hf)
+        if mapping is not None and mapping.is_moe:
+            # MoE families: the mapping knows their attention flags and which layers hold experts
+            shape.qkv_bias, shape.qk_norms = bool(mapping.qkv_bias), bool(mapping.qk_norms)
+            shape.norms_per_layer = 4 if mapping.post_norms else 2
+            shape.num_experts = int(mapping.num_experts)
+            shape.moe_intermediate_size = int(mapping.moe_intermediate_size)
+            shape.shared_expert_size = int(mapping.shared_expert_size)
+            shape.moe_layers = tuple(bool(x) for x in mapping.moe_layers)
+            topk = hf.get("num_experts_per_tok")
+            if not isinstance(topk, int) or not 1 <= topk <= shape.num_experts:
+                raise ConfigError(f"the {model_type} model config has num_experts_per_tok={topk!r}; it must be the "
+                                  f"experts each token is routed to, in [1, {shape.num_experts}]")
+            shape.experts_per_token = topk
+        return shape
 
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer (attention, gated MLP, norms)."""
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer is a mixture-of-experts layer."""
+        return any(self.moe_layers)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (global index) holds experts."""
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
+    def attention_params(self) -> int:
+        """Attention and norms of one decoder layer (every layer has them)."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
-        mlp = 3 * h * self.intermediate_size
-        return attn + mlp + self.norms_per_layer * h + (2 * self.head_dim if self.qk_norms else 0)
+        return attn + self.norms_per_layer * h + (2 * self.head_dim if self.qk_norms else 0)
+
+    def router_params(self) -> int:
+        """The router of one MoE layer (replicated over TP)."""
+        return self.num_experts * self.hidden_size
+
+    def expert_params(self) -> int:
+        """All routed experts of one MoE layer (gated MLPs of ``moe_intermediate_size``; split over EP)."""
+        return self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+
+    def tp_mlp_params(self, layer: int) -> int:
+        """The MLP parameters of layer ``layer`` that TP splits: the dense MLP, or a MoE layer's shared expert."""
+        if self.is_moe_layer(layer):
+            return 3 * self.hidden_size * self.shared_expert_size
+        return 3 * self.hidden_size * self.intermediate_size
+
+    def layer_params(self, layer: int = 0) -> int:
+        """Parameters of decoder layer ``layer`` (attention, MLP or router + all experts + shared expert, norms)."""
+        moe = self.router_params() + self.expert_params() if self.is_moe_layer(layer) else 0
+        return self.attention_params() + self.tp_mlp_params(layer) + moe
 
     def embedding_params(self) -> int:
         """Input embedding (the output layer is as large unless tied)."""
@@ -98,11 +187,25 @@ class ModelShape:
     def total_params(self) -> int:
         """All parameters of the model."""
         head = 0 if self.tied_embeddings else self.embedding_params()
-        return self.num_layers * self.layer_params() + self.embedding_params() + head + self.hidden_size
+        layers = sum(self.layer_params(i) for i in range(self.num_layers))
+        return layers + self.embedding_params() + head + self.hidden_size
+
+    def active_params(self) -> int:
+        """Parameters one token passes through: all but the experts it is not routed to."""
+        unused = self.expert_params() * (self.num_experts - self.experts_per_token) // max(1, self.num_experts)
+        return self.total_params() - unused * sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV-cache bytes of one token over all layers (whole model, before any TP split)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def activation_bytes_per_token(self, layer: int, tp: int, dtype_bytes: int, capacity_factor: float) -> float:
+        """Activation bytes one token of a micro-batch leaves on a GPU in layer ``layer`` (module docstring)."""
+        h, scale = self.hidden_size, dtype_bytes / 2  # the formulas count 2-byte values
+        if not self.is_moe_layer(layer):
+            return 34 * h * scale / tp
+        routed = capacity_factor * self.experts_per_token * (4 * h + 8 * self.moe_intermediate_size)
+        return (15 * h + 8 * self.shared_expert_size) * scale / tp + 12 * self.num_experts + routed * scale
 
 
 @dataclass
@@ -116,6 +219,8 @@ class MemoryPlan:
     gpu_memory_gib: float
     notes: list[str] = field(default_factory=list)
     layout_problems: list[str] = field(default_factory=list)
+    #: parameters a token passes through (== params_billion for a dense model)
+    active_params_billion: float | None = None
 
     @property
     def train_total_gib(self) -> float:
@@ -131,8 +236,10 @@ class MemoryPlan:
         """The pools that do not fit in ``gpu_memory_gib``, one sentence each with the fix."""
         out = []
         if self.train_total_gib > self.gpu_memory_gib:
+            experts = ("parallel.ep (the experts' optimizer state shards over train ranks / (ep x pp): add train "
+                       "ranks), " if self.layout.get("experts") else "")
             out.append(f"train pool needs ~{self.train_total_gib:.1f} GiB per GPU, more than "
-                       f"{self.gpu_memory_gib:.0f} GiB: raise parallel.tp, parallel.pp or parallel.cp (long "
+                       f"{self.gpu_memory_gib:.0f} GiB: raise parallel.tp, parallel.pp, {experts}or parallel.cp (long "
                        "sequences), set train.recompute=full, "
                        "or lower train.micro_batch_size / train.micro_batch_tokens / rollout.max_total_tokens")
         if self.rollout and self.rollout_total_gib > self.gpu_memory_gib:
@@ -146,6 +253,22 @@ class MemoryPlan:
         return self.layout_problems + self.memory_problems()
 
 
+def _check_experts(shape: ModelShape, ep: int, stage_ranks: int) -> None:
+    """ConfigError when ``parallel.ep`` does not fit the model's experts or a pipeline stage's ranks."""
+    if not shape.is_moe:
+        if ep != 1:
+            raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model; model_type={shape.model_type!r} "
+                              "has no MoE layer: set parallel.ep=1")
+        return
+    experts = shape.num_experts
+    if experts % ep:
+        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise ConfigError(f"parallel.ep={ep} does not divide the model's {experts} experts; choose ep in {divisors}")
+    if stage_ranks % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide the {stage_ranks} train ranks of a pipeline stage; "
+                          "choose ep dividing ray.train_workers / parallel.pp")
+
+
 def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 80.0,
                     total_gpus: int | None = None) -> MemoryPlan:
     """Per-GPU memory of the train pool and of the rollout pool for ``cfg``'s layout.
@@ -157,7 +280,7 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
         in it; None skips that check.
     """
     shape = ModelShape.from_hf(hf)
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    tp, pp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep
     if shape.num_heads % tp or shape.num_kv_heads % tp:
         raise ConfigError(f"parallel.tp={tp} does not divide the model's {shape.num_heads} attention heads and "
                           f"{shape.num_kv_heads} KV heads (megatron splits both); choose a divisor of "
@@ -166,23 +289,36 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
         raise ConfigError(f"parallel.pp={pp} does not divide the model's {shape.num_layers} layers; choose a divisor")
     wbytes = _DTYPE_BYTES[cfg.model.dtype]
     cp = cfg.parallel.cp
-    train_workers = cfg.ray.train_workers or tp * pp * cp
+    train_workers = cfg.ray.train_workers or cfg.parallel.model_parallel_size
     dp = train_workers // (tp * pp * cp)
+    _check_experts(shape, ep, train_workers // pp)
+    expert_dp = train_workers // (ep * pp)  # expert tensor parallel 1: the experts' data-parallel ranks
 
-    # The largest stage: its layers plus the embedding (first stage) or the output layer (last stage);
-    # with pp == 1 the one stage holds both.
+    # Per stage: its layers plus the embedding (first stage) or the output layer (last stage); with
+    # pp == 1 the one stage holds both. Params a GPU holds: TP-split, replicated (router), EP-split (experts).
     layers_per_stage = shape.num_layers // pp
     emb = shape.embedding_params()
-    extra = emb + (0 if shape.tied_embeddings else emb) if pp == 1 else emb
-    stage_params = (layers_per_stage * shape.layer_params() + extra) / tp
     masters = 0 if wbytes == 4 else 4
     shards = max(1, dp) * cp if cfg.train.use_distributed_optimizer else 1
-    train = {
-        "weights": stage_params * wbytes / GiB,
-        "grads_fp32": stage_params * 4 / GiB,
-        "master_weights_fp32": stage_params * masters / shards / GiB,
-        "adam_states_fp32": stage_params * 8 / shards / GiB,
-    }
+    expert_shards = max(1, expert_dp) if cfg.train.use_distributed_optimizer else 1
+    stages = []
+    for s in range(pp):
+        layers = range(s * layers_per_stage, (s + 1) * layers_per_stage)
+        extra = emb if s == 0 else 0
+        if s == pp - 1 and (pp > 1 or not shape.tied_embeddings):
+            extra += emb  # the output layer (a PP > 1 last stage keeps its own copy of a tied embedding)
+        moe = [i for i in layers if shape.is_moe_layer(i)]
+        dense = (sum(shape.attention_params() + shape.tp_mlp_params(i) for i in layers) + extra) / tp
+        dense += len(moe) * shape.router_params()
+        experts = len(moe) * shape.expert_params() / ep
+        state = {
+            "weights": (dense + experts) * wbytes / GiB,
+            "grads_fp32": (dense + experts) * 4 / GiB,
+            "master_weights_fp32": (dense / shards + experts / expert_shards) * masters / GiB,
+            "adam_states_fp32": (dense / shards + experts / expert_shards) * 8 / GiB,
+        }
+        stages.append((sum(state.values()), s, layers, state))
+    _, _, _, train = max(stages, key=lambda x: (x[0], -x[1]))  # the largest stage (the first of equals)
     seq = cfg.rollout.max_total_tokens
     samples = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     budget = cfg.train.micro_batch_tokens  # token-budget packing (0 = micro_batch_size rows)
@@ -190,16 +326,21 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
     micro_batches = max(1, math.ceil(samples * seq / max(1, dp) / mb_tokens))
     in_flight = min(pp, micro_batches)
     local_tokens = mb_tokens / cp  # each CP rank holds 1 / cp of every sequence
-    per_layer_act = 34 * local_tokens * shape.hidden_size * (wbytes / 2) / tp
+    capacity = cfg.train.moe_capacity_factor or 1.0
     recompute = cfg.train.recompute
-    if recompute == "full":
-        # a recomputed layer keeps only its input; one layer's activations live while it is recomputed
-        recomputed = cfg.train.recompute_num_layers or layers_per_stage
-        kept = recomputed * local_tokens * shape.hidden_size * wbytes + (layers_per_stage - recomputed) * per_layer_act
-        train["activations"] = (kept * in_flight + per_layer_act) / GiB
-    else:
-        # selective (the core attention) saves nothing here: a flash kernel keeps no [s, s] scores anyway
-        train["activations"] = per_layer_act * layers_per_stage * in_flight / GiB
+    activations = 0.0
+    for _, _, layers, _ in stages:  # activations of the stage whose layers keep the most
+        per_layer = [shape.activation_bytes_per_token(i, tp, wbytes, capacity) * local_tokens for i in layers]
+        if recompute == "full":
+            # a recomputed layer keeps only its input; one layer's activations live while it is recomputed
+            recomputed = cfg.train.recompute_num_layers or layers_per_stage
+            kept = recomputed * local_tokens * shape.hidden_size * wbytes + sum(per_layer[recomputed:])
+            stage_act = kept * in_flight + max(per_layer[:recomputed])
+        else:
+            # selective (the core attention) saves nothing here: a flash kernel keeps no [s, s] scores anyway
+            stage_act = sum(per_layer) * in_flight
+        activations = max(activations, stage_act / GiB)
+    train["activations"] = activations
     train["logits_fp32"] = local_tokens * (shape.vocab_size / tp) * 4 * 2 / GiB  # logits + log-softmax
     train["runtime_overhead"] = RUNTIME_OVERHEAD_GIB
 
@@ -220,16 +361,28 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
         free = gpu_memory_gib - rollout["weights"] - RUNTIME_OVERHEAD_GIB
         notes.append(f"KV cache: {kv_token / 1024:.0f} KiB per token per GPU; {seqs_per_engine} sequences of "
                      f"{seq} tokens per engine; room for ~{max(0, free) * GiB / kv_token / 1e6:.2f}M tokens per GPU")
+        if shape.is_moe:
+            notes.append(f"engines serve the MoE model with tensor parallelism only (SGLang --tp-size {engine_tp}, "
+                         f"no expert parallelism): each engine GPU holds 1/{engine_tp} of all {shape.num_experts} "
+                         "experts of every MoE layer")
     else:
         notes.append("no rollout pool (ray.rollout_gpus_per_engine=0): the engine runs inside trainer rank 0")
+    if shape.is_moe:
+        routing = (f"a capacity factor of {capacity:g} (train.moe_capacity_factor)" if cfg.train.moe_capacity_factor
+                   else "even routing (dropless: a skewed router holds more)")
+        notes.append(f"MoE activations assume {routing}; top-{shape.experts_per_token} of {shape.num_experts} "
+                     "experts per token")
     layout = {
         "tp": tp, "pp": pp, "cp": cp, "dp": dp, "train_gpus": train_workers if cfg.ray.train_gpus_per_worker else 0,
         "train_workers": train_workers, "rollout_slots": cfg.rollout.max_versions,
         "engines_per_slot": cfg.rollout.engines_per_slot, "gpus_per_engine": engine_tp,
         "rollout_gpus": engines * engine_tp, "micro_batches_per_step": micro_batches,
+        "ep": ep, "expert_dp": expert_dp if shape.is_moe else 0, "experts": shape.num_experts if shape.is_moe else 0,
+        "experts_per_rank": shape.num_experts // ep if shape.is_moe else 0,
+        "experts_per_token": shape.experts_per_token,
     }
     plan = MemoryPlan(params_billion=shape.total_params() / 1e9, layout=layout, train=train, rollout=rollout,
-                      gpu_memory_gib=gpu_memory_gib, notes=notes)
+                      gpu_memory_gib=gpu_memory_gib, notes=notes, active_params_billion=shape.active_params() / 1e9)
     if total_gpus is not None:
         train_gpus = math.ceil(train_workers * cfg.ray.train_gpus_per_worker)
         need = train_gpus + engines * engine_tp
@@ -243,13 +396,25 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
     return plan
 
 
+def format_layout(layout: dict[str, Any]) -> str:
+    """The train pool's ranks as ``TP 2 x PP 1 x CP 1 x DP 4``, then its expert parallelism for a MoE model."""
+    text = f"TP {layout['tp']} x PP {layout['pp']} x CP {layout['cp']} x DP {layout['dp']}"
+    if layout.get("experts"):
+        text += (f", EP {layout['ep']} ({layout['experts_per_rank']} of {layout['experts']} experts per rank, "
+                 f"expert DP {layout['expert_dp']})")
+    return text
+
+
 def format_plan(plan: MemoryPlan) -> str:
     """A few plain lines: layout, then GiB per GPU of each pool, then notes."""
     lay = plan.layout
+    model = f"model: {plan.params_billion:.2f}B parameters"
+    if lay.get("experts") and plan.active_params_billion is not None:
+        model += (f" ({plan.active_params_billion:.2f}B active per token: top-{lay['experts_per_token']} of "
+                  f"{lay['experts']} experts)")
     lines = [
-        f"model: {plan.params_billion:.2f}B parameters",
-        f"train pool: {lay['train_workers']} ranks = TP {lay['tp']} x PP {lay['pp']} x CP {lay['cp']} "
-        f"x DP {lay['dp']}, "
+        model,
+        f"train pool: {lay['train_workers']} ranks = {format_layout(lay)}, "
         f"up to {lay['micro_batches_per_step']} micro-batches per step per DP rank",
         f"rollout pool: {lay['rollout_slots']} version slots x {lay['engines_per_slot']} engines x "
         f"{lay['gpus_per_engine']} GPUs = {lay['rollout_gpus']} GPUs",

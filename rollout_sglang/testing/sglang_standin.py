@@ -59,6 +59,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -118,6 +119,22 @@ def _fail(message: str, status: int = 400) -> web.Response:
     return web.json_response({"success": False, "message": message}, status=status)
 
 
+class _EngineWeights(Mapping):
+    """A local engine's weights by Hugging Face name, as writable views (``LocalEngine.weight_target``)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._engine.weight_target(name)[1].data
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._engine.model.state_dict(keep_vars=True))
+
+    def __len__(self) -> int:
+        return len(self._engine.model.state_dict(keep_vars=True))
+
+
 class StandInServer:
     """An SGLang-shaped HTTP server for one :class:`LocalEngine`, on its own thread and event loop.
 
@@ -166,7 +183,7 @@ class StandInServer:
         self._stalled = threading.Event()
         self._stopping = threading.Event()
         self._update_open = False
-        self._param_views: dict[str, torch.Tensor] | None = None
+        self._param_views: Mapping[str, torch.Tensor] | None = None
         self._update_lock: asyncio.Lock | None = None
         self._paused = False
         self._session_open = False  # SGLang's weight-update session (begin/end_weight_update)
@@ -511,8 +528,9 @@ class StandInServer:
             elif str(weight_version).isdigit():
                 self._pending_version = int(weight_version)
 
-    def _in_place_targets(self) -> dict[str, torch.Tensor] | None:
-        """The engine's parameters by HF name, to receive per-tensor buckets into directly.
+    def _in_place_targets(self) -> Mapping[str, torch.Tensor] | None:
+        """The engine's parameters by HF name (one expert of a fused MoE tensor included), to receive
+        per-tensor buckets into directly.
 
         Only while generation is paused (``/pause_generation``): the version pool drains a slot
         before pausing it, so no generation reads the weights while they change. Otherwise
@@ -521,7 +539,7 @@ class StandInServer:
         if not self._paused:
             return None
         if self._param_views is None:
-            self._param_views = {k: v.data for k, v in self.engine.model.state_dict(keep_vars=True).items()}
+            self._param_views = _EngineWeights(self.engine)
         return self._param_views
 
     async def _update(self, request: web.Request) -> web.Response:

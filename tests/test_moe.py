@@ -190,3 +190,30 @@ def test_cli_trains_two_rl_steps_at_ep2(tmp_path):
     assert all(r["moe/load_imbalance"] >= 1.0 for r in rl)
     lag0 = [r["mismatch/abs_lag0"] for r in rl if "mismatch/abs_lag0" in r]
     assert lag0 and max(lag0) < 1e-4, lag0
+
+
+def test_ep2_checkpoint_resumes_exactly_and_refuses_ep1(tmp_path):
+    """A training checkpoint of a MoE model written at EP=2 (each rank holding half the experts and, with the
+    distributed optimizer, its share of their Adam state) resumes at EP=2: step 3 trains on the same samples with
+    the loss and grad norm of the uninterrupted run; meta.json records the layout. Resuming it at EP=1, where
+    megatron keeps one optimizer instead of a dense and an expert one, is refused with the fix."""
+    import json
+
+    from test_pipeline_resume import TINY, _same, _steps, _train
+
+    moe = [o for o in TINY_MOE if not o.startswith(("model.arch.hidden_size", "model.arch.intermediate_size",
+                                                     "model.arch.num_hidden_layers"))]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run_distributed(_train, 2, TINY + moe + ["parallel.ep=2", f"output_dir={full}", "train.steps=3"], timeout_s=200)
+    ckpt = full / "checkpoints" / "step_000002"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert (meta["ep"], meta["cp"], meta["dp"]) == (2, 1, 2)
+    run_distributed(_train, 2, TINY + moe + ["parallel.ep=2", f"output_dir={resumed}", "train.steps=3",
+                                             f"checkpoint.resume={ckpt}"], timeout_s=200)
+    f, r = _steps(full), _steps(resumed)
+    assert sorted(r) == [3]
+    _same(f[3], r[3])
+    with pytest.raises(AssertionError, match=r"written with parallel.ep=2 and this run has parallel.ep=1.*resume with "
+                                             r"parallel.ep > 1"):
+        run_distributed(_train, 2, TINY + moe + [f"output_dir={tmp_path / 'other'}", "train.steps=3",
+                                                 f"checkpoint.resume={ckpt}"], timeout_s=200)

@@ -169,7 +169,8 @@ def save_checkpoint(root: str | Path, step: int, actor: Any, pipeline_state: dic
     if rank0:
         torch.save(pipeline_state, d / PIPELINE_FILE)
         meta = {"step": step, "version": (pipeline_state or {}).get("version", step), "tp": actor.tp, "pp": actor.pp,
-                "dp": actor.dp, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "cp": actor.cp, "ep": actor.ep, "dp": actor.dp,
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "dtype": str(actor.dtype).removeprefix("torch."), "has_reference": actor.has_reference,
                 "optimizer_format": "megatron/" + OPTIMIZER_METADATA["distrib_optim_sharding_type"],
                 "use_distributed_optimizer": actor.train_cfg.use_distributed_optimizer,
@@ -189,22 +190,24 @@ def save_checkpoint(root: str | Path, step: int, actor: Any, pipeline_state: dic
 
 def _rng_file(d: Path, meta: dict[str, Any], actor: Any) -> Path:
     """This rank's RNG file in checkpoint ``d``: its own when the layout is unchanged; with another
-    DP size, that of the old rank at the same TP x PP position (DP rank modulo the old DP size);
-    with another TP x PP, rank 0's (sampling and init streams then differ from an unbroken run)."""
+    DP size, that of the old rank at the same TP x CP x PP position (DP rank modulo the old DP size;
+    megatron's rank order is tp-cp-dp-pp); with another TP, PP, CP or EP, rank 0's (sampling and init
+    streams then differ from an unbroken run)."""
     tp, pp, old_world = meta["tp"], meta["pp"], meta["world_size"]
+    cp, ep = meta.get("cp", 1), meta.get("ep", 1)  # checkpoints written before CP / EP existed: 1
     world = dist.get_world_size() if dist.is_initialized() else 1
-    same = (tp, pp, old_world) == (actor.tp, actor.pp, world)
+    same = (tp, pp, cp, ep, old_world) == (actor.tp, actor.pp, actor.cp, actor.ep, world)
     if same:
         rank = _rank()
-    elif (tp, pp) == (actor.tp, actor.pp):
-        old_dp = old_world // (tp * pp)
-        rank = actor.tp_rank + tp * ((actor.dp_rank % old_dp) + old_dp * actor.pp_rank)
+    elif (tp, pp, cp, ep) == (actor.tp, actor.pp, actor.cp, actor.ep):
+        old_dp = old_world // (tp * pp * cp)
+        rank = actor.tp_rank + tp * (actor.cp_rank + cp * ((actor.dp_rank % old_dp) + old_dp * actor.pp_rank))
     else:
         rank = 0
     if not same and _rank() == 0:
-        logger.warning("checkpoint '%s' was written with tp=%d pp=%d on %d processes, this run has tp=%d pp=%d on %d: "
-                       "weights and optimizer state are resharded; RNG streams are taken from the nearest rank",
-                       d, tp, pp, old_world, actor.tp, actor.pp, world)
+        logger.warning("checkpoint '%s' was written with tp=%d pp=%d cp=%d ep=%d on %d processes, this run has tp=%d "
+                       "pp=%d cp=%d ep=%d on %d: weights and optimizer state are resharded; RNG streams are taken from "
+                       "the nearest rank", d, tp, pp, cp, ep, old_world, actor.tp, actor.pp, actor.cp, actor.ep, world)
     f = d / "rng" / f"rank_{rank}.pt"
     if not f.is_file():
         raise CheckpointError(f"checkpoint '{d}' has no RNG state for rank {rank} ({f}); it is incomplete: resume "
@@ -240,6 +243,16 @@ def load_checkpoint(path: str | Path, actor: Any) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint '{d}' was written with train.use_distributed_optimizer={was} and this run "
                               f"has {str(now).lower()}: megatron's two optimizer layouts do not load into each other; "
                               f"resume with train.use_distributed_optimizer={was}")
+    written_ep = meta.get("ep", 1)
+    if actor.mapping.is_moe and (written_ep > 1) != (actor.ep > 1):
+        # megatron keeps expert parameters in an optimizer of their own only with EP > 1; a checkpoint of one
+        # optimizer does not load into two (or back)
+        need = "> 1" if written_ep > 1 else "= 1"
+        raise CheckpointError(
+            f"checkpoint '{d}' of a mixture-of-experts model was written with parallel.ep={written_ep} and this run "
+            f"has parallel.ep={actor.ep}: megatron's optimizer state differs in shape between EP=1 and EP>1; resume "
+            f"with parallel.ep {need} (any size that divides the experts), or start a new run from the weights "
+            "(model.checkpoint = the run's hf_export folder)")
     rng_file = _rng_file(d, meta, actor)
     if meta.get("has_reference") and not actor.has_reference:
         actor.snapshot_reference()  # a placeholder the load fills

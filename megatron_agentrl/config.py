@@ -174,22 +174,25 @@ class ModelConfig(_Section):
             self.require(getattr(self, name) != "", name, "is empty; give a path"
                          + ("" if name == "tokenizer" else " or leave it out"))
 
-    def num_layers(self) -> int | None:
-        """``num_hidden_layers`` of the policy as far as it can be read here: from ``arch``, or from the
-        config.json of ``hf_config`` / ``megatron_checkpoint`` when it exists (None otherwise; a bad path
-        is reported where it is read)."""
+    def hf_field(self, name: str) -> Any:
+        """Field ``name`` of the policy's Hugging Face config as far as it can be read here: from ``arch``, or
+        from the config.json of ``hf_config`` / ``megatron_checkpoint`` when it exists (None otherwise; a bad
+        path is reported where it is read)."""
         if self.hf_config is None and self.arch:
-            value = self.arch.get("num_hidden_layers")
-        else:
-            path = Path(self.hf_config) if self.hf_config is not None else (
-                Path(self.megatron_checkpoint) / "hf" if self.megatron_checkpoint else None)
-            if path is None:
-                return None
-            path = path / "config.json" if path.is_dir() else path
-            try:
-                value = read_mapping_file(path, "json", str(path)).get("num_hidden_layers")
-            except ConfigError:
-                return None
+            return self.arch.get(name)
+        path = Path(self.hf_config) if self.hf_config is not None else (
+            Path(self.megatron_checkpoint) / "hf" if self.megatron_checkpoint else None)
+        if path is None:
+            return None
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            return read_mapping_file(path, "json", str(path)).get(name)
+        except ConfigError:
+            return None
+
+    def num_layers(self) -> int | None:
+        """``num_hidden_layers`` of the policy as far as it can be read here (see :meth:`hf_field`)."""
+        value = self.hf_field("num_hidden_layers")
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
@@ -872,6 +875,10 @@ class Config:
                 "or lower rollout.max_versions"
             )
         self._validate_layers()
+        if self.model.chat_template == "auto" and self.model.hf_field("model_type") == "glm4_moe":
+            raise ConfigError("model.chat_template=auto: GLM-4.5 (glm4_moe) writes tool calls in its own format "
+                              "(<arg_key> / <arg_value> tags), which this version does not parse; set "
+                              "model.chat_template=glm4 or qwen2 for a model trained to one of those formats")
         if self.ray.train_workers % self.parallel.model_parallel_size:
             raise ConfigError(f"ray.train_workers={self.ray.train_workers!r} must be 0 (the smallest world of the "
                               f"layout) or a positive multiple of {self.parallel.describe_ranks()}")

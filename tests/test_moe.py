@@ -24,6 +24,8 @@ def test_config_refuses_bad_ep():
     assert ParallelConfig(tp=2, ep=3, pp=2).model_parallel_size == 12
     with pytest.raises(ConfigError, match="train.moe_capacity_factor=0.0 must be > 0"):
         TrainConfig(moe_capacity_factor=0.0)
+    with pytest.raises(ConfigError, match="GLM-4.5 .* set model.chat_template=glm4 or qwen2"):
+        load_config(DEMO, ["model.arch.model_type=glm4_moe"])
     cfg = load_config(DEMO, ["parallel.ep=2"])
     with pytest.raises(ConfigError, match=r"--nproc 3 = 3 trainer processes is not a multiple of "
                                           r"lcm\(parallel.tp \* parallel.cp, parallel.ep\) \* parallel.pp"):

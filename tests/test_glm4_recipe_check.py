@@ -52,7 +52,8 @@ def test_check_passes_here_and_reports_what_it_cannot_verify() -> None:
     for item in ("config", "layout", "memory estimate", "cross-policy sampling", "per-task normalization",
                  "sbatch script", "Ray", "agentrl convert"):
         assert item in ok, f"{item} not verified:\n{out}"
-    assert "TP 2 x PP 2 x DP 2" in ok["layout"] and "16 GPUs in 2 node(s)" in ok["layout"]
+    assert "TP 2 x PP 2 x CP 1 x DP 2, EP 1: 8 train ranks" in ok["layout"] and "16 GPUs in 2 node(s)" in ok["layout"]
+    assert "mixture of experts" not in ok  # a dense model
     # not verifiable here, and said so: GPUs, the weights, the task endpoints
     if not shutil.which("nvidia-smi"):
         assert "GPUs" in unverified and "2 node(s) x 8 GPU(s)" in unverified["GPUs"]

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_agentrl.config import Config, ConfigError, load_config
-from megatron_agentrl.launch.plan import MemoryPlan, estimate_memory, format_plan
+from megatron_agentrl.launch.plan import MemoryPlan, estimate_memory, format_layout, format_plan
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +201,34 @@ def _check_tasks(cfg: Config, report: CheckReport, strict: bool, timeout_s: floa
             report.add(OK, f"task {task}", f"{len(urls)} worker(s) answer")
 
 
+def _check_experts(cfg: Config, hf: dict[str, Any], plan: MemoryPlan, report: CheckReport) -> None:
+    """A mixture-of-experts run: megatron can express the router, and the layout can train it."""
+    from types import SimpleNamespace
+
+    from megatron_agentrl.megatron.moe import moe_options
+
+    t, lay = cfg.train, plan.layout
+    try:
+        moe_options(SimpleNamespace(**hf), cfg.parallel.ep, t.moe_aux_loss_coeff, t.moe_capacity_factor)
+    except ConfigError as e:
+        report.add(FAIL, "mixture of experts", str(e))
+        return
+    if cfg.parallel.tp > 1:
+        # megatron's MoE layer refuses to train under TP without sequence parallelism, which the actor
+        # leaves off (megatron/model.py): the run would fail at its first training step
+        report.add(FAIL, "mixture of experts", f"parallel.tp={cfg.parallel.tp} with a mixture-of-experts model: "
+                   "megatron trains MoE layers under TP > 1 only with sequence parallelism, which the actor does not "
+                   "turn on; set parallel.tp=1 and split the experts with parallel.ep (and layers with parallel.pp)")
+        return
+    aux = "off" if t.moe_aux_loss_coeff == 0 else f"coefficient {t.moe_aux_loss_coeff:g}"
+    drop = "dropless" if t.moe_capacity_factor is None else f"capacity factor {t.moe_capacity_factor:g}"
+    engines = (f"; each engine holds all experts over TP {lay['gpus_per_engine']}" if lay["gpus_per_engine"]
+               else "")
+    report.add(OK, "mixture of experts", f"{lay['experts']} experts, top-{lay['experts_per_token']}; EP "
+               f"{lay['ep']}: {lay['experts_per_rank']} experts per train rank, expert DP {lay['expert_dp']}; "
+               f"load-balancing loss {aux}, {drop}{engines}")
+
+
 def check_run(cfg: Config, config_path: str, overrides: list[str], *, reference_hf_config: str | None = None,
               gpu_memory_gib: float = 80.0, strict: bool = False, probe_timeout_s: float = 3.0) -> CheckReport:
     """Check the run ``cfg`` on this machine (see the module doc); never raises for what it checks."""
@@ -218,10 +246,12 @@ def check_run(cfg: Config, config_path: str, overrides: list[str], *, reference_
         else:
             report.plan = plan
             lay = plan.layout
-            report.add(OK, "layout", f"TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']} train ranks; "
+            report.add(OK, "layout", f"{format_layout(lay, show_ep=True)}: {lay['train_workers']} train ranks; "
                        f"{lay['rollout_slots']} version slots x {lay['engines_per_slot']} engines x "
                        f"{lay['gpus_per_engine']} GPUs"
                        + (f"; {total} GPUs in {s.nodes} node(s)" if total else ""))
+            if lay["experts"]:
+                _check_experts(cfg, hf, plan, report)
             for p in plan.layout_problems:
                 report.add(FAIL, "pools vs allocation", p)
             for p in plan.memory_problems():

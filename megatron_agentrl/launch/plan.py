@@ -27,10 +27,13 @@ The estimate is rough by design and errs high:
   dense and count as above). Parameters of a MoE layer: attention and norms as a dense layer's,
   split over TP; the router ``E * h``, replicated over TP; the experts ``E * 3 * h * f``, split over
   ``parallel.ep`` and *not* over TP (expert tensor parallel 1); the shared expert ``3 * h * s``,
-  split over TP. The fp32 master weights and Adam moments of the experts shard over the
-  expert-data-parallel size ``train ranks / (ep * pp)`` (with expert TP 1; CP ranks count in it),
-  the others over DP x CP; gradients are not sharded. Activations of a MoE layer, bytes per token of
-  a micro-batch (on a CP rank), in place of the dense ``34 * h / tp``::
+  split over TP. Under the distributed optimizer the fp32 master weights and Adam moments of the
+  experts shard over the expert-data-parallel size ``train ranks / (ep * pp)`` (with expert TP 1;
+  CP ranks count in it), the others over DP x CP; gradients are not sharded. With layers of both
+  kinds the stages differ: the plan takes the stage with the most weights and optimizer state, and
+  the activations of the stage that keeps the most. Activations of a MoE layer, bytes per token of a
+  micro-batch (on a CP rank; 2-byte values, scaled to ``model.dtype`` like the dense formula, the
+  router's in fp32), in place of the dense ``34 * h / tp``::
 
       (15 * h + 8 * s) / tp + 12 * E + c * k * (4 * h + 8 * f)
 
@@ -236,11 +239,13 @@ class MemoryPlan:
         """The pools that do not fit in ``gpu_memory_gib``, one sentence each with the fix."""
         out = []
         if self.train_total_gib > self.gpu_memory_gib:
-            experts = ("parallel.ep (the experts' optimizer state shards over train ranks / (ep x pp): add train "
-                       "ranks), " if self.layout.get("experts") else "")
+            # experts: ep and pp split their weights and gradients, but their master weights and Adam moments
+            # shard over the expert-DP ranks, train ranks / (ep x pp): per GPU only more ranks shrink those
+            split = ("raise parallel.ep or parallel.pp, add train ranks (ray.train_workers: the experts' optimizer "
+                     "state shards over all of them), raise parallel.cp (long sequences)" if self.layout.get("experts")
+                     else "raise parallel.tp, parallel.pp or parallel.cp (long sequences)")
             out.append(f"train pool needs ~{self.train_total_gib:.1f} GiB per GPU, more than "
-                       f"{self.gpu_memory_gib:.0f} GiB: raise parallel.tp, parallel.pp, {experts}or parallel.cp (long "
-                       "sequences), set train.recompute=full, "
+                       f"{self.gpu_memory_gib:.0f} GiB: {split}, set train.recompute=full, "
                        "or lower train.micro_batch_size / train.micro_batch_tokens / rollout.max_total_tokens")
         if self.rollout and self.rollout_total_gib > self.gpu_memory_gib:
             out.append(f"rollout engines need ~{self.rollout_total_gib:.1f} GiB per GPU, more than "
@@ -396,12 +401,15 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
     return plan
 
 
-def format_layout(layout: dict[str, Any]) -> str:
-    """The train pool's ranks as ``TP 2 x PP 1 x CP 1 x DP 4``, then its expert parallelism for a MoE model."""
+def format_layout(layout: dict[str, Any], show_ep: bool = False) -> str:
+    """The train pool's ranks as ``TP 2 x PP 1 x CP 1 x DP 4``, then its expert parallelism (always for a MoE
+    model, ``EP 1`` for a dense one when ``show_ep``)."""
     text = f"TP {layout['tp']} x PP {layout['pp']} x CP {layout['cp']} x DP {layout['dp']}"
     if layout.get("experts"):
         text += (f", EP {layout['ep']} ({layout['experts_per_rank']} of {layout['experts']} experts per rank, "
                  f"expert DP {layout['expert_dp']})")
+    elif show_ep:
+        text += f", EP {layout['ep']}"
     return text
 
 

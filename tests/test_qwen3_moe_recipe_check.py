@@ -70,7 +70,6 @@ def test_check_passes_here_and_reports_memory_per_gpu() -> None:
     (["ray.train_workers=8", "parallel.pp=1", "parallel.ep=8"], "memory", "train pool needs ~87"),
     # 9 ranks = lcm(1, 3) x PP 3 load, but 3 does not divide 128 experts
     (["parallel.ep=3", "ray.train_workers=9"], "layout", "parallel.ep=3 does not divide the model's 128 experts"),
-    (["parallel.tp=2"], "mixture of experts", "only with sequence parallelism"),
     (["rollout.engines_per_slot=4"], "pools vs allocation", "need 28 GPUs"),
 ])
 def test_check_fails_on_what_cannot_work_anywhere(overrides: list[str], item: str, needle: str) -> None:

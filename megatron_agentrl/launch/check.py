@@ -213,13 +213,6 @@ def _check_experts(cfg: Config, hf: dict[str, Any], plan: MemoryPlan, report: Ch
     except ConfigError as e:
         report.add(FAIL, "mixture of experts", str(e))
         return
-    if cfg.parallel.tp > 1:
-        # megatron's MoE layer refuses to train under TP without sequence parallelism, which the actor
-        # leaves off (megatron/model.py): the run would fail at its first training step
-        report.add(FAIL, "mixture of experts", f"parallel.tp={cfg.parallel.tp} with a mixture-of-experts model: "
-                   "megatron trains MoE layers under TP > 1 only with sequence parallelism, which the actor does not "
-                   "turn on; set parallel.tp=1 and split the experts with parallel.ep (and layers with parallel.pp)")
-        return
     aux = "off" if t.moe_aux_loss_coeff == 0 else f"coefficient {t.moe_aux_loss_coeff:g}"
     drop = "dropless" if t.moe_capacity_factor is None else f"capacity factor {t.moe_capacity_factor:g}"
     engines = (f"; each engine holds all experts over TP {lay['gpus_per_engine']}" if lay["gpus_per_engine"]

@@ -35,14 +35,14 @@ The estimate is rough by design and errs high:
   micro-batch (on a CP rank; 2-byte values, scaled to ``model.dtype`` like the dense formula, the
   router's in fp32), in place of the dense ``34 * h / tp``::
 
-      (15 * h + 8 * s) / tp + 12 * E + c * k * (4 * h + 8 * f)
+      ((15 * h + 8 * s) + 12 * E + c * k * (4 * h + 8 * f)) / tp
 
   ``15 * h``: Korthikanti's attention (``11 h``) and norms (``4 h``) without the dense MLP's
   ``19 h``; ``8 * s``: the shared expert's ``[gate; up]``, SwiGLU output and product; ``12 * E``:
   fp32 router logits, scores and routing map; each of the ``k`` routed copies of a token keeps its
   dispatched input and weighted output (``2 x 2 h``) and its expert's ``[gate; up]``, SwiGLU output
-  and product (``8 f``). Experts and router are not divided by TP: the actor runs without sequence
-  parallelism, so every TP rank routes all tokens of its micro-batch. ``c`` is
+  and product (``8 f``). All of it is divided by TP: under TP the actor runs MoE models with
+  sequence parallelism, so every TP rank routes its ``1 / tp`` of the micro-batch's tokens. ``c`` is
   ``train.moe_capacity_factor`` (an upper bound on an expert's share) or 1 without token dropping,
   i.e. even routing; a dropless router that piles tokens onto one rank's experts holds more.
 * **rollout pool** (per GPU of one engine of ``ray.rollout_gpus_per_engine`` GPUs): weights in
@@ -208,7 +208,8 @@ class ModelShape:
         if not self.is_moe_layer(layer):
             return 34 * h * scale / tp
         routed = capacity_factor * self.experts_per_token * (4 * h + 8 * self.moe_intermediate_size)
-        return (15 * h + 8 * self.shared_expert_size) * scale / tp + 12 * self.num_experts + routed * scale
+        # sequence parallelism (MoE under TP): each TP rank holds 1 / tp of the tokens
+        return ((15 * h + 8 * self.shared_expert_size) * scale + 12 * self.num_experts + routed * scale) / tp
 
 
 @dataclass

@@ -158,6 +158,13 @@ class MegatronActor:
                                      make_vocab_size_divisible_by, train_cfg.recompute, train_cfg.recompute_num_layers,
                                      train_cfg.moe_aux_loss_coeff, train_cfg.moe_capacity_factor)
         self.config = self.model.config
+        # Routed experts are not split by TP; megatron flags them as expert-parallel (gradients reduced over the
+        # expert-data-parallel ranks, an optimizer of their own) only when EP > 1. Flag them at EP = 1 too: under
+        # TP with sequence parallelism each TP rank computes its own tokens' expert gradients, which the dense
+        # data-parallel reduce would never sum, and the optimizer state then has one shape at every EP.
+        for name, p in self.model.named_parameters():
+            if ".mlp.experts." in name:
+                p.allreduce = False
         dist_opt = train_cfg.use_distributed_optimizer
         self.ddp = DistributedDataParallel(
             config=self.config,
@@ -183,7 +190,8 @@ class MegatronActor:
             (self._global_name(n), b) for n, b in self.model.named_buffers() if n.endswith("mlp.router.expert_bias")
         ]
         self.moe_stats = (MoEStats(self.model, int(hf_config.num_experts_per_tok), self.mapping.num_layers,
-                                   train_cfg.moe_aux_loss_coeff > 0) if self.mapping.is_moe else None)
+                                   train_cfg.moe_aux_loss_coeff > 0, self.config.sequence_parallel)
+                          if self.mapping.is_moe else None)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
                             adam_beta1=train_cfg.adam_beta1, adam_beta2=train_cfg.adam_beta2, adam_eps=1e-8,
@@ -322,11 +330,14 @@ class MegatronActor:
         holds the reduced grads of its own shard only. All-gather the shards over DP x CP so that every
         rank's ``main_grad`` is the whole reduced gradient (the optimizer reads its shard only, and
         the next step zeroes the buffers)."""
-        if not self.train_cfg.use_distributed_optimizer or self.dp * self.cp == 1:
+        if not self.train_cfg.use_distributed_optimizer:
             return
+        # expert grads shard over the expert-data-parallel ranks, which may be more (or fewer) than DP x CP
         for group in (*self.ddp.bucket_groups, *self.ddp.expert_parallel_bucket_groups):
             size = group.intra_distributed_optimizer_instance_size
             rank = group.intra_distributed_optimizer_instance_rank
+            if size == 1:
+                continue
             for bucket in group.buckets:
                 shard = bucket.grad_data.numel() // size
                 local = bucket.grad_data[rank * shard:(rank + 1) * shard].clone()
@@ -462,21 +473,23 @@ class MegatronActor:
         # context parallelism: every sequence a multiple of 2 * cp tokens (zeros appended, after the
         # tokens that matter, so causal attention leaves those unchanged)
         multiple = 2 * self.cp if self.cp > 1 else 1
+        # sequence parallelism (MoE under TP): each CP shard of a micro-batch splits evenly over the TP ranks
+        whole = math.lcm(multiple, self.cp * self.tp) if self.config.sequence_parallel else multiple
         if packed:
             rows = 1
-            totals = [sum(padded_length(lengths[i], multiple) for i in ix) for ix in plan]
-            pad_to = max(totals) if self.pp > 1 else 0
+            totals = [padded_length(sum(padded_length(lengths[i], multiple) for i in ix), whole) for ix in plan]
+            pad_tos = [max(totals)] * len(plan) if self.pp > 1 else totals
             seq_length = max(totals)
         else:
             rows = max(len(ix) for ix in plan)
             widths = [T] * len(plan) if self.pp > 1 else [max(lengths[i] for i in ix) for ix in plan]
-            widths = [padded_length(w, multiple) for w in widths]
+            widths = [padded_length(w, whole) for w in widths]
             seq_length = max(widths)
 
         def micro_batches() -> Iterator[tuple[dict[str, Tensor], Any]]:
             for j, ix in enumerate(plan):
                 if packed:
-                    p = pack(batch, ix, lengths, pad_to, multiple)
+                    p = pack(batch, ix, lengths, pad_tos[j], multiple)
                     mb = {k: v.to(self.device) for k, v in
                           {**p.fields, "position_ids": p.position_ids, "seq_starts": p.seq_starts}.items()}
                     cu = p.cu_seqlens.to(self.device)

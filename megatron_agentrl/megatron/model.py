@@ -214,7 +214,9 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, 
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
-        sequence_parallel=False,
+        # megatron trains MoE layers under TP only with sequence parallelism (each TP rank routes its share of
+        # the tokens); dense models keep every token on every TP rank
+        sequence_parallel=tp > 1 and bool(moe),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -357,6 +359,7 @@ def layer_spec(hf_config: Any, config: Any = None) -> Any:
     )
 
     from megatron_agentrl.megatron.attention import SDPACoreAttention
+    from megatron_agentrl.megatron.norm import with_torch_norm
 
     use_te = _have_te()
     model_type = getattr(hf_config, "model_type", None)
@@ -366,6 +369,7 @@ def layer_spec(hf_config: Any, config: Any = None) -> Any:
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
         if not use_te:
             block.layer_specs = [with_core_attention(s, SDPACoreAttention) for s in block.layer_specs]
+            block = with_torch_norm(block)  # a torch norm that works under sequence parallelism
         return block
     qk_layernorm = model_type == "qwen3"
     if use_te:

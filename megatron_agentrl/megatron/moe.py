@@ -110,17 +110,20 @@ class MoEStats:
     per expert over the forward passes; :meth:`step_metrics` reduces them over the data-parallel
     (x context-parallel) ranks and the pipeline stages and starts over. Padding tokens are routed, and
     counted, too. ``num_layers``: the model's layers; ``aux_loss``: whether megatron tracks its
-    load-balancing loss (``train.moe_aux_loss_coeff`` > 0).
+    load-balancing loss (``train.moe_aux_loss_coeff`` > 0); ``sequence_parallel``: each TP rank routes its
+    own share of the tokens (summed over TP too).
     """
 
     AUX_LOSS_NAME = "load_balancing_loss"  # megatron's tracker name for the "aux_loss" balancing type
 
-    def __init__(self, model: torch.nn.Module, topk: int, num_layers: int, aux_loss: bool) -> None:
+    def __init__(self, model: torch.nn.Module, topk: int, num_layers: int, aux_loss: bool,
+                 sequence_parallel: bool = False) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.topk = topk
         self.num_layers = num_layers
         self.aux_loss = aux_loss
+        self.sequence_parallel = sequence_parallel
         self.recording = False
         self._counts: dict[int, torch.Tensor] = {}
         self._tokens: dict[int, float] = {}
@@ -162,8 +165,10 @@ class MoEStats:
             idx = sorted(self._counts)
             counts = torch.stack([self._counts[i] for i in idx])  # [layers of this stage, experts]
             tokens = torch.tensor([self._tokens[i] for i in idx], dtype=torch.float64)
-            dist.all_reduce(counts, group=dp_cp)
-            dist.all_reduce(tokens, group=dp_cp)
+            groups = [dp_cp, parallel_state.get_tensor_model_parallel_group()] if self.sequence_parallel else [dp_cp]
+            for group in groups:
+                dist.all_reduce(counts, group=group)
+                dist.all_reduce(tokens, group=group)
             mean = counts.mean(dim=1).clamp_min(1e-12)
             sums[0] = (counts.max(dim=1).values / mean).sum()
             sums[1] = (counts.std(dim=1, unbiased=False) / mean).sum()

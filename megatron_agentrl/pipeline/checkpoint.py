@@ -243,16 +243,6 @@ def load_checkpoint(path: str | Path, actor: Any) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint '{d}' was written with train.use_distributed_optimizer={was} and this run "
                               f"has {str(now).lower()}: megatron's two optimizer layouts do not load into each other; "
                               f"resume with train.use_distributed_optimizer={was}")
-    written_ep = meta.get("ep", 1)
-    if actor.mapping.is_moe and (written_ep > 1) != (actor.ep > 1):
-        # megatron keeps expert parameters in an optimizer of their own only with EP > 1; a checkpoint of one
-        # optimizer does not load into two (or back)
-        need = "> 1" if written_ep > 1 else "= 1"
-        raise CheckpointError(
-            f"checkpoint '{d}' of a mixture-of-experts model was written with parallel.ep={written_ep} and this run "
-            f"has parallel.ep={actor.ep}: megatron's optimizer state differs in shape between EP=1 and EP>1; resume "
-            f"with parallel.ep {need} (any size that divides the experts), or start a new run from the weights "
-            "(model.checkpoint = the run's hf_export folder)")
     rng_file = _rng_file(d, meta, actor)
     if meta.get("has_reference") and not actor.has_reference:
         actor.snapshot_reference()  # a placeholder the load fills

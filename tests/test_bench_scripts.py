@@ -52,8 +52,14 @@ def _check_async_vs_sync(lines: list[str], rec: dict[str, Any]) -> None:
 
 
 def _check_convert(lines: list[str], rec: dict[str, Any]) -> None:
-    assert rec["roundtrip_identical"] and rec["tensors"] > 0
-    assert [d["direction"] for d in rec["directions"]] == ["hf2mg", "mg2hf"]
+    assert rec["roundtrip_identical"] and rec["tensors"] == sum(r["tensors"] for r in rec["runs"]) > 0
+    assert sorted(r["moe"] for r in rec["runs"]) == [False, True]  # a dense and a MoE model
+    for run in rec["runs"]:
+        assert run["roundtrip_identical"] and run["tensors"] > 0 and (run["experts"] > 0) == run["moe"]
+        assert [d["direction"] for d in run["directions"]] == ["hf2mg", "mg2hf"]
+        assert run["convert_peak_rss_gb"] == max(d["peak_above_bare_gb"] for d in run["directions"])
+    m = re.fullmatch(r"convert_peak_rss_gb: (\d+\.\d+)", lines[-1])
+    assert m and float(m.group(1)) == pytest.approx(rec["convert_peak_rss_gb"], abs=1e-3)
 
 
 def _check_demo_learning(lines: list[str], rec: dict[str, Any]) -> None:

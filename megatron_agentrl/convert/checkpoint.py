@@ -237,6 +237,25 @@ class DistCheckpointReader:
         self._metadata = FileSystemReader(str(self.root)).read_metadata()
         self.tensors: dict[str, Any] = {k: v for k, v in self._metadata.state_dict_metadata.items()
                                         if isinstance(v, TensorStorageMetadata)}
+        self._by_first: dict[str, dict[int, list[Any]] | None] = {}
+
+    def _metadata_for(self, key: str, offset0: int, size0: int) -> Any:
+        """``key``'s storage metadata, with only the stored chunks at ``offset0`` on the first axis when the
+        piece is one element thick there and every stored chunk is too (stacked layers and experts): finding
+        the chunks of a piece then costs the chunks of one layer, not of all of them."""
+        md = self.tensors[key]
+        if key not in self._by_first:
+            index: dict[int, list[Any]] | None = {}
+            for c in md.chunks:
+                if c.sizes[0] != 1:
+                    index = None
+                    break
+                index.setdefault(c.offsets[0], []).append(c)
+            self._by_first[key] = index
+        index = self._by_first[key]
+        if index is None or size0 != 1:
+            return md
+        return dataclasses.replace(md, chunks=index.get(offset0, []))
 
     def keys(self) -> list[str]:
         """Stored tensor keys (ShardedObjects such as ``_extra_state`` are left out)."""
@@ -279,8 +298,9 @@ class DistCheckpointReader:
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
             # The destination of each read is named after the piece (not the key), so that several
             # pieces of one key (e.g. two layers) get their own targets.
+            md = self._metadata_for(key, offsets[0], sizes[0]) if offsets else self.tensors[key]
             items = [dataclasses.replace(it, dest_index=dataclasses.replace(it.dest_index, fqn=name))
-                     for it in create_read_items_for_chunk_list(key, self.tensors[key], [chunk])]
+                     for it in create_read_items_for_chunk_list(key, md, [chunk])]
             if len(items) == 1 and tuple(items[0].lengths) == tuple(sizes) and self._plain(items[0]):
                 t = self._load_chunk(items[0])
                 for dim, (off, length) in enumerate(zip(items[0].storage_offsets, items[0].lengths)):

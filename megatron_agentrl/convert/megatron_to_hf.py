@@ -6,13 +6,15 @@
 :func:`~megatron_agentrl.convert.checkpoint.save_megatron_checkpoint`, or by megatron code that
 saved ``GPTModel.sharded_state_dict()``), one layer at a time, strips the vocab padding and
 writes safetensors shards with an index, config.json and the tokenizer files the checkpoint
-carries. Peak memory: one layer, or the embedding / output layer (twice: the stored chunk and
-the assembled tensor).
+carries. Peak memory: one layer (a MoE layer in pieces of about ``GROUP_BYTES``, its experts a few at
+a time), or the embedding / output layer (twice: the stored chunk and the assembled tensor).
 """
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,6 +33,24 @@ from megatron_agentrl.convert.hf_to_megatron import hf_config_from_dict, load_hf
 from megatron_agentrl.convert.safetensors_io import SafetensorsShardWriter, dtype_size, parse_size
 
 logger = logging.getLogger(__name__)
+
+# Tensors read in one go: a layer, or pieces of a layer of about this many bytes (MoE layers: ~1 GB each in
+# a 30B model would add up with the reader's buffers).
+GROUP_BYTES = 256 * 1024**2
+
+
+def _layer_groups(mapping: Any, layer: int, dtype_bytes: int) -> list[list[str]]:
+    """Layer ``layer``'s Megatron names in read groups of about ``GROUP_BYTES`` (at least one name each)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for mname in mapping.layer_megatron_names(layer):
+        nbytes = math.prod(mapping.megatron_shape(mname)) * dtype_bytes
+        if groups[-1] and size + nbytes > GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(mname)
+        size += nbytes
+    return groups
 
 
 def convert_megatron_to_hf(
@@ -83,7 +103,8 @@ def convert_megatron_to_hf(
 
     # Plan every output tensor (name, shape, dtype) in the order they will be produced.
     groups: list[list[str]] = [[n] for n in mapping.megatron_names() if not n.startswith("decoder.layers.")]
-    layer_groups = [mapping.layer_megatron_names(i) for i in range(mapping.num_layers)]
+    itemsize = max(dtype_size(reader.dtype(k)) for k in reader.keys()) if out_dtype is None else dtype_size(out_dtype)
+    layer_groups = [g for i in range(mapping.num_layers) for g in _layer_groups(mapping, i, itemsize)]
     groups = groups[:1] + layer_groups + groups[1:]
     plan = []
     for group in groups:
@@ -109,6 +130,7 @@ def convert_megatron_to_hf(
                 for hf_name, t in mapping.to_hf(mname, full).items():
                     writer.write(hf_name, t)
                     bar.update(t.numel() * dtype_size(t.dtype))
+                    del t  # not kept alive while the next group is read
                 del full
     finally:
         bar.close()

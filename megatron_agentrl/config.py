@@ -291,6 +291,14 @@ class TrainConfig(_Section):
         the engines sample it.
     moe_capacity_factor: expert capacity as a multiple of an even share of the tokens (tokens past it
         are dropped, counted in ``moe/dropped_frac``); null = no dropping (dropless).
+    ratio_level: "token" (PPO / GRPO: a ratio and a clip per token) or "sequence" (GSPO: one ratio per
+        sequence, the geometric mean of its tokens' ratios, clipped as one; use small clip ranges, e.g.
+        3e-4 / 4e-4).
+    mis_cap: masked importance sampling for stale and cross-policy tokens ("ICEPOP"): tokens (or, with
+        ``mis_level: sequence``, whole sequences, by the geometric mean of their ratios) whose
+        pi_old / pi_behavior lies outside [1 / mis_cap, mis_cap] get no gradient; 0 = off, else > 1.
+        Combines with ``tis_cap`` (truncation of the weights that stay).
+    mis_level: "token" or "sequence": what ``mis_cap`` drops.
     """
 
     KEY: ClassVar[str] = "train"
@@ -319,6 +327,9 @@ class TrainConfig(_Section):
     recompute_num_layers: int = 0
     moe_aux_loss_coeff: float = 0.0
     moe_capacity_factor: float | None = None
+    ratio_level: Literal["token", "sequence"] = "token"
+    mis_cap: float = 0.0
+    mis_level: Literal["token", "sequence"] = "token"
 
     def check(self) -> None:
         """See :class:`_Section`."""
@@ -348,6 +359,9 @@ class TrainConfig(_Section):
         self.require_non_negative("moe_aux_loss_coeff", why="0 turns it off")
         self.require(self.moe_capacity_factor is None or self.moe_capacity_factor > 0, "moe_capacity_factor",
                      "must be > 0 (1.0 = an even share per expert), or null for no token dropping")
+        self.require(self.mis_cap == 0 or self.mis_cap > 1, "mis_cap",
+                     "must be 0 (off) or > 1: tokens whose ratio lies outside [1 / mis_cap, mis_cap] are masked "
+                     "(2.0 is a common choice)")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of RL step ``step`` (1-based): warm-up, then ``lr_decay_style``."""
@@ -517,37 +531,88 @@ class EvalConfig(_Section):
 
     samples_per_task: held-out indices per task (taken from the end of each task's index list,
     never trained on); temperature: sampling temperature of the evaluation.
+    interval: also evaluate every ``interval`` RL steps (with the newest weights; in async mode
+        without stalling the rollout); 0 = before and after RL only.
     """
 
     KEY: ClassVar[str] = "eval"
 
     samples_per_task: int = 32
     temperature: float = 1.0
+    interval: int = 0
 
     def check(self) -> None:
         """See :class:`_Section`."""
         super().check()
         self.require_non_negative("samples_per_task", why="0 disables evaluation")
+        self.require_non_negative("interval", why="0 = before and after RL only")
         self.require_above_zero("temperature")
 
 
 @dataclass
 class AlgoConfig(_Section):
-    """GRPO settings: group advantages (reward minus group mean, optionally / group std),
-    then per-task normalization of token advantages over the global batch; ``eps`` (> 0) is
-    added to every standard deviation that divides."""
+    """Advantages and the shaping of the batch: sample advantages per group, then per-task normalization of
+    token advantages over the global batch; ``eps`` (> 0) is added to every standard deviation that divides.
+
+    estimator: "grpo" (reward minus the group mean, divided by the group std when ``group_std_norm``;
+        without it, Dr. GRPO), "rloo" (reward minus the mean of the other samples of its group), or
+        "reinforce_pp" (REINFORCE++: reward minus the group mean, normalised over the whole batch).
+    loss_agg: how per-token losses make the batch loss: "token_mean" (every token of the batch alike),
+        "seq_mean_token_sum" (sum over each sequence's tokens, mean over sequences), or
+        "seq_mean_token_mean" (mean over each sequence's tokens, then over sequences).
+    dynamic_sampling: DAPO's dynamic sampling: a group whose rewards are all equal carries no signal; it
+        is dropped (counted per task) and more prompts are drawn until the step's batch is full, at most
+        ``dynamic_sampling_max_groups`` times ``rollout.prompts_per_step`` groups per step.
+    overlong_buffer: DAPO's overlong shaping: an episode whose length comes within this many tokens of
+        ``rollout.max_total_tokens`` loses up to ``overlong_penalty`` of its reward, linearly over the
+        buffer; 0 = off.
+    """
 
     KEY: ClassVar[str] = "algo"
 
     group_std_norm: bool = True
     normalize_per_task: bool = True
     eps: float = 1e-6
+    estimator: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_groups: float = 4.0
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     def check(self) -> None:
         """See :class:`_Section`."""
         super().check()
         self.require(self.eps > 0, "eps", "must be > 0: it keeps the division by a zero standard deviation "
                      "finite (1e-6 is usual)")
+        self.require(self.dynamic_sampling_max_groups >= 1, "dynamic_sampling_max_groups",
+                     "must be >= 1 (groups drawn per step, in units of rollout.prompts_per_step)")
+        self.require_non_negative("overlong_buffer", why="0 turns overlong shaping off")
+        self.require_non_negative("overlong_penalty")
+
+
+@dataclass
+class LoggingConfig(_Section):
+    """Where a run's metrics go besides ``metrics.jsonl`` (always written).
+
+    tensorboard: TensorBoard event files under ``output_dir/tensorboard``.
+    wandb: Weights & Biases, the same metrics and the config, files under ``output_dir/wandb``;
+    wandb_project / wandb_run_name (empty: the output directory's name); wandb_mode: "offline" (no
+    network; ``wandb sync`` uploads later) or "online".
+    """
+
+    KEY: ClassVar[str] = "logging"
+
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "megatron-agentrl"
+    wandb_run_name: str = ""
+    wandb_mode: Literal["offline", "online"] = "offline"
+
+    def check(self) -> None:
+        """See :class:`_Section`."""
+        super().check()
+        self.require(bool(self.wandb_project), "wandb_project", "is empty; give a W&B project name")
 
 
 @dataclass
@@ -650,6 +715,9 @@ class TaskSpec(_Section):
         reward >= 1) and 0.0 otherwise, instead of the task's own reward.
     timeout_penalty: subtracted from the reward of an episode that ran out of turns or context
         ("task limit reached", "agent context limit") or whose env call timed out (>= 0).
+    reward_fn: "package.module:function" called with the finished trajectory, whose return value
+        (a float) replaces its reward before any shaping (the place for an LLM judge); None = the
+        task's reward.
     """
 
     KEY: ClassVar[str] = "task"
@@ -660,6 +728,7 @@ class TaskSpec(_Section):
     params: dict[str, Any] = field(default_factory=dict)
     binary_reward: bool = False
     timeout_penalty: float = 0.0
+    reward_fn: str | None = None
 
     def check(self) -> None:
         """See :class:`_Section`."""
@@ -671,6 +740,13 @@ class TaskSpec(_Section):
         self.require(self.timeout_penalty >= 0, "timeout_penalty", "must be >= 0 (it is subtracted from the reward)")
         bad = [k for k in self.params if not isinstance(k, str) or not k.isidentifier()]
         self.require(not bad, "params", f"has the key {bad[0]!r}, which is not a parameter name" if bad else "")
+        self.require(not (self.reward_fn and self.binary_reward), "reward_fn",
+                     "and binary_reward are both set: binary_reward would replace the function's reward by the task's "
+                     "success; drop one")
+        if self.reward_fn is not None:
+            module, _, func = self.reward_fn.partition(":")
+            ok = all(p.isidentifier() for p in [*module.split("."), func])
+            self.require(ok, "reward_fn", "must be 'package.module:function'")
 
 
 @dataclass
@@ -836,6 +912,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tasks: list[TaskSpec] = field(default_factory=list)
     log_every: int = 1
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
@@ -925,6 +1002,8 @@ class Config:
         if dup is not None:
             raise ConfigError(f"tasks: '{dup}' is listed twice; list each task once (use its weight to sample it more)")
         for i, spec in enumerate(self.tasks):
+            if spec.reward_fn is not None:
+                load_reward_fn(spec.reward_fn, f"tasks[{i}].reward_fn")
             if not self.builds_task_here(spec):
                 continue  # served by the env controller, which owns its parameters
             try:
@@ -933,6 +1012,23 @@ class Config:
                 raise ConfigError(f"tasks[{i}].params.{e.param}={e.value!r} {e.rule}") from None
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"tasks[{i}].params={spec.params!r} do not fit task '{spec.name}': {e}") from None
+
+
+def load_reward_fn(path: str, key: str = "reward_fn") -> typing.Callable[..., Any]:
+    """The callable ``"package.module:function"`` names; ConfigError naming ``key`` when it cannot be imported
+    or is not callable."""
+    import importlib
+
+    module_name, _, func_name = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any import failure of user code is the user's to fix
+        raise ConfigError(f"{key}={path!r}: module '{module_name}' does not import ({type(e).__name__}: {e}); "
+                          "put it on PYTHONPATH or fix it") from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ConfigError(f"{key}={path!r}: module '{module_name}' has no function '{func_name}'")
+    return func
 
 
 def _placed(key: str, check: typing.Callable[[], Any]) -> Any:

@@ -69,22 +69,67 @@ def test_task_reward_options_and_unknown_key():
         load_config(BASE, ["pipeline.stalenes=2"])
 
 
-def test_reward_shaping():
-    from megatron_agentrl.config import TaskSpec
-    from megatron_agentrl.pipeline.batch import shape_reward
+def _traj(reward, status="completed", success=None, error="", task="t", length=0):
     from rollout_sglang.trajectory import Trajectory
 
-    def traj(reward, status, success=None, error=""):
-        t = Trajectory([], [], [], [], [], "t", 0, 0, reward=reward, status=status, error=error)
-        if success is not None:
-            t.metrics["success"] = success
-        return t
+    t = Trajectory(list(range(length)), [0] * length, [0.0] * length, [], [], task, 0, 0, reward=reward,
+                   status=status, error=error)
+    if success is not None:
+        t.metrics["success"] = success
+    return t
 
-    binary = TaskSpec(name="t", binary_reward=True, timeout_penalty=0.25)
-    assert shape_reward(traj(0.7, "completed", success=1.0), binary) == 1.0
-    assert shape_reward(traj(0.7, "completed", success=0.0), binary) == 0.0
-    assert shape_reward(traj(0.0, "task limit reached"), binary) == -0.25
-    assert shape_reward(traj(0.0, "task error", error="interact timed out after 3.0s"), binary) == -0.25
-    assert shape_reward(traj(0.0, "task error", error="start_sample failed"), binary) == 0.0
-    assert shape_reward(traj(0.7, "agent context limit"), TaskSpec(name="t", timeout_penalty=0.5)) == pytest.approx(0.2)
-    assert shape_reward(traj(0.7, "completed"), None) == 0.7
+
+def test_reward_shaping():
+    from megatron_agentrl.config import TaskSpec
+    from megatron_agentrl.pipeline.rewards import RewardShaper
+
+    binary = RewardShaper([TaskSpec(name="t", binary_reward=True, timeout_penalty=0.25)])
+    assert binary(_traj(0.7, "completed", success=1.0)) == 1.0
+    assert binary(_traj(0.7, "completed", success=0.0)) == 0.0
+    assert binary(_traj(0.0, "task limit reached")) == -0.25
+    assert binary(_traj(0.0, "task error", error="interact timed out after 3.0s")) == -0.25
+    assert binary(_traj(0.0, "task error", error="start_sample failed")) == 0.0
+    assert RewardShaper([TaskSpec(name="t", timeout_penalty=0.5)])(_traj(0.7, "agent context limit")) == \
+        pytest.approx(0.2)
+    assert RewardShaper()(_traj(0.7)) == 0.7
+
+
+def test_overlong_shaping_is_dapos_soft_penalty():
+    """Within ``overlong_buffer`` tokens of the budget the reward loses up to ``overlong_penalty``, linearly."""
+    from megatron_agentrl.config import AlgoConfig, TaskSpec
+    from megatron_agentrl.pipeline.rewards import RewardShaper
+
+    shaper = RewardShaper([TaskSpec(name="t")], AlgoConfig(overlong_buffer=100, overlong_penalty=0.5), 1000)
+    assert shaper(_traj(1.0, length=900)) == 1.0
+    assert shaper(_traj(1.0, length=950)) == pytest.approx(0.75)
+    assert shaper(_traj(1.0, length=1000)) == pytest.approx(0.5)
+    assert RewardShaper([TaskSpec(name="t")], AlgoConfig(), 1000)(_traj(1.0, length=1000)) == 1.0  # off by default
+
+
+def judge(traj):
+    """A reward function for the tests: 1 per 10 tokens; fails on an empty trajectory; NaN past 50 tokens."""
+    if not traj.token_ids:
+        raise RuntimeError("the judge is down")
+    return float("nan") if len(traj.token_ids) > 50 else len(traj.token_ids) / 10
+
+
+def test_reward_fn_replaces_the_reward_and_its_failures_fall_back(caplog):
+    """tasks[].reward_fn computes the reward from the trajectory; a failing or non-finite one falls back to the
+    task's reward with a warning (a judge's outage must not end the run); a bad path is refused at load."""
+    from megatron_agentrl.config import TaskSpec, load_config
+    from megatron_agentrl.pipeline.rewards import RewardShaper
+
+    shaper = RewardShaper([TaskSpec(name="t", reward_fn="test_pipeline_config:judge", timeout_penalty=0.5)])
+    assert shaper(_traj(0.0, length=20)) == 2.0
+    assert shaper(_traj(0.0, "task limit reached", length=20)) == 1.5  # shaping still applies
+    with caplog.at_level("WARNING"):
+        assert shaper(_traj(0.3, length=0)) == 0.3
+        assert shaper(_traj(0.4, length=60)) == 0.4
+    assert shaper.reward_fn_errors == 2 and "the judge is down" in caplog.text
+    with pytest.raises(ConfigError, match=r"reward_fn='test_pipeline_config:nope': module 'test_pipeline_config' "
+                                          "has no function 'nope'"):
+        load_config(BASE, ['tasks=[{name: lookup, reward_fn: "test_pipeline_config:nope"}]'])
+    with pytest.raises(ConfigError, match="must be 'package.module:function'"):
+        load_config(BASE, ['tasks=[{name: lookup, reward_fn: "no colon"}]'])
+    with pytest.raises(ConfigError, match="binary_reward are both set"):
+        load_config(BASE, ['tasks=[{name: lookup, reward_fn: "json:dumps", binary_reward: true}]'])

@@ -1,5 +1,5 @@
-"""From trajectories (or demonstrations) to the actor's TrainBatch: reward shaping, padding, GRPO
-advantages, per-task normalization."""
+"""From trajectories (or demonstrations) to the actor's TrainBatch: padding, GRPO advantages of the shaped
+rewards (``rewards.py``), per-task normalization."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,12 +12,10 @@ import torch.distributed as dist
 
 from megatron_agentrl.algo.advantages import grpo_group_advantages, normalize_per_task
 from megatron_agentrl.algo.mismatch import token_versions
-from megatron_agentrl.config import AlgoConfig, TaskSpec
+from megatron_agentrl.config import AlgoConfig
 from megatron_agentrl.megatron.actor import TrainBatch
+from megatron_agentrl.pipeline.rewards import RewardShaper, is_success
 from rollout_sglang.trajectory import Trajectory
-
-# Statuses that mean "ran out of turns, context or time" (the timeout penalty applies).
-TIMEOUT_STATUSES = ("task limit reached", "agent context limit")
 
 
 def pad_right(rows: Sequence[Sequence[float]], dtype: torch.dtype, pad: float = 0) -> torch.Tensor:
@@ -28,30 +26,6 @@ def pad_right(rows: Sequence[Sequence[float]], dtype: torch.dtype, pad: float = 
         if len(r):
             out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
     return out
-
-
-def is_success(traj: Trajectory) -> bool:
-    """The task's ``success`` metric when it reports one, else ``reward >= 1``."""
-    return bool(traj.metrics.get("success", traj.reward >= 1.0))
-
-
-def is_timeout(traj: Trajectory) -> bool:
-    """Whether the episode ran out of turns or context, or an env call timed out."""
-    return traj.status in TIMEOUT_STATUSES or (traj.status == "task error" and "timed out" in traj.error)
-
-
-def shape_reward(traj: Trajectory, spec: TaskSpec | None) -> float:
-    """The reward the trainer uses for ``traj`` under its task's settings.
-
-    ``spec.binary_reward``: 1.0 on success, else 0.0; then ``spec.timeout_penalty`` is
-    subtracted when :func:`is_timeout`. Without a spec, the env's reward unchanged.
-    """
-    if spec is None:
-        return float(traj.reward)
-    r = (1.0 if is_success(traj) else 0.0) if spec.binary_reward else float(traj.reward)
-    if spec.timeout_penalty and is_timeout(traj):
-        r -= float(spec.timeout_penalty)
-    return r
 
 
 @dataclass
@@ -71,10 +45,10 @@ class RLBatch:
 
 
 def build_rl_batch(trajs: Sequence[Trajectory], task_names: Sequence[str], algo: AlgoConfig,
-                   specs: dict[str, TaskSpec] | None = None, trained_version: int | None = None) -> RLBatch:
+                   shaper: RewardShaper | None = None, trained_version: int | None = None) -> RLBatch:
     """Pad ``trajs`` and give every policy token its sample's GRPO group advantage.
 
-    Rewards are shaped per task (:func:`shape_reward` with ``specs[task]``); sample advantages
+    Rewards are shaped by ``shaper`` (default: the trajectories' own rewards); sample advantages
     are group-relative (``grpo_group_advantages`` over ``group_id``). Per-task normalization is
     left to :func:`normalize_batch` (run after the data-parallel split, globally over DP).
     ``task_names`` fixes the task-id order. With ``trained_version`` (the weight version this batch
@@ -84,7 +58,8 @@ def build_rl_batch(trajs: Sequence[Trajectory], task_names: Sequence[str], algo:
     unknown = sorted({t.task for t in trajs} - set(task_id))
     if unknown:
         raise ValueError(f"trajectories of tasks {unknown} that are not in the run's task list {list(task_names)}")
-    rewards = torch.tensor([shape_reward(t, (specs or {}).get(t.task)) for t in trajs], dtype=torch.float32)
+    shaper = shaper or RewardShaper()
+    rewards = torch.tensor([shaper(t) for t in trajs], dtype=torch.float32)
     groups = torch.tensor([t.group_id for t in trajs], dtype=torch.long)
     sample_adv = grpo_group_advantages(rewards, groups, std_norm=algo.group_std_norm, eps=algo.eps)
     tokens = pad_right([t.token_ids for t in trajs], torch.long)

@@ -8,8 +8,9 @@ from collections import Counter
 from typing import Any
 
 from megatron_agentrl.config import Config
-from megatron_agentrl.pipeline.batch import is_success, per_task_means
+from megatron_agentrl.pipeline.batch import per_task_means
 from megatron_agentrl.pipeline.progress import Phase, Progress
+from megatron_agentrl.pipeline.rewards import is_success
 from megatron_agentrl.pipeline.rollout_side import RolloutSide, sampling_params
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.engine import GenerationOutput, SamplingParams

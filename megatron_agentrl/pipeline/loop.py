@@ -234,7 +234,7 @@ class TrainingRun:
         if self.manager is not None:
             groups = self.manager.get_batch(cfg.pipeline.batch_timeout_s)
             rl = build_rl_batch([t for g in groups for t in g.trajectories], self.task_names, cfg.algo,
-                                self.ro.specs, trained_version=step - 1)
+                                self.ro.shaper, trained_version=step - 1)
         wait_s = time.perf_counter() - t_step
         t0 = time.perf_counter()
         stats = self.trainer.step(rl, step)

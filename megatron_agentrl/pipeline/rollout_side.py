@@ -21,8 +21,9 @@ import torch
 from env_controller.local import LocalEnvClient
 from env_controller.net import address_towards
 from env_controller.tasks import build_task
-from megatron_agentrl.config import Config, ConfigError, TaskSpec
+from megatron_agentrl.config import Config, ConfigError
 from megatron_agentrl.pipeline.engine_batching import BatchingEngine
+from megatron_agentrl.pipeline.rewards import RewardShaper
 from megatron_agentrl.pipeline.rollout_manager import PromptSampler, RolloutManager
 from megatron_agentrl.pipeline.sim_env import LatencyEnvClient
 from rollout_sglang.chat_template import AnyChatTemplate, build_chat_template
@@ -43,7 +44,7 @@ class RolloutSide:
     train_env: the same, behind simulated latency when ``pipeline.sim_env_latency_s > 0``.
     template; tasks: the built-in Task objects (demonstrations for SFT); task_names (config
     order), train/eval index splits, rng (SFT demonstrations), task weights (RL prompts), SFT
-    weights (demonstrations) and per-task specs.
+    weights (demonstrations) and the reward shaper (the tasks' settings, ``pipeline/rewards.py``).
     """
 
     pool: VersionPool
@@ -58,7 +59,7 @@ class RolloutSide:
     rng: random.Random
     weights: list[float] = field(default_factory=list)
     sft_weights: list[float] = field(default_factory=list)
-    specs: dict[str, TaskSpec] = field(default_factory=dict)
+    shaper: RewardShaper = field(default_factory=RewardShaper)
 
     def latest_engine(self) -> Any:
         """An engine of the live slot with the newest weights (for evaluation).
@@ -198,7 +199,7 @@ def build_rollout_side(cfg: Config, hf_config: Any, dtype: torch.dtype, template
         task_names=[s.name for s in cfg.tasks], train_indices=train_idx, eval_indices=eval_idx,
         rng=random.Random(cfg.train.seed), weights=[s.weight for s in cfg.tasks],
         sft_weights=[s.weight if s.sft_weight is None else s.sft_weight for s in cfg.tasks],
-        specs={s.name: s for s in cfg.tasks},
+        shaper=RewardShaper(cfg.tasks, cfg.algo, r.max_total_tokens),
     )
 
 

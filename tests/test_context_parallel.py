@@ -178,7 +178,7 @@ def test_cli_trains_two_rl_steps_at_cp2(tmp_path):
            "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "cp=2 dp=1" in proc.stdout + proc.stderr
+    assert "cp=2 ep=1 dp=1" in proc.stdout + proc.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2]

@@ -71,6 +71,19 @@ def _check_demo_learning(lines: list[str], rec: dict[str, Any]) -> None:
     assert set(rec["worst_seed_gain_points"]) == set(rec["mean_gain_points"])
 
 
+def _check_ablation(lines: list[str], rec: dict[str, Any]) -> None:
+    assert set(rec["table"]) == set(rec["variants"]) == {"shipped", "latest", "no_task_norm", "dynamic"}
+    assert len(rec["gain_points_per_run"]) == len(rec["variants"]) * len(rec["seeds"])
+    assert rec["table"]["shipped"]["vs_shipped_points"] is None
+    for v, row in rec["table"].items():  # each variant against the shipped one, seed by seed
+        if v != "shipped":
+            s = rec["seeds"][0]
+            for task, d in row["vs_shipped_points"].items():
+                ours, ship = (rec["gain_points_per_run"][f"{x}/seed{s}"][task] for x in (v, "shipped"))
+                assert d["mean"] == pytest.approx(ours - ship)
+    assert lines[-1] == f"ablation_runs: {len(rec['gain_points_per_run'])}"
+
+
 def _check_env_controller(lines: list[str], rec: dict[str, Any]) -> None:
     s = rec["sessions"]
     assert s["started"] == s["planned"] > 0 and s["lost"] == 0 and s["left_open_on_controller"] == 0
@@ -108,6 +121,7 @@ def _check_train_scale(lines: list[str], rec: dict[str, Any]) -> None:
 
 
 CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
+    "ablation.py": _check_ablation,
     "gpu_advantages.py": _check_gpu_advantages,
     "gpu_train.py": _check_gpu_train,
     "async_vs_sync.py": _check_async_vs_sync,

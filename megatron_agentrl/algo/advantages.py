@@ -1,6 +1,16 @@
-"""GRPO advantages: group-relative sample advantages and per-task token normalization.
+"""Sample advantages from the rewards of groups of samples (one group = the samples of one prompt), and
+per-task token normalization.
 
-Both are vectorized segment reductions (``scatter_add``), never a Python loop over samples.
+Estimators (``algo.estimator``, :func:`group_advantages`), ``r`` a sample's reward, ``g`` its group of
+``n_g`` samples:
+
+* ``grpo``: ``(r - mean_g) / (std_g + eps)``, or ``r - mean_g`` without the std (Dr. GRPO);
+* ``rloo``: ``r - (sum_g - r) / (n_g - 1)``, the mean of the other samples (leave-one-out);
+* ``reinforce_pp``: REINFORCE++ with a group baseline: ``a = r - mean_g``, then whitened over the
+  batch's policy tokens, ``(a - mean_tok) / (std_tok + eps)`` (each sample counts once per token, as
+  verl's ``compute_reinforce_plus_plus_baseline_outcome_advantage`` and OpenRLHF do).
+
+All are vectorized segment reductions (``scatter_add``), never a Python loop over samples.
 """
 from __future__ import annotations
 
@@ -16,6 +26,16 @@ def _segment_sum(values: Tensor, segment_ids: Tensor, num_segments: int) -> Tens
     return out.scatter_add_(0, index, values)
 
 
+def _groups(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+    """``rewards`` as float64, each sample's dense group index ``[N]``, the group sizes ``[G]`` and ``G``."""
+    if rewards.shape != group_ids.shape or rewards.dim() != 1:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must both be [N]")
+    r = rewards.to(torch.float64)
+    _, gid = torch.unique(group_ids, return_inverse=True)
+    g = int(gid.max().item()) + 1 if gid.numel() else 0
+    return r, gid, _segment_sum(torch.ones_like(r), gid, g), g
+
+
 def grpo_group_advantages(rewards: Tensor, group_ids: Tensor, std_norm: bool = True, eps: float = 1e-6) -> Tensor:
     """Group-relative advantages: ``(r - mean_g) / (std_g + eps)`` (or ``r - mean_g`` when not std_norm).
 
@@ -23,12 +43,7 @@ def grpo_group_advantages(rewards: Tensor, group_ids: Tensor, std_norm: bool = T
     (any non-negative ints). Mean and population std are over the samples of each group. A group
     whose rewards are all equal gets advantage 0. Returns ``[N]`` float32.
     """
-    if rewards.shape != group_ids.shape or rewards.dim() != 1:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must both be [N]")
-    r = rewards.to(torch.float64)
-    _, gid = torch.unique(group_ids, return_inverse=True)
-    g = int(gid.max().item()) + 1 if gid.numel() else 0
-    count = _segment_sum(torch.ones_like(r), gid, g)
+    r, gid, count, g = _groups(rewards, group_ids)
     mean = _segment_sum(r, gid, g) / count
     centered = r - mean[gid]
     if not std_norm:
@@ -36,6 +51,60 @@ def grpo_group_advantages(rewards: Tensor, group_ids: Tensor, std_norm: bool = T
     std = (_segment_sum(centered * centered, gid, g) / count).sqrt()[gid]
     out = torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
     return out.to(torch.float32)
+
+
+def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Leave-one-out advantages: ``r_i - (sum_g - r_i) / (n_g - 1)`` (RLOO, arXiv 2402.14740).
+
+    rewards, group_ids: ``[N]`` as in :func:`grpo_group_advantages`. Equal to ``n_g / (n_g - 1) * (r_i -
+    mean_g)``. A group of one sample has no other sample to compare with: its advantage is 0. Returns
+    ``[N]`` float32.
+    """
+    r, gid, count, g = _groups(rewards, group_ids)
+    total = _segment_sum(r, gid, g)[gid]
+    n = count[gid]
+    others = (total - r) / (n - 1).clamp_min(1.0)
+    return torch.where(n > 1, r - others, torch.zeros_like(r)).to(torch.float32)
+
+
+def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor, num_tokens: Tensor, eps: float = 1e-6) -> Tensor:
+    """REINFORCE++ (baseline variant, arXiv 2501.03262): ``a_i = r_i - mean_g``, then normalised over the batch's
+    tokens: ``(a_i - m) / (s + eps)`` with ``m = sum_i n_i a_i / sum_i n_i`` and ``s`` the population std of
+    the same token-weighted distribution.
+
+    rewards, group_ids: ``[N]``; num_tokens: ``[N]`` policy tokens of each sample (a sample without any
+    counts for nothing). Pass the whole global batch: the mean and std are taken over what is given.
+    Returns ``[N]`` float32; all 0 when every token has the same ``a``.
+    """
+    r, gid, count, g = _groups(rewards, group_ids)
+    if num_tokens.shape != rewards.shape:
+        raise ValueError(f"num_tokens {tuple(num_tokens.shape)} must be [N] like rewards {tuple(rewards.shape)}")
+    a = r - (_segment_sum(r, gid, g) / count)[gid]
+    n = num_tokens.to(torch.float64)
+    total = n.sum().clamp_min(1.0)
+    mean = (n * a).sum() / total
+    std = ((n * (a - mean).square()).sum() / total).sqrt()
+    if not std > 0:
+        return torch.zeros_like(a, dtype=torch.float32)
+    return ((a - mean) / (std + eps)).to(torch.float32)
+
+
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
+
+
+def group_advantages(estimator: str, rewards: Tensor, group_ids: Tensor, num_tokens: Tensor,
+                     std_norm: bool = True, eps: float = 1e-6) -> Tensor:
+    """The sample advantages ``[N]`` (float32) of ``algo.estimator`` (see the module doc).
+
+    rewards, group_ids, num_tokens: ``[N]``; ``std_norm`` applies to "grpo" only (``algo.group_std_norm``).
+    """
+    if estimator == "grpo":
+        return grpo_group_advantages(rewards, group_ids, std_norm=std_norm, eps=eps)
+    if estimator == "rloo":
+        return rloo_advantages(rewards, group_ids)
+    if estimator == "reinforce_pp":
+        return reinforce_pp_advantages(rewards, group_ids, num_tokens, eps=eps)
+    raise ValueError(f"algo.estimator={estimator!r} is not one of {ESTIMATORS}")
 
 
 def normalize_per_task(

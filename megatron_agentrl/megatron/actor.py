@@ -70,6 +70,8 @@ class TrainBatch:
     version_lag: optional long, how many weight versions older than the trained one the engine that
         sampled ``tokens[b, t]`` was (-1 for tokens no engine sampled); given, the train-vs-rollout
         mismatch is reported per lag (``megatron_agentrl.algo.mismatch``).
+    token_weights: optional float per-token weights of the loss (``algo.loss_agg``:
+        ``megatron_agentrl.algo.losses.loss_agg_weights`` of the GLOBAL batch); None = 1 (token mean).
     """
 
     tokens: Tensor
@@ -78,6 +80,7 @@ class TrainBatch:
     advantages: Tensor
     ref_logprobs: Tensor | None = None
     version_lag: Tensor | None = None
+    token_weights: Tensor | None = None
 
     def select(self, index: slice | Tensor) -> "TrainBatch":
         """Rows ``index`` of every field (None fields stay None)."""
@@ -625,6 +628,8 @@ class MegatronActor:
         keys = ["loss", "pg_loss", "clip_frac", "approx_kl"]
         if cfg.tis_cap > 0:
             keys += ["is_weight", "is_truncated"]
+        if cfg.mis_cap > 0:
+            keys.append("mis_masked")
         if with_ref:
             keys.append("kl_ref")
         if cfg.entropy_coef > 0:
@@ -638,21 +643,25 @@ class MegatronActor:
         (all-reduced over DP). The grpo loss is :func:`megatron_agentrl.algo.losses.policy_loss`
         with the train config's ``clip_eps_low/high``, ``tis_cap`` (truncated importance weights
         against the step-start policy, which with one optimizer step per batch is this forward's
-        own detached log-probs), ``kl_coef`` (needs ``batch.ref_logprobs``) and ``entropy_coef``.
+        own detached log-probs), ``kl_coef`` (needs ``batch.ref_logprobs``), ``entropy_coef``,
+        ``ratio_level`` (GSPO), ``mis_cap`` / ``mis_level`` (masked importance sampling against the
+        same step-start log-probs) and ``batch.token_weights`` (``algo.loss_agg``). Sequence-level
+        terms group the tokens by their row of ``batch`` (a ``seq_id`` field carried through padding,
+        packing and the context-parallel cut; per-sequence sums all-reduced over CP).
         Micro-batches: ``micro_batch_size`` rows, or packed by ``micro_batch_tokens``; each cut to
         its rows' last policy token.
 
-        Returns per-token averages over the global batch (:meth:`loss_stat_keys`: ``loss``, and
-        for grpo ``pg_loss``, ``clip_frac``, ``approx_kl``, ``is_weight``, ``is_truncated``,
-        ``kl_ref``, ``entropy`` as enabled), ``num_tokens`` (global masked tokens) and
-        ``num_micro_batches`` (this rank); with ``batch.version_lag`` also the ``mismatch/*`` metrics
+        Returns per-token averages over the global batch (:meth:`loss_stat_keys`: ``loss``, the
+        objective optimized, and for grpo ``pg_loss``, ``clip_frac``, ``approx_kl``, ``is_weight``,
+        ``is_truncated``, ``mis_masked``, ``kl_ref``, ``entropy`` as enabled), ``num_tokens`` (global masked
+        tokens) and ``num_micro_batches`` (this rank); with ``batch.version_lag`` also the ``mismatch/*`` metrics
         per version lag (:func:`megatron_agentrl.algo.mismatch.lag_metrics`, computed from the log-probs
         of this forward, i.e. the weights at the step start); for a MoE model the ``moe/*`` routing
         metrics (:meth:`megatron_agentrl.megatron.moe.MoEStats.step_metrics`). Collective over all ranks.
         """
         from megatron.core import parallel_state
 
-        from megatron_agentrl.algo.losses import policy_loss, sft_loss
+        from megatron_agentrl.algo.losses import Sequences, policy_loss, sft_loss
         from megatron_agentrl.algo.mismatch import LAG_BUCKETS, lag_metrics, lag_sums
 
         if loss_type not in LOSS_TYPES:
@@ -664,13 +673,23 @@ class MegatronActor:
         if B == 0:
             raise ValueError("empty batch on this data-parallel rank: give at least one sample per DP rank")
         cfg = self.train_cfg
-        tis_cap, kl_coef, entropy_coef = cfg.tis_cap, cfg.kl_coef, cfg.entropy_coef
+        tis_cap, kl_coef, entropy_coef, mis_cap = cfg.tis_cap, cfg.kl_coef, cfg.entropy_coef, cfg.mis_cap
         with_ref = loss_type == "grpo" and batch.ref_logprobs is not None
         with_lag = loss_type == "grpo" and batch.version_lag is not None
+        with_weights = batch.token_weights is not None
+        # per-sequence sums: GSPO's ratio, sequence-level MIS
+        with_seqs = loss_type == "grpo" and (cfg.ratio_level == "sequence"
+                                             or (mis_cap > 0 and cfg.mis_level == "sequence"))
         if loss_type == "grpo" and kl_coef > 0 and not with_ref:
             raise ValueError("train.kl_coef > 0 needs batch.ref_logprobs (compute_ref_logprobs)")
+        if with_weights and loss_type != "grpo":
+            raise ValueError(f"batch.token_weights (algo.loss_agg) apply to the grpo loss, not loss_type={loss_type!r}")
+        if with_weights and batch.token_weights.shape != batch.tokens.shape:
+            raise ValueError(f"batch.token_weights {tuple(batch.token_weights.shape)} must be [B, T] like batch.tokens "
+                             f"{tuple(batch.tokens.shape)}")
         stat_keys = self.loss_stat_keys(loss_type, with_ref)
         tp_group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
+        cp_group = self._cp_group() if self.cp > 1 else None
 
         def loss_func(mb: dict[str, Tensor], output: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
             mask = mb["loss_mask"].float()
@@ -689,13 +708,18 @@ class MegatronActor:
                 lp = self._token_logprobs(output, mb["tokens"], temperature,
                                           scaled=scaled if entropy_coef > 0 else None, seq_starts=starts,
                                           labels=labels)
+                # the batch row of every token (padding rows / columns: mask 0, never counted); every
+                # CP rank sums its part of each sequence and the CP group adds them up
+                seqs = Sequences(mb["seq_id"], B, cp_group) if with_seqs else None
                 loss, stats = policy_loss(
                     lp, mb["behavior_logprobs"].to(lp.dtype), mb["advantages"].to(lp.dtype), mask,
                     clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
-                    old_logprobs=lp.detach() if tis_cap > 0 else None, tis_cap=tis_cap,
+                    old_logprobs=lp.detach() if tis_cap > 0 or mis_cap > 0 else None, tis_cap=tis_cap,
                     ref_logprobs=mb["ref_logprobs"].to(lp.dtype) if with_ref else None, kl_coef=kl_coef,
                     kl_estimator=cfg.kl_estimator,
                     entropy=entropy, entropy_coef=entropy_coef,
+                    ratio_level=cfg.ratio_level, mis_cap=mis_cap, mis_level=cfg.mis_level, sequences=seqs,
+                    token_weights=mb["token_weights"].to(lp.dtype) if with_weights else None,
                 )
                 if with_lag:
                     stats["lag_sums"] = lag_sums(lp, mb["behavior_logprobs"].to(lp.dtype), mask, mb["version_lag"])
@@ -716,6 +740,10 @@ class MegatronActor:
             data["ref_logprobs"] = batch.ref_logprobs.float()
         if with_lag:
             data["version_lag"] = batch.version_lag.long()
+        if with_weights:
+            data["token_weights"] = batch.token_weights.float()
+        if with_seqs:
+            data["seq_id"] = torch.arange(B).unsqueeze(1).expand(B, T).contiguous()
         plan, lengths = self._plan(data["loss_mask"], B, T, cfg.micro_batch_size, cfg.micro_batch_tokens)
         self.ddp.train()
         self.ddp.zero_grad_buffer()

@@ -1,5 +1,5 @@
-"""From trajectories (or demonstrations) to the actor's TrainBatch: padding, GRPO advantages of the shaped
-rewards (``rewards.py``), per-task normalization."""
+"""From trajectories (or demonstrations) to the actor's TrainBatch: padding, sample advantages of the shaped
+rewards (``rewards.py``) by ``algo.estimator``, per-task normalization."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_agentrl.algo.advantages import grpo_group_advantages, normalize_per_task
+from megatron_agentrl.algo.advantages import group_advantages, normalize_per_task
 from megatron_agentrl.algo.mismatch import token_versions
 from megatron_agentrl.config import AlgoConfig
 from megatron_agentrl.megatron.actor import TrainBatch
@@ -34,7 +34,7 @@ class RLBatch:
 
     batch: the TrainBatch with *raw* token advantages (group advantage on every policy token).
     task_ids: ``[B]`` long, index into the run's task list.
-    sample_adv: ``[B]`` group-relative sample advantages (for logging).
+    sample_adv: ``[B]`` sample advantages of ``algo.estimator`` (for logging).
     rewards: ``[B]`` shaped rewards.
     """
 
@@ -46,10 +46,11 @@ class RLBatch:
 
 def build_rl_batch(trajs: Sequence[Trajectory], task_names: Sequence[str], algo: AlgoConfig,
                    shaper: RewardShaper | None = None, trained_version: int | None = None) -> RLBatch:
-    """Pad ``trajs`` and give every policy token its sample's GRPO group advantage.
+    """Pad ``trajs`` and give every policy token its sample's advantage.
 
     Rewards are shaped by ``shaper`` (default: the trajectories' own rewards); sample advantages
-    are group-relative (``grpo_group_advantages`` over ``group_id``). Per-task normalization is
+    come from the rewards of each ``group_id`` by ``algo.estimator`` (``group_advantages``: grpo, rloo,
+    reinforce_pp, whose batch normalization runs over this whole batch's policy tokens). Per-task normalization is
     left to :func:`normalize_batch` (run after the data-parallel split, globally over DP).
     ``task_names`` fixes the task-id order. With ``trained_version`` (the weight version this batch
     trains), every generated token gets its version lag (``TrainBatch.version_lag``).
@@ -61,9 +62,10 @@ def build_rl_batch(trajs: Sequence[Trajectory], task_names: Sequence[str], algo:
     shaper = shaper or RewardShaper()
     rewards = torch.tensor([shaper(t) for t in trajs], dtype=torch.float32)
     groups = torch.tensor([t.group_id for t in trajs], dtype=torch.long)
-    sample_adv = grpo_group_advantages(rewards, groups, std_norm=algo.group_std_norm, eps=algo.eps)
     tokens = pad_right([t.token_ids for t in trajs], torch.long)
     mask = pad_right([t.loss_mask for t in trajs], torch.float32)
+    sample_adv = group_advantages(algo.estimator, rewards, groups, (mask > 0).sum(1), std_norm=algo.group_std_norm,
+                                  eps=algo.eps)
     behavior = pad_right([t.behavior_logprobs for t in trajs], torch.float32)
     adv = sample_adv[:, None] * mask
     tids = torch.tensor([task_id[t.task] for t in trajs], dtype=torch.long)

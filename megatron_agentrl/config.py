@@ -556,7 +556,9 @@ class AlgoConfig(_Section):
 
     estimator: "grpo" (reward minus the group mean, divided by the group std when ``group_std_norm``;
         without it, Dr. GRPO), "rloo" (reward minus the mean of the other samples of its group), or
-        "reinforce_pp" (REINFORCE++: reward minus the group mean, normalised over the whole batch).
+        "reinforce_pp" (REINFORCE++: reward minus the group mean, normalised by the mean and std over
+        the batch's policy tokens; with ``normalize_per_task`` the per-task normalization replaces
+        that). ``group_std_norm`` applies to "grpo" only.
     loss_agg: how per-token losses make the batch loss: "token_mean" (every token of the batch alike),
         "seq_mean_token_sum" (sum over each sequence's tokens, mean over sequences), or
         "seq_mean_token_mean" (mean over each sequence's tokens, then over sequences).

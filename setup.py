@@ -22,6 +22,7 @@ setup(
         "pyyaml==6.0.3",
         "jinja2==3.1.6",
         "tensorboard==2.21.0",
+        "wandb>=0.31,<0.32",  # logging.wandb: imported only when a run asks for it
         "matplotlib==3.11.2",
         "rich==15.0.0",
         # rollout_sglang.sglang_engine: the SGLang server's HTTP client (sync, pooled)

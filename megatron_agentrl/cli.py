@@ -41,6 +41,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)  # fail fast, before spawning anything
     check_model_paths(cfg.model)
+    if cfg.logging.wandb:
+        from megatron_agentrl.metrics import require_wandb
+
+        require_wandb()
     # ray.enabled / ray.address: the trainer ranks are Ray actors
     if cfg.ray.active and "WORLD_SIZE" not in os.environ:
         setup_logging(0)

@@ -954,6 +954,9 @@ class Config:
                 "or lower rollout.max_versions"
             )
         self._validate_layers()
+        if self.eval.interval and not self.eval.samples_per_task:
+            raise ConfigError(f"eval.interval={self.eval.interval} evaluates on held-out samples, but "
+                              "eval.samples_per_task=0 keeps none; set eval.samples_per_task > 0 or eval.interval=0")
         if self.model.chat_template == "auto" and self.model.hf_field("model_type") == "glm4_moe":
             raise ConfigError("model.chat_template=auto: GLM-4.5 (glm4_moe) writes tool calls in its own format "
                               "(<arg_key> / <arg_value> tags), which this version does not parse; set "

@@ -1,30 +1,74 @@
-"""Run metrics: TensorBoard scalars and histograms, a JSONL file, GPU use, and the per-task reward plot.
+"""Run metrics: TensorBoard scalars and histograms, Weights & Biases, a JSONL file, GPU use, and the per-task
+reward plot.
 
-Everything lands under the run's ``output_dir``: ``tensorboard/`` (event files),
-``metrics.jsonl`` (one JSON object per step) and ``reward_by_task.png``.
+Everything lands under the run's ``output_dir``: ``metrics.jsonl`` (one JSON object per record, always),
+``tensorboard/`` (event files, ``logging.tensorboard``), ``wandb/`` (the W&B run, ``logging.wandb``; offline
+by default, ``wandb sync`` uploads it later) and ``reward_by_task.png``. ``wandb`` is imported only when
+W&B logging is on.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 from pathlib import Path
+from typing import Any
+
+from megatron_agentrl.config import ConfigError, LoggingConfig
 
 logger = logging.getLogger(__name__)
 
+WANDB_FIX = "install it (.venv/bin/pip install 'wandb>=0.31,<0.32') or set logging.wandb=false"
+
+
+def require_wandb() -> None:
+    """ConfigError naming ``logging.wandb`` and the fix when the ``wandb`` package is not installed
+    (a cheap check that imports nothing, for every rank before a run starts)."""
+    try:
+        found = importlib.util.find_spec("wandb") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(f"logging.wandb=true but the wandb package is not installed; {WANDB_FIX}")
+
 
 class MetricsLogger:
-    """Writes one record per step to TensorBoard and to ``metrics.jsonl``."""
+    """Writes one record per step to ``metrics.jsonl``, TensorBoard and Weights & Biases.
 
-    def __init__(self, output_dir: str | Path, tensorboard: bool = True):
+    output_dir: the run's folder. tensorboard: write TensorBoard events. wandb: the run's ``logging``
+    section when W&B logging is on (``logging.wandb``), else None. run_config: the config W&B records
+    (``config_to_dict(cfg)``). Each phase (``sft``, ``rl``, ``eval``) gets its own W&B step axis
+    (``<phase>/step``), since SFT and RL steps both count from 1.
+    """
+
+    def __init__(self, output_dir: str | Path, tensorboard: bool = True, wandb: LoggingConfig | None = None,
+                 run_config: dict[str, Any] | None = None) -> None:
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.dir / "metrics.jsonl"
         self._jsonl = self.jsonl_path.open("a")
         self._tb = None
+        self._wandb: Any = None  # the W&B run
+        self._wandb_phases: set[str] = set()
+        self._closed = False
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+        if wandb is not None and wandb.wandb:
+            self._wandb = _start_wandb(self.dir, wandb, run_config or {})
+
+    @property
+    def wandb_dir(self) -> Path | None:
+        """The W&B run's folder (under ``output_dir/wandb``), or None without W&B."""
+        return Path(self._wandb.dir).parent if self._wandb is not None else None
+
+    def _wandb_axis(self, phase: str) -> None:
+        """Give ``phase`` its own W&B step axis the first time it logs."""
+        if phase not in self._wandb_phases:
+            self._wandb_phases.add(phase)
+            self._wandb.define_metric(f"{phase}/step")
+            self._wandb.define_metric(f"{phase}/*", step_metric=f"{phase}/step")
 
     def log(self, step: int, metrics: dict[str, float], phase: str = "rl") -> None:
         """Record ``metrics`` (name -> number) for ``step``; names like ``reward/lookup`` group in TensorBoard."""
@@ -35,19 +79,54 @@ class MetricsLogger:
             for k, v in metrics.items():
                 self._tb.add_scalar(f"{phase}/{k}", float(v), step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb_axis(phase)
+            self._wandb.log({f"{phase}/step": step, **{f"{phase}/{k}": float(v) for k, v in metrics.items()}})
 
     def histogram(self, step: int, name: str, values: list[float], phase: str = "rl") -> None:
-        """A TensorBoard histogram (e.g. the staleness of the step's samples); not written to the JSONL."""
-        if self._tb is not None and values:
+        """A histogram (e.g. the staleness of the step's samples) for TensorBoard and W&B; not written to the
+        JSONL."""
+        if not values:
+            return
+        if self._tb is not None:
             import numpy as np
 
             self._tb.add_histogram(f"{phase}/{name}", np.asarray(values, dtype=np.float64), step)
+        if self._wandb is not None:
+            import wandb
 
-    def close(self) -> None:
-        """Flush and close the files."""
+            self._wandb_axis(phase)
+            self._wandb.log({f"{phase}/step": step, f"{phase}/{name}": wandb.Histogram(values)})
+
+    def close(self, failed: bool = False) -> None:
+        """Flush and close the files; the W&B run ends (``failed``: with exit code 1). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish(exit_code=1 if failed else 0)
+
+
+def _start_wandb(output_dir: Path, settings: LoggingConfig, run_config: dict[str, Any]) -> Any:
+    """A W&B run writing under ``output_dir/wandb`` (project, name and mode from ``settings``)."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ConfigError(f"logging.wandb=true but the wandb package does not import ({e}); {WANDB_FIX}") from None
+    name = settings.wandb_run_name or output_dir.resolve().name
+    try:
+        # console capture off: it would wrap stdout under the rich progress bars; no git probe, no system stats
+        return wandb.init(project=settings.wandb_project, name=name, dir=str(output_dir), mode=settings.wandb_mode,
+                          config=run_config, settings=wandb.Settings(console="off", disable_git=True,
+                                                                     x_disable_stats=True, silent=True))
+    except Exception as e:  # noqa: BLE001 - e.g. online mode without credentials or network
+        hint = ("log in (wandb login, or WANDB_API_KEY) and check the network, or use logging.wandb_mode=offline"
+                if settings.wandb_mode == "online" else "see output_dir/wandb/debug.log")
+        raise ConfigError(f"logging.wandb=true (logging.wandb_mode={settings.wandb_mode}): W&B could not start a "
+                          f"run ({type(e).__name__}: {e}); {hint}") from e
 
 
 def read_metrics(jsonl_path: str | Path, phase: str = "rl") -> list[dict]:

@@ -1,9 +1,15 @@
-"""Evaluation on the held-out samples of every task, and the before/after table of a run."""
+"""Evaluation on the held-out samples of every task, and the before/after table of a run.
+
+:func:`evaluate` plays the held-out samples before and after RL (nothing else runs then);
+:func:`evaluate_during_rl` is the periodic evaluation (``eval.interval``), a coroutine for the rollout
+thread's event loop that plays them beside the training rollouts, every turn on the newest live weights.
+"""
 from __future__ import annotations
 
 import asyncio
 import io
 import math
+import time
 from collections import Counter
 from typing import Any
 
@@ -14,6 +20,7 @@ from megatron_agentrl.pipeline.rewards import is_success
 from megatron_agentrl.pipeline.rollout_side import RolloutSide, sampling_params
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.engine import GenerationOutput, SamplingParams
+from rollout_sglang.trajectory import Trajectory
 
 
 class _TurnCounter:
@@ -36,31 +43,89 @@ class _TurnCounter:
         return await self.engine.generate(prompts, params)
 
 
+class _NewestWeights:
+    """The version pool seen by an evaluation during RL: every turn goes to the newest live weights.
+
+    Under the pool's ``latest`` policy the turn goes through the pool's router, so it holds a lease and a
+    weight update drains it before pausing the slot (no half-loaded weights; no request aborted by an
+    SGLang pause). Under cross-policy sampling the router would spread turns over older versions, so the
+    turn goes to an engine of the newest live slot directly: a local engine finishes a running call before
+    it loads weights; an SGLang server paused in ``abort`` mode may abort it (the evaluation then fails with
+    a warning, training goes on).
+    """
+
+    def __init__(self, ro: RolloutSide) -> None:
+        self.ro = ro
+
+    @property
+    def version(self) -> int:
+        """The newest live weight version."""
+        return int(self.ro.pool.latest_version)
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        """One turn of the episodes still running, on the newest live weights."""
+        pool = self.ro.pool
+        if pool.policy == "latest":
+            return await pool.generate(prompts, params)
+        return await self.ro.latest_engine().generate(prompts, params)
+
+
+def _requests(ro: RolloutSide) -> list[tuple[str, int, int]]:
+    """``(task, index, episode number)`` of every held-out sample."""
+    return [(task, i, n) for n, (task, i) in enumerate((t, i) for t, idx in ro.eval_indices.items() for i in idx)]
+
+
+async def _play(cfg: Config, ro: RolloutSide, engine: Any, seed: int) -> list[Trajectory]:
+    """The held-out episodes, in lockstep, on ``engine`` at ``eval.temperature``."""
+    return await run_group_lockstep(
+        engine, ro.env, ro.template, _requests(ro), sampling_params(cfg, ro, cfg.eval.temperature, seed),
+        max_turns=cfg.rollout.max_turns, max_total_tokens=cfg.rollout.max_total_tokens,
+        env_timeout_s=cfg.pipeline.env_timeout_s,
+    )
+
+
+def eval_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """Per task: ``reward/``, ``success/``, ``episodes/``, ``success_low/``, ``success_high/`` (95 % Wilson)."""
+    result = per_task_means(trajs)
+    episodes, successes = Counter(t.task for t in trajs), Counter(t.task for t in trajs if is_success(t))
+    for task, n in sorted(episodes.items()):
+        low, high = wilson_interval(successes[task], n)
+        result.update({f"episodes/{task}": float(n), f"success_low/{task}": low, f"success_high/{task}": high})
+    return result
+
+
 def evaluate(cfg: Config, ro: RolloutSide, seed: int, progress: Progress | None = None,
              title: str = "evaluation") -> dict[str, float]:
     """Per-task mean reward and success (``reward/<task>``, ``success/<task>``) on the held-out
     indices, with the episode count (``episodes/<task>``) and the 95 % Wilson interval of the success
     rate (``success_low/<task>``, ``success_high/<task>``); newest live weights, no simulated
-    latency. Rank 0 only. ``progress`` shows the turns as they run and logs one line at the end (the
-    success per task with its interval)."""
-    reqs = [(task, i, n) for n, (task, i) in enumerate((t, i) for t, idx in ro.eval_indices.items() for i in idx)]
-    if not reqs:
+    latency. Rank 0 only, while no rollout runs (its own event loop). ``progress`` shows the turns as
+    they run and logs one line at the end (the success per task with its interval)."""
+    if not _requests(ro):
         return {}
     with (progress or Progress(enabled=False)).phase(title, cfg.rollout.max_turns, unit="turns", lines=1) as phase:
-        trajs = asyncio.run(run_group_lockstep(
-            _TurnCounter(ro.latest_engine(), phase), ro.env, ro.template, reqs,
-            sampling_params(cfg, ro, cfg.eval.temperature, seed), max_turns=cfg.rollout.max_turns,
-            max_total_tokens=cfg.rollout.max_total_tokens, env_timeout_s=cfg.pipeline.env_timeout_s,
-        ))
-        result = per_task_means(trajs)
-        episodes, successes = Counter(t.task for t in trajs), Counter(t.task for t in trajs if is_success(t))
-        for task, n in sorted(episodes.items()):
-            low, high = wilson_interval(successes[task], n)
-            result.update({f"episodes/{task}": float(n), f"success_low/{task}": low, f"success_high/{task}": high})
+        trajs = asyncio.run(_play(cfg, ro, _TurnCounter(ro.latest_engine(), phase), seed))
+        result = eval_metrics(trajs)
         turns = max((len(t.versions) for t in trajs), default=0)
         phase.update(figures={"success": format_success(result)},
                      done=f"{len(trajs)} episodes (longest {turns} turn{'s' if turns != 1 else ''})")
     return result
+
+
+async def evaluate_during_rl(cfg: Config, ro: RolloutSide, seed: int) -> dict[str, float]:
+    """The periodic evaluation: :func:`evaluate`'s entries plus ``eval_time_s`` and the weight versions
+    that sampled its turns (``version_start``: the newest live version when it began, ``version_min``,
+    ``version_max``; in async mode an evaluation can span weight updates). A coroutine for the rollout
+    thread's event loop (``RolloutManager.submit``); ``{}`` without held-out samples."""
+    if not _requests(ro):
+        return {}
+    t0 = time.perf_counter()
+    engine = _NewestWeights(ro)
+    start = engine.version
+    trajs = await _play(cfg, ro, engine, seed)
+    versions = [v for t in trajs for v in t.versions] or [start]
+    return {**eval_metrics(trajs), "eval_time_s": time.perf_counter() - t0, "version_start": float(start),
+            "version_min": float(min(versions)), "version_max": float(max(versions))}
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:

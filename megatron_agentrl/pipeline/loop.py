@@ -15,14 +15,23 @@ after every step.
 The two modes differ only in the manager's settings: ``sync`` admits a step's groups after the
 previous step's weights arrived and the trainer waits for all of them (staleness 0, the whole
 step in one lockstep agent-loop call); ``async`` keeps up to ``(staleness + 1)`` steps of groups
-in flight while the trainer trains, each group on its own, within the staleness cap.
+in flight while the trainer trains, each group on its own, within the staleness cap. Dynamic
+sampling (``algo.dynamic_sampling``) is the manager's too.
 
-Outputs under ``cfg.output_dir``: config.yaml, metrics.jsonl, batches.jsonl (the sample ids,
-versions and staleness of every trained step), tensorboard/, reward_by_task.png, summary.json,
-hf_export/, and checkpoints/ when ``checkpoint.interval > 0``.
+Periodic evaluation (``eval.interval``) runs on the rollout thread's event loop: in ``sync`` mode after
+the step's weight push and before the next groups start (the trainer waits for it; it runs alone on
+the engines, on exactly that step's weights, seeded like the other evaluations); in ``async`` mode
+beside the training rollouts while the trainer goes on (at most ``MAX_EVALS_IN_FLIGHT`` at a time; one
+due beyond that is skipped with a warning), its row logged when it ends.
+
+Outputs under ``cfg.output_dir``: config.yaml, metrics.jsonl (phases ``sft``, ``rl`` and ``eval``),
+batches.jsonl (the sample ids, versions and staleness of every trained step), tensorboard/, wandb/
+(``logging.wandb``), reward_by_task.png, summary.json, hf_export/, and checkpoints/ when
+``checkpoint.interval > 0``.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import time
@@ -35,12 +44,12 @@ from megatron_agentrl.config import Config, ConfigError, config_to_dict
 from megatron_agentrl.hf_io import load_hf_config, load_hf_weights, save_hf_checkpoint
 from megatron_agentrl.megatron.actor import MegatronActor
 from megatron_agentrl.megatron.parallel import destroy_parallel, initialize_parallel
-from megatron_agentrl.metrics import MetricsLogger, plot_task_rewards
+from megatron_agentrl.metrics import MetricsLogger, plot_task_rewards, require_wandb
 from megatron_agentrl.pipeline.batch import build_rl_batch
 from megatron_agentrl.pipeline.checkpoint import find_latest, load_checkpoint, save_checkpoint
 from megatron_agentrl.pipeline.collapse import CollapseMonitor
 from megatron_agentrl.pipeline.distributed import broadcast_object, is_rank0
-from megatron_agentrl.pipeline.evaluation import evaluate, final_table
+from megatron_agentrl.pipeline.evaluation import evaluate, evaluate_during_rl, final_table, format_success
 from megatron_agentrl.pipeline.progress import Progress
 from megatron_agentrl.pipeline.publisher import WeightPublisher
 from megatron_agentrl.pipeline.rollout_manager import FinishedGroup, RolloutManager
@@ -60,6 +69,9 @@ from rollout_sglang.weight_update.buckets import dtype_from_name
 
 logger = logging.getLogger(__name__)
 
+# periodic evaluations running at once in async mode; one due beyond that is skipped (the trainer never waits)
+MAX_EVALS_IN_FLIGHT = 2
+
 
 def run_training(cfg: Config) -> dict[str, Any]:
     """Run SFT warm-up (optional), evaluation, GRPO (``pipeline.mode`` sync or async), final evaluation.
@@ -68,9 +80,13 @@ def run_training(cfg: Config) -> dict[str, Any]:
     first evaluation). Writes under ``cfg.output_dir`` (see the module doc). Returns the summary
     (on rank 0; ``{}`` elsewhere): before/after evaluation, paths, ``mode``, ``rl_wall_s`` (seconds
     from the first to the last RL step), ``trained_samples``, ``trained_tokens``,
-    ``samples_per_s``, ``dropped_stale``, ``last_checkpoint``.
+    ``samples_per_s``, ``dropped_stale``, ``last_checkpoint``; with dynamic sampling ``groups_drawn`` and
+    ``dropped_zero_variance`` (per task); with ``eval.interval`` ``evals_skipped``; with W&B ``wandb``.
     """
+    if cfg.logging.wandb:
+        require_wandb()  # on every rank, before anything starts: a clear error instead of a late one on rank 0
     initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed, cp=cfg.parallel.cp, ep=cfg.parallel.ep)
+    run: TrainingRun | None = None
     try:
         run = TrainingRun(cfg)
         run.setup()
@@ -81,11 +97,23 @@ def run_training(cfg: Config) -> dict[str, Any]:
                 run.step(step)
                 if run.checkpoint_due(step):
                     run.checkpoint(step)
+            run.end_evals()
         finally:
             run.stop_rollouts()
         return run.finish()
+    except BaseException:
+        if run is not None and run.metrics is not None:
+            run.metrics.close(failed=True)  # the W&B run ends as failed; the files are flushed
+        raise
     finally:
         destroy_parallel()
+
+
+def eval_due(cfg: Config, step: int) -> bool:
+    """Whether a periodic evaluation follows RL step ``step``: every ``eval.interval`` steps (0: never), except
+    after the last step, which has the final evaluation."""
+    interval = cfg.eval.interval
+    return bool(interval) and step % interval == 0 and step < cfg.train.steps
 
 
 def load_start_weights(cfg: Config, actor: MegatronActor) -> None:
@@ -144,6 +172,8 @@ class TrainingRun:
         self.trained_samples = self.trained_tokens = 0
         self.last_ckpt: str | None = None
         self.t_rl = self.rl_wall = 0.0
+        self.evals: list[tuple[int, concurrent.futures.Future]] = []  # periodic evaluations running (async)
+        self.evals_skipped = 0
 
     # ------------------------------------------------------------------ stages
     def setup(self) -> None:
@@ -166,7 +196,8 @@ class TrainingRun:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
             self.ro = build_rollout_side(cfg, self.hf_config, dtype, template, remote)
-            self.metrics = MetricsLogger(self.out)
+            self.metrics = MetricsLogger(self.out, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging,
+                                         run_config=config_to_dict(cfg))
             logger.info("output_dir: %s | mode: %s | tasks: %s | model: %s", self.out, cfg.pipeline.mode,
                         ", ".join(self.task_names), _describe(self.hf_config))
         r = cfg.rollout
@@ -205,6 +236,8 @@ class TrainingRun:
         if self.rank0:
             self.before = evaluate(cfg, self.ro, seed=cfg.train.seed + 1, progress=self.progress,
                                    title="evaluation before RL")
+            if self.before:
+                self.metrics.log(0, self.before, phase="eval")
 
     def start_rollouts(self) -> None:
         """Rank 0: the rollout manager (with the checkpoint's state when resuming) starts sampling."""
@@ -216,6 +249,12 @@ class TrainingRun:
                            self.eta, cfg.rollout.cross_policy)
         if self.rank0:
             self.manager = make_manager(cfg, self.ro, version=self.start_step)
+            if cfg.algo.dynamic_sampling:
+                if cfg.rollout.samples_per_prompt < 2:
+                    logger.warning("algo.dynamic_sampling with rollout.samples_per_prompt=%d: every group of one "
+                                   "sample has zero reward variance, so every step trains on dropped groups; use "
+                                   "groups of 2 or more", cfg.rollout.samples_per_prompt)
+                self.manager.enable_dynamic_sampling(self.ro.shaper, cfg.algo.dynamic_sampling_max_groups)
             if self.state is not None:
                 self.manager.load_state_dict(self.state["manager"])
             self.batches_log = (self.out / "batches.jsonl").open("a")
@@ -240,14 +279,68 @@ class TrainingRun:
         stats = self.trainer.step(rl, step)
         train_s = time.perf_counter() - t0
         sync_s = self.publisher.push(step)
+        eval_s = 0.0
         if self.manager is not None:
+            t0 = time.perf_counter()
+            self._periodic_eval(step)
+            eval_s = time.perf_counter() - t0
             self.manager.set_version(step)
         if self.rank0:
             times = {"wait_batch_s": wait_s, "train_time_s": train_s, "weight_sync_s": sync_s,
                      "step_time_s": time.perf_counter() - t_step}
+            if cfg.eval.interval:
+                times["eval_wait_s"] = eval_s
             m, staleness = step_metrics(step, groups, stats, rl.rewards, rl.sample_adv, self.eta, times,
                                         self.manager, self.ro.busy_seconds() - busy0)
             self._record(step, groups, stats, m, staleness)
+
+    # ------------------------------------------------------------------ periodic evaluation
+    def _periodic_eval(self, step: int) -> None:
+        """Rank 0, after the weight push of step ``step`` and before the manager admits against it: log the
+        evaluations that ended, and start the one due. Sync mode waits for it (nothing else runs then)."""
+        self._collect_evals(wait=False)
+        if not eval_due(self.cfg, step) or not any(self.ro.eval_indices.values()):
+            return
+        if len(self.evals) >= MAX_EVALS_IN_FLIGHT:
+            self.evals_skipped += 1
+            logger.warning("evaluation after step %d skipped: %d evaluations still run (raise eval.interval or lower "
+                           "eval.samples_per_task)", step, len(self.evals))
+            return
+        coro = evaluate_during_rl(self.cfg, self.ro, seed=self.cfg.train.seed + 1)
+        self.evals.append((step, self.manager.submit(coro)))
+        if self.cfg.pipeline.mode == "sync":
+            self._collect_evals(wait=True)
+
+    def _collect_evals(self, wait: bool) -> None:
+        """Rank 0: log every periodic evaluation that ended (phase ``eval``, at the step it followed); with
+        ``wait``, wait for the running ones first (at most ``pipeline.batch_timeout_s`` in all; one still
+        running then is cancelled). A failed evaluation is a warning, not the end of the run."""
+        deadline = time.monotonic() + self.cfg.pipeline.batch_timeout_s
+        running = []
+        for step, fut in self.evals:
+            try:
+                result = fut.result(timeout=max(0.0, deadline - time.monotonic())) if wait else \
+                    fut.result(timeout=0) if fut.done() else None
+            except concurrent.futures.TimeoutError:
+                fut.cancel()
+                logger.warning("evaluation after step %d did not end within pipeline.batch_timeout_s=%.0fs; "
+                               "cancelled", step, self.cfg.pipeline.batch_timeout_s)
+                continue
+            except (Exception, concurrent.futures.CancelledError) as e:  # noqa: BLE001 - training goes on
+                logger.warning("evaluation after step %d failed: %r", step, e)
+                continue
+            if result is None:
+                running.append((step, fut))
+            elif result:
+                self.metrics.log(step, result, phase="eval")
+                logger.info("evaluation after step %d (weights v%.0f-v%.0f, %.1fs): %s", step, result["version_min"],
+                            result["version_max"], result["eval_time_s"], format_success(result))
+        self.evals = running
+
+    def end_evals(self) -> None:
+        """Rank 0, after the last step: wait for the periodic evaluations still running and log them."""
+        if self.manager is not None:
+            self._collect_evals(wait=True)
 
     def _record(self, step: int, groups: list[FinishedGroup], stats: dict[str, float], m: dict[str, float],
                 staleness: list[int]) -> None:
@@ -296,7 +389,7 @@ class TrainingRun:
         """Rank 0: stop the manager (its env sessions end) and close batches.jsonl; the RL wall time ends."""
         try:
             if self.manager is not None:
-                self.manager.stop(timeout_s=self.cfg.pipeline.env_timeout_s)
+                self.manager.stop(timeout_s=self.cfg.pipeline.env_timeout_s)  # cancels evaluations still running
         finally:
             if self.batches_log is not None:
                 self.batches_log.close()
@@ -316,6 +409,9 @@ class TrainingRun:
                 phase.update(figures={"saved to": str(export_dir)})
         if not self.rank0:
             return {}
+        if after:
+            self.metrics.log(cfg.train.steps, after, phase="eval")
+        wandb_dir = self.metrics.wandb_dir
         self.metrics.close()
         png = plot_task_rewards(self.metrics.jsonl_path, self.out / "reward_by_task.png")
         summary = {"before_rl": self.before, "after_rl": after, "hf_export": str(export_dir), "plot": str(png),
@@ -325,6 +421,15 @@ class TrainingRun:
                    "samples_per_s": self.trained_samples / max(self.rl_wall, 1e-9),
                    "dropped_stale": self.manager.stats.dropped_stale if self.manager else 0,
                    "last_checkpoint": self.last_ckpt}
+        if self.manager is not None and self.manager.dynamic_sampling:
+            st = self.manager.stats
+            summary.update({"groups_drawn": st.drawn, "dropped_zero_variance": dict(st.dropped_zero_var),
+                            "short_slots": st.short_slots, "fallback_batches": st.fallback_batches,
+                            "forced_draws": st.forced_draws})
+        if cfg.eval.interval:
+            summary["evals_skipped"] = self.evals_skipped
+        if wandb_dir is not None:
+            summary["wandb"] = str(wandb_dir)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         if self.before or after:
             logger.info("\n%s", final_table(self.before, after, self.task_names))

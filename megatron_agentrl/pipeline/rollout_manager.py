@@ -24,6 +24,21 @@ Partial rollout: a weight update pauses generation of its version slot between t
 :class:`~rollout_sglang.version_pool.VersionPool`); in-flight episodes are kept and continue on
 the new weights, their turns recording the version that sampled them.
 
+Dynamic sampling (DAPO; :meth:`RolloutManager.enable_dynamic_sampling`): a finished group whose
+training rewards are all equal carries no GRPO signal; it is dropped (counted per task in
+``dropped_zero_var``, never accepted) and the slot it held is free again, so admission draws another
+prompt. Slots are counted per batch: batch ``k`` holds slots ``k*B .. (k+1)*B - 1`` of the sequence
+``consumed + queued + running + short``, and a fresh draw is charged to the batch its slot falls in.
+Once ``max_groups`` draws were charged to a batch, its remaining free slots are given up (``short``:
+they count as covered for admission and the staleness accounting, like accepted groups, but hold no
+group), and the trainer takes that batch with fewer groups. A batch left with no group at all trains
+on the newest zero-variance groups instead (advantage 0: the policy-gradient term is 0, the pipeline
+advances); if none of those is fresh enough for the staleness cap, one slot is reopened for a draw
+beyond the budget, so a batch always comes (within ``get_batch``'s timeout) and nothing hangs.
+
+Periodic evaluation runs on the rollout thread's event loop (:meth:`RolloutManager.submit`), beside
+the groups in flight: the engines' batching wrappers serve one event loop at a time.
+
 Checkpoints: :meth:`drain` stops admission once the next batch is covered and waits until
 nothing runs, so :meth:`state_dict` (sampler state, queued groups with their trajectories,
 counters) holds the complete next batch; a run restored from it trains the same next batch.
@@ -31,20 +46,24 @@ counters) holds the complete next batch; a run restored from it trains the same 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.engine import SamplingParams
 from rollout_sglang.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -120,9 +139,21 @@ class FinishedGroup:
         return min(vs) if vs else self.start_version
 
 
+def zero_variance(group: FinishedGroup, reward: Callable[[Trajectory], float]) -> bool:
+    """Whether every trajectory of ``group`` has the same ``reward`` (exactly: GRPO's advantages are then 0)."""
+    values = [float(reward(t)) for t in group.trajectories]
+    return max(values) == min(values)
+
+
 @dataclass
 class ManagerStats:
-    """Counters of a :class:`RolloutManager` (cumulative since it started)."""
+    """Counters of a :class:`RolloutManager` (cumulative since it started).
+
+    consumed counts batch slots the trainer took (``batch_groups`` per batch, a short batch's given-up
+    slots included); drawn: fresh prompts drawn (retries are not); dropped_zero_var: groups dropped by
+    dynamic sampling, per task; short_slots: slots given up when a batch's draw budget ran out;
+    fallback_batches: batches trained on zero-variance groups; forced_draws: draws beyond a budget.
+    """
 
     started: int = 0
     accepted: int = 0
@@ -132,6 +163,11 @@ class ManagerStats:
     retried: int = 0
     wait_s: float = 0.0
     group_times: list[float] = field(default_factory=list)
+    drawn: int = 0
+    dropped_zero_var: Counter = field(default_factory=Counter)
+    short_slots: int = 0
+    fallback_batches: int = 0
+    forced_draws: int = 0
 
 
 class RolloutError(RuntimeError):
@@ -153,6 +189,11 @@ class RolloutManager:
     on_group: optional callback (FinishedGroup) on the rollout thread, e.g. reward shaping.
     total_groups: stop admitting once ``consumed + waiting + running`` reaches it (the groups the
     run will train; None = no limit).
+
+    After :meth:`get_batch`, :attr:`last_batch` describes the batch taken: ``groups`` trained,
+    ``short`` (slots given up), ``fallback`` (1.0 when it trained on zero-variance groups), ``drawn``
+    (fresh prompts drawn since the previous batch), ``dropped/<task>`` (zero-variance groups dropped
+    since the previous batch) and ``dropped_groups`` (those groups, for the step's reward means).
     """
 
     def __init__(self, engine: Any, env: Any, template: Any, sampler: PromptSampler, *, batch_groups: int,
@@ -202,6 +243,33 @@ class RolloutManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._tasks: set[asyncio.Task] = set()
+        # dynamic sampling (enable_dynamic_sampling): see the module doc
+        self._ds_reward: Callable[[Trajectory], float] | None = None
+        self._ds_limit = 0
+        self._short = 0  # slots given up and not yet consumed by a batch
+        self._draws: dict[int, int] = {}  # batch index -> fresh draws charged to it
+        self._forced = 0  # draws allowed beyond a batch's budget (an empty batch without a usable fallback)
+        self._fallback: deque[FinishedGroup] = deque(maxlen=self.B)  # newest zero-variance groups
+        self._dropped_since: list[FinishedGroup] = []
+        self._drawn_at_take = 0
+        self._warned_batch = -1
+        self.last_batch: dict[str, Any] = {}
+
+    def enable_dynamic_sampling(self, reward: Callable[[Trajectory], float], max_groups: float) -> None:
+        """Drop finished groups whose ``reward`` (the training reward, e.g. the run's RewardShaper) is the same
+        for every trajectory, drawing at most ``int(max_groups * batch_groups)`` prompts per batch (see the
+        module doc). Call before :meth:`start`."""
+        if self._thread is not None:
+            raise RuntimeError("enable_dynamic_sampling() must come before start()")
+        if max_groups < 1:
+            raise ValueError(f"max_groups={max_groups} must be >= 1 (in units of batch_groups)")
+        self._ds_reward = reward
+        self._ds_limit = max(self.B, int(max_groups * self.B))
+
+    @property
+    def dynamic_sampling(self) -> bool:
+        """Whether dynamic sampling is on."""
+        return self._ds_reward is not None
 
     # ------------------------------------------------------------------ state
     @property
@@ -215,20 +283,45 @@ class RolloutManager:
         with self._cond:
             return len(self._queue), self._running
 
+    def _covered_locked(self) -> int:
+        """Slots taken so far: consumed, queued, running, or given up (dropped groups hold none)."""
+        return self.stats.consumed + len(self._queue) + self._short + self._running
+
     def _capacity_locked(self) -> int:
-        accepted = self.stats.consumed + len(self._queue)
-        cap = (self._version + self.eta - self.lag + 1) * self.B - (accepted + self._running)
+        covered = self._covered_locked()
+        cap = (self._version + self.eta - self.lag + 1) * self.B - covered
         cap = min(cap, self.queue_size - (len(self._queue) + self._running))
         if self._draining:
-            cap = min(cap, self.B - (len(self._queue) + self._running))
+            cap = min(cap, self.B - (len(self._queue) + self._running + self._short))
         if self.total_groups is not None:
-            cap = min(cap, self.total_groups - (accepted + self._running))
+            cap = min(cap, self.total_groups - covered)
         return cap
 
     def _exhausted_locked(self) -> bool:
         """No more groups will be admitted (``total_groups`` reached)."""
-        return self.total_groups is not None and \
-            self.stats.consumed + len(self._queue) + self._running >= self.total_groups
+        return self.total_groups is not None and self._covered_locked() >= self.total_groups
+
+    def _charge_draw_locked(self, pending: int) -> bool:
+        """Charge a fresh draw for the next free slot (``pending`` slots of this admission round come before
+        it) to its batch; False when that batch's draw budget is spent (the slot is then given up)."""
+        if self._ds_reward is None:
+            return True
+        k = (self._covered_locked() + pending) // self.B
+        drawn = self._draws.get(k, 0)
+        if drawn >= self._ds_limit:
+            if self._forced <= 0:
+                if self._warned_batch != k:
+                    self._warned_batch = k
+                    logger.warning("dynamic sampling: batch %d drew its %d groups (algo.dynamic_sampling_max_groups "
+                                   "x rollout.prompts_per_step) and the rest had zero reward variance; it trains on "
+                                   "fewer groups", k + 1, self._ds_limit)
+                self._short += 1
+                self.stats.short_slots += 1
+                return False
+            self._forced -= 1
+            self.stats.forced_draws += 1
+        self._draws[k] = drawn + 1
+        return True
 
     # ------------------------------------------------------------------ thread
     def start(self) -> None:
@@ -279,9 +372,16 @@ class RolloutManager:
                     break
                 cap = self._capacity_locked()
                 cohort: list[tuple[GroupRequest, int]] = []
+                short = self._short
                 while cap > 0 and len(cohort) < self.cohort_groups:
-                    cohort.append(self._retry.pop(0) if self._retry else (self.sampler.next(), 0))
                     cap -= 1
+                    if self._retry:
+                        cohort.append(self._retry.pop(0))
+                    elif self._charge_draw_locked(len(cohort)):
+                        cohort.append((self.sampler.next(), 0))
+                        self.stats.drawn += 1
+                if self._short != short:
+                    self._cond.notify_all()  # given-up slots may complete the trainer's batch
                 if cohort:
                     self._running += len(cohort)
                     self.stats.started += len(cohort)
@@ -357,10 +457,16 @@ class RolloutManager:
             if self.on_group is not None:
                 self.on_group(g)
             groups.append(g)
+        flat = [self._zero_variance(g) for g in groups]
         with self._cond:
             self._running -= len(cohort)
-            for g in groups:
+            for g, drop in zip(groups, flat):
                 self._running_reqs.pop(g.request.group_id, None)
+                if drop:  # no GRPO signal: never accepted, its slot is free for another draw
+                    self.stats.dropped_zero_var[g.request.task] += 1
+                    self._fallback.append(g)
+                    self._dropped_since.append(g)
+                    continue
                 g.seq = self._seq
                 self._seq += 1
                 self._queue.append(g)
@@ -368,6 +474,17 @@ class RolloutManager:
                 self.stats.group_times.append(t1 - t0)
             self._cond.notify_all()
         self._poke()
+
+    def _zero_variance(self, g: FinishedGroup) -> bool:
+        """Dynamic sampling's test of a finished group; a reward that raises keeps the group (and says so)."""
+        if self._ds_reward is None:
+            return False
+        try:
+            return zero_variance(g, self._ds_reward)
+        except Exception as e:  # noqa: BLE001 - a failing reward must not stall the rollout thread
+            logger.warning("dynamic sampling: the reward of group %d (%s #%d) failed (%r); keeping the group",
+                           g.request.group_id, g.request.task, g.request.index, e)
+            return False
 
     # ------------------------------------------------------------------ trainer side
     def set_version(self, version: int) -> None:
@@ -394,11 +511,59 @@ class RolloutManager:
         if self._thread is not None and not self._thread.is_alive() and not self._stopping:
             raise RolloutError("the rollout thread ended unexpectedly (see the log above)")
 
+    def _take_locked(self) -> list[FinishedGroup] | None:
+        """The next batch when it is complete (``batch_groups`` queued, or fewer plus given-up slots), else None.
+
+        A batch whose slots were all given up takes the newest zero-variance groups within the staleness
+        cap; when there is none, one slot is reopened for a draw beyond the budget and None is returned.
+        """
+        q, short_used, fallback = len(self._queue), 0, False
+        if q >= self.B:
+            n = self.B
+        elif q + self._short >= self.B:
+            n, short_used = q, self.B - q
+        else:
+            return None
+        self._queue.sort(key=lambda g: (g.min_version, g.seq))
+        batch, self._queue = self._queue[:n], self._queue[n:]
+        if not batch:
+            floor = self._version - self.eta
+            usable = [g for g in self._fallback if g.min_version >= floor][-self.B:]
+            if not usable:
+                # a group still running will either fill the batch or stand in; with none, reopen one slot
+                if self._running == 0 and self._forced == 0:
+                    self._short -= 1
+                    self._forced += 1
+                    logger.warning("dynamic sampling: no group for batch %d and no zero-variance group fresh enough "
+                                   "to stand in; drawing one group beyond the budget",
+                                   self.stats.consumed // self.B + 1)
+                    self._poke()
+                return None
+            ids = {id(g) for g in usable}
+            self._fallback = deque((g for g in self._fallback if id(g) not in ids), maxlen=self.B)
+            batch, fallback = usable, True
+            self.stats.fallback_batches += 1
+            logger.warning("dynamic sampling: every group drawn for batch %d had zero reward variance; training on "
+                           "%d of them (advantage 0: the step carries no policy-gradient signal)",
+                           self.stats.consumed // self.B + 1, len(batch))
+        self._short -= short_used
+        self._forced = 0
+        self.stats.consumed += self.B
+        first = self.stats.consumed // self.B - 1
+        self._draws = {k: v for k, v in self._draws.items() if k > first}
+        dropped = Counter(g.request.task for g in self._dropped_since)
+        self.last_batch = {"groups": len(batch), "short": self.B - len(batch) if not fallback else self.B,
+                           "fallback": float(fallback), "drawn": self.stats.drawn - self._drawn_at_take,
+                           "dropped": dict(dropped), "dropped_groups": self._dropped_since}
+        self._dropped_since, self._drawn_at_take = [], self.stats.drawn
+        return batch
+
     def get_batch(self, timeout_s: float) -> list[FinishedGroup]:
         """Block until ``batch_groups`` trainable groups are queued; take them (oldest version first).
 
-        Groups too stale for the current version are dropped first. Raises TimeoutError after
-        ``timeout_s`` seconds, RolloutError when the rollout side failed.
+        Groups too stale for the current version are dropped first. With dynamic sampling a batch
+        whose draw budget ran out comes with fewer groups (see the module doc). Raises TimeoutError
+        after ``timeout_s`` seconds, RolloutError when the rollout side failed.
         """
         t0 = time.monotonic()
         deadline = t0 + timeout_s
@@ -407,18 +572,17 @@ class RolloutManager:
                 self._check_error_locked()
                 if self._drop_stale_locked():
                     self._poke()
-                if len(self._queue) >= self.B:
-                    self._queue.sort(key=lambda g: (g.min_version, g.seq))
-                    batch, self._queue = self._queue[: self.B], self._queue[self.B:]
-                    self.stats.consumed += self.B
+                taken = self._take_locked()
+                if taken is not None:
+                    batch = taken
                     self.stats.wait_s += time.monotonic() - t0
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
                         f"no batch of {self.B} groups within {timeout_s:.0f}s (queued {len(self._queue)}, running "
-                        f"{self._running}, version {self._version}); raise pipeline.batch_timeout_s or check the "
-                        "environments and engines")
+                        f"{self._running}, given up {self._short}, version {self._version}); raise "
+                        "pipeline.batch_timeout_s or check the environments and engines")
                 self._cond.wait(min(left, 1.0))
         self._poke()
         return batch
@@ -427,7 +591,8 @@ class RolloutManager:
         """Stop admitting once the next batch is covered and wait until no group runs.
 
         Afterwards the queue holds at least ``batch_groups`` groups (the next batch; fewer only when
-        ``total_groups`` is reached) and nothing is in flight, so :meth:`state_dict` is complete.
+        ``total_groups`` is reached, or with given-up slots under dynamic sampling) and nothing is in
+        flight, so :meth:`state_dict` is complete.
         Admission resumes with :meth:`release`.
         """
         deadline = time.monotonic() + timeout_s
@@ -438,7 +603,7 @@ class RolloutManager:
             while True:
                 self._check_error_locked()
                 self._drop_stale_locked()
-                if self._running == 0 and (len(self._queue) >= self.B or self._exhausted_locked()):
+                if self._running == 0 and (len(self._queue) + self._short >= self.B or self._exhausted_locked()):
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -468,6 +633,10 @@ class RolloutManager:
                 "consumed": self.stats.consumed,
                 "seq": self._seq,
                 "version": self._version,
+                "short": self._short,
+                "draws": dict(self._draws),
+                "forced": self._forced,
+                "fallback": copy.deepcopy(list(self._fallback)),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -480,6 +649,20 @@ class RolloutManager:
         self.stats.consumed = int(state["consumed"])
         self._seq = int(state["seq"])
         self._version = int(state["version"])
+        self._short = int(state.get("short", 0))
+        self._draws = {int(k): int(v) for k, v in state.get("draws", {}).items()}
+        self._forced = int(state.get("forced", 0))
+        self._fallback = deque(state.get("fallback", []), maxlen=self.B)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the rollout thread's event loop, beside the groups in flight (e.g. an evaluation:
+        the engines' batching wrappers serve one event loop at a time); returns its future. :meth:`stop`
+        cancels it when it still runs. RolloutError when the rollout thread does not run."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or self._thread is None or not self._thread.is_alive() or self._stopping:
+            coro.close()
+            raise RolloutError("the rollout thread is not running")
+        return asyncio.run_coroutine_threadsafe(coro, loop)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Cancel running groups (their env sessions are cancelled) and end the thread."""

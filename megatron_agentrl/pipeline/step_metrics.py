@@ -20,8 +20,17 @@ def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float]
     and sample advantages; eta: the staleness cap (``staleness/<k>`` for k <= eta); times: seconds
     of ``wait_batch_s``, ``train_time_s``, ``weight_sync_s``, ``step_time_s``; busy_delta: engine
     seconds spent generating during the step.
+
+    With dynamic sampling, ``reward/<task>`` and ``success/<task>`` also count the zero-variance groups
+    dropped since the previous step (every finished episode: a task whose groups all fail must still show
+    0, for the curve and the collapse alarm), and :func:`dynamic_sampling_metrics` are added.
     """
     trajs: list[Trajectory] = [t for g in groups for t in g.trajectories]
+    finished = trajs
+    if manager.dynamic_sampling:
+        trained = {id(g) for g in groups}
+        finished = trajs + [t for g in manager.last_batch.get("dropped_groups", []) if id(g) not in trained
+                            for t in g.trajectories]
     version = step - 1
     staleness = [version - min(t.versions) if t.versions else version - g.start_version
                  for g in groups for t in g.trajectories]
@@ -32,7 +41,7 @@ def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float]
     queued, running = manager.depth()
     step_s = times["step_time_s"]
     m: dict[str, float] = {
-        **per_task_means(trajs),
+        **per_task_means(finished),
         **stats,
         **times,
         "reward_shaped_mean": float(rewards.mean()),
@@ -60,7 +69,26 @@ def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float]
     }
     for k in range(eta + 1):
         m[f"staleness/{k}"] = sum(1 for s in staleness if s == k) / len(staleness)
+    if manager.dynamic_sampling:
+        m.update(dynamic_sampling_metrics(manager))
     return m, staleness
+
+
+def dynamic_sampling_metrics(manager: RolloutManager) -> dict[str, float]:
+    """The step's dynamic-sampling figures (from ``manager.last_batch``): ``dynamic_sampling/dropped_<task>``
+    (zero-variance groups dropped since the previous step, every task), ``dynamic_sampling/groups_drawn``
+    (prompts drawn since the previous step), ``dynamic_sampling/batch_groups`` (groups trained),
+    ``dynamic_sampling/short_slots`` (of the batch's ``prompts_per_step`` slots, those without a group with
+    signal) and ``dynamic_sampling/fallback`` (1: every group of the batch had zero variance; it trained on
+    them, with advantage 0)."""
+    last = manager.last_batch
+    m = {f"dynamic_sampling/dropped_{task}": float(last.get("dropped", {}).get(task, 0))
+         for task in manager.sampler.tasks}
+    m.update({"dynamic_sampling/groups_drawn": float(last.get("drawn", 0)),
+              "dynamic_sampling/batch_groups": float(last.get("groups", 0)),
+              "dynamic_sampling/short_slots": float(last.get("short", 0)),
+              "dynamic_sampling/fallback": float(last.get("fallback", 0.0))})
+    return m
 
 
 def format_step(step: int, cfg: Config, m: dict[str, float]) -> str:
@@ -72,6 +100,10 @@ def format_step(step: int, cfg: Config, m: dict[str, float]) -> str:
         f"(wait {m['wait_batch_s']:.1f} train {m['train_time_s']:.1f} sync {m['weight_sync_s']:.2f}) | "
         f"loss {m['loss']:+.4f} clip {m.get('clip_frac', 0):.3f}"
     )
+    if "dynamic_sampling/groups_drawn" in m:
+        dropped = sum(v for k, v in m.items() if k.startswith("dynamic_sampling/dropped_"))
+        line += (f" | groups {m['dynamic_sampling/batch_groups']:.0f} drawn {m['dynamic_sampling/groups_drawn']:.0f} "
+                 f"flat {dropped:.0f}")
     if cfg.pipeline.mode == "async":
         line += (f" | stale mean {m['staleness_mean']:.2f} max {m['staleness_max']:.0f} | queue {m['queue_depth']:.0f} "
                  f"running {m['groups_running']:.0f} | idle trainer {100 * m['trainer_idle_frac']:.0f}% "

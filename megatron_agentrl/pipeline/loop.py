@@ -242,10 +242,12 @@ class TrainingRun:
     def start_rollouts(self) -> None:
         """Rank 0: the rollout manager (with the checkpoint's state when resuming) starts sampling."""
         cfg = self.cfg
-        if self.rank0 and (self.eta > 0 or cfg.rollout.cross_policy != "latest") and cfg.train.tis_cap == 0:
-            logger.warning("off-policy tokens (pipeline.staleness=%d, rollout.cross_policy=%s) with train.tis_cap=0: "
-                           "they are corrected only by the PPO clip against their behavior log-probs; set "
-                           "train.tis_cap (e.g. 2.0) for truncated importance weights",
+        off_policy = self.eta > 0 or cfg.rollout.cross_policy != "latest"
+        if self.rank0 and off_policy and cfg.train.tis_cap == 0 and cfg.train.mis_cap == 0:
+            logger.warning("off-policy tokens (pipeline.staleness=%d, rollout.cross_policy=%s) with train.tis_cap=0 "
+                           "and train.mis_cap=0: they are corrected only by the PPO clip against their behavior "
+                           "log-probs; set train.tis_cap (e.g. 2.0) for truncated importance weights, or "
+                           "train.mis_cap for masked ones",
                            self.eta, cfg.rollout.cross_policy)
         if self.rank0:
             self.manager = make_manager(cfg, self.ro, version=self.start_step)

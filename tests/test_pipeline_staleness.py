@@ -162,6 +162,9 @@ def test_async_pipeline_staleness_bound(tmp_path, engines):
                         "pipeline.sim_env_latency_alpha=1.1", "pipeline.sim_env_latency_max_s=0.5"]
     if engines == "pool":
         overrides += ["rollout.max_versions=2", "rollout.cross_policy=uniform"]
+    # rewards that differ within a group, so that every step changes the weights and stale tokens show it
+    tasks = ",".join(f'{{name: {t}, reward_fn: "test_algo_estimators:varied_reward"}}' for t in ("lookup", "calc"))
+    overrides += [f"tasks=[{tasks}]", "train.lr=1e-2"]
     summary = run_distributed(_train, 1, overrides, timeout_s=120)[0]
     assert summary["mode"] == "async" and summary["trained_samples"] == 6 * 3 * 2
     rows = [json.loads(x) for x in (out / "batches.jsonl").read_text().splitlines()]
@@ -184,3 +187,7 @@ def test_async_pipeline_staleness_bound(tmp_path, engines):
         for key in ("queue_depth", "trainer_idle_frac", "engine_idle_frac", "versions_per_traj_mean",
                     "trained_tokens_per_s", "rollout_time_s", "train_time_s"):
             assert key in m
+    if eta > 0:  # tokens of older weights are further from the trained ones than numerics: the mismatch grows
+        lag0 = [m["mismatch/abs_lag0"] for m in metrics if "mismatch/abs_lag0" in m]
+        lagged = [m[f"mismatch/abs_lag{k}"] for m in metrics for k in range(1, eta + 1) if f"mismatch/abs_lag{k}" in m]
+        assert lagged and sum(lagged) / len(lagged) > 10 * max(lag0, default=0.0) + 1e-6, (lag0, lagged)

@@ -133,3 +133,25 @@ def test_reward_fn_replaces_the_reward_and_its_failures_fall_back(caplog):
         load_config(BASE, ['tasks=[{name: lookup, reward_fn: "no colon"}]'])
     with pytest.raises(ConfigError, match="binary_reward are both set"):
         load_config(BASE, ['tasks=[{name: lookup, reward_fn: "json:dumps", binary_reward: true}]'])
+
+
+CALLS: list[int] = []
+
+
+def counting_judge(traj):
+    """A reward function that counts its calls."""
+    CALLS.append(1)
+    return float(len(CALLS))
+
+
+def test_reward_fn_runs_once_per_trajectory():
+    """Dynamic sampling (rollout thread) and the batch (trainer) shape the same trajectory: the reward
+    function runs, and decides, once."""
+    from megatron_agentrl.config import TaskSpec
+    from megatron_agentrl.pipeline.rewards import RewardShaper
+
+    CALLS.clear()
+    shaper = RewardShaper([TaskSpec(name="t", reward_fn="test_pipeline_config:counting_judge")])
+    a, b = _traj(0.0, length=3), _traj(0.0, length=3)
+    assert [shaper(a), shaper(a), shaper(b), shaper(a)] == [1.0, 1.0, 2.0, 1.0]
+    assert len(CALLS) == 2

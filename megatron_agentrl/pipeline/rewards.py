@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,7 +38,9 @@ def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float) 
 
 
 class RewardShaper:
-    """``shaper(traj) -> float``: the training reward of ``traj`` (see :meth:`__call__`).
+    """``shaper(traj) -> float``: the training reward of ``traj`` (see :meth:`__call__`), computed once per
+    trajectory (dynamic sampling on the rollout thread and the batch on the trainer's ask for the same one: a
+    costly or random ``reward_fn`` is paid, and decides, once). Thread-safe.
 
     specs: the run's tasks; algo: the overlong-shaping settings; max_total_tokens: the episode token budget
     (``rollout.max_total_tokens``).
@@ -50,6 +54,8 @@ class RewardShaper:
         self.algo = algo or AlgoConfig()
         self.max_total_tokens = int(max_total_tokens)
         self.reward_fn_errors = 0
+        self._lock = threading.Lock()
+        self._shaped: dict[int, float] = {}  # id(traj) -> reward, dropped when the trajectory is collected
 
     def base_reward(self, traj: Trajectory) -> float:
         """The task's reward, or its ``reward_fn``'s (a failing or non-finite one falls back to the task's,
@@ -63,7 +69,8 @@ class RewardShaper:
                 raise ValueError(f"returned {value}")
             return value
         except Exception as e:  # noqa: BLE001 - a judge's failure must not end the run
-            self.reward_fn_errors += 1
+            with self._lock:
+                self.reward_fn_errors += 1
             logger.warning("reward_fn of task %s failed on a trajectory (%s: %s); using the task's reward %s",
                            traj.task, type(e).__name__, e, traj.reward)
             return float(traj.reward)
@@ -72,6 +79,23 @@ class RewardShaper:
         """The base reward (:meth:`base_reward`); 1.0 / 0.0 by :func:`is_success` when the task has
         ``binary_reward``; minus ``timeout_penalty`` when :func:`is_timeout`; minus the overlong penalty
         (``algo.overlong_buffer`` / ``overlong_penalty``) of its token count."""
+        key = id(traj)
+        with self._lock:
+            cached = self._shaped.get(key)
+        if cached is not None:
+            return cached
+        r = self._shape(traj)
+        with self._lock:
+            if key not in self._shaped:
+                self._shaped[key] = r
+                weakref.finalize(traj, self._forget, key)
+        return r
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            self._shaped.pop(key, None)
+
+    def _shape(self, traj: Trajectory) -> float:
         spec = self.specs.get(traj.task)
         r = self.base_reward(traj)
         if spec is not None:

@@ -954,6 +954,10 @@ class Config:
                 "or lower rollout.max_versions"
             )
         self._validate_layers()
+        if self.algo.dynamic_sampling and self.rollout.samples_per_prompt < 2:
+            raise ConfigError("algo.dynamic_sampling=true drops groups whose rewards are all equal, and a group of "
+                              f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} sample always is; set "
+                              "rollout.samples_per_prompt >= 2 or algo.dynamic_sampling=false")
         if self.eval.interval and not self.eval.samples_per_task:
             raise ConfigError(f"eval.interval={self.eval.interval} evaluates on held-out samples, but "
                               "eval.samples_per_task=0 keeps none; set eval.samples_per_task > 0 or eval.interval=0")

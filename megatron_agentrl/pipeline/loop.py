@@ -251,11 +251,7 @@ class TrainingRun:
                            self.eta, cfg.rollout.cross_policy)
         if self.rank0:
             self.manager = make_manager(cfg, self.ro, version=self.start_step)
-            if cfg.algo.dynamic_sampling:
-                if cfg.rollout.samples_per_prompt < 2:
-                    logger.warning("algo.dynamic_sampling with rollout.samples_per_prompt=%d: every group of one "
-                                   "sample has zero reward variance, so every step trains on dropped groups; use "
-                                   "groups of 2 or more", cfg.rollout.samples_per_prompt)
+            if cfg.algo.dynamic_sampling:  # groups of one sample are refused by Config.validate
                 self.manager.enable_dynamic_sampling(self.ro.shaper, cfg.algo.dynamic_sampling_max_groups)
             if self.state is not None:
                 self.manager.load_state_dict(self.state["manager"])

@@ -155,3 +155,10 @@ def test_reward_fn_runs_once_per_trajectory():
     a, b = _traj(0.0, length=3), _traj(0.0, length=3)
     assert [shaper(a), shaper(a), shaper(b), shaper(a)] == [1.0, 1.0, 2.0, 1.0]
     assert len(CALLS) == 2
+
+
+def test_config_refuses_settings_that_would_do_nothing():
+    with pytest.raises(ConfigError, match="rollout.samples_per_prompt=1 sample always is"):
+        load_config(BASE, ["algo.dynamic_sampling=true", "rollout.samples_per_prompt=1"])
+    with pytest.raises(ConfigError, match="eval.interval=2 evaluates on held-out samples"):
+        load_config(BASE, ["eval.interval=2", "eval.samples_per_task=0"])

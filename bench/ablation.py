@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workdir", default=None, help="run dirs go under here (default bench/results/ablation; with "
                                                    "--smoke a temporary directory)")
     p.add_argument("--reuse", action="store_true", help="take runs whose summary.json exists instead of rerunning")
-    p.add_argument("--timeout", type=float, default=1800.0, help="limit on one run, seconds")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="limit on one run, seconds (runs sharing the cores take longer each)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (each with cores / jobs threads)")
     args = parse_bench_args(p, argv, SMOKE)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]

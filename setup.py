@@ -43,7 +43,10 @@ setup(
         "sglang": ["sglang==0.5.23"],
         # agentrl-worker: the AgentRL task-worker package, for the controller compatibility test
         # msgspec: to run SGLang's own generated request decoder (api/v1) from its wheel in the tests
-        "dev": ["pytest==9.2.0", "agentrl-worker==0.4.0", "import-linter==2.16", "ruff==0.17.6", "msgspec==0.22.0"],
+        "dev": ["pytest==9.2.0", "agentrl-worker==0.4.0", "import-linter==2.16", "ruff==0.17.6", "msgspec==0.22.0",
+                # hypothesis: property tests of the tool-call parsers; schemathesis: the HTTP APIs fuzzed from their
+                # OpenAPI description
+                "hypothesis==6.170.17", "schemathesis==4.32.5"],
     },
     entry_points={"console_scripts": ["agentrl=megatron_agentrl.cli:main"]},
 )

@@ -88,6 +88,12 @@ def _append(ep: _Episode, tokens: Sequence[int], mask: int, logprobs: Sequence[f
         t.behavior_logprobs.extend(float(x) for x in logprobs)
 
 
+def _shorten_repr(e: BaseException, limit: int = 500) -> str:
+    """``repr(e)`` cut to ``limit`` characters, for the trajectory's error text."""
+    r = repr(e)
+    return r if len(r) <= limit else r[: limit - 4] + " ..."
+
+
 async def _cancel(env: EnvClient, ep: _Episode, timeout_s: float) -> None:
     """Best-effort cancel of the episode's env session (errors and timeouts are logged, not raised)."""
     if ep.session_id is None:
@@ -205,7 +211,8 @@ async def run_group_lockstep(
         ends the episode with "task error".
 
     Final statuses: the env's own (completed, ...), "agent validation failed" (a malformed tool
-    call; reward 0, ``metrics["validation_error"] = 1.0``), "task limit reached",
+    call, or any other exception from the parser, which is logged and ends only that episode; reward 0,
+    ``metrics["validation_error"] = 1.0``), "task limit reached",
     "agent context limit", "task error". Timings: ``generate_s`` (wall time of the batched
     generate calls the episode took part in), ``env_s`` (its own env calls). If the engine raises,
     every running session is cancelled and the exception propagates.
@@ -308,6 +315,16 @@ async def _turns(
                     ep.session_id, t.task, t.index, len(t.versions), e,
                 )
                 _finish(ep, SampleStatus.AGENT_VALIDATION_FAILED, 0.0, {"validation_error": 1.0}, error=str(e))
+                cancels.append(ep)
+                continue
+            except Exception as e:  # noqa: BLE001 - a parser bug must cost one episode, never the batch
+                # the parsers promise ToolCallParseError only; anything else is a bug there, so log it loudly
+                logger.exception(
+                    "env session %s (%s #%d) turn %d: the tool-call parser raised %s; ending this episode",
+                    ep.session_id, t.task, t.index, len(t.versions), type(e).__name__,
+                )
+                _finish(ep, SampleStatus.AGENT_VALIDATION_FAILED, 0.0, {"validation_error": 1.0},
+                        error=f"the tool-call parser failed: {_shorten_repr(e)}")
                 cancels.append(ep)
                 continue
             ep.num_calls += len(message["tool_calls"])

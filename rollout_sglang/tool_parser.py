@@ -11,11 +11,15 @@ arguments as one JSON object (``search\\n{"q": "x"}``); several messages in one 
 ``<|observation|>``.
 
 Anything that looks like a call but is not a valid one raises :class:`ToolCallParseError`, which
-the agent loop turns into the status "agent validation failed".
+the agent loop turns into the status "agent validation failed". Model output is untrusted, so the
+JSON of a call is read strictly (:func:`_strict_json`): at most :data:`MAX_JSON_DEPTH` levels of
+nesting, numbers of at most :data:`MAX_NUMBER_DIGITS` digits, no NaN or Infinity, no lone surrogates;
+whatever the text, the parsers raise nothing but ToolCallParseError.
 """
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Sequence
 
@@ -33,6 +37,17 @@ VALID_CALL_EXAMPLE = '<tool_call>\n{"name": "<tool name>", "arguments": {"<arg>"
 
 _TAG_RE = re.compile(re.escape(TOOL_CALL_START) + "|" + re.escape(TOOL_CALL_END))
 
+#: Deepest nesting of arrays and objects in one call's JSON (the Hermes wrapper object counts as one level).
+#: Far above any real tool schema, far below the interpreter's recursion limit that json.loads would hit.
+MAX_JSON_DEPTH = 64
+#: Most digits in one JSON number. Below 640, the smallest limit ``sys.set_int_max_str_digits`` accepts, so
+#: ``int()`` never refuses a number we let through, and no value exceeds what a JSON peer can represent usefully.
+MAX_NUMBER_DIGITS = 100
+
+# A JSON string (possibly unterminated) or one bracket; strings are skipped so brackets inside them do not count.
+_DEPTH_TOKEN_RE = re.compile(r'"[^"\\]*(?:\\[\s\S][^"\\]*)*"?|[\[\]{}]')
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
 
 class ToolCallParseError(ValueError):
     """A malformed tool call in generated text; the message quotes the text and shows a valid call."""
@@ -49,6 +64,72 @@ def _shorten(text: str, limit: int = 200) -> str:
 def _fail(problem: str, snippet: str) -> ToolCallParseError:
     """A ToolCallParseError naming ``problem``, quoting ``snippet`` and showing a valid call."""
     return ToolCallParseError(f"{problem}: {_shorten(snippet)!r}; a valid tool call looks like {VALID_CALL_EXAMPLE}")
+
+
+class _Refused(Exception):
+    """JSON that a strict reading refuses (raised from json.loads hooks; becomes a ToolCallParseError)."""
+
+
+def _check_depth(raw: str) -> None:
+    """Raise _Refused when brackets outside strings nest deeper than MAX_JSON_DEPTH (scanned before json.loads)."""
+    depth = 0
+    for m in _DEPTH_TOKEN_RE.finditer(raw):
+        tok = m.group()
+        if tok in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise _Refused(f"nested deeper than {MAX_JSON_DEPTH} levels (at char {m.start()})")
+        elif tok in "]}":
+            depth -= 1
+
+
+def _number(literal: str) -> None:
+    """Raise _Refused for a number literal with more than MAX_NUMBER_DIGITS digits."""
+    digits = sum(c.isdigit() for c in literal)
+    if digits > MAX_NUMBER_DIGITS:
+        raise _Refused(f"a number with {digits} digits (at most {MAX_NUMBER_DIGITS})")
+
+
+def _parse_int(literal: str) -> int:
+    _number(literal)
+    return int(literal)
+
+
+def _parse_float(literal: str) -> float:
+    _number(literal)
+    value = float(literal)
+    if not math.isfinite(value):
+        raise _Refused(f"the number {literal} overflows to infinity (numbers must be finite)")
+    return value
+
+
+def _parse_constant(name: str) -> float:
+    raise _Refused(f"{name} is not a JSON number (numbers must be finite)")
+
+
+def _lone_surrogate(value: str, where: str) -> str | None:
+    """The problem when ``value`` holds a lone surrogate (not encodable as UTF-8: no request could carry it)."""
+    m = _SURROGATE_RE.search(value)
+    return None if m is None else f"invalid Unicode in {where}: lone surrogate U+{ord(m.group()):04X}"
+
+
+def _strict_json(raw: str) -> Any:
+    """``json.loads(raw)`` refusing deep nesting, long numbers, NaN / Infinity and lone surrogates.
+
+    Raises json.JSONDecodeError for bad syntax and _Refused (with the problem) for the rest.
+    """
+    _check_depth(raw)
+    obj = json.loads(raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+    # a lone surrogate (escaped or raw) survives json.loads inside keys or values; the serialized form shows it
+    problem = _lone_surrogate(json.dumps(obj, ensure_ascii=False), "a string")
+    if problem:
+        raise _Refused(problem)
+    return obj
+
+
+def _dumps(args: dict) -> str:
+    """The arguments as the OpenAI JSON string; strict, since _strict_json already refused what it would reject."""
+    return json.dumps(args, ensure_ascii=False, allow_nan=False)
 
 
 def _tool_names(tools: Sequence[dict] | None) -> set[str] | None:
@@ -69,9 +150,11 @@ def _parse_block(body: str, names: set[str] | None) -> tuple[str, dict]:
     if not raw:
         raise _fail("empty <tool_call> block", f"{TOOL_CALL_START}{body}{TOOL_CALL_END}")
     try:
-        obj = json.loads(raw)
+        obj = _strict_json(raw)
     except json.JSONDecodeError as e:
         raise _fail(f"tool call is not valid JSON ({e.msg} at char {e.pos})", raw) from None
+    except _Refused as e:
+        raise _fail(f"tool call JSON refused: {e}", raw) from None
     if not isinstance(obj, dict):
         raise _fail(f"tool call must be a JSON object, got {type(obj).__name__}", raw)
     name = obj.get("name")
@@ -99,7 +182,8 @@ def parse_assistant_text(
     ``{"id", "type": "function", "function": {"name", "arguments": JSON string}}``; content is the
     text outside the blocks, stripped (segments joined by a newline); ``tool_calls`` is empty for
     plain text. Raises ToolCallParseError for bad JSON, a missing name, non-object arguments, an
-    unclosed or unopened tag, or an unknown tool.
+    unclosed or unopened tag, an unknown tool, JSON beyond the limits in the module doc, or a lone
+    surrogate anywhere in the message; never any other exception.
     """
     if text.endswith(IM_END):
         text = text[: -len(IM_END)]
@@ -123,7 +207,7 @@ def parse_assistant_text(
                 {
                     "id": f"call_{call_id_start + len(calls)}",
                     "type": "function",
-                    "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
+                    "function": {"name": name, "arguments": _dumps(args)},
                 }
             )
             open_at = None
@@ -132,6 +216,9 @@ def parse_assistant_text(
         raise _fail("unclosed <tool_call> (no </tool_call>)", text[open_at:])
     content_parts.append(text[pos:])
     content = "\n".join(p.strip() for p in content_parts if p.strip())
+    problem = _lone_surrogate(content, "the message content")
+    if problem:
+        raise _fail(problem, content)
     return {"role": "assistant", "content": content, "tool_calls": calls}
 
 
@@ -165,9 +252,11 @@ def _parse_glm4_call(segment: str, names: set[str] | None) -> tuple[str, dict]:
     if not raw:
         return name, {}
     try:
-        args = json.loads(raw)
+        args = _strict_json(raw)
     except json.JSONDecodeError as e:
         raise _fail_glm4(f"arguments of tool call {name!r} are not valid JSON ({e.msg} at char {e.pos})", raw) from None
+    except _Refused as e:
+        raise _fail_glm4(f"arguments of tool call {name!r} refused: {e}", raw) from None
     if not isinstance(args, dict):
         raise _fail_glm4(f"arguments of tool call {name!r} must be a JSON object, got {type(args).__name__}", raw)
     return name, args
@@ -185,7 +274,8 @@ def parse_glm4_assistant_text(
     tools, call_id_start, the result: as :func:`parse_assistant_text` (content segments are
         stripped and joined by a newline; ``tool_calls`` empty for plain text).
     Raises ToolCallParseError (quoting the bad text) for a name line that is not a function name,
-    an unknown tool, arguments that are not JSON or not an object.
+    an unknown tool, arguments that are not JSON or not an object, JSON beyond the limits in the
+    module doc, or a lone surrogate anywhere in the message; never any other exception.
     """
     for stop in (GLM_OBSERVATION, GLM_USER, ENDOFTEXT):
         if text.endswith(stop):
@@ -205,7 +295,11 @@ def parse_glm4_assistant_text(
             {
                 "id": f"call_{call_id_start + len(calls)}",
                 "type": "function",
-                "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
+                "function": {"name": name, "arguments": _dumps(args)},
             }
         )
-    return {"role": "assistant", "content": "\n".join(content_parts), "tool_calls": calls}
+    content = "\n".join(content_parts)
+    problem = _lone_surrogate(content, "the message content")
+    if problem:
+        raise _fail_glm4(problem, content)
+    return {"role": "assistant", "content": content, "tool_calls": calls}

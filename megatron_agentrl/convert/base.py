@@ -108,6 +108,12 @@ class ConversionError(ConfigError):
     value (path, tensor, size) and the fix."""
 
 
+def one_line(e: BaseException) -> str:
+    """``e`` as one line: its type and message, whitespace runs (newlines included) made single spaces."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) -> int:
     """Megatron's padded vocab: the smallest multiple of ``make_vocab_size_divisible_by * tp`` >= vocab_size."""
     multiple = make_vocab_size_divisible_by * tp

@@ -25,9 +25,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import pickle
 import shutil
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megatron_agentrl.convert.base import ConversionError, GPTMapping
+from megatron_agentrl.config import read_mapping_file
+from megatron_agentrl.convert.base import ConversionError, GPTMapping, one_line
 from rollout_sglang.local_engine import resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -101,18 +104,23 @@ class CheckpointInfo:
 
 def read_checkpoint_info(ckpt_dir: str | Path) -> CheckpointInfo | None:
     """The :class:`CheckpointInfo` of ``ckpt_dir``, or None for a checkpoint without one
-    (e.g. saved by plain megatron code)."""
+    (e.g. saved by plain megatron code); ConversionError naming the file when it is damaged."""
     path = Path(ckpt_dir) / INFO_FILE
     if not path.is_file():
         return None
-    data = json.loads(path.read_text())
-    known = set(CheckpointInfo.__dataclass_fields__)
-    return CheckpointInfo(**{k: v for k, v in data.items() if k in known})
+    data = read_mapping_file(path, "json", f"'{path}'")
+    fields = {f.name: f for f in dataclasses.fields(CheckpointInfo)}
+    lacking = [n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in data]
+    if lacking:
+        raise ConversionError(f"'{path}' lacks {', '.join(lacking)}; copy the checkpoint again, or delete the file "
+                              "and pass hf_config / --hf-config")
+    return CheckpointInfo(**{k: v for k, v in data.items() if k in fields})
 
 
 def check_is_megatron_checkpoint(ckpt_dir: str | Path) -> Path:
     """``ckpt_dir`` as a Path; ConversionError / FileNotFoundError naming it unless it is a
-    megatron-core ``torch_dist`` checkpoint with every data file its metadata lists."""
+    megatron-core ``torch_dist`` checkpoint with every data file its metadata lists, each as long
+    as the metadata says."""
     from torch.distributed.checkpoint import FileSystemReader
 
     root = Path(ckpt_dir)
@@ -124,17 +132,43 @@ def check_is_megatron_checkpoint(ckpt_dir: str | Path) -> Path:
         hint = " (it looks like a Hugging Face checkpoint: use hf-to-megatron)" if looks_hf else ""
         raise ConversionError(f"'{root}' is not a megatron-core distributed checkpoint: metadata.json and .metadata "
                               f"are required{hint}")
-    backend = json.loads(meta.read_text()).get("sharded_backend")
+    backend = read_mapping_file(meta, "json", f"'{meta}'").get("sharded_backend")
     if backend != "torch_dist":
         raise ConversionError(
             f"'{root}': sharded_backend={backend!r}; only megatron's 'torch_dist' format is supported")
-    md = FileSystemReader(str(root)).read_metadata()
-    files = sorted({s.relative_path for s in md.storage_data.values()})
-    missing = [f for f in files if not (root / f).is_file()]
+    try:
+        md = FileSystemReader(str(root)).read_metadata()
+        ends: dict[str, int] = {}
+        for s in md.storage_data.values():
+            ends[s.relative_path] = max(ends.get(s.relative_path, 0), s.offset + s.length)
+    except Exception as e:  # a damaged pickle raises whatever unpickling it hits
+        raise ConversionError(f"'{root / '.metadata'}' cannot be read ({one_line(e)}); the checkpoint is damaged "
+                              "or incomplete: copy it again") from None
+    missing = [f for f in sorted(ends) if not (root / f).is_file()]
     if missing:
         raise FileNotFoundError(f"checkpoint shard(s) {missing} listed in '{root / '.metadata'}' are missing; "
                                 "copy the complete checkpoint directory")
+    for f, end in sorted(ends.items()):
+        size = (root / f).stat().st_size
+        if size < end:
+            raise ConversionError(f"'{root / f}' is truncated: {size} bytes, '{root / '.metadata'}' places data up "
+                                  f"to byte {end}; copy the complete checkpoint directory")
     return root
+
+
+@contextmanager
+def unwrapped_checkpoint_errors() -> Iterator[None]:
+    """Raise the exception inside torch.distributed.checkpoint's CheckpointException (whose message is a
+    whole traceback) as itself, so that a ConversionError stays one and Ctrl-C stays a KeyboardInterrupt."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        failures = list(e.failures.values())
+        if len(failures) == 1 and isinstance(failures[0][0], BaseException):
+            raise failures[0][0] from None
+        raise
 
 
 def write_megatron_common_files(ckpt_dir: Path) -> None:
@@ -173,17 +207,25 @@ class StoredTensor:
 
 
 def write_dcp_streaming(ckpt_dir: Path, tensors: Iterable[StoredTensor],
-                        produce: Callable[[str, tuple[int, ...], tuple[int, ...]], Tensor]) -> None:
+                        produce: Callable[[str, tuple[int, ...], tuple[int, ...]], Tensor],
+                        checkpoint_id: Path | None = None) -> None:
     """Write a torch.distributed.checkpoint with one data file, producing each chunk on demand.
 
     ``produce(key, offsets, sizes)`` returns the chunk's data (shape ``sizes``, the declared
     dtype); it is called once per chunk, in the order given, and the chunk is written and
     dropped before the next one is produced, so peak memory is about one chunk. No process
-    group is needed.
+    group is needed. ``checkpoint_id``: the path the metadata records (default ``ckpt_dir``; the
+    destination when ``ckpt_dir`` is a temporary directory renamed to it later). An exception of
+    ``produce`` is raised as itself.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+    )
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
     specs = list(tensors)
@@ -214,8 +256,12 @@ def write_dcp_streaming(ckpt_dir: Path, tensors: Iterable[StoredTensor],
                 raise RuntimeError(f"{write_item.index.fqn}: produced {tuple(t.shape)}, expected {tuple(chunk.sizes)}")
             return t
 
-    writer = dcp.FileSystemWriter(str(ckpt_dir), single_file_per_rank=True, thread_count=1, sync_files=True)
-    with warnings.catch_warnings():
+    class _Writer(dcp.FileSystemWriter):
+        def storage_meta(self) -> StorageMeta | None:
+            return StorageMeta(checkpoint_id=checkpoint_id or ckpt_dir, save_id=self.save_id)
+
+    writer = _Writer(str(ckpt_dir), single_file_per_rank=True, thread_count=1, sync_files=True)
+    with warnings.catch_warnings(), unwrapped_checkpoint_errors():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.save({}, storage_writer=writer, planner=_StreamingSavePlanner(), no_dist=True)
 
@@ -326,7 +372,7 @@ class DistCheckpointReader:
             def commit_tensor(self, read_item: ReadItem, tensor: Tensor) -> None:
                 pass
 
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), unwrapped_checkpoint_errors():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.load({}, storage_reader=FileSystemReader(str(self.root)), planner=_PieceLoadPlanner(), no_dist=True)
         out.update(targets)
@@ -343,8 +389,15 @@ class DistCheckpointReader:
         from torch.distributed.checkpoint.filesystem import _create_file_view
 
         info = self._metadata.storage_data[item.storage_index]
-        with open(self.root / info.relative_path, "rb") as f:
-            return torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        path = self.root / info.relative_path
+        with open(path, "rb") as f:
+            try:
+                return torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu",
+                                  weights_only=True)
+            except (RuntimeError, EOFError, pickle.UnpicklingError) as e:  # what torch.load raises on bad bytes
+                raise ConversionError(f"'{path}': the data of '{item.storage_index.fqn}' at byte {info.offset} "
+                                      f"cannot be read ({one_line(e)}); the checkpoint is damaged: copy it "
+                                      "again") from None
 
 
 # ------------------------------------------------------------------------ family / shape checks

@@ -2,14 +2,19 @@
 
 The same options as ``tools/convert_hf_to_megatron.py`` and ``tools/convert_megatron_to_hf.py``
 (which call :func:`main_hf_to_megatron` / :func:`main_megatron_to_hf`). Importing this module
-does not import torch; the converters are imported when a command runs.
+does not import torch; the converters are imported when a command runs. A bad input is a
+ConversionError (a ConfigError): exit status 2 and one line on stderr, as for a bad training config;
+an interrupt (Ctrl-C, SIGTERM) removes the partial output and exits 130.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Callable
+from typing import Any
 
 
 def add_hf_to_megatron_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,10 +47,10 @@ def run_hf_to_megatron(args: argparse.Namespace) -> int:
     from megatron_agentrl.convert.hf_to_megatron import convert_hf_to_megatron
 
     _setup_logging()
-    convert_hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, dtype=args.dtype,
-                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                           progress=not args.no_progress, overwrite=args.overwrite)
-    return 0
+    return _interruptible(args.out_dir, lambda: convert_hf_to_megatron(
+        args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, dtype=args.dtype,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, progress=not args.no_progress,
+        overwrite=args.overwrite))
 
 
 def run_megatron_to_hf(args: argparse.Namespace) -> int:
@@ -53,10 +58,29 @@ def run_megatron_to_hf(args: argparse.Namespace) -> int:
     from megatron_agentrl.convert.megatron_to_hf import convert_megatron_to_hf
 
     _setup_logging()
-    convert_megatron_to_hf(args.megatron_dir, args.out_dir, hf_config=args.hf_config, dtype=args.dtype,
-                           max_shard_size=args.max_shard_size, progress=not args.no_progress,
-                           overwrite=args.overwrite)
+    return _interruptible(args.out_dir, lambda: convert_megatron_to_hf(
+        args.megatron_dir, args.out_dir, hf_config=args.hf_config, dtype=args.dtype,
+        max_shard_size=args.max_shard_size, progress=not args.no_progress, overwrite=args.overwrite))
+
+
+def _interruptible(out_dir: str, convert: Callable[[], Any]) -> int:
+    """Run ``convert`` with SIGTERM raising KeyboardInterrupt, so that the converter removes its partial
+    output as on Ctrl-C; 0, or 130 after an interrupt (one log line, no traceback)."""
+    main_thread = threading.current_thread() is threading.main_thread()  # only it can set signal handlers
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
+    try:
+        convert()
+    except KeyboardInterrupt:
+        logging.getLogger("agentrl").warning("interrupted; '%s' was left as it was", out_dir)
+        return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     return 0
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 # the subcommands of ``agentrl convert``: name, help, the function that adds its options, the one that runs it

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from megatron_agentrl.config import read_mapping_file
 from megatron_agentrl.convert import ARCHITECTURES, MAPPINGS, get_mapping
-from megatron_agentrl.convert.base import ConversionError, GPTMapping, padded_vocab_size
+from megatron_agentrl.convert.base import ConversionError, GPTMapping, one_line, padded_vocab_size
 from megatron_agentrl.convert.checkpoint import (
     HF_ASSETS_DIR,
     CheckpointInfo,
@@ -32,25 +32,41 @@ from megatron_agentrl.convert.checkpoint import (
     write_dcp_streaming,
     write_megatron_common_files,
 )
+from megatron_agentrl.convert.output_dir import atomic_output_dir, check_output_dir
 from megatron_agentrl.convert.safetensors_io import SafetensorsReader
 
 logger = logging.getLogger(__name__)
 
 
+# Sizes every family's config.json must state (transformers would fill in a default model's sizes)
+REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# Sizes that may be absent or null, and must be positive integers when given
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim")
+
+
+def config_json_path(hf_dir: str | Path) -> Path:
+    """``hf_dir/config.json`` for a directory, else ``hf_dir`` itself (a config.json path)."""
+    path = Path(hf_dir)
+    return path / "config.json" if path.is_dir() else path
+
+
 def load_hf_config_dict(hf_dir: str | Path) -> dict[str, Any]:
     """``config.json`` of ``hf_dir`` (or a config.json path) as a dict, with ``model_type``
-    resolved from ``architectures`` when missing. ConversionError for an unknown architecture."""
+    resolved from ``architectures`` when missing. ConversionError for an unknown architecture,
+    or for model sizes that are missing or not positive integers."""
     path = Path(hf_dir)
     if path.is_dir() and (path / ".metadata").is_file() and (path / "metadata.json").is_file():
         raise ConversionError(f"'{path}' is a megatron distributed checkpoint, not a Hugging Face one; "
                               "use megatron-to-hf to convert it")
-    if path.is_dir():
-        path = path / "config.json"
+    path = config_json_path(path)
     if not path.is_file():
         raise FileNotFoundError(f"'{path}' does not exist; a Hugging Face checkpoint directory needs config.json")
     data = read_mapping_file(path, "json", f"'{path}'")
     archs = data.get("architectures") or []
     model_type = data.get("model_type")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConversionError(f"architectures={archs!r} in '{path}' must be a list of class names, e.g. "
+                              f"[\"{next(iter(ARCHITECTURES))}\"]")
     if model_type not in MAPPINGS:
         known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
         if not known:
@@ -63,19 +79,31 @@ def load_hf_config_dict(hf_dir: str | Path) -> dict[str, Any]:
     if bad_arch:
         raise ConversionError(f"architecture {bad_arch} in '{path}' is not supported (model_type={model_type}); "
                               f"supported: {sorted(ARCHITECTURES)}")
+    lacking = [k for k in REQUIRED_SIZES if data.get(k) is None]
+    if lacking:
+        raise ConversionError(f"'{path}' lacks {', '.join(lacking)}; a {model_type} config.json states the model's "
+                              "sizes: use the config.json the weights were saved with")
+    for key in REQUIRED_SIZES + OPTIONAL_SIZES:
+        value = data.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            raise ConversionError(f"{key}={value!r} in '{path}' must be a positive integer; use the config.json "
+                                  "the weights were saved with")
     data["model_type"] = model_type
     return data
 
 
-def hf_config_from_dict(data: dict[str, Any]) -> Any:
-    """A transformers config object from a config.json dict (``model_type`` required)."""
+def hf_config_from_dict(data: dict[str, Any], where: str = "config.json") -> Any:
+    """A transformers config object from a config.json dict (``model_type`` required); ConversionError
+    naming ``where`` when transformers refuses the values."""
     from transformers import AutoConfig
 
     d = dict(data)
     model_type = d.pop("model_type")
     d.pop("transformers_version", None)
-    cfg = AutoConfig.for_model(model_type, **d)
-    return cfg
+    try:
+        return AutoConfig.for_model(model_type, **d)
+    except Exception as e:  # transformers' validators raise TypeError, ValueError and their own errors
+        raise ConversionError(f"{where} is not a valid {model_type} config: {one_line(e)}") from None
 
 
 def check_hf_tensors(reader: SafetensorsReader, mapping: GPTMapping) -> None:
@@ -194,7 +222,8 @@ def convert_hf_to_megatron(
     Args:
         hf_dir: directory with config.json and safetensors weights (single file or sharded
             with an index); tokenizer / generation files are copied along into ``out_dir/hf``.
-        out_dir: created; must not already hold a checkpoint unless ``overwrite``.
+        out_dir: created; must be absent or empty unless ``overwrite`` (which replaces the old
+            weights and ``hf/`` and keeps other files).
         tp, pp: target tensor / pipeline parallel sizes (TP must divide the attention and KV
             heads and the FFN width, PP the layers). The stored tensors do not depend on PP
             or on the expert-parallel size, and any other TP x PP x EP loads the result too.
@@ -204,48 +233,48 @@ def convert_hf_to_megatron(
         progress: show a progress bar (bytes written) on stderr.
 
     Returns ``out_dir``. Raises ConversionError / FileNotFoundError with the bad path, name,
-    size or family in the message, before anything is written.
+    size or family in the message, before anything is written. The checkpoint is written into a
+    temporary directory next to ``out_dir`` and renamed to it at the end: a conversion that fails
+    (or is interrupted) leaves ``out_dir`` as it was.
     """
     from tqdm import tqdm
 
+    m = make_vocab_size_divisible_by
+    if type(m) is not int or m < 1:
+        raise ConversionError(f"make_vocab_size_divisible_by={m!r} must be a positive integer; "
+                              "megatron's default is 128 (--make-vocab-size-divisible-by 128)")
+    out_dtype = parse_dtype(dtype)
     hf_root = Path(hf_dir)
     config_dict = load_hf_config_dict(hf_root)
-    hf_config = hf_config_from_dict(config_dict)
+    hf_config = hf_config_from_dict(config_dict, f"'{config_json_path(hf_root)}'")
     mapping = get_mapping(hf_config)
     mapping.check_parallel(tp, pp)
-    out_dtype = parse_dtype(dtype)
     reader = SafetensorsReader(hf_root)
     check_hf_tensors(reader, mapping)
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConversionError(
-            f"output directory '{out}' is not empty; choose a new one or pass overwrite / --overwrite")
-    out.mkdir(parents=True, exist_ok=True)
-    if overwrite:
-        for stale in [*out.glob("*.distcp"), out / ".metadata"]:
-            stale.unlink(missing_ok=True)
+    out = check_output_dir(out_dir, overwrite, source=hf_root)
 
     padded = padded_vocab_size(mapping.vocab_size, make_vocab_size_divisible_by, tp)
     specs, key_to_names = plan_checkpoint(mapping, reader, tp, padded, out_dtype)
     total = sum(math.prod(s.global_shape) * torch.empty((), dtype=s.dtype).element_size() for s in specs)
     logger.info("converting %s (%s, %d layers) -> %s at tp=%d pp=%d, %.2f GB", hf_root, mapping.architecture,
                 mapping.num_layers, out, tp, pp, total / 1e9)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="hf->megatron", disable=not progress)
-    try:
-        producer = _ChunkProducer(reader, mapping, out_dtype, key_to_names, bar)
-        write_dcp_streaming(out, specs, producer)
-    finally:
-        bar.close()
-    write_megatron_common_files(out)
-    stored = {s.dtype for s in specs}
-    CheckpointInfo(
-        model_type=mapping.model_type, architecture=mapping.architecture, num_layers=mapping.num_layers,
-        vocab_size=mapping.vocab_size, padded_vocab_size=padded,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by, tie_word_embeddings=mapping.tie_word_embeddings,
-        tp=tp, pp=pp, dtype=dtype_name(stored.pop()) if len(stored) == 1 else "mixed",
-    ).save(out)
-    config_dict.setdefault("architectures", [mapping.architecture])
-    copied = copy_hf_assets(hf_root, out / HF_ASSETS_DIR, config_dict)
+    with atomic_output_dir(out, overwrite, stale=("*.distcp", ".metadata")) as tmp:
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="hf->megatron", disable=not progress)
+        try:
+            producer = _ChunkProducer(reader, mapping, out_dtype, key_to_names, bar)
+            write_dcp_streaming(tmp, specs, producer, checkpoint_id=out)
+        finally:
+            bar.close()
+        write_megatron_common_files(tmp)
+        stored = {s.dtype for s in specs}
+        CheckpointInfo(
+            model_type=mapping.model_type, architecture=mapping.architecture, num_layers=mapping.num_layers,
+            vocab_size=mapping.vocab_size, padded_vocab_size=padded,
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+            tie_word_embeddings=mapping.tie_word_embeddings,
+            tp=tp, pp=pp, dtype=dtype_name(stored.pop()) if len(stored) == 1 else "mixed",
+        ).save(tmp)
+        config_dict.setdefault("architectures", [mapping.architecture])
+        copied = copy_hf_assets(hf_root, tmp / HF_ASSETS_DIR, config_dict)
     logger.info("wrote %s (hf assets: %s)", out, ", ".join(copied))
     return out
-

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from megatron_agentrl.convert import get_mapping
-from megatron_agentrl.convert.base import ConversionError
 from megatron_agentrl.convert.checkpoint import (
     HF_ASSETS_DIR,
     DistCheckpointReader,
@@ -29,8 +28,9 @@ from megatron_agentrl.convert.checkpoint import (
     dtype_name,
     parse_dtype,
 )
-from megatron_agentrl.convert.hf_to_megatron import hf_config_from_dict, load_hf_config_dict
-from megatron_agentrl.convert.safetensors_io import SafetensorsShardWriter, dtype_size, parse_size
+from megatron_agentrl.convert.hf_to_megatron import config_json_path, hf_config_from_dict, load_hf_config_dict
+from megatron_agentrl.convert.output_dir import atomic_output_dir, check_output_dir
+from megatron_agentrl.convert.safetensors_io import INDEX_FILE, SafetensorsShardWriter, dtype_size, parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ def convert_megatron_to_hf(
 
     Args:
         megatron_dir: a megatron-core ``torch_dist`` checkpoint directory.
-        out_dir: output directory (created; must be empty unless ``overwrite``): gets
+        out_dir: output directory (created; must be absent or empty unless ``overwrite``, which
+            replaces the old shards and keeps other files): gets
             ``model-0000i-of-0000n.safetensors``, ``model.safetensors.index.json``,
             ``config.json`` and the tokenizer / generation files found with the config.
         hf_config: a HF directory or config.json describing the model; default: the copy the
@@ -77,10 +78,14 @@ def convert_megatron_to_hf(
 
     Raises ConversionError naming the mismatch when the checkpoint is not a model of the
     config's family and sizes (e.g. a Llama config on a GLM-4 checkpoint), FileNotFoundError
-    for a missing directory, config or data file.
+    for a missing directory, config or data file; before anything is written. The output is
+    written into a temporary directory next to ``out_dir`` and renamed to it at the end: a
+    conversion that fails (or is interrupted) leaves ``out_dir`` as it was.
     """
     from tqdm import tqdm
 
+    out_dtype = parse_dtype(dtype)
+    shard_bytes = parse_size(max_shard_size, "max_shard_size / --max-shard-size")
     root = Path(megatron_dir)
     reader = DistCheckpointReader(root)
     cfg_src = Path(hf_config) if hf_config is not None else root / HF_ASSETS_DIR
@@ -88,18 +93,11 @@ def convert_megatron_to_hf(
         raise FileNotFoundError(f"'{root}' carries no Hugging Face config ({cfg_src / 'config.json'}); "
                                 "pass hf_config / --hf-config with the model's config.json")
     config_dict = load_hf_config_dict(cfg_src)
-    cfg = hf_config_from_dict(config_dict)
+    cfg = hf_config_from_dict(config_dict, f"'{config_json_path(cfg_src)}'")
     _check_family(root, cfg)
     mapping = get_mapping(cfg)
     check_checkpoint_matches(reader, mapping, f"checkpoint '{root}'")
-    out_dtype = parse_dtype(dtype)
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConversionError(
-            f"output directory '{out}' is not empty; choose a new one or pass overwrite / --overwrite")
-    if overwrite:
-        for stale in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
-            stale.unlink(missing_ok=True)
+    out = check_output_dir(out_dir, overwrite, source=root)
 
     # Plan every output tensor (name, shape, dtype) in the order they will be produced.
     groups: list[list[str]] = [[n] for n in mapping.megatron_names() if not n.startswith("decoder.layers.")]
@@ -112,36 +110,45 @@ def convert_megatron_to_hf(
             key = mapping.checkpoint_key(mname)[0]
             for hf_name, shape in mapping.hf_shapes(mname).items():
                 plan.append((hf_name, shape, out_dtype or reader.dtype(key)))
-    writer = SafetensorsShardWriter(out, plan, parse_size(max_shard_size))
-    logger.info("converting %s (%s, %d layers) -> %s, %.2f GB", root, mapping.architecture, mapping.num_layers,
-                out, writer.total_size / 1e9)
-    bar = tqdm(total=writer.total_size, unit="B", unit_scale=True, desc="megatron->hf", disable=not progress)
-    try:
-        for group in groups:
-            requests = {}
-            for mname in group:
-                key, index, _ = mapping.checkpoint_key(mname)
-                shape = mapping.megatron_shape(mname)  # unpadded: reading it strips vocab padding
-                requests[mname] = (key, (*index, *(0,) * len(shape)), (*(1,) * len(index), *shape))
-            tensors = reader.read(requests, dtype=out_dtype)
-            for mname in group:
-                full = tensors.pop(mname)
-                full = full.reshape(mapping.megatron_shape(mname))
-                for hf_name, t in mapping.to_hf(mname, full).items():
-                    writer.write(hf_name, t)
-                    bar.update(t.numel() * dtype_size(t.dtype))
-                    del t  # not kept alive while the next group is read
-                del full
-    finally:
-        bar.close()
-    writer.close()
-    config_dict["architectures"] = [mapping.architecture]
-    stored = {d for _, _, d in plan}
-    if len(stored) == 1:
-        config_dict["dtype"] = dtype_name(stored.pop())
-        config_dict.pop("torch_dtype", None)
-    assets_dir = cfg_src if cfg_src.is_dir() else cfg_src.parent
-    copied = copy_hf_assets(assets_dir, out, config_dict)
+    with atomic_output_dir(out, overwrite, stale=("*.safetensors", INDEX_FILE)) as tmp:
+        writer = SafetensorsShardWriter(tmp, plan, shard_bytes)
+        logger.info("converting %s (%s, %d layers) -> %s, %.2f GB", root, mapping.architecture, mapping.num_layers,
+                    out, writer.total_size / 1e9)
+        bar = tqdm(total=writer.total_size, unit="B", unit_scale=True, desc="megatron->hf", disable=not progress)
+        try:
+            _write_groups(reader, mapping, groups, out_dtype, writer, bar)
+        except BaseException:
+            writer.abort()
+            raise
+        finally:
+            bar.close()
+        writer.close()
+        config_dict["architectures"] = [mapping.architecture]
+        stored = {d for _, _, d in plan}
+        if len(stored) == 1:
+            config_dict["dtype"] = dtype_name(stored.pop())
+            config_dict.pop("torch_dtype", None)
+        assets_dir = cfg_src if cfg_src.is_dir() else cfg_src.parent
+        copied = copy_hf_assets(assets_dir, tmp, config_dict)
     logger.info("wrote %s (%d tensors, %s)", out, len(plan), ", ".join(copied))
     return out
 
+
+def _write_groups(reader: DistCheckpointReader, mapping: Any, groups: list[list[str]], out_dtype: torch.dtype | None,
+                  writer: SafetensorsShardWriter, bar: Any) -> None:
+    """Read each group of Megatron tensors and write its HF tensors, one group in memory at a time."""
+    for group in groups:
+        requests = {}
+        for mname in group:
+            key, index, _ = mapping.checkpoint_key(mname)
+            shape = mapping.megatron_shape(mname)  # unpadded: reading it strips vocab padding
+            requests[mname] = (key, (*index, *(0,) * len(shape)), (*(1,) * len(index), *shape))
+        tensors = reader.read(requests, dtype=out_dtype)
+        for mname in group:
+            full = tensors.pop(mname)
+            full = full.reshape(mapping.megatron_shape(mname))
+            for hf_name, t in mapping.to_hf(mname, full).items():
+                writer.write(hf_name, t)
+                bar.update(t.numel() * dtype_size(t.dtype))
+                del t  # not kept alive while the next group is read
+            del full

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from megatron_agentrl.config import read_mapping_file
 from megatron_agentrl.convert.base import ConversionError
 
 logger = logging.getLogger(__name__)
@@ -41,23 +42,27 @@ def dtype_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def parse_size(size: str | int) -> int:
-    """Bytes in ``size``: an int, or a string like ``"5GB"``, ``"500MB"``, ``"2GiB"``."""
-    if isinstance(size, int):
-        return size
-    s = size.strip().upper()
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-             "TB": 10**12, "B": 1}
-    for unit, mult in units.items():
-        if s.endswith(unit):
-            try:
-                return int(float(s[: -len(unit)]) * mult)
-            except ValueError:
-                break
-    try:
-        return int(s)
-    except ValueError:
-        raise ConversionError(f"size {size!r} is not a byte count like '5GB', '500MB' or 1000000") from None
+def parse_size(size: str | int, what: str = "size") -> int:
+    """Bytes in ``size``: a positive int, or a string like ``"5GB"``, ``"500MB"``, ``"2GiB"``.
+
+    ConversionError naming ``what`` and the value for anything else (zero, negative, ``"5XB"``).
+    """
+    n: int | None = None
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    elif isinstance(size, str):
+        s = size.strip().upper()
+        units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+                 "TB": 10**12, "B": 1}
+        unit = next((u for u in units if s.endswith(u)), "")
+        try:
+            n = int(float(s[: len(s) - len(unit)]) * units[unit]) if unit else int(s)
+        except (ValueError, OverflowError):  # "5XB", "nan", "infGB"
+            n = None
+    if n is None or n <= 0:
+        raise ConversionError(f"{what} {size!r} is not a positive byte count; give one like '5GB', '500MB' "
+                              "or 1000000")
+    return n
 
 
 @dataclass(frozen=True)
@@ -72,26 +77,50 @@ class TensorInfo:
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """The tensors of one ``.safetensors`` file (name -> :class:`TensorInfo`) and its ``__metadata__``."""
+    """The tensors of one ``.safetensors`` file (name -> :class:`TensorInfo`) and its ``__metadata__``.
+
+    ConversionError naming the file when the header is not one, or when it does not match the file:
+    byte ranges that disagree with a tensor's shape and dtype, or that run past the end of the file.
+    """
+    damaged = "the file is damaged: copy it again"
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise ConversionError(f"'{path}' is not a safetensors file (shorter than 8 bytes)")
+            raise ConversionError(f"'{path}' is not a safetensors file (shorter than 8 bytes); {damaged}")
         (n,) = struct.unpack("<Q", raw)
         if n > 100 * 2**20:
-            raise ConversionError(f"'{path}' is not a safetensors file (header length {n})")
+            raise ConversionError(f"'{path}' is not a safetensors file (header length {n}); {damaged}")
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConversionError(f"'{path}' has a corrupt safetensors header: {e}") from None
+            raise ConversionError(f"'{path}' has a corrupt safetensors header: {e}; {damaged}") from None
+        size = os.fstat(f.fileno()).st_size
+    if not isinstance(header, dict):
+        raise ConversionError(f"'{path}' has a corrupt safetensors header (a JSON {type(header).__name__}, "
+                              f"not an object); {damaged}")
     base = 8 + n
     meta = header.pop("__metadata__", None) or {}
     out = {}
     for name, h in header.items():
-        if h["dtype"] not in _DTYPES:
-            raise ConversionError(f"'{path}': tensor {name} has unsupported dtype {h['dtype']}")
-        b, e = h["data_offsets"]
-        out[name] = TensorInfo(path, _DTYPES[h["dtype"]], tuple(h["shape"]), base + b, base + e)
+        shape = h.get("shape") if isinstance(h, dict) else None
+        offsets = h.get("data_offsets") if isinstance(h, dict) else None
+        if (not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)):
+            raise ConversionError(f"'{path}': the header entry of tensor {name} is malformed ({h!r:.100}); "
+                                  f"{damaged}")
+        if h.get("dtype") not in _DTYPES:
+            raise ConversionError(f"'{path}': tensor {name} has dtype {h.get('dtype')!r}, which the converter "
+                                  f"cannot read; supported: {', '.join(_DTYPES)}")
+        dtype = _DTYPES[h["dtype"]]
+        b, e = offsets
+        need = math.prod(shape) * dtype_size(dtype)
+        if not 0 <= b <= e or e - b != need:
+            raise ConversionError(f"'{path}': the header gives tensor {name} the bytes [{b}, {e}), its shape "
+                                  f"{shape} and dtype {h['dtype']} need {need}; {damaged}")
+        if base + e > size:
+            raise ConversionError(f"'{path}' is truncated: {size} bytes, but its header places tensor {name} at "
+                                  f"bytes [{base + b}, {base + e}); {damaged}")
+        out[name] = TensorInfo(path, dtype, tuple(shape), base + b, base + e)
     return out, meta
 
 
@@ -113,10 +142,10 @@ class SafetensorsReader:
             raise FileNotFoundError(f"'{root}' is not a directory; give a Hugging Face checkpoint directory")
         index = self.root / INDEX_FILE
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise ConversionError(f"'{index}' is not a safetensors index (no weight_map): {e}") from None
+            weight_map = read_mapping_file(index, "json", f"'{index}'").get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ConversionError(f"'{index}' is not a safetensors index: it needs a weight_map object of "
+                                      "tensor name -> shard file; copy the checkpoint's index again")
             files = sorted(set(weight_map.values()))
         elif (self.root / SINGLE_FILE).is_file():
             weight_map, files = None, [SINGLE_FILE]
@@ -266,6 +295,12 @@ class SafetensorsShardWriter:
         if t.numel():
             self._fh.write(memoryview(t.view(-1).view(torch.uint8).numpy()))  # type: ignore[union-attr]
         self._pos += 1
+
+    def abort(self) -> None:
+        """Close the open shard without writing the index (the output is being thrown away)."""
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
 
     def close(self) -> Path:
         """Close the last shard and write the index; returns the index path. Raises if a planned

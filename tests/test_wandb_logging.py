@@ -6,6 +6,7 @@ import json
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,10 +44,29 @@ def wandb_records(run_dir: Path) -> Iterator[object]:
             buf = b""
 
 
+def finished_records(run_dir: Path, timeout_s: float = 60.0) -> list[object]:
+    """The records of an offline run once its ``exit`` record is on disk: ``run.finish()`` returns when the
+    W&B service has handled the exit, and the service may write the file's tail a moment later."""
+    from google.protobuf.message import DecodeError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            records = list(wandb_records(run_dir))
+        except (DecodeError, ValueError):  # a chunk still being written
+            records = []
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds:
+            return records
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no exit record in {run_dir} after {timeout_s} s; records: {kinds}")
+        time.sleep(0.2)
+
+
 def history(run_dir: Path) -> list[dict[str, object]]:
-    """The logged rows (key -> decoded value) of an offline run."""
+    """The logged rows (key -> decoded value) of a finished offline run."""
     rows = []
-    for r in wandb_records(run_dir):
+    for r in finished_records(run_dir):
         if r.WhichOneof("record_type") == "history":
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item})
     return rows
@@ -54,7 +74,7 @@ def history(run_dir: Path) -> list[dict[str, object]]:
 
 def run_config(run_dir: Path) -> dict[str, object]:
     """The config the run recorded (from its run record)."""
-    for r in wandb_records(run_dir):
+    for r in finished_records(run_dir):
         if r.WhichOneof("record_type") == "run":
             return {u.key: json.loads(u.value_json) for u in r.run.config.update}
     raise AssertionError("no run record")
@@ -139,7 +159,7 @@ def test_a_run_with_wandb_writes_its_metrics_and_config_under_output_dir(tmp_pat
     summary = run_distributed(_run, 1, overrides, timeout_s=180, env=env)[0]
     run_dir = Path(summary["wandb"])
     assert run_dir.parent == out / "wandb" and run_dir.name.startswith("offline-run-")
-    run = next(r.run for r in wandb_records(run_dir) if r.WhichOneof("record_type") == "run")
+    run = next(r.run for r in finished_records(run_dir) if r.WhichOneof("record_type") == "run")
     assert run.display_name == "run" and run.project == "megatron-agentrl"  # the output folder's name by default
     assert not (out / "tensorboard").exists()
     rows = history(run_dir)

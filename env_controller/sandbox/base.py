@@ -17,12 +17,19 @@ A command that breaks a limit is killed with everything it started, and the resu
 * ``output_limit``: printed more than ``max_output_bytes``;
 * ``process_limit``: reached ``max_processes`` processes (a fork bomb), during the command or
   in the background after it;
+* ``memory_limit``: the sandbox reached its memory limit and the kernel killed a process of it
+  (backends with a memory count for the whole sandbox, e.g. bwrap with a cgroup);
 * ``shell_exited``: the shell itself exited (``exit``, or killed by the memory limit).
 
 After any of these the sandbox starts a fresh shell: the working directory and variables are
-reset, files in the writable directories are kept. Network access fails (no network namespace
-devices besides loopback), the root filesystem is read-only, ``workdir`` and ``/tmp`` are
-private and writable, and memory and file size are capped per process.
+reset, files in the writable directories are kept. One more kind, ``disk_full``, kills nothing:
+the command ended by itself but a write failed because a size-capped directory (``/tmp``, the
+home...) is full. Network access fails (no network namespace devices besides loopback), the
+root filesystem is read-only, ``workdir`` and ``/tmp`` are private and writable, and memory and
+file size are capped.
+
+Unless ``background_jobs`` is set, nothing a command starts outlives it: the processes it left
+running are killed when it returns, and its output ends with a note saying how many.
 
 The shared machinery is :class:`ShellSandbox`: it drives any byte channel to a bash process with
 a marker protocol (each command is sent as one line of ANSI-C-quoted text, evaluated in the
@@ -43,11 +50,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from types import TracebackType
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 logger = logging.getLogger(__name__)
 
-LimitKind = Literal["timeout", "output_limit", "process_limit", "shell_exited"]
+LimitKind = Literal["timeout", "output_limit", "process_limit", "memory_limit", "shell_exited", "disk_full"]
 
 
 class SandboxError(RuntimeError):
@@ -62,16 +69,20 @@ class SandboxUnavailableError(SandboxError):
 class SandboxLimits:
     """Limits applied to every sandbox of a backend (or to one sandbox, given to ``create``).
 
-    memory_mb: address space per process (bwrap: ``RLIMIT_AS``) or memory of the container
-        (docker: ``mem_limit``, swap off).
+    memory_mb: memory of the whole sandbox, swap off (bwrap: its cgroup, where one can be made, and
+        ``RLIMIT_AS`` per process; docker: ``mem_limit``); files in its tmpfs directories count too.
     timeout_s: wall time of one command; the command is killed past it.
     max_processes: processes (and threads) in the sandbox at once, the shell included; a
-        command that brings the sandbox near it is taken for a fork bomb and killed.
+        command that brings the sandbox near it is taken for a fork bomb and killed (bwrap: also
+        its cgroup's ``pids.max``).
     max_output_bytes: output (stdout and stderr merged) of one command; the command is killed
         when it prints more, and the first ``max_output_bytes`` are returned.
     max_file_mb: size of one file written in the sandbox (``RLIMIT_FSIZE``).
-    tmp_mb: size of the private ``/tmp`` (a tmpfs).
+    tmp_mb: size of the private ``/tmp`` (a tmpfs); bwrap caps ``/dev/shm`` at the same size.
     start_timeout_s: time allowed to start (or restart) the shell.
+    cpus: CPU time of the whole sandbox, in CPUs (0.5 = half of one core; bwrap: its cgroup's quota).
+    background_jobs: let processes a command starts in the background run on after it returns
+        (they still count against the sandbox's memory, processes and CPUs); off, they are killed.
     """
 
     memory_mb: int = 1024
@@ -81,6 +92,8 @@ class SandboxLimits:
     max_file_mb: int = 64
     tmp_mb: int = 64
     start_timeout_s: float = 20.0
+    cpus: float = 1.0
+    background_jobs: bool = False
 
     def __post_init__(self) -> None:
         """Validate every field; raises ValueError naming the bad one."""
@@ -92,6 +105,12 @@ class SandboxLimits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"SandboxLimits.{name}={value!r} must be a positive number of seconds")
+        cpus = self.cpus
+        if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not 0.01 <= cpus < float("inf"):
+            raise ValueError(f"SandboxLimits.cpus={cpus!r} must be a number of CPUs of at least 0.01, e.g. 1.0 "
+                             "(0.5 = half of one core)")
+        if not isinstance(self.background_jobs, bool):
+            raise ValueError(f"SandboxLimits.background_jobs={self.background_jobs!r} must be true or false")
         if self.max_processes < 4:
             raise ValueError(f"SandboxLimits.max_processes={self.max_processes} is too low; the shell alone needs 3")
 
@@ -227,6 +246,11 @@ class SandboxBackend(ABC):
         with self._lock:
             return list(self._live.values())
 
+    def health(self) -> dict[str, Any]:
+        """State for a health check: ``backend``, open ``sandboxes`` and ``warnings``, one line per
+        limit of :class:`SandboxLimits` that does not hold here (empty when all hold)."""
+        return {"backend": self.name, "sandboxes": len(self.live()), "warnings": []}
+
     def close(self) -> None:
         """Close every sandbox still open; safe to call more than once."""
         for box in self.live():
@@ -318,7 +342,9 @@ class ShellSandbox(Sandbox):
 
     Subclasses implement :meth:`_spawn` (start a bash whose stdout/stderr and stdin are the
     returned :class:`Channel`), :meth:`_kill` (kill the shell and every process it started) and
-    may implement :meth:`_count_processes` (processes in the sandbox, for fork-bomb detection).
+    may implement :meth:`_count_processes` (processes in the sandbox, for fork-bomb detection),
+    :meth:`_end_stragglers` (kill what a command left running), :meth:`_oom_kills` and
+    :meth:`_full_filesystems` (which limit a failure came from).
     """
 
     #: seconds between two process counts while a command runs
@@ -330,6 +356,7 @@ class ShellSandbox(Sandbox):
         self._shell: _Shell | None = None
         self._run_lock = threading.Lock()
         self._idle_processes = 0
+        self._oom_seen: int | None = None
 
     # -- backend part -------------------------------------------------------------------------
 
@@ -344,6 +371,21 @@ class ShellSandbox(Sandbox):
     def _count_processes(self) -> int | None:
         """Processes running in the sandbox now, or None when the backend cannot tell."""
         return None
+
+    def _shell_ready(self) -> None:
+        """Called once a fresh shell answers, before any command (e.g. to note the shell's processes)."""
+
+    def _end_stragglers(self) -> int:
+        """Kill every process of the sandbox but the idle shell's; how many there were (0: cannot tell)."""
+        return 0
+
+    def _oom_kills(self) -> int | None:
+        """Processes killed so far for reaching the sandbox's memory limit, or None when unknown."""
+        return None
+
+    def _full_filesystems(self) -> list[tuple[str, int]]:
+        """``(directory in the sandbox, size limit in MB)`` of each size-capped file system now full."""
+        return []
 
     # -- shell lifecycle ----------------------------------------------------------------------
 
@@ -379,8 +421,10 @@ class ShellSandbox(Sandbox):
             raise
         del shell.pending[: shell.pending.index(marker) + len(marker)]
         self._shell = shell
+        self._shell_ready()
         count = self._count_processes()
         self._idle_processes = count if count is not None else 0
+        self._oom_seen = self._oom_kills()
         logger.debug("sandbox %s: shell ready in %.2f s", self.id, time.monotonic() - started)
 
     def _open(self) -> None:
@@ -435,14 +479,22 @@ class ShellSandbox(Sandbox):
         next_count = started + self.process_poll_s
         notice = b""
         count = self._count_processes()
+        oom = self._oom_kills()
+        reset = "a new shell was started: the working directory and variables are reset, files are kept"
         if count is not None and count >= self._bomb_threshold:
             # what an earlier command left in the background filled the process table since
             self._restart()
+            notice = (f"[note: background processes had reached the limit of {self.limits.max_processes} "
+                      f"processes and were killed; {reset}]\n").encode()
+        elif oom is not None and self._oom_seen is not None and oom > self._oom_seen:
+            # background processes of an earlier command reached the memory limit since
+            self._restart()
+            notice = (f"[note: background processes had reached the sandbox's memory limit of "
+                      f"{self.limits.memory_mb} MB and were killed; {reset}]\n").encode()
+        if notice:
             shell = self._shell
             assert shell is not None
-            notice = (f"[note: background processes had reached the limit of {self.limits.max_processes} "
-                      "processes and were killed; a new shell was started: the working directory and "
-                      "variables are reset, files are kept]\n").encode()
+            oom = self._oom_kills()
         buf = bytearray(notice + shell.pending)
         shell.pending.clear()
         searched = 0
@@ -479,11 +531,26 @@ class ShellSandbox(Sandbox):
                 break
             buf += chunk
         duration = time.monotonic() - started
-        if limit is None and self._background_bomb():
+        if limit is None and self.limits.background_jobs and self._background_bomb():
             limit = "process_limit"
+        oom_after = self._oom_kills()
+        if limit in (None, "shell_exited") and oom is not None and oom_after is not None and oom_after > oom:
+            limit = "memory_limit"
+        stopped = 0
+        if limit is None and not self.limits.background_jobs:
+            stopped = self._end_stragglers()
         truncated = len(buf) > max_out
         output = bytes(buf[:max_out]).decode("utf-8", errors="replace")
         if limit is None:
+            self._oom_seen = oom_after
+            if stopped:
+                output += ("" if output.endswith("\n") or not output else "\n") + (
+                    f"[note: {stopped} process{'es' if stopped > 1 else ''} left running in the background "
+                    "stopped when the command returned; background jobs are not kept in this sandbox]\n")
+            full = self._full_filesystems() if "No space left on device" in output else []
+            if full:
+                return CommandResult(output=output, exit_code=exit_code, limit="disk_full",
+                                     error=self._disk_full_message(full), truncated=truncated, duration_s=duration)
             return CommandResult(output=output, exit_code=exit_code, truncated=truncated, duration_s=duration)
         logger.info("sandbox %s: command ended by %s after %.2f s; restarting the shell", self.id, limit, duration)
         self._restart()
@@ -530,8 +597,22 @@ class ShellSandbox(Sandbox):
         if limit == "process_limit":
             return (f"the command reached the limit of {self.limits.max_processes} processes (a fork bomb?); "
                     f"all its processes were killed; {reset}")
+        if limit == "memory_limit":
+            return (f"the command was killed because the sandbox's memory limit of {self.limits.memory_mb} MB was "
+                    f"reached (its processes and in-memory files count together); all its processes were killed; "
+                    f"{reset}")
         return (f"the shell exited (by 'exit', or killed for exceeding the {self.limits.memory_mb} MB memory limit); "
                 f"{reset}")
+
+    @staticmethod
+    def _disk_full_message(full: list[tuple[str, int]]) -> str:
+        """One sentence naming the full directories and their size limits."""
+        if len(full) == 1:
+            (path, mb), = full
+            return f"{path} is full (its size limit is {mb} MB), so a write failed; delete files there to make room"
+        names = " and ".join(path for path, _ in full)
+        sizes = " and ".join(f"{mb} MB" for _, mb in full)
+        return f"{names} are full (size limits {sizes}), so writes failed; delete files there to make room"
 
     def copy_in(self, files: Mapping[str, bytes | str], mode: int = 0o644) -> None:
         """See :meth:`Sandbox.copy_in`; this default writes through the shell (``printf`` builtin)."""

@@ -21,7 +21,7 @@ from typing import Any
 from env_controller.sandbox import Sandbox, SandboxBackend, SandboxError, SandboxLimits, make_backend
 from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, function_schema
 from env_controller.tasks.blocking import BlockingToolTask, BlockingToolTaskSession
-from env_controller.tasks.params import TaskParamError, int_param, seconds_param, str_param
+from env_controller.tasks.params import TaskParamError, bool_param, int_param, seconds_param, str_param
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +257,14 @@ def answer_matches(answer: str, expected: str, answer_type: str) -> bool:
     return got == expected
 
 
+def _cpus_param(task: str, value: Any) -> float:
+    """``cpus`` as a float when it is a finite number of CPUs >= 0.01."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.01 <= value < float("inf")
+    if not ok:
+        raise TaskParamError(task, "cpus", value, "must be a number of CPUs of at least 0.01, e.g. 1.0")
+    return float(value)
+
+
 class OsShellSession(BlockingToolTaskSession):
     """One ``os_shell`` episode in its own sandbox."""
 
@@ -293,6 +301,7 @@ class OsShellSession(BlockingToolTaskSession):
         output = self._clip(result.output)
         if result.limit is not None:
             self.limit_hits += 1
+        if result.limit is not None and result.restarted:
             text = f"error: {result.error}"
             return text + (f"\noutput before it was stopped:\n{output}" if output.strip() else "")
         if not output:
@@ -300,6 +309,8 @@ class OsShellSession(BlockingToolTaskSession):
         if result.exit_code != 0:
             output = (output + ("\n" if output and not output.endswith("\n") else "")
                       + f"[exit code {result.exit_code}]")
+        if result.limit is not None:  # a limit that stopped nothing (a full /tmp): said after the output
+            output += f"\nerror: {result.error}"
         return output
 
     def _grade(self, name: str, answer: str) -> ToolResult:
@@ -343,7 +354,8 @@ class OsShellTask(BlockingToolTask):
     returns its output (stdout and stderr, at most ``max_output_chars`` shown), ``[exit code N]``
     after a failing command, ``(no output)`` for a silent success, and ``error: ...`` when a
     sandbox limit stopped it (time, output, processes, memory; the shell is restarted, files
-    kept); ``answer_action(answer: string)`` and ``finish_action()`` end the episode.
+    kept), or an ``error: ...`` line after the output when a write hit a full ``/tmp`` or home;
+    ``answer_action(answer: string)`` and ``finish_action()`` end the episode.
     Samples: 12 generators (``index % 12``): 7 questions (count files by extension, read a
     config value, count log lines of a level, sum numbers, name the largest file, count
     distinct CSV values, count a word) and 5 changes (create a file, chmod a script, rename
@@ -359,8 +371,9 @@ class OsShellTask(BlockingToolTask):
     Metrics: ``success``, ``turns``, ``commands``, ``limit_hits``.
 
     backend: ``"bwrap"`` (default), ``"docker"`` or a :class:`SandboxBackend`; created on the
-    first session. command_timeout_s / memory_mb / max_processes: sandbox limits per command.
-    image: the docker backend's image.
+    first session. command_timeout_s (per command) / memory_mb / max_processes / cpus (per
+    sandbox): sandbox limits. background_jobs: let a command's background processes run on after
+    it returns (off: they are killed). image: the docker backend's image.
     """
 
     name = "os_shell"
@@ -369,7 +382,7 @@ class OsShellTask(BlockingToolTask):
     def __init__(self, seed: int = 0, num_samples: int = 300, max_turns: int | None = None,
                  backend: str | SandboxBackend = "bwrap", command_timeout_s: float = 10.0, memory_mb: int = 1024,
                  max_processes: int = 64, max_output_chars: int = 4000, image: str = "ubuntu:22.04",
-                 max_workers: int = 64) -> None:
+                 max_workers: int = 64, cpus: float = 1.0, background_jobs: bool = False) -> None:
         """Validate the params (TaskParamError naming a bad one); the backend starts on first use."""
         super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns, max_workers=max_workers)
         if not (isinstance(backend, SandboxBackend) or backend in ("bwrap", "docker")):
@@ -378,7 +391,9 @@ class OsShellTask(BlockingToolTask):
         self.limits = SandboxLimits(timeout_s=seconds_param(self.name, "command_timeout_s", command_timeout_s),
                                     memory_mb=int_param(self.name, "memory_mb", memory_mb, low=1),
                                     # the sandbox's shell alone needs 3 processes
-                                    max_processes=int_param(self.name, "max_processes", max_processes, low=4))
+                                    max_processes=int_param(self.name, "max_processes", max_processes, low=4),
+                                    cpus=_cpus_param(self.name, cpus),
+                                    background_jobs=bool_param(self.name, "background_jobs", background_jobs))
         self.image = str_param(self.name, "image", image)
         self._backend_spec = backend
         self._backend: SandboxBackend | None = backend if isinstance(backend, SandboxBackend) else None

@@ -121,7 +121,7 @@ async def _start(
     ep.tools = list(reply.tools or [])
     try:
         prompt = template.encode_prompt(reply.messages, ep.tools)
-    except (ValueError, TypeError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001 - a worker's reply is untrusted: it costs this episode only
         logger.error("session %s (%s #%d): cannot render the first messages: %s", ep.session_id, t.task, t.index, e)
         _finish(ep, SampleStatus.TASK_ERROR, error=f"cannot render the first messages: {e}")
         await _cancel(env, ep, timeout_s)
@@ -171,7 +171,7 @@ async def _interact(
     try:
         # a turn cut by length gets the format's turn end first (Qwen2.5: <|im_end|>), an env token
         piece = template.encode_env_reply(reply.messages, ended_with=ep.turn_end)
-    except (ValueError, TypeError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001 - a worker's reply is untrusted: it costs this episode only
         logger.error("env session %s (%s #%d): cannot render the reply: %s", ep.session_id, t.task, t.index, e)
         _finish(ep, SampleStatus.TASK_ERROR, error=f"cannot render the env reply: {e}")
         await _cancel(env, ep, timeout_s)
@@ -306,8 +306,8 @@ async def _turns(
                 cancels.append(ep)
                 continue
             ep.turn_end = toks[-1] if ended_by_stop else None
-            text = template.decode(toks[:-1] if ended_by_stop else toks)
             try:
+                text = template.decode(toks[:-1] if ended_by_stop else toks)
                 message = template.parse_assistant(text, ep.tools or None, call_id_start=ep.num_calls)
             except ToolCallParseError as e:
                 logger.debug(

@@ -239,6 +239,31 @@ def test_env_errors_and_timeouts_are_task_errors(template: ChatTemplate) -> None
         _check_alignment(t)
 
 
+def test_a_hostile_env_reply_costs_only_its_episode(template: ChatTemplate) -> None:
+    """A worker's reply the template cannot render (whatever the exception) ends that episode with a task
+    error and cancels its session; the other episodes of the batch complete."""
+    class HostileEnv(FakeEnv):
+        async def start_sample(self, task, index):
+            sid, reply = await super().start_sample(task, index)
+            if index == 1:
+                reply.messages.append(None)  # the template's .get on it raises AttributeError
+            return sid, reply
+
+        async def interact(self, session_id, messages):
+            reply = await super().interact(session_id, messages)
+            if session_id.endswith("-0-1"):
+                reply.messages = [["not", "a", "message"]]
+            return reply
+
+    engine, env = FakeEngine(template), HostileEnv()
+    trajs = run(engine, env, template, [("calc", 0, 0), ("calc", 1, 0), ("calc", 2, 0)])
+    assert [t.status for t in trajs] == ["task error", "task error", "completed"]
+    assert "cannot render the env reply" in trajs[0].error and "cannot render the first messages" in trajs[1].error
+    assert sorted(env.cancelled) == ["calc-0-1", "calc-1-2"]
+    for t in trajs:
+        _check_alignment(t)
+
+
 def test_engine_failure_cancels_sessions_and_raises(template: ChatTemplate) -> None:
     class Broken(FakeEngine):
         async def generate(self, prompts, params):

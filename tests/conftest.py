@@ -4,6 +4,7 @@ from __future__ import annotations
 import signal
 import subprocess
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -20,3 +21,29 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not fail
             pass
+
+
+@pytest.fixture(scope="session")
+def docker_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A private Docker engine (``dockerd`` on its own socket and data root) for the whole test run; skips
+    with the reason only where dockerd cannot run (not installed, not root)."""
+    from env_controller.sandbox.dockerd import DockerEngine, DockerUnavailableError
+
+    try:
+        engine = DockerEngine()
+    except DockerUnavailableError as e:
+        pytest.skip(f"{e} (CI installs docker.io)")
+    with engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def os_shell_image(docker_engine: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The OS task's image (host bash and coreutils), built here and imported into ``docker_engine``."""
+    from env_controller.sandbox.docker_image import ensure_image
+
+    client = docker_engine.client()
+    try:
+        return ensure_image(client, tmp_path_factory.mktemp("image"))
+    finally:
+        client.close()

@@ -1,36 +1,56 @@
 """HTTP plumbing shared by the controller and the worker server (aiohttp, asyncio).
 
-JSON error replies, the bind rule (loopback by default, a bearer token required elsewhere), the
-token check, request-body parsing with errors that name the bad field, a small runner that
-serves an aiohttp app on ``host:port`` (port 0 picks a free port) with uvloop when installed,
-and :class:`HttpService`, the lifecycle both servers share.
+JSON in and out (a nesting limit on what comes in, UTF-8 without escapes on what goes out), JSON
+error replies, the bind rule (loopback by default, credentials required elsewhere), credentials
+and the roles they grant, request-body reading under a size and a time limit, a small runner
+that serves an aiohttp app on ``host:port`` (port 0 picks a free port) with uvloop when
+installed, and :class:`HttpService`, the lifecycle both servers share.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
 import binascii
+import enum
 import hmac
 import ipaddress
+import itertools
 import json
 import logging
 import os
+import re
 import resource
 import signal
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Self
+from urllib.parse import urlsplit, urlunsplit
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 logger = logging.getLogger(__name__)
 
-#: environment variable that holds the shared bearer token (controller, workers, clients)
+#: environment variable of the shared token (trainer and worker credential at once, as before the split)
 TOKEN_ENV = "AGENTRL_CONTROLLER_TOKEN"
+#: environment variable of the trainer's credential (start, interact, cancel, views)
+TRAINER_TOKEN_ENV = "AGENTRL_TRAINER_TOKEN"
+#: environment variable of a worker's credential (heartbeats; the controller sends it back on its calls)
+WORKER_TOKEN_ENV = "AGENTRL_WORKER_TOKEN"
 #: the header that carries a session id, as AgentRL clients and workers send it
 SESSION_HEADER = "session_id"
 #: largest request body accepted (assistant messages can be long)
 MAX_BODY_BYTES = 32 * 1024 * 1024
+#: deepest nesting of arrays and objects accepted in a JSON body (the protocol needs under 10 levels;
+#: the parser recurses once per level, so an unbounded depth would exhaust the stack)
+MAX_JSON_DEPTH = 100
+#: seconds a client may take to send a request body once its headers arrived
+BODY_TIMEOUT_S = 30.0
+#: seconds a connection may stay without a complete request head (from its opening, or after a
+#: reply); keep it above the clients' own keep-alive (the trainer client: 30 s, the controller's
+#: pool towards workers: 3 s), so that no client sends on a connection the server is closing
+IDLE_TIMEOUT_S = 75.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -46,13 +66,71 @@ class HttpError(Exception):
         self.headers = headers or {}
 
 
+class ClientGone(HttpError):
+    """The client disconnected or stalled while sending its request (logged in one line, no traceback)."""
+
+
+# -- JSON ------------------------------------------------------------------------------------------
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_TO_SQUARE = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_RUNS = re.compile(rb"\[+|\]+")
+
+
+def json_too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the JSON text ``raw`` nests arrays and objects deeper than ``limit`` (brackets inside
+    strings do not count). Never recurses; C-speed passes, well under a second for 32 MiB."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    brackets = _JSON_STRING.sub(b"", raw).translate(_TO_SQUARE, _NOT_BRACKET)
+    if b"[" * (limit + 1) in brackets:
+        return True
+    # each pass removes the innermost pairs, lowering the peak by one; after k passes every run of
+    # openers left stands for a subtree of 2(k+1) bytes or more, so few runs remain to add up
+    passes = 0
+    for _ in range(min(limit, 8)):
+        reduced = brackets.replace(b"[]", b"")
+        if len(reduced) == len(brackets):
+            break
+        brackets, passes = reduced, passes + 1
+    lengths = [len(run) for run in _RUNS.findall(brackets)]
+    if not lengths:
+        return passes > limit
+    closers = 1 if brackets.startswith(b"[") else 0  # runs alternate: openers, closers, openers, ...
+    lengths[closers::2] = [-n for n in lengths[closers::2]]
+    return max(itertools.accumulate(lengths)) + passes > limit
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def loads_json(raw: bytes | str, limit: int = MAX_JSON_DEPTH, strict: bool = True) -> Any:
+    """Parse JSON with a nesting limit; ValueError saying what is wrong. ``strict`` refuses
+    ``NaN`` and ``Infinity`` (not JSON, though Python writes them)."""
+    data = raw.encode() if isinstance(raw, str) else raw
+    if json_too_deep(data, limit):
+        raise ValueError(f"JSON nested deeper than {limit} levels of arrays and objects")
+    try:
+        return json.loads(data, parse_constant=_no_constant) if strict else json.loads(data)
+    except RecursionError:  # only when the stack is already deep: the limit keeps parsing shallow
+        raise ValueError(f"JSON nested too deep to parse (limit {limit} levels)") from None
+
+
+def dumps_json(body: Any) -> bytes:
+    """Compact JSON in UTF-8, non-ASCII text as is (escaping it as ``\\uXXXX`` can triple its size)."""
+    text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:  # a lone surrogate (sent as "\ud800") has no UTF-8 form: keep escapes
+        return json.dumps(body, separators=(",", ":")).encode()
+
+
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    """A JSON response (compact encoding)."""
+    """A JSON response (compact UTF-8)."""
     return web.Response(
-        body=json.dumps(body, separators=(",", ":")).encode(),
-        status=status,
-        headers=headers,
-        content_type="application/json",
+        body=dumps_json(body), status=status, headers=headers, content_type="application/json", charset="utf-8"
     )
 
 
@@ -61,12 +139,43 @@ def json_error(status: int, message: str, headers: dict[str, str] | None = None)
     return json_response({"error": message, "status": status}, status=status, headers=headers)
 
 
+# -- URLs and credentials --------------------------------------------------------------------------
+
+
 def base_api_url(url: str) -> str:
     """A controller URL, ``http://host:port`` or ``http://host:port/api``, as ``http://host:port/api``."""
     url = url.rstrip("/")
     if not url.startswith(("http://", "https://")):
-        raise ValueError(f"controller URL {url!r} must start with http:// or https://, e.g. http://127.0.0.1:5020")
+        raise ValueError(
+            f"controller URL {redact_url(url)!r} must start with http:// or https://, e.g. http://127.0.0.1:5020"
+        )
     return url if url.endswith("/api") else url + "/api"
+
+
+def split_url_credentials(url: str) -> tuple[str, str | None]:
+    """``url`` without its ``user:password@`` part, and the password (None when there is none)."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return url, None
+    if "@" not in parts.netloc:
+        return url, None
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=host)), password or None
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any credentials in it replaced: ``http://user:***@host/api``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if "@" not in parts.netloc:
+        return url
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def is_loopback(host: str) -> bool:
@@ -79,77 +188,209 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def resolve_token(token: str | None) -> str | None:
-    """``token`` when given, else ``$AGENTRL_CONTROLLER_TOKEN``, else None (empty means None)."""
-    token = token if token is not None else os.environ.get(TOKEN_ENV)
+def resolve_token(token: str | None, *env_names: str) -> str | None:
+    """``token`` when given, else the first set variable of ``env_names`` (default
+    ``$AGENTRL_CONTROLLER_TOKEN``), else None (empty means None)."""
+    if token is None:
+        for name in env_names or (TOKEN_ENV,):
+            token = os.environ.get(name)
+            if token:
+                break
     return token or None
 
 
-def check_bind(host: str, token: str | None, what: str) -> None:
-    """Refuse to serve ``what`` on a non-loopback ``host`` without a token (ValueError says how)."""
-    if not is_loopback(host) and not token:
+def token_ok(token: str | None) -> bool:
+    """Whether ``token`` is None or can travel in an ``Authorization`` header as is (printable ASCII, no spaces)."""
+    return token is None or (isinstance(token, str) and _TOKEN.fullmatch(token) is not None)
+
+
+_TOKEN = re.compile(r"[!-~]{1,4096}")
+
+
+def pick_token(token: str | None, url: str, what: str) -> tuple[str, str | None]:
+    """The URL without credentials and the token to use: ``token`` when given (a warning when the
+    URL holds another one), else the URL's password. Sending both makes aiohttp refuse the request."""
+    bare, from_url = split_url_credentials(url)
+    if from_url is not None and token is not None and from_url != token:
+        logger.warning("%s: both a token and credentials in the URL %s; using the token (drop one of them)",
+                       what, redact_url(url))
+    return bare, token if token is not None else from_url
+
+
+def check_bind(host: str, secured: object, what: str) -> None:
+    """Refuse to serve ``what`` on a non-loopback ``host`` without credentials (ValueError says how)."""
+    if not is_loopback(host) and not secured:
         raise ValueError(
             f"{what} bound to {host!r} (not loopback) needs a bearer token: pass --token or set "
             f"${TOKEN_ENV}; or bind --host 127.0.0.1"
         )
 
 
-def _token_ok(header: str | None, token: str) -> bool:
+class Role(enum.Enum):
+    """Who may call a route: the trainer, a worker, either, or anyone (no credential)."""
+
+    TRAINER = "trainer"
+    WORKER = "worker"
+    ANY = "any"
+    OPEN = "open"
+
+
+#: worker-token key that allows every task name
+ANY_TASK = "*"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a request's credential allows: the trainer API, and the task names it may serve as a worker."""
+
+    trainer: bool
+    tasks: frozenset[str]
+    token: str | None = field(default=None, repr=False)
+
+    @property
+    def worker(self) -> bool:
+        """Whether it may act as a worker (of at least one task)."""
+        return bool(self.tasks)
+
+    def may_serve(self, name: str) -> bool:
+        """Whether it may register as a worker of task ``name``."""
+        return ANY_TASK in self.tasks or name in self.tasks
+
+
+#: the identity of every request when no credential is configured
+OPEN_IDENTITY = Identity(trainer=True, tasks=frozenset({ANY_TASK}))
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """The tokens a server accepts: ``trainer`` (None: no trainer credential) and ``workers``, task
+    name (or ``*`` for any) to token. With none at all every request is allowed (loopback use)."""
+
+    trainer: str | None = field(default=None, repr=False)
+    workers: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def single(cls, token: str | None) -> Credentials:
+        """One token for every role (the ``--token`` of older setups, and our worker server's)."""
+        return cls(token, {ANY_TASK: token} if token else {})
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any credential is required."""
+        return bool(self.trainer or self.workers)
+
+    def identify(self, header: str | None) -> Identity | None:
+        """The identity an ``Authorization`` header proves (Bearer, or Basic with the token as
+        password, as stock AgentRL workers send it from URL credentials); None when it proves none."""
+        presented = _presented_token(header)
+        if presented is None:
+            return None
+        given = presented.encode()
+        trainer = bool(self.trainer) and hmac.compare_digest(given, self.trainer.encode())  # type: ignore[union-attr]
+        tasks = frozenset(name for name, tok in self.workers.items() if hmac.compare_digest(given, tok.encode()))
+        if not trainer and not tasks:
+            return None
+        return Identity(trainer, tasks, presented)
+
+
+def _presented_token(header: str | None) -> str | None:
     if not header:
-        return False
+        return None
     scheme, _, value = header.partition(" ")
     scheme = scheme.lower()
     value = value.strip()
     if scheme == "bearer":
-        return hmac.compare_digest(value.encode(), token.encode())
+        return value or None
     if scheme == "basic":  # stock AgentRL workers can only embed it in the URL: http://agentrl:TOKEN@host/api
         try:
             _, _, password = base64.b64decode(value, validate=True).decode().partition(":")
         except (binascii.Error, UnicodeDecodeError):
-            return False
-        return hmac.compare_digest(password.encode(), token.encode())
-    return False
+            return None
+        return password or None
+    return None
 
 
-def make_middleware(token: str | None, on_error: Callable[[web.Request, int], None] | None = None) -> Any:
-    """Middleware: bearer-token check (when ``token``), and JSON bodies for every error.
+#: where the auth middleware leaves a request's identity
+IDENTITY_KEY = web.RequestKey("agentrl_identity", Identity)
 
-    ``on_error(request, status)`` is called for each error reply (for metrics).
+
+def identity_of(request: web.Request) -> Identity:
+    """The identity the auth middleware found for ``request``."""
+    return request.get(IDENTITY_KEY, OPEN_IDENTITY)
+
+
+def _role_error(role: Role, path: str) -> HttpError:
+    if role is Role.TRAINER:
+        return HttpError(403, f"{path} needs the trainer credential; this one is a worker's (it may only register "
+                              f"workers and send heartbeats): use --trainer-token / ${TRAINER_TOKEN_ENV}")
+    return HttpError(403, f"{path} is for task workers; a trainer credential cannot register workers or act for "
+                          "them: give the worker a worker token (the controller's --worker-token NAME=TOKEN)")
+
+
+def make_middleware(
+    credentials: Credentials,
+    roles: Mapping[tuple[str, str], Role] | None = None,
+    on_error: Callable[[web.Request, int], None] | None = None,
+    auth_hint: str = f"the controller's --token / ${TOKEN_ENV}",
+) -> Any:
+    """Middleware: the credential check (when ``credentials`` has any) against the route's role in
+    ``roles`` (``(method, path)``; default :attr:`Role.ANY`), and JSON bodies for every error.
+
+    ``on_error(request, status)`` is called for each error reply (for metrics); ``auth_hint`` names
+    where the expected token comes from in the 401 message (never the token itself).
     """
+    roles = roles if roles is not None else {}  # not copied: HttpService fills it after building the app
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if token is not None and not _token_ok(request.headers.get("Authorization"), token):
-            status = 401
-            response: web.StreamResponse = json_error(
-                status,
-                "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
-                f"(the controller's --token / ${TOKEN_ENV})",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        else:
-            try:
-                return await handler(request)
-            except HttpError as e:
-                status = e.status
-                response = json_error(e.status, e.message, e.headers)
-            except web.HTTPException as e:
-                status = e.status
-                if status == 404:
-                    msg = f"no such endpoint: {request.method} {request.path}"
-                elif status == 405:
-                    msg = f"method {request.method} not allowed on {request.path}"
-                elif status == 413:
-                    msg = f"request body too large (limit {MAX_BODY_BYTES} bytes)"
-                else:
-                    msg = e.text or e.reason
-                response = json_error(status, msg)
-            except (asyncio.CancelledError, KeyboardInterrupt):
-                raise
-            except Exception as e:  # noqa: BLE001 - one bad request must not kill the server
-                logger.exception("%s %s failed", request.method, request.path)
-                status = 500
-                response = json_error(500, f"internal error: {type(e).__name__}: {e}")
+        try:
+            if credentials.enabled:
+                resource = request.match_info.route.resource
+                role = roles.get((request.method, resource.canonical if resource else ""), Role.ANY)
+                if role is not Role.OPEN:
+                    identity = credentials.identify(request.headers.get("Authorization"))
+                    if identity is None:
+                        raise HttpError(
+                            401, f"missing or wrong bearer token: send 'Authorization: Bearer <token>' ({auth_hint})",
+                            headers={"WWW-Authenticate": "Bearer"},
+                        )
+                    if (role is Role.TRAINER and not identity.trainer) or (role is Role.WORKER and not identity.worker):
+                        raise _role_error(role, request.path)
+                    request[IDENTITY_KEY] = identity
+            return await handler(request)
+        except ClientGone as e:
+            level = logging.WARNING if e.status == 408 else logging.INFO
+            logger.log(level, "%s %s from %s: %s", request.method, request.path, request.remote, e.message)
+            status = e.status
+            response: web.StreamResponse = json_error(e.status, e.message, e.headers)
+            if e.status == 408:  # answer, then drop the connection: the rest of the body is not awaited
+                response.force_close()
+                try:
+                    await response.prepare(request)
+                    await response.write_eof()
+                except (ConnectionError, RuntimeError):
+                    pass
+                request.protocol.force_close()
+        except HttpError as e:
+            status = e.status
+            response = json_error(e.status, e.message, e.headers)
+        except web.HTTPException as e:
+            status = e.status
+            if status == 404:
+                msg = f"no such endpoint: {request.method} {request.path}"
+            elif status == 405:
+                msg = f"method {request.method} not allowed on {request.path}"
+            elif status == 413:
+                msg = f"request body too large (limit {request.app.get(MAX_BODY_KEY, MAX_BODY_BYTES)} bytes)"
+            else:
+                msg = e.text or e.reason
+            response = json_error(status, msg, {k: v for k, v in e.headers.items() if k.lower() == "allow"})
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            raise
+        except Exception as e:  # noqa: BLE001 - one bad request must not kill the server
+            logger.exception("%s %s failed", request.method, request.path)
+            status = 500
+            response = json_error(500, f"internal error: {type(e).__name__}: {e}")
         if on_error is not None:
             on_error(request, status)
         return response
@@ -157,34 +398,62 @@ def make_middleware(token: str | None, on_error: Callable[[web.Request, int], No
     return middleware
 
 
+# -- request bodies --------------------------------------------------------------------------------
+
+#: where :class:`HttpService` keeps its body timeout and size limit on the app (read by :func:`read_body`)
+BODY_TIMEOUT_KEY = web.AppKey("agentrl_body_timeout_s", float)
+MAX_BODY_KEY = web.AppKey("agentrl_max_body_bytes", int)
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The whole request body, within the size limit and the app's body timeout.
+
+    :class:`HttpError` 413 over the limit; :class:`ClientGone` 408 when the client stalls and 400
+    when it disconnects or breaks the framing mid-body.
+    """
+    limit = request.app.get(MAX_BODY_KEY, MAX_BODY_BYTES)
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise HttpError(413, f"{request.path}: request body of {declared} bytes is over the limit of {limit} bytes")
+    timeout_s = request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
+    try:
+        return await asyncio.wait_for(request.read(), timeout_s)
+    except TimeoutError:
+        raise ClientGone(408, f"request body not received within {timeout_s:g} s; connection closed") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise HttpError(413, f"{request.path}: request body over the limit of {limit} bytes") from None
+    except (ConnectionError, HttpProcessingError) as e:
+        raise ClientGone(400, f"client went away mid-body ({type(e).__name__}: {e})") from None
+
+
 async def read_json_object(request: web.Request) -> dict[str, Any]:
     """The request body as a JSON object; :class:`HttpError` 400 saying what is wrong."""
-    raw = await request.read()
+    raw = await read_body(request)
     if not raw:
         raise HttpError(400, f"{request.path}: empty request body; expected a JSON object")
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+        body = loads_json(raw)
+    except ValueError as e:  # UnicodeDecodeError included
         raise HttpError(400, f"{request.path}: request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise HttpError(400, f"{request.path}: request body must be a JSON object, got {type(body).__name__}")
     return body
 
 
+_DECIMAL = re.compile(r"-?[0-9]{1,30}")
+
+
 def session_id_from(value: Any, where: str) -> int:
-    """Parse a session id (an integer, or its decimal string); HttpError 400 naming ``where``."""
+    """Parse a session id (an integer, or its decimal string in ASCII digits); HttpError 400 naming ``where``."""
     if isinstance(value, bool):
         value = None
     if isinstance(value, int):
         return value
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
+    if isinstance(value, str) and _DECIMAL.fullmatch(value):
+        return int(value)
     if value is None:
         raise HttpError(400, f"missing {where}: the integer session id returned by start_sample")
-    raise HttpError(400, f"{where} must be an integer session id, got {value!r}")
+    raise HttpError(400, f"{where} must be an integer session id, got {value!r:.100}")
 
 
 def install_uvloop() -> bool:
@@ -210,9 +479,14 @@ def raise_nofile_limit(want: int = 65536) -> int:
     return soft
 
 
-async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve ``app`` on ``host:port``; returns the runner (``await runner.cleanup()`` to stop) and the bound port."""
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+async def start_site(
+    app: web.Application, host: str, port: int, idle_timeout_s: float = IDLE_TIMEOUT_S
+) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on ``host:port``; returns the runner (``await runner.cleanup()`` to stop) and the bound port.
+
+    ``idle_timeout_s`` bounds both the wait for a request head and idle keep-alive connections.
+    """
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=idle_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
     try:
@@ -228,24 +502,53 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
     return runner, bound
 
 
+#: one route of an :class:`HttpService`: (method, path, handler, who may call it)
+Route = tuple[str, str, Handler, Role]
+
+
 class HttpService(ABC):
-    """An aiohttp app with the token / JSON-error middleware, served on ``host:port`` under the
+    """An aiohttp app with the credential / JSON-error middleware, served on ``host:port`` under the
     bind rule, stopped with a bounded wait, usable as ``async with service:``.
 
     Subclasses implement :meth:`start` and :meth:`stop` around :meth:`_serve` and :meth:`_unserve`.
     """
 
-    def __init__(self, token: str | None, routes: Iterable[tuple[str, str, Handler]]) -> None:
-        """``token``: bearer token required on every request (None: none); ``routes``: (method, path, handler)."""
-        self.app = web.Application(middlewares=[make_middleware(token)], client_max_size=MAX_BODY_BYTES)
-        for method, path, handler in routes:
+    def __init__(
+        self,
+        credentials: Credentials,
+        routes: Iterable[Route],
+        *,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        auth_hint: str = f"the controller's --token / ${TOKEN_ENV}",
+    ) -> None:
+        """``credentials``: what requests must prove (none: open); ``routes``: (method, path,
+        handler, role); ``body_timeout_s``: limit on receiving a request body; ``idle_timeout_s``:
+        limit on receiving a request head (and on idle keep-alive connections); ``max_body_bytes``:
+        largest request body."""
+        for label, v in (("body_timeout_s", body_timeout_s), ("idle_timeout_s", idle_timeout_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{label}={v!r} must be a positive number of seconds")
+        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes={max_body_bytes!r} must be a positive integer")
+        self.credentials = credentials
+        self.idle_timeout_s = float(idle_timeout_s)
+        self.max_body_bytes = max_body_bytes
+        roles: dict[tuple[str, str], Role] = {}
+        self.app = web.Application(client_max_size=max_body_bytes)
+        self.app.middlewares.append(make_middleware(credentials, roles, auth_hint=auth_hint))
+        self.app[BODY_TIMEOUT_KEY] = float(body_timeout_s)
+        self.app[MAX_BODY_KEY] = max_body_bytes
+        for method, path, handler, role in routes:
             self.app.router.add_route(method, path, handler)
+            roles[(method, path)] = role
         self._runner: web.AppRunner | None = None
 
-    async def _serve(self, host: str, port: int, token: str | None, what: str) -> int:
+    async def _serve(self, host: str, port: int, what: str) -> int:
         """Check the bind rule for ``what`` (ValueError) and serve the app; returns the bound port."""
-        check_bind(host, token, what)
-        self._runner, bound = await start_site(self.app, host, port)
+        check_bind(host, self.credentials.enabled, what)
+        self._runner, bound = await start_site(self.app, host, port, self.idle_timeout_s)
         return bound
 
     async def _unserve(self) -> None:

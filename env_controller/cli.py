@@ -7,7 +7,8 @@
     agentrl worker --task mypkg.tasks:MyTask --param seed=1 --concurrency 256 ...
 
 Also runnable without the console script: ``python -m env_controller.cli controller ...``.
-A non-loopback ``--host`` needs ``--token`` (or ``$AGENTRL_CONTROLLER_TOKEN``).
+A non-loopback ``--host`` needs credentials: ``--token`` (or ``$AGENTRL_CONTROLLER_TOKEN``) for
+every role, or ``--trainer-token`` with ``--worker-token NAME=TOKEN`` / ``--worker-tokens-file``.
 """
 from __future__ import annotations
 
@@ -18,7 +19,17 @@ import logging
 import sys
 from typing import Any
 
-from env_controller._http import TOKEN_ENV, install_uvloop, raise_nofile_limit, resolve_token
+from env_controller._http import (
+    BODY_TIMEOUT_S,
+    IDLE_TIMEOUT_S,
+    TOKEN_ENV,
+    TRAINER_TOKEN_ENV,
+    WORKER_TOKEN_ENV,
+    install_uvloop,
+    raise_nofile_limit,
+    resolve_token,
+    split_url_credentials,
+)
 
 logger = logging.getLogger("agentrl.env")
 
@@ -42,7 +53,18 @@ def add_controller_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``agentrl controller``."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; elsewhere needs --token)")
     p.add_argument("--port", type=int, default=5020, help="port to bind (default 5020; 0 picks a free one)")
-    p.add_argument("--token", default=None, help=f"bearer token required on every request (default ${TOKEN_ENV})")
+    p.add_argument("--token", default=None, help=f"shared token: the trainer's and every worker's credential, for "
+                   f"the roles not given their own below (default ${TOKEN_ENV})")
+    p.add_argument("--trainer-token", default=None,
+                   help=f"the trainer's credential: start, interact, cancel, views (default ${TRAINER_TOKEN_ENV})")
+    p.add_argument("--worker-token", action="append", default=[], metavar="NAME=TOKEN",
+                   help="a worker credential and the task it may serve (NAME '*' = any task); repeatable")
+    p.add_argument("--worker-tokens-file", default=None, metavar="PATH",
+                   help="YAML mapping of task name (or '*') to worker token, read like --worker-token")
+    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
+                   help=f"seconds a client may take to send a request body (default {BODY_TIMEOUT_S:g})")
+    p.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT_S,
+                   help=f"seconds a connection may wait for a complete request head (default {IDLE_TIMEOUT_S:g})")
     p.add_argument(
         "--heartbeat-timeout",
         type=float,
@@ -105,7 +127,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         "--latency-ms", type=float, default=0.0, help="simulated extra latency per start/interact, ms (benchmarks)"
     )
     p.add_argument(
-        "--token", default=None, help=f"bearer token: sent to the controller, required from it (default ${TOKEN_ENV})"
+        "--token", default=None,
+        help=f"the worker's credential: sent to the controller, required from it (default: the password of the "
+             f"--controller URL, else ${WORKER_TOKEN_ENV}, else ${TOKEN_ENV})",
     )
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
@@ -141,6 +165,32 @@ def build_worker_task(spec: str, params: list[str]) -> Any:
         raise ValueError(f"--task {spec!r}: {e}") from None
 
 
+def worker_tokens(items: list[str], path: str | None) -> dict[str, str]:
+    """Task name (or ``*``) to worker token, from ``NAME=TOKEN`` items and a YAML file; ValueError
+    naming the bad entry (never a token)."""
+    import yaml
+
+    out: dict[str, str] = {}
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                loaded = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"--worker-tokens-file {path!r}: cannot read it: {type(e).__name__}") from None
+        if not isinstance(loaded, dict) or not all(
+            isinstance(k, str) and k and isinstance(v, str) and v for k, v in loaded.items()
+        ):
+            raise ValueError(f"--worker-tokens-file {path!r} must be a YAML mapping of task name (or '*') to a "
+                             "token string, e.g. 'lookup: 3f9c...'")
+        out.update(loaded)
+    for item in items:
+        name, sep, token = item.partition("=")
+        if not sep or not name or not token:  # never echo the item: without '=' it may be a bare token
+            raise ValueError("--worker-token: an entry is not NAME=TOKEN (NAME a task name, or '*' for any task)")
+        out[name] = token
+    return out
+
+
 def controller(args: argparse.Namespace) -> int:
     """Run the controller until SIGINT/SIGTERM (``agentrl controller``)."""
     from env_controller.controller import ControllerConfig, serve_controller
@@ -149,13 +199,15 @@ def controller(args: argparse.Namespace) -> int:
     try:
         config = ControllerConfig(
             host=args.host, port=args.port, token=resolve_token(args.token),
+            trainer_token=resolve_token(args.trainer_token, TRAINER_TOKEN_ENV),
+            worker_tokens=worker_tokens(args.worker_token, args.worker_tokens_file),
             heartbeat_timeout_s=args.heartbeat_timeout, suspect_after_s=args.suspect_after,
             session_idle_timeout_s=args.session_idle_timeout, interact_timeout_s=args.interact_timeout,
-            start_timeout_s=args.start_timeout,
+            start_timeout_s=args.start_timeout, body_timeout_s=args.body_timeout, idle_timeout_s=args.idle_timeout,
         )
         from env_controller._http import check_bind
 
-        check_bind(config.host, config.token, "the controller")
+        check_bind(config.host, config.credentials().enabled, "the controller")
     except ValueError as e:
         return _error(str(e))
     uv = install_uvloop()
@@ -174,9 +226,13 @@ def worker(args: argparse.Namespace) -> int:
     from env_controller.worker_server import WorkerServer
 
     _setup_logging(args.log_level)
-    token = resolve_token(args.token)
+    # precedence: --token, then credentials in the URL (the server warns when both are given), then the environment
+    _, url_token = split_url_credentials(args.controller)
+    token = args.token or None
+    if token is None and url_token is None:
+        token = resolve_token(None, WORKER_TOKEN_ENV, TOKEN_ENV)
     try:
-        check_bind(args.host, token, "the worker")
+        check_bind(args.host, token or url_token, "the worker")
         task = build_worker_task(args.task, args.param)
         server = WorkerServer(
             task, name=args.name, controller_url=args.controller, host=args.host, port=args.port,

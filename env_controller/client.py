@@ -19,7 +19,6 @@ connections lost mid-request.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
@@ -29,7 +28,16 @@ from typing import Any
 
 import aiohttp
 
-from env_controller._http import SESSION_HEADER, base_api_url, resolve_token
+from env_controller._http import (
+    SESSION_HEADER,
+    TOKEN_ENV,
+    TRAINER_TOKEN_ENV,
+    base_api_url,
+    dumps_json,
+    loads_json,
+    pick_token,
+    resolve_token,
+)
 from env_controller.local import UnknownSessionError
 from env_controller.protocol import MalformedMessageError, TaskReply
 
@@ -81,7 +89,8 @@ class HttpEnvClient:
         max_connections: int = 256,
         observer: Observer | None = None,
     ) -> None:
-        """``url``: the controller (``/api`` optional); ``token``: bearer token (default
+        """``url``: the controller (``/api`` optional); ``token``: the trainer credential (default:
+        the password of ``url`` when it holds one, else ``$AGENTRL_TRAINER_TOKEN``, else
         ``$AGENTRL_CONTROLLER_TOKEN``); ``timeout_s``: limit per call (keep it above the
         controller's interact timeout so the controller answers first); ``retries``: extra
         attempts on 5xx and on connections that could not be opened; ``backoff_s``: first wait
@@ -91,8 +100,8 @@ class HttpEnvClient:
             raise ValueError(f"timeout_s={timeout_s!r} and connect_timeout_s={connect_timeout_s!r} must be > 0")
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries={retries!r} must be an integer >= 0")
-        self.url = base_api_url(url)
-        self.token = resolve_token(token)
+        self.url, token = pick_token(token, base_api_url(url), "env client")  # never a URL login plus a header
+        self.token = resolve_token(token, TRAINER_TOKEN_ENV, TOKEN_ENV)
         self.timeout_s = float(timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self.retries = retries
@@ -131,7 +140,7 @@ class HttpEnvClient:
         """
         http = self._http()
         url = f"{self.url}/{endpoint}"
-        data = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
+        data = dumps_json(body) if body is not None else None
         hdrs = {**self._headers, **headers} if headers else self._headers
         limit = timeout_s or self.timeout_s
         timeout = aiohttp.ClientTimeout(total=limit, sock_connect=self.connect_timeout_s)
@@ -165,7 +174,7 @@ class HttpEnvClient:
             if self.observer is not None:
                 self.observer(endpoint, time.perf_counter() - t0, status, resp_headers)
             try:
-                payload: Any = json.loads(raw) if raw else None
+                payload: Any = loads_json(raw, strict=False) if raw else None
             except ValueError:
                 payload = raw.decode(errors="replace")
             if (status >= 500 if retry_5xx else status == 503) and attempt < self.retries:

@@ -19,6 +19,13 @@ Trainer-facing API (all JSON; errors are ``{"error": "...", "status": code}``):
   ``GET /api/health``, ``GET /metrics`` (Prometheus).
 * Worker-facing: ``POST /api/receive_heartbeat {name, address, concurrency, indices}``,
   ``POST /api/cancel_notice`` (header ``session_id``: the worker cancelled that session).
+* ``GET /openapi.json``: this API in OpenAPI 3 (:mod:`env_controller.openapi`).
+
+Credentials (:class:`ControllerConfig`): with any configured, the trainer API needs the trainer
+token and the worker API a worker token listed for the task name (401 without a valid one, 403
+for the wrong role or task). Bodies are parsed under a size, nesting and time limit (400, 408,
+413) and forwarded to workers as UTF-8, never larger than ``max_forward_bytes`` (else 413, the
+session untouched).
 
 Failure rules. A 5xx reply means the request had no effect (nothing was started or sent to a
 task), so clients may retry it. Once a worker may have acted, failures end the session and the
@@ -39,21 +46,33 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
+import re
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 from aiohttp import web
 
 from env_controller._http import (
+    ANY_TASK,
+    BODY_TIMEOUT_S,
+    IDLE_TIMEOUT_S,
+    MAX_BODY_BYTES,
     SESSION_HEADER,
+    TRAINER_TOKEN_ENV,
+    Credentials,
     HttpError,
     HttpService,
+    Role,
+    dumps_json,
+    identity_of,
     json_response,
+    loads_json,
     read_json_object,
     session_id_from,
+    split_url_credentials,
+    token_ok,
 )
 from env_controller.metrics import ControllerMetrics
 from env_controller.protocol import MalformedMessageError, SampleStatus, TaskReply, validate_assistant_messages
@@ -65,14 +84,26 @@ logger = logging.getLogger(__name__)
 
 _perf = time.perf_counter
 _mono = time.monotonic
+#: task names land in logs and metric labels: no control characters (no forged log lines), bounded length
+_TASK_NAME = re.compile(r"[^\x00-\x1f\x7f]{1,200}")
 
 
 @dataclass
 class ControllerConfig:
     """Settings of a :class:`Controller` (times in seconds).
 
-    host, port: where to listen (loopback by default; elsewhere a ``token`` is required).
-    token: bearer token required on every request when set; also sent to workers.
+    host, port: where to listen (loopback by default; elsewhere credentials are required).
+    token: the shared token of older setups: the trainer credential when ``trainer_token`` is not
+        set, and a worker credential for every task when ``worker_tokens`` is empty.
+    trainer_token: the trainer's credential (start, interact, cancel, the views, metrics).
+    worker_tokens: workers' credentials, task name (or ``*`` for every task) to token: a worker
+        may register only for the task names its token is listed under. The controller's calls to
+        a worker carry the token that worker registered with. With no credential at all (the
+        loopback default) anyone may do anything; with some, both roles must have one.
+    body_timeout_s: limit on receiving a request body; idle_timeout_s: limit on receiving a
+        request head, and on idle keep-alive connections (keep it above the trainer client's 30 s).
+    max_forward_bytes: largest body sent to a worker (our workers' request limit); a larger one
+        gets 413 and nothing is sent.
     suspect_after_s: a worker silent this long gets no new sessions.
     heartbeat_timeout_s: a worker silent this long is dead; its sessions end with ``task error``.
     session_idle_timeout_s: a session with no interact for this long is closed (``task error``).
@@ -90,7 +121,9 @@ class ControllerConfig:
 
     host: str = "127.0.0.1"
     port: int = 5020
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
+    trainer_token: str | None = field(default=None, repr=False)
+    worker_tokens: dict[str, str] = field(default_factory=dict, repr=False)
     suspect_after_s: float = 9.0
     heartbeat_timeout_s: float = 15.0
     session_idle_timeout_s: float = 600.0
@@ -102,10 +135,14 @@ class ControllerConfig:
     sync_interval_s: float = 60.0
     max_worker_connections: int = 2048
     worker_keepalive_s: float = 3.0
+    body_timeout_s: float = BODY_TIMEOUT_S
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+    max_forward_bytes: int = MAX_BODY_BYTES
     remember_ended: int = 50_000
 
     def __post_init__(self) -> None:
-        """Check every value; ValueError naming the bad one."""
+        """Check every value; ValueError naming the bad one (never a token's value)."""
+        self._check_credentials()
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name.endswith("_s") and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
@@ -117,10 +154,35 @@ class ControllerConfig:
             )
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"controller config: port={self.port!r} must be 0..65535 (0 picks a free port)")
-        for name in ("max_worker_connections", "remember_ended"):
+        for name in ("max_worker_connections", "remember_ended", "max_forward_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"controller config: {name}={v!r} must be a positive integer")
+
+    def _check_credentials(self) -> None:
+        for name in ("token", "trainer_token"):
+            if not token_ok(getattr(self, name)):
+                raise ValueError(f"controller config: {name} must be None or printable ASCII without spaces "
+                                 "(it travels in an Authorization header)")
+        if not isinstance(self.worker_tokens, dict):
+            raise ValueError("controller config: worker_tokens must be a mapping of task name (or '*') to token")
+        for task, tok in self.worker_tokens.items():
+            if not isinstance(task, str) or not task or tok is None or not token_ok(tok):
+                raise ValueError(f"controller config: worker_tokens entry for {task!r:.100} must map a task name "
+                                 "(or '*') to a token of printable ASCII without spaces")
+        creds = self.credentials()
+        if self.worker_tokens and creds.trainer in self.worker_tokens.values():
+            raise ValueError("controller config: the trainer token equals a worker token; give each role its own "
+                             "(or use --token alone for both)")
+        if creds.enabled and not (creds.trainer and creds.workers):
+            missing = "no worker could register (add --worker-token NAME=TOKEN)" if creds.trainer else (
+                f"no trainer could start sessions (add --trainer-token or ${TRAINER_TOKEN_ENV})")
+            raise ValueError(f"controller config: credentials for one role only: {missing}; or use --token for both")
+
+    def credentials(self) -> Credentials:
+        """The credentials the controller accepts (see the class docstring)."""
+        workers = dict(self.worker_tokens) or ({ANY_TASK: self.token} if self.token else {})
+        return Credentials(self.trainer_token or self.token, workers)
 
 
 class WorkerReply(NamedTuple):
@@ -159,7 +221,7 @@ def _detail(raw: bytes) -> str:
     """The error text of a worker reply (FastAPI ``detail``, our ``error``, or the raw text)."""
     text = raw[:2000].decode(errors="replace")
     try:
-        body = json.loads(raw)
+        body = loads_json(raw, strict=False)
     except ValueError:
         return text.strip()
     if isinstance(body, dict):
@@ -188,10 +250,10 @@ class Controller(HttpService):
         self._monitor_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
         self._call_hist: dict[str, Any] = {}
-        self._worker_headers = {"Content-Type": "application/json"}
-        if c.token:
-            self._worker_headers["Authorization"] = f"Bearer {c.token}"
-        super().__init__(c.token, self._routes())
+        super().__init__(
+            c.credentials(), self._routes(), body_timeout_s=c.body_timeout_s, idle_timeout_s=c.idle_timeout_s,
+            auth_hint=f"the controller's --trainer-token / --worker-token / --token; ${TRAINER_TOKEN_ENV}",
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -209,13 +271,19 @@ class Controller(HttpService):
         c = self.config
         self._http = WorkerHttp(c.max_worker_connections, c.worker_keepalive_s, c.connect_timeout_s)
         try:
-            self.port = await self._serve(c.host, c.port, c.token, "the controller")
+            self.port = await self._serve(c.host, c.port, "the controller")
         except BaseException:
             await self._http.close()
             self._http = None
             raise
         self._monitor_task = asyncio.create_task(self._monitor(), name="controller-monitor")
-        logger.info("controller listening on %s (token %s)", self.url, "required" if c.token else "off")
+        creds = self.credentials
+        if creds.enabled:
+            logger.info("controller listening on %s (credentials required: trainer, workers of %s)", self.url,
+                        ", ".join(sorted(creds.workers)))
+        else:
+            logger.warning("controller listening on %s without credentials: any process that can reach it may "
+                           "start sessions and register workers; on a shared node pass --token", self.url)
         return self.port
 
     async def stop(self) -> None:
@@ -244,20 +312,23 @@ class Controller(HttpService):
 
     # -- app -------------------------------------------------------------------------------------
 
-    def _routes(self) -> list[tuple[str, str, Any]]:
+    def _routes(self) -> list[tuple[str, str, Any, Role]]:
+        trainer, worker = Role.TRAINER, Role.WORKER
         routes = [
-            ("POST", "/api/start_sample", "start_sample", self._h_start),
-            ("POST", "/api/interact", "interact", self._h_interact),
-            ("POST", "/api/cancel", "cancel", self._h_cancel),
-            ("POST", "/api/receive_heartbeat", "receive_heartbeat", self._h_heartbeat),
-            ("POST", "/api/cancel_notice", "cancel_notice", self._h_cancel_notice),
-            ("GET", "/api/list_workers", "list_workers", self._h_list_workers),
-            ("GET", "/api/list_sessions", "list_sessions", self._h_list_sessions),
-            ("GET", "/api/get_indices", "get_indices", self._h_get_indices),
-            ("GET", "/api/health", "health", self._h_health),
-            ("GET", "/metrics", "metrics", self._h_metrics),
+            ("POST", "/api/start_sample", "start_sample", self._h_start, trainer),
+            ("POST", "/api/interact", "interact", self._h_interact, trainer),
+            ("POST", "/api/cancel", "cancel", self._h_cancel, trainer),
+            ("POST", "/api/receive_heartbeat", "receive_heartbeat", self._h_heartbeat, worker),
+            ("POST", "/api/cancel_notice", "cancel_notice", self._h_cancel_notice, worker),
+            ("GET", "/api/list_workers", "list_workers", self._h_list_workers, trainer),
+            ("GET", "/api/list_sessions", "list_sessions", self._h_list_sessions, trainer),
+            ("GET", "/api/get_indices", "get_indices", self._h_get_indices, trainer),
+            ("GET", "/api/health", "health", self._h_health, Role.ANY),
+            ("GET", "/metrics", "metrics", self._h_metrics, trainer),
+            ("GET", "/openapi.json", "openapi", self._h_openapi, Role.OPEN),
         ]
-        return [(method, path, self._instrument(endpoint, handler)) for method, path, endpoint, handler in routes]
+        return [(method, path, self._instrument(endpoint, handler), role)
+                for method, path, endpoint, handler, role in routes]
 
     def _instrument(self, endpoint: str, handler: Any) -> Any:
         seconds = self.metrics.request_seconds.labels(endpoint)
@@ -284,22 +355,26 @@ class Controller(HttpService):
     # -- calls to workers ------------------------------------------------------------------------
 
     async def call_worker(
-        self, worker: Worker, api: str, body: dict[str, Any] | None, timeout_s: float, method: str = "POST"
+        self, worker: Worker, api: str, body: dict[str, Any] | bytes | None, timeout_s: float, method: str = "POST"
     ) -> WorkerReply:
-        """Call ``worker.address + api``; returns the parsed JSON reply and its timings.
+        """Call ``worker.address + api`` with ``body`` (an object, or its JSON already encoded);
+        returns the parsed JSON reply and its timings.
 
         The worker's own time is its ``x-worker-time`` header when present, else the round trip.
         Raises :class:`WorkerCallError`.
         """
         if self._http is None:
             raise WorkerCallError("connect", "the controller is not started")
-        data = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
+        data = body if isinstance(body, bytes) or body is None else dumps_json(body)
         t0 = _perf()
         try:
-            resp = await self._http.request(method, worker.address + api, data, self._worker_headers, timeout_s)
+            resp = await self._http.request(method, worker.address + api, data, worker.call_headers, timeout_s)
         except ConnectError as e:
             self.metrics.worker_errors.labels(api, "connect").inc()
             raise WorkerCallError("connect", f"cannot reach {worker.describe()}: {e}") from None
+        except ValueError as e:  # an address that passed the heartbeat's check but no request can carry
+            self.metrics.worker_errors.labels(api, "connect").inc()
+            raise WorkerCallError("connect", f"cannot call {worker.describe()}: {e}") from None
         except TimeoutError:
             self.metrics.worker_errors.labels(api, "timeout").inc()
             raise WorkerCallError(
@@ -317,11 +392,11 @@ class Controller(HttpService):
                 "http", f"{worker.describe()} answered {api} with HTTP {status}: {_detail(raw)}", status
             )
         try:
-            payload = json.loads(raw) if raw else None
-        except ValueError:
+            payload = loads_json(raw, strict=False) if raw else None
+        except ValueError as e:
             self.metrics.worker_errors.labels(api, "bad_reply").inc()
             raise WorkerCallError(
-                "bad_reply", f"{worker.describe()} answered {api} with non-JSON: {raw[:200]!r}"
+                "bad_reply", f"{worker.describe()} answered {api} with bad JSON ({e}): {raw[:200]!r}"
             ) from None
         own = rtt
         if worker_time is not None:
@@ -337,7 +412,8 @@ class Controller(HttpService):
             child = self._call_hist[api] = self.metrics.worker_call_seconds.labels(api)
         return child
 
-    async def _session_call(self, session: Session, api: str, body: dict[str, Any], timeout_s: float) -> WorkerReply:
+    async def _session_call(self, session: Session, api: str, body: dict[str, Any] | bytes,
+                            timeout_s: float) -> WorkerReply:
         """A worker call on behalf of ``session`` that the controller can abort (raises _Aborted)."""
         call = asyncio.ensure_future(self.call_worker(session.worker, api, body, timeout_s))
         session.call = call
@@ -441,6 +517,16 @@ class Controller(HttpService):
             out[s.task] = out.get(s.task, 0) + 1
         return out
 
+    def _check_forward_size(self, size: int, what: str) -> None:
+        """HttpError 413 when a body of ``size`` bytes is over what may be sent to a worker."""
+        limit = self.config.max_forward_bytes
+        if size > limit:
+            raise HttpError(
+                413, f"{what}: the body for the worker would be {size} bytes, over the limit of {limit} bytes "
+                     "(the workers' request limit, controller max_forward_bytes); nothing was sent and a session "
+                     "stays open: send a shorter message",
+            )
+
     def _session_from_header(self, request: web.Request) -> int:
         value = request.headers.get(SESSION_HEADER)
         if value is None:
@@ -456,21 +542,24 @@ class Controller(HttpService):
         index = body.get("index")
         custom_task = body.get("custom_task")
         if not isinstance(name, str) or not name:
-            raise HttpError(400, f"'name' must be the task name (a non-empty string), got {name!r}")
+            raise HttpError(400, f"'name' must be the task name (a non-empty string), got {name!r:.100}")
         if "index" not in body:
             raise HttpError(400, "missing 'index': the sample index of the task (see GET /api/get_indices?name=...)")
         if isinstance(index, bool) or not isinstance(index, (int, str)):
-            raise HttpError(400, f"'index' must be an integer or a string sample index, got {index!r}")
+            raise HttpError(400, f"'index' must be an integer or a string sample index, got {index!r:.100}")
         if custom_task is not None and not isinstance(custom_task, dict):
             raise HttpError(400, f"'custom_task' must be an object or absent, got {type(custom_task).__name__}")
+        if custom_task is not None:  # the only part of a start that can be large
+            self._check_forward_size(len(dumps_json(custom_task)), "start_sample")
         entry = self.registry.tasks.get(name)
         if entry is None:
             known = ", ".join(sorted(self.registry.tasks)) or "none yet (no worker has sent a heartbeat)"
-            raise HttpError(404, f"unknown task {name!r}; tasks with registered workers: {known}")
+            raise HttpError(404, f"unknown task {name!r:.100}; tasks with registered workers: {known}")
         if not entry.has_index(index):
             n = len(entry.indices)
             sample = ", ".join(repr(i) for i in entry.indices[:3]) + (", ..." if n > 3 else "")
-            raise HttpError(400, f"task {name!r} has no sample index {index!r}; it has {n} indices ({sample})")
+            raise HttpError(400, f"task {name!r:.100} has no sample index {index!r:.100}; it has {n} indices "
+                                 f"({sample})")
         worker_body: dict[str, Any] = {"index": index}
         if custom_task is not None:
             worker_body["custom_task"] = custom_task
@@ -502,6 +591,9 @@ class Controller(HttpService):
                 elif e.kind == "http" and e.status == 406:  # the worker is full: our count is off
                     self._end(session, "not started", e.message)
                     self._spawn(self.sync_worker(worker))
+                elif e.kind == "http" and e.status == 413:  # nothing started: the worker's limit is below ours
+                    self._end(session, "not started", e.message)
+                    raise HttpError(413, f"start_sample: {e.message}") from None
                 elif e.kind == "disconnect":
                     self.registry.mark_suspect(worker, e.message)
                     self._end(session, "not started", e.message, cancel_on_worker=True)
@@ -548,16 +640,19 @@ class Controller(HttpService):
             message = validate_assistant_messages(body["messages"])
         except MalformedMessageError as e:
             raise HttpError(400, str(e)) from None
+        data = dumps_json({"session_id": sid, "messages": [message]})
+        self._check_forward_size(len(data), f"interact on session {sid}")
         worker = session.worker
         session.busy = True
         session.last_active = _mono()
         try:
-            answer = await self._session_call(
-                session, "/interact", {"session_id": sid, "messages": [message]}, self.config.interact_timeout_s
-            )
+            answer = await self._session_call(session, "/interact", data, self.config.interact_timeout_s)
         except _Aborted as a:
             return self._fail(session, a.status, a.reason)
         except WorkerCallError as e:
+            if e.kind == "http" and e.status == 413:  # the worker refused it unread: the session goes on
+                raise HttpError(413, f"interact on session {sid}: {e.message}; nothing was sent to the task and "
+                                     "the session stays open: send a shorter message") from None
             if e.kind in ("connect", "disconnect"):
                 self.registry.mark_suspect(worker, e.message)
             return self._fail(session, SampleStatus.TASK_ERROR, e.message, cancel_on_worker=e.kind != "connect")
@@ -606,7 +701,7 @@ class Controller(HttpService):
         entry = self.registry.tasks.get(name)
         if entry is None:
             known = ", ".join(sorted(self.registry.tasks)) or "none"
-            raise HttpError(404, f"unknown task {name!r}; tasks with registered workers: {known}")
+            raise HttpError(404, f"unknown task {name!r:.100}; tasks with registered workers: {known}")
         return json_response(entry.indices)
 
     async def _h_health(self, request: web.Request) -> web.Response:
@@ -621,6 +716,11 @@ class Controller(HttpService):
             }
         )
 
+    async def _h_openapi(self, request: web.Request) -> web.Response:
+        from env_controller.openapi import controller_spec
+
+        return json_response(controller_spec())
+
     async def _h_metrics(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -632,29 +732,38 @@ class Controller(HttpService):
         body = await read_json_object(request)
         name, address = body.get("name"), body.get("address")
         concurrency, indices = body.get("concurrency"), body.get("indices")
-        if not isinstance(name, str) or not name:
-            raise HttpError(400, f"heartbeat: 'name' must be the task name (a non-empty string), got {name!r}")
+        if not isinstance(name, str) or not _TASK_NAME.fullmatch(name):
+            raise HttpError(400, f"heartbeat: 'name' must be the task name (1 to 200 characters, no control "
+                                 f"characters), got {name!r:.100}")
+        identity = identity_of(request)
+        if not identity.may_serve(name):
+            allowed = ", ".join(sorted(identity.tasks))
+            raise HttpError(403, f"heartbeat: this worker credential may serve the task(s) {allowed}, not "
+                                 f"{name!r:.100}; use the worker token the controller lists for that task "
+                                 "(--worker-token NAME=TOKEN)")
         if not isinstance(address, str) or not address.startswith("http://"):
             raise HttpError(
                 400,
                 f"heartbeat: 'address' must be the worker's HTTP API URL, e.g. http://10.0.0.5:5021/api, got "
-                f"{address!r} (https and the gRPC transport are not supported)",
+                f"{address!r:.100} (https and the gRPC transport are not supported)",
             )
         try:
             parse_url(address)
         except ValueError as e:
             raise HttpError(400, f"heartbeat: 'address': {e}") from None
+        address = split_url_credentials(address)[0]  # never stored or logged with credentials in it
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise HttpError(400, f"heartbeat: 'concurrency' must be a positive integer, got {concurrency!r}")
+            raise HttpError(400, f"heartbeat: 'concurrency' must be a positive integer, got {concurrency!r:.100}")
         if not isinstance(indices, list):
             raise HttpError(400, f"heartbeat: 'indices' must be a list of sample indices, got {type(indices).__name__}")
         for i in indices:
             if isinstance(i, bool) or not isinstance(i, (int, str)):
-                raise HttpError(400, f"heartbeat: every index must be an integer or a string, got {i!r}")
+                raise HttpError(400, f"heartbeat: every index must be an integer or a string, got {i!r:.100}")
         try:
             worker, event = self.registry.heartbeat(name, address, concurrency, indices)
         except RegistryError as e:
             raise HttpError(409, f"heartbeat: {e}") from None
+        worker.set_token(identity.token)  # the controller's calls to it carry the token it proved
         self.metrics.heartbeats.inc()
         if event != "beat":  # new, revived or recovered: drop what it holds that we do not
             self._spawn(self.sync_worker(worker))
@@ -662,11 +771,22 @@ class Controller(HttpService):
 
     async def _h_cancel_notice(self, request: web.Request) -> web.Response:
         """A worker says it cancelled a session on its own (AgentRL's ``/cancel_with_notice``)."""
-        value = request.headers.get(SESSION_HEADER)
-        if value is None:
-            value = (await read_json_object(request)).get("session_id")
-        sid = session_id_from(value, "session id ('session_id' header or body field)")
+        header = request.headers.get(SESSION_HEADER)
+        body = await read_json_object(request) if request.body_exists else {}
+        if header is None and "session_id" not in body:
+            session_id_from(None, "session id ('session_id' header or body field)")
+        sid = session_id_from(header, f"'{SESSION_HEADER}' header") if header is not None else None
+        if "session_id" in body:  # both are checked when both are sent: a bad one is never ignored
+            from_body = session_id_from(body["session_id"], "body field 'session_id'")
+            if sid is not None and from_body != sid:
+                raise HttpError(400, f"the '{SESSION_HEADER}' header ({sid}) and the body ({from_body}) name "
+                                     "different sessions; send one of them")
+            sid = from_body
+        assert sid is not None
         session = self.sessions.open.get(sid)
+        if session is not None and not identity_of(request).may_serve(session.task):
+            raise HttpError(403, f"cancel_notice: session {sid} belongs to task {session.task!r}, which this worker "
+                                 "credential may not serve")
         if session is not None:
             reason = f"{session.worker.describe()} cancelled the session"
             session.abort = (SampleStatus.CANCELLED, reason)

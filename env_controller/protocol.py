@@ -8,6 +8,7 @@ is one assistant message, checked by :func:`validate_assistant_messages`.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -82,8 +83,10 @@ class TaskReply:
             raise ValueError(f"reply status {raw_status!r} is not one of {sorted(_STATUSES)}")
         try:
             reward = float(body.get("reward") or 0.0)
-        except (TypeError, ValueError):
-            raise ValueError(f"reply reward {body.get('reward')!r} is not a number") from None
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"reply reward {body.get('reward')!r:.100} is not a number") from None
+        if not math.isfinite(reward):
+            raise ValueError(f"reply reward {reward!r} is not a finite number")
         metrics = body.get("metrics")
         if metrics is None:
             metrics = body.get("metric")
@@ -122,7 +125,7 @@ def validate_assistant_messages(messages: Any) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise MalformedMessageError(f"messages[0] must be an object, got {type(message).__name__}")
     if message.get("role") != "assistant":
-        raise MalformedMessageError(f"messages[0].role must be 'assistant', got {message.get('role')!r}")
+        raise MalformedMessageError(f"messages[0].role must be 'assistant', got {message.get('role')!r:.100}")
     content = message.get("content")
     if content is not None and not isinstance(content, str):
         raise MalformedMessageError(f"messages[0].content must be a string or null, got {type(content).__name__}")
@@ -140,18 +143,20 @@ def validate_assistant_messages(messages: Any) -> dict[str, Any]:
         if call_id is None:
             call_id = f"call_{i}"
         elif not isinstance(call_id, str) or not call_id:
-            raise MalformedMessageError(f"{where}.id must be a non-empty string, got {call_id!r}")
+            raise MalformedMessageError(f"{where}.id must be a non-empty string, got {call_id!r:.100}")
         if call.get("type", "function") != "function":
-            raise MalformedMessageError(f"{where}.type must be 'function', got {call.get('type')!r}")
+            raise MalformedMessageError(f"{where}.type must be 'function', got {call.get('type')!r:.100}")
         fn = call.get("function")
         if not isinstance(fn, dict):
-            raise MalformedMessageError(f"{where}.function must be an object with 'name' and 'arguments', got {fn!r}")
+            raise MalformedMessageError(
+                f"{where}.function must be an object with 'name' and 'arguments', got {fn!r:.100}"
+            )
         name = fn.get("name")
         if not isinstance(name, str) or not name:
-            raise MalformedMessageError(f"{where}.function.name must be a non-empty string, got {name!r}")
+            raise MalformedMessageError(f"{where}.function.name must be a non-empty string, got {name!r:.100}")
         arguments = fn.get("arguments", "{}")
         if isinstance(arguments, dict):
-            arguments = json.dumps(arguments)
+            arguments = json.dumps(arguments, ensure_ascii=False)  # escaping non-ASCII text would inflate it
         elif arguments is None:
             arguments = "{}"
         elif not isinstance(arguments, str):

@@ -70,6 +70,15 @@ class Worker:
     stall_at_beat: float = 0.0
     sessions: set[int] = field(default_factory=set)
     cancelling: set[int] = field(default_factory=set)
+    #: headers of the controller's calls to it (the token it registered with: kept out of repr and dumps)
+    call_headers: dict[str, str] = field(default_factory=lambda: {"Content-Type": "application/json"}, repr=False)
+
+    def set_token(self, token: str | None) -> None:
+        """Send ``token`` (as a bearer token) on the controller's calls to this worker; None sends none."""
+        if token:
+            self.call_headers["Authorization"] = f"Bearer {token}"
+        else:
+            self.call_headers.pop("Authorization", None)
 
     @property
     def load(self) -> int:
@@ -117,7 +126,7 @@ def _indices_differ(a: list[Index], b: list[Index]) -> str:
         return f"{len(b)} indices instead of {len(a)}"
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y or type(x) is not type(y):
-            return f"index #{i} is {y!r} instead of {x!r}"
+            return f"index #{i} is {y!r:.100} instead of {x!r:.100}"
     return ""
 
 

@@ -15,7 +15,12 @@ Endpoints (under ``/api``, shapes as the ``agentrl-worker`` package serves them)
 
 Every reply carries ``x-worker-time`` (seconds the worker spent on it), which the controller
 subtracts to measure its own overhead. The server heartbeats ``{name, address, concurrency,
-indices}`` to ``<controller>/receive_heartbeat`` every ``heartbeat_interval_s``. A task that
+indices}`` to ``<controller>/receive_heartbeat`` every ``heartbeat_interval_s``; a heartbeat the
+controller refuses (4xx: a wrong or missing token, a task name the token may not serve) is logged
+once per change of answer and retried with exponential backoff up to ``heartbeat_backoff_cap_s``.
+``token`` is the worker's credential: sent on heartbeats, required on every request (the
+controller sends it back); credentials in ``controller_url`` (``http://agentrl:TOKEN@host``, as
+stock AgentRL workers give them) serve when no ``token`` is given. A task that
 raises or runs past ``timeout_s`` ends its episode with ``task error``; a session left idle
 for ``session_idle_timeout_s`` (its controller gone) is closed. ``latency_s`` adds a simulated
 delay (uniform in [0.5, 1.5] x latency_s) to each start and interact, for benchmarks and tests.
@@ -34,13 +39,23 @@ import aiohttp
 from aiohttp import web
 
 from env_controller._http import (
+    BODY_TIMEOUT_S,
+    IDLE_TIMEOUT_S,
+    MAX_BODY_BYTES,
     SESSION_HEADER,
+    WORKER_TOKEN_ENV,
+    Credentials,
     HttpError,
     HttpService,
+    Role,
     base_api_url,
     json_response,
+    loads_json,
+    pick_token,
     read_json_object,
+    redact_url,
     session_id_from,
+    token_ok,
 )
 from env_controller.protocol import MalformedMessageError, SampleStatus, TaskReply, validate_assistant_messages
 from env_controller.tasks.base import Task, TaskSession
@@ -76,23 +91,32 @@ class WorkerServer(HttpService):
         latency_s: float = 0.0,
         token: str | None = None,
         session_idle_timeout_s: float = 1800.0,
+        heartbeat_backoff_cap_s: float = 30.0,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
         """``task``: the task served; ``name``: its name on the wire (default ``task.name``);
         ``controller_url``: where to heartbeat (None: no heartbeats); ``self_address``: the URL
         the controller reaches this worker at (default ``http://<host>:<port>/api``);
-        ``concurrency``: open sessions allowed; the other arguments as in the module docstring.
+        ``concurrency``: open sessions allowed; ``body_timeout_s``, ``idle_timeout_s``,
+        ``max_body_bytes``: limits on requests (see :class:`~env_controller._http.HttpService`);
+        the other arguments as in the module docstring.
         """
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"worker: concurrency={concurrency!r} must be a positive integer")
         for label, v in (("heartbeat_interval_s", heartbeat_interval_s), ("timeout_s", timeout_s),
-                         ("session_idle_timeout_s", session_idle_timeout_s)):
+                         ("session_idle_timeout_s", session_idle_timeout_s),
+                         ("heartbeat_backoff_cap_s", heartbeat_backoff_cap_s)):
             if not v > 0:
                 raise ValueError(f"worker: {label}={v!r} must be > 0")
         if latency_s < 0:
             raise ValueError(f"worker: latency_s={latency_s!r} must be >= 0")
         self.task = task
         self.name = name or getattr(task, "name", None) or type(task).__name__
-        self.controller_url = base_api_url(controller_url) if controller_url else None
+        if controller_url:  # kept without credentials: it is logged, and aiohttp refuses a URL login plus a header
+            controller_url, token = pick_token(token, base_api_url(controller_url), f"worker {self.name}")
+        self.controller_url = controller_url or None
         self.host = host
         self.port = port
         self._self_address = self_address.rstrip("/") if self_address else None
@@ -100,8 +124,11 @@ class WorkerServer(HttpService):
         self.heartbeat_interval_s = float(heartbeat_interval_s)
         self.timeout_s = float(timeout_s)
         self.latency_s = float(latency_s)
+        if not token_ok(token):
+            raise ValueError("worker: token must be printable ASCII without spaces (it travels in a header)")
         self.token = token
         self.session_idle_timeout_s = float(session_idle_timeout_s)
+        self.heartbeat_backoff_cap_s = max(float(heartbeat_backoff_cap_s), self.heartbeat_interval_s)
         self.indices: list[Any] = list(task.indices())
         self._index_set = set(self.indices)
         self._sessions: dict[int, _Open] = {}
@@ -110,7 +137,13 @@ class WorkerServer(HttpService):
         self._notices: set[asyncio.Future[None]] = set()
         #: set once a heartbeat was accepted (created in start(), inside the loop)
         self.heartbeat_ok: asyncio.Event | None = None
-        super().__init__(token, self._routes())
+        #: the controller's last refusal of a heartbeat, ``(status, message)``; None while they are accepted
+        self.heartbeat_refusal: tuple[int, str] | None = None
+        super().__init__(
+            Credentials.single(token), self._routes(), body_timeout_s=body_timeout_s,
+            idle_timeout_s=idle_timeout_s, max_body_bytes=max_body_bytes,
+            auth_hint=f"the worker's --token / ${WORKER_TOKEN_ENV}",
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -130,14 +163,15 @@ class WorkerServer(HttpService):
     async def start(self) -> int:
         """Bind, serve, and start heartbeating; returns the bound port."""
         self.heartbeat_ok = asyncio.Event()
-        self.port = await self._serve(self.host, self.port, self.token, "the worker")
+        self.port = await self._serve(self.host, self.port, "the worker")
         self._http = aiohttp.ClientSession()
         self._loops.append(asyncio.create_task(self._gc_loop(), name="worker-gc"))
         if self.controller_url:
             self._loops.append(asyncio.create_task(self._heartbeat_loop(), name="worker-heartbeat"))
         logger.info(
             "worker %s listening on %s (concurrency %d, %d indices), controller %s",
-            self.name, self.address, self.concurrency, len(self.indices), self.controller_url or "none",
+            self.name, redact_url(self.address), self.concurrency, len(self.indices),
+            redact_url(self.controller_url) if self.controller_url else "none",
         )
         return self.port
 
@@ -159,17 +193,19 @@ class WorkerServer(HttpService):
 
     # -- app -------------------------------------------------------------------------------------
 
-    def _routes(self) -> list[tuple[str, str, Any]]:
+    def _routes(self) -> list[tuple[str, str, Any, Role]]:
+        caller = Role.ANY  # the controller, with this worker's token
         return [
-            ("POST", "/api/start_sample", self._h_start),
-            ("POST", "/api/interact", self._h_interact),
-            ("POST", "/api/cancel", self._h_cancel),
-            ("POST", "/api/cancel_with_notice", self._h_cancel_with_notice),
-            ("POST", "/api/cancel_all", self._h_cancel_all),
-            ("POST", "/api/sample_status", self._h_sample_status),
-            ("GET", "/api/get_indices", self._h_get_indices),
-            ("GET", "/api/get_sessions", self._h_get_sessions),
-            ("GET", "/api/worker_status", self._h_worker_status),
+            ("POST", "/api/start_sample", self._h_start, caller),
+            ("POST", "/api/interact", self._h_interact, caller),
+            ("POST", "/api/cancel", self._h_cancel, caller),
+            ("POST", "/api/cancel_with_notice", self._h_cancel_with_notice, caller),
+            ("POST", "/api/cancel_all", self._h_cancel_all, caller),
+            ("POST", "/api/sample_status", self._h_sample_status, caller),
+            ("GET", "/api/get_indices", self._h_get_indices, caller),
+            ("GET", "/api/get_sessions", self._h_get_sessions, caller),
+            ("GET", "/api/worker_status", self._h_worker_status, caller),
+            ("GET", "/openapi.json", self._h_openapi, Role.OPEN),
         ]
 
     async def _delay(self) -> None:
@@ -218,15 +254,17 @@ class WorkerServer(HttpService):
         if "index" not in body:
             raise HttpError(400, "missing 'index': the sample index to start")
         index = body["index"]
+        if isinstance(index, bool) or not isinstance(index, (int, str)):
+            raise HttpError(400, f"'index' must be an integer or a string sample index, got {type(index).__name__}")
         if body.get("custom_task") is not None:
             raise HttpError(400, f"worker {self.name!r} serves its own samples only; 'custom_task' is not supported")
         if sid in self._sessions:
             raise HttpError(400, "Session ID already exists")
         if len(self._sessions) >= self.concurrency:
             raise HttpError(406, f"Sample concurrency limit reached: {self.concurrency}")
-        if isinstance(index, bool) or index not in self._index_set:
+        if index not in self._index_set:
             raise HttpError(
-                400, f"task {self.name!r} has no sample index {index!r}; it has {len(self.indices)} indices"
+                400, f"task {self.name!r} has no sample index {index!r:.100}; it has {len(self.indices)} indices"
             )
         entry = _Open(index)
         self._sessions[sid] = entry
@@ -342,10 +380,15 @@ class WorkerServer(HttpService):
     async def _h_worker_status(self, request: web.Request) -> web.Response:
         return json_response({"concurrency": self.concurrency, "current": len(self._sessions)})
 
+    async def _h_openapi(self, request: web.Request) -> web.Response:
+        from env_controller.openapi import worker_spec
+
+        return json_response(worker_spec())
+
     # -- background ------------------------------------------------------------------------------
 
-    async def heartbeat_once(self) -> bool:
-        """Send one heartbeat; True when the controller accepted it (failures are logged)."""
+    async def _beat(self) -> tuple[str, int, str]:
+        """Send one heartbeat: ``("ok" | "refused" | "failed", HTTP status or 0, what went wrong)``."""
         assert self._http is not None and self.controller_url is not None
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
         body = {"name": self.name, "address": self.address, "concurrency": self.concurrency, "indices": self.indices}
@@ -354,38 +397,52 @@ class WorkerServer(HttpService):
             async with self._http.post(
                 self.controller_url + "/receive_heartbeat", json=body, headers=headers, timeout=timeout
             ) as resp:
-                text = await resp.text()
-                if resp.status != 200:
-                    logger.error(
-                        "controller rejected the heartbeat of %s: HTTP %d %s", self.name, resp.status, text[:500]
-                    )
-                    return False
+                raw = await resp.read()
+                if resp.status == 200:
+                    return "ok", 200, ""
+                return ("refused" if resp.status < 500 else "failed"), resp.status, _error_text(raw)
         except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError) as e:
-            logger.debug("heartbeat to %s failed: %r", self.controller_url, e)
-            return False
-        return True
+            return "failed", 0, f"{type(e).__name__}: {e}"
+
+    async def heartbeat_once(self) -> bool:
+        """Send one heartbeat; True when the controller accepted it."""
+        return (await self._beat())[0] == "ok"
 
     async def _heartbeat_loop(self) -> None:
+        url = redact_url(self.controller_url or "")
         failing_since: float | None = None
         last_log = 0.0
+        delay = self.heartbeat_interval_s
         while True:
-            ok = await self.heartbeat_once()
+            outcome, status, detail = await self._beat()
             now = time.monotonic()
-            if ok:
+            if outcome == "ok":
                 assert self.heartbeat_ok is not None
                 self.heartbeat_ok.set()
-                if failing_since is not None:
-                    logger.info("heartbeats to %s work again", self.controller_url)
+                if failing_since is not None or self.heartbeat_refusal is not None:
+                    logger.info("heartbeats of %s to %s are accepted again", self.name, url)
+                failing_since = self.heartbeat_refusal = None
+                delay = self.heartbeat_interval_s
+            elif outcome == "refused":  # the controller is up and says no: no point in asking at full rate
                 failing_since = None
-            else:
+                if (status, detail) != self.heartbeat_refusal:  # log once per change of answer, not every beat
+                    hint = (f" (check the worker token: --token / ${WORKER_TOKEN_ENV}, or the credentials in the "
+                            "controller URL)") if status in (401, 403) else ""
+                    logger.error("the controller at %s refused the heartbeat of %s: HTTP %d: %s%s; retrying with "
+                                 "backoff (at most every %g s)", url, self.name, status, detail[:500], hint,
+                                 self.heartbeat_backoff_cap_s)
+                self.heartbeat_refusal = (status, detail)
+                delay = min(delay * 2, self.heartbeat_backoff_cap_s)
+            else:  # no answer (a controller starting or restarting): keep the normal rate
+                self.heartbeat_refusal = None
                 if failing_since is None:
                     failing_since = now
                 if now - last_log > 30:
                     last_log = now
-                    logger.warning(
-                        "heartbeats of %s to %s failing for %.0f s", self.name, self.controller_url, now - failing_since
-                    )
-            await asyncio.sleep(self.heartbeat_interval_s)
+                    logger.warning("heartbeats of %s to %s failing for %.0f s: %s", self.name, url,
+                                   now - failing_since, detail[:300])
+                delay = self.heartbeat_interval_s
+            await asyncio.sleep(delay)
 
     async def _gc_loop(self) -> None:
         every = min(60.0, self.session_idle_timeout_s / 4)
@@ -397,3 +454,15 @@ class WorkerServer(HttpService):
                     logger.warning("closing session %d: idle for %.0f s", sid, now - entry.last_active)
                     await self._cancel(sid)
 
+
+def _error_text(raw: bytes) -> str:
+    """The ``error`` (or ``detail``) of a JSON error reply, else its text, shortened."""
+    try:
+        body = loads_json(raw, strict=False)
+    except ValueError:
+        return raw[:500].decode(errors="replace").strip()
+    if isinstance(body, dict):
+        for key in ("error", "detail"):
+            if key in body:
+                return str(body[key])[:500]
+    return str(body)[:500]

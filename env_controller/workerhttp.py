@@ -12,6 +12,7 @@ Errors: :class:`ConnectError` (the connection could not be opened: nothing was s
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -43,12 +44,27 @@ class Target(NamedTuple):
     host_header: str
 
 
+_HOST = re.compile(r"[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
+_PRINTABLE = re.compile(r"[!-~]*")
+
+
 def parse_url(url: str) -> Target:
-    """Split an ``http://host:port/path`` URL; ValueError for anything else (https included)."""
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"{url!r}: only http://host[:port]/path URLs are supported")
-    port = parts.port or 80
+    """Split an ``http://host:port/path`` URL; ValueError for anything else (https included).
+
+    The host must be a name or an IP address and the whole URL printable ASCII: it goes into a
+    request line and a Host header as is.
+    """
+    if not isinstance(url, str) or not _PRINTABLE.fullmatch(url):
+        raise ValueError(f"{url!r:.200}: a URL must be printable ASCII without spaces (percent-encode the rest)")
+    try:
+        parts = urlsplit(url)
+        port = parts.port or 80
+    except ValueError as e:
+        raise ValueError(f"{url!r:.200}: {e}") from None
+    netloc_host = parts.netloc.rpartition("@")[2]
+    netloc_host = netloc_host.rsplit(":", 1)[0] if not netloc_host.endswith("]") else netloc_host
+    if parts.scheme != "http" or not parts.hostname or not _HOST.fullmatch(netloc_host):
+        raise ValueError(f"{url!r:.200}: only http://host[:port]/path URLs are supported")
     path = parts.path or "/"
     if parts.query:
         path += "?" + parts.query

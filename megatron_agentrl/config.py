@@ -760,7 +760,9 @@ class EnvConfig(_Section):
         behind the controller that the Ray launcher starts).
     workers: the task workers expected to register with that controller, ``{task: [worker API URL, ...]}``
         (``agentrl plan --check`` probes them; the workers register by heartbeat themselves).
-    token: bearer token of the controller ("" = ``$AGENTRL_CONTROLLER_TOKEN`` or none).
+    token: the controller's trainer credential, its ``--trainer-token`` or shared ``--token`` ("" = the
+        password in ``controller_url``, else ``$AGENTRL_TRAINER_TOKEN``, else ``$AGENTRL_CONTROLLER_TOKEN``,
+        else none).
     """
 
     KEY: ClassVar[str] = "env"

@@ -29,7 +29,7 @@ TASKS = ("alfworld-std", "dbbench-std", "kg-std", "os-std", "webshop-std")
 
 def _check(*overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
-    for var in ("GLM4_HF_DIR", "AGENTRL_ENV_CONTROLLER_URL"):
+    for var in ("GLM4_HF_DIR", "AGENTRL_ENV_CONTROLLER_URL", "AGENTRL_TRAINER_TOKEN"):
         if env is None or var not in env:
             full_env.pop(var, None)
     return subprocess.run(["bash", str(SCRIPT), "--check", *overrides], cwd=ROOT, env=full_env,
@@ -68,12 +68,14 @@ def test_check_passes_here_and_reports_what_it_cannot_verify() -> None:
 
 @pytest.fixture()
 def endpoint() -> Iterator[str]:
-    """A local HTTP server that answers every GET (stands in for the controller and a worker)."""
+    """A local HTTP server that answers every GET (stands in for the controller and a worker); under
+    ``/locked/`` it wants ``Authorization: Bearer s3cret``, as a controller with a trainer token does."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             body = json.dumps([0, 1, 2]).encode()
-            self.send_response(200)
+            locked = self.path.startswith("/locked/") and self.headers.get("Authorization") != "Bearer s3cret"
+            self.send_response(401 if locked else 200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -108,6 +110,17 @@ def test_reachable_endpoints_and_present_weights_are_verified(endpoint: str, tmp
     assert "1 worker(s) answer" in ok["task alfworld-std"]
     assert "model.checkpoint" in ok and "model config" in ok and "glm4" in ok["model config"]
     assert "task kg-std" in unverified and "no worker endpoint listed" in unverified["task kg-std"]
+
+
+def test_the_check_sends_the_trainer_credential(endpoint: str) -> None:
+    """A controller that wants a token: refused without it (FAIL naming env.token), answers with it."""
+    env = {"AGENTRL_ENV_CONTROLLER_URL": f"{endpoint}/locked", "AGENTRL_TRAINER_TOKEN": ""}
+    refused = _check(env=env)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "refused the trainer's credential (HTTP 401)" in _lines(refused.stdout, "FAIL")["env controller"]
+    assert "env.token" in refused.stdout and "s3cret" not in refused.stdout
+    allowed = _check(env={**env, "AGENTRL_TRAINER_TOKEN": "s3cret"})
+    assert "answers (HTTP 200)" in _lines(allowed.stdout, "ok")["env controller"], allowed.stdout
 
 
 @pytest.mark.parametrize("overrides, item, needle", [

@@ -90,10 +90,13 @@ def _read_hf_config(path: str | Path) -> dict[str, Any] | None:
         raise ConfigError(f"'{p}' is not valid JSON: {e}") from None
 
 
-def probe_http(url: str, timeout_s: float = 3.0) -> tuple[bool, str]:
-    """GET ``url``: (True, "HTTP <status>") for any HTTP answer, (False, why) when nothing answered."""
+def probe_http(url: str, timeout_s: float = 3.0, token: str | None = None) -> tuple[bool, str]:
+    """GET ``url`` (with ``Authorization: Bearer <token>`` when given): (True, "HTTP <status>") for any HTTP
+    answer, (False, why) when nothing answered."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=timeout_s) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, method="GET", headers=headers),
+                                    timeout=timeout_s) as resp:
             return True, f"HTTP {resp.status}"
     except urllib.error.HTTPError as e:  # it answered, with an error status: reachable
         return True, f"HTTP {e.code}"
@@ -179,11 +182,21 @@ def _check_tasks(cfg: Config, report: CheckReport, strict: bool, timeout_s: floa
         return
     unreachable = UNVERIFIED if not strict else FAIL
     if env.controller_url:
+        from env_controller._http import TOKEN_ENV, TRAINER_TOKEN_ENV, pick_token, redact_url, resolve_token
         from env_controller.client import base_api_url
 
-        ok, why = probe_http(base_api_url(env.controller_url) + "/list_workers", timeout_s)
-        report.add(OK if ok else unreachable, "env controller",
-                   f"{env.controller_url}: " + (f"answers ({why})" if ok else f"not reachable from here ({why})"))
+        # the trainer's credential, found as the env client finds it
+        bare, token = pick_token(env.token or None, base_api_url(env.controller_url), "plan")
+        token = resolve_token(token, TRAINER_TOKEN_ENV, TOKEN_ENV)
+        ok, why = probe_http(bare + "/list_workers", timeout_s, token)
+        shown = redact_url(env.controller_url)
+        if why in ("HTTP 401", "HTTP 403"):
+            report.add(FAIL, "env controller",
+                       f"{shown} refused the trainer's credential ({why}): set env.token (or "
+                       f"${TRAINER_TOKEN_ENV}) to the controller's --trainer-token / --token")
+        else:
+            report.add(OK if ok else unreachable, "env controller",
+                       f"{shown}: " + (f"answers ({why})" if ok else f"not reachable from here ({why})"))
     elif cfg.ray.controller:
         report.add(OK, "env controller", "started by the Ray launcher in its own placement group (ray.controller)")
     for task in remote:

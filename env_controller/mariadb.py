@@ -17,20 +17,17 @@ When MariaDB (or MySQL) is not installed, :class:`MariaDBUnavailableError` says 
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import secrets
 import shutil
-import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from env_controller.net import free_port
+from env_controller.private_server import PrivateServer
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +72,7 @@ def find_mariadb() -> tuple[str, str]:
     return server, install
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class MariaDBServer:
+class MariaDBServer(PrivateServer):
     """A private, disposable MariaDB server (see the module docstring).
 
     base_dir: where its directory is created (default: the system temp dir). port: TCP port on
@@ -91,17 +84,14 @@ class MariaDBServer:
                  start_timeout_s: float = 120.0, stop_timeout_s: float = 30.0,
                  extra_args: tuple[str, ...] = ()) -> None:
         """Find the binaries (MariaDBUnavailableError when missing); nothing starts yet."""
+        super().__init__("mariadb", base_dir, stop_timeout_s)
         self.server_bin, self.install_bin = find_mariadb()
-        self.base_dir = base_dir
         self.port = port
         self.start_timeout_s = start_timeout_s
-        self.stop_timeout_s = stop_timeout_s
         self.extra_args = tuple(extra_args)
         self.user = "root"
         self.password = secrets.token_urlsafe(18)
         self.host = "127.0.0.1"
-        self.dir: Path | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
 
     # -- paths ---------------------------------------------------------------------------------
 
@@ -139,8 +129,8 @@ class MariaDBServer:
         if self.proc is not None:
             raise RuntimeError("this MariaDBServer is already started")
         deadline = time.monotonic() + self.start_timeout_s
-        self.dir = Path(tempfile.mkdtemp(prefix="agentrl-mariadb-", dir=self.base_dir))
-        os.chmod(self.dir, 0o700)
+        self._make_dir()
+        assert self.dir is not None
         data = self.dir / "data"
         tmp = self.dir / "tmp"
         tmp.mkdir()
@@ -169,8 +159,8 @@ class MariaDBServer:
             "--max-connections=500",
             "--max-user-connections=0", *as_root, *self.extra_args,
         ]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        self._spawn(args)
+        assert self.proc is not None
         logger.info("mariadb: started %s (pid %d) on %s and 127.0.0.1:%d", self.server_bin, self.proc.pid,
                     self.socket_path, self.port)
         try:
@@ -220,43 +210,3 @@ class MariaDBServer:
                     cur.execute("ALTER USER %s@%s IDENTIFIED BY %s", (user, host, self.password))
         finally:
             conn.close()
-
-    def stop(self) -> None:
-        """Shut the server down (SIGTERM, then SIGKILL past ``stop_timeout_s``) and delete its directory.
-
-        Safe to call more than once.
-        """
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("mariadb: pid %d ignored SIGTERM for %.0f s; killing it", proc.pid, self.stop_timeout_s)
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=10)
-        self._cleanup_dir()
-
-    def _cleanup_dir(self) -> None:
-        if self.dir is not None:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir = None
-
-    @property
-    def running(self) -> bool:
-        """The server process is alive."""
-        return self.proc is not None and self.proc.poll() is None
-
-    def __enter__(self) -> "MariaDBServer":
-        """Start (if not started) and return the server."""
-        if self.proc is None:
-            self.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        """Stop the server and delete its files."""
-        self.stop()

@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
+
+from env_controller.private_server import PrivateServer
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +46,6 @@ def find_dockerd() -> str:
     return path
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def _mounts_under(root: Path) -> list[str]:
     """Mount points at or below ``root`` (deepest first), from /proc/self/mountinfo."""
     prefix = str(root)
@@ -67,7 +60,7 @@ def _mounts_under(root: Path) -> list[str]:
     return sorted(found, key=len, reverse=True)
 
 
-class DockerEngine:
+class DockerEngine(PrivateServer):
     """A private ``dockerd`` (see the module docstring); ``with DockerEngine() as engine:``.
 
     base_dir: where its directory is made (default: the system temp dir). storage_driver:
@@ -80,13 +73,10 @@ class DockerEngine:
         """Find dockerd (DockerUnavailableError when missing); nothing starts yet."""
         if storage_driver not in ("overlay2", "vfs"):
             raise ValueError(f"storage_driver={storage_driver!r}: use 'overlay2' or 'vfs'")
+        super().__init__("dockerd", base_dir, stop_timeout_s)
         self.dockerd = find_dockerd()
-        self.base_dir = base_dir
         self.storage_driver = storage_driver
         self.start_timeout_s = start_timeout_s
-        self.stop_timeout_s = stop_timeout_s
-        self.dir: Path | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def socket_path(self) -> str:
@@ -125,8 +115,7 @@ class DockerEngine:
         if self.proc is not None:
             raise RuntimeError("this DockerEngine is already started")
         # a short path: the exec root holds unix sockets, whose paths may not exceed 108 bytes
-        self.dir = Path(tempfile.mkdtemp(prefix="agentrl-dockerd-", dir=self.base_dir))
-        os.chmod(self.dir, 0o711)
+        self._make_dir(0o711)
         drivers = [self.storage_driver] + (["vfs"] if self.storage_driver == "overlay2" else [])
         last = ""
         for driver in drivers:
@@ -153,12 +142,9 @@ class DockerEngine:
                 "--pidfile", str(self.dir / "dockerd.pid"), "--storage-driver", driver, "--bridge=none",
                 "--iptables=false", "--ip6tables=false", "--ip-forward=false", "--ip-masq=false",
                 "--userland-proxy=false", "--log-level=warn"]
-        log = open(self.log_path, "ab")
-        try:
-            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
-        finally:
-            log.close()
+        with open(self.log_path, "ab") as log:
+            self._spawn(args, log)
+        assert self.proc is not None
         logger.info("dockerd: started (pid %d, %s) on %s", self.proc.pid, driver, self.socket_path)
         deadline = time.monotonic() + self.start_timeout_s
         last: Exception | None = None
@@ -180,54 +166,11 @@ class DockerEngine:
         raise DockerStartError(f"{self.dockerd} was not ready within {self.start_timeout_s:g} s (last error: {last});"
                                f" its log:\n{self._log_tail()}")
 
-    def _stop_process(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()  # dockerd stops its containers and its containerd
-        try:
-            proc.wait(timeout=self.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("dockerd: pid %d ignored SIGTERM for %.0f s; killing its process group", proc.pid,
-                           self.stop_timeout_s)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # containerd and shims left behind
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            logger.warning("dockerd: pid %d did not exit after SIGKILL", proc.pid)
-
-    def stop(self) -> None:
-        """Stop the daemon (SIGTERM, then SIGKILL to its process group), unmount and delete its directory.
-
-        Safe to call more than once.
-        """
-        self._stop_process()
-        self._cleanup_dir()
-
     def _cleanup_dir(self) -> None:
         if self.dir is None:
             return
+        # overlay2 and the containers' tmpfs may still be mounted after a SIGKILL
         for point in _mounts_under(self.dir):
             subprocess.run(["umount", "-l", point], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            timeout=30, check=False)
-        shutil.rmtree(self.dir, ignore_errors=True)
-        self.dir = None
-
-    @property
-    def running(self) -> bool:
-        """The daemon process is alive."""
-        return self.proc is not None and self.proc.poll() is None
-
-    def __enter__(self) -> "DockerEngine":
-        """Start (if not started) and return the engine."""
-        if self.proc is None:
-            self.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        """Stop the engine and delete its files."""
-        self.stop()
+        super()._cleanup_dir()

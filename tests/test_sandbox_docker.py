@@ -4,9 +4,11 @@ The real ``docker`` SDK talks to :class:`FakeDockerDaemon` exactly as to dockerd
 create/start/inspect/list/delete and exec create/start (attached, with the raw-stream upgrade
 and multiplexed frames). The fake keeps containers in memory and runs each exec as a host
 process in the sandbox's working directory (the test points ``workdir`` at a temporary
-directory), so the persistent shell, limits and restarts run for real; it emulates the one
-command the backend sends to stop a sandbox's processes (``kill -KILL -1`` as the user) by
-killing the process groups it started for that container, and refuses any other ``kill -1``.
+directory), so the persistent shell, limits and restarts run for real. Only the attached shell
+runs: the backend's other execs read or kill inside a container, and must never run on the host.
+The one that kills all the user's processes is emulated by killing the process groups started for
+that container; the others (counts, the ending of background processes, free space) print nothing,
+so the backend sees unknown counts, as with an engine whose cgroups it cannot read.
 """
 from __future__ import annotations
 
@@ -34,10 +36,12 @@ docker = pytest.importorskip("docker", reason="the docker SDK is not installed (
 
 from env_controller.sandbox import SandboxLimits, SandboxUnavailableError, make_backend  # noqa: E402
 from env_controller.sandbox.docker import (  # noqa: E402
+    BASE_PROCESSES,
     CREATED_LABEL,
-    KILL_ALL_CMD,
+    KILL_SCRIPT,
     LABEL,
     OWNER_LABEL,
+    SHELL_CMD,
     DockerBackend,
     owner_id,
 )
@@ -121,6 +125,10 @@ class FakeDockerDaemon:
                 return self._reply(h, 200, b"OK")
             if path == "/version":
                 return self._reply(h, 200, {"ApiVersion": "1.43", "Version": "24.0.0-fake", "MinAPIVersion": "1.12"})
+            if path == "/info":
+                return self._reply(h, 200, {"ServerVersion": "24.0.0-fake", "NCPU": 2, "CgroupVersion": "2",
+                                            "CgroupDriver": "fake", "MemoryLimit": True, "SwapLimit": True,
+                                            "PidsLimit": True, "CpuCfsQuota": True})
             if method == "POST" and path == "/containers/create":
                 return self._create(h, query, body)
             if method == "GET" and path == "/containers/json":
@@ -230,8 +238,9 @@ class FakeDockerDaemon:
         h.wfile.flush()
         h.close_connection = True
         conn = h.connection
-        if cmd == KILL_ALL_CMD:
-            self._kill_all(cid)
+        if not cfg.get("AttachStdin"):
+            if cmd[:3] == ["bash", "-c", KILL_SCRIPT] and cmd[4] == "0":  # kill everything of the user
+                self._kill_all(cid)
             e["exit_code"] = 0
             conn.shutdown(2)
             return
@@ -328,20 +337,27 @@ def test_create_labels_limits_exec_and_remove(fake: FakeDockerDaemon, tmp_path: 
     assert abs(int(labels[CREATED_LABEL]) - time.time()) < 60
     hc = cfg["HostConfig"]
     assert hc["NetworkMode"] == "none" and hc["ReadonlyRootfs"] is True and hc["Init"] is True
-    assert hc["Memory"] == 256 << 20 and hc["MemorySwap"] == 256 << 20 and hc["PidsLimit"] == 32
+    assert hc["Memory"] == 256 << 20 and hc["MemorySwap"] == 256 << 20 and hc["PidsLimit"] == 32 + BASE_PROCESSES
+    assert hc["NanoCpus"] == 10**9
     assert hc["CapDrop"] == ["ALL"] and hc["SecurityOpt"] == ["no-new-privileges"]
     assert set(hc["Tmpfs"]) == {"/tmp", str(tmp_path / "home")} and "size=16m" in hc["Tmpfs"]["/tmp"]
     assert {u["Name"] for u in hc["Ulimits"]} == {"fsize", "core"}
     # the shell is one attached exec of bash, as the unprivileged user
     execs = [b for m, p, b in fake.log if m == "POST" and p.endswith("/exec")]
-    assert execs[0]["Cmd"] == ["bash", "--noprofile", "--norc"] and execs[0]["User"] == "1000:1000"
+    assert execs[0]["Cmd"] == SHELL_CMD and execs[0]["User"] == "1000:1000"
     assert execs[0]["AttachStdin"] is True and execs[0]["Tty"] is False
+    assert box._channel is not None and box._channel.shell_pid is not None  # its first line, not output
 
     box.copy_in({"data/a.txt": "one\ntwo\n"})
     assert box.run("cd data && export GREETING=hi").ok
     r = box.run("pwd; echo $GREETING; wc -l < a.txt; echo oops >&2; false")
     assert r.output == f"{tmp_path / 'home' / 'data'}\nhi\n2\noops\n" and r.exit_code == 1 and r.limit is None
-    assert len([b for m, p, b in fake.log if m == "POST" and p.endswith("/exec")]) == 1  # same shell throughout
+    shells = [b for m, p, b in fake.log if m == "POST" and p.endswith("/exec") and b.get("AttachStdin")]
+    assert len(shells) == 1  # same shell throughout
+    # the fake's counts are unknown: the backend says how it counts, and nothing else is missing
+    health = backend.health()
+    assert health["counting"] == "exec" and health["engine"] == "Docker 24.0.0-fake, cgroup v2 (fake)"
+    assert [w for w in health["warnings"] if "not visible from this process" not in w] == []
 
     box.close()
     assert ("DELETE", f"/containers/{cid}", None) in fake.log and not fake.containers
@@ -357,8 +373,9 @@ def test_limits_kill_and_restart_the_shell(fake: FakeDockerDaemon, tmp_path: Pat
         r = box.run("sleep 60")
         assert r.limit == "timeout" and r.restarted and r.exit_code is None
         assert "2 s time limit" in r.error and time.monotonic() - started < 10
-        kills = [b for m, p, b in fake.log if m == "POST" and p.endswith("/exec") and b["Cmd"] == KILL_ALL_CMD]
-        assert len(kills) == 1 and kills[0]["User"] == "1000:1000"
+        kills = [b for m, p, b in fake.log if m == "POST" and p.endswith("/exec")
+                 and b["Cmd"][:3] == ["bash", "-c", KILL_SCRIPT] and b["Cmd"][4] == "0"]
+        assert len(kills) == 1 and kills[0]["User"] == "1000:1000" and kills[0]["Cmd"][5] == "1000"
         # the sleep died with the old shell; the new shell starts in the home with a clean environment
         assert sum(p.poll() is None for p in fake.processes()) == 1
         r = box.run("pwd; echo ${X:-unset}")

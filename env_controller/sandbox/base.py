@@ -291,6 +291,25 @@ def ansi_c_quote(data: bytes) -> str:
     return "".join(out)
 
 
+_warned_lock = threading.Lock()
+
+
+def warn_once(log: logging.Logger, message: str, seen: set[str]) -> None:
+    """Log ``message`` as a warning unless ``seen`` (a set the caller keeps for the process) holds it:
+    backends come and go, and a missing limit is worth one line, not one per backend."""
+    with _warned_lock:
+        if message in seen:
+            return
+        seen.add(message)
+    log.warning("%s", message)
+
+
+def nearly_full(free_bytes: int, size_mb: int, free_inodes: int | None = None) -> bool:
+    """Whether a file system capped at ``size_mb`` with ``free_bytes`` left (and ``free_inodes``, when it
+    counts them) is full: a write that does not fit fails with a little room left, so within 5 % counts."""
+    return free_bytes < (size_mb << 20) // 20 or free_inodes == 0
+
+
 def proc_stat(pid: int | str) -> list[bytes] | None:
     """The fields of ``/proc/<pid>/stat`` after the command name (state, parent pid, ...; see
     proc(5), shifted by two), or None when the process is gone."""

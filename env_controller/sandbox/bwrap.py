@@ -64,8 +64,10 @@ from env_controller.sandbox.base import (
     SandboxLimits,
     SandboxUnavailableError,
     ShellSandbox,
+    nearly_full,
     proc_stat,
     read_when_ready,
+    warn_once,
 )
 from env_controller.sandbox.cgroups import (
     PREFIX,
@@ -97,16 +99,11 @@ _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctype
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 _warned: set[str] = set()
-_warned_lock = threading.Lock()
 
 
 def _warn_once(message: str) -> None:
     """Log ``message`` as a warning the first time this process sees it (backends come and go)."""
-    with _warned_lock:
-        if message in _warned:
-            return
-        _warned.add(message)
-    logger.warning("%s", message)
+    warn_once(logger, message, _warned)
 
 
 def mount_tmpfs(target: Path, size_bytes: int, uid: int | None, source: str) -> None:
@@ -529,8 +526,7 @@ class BwrapSandbox(ShellSandbox):
                 st = os.statvfs(path)
             except OSError:
                 continue
-            # a write that does not fit fails with a little room left: within 5 % counts as full
-            if st.f_bavail * st.f_frsize < (mb << 20) // 20 or (st.f_files and not st.f_favail):
+            if nearly_full(st.f_bavail * st.f_frsize, mb, st.f_favail if st.f_files else None):
                 full.append((where, mb))
         return full
 

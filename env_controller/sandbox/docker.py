@@ -1,16 +1,28 @@
 """The Docker backend: each sandbox is a container, its persistent bash an attached ``exec``.
 
-A container (from ``image``, which must hold ``bash``) runs ``sleep infinity`` under Docker's
-init as root with every capability dropped and ``no-new-privileges``; all commands run as
-``user`` (default ``1000:1000``) in one long-lived ``docker exec`` of ``bash`` whose stdin and
-multiplexed stdout/stderr are driven by :class:`~env_controller.sandbox.base.ShellSandbox`.
+A container (from ``image``, which must hold ``bash`` and coreutils) runs ``sleep infinity`` under
+Docker's init as root with every capability dropped and ``no-new-privileges``; all commands run as
+``user`` (default ``1000:1000``, never root) in one long-lived ``docker exec`` of ``bash`` whose stdin
+and multiplexed stdout/stderr are driven by :class:`~env_controller.sandbox.base.ShellSandbox`.
 
-Limits: ``network_mode="none"``, read-only root filesystem, private tmpfs ``/tmp`` (``tmp_mb``)
-and home (``home_mb``, owned by the user), ``mem_limit`` = ``memswap_limit`` = ``memory_mb``,
-``pids_limit`` = ``max_processes``, ``fsize`` and ``core`` ulimits; wall time and output size
-per command as in every shell sandbox. A command that breaks a limit is stopped by running
-``kill -KILL -1`` as the user in the container (every process of the user dies; init and the
-root ``sleep`` survive), then a fresh shell is attached; files in the tmpfs are kept.
+Limits, enforced by the engine for the container as a whole: ``network_mode="none"``, read-only root
+filesystem, private tmpfs ``/tmp`` (``tmp_mb``) and home (``home_mb``, owned by the user), ``mem_limit``
+= ``memswap_limit`` = ``memory_mb`` (all processes and the tmpfs pages they write), ``pids_limit`` =
+``max_processes`` + 2 (init and ``sleep``), ``nano_cpus`` = ``cpus`` (at most the engine's CPUs),
+``fsize`` and ``core`` ulimits; wall time and output size per command as in every shell sandbox.
+
+What the limits did is read from the container's cgroup: ``pids.current`` (fork bombs, what a command
+left running) and the ``oom_kill`` count (``memory_limit``). When this process sees the engine's
+cgroups (a local engine) they are files under ``/sys/fs/cgroup``; otherwise (a remote engine) an
+``exec`` of bash builtins reads them inside the container, about 50 ms a count, taken once a second
+while a command runs. Docker's ``State.OOMKilled`` is no help: it tells only of the container's init.
+
+A command that breaks a limit is stopped by an ``exec`` that kills every process of the user in the
+container (init and the root ``sleep`` survive) and waits until they are gone, then a fresh shell is
+attached; files in the tmpfs are kept. Unless ``background_jobs`` is set, what a command left running
+is killed the same way when it returns, sparing the shell (whose pid is the first line it prints).
+These ``exec`` s use bash builtins only: they need no fork, so they work in a container whose process
+table is full.
 
 Every container carries the labels ``org.agentrl.sandbox=1``, ``org.agentrl.owner=<host>:<pid>:
 <process start time>`` and ``org.agentrl.created=<unix time>`` (plus the caller's). At start,
@@ -24,8 +36,10 @@ import logging
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from env_controller.sandbox.base import (
@@ -35,19 +49,59 @@ from env_controller.sandbox.base import (
     SandboxLimits,
     SandboxUnavailableError,
     ShellSandbox,
+    nearly_full,
     proc_stat,
     read_when_ready,
+    warn_once,
 )
+from env_controller.sandbox.cgroups import SandboxCgroup, cgroup_mounts
 
 logger = logging.getLogger(__name__)
 
 LABEL = "org.agentrl.sandbox"
 OWNER_LABEL = "org.agentrl.owner"
 CREATED_LABEL = "org.agentrl.created"
-#: run as the sandbox user to stop everything it started (Linux spares pid 1 and the caller)
-KILL_ALL_CMD = ["bash", "-c", "kill -KILL -1"]
-SHELL_CMD = ["bash", "--noprofile", "--norc"]
+#: processes of a container besides the user's: Docker's init and ``sleep infinity``
+BASE_PROCESSES = 2
+#: the shell prints its pid (which ``exec`` keeps) before it reads commands
+SHELL_CMD = ["bash", "--noprofile", "--norc", "-c", "printf '%s\\n' \"$$\"; exec bash --noprofile --norc"]
+#: the container's tasks and OOM kills, from inside (cgroup v1 or v2 paths), with builtins only
+PROBE_CMD = ["bash", "-c", """p=- o=-
+for f in /sys/fs/cgroup/pids/pids.current /sys/fs/cgroup/pids.current; do
+  [[ -r $f ]] && { read -r p < "$f"; break; }
+done
+for f in /sys/fs/cgroup/memory/memory.oom_control /sys/fs/cgroup/memory.events; do
+  [[ -r $f ]] && { while read -r k v; do [[ $k == oom_kill ]] && o=$v; done < "$f"; break; }
+done
+echo "$p $o"
+"""]
+#: run as the user ($2): kill every process of the user but pid 1, itself and $1 (the shell, or 0), and
+#: print how many were killed. ``kill -1`` is no test of what is left: it reports success while any
+#: process it may not signal (root's sleep) exists, so /proc is read, until nothing is left to kill;
+#: zombies count only when $3 is 1 (restarting: the next shell's count must not include them). Bash
+#: builtins only, no fork. It refuses to run as anyone else (a fake daemon running it on a host).
+KILL_SCRIPT = """[[ $EUID == "$2" ]] || exit 97
+[[ $1 == 0 ]] && kill -KILL -1 2>/dev/null
+declare -A seen
+end=$((SECONDS + 5))
+while ((SECONDS < end)); do
+  found=0
+  for d in /proc/[0-9]*; do
+    p=${d#/proc/}
+    [[ $p == 1 || $p == "$$" || $p == "$1" ]] && continue
+    { read -r stat < "$d/stat"; } 2>/dev/null || continue
+    [[ $3 == 0 && ${stat##*) } == Z* ]] && continue
+    kill -KILL "$p" 2>/dev/null && found=1 seen[$p]=1
+  done
+  ((found)) || break
+done
+echo "${#seen[@]}"
+"""
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: seconds between two process counts while a command runs, when a count is an ``exec``
+EXEC_POLL_S = 1.0
+
+_warned: set[str] = set()
 
 
 def _start_time(pid: int) -> str | None:
@@ -74,10 +128,49 @@ def owner_alive(owner: str) -> bool | None:
     return _start_time(pid_i) == start
 
 
-class _ExecChannel(Channel):
-    """An attached ``docker exec`` socket: raw stdin out, multiplexed stdout/stderr frames in."""
+def container_cgroup(pid: int, container_id: str) -> SandboxCgroup | None:
+    """A view from this process of the cgroup of the container whose init has host pid ``pid`` (``dirs``:
+    its pids cgroup), or None when it is out of sight (a remote engine, another pid namespace).
 
-    def __init__(self, sock: Any, send_timeout_s: float) -> None:
+    For reading only: Docker owns the cgroup, so never call its ``kill`` or ``remove``.
+    """
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    paths: dict[str, str] = {}
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            for name in parts[1].split(",") if parts[1] else ["unified"]:
+                paths[name] = parts[2]
+    mounts = cgroup_mounts()
+    v2 = next((m for m in mounts if m.version == 2 and "memory" in m.controllers), None)
+    v1 = {c: m for m in mounts if m.version == 1 for c in m.controllers}
+    dirs: dict[str, Path] = {}
+    for controller in ("pids", "memory"):
+        mount = v2 if v2 is not None else v1.get(controller)
+        path = paths.get("unified" if v2 is not None else controller)
+        if mount is None or path is None or container_id not in path:
+            return None
+        d = mount.path / path.lstrip("/")
+        # the same pid in another namespace, or a cgroup mount rooted elsewhere, fails this check
+        try:
+            if str(pid) not in (d / "cgroup.procs").read_text().split():
+                return None
+        except OSError:
+            return None
+        dirs[controller] = d
+    return SandboxCgroup(container_id[:12], [dirs["pids"]], 2 if v2 is not None else 1, dirs["memory"])
+
+
+class _ExecChannel(Channel):
+    """An attached ``docker exec`` socket: raw stdin out, multiplexed stdout/stderr frames in.
+
+    With ``pid_line``, the first line the exec prints is its pid (:attr:`shell_pid`), not output.
+    """
+
+    def __init__(self, sock: Any, send_timeout_s: float, pid_line: bool = False) -> None:
         self._holder = sock  # keeps the HTTP response (and so the connection) alive
         raw = getattr(sock, "_sock", sock)
         if not isinstance(raw, socket.socket):
@@ -86,9 +179,15 @@ class _ExecChannel(Channel):
         self._sock.settimeout(send_timeout_s)
         self._raw = bytearray()
         self._eof = False
+        self._head: bytearray | None = bytearray() if pid_line else None
+        #: the shell's pid inside the container, once it has printed it
+        self.shell_pid: int | None = None
+        #: writes so far (a count taken before a write is stale after it)
+        self.sends = 0
 
     def send(self, data: bytes) -> None:
         """Write to the exec's stdin."""
+        self.sends += 1
         self._sock.sendall(data)
 
     def _frames(self) -> bytes:
@@ -100,7 +199,15 @@ class _ExecChannel(Channel):
             if kind in (1, 2):
                 out += self._raw[8:8 + length]
             del self._raw[:8 + length]
-        return bytes(out)
+        if self._head is None:
+            return bytes(out)
+        self._head += out
+        line, newline, rest = self._head.partition(b"\n")
+        if not newline:
+            return b""
+        self._head = None
+        self.shell_pid = int(line) if line.strip().isdigit() else None
+        return bytes(rest)
 
     def recv(self, timeout_s: float) -> bytes | None:
         """See :meth:`Channel.recv`."""
@@ -112,7 +219,7 @@ class _ExecChannel(Channel):
             chunk = None
         if chunk is None:
             self._eof = True
-            return self._frames() or None
+            return self._frames() or (bytes(self._head or b"") or None)
         self._raw += chunk
         return self._frames()
 
@@ -145,6 +252,8 @@ class DockerSandbox(ShellSandbox):
         from docker.types import Ulimit
 
         self._errors = docker.errors
+        self._channel: _ExecChannel | None = None
+        self._probed: tuple[int, float, int | None, int | None] | None = None
         all_labels = {**labels, LABEL: "1", OWNER_LABEL: owner_id(), CREATED_LABEL: str(int(time.time()))}
         file_bytes = limits.max_file_mb << 20
         try:
@@ -158,15 +267,17 @@ class DockerSandbox(ShellSandbox):
                 init=True,
                 network_mode="none",
                 read_only=True,
+                # Docker mounts a tmpfs noexec unless told: scripts the agent writes there must run
                 tmpfs={
-                    "/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777",
+                    "/tmp": f"rw,exec,nosuid,nodev,size={limits.tmp_mb}m,mode=1777",
                     self.workdir: (
-                        f"rw,nosuid,nodev,size={backend.home_mb}m,uid={backend.uid},gid={backend.gid},mode=0700"
+                        f"rw,exec,nosuid,nodev,size={backend.home_mb}m,uid={backend.uid},gid={backend.gid},mode=0700"
                     ),
                 },
                 mem_limit=f"{limits.memory_mb}m",
                 memswap_limit=f"{limits.memory_mb}m",
-                pids_limit=limits.max_processes,
+                pids_limit=limits.max_processes + BASE_PROCESSES,
+                nano_cpus=backend.nano_cpus(limits.cpus),
                 cap_drop=["ALL"],
                 security_opt=["no-new-privileges"],
                 ulimits=[Ulimit(name="fsize", soft=file_bytes, hard=file_bytes), Ulimit(name="core", soft=0, hard=0)],
@@ -174,9 +285,27 @@ class DockerSandbox(ShellSandbox):
                 working_dir=self.workdir,
             )
         except docker.errors.DockerException as exc:
+            try:  # created, then refused at start (a limit the engine rejects): not left behind
+                backend.client.containers.get(sandbox_id).remove(force=True, v=True)
+            except (docker.errors.DockerException, OSError):
+                pass
             raise SandboxError(f"sandbox {sandbox_id}: cannot start a container from {backend.image!r}: {exc}") from exc
         logger.debug("sandbox %s: container %s", sandbox_id, self.container.id[:12])
+        try:
+            self.container.reload()  # run() inspected it before it started: no pid yet
+        except (docker.errors.DockerException, OSError) as exc:
+            self._cleanup()
+            raise SandboxError(f"sandbox {sandbox_id}: the container {self.container.id[:12]} did not start: "
+                               f"{exc}") from exc
+        pid = (self.container.attrs.get("State") or {}).get("Pid") or 0
+        #: the container's cgroup seen from this process (read only), None for a remote engine
+        self.cgroup = container_cgroup(pid, self.container.id) if pid > 0 else None
+        if self.cgroup is None:
+            self.process_poll_s = EXEC_POLL_S
+        backend._counted_by("host" if self.cgroup is not None else "exec")
         self._open()
+
+    # -- running things in the container --------------------------------------------------------
 
     def _spawn(self) -> Channel:
         """Attach a new ``bash`` exec in the container."""
@@ -186,24 +315,94 @@ class DockerSandbox(ShellSandbox):
                                       tty=False, user=self._backend.user, workdir=self.workdir,
                                       environment=self.env)["Id"]
             sock = api.exec_start(exec_id, socket=True)
-        except self._errors.DockerException as exc:
+        except (self._errors.DockerException, OSError) as exc:
             raise SandboxError(
                 f"sandbox {self.id}: cannot start bash in container {self.container.id[:12]}: {exc}"
             ) from exc
-        return _ExecChannel(sock, send_timeout_s=self.limits.start_timeout_s)
+        self._channel = _ExecChannel(sock, send_timeout_s=self.limits.start_timeout_s, pid_line=True)
+        self._probed = None
+        return self._channel
 
-    def _kill(self) -> None:
-        """``kill -KILL -1`` as the user: every process the shell started dies."""
-        if self.closed:
-            return  # the container is removed next, which kills everything
+    def _exec(self, cmd: list[str], what: str) -> str | None:
+        """Run ``cmd`` as the user in the container and wait for it: its output, None when it could not run."""
         api = self._backend.client.api
         try:
-            exec_id = api.exec_create(self.container.id, KILL_ALL_CMD, user=self._backend.user)["Id"]
-            api.exec_start(exec_id)
+            exec_id = api.exec_create(self.container.id, cmd, user=self._backend.user)["Id"]
+            return api.exec_start(exec_id).decode(errors="replace")
         except self._errors.NotFound:
-            pass
-        except self._errors.DockerException as exc:
-            logger.warning("sandbox %s: killing the user's processes failed: %s", self.id, exc)
+            return None
+        except (self._errors.DockerException, OSError) as exc:
+            logger.warning("sandbox %s: %s failed: %s", self.id, what, exc)
+            return None
+
+    def _kill_cmd(self, spare: int) -> list[str]:
+        """The exec that kills every process of the user but ``spare`` (0: none); see :data:`KILL_SCRIPT`."""
+        return ["bash", "-c", KILL_SCRIPT, "kill", str(spare), str(self._backend.uid), "0" if spare else "1"]
+
+    def _kill(self) -> None:
+        """Kill every process of the user, the shell included, and wait until they are gone."""
+        if self.closed:
+            return  # the container is removed next, which kills everything
+        if self._channel is not None:
+            # the engine reports no exec's end while the shell's output waits unread on this connection:
+            # closed first, the kill's own exec returns (the kill by uid finds everything regardless)
+            self._channel.close()
+        self._exec(self._kill_cmd(0), "killing the user's processes")
+        self._probed = None
+
+    # -- counts ---------------------------------------------------------------------------------
+
+    def _counts(self) -> tuple[int | None, int | None]:
+        """``(tasks of the container but init and sleep, OOM kills so far)``, each None when unknown."""
+        if self.cgroup is not None:
+            try:
+                tasks: int | None = int((self.cgroup.dirs[0] / "pids.current").read_text()) - BASE_PROCESSES
+            except (OSError, ValueError):
+                tasks = None
+            return tasks, self.cgroup.oom_kills()
+        # an exec costs ~50 ms: the counts before a command (or after it) are taken together
+        sends = self._channel.sends if self._channel is not None else -1
+        probed = self._probed
+        if probed is not None and probed[0] == sends and time.monotonic() - probed[1] < 0.05:
+            return probed[2], probed[3]
+        out = self._exec(PROBE_CMD, "counting processes") or ""
+        values = out.split()
+        tasks = int(values[0]) - BASE_PROCESSES - 1 if len(values) == 2 and values[0].isdigit() else None
+        oom = int(values[1]) if len(values) == 2 and values[1].isdigit() else None
+        self._probed = (sends, time.monotonic(), tasks, oom)
+        return tasks, oom
+
+    def _count_processes(self) -> int | None:
+        """Tasks in the container besides init and ``sleep`` (the shell included)."""
+        return self._counts()[0]
+
+    def _oom_kills(self) -> int | None:
+        """Processes the kernel killed for reaching the container's memory limit."""
+        return self._counts()[1]
+
+    def _end_stragglers(self) -> int:
+        """Kill every process of the user but the shell; how many there were."""
+        tasks = self._count_processes()
+        if tasks is not None and tasks <= 1:
+            return 0  # the shell alone
+        shell = self._channel.shell_pid if self._channel is not None else None
+        if shell is None:
+            logger.warning("sandbox %s: the shell's pid is unknown; background processes are left running", self.id)
+            return 0
+        out = (self._exec(self._kill_cmd(shell), "stopping background processes") or "").split()
+        self._probed = None
+        return int(out[-1]) if out and out[-1].isdigit() else 0
+
+    def _full_filesystems(self) -> list[tuple[str, int]]:
+        """The capped ``/tmp`` and home that are (nearly) full, from ``stat -f`` in the container."""
+        caps = [("/tmp", self.limits.tmp_mb), (self.workdir, self._backend.home_mb)]
+        out = self._exec(["stat", "-f", "-c", "%a %S %d %c", "--", *(d for d, _ in caps)], "checking free space")
+        rows = [line.split() for line in (out or "").splitlines()]
+        rows = [row for row in rows if len(row) == 4 and all(x.isdigit() for x in row)]
+        if len(rows) != len(caps):
+            return []
+        return [(where, mb) for (where, mb), (avail, block, inodes, total) in zip(caps, rows)
+                if nearly_full(int(avail) * int(block), mb, int(inodes) if int(total) else None)]
 
     def _cleanup(self) -> None:
         """Remove the container (forced, with its anonymous volumes)."""
@@ -211,7 +410,7 @@ class DockerSandbox(ShellSandbox):
             self.container.remove(force=True, v=True)
         except self._errors.NotFound:
             pass
-        except self._errors.DockerException as exc:
+        except (self._errors.DockerException, OSError) as exc:
             logger.error("sandbox %s: removing container %s failed: %s", self.id, self.container.id[:12], exc)
         finally:
             self._backend._forget(self.id)
@@ -220,54 +419,126 @@ class DockerSandbox(ShellSandbox):
 class DockerBackend(SandboxBackend):
     """Creates :class:`DockerSandbox` es through the ``docker`` SDK (see the module docstring).
 
-    image: the sandbox image (must have bash and coreutils). client: a ``docker.DockerClient``
-    (default: ``docker.from_env(timeout=api_timeout_s)``, i.e. ``DOCKER_HOST`` or the local
-    socket). user / workdir / home_mb: the user commands run as, its home (a tmpfs) and the
-    home's size. reap: remove leaked containers at start (see the module docstring);
-    reap_foreign_after_s: also those of other hosts older than this.
+    image: the sandbox image (must have bash and coreutils). client: a ``docker.DockerClient``;
+    else one on ``base_url`` (e.g. ``unix:///run/docker.sock``, ``tcp://host:2376``), else
+    ``docker.from_env`` (``DOCKER_HOST`` or the local socket). user / workdir / home_mb: the user
+    commands run as (``uid:gid``, not root), its home (a tmpfs) and the home's size. reap: remove
+    leaked containers at start (see the module docstring); reap_foreign_after_s: also those of other
+    hosts older than this.
     """
 
     name = "docker"
 
     def __init__(self, limits: SandboxLimits | None = None, image: str = "ubuntu:22.04", client: Any = None,
                  user: str = "1000:1000", workdir: str = "/home/user", home_mb: int = 256,
-                 api_timeout_s: float = 60.0, reap: bool = True, reap_foreign_after_s: float | None = None) -> None:
+                 api_timeout_s: float = 60.0, reap: bool = True, reap_foreign_after_s: float | None = None,
+                 base_url: str | None = None) -> None:
         """Connect to the daemon and reap leaked containers; SandboxUnavailableError when unreachable."""
         super().__init__(limits)
-        try:
-            import docker
-        except ImportError as exc:
-            raise SandboxUnavailableError("the docker backend needs the docker SDK: pip install docker") from exc
-        if client is None:
-            try:
-                client = docker.from_env(timeout=int(api_timeout_s))
-                client.ping()
-            except docker.errors.DockerException as exc:
-                raise SandboxUnavailableError(
-                    f"cannot reach a Docker daemon (DOCKER_HOST={os.environ.get('DOCKER_HOST', 'unset')}): {exc}; "
-                    "start Docker, or use the bwrap backend") from exc
         try:
             uid, gid = (int(x) for x in user.split(":"))
         except ValueError:
             raise ValueError(f"user={user!r} must be 'uid:gid' with numbers, e.g. '1000:1000'") from None
+        if uid == 0:
+            # killing "all the user's processes" as root would end the container's own sleep
+            raise ValueError(f"user={user!r}: sandbox commands cannot run as root; use e.g. '1000:1000'")
         if not workdir.startswith("/") or workdir.rstrip("/") in ("", "/tmp"):
             raise ValueError(f"workdir={workdir!r} must be an absolute path other than / and /tmp")
+        if isinstance(home_mb, bool) or not isinstance(home_mb, int) or home_mb < 1:
+            raise ValueError(f"home_mb={home_mb!r} must be a positive integer (MB)")
+        try:
+            import docker
+        except ImportError as exc:
+            raise SandboxUnavailableError("the docker backend needs the docker SDK: pip install docker") from exc
+        self._own_client = client is None
+        if client is None:
+            where = base_url or f"DOCKER_HOST={os.environ.get('DOCKER_HOST', 'unset')}"
+            try:
+                if base_url:
+                    client = docker.DockerClient(base_url=base_url, timeout=int(api_timeout_s))
+                else:
+                    client = docker.from_env(timeout=int(api_timeout_s))
+                client.ping()
+            except docker.errors.DockerException as exc:
+                raise SandboxUnavailableError(
+                    f"cannot reach a Docker daemon ({where}): {exc}; start Docker (or a private engine, "
+                    "env_controller.sandbox.dockerd.DockerEngine), or use the bwrap backend") from exc
         self.client = client
         self.image = image
         self.user = user
         self.uid, self.gid = uid, gid
         self.workdir = workdir.rstrip("/")
-        self.home_mb = int(home_mb)
+        self.home_mb = home_mb
         self.reap_foreign_after_s = reap_foreign_after_s
         self._docker_errors = docker.errors
+        self._warnings: list[str] = []
+        self._warnings_lock = threading.Lock()
+        #: how sandboxes count processes and OOM kills: "host" (cgroup files), "exec" (inside), None (none yet)
+        self.counting: str | None = None
+        try:
+            self.info: dict[str, Any] = client.info()
+        except (docker.errors.DockerException, OSError) as exc:
+            self.info = {}
+            self._warn(f"the engine's info cannot be read ({exc}): whether it enforces the memory, process and "
+                       "CPU limits is unknown")
+        self._check_engine()
         self.reaped: list[str] = self.reap() if reap else []
+
+    def _warn(self, warning: str) -> None:
+        """Keep ``warning`` for :meth:`health` and log it once per process."""
+        with self._warnings_lock:
+            if warning in self._warnings:
+                return
+            self._warnings.append(warning)
+        warn_once(logger, f"docker sandboxes: {warning}", _warned)
+
+    def _check_engine(self) -> None:
+        """Warn about every limit the engine says it cannot enforce."""
+        info = self.info
+        if not info:
+            return
+        if info.get("MemoryLimit") is False:
+            self._warn("the engine cannot limit memory (no memory cgroup): memory_mb is not enforced")
+        elif info.get("SwapLimit") is False:
+            self._warn("the engine has no swap accounting: memory_mb caps memory, but a sandbox may swap beyond it")
+        if info.get("PidsLimit") is False:
+            self._warn("the engine cannot limit processes (no pids cgroup): max_processes is not enforced "
+                       "by the kernel; fork bombs are stopped when counted")
+        if info.get("CpuCfsQuota") is False:
+            self._warn("the engine has no CPU quota (CFS): cpus is not enforced")
+
+    def nano_cpus(self, cpus: float) -> int:
+        """``cpus`` in the engine's unit (1e-9 CPUs), at most the engine's CPUs (it refuses more)."""
+        ncpu = self.info.get("NCPU")
+        if isinstance(ncpu, int) and ncpu > 0 and cpus > ncpu:
+            self._warn(f"cpus={cpus:g} is more than the engine's {ncpu} CPUs; sandboxes get {ncpu}")
+            cpus = float(ncpu)
+        return round(cpus * 1e9)
+
+    def _counted_by(self, how: str) -> None:
+        """Note how a new sandbox counts (see :attr:`counting`); a fallback is worth a warning."""
+        self.counting = how
+        if how == "exec":
+            self._warn("the containers' cgroups are not visible from this process (a remote engine?): process "
+                       "and memory-kill counts take an exec in the container (about 50 ms each), and fork bombs "
+                       f"are looked for every {EXEC_POLL_S:g} s")
+
+    def health(self) -> dict[str, Any]:
+        """See :meth:`SandboxBackend.health`; adds ``engine`` (the daemon's version, cgroup version and
+        driver) and ``counting`` (see :attr:`counting`)."""
+        info = self.info
+        engine = (f"Docker {info.get('ServerVersion', '?')}, cgroup v{info.get('CgroupVersion', '?')} "
+                  f"({info.get('CgroupDriver', '?')})") if info else None
+        with self._warnings_lock:
+            warnings = list(self._warnings)
+        return {**super().health(), "engine": engine, "counting": self.counting, "warnings": warnings}
 
     def reap(self) -> list[str]:
         """Remove leaked sandbox containers (see the module docstring); returns their ids."""
         removed: list[str] = []
         try:
             containers = self.client.containers.list(all=True, filters={"label": f"{LABEL}=1"})
-        except self._docker_errors.DockerException as exc:
+        except (self._docker_errors.DockerException, OSError) as exc:
             logger.warning("listing sandbox containers to reap failed: %s", exc)
             return removed
         now = time.time()
@@ -288,7 +559,7 @@ class DockerBackend(SandboxBackend):
                 removed.append(container.id)
             except self._docker_errors.NotFound:
                 pass
-            except self._docker_errors.DockerException as exc:
+            except (self._docker_errors.DockerException, OSError) as exc:
                 logger.warning("removing leaked container %s failed: %s", container.id[:12], exc)
         if removed:
             logger.info("reaped %d leaked sandbox container(s): %s", len(removed), ", ".join(c[:12] for c in removed))
@@ -296,3 +567,13 @@ class DockerBackend(SandboxBackend):
 
     def _create(self, sandbox_id: str, limits: SandboxLimits, labels: Mapping[str, str]) -> DockerSandbox:
         return DockerSandbox(self, sandbox_id, limits, labels)
+
+    def close(self) -> None:
+        """Close every sandbox, then the client when the backend made it."""
+        super().close()
+        if self._own_client:
+            try:
+                self.client.close()
+            except Exception:  # noqa: BLE001 - closing a connection pool is best effort
+                logger.debug("closing the docker client failed", exc_info=True)
+

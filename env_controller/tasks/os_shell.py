@@ -373,7 +373,9 @@ class OsShellTask(BlockingToolTask):
     backend: ``"bwrap"`` (default), ``"docker"`` or a :class:`SandboxBackend`; created on the
     first session. command_timeout_s (per command) / memory_mb / max_processes / cpus (per
     sandbox): sandbox limits. background_jobs: let a command's background processes run on after
-    it returns (off: they are killed). image: the docker backend's image.
+    it returns (off: they are killed). For ``docker``, one container per session: image (it must
+    hold bash and coreutils), docker_host (the engine's URL, e.g. ``unix:///run/docker.sock``;
+    default ``$DOCKER_HOST``, else the local socket) and user (``uid:gid`` commands run as, not root).
     """
 
     name = "os_shell"
@@ -382,7 +384,8 @@ class OsShellTask(BlockingToolTask):
     def __init__(self, seed: int = 0, num_samples: int = 300, max_turns: int | None = None,
                  backend: str | SandboxBackend = "bwrap", command_timeout_s: float = 10.0, memory_mb: int = 1024,
                  max_processes: int = 64, max_output_chars: int = 4000, image: str = "ubuntu:22.04",
-                 max_workers: int = 64, cpus: float = 1.0, background_jobs: bool = False) -> None:
+                 max_workers: int = 64, cpus: float = 1.0, background_jobs: bool = False,
+                 docker_host: str | None = None, user: str = "1000:1000") -> None:
         """Validate the params (TaskParamError naming a bad one); the backend starts on first use."""
         super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns, max_workers=max_workers)
         if not (isinstance(backend, SandboxBackend) or backend in ("bwrap", "docker")):
@@ -395,6 +398,11 @@ class OsShellTask(BlockingToolTask):
                                     cpus=_cpus_param(self.name, cpus),
                                     background_jobs=bool_param(self.name, "background_jobs", background_jobs))
         self.image = str_param(self.name, "image", image)
+        self.docker_host = str_param(self.name, "docker_host", docker_host, optional=True)
+        self.user = str_param(self.name, "user", user)
+        if not re.fullmatch(r"\d+:\d+", self.user) or int(self.user.split(":")[0]) == 0:
+            raise TaskParamError(self.name, "user", user, "must be 'uid:gid' of a user other than root, "
+                                 "e.g. '1000:1000'")
         self._backend_spec = backend
         self._backend: SandboxBackend | None = backend if isinstance(backend, SandboxBackend) else None
         self._backend_lock = threading.Lock()
@@ -404,7 +412,9 @@ class OsShellTask(BlockingToolTask):
         """The sandbox backend (started on first use; SandboxUnavailableError when it cannot run)."""
         with self._backend_lock:
             if self._backend is None:
-                options: dict[str, Any] = {"image": self.image} if self._backend_spec == "docker" else {}
+                options: dict[str, Any] = {}
+                if self._backend_spec == "docker":
+                    options = {"image": self.image, "base_url": self.docker_host, "user": self.user}
                 self._backend = make_backend(str(self._backend_spec), self.limits, **options)
             return self._backend
 

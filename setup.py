@@ -23,6 +23,7 @@ setup(
         "jinja2==3.1.6",
         "tensorboard==2.21.0",
         "wandb>=0.31,<0.32",  # logging.wandb: imported only when a run asks for it
+        "openai==3.54.0",  # rollout.agent=gateway: the client handed to the user's agent function
         "matplotlib==3.11.2",
         "rich==15.0.0",
         # rollout_sglang.sglang_engine: the SGLang server's HTTP client (sync, pooled)

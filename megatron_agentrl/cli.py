@@ -1,5 +1,9 @@
 """The ``agentrl`` command line: ``agentrl train --config run.yaml [key=value ...]`` and the other subcommands.
 
+``agentrl gateway --config run.yaml --port 8300`` serves the run's policy (``model.checkpoint``, or the SGLang
+servers of ``rollout.engine_urls``) behind the OpenAI-compatible gateway, with the run's tasks as its
+environment, until SIGINT or SIGTERM.
+
 ``agentrl train`` runs the training of :mod:`megatron_agentrl.train_rank` in this process, in
 ``--nproc`` local processes, or in Ray actors (``ray.enabled`` / ``ray.address``). Under
 ``torchrun`` or ``srun`` (``WORLD_SIZE`` set) each process trains its own rank::
@@ -15,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from env_controller.cli import register as register_env_commands
-from megatron_agentrl.config import ConfigError, load_config
+from megatron_agentrl.config import Config, ConfigError, load_config
 from megatron_agentrl.convert import cli as convert_cli
 from megatron_agentrl.launch import check, slurm
 from megatron_agentrl.launch.ray_placement import RayLaunchError, run_on_ray
@@ -79,6 +83,73 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=5 parallel.tp=2")
 
 
+def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``agentrl gateway``."""
+    p.add_argument("--config", required=True, help="YAML config of a run: its model, engines, tasks, limits")
+    p.add_argument("--host", default=None, help="address to bind (default gateway.host, 127.0.0.1; elsewhere needs "
+                                                "a token)")
+    p.add_argument("--port", type=int, default=None, help="port to bind (default gateway.port; 0 picks a free one)")
+    p.add_argument("--token", default=None, help="bearer token every request must carry, the OpenAI api key of the "
+                                                 "agents (default $<gateway.token_env>, AGENTRL_GATEWAY_TOKEN)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.max_turns=8")
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    """Serve the gateway until SIGINT or SIGTERM."""
+    import asyncio
+
+    from megatron_agentrl.hf_io import check_model_paths
+
+    overrides = list(args.overrides)
+    overrides += [f"gateway.host={args.host}"] if args.host is not None else []
+    overrides += [f"gateway.port={args.port}"] if args.port is not None else []
+    cfg = load_config(args.config, overrides)
+    check_model_paths(cfg.model)
+    setup_logging(0)
+    if args.token is not None:
+        os.environ[cfg.gateway.token_env] = args.token  # one place decides: gateway_token below
+    asyncio.run(_serve_gateway(cfg))
+    return 0
+
+
+async def _serve_gateway(cfg: Config) -> None:
+    from env_controller._http import wait_for_signal
+    from megatron_agentrl.hf_io import load_hf_config
+    from megatron_agentrl.pipeline.rollout_side import (
+        build_env,
+        build_gateway,
+        chat_template,
+        gateway_token,
+        standalone_pool,
+    )
+    from rollout_sglang.gateway import GatewayServer
+    from rollout_sglang.tokenizer import load_tokenizer
+    from rollout_sglang.weight_update.buckets import dtype_from_name
+
+    token = gateway_token(cfg)
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    hf_config = load_hf_config(cfg.model, tokenizer)
+    template = chat_template(cfg, tokenizer, hf_config)
+    env, _, _ = build_env(cfg)
+    pool = standalone_pool(cfg, hf_config, dtype_from_name(cfg.model.dtype))
+    gateway = build_gateway(cfg, pool, template, env, training=False)
+    server = GatewayServer(gateway, host=cfg.gateway.host, port=cfg.gateway.port, token=token)
+    try:
+        await server.start()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"gateway: cannot serve on {cfg.gateway.host}:{cfg.gateway.port}: {e}") from None
+    logger.info("gateway: POST %s/sessions opens a session (tasks: %s); SIGINT or SIGTERM stops it", server.url,
+                ", ".join(s.name for s in cfg.tasks))
+    try:
+        await wait_for_signal()
+    finally:
+        await gateway.aclose()
+        await server.stop()
+        aclose = getattr(env, "aclose", None)
+        if callable(aclose):
+            await aclose()
+
+
 def add_commands(sub: argparse._SubParsersAction, commands: Sequence[Command]) -> None:
     """Add one subcommand per ``(name, help, function adding its options, function running it)`` of
     ``commands`` to the argparse subparsers ``sub``."""
@@ -92,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``agentrl`` parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="agentrl", description="Agentic RL on megatron-core (AgentRL).")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_commands(sub, [("train", "train a policy from a YAML config", add_train_arguments, cmd_train)])
+    add_commands(sub, [("train", "train a policy from a YAML config", add_train_arguments, cmd_train),
+                       ("gateway", "serve a run's policy behind the OpenAI-compatible gateway (any agent's "
+                                   "completions become trajectories)", add_gateway_arguments, cmd_gateway)])
     register_env_commands(sub)  # agentrl controller / agentrl worker
     convert = sub.add_parser("convert", help="convert weights between Hugging Face and megatron checkpoints")
     add_commands(convert.add_subparsers(dest="convert_command", required=True), convert_cli.COMMANDS)

@@ -457,6 +457,13 @@ class RolloutConfig(_Section):
     engine_api_key_env / engine_admin_api_key_env: names of environment variables holding the
         servers' ``--api-key`` and ``--admin-api-key`` (unset or empty: no key); keys stay out of
         config files and logs.
+
+    Who plays the episodes (``rollout_sglang.gateway``, docs/training.md):
+    agent: "builtin" (the agent loop) or "gateway" (``agent_fn`` per sample, through the gateway).
+    agent_fn: with "gateway", "package.module:function" naming an async function
+        ``fn(client: openai.AsyncOpenAI, sample: dict) -> float | None``; loaded and checked at load
+        (a module that is not importable is also looked for under the working directory).
+    agent_timeout_s: limit on one call of ``agent_fn`` (one episode), seconds.
     """
 
     KEY: ClassVar[str] = "rollout"
@@ -483,10 +490,14 @@ class RolloutConfig(_Section):
     weight_sync_master_address: str = ""
     engine_api_key_env: str = "SGLANG_API_KEY"
     engine_admin_api_key_env: str = "SGLANG_ADMIN_API_KEY"
+    agent: Literal["builtin", "gateway"] = "builtin"
+    agent_fn: str | None = None
+    agent_timeout_s: float = 600.0
 
     def check(self) -> None:
         """See :class:`_Section`."""
         super().check()
+        self._check_agent()
         self.require_positive_int("prompts_per_step", "samples_per_prompt", "max_turns", "max_new_tokens",
                                   "max_total_tokens")
         self.require(self.max_total_tokens >= 2, "max_total_tokens",
@@ -509,6 +520,19 @@ class RolloutConfig(_Section):
                      "must be a host name or IP address such as 10.0.0.4 (no scheme, port or path), or '' to "
                      "pick the address that routes to the engines")
 
+    def _check_agent(self) -> None:
+        self.require_above_zero("agent_timeout_s", unit="seconds")
+        if self.agent == "builtin":
+            self.require(self.agent_fn is None, "agent_fn", "is set but rollout.agent=builtin runs the built-in "
+                         "agent loop; set rollout.agent=gateway to train your agent function")
+            return
+        self.require(self.agent_fn is not None, "agent_fn", "is required with rollout.agent=gateway: name your "
+                     "agent as 'package.module:function' (an async fn(client, sample) -> float | None)")
+        module, _, func = str(self.agent_fn).partition(":")
+        self.require(bool(module) and func.isidentifier() and all(p.isidentifier() for p in module.split(".")),
+                     "agent_fn", "must be 'package.module:function'")
+        load_agent_fn(str(self.agent_fn), f"{self.KEY}.agent_fn")
+
     def _check_engine_urls(self) -> None:
         if not self.engine_urls:
             return
@@ -523,6 +547,38 @@ class RolloutConfig(_Section):
                 if not _is_host_port_url(url):
                     raise _FieldError(self.KEY, f"engine_urls[{i}][{j}]", url, "is not an http(s)://host:port URL "
                                       "such as http://10.0.0.5:30000")
+
+
+@dataclass
+class GatewayConfig(_Section):
+    """The OpenAI-compatible gateway (``rollout_sglang.gateway``): ``agentrl gateway``, and ``agentrl train``
+    with ``rollout.agent: gateway``.
+
+    host: address to bind; anything but loopback needs a token. port: port to bind (0 = a free one).
+    token_env: the environment variable holding the bearer token (unset or empty: no token, loopback
+        only); clients send it as their OpenAI api key.
+    max_sessions: sessions open at once. session_idle_timeout_s: a session nobody used for that long is
+        cancelled (not those of a training run's agents), seconds.
+    """
+
+    KEY: ClassVar[str] = "gateway"
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    token_env: str = "AGENTRL_GATEWAY_TOKEN"
+    max_sessions: int = 4096
+    session_idle_timeout_s: float = 900.0
+
+    def check(self) -> None:
+        """See :class:`_Section`."""
+        super().check()
+        self.require(bool(self.host) and _is_host(self.host), "host",
+                     "must be a host name or IP address such as 127.0.0.1 (no scheme, port or path)")
+        self.require(0 <= self.port < 65536, "port", "must be a TCP port (1-65535) or 0 (a free port)")
+        self.require(bool(self.token_env), "token_env", "is empty; name the environment variable of the token, "
+                     "e.g. AGENTRL_GATEWAY_TOKEN")
+        self.require_positive_int("max_sessions")
+        self.require_above_zero("session_idle_timeout_s", unit="seconds")
 
 
 @dataclass
@@ -918,6 +974,7 @@ class Config:
     log_every: int = 1
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
@@ -1040,6 +1097,27 @@ def load_reward_fn(path: str, key: str = "reward_fn") -> typing.Callable[..., An
     if not callable(func):
         raise ConfigError(f"{key}={path!r}: module '{module_name}' has no function '{func_name}'")
     return func
+
+
+def load_agent_fn(path: str, key: str = "rollout.agent_fn") -> typing.Callable[..., Any]:
+    """The async function ``"package.module:function"`` names (:func:`load_reward_fn`); a module that does not
+    import is looked for under the working directory too (as ``uvicorn module:app`` does), so
+    ``examples.agents.openai_tool_agent:run_agent`` works from the repository root. ConfigError naming
+    ``key`` when it cannot be found or is not an async function."""
+    import importlib.util
+    import inspect
+    import os
+    import sys
+
+    top = path.partition(":")[0].split(".")[0]
+    cwd = os.getcwd()
+    if top and importlib.util.find_spec(top) is None and cwd not in sys.path and Path(cwd, top).exists():
+        sys.path.append(cwd)  # appended: installed packages keep precedence
+    fn = load_reward_fn(path, key)
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"{key}={path!r} is not an async function; define it as 'async def "
+                          f"{path.partition(':')[2]}(client, sample)' returning a reward or None")
+    return fn
 
 
 def _placed(key: str, check: typing.Callable[[], Any]) -> Any:

@@ -120,6 +120,17 @@ def _check_train_scale(lines: list[str], rec: dict[str, Any]) -> None:
     assert 0.4 < rec["dist_opt_state_ratio_dp2"] <= 0.6  # each DP rank holds about half
 
 
+def _check_gateway(lines: list[str], rec: dict[str, Any]) -> None:
+    m = re.fullmatch(r"gateway_overhead_p99_ms: (\d+\.\d+)", lines[-1])
+    assert m and float(m.group(1)) == pytest.approx(rec["gateway_overhead_p99_ms"], abs=1e-3)
+    res, a = rec["results"], rec["args"]
+    assert set(res) == {"stub_with_tool_time", "stub_saturated", "local_engine"}
+    for name, n in (("stub_with_tool_time", a["sessions"] * a["turns"]), ("stub_saturated", a["sessions"] * a["turns"]),
+                    ("local_engine", a["local_sessions"] * a["local_turns"])):
+        assert res[name]["completions_per_s"] > 0 and res[name]["added"]["n"] == res[name]["client"]["n"] == n
+    assert rec["gateway_overhead_p99_ms"] == res["stub_with_tool_time"]["added"]["p99_ms"]
+
+
 CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
     "ablation.py": _check_ablation,
     "gpu_advantages.py": _check_gpu_advantages,
@@ -128,6 +139,7 @@ CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
     "convert.py": _check_convert,
     "demo_learning.py": _check_demo_learning,
     "env_controller.py": _check_env_controller,
+    "gateway.py": _check_gateway,
     "gloo_transport.py": _check_gloo_transport,
     "train_scale.py": _check_train_scale,
     "weight_sync.py": _check_weight_sync,

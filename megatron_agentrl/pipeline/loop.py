@@ -290,6 +290,7 @@ class TrainingRun:
                 times["eval_wait_s"] = eval_s
             m, staleness = step_metrics(step, groups, stats, rl.rewards, rl.sample_adv, self.eta, times,
                                         self.manager, self.ro.busy_seconds() - busy0)
+            m.update(self.manager.agent_metrics())  # rollout.agent: gateway: history rewrites, agent errors, ...
             self._record(step, groups, stats, m, staleness)
 
     # ------------------------------------------------------------------ periodic evaluation

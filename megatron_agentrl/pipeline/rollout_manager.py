@@ -122,8 +122,9 @@ class PromptSampler:
 
 @dataclass
 class FinishedGroup:
-    """A sampled group: its request, trajectories (``request.size``), the trainer version when it
-    started, its acceptance order ``seq``, and wall times (``time.monotonic``)."""
+    """A sampled group: its request, trajectories (``request.size``; more when an agent's episode came back
+    in several segments), the trainer version when it started, its acceptance order ``seq``, and wall times
+    (``time.monotonic``)."""
 
     request: GroupRequest
     trajectories: list[Trajectory]
@@ -189,6 +190,10 @@ class RolloutManager:
     on_group: optional callback (FinishedGroup) on the rollout thread, e.g. reward shaping.
     total_groups: stop admitting once ``consumed + waiting + running`` reaches it (the groups the
     run will train; None = no limit).
+    agent: who plays the episodes instead of the built-in agent loop: an object with ``async
+    run_group(requests, params) -> trajectories`` (any number per request, each carrying its request's
+    ``group_id``), ``async aclose()`` (called on the rollout thread when it stops) and ``metrics() ->
+    dict`` (:meth:`agent_metrics`), e.g. :class:`rollout_sglang.gateway.AgentRunner`; None: the agent loop.
 
     After :meth:`get_batch`, :attr:`last_batch` describes the batch taken: ``groups`` trained,
     ``short`` (slots given up), ``fallback`` (1.0 when it trained on zero-variance groups), ``drawn``
@@ -200,8 +205,8 @@ class RolloutManager:
                  staleness: int, queue_size: int = 0, cohort_groups: int = 1,
                  sampling: Callable[[int], SamplingParams], max_turns: int, max_total_tokens: int,
                  env_timeout_s: float = 120.0, version: int = 0, seed: int = 0, max_attempts: int = 3,
-                 version_lag: int = 0,
-                 on_group: Callable[[FinishedGroup], None] | None = None, total_groups: int | None = None) -> None:
+                 version_lag: int = 0, on_group: Callable[[FinishedGroup], None] | None = None,
+                 total_groups: int | None = None, agent: Any = None) -> None:
         if batch_groups < 1 or staleness < 0 or cohort_groups < 1:
             raise ValueError(f"batch_groups={batch_groups} and cohort_groups={cohort_groups} must be >= 1, "
                              f"staleness={staleness} >= 0")
@@ -227,6 +232,7 @@ class RolloutManager:
         self.max_attempts = int(max_attempts)
         self.on_group = on_group
         self.total_groups = total_groups
+        self.agent = agent
         self.stats = ManagerStats()
 
         self._cond = threading.Condition()
@@ -403,6 +409,11 @@ class RolloutManager:
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.agent is not None:  # before the loop's other tasks go: its server runs on this loop
+            try:
+                await asyncio.wait_for(self.agent.aclose(), self.env_timeout_s)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("closing the agent runner at rollout stop: %r", e)
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for t in others:  # e.g. engine wrappers' workers
             t.cancel()
@@ -421,10 +432,13 @@ class RolloutManager:
         seed = (self.seed * 1_000_003 + first * 104_729 + cohort[0][1] * 7) % (2 ** 31)
         t0 = time.monotonic()
         try:
-            trajs = await run_group_lockstep(
-                self.engine, self.env, self.template, reqs, self.sampling(seed),
-                max_turns=self.max_turns, max_total_tokens=self.max_total_tokens, env_timeout_s=self.env_timeout_s,
-            )
+            if self.agent is not None:
+                trajs = await self.agent.run_group(reqs, self.sampling(seed))
+            else:
+                trajs = await run_group_lockstep(
+                    self.engine, self.env, self.template, reqs, self.sampling(seed), max_turns=self.max_turns,
+                    max_total_tokens=self.max_total_tokens, env_timeout_s=self.env_timeout_s,
+                )
         except asyncio.CancelledError:
             with self._cond:
                 self._running -= len(cohort)
@@ -450,10 +464,11 @@ class RolloutManager:
             return
         t1 = time.monotonic()
         groups: list[FinishedGroup] = []
-        i = 0
+        by_group: dict[int, list[Trajectory]] = {}
+        for t in trajs:  # an agent may return several trajectories per episode (the gateway's segments)
+            by_group.setdefault(t.group_id, []).append(t)
         for r, _ in cohort:
-            g = FinishedGroup(r, trajs[i: i + r.size], start_version, -1, t0, t1)
-            i += r.size
+            g = FinishedGroup(r, by_group.get(r.group_id, []), start_version, -1, t0, t1)
             if self.on_group is not None:
                 self.on_group(g)
             groups.append(g)
@@ -485,6 +500,10 @@ class RolloutManager:
             logger.warning("dynamic sampling: the reward of group %d (%s #%d) failed (%r); keeping the group",
                            g.request.group_id, g.request.task, g.request.index, e)
             return False
+
+    def agent_metrics(self) -> dict[str, float]:
+        """The agent runner's figures since the previous call (``gateway/...``); {} with the agent loop."""
+        return self.agent.metrics() if self.agent is not None else {}
 
     # ------------------------------------------------------------------ trainer side
     def set_version(self, version: int) -> None:

@@ -223,9 +223,80 @@ def sampling_params(cfg: Config, ro: RolloutSide, temperature: float, seed: int 
     )
 
 
+def gateway_token(cfg: Config) -> str | None:
+    """The gateway's bearer token from ``$<gateway.token_env>`` (None when unset); ConfigError when
+    ``gateway.host`` is not loopback and there is none."""
+    from env_controller._http import is_loopback
+
+    token = os.environ.get(cfg.gateway.token_env) or None
+    if token is None and not is_loopback(cfg.gateway.host):
+        raise ConfigError(f"gateway.host={cfg.gateway.host!r} is not loopback: the gateway then needs a bearer "
+                          f"token; set ${cfg.gateway.token_env} (gateway.token_env), or bind gateway.host=127.0.0.1")
+    return token
+
+
+def build_gateway(cfg: Config, engine: Any, template: AnyChatTemplate, env: Any, *, training: bool) -> Any:
+    """A :class:`~rollout_sglang.gateway.Gateway` over ``engine`` (a pool or an engine) and ``env`` with the
+    run's sampling settings and limits; ``training`` refuses a temperature or top_p other than the run's."""
+    from rollout_sglang.gateway import Gateway
+
+    r, g = cfg.rollout, cfg.gateway
+    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              stop_token_ids=list(template.stop_token_ids))
+    return Gateway(engine, template, env=env, sampling=sampling, max_turns=r.max_turns,
+                   max_total_tokens=r.max_total_tokens, enforce_sampling=training,
+                   env_timeout_s=cfg.pipeline.env_timeout_s, max_sessions=g.max_sessions,
+                   session_idle_timeout_s=g.session_idle_timeout_s)
+
+
+def standalone_pool(cfg: Config, hf_config: Any, dtype: torch.dtype) -> VersionPool:
+    """The engines ``agentrl gateway`` serves alone (no trainer): the SGLang servers of ``rollout.engine_urls``
+    as their version slots, else one local engine with the weights of ``model.checkpoint`` (random weights
+    without one, for trying the API)."""
+    r = cfg.rollout
+    remote = remote_engines(cfg)
+    if remote is not None:
+        for c in (c for slot in remote for c in slot):
+            c.wait_healthy(r.engine_startup_timeout_s)
+        slots = [[BatchingEngine(c, resume_timeout_s=r.engine_timeout_s) for c in slot] for slot in remote]
+    else:
+        if cfg.model.megatron_checkpoint and not cfg.model.checkpoint:
+            raise ConfigError(f"model.megatron_checkpoint='{cfg.model.megatron_checkpoint}': the gateway serves "
+                              "Hugging Face weights; convert it (agentrl convert megatron-to-hf) and set "
+                              "model.checkpoint")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if cfg.model.checkpoint:
+            local = LocalEngine.from_pretrained(cfg.model.checkpoint, dtype=dtype, device=device, seed=cfg.train.seed)
+        else:
+            logger.warning("no model.checkpoint: the gateway serves a randomly initialised model (for trying the API)")
+            local = LocalEngine(hf_config, dtype=dtype, device=device, seed=cfg.train.seed,
+                                init_seed=cfg.train.seed)
+        slots = [[BatchingEngine(local, resume_timeout_s=r.engine_timeout_s)]]
+    return VersionPool(slots, policy=r.cross_policy if len(slots) > 1 else "latest",
+                       recency_decay=r.recency_decay, seed=cfg.train.seed, drain_timeout_s=r.engine_timeout_s)
+
+
+def build_agent_runner(cfg: Config, ro: RolloutSide) -> Any:
+    """The :class:`~rollout_sglang.gateway.AgentRunner` of ``rollout.agent: gateway``: ``rollout.agent_fn`` per
+    sample against a gateway over the pool and the training env, served on ``gateway.host:port``."""
+    from megatron_agentrl.config import load_agent_fn
+    from rollout_sglang.gateway import AgentRunner
+
+    r, g, p = cfg.rollout, cfg.gateway, cfg.pipeline
+    eta = 0 if p.mode == "sync" else p.staleness
+    in_flight = (p.queue_size or (eta + 1) * r.prompts_per_step) * r.samples_per_prompt
+    if g.max_sessions < in_flight:
+        raise ConfigError(f"gateway.max_sessions={g.max_sessions} is below the {in_flight} episodes the rollout may "
+                          "run at once (pipeline.queue_size groups of rollout.samples_per_prompt); raise it")
+    gateway = build_gateway(cfg, ro.pool, ro.template, ro.train_env, training=True)
+    return AgentRunner(gateway, load_agent_fn(str(r.agent_fn)), host=g.host, port=g.port, token=gateway_token(cfg),
+                       agent_timeout_s=r.agent_timeout_s, client_timeout_s=r.engine_timeout_s + p.env_timeout_s)
+
+
 def make_manager(cfg: Config, ro: RolloutSide, version: int) -> RolloutManager:
     """The rollout manager of ``pipeline.mode`` (sync: staleness 0, a step's groups in lockstep;
-    async: ``pipeline.staleness``, groups one by one) over the pool, at weight version ``version``."""
+    async: ``pipeline.staleness``, groups one by one) over the pool, at weight version ``version``; with
+    ``rollout.agent: gateway`` its episodes are played by ``rollout.agent_fn`` through the gateway."""
     sync = cfg.pipeline.mode == "sync"
     B = cfg.rollout.prompts_per_step
     sampler = PromptSampler(ro.task_names, ro.weights, ro.train_indices, cfg.rollout.samples_per_prompt,
@@ -240,4 +311,5 @@ def make_manager(cfg: Config, ro: RolloutSide, version: int) -> RolloutManager:
         env_timeout_s=cfg.pipeline.env_timeout_s, version=version, seed=cfg.train.seed,
         version_lag=0 if sync or cfg.rollout.cross_policy == "latest" else cfg.rollout.max_versions - 1,
         total_groups=cfg.train.steps * B,
+        agent=build_agent_runner(cfg, ro) if cfg.rollout.agent == "gateway" else None,
     )

@@ -1,0 +1,476 @@
+"""The gateway's core without HTTP: sessions, completions sampled through the engines, the environment link.
+
+:class:`Gateway` turns one Chat Completions request into one turn of a session's token-exact trajectory
+(:mod:`~rollout_sglang.gateway.session`): it plans the tokens the request appends, samples the turn
+through the version pool (one routed request: the cross-policy draw picks the version, the router keeps
+the session on its engine) or an engine, records the tokens, the engine's log-probs and the version
+exactly as the agent loop does, and parses the turn with the chat template's tool-call parser.
+
+Decisions an agent sees:
+
+* **A turn whose tool call does not parse** is returned as a plain reply: the raw text as ``content``,
+  no ``tool_calls``, ``finish_reason`` "stop" (or "length"). The sampled tokens stay in the trajectory and
+  the session counts ``tool_parse_errors``; the agent decides what follows (sent on to a task, a reply
+  without calls ends the episode as the built-in loop's malformed call does). A 4xx would discard a turn
+  the policy did sample and turn its mistake into an agent crash.
+* **tool_choice** ``required`` / named force the start of a call (``<tool_call>\\n`` or the call's head
+  up to its arguments; GLM-4: the name line) as tokens with loss mask 0; the engine samples the rest.
+  ``none`` parses nothing. The tools are always in the prompt, so the choice never changes it.
+* **Stop strings** cut the turn after the first token that completes one; the tokens sampled past it are
+  dropped (the kept ones are exactly what was sampled), the text ends before it.
+* **Limits** (``max_turns`` completions, ``max_total_tokens`` per segment) end the episode with the agent
+  loop's statuses ("task limit reached", "agent context limit") and refuse the request with a 400
+  (``turn_limit_reached``, ``context_length_exceeded``).
+* With ``enforce_sampling`` (training) a ``temperature`` or ``top_p`` other than the run's is refused:
+  the trainer scores every token at the run's temperature.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from env_controller.protocol import MalformedMessageError, SampleStatus, validate_assistant_messages
+from rollout_sglang.chat_template import AnyChatTemplate, Glm4ChatTemplate
+from rollout_sglang.engine import GenerationOutput, SamplingParams
+from rollout_sglang.gateway.openai_format import ApiError, ChatRequest, bad, message_key, tools_key
+from rollout_sglang.gateway.session import GatewaySession, Plan, Turn
+from rollout_sglang.tokenizer import TOOL_CALL_START
+from rollout_sglang.tool_parser import ToolCallParseError
+from rollout_sglang.trajectory import Trajectory
+from rollout_sglang.version_pool import VersionPool
+
+logger = logging.getLogger(__name__)
+
+#: Status of an episode whose agent function raised (or ran past its time limit).
+AGENT_ERROR = "agent error"
+_SENTINEL_ARGS = {"__agentrl_arguments__": 0}
+
+
+@dataclass
+class GatewayStats:
+    """Counters since the gateway started: sessions opened, completions, history rewrites, tool-call parse
+    errors, episodes ended by the turn or context limit, engine failures."""
+
+    sessions_opened: int = 0
+    completions: int = 0
+    history_rewrites: int = 0
+    tool_parse_errors: int = 0
+    turn_limits: int = 0
+    context_limits: int = 0
+    engine_errors: int = 0
+
+
+@dataclass
+class Completion:
+    """One sampled turn as the HTTP layer answers it: ``message`` (the OpenAI assistant message),
+    ``finish_reason``, token counts, the sampled ``token_ids`` with their ``logprobs`` and the ``version``
+    that sampled them; ``engine_s``: seconds in the engine call."""
+
+    message: dict[str, Any]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    token_ids: list[int]
+    logprobs: list[float]
+    version: int
+    engine_s: float
+
+
+class EnvStartError(RuntimeError):
+    """The environment could not start the session's task (unreachable, failed); the message says why."""
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table), as character -> byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_OF = _bytes_to_unicode()
+
+
+class Gateway:
+    """Sessions of OpenAI-style agents over an engine or a version pool (see the module doc).
+
+    engine: a VersionPool (each completion routed by its cross-policy and router) or one Engine.
+    template: the chat format. env: an EnvClient for sessions opened with a task (None: none).
+    sampling: the defaults of every turn: ``max_new_tokens`` (a cap: a request may ask for fewer),
+        ``temperature``, ``top_p``, ``top_k``; the template's stop tokens are always added.
+    max_turns: completions per session; max_total_tokens: tokens per segment (prompt included).
+    enforce_sampling: refuse a temperature or top_p other than ``sampling``'s (training).
+    env_timeout_s: limit on each environment call, seconds; max_sessions: sessions open at once;
+    session_idle_timeout_s: a session nobody touched that long is cancelled by :meth:`reap_idle`
+    (not those of the trainer's agent runner); model_name: the model id ``/models`` lists.
+    """
+
+    def __init__(self, engine: Any, template: AnyChatTemplate, *, sampling: SamplingParams, max_turns: int,
+                 max_total_tokens: int, env: Any = None, enforce_sampling: bool = False, env_timeout_s: float = 120.0,
+                 max_sessions: int = 4096, session_idle_timeout_s: float = 900.0,
+                 model_name: str = "agentrl-policy") -> None:
+        if max_turns < 1 or max_total_tokens < 2 or sampling.max_new_tokens < 1:
+            raise ValueError(f"max_turns={max_turns} must be >= 1, max_total_tokens={max_total_tokens} >= 2 and "
+                             f"max_new_tokens={sampling.max_new_tokens} >= 1")
+        self.engine = engine
+        self.pool = engine if isinstance(engine, VersionPool) else None
+        self.template = template
+        self.env = env
+        self.sampling = sampling
+        self.stop_ids = list(dict.fromkeys(list(sampling.stop_token_ids) + list(template.stop_token_ids)))
+        self._stop_set = set(self.stop_ids)
+        self.max_turns = int(max_turns)
+        self.max_total_tokens = int(max_total_tokens)
+        self.enforce_sampling = enforce_sampling
+        self.env_timeout_s = float(env_timeout_s)
+        self.max_sessions = int(max_sessions)
+        self.session_idle_timeout_s = float(session_idle_timeout_s)
+        self.model_name = model_name
+        self.created = int(time.time())
+        self.sessions: dict[str, GatewaySession] = {}
+        self.stats = GatewayStats()
+        self._prefixes: dict[tuple[str, str | None], list[int]] = {}
+
+    # ------------------------------------------------------------------ sessions
+    def session(self, session_id: str) -> GatewaySession:
+        """The open session ``session_id``; ApiError 404 naming it otherwise."""
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise ApiError(404, f"unknown session {session_id!r:.80}: it was never opened here, or it was deleted "
+                                f"(open sessions: {len(self.sessions)})", param="session_id",
+                           code="session_not_found")
+        return s
+
+    @staticmethod
+    def _check_running(s: GatewaySession) -> None:
+        if not s.running:
+            raise ApiError(409, f"session {s.id} has ended (status {s.status!r}); open a new session for another "
+                                "episode", code="session_ended")
+
+    async def open_session(self, task: str | None = None, index: int = 0, group_id: int = 0,
+                           metadata: dict[str, Any] | None = None, *, owned: bool = False, seed: int | None = None,
+                           seed_stride: int = 1) -> GatewaySession:
+        """Open a session; with ``task``, start its episode ``index`` in the environment first (the session then
+        holds the env's first ``messages`` and ``tools``; an env that ends it at once leaves it ended).
+
+        Raises ApiError 429 at ``max_sessions``, 400 for a task without an environment or an unknown task or
+        index, EnvStartError when the environment fails.
+        """
+        if len(self.sessions) >= self.max_sessions:
+            raise ApiError(429, f"{len(self.sessions)} sessions are open (limit {self.max_sessions}); DELETE the "
+                                "finished ones", code="too_many_sessions")
+        s = GatewaySession(secrets.token_hex(8), task=task or "", index=index, group_id=group_id, metadata=metadata,
+                           owned=owned, seed=seed, seed_stride=seed_stride)
+        if task is not None:
+            if self.env is None:
+                raise bad("task", "this gateway has no environment to start tasks in; open the session without one")
+            t0 = time.perf_counter()
+            try:
+                s.env_session, reply = await asyncio.wait_for(self.env.start_sample(task, index), self.env_timeout_s)
+            except ValueError as e:
+                raise bad("task", f"the environment cannot start task {task!r:.80} index {index}: {e}") from None
+            except Exception as e:  # noqa: BLE001 - any env failure is this request's, reported to it
+                what = f"timed out after {self.env_timeout_s:.1f}s" if isinstance(e, TimeoutError) else repr(e)
+                raise EnvStartError(f"start_sample({task!r}, {index}) {what}") from e
+            finally:
+                s.timings["env_s"] += time.perf_counter() - t0
+            s.first_messages, s.tools = list(reply.messages), list(reply.tools or [])
+            if reply.finish:  # the env closed its side already
+                s.env_session = None
+                s.end(reply.status.value, reply.reward, reply.metrics)
+        self.sessions[s.id] = s
+        self.stats.sessions_opened += 1
+        return s
+
+    async def _release_env(self, s: GatewaySession) -> None:
+        """Cancel the session's env episode when it is still open (best effort, logged)."""
+        env_session, s.env_session = s.env_session, None
+        if env_session is None or self.env is None:
+            return
+        try:
+            await asyncio.wait_for(self.env.cancel(env_session), self.env_timeout_s)
+        except Exception as e:  # noqa: BLE001 - the episode is over either way
+            logger.warning("cancel of env session %s (gateway session %s) failed: %r", env_session, s.id, e)
+
+    async def end_session(self, s: GatewaySession, status: str, reward: float = 0.0,
+                          metrics: dict[str, float] | None = None, error: str = "") -> None:
+        """End the episode (a no-op when it ended already) and close its env episode."""
+        s.end(status, reward, metrics, error)
+        if self.pool is not None:
+            self.pool.forget([s.key])
+        await self._release_env(s)
+
+    async def set_reward(self, session_id: str, reward: float, metrics: dict[str, float] | None = None) -> None:
+        """End the episode as "completed" with ``reward``; ApiError 409 when it ended already."""
+        s = self.session(session_id)
+        async with s.lock:
+            self._check_running(s)
+            await self.end_session(s, SampleStatus.COMPLETED.value, reward, metrics)
+
+    async def delete(self, session_id: str) -> GatewaySession:
+        """Cancel the session when it runs, and forget it (ApiError 404 when unknown)."""
+        s = self.session(session_id)
+        del self.sessions[session_id]
+        await self.end_session(s, SampleStatus.CANCELLED.value)
+        return s
+
+    async def release(self, s: GatewaySession) -> list[Trajectory]:
+        """Forget a session of the agent runner and return its trajectories (one per segment); a session still
+        running is cancelled first."""
+        self.sessions.pop(s.id, None)
+        await self.end_session(s, SampleStatus.CANCELLED.value)
+        return s.to_trajectories()
+
+    async def reap_idle(self) -> int:
+        """Cancel and forget sessions (not the agent runner's) idle longer than ``session_idle_timeout_s``."""
+        cutoff = time.monotonic() - self.session_idle_timeout_s
+        idle = [s for s in self.sessions.values() if not s.owned and s.last_active < cutoff and not s.lock.locked()]
+        for s in idle:
+            self.sessions.pop(s.id, None)
+            await self.end_session(s, SampleStatus.CANCELLED.value, error="idle too long")
+        if idle:
+            logger.info("cancelled %d gateway sessions idle for more than %.0fs", len(idle),
+                        self.session_idle_timeout_s)
+        return len(idle)
+
+    async def aclose(self) -> None:
+        """Cancel every session (their env episodes end)."""
+        for sid in list(self.sessions):
+            s = self.sessions.pop(sid)
+            await self.end_session(s, SampleStatus.CANCELLED.value)
+
+    # ------------------------------------------------------------------ completions
+    def _params(self, req: ChatRequest, s: GatewaySession) -> SamplingParams:
+        base = self.sampling
+        for name, value in (("temperature", req.temperature), ("top_p", req.top_p)):
+            ours = getattr(base, name)
+            if self.enforce_sampling and value is not None and abs(value - ours) > 1e-9:
+                raise bad(name, f"is {value} but this gateway samples for training at {name}={ours} (the trainer "
+                                f"scores every token at it); leave {name} out or set it to {ours}",
+                          code="unsupported_value")
+        return SamplingParams(
+            max_new_tokens=base.max_new_tokens if req.max_tokens is None else min(req.max_tokens, base.max_new_tokens),
+            temperature=base.temperature if req.temperature is None else req.temperature,
+            top_p=base.top_p if req.top_p is None else req.top_p, top_k=base.top_k, stop_token_ids=self.stop_ids,
+            seed=req.seed if req.seed is not None else s.turn_seed())
+
+    def _call_prefix(self, name: str) -> str:
+        """The text of a call to ``name`` up to its arguments, as the chat format writes it."""
+        text = self.template.render_assistant({"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": _SENTINEL_ARGS}}]})
+        return text[: text.index(json.dumps(_SENTINEL_ARGS))]
+
+    def _forced_prefix(self, req: ChatRequest) -> list[int]:
+        """The tokens ``tool_choice`` forces before sampling (empty for auto and none)."""
+        if req.tool_choice not in ("required", "function"):
+            return []
+        name = req.forced_tool
+        glm = isinstance(self.template, Glm4ChatTemplate)
+        if req.tool_choice == "required" and glm:
+            if len(req.tools) != 1:
+                raise bad("tool_choice", "'required' with several tools cannot be forced in the GLM-4 format (a "
+                                         "call starts with the tool's name); name the tool or use 'auto'")
+            name = req.tools[0]["function"]["name"]
+        key = (req.tool_choice, name)
+        if key not in self._prefixes:
+            text = self._call_prefix(name) if name is not None else TOOL_CALL_START + "\n"
+            self._prefixes[key] = list(self.template.tokenizer.encode(text, add_special_tokens=False))
+        return self._prefixes[key]
+
+    async def _generate(self, s: GatewaySession, prompt: list[int], params: SamplingParams) -> GenerationOutput:
+        if self.pool is not None:
+            return (await self.pool.generate([prompt], params, keys=[s.key]))[0]
+        return (await self.engine.generate([prompt], params))[0]
+
+    async def complete(self, session_id: str, req: ChatRequest,
+                       on_ready: Callable[[], Awaitable[None]] | None = None) -> Completion:
+        """Sample one turn for ``req`` in session ``session_id`` and record it.
+
+        ``on_ready`` is awaited once the request is accepted, before the engine runs (a stream's first
+        chunk). Raises ApiError: 404 unknown session, 409 ended, 400 a request it cannot honour (the
+        limits end the episode first), 503 when the engine fails (the session is left as it was).
+        """
+        s = self.session(session_id)
+        async with s.lock:
+            self._check_running(s)
+            s.last_active = time.monotonic()
+            params = self._params(req, s)
+            prefix = self._forced_prefix(req)
+            try:
+                plan = s.plan(self.template, req.messages, [message_key(m) for m in req.messages], req.tools,
+                              tools_key(req.tools), prefix)
+            except (ValueError, TypeError, KeyError, AttributeError) as e:  # the template's refusal of a message
+                raise bad("messages", f"cannot be rendered in the {self.template.name} chat format: {e}") from None
+            if len(s.turns) >= self.max_turns:
+                self.stats.turn_limits += 1
+                await self.end_session(s, SampleStatus.TASK_LIMIT_REACHED.value)
+                raise ApiError(400, f"session {s.id} used its {self.max_turns} completions (rollout.max_turns); the "
+                                    "episode ended with 'task limit reached'", code="turn_limit_reached")
+            room = self.max_total_tokens - len(plan.prompt)
+            if room < 1:
+                self.stats.context_limits += 1
+                await self.end_session(s, SampleStatus.AGENT_CONTEXT_LIMIT.value)
+                raise ApiError(400, f"the conversation is {len(plan.prompt)} tokens, which leaves no room under "
+                                    f"max_total_tokens={self.max_total_tokens}; the episode ended with 'agent context "
+                                    "limit'", param="messages", code="context_length_exceeded")
+            params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
+            if on_ready is not None:
+                await on_ready()
+            t0 = time.perf_counter()
+            try:
+                out = await self._generate(s, plan.prompt, params)
+            except (asyncio.CancelledError, ApiError):
+                raise
+            except Exception as e:  # noqa: BLE001 - reported to the client; the session stays as it was
+                self.stats.engine_errors += 1
+                logger.error("gateway session %s: the engine failed: %r", s.id, e)
+                raise ApiError(503, f"the engine failed: {e!r:.300}", code="engine_error") from e
+            engine_s = time.perf_counter() - t0
+            s.timings["generate_s"] += engine_s
+            return self._record(s, req, plan, out, params.max_new_tokens, engine_s)
+
+    def _cut_at_stop(self, toks: list[int], stops: list[str]) -> tuple[int, str] | None:
+        """``(k, text)``: the fewest tokens whose text holds a stop string, and the text before it; None
+        when the turn holds none."""
+        decode = self.template.decode
+        if not any(x in decode(toks) for x in stops):
+            return None
+        lo, hi = 1, len(toks)
+        while lo < hi:  # the first prefix that holds a stop string (holding one is monotone in the length)
+            mid = (lo + hi) // 2
+            if any(x in decode(toks[:mid]) for x in stops):
+                hi = mid
+            else:
+                lo = mid + 1
+        text = decode(toks[:lo])
+        return lo, text[: min(text.index(x) for x in stops if x in text)]
+
+    def _reply(self, s: GatewaySession, text: str, req: ChatRequest) -> tuple[dict[str, Any], str]:
+        """The OpenAI assistant message of a turn's ``text`` and the parse error ("" when none)."""
+        content, calls, error = text.strip(), [], ""
+        if req.tools and req.tool_choice != "none":
+            try:
+                parsed = self.template.parse_assistant(text, req.tools, call_id_start=s.num_calls)
+                content, calls = parsed["content"], parsed["tool_calls"]
+            except ToolCallParseError as e:
+                error = str(e)
+            except Exception as e:  # noqa: BLE001 - the parsers promise ToolCallParseError; a bug costs this turn
+                logger.exception("gateway session %s: the tool-call parser raised %s", s.id, type(e).__name__)
+                error = f"the tool-call parser failed: {e!r:.300}"
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        if calls:
+            message["tool_calls"] = calls
+        return message, error
+
+    def _record(self, s: GatewaySession, req: ChatRequest, plan: Plan, out: GenerationOutput, cap: int,
+                engine_s: float) -> Completion:
+        """Commit the sampled turn to the session and build its completion (see the module doc)."""
+        toks, lps = list(out.token_ids[:cap]), list(out.logprobs[:cap])
+        ended_by_stop = bool(toks) and toks[-1] in self._stop_set
+        body = toks[:-1] if ended_by_stop else toks
+        cut = self._cut_at_stop(body, req.stop) if req.stop else None
+        if cut is not None:
+            k, text = cut
+            toks, lps, ended_by_stop = toks[:k], lps[:k], False
+        else:
+            text = self.template.decode(body)
+        text = (self.template.decode(plan.prefix) if plan.prefix else "") + text
+        message, error = self._reply(s, text, req)
+        s.commit(plan, toks, lps, out.version, toks[-1] if ended_by_stop else None, message_key(message))
+        if plan.rewrite:
+            self.stats.history_rewrites += 1
+            logger.debug("gateway session %s: history rewrite, segment %d starts", s.id, len(s.segments) - 1)
+        if error:
+            s.tool_parse_errors += 1
+            self.stats.tool_parse_errors += 1
+            logger.debug("gateway session %s: tool call did not parse: %s", s.id, error)
+        calls = message.get("tool_calls") or []
+        s.num_calls += len(calls)
+        s.last_reply = message
+        finish = ("tool_calls" if calls else "stop") if ended_by_stop or cut is not None else "length"
+        s.turns.append(Turn(len(s.segments) - 1, int(out.version), finish, len(plan.prompt), len(toks), len(calls),
+                            error))
+        seg = s.current
+        s.context_full = finish == "length" and seg is not None and len(seg.token_ids) >= self.max_total_tokens
+        self.stats.completions += 1
+        return Completion(message=message, finish_reason=finish, prompt_tokens=len(plan.prompt),
+                          completion_tokens=len(toks), token_ids=toks, logprobs=lps, version=int(out.version),
+                          engine_s=engine_s)
+
+    def token_pieces(self, token_ids: list[int]) -> list[tuple[str, bytes]]:
+        """``(text, bytes)`` of each token, for ``logprobs`` (bytes exact for byte-level BPE vocabularies)."""
+        tok = self.template.tokenizer
+        out = []
+        for t, piece in zip(token_ids, tok.convert_ids_to_tokens(token_ids)):
+            text = tok.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            raw = bytes(_BYTE_OF[c] for c in piece) if piece and all(c in _BYTE_OF for c in piece) else text.encode()
+            out.append((text, raw))
+        return out
+
+    # ------------------------------------------------------------------ environment
+    async def env_step(self, session_id: str, message: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Send an assistant message (default: the last reply) to the session's task; returns the env's reply
+        (``{messages, tools, status, finish, reward, metrics}``, plus ``error`` for a failed env call).
+
+        A reply with ``finish`` ends the episode with the env's status and reward; so do the turn limit
+        ("task limit reached"), a last turn cut at the context limit ("agent context limit") and a failed or
+        timed-out env call ("task error"), each answered with a finished reply. ApiError 400 for a session
+        without a task or a malformed message, 409 once it ended.
+        """
+        s = self.session(session_id)
+        async with s.lock:
+            self._check_running(s)
+            s.last_active = time.monotonic()
+            if s.env_session is None:
+                raise bad("task", f"session {s.id} was opened without a task: there is no environment to send "
+                                  "the message to; end the episode with POST /sessions/<id>/reward")
+            if message is None:
+                if s.last_reply is None:
+                    raise bad("messages", "no completion yet: there is no reply to send; pass messages: "
+                                          "[assistant message]")
+                message = s.last_reply
+            try:
+                msg = validate_assistant_messages([message])
+            except MalformedMessageError as e:
+                raise bad("messages", str(e)) from None
+            if s.context_full:
+                self.stats.context_limits += 1
+                await self.end_session(s, SampleStatus.AGENT_CONTEXT_LIMIT.value)
+                return _finished(s)
+            t0 = time.perf_counter()
+            try:
+                reply = await asyncio.wait_for(self.env.interact(s.env_session, [msg]), self.env_timeout_s)
+            except Exception as e:  # noqa: BLE001 - an env failure ends this episode, as in the agent loop
+                what = f"timed out after {self.env_timeout_s:.1f}s" if isinstance(e, TimeoutError) else f"failed: {e!r}"
+                logger.error("interact on env session %s (gateway session %s) %s", s.env_session, s.id, what)
+                await self.end_session(s, SampleStatus.TASK_ERROR.value, error=f"interact {what}")
+                return {**_finished(s), "error": s.error}
+            finally:
+                s.timings["env_s"] += time.perf_counter() - t0
+            if reply.finish:
+                s.env_session = None
+                await self.end_session(s, reply.status.value, reply.reward, reply.metrics)
+                return reply.to_json()
+            if len(s.turns) >= self.max_turns:
+                self.stats.turn_limits += 1
+                await self.end_session(s, SampleStatus.TASK_LIMIT_REACHED.value)
+                return _finished(s)
+            return reply.to_json()
+
+
+def _finished(s: GatewaySession) -> dict[str, Any]:
+    """The env-style reply that tells an agent its episode ended (no new messages)."""
+    return {"messages": [], "tools": [], "status": s.status, "finish": True, "reward": s.reward,
+            "metrics": dict(s.metrics)}

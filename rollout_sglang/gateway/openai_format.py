@@ -1,0 +1,390 @@
+"""The OpenAI Chat Completions surface of the gateway: request validation, response bodies, stream chunks.
+
+:func:`parse_chat_request` checks a request body field by field and returns a :class:`ChatRequest`;
+anything it cannot honour is refused with :class:`ApiError` (HTTP 400) naming the field, so an agent
+never gets a silently different behaviour. Errors travel in OpenAI's shape (``{"error": {"message",
+"type", "param", "code"}}``), which the ``openai`` client turns into its typed exceptions.
+
+Messages are normalized for the chat templates (content as text, ``developer`` as ``system``) and get a
+comparison key (:func:`message_key`) that holds exactly what a template renders: the role, the text,
+and each tool call's name and arguments (compared as JSON values).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from env_controller._http import HttpError
+
+#: Request fields the gateway honours.
+SUPPORTED_FIELDS = frozenset({
+    "model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens", "max_completion_tokens",
+    "stop", "seed", "n", "stream", "stream_options", "logprobs", "top_logprobs", "parallel_tool_calls",
+})
+#: Fields that change nothing about sampling (bookkeeping of the caller): accepted and ignored.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+#: Fields accepted only at the value that means "off" (frameworks send them by default).
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "logit_bias": (None,),
+}
+#: Most stop strings in one request (OpenAI's limit).
+MAX_STOP = 4
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class ApiError(HttpError):
+    """An error reply in OpenAI's shape: ``status``, ``message``, the offending ``param`` and a ``code``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(status, message)
+        self.param = param
+        self.code = code
+
+    @property
+    def kind(self) -> str:
+        """OpenAI's error ``type`` for the status."""
+        if self.status in (401, 403):
+            return "authentication_error"
+        if self.status == 404:
+            return "not_found_error"
+        if self.status == 429:
+            return "rate_limit_error"
+        return "invalid_request_error" if self.status < 500 else "server_error"
+
+    def body(self) -> dict[str, Any]:
+        """``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, rule: str, code: str | None = None) -> ApiError:
+    """A 400 naming ``param`` (dotted, with indices: ``messages[2].content``) and what it must be."""
+    return ApiError(400, f"{param}: {rule}", param=param, code=code)
+
+
+@dataclass
+class ChatRequest:
+    """A validated Chat Completions request.
+
+    messages: normalized (``role``, ``content`` text, ``tool_calls`` with JSON-string arguments,
+    ``tool_call_id``, ``name``); tools: the function schemas as given (empty: none); tool_choice:
+    "auto" | "none" | "required" | "function" (then ``forced_tool`` names it); max_tokens: the
+    client's cap on generated tokens (None: the gateway's); stop: stop strings; include_usage:
+    the last stream chunk carries ``usage``.
+    """
+
+    model: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: str = "auto"
+    forced_tool: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _text(content: Any, where: str) -> str:
+    """A message content as text: a string, null (""), or a list of ``{"type": "text", "text"}`` parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, p in enumerate(content):
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                raise bad(f"{where}[{j}]", f"only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported, "
+                                           f"got {kind!r:.60}")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise bad(where, f"must be a string, null or a list of text parts, got {type(content).__name__}")
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise bad(where, f"must be a list, got {type(calls).__name__}")
+    out = []
+    for j, c in enumerate(calls):
+        w = f"{where}[{j}]"
+        if not isinstance(c, dict):
+            raise bad(w, f"must be an object, got {type(c).__name__}")
+        if c.get("type", "function") != "function":
+            raise bad(f"{w}.type", f"must be 'function', got {c.get('type')!r:.60}")
+        fn = c.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad(f"{w}.function", "must be an object with a non-empty 'name' and 'arguments'")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, dict):
+            args = json.dumps(args, ensure_ascii=False)
+        elif not isinstance(args, str):
+            raise bad(f"{w}.function.arguments", f"must be a JSON string, got {type(args).__name__}")
+        cid = c.get("id")
+        if cid is not None and not isinstance(cid, str):
+            raise bad(f"{w}.id", f"must be a string, got {type(cid).__name__}")
+        out.append({"id": cid or f"call_{j}", "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def normalize_message(m: Any, i: int) -> dict[str, Any]:
+    """One request message in the form the chat templates take; ApiError naming ``messages[i]...``."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad(where, f"must be an object, got {type(m).__name__}")
+    role = m.get("role")
+    if role == "developer":  # OpenAI's newer name for system instructions
+        role = "system"
+    if role not in ROLES:
+        raise bad(f"{where}.role", f"must be one of system, developer, user, assistant, tool; got {role!r:.60}")
+    out: dict[str, Any] = {"role": role, "content": _text(m.get("content"), f"{where}.content")}
+    name = m.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise bad(f"{where}.name", f"must be a string, got {type(name).__name__}")
+        out["name"] = name
+    if role == "assistant":
+        calls = _tool_calls(m.get("tool_calls"), f"{where}.tool_calls")
+        if calls:
+            out["tool_calls"] = calls
+    elif m.get("tool_calls"):
+        raise bad(f"{where}.tool_calls", f"only assistant messages carry tool calls, this one is {role!r}")
+    if role == "tool":
+        tid = m.get("tool_call_id")
+        if not isinstance(tid, str):
+            raise bad(f"{where}.tool_call_id", "a tool message needs the string id of the call it answers")
+        out["tool_call_id"] = tid
+    return out
+
+
+def _args_key(args: str) -> str:
+    """Tool-call arguments as a canonical string: equal JSON values give equal keys (key order ignored)."""
+    try:
+        return json.dumps(json.loads(args), sort_keys=True, ensure_ascii=False)
+    except ValueError:
+        return args
+
+
+def message_key(m: dict[str, Any]) -> tuple:
+    """What a chat template renders of a normalized message: role, text, tool calls (name, JSON arguments)."""
+    calls = tuple((c["function"]["name"], _args_key(c["function"]["arguments"])) for c in m.get("tool_calls") or ())
+    return (m["role"], m.get("content") or "", calls)
+
+
+def tools_key(tools: list[dict[str, Any]]) -> str:
+    """The tool list as the templates render it (key order kept: it changes the rendered prompt)."""
+    return json.dumps(tools, ensure_ascii=False)
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise bad("tools", f"must be a list of tool objects, got {type(value).__name__}")
+    names = set()
+    for i, t in enumerate(value):
+        w = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise bad(w, f"must be an object ({{\"type\": \"function\", \"function\": {{...}}}}), got "
+                         f"{type(t).__name__}")
+        if t.get("type") != "function":
+            raise bad(f"{w}.type", f"must be 'function', got {t.get('type')!r:.60}")
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise bad(f"{w}.function", f"must be an object with a 'name', got {type(fn).__name__}")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad(f"{w}.function.name", "must be a non-empty string")
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            raise bad(f"{w}.function.parameters",
+                      f"must be a JSON Schema object, got {type(fn['parameters']).__name__}")
+        if fn["name"] in names:
+            raise bad(f"{w}.function.name", f"{fn['name']!r} is listed twice")
+        names.add(fn["name"])
+    return value
+
+
+def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """``(choice, forced tool name)`` of ``tool_choice`` (default "auto", "none" without tools)."""
+    if value is None:
+        return ("auto" if tools else "none"), None
+    names = [t["function"]["name"] for t in tools]
+    if isinstance(value, str):
+        if value not in ("auto", "none", "required"):
+            raise bad("tool_choice", f"must be auto, none, required or {{\"type\": \"function\", \"function\": "
+                                     f"{{\"name\": ...}}}}; got {value!r:.60}")
+        if value == "required" and not tools:
+            raise bad("tool_choice", "is 'required' but the request lists no tools")
+        return value, None
+    fn = value.get("function") if isinstance(value, dict) else None
+    if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(fn, dict) \
+            or not isinstance(fn.get("name"), str):
+        raise bad("tool_choice", "must be auto, none, required or {\"type\": \"function\", \"function\": "
+                                 "{\"name\": ...}}")
+    if fn["name"] not in names:
+        raise bad("tool_choice.function.name", f"{fn['name']!r:.60} is not one of the request's tools "
+                                               f"({', '.join(names) or 'none'})")
+    return "function", fn["name"]
+
+
+def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+    """Validate a Chat Completions body; ApiError 400 naming the first field it cannot honour."""
+    unknown = sorted(k for k in body if k not in SUPPORTED_FIELDS and k not in IGNORED_FIELDS
+                     and k not in NEUTRAL_VALUES)
+    if unknown:
+        raise bad(unknown[0], f"unsupported field(s) {', '.join(unknown)}; this gateway samples with model, "
+                              f"messages, tools, tool_choice, temperature, top_p, max_tokens, stop, seed, n=1, "
+                              "stream, logprobs", code="unsupported_parameter")
+    for k, allowed in NEUTRAL_VALUES.items():
+        v = body.get(k)
+        if v not in allowed and not (k == "logit_bias" and v == {}):
+            raise bad(k, f"is not supported (only its neutral value); got {v!r:.60}", code="unsupported_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "is required (a non-empty string; this gateway serves one policy whatever it is called)")
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise bad("messages", f"must be a list of message objects, got {type(messages).__name__}")
+    if not messages:
+        raise bad("messages", "is empty; give at least one message")
+    msgs = [normalize_message(m, i) for i, m in enumerate(messages)]
+    tools = _tools(body.get("tools"))
+    choice, forced = _tool_choice(body.get("tool_choice"), tools)
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise bad("n", f"must be 1 (one completion per request: each one is a turn of the trajectory); got {n!r:.60}",
+                  code="unsupported_parameter")
+    temperature, top_p = body.get("temperature"), body.get("top_p")
+    if temperature is not None and not (_is_number(temperature) and 0 <= temperature <= 2):
+        raise bad("temperature", f"must be a number in [0, 2], got {temperature!r:.60}")
+    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
+        raise bad("top_p", f"must be a number in (0, 1], got {top_p!r:.60}")
+    max_tokens = None
+    for k in ("max_tokens", "max_completion_tokens"):
+        v = body.get(k)
+        if v is None:
+            continue
+        if not _is_int(v) or v < 1:
+            raise bad(k, f"must be a positive integer, got {v!r:.60}")
+        if max_tokens is not None and v != max_tokens:
+            raise bad(k, f"is {v} but max_tokens is {max_tokens}; give one of them")
+        max_tokens = v
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
+        raise bad("stop", f"must be a non-empty string or a list of at most {MAX_STOP} of them, got {stop!r:.80}")
+    seed = body.get("seed")
+    if seed is not None and not (_is_int(seed) and 0 <= seed < 2 ** 63):
+        raise bad("seed", f"must be a non-negative integer, got {seed!r:.60}")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad("stream", f"must be true or false, got {stream!r:.60}")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise bad("stream_options", "is only allowed with stream: true")
+        if not isinstance(opts, dict) or set(opts) - {"include_usage", "include_obfuscation"}:
+            raise bad("stream_options", f"must be {{\"include_usage\": bool}}, got {opts!r:.80}")
+        include_usage = bool(opts.get("include_usage"))
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad("logprobs", f"must be true or false, got {logprobs!r:.60}")
+    top = body.get("top_logprobs")
+    if top not in (None, 0):
+        raise bad("top_logprobs", "is not supported: the engines report the log-prob of the sampled token only "
+                                  "(use logprobs: true)", code="unsupported_parameter")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is False:
+        raise bad("parallel_tool_calls", "false is not supported: sampling cannot be held to one call, and the "
+                                         "trajectory keeps every call the model wrote", code="unsupported_parameter")
+    return ChatRequest(model=model, messages=msgs, tools=tools, tool_choice=choice, forced_tool=forced,
+                       temperature=None if temperature is None else float(temperature),
+                       top_p=None if top_p is None else float(top_p), max_tokens=max_tokens, stop=list(stops),
+                       seed=seed, stream=bool(stream), include_usage=include_usage, logprobs=bool(logprobs))
+
+
+# ------------------------------------------------------------------------------------------ responses
+def logprobs_body(tokens: list[tuple[str, bytes]], logprobs: list[float]) -> dict[str, Any]:
+    """``choices[0].logprobs``: one entry per sampled token: its text, log-prob and bytes (``tokens``:
+    ``(text, bytes)`` pairs; a token that ends mid-character has its partial bytes here)."""
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(b), "top_logprobs": []}
+                        for (t, b), lp in zip(tokens, logprobs)], "refusal": None}
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """``usage``: tokens of the prompt the engine saw and of the sampled turn."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(cid: str, created: int, model: str, message: dict[str, Any], finish_reason: str,
+                    usage: dict[str, int], fingerprint: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    """A ``chat.completion`` object with one choice."""
+    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": fingerprint,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}],
+            "usage": usage}
+
+
+def chunk_body(cid: str, created: int, model: str, fingerprint: str, delta: dict[str, Any] | None,
+               finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
+               usage: dict[str, int] | None = None) -> dict[str, Any]:
+    """A ``chat.completion.chunk``: one choice with ``delta`` (none when ``delta`` is None: the usage chunk)."""
+    body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "system_fingerprint": fingerprint, "choices": []}
+    if delta is not None:
+        body["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def stream_chunks(cid: str, created: int, model: str, fingerprint: str, message: dict[str, Any],
+                  finish_reason: str, usage: dict[str, int], logprobs: dict[str, Any] | None,
+                  include_usage: bool) -> list[dict[str, Any]]:
+    """The chunks after the first (role) chunk: the content with the log-probs, one chunk per tool call
+    (id, name and whole arguments), the finish reason, and the usage when asked."""
+    out = []
+    if message.get("content") or logprobs:
+        out.append(chunk_body(cid, created, model, fingerprint, {"content": message.get("content") or ""},
+                              logprobs=logprobs))
+    for i, call in enumerate(message.get("tool_calls") or []):
+        out.append(chunk_body(cid, created, model, fingerprint, {"tool_calls": [{
+            "index": i, "id": call["id"], "type": "function",
+            "function": {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}}]}))
+    out.append(chunk_body(cid, created, model, fingerprint, {}, finish_reason=finish_reason))
+    if include_usage:
+        out.append(chunk_body(cid, created, model, fingerprint, None, usage=usage))
+    return out
+
+
+def sse(body: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``body`` as JSON."""
+    try:
+        data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:  # a lone surrogate has no UTF-8 form: keep the escapes
+        data = json.dumps(body, separators=(",", ":")).encode()
+    return b"data: " + data + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def models_body(model: str, created: int) -> dict[str, Any]:
+    """``GET /models``: the one policy the gateway serves."""
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "agentrl"}]}

@@ -5,6 +5,7 @@
     agentrl controller --host 127.0.0.1 --port 5020
     agentrl worker --task lookup --controller http://127.0.0.1:5020/api --port 5021
     agentrl worker --task mypkg.tasks:MyTask --param seed=1 --concurrency 256 ...
+    agentrl worker --task os_shell --param backend=docker --max-containers 250 --warm-containers 0:16 ...
 
 Also runnable without the console script: ``python -m env_controller.cli controller ...``.
 A non-loopback ``--host`` needs credentials: ``--token`` (or ``$AGENTRL_CONTROLLER_TOKEN``) for
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import inspect
 import logging
 import sys
 from typing import Any
@@ -120,7 +122,14 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="URL the controller reaches this worker at (default http://<host>:<port>/api)",
     )
-    p.add_argument("--concurrency", type=int, default=64, help="open sessions allowed (default 64)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="open sessions allowed (default 64, or --max-containers when given; never more than it)")
+    p.add_argument("--max-containers", type=int, default=None, metavar="N",
+                   help="sandboxes (containers) this worker may hold live at once, warm ones included; sets the "
+                        "task's max_containers param (tasks with sandboxes, e.g. os_shell)")
+    p.add_argument("--warm-containers", default=None, metavar="N|MIN:MAX",
+                   help="sandboxes started ahead of demand: N, or between MIN and MAX by the last 30 s of demand; "
+                        "sets the task's warm_containers param")
     p.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between heartbeats (default 2)")
     p.add_argument("--timeout", type=float, default=60.0, help="limit on each task call, seconds (default 60)")
     p.add_argument(
@@ -163,6 +172,29 @@ def build_worker_task(spec: str, params: list[str]) -> Any:
         return cls(**kwargs)
     except TypeError as e:
         raise ValueError(f"--task {spec!r}: {e}") from None
+
+
+def pool_params(args: argparse.Namespace) -> list[str]:
+    """``--param`` items for ``--max-containers`` / ``--warm-containers``; ValueError when the task has no
+    sandbox pool to apply them to."""
+    from env_controller.sandbox.pool import parse_warm
+
+    items = []
+    if args.max_containers is not None:
+        if args.max_containers < 1:
+            raise ValueError(f"--max-containers {args.max_containers} must be a positive integer")
+        items.append(f"max_containers={args.max_containers}")
+    if args.warm_containers is not None:
+        parse_warm(args.warm_containers, "--warm-containers")
+        items.append(f"warm_containers='{args.warm_containers}'")
+    if items and ":" not in args.task:
+        from env_controller.tasks import TASKS
+
+        cls = TASKS.get(args.task)
+        if cls is not None and not hasattr(cls, "sandbox_pool"):
+            raise ValueError(f"--max-containers / --warm-containers: task {args.task!r} runs no sandboxes; they "
+                             "apply to tasks with a sandbox pool (os_shell)")
+    return items
 
 
 def worker_tokens(items: list[str], path: str | None) -> dict[str, str]:
@@ -233,10 +265,11 @@ def worker(args: argparse.Namespace) -> int:
         token = resolve_token(None, WORKER_TOKEN_ENV, TOKEN_ENV)
     try:
         check_bind(args.host, token or url_token, "the worker")
-        task = build_worker_task(args.task, args.param)
+        task = build_worker_task(args.task, args.param + pool_params(args))
+        concurrency = args.concurrency if args.concurrency is not None else args.max_containers or 64
         server = WorkerServer(
             task, name=args.name, controller_url=args.controller, host=args.host, port=args.port,
-            self_address=args.self_address, concurrency=args.concurrency,
+            self_address=args.self_address, concurrency=concurrency,
             heartbeat_interval_s=args.heartbeat_interval, timeout_s=args.timeout,
             latency_s=args.latency_ms / 1000.0, token=token,
         )
@@ -246,14 +279,26 @@ def worker(args: argparse.Namespace) -> int:
     raise_nofile_limit()
 
     async def run() -> None:
-        await server.start()
         try:
-            await wait_for_signal()
+            await server.start()
+            try:
+                await wait_for_signal()
+            finally:
+                await server.stop()
         finally:
-            await server.stop()
+            # the task's sandboxes (a pool's warm ones too) go with the worker, not at the next start
+            close = getattr(task, "close", None)
+            if inspect.iscoroutinefunction(close):
+                await close()
+            elif callable(close):
+                await asyncio.get_running_loop().run_in_executor(None, close)
+
+    from env_controller.sandbox import SandboxError
 
     try:
         asyncio.run(run())
+    except SandboxError as e:
+        return _error(f"the task's sandboxes cannot start: {e}")
     except OSError as e:
         return _error(f"cannot serve on {args.host}:{args.port}: {e}")
     return 0

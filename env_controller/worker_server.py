@@ -11,7 +11,14 @@ Endpoints (under ``/api``, shapes as the ``agentrl-worker`` package serves them)
   ``POST /cancel_with_notice {session_id}`` (answers at once, cancels, then tells the controller
   at ``/cancel_notice``).
 * ``GET /get_indices``, ``GET /get_sessions`` (``{session_id: index}``), ``GET /worker_status``
-  (``{concurrency, current}``), ``POST /sample_status {session_id}``.
+  (``{concurrency, current}``, plus ``sandbox_pool``: the counters of the task's sandbox pool, when it has
+  one), ``POST /sample_status {session_id}``; ``GET /metrics`` (Prometheus: sessions, and the pool's
+  sandboxes by state and its counters).
+
+A task with a sandbox pool (:class:`~env_controller.sandbox.pool.PooledTask`, e.g. ``os_shell``) gets it
+started when the worker starts, so that the sandboxes a killed worker left behind are removed then and
+warm ones are ready before the first session; its ``max_containers`` caps the concurrency the worker
+advertises, so the controller never sends more sessions than the worker may hold sandboxes.
 
 Every reply carries ``x-worker-time`` (seconds the worker spent on it), which the controller
 subtracts to measure its own overhead. The server heartbeats ``{name, address, concurrency,
@@ -58,6 +65,7 @@ from env_controller._http import (
     token_ok,
 )
 from env_controller.protocol import MalformedMessageError, SampleStatus, TaskReply, validate_assistant_messages
+from env_controller.sandbox.pool import PooledTask, SandboxPool
 from env_controller.tasks.base import Task, TaskSession
 
 logger = logging.getLogger(__name__)
@@ -114,6 +122,13 @@ class WorkerServer(HttpService):
             raise ValueError(f"worker: latency_s={latency_s!r} must be >= 0")
         self.task = task
         self.name = name or getattr(task, "name", None) or type(task).__name__
+        cap = task.max_containers if isinstance(task, PooledTask) else None
+        if cap is not None and concurrency > cap:
+            logger.info("worker %s: concurrency %d lowered to max_containers=%d (one sandbox per session)",
+                        self.name, concurrency, cap)
+            concurrency = cap
+        #: the task's sandbox pool, once started (see the module docstring)
+        self.pool: SandboxPool | None = None
         if controller_url:  # kept without credentials: it is logged, and aiohttp refuses a URL login plus a header
             controller_url, token = pick_token(token, base_api_url(controller_url), f"worker {self.name}")
         self.controller_url = controller_url or None
@@ -161,8 +176,10 @@ class WorkerServer(HttpService):
         return f"http://{host}:{self.port}/api"
 
     async def start(self) -> int:
-        """Bind, serve, and start heartbeating; returns the bound port."""
+        """Start the task's sandbox pool (if any), bind, serve, and start heartbeating; returns the bound port."""
         self.heartbeat_ok = asyncio.Event()
+        if isinstance(self.task, PooledTask) and self.pool is None:
+            self.pool = await asyncio.get_running_loop().run_in_executor(None, self.task.sandbox_pool)
         self.port = await self._serve(self.host, self.port, "the worker")
         self._http = aiohttp.ClientSession()
         self._loops.append(asyncio.create_task(self._gc_loop(), name="worker-gc"))
@@ -205,6 +222,7 @@ class WorkerServer(HttpService):
             ("GET", "/api/get_indices", self._h_get_indices, caller),
             ("GET", "/api/get_sessions", self._h_get_sessions, caller),
             ("GET", "/api/worker_status", self._h_worker_status, caller),
+            ("GET", "/metrics", self._h_metrics, caller),
             ("GET", "/openapi.json", self._h_openapi, Role.OPEN),
         ]
 
@@ -378,7 +396,17 @@ class WorkerServer(HttpService):
         return json_response({str(sid): e.index for sid, e in self._sessions.items()})
 
     async def _h_worker_status(self, request: web.Request) -> web.Response:
-        return json_response({"concurrency": self.concurrency, "current": len(self._sessions)})
+        status: dict[str, Any] = {"concurrency": self.concurrency, "current": len(self._sessions)}
+        if self.pool is not None:
+            status["sandbox_pool"] = self.pool.stats()
+        return json_response(status)
+
+    async def _h_metrics(self, request: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return web.Response(body=_render_metrics(self.name, self.concurrency, len(self._sessions),
+                                                 self.pool.stats() if self.pool is not None else None),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _h_openapi(self, request: web.Request) -> web.Response:
         from env_controller.openapi import worker_spec
@@ -453,6 +481,50 @@ class WorkerServer(HttpService):
                 if not entry.busy and now - entry.last_active > self.session_idle_timeout_s:
                     logger.warning("closing session %d: idle for %.0f s", sid, now - entry.last_active)
                     await self._cancel(sid)
+
+
+#: the pool's counters exported as ``agentrl_worker_sandbox_events_total{event=...}``
+_POOL_EVENTS = ("created", "removed", "create_failures", "acquired", "served_warm", "served_cold", "reused",
+                "wipe_failures", "waited", "timeouts", "swept")
+_POOL_STATES = ("leased", "idle", "starting", "resetting", "removing")
+
+
+def _render_metrics(task: str, concurrency: int, sessions: int, pool: dict[str, Any] | None) -> bytes:
+    """The worker's metrics in the Prometheus text format, from a snapshot taken now."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    families: list[Any] = []
+    for name, doc, value in (("sessions_open", "Open sessions", sessions),
+                             ("concurrency", "Sessions allowed at once (advertised)", concurrency)):
+        g = GaugeMetricFamily(f"agentrl_worker_{name}", doc, labels=["task"])
+        g.add_metric([task], value)
+        families.append(g)
+    if pool is not None:
+        g = GaugeMetricFamily("agentrl_worker_sandboxes", "Sandboxes of the pool by state", labels=["task", "state"])
+        for state in _POOL_STATES:
+            g.add_metric([task, state], pool[state])
+        families.append(g)
+        for name, doc in (("max", "Most sandboxes live at once (+Inf: no cap)"),
+                          ("warm_target", "Idle sandboxes the pool keeps now"),
+                          ("peak_live", "Most sandboxes live at once so far"),
+                          ("waiting", "Sessions waiting for a sandbox at the max")):
+            g = GaugeMetricFamily(f"agentrl_worker_sandbox_pool_{name}", doc, labels=["task"])
+            g.add_metric([task], float("inf") if pool[name] is None else pool[name])
+            families.append(g)
+        c = CounterMetricFamily("agentrl_worker_sandbox_events", "Pool events since the worker started",
+                                labels=["task", "event"])
+        for event in _POOL_EVENTS:
+            c.add_metric([task, event], pool[event])
+        families.append(c)
+
+    class _Snapshot:
+        def collect(self) -> list[Any]:
+            return families
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot())  # type: ignore[arg-type]
+    return generate_latest(registry)
 
 
 def _error_text(raw: bytes) -> str:

@@ -120,6 +120,15 @@ def _check_train_scale(lines: list[str], rec: dict[str, Any]) -> None:
     assert 0.4 < rec["dist_opt_state_ratio_dp2"] <= 0.6  # each DP rank holds about half
 
 
+def _check_containers(lines: list[str], rec: dict[str, Any]) -> None:
+    if "skipped" in rec:  # --smoke where dockerd cannot run
+        return
+    c, s, k = rec["containers"], rec["sessions"], rec["killed_worker"]
+    assert s["lost"] == 0 and c["leaked"] == 0 and c["after_sessions"] == c["pools_live_after_sessions"]
+    assert c["peak_live"] >= rec["config"]["sessions"] and k["dead_owner_containers_after_restart"] == 0
+    assert lines[-2:] == [f"containers_peak: {c['peak_live']}", f"containers_leaked: {c['leaked']}"]
+
+
 def _check_gateway(lines: list[str], rec: dict[str, Any]) -> None:
     m = re.fullmatch(r"gateway_overhead_p99_ms: (\d+\.\d+)", lines[-1])
     assert m and float(m.group(1)) == pytest.approx(rec["gateway_overhead_p99_ms"], abs=1e-3)
@@ -136,6 +145,7 @@ CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
     "gpu_advantages.py": _check_gpu_advantages,
     "gpu_train.py": _check_gpu_train,
     "async_vs_sync.py": _check_async_vs_sync,
+    "containers.py": _check_containers,
     "convert.py": _check_convert,
     "demo_learning.py": _check_demo_learning,
     "env_controller.py": _check_env_controller,

@@ -185,6 +185,14 @@ class Sandbox(ABC):
     def close(self) -> None:
         """Kill everything in the sandbox and delete its files; safe to call more than once."""
 
+    def wipe(self) -> None:
+        """Make the sandbox as new for another session: every process killed, every file in its writable
+        directories deleted, a fresh shell (cwd and variables reset).
+
+        Raises :class:`SandboxError` when it cannot be made (and shown to be) clean, RuntimeError once closed.
+        """
+        raise SandboxError(f"sandbox {self.id}: {type(self).__name__} cannot be wiped for reuse")
+
     def __enter__(self) -> "Sandbox":
         """Use as a context manager: closed on exit."""
         return self
@@ -356,6 +364,26 @@ class _Shell:
     pending: bytearray = field(default_factory=bytearray)
 
 
+#: empties the writable directories (DIRS; the first is the home, mode 0700 again) as the sandbox user and
+#: removes its System V IPC objects where ``ipcrm`` exists; prints ``wiped <a path left, or none> <IPC objects
+#: left>``. Directories the agent made unreadable are opened first (``-exec ... ;`` runs before find descends).
+WIPE_SCRIPT = """dirs=(DIRS); home=${dirs[0]}; live=()
+for d in "${dirs[@]}"; do [[ -d $d && -w $d ]] && live+=("$d"); done
+for d in "${live[@]}"; do
+  find "$d" -mindepth 1 -type d ! -perm -u=rwx -exec chmod u+rwx -- {} \\; 2>/dev/null
+  find "$d" -mindepth 1 -delete 2>/dev/null
+done
+chmod 0700 -- "$home"
+command -v ipcrm >/dev/null 2>&1 && ipcrm --all >/dev/null 2>&1
+ipc=0
+for f in /proc/sysvipc/shm /proc/sysvipc/sem /proc/sysvipc/msg; do
+  [[ -r $f ]] && { mapfile -t rows < "$f"; ipc=$((ipc + ${#rows[@]} - 1)); }
+done
+left=$(find "$home" "${live[@]}" -mindepth 1 -print -quit 2>/dev/null)
+printf 'wiped %s %d\\n' "${left:-none}" "$ipc"
+"""
+
+
 class ShellSandbox(Sandbox):
     """A sandbox driven through a persistent bash; backends implement how the shell starts and dies.
 
@@ -368,6 +396,8 @@ class ShellSandbox(Sandbox):
 
     #: seconds between two process counts while a command runs
     process_poll_s: float = 0.25
+    #: writable directories besides the workdir and /tmp that :meth:`wipe` empties, where they exist
+    scratch_dirs: tuple[str, ...] = ("/dev/shm", "/dev/mqueue")
 
     def __init__(self, sandbox_id: str, limits: SandboxLimits) -> None:
         """See :class:`Sandbox`; call :meth:`_open` once the backend's resources exist."""
@@ -455,9 +485,15 @@ class ShellSandbox(Sandbox):
             raise
 
     def _restart(self) -> None:
-        """Kill the current shell and everything it started, then start a fresh one."""
+        """Kill the current shell and everything it started, then start a fresh one (a second try when
+        the first fails: an engine under heavy load may end a new shell before it answers)."""
         self._stop_shell()
-        self._start_shell()
+        try:
+            self._start_shell()
+        except SandboxError as exc:
+            logger.warning("%s; trying once more", exc)
+            self._stop_shell()
+            self._start_shell()
 
     def _stop_shell(self) -> None:
         # kill first: closing the shell's stdin first would let it exit on its own, and the
@@ -655,6 +691,19 @@ class ShellSandbox(Sandbox):
             if self.closed:
                 raise RuntimeError(f"sandbox {self.id} is closed")
             self._restart()
+
+    def wipe(self) -> None:
+        """See :meth:`Sandbox.wipe`: a :meth:`reset`, then :data:`WIPE_SCRIPT` in a subshell (so the fresh
+        shell keeps its state), which must report nothing left, and no process but the idle shell's."""
+        self.reset()
+        dirs = " ".join(ansi_c_quote(d.encode()) for d in (self.workdir, "/tmp", *self.scratch_dirs))
+        result = self.run(f"( {WIPE_SCRIPT.replace('DIRS', dirs)} )", timeout_s=max(30.0, self.limits.timeout_s))
+        if not (result.ok and result.output.endswith("wiped none 0\n")):
+            raise SandboxError(f"sandbox {self.id}: the wipe left something behind: "
+                               f"{result.error or result.output.strip()[-300:]!r}")
+        count = self._count_processes()
+        if count is not None and count > self._idle_processes:
+            raise SandboxError(f"sandbox {self.id}: {count - self._idle_processes} process(es) outlived the wipe")
 
     def close(self) -> None:
         """See :meth:`Sandbox.close`."""

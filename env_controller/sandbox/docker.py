@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import struct
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,8 @@ logger = logging.getLogger(__name__)
 LABEL = "org.agentrl.sandbox"
 OWNER_LABEL = "org.agentrl.owner"
 CREATED_LABEL = "org.agentrl.created"
+#: the :class:`DockerBackend` that made the container (several may share one owner process)
+BACKEND_LABEL = "org.agentrl.backend"
 #: processes of a container besides the user's: Docker's init and ``sleep infinity``
 BASE_PROCESSES = 2
 #: the shell prints its pid (which ``exec`` keeps) before it reads commands
@@ -125,6 +129,10 @@ def owner_alive(owner: str) -> bool | None:
         return False
     if host != socket.gethostname():
         return None
+    fields = proc_stat(pid_i)
+    # a zombie (killed, its parent not yet waiting) holds /proc/<pid> but will never close its sandboxes
+    if fields is None or fields[:1] == [b"Z"]:
+        return False
     return _start_time(pid_i) == start
 
 
@@ -254,7 +262,8 @@ class DockerSandbox(ShellSandbox):
         self._errors = docker.errors
         self._channel: _ExecChannel | None = None
         self._probed: tuple[int, float, int | None, int | None] | None = None
-        all_labels = {**labels, LABEL: "1", OWNER_LABEL: owner_id(), CREATED_LABEL: str(int(time.time()))}
+        all_labels = {**labels, LABEL: "1", OWNER_LABEL: owner_id(), CREATED_LABEL: str(int(time.time())),
+                      BACKEND_LABEL: backend.instance}
         file_bytes = limits.max_file_mb << 20
         try:
             self.container = backend.client.containers.run(
@@ -405,13 +414,28 @@ class DockerSandbox(ShellSandbox):
                 if nearly_full(int(avail) * int(block), mb, int(inodes) if int(total) else None)]
 
     def _cleanup(self) -> None:
-        """Remove the container (forced, with its anonymous volumes)."""
+        """Remove the container (forced, with its anonymous volumes), trying again while the engine fails."""
         try:
-            self.container.remove(force=True, v=True)
-        except self._errors.NotFound:
-            pass
-        except (self._errors.DockerException, OSError) as exc:
-            logger.error("sandbox %s: removing container %s failed: %s", self.id, self.container.id[:12], exc)
+            for wait_s in (1.0, 3.0, None):
+                try:
+                    self.container.remove(force=True, v=True)
+                    return
+                except self._errors.NotFound:
+                    return
+                except self._errors.APIError as exc:
+                    if exc.status_code == 409:  # a removal already under way (a reap) finishes it
+                        return
+                    error: Exception = exc
+                except (self._errors.DockerException, OSError) as exc:
+                    error = exc
+                if wait_s is None:
+                    # left to the backend's sweep of orphans (and, after this process, to any backend's reap)
+                    logger.error("sandbox %s: removing container %s failed: %s", self.id, self.container.id[:12],
+                                 error)
+                    return
+                # an engine under heavy load may not see the container's end in time ("did not receive an
+                # exit event"); a later try succeeds
+                time.sleep(wait_s)
         finally:
             self._backend._forget(self.id)
 
@@ -470,6 +494,8 @@ class DockerBackend(SandboxBackend):
         self.workdir = workdir.rstrip("/")
         self.home_mb = home_mb
         self.reap_foreign_after_s = reap_foreign_after_s
+        #: this backend's id, in the label :data:`BACKEND_LABEL` of its containers
+        self.instance = secrets.token_hex(6)
         self._docker_errors = docker.errors
         self._warnings: list[str] = []
         self._warnings_lock = threading.Lock()
@@ -535,15 +561,48 @@ class DockerBackend(SandboxBackend):
 
     def reap(self) -> list[str]:
         """Remove leaked sandbox containers (see the module docstring); returns their ids."""
-        removed: list[str] = []
+        return self._reap_dead_owners()
+
+    def sweep(self, min_age_s: float = 0.0) -> list[str]:
+        """Remove the containers of this backend that no open sandbox holds (a removal the engine failed, a
+        creation it finished after the call timed out), created at least ``min_age_s`` ago (younger ones may
+        still be starting); returns their ids."""
         try:
-            containers = self.client.containers.list(all=True, filters={"label": f"{LABEL}=1"})
+            found = self.client.api.containers(all=True, filters={"label": [f"{LABEL}=1",
+                                                                             f"{BACKEND_LABEL}={self.instance}"]})
+        except (self._docker_errors.DockerException, OSError) as exc:
+            logger.warning("listing this backend's containers failed: %s", exc)
+            return []
+        live = {box.id for box in self.live()}
+        now = time.time()
+        orphans = []
+        for container in found:
+            labels = container.get("Labels") or {}
+            names = {n.lstrip("/") for n in container.get("Names") or []}
+            try:
+                age = now - float(labels.get(CREATED_LABEL, "nan"))
+            except ValueError:
+                age = float("nan")
+            if not names & live and (min_age_s <= 0 or age >= min_age_s):
+                orphans.append(container["Id"])
+        removed = self._remove_all(orphans)
+        if removed:
+            logger.warning("removed %d container(s) of this process that no sandbox held (a removal that had "
+                           "failed?): %s", len(removed), ", ".join(c[:12] for c in removed))
+        return removed
+
+    def _reap_dead_owners(self) -> list[str]:
+        try:
+            # one list call with the labels: inspecting each container would fail on any that another
+            # worker removes meanwhile
+            containers = self.client.api.containers(all=True, filters={"label": f"{LABEL}=1"})
         except (self._docker_errors.DockerException, OSError) as exc:
             logger.warning("listing sandbox containers to reap failed: %s", exc)
-            return removed
+            return []
         now = time.time()
+        leaked: list[str] = []
         for container in containers:
-            labels = container.labels or {}
+            labels = container.get("Labels") or {}
             alive = owner_alive(labels.get(OWNER_LABEL, ""))
             if alive is None:
                 try:
@@ -554,23 +613,44 @@ class DockerBackend(SandboxBackend):
                     continue
             elif alive:
                 continue
-            try:
-                container.remove(force=True, v=True)
-                removed.append(container.id)
-            except self._docker_errors.NotFound:
-                pass
-            except (self._docker_errors.DockerException, OSError) as exc:
-                logger.warning("removing leaked container %s failed: %s", container.id[:12], exc)
+            leaked.append(container["Id"])
+        removed = self._remove_all(leaked)
         if removed:
             logger.info("reaped %d leaked sandbox container(s): %s", len(removed), ", ".join(c[:12] for c in removed))
         return removed
+
+    def _remove_all(self, ids: list[str]) -> list[str]:
+        """Remove the containers ``ids`` (a few at once); those removed by this call."""
+
+        def remove(container_id: str) -> str | None:
+            try:
+                self.client.api.remove_container(container_id, force=True, v=True)
+                return container_id
+            except self._docker_errors.NotFound:
+                return None
+            except self._docker_errors.APIError as exc:
+                if exc.status_code == 409:  # another worker's reap is removing it now
+                    return None
+                logger.warning("removing leaked container %s failed: %s", container_id[:12], exc)
+                return None
+            except (self._docker_errors.DockerException, OSError) as exc:
+                logger.warning("removing leaked container %s failed: %s", container_id[:12], exc)
+                return None
+
+        if not ids:
+            return []
+        # a killed worker may leave hundreds: a few removals at once keep the engine busy without a queue
+        with ThreadPoolExecutor(4, thread_name_prefix="agentrl-reap") as pool:
+            return [c for c in pool.map(remove, ids) if c is not None]
 
     def _create(self, sandbox_id: str, limits: SandboxLimits, labels: Mapping[str, str]) -> DockerSandbox:
         return DockerSandbox(self, sandbox_id, limits, labels)
 
     def close(self) -> None:
-        """Close every sandbox, then the client when the backend made it."""
+        """Close every sandbox, remove any container of this backend left behind, then close the client
+        when the backend made it."""
         super().close()
+        self.sweep()
         if self._own_client:
             try:
                 self.client.close()

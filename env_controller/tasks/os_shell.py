@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from env_controller.sandbox import Sandbox, SandboxBackend, SandboxError, SandboxLimits, make_backend
+from env_controller.sandbox.pool import SandboxPool, parse_warm
 from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, function_schema
 from env_controller.tasks.blocking import BlockingToolTask, BlockingToolTaskSession
 from env_controller.tasks.params import TaskParamError, bool_param, int_param, seconds_param, str_param
@@ -269,11 +270,13 @@ class OsShellSession(BlockingToolTaskSession):
     """One ``os_shell`` episode in its own sandbox."""
 
     def __init__(self, sample: ShellSample, sandbox: Sandbox, max_turns: int, max_output_chars: int,
-                 executor: Any) -> None:
-        """``sample``: the task; ``sandbox``: prepared with the sample's files."""
+                 executor: Any, pool: SandboxPool | None = None) -> None:
+        """``sample``: the task; ``sandbox``: prepared with the sample's files, from ``pool`` (which takes it
+        back at the end; without one, it is closed)."""
         super().__init__(TOOLS, max_turns, executor)
         self.sample = sample
         self.sandbox = sandbox
+        self.pool = pool
         self.max_output_chars = max_output_chars
         self.commands = 0
         self.limit_hits = 0
@@ -343,8 +346,12 @@ class OsShellSession(BlockingToolTaskSession):
         return {"commands": float(self.commands), "limit_hits": float(self.limit_hits)}
 
     def release(self) -> None:
-        """Close the sandbox."""
-        self.sandbox.close()
+        """Give the sandbox back to the pool (wiped for another session when the task reuses sandboxes,
+        else removed), or close it."""
+        if self.pool is not None:
+            self.pool.release(self.sandbox, reusable=True)
+        else:
+            self.sandbox.close()
 
 
 class OsShellTask(BlockingToolTask):
@@ -376,6 +383,12 @@ class OsShellTask(BlockingToolTask):
     it returns (off: they are killed). For ``docker``, one container per session: image (it must
     hold bash and coreutils), docker_host (the engine's URL, e.g. ``unix:///run/docker.sock``;
     default ``$DOCKER_HOST``, else the local socket) and user (``uid:gid`` commands run as, not root).
+
+    Sandboxes come from a :class:`~env_controller.sandbox.pool.SandboxPool`: max_containers (live at
+    once, None: no cap; a worker's ``--max-containers``), warm_containers (started ahead of demand: ``N``
+    or ``"MIN:MAX"``, sized by the last ``warm_window_s`` of demand; ``--warm-containers``),
+    acquire_timeout_s (how long a new session waits at the max), reuse_containers (off: a fresh
+    sandbox per session, as in AgentBench; on: a finished session's sandbox is wiped and serves the next).
     """
 
     name = "os_shell"
@@ -385,7 +398,9 @@ class OsShellTask(BlockingToolTask):
                  backend: str | SandboxBackend = "bwrap", command_timeout_s: float = 10.0, memory_mb: int = 1024,
                  max_processes: int = 64, max_output_chars: int = 4000, image: str = "ubuntu:22.04",
                  max_workers: int = 64, cpus: float = 1.0, background_jobs: bool = False,
-                 docker_host: str | None = None, user: str = "1000:1000") -> None:
+                 docker_host: str | None = None, user: str = "1000:1000", max_containers: int | None = None,
+                 warm_containers: int | str | list[int] = 0, reuse_containers: bool = False,
+                 acquire_timeout_s: float = 30.0, warm_window_s: float = 30.0) -> None:
         """Validate the params (TaskParamError naming a bad one); the backend starts on first use."""
         super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns, max_workers=max_workers)
         if not (isinstance(backend, SandboxBackend) or backend in ("bwrap", "docker")):
@@ -403,9 +418,24 @@ class OsShellTask(BlockingToolTask):
         if not re.fullmatch(r"\d+:\d+", self.user) or int(self.user.split(":")[0]) == 0:
             raise TaskParamError(self.name, "user", user, "must be 'uid:gid' of a user other than root, "
                                  "e.g. '1000:1000'")
+        self.max_containers: int | None = (None if max_containers is None
+                                           else int_param(self.name, "max_containers", max_containers, low=1))
+        try:
+            self.warm_min, self.warm_max = parse_warm(warm_containers)
+        except ValueError:
+            raise TaskParamError(self.name, "warm_containers", warm_containers,
+                                 "must be N (keep N warm) or 'MIN:MAX' (between MIN and MAX, by recent demand) "
+                                 "with 0 <= MIN <= MAX, e.g. 4 or '0:32'") from None
+        if self.max_containers is not None and self.warm_min > self.max_containers:
+            raise TaskParamError(self.name, "warm_containers", warm_containers,
+                                 f"keeps more warm than max_containers={self.max_containers}")
+        self.reuse_containers = bool_param(self.name, "reuse_containers", reuse_containers)
+        self.acquire_timeout_s = seconds_param(self.name, "acquire_timeout_s", acquire_timeout_s)
+        self.warm_window_s = seconds_param(self.name, "warm_window_s", warm_window_s)
         self._backend_spec = backend
         self._backend: SandboxBackend | None = backend if isinstance(backend, SandboxBackend) else None
-        self._backend_lock = threading.Lock()
+        self._pool: SandboxPool | None = None
+        self._backend_lock = threading.RLock()
 
     @property
     def backend(self) -> SandboxBackend:
@@ -417,6 +447,18 @@ class OsShellTask(BlockingToolTask):
                     options = {"image": self.image, "base_url": self.docker_host, "user": self.user}
                 self._backend = make_backend(str(self._backend_spec), self.limits, **options)
             return self._backend
+
+    def sandbox_pool(self) -> SandboxPool:
+        """The pool sessions take their sandboxes from: started, with the backend (which removes the leaked
+        sandboxes of dead workers), on the first call (blocking)."""
+        with self._backend_lock:
+            if self._pool is None:
+                self._pool = SandboxPool(
+                    self.backend, max_size=self.max_containers, warm_min=self.warm_min, warm_max=self.warm_max,
+                    window_s=self.warm_window_s, reuse=self.reuse_containers, limits=self.limits,
+                    labels={"agentrl.task": self.name}, acquire_timeout_s=self.acquire_timeout_s,
+                    limit_hint="max_containers (the worker's --max-containers)")
+            return self._pool
 
     def tools(self) -> list[ToolSchema]:
         """``bash_action``, ``answer_action`` and ``finish_action``."""
@@ -430,7 +472,8 @@ class OsShellTask(BlockingToolTask):
     def new_session(self, index: int) -> tuple[OsShellSession, list[Message]]:
         """A sandbox holding the sample's files, and the prompt (blocking)."""
         sample = self.sample(index)
-        box = self.backend.create(labels={"agentrl.task": self.name, "agentrl.index": str(index)})
+        pool = self.sandbox_pool()
+        box = pool.acquire(labels={"agentrl.index": str(index)})
         try:
             box.copy_in(sample.files)
             if sample.setup:
@@ -438,7 +481,7 @@ class OsShellTask(BlockingToolTask):
                 if not result.ok:
                     raise SandboxError(f"os_shell index {index}: setup failed: {result.error or result.output}")
         except BaseException:
-            box.close()
+            pool.release(box, reusable=False)
             raise
         prompt = (
             "You are in a Linux bash shell as the user `user` (home /home/user, no network). Run commands with "
@@ -446,7 +489,7 @@ class OsShellTask(BlockingToolTask):
             "a question, reply with answer_action and the answer only; when it asks for a change, make it and "
             f"then call finish_action. You have {self.max_turns} tool calls.\n\nTask: {sample.prompt}"
         )
-        session = OsShellSession(sample, box, self.max_turns, self.max_output_chars, self.executor)
+        session = OsShellSession(sample, box, self.max_turns, self.max_output_chars, self.executor, pool)
         return session, [{"role": "user", "content": prompt}]
 
     def expert(self, index: int) -> Expert:
@@ -459,9 +502,12 @@ class OsShellTask(BlockingToolTask):
             yield "finish_action", {}
 
     def close(self) -> None:
-        """Close every sandbox of this task and stop its threads."""
+        """Remove every sandbox of this task (its pool's, warm ones included) and stop its threads."""
         super().close()
         with self._backend_lock:
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                pool.close()
             if self._backend is not None and not isinstance(self._backend_spec, SandboxBackend):
                 self._backend.close()
                 self._backend = None

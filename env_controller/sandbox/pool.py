@@ -1,0 +1,444 @@
+"""A pool of sandboxes over any :class:`~env_controller.sandbox.base.SandboxBackend`: a cap on how many
+live at once, some started ahead of demand, and none left behind.
+
+::
+
+    pool = SandboxPool(backend, max_size=100, warm_min=2, warm_max=16)
+    box = pool.acquire(labels={"agentrl.index": "7"})   # a warm sandbox, or a new one; waits at the max
+    ...
+    pool.release(box, reusable=True)                      # wiped and kept (reuse=True), else removed
+    pool.close()                                          # removes every sandbox of the pool
+
+Every sandbox of the pool is in one state: *starting*, *idle* (warm, ready for the next session),
+*leased* (a session holds it), *resetting* (being wiped for reuse) or *removing*; all of them count
+against ``max_size``. :meth:`SandboxPool.acquire` takes an idle sandbox, else starts one (a *cold*
+start), else, at ``max_size``, waits until one frees and raises :class:`PoolExhaustedError` after
+``acquire_timeout_s``. At most ``max_starting`` sandboxes start at once (cold starts first), so a burst
+of sessions queues instead of crowding the engine.
+
+A background thread keeps ``warm_target`` sandboxes idle: the number of acquisitions over the last
+``window_s`` seconds, clamped to ``warm_min..warm_max`` (and to the room under ``max_size``); it starts
+what is missing and removes idle sandboxes beyond it (the pool shrinks as demand falls). Every
+``sweep_interval_s`` it also asks the backend to remove what it made and no sandbox holds any more (a
+removal the engine failed), when the backend can (``sweep(min_age_s)``). The sandboxes of owners that
+died (a worker killed with ``kill -9``) are the backend's to remove when it starts, not the pool's: every
+worker of a host sweeping them at once would ask the engine to remove each one several times over.
+
+:meth:`SandboxPool.release` removes the sandbox, unless the pool allows reuse (``reuse``) and the caller
+says it may be reused: then it is wiped (:meth:`~env_controller.sandbox.base.Sandbox.wipe`: processes
+killed, files deleted, a fresh shell) and goes back to the idle ones; a wipe that fails removes it.
+A warm sandbox was started before its session was known, so it carries the pool's ``labels`` only; a
+cold one carries those given to :meth:`~SandboxPool.acquire` as well.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, runtime_checkable
+
+from env_controller.sandbox.base import Sandbox, SandboxBackend, SandboxError, SandboxLimits
+
+logger = logging.getLogger(__name__)
+
+#: what the backend made this recently may still be starting: a sweep leaves it alone
+SWEEP_MIN_AGE_S = 120.0
+#: acquisition times kept per kind (warm / cold) for the latency percentiles of :meth:`SandboxPool.stats`
+LATENCY_SAMPLES = 4096
+
+
+class PoolExhaustedError(SandboxError):
+    """No sandbox freed within the acquire timeout: the pool is at its maximum."""
+
+
+@runtime_checkable
+class PooledTask(Protocol):
+    """A task whose sessions take sandboxes from a :class:`SandboxPool` (the worker server asks for it)."""
+
+    #: the most sandboxes the task may hold live at once, None when unbounded
+    max_containers: int | None
+
+    def sandbox_pool(self) -> "SandboxPool":
+        """The task's pool, started (and the backend's leaked sandboxes reaped) on the first call; blocking."""
+
+
+def parse_warm(value: Any, what: str = "warm_containers") -> tuple[int, int]:
+    """``(min, max)`` of a warm-pool size: ``N`` (a fixed ``N``), ``"MIN:MAX"`` or ``[MIN, MAX]``.
+
+    ValueError naming ``what`` when it is none of these, negative, or MIN > MAX.
+    """
+    rule = (f"{what}={value!r} must be N (keep N warm) or MIN:MAX (between MIN and MAX, by recent demand), "
+            "with 0 <= MIN <= MAX, e.g. 4 or 0:32")
+    if isinstance(value, str) and ":" in value:
+        parts: list[Any] = value.split(":")
+    elif isinstance(value, (list, tuple)):
+        parts = list(value)
+    else:
+        parts = [value, value]
+    if len(parts) != 2:
+        raise ValueError(rule)
+    out = []
+    for part in parts:
+        if isinstance(part, str) and part.strip().isdigit():
+            part = int(part)
+        if isinstance(part, bool) or not isinstance(part, int) or part < 0:
+            raise ValueError(rule)
+        out.append(part)
+    if out[0] > out[1]:
+        raise ValueError(rule)
+    return out[0], out[1]
+
+
+def _percentiles(values: deque[float]) -> dict[str, float | int | None]:
+    """``n``, ``p50`` and ``p99`` (nearest rank, seconds) of ``values``."""
+    s = sorted(values)
+    if not s:
+        return {"n": 0, "p50": None, "p99": None}
+
+    def rank(q: float) -> float:
+        return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+    return {"n": len(s), "p50": round(rank(0.5), 4), "p99": round(rank(0.99), 4)}
+
+
+class SandboxPool:
+    """Sandboxes of one backend and one set of limits (see the module docstring).
+
+    max_size: sandboxes live at once, in every state (None: no cap). warm_min / warm_max: bounds of the
+    warm target. window_s: the demand window. reuse: wipe released sandboxes and keep them (else each
+    session gets a fresh one). limits / labels: given to every ``backend.create``. acquire_timeout_s:
+    how long :meth:`acquire` waits at the max. max_starting: sandboxes starting at once. sweep_interval_s:
+    seconds between sweeps of the backend's orphans (0: never). refill_interval_s: the refill thread's
+    tick. limit_hint: how the error of a timed-out acquire names the setting to raise.
+    """
+
+    def __init__(self, backend: SandboxBackend, *, max_size: int | None = None, warm_min: int = 0,
+                 warm_max: int | None = None, window_s: float = 30.0, reuse: bool = False,
+                 limits: SandboxLimits | None = None, labels: Mapping[str, str] | None = None,
+                 acquire_timeout_s: float = 30.0, max_starting: int = 4, sweep_interval_s: float = 60.0,
+                 refill_interval_s: float = 0.5, limit_hint: str = "the pool's max_size") -> None:
+        """Validate the sizes (ValueError naming the bad one) and start the refill thread."""
+        warm_max = warm_min if warm_max is None else warm_max
+        for name, v in (("warm_min", warm_min), ("warm_max", warm_max)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"SandboxPool: {name}={v!r} must be an integer >= 0")
+        if warm_min > warm_max:
+            raise ValueError(f"SandboxPool: warm_min={warm_min} is above warm_max={warm_max}")
+        if max_size is not None and (isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1):
+            raise ValueError(f"SandboxPool: max_size={max_size!r} must be a positive integer or None")
+        if isinstance(max_starting, bool) or not isinstance(max_starting, int) or max_starting < 1:
+            raise ValueError(f"SandboxPool: max_starting={max_starting!r} must be a positive integer")
+        for name, s in (("window_s", window_s), ("acquire_timeout_s", acquire_timeout_s),
+                        ("refill_interval_s", refill_interval_s)):
+            if not (isinstance(s, (int, float)) and 0 < s < math.inf):
+                raise ValueError(f"SandboxPool: {name}={s!r} must be a positive number of seconds")
+        if not (isinstance(sweep_interval_s, (int, float)) and 0 <= sweep_interval_s < math.inf):
+            raise ValueError(f"SandboxPool: sweep_interval_s={sweep_interval_s!r} must be >= 0 seconds (0: never)")
+        self.backend = backend
+        self.max_size = max_size
+        self.warm_min, self.warm_max = warm_min, warm_max
+        self.window_s = float(window_s)
+        self.reuse = bool(reuse)
+        self.limits = limits
+        self.labels = dict(labels or {})
+        self.acquire_timeout_s = float(acquire_timeout_s)
+        self.max_starting = max_starting
+        self.sweep_interval_s = float(sweep_interval_s)
+        self.refill_interval_s = float(refill_interval_s)
+        self.limit_hint = limit_hint
+        self._cap = math.inf if max_size is None else max_size
+        self._cond = threading.Condition()
+        self._idle: deque[Sandbox] = deque()
+        self._leased: dict[str, Sandbox] = {}
+        self._starting = 0  # cold and warm starts in flight
+        self._starting_warm = 0
+        self._cold_queued = 0  # cold starts waiting for, or holding, a start slot
+        self._resetting = 0
+        self._removing = 0
+        self._waiting = 0
+        self._demand: deque[float] = deque()
+        self._target = warm_min
+        self._closed = False
+        self._retry_at = 0.0  # after a failed warm start, no new one before this
+        self._failures_in_row = 0
+        self._latency = {"warm": deque(maxlen=LATENCY_SAMPLES), "cold": deque(maxlen=LATENCY_SAMPLES)}
+        self._counts = dict.fromkeys(("created", "removed", "create_failures", "acquired", "served_warm",
+                                      "served_cold", "reused", "wipe_failures", "waited", "timeouts", "swept"), 0)
+        self._peak = 0
+        # start slots: the engine starts containers at a fixed rate, more at once only queue inside it
+        self._start_slots = threading.Semaphore(max_starting)
+        self._warm_starter = ThreadPoolExecutor(max_starting, thread_name_prefix="agentrl-pool-start")
+        self._remover = ThreadPoolExecutor(max_starting, thread_name_prefix="agentrl-pool-remove")
+        self._thread = threading.Thread(target=self._refill_loop, name="agentrl-pool-refill", daemon=True)
+        self._thread.start()
+
+    # -- counts ----------------------------------------------------------------------------------
+
+    def _live(self) -> int:
+        """Sandboxes in every state (call with the lock held)."""
+        return len(self._idle) + len(self._leased) + self._starting + self._resetting + self._removing
+
+    def _changed(self) -> None:
+        """Note the peak and wake waiters and the refill thread (call with the lock held)."""
+        self._peak = max(self._peak, self._live())
+        self._cond.notify_all()
+
+    def stats(self) -> dict[str, Any]:
+        """The pool's state and counters since it started (for ``/api/worker_status`` and metrics).
+
+        ``live`` = ``leased`` + ``idle`` + ``starting`` + ``resetting`` + ``removing`` (at most ``max``);
+        ``acquire_s``: seconds to get a sandbox, warm (served idle) and cold (started for the caller),
+        over the last acquisitions.
+        """
+        with self._cond:
+            return {
+                "backend": self.backend.name, "max": self.max_size, "warm_min": self.warm_min,
+                "warm_max": self.warm_max, "warm_target": self._target, "reuse": self.reuse,
+                "live": self._live(), "peak_live": self._peak, "leased": len(self._leased), "idle": len(self._idle),
+                "starting": self._starting, "resetting": self._resetting, "removing": self._removing,
+                "waiting": self._waiting, **self._counts,
+                "acquire_s": {kind: _percentiles(v) for kind, v in self._latency.items()},
+            }
+
+    # -- acquire / release -----------------------------------------------------------------------
+
+    def acquire(self, labels: Mapping[str, str] | None = None, timeout_s: float | None = None) -> Sandbox:
+        """A sandbox for one session: an idle one, else a new one (``labels`` added to the pool's).
+
+        At the maximum, waits up to ``timeout_s`` (default ``acquire_timeout_s``) for one to free and then
+        raises :class:`PoolExhaustedError` naming the setting to raise; SandboxError when a start fails,
+        RuntimeError once the pool is closed.
+        """
+        t0 = time.monotonic()
+        deadline = t0 + (self.acquire_timeout_s if timeout_s is None else float(timeout_s))
+        box: Sandbox | None = None
+        with self._cond:
+            self._demand.append(t0)
+            self._counts["acquired"] += 1
+            waited = False
+            while True:
+                if self._closed:
+                    raise RuntimeError("the sandbox pool is closed")
+                while self._idle and box is None:
+                    candidate = self._idle.popleft()
+                    if not candidate.closed:  # one closed while idle just frees its slot
+                        box = candidate
+                if box is not None:
+                    self._leased[box.id] = box
+                    break
+                if self._live() < self._cap:
+                    self._starting += 1
+                    self._cold_queued += 1
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._counts["timeouts"] += 1
+                    raise PoolExhaustedError(self._exhausted_message(time.monotonic() - t0))
+                if not waited:
+                    waited = True
+                    self._counts["waited"] += 1
+                self._waiting += 1
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self._waiting -= 1
+            self._changed()
+        kind = "warm" if box is not None else "cold"
+        if box is None:
+            box = self._start_cold(labels)
+        with self._cond:
+            self._counts["served_" + kind] += 1
+            self._latency[kind].append(time.monotonic() - t0)
+        return box
+
+    def _exhausted_message(self, waited_s: float) -> str:
+        return (f"no sandbox became free within {waited_s:.0f} s: all {self.max_size} allowed by {self.limit_hint} "
+                f"are live ({len(self._leased)} held by sessions, {self._starting} starting, "
+                f"{self._resetting} being wiped, {self._removing} being removed); raise {self.limit_hint}, or "
+                "send fewer sessions at once (a worker's --concurrency at most its --max-containers)")
+
+    def _start_cold(self, labels: Mapping[str, str] | None) -> Sandbox:
+        """Start a sandbox for the caller of :meth:`acquire` (its slot is already counted in ``starting``)."""
+        try:
+            with self._start_slots:
+                box = self.backend.create(self.limits, {**self.labels, **(labels or {})})
+        except BaseException:
+            with self._cond:
+                self._starting -= 1
+                self._cold_queued -= 1
+                self._counts["create_failures"] += 1
+                self._changed()
+            raise
+        with self._cond:
+            self._starting -= 1
+            self._cold_queued -= 1
+            self._counts["created"] += 1
+            closed = self._closed
+            if not closed:
+                self._leased[box.id] = box
+            self._changed()
+        if closed:
+            self._close_box(box)
+            raise RuntimeError("the sandbox pool is closed")
+        return box
+
+    def release(self, box: Sandbox, reusable: bool = False) -> None:
+        """Give back a sandbox from :meth:`acquire` (blocking): wiped and kept idle when the pool allows
+        reuse and ``reusable``, else removed. Safe to call more than once."""
+        with self._cond:
+            if self._leased.pop(box.id, None) is None:
+                return
+            keep = self.reuse and reusable and not self._closed and not box.closed
+            if keep:
+                self._resetting += 1
+            else:
+                self._removing += 1
+        if keep:
+            try:
+                box.wipe()
+                wiped = True
+            except Exception as exc:  # noqa: BLE001 - a sandbox that cannot be wiped is removed, never reused
+                logger.warning("sandbox %s: not reused, the wipe failed: %s", box.id, exc)
+                wiped = False
+            with self._cond:
+                self._resetting -= 1
+                if wiped and not self._closed:
+                    self._idle.append(box)
+                    self._counts["reused"] += 1
+                    self._changed()
+                    return
+                if not wiped:
+                    self._counts["wipe_failures"] += 1
+                self._removing += 1
+        self._remove(box)
+
+    def _remove(self, box: Sandbox) -> None:
+        """Close ``box``, whose slot is counted in ``removing``."""
+        try:
+            self._close_box(box)
+        finally:
+            with self._cond:
+                self._removing -= 1
+                self._counts["removed"] += 1
+                self._changed()
+
+    @staticmethod
+    def _close_box(box: Sandbox) -> None:
+        try:
+            box.close()
+        except Exception:  # noqa: BLE001 - the backend logged it; the slot is free either way
+            logger.exception("closing sandbox %s failed", box.id)
+
+    # -- the refill thread -----------------------------------------------------------------------
+
+    def _plan(self, now: float) -> tuple[list[Sandbox], int]:
+        """Under the lock: the idle sandboxes to remove and the number of warm starts to begin."""
+        while self._demand and self._demand[0] < now - self.window_s:
+            self._demand.popleft()
+        room = self._cap - len(self._leased) - self._resetting - self._removing - self._starting + self._starting_warm
+        target = int(min(max(len(self._demand), self.warm_min), self.warm_max, max(0, room)))
+        self._target = target
+        excess = len(self._idle) - target
+        drop = [self._idle.pop() for _ in range(max(0, excess))]
+        self._removing += len(drop)
+        need = target - len(self._idle) - self._starting_warm
+        # sessions waiting, or cold starts queued for a slot, come first
+        if need <= 0 or self._waiting or self._cold_queued or now < self._retry_at:
+            return drop, 0
+        n = int(min(need, self._cap - self._live(), self.max_starting - self._starting_warm))
+        if n > 0:
+            self._starting += n
+            self._starting_warm += n
+            self._changed()
+        return drop, max(0, n)
+
+    def _refill_loop(self) -> None:
+        next_sweep = time.monotonic() + self.sweep_interval_s
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                drop, n = self._plan(now)
+            for box in drop:
+                self._remover.submit(self._remove, box)
+            for _ in range(n):
+                self._warm_starter.submit(self._start_warm)
+            if self.sweep_interval_s and time.monotonic() >= next_sweep:
+                next_sweep = time.monotonic() + self.sweep_interval_s
+                self._sweep()
+            with self._cond:
+                if self._closed:
+                    return
+                self._cond.wait(self.refill_interval_s)
+
+    def _start_warm(self) -> None:
+        """Start one idle sandbox (its slot is already counted in ``starting``)."""
+        box: Sandbox | None = None
+        try:
+            with self._start_slots:
+                if not self._closed:
+                    box = self.backend.create(self.limits, self.labels)
+        except Exception as exc:  # noqa: BLE001 - a failed warm start is retried with backoff, never raised
+            with self._cond:
+                self._counts["create_failures"] += 1
+                self._failures_in_row += 1
+                delay = min(30.0, 0.5 * 2 ** self._failures_in_row)
+                self._retry_at = time.monotonic() + delay
+            logger.warning("starting a warm sandbox failed (retrying in %.0f s): %s", delay, exc)
+        with self._cond:
+            self._starting -= 1
+            self._starting_warm -= 1
+            if box is not None:
+                self._counts["created"] += 1
+                self._failures_in_row = 0
+                if not self._closed:
+                    self._idle.append(box)
+                    box = None
+            self._changed()
+        if box is not None:  # the pool closed while it started
+            self._close_box(box)
+
+    def _sweep(self) -> None:
+        sweep = getattr(self.backend, "sweep", None)
+        if not callable(sweep):
+            return
+        try:
+            swept = sweep(min_age_s=SWEEP_MIN_AGE_S)
+        except Exception:  # noqa: BLE001 - a sweep is best effort; the next one (or close) tries again
+            logger.exception("sweeping the backend's orphans failed")
+            return
+        if swept:
+            with self._cond:
+                self._counts["swept"] += len(swept)
+
+    # -- closing ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the refill thread and remove every sandbox of the pool, idle and leased; safe to call twice."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            boxes = list(self._idle) + list(self._leased.values())
+            self._idle.clear()
+            self._leased.clear()
+            self._removing += len(boxes)
+            self._cond.notify_all()
+        self._thread.join()
+        self._warm_starter.shutdown(wait=True)  # a start in flight removes its sandbox itself
+        for box in boxes:
+            self._remover.submit(self._remove, box)
+        self._remover.shutdown(wait=True)
+
+    def __enter__(self) -> "SandboxPool":
+        """Use as a context manager: closed on exit."""
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        """Close the pool."""
+        self.close()

@@ -28,16 +28,8 @@ from typing import Any
 
 import aiohttp
 
-from env_controller._http import (
-    SESSION_HEADER,
-    TOKEN_ENV,
-    TRAINER_TOKEN_ENV,
-    base_api_url,
-    dumps_json,
-    loads_json,
-    pick_token,
-    resolve_token,
-)
+from env_controller._http import SESSION_HEADER, base_api_url, dumps_json, loads_json
+from env_controller.auth import TOKEN_ENV, TRAINER_TOKEN_ENV, pick_token, resolve_token
 from env_controller.local import UnknownSessionError
 from env_controller.protocol import MalformedMessageError, TaskReply
 

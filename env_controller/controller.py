@@ -55,25 +55,20 @@ from typing import Any, NamedTuple
 from aiohttp import web
 
 from env_controller._http import (
-    ANY_TASK,
     BODY_TIMEOUT_S,
     IDLE_TIMEOUT_S,
     MAX_BODY_BYTES,
     SESSION_HEADER,
-    TRAINER_TOKEN_ENV,
-    Credentials,
     HttpError,
     HttpService,
-    Role,
     dumps_json,
     identity_of,
     json_response,
     loads_json,
     read_json_object,
     session_id_from,
-    split_url_credentials,
-    token_ok,
 )
+from env_controller.auth import ANY_TASK, TRAINER_TOKEN_ENV, Credentials, Role, split_url_credentials, token_ok
 from env_controller.metrics import ControllerMetrics
 from env_controller.protocol import MalformedMessageError, SampleStatus, TaskReply, validate_assistant_messages
 from env_controller.registry import NoWorkerError, RegistryError, Worker, WorkerRegistry, WorkerState

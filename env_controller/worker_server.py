@@ -50,20 +50,15 @@ from env_controller._http import (
     IDLE_TIMEOUT_S,
     MAX_BODY_BYTES,
     SESSION_HEADER,
-    WORKER_TOKEN_ENV,
-    Credentials,
     HttpError,
     HttpService,
-    Role,
     base_api_url,
     json_response,
     loads_json,
-    pick_token,
     read_json_object,
-    redact_url,
     session_id_from,
-    token_ok,
 )
+from env_controller.auth import WORKER_TOKEN_ENV, Credentials, Role, pick_token, redact_url, token_ok
 from env_controller.protocol import MalformedMessageError, SampleStatus, TaskReply, validate_assistant_messages
 from env_controller.sandbox.pool import PooledTask, SandboxPool
 from env_controller.tasks.base import Task, TaskSession

@@ -18,7 +18,8 @@ from aiohttp import web
 from test_env_controller import EchoTask, cluster, fast_config, raw, run, tool_call
 from test_env_controller_cli import AGENTRL
 
-from env_controller._http import redact_url, split_url_credentials, start_site
+from env_controller._http import start_site
+from env_controller.auth import redact_url, split_url_credentials
 from env_controller.cli import worker_tokens
 from env_controller.client import EnvControllerError, HttpEnvClient
 from env_controller.controller import Controller, ControllerConfig

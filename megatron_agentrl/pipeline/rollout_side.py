@@ -226,7 +226,7 @@ def sampling_params(cfg: Config, ro: RolloutSide, temperature: float, seed: int 
 def gateway_token(cfg: Config) -> str | None:
     """The gateway's bearer token from ``$<gateway.token_env>`` (None when unset); ConfigError when
     ``gateway.host`` is not loopback and there is none."""
-    from env_controller._http import is_loopback
+    from env_controller.auth import is_loopback
 
     token = os.environ.get(cfg.gateway.token_env) or None
     if token is None and not is_loopback(cfg.gateway.host):

@@ -33,16 +33,14 @@ from aiohttp import web
 
 from env_controller._http import (
     ClientGone,
-    Credentials,
     HttpError,
     HttpService,
-    Role,
-    is_loopback,
     json_response,
     loads_json,
     read_body,
     read_json_object,
 )
+from env_controller.auth import Credentials, Role, is_loopback
 from rollout_sglang.gateway.gateway import Completion, EnvStartError, Gateway
 from rollout_sglang.gateway.openai_format import (
     SSE_DONE,

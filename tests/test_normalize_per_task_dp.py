@@ -136,11 +136,12 @@ def _trainer_step(rank: int, world: int) -> dict[str, float]:
         out[f"dp{actor.dp}"] = (stats["loss"], stats["grad_norm"], after)
     (l2, n2, w2), (l1, n1, w1) = out["dp2"], out["dp1"]
     return {"loss": abs(l2 - l1), "norm": abs(n2 - n1) / n1,
-            "weights": max(float((w2[k] - w1[k]).abs().max()) for k in w1), "loss_value": l1}
+            "weights": max(float((w2[k] - w1[k]).abs().max()) for k in w1), "grad_norm": n1,
+            "moved": max(float((w1[k] - state[k]).abs().max()) for k in w1)}
 
 
 def test_trainer_step_two_dp_ranks_equal_one():
     out = run_distributed(_trainer_step, 2, timeout_s=90)[0]
     # Adam, lr 1e-2: fp32 reduction order
     assert out["loss"] < 1e-6 and out["norm"] < 1e-5 and out["weights"] < 1e-5, out
-    assert out["loss_value"] != 0.0
+    assert out["grad_norm"] > 0 and out["moved"] > 0, out  # a real update, whatever the loss's last bits

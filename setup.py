@@ -26,7 +26,7 @@ setup(
         "openai==3.54.0",  # rollout.agent=gateway: the client handed to the user's agent function
         "matplotlib==3.11.2",
         "rich==15.0.0",
-        # rollout_sglang.sglang_engine: the SGLang server's HTTP client (sync, pooled)
+        # rollout_sglang.engines.sglang_client: the SGLang server's HTTP client (sync, pooled)
         "httpx==0.28.1",
         "tqdm==4.70.1",  # weight converters' progress bars
         # env_controller: asyncio HTTP (controller, worker server, client) and Prometheus metrics

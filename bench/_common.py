@@ -83,7 +83,7 @@ def run_ranks(target: Callable[..., dict], world: int, args: tuple, timeout_s: f
     seconds, ends the bench with SystemExit naming ``what`` (and the rank's traceback); every process
     is joined or killed before this returns.
     """
-    from env_controller.net import free_port
+    from env_controller.http.net import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -4,7 +4,7 @@ of its own, one worker killed with SIGKILL mid-run and restarted.
 Starts a private Docker engine (``env_controller.sandbox.dockerd.DockerEngine``; or uses ``--docker-host``),
 builds the OS task's image (``ensure_image``), then the controller and ``--workers`` task workers as processes
 (``agentrl worker --task os_shell --param backend=docker --max-containers M --warm-containers MIN:MAX``), and
-drives sessions from this process with the trainer's :class:`~env_controller.client.HttpEnvClient`:
+drives sessions from this process with the trainer's :class:`~env_controller.clients.http_client.HttpEnvClient`:
 
 1. light load (``--light-rounds``): each round waits until the workers' warm pools are full, then starts as
    many sessions at once as there are warm containers plus one per worker, so that both warm and cold
@@ -61,9 +61,9 @@ sys.path.insert(0, str(REPO))
 
 from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
 from bench.env_controller import Procs, cpu_pressure, cpu_seconds, loadavg, pct, reason_kind  # noqa: E402
-from env_controller._http import install_uvloop, raise_nofile_limit  # noqa: E402
-from env_controller.client import EnvControllerError, HttpEnvClient  # noqa: E402
-from env_controller.net import free_port  # noqa: E402
+from env_controller.clients.http_client import EnvControllerError, HttpEnvClient  # noqa: E402
+from env_controller.http.net import free_port  # noqa: E402
+from env_controller.http.service import install_uvloop, raise_nofile_limit  # noqa: E402
 from env_controller.protocol import SampleStatus  # noqa: E402
 from env_controller.sandbox.docker import LABEL, OWNER_LABEL, owner_id  # noqa: E402
 from env_controller.tasks.os_shell import OsShellTask  # noqa: E402
@@ -646,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ramp_s is None:
         args.ramp_s = args.sessions / 5
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("env_controller.client").setLevel(logging.ERROR)
+    logging.getLogger("env_controller.clients.http_client").setLevel(logging.ERROR)
     install_uvloop()
     raise_nofile_limit()
 

@@ -2,7 +2,7 @@
 
 Starts the controller and task workers as separate processes (``python -m env_controller.cli``,
 real HTTP on loopback, uvloop), then drives ``--sessions`` episodes from this process with the
-trainer-side :class:`~env_controller.client.HttpEnvClient`. Each episode replays the task's
+trainer-side :class:`~env_controller.clients.http_client.HttpEnvClient`. Each episode replays the task's
 scripted demonstration (so a completed episode must earn reward 1), with a simulated model
 "think time" between turns and a simulated worker latency on every call. All sessions are
 started first (over ``--ramp-s``) and held open, so the full number is open at once; then the
@@ -57,9 +57,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
-from env_controller._http import install_uvloop, raise_nofile_limit  # noqa: E402
-from env_controller.client import EnvControllerError, HttpEnvClient  # noqa: E402
-from env_controller.net import free_port  # noqa: E402
+from env_controller.clients.http_client import EnvControllerError, HttpEnvClient  # noqa: E402
+from env_controller.http.net import free_port  # noqa: E402
+from env_controller.http.service import install_uvloop, raise_nofile_limit  # noqa: E402
 from env_controller.protocol import SampleStatus  # noqa: E402
 from env_controller.tasks import build_task  # noqa: E402
 
@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--workers {args.workers} with --tasks {args.tasks}: the killed worker's task needs a "
                      f"second worker; give --workers >= {len(tasks) + 1}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("env_controller.client").setLevel(logging.ERROR)
+    logging.getLogger("env_controller.clients.http_client").setLevel(logging.ERROR)
     install_uvloop()
     raise_nofile_limit()
     log_dir = Path(tempfile.mkdtemp(prefix="agentrl-bench-env-"))

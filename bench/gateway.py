@@ -80,7 +80,7 @@ class InstantEngine:
         self.ids, self.lps, self.version = ids, [-0.5] * len(ids), 0
 
     async def generate(self, prompts, params):
-        from rollout_sglang.engine import GenerationOutput
+        from rollout_sglang.engines.protocol import GenerationOutput
 
         return [GenerationOutput(list(self.ids), list(self.lps), "stop", self.version) for _ in prompts]
 
@@ -88,7 +88,7 @@ class InstantEngine:
 async def direct_phase(pool: Any, template: Any, sessions: int, turns: int, think_s: float,
                        max_new_tokens: int) -> list[float]:
     """Per-call latency of the version pool, with the workload's shape (growing prompts, tool time)."""
-    from rollout_sglang.engine import SamplingParams
+    from rollout_sglang.engines.protocol import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=list(template.stop_token_ids))
     prompt = template.encode_prompt(FIRST, TOOLS)
@@ -123,13 +123,13 @@ async def _serve(args: dict, to_parent: Any, from_parent: Any) -> None:
     import torch
     from transformers import Qwen2Config
 
-    from megatron_agentrl.pipeline.engine_batching import BatchingEngine
     from rollout_sglang.chat_template import ChatTemplate
-    from rollout_sglang.engine import SamplingParams
+    from rollout_sglang.engines.batching import BatchingEngine
+    from rollout_sglang.engines.local import LocalEngine
+    from rollout_sglang.engines.protocol import SamplingParams
+    from rollout_sglang.engines.version_pool import VersionPool
     from rollout_sglang.gateway import Gateway, GatewayServer
-    from rollout_sglang.local_engine import LocalEngine
     from rollout_sglang.tokenizer import load_tokenizer
-    from rollout_sglang.version_pool import VersionPool
 
     torch.set_num_threads(1)  # the other core runs the agents' process
     template = ChatTemplate(load_tokenizer(REPO / "examples/tokenizer/tiny_agent"))

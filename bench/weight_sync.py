@@ -93,7 +93,7 @@ def engine_main(conn, layers: int, smoke: bool) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(created).3f %(name)s %(message)s")
     if os.environ.get("AGENTRL_BENCH_TRACE"):
         logging.getLogger("rollout_sglang.testing.sglang_standin").setLevel(logging.DEBUG)
-    from rollout_sglang.local_engine import LocalEngine
+    from rollout_sglang.engines.local import LocalEngine
     from rollout_sglang.testing.sglang_standin import StandInServer
 
     cfg = qwen25_05b_config(layers, smoke)
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
     from megatron_agentrl.weight_sync import BucketBroadcaster
-    from rollout_sglang.sglang_engine import SGLangEngine
+    from rollout_sglang.engines.sglang_client import SGLangEngine
     from rollout_sglang.testing.transport import StandInTransport
     from rollout_sglang.weight_update import SGLangBroadcast
 

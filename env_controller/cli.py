@@ -21,8 +21,14 @@ import logging
 import sys
 from typing import Any
 
-from env_controller._http import BODY_TIMEOUT_S, IDLE_TIMEOUT_S, install_uvloop, raise_nofile_limit
-from env_controller.auth import TOKEN_ENV, TRAINER_TOKEN_ENV, WORKER_TOKEN_ENV, resolve_token, split_url_credentials
+from env_controller.http.auth import (
+    TOKEN_ENV,
+    TRAINER_TOKEN_ENV,
+    WORKER_TOKEN_ENV,
+    resolve_token,
+    split_url_credentials,
+)
+from env_controller.http.service import BODY_TIMEOUT_S, IDLE_TIMEOUT_S, install_uvloop, raise_nofile_limit
 
 logger = logging.getLogger("agentrl.env")
 
@@ -216,7 +222,7 @@ def worker_tokens(items: list[str], path: str | None) -> dict[str, str]:
 
 def controller(args: argparse.Namespace) -> int:
     """Run the controller until SIGINT/SIGTERM (``agentrl controller``)."""
-    from env_controller.controller import ControllerConfig, serve_controller
+    from env_controller.controller.server import ControllerConfig, serve_controller
 
     _setup_logging(args.log_level)
     try:
@@ -228,7 +234,7 @@ def controller(args: argparse.Namespace) -> int:
             session_idle_timeout_s=args.session_idle_timeout, interact_timeout_s=args.interact_timeout,
             start_timeout_s=args.start_timeout, body_timeout_s=args.body_timeout, idle_timeout_s=args.idle_timeout,
         )
-        from env_controller.auth import check_bind
+        from env_controller.http.auth import check_bind
 
         check_bind(config.host, config.credentials().enabled, "the controller")
     except ValueError as e:
@@ -245,9 +251,9 @@ def controller(args: argparse.Namespace) -> int:
 
 def worker(args: argparse.Namespace) -> int:
     """Run a task worker until SIGINT/SIGTERM (``agentrl worker``)."""
-    from env_controller._http import wait_for_signal
-    from env_controller.auth import check_bind
-    from env_controller.worker_server import WorkerServer
+    from env_controller.http.auth import check_bind
+    from env_controller.http.service import wait_for_signal
+    from env_controller.worker.server import WorkerServer
 
     _setup_logging(args.log_level)
     # precedence: --token, then credentials in the URL (the server warns when both are given), then the environment

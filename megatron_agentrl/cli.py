@@ -113,7 +113,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 async def _serve_gateway(cfg: Config) -> None:
-    from env_controller._http import wait_for_signal
+    from env_controller.http.service import wait_for_signal
     from megatron_agentrl.hf_io import load_hf_config
     from megatron_agentrl.pipeline.rollout_side import (
         build_env,

@@ -438,7 +438,7 @@ class RolloutConfig(_Section):
     max_total_tokens: whole-episode cap (context limit, prompt included; >= 2).
     temperature (> 0), top_p (in (0, 1]): sampling of the training rollouts.
 
-    Engines, versions and weight sync (``rollout_sglang.version_pool``, ``megatron_agentrl.weight_sync``):
+    Engines, versions and weight sync (``rollout_sglang.engines.version_pool``, ``megatron_agentrl.weight_sync``):
     max_versions: version slots kept alive (each sync updates the oldest slot, so the pool holds
         the latest ``max_versions`` weight versions); engines_per_slot: engines per slot.
     cross_policy: which version samples each turn: "latest" (on-policy, cross-policy off),

@@ -10,7 +10,7 @@ engine sampled.
 groups) in lockstep: per turn, one batched ``engine.generate`` over every episode still running,
 then all their environment calls concurrently.
 
-Given a :class:`~rollout_sglang.version_pool.VersionPool` instead of one engine, every turn of
+Given a :class:`~rollout_sglang.engines.version_pool.VersionPool` instead of one engine, every turn of
 every episode is routed by the pool: its cross-policy draws a weight-version slot per turn, its
 router keeps an episode's turns on one engine of the slot where it can (prefix-cache reuse), and
 the episodes that land on the same engine share one batched call. Each turn records the version
@@ -27,10 +27,10 @@ from typing import Any, Protocol, Sequence
 
 from env_controller.protocol import SampleStatus, TaskReply
 from rollout_sglang.chat_template import AnyChatTemplate
-from rollout_sglang.engine import Engine, SamplingParams
+from rollout_sglang.engines.protocol import Engine, SamplingParams
+from rollout_sglang.engines.version_pool import VersionPool
 from rollout_sglang.tool_parser import ToolCallParseError
 from rollout_sglang.trajectory import Trajectory
-from rollout_sglang.version_pool import VersionPool
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import math
 import re
 from typing import Any, Sequence
 
-from env_controller._http import json_too_deep
+from env_controller.http.service import json_too_deep
 from rollout_sglang.tokenizer import (
     ARG_KEY_END,
     ARG_KEY_START,

@@ -111,7 +111,7 @@ class ScriptEngine:
 
     async def generate(self, prompts: list[list[int]], params: Any) -> list[Any]:
         """One scripted turn for each prompt."""
-        from rollout_sglang.engine import GenerationOutput
+        from rollout_sglang.engines.protocol import GenerationOutput
 
         turn, self.calls = self.calls, self.calls + 1
         outs = []

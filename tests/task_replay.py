@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from env_controller.local import LocalEnvClient
+from env_controller.clients.local import LocalEnvClient
 from env_controller.protocol import TaskReply
 from env_controller.tasks.base import make_tool_call
 

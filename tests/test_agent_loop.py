@@ -11,7 +11,7 @@ import pytest
 from env_controller.protocol import SampleStatus, TaskReply
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.chat_template import ChatTemplate
-from rollout_sglang.engine import GenerationOutput, SamplingParams
+from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.tokenizer import train_bpe_tokenizer
 
 TOOLS = [
@@ -280,7 +280,7 @@ def test_with_local_engine_end_to_end(template: ChatTemplate) -> None:
     import torch
     from transformers import Qwen2Config
 
-    from rollout_sglang.local_engine import LocalEngine
+    from rollout_sglang.engines.local import LocalEngine
 
     cfg = Qwen2Config(vocab_size=len(template.tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)

@@ -291,8 +291,8 @@ def _layouts_and_on_policy(rank: int, world: int) -> dict:
 
     from megatron_agentrl.megatron.actor import MegatronActor, TrainBatch
     from megatron_agentrl.megatron.parallel import initialize_parallel
-    from rollout_sglang.engine import SamplingParams
-    from rollout_sglang.local_engine import LocalEngine
+    from rollout_sglang.engines.local import LocalEngine
+    from rollout_sglang.engines.protocol import SamplingParams
 
     initialize_parallel(1, 1, seed=7, timeout_s=60)
     cfg = _tiny()

@@ -25,7 +25,7 @@ from rollout_sglang.chat_template import (
     build_chat_template,
     resolve_chat_template,
 )
-from rollout_sglang.engine import SamplingParams
+from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.tokenizer import GLM4_SPECIAL_TOKENS, GLM45_SPECIAL_TOKENS, train_bpe_tokenizer
 from rollout_sglang.tool_parser import ToolCallParseError, parse_glm45_assistant_text
 

@@ -19,14 +19,14 @@ from aiohttp import web
 from test_env_controller import EchoTask, cluster, fast_config, raw, run, tool_call
 from test_env_controller_cli import AGENTRL
 
-from env_controller._http import start_site
-from env_controller.auth import redact_url, split_url_credentials
 from env_controller.cli import worker_tokens
-from env_controller.client import EnvControllerError, HttpEnvClient
-from env_controller.controller import Controller, ControllerConfig
-from env_controller.net import free_port
+from env_controller.clients.http_client import EnvControllerError, HttpEnvClient
+from env_controller.controller.server import Controller, ControllerConfig
+from env_controller.http.auth import redact_url, split_url_credentials
+from env_controller.http.net import free_port
+from env_controller.http.service import start_site
 from env_controller.tasks import build_task
-from env_controller.worker_server import WorkerServer
+from env_controller.worker.server import WorkerServer
 
 TRAINER, ECHO, CALC = "trainer-tok-7f3a", "echo-tok-91be", "calc-tok-c20d"
 TOKENS = (TRAINER, ECHO, CALC)

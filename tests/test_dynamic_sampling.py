@@ -19,13 +19,13 @@ import pytest
 
 from env_controller.protocol import SampleStatus, TaskReply
 from megatron_agentrl.config import TaskSpec
-from megatron_agentrl.pipeline.engine_batching import BatchingEngine
 from megatron_agentrl.pipeline.rewards import RewardShaper
-from megatron_agentrl.pipeline.rollout_manager import FinishedGroup, PromptSampler, RolloutManager, zero_variance
 from rollout_sglang.chat_template import ChatTemplate
-from rollout_sglang.engine import GenerationOutput, SamplingParams
+from rollout_sglang.engines.batching import BatchingEngine
+from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
+from rollout_sglang.engines.version_pool import VersionPool
+from rollout_sglang.rollout.manager import FinishedGroup, PromptSampler, RolloutManager, zero_variance
 from rollout_sglang.tokenizer import load_tokenizer
-from rollout_sglang.version_pool import VersionPool
 
 
 class OkEngine:

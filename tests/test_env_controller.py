@@ -16,15 +16,15 @@ from typing import Any
 import aiohttp
 import pytest
 
-from env_controller.client import EnvControllerError, HttpEnvClient
-from env_controller.controller import Controller, ControllerConfig
-from env_controller.local import UnknownSessionError
-from env_controller.net import free_port
+from env_controller.clients.http_client import EnvControllerError, HttpEnvClient
+from env_controller.clients.local import UnknownSessionError
+from env_controller.controller.registry import NoWorkerError, RegistryError, WorkerRegistry, WorkerState
+from env_controller.controller.server import Controller, ControllerConfig
+from env_controller.http.net import free_port
 from env_controller.protocol import MalformedMessageError, SampleStatus, TaskReply
-from env_controller.registry import NoWorkerError, RegistryError, WorkerRegistry, WorkerState
 from env_controller.tasks import Task, TaskSession, build_task
 from env_controller.tasks.base import make_tool_call
-from env_controller.worker_server import WorkerServer
+from env_controller.worker.server import WorkerServer
 
 LIMIT_S = 60.0
 
@@ -224,7 +224,7 @@ def test_agent_loop_runs_over_the_http_client() -> None:
     """The agent loop drives a controller-backed episode exactly as it drives LocalEnvClient."""
     pytest.importorskip("transformers")
     from rollout_sglang.agent_loop import run_group_lockstep
-    from rollout_sglang.engine import GenerationOutput, SamplingParams
+    from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
     from rollout_sglang.tool_parser import parse_assistant_text  # noqa: F401  (the loop's parser)
 
     task = build_task("lookup")
@@ -670,7 +670,7 @@ def test_worker_server_speaks_the_agentrl_worker_protocol() -> None:
 def test_client_retries_5xx_and_refused_connections_only() -> None:
     from aiohttp import web
 
-    from env_controller._http import start_site
+    from env_controller.http.service import start_site
 
     async def go() -> None:
         hits: dict[str, int] = {"start_sample": 0, "interact": 0}
@@ -790,8 +790,8 @@ def test_env_controller_never_imports_torch() -> None:
     import sys
 
     code = (
-        "import sys, env_controller.controller, env_controller.worker_server, env_controller.client, "
-        "env_controller.cli; "
+        "import sys, env_controller.controller.server, env_controller.worker.server, "
+        "env_controller.clients.http_client, env_controller.cli; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -824,7 +824,7 @@ def test_cancel_with_notice_reaches_the_controller() -> None:
 
 
 def test_worker_http_client_framing_pooling_and_errors() -> None:
-    from env_controller.workerhttp import ConnectError, Disconnected, WorkerHttp, parse_url
+    from env_controller.controller.worker_http import ConnectError, Disconnected, WorkerHttp, parse_url
 
     replies: list[list[bytes]] = []  # per request: the pieces the server writes (b"" = close)
     connections: list[int] = []

@@ -20,10 +20,10 @@ import pytest
 
 pytest.importorskip("agentrl.worker.task_worker", reason="agentrl-worker is in the dev extra: pip install -e '.[dev]'")
 
-from env_controller.client import EnvControllerError, HttpEnvClient  # noqa: E402
-from env_controller.controller import Controller, ControllerConfig  # noqa: E402
-from env_controller.local import UnknownSessionError  # noqa: E402
-from env_controller.net import free_port  # noqa: E402
+from env_controller.clients.http_client import EnvControllerError, HttpEnvClient  # noqa: E402
+from env_controller.clients.local import UnknownSessionError  # noqa: E402
+from env_controller.controller.server import Controller, ControllerConfig  # noqa: E402
+from env_controller.http.net import free_port  # noqa: E402
 from env_controller.protocol import MalformedMessageError, SampleStatus  # noqa: E402
 
 TASK_MODULE = '''

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from env_controller.client import HttpEnvClient
-from env_controller.net import free_port
+from env_controller.clients.http_client import HttpEnvClient
+from env_controller.http.net import free_port
 from env_controller.protocol import SampleStatus
 from env_controller.tasks import build_task
 

@@ -18,9 +18,9 @@ from openai import AsyncOpenAI
 from test_agent_loop import TOOLS, FakeEngine, FakeEnv, call
 
 from rollout_sglang.agent_loop import run_group_lockstep
-from rollout_sglang.engine import GenerationOutput, SamplingParams
+from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
+from rollout_sglang.engines.version_pool import VersionPool
 from rollout_sglang.gateway import AgentRunner, Gateway, GatewayServer
-from rollout_sglang.version_pool import VersionPool
 
 template = test_agent_loop.template  # its tokenizer and Qwen2.5 template (a module fixture), reused
 FIRST = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Solve the task EP=calc."}]
@@ -127,7 +127,7 @@ def taught_engine(template):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rollout_sglang.local_engine import LocalEngine
+    from rollout_sglang.engines.local import LocalEngine
 
     conv = FIRST + [
         {"role": "assistant", "content": "Let me add.", "tool_calls": [

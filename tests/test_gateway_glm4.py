@@ -13,7 +13,7 @@ from test_agent_loop import TOOLS, FakeEnv
 from test_gateway import Script, client, make_gateway, open_session, play_episode, serving
 
 from rollout_sglang.agent_loop import run_group_lockstep
-from rollout_sglang.engine import SamplingParams
+from rollout_sglang.engines.protocol import SamplingParams
 
 # the GLM-4 and GLM-4.5 stand-in tokenizers and templates (module fixtures)
 tokenizer, template = glm.tokenizer, glm.template

@@ -126,8 +126,8 @@ def engine_vs_actor(actor: Any, cfg: Any, device: str, dtype: torch.dtype,
     """
     import asyncio
 
-    from rollout_sglang.engine import SamplingParams
-    from rollout_sglang.local_engine import LocalEngine
+    from rollout_sglang.engines.local import LocalEngine
+    from rollout_sglang.engines.protocol import SamplingParams
 
     state = actor.export_hf_state_dict()
     engine = LocalEngine(cfg, device=device, dtype=dtype, init_seed=0)
@@ -262,7 +262,7 @@ def weight_sync_two_processes(rank: int, world: int, tmp: str, device: str, shap
     tmpdir = Path(tmp)
     cfg = qwen2_config(shape)
     if rank == 1:
-        from rollout_sglang.local_engine import LocalEngine
+        from rollout_sglang.engines.local import LocalEngine
         from rollout_sglang.testing.sglang_standin import StandInServer
 
         engine = LocalEngine(cfg, device=device, dtype=torch.bfloat16, init_seed=0)
@@ -287,7 +287,7 @@ def weight_sync_two_processes(rank: int, world: int, tmp: str, device: str, shap
     from megatron_agentrl.megatron.actor import MegatronActor, TrainBatch
     from megatron_agentrl.megatron.parallel import destroy_parallel, initialize_parallel
     from megatron_agentrl.weight_sync import WeightSender
-    from rollout_sglang.sglang_engine import SGLangEngine
+    from rollout_sglang.engines.sglang_client import SGLangEngine
     from rollout_sglang.testing.transport import StandInTransport
 
     try:

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from rollout_sglang.engine import Engine, SamplingParams
-from rollout_sglang.local_engine import LocalEngine
+from rollout_sglang.engines.local import LocalEngine
+from rollout_sglang.engines.protocol import Engine, SamplingParams
 
 VOCAB = 96
 
@@ -136,7 +136,7 @@ def test_weight_update_changes_outputs_and_version(caplog: pytest.LogCaptureFixt
         eng.receive_bucket([("model.norm.weight", torch.ones(32))])
 
     # a partial update is applied, logged, and still bumps the version
-    with caplog.at_level(logging.WARNING, logger="rollout_sglang.local_engine"):
+    with caplog.at_level(logging.WARNING, logger="rollout_sglang.engines.local"):
         eng.load_state_dict(6, {"model.norm.weight": torch.full((32,), 2.0, dtype=torch.bfloat16)})
     assert eng.version == 6
     assert torch.equal(eng.model.model.norm.weight, torch.full((32,), 2.0))

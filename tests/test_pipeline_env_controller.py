@@ -11,9 +11,9 @@ def _serve_and_train(rank: int, world: int, out: str) -> dict:
     import asyncio
     import threading
 
-    from env_controller.controller import Controller, ControllerConfig
+    from env_controller.controller.server import Controller, ControllerConfig
     from env_controller.tasks import build_task
-    from env_controller.worker_server import WorkerServer
+    from env_controller.worker.server import WorkerServer
     from megatron_agentrl.config import load_config
     from megatron_agentrl.pipeline.loop import run_training
     from megatron_agentrl.train_rank import setup_logging

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_agentrl.pipeline.publisher import WeightPublisher
-from rollout_sglang.version_pool import VersionPool
+from rollout_sglang.engines.version_pool import VersionPool
 
 
 class FakeActor:

@@ -14,7 +14,7 @@ def _run(rank: int, world: int, out: str) -> dict:
     from megatron_agentrl.hf_io import load_hf_config, load_hf_weights
     from megatron_agentrl.pipeline.loop import run_training
     from megatron_agentrl.train_rank import setup_logging
-    from rollout_sglang.local_engine import LocalEngine
+    from rollout_sglang.engines.local import LocalEngine
     from rollout_sglang.testing.sglang_standin import StandInServer
     from rollout_sglang.tokenizer import load_tokenizer
 

@@ -16,13 +16,13 @@ import time
 import pytest
 
 from env_controller.protocol import SampleStatus, TaskReply
-from megatron_agentrl.pipeline.engine_batching import BatchingEngine
-from megatron_agentrl.pipeline.rollout_manager import PromptSampler, RolloutManager
-from megatron_agentrl.pipeline.sim_env import LatencyEnvClient
 from rollout_sglang.chat_template import ChatTemplate
-from rollout_sglang.engine import GenerationOutput, SamplingParams
+from rollout_sglang.engines.batching import BatchingEngine
+from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
+from rollout_sglang.engines.version_pool import VersionPool
+from rollout_sglang.rollout.manager import PromptSampler, RolloutManager
+from rollout_sglang.rollout.sim_env import LatencyEnvClient
 from rollout_sglang.tokenizer import load_tokenizer
-from rollout_sglang.version_pool import VersionPool
 
 
 class FakeEngine:

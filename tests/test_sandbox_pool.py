@@ -22,8 +22,8 @@ import pytest
 
 docker = pytest.importorskip("docker", reason="the docker SDK is not installed (pip install docker)")
 
-from env_controller.client import HttpEnvClient  # noqa: E402
-from env_controller.net import free_port  # noqa: E402
+from env_controller.clients.http_client import HttpEnvClient  # noqa: E402
+from env_controller.http.net import free_port  # noqa: E402
 from env_controller.openapi import worker_spec  # noqa: E402
 from env_controller.protocol import SampleStatus  # noqa: E402
 from env_controller.sandbox import SandboxError, SandboxLimits  # noqa: E402

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from rollout_sglang.engine import SamplingParams
-from rollout_sglang.sglang_engine import SGLangEngine
+from rollout_sglang.engines.protocol import SamplingParams
+from rollout_sglang.engines.sglang_client import SGLangEngine
 from rollout_sglang.testing.sglang_contract import (
     API_TYPES,
     SGLANG_PIN,
@@ -192,7 +192,7 @@ def test_the_contract_agrees_with_sglangs_decoder(api_types):
 def test_stand_in_answers_decode_as_sglang_responses(api_types):
     from transformers import Qwen2Config
 
-    from rollout_sglang.local_engine import LocalEngine
+    from rollout_sglang.engines.local import LocalEngine
     from rollout_sglang.testing.sglang_standin import StandInServer
 
     cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

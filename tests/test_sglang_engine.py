@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from megatron_agentrl.weight_sync import BucketBroadcaster, WeightSyncError
-from rollout_sglang.engine import SamplingParams
-from rollout_sglang.local_engine import LocalEngine
-from rollout_sglang.sglang_engine import SGLangEngine, SGLangError, SGLangTimeout, sampling_params_to_sglang
+from rollout_sglang.engines.local import LocalEngine
+from rollout_sglang.engines.protocol import SamplingParams
+from rollout_sglang.engines.sglang_client import SGLangEngine, SGLangError, SGLangTimeout, sampling_params_to_sglang
 from rollout_sglang.testing.sglang_standin import StandInServer
 from rollout_sglang.testing.transport import StandInTransport
 

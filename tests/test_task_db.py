@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from task_replay import call, replay
 
-from env_controller.local import LocalEnvClient
-from env_controller.mariadb import MariaDBServer, MariaDBUnavailableError, find_mariadb
+from env_controller.clients.local import LocalEnvClient
 from env_controller.protocol import SampleStatus
+from env_controller.servers.mariadb import MariaDBServer, MariaDBUnavailableError, find_mariadb
 from env_controller.tasks import TASKS, build_task
 from env_controller.tasks.db import GENERATORS, DBSession, DBTask, answer_matches
 
@@ -116,7 +116,7 @@ def test_answer_matching() -> None:
 
 
 def test_missing_server_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    import env_controller.mariadb as m
+    import env_controller.servers.mariadb as m
 
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.setattr(m, "_SEARCH", ())

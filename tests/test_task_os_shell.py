@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from task_replay import attempts_then_solve, call, replay
 
-from env_controller.local import LocalEnvClient
+from env_controller.clients.local import LocalEnvClient
 from env_controller.protocol import SampleStatus
 from env_controller.sandbox.bwrap import descendants, find_bwrap
 from env_controller.tasks import TASKS, build_task

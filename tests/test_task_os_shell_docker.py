@@ -10,7 +10,7 @@ import pytest
 from task_replay import attempts_then_solve, call, replay
 from test_task_os_shell import run
 
-from env_controller.local import LocalEnvClient
+from env_controller.clients.local import LocalEnvClient
 from env_controller.protocol import SampleStatus
 from env_controller.sandbox import SandboxUnavailableError
 from env_controller.sandbox.docker import LABEL, DockerBackend

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from task_replay import call, replay
 
-from env_controller.local import LocalEnvClient, MalformedMessageError, UnknownSessionError
+from env_controller.clients.local import LocalEnvClient, MalformedMessageError, UnknownSessionError
 from env_controller.protocol import SampleStatus, TaskReply
 from env_controller.tasks import TASKS, Task, TaskParamError, TaskSession, build_task
 from env_controller.tasks.base import make_tool_call
@@ -399,7 +399,7 @@ def test_task_timeout_and_failure_end_in_task_error() -> None:
 
 
 def test_env_controller_does_not_import_torch() -> None:
-    code = ("import sys, env_controller.local, env_controller.tasks; "
+    code = ("import sys, env_controller.clients.local, env_controller.tasks; "
             "assert 'torch' not in sys.modules, 'env_controller imported torch'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, env={"PYTHONPATH": str(REPO)})
 

@@ -18,7 +18,7 @@ TOKENIZER = "examples/tokenizer/tiny_agent"
 def _episodes(engine, template, temperature: float) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
     """Three-turn episodes of three tasks (different prompt lengths, so the engine left-pads)."""
     from env_controller.tasks import build_task
-    from rollout_sglang.engine import SamplingParams
+    from rollout_sglang.engines.protocol import SamplingParams
 
     prompts = []
     for name, index in (("lookup", 1), ("calc", 7), ("guess", 3)):
@@ -56,7 +56,7 @@ def _check(rank: int, world: int, tp: int, temperature: float) -> float:
     from megatron_agentrl.megatron.parallel import destroy_parallel, initialize_parallel
     from megatron_agentrl.pipeline.batch import pad_right
     from rollout_sglang.chat_template import ChatTemplate
-    from rollout_sglang.local_engine import LocalEngine
+    from rollout_sglang.engines.local import LocalEngine
     from rollout_sglang.tokenizer import load_tokenizer
 
     initialize_parallel(tp, 1, seed=7)

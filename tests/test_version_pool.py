@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from env_controller.protocol import SampleStatus, TaskReply
-from rollout_sglang.engine import GenerationOutput, SamplingParams
-from rollout_sglang.version_pool import VersionPool
+from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
+from rollout_sglang.engines.version_pool import VersionPool
 
 
 class FakeEngine:
@@ -199,7 +199,7 @@ def test_cross_policy_turns_mix_versions_and_log_probs_match_the_sampling_engine
 
     from rollout_sglang.agent_loop import run_group_lockstep
     from rollout_sglang.chat_template import ChatTemplate
-    from rollout_sglang.local_engine import LocalEngine
+    from rollout_sglang.engines.local import LocalEngine
     from rollout_sglang.tokenizer import load_tokenizer
 
     tok = load_tokenizer("examples/tokenizer/tiny_agent")

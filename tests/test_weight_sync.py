@@ -16,7 +16,7 @@ import pytest
 import torch
 from dist_utils import run_distributed, wait_for_file
 
-from env_controller.net import free_port
+from env_controller.http.net import free_port
 from megatron_agentrl.weight_sync import BucketBroadcaster, WeightSyncError
 from rollout_sglang.testing.checksum import ChecksumMismatch, bucket_checksum, tensors_checksum
 from rollout_sglang.testing.transport import StandInReceive, StandInTransport
@@ -246,8 +246,8 @@ def test_group_rendezvous_matches_sglang_custom_process_group():
 def test_checksum_mismatch_fails_the_sync(monkeypatch):
     from transformers import Qwen2Config
 
-    from rollout_sglang.local_engine import LocalEngine
-    from rollout_sglang.sglang_engine import SGLangEngine
+    from rollout_sglang.engines.local import LocalEngine
+    from rollout_sglang.engines.sglang_client import SGLangEngine
     from rollout_sglang.testing.sglang_standin import StandInServer
 
     cfg = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -295,7 +295,7 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, tr
     tmpdir = Path(tmp)
     cfg = _hf_config(tied, family)
     if rank == 2:  # the engine host: three stand-ins, slot 0 = engines 0 and 1, slot 1 = engine 2
-        from rollout_sglang.local_engine import LocalEngine
+        from rollout_sglang.engines.local import LocalEngine
         from rollout_sglang.testing.sglang_standin import StandInServer
 
         engines = [LocalEngine.from_config(cfg, init_seed=0) for _ in range(3)]
@@ -320,8 +320,8 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, tr
     from megatron_agentrl.megatron.actor import MegatronActor
     from megatron_agentrl.megatron.parallel import destroy_parallel, initialize_parallel
     from megatron_agentrl.weight_sync import WeightSender
-    from rollout_sglang.sglang_engine import SGLangEngine
-    from rollout_sglang.version_pool import VersionPool
+    from rollout_sglang.engines.sglang_client import SGLangEngine
+    from rollout_sglang.engines.version_pool import VersionPool
 
     initialize_parallel(tp, pp, seed=11, ep=ep)
     actor = MegatronActor(cfg, TrainConfig())

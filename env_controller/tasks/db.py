@@ -5,7 +5,7 @@ its own MariaDB account that holds privileges on that database only, so a sessio
 see nor touch another session's tables; both are dropped when the session closes. The server
 is an existing MariaDB/MySQL (``host``/``port`` or ``unix_socket`` with an admin account that
 may create databases and users), or a private one the task starts itself
-(``start_server=True``, see :mod:`env_controller.mariadb`).
+(``start_server=True``, see :mod:`env_controller.servers.mariadb`).
 
 Twelve generators make the samples (sample ``index`` uses generator ``index % 12`` with
 parameters drawn from ``(seed, index)``): eight questions over an ``employees`` table or
@@ -525,7 +525,7 @@ class DBTask(BlockingToolTask):
             return
         with self._server_lock:
             if self._server is None:
-                from env_controller.mariadb import MariaDBServer
+                from env_controller.servers.mariadb import MariaDBServer
 
                 server = MariaDBServer().start()
                 self._server = server

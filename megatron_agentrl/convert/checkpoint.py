@@ -39,7 +39,7 @@ from torch import Tensor
 
 from megatron_agentrl.config import read_mapping_file
 from megatron_agentrl.convert.base import ConversionError, GPTMapping, one_line
-from rollout_sglang.local_engine import resolve_dtype
+from rollout_sglang.engines.local import resolve_dtype
 
 logger = logging.getLogger(__name__)
 

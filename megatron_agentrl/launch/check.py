@@ -182,8 +182,8 @@ def _check_tasks(cfg: Config, report: CheckReport, strict: bool, timeout_s: floa
         return
     unreachable = UNVERIFIED if not strict else FAIL
     if env.controller_url:
-        from env_controller.auth import TOKEN_ENV, TRAINER_TOKEN_ENV, pick_token, redact_url, resolve_token
-        from env_controller.client import base_api_url
+        from env_controller.clients.http_client import base_api_url
+        from env_controller.http.auth import TOKEN_ENV, TRAINER_TOKEN_ENV, pick_token, redact_url, resolve_token
 
         # the trainer's credential, found as the env client finds it
         bare, token = pick_token(env.token or None, base_api_url(env.controller_url), "plan")

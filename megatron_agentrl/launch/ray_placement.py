@@ -240,8 +240,8 @@ class TrainWorker(_Placed):
 
 
 class EnvControllerActor(_Placed):
-    """The env controller (``env_controller.controller.Controller``) served from a Ray actor, with a
-    task worker (``env_controller.worker_server.WorkerServer``) for each built-in task of the run;
+    """The env controller (``env_controller.controller.server.Controller``) served from a Ray actor, with a
+    task worker (``env_controller.worker.server.WorkerServer``) for each built-in task of the run;
     other tasks' workers (AgentBench-FC's, say) register with it themselves."""
 
     def __init__(self) -> None:
@@ -265,9 +265,9 @@ class EnvControllerActor(_Placed):
         Returns the controller's API URL."""
         import asyncio
 
-        from env_controller.controller import Controller, ControllerConfig
+        from env_controller.controller.server import Controller, ControllerConfig
         from env_controller.tasks import build_task
-        from env_controller.worker_server import WorkerServer
+        from env_controller.worker.server import WorkerServer
 
         self._controller = Controller(ControllerConfig(host="0.0.0.0", port=port, token=token))
         try:
@@ -310,7 +310,7 @@ class RolloutEngineActor(_Placed):
         """Launch the server on the GPUs Ray gave this actor; return its URL once healthy."""
         import ray
 
-        from rollout_sglang.sglang_engine import SGLangEngine
+        from rollout_sglang.engines.sglang_client import SGLangEngine
 
         gpus = [int(g) for g in ray.get_gpu_ids()]
         self._engine = SGLangEngine.launch(model_path, gpus=gpus, host="0.0.0.0", dtype=dtype,

@@ -23,7 +23,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from env_controller.net import free_port
+from env_controller.http.net import free_port
 from megatron_agentrl.config import ConfigError
 from megatron_agentrl.megatron import cpu_bridge
 

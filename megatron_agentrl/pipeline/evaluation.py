@@ -20,7 +20,7 @@ from megatron_agentrl.pipeline.progress import Phase, Progress
 from megatron_agentrl.pipeline.rewards import is_success
 from megatron_agentrl.pipeline.rollout_side import RolloutSide, build_eval_agent_runner, sampling_params
 from rollout_sglang.agent_loop import run_group_lockstep
-from rollout_sglang.engine import GenerationOutput, SamplingParams
+from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.trajectory import Trajectory
 
 

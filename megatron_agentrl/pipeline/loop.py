@@ -7,7 +7,7 @@ checkpoint, or publish the start weights, SFT warm-up and the first evaluation),
 when one is due, and ``finish`` (final evaluation, HF export, summary).
 
 Rank 0 owns the rollout side (:mod:`.rollout_side`: the engines in one version pool, the
-environments and the :class:`~.rollout_manager.RolloutManager` that keeps groups in flight on its
+environments and the :class:`~rollout_sglang.rollout.manager.RolloutManager` that keeps groups in flight on its
 own thread). All ranks train through :class:`~.trainer.Trainer` (rank 0 broadcasts each batch;
 data-parallel ranks take their slice) and push weights through :class:`~.publisher.WeightPublisher`
 after every step.
@@ -52,7 +52,6 @@ from megatron_agentrl.pipeline.distributed import broadcast_object, is_rank0
 from megatron_agentrl.pipeline.evaluation import evaluate, evaluate_during_rl, final_table, format_success
 from megatron_agentrl.pipeline.progress import Progress
 from megatron_agentrl.pipeline.publisher import WeightPublisher
-from megatron_agentrl.pipeline.rollout_manager import FinishedGroup, RolloutManager
 from megatron_agentrl.pipeline.rollout_side import (
     RolloutSide,
     build_rollout_side,
@@ -64,6 +63,7 @@ from megatron_agentrl.pipeline.rollout_side import (
 from megatron_agentrl.pipeline.sft import sft_warmup
 from megatron_agentrl.pipeline.step_metrics import format_step, step_metrics
 from megatron_agentrl.pipeline.trainer import Trainer
+from rollout_sglang.rollout.manager import FinishedGroup, RolloutManager
 from rollout_sglang.tokenizer import load_tokenizer
 from rollout_sglang.weight_update.buckets import dtype_from_name
 

@@ -21,7 +21,7 @@ from typing import Any
 from megatron_agentrl.megatron.actor import MegatronActor
 from megatron_agentrl.pipeline.distributed import broadcast_object
 from megatron_agentrl.weight_sync import WeightSender, deliver_direct
-from rollout_sglang.version_pool import Slot, VersionPool
+from rollout_sglang.engines.version_pool import Slot, VersionPool
 
 
 class WeightPublisher:

@@ -1,10 +1,10 @@
 """What rank 0 samples with: the environments, the engines in one version pool, the chat template,
 the task splits, and the rollout manager built from them.
 
-The engines always form a :class:`~rollout_sglang.version_pool.VersionPool` of
+The engines always form a :class:`~rollout_sglang.engines.version_pool.VersionPool` of
 ``rollout.max_versions`` slots of ``rollout.engines_per_slot`` engines (one slot of one engine is
 the simple case): local PyTorch engines, or the SGLang servers ``rollout.engine_urls`` lists. Each
-engine sits behind a :class:`~.engine_batching.BatchingEngine` that merges concurrent calls.
+engine sits behind a :class:`~rollout_sglang.engines.batching.BatchingEngine` that merges concurrent calls.
 """
 from __future__ import annotations
 
@@ -18,19 +18,19 @@ from typing import Any
 
 import torch
 
-from env_controller.local import LocalEnvClient
-from env_controller.net import address_towards
+from env_controller.clients.local import LocalEnvClient
+from env_controller.http.net import address_towards
 from env_controller.tasks import build_task
 from megatron_agentrl.config import Config, ConfigError
-from megatron_agentrl.pipeline.engine_batching import BatchingEngine
 from megatron_agentrl.pipeline.rewards import RewardShaper
-from megatron_agentrl.pipeline.rollout_manager import PromptSampler, RolloutManager
-from megatron_agentrl.pipeline.sim_env import LatencyEnvClient
 from rollout_sglang.chat_template import AnyChatTemplate, build_chat_template
-from rollout_sglang.engine import SamplingParams
-from rollout_sglang.local_engine import LocalEngine
-from rollout_sglang.sglang_engine import SGLangEngine
-from rollout_sglang.version_pool import VersionPool
+from rollout_sglang.engines.batching import BatchingEngine
+from rollout_sglang.engines.local import LocalEngine
+from rollout_sglang.engines.protocol import SamplingParams
+from rollout_sglang.engines.sglang_client import SGLangEngine
+from rollout_sglang.engines.version_pool import VersionPool
+from rollout_sglang.rollout.manager import PromptSampler, RolloutManager
+from rollout_sglang.rollout.sim_env import LatencyEnvClient
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def build_env(cfg: Config) -> tuple[Any, dict[str, Any], dict[str, list[int]]]:
         if spec.name in TASKS and (not cfg.env.controller_url or cfg.sft.steps):
             tasks[spec.name] = build_task(spec.name, **spec.params)
     if cfg.env.controller_url:
-        from env_controller.client import HttpEnvClient
+        from env_controller.clients.http_client import HttpEnvClient
 
         if cfg.sft.steps and len(tasks) < len(names):
             remote = [n for n in names if n not in tasks]
@@ -226,7 +226,7 @@ def sampling_params(cfg: Config, ro: RolloutSide, temperature: float, seed: int 
 def gateway_token(cfg: Config) -> str | None:
     """The gateway's bearer token from ``$<gateway.token_env>`` (None when unset); ConfigError when
     ``gateway.host`` is not loopback and there is none."""
-    from env_controller.auth import is_loopback
+    from env_controller.http.auth import is_loopback
 
     token = os.environ.get(cfg.gateway.token_env) or None
     if token is None and not is_loopback(cfg.gateway.host):

@@ -6,7 +6,7 @@ import torch
 from megatron_agentrl.config import Config
 from megatron_agentrl.metrics import gpu_stats
 from megatron_agentrl.pipeline.batch import per_task_means
-from megatron_agentrl.pipeline.rollout_manager import FinishedGroup, RolloutManager
+from rollout_sglang.rollout.manager import FinishedGroup, RolloutManager
 from rollout_sglang.trajectory import Trajectory
 
 

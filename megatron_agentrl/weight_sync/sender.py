@@ -19,7 +19,7 @@ Per sync, on every trainer rank (:meth:`WeightSender.sync`, collective):
 Engines that live in the source's own process (the local engine of the synchronous loop) get
 the buckets directly through the engine protocol (``receive_bucket``), no group needed.
 Pausing the slot, the version stamp and cache flushing are the version pool's part
-(``rollout_sglang.version_pool.VersionPool.begin_update`` / ``end_update``).
+(``rollout_sglang.engines.version_pool.VersionPool.begin_update`` / ``end_update``).
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from env_controller.protocol import SampleStatus
-from rollout_sglang.engine import SamplingParams
+from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.gateway.gateway import AGENT_ERROR, EnvStartError, Gateway
 from rollout_sglang.gateway.openai_format import ApiError
 from rollout_sglang.gateway.server import GatewayServer

@@ -42,12 +42,12 @@ from typing import Any
 
 from env_controller.protocol import MalformedMessageError, SampleStatus, validate_assistant_messages
 from rollout_sglang.chat_template import AnyChatTemplate
-from rollout_sglang.engine import GenerationOutput, SamplingParams
+from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
+from rollout_sglang.engines.version_pool import VersionPool
 from rollout_sglang.gateway.openai_format import ApiError, ChatRequest, bad, message_key, tools_key
 from rollout_sglang.gateway.session import GatewaySession, Plan, Turn
 from rollout_sglang.tool_parser import ToolCallParseError
 from rollout_sglang.trajectory import Trajectory
-from rollout_sglang.version_pool import VersionPool
 
 logger = logging.getLogger(__name__)
 

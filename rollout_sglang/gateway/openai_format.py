@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from env_controller._http import HttpError
+from env_controller.http.service import HttpError
 
 #: Request fields the gateway honours.
 SUPPORTED_FIELDS = frozenset({

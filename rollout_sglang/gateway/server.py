@@ -31,7 +31,8 @@ from typing import Any
 
 from aiohttp import web
 
-from env_controller._http import (
+from env_controller.http.auth import Credentials, Role, is_loopback
+from env_controller.http.service import (
     ClientGone,
     HttpError,
     HttpService,
@@ -40,7 +41,6 @@ from env_controller._http import (
     read_body,
     read_json_object,
 )
-from env_controller.auth import Credentials, Role, is_loopback
 from rollout_sglang.gateway.gateway import Completion, EnvStartError, Gateway
 from rollout_sglang.gateway.openai_format import (
     SSE_DONE,

@@ -1,7 +1,7 @@
 """A stand-in for an SGLang server on loopback, backed by the local engine (tests, CPU runs).
 
 SGLang cannot run on this project's CPU machines, so the SGLang client
-(:class:`rollout_sglang.sglang_engine.SGLangEngine`) and the weight sync are exercised against
+(:class:`rollout_sglang.engines.sglang_client.SGLangEngine`) and the weight sync are exercised against
 this server. Every request is first checked against **SGLang's own request definitions** of the
 pinned version (:mod:`rollout_sglang.testing.sglang_contract`, read from the SGLang wheel: the
 ``io_struct.py`` request classes, ``api/v1`` ``GenerateRequest``/``SamplingParams`` and the
@@ -65,8 +65,8 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from rollout_sglang.engine import SamplingParams
-from rollout_sglang.local_engine import LocalEngine
+from rollout_sglang.engines.local import LocalEngine
+from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.testing.sglang_contract import Contract, ContractError, load_contract
 from rollout_sglang.testing.transport import CHECKSUM_FIELD, EXT_CHECKSUM, EXT_SEND_RECV, TAG_FIELD, StandInReceive
 from rollout_sglang.weight_update.receiver import BucketReceiver

@@ -31,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from env_controller.net import free_port
+from env_controller.http.net import free_port
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from env_controller._http import (
+from env_controller.http.auth import WORKER_TOKEN_ENV, Credentials, Role, pick_token, redact_url, token_ok
+from env_controller.http.service import (
     BODY_TIMEOUT_S,
     IDLE_TIMEOUT_S,
     MAX_BODY_BYTES,
@@ -58,7 +59,6 @@ from env_controller._http import (
     read_json_object,
     session_id_from,
 )
-from env_controller.auth import WORKER_TOKEN_ENV, Credentials, Role, pick_token, redact_url, token_ok
 from env_controller.protocol import MalformedMessageError, SampleStatus, TaskReply, validate_assistant_messages
 from env_controller.sandbox.pool import PooledTask, SandboxPool
 from env_controller.tasks.base import Task, TaskSession
@@ -103,7 +103,7 @@ class WorkerServer(HttpService):
         ``controller_url``: where to heartbeat (None: no heartbeats); ``self_address``: the URL
         the controller reaches this worker at (default ``http://<host>:<port>/api``);
         ``concurrency``: open sessions allowed; ``body_timeout_s``, ``idle_timeout_s``,
-        ``max_body_bytes``: limits on requests (see :class:`~env_controller._http.HttpService`);
+        ``max_body_bytes``: limits on requests (see :class:`~env_controller.http.service.HttpService`);
         the other arguments as in the module docstring.
         """
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:

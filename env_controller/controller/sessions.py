@@ -16,8 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from env_controller.controller.registry import Index, Worker
 from env_controller.protocol import SampleStatus, TaskReply
-from env_controller.registry import Index, Worker
 
 
 @dataclass(eq=False)

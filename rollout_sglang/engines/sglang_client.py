@@ -1,6 +1,6 @@
 """The SGLang engine: one ``sglang.launch_server`` process per engine, driven over SGLang's HTTP API.
 
-:class:`SGLangEngine` is both an :class:`~rollout_sglang.engine.Engine` (for the agent loop and
+:class:`SGLangEngine` is both an :class:`~rollout_sglang.engines.protocol.Engine` (for the agent loop and
 the version pool) and a weight-update target of the trainer's bucketed sync
 (:class:`rollout_sglang.weight_update.WeightUpdateTarget`). It maps the protocol onto SGLang's native
 endpoints (request/response shapes as documented for SGLang 0.5.x: ``io_struct.py`` and
@@ -57,8 +57,8 @@ from typing import Any
 import httpx
 import torch
 
-from env_controller.net import free_port
-from rollout_sglang.engine import GenerationOutput, SamplingParams
+from env_controller.http.net import free_port
+from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 

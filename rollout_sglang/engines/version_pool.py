@@ -34,7 +34,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_sglang.engine import Engine, GenerationOutput, SamplingParams
+from rollout_sglang.engines.protocol import Engine, GenerationOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The trainer-side client of the environment controller (asyncio, aiohttp).
 
 :class:`HttpEnvClient` implements the agent loop's ``EnvClient`` protocol over HTTP, exactly as
-:class:`~env_controller.local.LocalEnvClient` does in process::
+:class:`~env_controller.clients.local.LocalEnvClient` does in process::
 
     async with HttpEnvClient("http://127.0.0.1:5020") as env:
         session_id, reply = await env.start_sample("lookup", 0)      # user message + tools
@@ -10,7 +10,7 @@
 
 Errors map as in the local client: an unknown task or index raises ValueError, a malformed
 message :class:`~env_controller.protocol.MalformedMessageError`, an unknown session
-:class:`~env_controller.local.UnknownSessionError`. Every call has a timeout
+:class:`~env_controller.clients.local.UnknownSessionError`. Every call has a timeout
 (:class:`EnvTimeoutError`). Retries, with exponential backoff: 5xx replies (503 only for
 ``interact``, the one call that is not safe to repeat: the controller answers 503 only when it
 did nothing) and connections that could not be opened; never 4xx replies, timeouts or
@@ -28,9 +28,9 @@ from typing import Any
 
 import aiohttp
 
-from env_controller._http import SESSION_HEADER, base_api_url, dumps_json, loads_json
-from env_controller.auth import TOKEN_ENV, TRAINER_TOKEN_ENV, pick_token, resolve_token
-from env_controller.local import UnknownSessionError
+from env_controller.clients.local import UnknownSessionError
+from env_controller.http.auth import TOKEN_ENV, TRAINER_TOKEN_ENV, pick_token, resolve_token
+from env_controller.http.service import SESSION_HEADER, base_api_url, dumps_json, loads_json
 from env_controller.protocol import MalformedMessageError, TaskReply
 
 logger = logging.getLogger(__name__)

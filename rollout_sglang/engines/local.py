@@ -31,7 +31,7 @@ from typing import Any, Iterable
 
 import torch
 
-from rollout_sglang.engine import GenerationOutput, SamplingParams
+from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.weight_update.buckets import dtype_from_name
 
 # One expert's weight as checkpoints (and SGLang) name it; transformers 5 holds a layer's experts fused

@@ -29,7 +29,7 @@ from typing import Any, Iterable
 
 import torch
 
-from rollout_sglang.engine import GenerationOutput, SamplingParams
+from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 

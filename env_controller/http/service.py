@@ -22,7 +22,7 @@ from typing import Any, Self
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from env_controller.auth import (
+from env_controller.http.auth import (
     OPEN_IDENTITY,
     TOKEN_ENV,
     TRAINER_TOKEN_ENV,

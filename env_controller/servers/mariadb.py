@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from env_controller.net import free_port
-from env_controller.private_server import PrivateServer
+from env_controller.http.net import free_port
+from env_controller.servers.private_server import PrivateServer
 
 logger = logging.getLogger(__name__)
 

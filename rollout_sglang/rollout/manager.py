@@ -21,7 +21,7 @@ older than ``v - eta`` is never trained (it is dropped and counted in ``dropped_
 admission rule keeps that rare). So no trained token is more than ``eta`` versions old.
 
 Partial rollout: a weight update pauses generation of its version slot between turns (see
-:class:`~rollout_sglang.version_pool.VersionPool`); in-flight episodes are kept and continue on
+:class:`~rollout_sglang.engines.version_pool.VersionPool`); in-flight episodes are kept and continue on
 the new weights, their turns recording the version that sampled them.
 
 Dynamic sampling (DAPO; :meth:`RolloutManager.enable_dynamic_sampling`): a finished group whose
@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rollout_sglang.agent_loop import run_group_lockstep
-from rollout_sglang.engine import SamplingParams
+from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)

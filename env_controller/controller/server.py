@@ -2,9 +2,9 @@
 
 Wire-compatible with the AgentBench-FC / AgentRL task-worker protocol (DESIGN.md, "Env
 protocol"). The server is aiohttp; calls to workers go through the small pooled HTTP/1.1 client
-of :mod:`env_controller.workerhttp`. Workers register with heartbeats (:mod:`env_controller.registry`); the trainer
-starts, drives and cancels sessions (:mod:`env_controller.sessions`); every start goes to the
-least-loaded alive worker of the task.
+of :mod:`~env_controller.controller.worker_http`. Workers register with heartbeats
+(:mod:`~env_controller.controller.registry`); the trainer starts, drives and cancels sessions
+(:mod:`~env_controller.controller.sessions`); every start goes to the least-loaded alive worker of the task.
 
 Trainer-facing API (all JSON; errors are ``{"error": "...", "status": code}``):
 
@@ -54,7 +54,12 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
-from env_controller._http import (
+from env_controller.controller.metrics import ControllerMetrics
+from env_controller.controller.registry import NoWorkerError, RegistryError, Worker, WorkerRegistry, WorkerState
+from env_controller.controller.sessions import Session, SessionTable, final_reply
+from env_controller.controller.worker_http import ConnectError, WorkerHttp, parse_url
+from env_controller.http.auth import ANY_TASK, TRAINER_TOKEN_ENV, Credentials, Role, split_url_credentials, token_ok
+from env_controller.http.service import (
     BODY_TIMEOUT_S,
     IDLE_TIMEOUT_S,
     MAX_BODY_BYTES,
@@ -68,12 +73,7 @@ from env_controller._http import (
     read_json_object,
     session_id_from,
 )
-from env_controller.auth import ANY_TASK, TRAINER_TOKEN_ENV, Credentials, Role, split_url_credentials, token_ok
-from env_controller.metrics import ControllerMetrics
 from env_controller.protocol import MalformedMessageError, SampleStatus, TaskReply, validate_assistant_messages
-from env_controller.registry import NoWorkerError, RegistryError, Worker, WorkerRegistry, WorkerState
-from env_controller.sessions import Session, SessionTable, final_reply
-from env_controller.workerhttp import ConnectError, WorkerHttp, parse_url
 
 logger = logging.getLogger(__name__)
 
@@ -871,7 +871,7 @@ class Controller(HttpService):
 
 async def serve_controller(config: ControllerConfig) -> None:
     """Run a controller until SIGINT/SIGTERM (the ``agentrl controller`` command)."""
-    from env_controller._http import wait_for_signal
+    from env_controller.http.service import wait_for_signal
 
     controller = Controller(config)
     await controller.start()

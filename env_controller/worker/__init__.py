@@ -1,0 +1,1 @@
+"""A task behind the AgentRL task-worker HTTP API (``server``)."""

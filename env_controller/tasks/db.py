@@ -141,48 +141,35 @@ def _sql_str(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
 
 
-def _q_count_dept(rng: random.Random) -> DBSample:
-    emp = _employees(rng)
-    dept = rng.choice(sorted({r[2] for r in emp.rows}))
-    return DBSample("count_dept", f"How many employees work in the {dept} department?", [emp],
-                    f"SELECT COUNT(*) FROM employees WHERE department = {_sql_str(dept)}")
+def _about_one_value(kind: str, table: Callable[[random.Random], Table], column: int, question: str,
+                     sql: str) -> Callable[[random.Random], DBSample]:
+    """A generator of questions about one value of ``column`` in a fresh ``table``, drawn at random;
+    ``question`` and ``sql`` are format strings of that value (quoted as an SQL string in ``sql`` when it
+    is one)."""
+    def generate(rng: random.Random) -> DBSample:
+        t = table(rng)
+        value = rng.choice(sorted({r[column] for r in t.rows}))
+        literal = _sql_str(value) if isinstance(value, str) else value
+        return DBSample(kind, question.format(value), [t], sql.format(literal))
+
+    generate.__name__ = f"_q_{kind}"
+    return generate
 
 
-def _q_max_salary(rng: random.Random) -> DBSample:
-    emp = _employees(rng)
-    dept = rng.choice(sorted({r[2] for r in emp.rows}))
-    return DBSample("max_salary", f"What is the highest salary in the {dept} department?", [emp],
-                    f"SELECT MAX(salary) FROM employees WHERE department = {_sql_str(dept)}")
-
-
-def _q_top_earner(rng: random.Random) -> DBSample:
-    emp = _employees(rng)
-    year = rng.choice(sorted({r[4] for r in emp.rows}))
-    return DBSample("top_earner",
-                    f"Who has the highest salary among the employees hired in {year}? Answer with the name.",
-                    [emp], f"SELECT name FROM employees WHERE hire_year = {year} ORDER BY salary DESC LIMIT 1")
-
-
-def _q_avg_price(rng: random.Random) -> DBSample:
-    prod = _products(rng)
-    cat = rng.choice(sorted({r[2] for r in prod.rows}))
-    return DBSample("avg_price",
-                    f"What is the average price of the products in the category {cat}, rounded to 2 decimals?",
-                    [prod], f"SELECT ROUND(AVG(price), 2) FROM products WHERE category = {_sql_str(cat)}")
-
-
-def _q_names_hired(rng: random.Random) -> DBSample:
-    emp = _employees(rng)
-    year = rng.choice(sorted({r[4] for r in emp.rows}))
-    return DBSample("names_hired", f"List the names of all employees hired in {year}.", [emp],
-                    f"SELECT name FROM employees WHERE hire_year = {year} ORDER BY name")
-
-
-def _q_stock_sum(rng: random.Random) -> DBSample:
-    prod = _products(rng)
-    cat = rng.choice(sorted({r[2] for r in prod.rows}))
-    return DBSample("stock_sum", f"How many items of the category {cat} are in stock in total?", [prod],
-                    f"SELECT COALESCE(SUM(stock), 0) FROM products WHERE category = {_sql_str(cat)}")
+_q_count_dept = _about_one_value("count_dept", _employees, 2, "How many employees work in the {} department?",
+                                 "SELECT COUNT(*) FROM employees WHERE department = {}")
+_q_max_salary = _about_one_value("max_salary", _employees, 2, "What is the highest salary in the {} department?",
+                                 "SELECT MAX(salary) FROM employees WHERE department = {}")
+_q_top_earner = _about_one_value(
+    "top_earner", _employees, 4, "Who has the highest salary among the employees hired in {}? Answer with the name.",
+    "SELECT name FROM employees WHERE hire_year = {} ORDER BY salary DESC LIMIT 1")
+_q_avg_price = _about_one_value(
+    "avg_price", _products, 2, "What is the average price of the products in the category {}, rounded to 2 decimals?",
+    "SELECT ROUND(AVG(price), 2) FROM products WHERE category = {}")
+_q_names_hired = _about_one_value("names_hired", _employees, 4, "List the names of all employees hired in {}.",
+                                  "SELECT name FROM employees WHERE hire_year = {} ORDER BY name")
+_q_stock_sum = _about_one_value("stock_sum", _products, 2, "How many items of the category {} are in stock in total?",
+                                "SELECT COALESCE(SUM(stock), 0) FROM products WHERE category = {}")
 
 
 def _q_distinct_customers(rng: random.Random) -> DBSample:

@@ -436,7 +436,8 @@ class SGLangEngine:
         """Not available: an SGLang server receives buckets over the weight-sync group, not in-process."""
         raise NotImplementedError(
             f"SGLangEngine ({self.base_url}) receives weights over a weight-sync group: use the trainer's "
-            "WeightSender / BucketBroadcaster (megatron_agentrl.weight_sync) with this engine as a target"
+            "WeightSender (megatron_agentrl.weight_sync) or a BucketBroadcaster (rollout_sglang.weight_update) with "
+            "this engine as a target"
         )
 
     def end_weight_update(self) -> None:

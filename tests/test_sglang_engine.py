@@ -13,12 +13,12 @@ import time
 import pytest
 import torch
 
-from megatron_agentrl.weight_sync import BucketBroadcaster, WeightSyncError
 from rollout_sglang.engine import SamplingParams
 from rollout_sglang.local_engine import LocalEngine
 from rollout_sglang.sglang_engine import SGLangEngine, SGLangError, SGLangTimeout, sampling_params_to_sglang
 from rollout_sglang.testing.sglang_standin import StandInServer
 from rollout_sglang.testing.transport import StandInTransport
+from rollout_sglang.weight_update import BucketBroadcaster, WeightSyncError
 
 
 def tiny_config():

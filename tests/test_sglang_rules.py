@@ -16,13 +16,12 @@ import pytest
 import torch
 
 from env_controller.net import address_towards
-from megatron_agentrl.weight_sync import BucketBroadcaster, WeightSyncError
 from rollout_sglang.engine import SamplingParams
 from rollout_sglang.local_engine import LocalEngine
 from rollout_sglang.sglang_engine import SGLangEngine, SGLangError
 from rollout_sglang.testing.sglang_standin import StandInServer
 from rollout_sglang.version_pool import VersionPool
-from rollout_sglang.weight_update import SGLangBroadcast
+from rollout_sglang.weight_update import BucketBroadcaster, SGLangBroadcast, WeightSyncError
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny_cpu.yaml"
 

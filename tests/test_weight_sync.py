@@ -17,13 +17,14 @@ import torch
 from dist_utils import run_distributed, wait_for_file
 
 from env_controller.net import free_port
-from megatron_agentrl.weight_sync import BucketBroadcaster, WeightSyncError
 from rollout_sglang.testing.checksum import ChecksumMismatch, bucket_checksum, tensors_checksum
 from rollout_sglang.testing.transport import StandInReceive, StandInTransport
 from rollout_sglang.weight_update import (
     DTYPES,
+    BucketBroadcaster,
     BucketReceiver,
     SGLangBroadcast,
+    WeightSyncError,
     dtype_from_name,
     dtype_name,
     flattened_layout,

@@ -9,7 +9,7 @@ Per sync, on every trainer rank (:meth:`WeightSender.sync`, collective):
    memory stays at one bucket;
 2. the stage's *source* rank (tp_rank 0 of DP replica 0) groups them into single-dtype buckets of
    ``bucket_mb`` and sends them to every engine of the slot on the slot's dedicated group
-   (:class:`~megatron_agentrl.weight_sync.broadcaster.BucketBroadcaster`, through the sender's
+   (:class:`~rollout_sglang.weight_update.broadcaster.BucketBroadcaster`, through the sender's
    transport: SGLang's broadcasts unless another is given). With PP > 1 the stages send in turn
    (stage 0, then 1, ...), because an engine serves one update request at a time and two engines
    serving two stages' groups in different orders would deadlock;
@@ -31,11 +31,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_agentrl.weight_sync.broadcaster import MB, BucketBroadcaster
-from megatron_agentrl.weight_sync.direct import deliver_direct
 from megatron_agentrl.weight_sync.gather import stage_hf_tensors
-from megatron_agentrl.weight_sync.outcome import SyncStats, WeightSyncError
-from rollout_sglang.weight_update.transport import BucketTransport, SGLangBroadcast, WeightUpdateTarget
+from rollout_sglang.weight_update import (
+    MB,
+    BucketBroadcaster,
+    BucketTransport,
+    SGLangBroadcast,
+    SyncStats,
+    WeightSyncError,
+    WeightUpdateTarget,
+    deliver_direct,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Per bucket, :meth:`BucketBroadcaster.send` asks every engine of the slot to receive it (SGLang
 ``/update_weights_from_distributed`` with the bucket's names, dtypes and shapes) while it moves
 the bucket on the slot's dedicated group through its transport
-(:class:`rollout_sglang.weight_update.BucketTransport`; default SGLang's broadcasts). On the wire a
+(:class:`~rollout_sglang.weight_update.transport.BucketTransport`; default SGLang's broadcasts). On the wire a
 bucket is either one packed flat tensor of raw bytes (``load_format="flattened_bucket"``; packing
 of bucket k+1 overlaps the transfer of bucket k, two reused buffers) or one tensor per parameter
 straight from its memory (no copy); NCCL uses the first, gloo the second.
@@ -26,7 +26,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from megatron_agentrl.weight_sync.outcome import SyncStats, WeightSyncError
 from rollout_sglang.weight_update.buckets import BucketMeta, iter_buckets, iter_split_buckets, pack_into
 from rollout_sglang.weight_update.group import (
     WeightGroup,
@@ -35,11 +34,11 @@ from rollout_sglang.weight_update.group import (
     host_store,
     init_weight_group,
 )
-from rollout_sglang.weight_update.transport import BucketTransport, SGLangBroadcast, WeightUpdateTarget
+from rollout_sglang.weight_update.outcome import SyncStats, WeightSyncError
+from rollout_sglang.weight_update.transport import MB, BucketTransport, SGLangBroadcast, WeightUpdateTarget
 
 logger = logging.getLogger(__name__)
 
-MB = 1024 * 1024
 WIRE_FORMATS = ("flattened_bucket", "per_tensor")
 
 

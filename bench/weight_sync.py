@@ -198,8 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     version = [0]
 
     def bucketed(transport: SGLangBroadcast | None = None) -> int:
-        stats = sender.send(state.items(), bucket_bytes, weight_version=str(version[0]), wire_format=args.wire_format,
-                            transport=transport)
+        stats = sender.send(state.items(), bucket_bytes, wire_format=args.wire_format, transport=transport)
         assert stats.bytes == nbytes, (stats.bytes, nbytes)
         return stats.buckets
 

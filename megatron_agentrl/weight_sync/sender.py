@@ -18,8 +18,9 @@ Per sync, on every trainer rank (:meth:`WeightSender.sync`, collective):
 
 Engines that live in the source's own process (the local engine of the synchronous loop) get
 the buckets directly through the engine protocol (``receive_bucket``), no group needed.
-Pausing the slot, the version stamp and cache flushing are the version pool's part
-(``rollout_sglang.version_pool.VersionPool.begin_update`` / ``end_update``).
+Pausing the slot, telling each engine the version (once, as its update opens), the version stamp
+and cache flushing are the version pool's part (``rollout_sglang.version_pool.VersionPool.begin_update``
+/ ``end_update``): the sender sends buckets, no version.
 """
 from __future__ import annotations
 
@@ -106,7 +107,10 @@ class WeightSender:
 
     def sync(self, version: int, slot_key: Hashable = 0, targets: Sequence[WeightUpdateTarget] | None = None,
              direct_engines: Sequence[Any] | None = None) -> SyncStats:
-        """Send the actor's current weights as ``version`` to one slot's engines. Collective (all trainer ranks).
+        """Send the actor's current weights to one slot's engines. Collective (all trainer ranks).
+
+        version: the version the slot's update was opened for (its engines were told it then); for the
+            stats and the messages.
 
         targets: on each stage's source rank, the slot's engines reached over a weight-sync
             group (SGLang engine clients); ignored elsewhere.
@@ -174,7 +178,7 @@ class WeightSender:
         failure: BaseException | None = None
         try:
             if self.is_source and targets:
-                s = self._broadcaster(slot_key, targets).send(named, self.bucket_bytes, weight_version=str(version))
+                s = self._broadcaster(slot_key, targets).send(named, self.bucket_bytes)
                 stats.buckets, stats.bytes = s.buckets, s.bytes
             elif self.is_source and direct_engines:
                 s = deliver_direct(direct_engines, named, self.bucket_bytes)

@@ -162,10 +162,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_bench_args(ap, argv, {"layers": 2, "bucket_mb": 0.25, "repeats": 2})
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
-    from megatron_agentrl.weight_sync import BucketBroadcaster
     from rollout_sglang.engines.sglang_client import SGLangEngine
     from rollout_sglang.testing.transport import StandInTransport
-    from rollout_sglang.weight_update import SGLangBroadcast
+    from rollout_sglang.weight_update import BucketBroadcaster, SGLangBroadcast
 
     cfg = qwen25_05b_config(args.layers, args.smoke)
     ctx = mp.get_context("spawn")
@@ -199,8 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     version = [0]
 
     def bucketed(transport: SGLangBroadcast | None = None) -> int:
-        stats = sender.send(state.items(), bucket_bytes, weight_version=str(version[0]), wire_format=args.wire_format,
-                            transport=transport)
+        stats = sender.send(state.items(), bucket_bytes, wire_format=args.wire_format, transport=transport)
         assert stats.bytes == nbytes, (stats.bytes, nbytes)
         return stats.buckets
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_agentrl.pipeline.publisher import WeightPublisher
+from megatron_agentrl.weight_sync.publisher import WeightPublisher
 from rollout_sglang.engines.version_pool import VersionPool
 
 

@@ -120,7 +120,7 @@ def client_bodies() -> list[tuple[str, str, object]]:
         c.begin_weight_update(1)
         c.init_weights_update_group("10.0.0.4", 29500, 1, 2, "agentrl-slot0-pp0-0123abcd", backend="nccl")
         c.update_weights_from_distributed(["a", "b"], ["bfloat16", "bfloat16"], [[2, 3], [4]], "g",
-                                          load_format="flattened_bucket", flush_cache=False, weight_version="1")
+                                          load_format="flattened_bucket", flush_cache=False, last_bucket=True)
         c.update_weights_from_distributed(["a"], ["float32"], [[2]], "g", flush_cache=False)
         c.end_weight_update()
         c.begin_weight_update(2)

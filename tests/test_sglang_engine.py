@@ -13,12 +13,12 @@ import time
 import pytest
 import torch
 
-from megatron_agentrl.weight_sync import BucketBroadcaster, WeightSyncError
 from rollout_sglang.engines.local import LocalEngine
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.engines.sglang_client import SGLangEngine, SGLangError, SGLangTimeout, sampling_params_to_sglang
 from rollout_sglang.testing.sglang_standin import StandInServer
 from rollout_sglang.testing.transport import StandInTransport
+from rollout_sglang.weight_update import BucketBroadcaster, WeightSyncError
 
 
 def tiny_config():
@@ -72,7 +72,7 @@ def test_client_generate_update_pause_continue(served, wire_format):
                                transport=StandInTransport(checksum=True))
     assert client.has_extension("bucket_checksum")  # the stand-in's extension; real SGLang servers do not list it
     client.begin_weight_update(3)
-    stats = sender.send(other.model.state_dict().items(), bucket_bytes=16 * 1024, weight_version="3")
+    stats = sender.send(other.model.state_dict().items(), bucket_bytes=16 * 1024)
     kinds = {line.split("(")[1] for line in server.update_log}
     # per_tensor: matrices one message each, the small norms packed; flattened: everything packed;
     # the stand-in's transport on gloo: the tensors come as point-to-point sends
@@ -85,7 +85,7 @@ def test_client_generate_update_pause_continue(served, wire_format):
         assert torch.equal(engine.model.state_dict()[name], t), name
     outs = asyncio.run(client.generate(prompts, params))
     assert all(o.version == 3 for o in outs)
-    assert client.health()["server_weight_version"] == "3"
+    assert client.health()["server_weight_version"] == 3
 
     # pause: a request waits (it is not refused) until continue
     client.pause()
@@ -157,7 +157,7 @@ def test_send_recv_goes_only_to_engines_that_offer_it(served):
                                small_tensor_bytes=1024)
     assert sender.transport.name == "broadcast"
     sglang_like.begin_weight_update(4)
-    sender.send(state.items(), bucket_bytes=16 * 1024, weight_version="4")
+    sender.send(state.items(), bucket_bytes=16 * 1024)
     sglang_like.end_weight_update()
     assert server.update_log and all(line.endswith(", broadcast)") for line in server.update_log)
     for name, t in state.items():

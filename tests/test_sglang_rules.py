@@ -16,13 +16,12 @@ import pytest
 import torch
 
 from env_controller.http.net import address_towards
-from megatron_agentrl.weight_sync import BucketBroadcaster, WeightSyncError
 from rollout_sglang.engines.local import LocalEngine
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.engines.sglang_client import SGLangEngine, SGLangError
 from rollout_sglang.engines.version_pool import VersionPool
 from rollout_sglang.testing.sglang_standin import StandInServer
-from rollout_sglang.weight_update import SGLangBroadcast
+from rollout_sglang.weight_update import BucketBroadcaster, SGLangBroadcast, WeightSyncError
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny_cpu.yaml"
 
@@ -62,14 +61,17 @@ def assert_served(engine: LocalEngine, state: dict[str, torch.Tensor]) -> None:
         assert torch.equal(served[name], t.to(served[name].dtype)), name
 
 
-def in_session(client: SGLangEngine, fn) -> None:
-    """``fn()`` inside the server's weight-update session, opened and closed by hand, so that a test
-    checks one rule alone (the session itself is covered above)."""
-    client._call("POST", "/begin_weight_update", {})
+def in_session(client: SGLangEngine, version: int, fn) -> None:
+    """``fn()`` inside the server's weight-update session for ``version``, opened and closed by the client
+    alone (no version pool, no pause), so that a test checks one rule alone (the session itself is
+    covered above)."""
+    client.begin_weight_update(version)
     try:
         fn()
-    finally:
-        client._call("POST", "/end_weight_update", {})
+    except BaseException:
+        client.abort_weight_update()
+        raise
+    client.end_weight_update()
 
 
 def client_of(server: StandInServer, **kwargs) -> SGLangEngine:
@@ -97,20 +99,25 @@ def test_a_pool_update_opens_and_closes_the_servers_session(standin):
     state = other_weights()
     sender = BucketBroadcaster([client], "session", backend="gloo", init_timeout_s=20, bucket_timeout_s=20)
     slot = pool.begin_update(1, timeout_s=10)
-    sender.send(state.items(), bucket_bytes=16 * 1024, weight_version="1")
+    sender.send(state.items(), bucket_bytes=16 * 1024)
     pool.end_update(slot)
     assert_served(engine, state)
     assert client.version == 1 and engine.version == 1
     order = [p for p in server.requests if p in ("/begin_weight_update", "/update_weights_from_distributed",
                                                  "/end_weight_update", "/flush_cache")]
     assert order[0] == "/begin_weight_update" and order[-2:] == ["/end_weight_update", "/flush_cache"]
+    # the pool told the client the version once; the buckets carry it to the server on the last only,
+    # as SGLang's string
+    stamps = [b.get("weight_version") for p, b in server.bodies if p == "/update_weights_from_distributed"]
+    assert len(stamps) > 1 and stamps[-1] == "1" and not any(stamps[:-1])
+    assert client.health()["server_weight_version"] == 1
 
     # a failed update closes the session (the next begins cleanly) and stamps no version
     slot = pool.begin_update(2, timeout_s=10)
     pool.abort_update(slot)
     assert client.version == 1
     slot = pool.begin_update(3, timeout_s=10)
-    sender.send(state.items(), bucket_bytes=16 * 1024, weight_version="3")
+    sender.send(state.items(), bucket_bytes=16 * 1024)
     pool.end_update(slot)
     assert client.version == 3
     sender.close()
@@ -137,7 +144,7 @@ def test_the_group_forms_inside_the_first_bucket(standin):
     sender = BucketBroadcaster([client], "lazy", backend="gloo", init_timeout_s=15, bucket_timeout_s=15)
     t0 = time.perf_counter()
     client.begin_weight_update(1)
-    sender.send(state.items(), bucket_bytes=16 * 1024, weight_version="1")
+    sender.send(state.items(), bucket_bytes=16 * 1024)
     client.end_weight_update()
     assert time.perf_counter() - t0 < 10
     assert_served(engine, state)
@@ -171,7 +178,7 @@ def test_a_tp2_server_joins_with_both_ranks(standin, lazy):
         state = other_weights(seed=version)
         for c in (client, other_client):
             c.begin_weight_update(version)
-        sender.send(state.items(), bucket_bytes=16 * 1024, weight_version=str(version), wire_format=wire_format)
+        sender.send(state.items(), bucket_bytes=16 * 1024, wire_format=wire_format)
         for c in (client, other_client):
             c.end_weight_update()
         assert sender.world_size == 4  # the trainer + 2 ranks + 1 rank
@@ -258,7 +265,7 @@ def test_a_flattened_bucket_goes_out_as_raw_bytes(standin):
     transport = RecordingBroadcast()
     sender = BucketBroadcaster([client], "raw", backend="gloo", init_timeout_s=15, bucket_timeout_s=15,
                                wire_format="flattened_bucket", transport=transport)
-    in_session(client, lambda: sender.send(state.items(), bucket_bytes=16 * 1024, weight_version="1"))
+    in_session(client, 1, lambda: sender.send(state.items(), bucket_bytes=16 * 1024))
     assert transport.wire_dtypes and set(transport.wire_dtypes) == {torch.uint8}
     assert_served(engine, state)
     sender.close()
@@ -272,7 +279,7 @@ def test_a_new_group_gets_a_fresh_name_after_a_failed_destroy(standin):
     sender = BucketBroadcaster([client], "renamed", backend="gloo", init_timeout_s=15, bucket_timeout_s=15)
     names = []
     for version in (1, 2):
-        in_session(client, lambda v=version: sender.send(state.items(), bucket_bytes=16 * 1024, weight_version=str(v)))
+        in_session(client, version, lambda: sender.send(state.items(), bucket_bytes=16 * 1024))
         names.append(sender.group_name)
         sender.close_group()  # destroy fails on the server; the next group must not reuse the name
     assert names[0] != names[1] and all(n.startswith("renamed-") for n in names)
@@ -291,7 +298,7 @@ def test_admin_endpoints_take_the_admin_key(standin):
     state = other_weights()
     sender = BucketBroadcaster([admin], "keys", backend="gloo", init_timeout_s=15, bucket_timeout_s=15)
     admin.begin_weight_update(1)
-    sender.send(state.items(), bucket_bytes=16 * 1024, weight_version="1")
+    sender.send(state.items(), bucket_bytes=16 * 1024)
     admin.end_weight_update()
     admin.resume()
     assert_served(engine, state)

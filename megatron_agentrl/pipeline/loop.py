@@ -9,8 +9,8 @@ when one is due, and ``finish`` (final evaluation, HF export, summary).
 Rank 0 owns the rollout side (:mod:`.rollout_side`: the engines in one version pool, the
 environments and the :class:`~rollout_sglang.rollout.manager.RolloutManager` that keeps groups in flight on its
 own thread). All ranks train through :class:`~.trainer.Trainer` (rank 0 broadcasts each batch;
-data-parallel ranks take their slice) and push weights through :class:`~.publisher.WeightPublisher`
-after every step.
+data-parallel ranks take their slice) and push weights through
+:class:`~megatron_agentrl.weight_sync.publisher.WeightPublisher` after every step.
 
 The two modes differ only in the manager's settings: ``sync`` admits a step's groups after the
 previous step's weights arrived and the trainer waits for all of them (staleness 0, the whole
@@ -41,6 +41,7 @@ from typing import IO, Any
 import torch
 
 from megatron_agentrl.config import Config, ConfigError, config_to_dict
+from megatron_agentrl.distributed import broadcast_object, is_rank0
 from megatron_agentrl.hf_io import load_hf_config, load_hf_weights, save_hf_checkpoint
 from megatron_agentrl.megatron.actor import MegatronActor
 from megatron_agentrl.megatron.parallel import destroy_parallel, initialize_parallel
@@ -48,10 +49,8 @@ from megatron_agentrl.metrics import MetricsLogger, plot_task_rewards, require_w
 from megatron_agentrl.pipeline.batch import build_rl_batch
 from megatron_agentrl.pipeline.checkpoint import find_latest, load_checkpoint, save_checkpoint
 from megatron_agentrl.pipeline.collapse import CollapseMonitor
-from megatron_agentrl.pipeline.distributed import broadcast_object, is_rank0
 from megatron_agentrl.pipeline.evaluation import evaluate, evaluate_during_rl, final_table, format_success
 from megatron_agentrl.pipeline.progress import Progress
-from megatron_agentrl.pipeline.publisher import WeightPublisher
 from megatron_agentrl.pipeline.rollout_side import (
     RolloutSide,
     build_rollout_side,
@@ -63,6 +62,7 @@ from megatron_agentrl.pipeline.rollout_side import (
 from megatron_agentrl.pipeline.sft import sft_warmup
 from megatron_agentrl.pipeline.step_metrics import format_step, step_metrics
 from megatron_agentrl.pipeline.trainer import Trainer
+from megatron_agentrl.weight_sync.publisher import WeightPublisher
 from rollout_sglang.rollout.manager import FinishedGroup, RolloutManager
 from rollout_sglang.tokenizer import load_tokenizer
 from rollout_sglang.weight_update.buckets import dtype_from_name

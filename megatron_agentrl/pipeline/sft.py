@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 
 from megatron_agentrl.config import Config
+from megatron_agentrl.distributed import broadcast_object
 from megatron_agentrl.megatron.actor import MegatronActor
 from megatron_agentrl.metrics import MetricsLogger
 from megatron_agentrl.pipeline.batch import build_sft_batch
-from megatron_agentrl.pipeline.distributed import broadcast_object
 from megatron_agentrl.pipeline.progress import Progress
 from megatron_agentrl.pipeline.rollout_side import RolloutSide
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from megatron_agentrl.algo.losses import loss_agg_weights
 from megatron_agentrl.config import Config
+from megatron_agentrl.distributed import broadcast_object
 from megatron_agentrl.megatron.actor import MegatronActor
 from megatron_agentrl.pipeline.batch import RLBatch, normalize_batch
-from megatron_agentrl.pipeline.distributed import broadcast_object
 
 
 class Trainer:

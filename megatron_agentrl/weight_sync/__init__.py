@@ -1,18 +1,13 @@
-"""Trainer side of the weight sync: the actor's weights under HF names, bucketed, sent to the engines.
+"""Trainer side of the weight sync: what reads the actor. Its weights under HF names, fed to the engines.
 
-:mod:`.gather` (the actor's tensors under Hugging Face names), :mod:`.broadcaster` (group rank 0
-sending buckets to one slot's engines), :mod:`.sender` (:class:`WeightSender`, the collective
-sync of every trainer rank), :mod:`.direct` (in-process engines), :mod:`.outcome` (stats and the
-error). The engine side (bucket layout, the group, transports, the receiver) is
-:mod:`rollout_sglang.weight_update`.
+:mod:`.gather` (the actor's tensors under Hugging Face names), :mod:`.sender` (:class:`WeightSender`,
+the collective sync of every trainer rank, feeding the bucket protocol), :mod:`.publisher`
+(:class:`WeightPublisher`, the push after each step into the version pool's slots). The wire itself
+(bucket layout, the group, transports, the broadcaster and the receiver, in-process delivery, stats
+and the error) is :mod:`rollout_sglang.weight_update`.
 """
-from megatron_agentrl.weight_sync.broadcaster import WIRE_FORMATS, BucketBroadcaster
-from megatron_agentrl.weight_sync.direct import deliver_direct
 from megatron_agentrl.weight_sync.gather import stage_hf_tensors
-from megatron_agentrl.weight_sync.outcome import SyncStats, WeightSyncError
+from megatron_agentrl.weight_sync.publisher import WeightPublisher
 from megatron_agentrl.weight_sync.sender import WeightSender
 
-__all__ = [
-    "WIRE_FORMATS", "BucketBroadcaster", "SyncStats", "WeightSender", "WeightSyncError", "deliver_direct",
-    "stage_hf_tensors",
-]
+__all__ = ["WeightPublisher", "WeightSender", "stage_hf_tensors"]

@@ -9,7 +9,7 @@ Per sync, on every trainer rank (:meth:`WeightSender.sync`, collective):
    memory stays at one bucket;
 2. the stage's *source* rank (tp_rank 0 of DP replica 0) groups them into single-dtype buckets of
    ``bucket_mb`` and sends them to every engine of the slot on the slot's dedicated group
-   (:class:`~megatron_agentrl.weight_sync.broadcaster.BucketBroadcaster`, through the sender's
+   (:class:`~rollout_sglang.weight_update.broadcaster.BucketBroadcaster`, through the sender's
    transport: SGLang's broadcasts unless another is given). With PP > 1 the stages send in turn
    (stage 0, then 1, ...), because an engine serves one update request at a time and two engines
    serving two stages' groups in different orders would deadlock;
@@ -18,8 +18,9 @@ Per sync, on every trainer rank (:meth:`WeightSender.sync`, collective):
 
 Engines that live in the source's own process (the local engine of the synchronous loop) get
 the buckets directly through the engine protocol (``receive_bucket``), no group needed.
-Pausing the slot, the version stamp and cache flushing are the version pool's part
-(``rollout_sglang.engines.version_pool.VersionPool.begin_update`` / ``end_update``).
+Pausing the slot, telling each engine the version (once, as its update opens), the version stamp
+and cache flushing are the version pool's part (``rollout_sglang.engines.version_pool.VersionPool.begin_update``
+/ ``end_update``): the sender sends buckets, no version.
 """
 from __future__ import annotations
 
@@ -31,11 +32,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_agentrl.weight_sync.broadcaster import MB, BucketBroadcaster
-from megatron_agentrl.weight_sync.direct import deliver_direct
 from megatron_agentrl.weight_sync.gather import stage_hf_tensors
-from megatron_agentrl.weight_sync.outcome import SyncStats, WeightSyncError
-from rollout_sglang.weight_update.transport import BucketTransport, SGLangBroadcast, WeightUpdateTarget
+from rollout_sglang.weight_update import (
+    MB,
+    BucketBroadcaster,
+    BucketTransport,
+    SGLangBroadcast,
+    SyncStats,
+    WeightSyncError,
+    WeightUpdateTarget,
+    deliver_direct,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +107,10 @@ class WeightSender:
 
     def sync(self, version: int, slot_key: Hashable = 0, targets: Sequence[WeightUpdateTarget] | None = None,
              direct_engines: Sequence[Any] | None = None) -> SyncStats:
-        """Send the actor's current weights as ``version`` to one slot's engines. Collective (all trainer ranks).
+        """Send the actor's current weights to one slot's engines. Collective (all trainer ranks).
+
+        version: the version the slot's update was opened for (its engines were told it then); for the
+            stats and the messages.
 
         targets: on each stage's source rank, the slot's engines reached over a weight-sync
             group (SGLang engine clients); ignored elsewhere.
@@ -168,7 +178,7 @@ class WeightSender:
         failure: BaseException | None = None
         try:
             if self.is_source and targets:
-                s = self._broadcaster(slot_key, targets).send(named, self.bucket_bytes, weight_version=str(version))
+                s = self._broadcaster(slot_key, targets).send(named, self.bucket_bytes)
                 stats.buckets, stats.bytes = s.buckets, s.bytes
             elif self.is_source and direct_engines:
                 s = deliver_direct(direct_engines, named, self.bucket_bytes)

@@ -63,7 +63,11 @@ class Engine(Protocol):
         ...
 
     def begin_weight_update(self, version: int, metadata: dict) -> None:
-        """Start receiving weights for ``version``; ``metadata`` names dtypes/shapes when known."""
+        """Start receiving weights for ``version``; ``metadata`` names dtypes/shapes when known.
+
+        The one place an engine learns an update's version (the version pool calls it as it opens the
+        update); the buckets that follow carry none.
+        """
         ...
 
     def receive_bucket(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

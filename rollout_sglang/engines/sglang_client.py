@@ -13,12 +13,14 @@ protocol                                    SGLang
                                             "return_logprob": true}`` -> per prompt ``output_ids`` and
                                             ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]``)
 ``pause()`` / ``resume()``                  ``POST /pause_generation {"mode"}`` / ``POST /continue_generation {}``
-``begin_weight_update(version)``            ``POST /begin_weight_update {}`` (opens the server's weight-update session)
+``begin_weight_update(version)``            ``POST /begin_weight_update {}`` (opens the server's weight-update session;
+                                            the client keeps ``version``)
 ``init_weights_update_group(...)``          ``POST /init_weights_update_group {master_address, master_port,
                                             rank_offset, world_size, group_name, backend}``
 ``update_weights_from_distributed(...)``    ``POST /update_weights_from_distributed {names, dtypes, shapes,
                                             group_name, flush_cache, weight_version, load_format}`` (only
-                                            inside a session: SGLang refuses it otherwise)
+                                            inside a session: SGLang refuses it otherwise; ``weight_version``
+                                            on the last bucket only: the open update's version)
 ``end_weight_update()``                     ``POST /end_weight_update {}``, ``POST /flush_cache`` (prefix cache
                                             built with old weights), version stamp
 ``abort_weight_update()``                   ``POST /end_weight_update {}`` (the session closed, no stamp)
@@ -32,6 +34,11 @@ pause/continue/flush/health, the caller's for weight updates) and raises
 and the fix. The version of a generation is the client-side stamp (set by
 :meth:`end_weight_update` after a successful sync); the version pool drains a slot before
 updating it, so no generation spans two versions.
+
+Versions are ``int`` in our packages; SGLang's ``weight_version`` is a string. This client is the
+one place that converts (:func:`version_to_wire`, :func:`version_from_wire`): the version an update
+was opened for goes to the server as a string with the update's last bucket, and a version the
+server reports comes back as an int (None when it is not one of ours, e.g. SGLang's ``"default"``).
 
 Keys: ``api_key`` (``--api-key``) goes with every request; ``admin_api_key`` (``--admin-api-key``)
 replaces it on the control endpoints SGLang marks ``ADMIN_OPTIONAL`` (pause, continue, flush, the
@@ -71,6 +78,17 @@ ADMIN_ENDPOINTS = frozenset({
 })
 # sampling_seed is an int64 on the server; row seeds are base + row, so bases stay below 2**62
 _SEED_BASE_LIMIT = 1 << 62
+
+
+def version_to_wire(version: int) -> str:
+    """A weight version as SGLang's ``weight_version`` field carries it (a string)."""
+    return str(version)
+
+
+def version_from_wire(value: Any) -> int | None:
+    """A ``weight_version`` a server reports, as our int; None when it is not one we sent (e.g. ``"default"``)."""
+    text = str(value) if value is not None else ""
+    return int(text) if text.isdigit() else None
 
 
 class SGLangError(RuntimeError):
@@ -271,9 +289,9 @@ class SGLangEngine:
         if len(ids) != len(logprobs):
             raise SGLangError(f"/generate on {self.base_url}: row {row} has {len(ids)} output ids but "
                               f"{len(logprobs)} log-probs")
-        reported = meta.get("weight_version")
-        if reported is not None and str(reported).isdigit() and int(reported) != version:
-            logger.warning("%s reports weight_version %s while the client stamp is %d", self.base_url, reported,
+        reported = version_from_wire(meta.get("weight_version"))
+        if reported is not None and reported != version:
+            logger.warning("%s reports weight_version %d while the client stamp is %d", self.base_url, reported,
                            version)
         return GenerationOutput(ids, logprobs, "stop" if kind == "stop" else "length", version)
 
@@ -294,7 +312,11 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------- health
     def health(self) -> dict:
-        """``{"ok", "version", "paused", "updating", "url", "server_weight_version"}``; ok False when unreachable."""
+        """``{"ok", "version", "paused", "updating", "url", "server_weight_version"}``; ok False when unreachable.
+
+        server_weight_version: the version the server reports (``GET /model_info``), an int; None when
+        unreachable or not one of ours (a fresh SGLang server reports ``"default"``).
+        """
         out = {"ok": False, "version": self.version, "paused": self._paused,
                "updating": self._pending_version is not None, "url": self.base_url, "server_weight_version": None}
         try:
@@ -304,7 +326,7 @@ class SGLangEngine:
             if out["ok"]:
                 info = client.get(self._url("/model_info"), timeout=t)
                 if info.status_code == 200:
-                    out["server_weight_version"] = info.json().get("weight_version")
+                    out["server_weight_version"] = version_from_wire(info.json().get("weight_version"))
         except httpx.HTTPError as e:
             out["error"] = repr(e)
         return out
@@ -382,22 +404,24 @@ class SGLangEngine:
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str = "weight_update_group", *, load_format: str | None = None,
-                                        flush_cache: bool = True, weight_version: str | None = None,
+                                        flush_cache: bool = True, last_bucket: bool = False,
                                         timeout_s: float | None = None,
                                         extra_fields: Mapping[str, Any] | None = None) -> None:
         """``POST /update_weights_from_distributed``: the server receives the tensors from group rank 0 and loads them.
 
         load_format "flattened_bucket": one broadcast of the flat bucket (SGLang >= 0.5.2), None:
-        one broadcast per tensor. ``extra_fields``: request fields beyond SGLang's, from a
-        transport for servers that list the matching extension (ValueError when one would
-        replace an SGLang field).
+        one broadcast per tensor. ``last_bucket``: the update's last bucket; when this client opened
+        the update (:meth:`begin_weight_update`), the request carries its version as SGLang's
+        ``weight_version``, which the server then reports. ``extra_fields``: request fields beyond
+        SGLang's, from a transport for servers that list the matching extension (ValueError when one
+        would replace an SGLang field).
         """
         body: dict[str, Any] = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
                                 "group_name": group_name, "flush_cache": bool(flush_cache)}
         if load_format is not None:
             body["load_format"] = load_format
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
+        if last_bucket and self._pending_version is not None:
+            body["weight_version"] = version_to_wire(self._pending_version)
         if extra_fields:
             clash = sorted(set(extra_fields) & set(body))
             if clash:
@@ -436,7 +460,8 @@ class SGLangEngine:
         """Not available: an SGLang server receives buckets over the weight-sync group, not in-process."""
         raise NotImplementedError(
             f"SGLangEngine ({self.base_url}) receives weights over a weight-sync group: use the trainer's "
-            "WeightSender / BucketBroadcaster (megatron_agentrl.weight_sync) with this engine as a target"
+            "WeightSender (megatron_agentrl.weight_sync) or a BucketBroadcaster (rollout_sglang.weight_update) with "
+            "this engine as a target"
         )
 
     def end_weight_update(self) -> None:

@@ -298,6 +298,9 @@ class VersionPool:
     def begin_update(self, version: int, slot: Slot | int | None = None, timeout_s: float | None = None) -> Slot:
         """Take ``slot`` (default: the oldest) out of routing, drain it, pause its engines and open their update.
 
+        Opening the update tells each engine ``version`` (``begin_weight_update``), once: the weights that
+        follow (``deliver_direct``, a broadcaster's buckets) carry none.
+
         Blocks until the slot's in-flight requests finished; TimeoutError (and the slot back in
         service) after ``timeout_s`` (default ``drain_timeout_s``). Other slots keep serving.
         """

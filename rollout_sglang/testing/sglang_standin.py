@@ -522,11 +522,12 @@ class StandInServer:
                 self._update_open = True
             self.engine.receive_bucket(pairs)
         if weight_version is not None:
-            self.weight_version = str(weight_version)
-            if str(weight_version).isdigit() and not self._update_open:
-                self.engine.version = int(weight_version)
-            elif str(weight_version).isdigit():
-                self._pending_version = int(weight_version)
+            self.weight_version = weight_version  # the server keeps SGLang's string
+            stamp = int(weight_version) if weight_version.isdigit() else None  # the engine's version is an int
+            if stamp is not None and not self._update_open:
+                self.engine.version = stamp
+            elif stamp is not None:
+                self._pending_version = stamp
 
     def _in_place_targets(self) -> Mapping[str, torch.Tensor] | None:
         """The engine's parameters by HF name (one expert of a fused MoE tensor included), to receive

@@ -43,10 +43,12 @@ class WeightUpdateTarget(Protocol):
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str, *, load_format: str | None, flush_cache: bool,
-                                        weight_version: str | None, timeout_s: float,
+                                        last_bucket: bool, timeout_s: float,
                                         extra_fields: Mapping[str, Any] | None = None) -> None:
         """Receive one bucket from group rank 0 and load it; raises with the engine's message on failure.
 
+        last_bucket: the sender's last bucket of this update; the engine may stamp the version its
+            open update was given (``begin_weight_update``) with it. The sender knows no version.
         extra_fields: request fields beyond SGLang's, from the transport (none for SGLang servers).
         """
         ...

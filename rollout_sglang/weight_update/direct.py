@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from megatron_agentrl.weight_sync.outcome import SyncStats
 from rollout_sglang.weight_update.buckets import iter_buckets
+from rollout_sglang.weight_update.outcome import SyncStats
 
 
 def deliver_direct(engines: Sequence[Any], named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> SyncStats:

@@ -1,4 +1,4 @@
-"""The two torch.distributed helpers of the pipeline: which rank leads, and sending rank 0's objects."""
+"""The two torch.distributed helpers of the trainer's ranks: which rank leads, and sending rank 0's objects."""
 from __future__ import annotations
 
 from typing import Any

@@ -3,7 +3,7 @@
 Per bucket, :meth:`BucketBroadcaster.send` asks every engine of the slot to receive it (SGLang
 ``/update_weights_from_distributed`` with the bucket's names, dtypes and shapes) while it moves
 the bucket on the slot's dedicated group through its transport
-(:class:`rollout_sglang.weight_update.BucketTransport`; default SGLang's broadcasts). On the wire a
+(:class:`~rollout_sglang.weight_update.transport.BucketTransport`; default SGLang's broadcasts). On the wire a
 bucket is either one packed flat tensor of raw bytes (``load_format="flattened_bucket"``; packing
 of bucket k+1 overlaps the transfer of bucket k, two reused buffers) or one tensor per parameter
 straight from its memory (no copy); NCCL uses the first, gloo the second.
@@ -26,7 +26,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from megatron_agentrl.weight_sync.outcome import SyncStats, WeightSyncError
 from rollout_sglang.weight_update.buckets import BucketMeta, iter_buckets, iter_split_buckets, pack_into
 from rollout_sglang.weight_update.group import (
     WeightGroup,
@@ -35,11 +34,11 @@ from rollout_sglang.weight_update.group import (
     host_store,
     init_weight_group,
 )
-from rollout_sglang.weight_update.transport import BucketTransport, SGLangBroadcast, WeightUpdateTarget
+from rollout_sglang.weight_update.outcome import SyncStats, WeightSyncError
+from rollout_sglang.weight_update.transport import MB, BucketTransport, SGLangBroadcast, WeightUpdateTarget
 
 logger = logging.getLogger(__name__)
 
-MB = 1024 * 1024
 WIRE_FORMATS = ("flattened_bucket", "per_tensor")
 
 
@@ -227,8 +226,7 @@ class BucketBroadcaster:
         return buf
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
-             weight_version: str | None = None, wire_format: str | None = None,
-             transport: BucketTransport | None = None) -> SyncStats:
+             wire_format: str | None = None, transport: BucketTransport | None = None) -> SyncStats:
         """Bucket ``named`` and send every bucket to every target; returns the stats.
 
         wire_format: how a bucket travels (both are SGLang formats of ``/update_weights_from_distributed``):
@@ -240,7 +238,10 @@ class BucketBroadcaster:
             (flattened on NCCL, where packing in GPU memory is cheap and one launch per bucket
             pays; per-tensor on gloo, where a CPU copy costs as much as the transfer).
         transport: for this call (None: :attr:`transport`); checked against the engines first.
-        weight_version: sent with the last bucket (SGLang stamps it on the server).
+        The version is not the broadcaster's: each engine was told it when its update opened
+        (``begin_weight_update``, by the version pool); the last bucket's request is marked
+        (``last_bucket``), and an SGLang client stamps that version on its server with it.
+        Returns stats with version -1 (the caller knows it).
         Raises WeightSyncError naming the engine and the bucket on any failure or timeout; the
         group is closed then (the next send builds a new one).
         """
@@ -251,7 +252,7 @@ class BucketBroadcaster:
         transport.check(self.backend, self.targets)
         small = transport.small_tensor_bytes if self.small_tensor_bytes is None else self.small_tensor_bytes
         self.connect()
-        stats = SyncStats(version=int(weight_version) if weight_version and weight_version.isdigit() else -1)
+        stats = SyncStats(version=-1)
         t0 = time.perf_counter()
         # the bucket on the wire: (works, acks, meta). At most one: an engine must have finished bucket k
         # before it is asked for bucket k+1. Its requests travel on separate connections, so a later one
@@ -290,7 +291,7 @@ class BucketBroadcaster:
                 futures = [(t, self._pool.submit(
                     t.update_weights_from_distributed, wire["names"], wire["dtypes"], wire["shapes"], self.group_name,
                     load_format="flattened_bucket" if packed else None, flush_cache=False,
-                    weight_version=weight_version if nxt is None else None, timeout_s=self.bucket_timeout_s,
+                    last_bucket=nxt is None, timeout_s=self.bucket_timeout_s,
                     extra_fields=extra or None))
                     for t, extra in zip(self.targets, fields)]
                 group = self._await_group(futures)  # the first bucket's requests let lazy engines join

@@ -18,16 +18,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from megatron_agentrl.megatron.actor import MegatronActor
-from megatron_agentrl.pipeline.distributed import broadcast_object
-from megatron_agentrl.weight_sync import WeightSender, deliver_direct
+from megatron_agentrl.distributed import broadcast_object
+from megatron_agentrl.weight_sync.sender import WeightSender
 from rollout_sglang.engines.version_pool import Slot, VersionPool
+from rollout_sglang.weight_update import deliver_direct
 
 
 class WeightPublisher:
     """Pushes the actor's weights into the rollout's version pool (see the module doc).
 
-    actor: the MegatronActor (every rank calls :meth:`push`: it is collective).
+    actor: the :class:`~megatron_agentrl.megatron.actor.MegatronActor` (every rank calls :meth:`push`: it is
+        collective); typed loosely, as the actor's own export imports this package's gather.
     pool: on rank 0 the rollout's VersionPool; None elsewhere.
     bucket_mb: bucket size of the hand-over, MiB. timeout_s: limit on draining a slot (its running
         generate calls) before the update.
@@ -36,7 +37,7 @@ class WeightPublisher:
         group instead of in-process. ``sender_kwargs``: WeightSender options.
     """
 
-    def __init__(self, actor: MegatronActor, pool: VersionPool | None, bucket_mb: float = 512,
+    def __init__(self, actor: Any, pool: VersionPool | None, bucket_mb: float = 512,
                  timeout_s: float = 600.0, remote_slots: list[list[Any]] | None = None,
                  sender_kwargs: dict[str, Any] | None = None) -> None:
         self.actor = actor

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from megatron_agentrl.config import read_mapping_file
+from megatron_agentrl.config import ConfigError, read_mapping_file
 from megatron_agentrl.convert.base import ConversionError
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,39 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     return out, meta
 
 
+def read_weight_files(root: Path) -> tuple[dict[str, str] | None, list[str]]:
+    """The weight files of the Hugging Face checkpoint directory ``root``: with ``model.safetensors.index.json``,
+    its ``weight_map`` (tensor name -> shard file) and the shards it lists (sorted); else ``(None,
+    ["model.safetensors"])``. The one reader of the index, for the streaming reader and for ``hf_io``.
+
+    Raises ConversionError (a ConfigError) naming the index when it is not JSON or has no weight_map of
+    tensor name -> shard file; FileNotFoundError naming ``root`` when it holds neither file, or the shards the
+    index lists that are missing.
+    """
+    index = root / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = read_mapping_file(index, "json", f"'{index}'").get("weight_map")
+        except ConfigError as e:
+            raise ConversionError(f"{e}; copy the checkpoint's index again") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ConversionError(f"'{index}' is not a safetensors index: it needs a weight_map object of "
+                                  "tensor name -> shard file; copy the checkpoint's index again (or rewrite the "
+                                  "checkpoint with transformers' save_pretrained)")
+        files = sorted(set(weight_map.values()))
+    elif (root / SINGLE_FILE).is_file():
+        return None, [SINGLE_FILE]
+    else:
+        found = " (found .bin files" if any(root.glob("*.bin")) else " (convert .bin files"
+        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in '{root}'; only safetensors checkpoints are "
+                                f"read{found}: re-save them with save_pretrained(safe_serialization=True))")
+    missing = [f for f in files if not (root / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"shard(s) {missing} listed in '{index}' are missing from '{root}'; "
+                                "copy the complete checkpoint")
+    return weight_map, files
+
+
 class SafetensorsReader:
     """Index of a Hugging Face safetensors checkpoint directory; reads tensors one at a time.
 
@@ -140,23 +173,7 @@ class SafetensorsReader:
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"'{root}' is not a directory; give a Hugging Face checkpoint directory")
-        index = self.root / INDEX_FILE
-        if index.is_file():
-            weight_map = read_mapping_file(index, "json", f"'{index}'").get("weight_map")
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise ConversionError(f"'{index}' is not a safetensors index: it needs a weight_map object of "
-                                      "tensor name -> shard file; copy the checkpoint's index again")
-            files = sorted(set(weight_map.values()))
-        elif (self.root / SINGLE_FILE).is_file():
-            weight_map, files = None, [SINGLE_FILE]
-        else:
-            extra = " (found .bin files: re-save them with save_pretrained(safe_serialization=True))" \
-                if any(self.root.glob("*.bin")) else ""
-            raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in '{self.root}'{extra}")
-        missing = [f for f in files if not (self.root / f).is_file()]
-        if missing:
-            raise FileNotFoundError(f"shard(s) {missing} listed in '{index}' are missing from '{self.root}'; "
-                                    "copy the complete checkpoint")
+        weight_map, files = read_weight_files(self.root)
         self.tensors: dict[str, TensorInfo] = {}
         for fname in files:
             infos, _ = read_header(self.root / fname)
@@ -166,7 +183,8 @@ class SafetensorsReader:
         if weight_map is not None:
             lost = sorted(set(weight_map) - set(self.tensors))
             if lost:
-                raise ConversionError(f"'{index}' lists tensors {lost[:5]} that their shards do not hold")
+                raise ConversionError(f"'{self.root / INDEX_FILE}' lists tensors {lost[:5]} that their shards do "
+                                      "not hold")
 
     def names(self) -> list[str]:
         """All tensor names, in file and offset order."""

@@ -23,18 +23,12 @@ from torch import Tensor
 
 from megatron_agentrl.config import ConfigError, read_mapping_file
 from megatron_agentrl.convert.base import ConversionError
+from rollout_sglang.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES
 
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
 
 
 def dtype_size(dtype: torch.dtype) -> int:
@@ -108,10 +102,10 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                 or not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)):
             raise ConversionError(f"'{path}': the header entry of tensor {name} is malformed ({h!r:.100}); "
                                   f"{damaged}")
-        if h.get("dtype") not in _DTYPES:
+        if h.get("dtype") not in SAFETENSORS_DTYPES:
             raise ConversionError(f"'{path}': tensor {name} has dtype {h.get('dtype')!r}, which the converter "
-                                  f"cannot read; supported: {', '.join(_DTYPES)}")
-        dtype = _DTYPES[h["dtype"]]
+                                  f"cannot read; supported: {', '.join(SAFETENSORS_DTYPES)}")
+        dtype = SAFETENSORS_DTYPES[h["dtype"]]
         b, e = offsets
         need = math.prod(shape) * dtype_size(dtype)
         if not 0 <= b <= e or e - b != need:
@@ -258,7 +252,7 @@ class SafetensorsShardWriter:
         shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
         size = 0
         for name, shape, dtype in plan:
-            if dtype not in _NAMES:
+            if dtype not in SAFETENSORS_CODES:
                 raise ConversionError(f"{name}: dtype {dtype} cannot be written to safetensors")
             nbytes = math.prod(shape) * dtype_size(dtype)
             if shards[-1] and size + nbytes > max_shard_bytes:
@@ -281,7 +275,8 @@ class SafetensorsShardWriter:
         off = 0
         for name, shape, dtype in self._shards[si]:
             nbytes = math.prod(shape) * dtype_size(dtype)
-            header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + nbytes]}
+            header[name] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(shape),
+                            "data_offsets": [off, off + nbytes]}
             off += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)

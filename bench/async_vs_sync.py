@@ -104,7 +104,7 @@ def _overrides(args: argparse.Namespace, mode: str, out: Path, cohort: int = 0) 
         f"model.arch.num_hidden_layers={args.layers}", "model.arch.num_attention_heads=4",
         "model.arch.num_key_value_heads=2",
         "sft.steps=0", "eval.samples_per_task=0", f"train.steps={args.steps}", "train.micro_batch_size=8",
-        "train.tis_cap=2.0", "train.lr=1e-4", f"train.seed={args.seed}",
+        "loss.tis_cap=2.0", "train.lr=1e-4", f"train.seed={args.seed}",
         f"rollout.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.group}",
         f"rollout.max_turns={args.max_turns}", f"rollout.max_new_tokens={args.max_new_tokens}",
         "rollout.max_total_tokens=1024",

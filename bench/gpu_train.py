@@ -65,6 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
+from rollout_sglang.dtypes import dtype_from_name  # noqa: E402
 
 logger = logging.getLogger("bench.gpu_train")
 
@@ -84,7 +85,7 @@ SMOKE = {"device": "cpu", "sizes": "tiny", "seq_len": 32, "batch": 4, "micro_bat
 PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12), ("A100", 312e12))
 ACTOR_BYTES_PER_PARAM = 18  # bf16 weight 2 + fp32 master 4 + fp32 main_grad 4 + Adam moments 8
 BASELINE_BYTES_PER_PARAM = 8  # bf16 weight 2 + bf16 grad 2 + bf16 Adam moments 4
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+MODEL_DTYPES = ("bfloat16", "float32", "float16")  # names of rollout_sglang.dtypes
 
 
 def qwen2_config(size: str, seq_len: int):
@@ -180,7 +181,7 @@ def run_megatron(hf_cfg: Any, batch: Any, args: argparse.Namespace, device: torc
 
     clock = Clock(device)
     train_cfg = TrainConfig(lr=1e-6, micro_batch_size=args.micro_batch, grad_clip=1.0)
-    actor = MegatronActor(hf_cfg, train_cfg, dtype=DTYPES[args.dtype])
+    actor = MegatronActor(hf_cfg, train_cfg, dtype=dtype_from_name(args.dtype))
     try:
         n_params = sum(p.numel() for _, p in actor.named_params)
         # behavior log-probs = the policy's own (ratio ~ 1, as on-policy GRPO); also warms up the forward
@@ -220,7 +221,7 @@ def run_transformers(hf_cfg: Any, batch: Any, args: argparse.Namespace, device: 
     from megatron_agentrl.algo.losses import clipped_policy_loss
 
     clock = Clock(device)
-    dtype = DTYPES[args.dtype]
+    dtype = dtype_from_name(args.dtype)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa")
     model.train()
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=256, help="leading tokens outside the loss mask")
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    ap.add_argument("--dtype", default="bfloat16", choices=MODEL_DTYPES)
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (--smoke runs the tiny size there)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak dense FLOP/s of the device, TFLOP/s")
     ap.add_argument("--skip-baseline", action="store_true", help="only the Megatron actor")

@@ -62,11 +62,13 @@ class _Section:
 
     :meth:`check` refuses non-finite floats and a value outside a ``Literal`` field's choices;
     each section extends it with its own ranges. ``KEY`` is the section's place in
-    :class:`Config`, the prefix of its messages; ``CHOICE_HINTS`` adds a word on a choice field.
+    :class:`Config`, the prefix of its messages; ``CHOICE_HINTS`` adds a word on a choice field;
+    ``MOVED`` maps a key the section no longer has to its new dotted place (refused, naming it).
     """
 
     KEY: ClassVar[str] = ""
     CHOICE_HINTS: ClassVar[dict[str, str]] = {}
+    MOVED: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self) -> None:
         self.check()
@@ -257,7 +259,7 @@ def scheduled_lr(step: int, length: int, peak: float, min_lr: float, style: str,
 
 @dataclass
 class TrainConfig(_Section):
-    """Optimizer and policy-loss settings of the RL phase.
+    """Optimizer settings of the RL phase (the policy loss has its own section, :class:`LossConfig`).
 
     steps: RL steps (one rollout batch + one optimizer pass each).
     lr: Adam learning rate; weight_decay (>= 0), adam_beta1/2 (in [0, 1)), grad_clip (0 = off): as usual.
@@ -265,18 +267,7 @@ class TrainConfig(_Section):
     lr_decay_style: "constant" | "linear" | "cosine": after the warm-up, from ``lr`` down to ``min_lr``
         at the last RL step; min_lr: 0 <= min_lr <= lr.
     micro_batch_size: samples per forward/backward; global batch = the whole rollout batch.
-    clip_eps_low / clip_eps_high: PPO ratio clip range [1 - low, 1 + high] (asymmetric allowed;
-        low in [0, 1), high >= 0).
     seed: seeds model init, sampling and task order (0 <= seed < 2**32).
-    tis_cap: truncated importance sampling for stale and cross-policy tokens: > 0 uses the
-        decoupled loss (ratio against the trainer's own log-probs at the step start, each token
-        weighted by min(pi_old / pi_behavior, tis_cap)); 0 = the classic loss, ratio against the
-        behavior log-probs, no weight (see ``megatron_agentrl.algo.losses``).
-    kl_coef: weight of the KL to the reference policy (the policy when RL starts, after the SFT
-        warm-up); 0 = off (no reference model kept).
-    kl_estimator: the per-token KL term: "k3" (``exp(d) - d - 1``, GRPO's) or "k2" (``d**2 / 2``,
-        whose gradient stays linear in ``d = log p_ref - log p``; see ``algo.losses.kl_to_reference``).
-    entropy_coef: weight of the entropy bonus (mean token entropy is subtracted); 0 = off.
     micro_batch_tokens: token budget of a micro-batch (samples placed longest first): packed, the
         summed lengths of its samples <= budget; unpacked, rows x longest row <= budget, each
         micro-batch cut to its own length; 0 = micro_batch_size samples per micro-batch.
@@ -296,17 +287,12 @@ class TrainConfig(_Section):
         the engines sample it.
     moe_capacity_factor: expert capacity as a multiple of an even share of the tokens (tokens past it
         are dropped, counted in ``moe/dropped_frac``); null = no dropping (dropless).
-    ratio_level: "token" (PPO / GRPO: a ratio and a clip per token) or "sequence" (GSPO: one ratio per
-        sequence, the geometric mean of its tokens' ratios, clipped as one; use small clip ranges, e.g.
-        3e-4 / 4e-4).
-    mis_cap: masked importance sampling for stale and cross-policy tokens ("ICEPOP"): tokens (or, with
-        ``mis_level: sequence``, whole sequences, by the geometric mean of their ratios) whose
-        pi_old / pi_behavior lies outside [1 / mis_cap, mis_cap] get no gradient; 0 = off, else > 1.
-        Combines with ``tis_cap`` (truncation of the weights that stay).
-    mis_level: "token" or "sequence": what ``mis_cap`` drops.
     """
 
     KEY: ClassVar[str] = "train"
+    MOVED: ClassVar[dict[str, str]] = {name: f"loss.{name}" for name in (
+        "clip_eps_low", "clip_eps_high", "tis_cap", "kl_coef", "kl_estimator", "entropy_coef", "ratio_level",
+        "mis_cap", "mis_level")}
 
     steps: int = 20
     lr: float = 1e-4
@@ -318,13 +304,7 @@ class TrainConfig(_Section):
     adam_beta2: float = 0.999
     grad_clip: float = 1.0
     micro_batch_size: int = 8
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.28
     seed: int = 1234
-    tis_cap: float = 0.0
-    kl_coef: float = 0.0
-    kl_estimator: Literal["k3", "k2"] = "k3"
-    entropy_coef: float = 0.0
     micro_batch_tokens: int = 0
     sequence_packing: bool = True
     use_distributed_optimizer: bool = True
@@ -332,9 +312,6 @@ class TrainConfig(_Section):
     recompute_num_layers: int = 0
     moe_aux_loss_coeff: float = 0.0
     moe_capacity_factor: float | None = None
-    ratio_level: Literal["token", "sequence"] = "token"
-    mis_cap: float = 0.0
-    mis_level: Literal["token", "sequence"] = "token"
 
     def check(self) -> None:
         """See :class:`_Section`."""
@@ -349,14 +326,7 @@ class TrainConfig(_Section):
         self.require_non_negative("grad_clip", why="0 = no clipping")
         for name in ("adam_beta1", "adam_beta2"):
             self.require(0 <= getattr(self, name) < 1, name, "must be in [0, 1) (a decay rate of Adam's moments)")
-        self.require(0 <= self.clip_eps_low < 1, "clip_eps_low",
-                     "must be in [0, 1): the ratio is clipped from below at 1 - clip_eps_low (0.2 is usual)")
-        self.require(self.clip_eps_high >= 0, "clip_eps_high",
-                     "must be >= 0: the ratio is clipped from above at 1 + clip_eps_high (0.28 is usual)")
         self.require(0 <= self.seed < 2**32, "seed", "must be in [0, 2**32)")
-        self.require_non_negative("tis_cap", "kl_coef", "entropy_coef", why="0 turns it off")
-        self.require(not 0 < self.tis_cap < 1, "tis_cap", "must be 0 (off) or >= 1 (a cap below 1 would "
-                     "down-weight on-policy tokens); 2.0 is a common choice")
         self.require_non_negative("micro_batch_tokens", why="0 = train.micro_batch_size samples per micro-batch")
         self.require_non_negative("recompute_num_layers", why="0 = every layer of a stage, with recompute=full")
         self.require(self.recompute_num_layers == 0 or self.recompute == "full", "recompute_num_layers",
@@ -364,13 +334,76 @@ class TrainConfig(_Section):
         self.require_non_negative("moe_aux_loss_coeff", why="0 turns it off")
         self.require(self.moe_capacity_factor is None or self.moe_capacity_factor > 0, "moe_capacity_factor",
                      "must be > 0 (1.0 = an even share per expert), or null for no token dropping")
-        self.require(self.mis_cap == 0 or self.mis_cap > 1, "mis_cap",
-                     "must be 0 (off) or > 1: tokens whose ratio lies outside [1 / mis_cap, mis_cap] are masked "
-                     "(2.0 is a common choice)")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of RL step ``step`` (1-based): warm-up, then ``lr_decay_style``."""
         return scheduled_lr(step, self.steps, self.lr, self.min_lr, self.lr_decay_style, self.lr_warmup_steps)
+
+
+@dataclass
+class LossConfig(_Section):
+    """The policy loss of the RL phase (``megatron_agentrl.algo.losses.policy_loss``, per micro-batch).
+
+    clip_eps_low / clip_eps_high: PPO ratio clip range [1 - low, 1 + high] (asymmetric allowed;
+        low in [0, 1), high >= 0).
+    tis_cap: truncated importance sampling for stale and cross-policy tokens: > 0 uses the
+        decoupled loss (ratio against the trainer's own log-probs at the step start, each token
+        weighted by min(pi_old / pi_behavior, tis_cap)); 0 = the classic loss, ratio against the
+        behavior log-probs, no weight.
+    kl_coef: weight of the KL to the reference policy (the policy when RL starts, after the SFT
+        warm-up); 0 = off (no reference model kept).
+    kl_estimator: the per-token KL term: "k3" (``exp(d) - d - 1``, GRPO's) or "k2" (``d**2 / 2``,
+        whose gradient stays linear in ``d = log p_ref - log p``; see ``algo.losses.kl_to_reference``).
+    entropy_coef: weight of the entropy bonus (mean token entropy is subtracted); 0 = off.
+    ratio_level: "token" (PPO / GRPO: a ratio and a clip per token) or "sequence" (GSPO: one ratio per
+        sequence, the geometric mean of its tokens' ratios, clipped as one; use small clip ranges, e.g.
+        3e-4 / 4e-4).
+    mis_cap: masked importance sampling for stale and cross-policy tokens ("ICEPOP"): tokens (or, with
+        ``mis_level: sequence``, whole sequences, by the geometric mean of their ratios) whose
+        pi_old / pi_behavior lies outside [1 / mis_cap, mis_cap] get no gradient; 0 = off, else > 1.
+        Combines with ``tis_cap`` (truncation of the weights that stay).
+    mis_level: "token" or "sequence": what ``mis_cap`` drops.
+    agg: how per-token losses make the batch loss: "token_mean" (every token of the batch alike),
+        "seq_mean_token_sum" (sum over each sequence's tokens, mean over sequences), or
+        "seq_mean_token_mean" (mean over each sequence's tokens, then over sequences).
+    """
+
+    KEY: ClassVar[str] = "loss"
+
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    tis_cap: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k3", "k2"] = "k3"
+    entropy_coef: float = 0.0
+    ratio_level: Literal["token", "sequence"] = "token"
+    mis_cap: float = 0.0
+    mis_level: Literal["token", "sequence"] = "token"
+    agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
+
+    def check(self) -> None:
+        """See :class:`_Section`."""
+        super().check()
+        self.require(0 <= self.clip_eps_low < 1, "clip_eps_low",
+                     "must be in [0, 1): the ratio is clipped from below at 1 - clip_eps_low (0.2 is usual)")
+        self.require(self.clip_eps_high >= 0, "clip_eps_high",
+                     "must be >= 0: the ratio is clipped from above at 1 + clip_eps_high (0.28 is usual)")
+        self.require_non_negative("tis_cap", "kl_coef", "entropy_coef", why="0 turns it off")
+        self.require(not 0 < self.tis_cap < 1, "tis_cap", "must be 0 (off) or >= 1 (a cap below 1 would "
+                     "down-weight on-policy tokens); 2.0 is a common choice")
+        self.require(self.mis_cap == 0 or self.mis_cap > 1, "mis_cap",
+                     "must be 0 (off) or > 1: tokens whose ratio lies outside [1 / mis_cap, mis_cap] are masked "
+                     "(2.0 is a common choice)")
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether the loss weighs or masks tokens by ``pi_old / pi_behavior`` (``tis_cap`` or ``mis_cap``)."""
+        return self.tis_cap > 0 or self.mis_cap > 0
+
+    @property
+    def needs_sequences(self) -> bool:
+        """Whether a term of the loss is taken per sequence (GSPO's ratio, sequence-level MIS)."""
+        return self.ratio_level == "sequence" or (self.mis_cap > 0 and self.mis_level == "sequence")
 
 
 @dataclass
@@ -620,9 +653,6 @@ class AlgoConfig(_Section):
         "reinforce_pp" (REINFORCE++: reward minus the group mean, normalised by the mean and std over
         the batch's policy tokens; with ``normalize_per_task`` the per-task normalization replaces
         that). ``group_std_norm`` applies to "grpo" only.
-    loss_agg: how per-token losses make the batch loss: "token_mean" (every token of the batch alike),
-        "seq_mean_token_sum" (sum over each sequence's tokens, mean over sequences), or
-        "seq_mean_token_mean" (mean over each sequence's tokens, then over sequences).
     dynamic_sampling: DAPO's dynamic sampling: a group whose rewards are all equal carries no signal; it
         is dropped (counted per task) and more prompts are drawn until the step's batch is full, at most
         ``dynamic_sampling_max_groups`` times ``rollout.prompts_per_step`` groups per step.
@@ -632,12 +662,12 @@ class AlgoConfig(_Section):
     """
 
     KEY: ClassVar[str] = "algo"
+    MOVED: ClassVar[dict[str, str]] = {"loss_agg": "loss.agg"}
 
     group_std_norm: bool = True
     normalize_per_task: bool = True
     eps: float = 1e-6
     estimator: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
-    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
     dynamic_sampling: bool = False
     dynamic_sampling_max_groups: float = 4.0
     overlong_buffer: int = 0
@@ -969,6 +999,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -1194,6 +1225,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     kwargs = {}
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names and k in getattr(cls, "MOVED", {}):
+            new, section = cls.MOVED[k], cls.MOVED[k].split(".")[0]
+            raise ConfigError(f"{key} moved to {new}; set it in the '{section}:' section (override: {new}={v!r})")
         if k not in names:
             close = difflib.get_close_matches(str(k), names, n=1, cutoff=0.5)
             if not close:

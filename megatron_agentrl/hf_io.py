@@ -112,9 +112,12 @@ def read_hf_config_json(hf_config: str) -> dict[str, Any]:
 def load_hf_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     """Read every tensor of a Hugging Face safetensors checkpoint directory (sharded or not).
 
-    Raises FileNotFoundError naming the directory or the missing shard.
+    Raises FileNotFoundError naming the directory or the missing shards, ConversionError (a ConfigError) for
+    an index that is not one (:func:`~megatron_agentrl.convert.safetensors_io.read_weight_files`).
     """
     from safetensors.torch import load_file
+
+    from megatron_agentrl.convert.safetensors_io import read_weight_files
 
     root = Path(checkpoint)
     if not root.is_dir():
@@ -123,26 +126,10 @@ def load_hf_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
             "directory holding model.safetensors (or model.safetensors.index.json and its shards), or unset it for "
             "random init"
         )
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_mapping_file(index, "json", f"'{index}'").get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise ConfigError(f"'{index}' has no weight_map of tensor name -> shard file; rewrite the checkpoint "
-                              "with transformers' save_pretrained")
-        shards = sorted(set(weight_map.values()))
-    elif (root / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(
-            f"no model.safetensors or model.safetensors.index.json in '{root}'; only safetensors "
-            f"checkpoints are read (convert .bin files with transformers' save_pretrained(safe_serialization=True))"
-        )
+    _, shards = read_weight_files(root)
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
-        f = root / shard
-        if not f.is_file():
-            raise FileNotFoundError(f"shard '{shard}' listed in {index} is missing from '{root}'")
-        state.update(load_file(str(f)))
+        state.update(load_file(str(root / shard)))
     return state
 
 

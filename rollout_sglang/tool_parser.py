@@ -435,8 +435,16 @@ def parse_glm45_assistant_text(
     never any other exception.
     """
     reasoning, body = split_glm45_reasoning(_strip_glm_stop(text))
-    names = _tool_names(tools)
-    params = _tool_params(tools)
+    content, calls = _read_glm45_calls(body, _tool_names(tools), _tool_params(tools), call_id_start)
+    _refuse_glm45_lone_surrogates(content, reasoning, calls)
+    return {"role": "assistant", "content": content, "tool_calls": calls, "reasoning_content": reasoning}
+
+
+def _read_glm45_calls(
+    body: str, names: set[str] | None, params: dict[str, dict], call_id_start: int
+) -> tuple[str, list[dict[str, Any]]]:
+    """The stripped content and the tool calls of a GLM-4.5 turn's ``body`` (after the reasoning): a state machine
+    over its tags (:func:`parse_glm45_assistant_text` lists what it refuses)."""
     content = ""
     calls: list[dict[str, Any]] = []
     state, pos, block_at, name, key = "out", 0, 0, "", ""
@@ -493,7 +501,11 @@ def parse_glm45_assistant_text(
         raise _fail_glm45("text after the last tool call (the content comes before the calls)", tail)
     if not calls:
         content = tail
-    content = content.strip()
+    return content.strip(), calls
+
+
+def _refuse_glm45_lone_surrogates(content: str, reasoning: str, calls: list[dict[str, Any]]) -> None:
+    """ToolCallParseError for a lone surrogate in the content, the reasoning or a call's arguments."""
     for what, value in (("the message content", content), ("the reasoning", reasoning)):
         problem = _lone_surrogate(value, what)
         if problem:
@@ -502,7 +514,6 @@ def parse_glm45_assistant_text(
         problem = _lone_surrogate(call["function"]["arguments"], "a tool call argument")
         if problem:
             raise _fail_glm45(problem, call["function"]["arguments"])
-    return {"role": "assistant", "content": content, "tool_calls": calls, "reasoning_content": reasoning}
 
 
 # ------------------------------------------------------------------------------------------ Qwen3

@@ -13,7 +13,7 @@ from dist_utils import run_distributed
 
 from megatron_agentrl.algo.advantages import group_advantages, reinforce_pp_advantages, rloo_advantages
 from megatron_agentrl.algo.losses import Sequences, clipped_policy_loss, importance_keep, loss_agg_weights, policy_loss
-from megatron_agentrl.config import TrainConfig
+from megatron_agentrl.config import LossConfig, TrainConfig
 
 LN = math.log
 
@@ -93,7 +93,7 @@ def test_loss_agg_weights_by_hand():
     assert ((losses * mask).sum() / 6).item() == pytest.approx((1 + 2 + 3 + 4 + 5 + 7) / 6)
     assert ((w_sum * losses).sum() / 6).item() == pytest.approx(((1 + 2 + 3) + 4 + (5 + 7)) / 3)
     assert ((w_mean * losses).sum() / 6).item() == pytest.approx(((1 + 2 + 3) / 3 + 4 / 1 + (5 + 7) / 2) / 3)
-    with pytest.raises(ValueError, match="algo.loss_agg='seq_sum' is not one of"):
+    with pytest.raises(ValueError, match="loss.agg='seq_sum' is not one of"):
         loss_agg_weights(mask, "seq_sum")
 
 
@@ -149,8 +149,8 @@ def test_mis_token_level_by_hand():
     # rho = pi_old / mu = 3, 1.5, 0.4, 0.6: outside [1/2, 2] are 3 and 0.4
     keep = importance_keep(lp, behavior, mask, 2.0)
     assert (keep * mask).tolist() == [[0.0, 1.0, 0.0, 1.0, 0.0]]
-    loss, stats = policy_loss(lp, behavior, adv, mask, clip_eps_low=0.2, clip_eps_high=0.28,
-                              old_logprobs=lp.detach(), mis_cap=2.0)
+    loss, stats = policy_loss(lp, behavior, adv, mask, LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, mis_cap=2.0),
+                              old_logprobs=lp.detach())
     # classic ratio against mu (tis_cap 0): kept tokens -min(1.5, 1.28) and -min(0.6, 0.8)
     assert loss.item() == pytest.approx(-1.28 - 0.6, abs=1e-6)
     assert stats["mis_masked"].item() == 2
@@ -161,7 +161,7 @@ def test_mis_token_level_by_hand():
     with pytest.raises(ValueError, match="mis_cap=1.0 must be > 1"):
         importance_keep(lp, behavior, mask, 1.0)
     with pytest.raises(ValueError, match="need old_logprobs"):
-        policy_loss(lp, behavior, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2, mis_cap=2.0)
+        policy_loss(lp, behavior, adv, mask, LossConfig(clip_eps_low=0.2, clip_eps_high=0.2, mis_cap=2.0))
 
 
 def test_mis_sequence_level_by_hand():
@@ -192,9 +192,9 @@ def test_mis_with_tis_kl_entropy_and_weights_by_hand():
     mask = torch.ones(1, 3)
     entropy = torch.tensor([[2.0, 3.0, 4.0]])
     weights = torch.tensor([[2.0, 5.0, 0.5]])
-    kw = dict(clip_eps_low=0.2, clip_eps_high=0.28, old_logprobs=lp.detach(), tis_cap=1.2, mis_cap=2.0,
-              ref_logprobs=ref, kl_coef=0.1, entropy=entropy, entropy_coef=0.01)
-    loss, stats = policy_loss(lp, behavior, adv, mask, **kw, token_weights=weights)
+    cfg = LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=1.2, mis_cap=2.0, kl_coef=0.1, entropy_coef=0.01)
+    kw = dict(old_logprobs=lp.detach(), ref_logprobs=ref, entropy=entropy)
+    loss, stats = policy_loss(lp, behavior, adv, mask, cfg, **kw, token_weights=weights)
     # decoupled ratio 1; truncated weights min(rho, 1.2) = 1.2, 1.2, 0.8; token 1 (rho 3) is dropped
     k3_0, k3_2 = 0.0, (2.0 - LN(2.0) - 1.0)
     tok0 = -1.2 * 1.0 + 0.1 * k3_0 - 0.01 * 2.0
@@ -209,7 +209,7 @@ def test_mis_with_tis_kl_entropy_and_weights_by_hand():
     # token 0: -1.2 (k3's gradient -(e^d - 1) = 0 at d = 0); token 2: -0.8*2 - 0.1*(2 - 1); times the weights
     assert torch.allclose(lp.grad, torch.tensor([[2.0 * -1.2, 0.0, 0.5 * (-1.6 - 0.1)]]), atol=1e-6)
     with pytest.raises(ValueError, match="token_weights \\(1, 2\\) must be \\[B, T\\]"):
-        policy_loss(lp, behavior, adv, mask, **kw, token_weights=torch.ones(1, 2))
+        policy_loss(lp, behavior, adv, mask, cfg, **kw, token_weights=torch.ones(1, 2))
 
 
 # ------------------------------------------------------------------ actor (spawned processes)
@@ -240,7 +240,7 @@ def _batch_parts(vocab: int):
     return tokens, mask, adv, ref, offset
 
 
-# (name, train config fields, algo.loss_agg): every feature on in one of them
+# (name, loss config fields but agg, loss.agg): every feature on in one of them
 CONFIGS = [
     ("gspo_mis_seq", dict(ratio_level="sequence", mis_cap=2.0, mis_level="sequence", kl_coef=0.1),
      "seq_mean_token_mean"),
@@ -310,7 +310,8 @@ def _layouts_and_on_policy(rank: int, world: int) -> dict:
         first = None
         for mbs, budget, packed in layouts:
             actor.train_cfg = dataclasses.replace(base, micro_batch_size=mbs, micro_batch_tokens=budget,
-                                                  sequence_packing=packed, **fields)
+                                                  sequence_packing=packed)
+            actor.loss_cfg = LossConfig(**fields, agg=agg)
             stats = actor.compute_grads(batch, "grpo")
             grads = actor.export_hf_grads()
             if first is None:
@@ -338,8 +339,9 @@ def _layouts_and_on_policy(rank: int, world: int) -> dict:
     obeh = pad_right([[0.0] * len(p) + o.logprobs for p, o in zip(prompts, gen)], torch.float32)
     lag = torch.where(omask > 0, 0, -1).long()
     oadv = torch.tensor([[1.0], [-0.5], [2.0], [-1.0]]) * omask
-    actor.train_cfg = dataclasses.replace(base, micro_batch_size=2, ratio_level="sequence", tis_cap=2.0, mis_cap=1.01,
-                                          mis_level="token")
+    actor.train_cfg = dataclasses.replace(base, micro_batch_size=2)
+    actor.loss_cfg = LossConfig(ratio_level="sequence", tis_cap=2.0, mis_cap=1.01, mis_level="token",
+                                agg="seq_mean_token_mean")
     batch = TrainBatch(toks, omask, obeh, oadv, None, lag, loss_agg_weights(omask, "seq_mean_token_mean"))
     out["on_policy"] = actor.compute_grads(batch, "grpo")
     out["on_policy_tokens"] = float(omask.sum())
@@ -401,8 +403,8 @@ def _cp_same_as_cp1(rank: int, world: int) -> dict:
         for name, fields, agg in CP_CONFIGS:
             batch = TrainBatch(tokens, mask, beh, adv, ref, None, loss_agg_weights(mask, agg))
             for mbs, budget, packed in layouts:
-                actor.train_cfg = TrainConfig(micro_batch_size=mbs, micro_batch_tokens=budget, sequence_packing=packed,
-                                              **fields)
+                actor.train_cfg = TrainConfig(micro_batch_size=mbs, micro_batch_tokens=budget, sequence_packing=packed)
+                actor.loss_cfg = LossConfig(**fields, agg=agg)
                 stats = actor.compute_grads(actor.dp_slice(batch), "grpo")
                 grads = actor.export_hf_grads()
                 if name not in refs:
@@ -432,11 +434,11 @@ def varied_reward(traj) -> float:
 
 
 @pytest.mark.parametrize("settings", [
-    ["algo.estimator=grpo", "algo.loss_agg=token_mean", "train.ratio_level=token", "train.mis_cap=2.0"],
-    ["algo.estimator=rloo", "algo.loss_agg=seq_mean_token_sum", "train.ratio_level=sequence", "train.tis_cap=2.0",
-     "train.clip_eps_low=3e-4", "train.clip_eps_high=4e-4"],
-    ["algo.estimator=reinforce_pp", "algo.loss_agg=seq_mean_token_mean", "train.ratio_level=sequence",
-     "train.mis_cap=2.0", "train.mis_level=sequence", "train.tis_cap=2.0", "algo.normalize_per_task=false"],
+    ["algo.estimator=grpo", "loss.agg=token_mean", "loss.ratio_level=token", "loss.mis_cap=2.0"],
+    ["algo.estimator=rloo", "loss.agg=seq_mean_token_sum", "loss.ratio_level=sequence", "loss.tis_cap=2.0",
+     "loss.clip_eps_low=3e-4", "loss.clip_eps_high=4e-4"],
+    ["algo.estimator=reinforce_pp", "loss.agg=seq_mean_token_mean", "loss.ratio_level=sequence",
+     "loss.mis_cap=2.0", "loss.mis_level=sequence", "loss.tis_cap=2.0", "algo.normalize_per_task=false"],
 ], ids=["grpo-token_mean-mis_token", "rloo-seq_sum-gspo-tis", "reinforce_pp-seq_mean-gspo-mis_seq"])
 def test_cli_runs_each_estimator_and_loss_setting(tmp_path, settings):
     import os
@@ -461,7 +463,7 @@ def test_cli_runs_each_estimator_and_loss_setting(tmp_path, settings):
         # synchronous fp32: every token sampled by the trained weights, engine and trainer agree
         assert r["mismatch/tokens_lag0"] == r["num_tokens"] > 0, r
         assert r["mismatch/abs_lag0"] < 1e-4 and r["mismatch/kl_lag0"] < 1e-6, r
-        if "train.mis_cap=2.0" in settings:
+        if "loss.mis_cap=2.0" in settings:
             assert r["mis_masked"] == 0, r
     # the rewards differ, so advantages and the gradient are non-zero: a real update. Not the loss: with
     # whitened advantages at ratio 1 it is analytically -mean(A) = 0, and its sign bit is the machine's rounding

@@ -24,7 +24,7 @@ def test_a_collapsed_task_is_flagged_once_and_the_others_not():
     lookup = [0.3 + 0.02 * i + 0.1 * rng.random() for i in range(20)]  # learning, noisy
     flags, messages = feed(CollapseMonitor(window=10, drop=0.5, patience=3), {"guess": guess, "lookup": lookup})
     assert [(s, m.split(":")[0]) for s, m in messages] == [(15, "task 'guess' may have collapsed")]
-    assert "down from a recent level of 0.9" in messages[0][1] and "train.kl_coef" in messages[0][1]
+    assert "down from a recent level of 0.9" in messages[0][1] and "loss.kl_coef" in messages[0][1]
     assert [f["collapse/guess"] for f in flags] == [0.0] * 14 + [1.0] * 6
     assert all(f["collapse/lookup"] == 0.0 for f in flags)
 

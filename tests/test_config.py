@@ -26,6 +26,22 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
         load_config(bad)
 
 
+@pytest.mark.parametrize("old, new", [(f"train.{k}", f"loss.{k}") for k in (
+    "clip_eps_low", "clip_eps_high", "tis_cap", "kl_coef", "kl_estimator", "entropy_coef", "ratio_level", "mis_cap",
+    "mis_level")] + [("algo.loss_agg", "loss.agg")])
+def test_a_moved_loss_key_is_refused_naming_its_new_place(tmp_path, old, new):
+    """The policy-loss settings moved from train / algo to the loss section: the old key, in an override
+    or in a YAML file, is refused with one line naming the new one."""
+    with pytest.raises(ConfigError, match=rf"^{re.escape(old)} moved to {re.escape(new)}; set it in the 'loss:' "
+                                          rf"section \(override: {re.escape(new)}=2.0\)$"):
+        load_config(DEMO, [f"{old}=2.0"])
+    section, key = old.split(".")
+    old_yaml = tmp_path / "old.yaml"
+    old_yaml.write_text(Path(DEMO).read_text().replace(f"\n{section}:\n", f"\n{section}:\n  {key}: 2.0\n", 1))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(old)} moved to {re.escape(new)}"):
+        load_config(old_yaml)
+
+
 def test_bad_values_name_key_and_value(tmp_path):
     with pytest.raises(ConfigError, match=r"parallel.tp='two' must be an integer"):
         load_config(DEMO, ["parallel.tp=two"])

@@ -10,6 +10,7 @@ from megatron_agentrl.cli import main
 from megatron_agentrl.config import (
     AlgoConfig,
     ConfigError,
+    LossConfig,
     ModelConfig,
     RolloutConfig,
     TaskSpec,
@@ -24,8 +25,8 @@ DEMO = "examples/configs/tiny_cpu.yaml"
 BAD_OVERRIDES = [
     ("train.lr=.inf", r"train.lr=inf must be a finite number"),
     ("sft.lr=.inf", r"sft.lr=inf must be a finite number"),
-    ("train.clip_eps_low=-0.5", r"train.clip_eps_low=-0.5 must be in \[0, 1\)"),
-    ("train.clip_eps_high=-1", r"train.clip_eps_high=-1.0 must be >= 0"),
+    ("loss.clip_eps_low=-0.5", r"loss.clip_eps_low=-0.5 must be in \[0, 1\)"),
+    ("loss.clip_eps_high=-1", r"loss.clip_eps_high=-1.0 must be >= 0"),
     ("train.weight_decay=-1", r"train.weight_decay=-1.0 must be >= 0"),
     ("train.adam_beta1=5", r"train.adam_beta1=5.0 must be in \[0, 1\)"),
     ("train.adam_beta2=1", r"train.adam_beta2=1.0 must be in \[0, 1\)"),
@@ -104,7 +105,7 @@ def test_sections_check_themselves_when_built_in_python():
         TaskSpec(name="t", timeout_penalty=-1)
     with pytest.raises(ConfigError, match=r"rollout.cross_policy='uniform' needs rollout.max_versions >= 2"):
         dataclasses.replace(RolloutConfig(), cross_policy="uniform")
-    assert TrainConfig(tis_cap=2.0).tis_cap == 2.0
+    assert LossConfig(tis_cap=2.0).tis_cap == 2.0
 
 
 def test_a_field_set_after_loading_is_checked_again():

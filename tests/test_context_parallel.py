@@ -8,7 +8,7 @@ import torch
 from dist_utils import run_distributed
 from tiny_models import ragged_batch
 
-from megatron_agentrl.config import ConfigError, ParallelConfig, TrainConfig, load_config
+from megatron_agentrl.config import ConfigError, LossConfig, ParallelConfig, TrainConfig, load_config
 from megatron_agentrl.megatron.context_parallel import full_order, local_index
 from megatron_agentrl.megatron.packing import pack, unpack
 
@@ -103,9 +103,9 @@ def _cp_same_as_cp1(rank: int, world: int) -> dict:
         initialize_parallel(1, 1, seed=7, timeout_s=60, cp=cp)
         for budget, packed, recompute in runs:
             tcfg = TrainConfig(micro_batch_size=2, micro_batch_tokens=budget, sequence_packing=packed,
-                               recompute=recompute, tis_cap=2.0, kl_coef=0.1, entropy_coef=0.01)
+                               recompute=recompute)
             torch.manual_seed(11)
-            actor = MegatronActor(cfg, tcfg)
+            actor = MegatronActor(cfg, tcfg, LossConfig(tis_cap=2.0, kl_coef=0.1, entropy_coef=0.01))
             if ref is None:
                 state = actor.export_hf_state_dict()
             else:

@@ -241,7 +241,7 @@ def _run(rank: int, world: int, overrides: list[str]) -> dict:
 TINY = [
     "model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2",
     "sft.steps=0", "train.micro_batch_size=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
-    "rollout.max_turns=3", "eval.samples_per_task=0", "train.tis_cap=2.0", "rollout.prompts_per_step=2",
+    "rollout.max_turns=3", "eval.samples_per_task=0", "loss.tis_cap=2.0", "rollout.prompts_per_step=2",
     "algo.dynamic_sampling=true", "train.steps=3",
 ]
 

@@ -12,7 +12,7 @@ import torch
 from dist_utils import run_distributed
 from tiny_models import reinit_parallel, tiny_model
 
-from megatron_agentrl.config import TrainConfig
+from megatron_agentrl.config import LossConfig, TrainConfig
 
 ATOL = 1e-5
 
@@ -110,7 +110,7 @@ def _tp_logprobs(rank: int, world: int) -> list[float]:
     return diffs
 
 
-def hf_reference_grads(model, batch, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+def hf_reference_grads(model, batch, cfg: LossConfig) -> dict[str, torch.Tensor]:
     """Grads of the token-averaged GRPO loss computed with transformers' autograd."""
     from megatron_agentrl.algo.losses import clipped_policy_loss
 
@@ -134,7 +134,7 @@ def _pp_grads(rank: int, world: int) -> dict[str, float]:
     for tied in (False, True):
         cfg, hf = tiny_model("qwen2", tied, vocab=200, layers=4)
         batch = make_batch(cfg.vocab_size)
-        grads = {"hf": hf_reference_grads(hf, batch, tcfg)}
+        grads = {"hf": hf_reference_grads(hf, batch, LossConfig())}
         stats, norms = {}, {}
         for tp, pp in ((1, 1), (1, 2), (2, 1)):
             reinit_parallel(tp, pp)

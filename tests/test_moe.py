@@ -8,7 +8,7 @@ import pytest
 from dist_utils import run_distributed
 from tiny_models import ragged_batch
 
-from megatron_agentrl.config import ConfigError, ParallelConfig, TrainConfig, load_config
+from megatron_agentrl.config import ConfigError, LossConfig, ParallelConfig, TrainConfig, load_config
 from rollout_sglang.chat_template import resolve_chat_template
 
 DEMO = "examples/configs/tiny_cpu.yaml"
@@ -81,8 +81,8 @@ def _ep_same_as_ep1(rank: int, world: int, family: str) -> dict:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         initialize_parallel(tp, pp, seed=7, timeout_s=60, ep=ep)
-        tcfg = TrainConfig(micro_batch_size=2, sequence_packing=packed, tis_cap=2.0, moe_aux_loss_coeff=aux)
-        actor = MegatronActor(cfg, tcfg)
+        tcfg = TrainConfig(micro_batch_size=2, sequence_packing=packed, moe_aux_loss_coeff=aux)
+        actor = MegatronActor(cfg, tcfg, LossConfig(tis_cap=2.0))
         if state is None:
             state = actor.export_hf_state_dict()
         else:

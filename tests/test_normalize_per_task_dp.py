@@ -103,7 +103,7 @@ def _trainer_step(rank: int, world: int) -> dict[str, float]:
     from megatron.core import parallel_state
     from transformers import Qwen2Config
 
-    from megatron_agentrl.config import Config, TrainConfig
+    from megatron_agentrl.config import Config, LossConfig, TrainConfig
     from megatron_agentrl.megatron.actor import MegatronActor, TrainBatch
     from megatron_agentrl.megatron.parallel import initialize_parallel
     from megatron_agentrl.pipeline.batch import RLBatch
@@ -118,7 +118,8 @@ def _trainer_step(rank: int, world: int) -> dict[str, float]:
     batch = TrainBatch(tokens, mask, -torch.rand(adv.shape, generator=g) * mask, adv)
     rl = RLBatch(batch, task_ids, torch.zeros(adv.shape[0]), torch.zeros(adv.shape[0]))
     cfg = Config()
-    cfg.train = TrainConfig(micro_batch_size=4, tis_cap=2.0, lr=1e-2)
+    cfg.train = TrainConfig(micro_batch_size=4, lr=1e-2)
+    cfg.loss = LossConfig(tis_cap=2.0)
     out = {}
     state = None
     for tp in (1, 2):
@@ -126,7 +127,7 @@ def _trainer_step(rank: int, world: int) -> dict[str, float]:
             parallel_state.destroy_model_parallel()
         initialize_parallel(tp, 1, seed=3, timeout_s=60)
         torch.manual_seed(0)
-        actor = MegatronActor(hf, cfg.train)
+        actor = MegatronActor(hf, cfg.train, cfg.loss)
         if state is None:
             state = actor.export_hf_state_dict()
         else:

@@ -11,7 +11,7 @@ from dist_utils import run_distributed
 from tiny_models import ragged_batch
 
 from megatron_agentrl.algo.losses import clipped_policy_loss, kl_to_reference, policy_loss
-from megatron_agentrl.config import TrainConfig
+from megatron_agentrl.config import LossConfig, TrainConfig
 from megatron_agentrl.megatron.packing import effective_lengths, plan_micro_batches
 
 
@@ -84,13 +84,13 @@ def test_entropy_and_combined_loss():
     mask = torch.ones(1, 2)
     refl = torch.tensor([[math.log(0.25), math.log(0.5)]])
     entropy = torch.tensor([[2.0, 3.0]])
-    loss, stats = policy_loss(lp, beh, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2, ref_logprobs=refl,
-                              kl_coef=0.1, entropy=entropy, entropy_coef=0.01)
+    loss, stats = policy_loss(lp, beh, adv, mask, LossConfig(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.1,
+                                                             entropy_coef=0.01), ref_logprobs=refl, entropy=entropy)
     # pg: -(1) - (-1) = 0; kl .5 (see above) * .1; entropy 5 * .01
     assert loss.item() == pytest.approx(0.0 + 0.05 - 0.05, abs=1e-6)
     assert stats["kl_ref"].item() == pytest.approx(0.5, abs=1e-6) and stats["entropy"].item() == 5.0
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(lp, beh, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.1)
+        policy_loss(lp, beh, adv, mask, LossConfig(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.1))
 
 
 def test_plan_micro_batches_and_effective_lengths():
@@ -142,9 +142,9 @@ def _layouts_same_grads(rank: int, world: int) -> dict[str, float]:
         initialize_parallel(tp, pp, seed=7, timeout_s=60)
         for budget, packed, recompute in runs:
             tcfg = TrainConfig(micro_batch_size=3, micro_batch_tokens=budget, sequence_packing=packed,
-                               recompute=recompute, tis_cap=2.0, kl_coef=0.1, entropy_coef=0.01)
+                               recompute=recompute)
             torch.manual_seed(11)
-            actor = MegatronActor(cfg, tcfg)
+            actor = MegatronActor(cfg, tcfg, LossConfig(tis_cap=2.0, kl_coef=0.1, entropy_coef=0.01))
             if ref is None:
                 state = actor.export_hf_state_dict()
             else:

@@ -17,8 +17,8 @@ from dist_utils import run_distributed
 TINY = [
     "model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2",
     "sft.steps=0", "train.micro_batch_size=4", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
-    "rollout.max_new_tokens=12", "eval.samples_per_task=0", "train.tis_cap=2.0", "train.kl_coef=0.05",
-    "train.entropy_coef=0.01", "train.lr=1e-3", "checkpoint.interval=2",
+    "rollout.max_new_tokens=12", "eval.samples_per_task=0", "loss.tis_cap=2.0", "loss.kl_coef=0.05",
+    "loss.entropy_coef=0.01", "train.lr=1e-3", "checkpoint.interval=2",
 ]
 
 

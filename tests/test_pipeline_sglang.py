@@ -24,7 +24,7 @@ def _run(rank: int, world: int, out: str) -> dict:
         "model.arch.num_hidden_layers=2", "sft.steps=0", "train.steps=3", "train.micro_batch_size=4",
         "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
         "eval.samples_per_task=0", "pipeline.mode=async", "pipeline.staleness=1", "rollout.max_versions=2",
-        "rollout.cross_policy=uniform", "train.tis_cap=2.0",
+        "rollout.cross_policy=uniform", "loss.tis_cap=2.0",
     ]
     cfg = load_config("tests/configs/tiny_test.yaml", overrides)
     hf_config = load_hf_config(cfg.model, load_tokenizer(cfg.model.tokenizer))

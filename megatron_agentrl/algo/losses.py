@@ -17,15 +17,15 @@ without letting one token's weight explode.
 
 On top of the token-level surrogate (see :func:`policy_loss`):
 
-* GSPO (``train.ratio_level: sequence``, arXiv 2507.18071): one ratio per sequence, the geometric mean
+* GSPO (``loss.ratio_level: sequence``, arXiv 2507.18071): one ratio per sequence, the geometric mean
   ``s_i = exp(mean_t (log π_θ - log base))`` over its policy tokens, clipped as one; in the paper's token
   form ``s_i,t = sg(s_i) * π_θ(y_t) / sg(π_θ(y_t))``, whose value is ``s_i`` and whose gradient flows
   through every token of the sequence;
-* masked importance sampling (``train.mis_cap``, "ICEPOP"): tokens, or whole sequences (by the geometric
+* masked importance sampling (``loss.mis_cap``, "ICEPOP"): tokens, or whole sequences (by the geometric
   mean), whose ``ρ = π_old / μ`` lies outside ``[1 / mis_cap, mis_cap]`` get no gradient from any term
   of the loss; a mask only (the ratio and the TIS weights stay as ``tis_cap`` says); they stay in the
   token count that divides the loss (as in the IcePop objective and slime's per-token loss);
-* loss aggregation (``algo.loss_agg``, :func:`loss_agg_weights`): per-token weights that turn the
+* loss aggregation (``loss.agg``, :func:`loss_agg_weights`): per-token weights that turn the
   global token mean into a mean over sequences.
 
 Sequence-level quantities come from per-sequence sums (:class:`Sequences`): one sequence per row of
@@ -35,11 +35,14 @@ CP ranks and its (detached) sums are all-reduced over the CP group.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from megatron_agentrl.config import LossConfig
 
 RATIO_LEVELS = ("token", "sequence")
 MIS_LEVELS = ("token", "sequence")
@@ -95,7 +98,7 @@ def importance_keep(old_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tenso
     ``[B, T]`` inputs; ``mis_cap > 1``. No gradient.
     """
     if not mis_cap > 1:
-        raise ValueError(f"mis_cap={mis_cap!r} must be > 1 (train.mis_cap: 0 = off, else e.g. 2.0)")
+        raise ValueError(f"mis_cap={mis_cap!r} must be > 1 (loss.mis_cap: 0 = off, else e.g. 2.0)")
     _check_level("mis_level", level, MIS_LEVELS)
     with torch.no_grad():
         log_rho = (old_logprobs.detach() - behavior_logprobs) * mask
@@ -105,7 +108,7 @@ def importance_keep(old_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tenso
 
 
 def loss_agg_weights(mask: Tensor, mode: str) -> Tensor | None:
-    """Per-token weights ``w [B, T]`` for ``algo.loss_agg``, given the loss mask of the GLOBAL batch.
+    """Per-token weights ``w [B, T]`` for ``loss.agg``, given the loss mask of the GLOBAL batch.
 
     The actor divides ``sum_t w_t l_t`` by the global policy-token count ``N_tok``; with ``N_seq`` the
     sequences that hold a policy token and ``L_i`` the policy tokens of sequence ``i``:
@@ -113,7 +116,7 @@ def loss_agg_weights(mask: Tensor, mode: str) -> Tensor | None:
     ``(1 / N_seq) sum_i sum_t l_it``; "seq_mean_token_mean": ``w = N_tok / (N_seq L_i)``, the loss is
     ``(1 / N_seq) sum_i (1 / L_i) sum_t l_it``. 0 where the mask is 0; float32.
     """
-    _check_level("algo.loss_agg", mode, LOSS_AGGS)
+    _check_level("loss.agg", mode, LOSS_AGGS)
     if mode == "token_mean":
         return None
     m = mask.to(torch.float64)
@@ -244,68 +247,79 @@ def policy_loss(
     behavior_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
+    cfg: LossConfig,
     *,
-    clip_eps_low: float,
-    clip_eps_high: float,
     old_logprobs: Tensor | None = None,
-    tis_cap: float = 0.0,
     ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
     entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
-    ratio_level: str = "token",
-    mis_cap: float = 0.0,
-    mis_level: str = "token",
     sequences: Sequences | None = None,
     token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The RL training loss of one micro-batch: a weighted sum over masked tokens.
+    """The RL training loss of one micro-batch under the ``loss`` config section: a weighted sum over masked
+    tokens.
 
     Per token ``l_t = pg_t + kl_coef * kl_t - entropy_coef * entropy_t`` with ``pg_t`` the clipped surrogate
-    of :func:`clipped_policy_loss` (``ratio_level``; the decoupled form with truncated weights when
-    ``tis_cap > 0``, whose base is ``old_logprobs``), ``kl_t`` that of :func:`kl_to_reference`
-    (``kl_estimator``) and ``entropy`` per position; then
+    of :func:`clipped_policy_loss` (``cfg.clip_eps_low/high``, ``cfg.ratio_level``; the decoupled form with
+    truncated weights when ``cfg.tis_cap > 0``, whose base is ``old_logprobs``), ``kl_t`` that of
+    :func:`kl_to_reference` (``cfg.kl_estimator``) and ``entropy`` per position; then
     ``loss = sum_t mask_t * keep_t * w_t * l_t`` where ``keep`` is 0 for the tokens that masked importance
-    sampling drops (``mis_cap > 0``, :func:`importance_keep` of ``old_logprobs`` at ``mis_level``), and
-    ``w = token_weights`` (``loss_agg_weights``; 1 when None). ``[B, T]`` inputs; ``sequences`` (default one
-    per row) groups the tokens for ``ratio_level`` / ``mis_level`` "sequence".
+    sampling drops (``cfg.mis_cap > 0``, :func:`importance_keep` of ``old_logprobs`` at ``cfg.mis_level``), and
+    ``w = token_weights`` (:func:`loss_agg_weights` of ``cfg.agg`` over the global batch; 1 when None).
+    ``[B, T]`` inputs; ``sequences`` (default one per row) groups the tokens for ``ratio_level`` /
+    ``mis_level`` "sequence".
 
     Needs ``ref_logprobs`` when ``kl_coef > 0``, ``entropy`` when ``entropy_coef > 0`` and ``old_logprobs``
-    when ``tis_cap > 0`` or ``mis_cap > 0``. Stats, per-token sums over ALL masked tokens (MIS and the
-    weights change only ``loss``): those of :func:`clipped_policy_loss`, ``pg_loss``, ``kl_ref`` (when a
-    reference is given), ``entropy`` (when given) and ``mis_masked`` (tokens dropped, when ``mis_cap > 0``).
+    when ``tis_cap > 0`` or ``mis_cap > 0`` (unused otherwise). Stats, per-token sums over ALL masked tokens
+    (MIS and the weights change only ``loss``): those of :func:`clipped_policy_loss`, ``pg_loss``, ``kl_ref``
+    (when a reference is given), ``entropy`` (when given) and ``mis_masked`` (tokens dropped, when
+    ``mis_cap > 0``).
     """
-    if (tis_cap > 0 or mis_cap > 0) and old_logprobs is None:
-        raise ValueError("tis_cap > 0 and mis_cap > 0 need old_logprobs (the policy's log-probs at the step start)")
-    if kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's log-probs of the batch)")
-    if entropy_coef > 0 and entropy is None:
-        raise ValueError("entropy_coef > 0 needs the per-token entropy")
+    if cfg.needs_old_logprobs and old_logprobs is None:
+        raise ValueError("loss.tis_cap > 0 and loss.mis_cap > 0 need old_logprobs (the policy's log-probs at the "
+                         "step start)")
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("loss.kl_coef > 0 needs ref_logprobs (the reference policy's log-probs of the batch)")
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError("loss.entropy_coef > 0 needs the per-token entropy")
     if token_weights is not None and token_weights.shape != mask.shape:
         raise ValueError(f"token_weights {tuple(token_weights.shape)} must be [B, T] like mask {tuple(mask.shape)}")
     maskf = mask.to(logprobs.dtype)
-    per_token, stats = _clipped_per_token(logprobs, behavior_logprobs, advantages, maskf, clip_eps_low,
-                                          clip_eps_high, old_logprobs if tis_cap > 0 else None, tis_cap,
-                                          ratio_level, sequences)
+    per_token, stats = _clipped_per_token(logprobs, behavior_logprobs, advantages, maskf, cfg.clip_eps_low,
+                                          cfg.clip_eps_high, old_logprobs if cfg.tis_cap > 0 else None, cfg.tis_cap,
+                                          cfg.ratio_level, sequences)
     stats["pg_loss"] = (per_token * maskf).sum().detach()
     if ref_logprobs is not None:
-        kl = _kl_per_token(logprobs, ref_logprobs, maskf, kl_estimator)
+        kl = _kl_per_token(logprobs, ref_logprobs, maskf, cfg.kl_estimator)
         stats["kl_ref"] = (kl * maskf).sum().detach()
-        if kl_coef > 0:
-            per_token = per_token + kl_coef * kl
+        if cfg.kl_coef > 0:
+            per_token = per_token + cfg.kl_coef * kl
     if entropy is not None:
         stats["entropy"] = (entropy * maskf).sum().detach()
-        if entropy_coef > 0:
-            per_token = per_token - entropy_coef * entropy
+        if cfg.entropy_coef > 0:
+            per_token = per_token - cfg.entropy_coef * entropy
     scale = maskf
-    if mis_cap > 0:
-        keep = importance_keep(old_logprobs, behavior_logprobs, maskf, mis_cap, mis_level, sequences)
+    if cfg.mis_cap > 0:
+        keep = importance_keep(old_logprobs, behavior_logprobs, maskf, cfg.mis_cap, cfg.mis_level, sequences)
         stats["mis_masked"] = (maskf * (1.0 - keep)).sum()
         scale = scale * keep
     if token_weights is not None:
         scale = scale * token_weights.to(logprobs.dtype)
     return (per_token * scale).sum(), stats
+
+
+def policy_loss_stat_keys(cfg: LossConfig, with_ref: bool, with_entropy: bool) -> list[str]:
+    """The stats :func:`policy_loss` returns under ``cfg`` (``loss`` first, the objective the caller adds):
+    ``with_ref`` when it is given ``ref_logprobs``, ``with_entropy`` when it is given the entropy."""
+    keys = ["loss", "pg_loss", "clip_frac", "approx_kl"]
+    if cfg.tis_cap > 0:
+        keys += ["is_weight", "is_truncated"]
+    if cfg.mis_cap > 0:
+        keys.append("mis_masked")
+    if with_ref:
+        keys.append("kl_ref")
+    if with_entropy:
+        keys.append("entropy")
+    return keys
 
 
 def sft_loss(logprobs: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:

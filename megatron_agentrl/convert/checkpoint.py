@@ -39,6 +39,7 @@ from torch import Tensor
 
 from megatron_agentrl.config import read_mapping_file
 from megatron_agentrl.convert.base import ConversionError, GPTMapping, one_line
+from rollout_sglang.dtypes import dtype_name
 from rollout_sglang.engines.local import resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -68,11 +69,6 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
         return resolve_dtype(name)
     except ValueError:
         raise ConversionError(f"dtype={name!r} must be one of auto, float32, bfloat16, float16") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass

@@ -27,13 +27,13 @@ from megatron_agentrl.convert.checkpoint import (
     CheckpointInfo,
     StoredTensor,
     copy_hf_assets,
-    dtype_name,
     parse_dtype,
     write_dcp_streaming,
     write_megatron_common_files,
 )
 from megatron_agentrl.convert.output_dir import atomic_output_dir, check_output_dir
 from megatron_agentrl.convert.safetensors_io import SafetensorsReader
+from rollout_sglang.dtypes import dtype_name
 
 logger = logging.getLogger(__name__)
 

@@ -25,12 +25,12 @@ from megatron_agentrl.convert.checkpoint import (
     _check_family,
     check_checkpoint_matches,
     copy_hf_assets,
-    dtype_name,
     parse_dtype,
 )
 from megatron_agentrl.convert.hf_to_megatron import config_json_path, hf_config_from_dict, load_hf_config_dict
 from megatron_agentrl.convert.output_dir import atomic_output_dir, check_output_dir
 from megatron_agentrl.convert.safetensors_io import INDEX_FILE, SafetensorsShardWriter, dtype_size, parse_size
+from rollout_sglang.dtypes import dtype_name
 
 logger = logging.getLogger(__name__)
 

@@ -21,20 +21,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from megatron_agentrl.config import read_mapping_file
+from megatron_agentrl.config import ConfigError, read_mapping_file
 from megatron_agentrl.convert.base import ConversionError
+from rollout_sglang.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES
 
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
 
 
 def dtype_size(dtype: torch.dtype) -> int:
@@ -108,10 +102,10 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                 or not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)):
             raise ConversionError(f"'{path}': the header entry of tensor {name} is malformed ({h!r:.100}); "
                                   f"{damaged}")
-        if h.get("dtype") not in _DTYPES:
+        if h.get("dtype") not in SAFETENSORS_DTYPES:
             raise ConversionError(f"'{path}': tensor {name} has dtype {h.get('dtype')!r}, which the converter "
-                                  f"cannot read; supported: {', '.join(_DTYPES)}")
-        dtype = _DTYPES[h["dtype"]]
+                                  f"cannot read; supported: {', '.join(SAFETENSORS_DTYPES)}")
+        dtype = SAFETENSORS_DTYPES[h["dtype"]]
         b, e = offsets
         need = math.prod(shape) * dtype_size(dtype)
         if not 0 <= b <= e or e - b != need:
@@ -122,6 +116,39 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                                   f"bytes [{base + b}, {base + e}); {damaged}")
         out[name] = TensorInfo(path, dtype, tuple(shape), base + b, base + e)
     return out, meta
+
+
+def read_weight_files(root: Path) -> tuple[dict[str, str] | None, list[str]]:
+    """The weight files of the Hugging Face checkpoint directory ``root``: with ``model.safetensors.index.json``,
+    its ``weight_map`` (tensor name -> shard file) and the shards it lists (sorted); else ``(None,
+    ["model.safetensors"])``. The one reader of the index, for the streaming reader and for ``hf_io``.
+
+    Raises ConversionError (a ConfigError) naming the index when it is not JSON or has no weight_map of
+    tensor name -> shard file; FileNotFoundError naming ``root`` when it holds neither file, or the shards the
+    index lists that are missing.
+    """
+    index = root / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = read_mapping_file(index, "json", f"'{index}'").get("weight_map")
+        except ConfigError as e:
+            raise ConversionError(f"{e}; copy the checkpoint's index again") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ConversionError(f"'{index}' is not a safetensors index: it needs a weight_map object of "
+                                  "tensor name -> shard file; copy the checkpoint's index again (or rewrite the "
+                                  "checkpoint with transformers' save_pretrained)")
+        files = sorted(set(weight_map.values()))
+    elif (root / SINGLE_FILE).is_file():
+        return None, [SINGLE_FILE]
+    else:
+        found = " (found .bin files" if any(root.glob("*.bin")) else " (convert .bin files"
+        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in '{root}'; only safetensors checkpoints are "
+                                f"read{found}: re-save them with save_pretrained(safe_serialization=True))")
+    missing = [f for f in files if not (root / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"shard(s) {missing} listed in '{index}' are missing from '{root}'; "
+                                "copy the complete checkpoint")
+    return weight_map, files
 
 
 class SafetensorsReader:
@@ -140,23 +167,7 @@ class SafetensorsReader:
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"'{root}' is not a directory; give a Hugging Face checkpoint directory")
-        index = self.root / INDEX_FILE
-        if index.is_file():
-            weight_map = read_mapping_file(index, "json", f"'{index}'").get("weight_map")
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise ConversionError(f"'{index}' is not a safetensors index: it needs a weight_map object of "
-                                      "tensor name -> shard file; copy the checkpoint's index again")
-            files = sorted(set(weight_map.values()))
-        elif (self.root / SINGLE_FILE).is_file():
-            weight_map, files = None, [SINGLE_FILE]
-        else:
-            extra = " (found .bin files: re-save them with save_pretrained(safe_serialization=True))" \
-                if any(self.root.glob("*.bin")) else ""
-            raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in '{self.root}'{extra}")
-        missing = [f for f in files if not (self.root / f).is_file()]
-        if missing:
-            raise FileNotFoundError(f"shard(s) {missing} listed in '{index}' are missing from '{self.root}'; "
-                                    "copy the complete checkpoint")
+        weight_map, files = read_weight_files(self.root)
         self.tensors: dict[str, TensorInfo] = {}
         for fname in files:
             infos, _ = read_header(self.root / fname)
@@ -166,7 +177,8 @@ class SafetensorsReader:
         if weight_map is not None:
             lost = sorted(set(weight_map) - set(self.tensors))
             if lost:
-                raise ConversionError(f"'{index}' lists tensors {lost[:5]} that their shards do not hold")
+                raise ConversionError(f"'{self.root / INDEX_FILE}' lists tensors {lost[:5]} that their shards do "
+                                      "not hold")
 
     def names(self) -> list[str]:
         """All tensor names, in file and offset order."""
@@ -240,7 +252,7 @@ class SafetensorsShardWriter:
         shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
         size = 0
         for name, shape, dtype in plan:
-            if dtype not in _NAMES:
+            if dtype not in SAFETENSORS_CODES:
                 raise ConversionError(f"{name}: dtype {dtype} cannot be written to safetensors")
             nbytes = math.prod(shape) * dtype_size(dtype)
             if shards[-1] and size + nbytes > max_shard_bytes:
@@ -263,7 +275,8 @@ class SafetensorsShardWriter:
         off = 0
         for name, shape, dtype in self._shards[si]:
             nbytes = math.prod(shape) * dtype_size(dtype)
-            header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + nbytes]}
+            header[name] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(shape),
+                            "data_offsets": [off, off + nbytes]}
             off += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)

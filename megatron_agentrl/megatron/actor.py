@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_agentrl.config import TrainConfig
+from megatron_agentrl.config import LossConfig, TrainConfig
 from megatron_agentrl.convert import get_mapping
 from megatron_agentrl.convert.base import ConversionError
 from megatron_agentrl.convert.qwen2 import OUTPUT_LAYER, padded_vocab_size
@@ -67,11 +67,11 @@ class TrainBatch:
     behavior_logprobs: float, ``log p_behavior(tokens[b, t] | tokens[b, :t])``; 0 where mask is 0.
     advantages: float token advantages; 0 where mask is 0.
     ref_logprobs: optional float log-probs under the reference policy (the KL term,
-        ``train.kl_coef > 0``); None otherwise.
+        ``loss.kl_coef > 0``); None otherwise.
     version_lag: optional long, how many weight versions older than the trained one the engine that
         sampled ``tokens[b, t]`` was (-1 for tokens no engine sampled); given, the train-vs-rollout
         mismatch is reported per lag (``megatron_agentrl.algo.mismatch``).
-    token_weights: optional float per-token weights of the loss (``algo.loss_agg``:
+    token_weights: optional float per-token weights of the loss (``loss.agg``:
         ``megatron_agentrl.algo.losses.loss_agg_weights`` of the GLOBAL batch); None = 1 (token mean).
     """
 
@@ -113,8 +113,10 @@ class MegatronActor:
 
     Args:
         hf_config: transformers config of the policy (``model_type`` "qwen2").
-        train_cfg: the RL optimizer and loss settings (lr, adam betas, weight_decay, grad_clip,
-            micro_batch_size / micro_batch_tokens, clip_eps_low/high, tis_cap, kl_coef, entropy_coef).
+        train_cfg: the RL optimizer settings (lr, adam betas, weight_decay, grad_clip,
+            micro_batch_size / micro_batch_tokens, packing, recomputation, MoE).
+        loss_cfg: the policy loss of :meth:`compute_grads` (``megatron_agentrl.algo.losses.policy_loss``);
+            None = the defaults of :class:`~megatron_agentrl.config.LossConfig`.
         dtype: parameter / compute dtype (float32, bfloat16, float16); bf16/fp16 keep fp32
             master weights and fp32 gradient accumulation.
         make_vocab_size_divisible_by: megatron vocab padding (to a multiple of this * tp).
@@ -128,18 +130,17 @@ class MegatronActor:
         self,
         hf_config: Any,
         train_cfg: TrainConfig,
+        loss_cfg: LossConfig | None = None,
         dtype: torch.dtype = torch.float32,
         make_vocab_size_divisible_by: int = 128,
     ) -> None:
         from megatron.core import parallel_state
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("MegatronActor needs megatron_agentrl.megatron.parallel.initialize_parallel() first")
         self.hf_config = hf_config
         self.train_cfg = train_cfg
+        self.loss_cfg = loss_cfg if loss_cfg is not None else LossConfig()
         self.dtype = dtype
         self.mapping = get_mapping(hf_config)
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -162,26 +163,7 @@ class MegatronActor:
                                      make_vocab_size_divisible_by, train_cfg.recompute, train_cfg.recompute_num_layers,
                                      train_cfg.moe_aux_loss_coeff, train_cfg.moe_capacity_factor)
         self.config = self.model.config
-        # Routed experts are not split by TP; megatron flags them as expert-parallel (gradients reduced over the
-        # expert-data-parallel ranks, an optimizer of their own) only when EP > 1. Flag them at EP = 1 too: under
-        # TP with sequence parallelism each TP rank computes its own tokens' expert gradients, which the dense
-        # data-parallel reduce would never sum, and the optimizer state then has one shape at every EP.
-        for name, p in self.model.named_parameters():
-            if ".mlp.experts." in name:
-                p.allreduce = False
-        dist_opt = train_cfg.use_distributed_optimizer
-        self.ddp = DistributedDataParallel(
-            config=self.config,
-            # the grad reduce (all-reduce, or reduce-scatter for the distributed optimizer) of each bucket
-            # starts during the last micro-batch's backward, as soon as the bucket's grads are complete
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=dist_opt
-            ),
-            module=self.model,
-        )
-        self.ddp.broadcast_params()  # identical replicas across DP
-        self.config.no_sync_func = self.ddp.no_sync
-        self.config.finalize_model_grads_func = finalize_model_grads
+        self.ddp = self._wrap_ddp()
         self.device = next(self.model.parameters()).device
 
         # (global Megatron name, parameter) of this stage / TP shard / EP rank's experts.
@@ -196,17 +178,7 @@ class MegatronActor:
         self.moe_stats = (MoEStats(self.model, int(hf_config.num_experts_per_tok), self.mapping.num_layers,
                                    train_cfg.moe_aux_loss_coeff > 0, self.config.sequence_parallel)
                           if self.mapping.is_moe else None)
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
-                            adam_beta1=train_cfg.adam_beta1, adam_beta2=train_cfg.adam_beta2, adam_eps=1e-8,
-                            clip_grad=train_cfg.grad_clip, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-                            params_dtype=dtype, use_distributed_optimizer=dist_opt),
-            [self.ddp],
-            # gloo groups serve megatron's legacy gather-to-rank-0 checkpoint format, which we do not use
-            use_gloo_process_groups=False,
-        )
-        # fp16: megatron's schedules multiply each micro-batch loss by the dynamic loss scale
-        self.config.grad_scale_func = self.optimizer.scale_loss if dtype == torch.float16 else None
+        self.optimizer = self._build_optimizer()
         self.set_lr(train_cfg.lr)
         # Vocab entries of this TP shard that are padding (masked to -inf in log-softmax).
         per = self.padded_vocab // self.tp
@@ -215,6 +187,53 @@ class MegatronActor:
         logger.info("MegatronActor: tp=%d/%d pp=%d/%d cp=%d/%d dp=%d/%d, %d local params, padded vocab %d",
                     self.tp_rank, self.tp, self.pp_rank, self.pp, self.cp_rank, self.cp, self.dp_rank, self.dp,
                     sum(p.numel() for _, p in self.named_params), self.padded_vocab)
+
+    def _wrap_ddp(self) -> Any:
+        """``self.model`` in megatron's ``DistributedDataParallel`` (fp32 grad buffers, the grad reduce
+        overlapped with the backward), its parameters broadcast across DP, hooked into the schedules."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        # Routed experts are not split by TP; megatron flags them as expert-parallel (gradients reduced over the
+        # expert-data-parallel ranks, an optimizer of their own) only when EP > 1. Flag them at EP = 1 too: under
+        # TP with sequence parallelism each TP rank computes its own tokens' expert gradients, which the dense
+        # data-parallel reduce would never sum, and the optimizer state then has one shape at every EP.
+        for name, p in self.model.named_parameters():
+            if ".mlp.experts." in name:
+                p.allreduce = False
+        ddp = DistributedDataParallel(
+            config=self.config,
+            # the grad reduce (all-reduce, or reduce-scatter for the distributed optimizer) of each bucket
+            # starts during the last micro-batch's backward, as soon as the bucket's grads are complete
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+                use_distributed_optimizer=self.train_cfg.use_distributed_optimizer,
+            ),
+            module=self.model,
+        )
+        ddp.broadcast_params()  # identical replicas across DP
+        self.config.no_sync_func = ddp.no_sync
+        self.config.finalize_model_grads_func = finalize_model_grads
+        return ddp
+
+    def _build_optimizer(self) -> Any:
+        """megatron-core's Adam over ``self.ddp`` with ``train_cfg``'s settings (the distributed optimizer with
+        ``use_distributed_optimizer``); for fp16 the schedules scale each micro-batch loss by its loss scale."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        t, dtype = self.train_cfg, self.dtype
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                            adam_beta2=t.adam_beta2, adam_eps=1e-8, clip_grad=t.grad_clip,
+                            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+                            use_distributed_optimizer=t.use_distributed_optimizer),
+            [self.ddp],
+            # gloo groups serve megatron's legacy gather-to-rank-0 checkpoint format, which we do not use
+            use_gloo_process_groups=False,
+        )
+        # fp16: megatron's schedules multiply each micro-batch loss by the dynamic loss scale
+        self.config.grad_scale_func = optimizer.scale_loss if dtype == torch.float16 else None
+        return optimizer
 
     # ------------------------------------------------------------------ names
     def _global_name(self, local_name: str) -> str:
@@ -602,7 +621,7 @@ class MegatronActor:
         """Log-probs ``[B, T]`` (fp32, CPU) of ``tokens`` under the reference weights; 0 after each
         row's last masked token. Swaps the reference weights in and back (exactly). Collective."""
         if not self.has_reference:
-            raise RuntimeError("no reference policy: call snapshot_reference() first (train.kl_coef > 0)")
+            raise RuntimeError("no reference policy: call snapshot_reference() first (loss.kl_coef > 0)")
         saved = [p.detach().clone() for _, p in self.named_params]
         try:
             with torch.no_grad():
@@ -617,34 +636,23 @@ class MegatronActor:
     # --------------------------------------------------------------- training
     def loss_stat_keys(self, loss_type: str, with_ref: bool) -> list[str]:
         """Names of the per-token statistics :meth:`compute_grads` returns for ``loss_type``."""
+        from megatron_agentrl.algo.losses import policy_loss_stat_keys
+
         if loss_type != "grpo":
             return ["loss"]
-        cfg = self.train_cfg
-        keys = ["loss", "pg_loss", "clip_frac", "approx_kl"]
-        if cfg.tis_cap > 0:
-            keys += ["is_weight", "is_truncated"]
-        if cfg.mis_cap > 0:
-            keys.append("mis_masked")
-        if with_ref:
-            keys.append("kl_ref")
-        if cfg.entropy_coef > 0:
-            keys.append("entropy")
-        return keys
+        return policy_loss_stat_keys(self.loss_cfg, with_ref, with_entropy=self.loss_cfg.entropy_coef > 0)
 
     def compute_grads(self, batch: TrainBatch, loss_type: str = "grpo", temperature: float = 1.0) -> dict[str, float]:
         """Forward + backward over ``batch`` (this DP rank's slice) without an optimizer step.
 
         Leaves in ``param.main_grad`` the gradient of the token-averaged loss of the global batch
-        (all-reduced over DP). The grpo loss is :func:`megatron_agentrl.algo.losses.policy_loss`
-        with the train config's ``clip_eps_low/high``, ``tis_cap`` (truncated importance weights
-        against the step-start policy, which with one optimizer step per batch is this forward's
-        own detached log-probs), ``kl_coef`` (needs ``batch.ref_logprobs``), ``entropy_coef``,
-        ``ratio_level`` (GSPO), ``mis_cap`` / ``mis_level`` (masked importance sampling against the
-        same step-start log-probs) and ``batch.token_weights`` (``algo.loss_agg``). Sequence-level
-        terms group the tokens by their row of ``batch`` (a ``seq_id`` field carried through padding,
-        packing and the context-parallel cut; per-sequence sums all-reduced over CP).
-        Micro-batches: ``micro_batch_size`` rows, or packed by ``micro_batch_tokens``; each cut to
-        its rows' last policy token.
+        (all-reduced over DP). The grpo loss is :func:`megatron_agentrl.algo.losses.policy_loss` under
+        ``loss_cfg`` (:meth:`_grpo_loss`: its step-start policy, for ``tis_cap`` and ``mis_cap``, is this
+        forward's own detached log-probs, as there is one optimizer step per batch; ``kl_coef`` needs
+        ``batch.ref_logprobs``; ``batch.token_weights`` are ``loss.agg``'s). Sequence-level terms group the
+        tokens by their row of ``batch`` (a ``seq_id`` field carried through padding, packing and the
+        context-parallel cut; per-sequence sums all-reduced over CP). Micro-batches: ``micro_batch_size``
+        rows, or packed by ``micro_batch_tokens``; each cut to its rows' last policy token.
 
         Returns per-token averages over the global batch (:meth:`loss_stat_keys`: ``loss``, the
         objective optimized, and for grpo ``pg_loss``, ``clip_frac``, ``approx_kl``, ``is_weight``,
@@ -654,81 +662,16 @@ class MegatronActor:
         of this forward, i.e. the weights at the step start); for a MoE model the ``moe/*`` routing
         metrics (:meth:`megatron_agentrl.megatron.moe.MoEStats.step_metrics`). Collective over all ranks.
         """
-        from megatron.core import parallel_state
-
-        from megatron_agentrl.algo.losses import Sequences, policy_loss, sft_loss
-        from megatron_agentrl.algo.mismatch import LAG_BUCKETS, lag_metrics, lag_sums
-
-        if loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}")
-        if not temperature > 0:
-            raise ValueError(f"temperature={temperature!r} must be > 0")
-        self._check_tokens(batch.tokens)
+        self._check_train_batch(batch, loss_type, temperature)
         B, T = batch.tokens.shape
-        if B == 0:
-            raise ValueError("empty batch on this data-parallel rank: give at least one sample per DP rank")
-        cfg = self.train_cfg
-        tis_cap, kl_coef, entropy_coef, mis_cap = cfg.tis_cap, cfg.kl_coef, cfg.entropy_coef, cfg.mis_cap
-        with_ref = loss_type == "grpo" and batch.ref_logprobs is not None
-        with_lag = loss_type == "grpo" and batch.version_lag is not None
-        with_weights = batch.token_weights is not None
-        # per-sequence sums: GSPO's ratio, sequence-level MIS
-        with_seqs = loss_type == "grpo" and (cfg.ratio_level == "sequence"
-                                             or (mis_cap > 0 and cfg.mis_level == "sequence"))
-        if loss_type == "grpo" and kl_coef > 0 and not with_ref:
-            raise ValueError("train.kl_coef > 0 needs batch.ref_logprobs (compute_ref_logprobs)")
-        if with_weights and loss_type != "grpo":
-            raise ValueError(f"batch.token_weights (algo.loss_agg) apply to the grpo loss, not loss_type={loss_type!r}")
-        if with_weights and batch.token_weights.shape != batch.tokens.shape:
-            raise ValueError(f"batch.token_weights {tuple(batch.token_weights.shape)} must be [B, T] like batch.tokens "
-                             f"{tuple(batch.tokens.shape)}")
-        stat_keys = self.loss_stat_keys(loss_type, with_ref)
-        cp_group = self._cp_group() if self.cp > 1 else None
-
-        def loss_func(mb: dict[str, Tensor], output: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-            mask = mb["loss_mask"].float()
-            starts = mb.get("seq_starts")
-            labels = mb.get("labels")  # context parallelism: targets and fields shifted (_cp_shard)
-            if loss_type == "grpo":
-                lp, entropy = self._token_logprobs(output, mb["tokens"], temperature, seq_starts=starts,
-                                                   labels=labels, with_entropy=entropy_coef > 0)
-                # the batch row of every token (padding rows / columns: mask 0, never counted); every
-                # CP rank sums its part of each sequence and the CP group adds them up
-                seqs = Sequences(mb["seq_id"], B, cp_group) if with_seqs else None
-                loss, stats = policy_loss(
-                    lp, mb["behavior_logprobs"].to(lp.dtype), mb["advantages"].to(lp.dtype), mask,
-                    clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
-                    old_logprobs=lp.detach() if tis_cap > 0 or mis_cap > 0 else None, tis_cap=tis_cap,
-                    ref_logprobs=mb["ref_logprobs"].to(lp.dtype) if with_ref else None, kl_coef=kl_coef,
-                    kl_estimator=cfg.kl_estimator,
-                    entropy=entropy, entropy_coef=entropy_coef,
-                    ratio_level=cfg.ratio_level, mis_cap=mis_cap, mis_level=cfg.mis_level, sequences=seqs,
-                    token_weights=mb["token_weights"].to(lp.dtype) if with_weights else None,
-                )
-                if with_lag:
-                    stats["lag_sums"] = lag_sums(lp, mb["behavior_logprobs"].to(lp.dtype), mask, mb["version_lag"])
-            else:
-                lp, _ = self._token_logprobs(output, mb["tokens"], temperature, seq_starts=starts, labels=labels)
-                loss, stats = sft_loss(lp, mask)
-            reported = {"loss": loss.detach(), "num_tokens": mask.sum().detach()}
-            reported.update({k: v.detach() for k, v in stats.items()})
-            return loss, mask.sum().to(torch.int), reported
-
-        data = {
-            "tokens": batch.tokens.long(),
-            "loss_mask": batch.loss_mask.float(),
-            "behavior_logprobs": batch.behavior_logprobs.float(),
-            "advantages": batch.advantages.float(),
-        }
-        if with_ref:
-            data["ref_logprobs"] = batch.ref_logprobs.float()
-        if with_lag:
-            data["version_lag"] = batch.version_lag.long()
-        if with_weights:
-            data["token_weights"] = batch.token_weights.float()
-        if with_seqs:
-            data["seq_id"] = torch.arange(B).unsqueeze(1).expand(B, T).contiguous()
-        plan, lengths = self._plan(data["loss_mask"], B, T, cfg.micro_batch_size, cfg.micro_batch_tokens)
+        data = self._train_fields(batch, loss_type)
+        if loss_type == "grpo":
+            cp_group = self._cp_group() if self.cp > 1 else None
+            loss_func = partial(self._grpo_loss, temperature=temperature, rows=B, cp_group=cp_group)
+        else:
+            loss_func = partial(self._sft_loss, temperature=temperature)
+        plan, lengths = self._plan(data["loss_mask"], B, T, self.train_cfg.micro_batch_size,
+                                   self.train_cfg.micro_batch_tokens)
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         if self.moe_stats is not None:
@@ -738,8 +681,103 @@ class MegatronActor:
         finally:
             if self.moe_stats is not None:
                 self.moe_stats.recording = False
+        result = self._reduce_stats(outs, self.loss_stat_keys(loss_type, "ref_logprobs" in data),
+                                    "version_lag" in data, len(plan))
+        if self.moe_stats is not None:
+            result.update(self.moe_stats.step_metrics(len(plan)))
+        return result
 
-        # one vector summed over micro-batches and DP x CP ranks: the stats, the token count, the lag sums
+    def _check_train_batch(self, batch: TrainBatch, loss_type: str, temperature: float) -> None:
+        """Refuse a batch that :meth:`compute_grads` cannot train on with ``loss_type`` and ``loss_cfg``."""
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}")
+        if not temperature > 0:
+            raise ValueError(f"temperature={temperature!r} must be > 0")
+        self._check_tokens(batch.tokens)
+        if batch.tokens.shape[0] == 0:
+            raise ValueError("empty batch on this data-parallel rank: give at least one sample per DP rank")
+        if loss_type == "grpo" and self.loss_cfg.kl_coef > 0 and batch.ref_logprobs is None:
+            raise ValueError("loss.kl_coef > 0 needs batch.ref_logprobs (compute_ref_logprobs)")
+        weights = batch.token_weights
+        if weights is not None and loss_type != "grpo":
+            raise ValueError(f"batch.token_weights (loss.agg) apply to the grpo loss, not loss_type={loss_type!r}")
+        if weights is not None and weights.shape != batch.tokens.shape:
+            raise ValueError(f"batch.token_weights {tuple(weights.shape)} must be [B, T] like batch.tokens "
+                             f"{tuple(batch.tokens.shape)}")
+
+    def _train_fields(self, batch: TrainBatch, loss_type: str) -> dict[str, Tensor]:
+        """The ``[B, T]`` fields of ``batch`` that the micro-batches carry to the loss: the optional ones
+        only for grpo and when given, and ``seq_id`` (each token's row) when a loss term is per sequence."""
+        data = {
+            "tokens": batch.tokens.long(),
+            "loss_mask": batch.loss_mask.float(),
+            "behavior_logprobs": batch.behavior_logprobs.float(),
+            "advantages": batch.advantages.float(),
+        }
+        if loss_type != "grpo":
+            return data
+        if batch.ref_logprobs is not None:
+            data["ref_logprobs"] = batch.ref_logprobs.float()
+        if batch.version_lag is not None:
+            data["version_lag"] = batch.version_lag.long()
+        if batch.token_weights is not None:
+            data["token_weights"] = batch.token_weights.float()
+        if self.loss_cfg.needs_sequences:
+            B, T = batch.tokens.shape
+            data["seq_id"] = torch.arange(B).unsqueeze(1).expand(B, T).contiguous()
+        return data
+
+    def _grpo_loss(self, mb: dict[str, Tensor], output: Tensor, *, temperature: float, rows: int,
+                   cp_group: Any) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """megatron's loss function of one grpo micro-batch: :func:`~megatron_agentrl.algo.losses.policy_loss`
+        under ``loss_cfg``, with the micro-batch's optional fields (:meth:`_train_fields`) where present."""
+        from megatron_agentrl.algo.losses import Sequences, policy_loss
+        from megatron_agentrl.algo.mismatch import lag_sums
+
+        mask = mb["loss_mask"].float()
+        # context parallelism: targets and fields shifted (_cp_shard)
+        lp, entropy = self._token_logprobs(output, mb["tokens"], temperature, seq_starts=mb.get("seq_starts"),
+                                           labels=mb.get("labels"), with_entropy=self.loss_cfg.entropy_coef > 0)
+        behavior = mb["behavior_logprobs"].to(lp.dtype)
+        optional = {k: mb[k].to(lp.dtype) if k in mb else None for k in ("ref_logprobs", "token_weights")}
+        # the batch row of every token (padding rows / columns: mask 0, never counted); every CP rank sums its
+        # part of each sequence and the CP group adds them up
+        seqs = Sequences(mb["seq_id"], rows, cp_group) if "seq_id" in mb else None
+        loss, stats = policy_loss(lp, behavior, mb["advantages"].to(lp.dtype), mask, self.loss_cfg,
+                                  old_logprobs=lp.detach(), entropy=entropy, sequences=seqs, **optional)
+        if "version_lag" in mb:
+            stats["lag_sums"] = lag_sums(lp, behavior, mask, mb["version_lag"])
+        return self._reported(loss, mask, stats)
+
+    def _sft_loss(self, mb: dict[str, Tensor], output: Tensor, *,
+                  temperature: float) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """megatron's loss function of one sft micro-batch: :func:`~megatron_agentrl.algo.losses.sft_loss`."""
+        from megatron_agentrl.algo.losses import sft_loss
+
+        mask = mb["loss_mask"].float()
+        lp, _ = self._token_logprobs(output, mb["tokens"], temperature, seq_starts=mb.get("seq_starts"),
+                                     labels=mb.get("labels"))
+        loss, stats = sft_loss(lp, mask)
+        return self._reported(loss, mask, stats)
+
+    @staticmethod
+    def _reported(loss: Tensor, mask: Tensor, stats: dict[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """What megatron's schedules take from a loss function: the loss, its token count, and the detached
+        stats (with ``loss`` and ``num_tokens``) that :meth:`_reduce_stats` sums."""
+        reported = {"loss": loss.detach(), "num_tokens": mask.sum().detach()}
+        reported.update({k: v.detach() for k, v in stats.items()})
+        return loss, mask.sum().to(torch.int), reported
+
+    def _reduce_stats(self, outs: list[dict[str, Tensor]], stat_keys: list[str], with_lag: bool,
+                      num_micro_batches: int) -> dict[str, float]:
+        """Per-token averages over the global batch of the micro-batches' ``stat_keys``, ``num_tokens``,
+        ``num_micro_batches`` (this rank's) and with ``with_lag`` the ``mismatch/*`` metrics: one vector
+        summed over micro-batches and DP x CP ranks (the stats, the token count, the lag sums). Collective
+        over all ranks."""
+        from megatron.core import parallel_state
+
+        from megatron_agentrl.algo.mismatch import LAG_BUCKETS, lag_metrics
+
         n_stats = len(stat_keys) + 1
         sums = torch.zeros(n_stats + (LAG_BUCKETS * 3 if with_lag else 0), dtype=torch.float64, device=self.device)
         if self.post_process:
@@ -754,11 +792,9 @@ class MegatronActor:
         n = float(sums[n_stats - 1])
         result = {k: float(sums[i]) / max(n, 1.0) for i, k in enumerate(stat_keys)}
         result["num_tokens"] = n
-        result["num_micro_batches"] = float(len(plan))
+        result["num_micro_batches"] = float(num_micro_batches)
         if with_lag:
             result.update(lag_metrics(sums[n_stats:].reshape(LAG_BUCKETS, 3).cpu()))
-        if self.moe_stats is not None:
-            result.update(self.moe_stats.step_metrics(len(plan)))
         return result
 
     def _grad_norm(self) -> float:

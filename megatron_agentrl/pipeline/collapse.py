@@ -61,7 +61,7 @@ class CollapseMonitor:
                         f"task '{task}' may have collapsed: its training reward has been {reward:.3f} or near it for "
                         f"{st.low_run} steps (step {step}), down from a recent level of {level:.3f}. A task whose "
                         "groups all score the same gets no GRPO signal and cannot recover by itself: check its "
-                        "samples, lower train.lr, or add a KL anchor (train.kl_coef)")
+                        "samples, lower train.lr, or add a KL anchor (loss.kl_coef)")
             else:
                 if st.collapsed:
                     messages.append(f"task '{task}' recovered at step {step}: training reward {reward:.3f} "

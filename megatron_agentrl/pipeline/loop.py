@@ -185,7 +185,7 @@ class TrainingRun:
         self.hf_config = load_hf_config(cfg.model, self.tokenizer)
         template = chat_template(cfg, self.tokenizer, self.hf_config)  # on every rank: a bad choice fails everywhere
         torch.manual_seed(cfg.train.seed)
-        self.actor = MegatronActor(self.hf_config, cfg.train, dtype=dtype)
+        self.actor = MegatronActor(self.hf_config, cfg.train, cfg.loss, dtype=dtype)
         load_start_weights(cfg, self.actor)
         self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out / "checkpoints"
         self.resume = _resume_path(cfg, self.ckpt_root)
@@ -215,12 +215,12 @@ class TrainingRun:
     def warm_up(self) -> None:
         """The weights RL starts from, in every slot: a checkpoint's (``checkpoint.resume``: its step,
         weight version, rollout state and first evaluation), or the start weights after the SFT warm-up
-        (``sft.steps``), the KL reference snapshot (``train.kl_coef > 0``) and the first evaluation."""
+        (``sft.steps``), the KL reference snapshot (``loss.kl_coef > 0``) and the first evaluation."""
         cfg = self.cfg
         if self.resume is not None:
             self.state = load_checkpoint(self.resume, self.actor)
-            if cfg.train.kl_coef > 0 and not self.actor.has_reference:
-                logger.warning("train.kl_coef > 0 but the checkpoint holds no reference policy: using its weights")
+            if cfg.loss.kl_coef > 0 and not self.actor.has_reference:
+                logger.warning("loss.kl_coef > 0 but the checkpoint holds no reference policy: using its weights")
                 self.actor.snapshot_reference()
             self.publisher.push(int(self.state["version"]), all_slots=True)
             self.before = self.state.get("before_rl", {}) if self.rank0 else {}
@@ -231,7 +231,7 @@ class TrainingRun:
         if cfg.sft.steps:
             sft_warmup(cfg, self.actor, self.ro, self.metrics, self.progress)
         self.publisher.push(0, all_slots=True)
-        if cfg.train.kl_coef > 0:
+        if cfg.loss.kl_coef > 0:
             self.actor.snapshot_reference()
         if self.rank0:
             self.before = evaluate(cfg, self.ro, seed=cfg.train.seed + 1, progress=self.progress,
@@ -243,11 +243,11 @@ class TrainingRun:
         """Rank 0: the rollout manager (with the checkpoint's state when resuming) starts sampling."""
         cfg = self.cfg
         off_policy = self.eta > 0 or cfg.rollout.cross_policy != "latest"
-        if self.rank0 and off_policy and cfg.train.tis_cap == 0 and cfg.train.mis_cap == 0:
-            logger.warning("off-policy tokens (pipeline.staleness=%d, rollout.cross_policy=%s) with train.tis_cap=0 "
-                           "and train.mis_cap=0: they are corrected only by the PPO clip against their behavior "
-                           "log-probs; set train.tis_cap (e.g. 2.0) for truncated importance weights, or "
-                           "train.mis_cap for masked ones",
+        if self.rank0 and off_policy and cfg.loss.tis_cap == 0 and cfg.loss.mis_cap == 0:
+            logger.warning("off-policy tokens (pipeline.staleness=%d, rollout.cross_policy=%s) with loss.tis_cap=0 "
+                           "and loss.mis_cap=0: they are corrected only by the PPO clip against their behavior "
+                           "log-probs; set loss.tis_cap (e.g. 2.0) for truncated importance weights, or "
+                           "loss.mis_cap for masked ones",
                            self.eta, cfg.rollout.cross_policy)
         if self.rank0:
             self.manager = make_manager(cfg, self.ro, version=self.start_step)

@@ -6,7 +6,7 @@ takes its slice, per-task advantage normalization runs globally over the data-pa
 (``normalize_per_task`` with ``process_group``), reference log-probs are added when the KL term is
 on, and the actor takes one optimizer step (clipped loss with truncated or masked importance weights,
 token- or sequence-level ratios, micro-batches by token budget). The per-token weights of
-``algo.loss_agg`` are computed here, from the global batch before the data-parallel split, so that the
+``loss.agg`` are computed here, from the global batch before the data-parallel split, so that the
 sequence count and lengths they hold are global.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Trainer:
         """Train RL step ``step`` (1-based; its learning rate is ``train.lr_at(step)``) on ``rl`` (given on
         rank 0, None elsewhere). Collective over all ranks.
 
-        Returns the actor's stats: ``loss`` (the objective under ``algo.loss_agg``) and per-token averages
+        Returns the actor's stats: ``loss`` (the objective under ``loss.agg``) and per-token averages
         over the global batch (``pg_loss``, ``clip_frac``, ``approx_kl``, and as enabled ``is_weight``,
         ``is_truncated``, ``mis_masked``, ``kl_ref``, ``entropy``), ``grad_norm`` (before clipping),
         ``num_tokens`` (global policy tokens) and ``num_micro_batches`` (this rank).
@@ -51,13 +51,13 @@ class Trainer:
         rl = broadcast_object(rl)
         a = self.actor
         batch = rl.batch
-        weights = loss_agg_weights(batch.loss_mask, self.cfg.algo.loss_agg)  # global N_tok, N_seq, L_i
+        weights = loss_agg_weights(batch.loss_mask, self.cfg.loss.agg)  # global N_tok, N_seq, L_i
         if weights is not None:
             batch = dataclasses.replace(batch, token_weights=weights)
         local = normalize_batch(a.dp_slice(batch), a.dp_slice(rl.task_ids), self.cfg.algo, len(self.task_names),
                                 self._dp_group())
         temperature = self.cfg.rollout.temperature
-        if self.cfg.train.kl_coef > 0:
+        if self.cfg.loss.kl_coef > 0:
             local.ref_logprobs = a.compute_ref_logprobs(local.tokens, local.loss_mask, temperature)
         lr = self.cfg.train.lr_at(step)
         a.set_lr(lr)

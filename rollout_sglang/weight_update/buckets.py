@@ -11,8 +11,7 @@ Buckets are planned greedily in the order the tensors arrive: a bucket closes wh
 tensor would push it past ``bucket_bytes`` or has another dtype; a tensor larger than
 ``bucket_bytes`` gets a bucket of its own.
 
-Dtypes travel by name (:data:`DTYPES`, SGLang's spelling); :func:`dtype_from_name` is the one
-name -> ``torch.dtype`` lookup of the project.
+Dtypes travel by name (SGLang's spelling), that of the project's one dtype map, ``rollout_sglang.dtypes``.
 """
 from __future__ import annotations
 
@@ -23,42 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-# dtype wire names (SGLang's: ``getattr(torch, name)`` inverts them) -> torch dtypes
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-# other spellings that config files and command lines use, accepted by dtype_from_name
-DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
-                                 "half": "float16", "double": "float64"}
-_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The wire name of a dtype ("bfloat16", "float32", ...); ValueError for dtypes a bucket cannot carry."""
-    try:
-        return _NAMES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype {dtype} cannot be sent in a weight bucket; supported: {sorted(DTYPES)}") from None
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """The torch dtype of a name: a key of :data:`DTYPES` or :data:`DTYPE_ALIASES`, any case, an optional
-    "torch." prefix. ValueError naming the bad value and the accepted names."""
-    key = str(name).strip().lower().removeprefix("torch.")
-    key = DTYPE_ALIASES.get(key, key)
-    try:
-        return DTYPES[key]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)} "
-                         f"(or {sorted(DTYPE_ALIASES)})") from None
+# DTYPES and DTYPE_ALIASES: re-exported by rollout_sglang.weight_update
+from rollout_sglang.dtypes import DTYPE_ALIASES, DTYPES, dtype_from_name, dtype_name  # noqa: F401
 
 
 @dataclass

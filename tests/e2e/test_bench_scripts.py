@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.name for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_"))
 LAST_LINE = re.compile(r"^[A-Za-z0-9_./-]+: \S+")
 TIMEOUT_S = 300

@@ -17,7 +17,7 @@ import pytest
 
 from megatron_agentrl.config import ConfigError, load_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIG = "examples/configs/tiny_cpu_gateway.yaml"
 # the example config shrunk to seconds: a tiny model, no warm-up or evaluation, groups of 2
 TINY = ["model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2",
@@ -39,10 +39,11 @@ def sync_agent(client, sample):
 
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.agent=gateway"], "rollout.agent_fn=None is required with rollout.agent=gateway"),
-    (["rollout.agent_fn=test_gateway_train:sync_agent"], "rollout.agent=builtin runs the built-in agent loop"),
-    (["rollout.agent=gateway", "rollout.agent_fn=test_gateway_train:sync_agent"], "is not an async function"),
+    (["rollout.agent_fn=tests.e2e.test_gateway_train:sync_agent"],
+     "rollout.agent=builtin runs the built-in agent loop"),
+    (["rollout.agent=gateway", "rollout.agent_fn=tests.e2e.test_gateway_train:sync_agent"], "is not an async function"),
     (["rollout.agent=gateway", "rollout.agent_fn=no_such_module:fn"], "module 'no_such_module' does not import"),
-    (["rollout.agent=gateway", "rollout.agent_fn=test_gateway_train:missing"], "has no function 'missing'"),
+    (["rollout.agent=gateway", "rollout.agent_fn=tests.e2e.test_gateway_train:missing"], "has no function 'missing'"),
     (["rollout.agent=gateway", "rollout.agent_fn=not a path"], "must be 'package.module:function'"),
     (["rollout.agent=robot"], "rollout.agent='robot' is not one of builtin, gateway"),
     (["rollout.agent_timeout_s=0"], "rollout.agent_timeout_s=0.0 must be > 0 seconds"),
@@ -96,7 +97,7 @@ async def answer_once(client, sample):
 
 def _train(tmp_path: Path, name: str, extra: list[str]) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / name
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "megatron_agentrl.cli", "train", "--config", CONFIG, "train.steps=2",
            f"output_dir={out}", *TINY, *extra]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300), out
@@ -124,7 +125,7 @@ def test_evaluation_plays_the_users_agent(tmp_path, monkeypatch):
     here succeeds on every episode it plays, which a random tiny model through the built-in loop never does."""
     episodes = tmp_path / "episodes.jsonl"
     monkeypatch.setenv("AGENTRL_TEST_EPISODES", str(episodes))
-    proc, out = _train(tmp_path, "eval", ["rollout.agent_fn=test_gateway_train:answer_once", "train.steps=2",
+    proc, out = _train(tmp_path, "eval", ["rollout.agent_fn=tests.e2e.test_gateway_train:answer_once", "train.steps=2",
                                           "eval.samples_per_task=3", "eval.interval=1"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     evals = _rows(out, "metrics.jsonl", phase="eval")
@@ -141,8 +142,8 @@ def test_train_trajectories_carry_two_versions(tmp_path):
     """Through rollout.agent_fn, with cross-policy sampling over 2 versions: the second step's episodes run while
     weight version 1 arrives, and their turns are sampled by both versions (trajectories with 2 versions)."""
     proc, out = _train(tmp_path, "versions", [
-        "rollout.agent_fn=test_gateway_train:until_two_versions", "pipeline.queue_size=2", "rollout.max_turns=400",
-        "rollout.max_total_tokens=1024"])
+        "rollout.agent_fn=tests.e2e.test_gateway_train:until_two_versions", "pipeline.queue_size=2",
+        "rollout.max_turns=400", "rollout.max_total_tokens=1024"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rl = _rows(out, "metrics.jsonl")
     assert [r["step"] for r in rl] == [1, 2]

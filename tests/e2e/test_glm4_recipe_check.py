@@ -16,10 +16,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from recipe_check import ROOT, clean_env, report_lines, run_check
 
 from megatron_agentrl.config import ModelConfig, load_config
 from megatron_agentrl.launch.plan import ModelShape, estimate_memory
+from tests.e2e.support import ROOT, clean_env, report_lines, run_check
 
 SCRIPT = ROOT / "examples" / "run_glm4_9b_multitask.sh"
 CONFIG = ROOT / "examples" / "configs" / "glm4_9b_multitask.yaml"

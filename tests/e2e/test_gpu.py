@@ -33,7 +33,8 @@ from typing import Any
 
 import pytest
 import torch
-from dist_utils import run_distributed, wait_for_file
+
+from tests.support.dist_utils import run_distributed, wait_for_file
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False); "

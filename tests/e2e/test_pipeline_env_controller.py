@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dist_utils import run_distributed
+from tests.support.dist_utils import run_distributed
 
 
 def _serve_and_train(rank: int, world: int, out: str) -> dict:

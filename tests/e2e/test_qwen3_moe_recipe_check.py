@@ -13,10 +13,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from recipe_check import ROOT, clean_env, report_lines, run_check
 
 from megatron_agentrl.config import ModelConfig, load_config
 from megatron_agentrl.launch.plan import GiB, ModelShape, estimate_memory
+from tests.e2e.support import ROOT, clean_env, report_lines, run_check
 
 SCRIPT = ROOT / "examples" / "run_qwen3_30b_a3b_multitask.sh"
 CONFIG = ROOT / "examples" / "configs" / "qwen3_30b_a3b_multitask.yaml"

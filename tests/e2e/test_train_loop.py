@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from dist_utils import run_distributed
+
+from tests.support.dist_utils import run_distributed
 
 TINY = [
     "model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2",

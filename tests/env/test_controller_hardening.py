@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from test_env_controller import EchoTask, cluster, fast_config, raw, run, tool_call
 
 from env_controller.controller.server import Controller
 from env_controller.http.service import MAX_BODY_BYTES, MAX_JSON_DEPTH, json_too_deep, loads_json, start_site
 from env_controller.protocol import SampleStatus
 from env_controller.worker.server import WorkerServer
+from tests.env.support import EchoTask, cluster, fast_config, raw, run, tool_call
 
 NESTED = b"[" * 100_000
 

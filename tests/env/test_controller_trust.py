@@ -16,8 +16,6 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from test_env_controller import EchoTask, cluster, fast_config, raw, run, tool_call
-from test_env_controller_cli import AGENTRL
 
 from env_controller.cli import worker_tokens
 from env_controller.clients.http_client import EnvControllerError, HttpEnvClient
@@ -27,6 +25,7 @@ from env_controller.http.net import free_port
 from env_controller.http.service import start_site
 from env_controller.tasks import build_task
 from env_controller.worker.server import WorkerServer
+from tests.env.support import AGENTRL, EchoTask, cluster, fast_config, raw, run, tool_call
 
 TRAINER, ECHO, CALC = "trainer-tok-7f3a", "echo-tok-91be", "calc-tok-c20d"
 TOKENS = (TRAINER, ECHO, CALC)
@@ -344,7 +343,7 @@ def test_a_stock_agentrl_worker_registers_with_its_worker_token_in_the_url(tmp_p
     """Split credentials with a stock ``agentrl-worker``: its task's worker token in the controller URL
     (Basic auth) registers it; the trainer drives it with the trainer token."""
     pytest.importorskip("agentrl.worker.task_worker", reason="agentrl-worker is in the dev extra")
-    from test_env_controller_agentrl import CONFIG, TASK_MODULE, start_agentrl_worker, wait_registered
+    from tests.env.support import CONFIG, TASK_MODULE, start_agentrl_worker, wait_registered
 
     (tmp_path / "arw_add_task.py").write_text(TASK_MODULE)
     (tmp_path / "arw.yaml").write_text(CONFIG)

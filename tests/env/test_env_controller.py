@@ -7,148 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
-import aiohttp
 import pytest
 
 from env_controller.clients.http_client import EnvControllerError, HttpEnvClient
 from env_controller.clients.local import UnknownSessionError
 from env_controller.controller.registry import NoWorkerError, RegistryError, WorkerRegistry, WorkerState
-from env_controller.controller.server import Controller, ControllerConfig
+from env_controller.controller.server import Controller
 from env_controller.http.net import free_port
 from env_controller.protocol import MalformedMessageError, SampleStatus, TaskReply
-from env_controller.tasks import Task, TaskSession, build_task
-from env_controller.tasks.base import make_tool_call
+from env_controller.tasks import Task, build_task
 from env_controller.worker.server import WorkerServer
-
-LIMIT_S = 60.0
-
-
-def run(coro: Awaitable[Any], limit: float = LIMIT_S) -> Any:
-    """Run a coroutine with an overall time limit."""
-    return asyncio.run(asyncio.wait_for(coro, limit))
-
-
-def tool_call(name: str, args: dict[str, Any], call_id: str = "c0") -> dict[str, Any]:
-    return {"role": "assistant", "content": "", "tool_calls": [make_tool_call(call_id, name, args)]}
-
-
-class EchoSession(TaskSession):
-    """Tools: ``echo(text)``, ``sleep(seconds)`` (then echoes), ``finish()`` (reward 1)."""
-
-    def __init__(self, task: "EchoTask") -> None:
-        self.task = task
-        self.closed = False
-
-    async def interact(self, assistant_message: dict[str, Any]) -> TaskReply:
-        call = assistant_message["tool_calls"][0]
-        name = call["function"]["name"]
-        args = json.loads(call["function"]["arguments"])
-        if name == "sleep":
-            await asyncio.sleep(args["seconds"])
-            name = "echo"
-        if name == "finish":
-            return TaskReply(
-                messages=[], status=SampleStatus.COMPLETED, finish=True, reward=1.0, metrics={"success": 1.0}
-            )
-        if name == "boom":
-            raise RuntimeError("the sandbox exploded")
-        return TaskReply(
-            messages=[{"role": "tool", "tool_call_id": call["id"], "content": str(args.get("text", "slept"))}]
-        )
-
-    async def close(self) -> None:
-        self.closed = True
-        self.task.closed += 1
-
-
-class EchoTask(Task):
-    """A tiny task for protocol tests (10 samples)."""
-
-    name = "echo"
-
-    def __init__(self) -> None:
-        self.closed = 0
-
-    def indices(self) -> list[int]:
-        return list(range(10))
-
-    async def start(self, index: int) -> tuple[TaskSession, TaskReply]:
-        if index == 9:
-            raise RuntimeError("sample 9 is broken")
-        return EchoSession(self), TaskReply(messages=[{"role": "user", "content": f"sample {index}"}], tools=[])
-
-    def demonstration(self, index: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        raise NotImplementedError
-
-
-def fast_config(**kw: Any) -> ControllerConfig:
-    base: dict[str, Any] = dict(port=0, suspect_after_s=2.0, heartbeat_timeout_s=4.0)
-    base.update(kw)
-    return ControllerConfig(**base)
-
-
-@contextlib.asynccontextmanager
-async def cluster(
-    tasks: list[Task] | None = None,
-    config: ControllerConfig | None = None,
-    heartbeat_s: float = 0.2,
-    **worker_kw: Any,
-) -> AsyncIterator[tuple[Controller, list[WorkerServer], HttpEnvClient]]:
-    """A controller, one worker per task (registered before yielding) and a client."""
-    controller = Controller(config or fast_config())
-    workers: list[WorkerServer] = []
-    client: HttpEnvClient | None = None
-    await controller.start()
-    try:
-        for task in tasks if tasks is not None else [EchoTask()]:
-            w = WorkerServer(task, controller_url=controller.url, heartbeat_interval_s=heartbeat_s, **worker_kw)
-            workers.append(w)
-            await w.start()
-            assert w.heartbeat_ok is not None
-            await asyncio.wait_for(w.heartbeat_ok.wait(), 10)
-        client = HttpEnvClient(controller.url, retries=0, timeout_s=30)
-        yield controller, workers, client
-    finally:
-        if client is not None:
-            await client.aclose()
-        for w in workers:
-            await w.stop()
-        await controller.stop()
-
-
-async def raw(
-    url: str, method: str = "POST", data: Any = None, headers: dict[str, str] | None = None, json_body: Any = None
-) -> tuple[int, Any, Any]:
-    """One plain HTTP call; returns (status, parsed JSON or text, headers)."""
-    async with aiohttp.ClientSession() as s:
-        async with s.request(method, url, data=data, json=json_body, headers=headers,
-                             timeout=aiohttp.ClientTimeout(total=20)) as r:
-            text = await r.text()
-            try:
-                body = json.loads(text)
-            except ValueError:
-                body = text
-            return r.status, body, r.headers
-
-
-async def beat(controller_url: str, worker: WorkerServer, **override: Any) -> tuple[int, Any]:
-    """Send one heartbeat on behalf of ``worker`` (tests that drive heartbeats by hand)."""
-    body = {
-        "name": worker.name,
-        "address": worker.address,
-        "concurrency": worker.concurrency,
-        "indices": worker.indices,
-    }
-    body.update(override)
-    status, payload, _ = await raw(controller_url + "/receive_heartbeat", json_body=body)
-    return status, payload
-
+from tests.env.support import EchoTask, beat, cluster, fast_config, raw, run, tool_call
 
 # ----------------------------------------------------------------------------------------------
 # end to end

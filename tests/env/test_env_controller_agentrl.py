@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -23,62 +20,8 @@ pytest.importorskip("agentrl.worker.task_worker", reason="agentrl-worker is in t
 from env_controller.clients.http_client import EnvControllerError, HttpEnvClient  # noqa: E402
 from env_controller.clients.local import UnknownSessionError  # noqa: E402
 from env_controller.controller.server import Controller, ControllerConfig  # noqa: E402
-from env_controller.http.net import free_port  # noqa: E402
 from env_controller.protocol import MalformedMessageError, SampleStatus  # noqa: E402
-
-TASK_MODULE = '''
-"""An AgentRL task: add two numbers (tool ``add``), then ``answer``."""
-import json
-
-from agentrl.worker.task import Session, Task
-from agentrl.worker.typings import RewardHistoryItem, SampleStatus, TaskSampleExecutionResult
-
-TOOLS = [
-    {"type": "function", "function": {"name": "add", "description": "Add a and b.", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
-    {"type": "function", "function": {"name": "answer", "description": "The final answer.", "parameters": {
-        "type": "object", "properties": {"value": {"type": "integer"}}, "required": ["value"]}}},
-]
-
-
-class AddTask(Task):
-    def __init__(self, num_samples=20, **kwargs):
-        super().__init__(tools=TOOLS, full_async=True, **kwargs)
-        self.num_samples = num_samples
-
-    def get_indices(self):
-        return list(range(self.num_samples))
-
-    async def start_sample(self, index, session: Session):
-        a, b = index, 2 * index + 1
-        session.inject({"role": "user", "content": f"What is {a} + {b}?"})
-        for _ in range(4):
-            out = await session.action()
-            calls = out.messages[-1].get("tool_calls") or []
-            if not calls:
-                session.inject(RewardHistoryItem(reward=0.0, metrics={"success": 0.0}))
-                return TaskSampleExecutionResult(status=SampleStatus.AGENT_INVALID_ACTION)
-            call = calls[0]
-            args = json.loads(call["function"]["arguments"])
-            if call["function"]["name"] == "add":
-                session.inject({"role": "tool", "tool_call_id": call["id"], "content": str(args["a"] + args["b"])})
-                continue
-            ok = args.get("value") == a + b
-            session.inject({"role": "tool", "tool_call_id": call["id"], "content": "correct" if ok else "wrong"})
-            session.inject(RewardHistoryItem(reward=float(ok), metrics={"success": float(ok)}))
-            return TaskSampleExecutionResult(status=SampleStatus.COMPLETED, result={"ok": ok})
-        session.inject(RewardHistoryItem(reward=0.0, metrics={"success": 0.0}))
-        return TaskSampleExecutionResult(status=SampleStatus.TASK_LIMIT_REACHED)
-'''
-
-CONFIG = """
-arwadd:
-  module: arw_add_task.AddTask
-  parameters:
-    name: arwadd
-    concurrency: 4
-    num_samples: 20
-"""
+from tests.env.support import CONFIG, TASK_MODULE, start_agentrl_worker, wait_registered  # noqa: E402
 
 
 def call(name: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -98,35 +41,6 @@ def agentrl_worker_files(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def start_agentrl_worker(
-    files: Path, controller_url: str, processes: list[subprocess.Popen[bytes]]
-) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    address = f"http://127.0.0.1:{port}/api"
-    env = dict(os.environ, PYTHONPATH=str(files) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentrl.worker", "arwadd", "--config", str(files / "arw.yaml"),
-         "--controller", controller_url, "--self", address, "--host", "127.0.0.1", "--port", str(port),
-         "--log-level", "WARNING"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
-    processes.append(proc)
-    return proc, address
-
-
-async def wait_registered(
-    env: HttpEnvClient, proc: subprocess.Popen[bytes], name: str, limit_s: float = 60
-) -> dict[str, Any]:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            stderr = proc.stderr.read().decode()[-3000:]  # type: ignore[union-attr]
-            raise AssertionError(f"agentrl worker exited with {proc.returncode}: {stderr}")
-        workers = await env.list_workers()
-        if name in workers:
-            return workers[name]
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"the agentrl worker did not register within {limit_s} s")
 
 
 async def worker_sessions(address: str) -> dict[str, Any]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -16,8 +15,7 @@ from env_controller.clients.http_client import HttpEnvClient
 from env_controller.http.net import free_port
 from env_controller.protocol import SampleStatus
 from env_controller.tasks import build_task
-
-AGENTRL = [sys.executable, "-m", "megatron_agentrl.cli"]
+from tests.env.support import AGENTRL
 
 
 def spawn(processes: list[subprocess.Popen[bytes]], *args: str) -> subprocess.Popen[bytes]:

@@ -29,12 +29,12 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     response_schema_conformance,
     status_code_conformance,
 )
-from test_env_controller import EchoTask, fast_config  # noqa: E402
 
 from env_controller.controller.server import Controller  # noqa: E402
 from env_controller.openapi import controller_spec, worker_spec  # noqa: E402
 from env_controller.tasks import build_task  # noqa: E402
 from env_controller.worker.server import WorkerServer  # noqa: E402
+from tests.env.support import EchoTask, fast_config  # noqa: E402
 
 TRAINER, WORKER = "trainer-secret-1", "worker-secret-2"
 #: valid and invalid requests per operation and mode (the worker and the controller have about 10 operations each)

@@ -1,7 +1,6 @@
 """The bubblewrap sandbox, for real: persistence, isolation, and escape attempts that must fail cleanly."""
 from __future__ import annotations
 
-import os
 import socket
 import tempfile
 import threading
@@ -11,10 +10,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from sandbox_cases import FLOODS, NEVER_ENDING
 
 from env_controller.sandbox import SandboxError, SandboxLimits, make_backend
-from env_controller.sandbox.bwrap import BwrapBackend, BwrapSandbox, descendants, find_bwrap
+from env_controller.sandbox.bwrap import BwrapBackend, BwrapSandbox, find_bwrap
+from tests.env.support import FLOODS, NEVER_ENDING, _identity, _our_bwraps
 
 pytestmark = pytest.mark.skipif(
     find_bwrap() is None, reason="bubblewrap is not installed: apt-get install bubblewrap (CI installs it)")
@@ -23,27 +22,6 @@ LIMITS = SandboxLimits(timeout_s=2, max_processes=32, max_output_bytes=8192, mem
                        max_file_mb=4)
 
 
-def _identity(pid: int) -> tuple[int, bytes] | None:
-    """``(pid, start time)`` of a live, non-zombie process (pids get reused), else None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2:].split()
-    return None if fields[0] == b"Z" else (pid, fields[19])
-
-
-def _our_bwraps() -> list[int]:
-    out = []
-    for pid in descendants(os.getpid()):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"bwrap" in f.read().split(b"\0")[0]:
-                    out.append(pid)
-        except OSError:
-            pass
-    return out
 
 
 @pytest.fixture

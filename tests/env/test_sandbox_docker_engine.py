@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sandbox_cases import FLOODS, NEVER_ENDING
+
+from tests.env.support import FLOODS, NEVER_ENDING
 
 docker = pytest.importorskip("docker", reason="the docker SDK is not installed (pip install docker)")
 
@@ -315,7 +316,7 @@ _CRASH = textwrap.dedent("""
 
 def test_leaked_containers_are_reaped_after_kill_9(docker_engine: Any, os_shell_image: str) -> None:
     crashed = subprocess.run([sys.executable, "-c", _CRASH, docker_engine.url, os_shell_image], capture_output=True,
-                             text=True, timeout=60, cwd=Path(__file__).parent.parent)
+                             text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     ids = crashed.stdout.split()
     assert len(ids) == 2 and {c.id for c in _containers(docker_engine)} >= set(ids)

@@ -13,12 +13,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from test_sandbox_bwrap import _identity, _our_bwraps
 
 from env_controller.sandbox import SandboxError, SandboxLimits, make_backend
 from env_controller.sandbox import bwrap as bwrap_module
 from env_controller.sandbox.bwrap import BwrapBackend, BwrapSandbox, find_bwrap
 from env_controller.sandbox.cgroups import PREFIX, CgroupSystem, CgroupUnavailableError, owner_tag
+from tests.env.support import _identity, _our_bwraps
 
 pytestmark = pytest.mark.skipif(
     find_bwrap() is None, reason="bubblewrap is not installed: apt-get install bubblewrap (CI installs it)")
@@ -225,7 +225,7 @@ _CRASH = textwrap.dedent("""
 def test_leaked_cgroups_and_mounts_are_removed_at_start() -> None:
     # a worker that dies without closing anything leaves its sandbox's cgroup and home mount behind
     crashed = subprocess.run([sys.executable, "-c", _CRASH], capture_output=True, text=True, timeout=60,
-                             cwd=Path(__file__).parent.parent)
+                             cwd=Path(__file__).resolve().parents[2])
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     name, home = crashed.stdout.split()
     assert _cgroup_dirs(name) != []

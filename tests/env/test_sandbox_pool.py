@@ -31,7 +31,7 @@ from env_controller.sandbox.docker import LABEL, OWNER_LABEL, DockerBackend, Doc
 from env_controller.sandbox.pool import PoolExhaustedError, SandboxPool  # noqa: E402
 from env_controller.tasks import build_task  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # background jobs kept, so that the wipe has processes to kill
 LIMITS = SandboxLimits(timeout_s=5, max_processes=32, memory_mb=128, tmp_mb=8, max_file_mb=4, background_jobs=True)
 

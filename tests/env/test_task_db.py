@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from task_replay import call, replay
 
 from env_controller.clients.local import LocalEnvClient
 from env_controller.protocol import SampleStatus
 from env_controller.servers.mariadb import MariaDBServer, MariaDBUnavailableError, find_mariadb
 from env_controller.tasks import TASKS, build_task
 from env_controller.tasks.db import GENERATORS, DBSession, DBTask, answer_matches
+from tests.env.support import call, replay
 
 pymysql = pytest.importorskip("pymysql", reason="PyMySQL is not installed (pip install PyMySQL)")
 

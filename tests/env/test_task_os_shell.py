@@ -11,20 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from task_replay import attempts_then_solve, call, replay
 
 from env_controller.clients.local import LocalEnvClient
 from env_controller.protocol import SampleStatus
 from env_controller.sandbox.bwrap import descendants, find_bwrap
 from env_controller.tasks import TASKS, build_task
 from env_controller.tasks.os_shell import GENERATORS, OsShellTask, answer_matches, normalize_answer
+from tests.env.support import attempts_then_solve, call, replay
+from tests.env.support import run_coro as run
 
 needs_bwrap = pytest.mark.skipif(
     find_bwrap() is None, reason="bubblewrap is not installed: apt-get install bubblewrap (CI installs it)")
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
 
 
 def _no_bwrap_children() -> bool:
@@ -180,10 +177,9 @@ def test_parallel_sessions_are_independent(task: OsShellTask) -> None:
 
 def test_on_the_docker_backend_through_the_fake_daemon(tmp_path: Path) -> None:
     pytest.importorskip("docker", reason="the docker SDK is not installed (pip install docker)")
-    from test_sandbox_docker import FakeDockerDaemon  # the fake daemon runs execs on the host
-
     from env_controller.sandbox import SandboxLimits
     from env_controller.sandbox.docker import DockerBackend
+    from tests.env.fake_docker import FakeDockerDaemon  # the fake daemon runs execs on the host
 
     fake = FakeDockerDaemon()
     home = tmp_path / "home"

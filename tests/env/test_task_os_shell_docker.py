@@ -7,8 +7,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from task_replay import attempts_then_solve, call, replay
-from test_task_os_shell import run
 
 from env_controller.clients.local import LocalEnvClient
 from env_controller.protocol import SampleStatus
@@ -17,6 +15,8 @@ from env_controller.sandbox.docker import LABEL, DockerBackend
 from env_controller.tasks import build_task
 from env_controller.tasks.os_shell import OsShellTask
 from env_controller.tasks.params import TaskParamError
+from tests.env.support import attempts_then_solve, call, replay
+from tests.env.support import run_coro as run
 
 pytest.importorskip("docker", reason="the docker SDK is not installed (pip install docker)")
 

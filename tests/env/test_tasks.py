@@ -11,15 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from task_replay import call, replay
 
 from env_controller.clients.local import LocalEnvClient, MalformedMessageError, UnknownSessionError
 from env_controller.protocol import SampleStatus, TaskReply
 from env_controller.tasks import TASKS, Task, TaskParamError, TaskSession, build_task
 from env_controller.tasks.base import make_tool_call
+from tests.env.support import call, replay
 
 NAMES = ["lookup", "calc", "guess"]
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(coro: Any) -> Any:

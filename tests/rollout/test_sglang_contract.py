@@ -29,7 +29,7 @@ from rollout_sglang.testing.sglang_contract import (
     load_contract,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ from rollout_sglang.engines.version_pool import VersionPool
 from rollout_sglang.testing.sglang_standin import StandInServer
 from rollout_sglang.weight_update import SGLangBroadcast
 
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny_cpu.yaml"
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny_cpu.yaml"
 
 
 def tiny_config():

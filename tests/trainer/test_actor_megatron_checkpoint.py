@@ -15,8 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from dist_utils import run_distributed
-from tiny_models import VOCAB, megatron_logits, reinit_parallel, tiny_config, write_tiny_checkpoint
+
+from tests.support.dist_utils import run_distributed
+from tests.support.tiny_models import VOCAB, megatron_logits, reinit_parallel, tiny_config, write_tiny_checkpoint
 
 RTOL = 1e-4
 

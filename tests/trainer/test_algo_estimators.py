@@ -9,11 +9,11 @@ import math
 
 import pytest
 import torch
-from dist_utils import run_distributed
 
 from megatron_agentrl.algo.advantages import group_advantages, reinforce_pp_advantages, rloo_advantages
 from megatron_agentrl.algo.losses import Sequences, clipped_policy_loss, importance_keep, loss_agg_weights, policy_loss
 from megatron_agentrl.config import TrainConfig
+from tests.support.dist_utils import run_distributed
 
 LN = math.log
 
@@ -426,11 +426,6 @@ def test_sequence_level_terms_at_cp2_match_cp1():
 
 
 # ------------------------------------------------------------------ CLI runs
-def varied_reward(traj) -> float:
-    """A reward that differs between the samples of a group (the tiny random policy earns nothing yet)."""
-    return float(sum(traj.token_ids) % 5)
-
-
 @pytest.mark.parametrize("settings", [
     ["algo.estimator=grpo", "algo.loss_agg=token_mean", "train.ratio_level=token", "train.mis_cap=2.0"],
     ["algo.estimator=rloo", "algo.loss_agg=seq_mean_token_sum", "train.ratio_level=sequence", "train.tis_cap=2.0",
@@ -444,13 +439,13 @@ def test_cli_runs_each_estimator_and_loss_setting(tmp_path, settings):
     import sys
 
     out = tmp_path / "run"
-    tasks = ",".join(f'{{name: {t}, reward_fn: "test_algo_estimators:varied_reward"}}' for t in ("lookup", "calc"))
+    tasks = ",".join(f'{{name: {t}, reward_fn: "tests.trainer.support:varied_reward"}}' for t in ("lookup", "calc"))
     cmd = [sys.executable, "-m", "megatron_agentrl.cli", "train", "--config", "tests/configs/tiny_test.yaml",
            f"output_dir={out}", "model.arch.hidden_size=32", "model.arch.intermediate_size=64",
            "model.arch.num_hidden_layers=2", "sft.steps=0", "train.steps=2", "train.micro_batch_size=4",
            "rollout.prompts_per_step=2", "rollout.samples_per_prompt=3", "rollout.max_turns=2",
            "rollout.max_new_tokens=8", "eval.samples_per_task=0", f"tasks=[{tasks}]", *settings]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["tests", os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([".", os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rl = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["phase"] == "rl"]

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
-from tiny_models import ragged_batch
 
 from megatron_agentrl.config import ConfigError, ParallelConfig, TrainConfig, load_config
 from megatron_agentrl.megatron.context_parallel import full_order, local_index
 from megatron_agentrl.megatron.packing import pack, unpack
+from tests.support.dist_utils import run_distributed
+from tests.support.tiny_models import ragged_batch
 
 DEMO = "examples/configs/tiny_cpu.yaml"
 

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tiny_models import read_safetensors_dir, write_tiny_checkpoint
 
 from megatron_agentrl.cli import main
+from tests.support.tiny_models import read_safetensors_dir, write_tiny_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHARD2, SHARD3 = "model-00002-of-00007.safetensors", "model-00003-of-00007.safetensors"
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_distributed
-from tiny_models import (
+
+from tests.support.dist_utils import run_distributed
+from tests.support.tiny_models import (
     FAMILIES,
     MOE_FAMILIES,
     VOCAB,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import FAMILIES, VOCAB, read_safetensors_dir, write_tiny_checkpoint
 
 from megatron_agentrl.config import ConfigError
+from tests.support.tiny_models import FAMILIES, VOCAB, read_safetensors_dir, write_tiny_checkpoint
 
 
 def _convert_both_ways(src: Path, tmp: Path, tp: int = 1, pp: int = 1, **kw) -> tuple[Path, Path]:

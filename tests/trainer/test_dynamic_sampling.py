@@ -247,13 +247,13 @@ TINY = [
 
 
 def _tasks(fn: str) -> str:
-    return f'tasks=[{{name: lookup, reward_fn: "test_dynamic_sampling:{fn}"}}, ' \
-           f'{{name: calc, reward_fn: "test_dynamic_sampling:{fn}"}}]'
+    return f'tasks=[{{name: lookup, reward_fn: "tests.trainer.test_dynamic_sampling:{fn}"}}, ' \
+           f'{{name: calc, reward_fn: "tests.trainer.test_dynamic_sampling:{fn}"}}]'
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_pipeline_never_trains_a_flat_group(tmp_path, mode):
-    from dist_utils import run_distributed
+    from tests.support.dist_utils import run_distributed
 
     out = tmp_path / "run"
     overrides = TINY + [f"output_dir={out}", f"pipeline.mode={mode}", _tasks("reward_every_third_group_flat")]
@@ -278,7 +278,7 @@ def test_pipeline_never_trains_a_flat_group(tmp_path, mode):
 def test_pipeline_with_only_flat_groups_completes(tmp_path, mode):
     """Every group flat and a budget of 1.5 x 2 draws: every step trains on zero-variance stand-ins (no
     policy-gradient signal), the run ends with its outputs."""
-    from dist_utils import run_distributed
+    from tests.support.dist_utils import run_distributed
 
     out = tmp_path / "run"
     overrides = TINY + [f"output_dir={out}", f"pipeline.mode={mode}", _tasks("reward_all_flat"),

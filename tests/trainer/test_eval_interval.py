@@ -38,7 +38,7 @@ def _tensorboard_tags(folder) -> set[str]:
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_an_eval_row_per_step_and_task(tmp_path, mode):
-    from dist_utils import run_distributed
+    from tests.support.dist_utils import run_distributed
 
     out = tmp_path / "run"
     summary = run_distributed(_run, 1, TINY + [f"output_dir={out}", f"pipeline.mode={mode}"], timeout_s=180)[0]

@@ -9,43 +9,21 @@ import logging
 
 import pytest
 import torch
-from dist_utils import run_distributed
-from tiny_models import reinit_parallel, tiny_model
 
 from megatron_agentrl.config import TrainConfig
+from tests.support.dist_utils import run_distributed
+from tests.support.tiny_models import reinit_parallel, tiny_model
+from tests.trainer.support import hf_state, make_batch
 
 ATOL = 1e-5
 
 
 # ---------------------------------------------------------------- helpers (run in children)
-def hf_state(model) -> dict[str, torch.Tensor]:
-    """HF state dict as a trainer would get it (tied models: no lm_head.weight)."""
-    sd = {k: v.clone() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    return sd
-
-
 def hf_logprobs(model, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     with torch.no_grad():
         logits = model(tokens).logits.float() / temperature
     lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
     return torch.cat([torch.zeros(tokens.shape[0], 1), lp], dim=1)
-
-
-def make_batch(vocab: int, B: int = 6, T: int = 12, seed: int = 1):
-    from megatron_agentrl.megatron.actor import TrainBatch
-
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(1, vocab, (B, T), generator=g)
-    lengths = torch.tensor([T, T - 3, T - 1, T - 5, T, T - 2][:B])
-    mask = torch.zeros(B, T)
-    for b in range(B):
-        tokens[b, lengths[b]:] = 0
-        mask[b, 4:lengths[b]] = 1.0
-    behavior = -torch.rand(B, T, generator=g) * mask
-    adv = torch.randn(B, T, generator=g) * mask
-    return TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior, advantages=adv)
 
 
 # -------------------------------------------------------------- child entry points

@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 
 import torch
-from dist_utils import run_distributed
-from test_megatron_cpu import hf_state, make_batch
-from tiny_models import reinit_parallel, tiny_model
+
+from tests.support.dist_utils import run_distributed
+from tests.support.tiny_models import reinit_parallel, tiny_model
+from tests.trainer.support import hf_state, make_batch
 
 LR, WD = 1e-2, 0.1
 

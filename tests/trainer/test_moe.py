@@ -5,11 +5,11 @@ dropping, and `agentrl train --nproc 2 parallel.ep=2` on a tiny MoE."""
 from __future__ import annotations
 
 import pytest
-from dist_utils import run_distributed
-from tiny_models import ragged_batch
 
 from megatron_agentrl.config import ConfigError, ParallelConfig, TrainConfig, load_config
 from rollout_sglang.chat_template import resolve_chat_template
+from tests.support.dist_utils import run_distributed
+from tests.support.tiny_models import ragged_batch
 
 DEMO = "examples/configs/tiny_cpu.yaml"
 # a tiny Qwen3-MoE on the demo's tasks: 4 experts of width 32, 2 per token
@@ -34,9 +34,8 @@ def test_config_refuses_bad_ep():
 
 
 def test_moe_options_refuse_what_megatron_cannot_express():
-    from tiny_models import tiny_config
-
     from megatron_agentrl.megatron.moe import moe_options
+    from tests.support.tiny_models import tiny_config
 
     with pytest.raises(ConfigError, match="parallel.ep=2 needs a mixture-of-experts model"):
         moe_options(tiny_config("qwen2"), ep=2)
@@ -60,10 +59,10 @@ def _batch(vocab: int):
 
 def _ep_same_as_ep1(rank: int, world: int, family: str) -> dict:
     from megatron.core import parallel_state
-    from tiny_models import tiny_config
 
     from megatron_agentrl.megatron.actor import MegatronActor
     from megatron_agentrl.megatron.parallel import initialize_parallel
+    from tests.support.tiny_models import tiny_config
 
     cfg = tiny_config(family, vocab=150)
     batch = _batch(cfg.vocab_size)
@@ -135,10 +134,9 @@ def test_ep2_same_logprobs_loss_and_grads_as_ep1(family):
 
 
 def _capacity(rank: int, world: int) -> dict:
-    from tiny_models import tiny_config
-
     from megatron_agentrl.megatron.actor import MegatronActor
     from megatron_agentrl.megatron.parallel import initialize_parallel
+    from tests.support.tiny_models import tiny_config
 
     initialize_parallel(1, 1, seed=7, timeout_s=60, ep=2)
     cfg = tiny_config("qwen3_moe", vocab=150)
@@ -192,7 +190,9 @@ def test_ep2_checkpoint_resumes_at_ep1(tmp_path):
     meta.json records the layout."""
     import json
 
-    from test_pipeline_resume import TINY, _steps, _train
+    from tests.trainer.support import TINY
+    from tests.trainer.support import read_steps as _steps
+    from tests.trainer.support import train_tiny as _train
 
     moe = [o for o in TINY_MOE if not o.startswith(("model.arch.hidden_size", "model.arch.intermediate_size",
                                                      "model.arch.num_hidden_layers"))]

@@ -3,9 +3,9 @@ masks, and gives the same result on 2 data-parallel (gloo) ranks as on one."""
 from __future__ import annotations
 
 import torch
-from dist_utils import run_distributed
 
 from megatron_agentrl.algo.advantages import normalize_per_task
+from tests.support.dist_utils import run_distributed
 
 EPS = 1e-6
 

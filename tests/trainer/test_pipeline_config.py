@@ -119,16 +119,16 @@ def test_reward_fn_replaces_the_reward_and_its_failures_fall_back(caplog):
     from megatron_agentrl.config import TaskSpec, load_config
     from megatron_agentrl.pipeline.rewards import RewardShaper
 
-    shaper = RewardShaper([TaskSpec(name="t", reward_fn="test_pipeline_config:judge", timeout_penalty=0.5)])
+    shaper = RewardShaper([TaskSpec(name="t", reward_fn=f"{__name__}:judge", timeout_penalty=0.5)])
     assert shaper(_traj(0.0, length=20)) == 2.0
     assert shaper(_traj(0.0, "task limit reached", length=20)) == 1.5  # shaping still applies
     with caplog.at_level("WARNING"):
         assert shaper(_traj(0.3, length=0)) == 0.3
         assert shaper(_traj(0.4, length=60)) == 0.4
     assert shaper.reward_fn_errors == 2 and "the judge is down" in caplog.text
-    with pytest.raises(ConfigError, match=r"reward_fn='test_pipeline_config:nope': module 'test_pipeline_config' "
+    with pytest.raises(ConfigError, match=rf"reward_fn='{__name__}:nope': module '{__name__}' "
                                           "has no function 'nope'"):
-        load_config(BASE, ['tasks=[{name: lookup, reward_fn: "test_pipeline_config:nope"}]'])
+        load_config(BASE, [f'tasks=[{{name: lookup, reward_fn: "{__name__}:nope"}}]'])
     with pytest.raises(ConfigError, match="must be 'package.module:function'"):
         load_config(BASE, ['tasks=[{name: lookup, reward_fn: "no colon"}]'])
     with pytest.raises(ConfigError, match="binary_reward are both set"):
@@ -151,7 +151,7 @@ def test_reward_fn_runs_once_per_trajectory():
     from megatron_agentrl.pipeline.rewards import RewardShaper
 
     CALLS.clear()
-    shaper = RewardShaper([TaskSpec(name="t", reward_fn="test_pipeline_config:counting_judge")])
+    shaper = RewardShaper([TaskSpec(name="t", reward_fn=f"{__name__}:counting_judge")])
     a, b = _traj(0.0, length=3), _traj(0.0, length=3)
     assert [shaper(a), shaper(a), shaper(b), shaper(a)] == [1.0, 1.0, 2.0, 1.0]
     assert len(CALLS) == 2

@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
-from dist_utils import run_distributed
-from tiny_models import ragged_batch
 
 from megatron_agentrl.algo.losses import clipped_policy_loss, kl_to_reference, policy_loss
 from megatron_agentrl.config import TrainConfig
 from megatron_agentrl.megatron.packing import effective_lengths, plan_micro_batches
+from tests.support.dist_utils import run_distributed
+from tests.support.tiny_models import ragged_batch
 
 
 def test_truncated_importance_weights_by_hand():

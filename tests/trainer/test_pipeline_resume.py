@@ -12,27 +12,11 @@ import json
 from pathlib import Path
 
 import pytest
-from dist_utils import run_distributed
 
-TINY = [
-    "model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2",
-    "sft.steps=0", "train.micro_batch_size=4", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
-    "rollout.max_new_tokens=12", "eval.samples_per_task=0", "train.tis_cap=2.0", "train.kl_coef=0.05",
-    "train.entropy_coef=0.01", "train.lr=1e-3", "checkpoint.interval=2",
-]
-
-
-def _train(rank: int, world: int, overrides: list[str]) -> dict:
-    from megatron_agentrl.config import load_config
-    from megatron_agentrl.pipeline.loop import run_training
-    from megatron_agentrl.train_rank import setup_logging
-
-    setup_logging(rank)
-    return run_training(load_config("tests/configs/tiny_test.yaml", overrides))
-
-
-def _steps(out: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (out / "batches.jsonl").read_text().splitlines())}
+from tests.support.dist_utils import run_distributed
+from tests.trainer.support import TINY
+from tests.trainer.support import read_steps as _steps
+from tests.trainer.support import train_tiny as _train
 
 
 def _same(a: dict, b: dict) -> None:

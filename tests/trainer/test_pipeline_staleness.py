@@ -153,7 +153,7 @@ TINY = [
 @pytest.mark.parametrize("engines", ["one", "pool"])
 def test_async_pipeline_staleness_bound(tmp_path, engines):
     """One local engine, or a version pool of two (cross-policy sampling over the live versions)."""
-    from dist_utils import run_distributed
+    from tests.support.dist_utils import run_distributed
 
     out = tmp_path / "run"
     eta = 1
@@ -163,7 +163,7 @@ def test_async_pipeline_staleness_bound(tmp_path, engines):
     if engines == "pool":
         overrides += ["rollout.max_versions=2", "rollout.cross_policy=uniform"]
     # rewards that differ within a group, so that every step changes the weights and stale tokens show it
-    tasks = ",".join(f'{{name: {t}, reward_fn: "test_algo_estimators:varied_reward"}}' for t in ("lookup", "calc"))
+    tasks = ",".join(f'{{name: {t}, reward_fn: "tests.trainer.support:varied_reward"}}' for t in ("lookup", "calc"))
     overrides += [f"tasks=[{tasks}]", "train.lr=1e-2"]
     summary = run_distributed(_train, 1, overrides, timeout_s=120)[0]
     assert summary["mode"] == "async" and summary["trained_samples"] == 6 * 3 * 2

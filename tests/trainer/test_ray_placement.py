@@ -31,7 +31,7 @@ from megatron_agentrl.launch.ray_placement import (  # noqa: E402
     run_on_ray,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2",
         "sft.steps=1", "sft.batch_size=4", "train.micro_batch_size=4", "eval.samples_per_task=2",
         "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_turns=2"]

@@ -10,7 +10,8 @@ import asyncio
 
 import pytest
 import torch
-from dist_utils import run_distributed
+
+from tests.support.dist_utils import run_distributed
 
 TOKENIZER = "examples/tokenizer/tiny_agent"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
 
 from megatron_agentrl.megatron.vocab_parallel import token_logprobs
+from tests.support.dist_utils import run_distributed
 
 V, REAL = 24, 21  # padded vocabulary, real entries
 # logits of std 4 give log-probs of up to ~20 nats: fp32 rounding of the two summation orders is ~1e-6

@@ -146,7 +146,7 @@ def test_a_run_with_wandb_writes_its_metrics_and_config_under_output_dir(tmp_pat
     """A tiny run (SFT warm-up, 2 RL steps, evaluations) with logging.wandb=true in offline mode, no network:
     the W&B run under output_dir/wandb holds the config and every phase's metrics; TensorBoard off."""
     pytest.importorskip("wandb")
-    from dist_utils import run_distributed
+    from tests.support.dist_utils import run_distributed
 
     out = tmp_path / "run"
     overrides = ["model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2",

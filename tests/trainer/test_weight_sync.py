@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_distributed, wait_for_file
 
 from env_controller.http.net import free_port
 from megatron_agentrl.weight_sync import BucketBroadcaster, WeightSyncError
@@ -33,6 +32,7 @@ from rollout_sglang.weight_update import (
     plan_buckets,
     unflatten_bytes,
 )
+from tests.support.dist_utils import run_distributed, wait_for_file
 
 VOCAB = 120
 
@@ -276,7 +276,7 @@ def test_checksum_mismatch_fails_the_sync(monkeypatch):
 
 # ------------------------------------------------------------- TP=2 actor -> slot of engines
 def _hf_config(tied: bool, family: str = "qwen2"):
-    from tiny_models import tiny_config
+    from tests.support.tiny_models import tiny_config
 
     return tiny_config(family, tied, vocab=VOCAB)
 

@@ -3,7 +3,8 @@ and every rank runs matching collectives (no hang); engines given on another ran
 from __future__ import annotations
 
 import torch
-from dist_utils import run_distributed
+
+from tests.support.dist_utils import run_distributed
 
 VOCAB = 96
 

@@ -1,143 +1,15 @@
 """Agent loop: token/mask/log-prob alignment and every way an episode ends, with a fake engine and env."""
 from __future__ import annotations
 
-import asyncio
 import json
-import re
 import time
 
 import pytest
 
-from env_controller.protocol import SampleStatus, TaskReply
-from rollout_sglang.agent_loop import run_group_lockstep
+from env_controller.protocol import SampleStatus
 from rollout_sglang.chat_template import ChatTemplate
-from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
-from rollout_sglang.tokenizer import train_bpe_tokenizer
-
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "add", "description": "Add two integers.",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}},
-]
-
-
-def call(a: int, b: int) -> str:
-    return '<tool_call>\n{"name": "add", "arguments": {"a": %d, "b": %d}}\n</tool_call>' % (a, b)
-
-
-# Scripted assistant turns per episode kind (the fake engine picks them by the EP=<kind> marker in the prompt).
-SCRIPTS: dict[str, list[str]] = {
-    "calc": ["Let me add.\n" + call(40, 2), "The answer is 42."],
-    "two": [call(1, 1) + "\n" + call(2, 2), "Done."],
-    "malformed": ['<tool_call>\n{"name": "add", "arguments": {"a": 1,}}\n</tool_call>'],
-    "unknown": ['<tool_call>\n{"name": "delete_all", "arguments": {}}\n</tool_call>'],
-    "forever": [call(1, 2)] * 10,
-    "cut": [call(3, 4) + " and then I will keep talking for quite a while longer", "Seven."],
-    "chatty": ["word " * 40],
-    "verbose_env": [call(5, 5)] * 5,
-    "raises": [call(1, 1)],
-    "hangs": [call(1, 1)],
-}
-
-
-@pytest.fixture(scope="module")
-def template(tmp_path_factory: pytest.TempPathFactory) -> ChatTemplate:
-    corpus = [t for turns in SCRIPTS.values() for t in turns] + [json.dumps(TOOLS), "Solve the task EP=calc. result 42"]
-    tok = train_bpe_tokenizer(corpus * 3, vocab_size=500, out_dir=tmp_path_factory.mktemp("tok"))
-    return ChatTemplate(tok)
-
-
-class FakeEngine:
-    """Emits the scripted turn for each prompt; log-prob of generated token j in turn t is -(t + 1) - j / 1000."""
-
-    def __init__(self, template: ChatTemplate, version: int = 7) -> None:
-        self.template = template
-        self.version = version
-        self.batch_sizes: list[int] = []
-        self.max_new_tokens_seen: list[int] = []
-
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
-        self.batch_sizes.append(len(prompts))
-        self.max_new_tokens_seen.append(params.max_new_tokens)
-        outs = []
-        for p in prompts:
-            text = self.template.decode(p)
-            kind = re.search(r"EP=(\w+)", text).group(1)
-            turn = text.count("<|im_start|>assistant") - 1
-            ids = self.template.tokenizer.encode(SCRIPTS[kind][turn], add_special_tokens=False)
-            ids = ids + [self.template.im_end_id]
-            reason = "stop"
-            assert self.template.im_end_id in params.stop_token_ids
-            if len(ids) > params.max_new_tokens:
-                ids, reason = ids[: params.max_new_tokens], "length"
-            lps = [-(turn + 1) - j / 1000 for j in range(len(ids))]
-            outs.append(GenerationOutput(ids, lps, reason, self.version))
-        await asyncio.sleep(0)
-        return outs
-
-
-class FakeEnv:
-    """An in-process EnvClient: ``add`` tool, finishes with reward 1 on a plain-text answer."""
-
-    def __init__(self, tool_output: str = "{result}") -> None:
-        self.received: dict[str, list[dict]] = {}
-        self.cancelled: list[str] = []
-        self.history: dict[str, list[dict]] = {}
-        self.tool_output = tool_output
-        self._n = 0
-
-    async def start_sample(self, task: str, index: int) -> tuple[str, TaskReply]:
-        if task == "nostart":
-            raise ConnectionError("worker unreachable")
-        self._n += 1
-        sid = f"{task}-{index}-{self._n}"
-        msgs = [{"role": "system", "content": "You add numbers."},
-                {"role": "user", "content": f"Solve the task EP={task}."}]
-        self.received[sid] = []
-        self.history[sid] = list(msgs)
-        return sid, TaskReply(messages=msgs, tools=TOOLS)
-
-    async def interact(self, session_id: str, messages: list[dict]) -> TaskReply:
-        kind = session_id.split("-")[0]
-        if kind == "raises":
-            raise RuntimeError("sandbox crashed")
-        if kind == "hangs":
-            await asyncio.sleep(3600)
-        (msg,) = messages
-        self.received[session_id].append(msg)
-        self.history[session_id].append(msg)
-        if not msg.get("tool_calls"):
-            return TaskReply(messages=[], status=SampleStatus.COMPLETED, finish=True, reward=1.0,
-                             metrics={"success": 1.0})
-        replies = []
-        for c in msg["tool_calls"]:
-            args = json.loads(c["function"]["arguments"])
-            out = self.tool_output.format(result=args["a"] + args["b"])
-            replies.append({"role": "tool", "tool_call_id": c["id"], "content": out})
-        self.history[session_id].extend(replies)
-        return TaskReply(messages=replies)
-
-    async def cancel(self, session_id: str) -> None:
-        self.cancelled.append(session_id)
-
-
-def run(engine, env, template, requests, max_turns=5, max_total_tokens=4096, max_new_tokens=256, timeout=5.0):
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=0)
-    return asyncio.run(
-        run_group_lockstep(engine, env, template, requests, params, max_turns, max_total_tokens, env_timeout_s=timeout)
-    )
-
-
-def _check_alignment(traj) -> None:
-    """Lengths agree; mask 1 exactly on the turn spans; log-probs nonzero exactly there."""
-    n = len(traj.token_ids)
-    assert len(traj.loss_mask) == len(traj.behavior_logprobs) == n
-    in_span = [0] * n
-    for s, e in traj.turn_spans:
-        in_span[s:e] = [1] * (e - s)
-    assert traj.loss_mask == in_span
-    assert all((lp != 0.0) == bool(m) for lp, m in zip(traj.behavior_logprobs, traj.loss_mask))
-    assert len(traj.versions) == len(traj.turn_spans)
+from tests.rollout.support import ADD_TOOLS as TOOLS
+from tests.rollout.support import FakeEngine, FakeEnv, _check_alignment, call, run
 
 
 def test_episode_tokens_match_chat_format_and_alignment(template: ChatTemplate) -> None:

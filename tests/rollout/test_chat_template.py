@@ -1,121 +1,30 @@
 """Qwen2.5 chat format: exact text against a Qwen2.5-style jinja template, and incremental token pieces."""
 from __future__ import annotations
 
-import copy
-import json
 from pathlib import Path
 
 import pytest
-from chat_samples import CONVERSATION, mask_spans, render_jinja
 
-from rollout_sglang.chat_template import QWEN_DEFAULT_SYSTEM, ChatTemplate
+from rollout_sglang.chat_template import ChatTemplate
 from rollout_sglang.tokenizer import SPECIAL_TOKENS, TOOL_TOKENS, load_tokenizer, train_bpe_tokenizer
-
-# Qwen2.5-Instruct's chat template (function-calling version), written out here to pin the format.
-QWEN25_TEMPLATE = (
-    "{%- if tools %}\n"
-    "    {{- '<|im_start|>system\\n' }}\n"
-    "    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- messages[0]['content'] }}\n"
-    "    {%- else %}\n"
-    "        {{- '" + QWEN_DEFAULT_SYSTEM + "' }}\n"
-    "    {%- endif %}\n"
-    "    {{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}\n"
-    "    {%- for tool in tools %}\n"
-    "        {{- \"\\n\" }}\n"
-    "        {{- tool | tojson }}\n"
-    "    {%- endfor %}\n"
-    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
-    "<args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n"
-    "{%- else %}\n"
-    "    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
-    "    {%- else %}\n"
-    "        {{- '<|im_start|>system\\n" + QWEN_DEFAULT_SYSTEM + "<|im_end|>\\n' }}\n"
-    "    {%- endif %}\n"
-    "{%- endif %}\n"
-    "{%- for message in messages %}\n"
-    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or "
-    "(message.role == \"assistant\" and not message.tool_calls) %}\n"
-    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
-    "    {%- elif message.role == \"assistant\" %}\n"
-    "        {{- '<|im_start|>' + message.role }}\n"
-    "        {%- if message.content %}\n"
-    "            {{- '\\n' + message.content }}\n"
-    "        {%- endif %}\n"
-    "        {%- for tool_call in message.tool_calls %}\n"
-    "            {%- if tool_call.function is defined %}\n"
-    "                {%- set tool_call = tool_call.function %}\n"
-    "            {%- endif %}\n"
-    "            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n"
-    "            {{- tool_call.name }}\n"
-    "            {{- '\", \"arguments\": ' }}\n"
-    "            {{- tool_call.arguments | tojson }}\n"
-    "            {{- '}\\n</tool_call>' }}\n"
-    "        {%- endfor %}\n"
-    "        {{- '<|im_end|>\\n' }}\n"
-    "    {%- elif message.role == \"tool\" %}\n"
-    "        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}\n"
-    "            {{- '<|im_start|>user' }}\n"
-    "        {%- endif %}\n"
-    "        {{- '\\n<tool_response>\\n' }}\n"
-    "        {{- message.content }}\n"
-    "        {{- '\\n</tool_response>' }}\n"
-    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
-    "            {{- '<|im_end|>\\n' }}\n"
-    "        {%- endif %}\n"
-    "    {%- endif %}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n"
-    "    {{- '<|im_start|>assistant\\n' }}\n"
-    "{%- endif %}\n"
-)
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "search",
-            "description": "Search the web (données).",
-            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
-        },
-    },
-    {
-        "type": "function",
-        "function": {"name": "submit", "description": "Submit the answer.",
-                     "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}}},
-    },
-]
-
-
-def _hf_messages(messages: list[dict]) -> list[dict]:
-    """Messages as HF templates expect them: tool-call arguments as objects, content None -> ""."""
-    out = copy.deepcopy(messages)
-    for m in out:
-        if m.get("content") is None:
-            m["content"] = ""
-        for c in m.get("tool_calls") or []:
-            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
-    return out
-
-
-def _jinja_render(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-    """Render QWEN25_TEMPLATE with jinja2 configured as Hugging Face does."""
-    return render_jinja(QWEN25_TEMPLATE, _hf_messages(messages), tools, add_generation_prompt)
+from tests.rollout.chat_formats import QWEN25_TEMPLATE
+from tests.rollout.chat_formats import QWEN25_TOOLS as TOOLS
+from tests.rollout.chat_formats import qwen25_messages as _hf_messages
+from tests.rollout.chat_formats import render_qwen25 as _jinja_render
+from tests.rollout.support import CONVERSATION, mask_spans
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    """A small Qwen2.5-style BPE tokenizer trained on the rendered conversations."""
-    texts = [_jinja_render(CONVERSATION, TOOLS, False), _jinja_render(CONVERSATION[1:], None, True)] * 5
-    return train_bpe_tokenizer(texts, vocab_size=600, out_dir=tmp_path_factory.mktemp("tok"))
+def tokenizer(qwen25_tokenizer):
+    """The Qwen2.5 stand-in tokenizer (tests/rollout/conftest.py), under this module's name for it."""
+    return qwen25_tokenizer
 
 
 @pytest.fixture(scope="module")
-def template(tokenizer) -> ChatTemplate:
-    return ChatTemplate(tokenizer)
+def template(qwen25_template):
+    """The Qwen2.5 template on it."""
+    return qwen25_template
+
 
 
 def test_tokenizer_chat_tokens_are_single_ids_and_reload(tokenizer, tmp_path: Path) -> None:

@@ -3,11 +3,9 @@ pieces, the GLM-4 tool-call parser, template selection, and the agent loop on GL
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 
 import pytest
-from chat_samples import CONVERSATION, ScriptEngine, mask_spans, render_jinja
 
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.chat_template import (
@@ -18,81 +16,26 @@ from rollout_sglang.chat_template import (
     resolve_chat_template,
 )
 from rollout_sglang.engines.protocol import SamplingParams
-from rollout_sglang.tokenizer import GLM4_SPECIAL_TOKENS, train_bpe_tokenizer
+from rollout_sglang.tokenizer import train_bpe_tokenizer
 from rollout_sglang.tool_parser import ToolCallParseError, parse_glm4_assistant_text
-
-# The "chat_template" of THUDM/GLM-4-9B-0414's tokenizer_config.json
-# (https://huggingface.co/THUDM/GLM-4-9B-0414/blob/main/tokenizer_config.json), written out here
-# to pin the format: tools as a "# 可用工具" system block, a call as an assistant message whose
-# ``metadata`` is the function name and whose content is the arguments JSON, tool results as
-# ``observation`` messages, generation prompt "<|assistant|>".
-GLM4_0414_TEMPLATE = (
-    "[gMASK]<sop>{%- if tools -%}<|system|>\n# 可用工具\n{% for tool in tools %}"
-    "{%- set function = tool.function if tool.get(\"function\") else tool %}\n\n## {{ function.name }}\n\n"
-    "{{ function | tojson(indent=4, ensure_ascii=False) }}\n在调用上述函数时，请使用 Json 格式表示调用的参数。"
-    "{%- endfor %}{%- endif -%}"
-    "{%- for msg in messages %}{%- if msg.role == 'system' %}<|system|>\n{{ msg.content }}{%- endif %}{%- endfor %}"
-    "{%- for message in messages if message.role != 'system' %}{%- set role = message['role'] %}"
-    "{%- set content = message['content'] %}{%- set meta = message.get(\"metadata\", \"\") %}"
-    "{%- if role == 'user' %}<|user|>\n{{ content }}"
-    "{%- elif role == 'assistant' and not meta %}<|assistant|>\n{{ content }}"
-    "{%- elif role == 'assistant' and meta %}<|assistant|>{{ meta }} \n{{ content }}"
-    "{%- elif role == 'observation' %}<|observation|>\n{{ content }}"
-    "{%- endif %}{%- endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "search",
-            "description": "Search the web (données, 搜索).",
-            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
-        },
-    },
-    {"type": "function", "function": {"name": "submit", "description": "Submit the answer.",
-                                      "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}}}},
-]
-
-
-def _glm_messages(messages: list[dict]) -> list[dict]:
-    """OpenAI messages in the shape GLM-4's template renders: each call its own assistant message
-    (``metadata`` = name, content = arguments JSON), after the content when there is some; tool
-    results as ``observation``; content None -> ""."""
-    out = []
-    for m in copy.deepcopy(messages):
-        content = m.get("content") or ""
-        if m["role"] == "tool":
-            out.append({"role": "observation", "content": content})
-        elif m["role"] == "assistant":
-            calls = m.get("tool_calls") or []
-            if content or not calls:
-                out.append({"role": "assistant", "content": content})
-            for c in calls:
-                args = json.loads(c["function"]["arguments"])
-                out.append({"role": "assistant", "metadata": c["function"]["name"],
-                            "content": json.dumps(args, ensure_ascii=False)})
-        else:
-            out.append({"role": m["role"], "content": content})
-    return out
-
-
-def _jinja_render(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-    """Render GLM4_0414_TEMPLATE with jinja2 configured as Hugging Face does."""
-    return render_jinja(GLM4_0414_TEMPLATE, _glm_messages(messages), tools, add_generation_prompt)
+from tests.rollout.chat_formats import GLM4_0414_TEMPLATE, TOOLS, glm4_engine
+from tests.rollout.chat_formats import GLM4_SCRIPT as SCRIPT
+from tests.rollout.chat_formats import glm4_messages as _glm_messages
+from tests.rollout.chat_formats import render_glm4 as _jinja_render
+from tests.rollout.support import CONVERSATION, mask_spans
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    """A small byte-level BPE tokenizer with GLM-4's chat tokens, trained on the rendered conversations."""
-    texts = [_jinja_render(CONVERSATION, TOOLS, False), _jinja_render(CONVERSATION[1:], None, True)] * 5
-    return train_bpe_tokenizer(texts, vocab_size=700, out_dir=tmp_path_factory.mktemp("glmtok"),
-                               special_tokens=GLM4_SPECIAL_TOKENS, text_tokens=())
+def tokenizer(glm4_tokenizer):
+    """The GLM-4-0414 stand-in tokenizer (tests/rollout/conftest.py), under this module's name for it."""
+    return glm4_tokenizer
 
 
 @pytest.fixture(scope="module")
-def template(tokenizer) -> Glm4ChatTemplate:
-    return Glm4ChatTemplate(tokenizer)
+def template(glm4_template):
+    """The GLM-4-0414 template on it."""
+    return glm4_template
+
 
 
 @pytest.mark.parametrize("add_generation_prompt", [False, True])
@@ -265,18 +208,8 @@ def test_config_accepts_the_template_names(tmp_path) -> None:
 
 
 # ------------------------------------------------------------------------- the agent loop
-SCRIPT = ['\nLet me add.<|assistant|>add \n{"a": 40, "b": 2}<|observation|>',
-          'add\n{"a": 1, "b": 1}<|assistant|>add\n{"a": 2, "b": 2}<|observation|>',
-          "\nThe answer is 42.<|user|>"]
-
-
-def glm4_engine(template: Glm4ChatTemplate) -> ScriptEngine:
-    return ScriptEngine(template, SCRIPT, "<|assistant|>")
-
-
 def test_agent_loop_runs_glm4_turns(template: Glm4ChatTemplate) -> None:
-    from test_agent_loop import TOOLS as ADD_TOOLS
-    from test_agent_loop import FakeEnv
+    from tests.rollout.support import ADD_TOOLS, FakeEnv
 
     env = FakeEnv()
     params = SamplingParams(max_new_tokens=256, temperature=1.0, seed=0)

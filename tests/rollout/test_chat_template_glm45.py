@@ -3,19 +3,9 @@ tool-call parser, template selection, and the agent loop on GLM-4.5 turns."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 
 import pytest
-from chat_samples import (
-    CONVERSATION,
-    REASONING_CONVERSATION,
-    TRIP_TOOLS,
-    ScriptEngine,
-    mask_spans,
-    render_jinja,
-    tool_call,
-)
 
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.chat_template import (
@@ -28,132 +18,13 @@ from rollout_sglang.chat_template import (
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.tokenizer import GLM4_SPECIAL_TOKENS, GLM45_SPECIAL_TOKENS, train_bpe_tokenizer
 from rollout_sglang.tool_parser import ToolCallParseError, parse_glm45_assistant_text
-
-# The chat template of zai-org/GLM-4.5 (https://huggingface.co/zai-org/GLM-4.5/blob/main/chat_template.jinja),
-# written out here to pin the format. Rendered with trim_blocks and lstrip_blocks, as Hugging Face does.
-GLM45_TEMPLATE = r"""[gMASK]<sop>
-{%- if tools -%}
-<|system|>
-# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{% for tool in tools %}
-{{ tool | tojson(ensure_ascii=False) }}
-{% endfor %}
-</tools>
-
-For each function call, output the function name and arguments within the following XML format:
-<tool_call>{function-name}
-<arg_key>{arg-key-1}</arg_key>
-<arg_value>{arg-value-1}</arg_value>
-<arg_key>{arg-key-2}</arg_key>
-<arg_value>{arg-value-2}</arg_value>
-...
-</tool_call>{%- endif -%}
-{%- set ns = namespace(last_user_index=-1) %}
-{%- for m in messages %}
-    {%- if m.role == 'user' %}
-        {% set ns.last_user_index = loop.index0 -%}
-    {%- endif %}
-{%- endfor %}
-{% for m in messages %}
-{%- if m.role == 'user' -%}<|user|>
-{{ m.content }}
-{%- elif m.role == 'assistant' -%}
-<|assistant|>
-{%- set reasoning_content = '' %}
-{%- set content = m.content %}
-{%- if m.reasoning_content is string %}
-    {%- set reasoning_content = m.reasoning_content %}
-{%- else %}
-    {%- if '</think>' in content %}
-        {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
-        {%- set content = content.split('</think>')[-1].lstrip('\n') %}
-    {%- endif %}
-{%- endif %}
-{%- if loop.index0 > ns.last_user_index and reasoning_content -%}
-{{ '\n<think>' + reasoning_content.strip() +  '</think>'}}
-{%- else -%}
-{{ '\n<think></think>' }}
-{%- endif -%}
-{%- if content.strip() -%}
-{{ '\n' + content.strip() }}
-{%- endif -%}
-{% if m.tool_calls %}
-{% for tc in m.tool_calls %}
-{%- if tc.function %}
-    {%- set tc = tc.function %}
-{%- endif %}
-{{ '\n<tool_call>' + tc.name }}
-{% set _args = tc.arguments %}
-{% for k, v in _args.items() %}
-<arg_key>{{ k }}</arg_key>
-<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>
-{% endfor %}
-</tool_call>{% endfor %}
-{% endif %}
-{%- elif m.role == 'tool' -%}
-{%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
-    {{- '<|observation|>' }}
-{%- endif %}
-{{- '\n<tool_response>\n' }}
-{{- m.content }}
-{{- '\n</tool_response>' }}
-{%- elif m.role == 'system' -%}
-<|system|>
-{{ m.content }}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    <|assistant|>
-{%- endif -%}
-"""
-
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "search", "description": "Search the web (données, 搜索).",
-        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}},
-    {"type": "function", "function": {"name": "submit", "description": "Submit the answer.",
-                                      "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}}}},
-]
-# CONVERSATION with reasoning on the turns after its last user message (the ones a trajectory keeps as rendered)
-THINKING = copy.deepcopy(CONVERSATION)
-THINKING[8]["reasoning_content"] = "The user wants it submitted."
-THINKING[10]["content"] = "<think>Submitted; now answer.</think>\n" + THINKING[10]["content"]
-USERLESS = [m for m in REASONING_CONVERSATION if m["role"] != "user"]  # no user turn: every reasoning shows
-
-
-def _jinja_messages(messages: list[dict]) -> list[dict]:
-    """OpenAI messages as GLM-4.5's template takes them: content None -> "", call arguments as objects."""
-    out = []
-    for m in copy.deepcopy(messages):
-        m["content"] = m.get("content") or ""
-        for c in m.get("tool_calls") or []:
-            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
-        out.append(m)
-    return out
-
-
-def _jinja_render(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-    """Render GLM45_TEMPLATE with jinja2 configured as Hugging Face does."""
-    return render_jinja(GLM45_TEMPLATE, _jinja_messages(messages), tools, add_generation_prompt)
-
-
-@pytest.fixture(scope="module")
-def glm45_tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    """A small byte-level BPE tokenizer with GLM-4.5's chat tokens, trained on the rendered conversations."""
-    texts = [_jinja_render(CONVERSATION, TOOLS, False), _jinja_render(REASONING_CONVERSATION, TRIP_TOOLS, True),
-             _jinja_render(CONVERSATION[1:], None, True)] * 5
-    return train_bpe_tokenizer(texts, vocab_size=900, out_dir=tmp_path_factory.mktemp("glm45tok"),
-                               special_tokens=GLM45_SPECIAL_TOKENS, text_tokens=())
-
-
-@pytest.fixture(scope="module")
-def glm45_template(glm45_tokenizer) -> Glm45ChatTemplate:
-    return Glm45ChatTemplate(glm45_tokenizer)
+from tests.rollout.chat_formats import GLM45_SCRIPT as SCRIPT
+from tests.rollout.chat_formats import GLM45_TEMPLATE, TOOLS, USERLESS, glm45_engine
+from tests.rollout.chat_formats import GLM45_THINKING as THINKING
+from tests.rollout.chat_formats import glm45_call as _call
+from tests.rollout.chat_formats import glm45_messages as _jinja_messages
+from tests.rollout.chat_formats import render_glm45 as _jinja_render
+from tests.rollout.support import CONVERSATION, REASONING_CONVERSATION, TRIP_TOOLS, mask_spans, tool_call
 
 
 # ------------------------------------------------------------------------------------------ the text
@@ -317,11 +188,6 @@ def test_forced_call_prefix_and_reasoning_split(glm45_template: Glm45ChatTemplat
 
 
 # ----------------------------------------------------------------------------------- the parser
-def _call(name: str, *pairs: tuple[str, str]) -> str:
-    return f"<tool_call>{name}" + "".join(f"\n<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>" for k, v in pairs) + \
-        "\n</tool_call>"
-
-
 def test_parse_reasoning_content_calls_and_stop_tokens() -> None:
     text = ("\n<think> Look it up. </think>\nI will look.\n" + _call("search", ("q", "héllo 42"))
             + "\n" + _call("submit") + "<|observation|>")
@@ -455,19 +321,8 @@ def test_config_takes_glm45_and_auto_for_glm4_moe(tmp_path) -> None:
 
 
 # ------------------------------------------------------------------------- the agent loop
-SCRIPT = ["\n<think>Add them.</think>\nLet me add.\n" + _call("add", ("a", "40"), ("b", "2")) + "<|observation|>",
-          "\n<think></think>\n" + _call("add", ("a", "1"), ("b", "1")) + "\n" + _call("add", ("a", "2"), ("b", "2"))
-          + "<|observation|>",
-          "\n<think>Both sums are in.</think>\nThe answer is 42.<|user|>"]
-
-
-def glm45_engine(template: Glm45ChatTemplate, script: list[str] = SCRIPT) -> ScriptEngine:
-    return ScriptEngine(template, script, "<|assistant|>")
-
-
 def test_agent_loop_runs_glm45_turns(glm45_template: Glm45ChatTemplate) -> None:
-    from test_agent_loop import TOOLS as ADD_TOOLS
-    from test_agent_loop import FakeEnv
+    from tests.rollout.support import ADD_TOOLS, FakeEnv
 
     template = glm45_template
     env = FakeEnv()
@@ -497,7 +352,7 @@ def test_agent_loop_runs_glm45_turns(glm45_template: Glm45ChatTemplate) -> None:
 
 
 def test_agent_loop_ends_a_malformed_glm45_turn(glm45_template: Glm45ChatTemplate) -> None:
-    from test_agent_loop import FakeEnv
+    from tests.rollout.support import FakeEnv
 
     env = FakeEnv()
     bad = ["\n<think></think>\n<tool_call>add\n<arg_key>a</arg_key>\n</tool_call><|observation|>"]

@@ -7,16 +7,6 @@ import copy
 import json
 
 import pytest
-from chat_samples import (
-    CONVERSATION,
-    REASONING_CONVERSATION,
-    TRIP_TOOLS,
-    ScriptEngine,
-    mask_spans,
-    render_jinja,
-    tool_call,
-)
-from test_gateway import Script, client, make_gateway, open_session, play_episode, serving
 
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.chat_template import (
@@ -29,165 +19,34 @@ from rollout_sglang.chat_template import (
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.tokenizer import GLM4_SPECIAL_TOKENS, QWEN3_TEXT_TOKENS, train_bpe_tokenizer
 from rollout_sglang.tool_parser import ToolCallParseError, parse_qwen3_assistant_text
-
-# The "chat_template" of Qwen/Qwen3-8B's tokenizer_config.json
-# (https://huggingface.co/Qwen/Qwen3-8B/blob/main/tokenizer_config.json), written out here to pin the format.
-# Rendered with trim_blocks and lstrip_blocks, as Hugging Face does. Its longest lines are split over adjacent
-# Python string literals (nothing is added between them): the text is the source's, character for character.
-QWEN3_TEMPLATE = (
-    r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\n\n' }}
-    {%- endif %}
-    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"""
-    r"""You are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\n"""
-    r"""For each function call, return a json object with function name and arguments """
-    r"""within <tool_call></tool_call> XML tags:\n"""
-    r"""<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0].role == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and """
-    r"""not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
-        {%- set ns.multi_step_tool = false %}
-        {%- set ns.last_query_index = index %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- if message.content is string %}
-        {%- set content = message.content %}
-    {%- else %}
-        {%- set content = '' %}
-    {%- endif %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set reasoning_content = '' %}
-        {%- if message.reasoning_content is string %}
-            {%- set reasoning_content = message.reasoning_content %}
-        {%- else %}
-            {%- if '</think>' in content %}
-                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n')"""
-    r""".split('<think>')[-1].lstrip('\n') %}
-                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
-            {%- endif %}
-        {%- endif %}
-        {%- if loop.index0 > ns.last_query_index %}
-            {%- if loop.last or (not loop.last and reasoning_content) %}
-                {{- '<|im_start|>' + message.role + '\n<think>\n' + """
-    r"""reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
-            {%- else %}
-                {{- '<|im_start|>' + message.role + '\n' + content }}
-            {%- endif %}
-        {%- else %}
-            {{- '<|im_start|>' + message.role + '\n' + content }}
-        {%- endif %}
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if (loop.first and content) or (not loop.first) %}
-                    {{- '\n' }}
-                {%- endif %}
-                {%- if tool_call.function %}
-                    {%- set tool_call = tool_call.function %}
-                {%- endif %}
-                {{- '<tool_call>\n{"name": "' }}
-                {{- tool_call.name }}
-                {{- '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}
-                    {{- tool_call.arguments }}
-                {%- else %}
-                    {{- tool_call.arguments | tojson }}
-                {%- endif %}
-                {{- '}\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\n\n</think>\n\n' }}
-    {%- endif %}
-{%- endif %}"""
+from tests.rollout.chat_formats import (
+    AGENTIC,
+    BARE,
+    LATE_SYSTEM,
+    MULTI_STEP,
+    QWEN3_TEMPLATE,
+    TOOLS,
+    USERLESS,
+    qwen3_engine,
 )
-
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "search", "description": "Search the web (données, 搜索).",
-        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}},
-    {"type": "function", "function": {"name": "submit", "description": "Submit the answer.",
-                                      "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}}}},
-]
-# CONVERSATION with reasoning on the turns after its last user message (a field, and a block opening the content)
-THINKING = copy.deepcopy(CONVERSATION)
-THINKING[8]["reasoning_content"] = "\nThe user wants it submitted.\n"
-THINKING[10]["content"] = "<think>\nSubmitted; now answer.\n</think>\n\n" + THINKING[10]["content"]
-# one query, then every turn reasoning (as Qwen3 writes it): the template keeps every think block
-AGENTIC = [m for i, m in enumerate(copy.deepcopy(CONVERSATION)) if i not in (7, 8, 9)]
-AGENTIC[2]["reasoning_content"] = "Search first (検索)."
-AGENTIC[4]["content"] = "<think>\nTwo more searches.\n</think>\n\n"
-AGENTIC[7]["reasoning_content"] = "Enough."
-# results sent back as a user turn of <tool_response> blocks: no query, so the reasoning after it still shows
-MULTI_STEP = AGENTIC[:4] + [{"role": "user", "content": "<tool_response>\nmore\n</tool_response>"}] + AGENTIC[4:]
-# a turn after the last query without reasoning (no block shown), and a last one without (an empty block shown)
-BARE = [CONVERSATION[1], {"role": "assistant", "content": "Let me look.",
-                          "tool_calls": [tool_call("call_0", "search", {"q": "x"})]},
-        {"role": "tool", "content": "y"}, {"role": "assistant", "content": "It is y."}]
-USERLESS = [m for m in REASONING_CONVERSATION if m["role"] != "user"]  # no query: no reasoning shows
-LATE_SYSTEM = CONVERSATION[1:3] + [{"role": "system", "content": "Be brief."}] + CONVERSATION[3:5]
-
-
-def _hf_messages(messages: list[dict]) -> list[dict]:
-    """The messages with tool-call arguments as objects (Hugging Face style) instead of JSON strings."""
-    out = copy.deepcopy(messages)
-    for m in out:
-        for c in m.get("tool_calls") or []:
-            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
-    return out
-
-
-def _jinja_render(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-    """Render QWEN3_TEMPLATE with jinja2 configured as Hugging Face does (it takes OpenAI messages as they are)."""
-    return render_jinja(QWEN3_TEMPLATE, copy.deepcopy(messages), tools, add_generation_prompt)
-
-
-def _train(texts: list[str], out_dir, text_tokens=QWEN3_TEXT_TOKENS):
-    return train_bpe_tokenizer(texts * 5, vocab_size=900, out_dir=out_dir, text_tokens=text_tokens)
-
-
-@pytest.fixture(scope="module")
-def qwen3_tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    """A small byte-level BPE tokenizer with Qwen3's chat tokens (<think> and </think> as added text tokens)."""
-    texts = [_jinja_render(CONVERSATION, TOOLS, False), _jinja_render(REASONING_CONVERSATION, TRIP_TOOLS, True),
-             _jinja_render(AGENTIC, TOOLS, False)]
-    return _train(texts, tmp_path_factory.mktemp("qwen3tok"))
-
-
-@pytest.fixture(scope="module")
-def qwen3_template(qwen3_tokenizer) -> Qwen3ChatTemplate:
-    return Qwen3ChatTemplate(qwen3_tokenizer)
+from tests.rollout.chat_formats import QWEN3_SCRIPT as SCRIPT
+from tests.rollout.chat_formats import QWEN3_THINKING as THINKING
+from tests.rollout.chat_formats import qwen3_messages as _hf_messages
+from tests.rollout.chat_formats import render_qwen3 as _jinja_render
+from tests.rollout.chat_formats import train_qwen3_tokenizer as _train
+from tests.rollout.support import (
+    CONVERSATION,
+    REASONING_CONVERSATION,
+    TRIP_TOOLS,
+    Script,
+    client,
+    make_gateway,
+    mask_spans,
+    open_session,
+    play_episode,
+    serving,
+    tool_call,
+)
 
 
 @pytest.fixture(scope="module")
@@ -424,22 +283,8 @@ def test_config_takes_qwen3_and_auto_for_qwen3_models(tmp_path) -> None:
 
 
 # ------------------------------------------------------------------------- the agent loop
-def _call(a: int, b: int) -> str:
-    return '<tool_call>\n{"name": "add", "arguments": {"a": %d, "b": %d}}\n</tool_call>' % (a, b)
-
-
-SCRIPT = ["<think>\nAdd them.\n</think>\n\nLet me add.\n" + _call(40, 2),
-          "<think>\nCheck twice.\n</think>\n\n" + _call(1, 1) + "\n" + _call(2, 2),
-          "<think>\nBoth sums are in.\n</think>\n\nThe answer is 42."]
-
-
-def qwen3_engine(template: Qwen3ChatTemplate, script: list[str] = SCRIPT) -> ScriptEngine:
-    return ScriptEngine(template, script, "<|im_start|>assistant\n", template.im_end_id)
-
-
 def test_agent_loop_runs_qwen3_turns(qwen3_template: Qwen3ChatTemplate) -> None:
-    from test_agent_loop import TOOLS as ADD_TOOLS
-    from test_agent_loop import FakeEnv
+    from tests.rollout.support import ADD_TOOLS, FakeEnv
 
     template = qwen3_template
     env = FakeEnv()
@@ -466,7 +311,7 @@ def test_agent_loop_runs_qwen3_turns(qwen3_template: Qwen3ChatTemplate) -> None:
 
 
 def test_agent_loop_ends_a_malformed_qwen3_turn(qwen3_template: Qwen3ChatTemplate) -> None:
-    from test_agent_loop import FakeEnv
+    from tests.rollout.support import FakeEnv
 
     bad = ['<think>\nr\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 1,}}\n</tool_call>']
     (traj,) = asyncio.run(run_group_lockstep(qwen3_engine(qwen3_template, bad), FakeEnv(), qwen3_template,
@@ -481,7 +326,7 @@ def test_agent_loop_ends_a_malformed_qwen3_turn(qwen3_template: Qwen3ChatTemplat
 def test_gateway_episode_equals_the_agent_loop(qwen3_template: Qwen3ChatTemplate, stream) -> None:
     """The calc episode through the openai client: the reasoning comes back as reasoning_content (not in the
     content), and the gateway's trajectory is the agent loop's, token for token."""
-    from test_agent_loop import FakeEnv
+    from tests.rollout.support import FakeEnv
 
     template = qwen3_template
     gw = make_gateway(template, qwen3_engine(template), env=FakeEnv())
@@ -501,7 +346,7 @@ def test_gateway_episode_equals_the_agent_loop(qwen3_template: Qwen3ChatTemplate
 @pytest.mark.parametrize("choice", ["named", "required"])
 def test_gateway_tool_choice_forces_an_empty_think_block_and_the_call(qwen3_template: Qwen3ChatTemplate,
                                                                      choice) -> None:
-    from test_agent_loop import TOOLS as ADD_TOOLS
+    from tests.rollout.support import ADD_TOOLS
 
     template = qwen3_template
     rest = '{"a": 1, "b": 2}}\n</tool_call>'

@@ -1,88 +1,40 @@
 """The gateway through the real `openai` client: every completion a turn of a token-exact trajectory, history
 rewrites as new segments, the OpenAI surface (tool calls, streaming, errors), limits, credentials, the agent runner.
 
-Engines: a tiny Qwen2 taught the calc episode of ``test_agent_loop`` (a real LocalEngine with real log-probs),
+Engines: a tiny Qwen2 taught the calc episode of ``support.SCRIPTS`` (a real LocalEngine with real log-probs),
 and scripted engines where a test needs a given turn."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from typing import Any
 
-import aiohttp
 import openai
 import pytest
-import test_agent_loop
 from openai import AsyncOpenAI
-from test_agent_loop import TOOLS, FakeEngine, FakeEnv, call
 
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.engines.version_pool import VersionPool
-from rollout_sglang.gateway import AgentRunner, Gateway, GatewayServer
+from rollout_sglang.gateway import AgentRunner, GatewayServer
+from tests.rollout.support import ADD_TOOLS as TOOLS
+from tests.rollout.support import (
+    FakeEngine,
+    FakeEnv,
+    Script,
+    call,
+    client,
+    http,
+    make_gateway,
+    open_session,
+    serving,
+)
 
-template = test_agent_loop.template  # its tokenizer and Qwen2.5 template (a module fixture), reused
 FIRST = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Solve the task EP=calc."}]
 CALC_TURNS = ["Let me add.\n" + call(40, 2), "The answer is 42."]
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def make_gateway(template, engine, env=None, **kw) -> Gateway:
-    defaults: dict[str, Any] = dict(sampling=SamplingParams(max_new_tokens=256), max_turns=5, max_total_tokens=4096)
-    return Gateway(engine, template, env=env, **{**defaults, **kw})
-
-
-@contextlib.asynccontextmanager
-async def serving(gw: Gateway, token: str | None = None):
-    srv = GatewayServer(gw, token=token)
-    await srv.start()
-    try:
-        yield srv
-    finally:
-        await srv.stop()
-
-
-async def http(method: str, url: str, token: str | None = None, **kw) -> tuple[int, Any]:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with aiohttp.ClientSession() as h, h.request(method, url, headers=headers, **kw) as r:
-        return r.status, await r.json()
-
-
-async def open_session(srv: GatewayServer, token: str | None = None, **body) -> dict:
-    status, info = await http("POST", srv.url + "/sessions", token, json=body)
-    assert status == 201, info
-    return info
-
-
-def client(info: dict, token: str = "unused") -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=info["base_url"], api_key=token, max_retries=0)
-
-
-async def play_episode(gw: Gateway, model: str, turns: int, stream: bool, task: str = "calc",
-                       index: int = 0) -> tuple[list[Any], Any, list[Any]]:
-    """``turns`` completions of one ``task`` episode through the openai client (streamed or not), each reply
-    sent on to the environment with an empty ``/env`` body; returns the completions, the last env step and the
-    session's trajectories."""
-    async with serving(gw) as srv:
-        info = await open_session(srv, task=task, index=index)
-        msgs: list[Any] = list(info["messages"])
-        comps = []
-        async with client(info) as c:
-            for _ in range(turns):
-                kw: dict[str, Any] = dict(model=model, messages=msgs, tools=info["tools"])
-                if stream:
-                    async with c.chat.completions.stream(**kw) as st:
-                        comp = await st.get_final_completion()
-                else:
-                    comp = await c.chat.completions.create(**kw)
-                comps.append(comp)
-                msgs.append(comp.choices[0].message)
-                step = await c.post("/env", body={}, cast_to=object)
-                msgs += step["messages"]
-        return comps, step, gw.sessions[info["session_id"]].to_trajectories()
-
-
 class Spy:
     """An engine wrapper that records every call: (prompts, params, outputs)."""
 
@@ -98,25 +50,6 @@ class Spy:
         outs = await self.engine.generate(prompts, params)
         self.calls.append((prompts, params, outs))
         return outs
-
-
-class Script:
-    """Emits ``texts[k]`` (plus ``end`` token, when given) on its k-th call; log-prob of token j: -(k + 1) - j/1000."""
-
-    def __init__(self, template, texts: list[str], version: int = 5, end: int | None = -1) -> None:
-        self.template, self.texts, self.version = template, texts, version
-        self.end = template.stop_token_ids[0] if end == -1 else end
-        self.prompts: list[list[int]] = []
-        self.params: list[SamplingParams] = []
-
-    async def generate(self, prompts, params):
-        k = len(self.prompts)
-        self.prompts.append(list(prompts[0]))
-        self.params.append(params)
-        ids = self.template.tokenizer.encode(self.texts[k % len(self.texts)], add_special_tokens=False)
-        ids = ids + ([self.end] if self.end is not None else [])
-        await asyncio.sleep(0)
-        return [GenerationOutput(ids, [-(k + 1) - j / 1000 for j in range(len(ids))], "stop", self.version)]
 
 
 # ------------------------------------------------------------------------------------------------ fixtures

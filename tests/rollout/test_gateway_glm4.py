@@ -7,17 +7,12 @@ import json
 from typing import Any
 
 import pytest
-import test_chat_template_glm4 as glm
-import test_chat_template_glm45 as glm45
-from test_agent_loop import TOOLS, FakeEnv
-from test_gateway import Script, client, make_gateway, open_session, play_episode, serving
 
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.engines.protocol import SamplingParams
-
-# the GLM-4 and GLM-4.5 stand-in tokenizers and templates (module fixtures)
-tokenizer, template = glm.tokenizer, glm.template
-glm45_tokenizer, glm45_template = glm45.glm45_tokenizer, glm45.glm45_template
+from tests.rollout.chat_formats import glm4_engine, glm45_engine
+from tests.rollout.support import ADD_TOOLS as TOOLS
+from tests.rollout.support import FakeEnv, Script, client, make_gateway, open_session, play_episode, serving
 
 ARGS45 = "<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_key>b</arg_key>\n<arg_value>2</arg_value>\n</tool_call>"
 # per format: what the engine samples after a forced call to "add" (named) and after a forced "some call"
@@ -32,10 +27,10 @@ FORCED = {
 def fmt(request) -> tuple[str, Any, Any]:
     """(name, template, a factory of fresh scripted engines for the calc episode) of each GLM format."""
     if request.param == "glm4":
-        t = request.getfixturevalue("template")
-        return "glm4", t, lambda: glm.glm4_engine(t)
+        t = request.getfixturevalue("glm4_template")
+        return "glm4", t, lambda: glm4_engine(t)
     t = request.getfixturevalue("glm45_template")
-    return "glm45", t, lambda: glm45.glm45_engine(t)
+    return "glm45", t, lambda: glm45_engine(t)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -15,9 +15,6 @@ from typing import Any, Callable
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_agent_loop import SCRIPTS, FakeEngine, FakeEnv, _check_alignment, run
-from test_agent_loop import template as template  # noqa: F401 - the module-scoped fixture, reused
-from test_chat_template_glm45 import glm45_template, glm45_tokenizer  # noqa: F401 - module-scoped fixtures
 
 from env_controller.protocol import SampleStatus
 from rollout_sglang.chat_template import ChatTemplate, Glm45ChatTemplate
@@ -43,6 +40,7 @@ from rollout_sglang.tool_parser import (
     parse_glm4_assistant_text,
     parse_glm45_assistant_text,
 )
+from tests.rollout.support import SCRIPTS, FakeEngine, FakeEnv, _check_alignment, run
 
 PARSERS: list[Callable[..., dict[str, Any]]] = [parse_assistant_text, parse_glm4_assistant_text,
                                                 parse_glm45_assistant_text]
@@ -212,7 +210,7 @@ glm45_message = st.builds(
 
 @settings(BOUNDED, max_examples=100)
 @given(message=glm45_message)
-def test_glm45_turns_round_trip(glm45_template: Glm45ChatTemplate, message: dict) -> None:  # noqa: F811
+def test_glm45_turns_round_trip(glm45_template: Glm45ChatTemplate, message: dict) -> None:
     text = glm45_template.render_assistant(message)
     for tools in (GLM45_TOOLS, None):
         msg = parse_glm45_assistant_text(text + GLM_OBSERVATION, tools)

@@ -495,3 +495,8 @@ QWEN3_SCRIPT = ["<think>\nAdd them.\n</think>\n\nLet me add.\n" + qwen3_call(40,
 def qwen3_engine(template: Qwen3ChatTemplate, script: list[str] = QWEN3_SCRIPT) -> ScriptEngine:
     """Plays ``script`` (the calc episode in Qwen3's format by default)."""
     return ScriptEngine(template, script, "<|im_start|>assistant\n", template.im_end_id)
+
+
+def qwen3_messages_as_given(messages: list[dict]) -> list[dict]:
+    """The messages as Qwen3's template takes them: OpenAI messages as they are (a copy)."""
+    return copy.deepcopy(messages)

@@ -3,7 +3,6 @@ think block, template selection, the agent loop on Qwen3 turns, and the gateway 
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 
 import pytest
@@ -17,14 +16,13 @@ from rollout_sglang.chat_template import (
     resolve_chat_template,
 )
 from rollout_sglang.engines.protocol import SamplingParams
-from rollout_sglang.tokenizer import GLM4_SPECIAL_TOKENS, QWEN3_TEXT_TOKENS, train_bpe_tokenizer
+from rollout_sglang.tokenizer import QWEN3_TEXT_TOKENS, train_bpe_tokenizer
 from rollout_sglang.tool_parser import ToolCallParseError, parse_qwen3_assistant_text
 from tests.rollout.chat_formats import (
     AGENTIC,
     BARE,
     LATE_SYSTEM,
     MULTI_STEP,
-    QWEN3_TEMPLATE,
     TOOLS,
     USERLESS,
     qwen3_engine,
@@ -86,13 +84,6 @@ def test_render_text_matches_qwen3_jinja(qwen3_template: Qwen3ChatTemplate, mess
                                                                                           add_generation_prompt)
     if add_generation_prompt:  # the prompt piece of any history is the template's render with the generation prompt
         assert qwen3_template.decode(qwen3_template.encode_prompt(messages, tools)) == expected
-
-
-def test_render_matches_transformers_apply_chat_template(qwen3_tokenizer, qwen3_template) -> None:
-    for messages, tools in ((REASONING_CONVERSATION, TRIP_TOOLS), (AGENTIC, TOOLS), (CONVERSATION[1:], None)):
-        hf = qwen3_tokenizer.apply_chat_template(copy.deepcopy(messages), tools=tools, chat_template=QWEN3_TEMPLATE,
-                                                 tokenize=False, add_generation_prompt=True)
-        assert qwen3_template.render_text(messages, tools, add_generation_prompt=True) == hf
 
 
 def test_format_details_as_written_in_the_facts(qwen3_template: Qwen3ChatTemplate) -> None:
@@ -189,26 +180,6 @@ def test_env_reply_piece_shapes(qwen3_template: Qwen3ChatTemplate) -> None:
         "<|im_start|>assistant\n")
     assert t.decode(t.encode_env_reply([own, {"role": "user", "content": "u"}])) == (
         "\n<|im_start|>assistant\nx<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n")
-    with pytest.raises(ValueError, match="role 'robot'"):
-        t.encode_env_reply([{"role": "robot", "content": "x"}])
-    with pytest.raises(ValueError, match="at least one assistant"):
-        t.encode_conversation(CONVERSATION[:2])
-
-
-def test_tokenizer_without_chatml_tokens_fails_clearly(tmp_path) -> None:
-    glm_tok = train_bpe_tokenizer(["hello world"] * 3, vocab_size=300, out_dir=tmp_path,
-                                  special_tokens=GLM4_SPECIAL_TOKENS, text_tokens=())
-    with pytest.raises(ValueError, match=r"no '<\|im_start\|>' token; the Qwen3 chat format needs <\|im_start\|>"):
-        Qwen3ChatTemplate(glm_tok)
-
-
-def test_forced_call_prefix_and_reasoning_split(qwen3_template: Qwen3ChatTemplate) -> None:
-    t = qwen3_template
-    assert t.call_prefix(None) == "<think>\n\n</think>\n\n<tool_call>\n"
-    assert t.call_prefix("search") == '<think>\n\n</think>\n\n<tool_call>\n{"name": "search", "arguments": '
-    assert t.split_reasoning("<think>\n r \n</think>\n\nx") == ("r", "\n\nx")
-    assert t.split_reasoning("<think>\ncut by length") == ("", "<think>\ncut by length")
-    assert t.split_reasoning("no think") == ("", "no think")
 
 
 # ----------------------------------------------------------------------------------- the parser
@@ -308,17 +279,6 @@ def test_agent_loop_runs_qwen3_turns(qwen3_template: Qwen3ChatTemplate) -> None:
     # the SFT layout of the same episode is the same tokens, with the same mask
     ids, mask = template.encode_conversation(h, ADD_TOOLS)
     assert ids == traj.token_ids and mask == traj.loss_mask
-
-
-def test_agent_loop_ends_a_malformed_qwen3_turn(qwen3_template: Qwen3ChatTemplate) -> None:
-    from tests.rollout.support import FakeEnv
-
-    bad = ['<think>\nr\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 1,}}\n</tool_call>']
-    (traj,) = asyncio.run(run_group_lockstep(qwen3_engine(qwen3_template, bad), FakeEnv(), qwen3_template,
-                                             [("calc", 0, 0)], SamplingParams(max_new_tokens=256), max_turns=5,
-                                             max_total_tokens=4096))
-    assert traj.status == "agent validation failed" and traj.reward == 0.0
-    assert "tool call is not valid JSON" in traj.error
 
 
 # ------------------------------------------------------------------------------- the gateway

@@ -8,7 +8,7 @@ to its own record, and prints one summary table. The parts:
 
 * ``env``: torch, CUDA, the device's name and memory, and the versions of the packages the project
   imports there (always first; it fails when megatron-core or transformers cannot be imported);
-* ``tests``: ``pytest -m gpu tests/test_gpu.py`` (actor numerics in bf16, packed vs padded, the
+* ``tests``: ``pytest -m gpu tests/e2e/test_gpu.py`` (actor numerics in bf16, packed vs padded, the
   distributed optimizer, local engine vs actor log-probs, weight sync between two processes on the
   one GPU, an async run with a checkpoint and a resume);
 * ``advantages``: ``bench/gpu_advantages.py`` at 1M, 10M and 100M tokens, eager and compiled;
@@ -85,7 +85,7 @@ class Part:
 
 def parts(py: str) -> dict[str, Part]:
     """The suite's parts in the order they run, for interpreter ``py``."""
-    tests = (py, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p", "no:cacheprovider")
+    tests = (py, "-m", "pytest", "-q", "-m", "gpu", "tests/e2e/test_gpu.py", "-p", "no:cacheprovider")
     adv, train = (py, "bench/gpu_advantages.py", "--out"), (py, "bench/gpu_train.py", "--out")
     lpm = (py, "bench/logprob_memory.py", "--out")
     return {p.name: p for p in (

@@ -17,21 +17,21 @@ per message, with Qwen2.5's function-calling conventions:
   block per tool message; consecutive tool messages share one turn.
 
 :meth:`ChatTemplate.render_text` produces the same text as Qwen2.5's official jinja template
-(``tests/test_chat_template.py`` pins this). For RL, a trajectory is built from token pieces and
+(``tests/rollout/test_chat_template.py`` pins this). For RL, a trajectory is built from token pieces and
 never re-tokenized: :meth:`ChatTemplate.encode_prompt` (the messages + ``<|im_start|>assistant\\n``),
 then the generated turn (ending with ``<|im_end|>``), then :meth:`ChatTemplate.encode_env_reply`
 (``\\n`` + tool/user turns + ``<|im_start|>assistant\\n``), and so on. SFT warm-up uses
 :meth:`ChatTemplate.encode_conversation`, built from exactly the same pieces.
 
 **Qwen3** (:class:`Qwen3ChatTemplate`, Qwen3 and Qwen3-MoE, ``model_type`` qwen3 / qwen3_moe), the chat template
-of Qwen/Qwen3-8B's ``tokenizer_config.json`` (``tests/test_chat_template_qwen3.py`` pins it): Qwen2.5's layout
+of Qwen/Qwen3-8B's ``tokenizer_config.json`` (``tests/rollout/test_chat_template_qwen3.py`` pins it): Qwen2.5's layout
 and stop tokens without its default system message, and with reasoning: a generated turn opens with
 ``<think>\\n{reasoning}\\n</think>\\n\\n``, returned as ``reasoning_content``. As for GLM-4.5, the template
 shows the reasoning only after the last user query, while a trajectory and the SFT layout keep every turn as
 generated (see the class for where they differ from a re-render).
 
 **GLM-4-0414** (:class:`Glm4ChatTemplate`), the chat template of THUDM/GLM-4-9B-0414's
-``tokenizer_config.json`` (``tests/test_chat_template_glm4.py`` pins it). There is no end-of-turn
+``tokenizer_config.json`` (``tests/rollout/test_chat_template_glm4.py`` pins it). There is no end-of-turn
 token: every message starts with its role token and runs until the next one. The text is
 ``[gMASK]<sop>``, then with tools a ``<|system|>`` block (``\\n# 可用工具\\n``, then per tool
 ``\\n## {name}\\n\\n{function schema as JSON, indent 4}\\n在调用上述函数时，请使用 Json 格式表示调用的参数。``),
@@ -45,7 +45,7 @@ its content (when non-empty) plus one ``metadata`` message per call, a ``tool`` 
 the env reply piece after a generated turn leaves out the role token the model already wrote.
 
 **GLM-4.5** (:class:`Glm45ChatTemplate`, GLM-4.5 and GLM-4.5-Air, ``model_type`` glm4_moe), the chat template
-of zai-org/GLM-4.5 (``tests/test_chat_template_glm45.py`` pins it). The same role tokens, stop tokens and
+of zai-org/GLM-4.5 (``tests/rollout/test_chat_template_glm45.py`` pins it). The same role tokens, stop tokens and
 turn ends as GLM-4-0414, but: the tools block is ``<|system|>\\n# Tools`` with one JSON line per tool
 inside ``<tools></tools>`` and the instruction to answer in XML tags; messages are rendered in order
 (system ones where they stand); an assistant turn is ``\\n<think>{reasoning}</think>``, then
@@ -443,7 +443,7 @@ def _render_qwen3_call(call: dict[str, Any]) -> str:
 class Qwen3ChatTemplate(ChatTemplate):
     """Qwen3 (and Qwen3-MoE) chat format bound to a tokenizer: Qwen2.5's ChatML turns, Hermes tool calls, tool
     results and stop tokens, with Qwen3's differences (the chat template of Qwen/Qwen3-8B's
-    ``tokenizer_config.json``, pinned by ``tests/test_chat_template_qwen3.py``):
+    ``tokenizer_config.json``, pinned by ``tests/rollout/test_chat_template_qwen3.py``):
 
     * no default system message; with tools and no system message the system turn starts with ``# Tools``;
     * an assistant turn may open with its reasoning, ``<think>\\n{reasoning}\\n</think>\\n\\n`` (from

@@ -1,7 +1,7 @@
 """OpenAPI 3 descriptions of the controller's API and of the worker server's API.
 
 Built from Python (no data files to ship) and served by each server at ``GET /openapi.json``;
-``tests/test_http_openapi.py`` fuzzes both servers from them with schemathesis.
+``tests/env/test_http_openapi.py`` fuzzes both servers from them with schemathesis.
 """
 from __future__ import annotations
 

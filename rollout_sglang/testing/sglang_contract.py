@@ -14,7 +14,7 @@ SGLang's source without importing SGLang (which needs CUDA-only modules):
 The result is committed as ``sglang_contract_<pin>.json`` next to this module. To bump the pin:
 ``pip download --no-deps sglang==<new> -d DIR``, then ``python -m rollout_sglang.testing.sglang_contract
 --wheel DIR/sglang-<new>-*.whl --out rollout_sglang/testing/sglang_contract_<new>.json``, set
-:data:`SGLANG_PIN` and the ``sglang`` extra in setup.py; ``tests/test_sglang_contract.py`` then
+:data:`SGLANG_PIN` and the ``sglang`` extra in setup.py; ``tests/rollout/test_sglang_contract.py`` then
 checks the client against the new version.
 """
 from __future__ import annotations

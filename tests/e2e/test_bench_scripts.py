@@ -1,0 +1,199 @@
+"""Every bench script runs end to end in its smoke mode (``--smoke``: tiny sizes, CPU, seconds), writes
+its JSON where ``--out`` says and ends with the ``name: value`` line that docs/BENCHMARKS.md quotes.
+
+The scripts are found by glob, so a new script without a smoke mode fails here."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted(p.name for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_"))
+LAST_LINE = re.compile(r"^[A-Za-z0-9_./-]+: \S+")
+TIMEOUT_S = 300
+
+
+def _check_gpu_advantages(lines: list[str], rec: dict[str, Any]) -> None:
+    m = re.fullmatch(r"fused_norm_copy_bw_fraction_100k: (\d+\.\d+)", lines[-1])
+    assert m and float(m.group(1)) > 0, lines[-3:]
+    row = rec["results"]["100k"]
+    assert row["tokens"] == 100_000 and row["rows"] == 200
+    for name in ("copy", "fused", "previous", "unfused"):
+        assert row[f"{name}_ms"] > 0
+    # the correctness check ran against the loop on the smallest size
+    assert rec["results"]["20k"]["max_abs_err_fused"] < 1e-4
+
+
+def _check_gpu_train(lines: list[str], rec: dict[str, Any]) -> None:
+    m = re.fullmatch(r"gpu_mfu_tiny: (\d+\.\d+)", lines[-1])
+    assert m and float(m.group(1)) > 0, lines[-3:]
+    row = rec["results"]["tiny"]
+    for side in ("megatron", "transformers"):
+        r = row[side]
+        assert r["params"] == row["params"], (side, r["params"], row["params"])  # the FLOP count's N is the model's
+        assert r["step_s"] > 0 and r["optimizer_s"] > 0 and r["forward_s"] > 0 and r["tokens_per_s"] > 0
+        assert abs(r["mfu"] - row["flops_per_token"] * r["tokens_per_s"] / 0.05e12) < 1e-9
+    assert row["megatron_over_transformers"] > 0
+
+
+def _check_async_vs_sync(lines: list[str], rec: dict[str, Any]) -> None:
+    sync, async_ = rec["results"]["sync"], rec["results"]["async"]
+    assert sync["trained_samples"] == async_["trained_samples"] > 0  # the same work in both modes
+    assert sync["staleness_max"] == 0
+    assert rec["async_speedup"] == pytest.approx(async_["samples_per_s"] / sync["samples_per_s"])
+
+
+def _check_convert(lines: list[str], rec: dict[str, Any]) -> None:
+    assert rec["roundtrip_identical"] and rec["tensors"] == sum(r["tensors"] for r in rec["runs"]) > 0
+    assert sorted(r["moe"] for r in rec["runs"]) == [False, True]  # a dense and a MoE model
+    for run in rec["runs"]:
+        assert run["roundtrip_identical"] and run["tensors"] > 0 and (run["experts"] > 0) == run["moe"]
+        assert [d["direction"] for d in run["directions"]] == ["hf2mg", "mg2hf"]
+        assert run["convert_peak_rss_gb"] == max(d["peak_above_bare_gb"] for d in run["directions"])
+    m = re.fullmatch(r"convert_peak_rss_gb: (\d+\.\d+)", lines[-1])
+    assert m and float(m.group(1)) == pytest.approx(rec["convert_peak_rss_gb"], abs=1e-3)
+
+
+def _check_demo_learning(lines: list[str], rec: dict[str, Any]) -> None:
+    seed = rec["per_seed"]["1"]
+    assert set(seed["before"]) == set(seed["after"]) == set(rec["mean_gain_points"]) != set()
+    for phase in ("before", "after"):  # each success rate comes with its interval, around it
+        for task, (low, high) in seed["interval_95"][phase].items():
+            assert 0.0 <= low <= seed[phase][task] <= high <= 1.0
+    assert set(rec["worst_seed_gain_points"]) == set(rec["mean_gain_points"])
+
+
+def _check_ablation(lines: list[str], rec: dict[str, Any]) -> None:
+    assert set(rec["table"]) == set(rec["variants"]) == {"shipped", "latest", "no_task_norm", "dynamic"}
+    assert len(rec["gain_points_per_run"]) == len(rec["variants"]) * len(rec["seeds"])
+    assert rec["table"]["shipped"]["vs_shipped_points"] is None
+    for v, row in rec["table"].items():  # each variant against the shipped one, seed by seed
+        if v != "shipped":
+            s = rec["seeds"][0]
+            for task, d in row["vs_shipped_points"].items():
+                ours, ship = (rec["gain_points_per_run"][f"{x}/seed{s}"][task] for x in (v, "shipped"))
+                assert d["mean"] == pytest.approx(ours - ship)
+    assert lines[-1] == f"ablation_runs: {len(rec['gain_points_per_run'])}"
+
+
+def _check_env_controller(lines: list[str], rec: dict[str, Any]) -> None:
+    s = rec["sessions"]
+    assert s["started"] == s["planned"] > 0 and s["lost"] == 0 and s["left_open_on_controller"] == 0
+    # every failure is a session of the killed worker, and each got a reason
+    assert s["failed"] == s["failed_on_killed_worker"] == sum(s["failed_reasons"].values())
+    assert s["completed"] + s["failed"] == s["started"]
+
+
+def _check_gloo_transport(lines: list[str], rec: dict[str, Any]) -> None:
+    assert set(rec["seconds"]) == {"flat", "broadcast", "send_recv"}
+    assert all(len(t) == rec["repeats"] and min(t) > 0 for t in rec["seconds"].values())
+
+
+def _check_weight_sync(lines: list[str], rec: dict[str, Any]) -> None:
+    assert rec["weights_verified"]  # the engine's weights equal what was sent, after a zeroing
+    assert set(rec["seconds"]) == {"raw", "bucketed", "bucketed_broadcast"}
+    assert rec["weight_sync_bandwidth_ratio"] == pytest.approx(rec["ratio_to_raw_best"]["bucketed"])
+
+
+def _check_train_scale(lines: list[str], rec: dict[str, Any]) -> None:
+    m = re.fullmatch(r"dist_opt_state_ratio_dp2: (\d+\.\d+)", lines[-2])
+    assert m and float(m.group(1)) == pytest.approx(rec["dist_opt_state_ratio_dp2"], abs=1e-3)
+    m = re.fullmatch(r"packing_speedup: (\d+\.\d+)", lines[-1])
+    assert m and float(m.group(1)) == pytest.approx(rec["packing_speedup"], abs=1e-3)
+    layouts = rec["packing"]["layouts"]
+    # packed micro-batches compute no padding; padded ones do on trajectories of uneven lengths
+    assert layouts["packed"]["pad_fraction"] == 0 and layouts["packed_budget"]["pad_fraction"] == 0
+    assert layouts["padded"]["pad_fraction"] > 0.05
+    assert all(r["tokens_per_s"] > 0 for r in layouts.values())
+    assert len(rec["dp2"]) == 2 and rec["dp1"]["state_bytes"] > 0
+    # the two layouts train the same model on the same batch: same loss, every rank stepped
+    assert all(abs(r["loss"] - rec["dp1"]["loss"]) < 1e-4 for r in rec["dp2"])
+    assert all(r["adam_steps"] == rec["spec"]["steps"] for r in (rec["dp1"], *rec["dp2"]))
+    assert 0.4 < rec["dist_opt_state_ratio_dp2"] <= 0.6  # each DP rank holds about half
+
+
+def _check_containers(lines: list[str], rec: dict[str, Any]) -> None:
+    if "skipped" in rec:  # --smoke where dockerd cannot run
+        return
+    c, s, k = rec["containers"], rec["sessions"], rec["killed_worker"]
+    assert s["lost"] == 0 and c["leaked"] == 0 and c["after_sessions"] == c["pools_live_after_sessions"]
+    assert c["peak_live"] >= rec["config"]["sessions"] and k["dead_owner_containers_after_restart"] == 0
+    assert lines[-2:] == [f"containers_peak: {c['peak_live']}", f"containers_leaked: {c['leaked']}"]
+
+
+def _check_gateway(lines: list[str], rec: dict[str, Any]) -> None:
+    m = re.fullmatch(r"gateway_overhead_p99_ms: (\d+\.\d+)", lines[-1])
+    assert m and float(m.group(1)) == pytest.approx(rec["gateway_overhead_p99_ms"], abs=1e-3)
+    res, a = rec["results"], rec["args"]
+    assert set(res) == {"stub_with_tool_time", "stub_saturated", "local_engine"}
+    for name, n in (("stub_with_tool_time", a["sessions"] * a["turns"]), ("stub_saturated", a["sessions"] * a["turns"]),
+                    ("local_engine", a["local_sessions"] * a["local_turns"])):
+        assert res[name]["completions_per_s"] > 0 and res[name]["added"]["n"] == res[name]["client"]["n"] == n
+    assert rec["gateway_overhead_p99_ms"] == res["stub_with_tool_time"]["added"]["p99_ms"]
+
+
+def _check_gpu_suite(lines: list[str], rec: dict[str, Any]) -> None:
+    parts = rec["parts"]
+    assert list(parts) == ["env", "tests", "advantages", "logprobs", "train"] and rec["smoke"]
+    assert all(p["exit"] == 0 for p in parts.values()), parts
+    assert parts["env"]["env"]["megatron-core"] and parts["env"]["env"]["transformers"]
+    assert re.search(r"\b3 (skipped|passed)\b", parts["tests"]["last_line"])  # skipped without CUDA
+    assert parts["train"]["last_line"].startswith("gpu_mfu_tiny: ")
+    assert parts["advantages"]["last_line"].startswith("fused_norm_copy_bw_fraction_")
+    assert parts["logprobs"]["last_line"].startswith("logprob_peak_memory_ratio: ")
+    assert lines[-1] == "gpu_suite_parts_passed: 5/5"
+
+
+def _check_logprob_memory(lines: list[str], rec: dict[str, Any]) -> None:
+    m = re.fullmatch(r"logprob_peak_memory_ratio: (\d+\.\d+)", lines[-1])
+    assert m and float(m.group(1)) == pytest.approx(rec["logprob_peak_memory_ratio"], abs=1e-3)
+    assert set(rec["results"]) == {"plain", "chunked"} and rec["max_abs_diff"] < 1e-4
+    assert rec["results"]["plain"]["peak_added_mb"] > 0 and rec["results"]["chunked"]["peak_added_mb"] >= 0
+    assert all(r["step_ms"] > 0 for r in rec["results"].values())
+
+
+CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
+    "ablation.py": _check_ablation,
+    "gpu_advantages.py": _check_gpu_advantages,
+    "gpu_train.py": _check_gpu_train,
+    "gpu_suite.py": _check_gpu_suite,
+    "logprob_memory.py": _check_logprob_memory,
+    "async_vs_sync.py": _check_async_vs_sync,
+    "containers.py": _check_containers,
+    "convert.py": _check_convert,
+    "demo_learning.py": _check_demo_learning,
+    "env_controller.py": _check_env_controller,
+    "gateway.py": _check_gateway,
+    "gloo_transport.py": _check_gloo_transport,
+    "train_scale.py": _check_train_scale,
+    "weight_sync.py": _check_weight_sync,
+}
+
+
+def test_every_script_has_its_record_checked():
+    """A new bench script gets a check of its JSON record here, not only of its exit code."""
+    assert set(CHECKS) == set(SCRIPTS), (sorted(set(SCRIPTS) - set(CHECKS)), sorted(set(CHECKS) - set(SCRIPTS)))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bench_smoke(script, tmp_path):
+    out = tmp_path / f"{Path(script).stem}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, f"bench/{script}", "--smoke", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines and LAST_LINE.match(lines[-1]), lines[-3:]
+    assert out.is_file(), f"{script} --smoke wrote no JSON at --out {out}"
+    rec = json.loads(out.read_text())
+    check = CHECKS.get(script)
+    if check is not None:
+        check(lines, rec)

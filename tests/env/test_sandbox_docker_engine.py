@@ -1,0 +1,338 @@
+"""The docker sandbox backend on a real Docker engine (a private dockerd started by the tests): the shell,
+limits enforced by the engine and reported in one sentence, isolation, background jobs, and the reaping
+of containers whose owner was killed. Skips only where dockerd cannot run."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.env.support import FLOODS, NEVER_ENDING
+
+docker = pytest.importorskip("docker", reason="the docker SDK is not installed (pip install docker)")
+
+from env_controller.sandbox import SandboxError, SandboxLimits  # noqa: E402
+from env_controller.sandbox import docker as docker_module  # noqa: E402
+from env_controller.sandbox.docker import LABEL, OWNER_LABEL, DockerBackend, DockerSandbox, owner_id  # noqa: E402
+
+LIMITS = SandboxLimits(timeout_s=5, max_processes=32, max_output_bytes=8192, memory_mb=128, tmp_mb=8,
+                       max_file_mb=4)
+# a process holding 100 MB (tail keeps the last 100 MB of a pipe that stays open), after ``wait`` seconds
+HOG = "{{ sleep {wait}; head -c 100M /dev/zero; sleep 60; }} | tail -c 100M"
+RESET = "a new shell was started: the working directory and variables are reset, files are kept"
+
+
+@pytest.fixture(scope="module")
+def backend(docker_engine: Any, os_shell_image: str) -> Iterator[DockerBackend]:
+    """One backend for the module; no container of this process is left after it."""
+    b = DockerBackend(LIMITS, image=os_shell_image, base_url=docker_engine.url, home_mb=16)
+    yield b
+    b.close()
+    assert _containers(docker_engine, owner_id()) == []
+
+
+def _containers(engine: Any, owner: str | None = None) -> list[Any]:
+    """Sandbox containers of the engine (``docker ps -a --filter label=org.agentrl.sandbox=1``), of ``owner``."""
+    client = engine.client()
+    try:
+        found = client.containers.list(all=True, filters={"label": f"{LABEL}=1"})
+    finally:
+        client.close()
+    return [c for c in found if owner is None or c.labels.get(OWNER_LABEL) == owner]
+
+
+def _processes(box: DockerSandbox) -> list[str]:
+    """The command lines of the container's processes, from the host (``docker top``)."""
+    top = box.container.top()
+    column = top["Titles"].index("CMD")
+    return [row[column] for row in top["Processes"]]
+
+
+def _idle(box: DockerSandbox) -> bool:
+    """Only init, ``sleep infinity`` and the idle shell run in the container."""
+    procs = _processes(box)
+    return len(procs) == 3 and "sleep infinity" in procs and "bash --noprofile --norc" in procs
+
+
+def _cpu_seconds(times_output: str) -> float:
+    """User plus system time of the children, from the second line of bash's ``times``."""
+    user, system = times_output.split("\n")[1].split()
+    return sum(float(t.split("m")[0]) * 60 + float(t.split("m")[1].rstrip("s")) for t in (user, system))
+
+
+def test_shell_files_reset_and_close(backend: DockerBackend, docker_engine: Any) -> None:
+    started = time.monotonic()
+    box = backend.create(labels={"purpose": "test"})
+    took = time.monotonic() - started
+    print(f"\ncontainer and shell ready in {took:.2f} s")
+    assert isinstance(box, DockerSandbox) and took < 10
+    health = backend.health()
+    assert health["counting"] == "host" and health["sandboxes"] == 1 and "cgroup" in health["engine"], health
+    assert box.container.labels["purpose"] == "test" and box.container.labels[OWNER_LABEL] == owner_id()
+    r = box.run("id; hostname; pwd")
+    assert r.ok and r.output == "uid=1000(user) gid=1000(user) groups=1000(user)\nsandbox\n/home/user\n", r
+    box.copy_in({"notes/a.txt": "first\nsecond\n", "/tmp/t/b.bin": b"x\x01\xffy"})
+    box.copy_in({"/home/user/run.sh": "echo ran\n"}, mode=0o755)
+    assert box.run("cd notes && export COLOR=blue").ok
+    r = box.run("pwd; echo $COLOR; wc -l < a.txt; ../run.sh; od -An -tx1 /tmp/t/b.bin")
+    assert r.output == "/home/user/notes\nblue\n2\nran\n 78 01 ff 79\n", r
+    started = time.monotonic()
+    r = box.run("echo out; echo err >&2; (exit 5)")
+    print(f"a command's round trip: {time.monotonic() - started:.3f} s")
+    assert r.output == "out\nerr\n" and r.exit_code == 5 and r.limit is None
+    assert box.run("cat").output == ""  # stdin is /dev/null
+    with pytest.raises(ValueError, match="outside the writable"):
+        box.copy_in({"/etc/evil": "x"})
+    r = box.run("exit 3")
+    assert r.limit == "shell_exited" and r.restarted and RESET in r.error
+    assert box.run("pwd; echo ${COLOR:-none}; head -1 notes/a.txt").output == "/home/user\nnone\nfirst\n"
+    box.run("cd /tmp; export COLOR=red")
+    box.reset()
+    assert box.run("pwd; echo ${COLOR:-none}; ls /tmp").output == "/home/user\nnone\nt\n"
+    assert _idle(box)
+    box.close()
+    client = docker_engine.client()
+    try:
+        with pytest.raises(docker.errors.NotFound):
+            client.containers.get(box.container.id)
+    finally:
+        client.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        box.run("true")
+    assert backend.live() == []
+    with pytest.raises(ValueError, match="cannot run as root"):
+        DockerBackend(image="x", client=backend.client, user="0:0", reap=False)
+
+
+def test_isolation(backend: DockerBackend) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    secrets = [tempfile.NamedTemporaryFile(prefix="agentrl-host-secret-", dir=d) for d in ("/tmp", "/root")
+               if os.access(d, os.W_OK)]
+    a, b = backend.create(), backend.create()
+    try:
+        # network_mode none: loopback only, nothing outside (not the host's loopback either) is reached
+        r = a.run("tail -n +3 /proc/net/dev | cut -d: -f1; exec 3<>/dev/tcp/1.1.1.1/53")
+        assert r.output.split()[0] == "lo" and "Network is unreachable" in r.output and r.exit_code != 0, r
+        r = a.run(f"exec 3<>/dev/tcp/127.0.0.1/{port}")
+        assert r.exit_code != 0 and "Connection refused" in r.output, r
+        with pytest.raises(socket.timeout):
+            listener.accept()
+        # read-only root, cgroup files included (no raising its own limits)
+        for path in ("/usr/bin/evil", "/etc/passwd", "/evil", "/home/evil", "/proc/sys/kernel/hostname",
+                     "/sys/fs/cgroup/pids/pids.max"):
+            r = a.run(f"echo x > {path}")
+            assert r.exit_code != 0 and ("Read-only file system" in r.output or "Permission denied" in r.output), r
+        # no capabilities, no new privileges, a seccomp filter
+        r = a.run("grep -E '^(CapEff|CapBnd|NoNewPrivs|Seccomp):' /proc/self/status")
+        assert r.output.split() == ["CapEff:", "0000000000000000", "CapBnd:", "0000000000000000",
+                                    "NoNewPrivs:", "1", "Seccomp:", "2"], r
+        # host files and the other sandbox are out of sight
+        for secret in secrets:
+            r = a.run(f"test -e {secret.name} && echo visible || echo hidden")
+            assert r.output == "hidden\n", (secret.name, r)
+        a.run("echo mine > /tmp/private-a; echo a > ~/only-a")
+        assert not Path("/tmp/private-a").exists()
+        assert b.run("ls -A /tmp; ls -A ~; ls /home").output == "user\n"
+    finally:
+        a.close()
+        b.close()
+        listener.close()
+        for secret in secrets:
+            secret.close()
+
+
+def test_wall_time_output_and_file_size(backend: DockerBackend) -> None:
+    with backend.create() as box:
+        for script in NEVER_ENDING:
+            started = time.monotonic()
+            r = box.run(script, timeout_s=1)
+            elapsed = time.monotonic() - started
+            assert r.limit == "timeout" and r.exit_code is None and r.restarted, (script, r)
+            assert r.error == f"the command ran past the 1 s time limit and was killed; {RESET}" and elapsed < 4
+            assert _idle(box), (script, _processes(box))
+        for script in FLOODS:
+            started = time.monotonic()
+            r = box.run(script)
+            assert r.limit == "output_limit" and r.truncated and time.monotonic() - started < 4, (script, r)
+            assert "8192 bytes" in r.error and box.run("echo fine").output == "fine\n"
+        r = box.run("head -c 10M /dev/zero > big; stat -c %s big")
+        assert "File size limit exceeded" in r.output and r.output.split()[-1] == str(4 << 20), r
+
+
+def test_tmp_and_home_are_capped(backend: DockerBackend) -> None:
+    with backend.create() as box:
+        r = box.run("df -m /tmp ~ | tail -n 2 | awk '{print $2}'")
+        assert r.output.split() == ["8", "16"], r
+        r = box.run("for f in a b c; do head -c 3M /dev/zero > /tmp/$f; done; echo after")
+        assert r.limit == "disk_full" and not r.restarted and r.output.endswith("after\n"), r
+        assert r.error == "/tmp is full (its size limit is 8 MB), so a write failed; delete files there to make room"
+        r = box.run("rm /tmp/c; head -c 1M /dev/zero > /tmp/d && echo room")
+        assert r.ok and r.output == "room\n"
+        r = box.run("for i in 1 2 3 4 5 6; do head -c 3M /dev/zero > f$i; done; du -sm ~ | cut -f1")
+        assert r.limit == "disk_full" and int(r.output.split()[-1]) <= 16, r
+        assert r.error.startswith("/home/user is full (its size limit is 16 MB)")
+        with pytest.raises(SandboxError, match="writing /home/user/more.bin failed: /home/user is full"):
+            box.copy_in({"more.bin": b"x" * (1 << 20)})
+        assert box.run("exit 1").restarted  # files outlive the shell
+        assert box.run("ls ~").output.split()[:3] == ["f1", "f2", "f3"]
+
+
+def test_memory_counts_all_processes_together(backend: DockerBackend) -> None:
+    with backend.create(replace(LIMITS, background_jobs=True)) as box:
+        assert box.cgroup is not None
+        # four 100 MB processes under a 128 MB limit for the container: stopped during the command
+        r = box.run(" ".join([HOG.format(wait=0) + " &"] * 4) + " sleep 3; echo survived")
+        assert r.limit == "memory_limit" and r.restarted, r
+        assert r.error == ("the command was killed because the sandbox's memory limit of 128 MB was reached (its "
+                           f"processes and in-memory files count together); all its processes were killed; {RESET}")
+        peak = box.cgroup.memory_peak_bytes()
+        print(f"\nmemory peak of the container: {peak and peak / 2**20:.1f} MB (limit 128 MB)")
+        assert peak is not None and peak <= 128 << 20
+        assert _idle(box), _processes(box)
+        # ... or in the background after the command returned: the next command says so
+        kills = box.cgroup.oom_kills() or 0
+        r = box.run(" ".join([HOG.format(wait=0.5) + " &"] * 4) + " echo started")
+        assert r.ok and r.output == "started\n", r
+        deadline = time.monotonic() + 10
+        while (box.cgroup.oom_kills() or 0) < kills + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = box.run("echo next")
+        assert r.ok and r.output.startswith("[note: background processes had reached the sandbox's memory limit "
+                                            f"of 128 MB and were killed; {RESET}]"), r
+        assert r.output.endswith("next\n") and _idle(box)
+        usage = box.cgroup.memory_bytes()
+        assert usage is not None and usage < 64 << 20
+
+
+def test_fork_bombs_are_stopped(backend: DockerBackend) -> None:
+    # background jobs allowed, so that a bomb can outlive its command
+    with backend.create(replace(LIMITS, background_jobs=True)) as box:
+        box.run("cd /tmp; export KEEP=1")
+        started = time.monotonic()
+        r = box.run("f() { f | f; }; f")
+        assert r.limit == "process_limit" and r.restarted, r
+        assert r.error.startswith("the command reached the limit of 32 processes (a fork bomb?)")
+        assert time.monotonic() - started < 3
+        r = box.run("bomb() { bomb | bomb & }; bomb")
+        if r.limit is None:  # on a starved CPU it may reach the limit only after the check
+            time.sleep(1)
+            r = box.run("true")
+            assert r.limit == "process_limit" or r.output.startswith(
+                "[note: background processes had reached the limit of 32 processes and were killed"), r
+        else:
+            assert r.limit == "process_limit" and r.restarted, r
+        r = box.run("pwd; echo ${KEEP:-reset}")
+        assert r.ok and r.output == "/home/user\nreset\n" and _idle(box)
+        assert time.monotonic() - started < 10
+    # without background jobs a bomb ends with its command
+    with backend.create() as box:
+        r = box.run("bomb() { bomb | bomb & }; bomb; echo back")
+        assert r.limit in (None, "process_limit"), r
+        assert _idle(box), _processes(box)
+
+
+def test_cpu_quota_holds_for_the_container(backend: DockerBackend) -> None:
+    # two busy loops for 1.5 s of wall time: about 0.3 s of CPU time in all under 0.2 CPUs; under 2, what the
+    # machine gives (3 s on two free cores; one shared core gives 1.5 s)
+    script = "for i in 1 2; do timeout 1.5 bash -c 'while :; do :; done' & done; wait; times"
+    cpu = {}
+    for cpus in (0.2, 2.0):
+        with backend.create(replace(LIMITS, cpus=cpus)) as box:
+            assert box.container.attrs["HostConfig"]["NanoCpus"] == round(min(cpus, os.cpu_count() or 1) * 1e9)
+            cpu[cpus] = _cpu_seconds(box.run(script).output)
+    print(f"\nCPU time of two 1.5 s busy loops: {cpu[0.2]:.2f} s under cpus=0.2, {cpu[2.0]:.2f} s under cpus=2")
+    assert 0.1 < cpu[0.2] < 0.6 and cpu[2.0] > 3 * cpu[0.2], cpu
+    ncpu = backend.info["NCPU"]
+    with backend.create(replace(LIMITS, cpus=ncpu + 1)) as box:
+        assert box.container.attrs["HostConfig"]["NanoCpus"] == ncpu * 10**9
+    assert any(f"more than the engine's {ncpu} CPUs" in w for w in backend.health()["warnings"])
+
+
+def test_background_jobs(backend: DockerBackend) -> None:
+    with backend.create() as box:  # background_jobs=False: nothing outlives its command
+        r = box.run("(while :; do :; done) & (sleep 100 &); sleep 100 & echo started")
+        assert r.ok and r.output.startswith("started\n[note: 3 processes left running in the background stopped "
+                                            "when the command returned"), r
+        assert _idle(box), _processes(box)  # seen from the host
+        assert box.run("echo quiet").output == "quiet\n"  # no "Killed" line of bash's for the jobs
+    with backend.create(replace(LIMITS, background_jobs=True)) as box:
+        r = box.run("cd /tmp; sleep 100 & (sleep 200 &); echo started")
+        assert r.ok and r.output == "started\n", r
+        assert sorted(p for p in _processes(box) if p.startswith("sleep 1") or p.startswith("sleep 2")) == [
+            "sleep 100", "sleep 200"]
+        assert box.run("pwd").output == "/tmp\n"
+        # they count against the processes of the sandbox
+        r = box.run("for i in $(seq 30); do sleep 100 & done; echo done")
+        assert r.limit == "process_limit" and r.restarted, r
+        assert _idle(box), _processes(box)
+
+
+def test_counting_through_exec_without_host_cgroups(backend: DockerBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    # as with a remote engine: the container's cgroup is read from inside, by an exec
+    monkeypatch.setattr(docker_module, "container_cgroup", lambda pid, cid: None)
+    with backend.create() as box:
+        assert box.cgroup is None and backend.health()["counting"] == "exec"
+        assert any("not visible from this process" in w for w in backend.health()["warnings"])
+        assert box.run("echo plain").output == "plain\n"
+        r = box.run("sleep 100 & echo started")
+        assert r.output.startswith("started\n[note: 1 process left running in the background stopped"), r
+        assert _idle(box)
+        r = box.run("f() { f | f; }; f")
+        assert r.limit == "process_limit", r
+        r = box.run(" ".join([HOG.format(wait=0) + " &"] * 2) + " sleep 2; echo survived")
+        assert r.limit == "memory_limit", r
+        assert _idle(box)
+    monkeypatch.undo()
+    with backend.create():
+        assert backend.health()["counting"] == "host"
+
+
+_CRASH = textwrap.dedent("""
+    import os, sys
+    from env_controller.sandbox.docker import DockerBackend
+    backend = DockerBackend(image=sys.argv[2], base_url=sys.argv[1])
+    boxes = [backend.create() for _ in range(2)]
+    boxes[0].run("echo data > ~/kept")
+    print(" ".join(box.container.id for box in boxes), flush=True)
+    os.kill(os.getpid(), 9)
+""")
+
+
+def test_leaked_containers_are_reaped_after_kill_9(docker_engine: Any, os_shell_image: str) -> None:
+    crashed = subprocess.run([sys.executable, "-c", _CRASH, docker_engine.url, os_shell_image], capture_output=True,
+                             text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    ids = crashed.stdout.split()
+    assert len(ids) == 2 and {c.id for c in _containers(docker_engine)} >= set(ids)
+    b = DockerBackend(LIMITS, image=os_shell_image, base_url=docker_engine.url)
+    try:
+        assert sorted(b.reaped) == sorted(ids)
+        assert _containers(docker_engine) == []
+        if shutil.which("docker"):  # the same question through the docker CLI
+            ps = subprocess.run(["docker", "ps", "-aq", "--filter", f"label={LABEL}=1"], capture_output=True,
+                                text=True, timeout=30, env={**os.environ, "DOCKER_HOST": docker_engine.url})
+            assert ps.returncode == 0 and ps.stdout.strip() == "", ps
+        # the containers of a live owner stay
+        with b.create():
+            second = DockerBackend(LIMITS, image=os_shell_image, base_url=docker_engine.url)
+            assert second.reaped == [] and len(_containers(docker_engine)) == 1
+            second.close()
+    finally:
+        b.close()
+    assert _containers(docker_engine) == []

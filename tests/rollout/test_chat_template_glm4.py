@@ -1,0 +1,224 @@
+"""GLM-4-0414 chat format: exact text against GLM-4-9B-0414's jinja template, incremental token
+pieces, the GLM-4 tool-call parser, template selection, and the agent loop on GLM turns."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from rollout_sglang.agent_loop import run_group_lockstep
+from rollout_sglang.chat_template import (
+    CHAT_TEMPLATES,
+    ChatTemplate,
+    Glm4ChatTemplate,
+    build_chat_template,
+    resolve_chat_template,
+)
+from rollout_sglang.engines.protocol import SamplingParams
+from rollout_sglang.tokenizer import train_bpe_tokenizer
+from rollout_sglang.tool_parser import ToolCallParseError, parse_glm4_assistant_text
+from tests.rollout.chat_formats import GLM4_SCRIPT as SCRIPT
+from tests.rollout.chat_formats import TOOLS, glm4_engine
+from tests.rollout.chat_formats import glm4_messages as _glm_messages
+from tests.rollout.chat_formats import render_glm4 as _jinja_render
+from tests.rollout.support import CONVERSATION, mask_spans
+
+
+@pytest.fixture(scope="module")
+def tokenizer(glm4_tokenizer):
+    """The GLM-4-0414 stand-in tokenizer (tests/rollout/conftest.py), under this module's name for it."""
+    return glm4_tokenizer
+
+
+@pytest.fixture(scope="module")
+def template(glm4_template):
+    """The GLM-4-0414 template on it."""
+    return glm4_template
+
+
+
+@pytest.mark.parametrize("add_generation_prompt", [False, True])
+@pytest.mark.parametrize(
+    "messages, tools",
+    [
+        (CONVERSATION, TOOLS),  # system + tools
+        (CONVERSATION[1:], TOOLS),  # no system message, tools
+        (CONVERSATION[:2], None),  # system, no tools
+        (CONVERSATION[1:2], None),  # no system, no tools
+        (CONVERSATION[1:7], None),  # tool calls without a tool list
+        (CONVERSATION[1:3] + [{"role": "system", "content": "Be brief."}] + CONVERSATION[3:5], TOOLS),  # late system
+    ],
+)
+def test_render_text_matches_glm4_jinja(template: Glm4ChatTemplate, messages, tools, add_generation_prompt) -> None:
+    expected = _jinja_render(messages, tools, add_generation_prompt)
+    assert template.render_text(messages, tools, add_generation_prompt) == expected
+    # messages already in GLM form render the same
+    assert template.render_text(_glm_messages(messages), tools, add_generation_prompt) == expected
+
+
+def test_format_details(template: Glm4ChatTemplate) -> None:
+    text = template.render_text(CONVERSATION, TOOLS)
+    assert text.startswith("[gMASK]<sop><|system|>\n# 可用工具\n\n## search\n\n{\n    \"name\": \"search\",\n")
+    assert '"description": "Search the web (données, 搜索).",' in text  # non-ASCII kept
+    assert "在调用上述函数时，请使用 Json 格式表示调用的参数。\n## submit\n\n{" in text
+    assert "参数。<|system|>\nYou are a careful research agent.<|user|>\nWho wrote" in text
+    assert ('<|assistant|>\nI will search for it.<|assistant|>search \n{"q": "Le Petit Prince auteur"}'
+            '<|observation|>\nAntoine de Saint-Exupéry (1943).<|assistant|>search \n{"q": "Saint-Exupéry"}'
+            '<|assistant|>search \n{"q": "1943 novella"}<|observation|>\nFrench writer and aviator.'
+            '<|observation|>\n{"title": "The Little Prince"}<|user|>\nPlease submit now.<|assistant|>submit \n') in text
+    assert text.endswith("<|observation|>\nok<|assistant|>\nDone: Antoine de Saint-Exupéry.")
+    assert template.render_assistant(CONVERSATION[4]) == (
+        'search \n{"q": "Saint-Exupéry"}<|assistant|>search \n{"q": "1943 novella"}')
+    assert template.render_assistant({"role": "assistant", "content": "Hi"}) == "\nHi"
+    tok = template.tokenizer
+    stops = ("<|user|>", "<|observation|>", "<|endoftext|>")
+    assert template.stop_token_ids == [tok.convert_tokens_to_ids(t) for t in stops]
+
+
+def test_incremental_pieces_decode_to_full_render(template: Glm4ChatTemplate, tokenizer) -> None:
+    """prompt + (assistant turn + its stop token + env reply)* decodes to the full render, token for token."""
+    msgs = CONVERSATION
+    a_idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    ids = template.encode_prompt(msgs[: a_idx[0]], TOOLS)
+    assert template.decode(ids) == template.render_text(msgs[: a_idx[0]], TOOLS, add_generation_prompt=True)
+    for k, i in enumerate(a_idx):
+        following = msgs[i + 1 : a_idx[k + 1]] if k + 1 < len(a_idx) else []
+        turn = template.encode_assistant(msgs[i], template.turn_end_id(following))
+        assert template.decode(turn[:-1]) == template.render_assistant(msgs[i])
+        ids += turn
+        if k + 1 < len(a_idx):
+            assert turn[-1] in template.stop_token_ids
+            ids += template.encode_env_reply(following, ended_with=turn[-1])
+            assert template.decode(ids) == template.render_text(msgs[: a_idx[k + 1]], TOOLS, add_generation_prompt=True)
+    full = template.render_text(msgs, TOOLS)
+    assert full == _jinja_render(msgs, TOOLS, False)
+    assert template.decode(ids) == full + "<|user|>"  # the last turn ends as the model ends it
+    # pieces split at chat tokens: identical to tokenizing the whole text at once
+    assert ids == tokenizer.encode(full + "<|user|>", add_special_tokens=False)
+
+    conv_ids, mask = template.encode_conversation(msgs, TOOLS)
+    assert conv_ids == ids and len(mask) == len(conv_ids)
+    spans = mask_spans(mask)
+    ends = ["<|observation|>", "<|observation|>", "<|observation|>", "<|user|>"]
+    assert [template.decode(conv_ids[s:e]) for s, e in spans] == [
+        template.render_assistant(msgs[i]) + end for i, end in zip(a_idx, ends)
+    ]
+
+
+def test_env_reply_piece_shapes(template: Glm4ChatTemplate) -> None:
+    obs, user = template.role_ids["observation"], template.role_ids["user"]
+    tool_then_user = [{"role": "tool", "content": "a"}, {"role": "user", "content": "b"}]
+    assert template.decode(template.encode_env_reply(tool_then_user)) == "\na<|user|>\nb<|assistant|>"
+    assert template.decode(template.encode_env_reply(tool_then_user, ended_with=obs)) == "\na<|user|>\nb<|assistant|>"
+    # the turn was cut by length, or ended with another stop token: the reply's role token is kept
+    for ended in (None, user, template.eos_token_id):
+        assert template.decode(template.encode_env_reply(tool_then_user, ended_with=ended)) == (
+            "<|observation|>\na<|user|>\nb<|assistant|>"
+        )
+    assert template.decode(template.encode_env_reply([])) == "<|assistant|>"
+    assert template.decode(template.encode_env_reply([{"role": "system", "content": "s"}], ended_with=None)) == (
+        "<|system|>\ns<|assistant|>"
+    )
+
+
+# ----------------------------------------------------------------------------------- the parser
+def test_parse_content_calls_and_stop_tokens() -> None:
+    text = '\nI will look.<|assistant|>search \n{"q": "héllo", "k": 3}<|assistant|>submit\n{}<|observation|>'
+    msg = parse_glm4_assistant_text(text, TOOLS, call_id_start=4)
+    assert msg["content"] == "I will look."
+    assert [c["id"] for c in msg["tool_calls"]] == ["call_4", "call_5"]
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["search", "submit"]
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"q": "héllo", "k": 3}
+    assert msg["tool_calls"][1]["function"]["arguments"] == "{}"
+    assert parse_glm4_assistant_text("\nThe answer is 42.  <|user|>", TOOLS) == {
+        "role": "assistant", "content": "The answer is 42.", "tool_calls": []}
+    # a call with no argument line, and any name when no tool list is given
+    assert parse_glm4_assistant_text("anything")["tool_calls"][0]["function"] == {"name": "anything", "arguments": "{}"}
+
+
+def test_parse_round_trips_render(template: Glm4ChatTemplate) -> None:
+    for m in CONVERSATION:
+        if m["role"] != "assistant":
+            continue
+        msg = template.parse_assistant(template.render_assistant(m), TOOLS)
+        assert msg["content"] == (m["content"] or "")
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in m.get("tool_calls") or []]
+
+
+@pytest.mark.parametrize(
+    "text, problem, quoted",
+    [
+        ('search\n{"q": }', "arguments of tool call 'search' are not valid JSON", '{"q": }'),
+        ('search\n["x"]', "must be a JSON object, got list", '["x"]'),
+        ('delete_all\n{}', "unknown tool 'delete_all' (available: search, submit)", "delete_all"),
+        ("Sure, here it is.", "neither content", "Sure, here it is."),
+        ('\nok<|assistant|>{"name": "search"}', "neither content", '{"name": "search"}'),
+        (' \n{"q": "x"}', "empty function name line", '{"q": "x"}'),
+    ],
+)
+def test_parse_errors_name_the_bad_text(text: str, problem: str, quoted: str) -> None:
+    with pytest.raises(ToolCallParseError) as e:
+        parse_glm4_assistant_text(text, TOOLS)
+    msg = str(e.value)
+    assert problem in msg and quoted in msg
+    assert "function name on its own line" in msg
+
+
+# -------------------------------------------------------------------------------- selection
+def test_template_selection(tokenizer, tmp_path) -> None:
+    assert resolve_chat_template("auto", "glm4") == "glm4"
+    assert resolve_chat_template("auto", "qwen2") == resolve_chat_template("auto", "llama") == "qwen2"
+    assert resolve_chat_template("glm4", "qwen2") == "glm4"
+    with pytest.raises(ValueError, match="'chatml' is not one of auto, qwen2, glm4"):
+        resolve_chat_template("chatml")
+    assert isinstance(build_chat_template("auto", tokenizer, "glm4"), Glm4ChatTemplate)
+    qwen_tok = train_bpe_tokenizer(["hello world"] * 3, vocab_size=300, out_dir=tmp_path)
+    assert isinstance(build_chat_template("auto", qwen_tok, "qwen2"), ChatTemplate)
+
+
+def test_config_accepts_the_template_names(tmp_path) -> None:
+    from megatron_agentrl.config import CHAT_TEMPLATE_CHOICES, ConfigError, ModelConfig, load_config
+
+    assert ModelConfig().chat_template == "auto" and CHAT_TEMPLATE_CHOICES == ("auto", *CHAT_TEMPLATES)
+    base = tmp_path / "c.yaml"
+    base.write_text("model:\n  arch: {model_type: glm4}\ntasks: [{name: lookup}]\n")
+    for name in ("auto", *CHAT_TEMPLATES):
+        assert load_config(base, [f"model.chat_template={name}"]).model.chat_template == name
+    with pytest.raises(ConfigError, match="model.chat_template='chatml' is not one of auto, qwen2, glm4"):
+        load_config(base, ["model.chat_template=chatml"])
+
+
+# ------------------------------------------------------------------------- the agent loop
+def test_agent_loop_runs_glm4_turns(template: Glm4ChatTemplate) -> None:
+    from tests.rollout.support import ADD_TOOLS, FakeEnv
+
+    env = FakeEnv()
+    params = SamplingParams(max_new_tokens=256, temperature=1.0, seed=0)
+    (traj,) = asyncio.run(run_group_lockstep(glm4_engine(template), env, template, [("calc", 0, 0)], params,
+                                             max_turns=5, max_total_tokens=4096))
+    assert traj.status == "completed" and traj.reward == 1.0
+    (sid,) = env.history
+    sent = env.received[sid]
+    assert [len(m.get("tool_calls", [])) for m in sent] == [1, 2, 0]
+    assert sent[0]["content"] == "Let me add."
+    assert json.loads(sent[1]["tool_calls"][1]["function"]["arguments"]) == {"a": 2, "b": 2}
+    # the trajectory: prompt, then each generated turn as generated, then the env reply without the
+    # <|observation|> the model already wrote; it is the template's render of the episode (+ the
+    # final stop token) up to the space GLM-4's template puts after a call's name
+    h = env.history[sid]
+    obs = template.role_ids["observation"]
+    tok = template.tokenizer
+    expected = template.encode_prompt(h[:2], ADD_TOOLS) + tok.encode(SCRIPT[0], add_special_tokens=False)
+    expected += template.encode_env_reply(h[3:4], ended_with=obs) + tok.encode(SCRIPT[1], add_special_tokens=False)
+    expected += template.encode_env_reply(h[5:7], ended_with=obs) + tok.encode(SCRIPT[2], add_special_tokens=False)
+    assert traj.token_ids == expected
+    rendered = template.render_text(h, ADD_TOOLS) + "<|user|>"
+    rendered = rendered.replace('<|assistant|>add \n{"a": 1', '<|assistant|>add\n{"a": 1')
+    rendered = rendered.replace('<|assistant|>add \n{"a": 2', '<|assistant|>add\n{"a": 2')
+    assert template.decode(traj.token_ids) == rendered
+    for (s, e), text in zip(traj.turn_spans, SCRIPT):
+        assert template.decode(traj.token_ids[s:e]) == text
+        assert traj.loss_mask[s:e] == [1] * (e - s)
+    assert sum(traj.loss_mask) == sum(e - s for s, e in traj.turn_spans)

@@ -1,0 +1,1 @@
+"""Helpers every test folder uses: processes on a local gloo group, tiny models of each family."""

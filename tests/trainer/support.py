@@ -1,0 +1,61 @@
+"""Helpers shared by the trainer tests: an HF state dict and a random batch for the Megatron actor, a tiny training
+run on a spawned rank (``run_distributed``) with its per-step records, and a reward that varies within a group
+(``tasks[].reward_fn: "tests.trainer.support:varied_reward"``)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def hf_state(model) -> dict[str, torch.Tensor]:
+    """HF state dict as a trainer would get it (tied models: no lm_head.weight)."""
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+def make_batch(vocab: int, B: int = 6, T: int = 12, seed: int = 1):
+    from megatron_agentrl.megatron.actor import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, vocab, (B, T), generator=g)
+    lengths = torch.tensor([T, T - 3, T - 1, T - 5, T, T - 2][:B])
+    mask = torch.zeros(B, T)
+    for b in range(B):
+        tokens[b, lengths[b]:] = 0
+        mask[b, 4:lengths[b]] = 1.0
+    behavior = -torch.rand(B, T, generator=g) * mask
+    adv = torch.randn(B, T, generator=g) * mask
+    return TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior, advantages=adv)
+
+
+# a tiny run of tests/configs/tiny_test.yaml (fp32, CPU) that checkpoints every 2 steps
+TINY = [
+    "model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2",
+    "sft.steps=0", "train.micro_batch_size=4", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+    "rollout.max_new_tokens=12", "eval.samples_per_task=0", "loss.tis_cap=2.0", "loss.kl_coef=0.05",
+    "loss.entropy_coef=0.01", "train.lr=1e-3", "checkpoint.interval=2",
+]
+
+
+def train_tiny(rank: int, world: int, overrides: list[str]) -> dict:
+    """Child entry point (``run_distributed``): ``run_training`` on tests/configs/tiny_test.yaml with ``overrides``."""
+    from megatron_agentrl.config import load_config
+    from megatron_agentrl.pipeline.loop import run_training
+    from megatron_agentrl.train_rank import setup_logging
+
+    setup_logging(rank)
+    return run_training(load_config("tests/configs/tiny_test.yaml", overrides))
+
+
+def read_steps(out: Path) -> dict[int, dict]:
+    """The rows of a run's batches.jsonl, by step."""
+    return {r["step"]: r for r in map(json.loads, (out / "batches.jsonl").read_text().splitlines())}
+
+
+def varied_reward(traj) -> float:
+    """A reward that differs between the samples of a group (the tiny random policy earns nothing yet)."""
+    return float(sum(traj.token_ids) % 5)

@@ -1,0 +1,104 @@
+"""Exact resume: stop after step k, resume from the checkpoint, and step k+1 trains on the same
+sample ids with the same loss (fp32, CPU) as the uninterrupted run.
+
+Sync mode: three separate runs (uninterrupted; stopped after step 2; resumed from that stop).
+Async mode (TP=2 on 2 processes, heavy-tailed env latency, KL and entropy on): the checkpoint
+holds the drained queue, so the resumed step 3 equals the uninterrupted run's step 3. A checkpoint
+of 2 data-parallel ranks resumes on one process.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.dist_utils import run_distributed
+from tests.trainer.support import TINY
+from tests.trainer.support import read_steps as _steps
+from tests.trainer.support import train_tiny as _train
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a["sample_ids"] == b["sample_ids"]
+    assert a["min_versions"] == b["min_versions"]
+    assert abs(a["loss"] - b["loss"]) <= 1e-7 * max(1.0, abs(a["loss"])), (a["loss"], b["loss"])
+    ga, gb = a["grad_norm"], b["grad_norm"]
+    assert abs(ga - gb) <= 1e-6 * max(1.0, abs(ga)), (ga, gb)
+
+
+def test_sync_stop_resume_matches_uninterrupted(tmp_path):
+    full, stop, resumed = tmp_path / "full", tmp_path / "stop", tmp_path / "resumed"
+    run_distributed(_train, 1, TINY + [f"output_dir={full}", "train.steps=3"], timeout_s=120)
+    run_distributed(_train, 1, TINY + [f"output_dir={stop}", "train.steps=2"], timeout_s=120)
+    ckpt = stop / "checkpoints" / "step_000002"
+    assert (stop / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    run_distributed(_train, 1, TINY + [f"output_dir={resumed}", "train.steps=3", f"checkpoint.resume={ckpt}"],
+                    timeout_s=120)
+    f, s, r = _steps(full), _steps(stop), _steps(resumed)
+    assert sorted(s) == [1, 2] and sorted(r) == [3]
+    _same(f[1], s[1])
+    _same(f[2], s[2])
+    _same(f[3], r[3])
+    assert f[3]["loss"] != f[2]["loss"]  # the loss does depend on the state
+
+
+def test_async_tp2_resume_matches_uninterrupted(tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    common = TINY + ["parallel.tp=2", "pipeline.mode=async", "pipeline.staleness=1", "pipeline.sim_env_latency_s=0.01",
+                     "pipeline.sim_env_latency_alpha=1.1", "pipeline.sim_env_latency_max_s=0.3"]
+    run_distributed(_train, 2, common + [f"output_dir={full}", "train.steps=4"], timeout_s=150)
+    ckpt = full / "checkpoints" / "step_000002"
+    pipeline_state = ckpt / "pipeline.pt"
+    assert pipeline_state.is_file() and (ckpt / "rng" / "rank_1.pt").is_file()
+    run_distributed(_train, 2, common + [f"output_dir={resumed}", "train.steps=3", f"checkpoint.resume={ckpt}"],
+                    timeout_s=150)
+    f, r = _steps(full), _steps(resumed)
+    assert sorted(r) == [3]
+    _same(f[3], r[3])
+
+
+def _adam_steps(ckpt: Path) -> set[float]:
+    """The Adam step count(s) a checkpoint stores (megatron keeps it with the param groups)."""
+    import torch
+
+    common = torch.load(ckpt / "model_optim" / "common.pt", weights_only=False)
+    found: set[float] = set()
+
+    def walk(x) -> None:
+        if isinstance(x, dict):
+            if "step" in x and not isinstance(x["step"], (dict, list)):
+                found.add(float(x["step"]))
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(common.get("optimizer", common))
+    return found
+
+
+def test_dp2_checkpoint_resumes_at_dp1(tmp_path):
+    """Saved by 2 data-parallel ranks with the distributed optimizer (each holding half the Adam
+    state), resumed on one process: step 3 trains on the same samples with the loss of the
+    uninterrupted DP=2 run, and the Adam step count goes on from 2 to 3. Resuming it without the
+    distributed optimizer is refused with the key to set."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run_distributed(_train, 2, TINY + [f"output_dir={full}", "train.steps=3"], timeout_s=150)
+    ckpt = full / "checkpoints" / "step_000002"
+    assert json.loads((ckpt / "meta.json").read_text())["dp"] == 2
+    run_distributed(_train, 1, TINY + [f"output_dir={resumed}", "train.steps=3", f"checkpoint.resume={ckpt}"],
+                    timeout_s=120)
+    f, r = _steps(full), _steps(resumed)
+    assert sorted(r) == [3]
+    assert f[3]["sample_ids"] == r[3]["sample_ids"]
+    assert abs(f[3]["loss"] - r[3]["loss"]) <= 1e-5 * max(1.0, abs(f[3]["loss"])), (f[3]["loss"], r[3]["loss"])
+    assert abs(f[3]["grad_norm"] - r[3]["grad_norm"]) <= 1e-5 * max(1.0, f[3]["grad_norm"])
+    assert f[3]["grad_norm"] != f[2]["grad_norm"]  # the step does depend on the state
+    assert _adam_steps(ckpt) == {2.0}
+    with pytest.raises(AssertionError, match=r"resume with train.use_distributed_optimizer=true"):
+        run_distributed(_train, 1, TINY + [f"output_dir={tmp_path / 'other'}", "train.steps=3",
+                                           f"checkpoint.resume={ckpt}", "train.use_distributed_optimizer=false"],
+                        timeout_s=120)
+    assert _adam_steps(resumed / "checkpoints" / "step_000003") == {3.0}

@@ -1,0 +1,214 @@
+"""Ray placement on a local Ray cluster (``ray.cluster_utils.Cluster``: real raylets on this machine).
+
+GPUs are logical resources here (the head node declares 4), so the pools are placed as on a GPU
+cluster while the trainer itself runs on CPU. One cluster serves the whole module: the placement
+groups of the pools, a layout that does not fit, a tiny training run on Ray with the env
+controller as an actor, and a node removed mid-run.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.placement_group import placement_group_table  # noqa: E402
+
+from megatron_agentrl.config import ConfigError, load_config  # noqa: E402
+from megatron_agentrl.launch.ray_placement import (  # noqa: E402
+    PlacementError,
+    RunLostError,
+    create_placement_groups,
+    plan_pools,
+    remove_placement_groups,
+    run_on_ray,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2",
+        "sft.steps=1", "sft.batch_size=4", "train.micro_batch_size=4", "eval.samples_per_task=2",
+        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_turns=2"]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 4, "include_dashboard": False})
+    ray.init(address=c.address, namespace="agentrl_test", log_to_driver=False)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def _cfg(tmp_path: Path, *extra: str):
+    return load_config(ROOT / "tests/configs/tiny_test.yaml",
+                       [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, *extra])
+
+
+def _ours_left() -> list[str]:
+    """Placement groups of runs that are not removed yet."""
+    return [pg["name"] for pg in placement_group_table().values()
+            if pg["name"].startswith("agentrl_") and pg["state"] != "REMOVED"]
+
+
+def test_pools_are_placement_groups(cluster: Cluster, tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "ray.train_workers=2", "ray.train_gpus_per_worker=1", "ray.train_cpus_per_worker=0.25",
+               "ray.rollout_gpus_per_engine=1", "ray.rollout_cpus_per_engine=0.25", "ray.controller=true",
+               "ray.controller_cpus=0.25")
+    cfg.rollout.max_versions = 2  # two version slots (the pipeline's own checks are not what this tests)
+    pools = plan_pools(cfg)
+    assert [(p.name, len(p.bundles)) for p in pools] == [("train", 2), ("rollout_slot0", 1), ("rollout_slot1", 1),
+                                                          ("env_controller", 1)]
+    assert pools[0].bundles[0] == {"CPU": 0.25, "GPU": 1.0}
+    pgs = create_placement_groups(pools, timeout_s=60, prefix="agentrl_test")
+    try:
+        table = {v["name"]: v for v in placement_group_table().values()}
+        for name in ("train", "rollout_slot0", "rollout_slot1", "env_controller"):
+            assert table[f"agentrl_test_{name}"]["state"] == "CREATED"
+        _wait_for_free_gpus(0, "2 train + 2 rollout slots should hold all 4 GPUs")
+    finally:
+        remove_placement_groups(pgs)
+    _wait_for_free_gpus(4, "GPUs not released after removing the placement groups")
+
+
+def _wait_for_free_gpus(n: float, why: str, timeout_s: float = 30.0) -> None:
+    """Ray's resource view reaches the driver asynchronously: poll it, with a deadline."""
+    deadline = time.monotonic() + timeout_s
+    while (free := ray.available_resources().get("GPU", 0)) != n:
+        assert time.monotonic() < deadline, f"{why}: {free} GPUs free after {timeout_s} s, expected {n}"
+        time.sleep(0.2)
+
+
+def test_layout_that_does_not_fit_fails_clearly(cluster: Cluster, tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "ray.train_workers=8", "ray.train_gpus_per_worker=1", "ray.train_cpus_per_worker=0.1",
+               "ray.placement_timeout_s=3")
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError) as err:
+        run_on_ray(cfg, str(ROOT / "tests/configs/tiny_test.yaml"), [])
+    msg = str(err.value)
+    assert "train: 8 x {'CPU': 0.1, 'GPU': 1.0}" in msg and "The cluster has" in msg and "'GPU': 4.0" in msg, msg
+    assert time.monotonic() - t0 < 30
+    assert not _ours_left()
+
+
+def _tiny_hf_checkpoint(path: Path) -> Path:
+    """A random tiny Qwen2 checkpoint with the demo tokenizer's vocab (what the rollout engine serves)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rollout_sglang.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(ROOT / "examples/tokenizer/tiny_agent"))
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True)
+    Qwen2ForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def test_train_on_ray_with_controller_and_engine_actors(cluster: Cluster, tmp_path: Path) -> None:
+    """A tiny run on Ray: the env controller (with workers for the built-in tasks) and one rollout
+    engine (the SGLang stand-in, launched the way SGLang is) as actors in their own placement
+    groups, the trainer in the train pool; the episodes go through both over HTTP."""
+    ckpt = _tiny_hf_checkpoint(tmp_path / "hf")
+    overrides = [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, "train.steps=1",
+                 f"model.checkpoint={ckpt}", "ray.controller=true", "ray.controller_port=0",
+                 "ray.controller_cpus=0.25", "ray.rollout_gpus_per_engine=1", "ray.rollout_cpus_per_engine=0.25",
+                 "ray.engine_server_module=rollout_sglang.testing.sglang_standin", "ray.train_cpus_per_worker=0.5"]
+    cfg = load_config(ROOT / "tests/configs/tiny_test.yaml", overrides)
+    summary = run_on_ray(cfg, str(ROOT / "tests/configs/tiny_test.yaml"), overrides)
+    out = tmp_path / "run"
+    assert summary["hf_export"] == str(out / "hf_export") and (out / "hf_export" / "config.json").is_file()
+    # the trainer ranks got the controller actor's URL through the config ...
+    assert "controller_url: http://" in (out / "config.yaml").read_text()
+    # ... and the engine URLs per version slot, also through the config; the engine served until the run ended
+    slots = json.loads((out / "ray" / "engines.json").read_text())
+    assert len(slots) == 1 and len(slots[0]) == 1 and slots[0][0].startswith("http://")
+    assert yaml.safe_load((out / "config.yaml").read_text())["rollout"]["engine_urls"] == slots
+    logs = list((out / "ray" / "engine_logs").glob("sglang_*.log"))
+    assert logs and "stand-in ready" in logs[0].read_text(), logs
+    # the trainer found the engine by that URL: it opened the weight-sync group with it
+    assert "weight-sync group" in logs[0].read_text(), logs[0].read_text()
+    assert not _ours_left()
+    alive = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("agentrl_")]
+    assert not alive, alive
+
+
+def test_node_lost_mid_run_stops_with_a_resumable_checkpoint(cluster: Cluster, tmp_path: Path) -> None:
+    # the trainer asks for 3 CPUs: only the added node (4 CPUs) can hold it, the head has 2
+    node = cluster.add_node(num_cpus=4)
+    cluster.wait_for_nodes()
+    config = str(ROOT / "tests/configs/tiny_test.yaml")
+    base = [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, "ray.health_check_interval_s=1",
+            "checkpoint.interval=1", "checkpoint.resume=latest"]
+    overrides = [*base, "train.steps=1000", "ray.train_cpus_per_worker=3"]
+    cfg = load_config(config, overrides)
+    result: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            run_on_ray(cfg, config, overrides)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            result["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    deadline = time.monotonic() + 180
+    while not latest.is_file():  # the node goes down after the run saved a checkpoint
+        assert t.is_alive(), result
+        assert time.monotonic() < deadline, "no checkpoint written"
+        time.sleep(0.5)
+    t_kill = time.monotonic()
+    cluster.remove_node(node, allow_graceful=False)
+    t.join(timeout=90)
+    assert not t.is_alive(), "the run did not stop after its node was removed"
+    err = result.get("error")
+    assert isinstance(err, RunLostError), repr(err)
+    msg = str(err)
+    assert "lost" in msg and "mid-run" in msg and "trainer rank 0" in msg and "The run was stopped" in msg, msg
+    assert "the last checkpoint is " + str(tmp_path / "run" / "checkpoints" / "step_") in msg, msg
+    assert "the same command resumes from it" in msg, msg
+    print(f"run stopped {time.monotonic() - t_kill:.1f}s after its node was removed: {msg}")
+    assert not _ours_left()
+    # the same command, on what is left of the cluster (the trainer fits on the head now), resumes
+    step = int(latest.read_text().strip().removeprefix("step_"))
+    resumed = [*base, f"train.steps={step + 1}", "ray.train_cpus_per_worker=1"]
+    summary = run_on_ray(load_config(config, resumed), config, resumed)
+    assert summary["last_checkpoint"].endswith(f"step_{step + 1:06d}"), summary
+    assert (tmp_path / "run" / "hf_export" / "config.json").is_file()
+
+
+def test_unreachable_cluster_address_fails_fast() -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "megatron_agentrl.cli", "train",
+                           "--config", "tests/configs/tiny_test.yaml",
+                           f"ray.address=127.0.0.1:{port}", "ray.placement_timeout_s=2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert f"cannot connect to Ray at ray.address='127.0.0.1:{port}'" in proc.stderr
+    assert "ray start --head" in proc.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def test_running_engines_and_ray_engines_together_are_refused(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "ray.rollout_gpus_per_engine=1", "rollout.engine_urls=[[http://127.0.0.1:3001]]")
+    with pytest.raises(ConfigError, match=r"rollout.engine_urls=.*ray.rollout_gpus_per_engine=1 asks Ray to start "
+                                          r"its own; clear one of the two"):
+        plan_pools(cfg)

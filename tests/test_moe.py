@@ -9,7 +9,7 @@ from dist_utils import run_distributed
 from tiny_models import ragged_batch
 
 from megatron_agentrl.config import ConfigError, ParallelConfig, TrainConfig, load_config
-from rollout_sglang.chat_template import resolve_chat_template
+from megatron_agentrl.convert import resolve_chat_template
 
 DEMO = "examples/configs/tiny_cpu.yaml"
 # a tiny Qwen3-MoE on the demo's tasks: 4 experts of width 32, 2 per token

@@ -24,6 +24,8 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
+from rollout_sglang.chat_template import CHAT_TEMPLATES
+
 
 class ConfigError(ValueError):
     """A bad config file, key or value; the message names it and the fix."""
@@ -45,24 +47,10 @@ class _FieldError(ConfigError):
         return _FieldError(key, self.name, self.value, self.rule)
 
 
-
-
-@functools.cache
-def chat_template_choices() -> tuple[str, ...]:
-    """``model.chat_template`` values: "auto" (the default format of the model's family, which
-    ``megatron_agentrl.convert.resolve_chat_template`` reads from the family registry) and the formats of
-    ``rollout_sglang.chat_template.CHAT_TEMPLATES``; imported when first asked (it brings aiohttp)."""
-    from rollout_sglang.chat_template import CHAT_TEMPLATES
-
-    return ("auto", *CHAT_TEMPLATES)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "CHAT_TEMPLATE_CHOICES":  # the same tuple, as a constant
-        return chat_template_choices()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
+#: ``model.chat_template`` values: "auto" (the default format of the model's family, which
+#: ``megatron_agentrl.convert.resolve_chat_template`` reads from the family registry) and the formats of
+#: ``rollout_sglang.chat_template``.
+CHAT_TEMPLATE_CHOICES: tuple[str, ...] = ("auto", *CHAT_TEMPLATES)
 RayStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 
@@ -169,7 +157,7 @@ class ModelConfig(_Section):
         <think> reasoning) | glm4 (GLM-4-0414) | glm45 (GLM-4.5 / GLM-4.5-Air: <arg_key>/<arg_value>
         tool calls, <think> reasoning) | auto (the format the model's family declares in
         ``megatron_agentrl.convert``; qwen2 for a model type without a family). The names are
-        ``rollout_sglang.chat_template.CHAT_TEMPLATES`` (:func:`chat_template_choices`).
+        ``rollout_sglang.chat_template.CHAT_TEMPLATES`` (:data:`CHAT_TEMPLATE_CHOICES`).
 
     Which of hf_config / arch / megatron_checkpoint is set is checked by :meth:`Config.validate`
     (a section may be built empty and filled in).
@@ -188,8 +176,8 @@ class ModelConfig(_Section):
     def check(self) -> None:
         """See :class:`_Section`; the paths are checked where they are read (``megatron_agentrl.hf_io``)."""
         super().check()
-        self.require(self.chat_template in chat_template_choices(), "chat_template",
-                     f"is not one of {', '.join(chat_template_choices())} (auto: the default format of the model's "
+        self.require(self.chat_template in CHAT_TEMPLATE_CHOICES, "chat_template",
+                     f"is not one of {', '.join(CHAT_TEMPLATE_CHOICES)} (auto: the default format of the model's "
                      "family, qwen2 for a model type without one)")
         for name in ("hf_config", "checkpoint", "megatron_checkpoint", "tokenizer"):
             self.require(getattr(self, name) != "", name, "is empty; give a path"

@@ -109,7 +109,7 @@ def demo_length_batch(n: int, seed: int = 0) -> tuple[list[list[int]], list[list
     from rollout_sglang.tokenizer import load_tokenizer
 
     tok = load_tokenizer(REPO / "examples" / "tokenizer" / "tiny_agent")
-    template = build_chat_template("qwen2", tok, "qwen2")
+    template = build_chat_template("qwen2", tok)
     tasks = {name: build_task(name) for name in ("lookup", "calc", "guess")}
     rng = random.Random(seed)
     ids, masks = [], []

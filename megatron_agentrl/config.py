@@ -24,6 +24,8 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
+from rollout_sglang.chat_template import CHAT_TEMPLATES
+
 
 class ConfigError(ValueError):
     """A bad config file, key or value; the message names it and the fix."""
@@ -45,9 +47,10 @@ class _FieldError(ConfigError):
         return _FieldError(key, self.name, self.value, self.rule)
 
 
-ChatTemplateName = Literal["auto", "qwen2", "glm4", "glm45", "qwen3"]
-#: ``model.chat_template`` values: "auto" and ``rollout_sglang.chat_template.CHAT_TEMPLATES``.
-CHAT_TEMPLATE_CHOICES: tuple[str, ...] = typing.get_args(ChatTemplateName)
+#: ``model.chat_template`` values: "auto" (the default format of the model's family, which
+#: ``megatron_agentrl.convert.resolve_chat_template`` reads from the family registry) and the formats of
+#: ``rollout_sglang.chat_template``.
+CHAT_TEMPLATE_CHOICES: tuple[str, ...] = ("auto", *CHAT_TEMPLATES)
 RayStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 
@@ -154,17 +157,15 @@ class ModelConfig(_Section):
     chat_template: the chat format of prompts, env replies and tool calls: qwen2 (Qwen2.5: ChatML with
         Hermes tool calls) | qwen3 (Qwen3 / Qwen3-MoE: qwen2's turns without a default system message,
         <think> reasoning) | glm4 (GLM-4-0414) | glm45 (GLM-4.5 / GLM-4.5-Air: <arg_key>/<arg_value>
-        tool calls, <think> reasoning) | auto (glm4 for a glm4 model, glm45 for a glm4_moe model, qwen3
-        for a qwen3 or qwen3_moe model, else qwen2).
+        tool calls, <think> reasoning) | auto (the format the model's family declares in
+        ``megatron_agentrl.convert``; qwen2 for a model type without a family). The names are
+        ``rollout_sglang.chat_template.CHAT_TEMPLATES`` (:data:`CHAT_TEMPLATE_CHOICES`).
 
     Which of hf_config / arch / megatron_checkpoint is set is checked by :meth:`Config.validate`
     (a section may be built empty and filled in).
     """
 
     KEY: ClassVar[str] = "model"
-    CHOICE_HINTS: ClassVar[dict[str, str]] = {
-        "chat_template": "auto: glm4 for a glm4 model, glm45 for a glm4_moe model, qwen3 for a qwen3 or qwen3_moe "
-                         "model, else qwen2"}
 
     hf_config: str | None = None
     arch: dict[str, Any] = field(default_factory=dict)
@@ -172,11 +173,14 @@ class ModelConfig(_Section):
     megatron_checkpoint: str | None = None
     tokenizer: str = "examples/tokenizer/tiny_agent"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    chat_template: ChatTemplateName = "auto"
+    chat_template: str = "auto"
 
     def check(self) -> None:
         """See :class:`_Section`; the paths are checked where they are read (``megatron_agentrl.hf_io``)."""
         super().check()
+        self.require(self.chat_template in CHAT_TEMPLATE_CHOICES, "chat_template",
+                     f"is not one of {', '.join(CHAT_TEMPLATE_CHOICES)} (auto: the default format of the model's "
+                     "family, qwen2 for a model type without one)")
         for name in ("hf_config", "checkpoint", "megatron_checkpoint", "tokenizer"):
             self.require(getattr(self, name) != "", name, "is empty; give a path"
                          + ("" if name == "tokenizer" else " or leave it out"))

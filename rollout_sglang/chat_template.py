@@ -3,7 +3,9 @@
 The classes share one interface (the agent loop, the SFT warm-up and the trainer use only it):
 ``stop_token_ids``, ``render_text``, ``render_assistant``, ``encode_prompt``, ``encode_env_reply``,
 ``encode_assistant``, ``encode_conversation``, ``parse_assistant`` and ``decode``.
-:func:`build_chat_template` picks one by name (``model.chat_template``: qwen2 | qwen3 | glm4 | glm45 | auto).
+:func:`build_chat_template` builds one by name (:data:`CHAT_TEMPLATES`: qwen2 | glm4 | glm45 | qwen3);
+``model.chat_template`` also takes auto, the default format of the model's family, which the trainer resolves
+(``megatron_agentrl.convert.resolve_chat_template``).
 
 **Qwen2.5** (:class:`ChatTemplate`). The layout is ChatML, ``<|im_start|>{role}\\n{content}<|im_end|>\\n``
 per message, with Qwen2.5's function-calling conventions:
@@ -112,10 +114,6 @@ _TOOLS_FOOTER = (
 Message = dict[str, Any]
 #: Arguments whose rendering marks where a call's arguments start (see ``call_prefix``).
 _SENTINEL_ARGS = {"__agentrl_arguments__": 0}
-
-#: Chat formats :func:`build_chat_template` knows (``model.chat_template`` also accepts "auto").
-CHAT_TEMPLATES = ("qwen2", "glm4", "glm45", "qwen3")
-
 
 class _TurnEnd:
     """Type of :data:`TURN_END`."""
@@ -812,24 +810,19 @@ class Glm45ChatTemplate(_GlmTemplate):
 AnyChatTemplate = ChatTemplate | Qwen3ChatTemplate | Glm4ChatTemplate | Glm45ChatTemplate
 _TEMPLATE_CLASSES: dict[str, type[AnyChatTemplate]] = {
     "qwen2": ChatTemplate, "glm4": Glm4ChatTemplate, "glm45": Glm45ChatTemplate, "qwen3": Qwen3ChatTemplate}
-#: ``model_type`` -> the format "auto" picks for it (any other model type: qwen2).
-AUTO_CHAT_TEMPLATES = {"glm4": "glm4", "glm4_moe": "glm45", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
+#: Chat formats :func:`build_chat_template` knows, by name. ``model.chat_template`` also accepts "auto", which
+#: the trainer resolves to the default format of the model's family (``megatron_agentrl.convert``) before it
+#: builds one.
+CHAT_TEMPLATES: tuple[str, ...] = tuple(_TEMPLATE_CLASSES)
 
 
-def resolve_chat_template(name: str, model_type: str | None = None) -> str:
-    """The chat format for ``model.chat_template=name``: one of :data:`CHAT_TEMPLATES` as given; "auto"
-    picks glm4 for ``model_type`` glm4 (GLM-4-0414), glm45 for glm4_moe (GLM-4.5, GLM-4.5-Air), qwen3 for
-    qwen3 and qwen3_moe (Qwen3, Qwen3-MoE) and qwen2 (ChatML, the format of the repo's tiny tokenizers)
-    otherwise. Raises ValueError naming an unknown ``name``."""
-    if name == "auto":
-        return AUTO_CHAT_TEMPLATES.get(model_type or "", "qwen2")
-    if name not in CHAT_TEMPLATES:
-        raise ValueError(f"chat template {name!r} is not one of auto, {', '.join(CHAT_TEMPLATES)}")
-    return name
+def build_chat_template(name: str, tokenizer: Any) -> AnyChatTemplate:
+    """The chat format ``name`` (one of :data:`CHAT_TEMPLATES`) bound to ``tokenizer``.
 
-
-def build_chat_template(name: str, tokenizer: Any, model_type: str | None = None) -> AnyChatTemplate:
-    """The chat format ``name`` (see :func:`resolve_chat_template`) bound to ``tokenizer``."""
-    resolved = resolve_chat_template(name, model_type)
-    logger.info("chat template: %s%s", resolved, f" (auto, model_type={model_type})" if name == "auto" else "")
-    return _TEMPLATE_CLASSES[resolved](tokenizer)
+    Raises ValueError naming an unknown ``name`` (and "auto", which the caller resolves from the model's family).
+    """
+    cls = _TEMPLATE_CLASSES.get(name)
+    if cls is None:
+        why = " ('auto' is resolved from the model's family before a format is built)" if name == "auto" else ""
+        raise ValueError(f"chat template {name!r} is not one of {', '.join(CHAT_TEMPLATES)}{why}")
+    return cls(tokenizer)

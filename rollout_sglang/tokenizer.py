@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+if TYPE_CHECKING:  # transformers (and torch with it) loads when a tokenizer is made: the chat formats import without it
+    from transformers import PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
     Qwen2.5 chat tokens found in its vocabulary become ``eos``/``pad`` (``<|endoftext|>``).
     Raises FileNotFoundError naming the path and the fix when nothing loadable is there.
     """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     p = Path(path).expanduser()
     if p.is_dir():
         if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
@@ -128,6 +131,7 @@ def train_bpe_tokenizer(
     returns the loaded tokenizer.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
     special_tokens, text_tokens = tuple(special_tokens), tuple(text_tokens)
     if ENDOFTEXT not in special_tokens:

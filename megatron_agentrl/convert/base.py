@@ -3,7 +3,11 @@
 Pure tensor code (no torch.distributed): used by the actor (load / export), the offline
 converters (``hf_to_megatron``, ``megatron_to_hf``) and the live weight sync alike. A family
 module (``qwen2.py``, ``qwen3.py``, ``llama.py``, ``glm4.py``, ``qwen3_moe.py``, ``glm4_moe.py``)
-subclasses :class:`GPTMapping` and sets its class flags and MoE facts; everything else is shared.
+subclasses :class:`GPTMapping` and declares every fact of its family there: its weight names (class flags),
+its megatron ``TransformerConfig`` options (:meth:`GPTMapping.transformer_options`, and
+:meth:`GPTMapping.router_options` for a MoE family) and its default chat format; everything else is shared.
+The family registry is ``megatron_agentrl.convert`` (``_families``). torch is imported by the methods that
+move tensors, so that the registry answers questions about a family (names, options, chat format) without it.
 
 Vocabulary of this module:
 
@@ -42,12 +46,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from megatron_agentrl.config import ConfigError
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
@@ -158,9 +162,16 @@ class GPTMapping:
       ``post_mlp_layernorm`` (GLM-4).
     * ``qk_norms``: each layer normalises every head's query and key (``[head_dim]`` RMSNorm
       weights, Qwen3).
-    * :meth:`_qkv_bias`: whether q/k/v projections carry a bias.
-    * MoE families: :meth:`_num_experts`, :meth:`_moe_layers`, :meth:`_shared_expert_size` and the
-      ``expert_bias`` flag (the router's score-correction bias, GLM-4.5).
+    * :meth:`_qkv_bias`: whether q/k/v projections carry a bias (and the refusal of biases megatron's GPT
+      layer cannot hold, Llama's ``attention_bias`` / ``mlp_bias``).
+    * ``rotary_interleaved``: the rotary embedding rotates pairs ``(2i, 2i+1)`` (GLM-4) instead of the two
+      halves of the rotated dims; ``partial_rotary``: the family may rotate only the first
+      ``partial_rotary_factor`` of each head's dims (GLM-4, GLM-4.5). With ``qkv_bias`` and ``qk_norms``
+      they make :meth:`transformer_options`.
+    * ``default_chat_template``: the chat format (a name of ``rollout_sglang.chat_template.CHAT_TEMPLATES``)
+      that ``model.chat_template=auto`` picks for the family.
+    * MoE families: :meth:`_num_experts`, :meth:`_moe_layers`, :meth:`_shared_expert_size`, the
+      ``expert_bias`` flag (the router's score-correction bias, GLM-4.5) and :meth:`router_options`.
 
     Args:
         hf_config: a transformers config (or any object with ``num_hidden_layers``,
@@ -179,6 +190,9 @@ class GPTMapping:
     post_norms: bool = False
     qk_norms: bool = False
     expert_bias: bool = False
+    rotary_interleaved: bool = False
+    partial_rotary: bool = False
+    default_chat_template: str = ""
 
     def __init__(self, hf_config: Any) -> None:
         self.num_layers = int(hf_config.num_hidden_layers)
@@ -229,6 +243,30 @@ class GPTMapping:
     def is_moe(self) -> bool:
         """Whether any layer is a mixture-of-experts layer."""
         return any(self.moe_layers)
+
+    # ------------------------------------------------------------ model config
+    def transformer_options(self, rotary_fraction: float = 1.0) -> dict[str, Any]:
+        """The megatron ``TransformerConfig`` fields of this family and config: ``add_qkv_bias``, ``qk_layernorm``
+        and ``rotary_interleaved`` (the rest of a GPT layer is alike in every family).
+
+        ``rotary_fraction``: the config's ``partial_rotary_factor``; ConfigError unless it is 1 or the family
+        allows partial rotary, and in (0, 1].
+        """
+        if rotary_fraction != 1.0 and not self.partial_rotary:
+            from megatron_agentrl.convert import MAPPINGS
+
+            allowed = " and ".join(mt for mt, cls in MAPPINGS.items() if cls.partial_rotary)
+            raise ConfigError(f"partial_rotary_factor={rotary_fraction} is only supported for {allowed}")
+        if not 0.0 < rotary_fraction <= 1.0:
+            raise ConfigError(f"partial_rotary_factor={rotary_fraction} must be in (0, 1]")
+        return {"add_qkv_bias": self.qkv_bias, "rotary_interleaved": self.rotary_interleaved,
+                "qk_layernorm": self.qk_norms}
+
+    def router_options(self, hf_config: Any) -> dict[str, Any]:
+        """The megatron ``TransformerConfig`` router fields of a MoE family (score function, expert bias, groups,
+        scaling) for ``hf_config``; the fields every MoE family shares are set by
+        ``megatron_agentrl.megatron.moe.moe_options``. ConfigError for a router megatron cannot express."""
+        raise NotImplementedError(f"{type(self).__name__} declares no router_options (a MoE family must)")
 
     # ----------------------------------------------------------------- names
     def megatron_names(self, te_names: bool = False) -> list[str]:
@@ -412,6 +450,8 @@ class GPTMapping:
 
     def hf_shapes(self, mname: str) -> dict[str, tuple[int, ...]]:
         """HF name -> shape of the HF tensors :meth:`to_hf` makes from ``mname`` (in order)."""
+        import torch
+
         meta = torch.empty(self.megatron_shape(mname), device="meta")
         return {k: tuple(v.shape) for k, v in self.to_hf(mname, meta).items()}
 
@@ -508,6 +548,8 @@ class GPTMapping:
         missing = [n for n in names if n not in hf]
         if missing:
             raise KeyError(f"Megatron '{mname}' needs HF tensors {missing}, which are missing")
+        import torch
+
         _, kind = self._split(mname)
         ts = [hf[n] for n in names]
         if kind == "qkv":
@@ -518,6 +560,8 @@ class GPTMapping:
 
     def to_hf(self, mname: str, full: Tensor) -> dict[str, Tensor]:
         """HF tensors from the full (unpadded) Megatron tensor of ``mname``; inverse of :meth:`to_megatron`."""
+        import torch
+
         names = self.hf_names(mname)
         _, kind = self._split(mname)
         if kind == "qkv":
@@ -528,6 +572,8 @@ class GPTMapping:
         return {names[0]: full}
 
     def _interleave_qkv(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        import torch
+
         g, d = self.num_kv_heads, self.head_dim
         per = self.num_heads // g
         tail = q.shape[1:]
@@ -537,6 +583,8 @@ class GPTMapping:
         return torch.cat([q, k, v], dim=1).reshape(g * (per + 2) * d, *tail)
 
     def _deinterleave_qkv(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        import torch
+
         g, d = self.num_kv_heads, self.head_dim
         per = self.num_heads // g
         tail = qkv.shape[1:]
@@ -553,6 +601,8 @@ class GPTMapping:
         ``padded_vocab``: the padded vocab size for vocab-parallel tensors (default: the
         unpadded size, which must then divide by tp_size).
         """
+        import torch
+
         lay = self.tp_layout(mname)
         if lay.partition_dim is None:
             return full.clone()
@@ -575,6 +625,8 @@ class GPTMapping:
     def unshard(self, mname: str, shards: Sequence[Tensor], strip_vocab: bool = True) -> Tensor:
         """The full Megatron tensor from all TP shards (in TP-rank order); vocab padding is
         removed when ``strip_vocab``. A replicated tensor returns the first shard."""
+        import torch
+
         lay = self.tp_layout(mname)
         if lay.partition_dim is None:
             return shards[0]

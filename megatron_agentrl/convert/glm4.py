@@ -12,7 +12,8 @@ Differences from Qwen2 (transformers 5.23 ``modeling_glm4``):
 * q/k/v bias when ``attention_bias`` (True for GLM-4-9B-0414);
 * partial, *interleaved* rotary embedding (pairs ``(2i, 2i+1)`` of the first
   ``head_dim * partial_rotary_factor`` dims rotate): expressed in the model config
-  (``rotary_interleaved``, ``rotary_percent``), so q/k weights are copied unpermuted.
+  (``rotary_interleaved``, ``rotary_percent``), so q/k weights are copied unpermuted;
+* the chat format is GLM-4-0414's (``glm4``).
 """
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ class Glm4Mapping(GPTMapping):
     architecture = "Glm4ForCausalLM"
     hf_fused_gate_up = True
     post_norms = True
+    rotary_interleaved = True
+    partial_rotary = True
+    default_chat_template = "glm4"
 
     def _qkv_bias(self, hf_config: Any) -> bool:
         return bool(getattr(hf_config, "attention_bias", True))

@@ -1,6 +1,7 @@
 """Megatron-core <-> Hugging Face weight mapping for Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``).
 
-QKV projections carry a bias, ``o_proj`` and the MLP do not; embeddings tied or untied.
+QKV projections carry a bias, ``o_proj`` and the MLP do not; embeddings tied or untied; full, non-interleaved
+rotary; the chat format is Qwen2.5's (ChatML with Hermes tool calls, ``qwen2``).
 The shared machinery (names, QKV interleave, TP shards, vocab padding, checkpoint keys) is
 :class:`megatron_agentrl.convert.base.GPTMapping`; the names below are re-exported from there
 for existing imports.
@@ -27,6 +28,7 @@ class Qwen2Mapping(GPTMapping):
 
     model_type = "qwen2"
     architecture = "Qwen2ForCausalLM"
+    default_chat_template = "qwen2"
 
     def _qkv_bias(self, hf_config: Any) -> bool:
         return True

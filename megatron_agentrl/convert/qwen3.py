@@ -8,7 +8,8 @@ Differences from Qwen2 (transformers 5.23 ``modeling_qwen3``):
   (megatron-core's ``qk_layernorm``), replicated over TP;
 * no q/k/v bias unless ``attention_bias``;
 * ``head_dim`` is explicit and need not be ``hidden_size / num_attention_heads`` (Qwen3-0.6B:
-  1024 hidden, 16 heads of 128).
+  1024 hidden, 16 heads of 128);
+* the chat format is Qwen3's (``qwen3``: ``<think>`` reasoning, no default system message).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class Qwen3Mapping(GPTMapping):
     model_type = "qwen3"
     architecture = "Qwen3ForCausalLM"
     qk_norms = True
+    default_chat_template = "qwen3"
 
     def _qkv_bias(self, hf_config: Any) -> bool:
         return bool(getattr(hf_config, "attention_bias", False))

@@ -17,6 +17,10 @@ logits equal the ``transformers`` model's, for each supported family:
   (not interleaved), optional q/k norms (``use_qk_norm``), MoE MLPs with a shared expert and
   dense first layers (``moe.py``).
 
+What differs between families (q/k/v bias, q/k norms, rotary layout, partial rotary, refusals, the router) is
+declared by each family's module in ``megatron_agentrl.convert`` (``GPTMapping.transformer_options``,
+``router_options``); :func:`make_transformer_config` asks the family and sets what is alike in all of them.
+
 No dropout. TransformerEngine layer specs are used when TransformerEngine imports, else
 megatron-core's local specs with our SDPA core attention (``attention.py``), which also takes packed
 (THD) sequences. All CUDA-only fusions are turned off when CUDA is absent.
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 
 from megatron_agentrl.config import ConfigError
 from megatron_agentrl.convert import MODEL_TYPES as SUPPORTED_MODEL_TYPES
+from megatron_agentrl.convert import get_mapping
 from megatron_agentrl.megatron.moe import is_moe, moe_options
 
 logger = logging.getLogger(__name__)
@@ -97,39 +102,6 @@ def partial_rotary_factor(hf_config: Any) -> float:
     return float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0))
 
 
-def _family_options(hf_config: Any) -> dict[str, Any]:
-    """Per-family TransformerConfig fields (biases, rotary layout); ConfigError for what a family
-    cannot express."""
-    model_type = getattr(hf_config, "model_type", None)
-    partial = partial_rotary_factor(hf_config)
-    if model_type == "qwen2":
-        opts = {"add_qkv_bias": True, "rotary_interleaved": False}
-    elif model_type == "qwen3":
-        opts = {"add_qkv_bias": bool(getattr(hf_config, "attention_bias", False)), "rotary_interleaved": False,
-                "qk_layernorm": True}
-    elif model_type == "llama":
-        for flag in ("attention_bias", "mlp_bias"):
-            if getattr(hf_config, flag, False):
-                raise ConfigError(f"llama {flag}=True is not supported (megatron's GPT layer holds a q/k/v bias only)")
-        opts = {"add_qkv_bias": False, "rotary_interleaved": False}
-    elif model_type == "glm4":
-        opts = {"add_qkv_bias": bool(getattr(hf_config, "attention_bias", True)), "rotary_interleaved": True}
-    elif model_type == "qwen3_moe":
-        opts = {"add_qkv_bias": bool(getattr(hf_config, "attention_bias", False)), "rotary_interleaved": False,
-                "qk_layernorm": True}
-    elif model_type == "glm4_moe":
-        opts = {"add_qkv_bias": bool(getattr(hf_config, "attention_bias", True)), "rotary_interleaved": False,
-                "qk_layernorm": bool(getattr(hf_config, "use_qk_norm", False))}
-    else:
-        raise ConfigError(f"model_type={model_type!r} is not supported by the Megatron actor; "
-                          f"supported: {SUPPORTED_MODEL_TYPES}")
-    if partial != 1.0 and model_type not in ("glm4", "glm4_moe"):
-        raise ConfigError(f"partial_rotary_factor={partial} is only supported for glm4 and glm4_moe")
-    if not 0.0 < partial <= 1.0:
-        raise ConfigError(f"partial_rotary_factor={partial} must be in (0, 1]")
-    return opts
-
-
 def recompute_options(recompute: str, recompute_num_layers: int, layers_per_stage: int) -> dict[str, Any]:
     """megatron-core's recomputation fields for ``train.recompute`` / ``train.recompute_num_layers``:
     "none" -> none; "selective" -> the core attention of every layer; "full" -> whole layers, the
@@ -190,7 +162,8 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, 
             f"num_attention_heads={n_heads} and num_key_value_heads={n_kv} must both be divisible by parallel.tp={tp}"
         )
     head_dim = getattr(hf_config, "head_dim", None) or int(hf_config.hidden_size) // n_heads
-    family = _family_options(hf_config)
+    # the family's own fields (q/k/v bias, q/k norms, rotary layout), ConfigError for what it cannot express
+    family = get_mapping(hf_config).transformer_options(partial_rotary_factor(hf_config))
     moe = moe_options(hf_config, ep, moe_aux_loss_coeff, moe_capacity_factor)
     cuda = torch.cuda.is_available()
     return TransformerConfig(
@@ -207,7 +180,7 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, 
         add_bias_linear=False,
         add_qkv_bias=family["add_qkv_bias"],
         rotary_interleaved=family["rotary_interleaved"],
-        qk_layernorm=family.get("qk_layernorm", False),
+        qk_layernorm=family["qk_layernorm"],
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
@@ -371,13 +344,14 @@ def layer_spec(hf_config: Any, config: Any = None) -> Any:
             block.layer_specs = [with_core_attention(s, SDPACoreAttention) for s in block.layer_specs]
             block = with_torch_norm(block)  # a torch norm that works under sequence parallelism
         return block
-    qk_layernorm = model_type == "qwen3"
+    family = get_mapping(hf_config)
+    qk_layernorm = family.qk_norms
     if use_te:
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     else:
         spec = with_core_attention(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm),
                                    SDPACoreAttention)
-    if model_type == "glm4":
+    if family.post_norms:
         spec = glm4_layer_spec(spec, use_te)
     return spec
 

@@ -1,17 +1,9 @@
-"""Mixture-of-experts: megatron-core's MoE settings for each MoE family, and the per-step MoE metrics.
+"""Mixture-of-experts: megatron-core's MoE settings of a MoE family, and the per-step MoE metrics.
 
-Families (transformers 5.23 ``modeling_qwen3_moe`` / ``modeling_glm4_moe``):
-
-* ``qwen3_moe`` (``Qwen3MoeForCausalLM``): softmax router over ``num_experts``, top
-  ``num_experts_per_tok``, renormalised over the chosen experts when ``norm_topk_prob`` (megatron:
-  top-k of the logits, then a softmax over them, which is the same); sparse layers where
-  ``(i + 1) % decoder_sparse_step == 0`` and ``i`` not in ``mlp_only_layers``, dense MLPs
-  (``intermediate_size``) elsewhere.
-* ``glm4_moe`` (``Glm4MoeForCausalLM``, GLM-4.5 / GLM-4.5-Air): sigmoid router with a per-expert
-  score-correction bias that chooses the experts but not their weights (megatron's
-  ``expert_bias``), group-limited top-k (``n_group`` / ``topk_group``), weights renormalised and
-  scaled by ``routed_scaling_factor``, a shared expert of ``n_shared_experts *
-  moe_intermediate_size``, and dense MLPs in the first ``first_k_dense_replace`` layers.
+The MoE facts of a family are declared by its module in ``megatron_agentrl.convert``: which layers are MoE
+layers, the expert and shared-expert widths, and its router as megatron ``TransformerConfig`` fields
+(``router_options``: ``qwen3_moe``'s softmax router, ``glm4_moe``'s sigmoid router with a score-correction
+bias, group-limited top-k and scaling). :func:`moe_options` adds the settings every MoE family shares.
 
 Training settings (``train.moe_*``) and the layout (``parallel.ep``): router logits always in fp32,
 the all-to-all token dispatcher, experts not split by TP (expert tensor parallel 1, as the peers'
@@ -77,27 +69,7 @@ def moe_options(hf_config: Any, ep: int, aux_loss_coeff: float = 0.0,
         "expert_model_parallel_size": ep,
         "expert_tensor_parallel_size": 1,
     }
-    if model_type == "qwen3_moe":
-        # norm_topk_prob: softmax over the top-k logits (= renormalised); else top-k of the full softmax
-        opts.update(moe_router_score_function="softmax",
-                    moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)))
-    else:
-        if not getattr(hf_config, "norm_topk_prob", True) and topk > 1:
-            raise ConfigError("glm4_moe with norm_topk_prob=False is not supported (megatron renormalises "
-                              "sigmoid router weights over the chosen experts)")
-        groups = int(getattr(hf_config, "n_group", 1) or 1)
-        group_topk = int(getattr(hf_config, "topk_group", 1) or 1)
-        if groups > 1:
-            if experts % groups or topk % group_topk or topk // group_topk != 2:
-                raise ConfigError(f"glm4_moe n_group={groups}, topk_group={group_topk}, num_experts_per_tok={topk}: "
-                                  "megatron scores a group by its top num_experts_per_tok / topk_group experts, "
-                                  "transformers by its top 2; only settings where both agree are supported")
-            opts.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
-        opts.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                    moe_router_bias_update_rate=0.0,
-                    moe_router_topk_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0)))
-        if mapping.shared_expert_size:
-            opts["moe_shared_expert_intermediate_size"] = mapping.shared_expert_size
+    opts.update(mapping.router_options(hf_config))  # the family's router (score function, bias, groups)
     return opts
 
 

@@ -204,9 +204,15 @@ def build_rollout_side(cfg: Config, hf_config: Any, dtype: torch.dtype, template
 
 
 def chat_template(cfg: Config, tokenizer: Any, hf_config: Any) -> AnyChatTemplate:
-    """The chat format ``model.chat_template`` names (auto: from the model type), on ``tokenizer``."""
+    """The chat format ``model.chat_template`` names (auto: the default of the model's family, from the
+    family registry ``megatron_agentrl.convert``), on ``tokenizer``."""
+    from megatron_agentrl.convert import resolve_chat_template
+
+    name, model_type = cfg.model.chat_template, getattr(hf_config, "model_type", None)
     try:
-        return build_chat_template(cfg.model.chat_template, tokenizer, getattr(hf_config, "model_type", None))
+        resolved = resolve_chat_template(name, model_type)
+        logger.info("chat template: %s%s", resolved, f" (auto, model_type={model_type})" if name == "auto" else "")
+        return build_chat_template(resolved, tokenizer)
     except ValueError as e:
         raise ConfigError(f"model.chat_template={cfg.model.chat_template!r} with model.tokenizer="
                           f"'{cfg.model.tokenizer}': {e}") from None

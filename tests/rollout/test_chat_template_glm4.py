@@ -7,13 +7,13 @@ import json
 
 import pytest
 
+from megatron_agentrl.convert import resolve_chat_template
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.chat_template import (
     CHAT_TEMPLATES,
     ChatTemplate,
     Glm4ChatTemplate,
     build_chat_template,
-    resolve_chat_template,
 )
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.tokenizer import train_bpe_tokenizer
@@ -173,9 +173,11 @@ def test_template_selection(tokenizer, tmp_path) -> None:
     assert resolve_chat_template("glm4", "qwen2") == "glm4"
     with pytest.raises(ValueError, match="'chatml' is not one of auto, qwen2, glm4"):
         resolve_chat_template("chatml")
-    assert isinstance(build_chat_template("auto", tokenizer, "glm4"), Glm4ChatTemplate)
+    with pytest.raises(ValueError, match="'auto' is not one of qwen2, glm4.*resolved from the model's family"):
+        build_chat_template("auto", tokenizer)  # the trainer resolves auto from the family registry first
+    assert isinstance(build_chat_template(resolve_chat_template("auto", "glm4"), tokenizer), Glm4ChatTemplate)
     qwen_tok = train_bpe_tokenizer(["hello world"] * 3, vocab_size=300, out_dir=tmp_path)
-    assert isinstance(build_chat_template("auto", qwen_tok, "qwen2"), ChatTemplate)
+    assert isinstance(build_chat_template(resolve_chat_template("auto", "qwen2"), qwen_tok), ChatTemplate)
 
 
 def test_config_accepts_the_template_names(tmp_path) -> None:

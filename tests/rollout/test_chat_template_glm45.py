@@ -7,12 +7,12 @@ import json
 
 import pytest
 
+from megatron_agentrl.convert import resolve_chat_template
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.chat_template import (
     CHAT_TEMPLATES,
     Glm45ChatTemplate,
     build_chat_template,
-    resolve_chat_template,
 )
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.tokenizer import GLM45_SPECIAL_TOKENS
@@ -274,15 +274,17 @@ def test_template_selection(glm45_tokenizer) -> None:
     assert resolve_chat_template("glm45", "qwen2") == "glm45"
     with pytest.raises(ValueError, match="'glm4.5' is not one of auto, qwen2, glm4, glm45"):
         resolve_chat_template("glm4.5")
-    assert isinstance(build_chat_template("auto", glm45_tokenizer, "glm4_moe"), Glm45ChatTemplate)
+    auto = resolve_chat_template("auto", "glm4_moe")
+    assert isinstance(build_chat_template(auto, glm45_tokenizer), Glm45ChatTemplate)
     assert isinstance(build_chat_template("glm45", glm45_tokenizer), Glm45ChatTemplate)
 
 
 def test_config_takes_glm45_and_auto_for_glm4_moe(tmp_path) -> None:
-    from megatron_agentrl.config import CHAT_TEMPLATE_CHOICES, ConfigError, ModelConfig, load_config
+    from megatron_agentrl.config import CHAT_TEMPLATE_CHOICES, ConfigError, load_config
+    from megatron_agentrl.convert import default_chat_template
 
     assert CHAT_TEMPLATE_CHOICES == ("auto", *CHAT_TEMPLATES)
-    assert "glm45 for a glm4_moe model" in ModelConfig.CHOICE_HINTS["chat_template"]
+    assert default_chat_template("glm4_moe") == "glm45"  # what auto picks: the family's declared format
     base = tmp_path / "c.yaml"
     base.write_text("model:\n  arch: {model_type: glm4_moe}\ntasks: [{name: lookup}]\n")
     for name in ("auto", "glm45"):

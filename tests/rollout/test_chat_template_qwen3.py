@@ -7,13 +7,13 @@ import json
 
 import pytest
 
+from megatron_agentrl.convert import resolve_chat_template
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.chat_template import (
     CHAT_TEMPLATES,
     ChatTemplate,
     Qwen3ChatTemplate,
     build_chat_template,
-    resolve_chat_template,
 )
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.tokenizer import QWEN3_TEXT_TOKENS, train_bpe_tokenizer
@@ -230,26 +230,28 @@ def test_template_selection(qwen3_tokenizer, tmp_path) -> None:
     with pytest.raises(ValueError, match="'qwen-3' is not one of auto, qwen2, glm4, glm45, qwen3"):
         resolve_chat_template("qwen-3")
     for model_type in ("qwen3", "qwen3_moe"):
-        assert isinstance(build_chat_template("auto", qwen3_tokenizer, model_type), Qwen3ChatTemplate)
+        auto = resolve_chat_template("auto", model_type)
+        assert isinstance(build_chat_template(auto, qwen3_tokenizer), Qwen3ChatTemplate)
     # Qwen2.5's format stays Qwen2.5's; the repo's Qwen2.5-style tiny tokenizers (tags as text) take either
     qwen25_tok = train_bpe_tokenizer(["hello world"] * 3, vocab_size=300, out_dir=tmp_path)
-    assert type(build_chat_template("auto", qwen25_tok, "qwen2")) is ChatTemplate
-    t = build_chat_template("auto", qwen25_tok, "qwen3_moe")
+    assert type(build_chat_template(resolve_chat_template("auto", "qwen2"), qwen25_tok)) is ChatTemplate
+    t = build_chat_template(resolve_chat_template("auto", "qwen3_moe"), qwen25_tok)
     assert isinstance(t, Qwen3ChatTemplate) and t.name == "qwen3"
     assert t.parse_assistant("<think>\nr\n</think>\n\nhello")["reasoning_content"] == "r"
 
 
 def test_config_takes_qwen3_and_auto_for_qwen3_models(tmp_path) -> None:
-    from megatron_agentrl.config import CHAT_TEMPLATE_CHOICES, ConfigError, ModelConfig, load_config
+    from megatron_agentrl.config import CHAT_TEMPLATE_CHOICES, ConfigError, load_config
+    from megatron_agentrl.convert import default_chat_template
 
     assert CHAT_TEMPLATE_CHOICES == ("auto", *CHAT_TEMPLATES)
-    assert "qwen3 for a qwen3 or qwen3_moe model" in ModelConfig.CHOICE_HINTS["chat_template"]
+    assert default_chat_template("qwen3") == default_chat_template("qwen3_moe") == "qwen3"  # what auto picks
     base = tmp_path / "c.yaml"
     base.write_text("model:\n  arch: {model_type: qwen3_moe}\ntasks: [{name: lookup}]\n")
     for name in ("auto", "qwen3"):
         assert load_config(base, [f"model.chat_template={name}"]).model.chat_template == name
     with pytest.raises(ConfigError, match="model.chat_template='qwen-3' is not one of auto, qwen2, glm4, glm45, "
-                                          "qwen3 .*qwen3 for a qwen3 or qwen3_moe model"):
+                                          "qwen3 \\(auto: the default format of the model's family"):
         load_config(base, ["model.chat_template=qwen-3"])
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_agentrl.config import ConfigError, LossConfig, ParallelConfig, TrainConfig, load_config
-from rollout_sglang.chat_template import resolve_chat_template
+from megatron_agentrl.convert import resolve_chat_template
 from tests.support.dist_utils import run_distributed
 from tests.support.tiny_models import ragged_batch
 

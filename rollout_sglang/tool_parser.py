@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any, Sequence
 
 from rollout_sglang.tokenizer import (
@@ -391,15 +392,16 @@ def _glm45_name(head: str, names: set[str] | None, block: str) -> str:
     return name
 
 
-def _leading_think(text: str) -> tuple[str, str] | None:
+def _leading_think(text: str, fail: Callable[[str, str], ToolCallParseError]) -> tuple[str, str]:
     """``(reasoning, rest)``: the ``<think>...</think>`` block that may open ``text`` (after whitespace), stripped,
-    and the text after it; ("", text) when ``text`` does not open with one; None when the block is never closed."""
+    and the text after it; ("", text) when ``text`` does not open with one; ``fail``'s error when the block is
+    never closed (a turn cut by length while thinking)."""
     lead = text.lstrip()
     if not lead.startswith(THINK_START):
         return "", text
     end = lead.find(THINK_END)
     if end < 0:
-        return None
+        raise fail("unclosed <think> (no </think>): the reasoning must end before the content and tool calls", lead)
     return lead[len(THINK_START) : end].strip(), lead[end + len(THINK_END) :]
 
 
@@ -407,11 +409,7 @@ def split_glm45_reasoning(text: str) -> tuple[str, str]:
     """``(reasoning, rest)``: the ``<think>...</think>`` block that may open the turn (after whitespace),
     stripped, and the text after it; ("", text) when the turn does not open with one. ToolCallParseError when
     the block is never closed."""
-    split = _leading_think(text)
-    if split is None:
-        raise _fail_glm45("unclosed <think> (no </think>): the reasoning must end before the content and calls",
-                          text.lstrip())
-    return split
+    return _leading_think(text, _fail_glm45)
 
 
 def parse_glm45_assistant_text(
@@ -523,11 +521,7 @@ def split_qwen3_reasoning(text: str) -> tuple[str, str]:
     """``(reasoning, rest)`` of a Qwen3 turn: the ``<think>...</think>`` block that may open it (after whitespace),
     stripped, and the text after it; ("", text) when the turn does not open with one. ToolCallParseError when
     the block is never closed (a turn cut by length while thinking)."""
-    split = _leading_think(text)
-    if split is None:
-        raise _fail("unclosed <think> (no </think>): the reasoning must end before the content and tool calls",
-                    text.lstrip())
-    return split
+    return _leading_think(text, _fail)
 
 
 def parse_qwen3_assistant_text(

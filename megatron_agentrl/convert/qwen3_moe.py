@@ -17,19 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_agentrl.convert.base import GPTMapping
+from megatron_agentrl.convert.qwen3 import Qwen3Mapping
 
 
-class Qwen3MoeMapping(GPTMapping):
-    """Name and layout mapping for one ``Qwen3MoeForCausalLM`` config (see :class:`GPTMapping`)."""
+class Qwen3MoeMapping(Qwen3Mapping):
+    """Name and layout mapping for one ``Qwen3MoeForCausalLM`` config: Qwen3's attention, q/k norms, biases and
+    chat format (:class:`~megatron_agentrl.convert.qwen3.Qwen3Mapping`), with MoE MLPs."""
 
     model_type = "qwen3_moe"
     architecture = "Qwen3MoeForCausalLM"
-    qk_norms = True
-    default_chat_template = "qwen3"
-
-    def _qkv_bias(self, hf_config: Any) -> bool:
-        return bool(getattr(hf_config, "attention_bias", False))
 
     def _num_experts(self, hf_config: Any) -> int:
         return int(hf_config.num_experts)

@@ -248,6 +248,30 @@ def run(engine, env, template, requests, max_turns=5, max_total_tokens=4096, max
     )
 
 
+def play_calc(engine, template) -> tuple[Any, list[dict], list[dict]]:
+    """The calc episode (``FakeEnv``) played by a scripted ``engine`` in ``template``'s format through the agent loop:
+    checks that it completed with reward 1 after a turn with a call ("Let me add."), one with two calls (the second
+    adding 2 and 2) and an answer; returns the trajectory, the assistant messages the environment received and the
+    episode's messages."""
+    env = FakeEnv()
+    (traj,) = run(engine, env, template, [("calc", 0, 0)])
+    assert traj.status == "completed" and traj.reward == 1.0
+    (sid,) = env.history
+    sent = env.received[sid]
+    assert [len(m.get("tool_calls", [])) for m in sent] == [1, 2, 0]
+    assert sent[0]["content"] == "Let me add."
+    assert json.loads(sent[1]["tool_calls"][1]["function"]["arguments"]) == {"a": 2, "b": 2}
+    return traj, sent, env.history[sid]
+
+
+def check_turns_as_generated(traj, template, turns: list[str]) -> None:
+    """Each turn span of ``traj`` decodes to ``turns``' text and is trained (mask 1); nothing else is."""
+    for (s, e), text in zip(traj.turn_spans, turns, strict=True):
+        assert template.decode(traj.token_ids[s:e]) == text
+        assert traj.loss_mask[s:e] == [1] * (e - s)
+    assert sum(traj.loss_mask) == sum(e - s for s, e in traj.turn_spans)
+
+
 def _check_alignment(traj) -> None:
     """Lengths agree; mask 1 exactly on the turn spans; log-probs nonzero exactly there."""
     n = len(traj.token_ids)

@@ -2,19 +2,16 @@
 tool-call parser, template selection, and the agent loop on GLM-4.5 turns."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 
 from megatron_agentrl.convert import resolve_chat_template
-from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.chat_template import (
     CHAT_TEMPLATES,
     Glm45ChatTemplate,
     build_chat_template,
 )
-from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.tokenizer import GLM45_SPECIAL_TOKENS
 from rollout_sglang.tool_parser import ToolCallParseError, parse_glm45_assistant_text
 from tests.rollout.chat_formats import GLM45_SCRIPT as SCRIPT
@@ -23,7 +20,16 @@ from tests.rollout.chat_formats import TOOLS, USERLESS, glm45_engine
 from tests.rollout.chat_formats import glm45_call as _call
 from tests.rollout.chat_formats import glm45_messages as _jinja_messages
 from tests.rollout.chat_formats import render_glm45 as _jinja_render
-from tests.rollout.support import CONVERSATION, REASONING_CONVERSATION, TRIP_TOOLS, mask_spans, tool_call
+from tests.rollout.support import (
+    ADD_TOOLS,
+    CONVERSATION,
+    REASONING_CONVERSATION,
+    TRIP_TOOLS,
+    check_turns_as_generated,
+    mask_spans,
+    play_calc,
+    tool_call,
+)
 
 
 # ------------------------------------------------------------------------------------------ the text
@@ -295,30 +301,16 @@ def test_config_takes_glm45_and_auto_for_glm4_moe(tmp_path) -> None:
 
 # ------------------------------------------------------------------------- the agent loop
 def test_agent_loop_runs_glm45_turns(glm45_template: Glm45ChatTemplate) -> None:
-    from tests.rollout.support import ADD_TOOLS, FakeEnv
-
     template = glm45_template
-    env = FakeEnv()
-    params = SamplingParams(max_new_tokens=256, temperature=1.0, seed=0)
-    (traj,) = asyncio.run(run_group_lockstep(glm45_engine(template), env, template, [("calc", 0, 0)], params,
-                                             max_turns=5, max_total_tokens=4096))
-    assert traj.status == "completed" and traj.reward == 1.0
-    (sid,) = env.history
-    sent = env.received[sid]
-    assert [len(m.get("tool_calls", [])) for m in sent] == [1, 2, 0]
-    assert sent[0]["content"] == "Let me add." and sent[0]["reasoning_content"] == "Add them."
+    traj, sent, h = play_calc(glm45_engine(template), template)
+    assert sent[0]["reasoning_content"] == "Add them."
     assert json.loads(sent[0]["tool_calls"][0]["function"]["arguments"]) == {"a": 40, "b": 2}  # integers, by schema
-    assert json.loads(sent[1]["tool_calls"][1]["function"]["arguments"]) == {"a": 2, "b": 2}
     assert sent[2]["content"] == "The answer is 42."
     # the trajectory: prompt, each generated turn as generated, each env reply without the <|observation|> the model
     # already wrote; with no user turn after the first, that is exactly the template's render (+ the final stop)
-    h = env.history[sid]
     assert template.decode(traj.token_ids) == template.render_text(h, ADD_TOOLS) + "<|user|>"
     assert template.decode(traj.token_ids) == _jinja_render(h, ADD_TOOLS, False) + "<|user|>"
-    for (s, e), text in zip(traj.turn_spans, SCRIPT):
-        assert template.decode(traj.token_ids[s:e]) == text
-        assert traj.loss_mask[s:e] == [1] * (e - s)
-    assert sum(traj.loss_mask) == sum(e - s for s, e in traj.turn_spans)
+    check_turns_as_generated(traj, template, SCRIPT)
     # the SFT layout of the same episode is the same tokens, with the same mask
     ids, mask = template.encode_conversation(h, ADD_TOOLS)
     assert ids == traj.token_ids and mask == traj.loss_mask

@@ -33,14 +33,17 @@ from tests.rollout.chat_formats import qwen3_messages as _hf_messages
 from tests.rollout.chat_formats import render_qwen3 as _jinja_render
 from tests.rollout.chat_formats import train_qwen3_tokenizer as _train
 from tests.rollout.support import (
+    ADD_TOOLS,
     CONVERSATION,
     REASONING_CONVERSATION,
     TRIP_TOOLS,
     Script,
+    check_turns_as_generated,
     client,
     make_gateway,
     mask_spans,
     open_session,
+    play_calc,
     play_episode,
     serving,
     tool_call,
@@ -257,27 +260,14 @@ def test_config_takes_qwen3_and_auto_for_qwen3_models(tmp_path) -> None:
 
 # ------------------------------------------------------------------------- the agent loop
 def test_agent_loop_runs_qwen3_turns(qwen3_template: Qwen3ChatTemplate) -> None:
-    from tests.rollout.support import ADD_TOOLS, FakeEnv
-
     template = qwen3_template
-    env = FakeEnv()
-    params = SamplingParams(max_new_tokens=256, temperature=1.0, seed=0)
-    (traj,) = asyncio.run(run_group_lockstep(qwen3_engine(template), env, template, [("calc", 0, 0)], params,
-                                             max_turns=5, max_total_tokens=4096))
-    assert traj.status == "completed" and traj.reward == 1.0
-    (sid,) = env.history
-    sent = env.received[sid]
-    assert [len(m.get("tool_calls", [])) for m in sent] == [1, 2, 0]
-    assert sent[0]["content"] == "Let me add." and sent[0]["reasoning_content"] == "Add them."
-    assert json.loads(sent[1]["tool_calls"][1]["function"]["arguments"]) == {"a": 2, "b": 2}
+    traj, sent, h = play_calc(qwen3_engine(template), template)
+    assert sent[0]["reasoning_content"] == "Add them."
     assert sent[2]["content"] == "The answer is 42." and sent[2]["reasoning_content"] == "Both sums are in."
     # one query, every turn reasoning: the trajectory is the template's render of the episode, token for token
-    h = env.history[sid]
     assert template.decode(traj.token_ids) + "\n" == template.render_text(h, ADD_TOOLS) == _jinja_render(
         h, ADD_TOOLS, False)
-    for (s, e), text in zip(traj.turn_spans, SCRIPT):
-        assert template.decode(traj.token_ids[s:e]) == text + "<|im_end|>"
-        assert traj.loss_mask[s:e] == [1] * (e - s)
+    check_turns_as_generated(traj, template, [text + "<|im_end|>" for text in SCRIPT])
     # the SFT layout of the same episode is the same tokens, with the same mask
     ids, mask = template.encode_conversation(h, ADD_TOOLS)
     assert ids == traj.token_ids and mask == traj.loss_mask
@@ -308,8 +298,6 @@ def test_gateway_episode_equals_the_agent_loop(qwen3_template: Qwen3ChatTemplate
 @pytest.mark.parametrize("choice", ["named", "required"])
 def test_gateway_tool_choice_forces_an_empty_think_block_and_the_call(qwen3_template: Qwen3ChatTemplate,
                                                                      choice) -> None:
-    from tests.rollout.support import ADD_TOOLS
-
     template = qwen3_template
     rest = '{"a": 1, "b": 2}}\n</tool_call>'
     engine = Script(template, [rest if choice == "named" else '{"name": "add", "arguments": ' + rest])

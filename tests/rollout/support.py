@@ -316,6 +316,14 @@ def client(info: dict, token: str = "unused") -> AsyncOpenAI:
     return AsyncOpenAI(base_url=info["base_url"], api_key=token, max_retries=0)
 
 
+async def complete(c: AsyncOpenAI, stream: bool, **kw: Any) -> Any:
+    """One chat completion with the arguments ``kw``: streamed (the stream's final completion) or not."""
+    if stream:
+        async with c.chat.completions.stream(**kw) as st:
+            return await st.get_final_completion()
+    return await c.chat.completions.create(**kw)
+
+
 async def play_episode(gw: Gateway, model: str, turns: int, stream: bool, task: str = "calc",
                        index: int = 0) -> tuple[list[Any], Any, list[Any]]:
     """``turns`` completions of one ``task`` episode through the openai client (streamed or not), each reply
@@ -327,12 +335,7 @@ async def play_episode(gw: Gateway, model: str, turns: int, stream: bool, task: 
         comps = []
         async with client(info) as c:
             for _ in range(turns):
-                kw: dict[str, Any] = dict(model=model, messages=msgs, tools=info["tools"])
-                if stream:
-                    async with c.chat.completions.stream(**kw) as st:
-                        comp = await st.get_final_completion()
-                else:
-                    comp = await c.chat.completions.create(**kw)
+                comp = await complete(c, stream, model=model, messages=msgs, tools=info["tools"])
                 comps.append(comp)
                 msgs.append(comp.choices[0].message)
                 step = await c.post("/env", body={}, cast_to=object)

@@ -10,9 +10,12 @@ import asyncio
 import contextlib
 import json
 import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from openai import AsyncOpenAI
 
@@ -21,6 +24,7 @@ from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.chat_template import ChatTemplate
 from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.gateway import Gateway, GatewayServer
+from rollout_sglang.tool_parser import ToolCallParseError
 
 
 def tool_call(cid: str, name: str, args: dict) -> dict:
@@ -62,6 +66,27 @@ def render_jinja(template: str, messages: list[dict], tools: list[dict] | None, 
     env.filters["tojson"] = hf_tojson
     return env.from_string(template).render(messages=messages, tools=tools,
                                             add_generation_prompt=add_generation_prompt)
+
+
+def parse_error(parse: Callable[..., Any], text: str, tools: list[dict] | None) -> str:
+    """The message of the ``ToolCallParseError`` that ``parse(text, tools)`` (a format's parser) raises."""
+    with pytest.raises(ToolCallParseError) as e:
+        parse(text, tools)
+    return str(e.value)
+
+
+def check_chat_template_option(tmp_path: Path, model_type: str, accepted: Iterable[str], refused: str,
+                               error: str) -> None:
+    """A config of a ``model_type`` model takes each of ``accepted`` as ``model.chat_template`` and refuses ``refused``
+    with a ``ConfigError`` that matches ``error``."""
+    from megatron_agentrl.config import ConfigError, load_config
+
+    base = tmp_path / "c.yaml"
+    base.write_text(f"model:\n  arch: {{model_type: {model_type}}}\ntasks: [{{name: lookup}}]\n")
+    for name in accepted:
+        assert load_config(base, [f"model.chat_template={name}"]).model.chat_template == name
+    with pytest.raises(ConfigError, match=error):
+        load_config(base, [f"model.chat_template={refused}"])
 
 
 def mask_spans(mask: list[int]) -> list[tuple[int, int]]:

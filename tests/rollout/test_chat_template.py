@@ -8,6 +8,7 @@ import pytest
 from rollout_sglang.chat_template import ChatTemplate
 from rollout_sglang.tokenizer import SPECIAL_TOKENS, TOOL_TOKENS, load_tokenizer, train_bpe_tokenizer
 from tests.rollout.chat_formats import QWEN25_TOOLS as TOOLS
+from tests.rollout.chat_formats import check_jinja_render, render_cases
 from tests.rollout.chat_formats import qwen25_messages as _hf_messages
 from tests.rollout.chat_formats import render_qwen25 as _jinja_render
 from tests.rollout.support import CONVERSATION, mask_spans
@@ -38,22 +39,11 @@ def test_missing_tokenizer_path_names_path_and_fix(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("add_generation_prompt", [False, True])
-@pytest.mark.parametrize(
-    "messages, tools",
-    [
-        (CONVERSATION, TOOLS),  # system + tools
-        (CONVERSATION[1:], TOOLS),  # default system + tools
-        (CONVERSATION[:2], None),  # system, no tools
-        (CONVERSATION[1:2], None),  # default system, no tools
-        (CONVERSATION[1:7], None),  # tool calls without a tool list
-    ],
-)
+@pytest.mark.parametrize("messages, tools", render_cases(TOOLS))  # without a system message: the default one
 def test_render_text_matches_qwen25_jinja(qwen25_template: ChatTemplate, messages, tools,
                                           add_generation_prompt) -> None:
-    expected = _jinja_render(messages, tools, add_generation_prompt)
-    assert qwen25_template.render_text(messages, tools, add_generation_prompt) == expected
-    # HF-style messages (arguments as objects) render the same
-    assert qwen25_template.render_text(_hf_messages(messages), tools, add_generation_prompt) == expected
+    # and HF-style messages (arguments as objects) render the same
+    check_jinja_render(qwen25_template, _jinja_render, _hf_messages, messages, tools, add_generation_prompt)
 
 
 def test_format_details(qwen25_template: ChatTemplate) -> None:

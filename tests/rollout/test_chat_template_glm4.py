@@ -14,32 +14,28 @@ from rollout_sglang.chat_template import (
     build_chat_template,
 )
 from rollout_sglang.tokenizer import train_bpe_tokenizer
-from rollout_sglang.tool_parser import ToolCallParseError, parse_glm4_assistant_text
+from rollout_sglang.tool_parser import parse_glm4_assistant_text
 from tests.rollout.chat_formats import GLM4_SCRIPT as SCRIPT
-from tests.rollout.chat_formats import TOOLS, glm4_engine
+from tests.rollout.chat_formats import TOOLS, check_jinja_render, glm4_engine, render_cases
 from tests.rollout.chat_formats import glm4_messages as _glm_messages
 from tests.rollout.chat_formats import render_glm4 as _jinja_render
-from tests.rollout.support import ADD_TOOLS, CONVERSATION, check_turns_as_generated, mask_spans, play_calc
+from tests.rollout.support import (
+    ADD_TOOLS,
+    CONVERSATION,
+    check_chat_template_option,
+    check_turns_as_generated,
+    mask_spans,
+    parse_error,
+    play_calc,
+)
 
 
 @pytest.mark.parametrize("add_generation_prompt", [False, True])
-@pytest.mark.parametrize(
-    "messages, tools",
-    [
-        (CONVERSATION, TOOLS),  # system + tools
-        (CONVERSATION[1:], TOOLS),  # no system message, tools
-        (CONVERSATION[:2], None),  # system, no tools
-        (CONVERSATION[1:2], None),  # no system, no tools
-        (CONVERSATION[1:7], None),  # tool calls without a tool list
-        (CONVERSATION[1:3] + [{"role": "system", "content": "Be brief."}] + CONVERSATION[3:5], TOOLS),  # late system
-    ],
-)
+@pytest.mark.parametrize("messages, tools", render_cases(TOOLS, late_system=True))
 def test_render_text_matches_glm4_jinja(glm4_template: Glm4ChatTemplate, messages, tools,
                                         add_generation_prompt) -> None:
-    expected = _jinja_render(messages, tools, add_generation_prompt)
-    assert glm4_template.render_text(messages, tools, add_generation_prompt) == expected
-    # messages already in GLM form render the same
-    assert glm4_template.render_text(_glm_messages(messages), tools, add_generation_prompt) == expected
+    # and messages already in GLM form render the same
+    check_jinja_render(glm4_template, _jinja_render, _glm_messages, messages, tools, add_generation_prompt)
 
 
 def test_format_details(glm4_template: Glm4ChatTemplate) -> None:
@@ -147,9 +143,7 @@ def test_parse_round_trips_render(glm4_template: Glm4ChatTemplate) -> None:
     ],
 )
 def test_parse_errors_name_the_bad_text(text: str, problem: str, quoted: str) -> None:
-    with pytest.raises(ToolCallParseError) as e:
-        parse_glm4_assistant_text(text, TOOLS)
-    msg = str(e.value)
+    msg = parse_error(parse_glm4_assistant_text, text, TOOLS)
     assert problem in msg and quoted in msg
     assert "function name on its own line" in msg
 
@@ -169,15 +163,11 @@ def test_template_selection(glm4_tokenizer, tmp_path) -> None:
 
 
 def test_config_accepts_the_template_names(tmp_path) -> None:
-    from megatron_agentrl.config import CHAT_TEMPLATE_CHOICES, ConfigError, ModelConfig, load_config
+    from megatron_agentrl.config import CHAT_TEMPLATE_CHOICES, ModelConfig
 
     assert ModelConfig().chat_template == "auto" and CHAT_TEMPLATE_CHOICES == ("auto", *CHAT_TEMPLATES)
-    base = tmp_path / "c.yaml"
-    base.write_text("model:\n  arch: {model_type: glm4}\ntasks: [{name: lookup}]\n")
-    for name in ("auto", *CHAT_TEMPLATES):
-        assert load_config(base, [f"model.chat_template={name}"]).model.chat_template == name
-    with pytest.raises(ConfigError, match="model.chat_template='chatml' is not one of auto, qwen2, glm4"):
-        load_config(base, ["model.chat_template=chatml"])
+    check_chat_template_option(tmp_path, "glm4", ("auto", *CHAT_TEMPLATES), "chatml",
+                               "model.chat_template='chatml' is not one of auto, qwen2, glm4")
 
 
 # ------------------------------------------------------------------------- the agent loop

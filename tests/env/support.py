@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -297,6 +298,16 @@ NEVER_ENDING = ("sleep 1000", "while :; do :; done", "trap '' TERM INT HUP; slee
                 "setsid sleep 1000 & disown; sleep 1000", "(sleep 1000 &); sleep 1000")
 #: print without end, also from stderr and from a process the command does not wait for
 FLOODS = ("yes", "cat /dev/urandom", "yes > /dev/stderr", "(yes &); sleep 5")
+
+
+def loopback_listener() -> tuple[socket.socket, int]:
+    """A TCP listener on the host's loopback (accept times out after 0.2 s) that no sandbox may reach, and its port;
+    the caller closes it."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.2)
+    return listener, listener.getsockname()[1]
 
 
 def run_never_ending(box: Any) -> Iterator[tuple[str, Any, float]]:

@@ -16,6 +16,7 @@ from env_controller.sandbox.bwrap import BwrapBackend, BwrapSandbox, find_bwrap
 from tests.env.support import (
     _identity,
     _our_bwraps,
+    loopback_listener,
     run_background_bomb,
     run_floods,
     run_foreground_bomb,
@@ -89,11 +90,7 @@ def test_persistent_shell_files_and_exit_codes(backend: BwrapBackend) -> None:
 
 
 def test_network_is_unreachable(backend: BwrapBackend) -> None:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    listener.settimeout(0.2)
-    port = listener.getsockname()[1]
+    listener, port = loopback_listener()
     try:
         with backend.create() as box:
             r = box.run(f"exec 3<>/dev/tcp/127.0.0.1/{port}")

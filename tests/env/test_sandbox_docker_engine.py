@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.env.support import run_background_bomb, run_floods, run_foreground_bomb, run_never_ending
+from tests.env.support import loopback_listener, run_background_bomb, run_floods, run_foreground_bomb, run_never_ending
 
 docker = pytest.importorskip("docker", reason="the docker SDK is not installed (pip install docker)")
 
@@ -117,11 +117,7 @@ def test_shell_files_reset_and_close(backend: DockerBackend, docker_engine: Any)
 
 
 def test_isolation(backend: DockerBackend) -> None:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    listener.settimeout(0.2)
-    port = listener.getsockname()[1]
+    listener, port = loopback_listener()
     secrets = [tempfile.NamedTemporaryFile(prefix="agentrl-host-secret-", dir=d) for d in ("/tmp", "/root")
                if os.access(d, os.W_OK)]
     a, b = backend.create(), backend.create()

@@ -1,5 +1,6 @@
 """Helpers shared by the trainer tests: an HF state dict and a random batch for the Megatron actor, a tiny training
-run on a spawned rank (``run_distributed``) with its per-step records, and a reward that varies within a group
+run on a spawned rank (``run_distributed``) with its per-step records, the tiny agent tokenizer's chat template, and a
+reward that varies within a group
 (``tasks[].reward_fn: "tests.trainer.support:varied_reward"``)."""
 from __future__ import annotations
 
@@ -56,6 +57,14 @@ def train_tiny(rank: int, world: int, overrides: list[str]) -> dict:
 def read_steps(out: Path) -> dict[int, dict]:
     """The rows of a run's batches.jsonl, by step."""
     return {r["step"]: r for r in map(json.loads, (out / "batches.jsonl").read_text().splitlines())}
+
+
+def tiny_agent_template():
+    """Qwen2.5's chat format on the repo's tiny agent tokenizer (examples/tokenizer/tiny_agent)."""
+    from rollout_sglang.chat_template import ChatTemplate
+    from rollout_sglang.tokenizer import load_tokenizer
+
+    return ChatTemplate(load_tokenizer("examples/tokenizer/tiny_agent"))
 
 
 def varied_reward(traj) -> float:

@@ -25,7 +25,6 @@ from rollout_sglang.engines.batching import BatchingEngine
 from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.engines.version_pool import VersionPool
 from rollout_sglang.rollout.manager import FinishedGroup, PromptSampler, RolloutManager, zero_variance
-from rollout_sglang.tokenizer import load_tokenizer
 from tests.trainer.support import TINY_RL, train_tiny
 
 
@@ -82,11 +81,6 @@ class RandomRewardEnv:
 
     async def cancel(self, session_id):
         self.turns.pop(session_id, None)
-
-
-@pytest.fixture(scope="module")
-def template() -> ChatTemplate:
-    return ChatTemplate(load_tokenizer("examples/tokenizer/tiny_agent"))
 
 
 def _manager(template, reward, *, B: int, eta: int, steps: int, max_groups: float, tasks=("a", "b"),

@@ -22,7 +22,6 @@ from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.engines.version_pool import VersionPool
 from rollout_sglang.rollout.manager import PromptSampler, RolloutManager
 from rollout_sglang.rollout.sim_env import LatencyEnvClient
-from rollout_sglang.tokenizer import load_tokenizer
 from tests.trainer.support import TINY_RL, train_tiny
 
 
@@ -86,11 +85,6 @@ class MultiTurnEnv:
 
     async def cancel(self, session_id):
         self.turns.pop(session_id, None)
-
-
-@pytest.fixture(scope="module")
-def template() -> ChatTemplate:
-    return ChatTemplate(load_tokenizer("examples/tokenizer/tiny_agent"))
 
 
 @pytest.mark.parametrize("eta, lag", [(0, 0), (1, 0), (2, 0), (2, 1)])

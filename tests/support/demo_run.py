@@ -1,6 +1,8 @@
 """``agentrl train`` on the demo's config (examples/configs/tiny_cpu.yaml) shrunk to seconds, in a subprocess."""
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -22,3 +24,14 @@ def train_demo(out: Path, nproc: int, *overrides: str) -> subprocess.CompletedPr
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def trained_rl_rows(out: Path) -> list[dict]:
+    """The RL rows of the run's metrics.jsonl, once checked: two RL steps, and every SFT and RL step with a finite loss
+    and grad norm over some tokens."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r["phase"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["num_tokens"] > 0
+               for r in rows if r["phase"] in ("sft", "rl"))
+    return rl

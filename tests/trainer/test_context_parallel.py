@@ -132,18 +132,11 @@ def test_cli_trains_two_rl_steps_at_cp2(tmp_path):
     """`agentrl train --nproc 2 parallel.cp=2` on the demo's config (packed sequences, shrunk): SFT and two RL
     steps with finite losses and grad norms, and the trainer's log-probs of the sampled tokens (CP=2) equal
     the rollout engine's (its weights synced from the trainer) to fp32 rounding."""
-    import json
-    import math
-
-    from tests.support.demo_run import TINY_MODEL, train_demo
+    from tests.support.demo_run import TINY_MODEL, train_demo, trained_rl_rows
 
     out = tmp_path / "run"
     proc = train_demo(out, 2, "parallel.cp=2", "train.sequence_packing=true", "checkpoint.interval=0", *TINY_MODEL)
     assert "cp=2 ep=1 dp=1" in proc.stdout + proc.stderr
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rl = [r for r in rows if r["phase"] == "rl"]
-    assert [r["step"] for r in rl] == [1, 2]
-    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["num_tokens"] > 0
-               for r in rows if r["phase"] in ("sft", "rl"))
+    rl = trained_rl_rows(out)
     lag0 = [r["mismatch/abs_lag0"] for r in rl if "mismatch/abs_lag0" in r]
     assert lag0 and max(lag0) < 1e-4, lag0

@@ -19,6 +19,7 @@ import pytest
 
 from megatron_agentrl.config import ModelConfig, load_config
 from megatron_agentrl.launch.plan import ModelShape, estimate_memory
+from tests.e2e import support
 from tests.e2e.support import ROOT, clean_env, report_lines, run_check
 
 SCRIPT = ROOT / "examples" / "run_glm4_9b_multitask.sh"
@@ -35,14 +36,9 @@ def _check(*overrides: str, env: dict[str, str] | None = None) -> subprocess.Com
 def test_check_passes_here_and_reports_what_it_cannot_verify() -> None:
     proc = _check()
     out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr
-    assert "check passed" in out.splitlines()[-1]
-    ok, unverified = report_lines(out, "ok"), report_lines(out, "not verified here")
-    assert not report_lines(out, "FAIL")
     # verified anywhere: config, layout, memory per GPU, the recipe's switches, the script and tools
-    for item in ("config", "layout", "memory estimate", "cross-policy sampling", "per-task normalization",
-                 "sbatch script", "Ray", "agentrl convert"):
-        assert item in ok, f"{item} not verified:\n{out}"
+    ok, unverified = support.check_passed(proc, ("config", "layout", "memory estimate", "cross-policy sampling",
+                                                 "per-task normalization", "sbatch script", "Ray", "agentrl convert"))
     assert "TP 2 x PP 2 x CP 1 x DP 2, EP 1: 8 train ranks" in ok["layout"] and "16 GPUs in 2 node(s)" in ok["layout"]
     assert "mixture of experts" not in ok  # a dense model
     # not verifiable here, and said so: GPUs, the weights, the task endpoints
@@ -122,11 +118,7 @@ def test_the_check_sends_the_trainer_credential(endpoint: str) -> None:
     (["env.controller_url=''"], "tasks", "not built-in tasks"),
 ])
 def test_check_fails_on_what_cannot_work_anywhere(overrides: list[str], item: str, needle: str) -> None:
-    proc = _check(*overrides)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    failed = report_lines(proc.stdout, "FAIL")
-    assert item in failed and needle in failed[item], proc.stdout
-    assert proc.stdout.splitlines()[-1].startswith("check FAILED")
+    support.check_failed(_check(*overrides), item, needle)
 
 
 def test_glm4_reference_numbers() -> None:
@@ -158,12 +150,7 @@ def test_script_trains_from_the_checkpoint_it_converts(tmp_path: Path, megatron_
     model.megatron_checkpoint the pre-flight check and the submitted job get."""
     hf = tmp_path / "GLM-4-9B-0414"
     hf.mkdir()
-    log = tmp_path / "agentrl.log"
-    stub = tmp_path / "python"
-    real = os.path.realpath(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv").is_dir() else shutil.which("python3")
-    stub.write_text(f'#!/usr/bin/env bash\nif [ "$1" = -m ] && [ "$2" = megatron_agentrl.cli ]; then\n'
-                    f'  shift 2; printf "%s\\n" "$*" >> "{log}"; exit 0\nfi\nexec "{real}" "$@"\n')
-    stub.chmod(0o755)
+    stub, log = support.agentrl_stub(tmp_path)
     env = {**os.environ, "AGENTRL_PYTHON": str(stub), "GLM4_HF_DIR": str(hf)}
     env.pop("AGENTRL_ENV_CONTROLLER_URL", None)
     env.pop("GLM4_MEGATRON_DIR", None)
@@ -173,9 +160,5 @@ def test_script_trains_from_the_checkpoint_it_converts(tmp_path: Path, megatron_
         env["GLM4_MEGATRON_DIR"] = want
     proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    convert, check, submit = log.read_text().splitlines()
+    convert = support.converted_then_trained(log, want)
     assert convert.startswith(f"convert hf-to-megatron --hf-dir {hf} --out-dir {want} --tp 2 --pp 2")
-    assert check.startswith("plan --check") and submit.startswith("slurm submit")
-    for line in (check, submit):
-        given = [a.split("=", 1)[1] for a in line.split() if a.startswith("model.megatron_checkpoint=")]
-        assert given and set(given) == {want}, line

@@ -7,8 +7,6 @@ pools, and fail on an expert layout that cannot work anywhere.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -16,7 +14,8 @@ import pytest
 
 from megatron_agentrl.config import ModelConfig, load_config
 from megatron_agentrl.launch.plan import GiB, ModelShape, estimate_memory
-from tests.e2e.support import ROOT, clean_env, report_lines, run_check
+from tests.e2e import support
+from tests.e2e.support import ROOT, clean_env, run_check
 
 SCRIPT = ROOT / "examples" / "run_qwen3_30b_a3b_multitask.sh"
 CONFIG = ROOT / "examples" / "configs" / "qwen3_30b_a3b_multitask.yaml"
@@ -36,13 +35,9 @@ def _check(*overrides: str) -> subprocess.CompletedProcess:
 def test_check_passes_here_and_reports_memory_per_gpu() -> None:
     proc = _check()
     out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr
-    assert "check passed" in out.splitlines()[-1]
-    ok, unverified = report_lines(out, "ok"), report_lines(out, "not verified here")
-    assert not report_lines(out, "FAIL")
-    for item in ("config", "layout", "mixture of experts", "memory estimate", "cross-policy sampling",
-                 "per-task normalization", "sbatch script", "Ray", "agentrl convert"):
-        assert item in ok, f"{item} not verified:\n{out}"
+    ok, unverified = support.check_passed(proc, ("config", "layout", "mixture of experts", "memory estimate",
+                                                 "cross-policy sampling", "per-task normalization", "sbatch script",
+                                                 "Ray", "agentrl convert"))
     assert "TP 1 x PP 3 x CP 1 x DP 4, EP 4 (32 of 128 experts per rank, expert DP 1): 12 train ranks" in ok["layout"]
     assert "2 version slots x 1 engines x 2 GPUs; 16 GPUs in 2 node(s)" in ok["layout"]
     assert "128 experts, top-8" in ok["mixture of experts"] and "load-balancing loss off, dropless" in ok[
@@ -66,11 +61,7 @@ def test_check_passes_here_and_reports_memory_per_gpu() -> None:
     (["rollout.engines_per_slot=4"], "pools vs allocation", "need 28 GPUs"),
 ])
 def test_check_fails_on_what_cannot_work_anywhere(overrides: list[str], item: str, needle: str) -> None:
-    proc = _check(*overrides)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    failed = report_lines(proc.stdout, "FAIL")
-    assert item in failed and needle in failed[item], proc.stdout
-    assert proc.stdout.splitlines()[-1].startswith("check FAILED")
+    support.check_failed(_check(*overrides), item, needle)
 
 
 def test_qwen3_30b_a3b_reference_numbers() -> None:
@@ -104,19 +95,10 @@ def test_script_converts_at_the_config_layout_and_trains_from_it(tmp_path: Path)
     the conversion's --out-dir is the model.megatron_checkpoint the check and the submitted job get."""
     hf = tmp_path / "Qwen3-30B-A3B"
     hf.mkdir()
-    log = tmp_path / "agentrl.log"
-    stub = tmp_path / "python"
-    real = os.path.realpath(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv").is_dir() else shutil.which("python3")
-    stub.write_text(f'#!/usr/bin/env bash\nif [ "$1" = -m ] && [ "$2" = megatron_agentrl.cli ]; then\n'
-                    f'  shift 2; printf "%s\\n" "$*" >> "{log}"; exit 0\nfi\nexec "{real}" "$@"\n')
-    stub.chmod(0o755)
+    stub, log = support.agentrl_stub(tmp_path)
     proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=180,
                           env=_env(AGENTRL_PYTHON=str(stub), QWEN3_MOE_HF_DIR=str(hf)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     want = "checkpoints/Qwen3-30B-A3B-megatron-tp1pp3"  # the config's model.megatron_checkpoint
-    convert, check, submit = log.read_text().splitlines()
+    convert = support.converted_then_trained(log, want)
     assert convert == f"convert hf-to-megatron --hf-dir {hf} --out-dir {want} --tp 1 --pp 3 --dtype bfloat16"
-    assert check.startswith("plan --check") and submit.startswith("slurm submit")
-    for line in (check, submit):
-        given = [a.split("=", 1)[1] for a in line.split() if a.startswith("model.megatron_checkpoint=")]
-        assert given and set(given) == {want}, line

@@ -75,24 +75,13 @@ def test_cli_trains_the_demo_config_at_dp2_on_the_scale_path(tmp_path):
     """`agentrl train --nproc 2` on the demo's config with the distributed optimizer, packed sequences
     and selective recomputation (shrunk to seconds): both data-parallel ranks train, the checkpoint
     records DP=2 and the distributed optimizer, every step's loss and grad norm are finite."""
-    import math
-    import subprocess
-    import sys
+    from tests.support.demo_run import TINY_MODEL, train_demo, trained_rl_rows
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_agentrl.cli", "train", "--config", "examples/configs/tiny_cpu.yaml",
-           "--nproc", "2", "train.use_distributed_optimizer=true", "train.sequence_packing=true",
-           "train.recompute=selective", "train.lr_decay_style=linear", "train.min_lr=1e-4", f"output_dir={out}",
-           "sft.steps=2", "sft.short_format_steps=1",
-           "sft.batch_size=4", "train.steps=2", "train.micro_batch_size=4", "rollout.prompts_per_step=2",
-           "rollout.samples_per_prompt=2", "rollout.max_turns=2", "rollout.max_new_tokens=8",
-           "eval.samples_per_task=2", "checkpoint.interval=2", "model.arch.hidden_size=32",
-           "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rl = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["phase"] == "rl"]
-    assert [r["step"] for r in rl] == [1, 2]
-    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rl)
+    train_demo(out, 2, "train.use_distributed_optimizer=true", "train.sequence_packing=true",
+               "train.recompute=selective", "train.lr_decay_style=linear", "train.min_lr=1e-4",
+               "checkpoint.interval=2", *TINY_MODEL)
+    rl = trained_rl_rows(out)
     assert [r["lr"] for r in rl] == [1e-3, 1e-4]  # the demo's lr, decayed linearly to min_lr at the last step
     meta = json.loads((out / "checkpoints" / "step_000002" / "meta.json").read_text())
     assert meta["dp"] == 2 and meta["use_distributed_optimizer"] is True

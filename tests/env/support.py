@@ -10,10 +10,11 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -297,6 +298,63 @@ NEVER_ENDING = ("sleep 1000", "while :; do :; done", "trap '' TERM INT HUP; slee
                 "setsid sleep 1000 & disown; sleep 1000", "(sleep 1000 &); sleep 1000")
 #: print without end, also from stderr and from a process the command does not wait for
 FLOODS = ("yes", "cat /dev/urandom", "yes > /dev/stderr", "(yes &); sleep 5")
+
+
+def loopback_listener() -> tuple[socket.socket, int]:
+    """A TCP listener on the host's loopback (accept times out after 0.2 s) that no sandbox may reach, and its port;
+    the caller closes it."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.2)
+    return listener, listener.getsockname()[1]
+
+
+def run_never_ending(box: Any) -> Iterator[tuple[str, Any, float]]:
+    """Each of ``NEVER_ENDING`` in ``box`` under a 1 s limit, killed at the limit and the shell restarted: yields the
+    script, its result and the seconds it took."""
+    for script in NEVER_ENDING:
+        started = time.monotonic()
+        r = box.run(script, timeout_s=1)
+        elapsed = time.monotonic() - started
+        assert r.limit == "timeout" and r.exit_code is None and r.restarted, (script, r)
+        yield script, r, elapsed
+
+
+def run_floods(box: Any) -> list[Any]:
+    """Each of ``FLOODS`` in ``box`` (8192 bytes of output at most): cut at the limit within 4 s, the sandbox fine
+    after it; returns their results."""
+    results = []
+    for script in FLOODS:
+        started = time.monotonic()
+        r = box.run(script)
+        assert r.limit == "output_limit" and r.truncated and time.monotonic() - started < 4, (script, r)
+        assert "8192 bytes" in r.error and box.run("echo fine").output == "fine\n"
+        results.append(r)
+    return results
+
+
+def run_foreground_bomb(box: Any) -> tuple[Any, float]:
+    """In ``box`` (32 processes at most), after ``cd /tmp; export KEEP=1``: a fork bomb in the foreground, stopped at
+    the limit with the shell restarted; returns its result and when it started (``time.monotonic()``)."""
+    box.run("cd /tmp; export KEEP=1")
+    started = time.monotonic()
+    r = box.run("f() { f | f; }; f")
+    assert r.limit == "process_limit" and r.restarted, r
+    return r, started
+
+
+def run_background_bomb(box: Any) -> None:
+    """In ``box`` (background jobs allowed, 32 processes at most): a fork bomb that returns at once and multiplies in
+    the background, stopped at the limit at once or, on a starved CPU, by the next command."""
+    r = box.run("bomb() { bomb | bomb & }; bomb")
+    if r.limit is None:  # on a starved CPU it may reach the limit only after the check
+        time.sleep(1)
+        r = box.run("true")
+        assert r.limit == "process_limit" or r.output.startswith(
+            "[note: background processes had reached the limit of 32 processes and were killed"), r
+    else:
+        assert r.limit == "process_limit" and r.restarted, r
 
 
 def _identity(pid: int) -> tuple[int, bytes] | None:

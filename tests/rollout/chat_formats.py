@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rollout_sglang.chat_template import (
     QWEN_DEFAULT_SYSTEM,
@@ -49,6 +51,25 @@ QWEN25_TOOLS = [
     },
 ]
 USERLESS = [m for m in REASONING_CONVERSATION if m["role"] != "user"]  # no user turn
+LATE_SYSTEM = CONVERSATION[1:3] + [{"role": "system", "content": "Be brief."}] + CONVERSATION[3:5]
+
+
+def render_cases(tools: list[dict], late_system: bool = False) -> list[tuple[list[dict], list[dict] | None]]:
+    """The conversations every format's text is pinned on, as (messages, tools): system + tools (several calls in a
+    turn, consecutive tool messages, a late user turn), no system message, a system message without tools, neither,
+    tool calls without a tool list, and with ``late_system`` a system message that is not the first."""
+    cases = [(CONVERSATION, tools), (CONVERSATION[1:], tools), (CONVERSATION[:2], None), (CONVERSATION[1:2], None),
+             (CONVERSATION[1:7], None)]
+    return cases + [(LATE_SYSTEM, tools)] if late_system else cases
+
+
+def check_jinja_render(template: Any, render: Callable[..., str], shape: Callable[[list[dict]], list[dict]],
+                       messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> None:
+    """``template`` renders the messages as ``render`` (the format's jinja template) does, and renders them the same
+    when given in the shape that jinja template takes (``shape``)."""
+    expected = render(messages, tools, add_generation_prompt)
+    assert template.render_text(messages, tools, add_generation_prompt) == expected
+    assert template.render_text(shape(messages), tools, add_generation_prompt) == expected
 
 
 # ------------------------------------------------------------------------------------------------ Qwen2.5
@@ -454,7 +475,6 @@ MULTI_STEP = AGENTIC[:4] + [{"role": "user", "content": "<tool_response>\nmore\n
 BARE = [CONVERSATION[1], {"role": "assistant", "content": "Let me look.",
                           "tool_calls": [tool_call("call_0", "search", {"q": "x"})]},
         {"role": "tool", "content": "y"}, {"role": "assistant", "content": "It is y."}]
-LATE_SYSTEM = CONVERSATION[1:3] + [{"role": "system", "content": "Be brief."}] + CONVERSATION[3:5]
 
 
 def qwen3_messages(messages: list[dict]) -> list[dict]:

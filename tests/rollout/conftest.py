@@ -3,6 +3,9 @@ chat format (module-scoped, as each test module had its own)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,41 +24,22 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> ChatTemplate:
     return ChatTemplate(tok)
 
 
-@pytest.fixture(scope="module")
-def qwen25_tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    return chat_formats.qwen25_tokenizer(tmp_path_factory.mktemp("tok"))
+def _format_fixtures(fmt: str, make_tokenizer: Callable[[Path], Any], template_cls: type[ChatTemplate]):
+    """The module-scoped fixtures ``<fmt>_tokenizer`` (``make_tokenizer`` in a temporary folder of its own) and
+    ``<fmt>_template`` (``template_cls`` on it)."""
+
+    @pytest.fixture(scope="module", name=f"{fmt}_tokenizer")
+    def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+        return make_tokenizer(tmp_path_factory.mktemp(f"{fmt}tok"))
+
+    @pytest.fixture(scope="module", name=f"{fmt}_template")
+    def template(request: pytest.FixtureRequest) -> ChatTemplate:
+        return template_cls(request.getfixturevalue(f"{fmt}_tokenizer"))
+
+    return tokenizer, template
 
 
-@pytest.fixture(scope="module")
-def qwen25_template(qwen25_tokenizer) -> ChatTemplate:
-    return ChatTemplate(qwen25_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def glm4_tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    return chat_formats.glm4_tokenizer(tmp_path_factory.mktemp("glmtok"))
-
-
-@pytest.fixture(scope="module")
-def glm4_template(glm4_tokenizer) -> Glm4ChatTemplate:
-    return Glm4ChatTemplate(glm4_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def glm45_tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    return chat_formats.glm45_tokenizer(tmp_path_factory.mktemp("glm45tok"))
-
-
-@pytest.fixture(scope="module")
-def glm45_template(glm45_tokenizer) -> Glm45ChatTemplate:
-    return Glm45ChatTemplate(glm45_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def qwen3_tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    return chat_formats.qwen3_tokenizer(tmp_path_factory.mktemp("qwen3tok"))
-
-
-@pytest.fixture(scope="module")
-def qwen3_template(qwen3_tokenizer) -> Qwen3ChatTemplate:
-    return Qwen3ChatTemplate(qwen3_tokenizer)
+qwen25_tokenizer, qwen25_template = _format_fixtures("qwen25", chat_formats.qwen25_tokenizer, ChatTemplate)
+glm4_tokenizer, glm4_template = _format_fixtures("glm4", chat_formats.glm4_tokenizer, Glm4ChatTemplate)
+glm45_tokenizer, glm45_template = _format_fixtures("glm45", chat_formats.glm45_tokenizer, Glm45ChatTemplate)
+qwen3_tokenizer, qwen3_template = _format_fixtures("qwen3", chat_formats.qwen3_tokenizer, Qwen3ChatTemplate)

@@ -10,9 +10,12 @@ import asyncio
 import contextlib
 import json
 import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from openai import AsyncOpenAI
 
@@ -21,6 +24,7 @@ from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.chat_template import ChatTemplate
 from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.gateway import Gateway, GatewayServer
+from rollout_sglang.tool_parser import ToolCallParseError
 
 
 def tool_call(cid: str, name: str, args: dict) -> dict:
@@ -62,6 +66,27 @@ def render_jinja(template: str, messages: list[dict], tools: list[dict] | None, 
     env.filters["tojson"] = hf_tojson
     return env.from_string(template).render(messages=messages, tools=tools,
                                             add_generation_prompt=add_generation_prompt)
+
+
+def parse_error(parse: Callable[..., Any], text: str, tools: list[dict] | None) -> str:
+    """The message of the ``ToolCallParseError`` that ``parse(text, tools)`` (a format's parser) raises."""
+    with pytest.raises(ToolCallParseError) as e:
+        parse(text, tools)
+    return str(e.value)
+
+
+def check_chat_template_option(tmp_path: Path, model_type: str, accepted: Iterable[str], refused: str,
+                               error: str) -> None:
+    """A config of a ``model_type`` model takes each of ``accepted`` as ``model.chat_template`` and refuses ``refused``
+    with a ``ConfigError`` that matches ``error``."""
+    from megatron_agentrl.config import ConfigError, load_config
+
+    base = tmp_path / "c.yaml"
+    base.write_text(f"model:\n  arch: {{model_type: {model_type}}}\ntasks: [{{name: lookup}}]\n")
+    for name in accepted:
+        assert load_config(base, [f"model.chat_template={name}"]).model.chat_template == name
+    with pytest.raises(ConfigError, match=error):
+        load_config(base, [f"model.chat_template={refused}"])
 
 
 def mask_spans(mask: list[int]) -> list[tuple[int, int]]:
@@ -248,6 +273,30 @@ def run(engine, env, template, requests, max_turns=5, max_total_tokens=4096, max
     )
 
 
+def play_calc(engine, template) -> tuple[Any, list[dict], list[dict]]:
+    """The calc episode (``FakeEnv``) played by a scripted ``engine`` in ``template``'s format through the agent loop:
+    checks that it completed with reward 1 after a turn with a call ("Let me add."), one with two calls (the second
+    adding 2 and 2) and an answer; returns the trajectory, the assistant messages the environment received and the
+    episode's messages."""
+    env = FakeEnv()
+    (traj,) = run(engine, env, template, [("calc", 0, 0)])
+    assert traj.status == "completed" and traj.reward == 1.0
+    (sid,) = env.history
+    sent = env.received[sid]
+    assert [len(m.get("tool_calls", [])) for m in sent] == [1, 2, 0]
+    assert sent[0]["content"] == "Let me add."
+    assert json.loads(sent[1]["tool_calls"][1]["function"]["arguments"]) == {"a": 2, "b": 2}
+    return traj, sent, env.history[sid]
+
+
+def check_turns_as_generated(traj, template, turns: list[str]) -> None:
+    """Each turn span of ``traj`` decodes to ``turns``' text and is trained (mask 1); nothing else is."""
+    for (s, e), text in zip(traj.turn_spans, turns, strict=True):
+        assert template.decode(traj.token_ids[s:e]) == text
+        assert traj.loss_mask[s:e] == [1] * (e - s)
+    assert sum(traj.loss_mask) == sum(e - s for s, e in traj.turn_spans)
+
+
 def _check_alignment(traj) -> None:
     """Lengths agree; mask 1 exactly on the turn spans; log-probs nonzero exactly there."""
     n = len(traj.token_ids)
@@ -292,6 +341,14 @@ def client(info: dict, token: str = "unused") -> AsyncOpenAI:
     return AsyncOpenAI(base_url=info["base_url"], api_key=token, max_retries=0)
 
 
+async def complete(c: AsyncOpenAI, stream: bool, **kw: Any) -> Any:
+    """One chat completion with the arguments ``kw``: streamed (the stream's final completion) or not."""
+    if stream:
+        async with c.chat.completions.stream(**kw) as st:
+            return await st.get_final_completion()
+    return await c.chat.completions.create(**kw)
+
+
 async def play_episode(gw: Gateway, model: str, turns: int, stream: bool, task: str = "calc",
                        index: int = 0) -> tuple[list[Any], Any, list[Any]]:
     """``turns`` completions of one ``task`` episode through the openai client (streamed or not), each reply
@@ -303,12 +360,7 @@ async def play_episode(gw: Gateway, model: str, turns: int, stream: bool, task: 
         comps = []
         async with client(info) as c:
             for _ in range(turns):
-                kw: dict[str, Any] = dict(model=model, messages=msgs, tools=info["tools"])
-                if stream:
-                    async with c.chat.completions.stream(**kw) as st:
-                        comp = await st.get_final_completion()
-                else:
-                    comp = await c.chat.completions.create(**kw)
+                comp = await complete(c, stream, model=model, messages=msgs, tools=info["tools"])
                 comps.append(comp)
                 msgs.append(comp.choices[0].message)
                 step = await c.post("/env", body={}, cast_to=object)

@@ -2,41 +2,43 @@
 tool-call parser, template selection, and the agent loop on GLM-4.5 turns."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 
 from megatron_agentrl.convert import resolve_chat_template
-from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.chat_template import (
     CHAT_TEMPLATES,
     Glm45ChatTemplate,
     build_chat_template,
 )
-from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.tokenizer import GLM45_SPECIAL_TOKENS
 from rollout_sglang.tool_parser import ToolCallParseError, parse_glm45_assistant_text
 from tests.rollout.chat_formats import GLM45_SCRIPT as SCRIPT
 from tests.rollout.chat_formats import GLM45_THINKING as THINKING
-from tests.rollout.chat_formats import TOOLS, USERLESS, glm45_engine
+from tests.rollout.chat_formats import TOOLS, USERLESS, check_jinja_render, glm45_engine, render_cases
 from tests.rollout.chat_formats import glm45_call as _call
 from tests.rollout.chat_formats import glm45_messages as _jinja_messages
 from tests.rollout.chat_formats import render_glm45 as _jinja_render
-from tests.rollout.support import CONVERSATION, REASONING_CONVERSATION, TRIP_TOOLS, mask_spans, tool_call
+from tests.rollout.support import (
+    ADD_TOOLS,
+    CONVERSATION,
+    REASONING_CONVERSATION,
+    TRIP_TOOLS,
+    check_chat_template_option,
+    check_turns_as_generated,
+    mask_spans,
+    parse_error,
+    play_calc,
+    tool_call,
+)
 
 
 # ------------------------------------------------------------------------------------------ the text
 @pytest.mark.parametrize("add_generation_prompt", [False, True])
 @pytest.mark.parametrize(
     "messages, tools",
-    [
-        (CONVERSATION, TOOLS),  # system + tools, several calls in a turn, consecutive tool messages, a late user
-        (CONVERSATION[1:], TOOLS),  # no system message
-        (CONVERSATION[:2], None),  # system, no tools
-        (CONVERSATION[1:2], None),  # no system, no tools
-        (CONVERSATION[1:7], None),  # tool calls without a tool list
-        (CONVERSATION[1:3] + [{"role": "system", "content": "Be brief."}] + CONVERSATION[3:5], TOOLS),  # late system
+    render_cases(TOOLS, late_system=True) + [
         (THINKING, TOOLS),  # reasoning after the last user turn, as a field and inside the content
         (REASONING_CONVERSATION, TRIP_TOOLS),  # reasoning before the last user turn too; every JSON type, non-ASCII
         (REASONING_CONVERSATION[:5], TRIP_TOOLS),  # ends on a user turn: no reasoning shows
@@ -45,10 +47,8 @@ from tests.rollout.support import CONVERSATION, REASONING_CONVERSATION, TRIP_TOO
 )
 def test_render_text_matches_glm45_jinja(glm45_template: Glm45ChatTemplate, messages, tools,
                                          add_generation_prompt) -> None:
-    expected = _jinja_render(messages, tools, add_generation_prompt)
-    assert glm45_template.render_text(messages, tools, add_generation_prompt) == expected
-    # arguments given as objects (HF style) render the same
-    assert glm45_template.render_text(_jinja_messages(messages), tools, add_generation_prompt) == expected
+    # and arguments given as objects (HF style) render the same
+    check_jinja_render(glm45_template, _jinja_render, _jinja_messages, messages, tools, add_generation_prompt)
 
 
 def test_format_details_as_written_in_the_facts(glm45_template: Glm45ChatTemplate) -> None:
@@ -251,9 +251,7 @@ VALID = "a valid call looks like"
     ],
 )
 def test_parse_errors_name_the_problem(text: str, problem: str, quoted: str) -> None:
-    with pytest.raises(ToolCallParseError) as e:
-        parse_glm45_assistant_text(text, TOOLS)
-    msg = str(e.value)
+    msg = parse_error(parse_glm45_assistant_text, text, TOOLS)
     assert problem in msg and quoted in msg
     assert "a GLM-4.5 tool call is the function name after <tool_call>" in msg
     assert "<arg_key><arg></arg_key>" in msg  # shows a valid call
@@ -280,45 +278,27 @@ def test_template_selection(glm45_tokenizer) -> None:
 
 
 def test_config_takes_glm45_and_auto_for_glm4_moe(tmp_path) -> None:
-    from megatron_agentrl.config import CHAT_TEMPLATE_CHOICES, ConfigError, load_config
+    from megatron_agentrl.config import CHAT_TEMPLATE_CHOICES
     from megatron_agentrl.convert import default_chat_template
 
     assert CHAT_TEMPLATE_CHOICES == ("auto", *CHAT_TEMPLATES)
     assert default_chat_template("glm4_moe") == "glm45"  # what auto picks: the family's declared format
-    base = tmp_path / "c.yaml"
-    base.write_text("model:\n  arch: {model_type: glm4_moe}\ntasks: [{name: lookup}]\n")
-    for name in ("auto", "glm45"):
-        assert load_config(base, [f"model.chat_template={name}"]).model.chat_template == name
-    with pytest.raises(ConfigError, match="model.chat_template='glm4.5' is not one of auto, qwen2, glm4, glm45"):
-        load_config(base, ["model.chat_template=glm4.5"])
+    check_chat_template_option(tmp_path, "glm4_moe", ("auto", "glm45"), "glm4.5",
+                               "model.chat_template='glm4.5' is not one of auto, qwen2, glm4, glm45")
 
 
 # ------------------------------------------------------------------------- the agent loop
 def test_agent_loop_runs_glm45_turns(glm45_template: Glm45ChatTemplate) -> None:
-    from tests.rollout.support import ADD_TOOLS, FakeEnv
-
     template = glm45_template
-    env = FakeEnv()
-    params = SamplingParams(max_new_tokens=256, temperature=1.0, seed=0)
-    (traj,) = asyncio.run(run_group_lockstep(glm45_engine(template), env, template, [("calc", 0, 0)], params,
-                                             max_turns=5, max_total_tokens=4096))
-    assert traj.status == "completed" and traj.reward == 1.0
-    (sid,) = env.history
-    sent = env.received[sid]
-    assert [len(m.get("tool_calls", [])) for m in sent] == [1, 2, 0]
-    assert sent[0]["content"] == "Let me add." and sent[0]["reasoning_content"] == "Add them."
+    traj, sent, h = play_calc(glm45_engine(template), template)
+    assert sent[0]["reasoning_content"] == "Add them."
     assert json.loads(sent[0]["tool_calls"][0]["function"]["arguments"]) == {"a": 40, "b": 2}  # integers, by schema
-    assert json.loads(sent[1]["tool_calls"][1]["function"]["arguments"]) == {"a": 2, "b": 2}
     assert sent[2]["content"] == "The answer is 42."
     # the trajectory: prompt, each generated turn as generated, each env reply without the <|observation|> the model
     # already wrote; with no user turn after the first, that is exactly the template's render (+ the final stop)
-    h = env.history[sid]
     assert template.decode(traj.token_ids) == template.render_text(h, ADD_TOOLS) + "<|user|>"
     assert template.decode(traj.token_ids) == _jinja_render(h, ADD_TOOLS, False) + "<|user|>"
-    for (s, e), text in zip(traj.turn_spans, SCRIPT):
-        assert template.decode(traj.token_ids[s:e]) == text
-        assert traj.loss_mask[s:e] == [1] * (e - s)
-    assert sum(traj.loss_mask) == sum(e - s for s, e in traj.turn_spans)
+    check_turns_as_generated(traj, template, SCRIPT)
     # the SFT layout of the same episode is the same tokens, with the same mask
     ids, mask = template.encode_conversation(h, ADD_TOOLS)
     assert ids == traj.token_ids and mask == traj.loss_mask

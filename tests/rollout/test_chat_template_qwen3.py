@@ -17,15 +17,15 @@ from rollout_sglang.chat_template import (
 )
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.tokenizer import QWEN3_TEXT_TOKENS, train_bpe_tokenizer
-from rollout_sglang.tool_parser import ToolCallParseError, parse_qwen3_assistant_text
+from rollout_sglang.tool_parser import parse_qwen3_assistant_text
 from tests.rollout.chat_formats import (
     AGENTIC,
     BARE,
-    LATE_SYSTEM,
     MULTI_STEP,
     TOOLS,
     USERLESS,
     qwen3_engine,
+    render_cases,
 )
 from tests.rollout.chat_formats import QWEN3_SCRIPT as SCRIPT
 from tests.rollout.chat_formats import QWEN3_THINKING as THINKING
@@ -33,14 +33,18 @@ from tests.rollout.chat_formats import qwen3_messages as _hf_messages
 from tests.rollout.chat_formats import render_qwen3 as _jinja_render
 from tests.rollout.chat_formats import train_qwen3_tokenizer as _train
 from tests.rollout.support import (
-    CONVERSATION,
+    ADD_TOOLS,
     REASONING_CONVERSATION,
     TRIP_TOOLS,
     Script,
+    check_chat_template_option,
+    check_turns_as_generated,
     client,
     make_gateway,
     mask_spans,
     open_session,
+    parse_error,
+    play_calc,
     play_episode,
     serving,
     tool_call,
@@ -58,13 +62,8 @@ def text_think_template(tmp_path_factory: pytest.TempPathFactory) -> Qwen3ChatTe
 @pytest.mark.parametrize("add_generation_prompt", [False, True])
 @pytest.mark.parametrize(
     "messages, tools",
-    [
-        (CONVERSATION, TOOLS),  # system + tools, several calls in a turn, consecutive tool messages, a late user
-        (CONVERSATION[1:], TOOLS),  # no system message: the system turn starts with "# Tools"
-        (CONVERSATION[:2], None),  # system, no tools
-        (CONVERSATION[1:2], None),  # no system, no tools: no system turn at all
-        (CONVERSATION[1:7], None),  # tool calls without a tool list
-        (LATE_SYSTEM, TOOLS),  # a system message that is not the first
+    # without a system message the system turn starts with "# Tools"; without tools too there is none
+    render_cases(TOOLS, late_system=True) + [
         (THINKING, TOOLS),  # reasoning after the last user turn, as a field and inside the content
         (AGENTIC, TOOLS),  # one query, every turn reasoning
         (MULTI_STEP, TOOLS),  # a user turn of <tool_response> blocks is no query
@@ -216,9 +215,8 @@ def test_parse_with_and_without_a_think_block(qwen3_template: Qwen3ChatTemplate)
     ],
 )
 def test_parse_errors_are_tool_call_parse_errors(text: str, problem: str) -> None:
-    with pytest.raises(ToolCallParseError) as e:
-        parse_qwen3_assistant_text(text, TOOLS)
-    assert problem in str(e.value) and "a valid tool call looks like" in str(e.value)
+    msg = parse_error(parse_qwen3_assistant_text, text, TOOLS)
+    assert problem in msg and "a valid tool call looks like" in msg
 
 
 # -------------------------------------------------------------------------------- selection
@@ -241,43 +239,26 @@ def test_template_selection(qwen3_tokenizer, tmp_path) -> None:
 
 
 def test_config_takes_qwen3_and_auto_for_qwen3_models(tmp_path) -> None:
-    from megatron_agentrl.config import CHAT_TEMPLATE_CHOICES, ConfigError, load_config
+    from megatron_agentrl.config import CHAT_TEMPLATE_CHOICES
     from megatron_agentrl.convert import default_chat_template
 
     assert CHAT_TEMPLATE_CHOICES == ("auto", *CHAT_TEMPLATES)
     assert default_chat_template("qwen3") == default_chat_template("qwen3_moe") == "qwen3"  # what auto picks
-    base = tmp_path / "c.yaml"
-    base.write_text("model:\n  arch: {model_type: qwen3_moe}\ntasks: [{name: lookup}]\n")
-    for name in ("auto", "qwen3"):
-        assert load_config(base, [f"model.chat_template={name}"]).model.chat_template == name
-    with pytest.raises(ConfigError, match="model.chat_template='qwen-3' is not one of auto, qwen2, glm4, glm45, "
-                                          "qwen3 \\(auto: the default format of the model's family"):
-        load_config(base, ["model.chat_template=qwen-3"])
+    check_chat_template_option(tmp_path, "qwen3_moe", ("auto", "qwen3"), "qwen-3",
+                               "model.chat_template='qwen-3' is not one of auto, qwen2, glm4, glm45, "
+                               "qwen3 \\(auto: the default format of the model's family")
 
 
 # ------------------------------------------------------------------------- the agent loop
 def test_agent_loop_runs_qwen3_turns(qwen3_template: Qwen3ChatTemplate) -> None:
-    from tests.rollout.support import ADD_TOOLS, FakeEnv
-
     template = qwen3_template
-    env = FakeEnv()
-    params = SamplingParams(max_new_tokens=256, temperature=1.0, seed=0)
-    (traj,) = asyncio.run(run_group_lockstep(qwen3_engine(template), env, template, [("calc", 0, 0)], params,
-                                             max_turns=5, max_total_tokens=4096))
-    assert traj.status == "completed" and traj.reward == 1.0
-    (sid,) = env.history
-    sent = env.received[sid]
-    assert [len(m.get("tool_calls", [])) for m in sent] == [1, 2, 0]
-    assert sent[0]["content"] == "Let me add." and sent[0]["reasoning_content"] == "Add them."
-    assert json.loads(sent[1]["tool_calls"][1]["function"]["arguments"]) == {"a": 2, "b": 2}
+    traj, sent, h = play_calc(qwen3_engine(template), template)
+    assert sent[0]["reasoning_content"] == "Add them."
     assert sent[2]["content"] == "The answer is 42." and sent[2]["reasoning_content"] == "Both sums are in."
     # one query, every turn reasoning: the trajectory is the template's render of the episode, token for token
-    h = env.history[sid]
     assert template.decode(traj.token_ids) + "\n" == template.render_text(h, ADD_TOOLS) == _jinja_render(
         h, ADD_TOOLS, False)
-    for (s, e), text in zip(traj.turn_spans, SCRIPT):
-        assert template.decode(traj.token_ids[s:e]) == text + "<|im_end|>"
-        assert traj.loss_mask[s:e] == [1] * (e - s)
+    check_turns_as_generated(traj, template, [text + "<|im_end|>" for text in SCRIPT])
     # the SFT layout of the same episode is the same tokens, with the same mask
     ids, mask = template.encode_conversation(h, ADD_TOOLS)
     assert ids == traj.token_ids and mask == traj.loss_mask
@@ -308,8 +289,6 @@ def test_gateway_episode_equals_the_agent_loop(qwen3_template: Qwen3ChatTemplate
 @pytest.mark.parametrize("choice", ["named", "required"])
 def test_gateway_tool_choice_forces_an_empty_think_block_and_the_call(qwen3_template: Qwen3ChatTemplate,
                                                                      choice) -> None:
-    from tests.rollout.support import ADD_TOOLS
-
     template = qwen3_template
     rest = '{"a": 1, "b": 2}}\n</tool_call>'
     engine = Script(template, [rest if choice == "named" else '{"name": "add", "arguments": ' + rest])

@@ -24,6 +24,7 @@ from tests.rollout.support import (
     Script,
     call,
     client,
+    complete,
     http,
     make_gateway,
     open_session,
@@ -113,10 +114,7 @@ def test_tool_calling_episode_is_token_exact(template, taught_engine, stream):
                 kw = dict(model="policy", messages=msgs, tools=info["tools"], temperature=0.5, seed=11, logprobs=True)
                 if stream:
                     kw["stream_options"] = {"include_usage": True}
-                    async with c.chat.completions.stream(**kw) as st:
-                        comp = await st.get_final_completion()
-                else:
-                    comp = await c.chat.completions.create(**kw)
+                comp = await complete(c, stream, **kw)
                 comps.append(comp)
                 msgs.append(comp.choices[0].message)
                 step = await c.post("/env", body={"messages": [comp.choices[0].message.model_dump(exclude_none=True)]},

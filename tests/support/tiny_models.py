@@ -90,15 +90,42 @@ def read_safetensors_dir(d: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def reinit_parallel(tp: int, pp: int, ep: int = 1) -> None:
-    """(Re)initialise megatron's groups at ``tp`` x ``pp`` (x ``ep``) on the current processes."""
+def reinit_parallel(tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 1234) -> None:
+    """(Re)initialise megatron's groups at ``tp`` x ``pp`` (x ``ep``, x ``cp``) on the current processes."""
     from megatron.core import parallel_state
 
     from megatron_agentrl.megatron.parallel import initialize_parallel
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    initialize_parallel(tp, pp, seed=1234, timeout_s=60, ep=ep)
+    initialize_parallel(tp, pp, seed=seed, timeout_s=60, ep=ep, cp=cp)
+
+
+def tiny_qwen2_config(vocab: int = 150):
+    """A tiny Qwen2 config (width 32, 2 layers, 4 heads, 2 KV heads, untied) for the actor's layout comparisons."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+
+
+def layout_actor(cfg, state: dict[str, torch.Tensor] | None, micro_batch_size: int, micro_batch_tokens: int,
+                 sequence_packing: bool, recompute: str):
+    """A Megatron actor of ``cfg`` on the current layout (seed 11; GRPO with TIS cap 2, KL 0.1, entropy 0.01) with
+    these micro-batch options, holding the weights ``state`` of a reference actor; with ``state`` None it is the
+    reference. Returns the actor and the reference's weights."""
+    from megatron_agentrl.config import LossConfig, TrainConfig
+    from megatron_agentrl.megatron.actor import MegatronActor
+
+    tcfg = TrainConfig(micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
+                       sequence_packing=sequence_packing, recompute=recompute)
+    torch.manual_seed(11)
+    actor = MegatronActor(cfg, tcfg, LossConfig(tis_cap=2.0, kl_coef=0.1, entropy_coef=0.01))
+    if state is None:
+        return actor, actor.export_hf_state_dict()
+    actor.load_hf_state_dict(state)
+    return actor, state
 
 
 def megatron_logits(model, tokens: torch.Tensor, vocab: int, hidden: int) -> torch.Tensor | None:

@@ -1,5 +1,6 @@
 """Helpers shared by the trainer tests: an HF state dict and a random batch for the Megatron actor, a tiny training
-run on a spawned rank (``run_distributed``) with its per-step records, and a reward that varies within a group
+run on a spawned rank (``run_distributed``) with its per-step records, the tiny agent tokenizer's chat template, and a
+reward that varies within a group
 (``tasks[].reward_fn: "tests.trainer.support:varied_reward"``)."""
 from __future__ import annotations
 
@@ -32,13 +33,15 @@ def make_batch(vocab: int, B: int = 6, T: int = 12, seed: int = 1):
     return TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior, advantages=adv)
 
 
-# a tiny run of tests/configs/tiny_test.yaml (fp32, CPU) that checkpoints every 2 steps
-TINY = [
+# a tiny model on tests/configs/tiny_test.yaml (fp32, CPU): RL only, two short samples per prompt, no evaluation
+TINY_RL = [
     "model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2",
-    "sft.steps=0", "train.micro_batch_size=4", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
-    "rollout.max_new_tokens=12", "eval.samples_per_task=0", "loss.tis_cap=2.0", "loss.kl_coef=0.05",
-    "loss.entropy_coef=0.01", "train.lr=1e-3", "checkpoint.interval=2",
+    "sft.steps=0", "train.micro_batch_size=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
+    "eval.samples_per_task=0", "loss.tis_cap=2.0",
 ]
+# a tiny run of it that checkpoints every 2 steps
+TINY = TINY_RL + ["rollout.prompts_per_step=2", "loss.kl_coef=0.05", "loss.entropy_coef=0.01", "train.lr=1e-3",
+                  "checkpoint.interval=2"]
 
 
 def train_tiny(rank: int, world: int, overrides: list[str]) -> dict:
@@ -54,6 +57,14 @@ def train_tiny(rank: int, world: int, overrides: list[str]) -> dict:
 def read_steps(out: Path) -> dict[int, dict]:
     """The rows of a run's batches.jsonl, by step."""
     return {r["step"]: r for r in map(json.loads, (out / "batches.jsonl").read_text().splitlines())}
+
+
+def tiny_agent_template():
+    """Qwen2.5's chat format on the repo's tiny agent tokenizer (examples/tokenizer/tiny_agent)."""
+    from rollout_sglang.chat_template import ChatTemplate
+    from rollout_sglang.tokenizer import load_tokenizer
+
+    return ChatTemplate(load_tokenizer("examples/tokenizer/tiny_agent"))
 
 
 def varied_reward(traj) -> float:

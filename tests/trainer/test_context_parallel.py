@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_agentrl.config import ConfigError, LossConfig, ParallelConfig, TrainConfig, load_config
+from megatron_agentrl.config import ConfigError, ParallelConfig, load_config
 from megatron_agentrl.megatron.context_parallel import full_order, local_index
 from megatron_agentrl.megatron.packing import pack, unpack
 from tests.support.dist_utils import run_distributed
-from tests.support.tiny_models import ragged_batch
+from tests.support.tiny_models import layout_actor, ragged_batch, reinit_parallel, tiny_qwen2_config
 
 DEMO = "examples/configs/tiny_cpu.yaml"
 
@@ -67,23 +67,12 @@ def test_plan_divides_activations_by_cp():
 
 
 # ------------------------------------------------------------------ actor (spawned processes)
-def _tiny():
-    from transformers import Qwen2Config
-
-    return Qwen2Config(vocab_size=150, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
-
-
 def _batch(vocab: int):
     # T and most lengths are not multiples of 2 * cp = 4
     return ragged_batch(vocab, [23, 5, 17, 9, 14, 3], [2, 1, 4, 2, 6, 1], seed=5, ref=True, lag=True)
 
 
 def _cp_same_as_cp1(rank: int, world: int) -> dict:
-    from megatron.core import parallel_state
-
-    from megatron_agentrl.megatron.actor import MegatronActor
     from megatron_agentrl.megatron.parallel import initialize_parallel
 
     out: dict = {}
@@ -91,25 +80,16 @@ def _cp_same_as_cp1(rank: int, world: int) -> dict:
         initialize_parallel(1, 1, seed=7, timeout_s=60, cp=3)
     except ConfigError as e:
         out["refusal"] = str(e)
-    cfg = _tiny()
+    cfg = tiny_qwen2_config()
     batch = _batch(cfg.vocab_size)
-    ref = None
+    ref = state = None
     # CP=1 (DP=2) reference with padded rows, then CP=2 (DP=1): (micro_batch_tokens, sequence_packing, recompute)
     variants = {1: [(0, False, "none")],
                 2: [(0, False, "none"), (40, False, "none"), (0, True, "none"), (40, True, "selective")]}
     for cp, runs in variants.items():
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        initialize_parallel(1, 1, seed=7, timeout_s=60, cp=cp)
+        reinit_parallel(1, 1, cp=cp, seed=7)
         for budget, packed, recompute in runs:
-            tcfg = TrainConfig(micro_batch_size=2, micro_batch_tokens=budget, sequence_packing=packed,
-                               recompute=recompute)
-            torch.manual_seed(11)
-            actor = MegatronActor(cfg, tcfg, LossConfig(tis_cap=2.0, kl_coef=0.1, entropy_coef=0.01))
-            if ref is None:
-                state = actor.export_hf_state_dict()
-            else:
-                actor.load_hf_state_dict(state)
+            actor, state = layout_actor(cfg, state, 2, budget, packed, recompute)
             lp = actor.compute_logprobs(batch.tokens, 0.9, 2, loss_mask=batch.loss_mask)
             lp_all = actor.compute_logprobs(batch.tokens, 0.9, 2)  # every column of every row
             stats = actor.compute_grads(actor.dp_slice(batch), "grpo", temperature=0.9)
@@ -152,25 +132,11 @@ def test_cli_trains_two_rl_steps_at_cp2(tmp_path):
     """`agentrl train --nproc 2 parallel.cp=2` on the demo's config (packed sequences, shrunk): SFT and two RL
     steps with finite losses and grad norms, and the trainer's log-probs of the sampled tokens (CP=2) equal
     the rollout engine's (its weights synced from the trainer) to fp32 rounding."""
-    import json
-    import math
-    import subprocess
-    import sys
+    from tests.support.demo_run import TINY_MODEL, train_demo, trained_rl_rows
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_agentrl.cli", "train", "--config", DEMO, "--nproc", "2", "parallel.cp=2",
-           "train.sequence_packing=true", f"output_dir={out}", "sft.steps=2", "sft.short_format_steps=1",
-           "sft.batch_size=4", "train.steps=2", "train.micro_batch_size=4", "rollout.prompts_per_step=2",
-           "rollout.samples_per_prompt=2", "rollout.max_turns=2", "rollout.max_new_tokens=8",
-           "eval.samples_per_task=2", "checkpoint.interval=0", "model.arch.hidden_size=32",
-           "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = train_demo(out, 2, "parallel.cp=2", "train.sequence_packing=true", "checkpoint.interval=0", *TINY_MODEL)
     assert "cp=2 ep=1 dp=1" in proc.stdout + proc.stderr
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rl = [r for r in rows if r["phase"] == "rl"]
-    assert [r["step"] for r in rl] == [1, 2]
-    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["num_tokens"] > 0
-               for r in rows if r["phase"] in ("sft", "rl"))
+    rl = trained_rl_rows(out)
     lag0 = [r["mismatch/abs_lag0"] for r in rl if "mismatch/abs_lag0" in r]
     assert lag0 and max(lag0) < 1e-4, lag0

@@ -133,16 +133,6 @@ HF_CASES: list[tuple[str, Callable[[Path], object], tuple[str, ...], list[str]]]
 ]
 
 
-@pytest.mark.parametrize("spoil,extra,needles", [c[1:] for c in HF_CASES], ids=[c[0] for c in HF_CASES])
-def test_hf_to_megatron_bad_input(spoil: Callable[[Path], object], extra: tuple[str, ...], needles: list[str],
-                                  ckpts: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A damaged or wrong HF checkpoint, or a bad option: exit 2, one line, no output directory."""
-    hf = tmp_path / "hf"
-    shutil.copytree(ckpts[0], hf)
-    spoil(hf)
-    _fails(_h2m(hf, tmp_path / "out", *extra), tmp_path / "out", needles, capsys)
-
-
 def test_megatron_checkpoint_given_as_hf_input(ckpts: tuple[Path, Path], tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     _fails(_h2m(ckpts[1], tmp_path / "out"), tmp_path / "out", [str(ckpts[1]), "use megatron-to-hf"], capsys)
@@ -177,14 +167,21 @@ MG_CASES: list[tuple[str, Callable[[Path], object], tuple[str, ...], list[str]]]
 ]
 
 
-@pytest.mark.parametrize("spoil,extra,needles", [c[1:] for c in MG_CASES], ids=[c[0] for c in MG_CASES])
-def test_megatron_to_hf_bad_input(spoil: Callable[[Path], object], extra: tuple[str, ...], needles: list[str],
-                                  ckpts: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A damaged or wrong megatron checkpoint, or a bad option: exit 2, one line, no output directory."""
-    mg = tmp_path / "mg"
-    shutil.copytree(ckpts[1], mg)
-    spoil(mg)
-    _fails(_m2h(mg, tmp_path / "out", *extra), tmp_path / "out", needles, capsys)
+# every case of both directions: (direction, id, spoil, extra options, what the message names)
+BAD_INPUTS = [("hf-to-megatron", *c) for c in HF_CASES] + [("megatron-to-hf", *c) for c in MG_CASES]
+
+
+@pytest.mark.parametrize("direction,spoil,extra,needles", [(c[0], *c[2:]) for c in BAD_INPUTS],
+                         ids=[f"{c[0]}-{c[1]}" for c in BAD_INPUTS])
+def test_bad_input(direction: str, spoil: Callable[[Path], object], extra: tuple[str, ...], needles: list[str],
+                   ckpts: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A damaged or wrong input checkpoint (HF for hf-to-megatron, megatron for megatron-to-hf), or a bad option:
+    exit 2, one line, no output directory."""
+    hf_in = direction == "hf-to-megatron"
+    src = tmp_path / ("hf" if hf_in else "mg")
+    shutil.copytree(ckpts[0] if hf_in else ckpts[1], src)
+    spoil(src)
+    _fails((_h2m if hf_in else _m2h)(src, tmp_path / "out", *extra), tmp_path / "out", needles, capsys)
 
 
 def test_hf_checkpoint_given_as_megatron_input(ckpts: tuple[Path, Path], tmp_path: Path,

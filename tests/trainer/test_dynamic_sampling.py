@@ -25,7 +25,7 @@ from rollout_sglang.engines.batching import BatchingEngine
 from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.engines.version_pool import VersionPool
 from rollout_sglang.rollout.manager import FinishedGroup, PromptSampler, RolloutManager, zero_variance
-from rollout_sglang.tokenizer import load_tokenizer
+from tests.trainer.support import TINY_RL, train_tiny
 
 
 class OkEngine:
@@ -81,11 +81,6 @@ class RandomRewardEnv:
 
     async def cancel(self, session_id):
         self.turns.pop(session_id, None)
-
-
-@pytest.fixture(scope="module")
-def template() -> ChatTemplate:
-    return ChatTemplate(load_tokenizer("examples/tokenizer/tiny_agent"))
 
 
 def _manager(template, reward, *, B: int, eta: int, steps: int, max_groups: float, tasks=("a", "b"),
@@ -229,21 +224,8 @@ def reward_all_flat(traj) -> float:
     return 0.5
 
 
-def _run(rank: int, world: int, overrides: list[str]) -> dict:
-    from megatron_agentrl.config import load_config
-    from megatron_agentrl.pipeline.loop import run_training
-    from megatron_agentrl.train_rank import setup_logging
-
-    setup_logging(rank)
-    return run_training(load_config("tests/configs/tiny_test.yaml", overrides))
-
-
-TINY = [
-    "model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2",
-    "sft.steps=0", "train.micro_batch_size=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
-    "rollout.max_turns=3", "eval.samples_per_task=0", "loss.tis_cap=2.0", "rollout.prompts_per_step=2",
-    "algo.dynamic_sampling=true", "train.steps=3",
-]
+TINY = TINY_RL + ["rollout.max_turns=3", "rollout.prompts_per_step=2", "algo.dynamic_sampling=true",
+                  "train.steps=3"]
 
 
 def _tasks(fn: str) -> str:
@@ -257,7 +239,7 @@ def test_pipeline_never_trains_a_flat_group(tmp_path, mode):
 
     out = tmp_path / "run"
     overrides = TINY + [f"output_dir={out}", f"pipeline.mode={mode}", _tasks("reward_every_third_group_flat")]
-    summary = run_distributed(_run, 1, overrides, timeout_s=150)[0]
+    summary = run_distributed(train_tiny, 1, overrides, timeout_s=150)[0]
     rows = [json.loads(x) for x in (out / "batches.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
@@ -283,7 +265,7 @@ def test_pipeline_with_only_flat_groups_completes(tmp_path, mode):
     out = tmp_path / "run"
     overrides = TINY + [f"output_dir={out}", f"pipeline.mode={mode}", _tasks("reward_all_flat"),
                         "algo.dynamic_sampling_max_groups=1.5"]
-    summary = run_distributed(_run, 1, overrides, timeout_s=150)[0]
+    summary = run_distributed(train_tiny, 1, overrides, timeout_s=150)[0]
     rl = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rl = [m for m in rl if m["phase"] == "rl"]
     assert [m["step"] for m in rl] == [1, 2, 3]

@@ -159,25 +159,12 @@ def test_cli_trains_two_rl_steps_at_ep2(tmp_path):
     """`agentrl train --nproc 2 parallel.ep=2` with a tiny Qwen3-MoE on the demo's tasks: SFT and two RL steps
     with finite losses, the MoE metrics in metrics.jsonl, and the trainer's log-probs of the sampled tokens (EP=2)
     equal the rollout engine's (its fused expert weights synced from the trainer) to fp32 rounding."""
-    import json
-    import math
-    import subprocess
-    import sys
+    from tests.support.demo_run import train_demo, trained_rl_rows
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_agentrl.cli", "train", "--config", DEMO, "--nproc", "2", "parallel.ep=2",
-           f"output_dir={out}", "sft.steps=2", "sft.short_format_steps=1", "sft.batch_size=4", "train.steps=2",
-           "train.micro_batch_size=4", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
-           "rollout.max_turns=2", "rollout.max_new_tokens=8", "eval.samples_per_task=2", "checkpoint.interval=0",
-           *TINY_MOE]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = train_demo(out, 2, "parallel.ep=2", "checkpoint.interval=0", *TINY_MOE)
     assert "ep=2 dp=2" in proc.stdout + proc.stderr
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rl = [r for r in rows if r["phase"] == "rl"]
-    assert [r["step"] for r in rl] == [1, 2]
-    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["num_tokens"] > 0
-               for r in rows if r["phase"] in ("sft", "rl"))
+    rl = trained_rl_rows(out)
     assert all(r["moe/load_imbalance"] >= 1.0 for r in rl)
     lag0 = [r["mismatch/abs_lag0"] for r in rl if "mismatch/abs_lag0" in r]
     assert lag0 and max(lag0) < 1e-4, lag0

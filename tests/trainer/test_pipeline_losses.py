@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from megatron_agentrl.algo.losses import clipped_policy_loss, kl_to_reference, policy_loss
-from megatron_agentrl.config import LossConfig, TrainConfig
+from megatron_agentrl.config import LossConfig
 from megatron_agentrl.megatron.packing import effective_lengths, plan_micro_batches
 from tests.support.dist_utils import run_distributed
-from tests.support.tiny_models import ragged_batch
+from tests.support.tiny_models import layout_actor, ragged_batch, reinit_parallel, tiny_qwen2_config
 
 
 def test_truncated_importance_weights_by_hand():
@@ -106,28 +106,15 @@ def test_plan_micro_batches_and_effective_lengths():
 
 
 # ------------------------------------------------------------------ actor (spawned processes)
-def _tiny(vocab: int = 150):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
-
-
 def _batch(vocab: int):
     return ragged_batch(vocab, [24, 5, 17, 9, 24, 3, 12, 20], [2, 1, 4, 2, 10, 1, 3, 6], seed=3, ref=True)
 
 
 def _layouts_same_grads(rank: int, world: int) -> dict[str, float]:
-    from megatron.core import parallel_state
-
-    from megatron_agentrl.megatron.actor import MegatronActor
-    from megatron_agentrl.megatron.parallel import initialize_parallel
-
-    cfg = _tiny()
+    cfg = tiny_qwen2_config()
     batch = _batch(cfg.vocab_size)
     out: dict[str, float] = {}
-    ref = None
+    ref = state = None
     # the reference: padded rows in fixed micro-batches at TP=1 (DP=2); then token budgets, packed
     # sequences and recomputation at TP=1, TP=2, PP=2: (micro_batch_tokens, sequence_packing, recompute)
     variants = {
@@ -137,18 +124,9 @@ def _layouts_same_grads(rank: int, world: int) -> dict[str, float]:
         (1, 2): [(60, False, "none"), (40, True, "none"), (40, True, "full")],
     }
     for (tp, pp), runs in variants.items():
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        initialize_parallel(tp, pp, seed=7, timeout_s=60)
+        reinit_parallel(tp, pp, seed=7)
         for budget, packed, recompute in runs:
-            tcfg = TrainConfig(micro_batch_size=3, micro_batch_tokens=budget, sequence_packing=packed,
-                               recompute=recompute)
-            torch.manual_seed(11)
-            actor = MegatronActor(cfg, tcfg, LossConfig(tis_cap=2.0, kl_coef=0.1, entropy_coef=0.01))
-            if ref is None:
-                state = actor.export_hf_state_dict()
-            else:
-                actor.load_hf_state_dict(state)
+            actor, state = layout_actor(cfg, state, 3, budget, packed, recompute)
             lp = actor.compute_logprobs(batch.tokens, 0.9, 3, loss_mask=batch.loss_mask)  # the whole batch
             stats = actor.compute_grads(actor.dp_slice(batch), "grpo", temperature=0.9)
             grads = actor.export_hf_grads()

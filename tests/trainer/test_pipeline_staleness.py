@@ -22,7 +22,7 @@ from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.engines.version_pool import VersionPool
 from rollout_sglang.rollout.manager import PromptSampler, RolloutManager
 from rollout_sglang.rollout.sim_env import LatencyEnvClient
-from rollout_sglang.tokenizer import load_tokenizer
+from tests.trainer.support import TINY_RL, train_tiny
 
 
 class FakeEngine:
@@ -87,11 +87,6 @@ class MultiTurnEnv:
         self.turns.pop(session_id, None)
 
 
-@pytest.fixture(scope="module")
-def template() -> ChatTemplate:
-    return ChatTemplate(load_tokenizer("examples/tokenizer/tiny_agent"))
-
-
 @pytest.mark.parametrize("eta, lag", [(0, 0), (1, 0), (2, 0), (2, 1)])
 def test_manager_never_trains_samples_older_than_eta(template, eta, lag):
     """lag: turns may come from a version up to ``lag`` older (cross-policy sampling over lag + 1
@@ -134,22 +129,6 @@ def test_manager_never_trains_samples_older_than_eta(template, eta, lag):
         assert max(staleness) == 0
 
 
-def _train(rank: int, world: int, overrides: list[str]) -> dict:
-    from megatron_agentrl.config import load_config
-    from megatron_agentrl.pipeline.loop import run_training
-    from megatron_agentrl.train_rank import setup_logging
-
-    setup_logging(rank)
-    return run_training(load_config("tests/configs/tiny_test.yaml", overrides))
-
-
-TINY = [
-    "model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2",
-    "sft.steps=0", "train.micro_batch_size=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
-    "eval.samples_per_task=0", "loss.tis_cap=2.0",
-]
-
-
 @pytest.mark.parametrize("engines", ["one", "pool"])
 def test_async_pipeline_staleness_bound(tmp_path, engines):
     """One local engine, or a version pool of two (cross-policy sampling over the live versions)."""
@@ -157,7 +136,7 @@ def test_async_pipeline_staleness_bound(tmp_path, engines):
 
     out = tmp_path / "run"
     eta = 1
-    overrides = TINY + [f"output_dir={out}", "pipeline.mode=async", f"pipeline.staleness={eta}", "train.steps=6",
+    overrides = TINY_RL + [f"output_dir={out}", "pipeline.mode=async", f"pipeline.staleness={eta}", "train.steps=6",
                         "rollout.prompts_per_step=3", "pipeline.sim_env_latency_s=0.01",
                         "pipeline.sim_env_latency_alpha=1.1", "pipeline.sim_env_latency_max_s=0.5"]
     if engines == "pool":
@@ -165,7 +144,7 @@ def test_async_pipeline_staleness_bound(tmp_path, engines):
     # rewards that differ within a group, so that every step changes the weights and stale tokens show it
     tasks = ",".join(f'{{name: {t}, reward_fn: "tests.trainer.support:varied_reward"}}' for t in ("lookup", "calc"))
     overrides += [f"tasks=[{tasks}]", "train.lr=1e-2"]
-    summary = run_distributed(_train, 1, overrides, timeout_s=120)[0]
+    summary = run_distributed(train_tiny, 1, overrides, timeout_s=120)[0]
     assert summary["mode"] == "async" and summary["trained_samples"] == 6 * 3 * 2
     rows = [json.loads(x) for x in (out / "batches.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))

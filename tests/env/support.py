@@ -378,3 +378,19 @@ def _our_bwraps() -> list[int]:
         except OSError:
             pass
     return out
+
+
+def wait_for_oom_kills(cgroup: Any, at_least: int, settle_s: float = 1.0, timeout_s: float = 30.0) -> int:
+    """Wait until the sandbox cgroup's OOM-kill count reaches ``at_least`` and then stays the same for
+    ``settle_s`` (background hogs on a loaded machine are killed one after another, seconds apart: a kill
+    that lands during the next command would be that command's); returns the count."""
+    deadline = time.monotonic() + timeout_s
+    count, since = cgroup.oom_kills() or 0, time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = cgroup.oom_kills() or 0
+        if now != count:
+            count, since = now, time.monotonic()
+        elif count >= at_least and time.monotonic() - since >= settle_s:
+            break
+    return count

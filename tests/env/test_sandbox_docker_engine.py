@@ -19,7 +19,14 @@ from typing import Any
 
 import pytest
 
-from tests.env.support import loopback_listener, run_background_bomb, run_floods, run_foreground_bomb, run_never_ending
+from tests.env.support import (
+    loopback_listener,
+    run_background_bomb,
+    run_floods,
+    run_foreground_bomb,
+    run_never_ending,
+    wait_for_oom_kills,
+)
 
 docker = pytest.importorskip("docker", reason="the docker SDK is not installed (pip install docker)")
 
@@ -197,9 +204,7 @@ def test_memory_counts_all_processes_together(backend: DockerBackend) -> None:
         kills = box.cgroup.oom_kills() or 0
         r = box.run(" ".join([HOG.format(wait=0.5) + " &"] * 4) + " echo started")
         assert r.ok and r.output == "started\n", r
-        deadline = time.monotonic() + 10
-        while (box.cgroup.oom_kills() or 0) < kills + 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for_oom_kills(box.cgroup, kills + 1)
         r = box.run("echo next")
         assert r.ok and r.output.startswith("[note: background processes had reached the sandbox's memory limit "
                                             f"of 128 MB and were killed; {RESET}]"), r

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +17,7 @@ from env_controller.sandbox import SandboxError, SandboxLimits, make_backend
 from env_controller.sandbox import bwrap as bwrap_module
 from env_controller.sandbox.bwrap import BwrapBackend, BwrapSandbox, find_bwrap
 from env_controller.sandbox.cgroups import PREFIX, CgroupSystem, CgroupUnavailableError, owner_tag
-from tests.env.support import _identity, _our_bwraps
+from tests.env.support import _identity, _our_bwraps, wait_for_oom_kills
 
 pytestmark = pytest.mark.skipif(
     find_bwrap() is None, reason="bubblewrap is not installed: apt-get install bubblewrap (CI installs it)")
@@ -92,9 +91,7 @@ def test_memory_counts_all_processes_together(backend: BwrapBackend) -> None:
         r = box.run(" ".join([HOG.format(wait=1) + " &"] * 4) + " echo started")
         assert r.ok and r.output == "started\n", r
         seen = {_identity(p) for p in box.processes()} - {None}
-        deadline = time.monotonic() + 10
-        while (box.cgroup.oom_kills() or 0) < kills + 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for_oom_kills(box.cgroup, kills + 2)
         r = box.run("echo next")
         assert r.ok and r.output.startswith("[note: background processes had reached the sandbox's memory limit "
                                             "of 128 MB and were killed; a new shell was started"), r

@@ -38,6 +38,8 @@ class TaskReply:
     finish: True once the episode is over; ``reward`` is final then.
     reward: scalar reward of the episode (0.0 until finished).
     metrics: task-specific numbers (e.g. ``success``), reported per task by the trainer.
+    error: why a finished session ended abnormally (the worker's or the controller's text, e.g. "worker
+        ... declared dead"), "" otherwise; on the wire only when set.
     """
 
     messages: list[dict[str, Any]]
@@ -46,10 +48,11 @@ class TaskReply:
     finish: bool = False
     reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str = ""
 
     def to_json(self, metrics_key: str = "metrics") -> dict[str, Any]:
         """The wire form (status as its string); AgentRL task workers call the metrics ``metric``."""
-        return {
+        body = {
             "messages": self.messages,
             "tools": self.tools,
             "status": self.status.value,
@@ -57,6 +60,9 @@ class TaskReply:
             "reward": self.reward,
             metrics_key: self.metrics,
         }
+        if self.error:
+            body["error"] = self.error
+        return body
 
     @classmethod
     def from_json(cls, body: Any) -> "TaskReply":
@@ -90,6 +96,7 @@ class TaskReply:
         metrics = body.get("metrics")
         if metrics is None:
             metrics = body.get("metric")
+        error = body.get("error")
         return cls(
             messages=messages,
             tools=tools,
@@ -97,10 +104,13 @@ class TaskReply:
             finish=bool(body.get("finish", False)) or status is not SampleStatus.RUNNING,
             reward=reward,
             metrics=metrics if isinstance(metrics, dict) else {},
+            error=error[:MAX_ERROR_CHARS] if isinstance(error, str) else "",
         )
 
 
 _STATUSES = {s.value: s for s in SampleStatus}
+#: the most characters of a reply's ``error`` text kept (it reaches logs and every trajectory)
+MAX_ERROR_CHARS = 2000
 
 
 class MalformedMessageError(ValueError):

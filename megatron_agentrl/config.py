@@ -506,6 +506,11 @@ class RolloutConfig(_Section):
         ``fn(client: openai.AsyncOpenAI, sample: dict) -> float | None``; loaded and checked at load
         (a module that is not importable is also looked for under the working directory).
     agent_timeout_s: limit on one call of ``agent_fn`` (one episode), seconds.
+
+    Infrastructure failures (an episode ended by the env or our code, not the policy: never trained):
+    min_valid_fraction: a group trains on its valid episodes when at least this share of
+        ``samples_per_prompt`` (and at least 2) remain; otherwise it is re-run, up to 3 attempts, then
+        dropped (counted under ``infra/`` in metrics.jsonl).
     """
 
     KEY: ClassVar[str] = "rollout"
@@ -535,11 +540,15 @@ class RolloutConfig(_Section):
     agent: Literal["builtin", "gateway"] = "builtin"
     agent_fn: str | None = None
     agent_timeout_s: float = 600.0
+    min_valid_fraction: float = 0.5
 
     def check(self) -> None:
         """See :class:`_Section`."""
         super().check()
         self._check_agent()
+        self.require(0 < self.min_valid_fraction <= 1, "min_valid_fraction",
+                     "must be in (0, 1]: the share of a group's samples that must end without an infrastructure "
+                     "failure for it to train (0.5 is the default)")
         self.require_positive_int("prompts_per_step", "samples_per_prompt", "max_turns", "max_new_tokens",
                                   "max_total_tokens")
         self.require(self.max_total_tokens >= 2, "max_total_tokens",

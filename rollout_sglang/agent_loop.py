@@ -30,7 +30,7 @@ from rollout_sglang.chat_template import AnyChatTemplate
 from rollout_sglang.engines.protocol import Engine, SamplingParams
 from rollout_sglang.engines.version_pool import VersionPool
 from rollout_sglang.tool_parser import ToolCallParseError
-from rollout_sglang.trajectory import Trajectory
+from rollout_sglang.trajectory import INTERNAL_ERROR, Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ async def _start(
         return
     _append(ep, prompt, 0)
     if reply.finish:
-        _finish(ep, reply.status, reply.reward, reply.metrics)
+        _finish(ep, reply.status, reply.reward, reply.metrics, error=reply.error)
         return
     if len(prompt) >= max_total_tokens:
         logger.warning(
@@ -162,7 +162,7 @@ async def _interact(
         return
     t.timings["env_s"] = t.timings.get("env_s", 0.0) + time.perf_counter() - t0
     if reply.finish:
-        _finish(ep, reply.status, reply.reward, reply.metrics)
+        _finish(ep, reply.status, reply.reward, reply.metrics, error=reply.error)
         return
     if len(t.versions) >= max_turns:
         _finish(ep, SampleStatus.TASK_LIMIT_REACHED)
@@ -208,14 +208,15 @@ async def run_group_lockstep(
     max_total_tokens: cap on prompt + all turns + env replies; a turn is cut so the total never
         exceeds it, and an episode that runs out of room ends with "agent context limit".
     env_timeout_s: timeout of every env call (start, interact, cancel); a timeout or exception
-        ends the episode with "task error".
+        ends the episode with "task error" (an infrastructure failure: ``Trajectory.infra_failed``).
 
-    Final statuses: the env's own (completed, ...), "agent validation failed" (a malformed tool
-    call, or any other exception from the parser, which is logged and ends only that episode; reward 0,
-    ``metrics["validation_error"] = 1.0``), "task limit reached",
-    "agent context limit", "task error". Timings: ``generate_s`` (wall time of the batched
-    generate calls the episode took part in), ``env_s`` (its own env calls). If the engine raises,
-    every running session is cancelled and the exception propagates.
+    Final statuses: the env's own (completed, ..., with the env's ``error`` text for "task error"),
+    "agent validation failed" (a malformed tool call; reward 0, ``metrics["validation_error"] = 1.0``),
+    "task limit reached", "agent context limit", "task error", and "internal error" (any other exception
+    from the parser: a bug of ours, logged; it ends only that episode, which is never trained).
+    Timings: ``generate_s`` (wall time of the batched generate calls the episode took part in),
+    ``env_s`` (its own env calls). If the engine raises, every running session is cancelled and the
+    exception propagates.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns={max_turns} must be >= 1")
@@ -323,8 +324,7 @@ async def _turns(
                     "env session %s (%s #%d) turn %d: the tool-call parser raised %s; ending this episode",
                     ep.session_id, t.task, t.index, len(t.versions), type(e).__name__,
                 )
-                _finish(ep, SampleStatus.AGENT_VALIDATION_FAILED, 0.0, {"validation_error": 1.0},
-                        error=f"the tool-call parser failed: {_shorten_repr(e)}")
+                _finish(ep, INTERNAL_ERROR, error=f"the tool-call parser failed: {_shorten_repr(e)}")
                 cancels.append(ep)
                 continue
             ep.num_calls += len(message["tool_calls"])

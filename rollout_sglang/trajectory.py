@@ -3,6 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: The end status of an episode that our own code failed (a tool-call parser bug, say), not the policy.
+INTERNAL_ERROR = "internal error"
+#: End statuses that say the infrastructure failed, not the policy: the env (the worker's or controller's
+#: "task error": a worker lost, a start or call that failed, a reply we could not read; a session
+#: "cancelled" under it) or our own code. Such an episode is never trained or counted as a reward.
+INFRA_STATUSES = frozenset({"task error", "cancelled", INTERNAL_ERROR})
+
 
 @dataclass
 class Trajectory:
@@ -14,7 +21,8 @@ class Trajectory:
     versions: the weight version that sampled each generated turn (one entry per turn).
     turn_spans: [start, end) token positions of each generated turn in token_ids, aligned with versions.
     task: task name; index: the task's sample index; group_id: samples of the same prompt share it.
-    reward: final scalar reward; status: the env's final status string.
+    reward: final scalar reward; status: how it ended: the env's final status string, one of the agent's
+        ("agent validation failed", ...) or :data:`INTERNAL_ERROR`; see :attr:`infra_failed`.
     metrics: task metrics (e.g. success); timings: seconds spent per phase (generate, env).
     error: why the episode ended abnormally (a malformed tool call, an env failure), "" otherwise.
     """
@@ -32,6 +40,12 @@ class Trajectory:
     metrics: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     error: str = ""
+
+    @property
+    def infra_failed(self) -> bool:
+        """The episode ended for an infrastructure reason (:data:`INFRA_STATUSES`, or it holds no token at
+        all): its reward says nothing of the policy, so it is left out of groups, the loss and reward means."""
+        return self.status in INFRA_STATUSES or not self.token_ids
 
     @property
     def num_generated(self) -> int:

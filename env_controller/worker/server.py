@@ -59,7 +59,13 @@ from env_controller.http.service import (
     read_json_object,
     session_id_from,
 )
-from env_controller.protocol import MalformedMessageError, SampleStatus, TaskReply, validate_assistant_messages
+from env_controller.protocol import (
+    MAX_ERROR_CHARS,
+    MalformedMessageError,
+    SampleStatus,
+    TaskReply,
+    validate_assistant_messages,
+)
 from env_controller.sandbox.pool import PooledTask, SandboxPool
 from env_controller.tasks.base import Task, TaskSession
 
@@ -244,11 +250,14 @@ class WorkerServer(HttpService):
             entry.busy = False
 
     def _error_reply(self, what: str, exc: BaseException) -> TaskReply:
+        """A task-error reply whose ``error`` says which call failed and how (the trainer records it)."""
         if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
             logger.error("%s timed out after %g s", what, self.timeout_s)
+            why = f"{what} timed out after {self.timeout_s:g} s"
         else:
             logger.error("%s failed: %s", what, exc, exc_info=exc)
-        return TaskReply(messages=[], status=SampleStatus.TASK_ERROR, finish=True)
+            why = f"{what} failed: {type(exc).__name__}: {exc}"
+        return TaskReply(messages=[], status=SampleStatus.TASK_ERROR, finish=True, error=why[:MAX_ERROR_CHARS])
 
     async def _close(self, session: TaskSession | None, sid: int) -> None:
         if session is None:

@@ -95,12 +95,19 @@ async def _play(cfg: Config, ro: RolloutSide, engine: Any, seed: int) -> list[Tr
 
 
 def eval_metrics(trajs: list[Trajectory]) -> dict[str, float]:
-    """Per task: ``reward/``, ``success/``, ``episodes/``, ``success_low/``, ``success_high/`` (95 % Wilson)."""
-    result = per_task_means(trajs)
-    episodes, successes = Counter(t.task for t in trajs), Counter(t.task for t in trajs if is_success(t))
-    for task, n in sorted(episodes.items()):
-        low, high = wilson_interval(successes[task], n)
-        result.update({f"episodes/{task}": float(n), f"success_low/{task}": low, f"success_high/{task}": high})
+    """Per task: ``reward/``, ``success/``, ``episodes/``, ``success_low/``, ``success_high/`` (95 % Wilson)
+    over the valid episodes, and ``infra_failed/`` (episodes that ended for an infrastructure reason:
+    left out of the others, since their outcome says nothing of the policy)."""
+    valid = [t for t in trajs if not t.infra_failed]
+    result = per_task_means(valid)
+    episodes, successes = Counter(t.task for t in valid), Counter(t.task for t in valid if is_success(t))
+    failed = Counter(t.task for t in trajs if t.infra_failed)
+    for task in sorted(set(episodes) | set(failed)):
+        n = episodes[task]
+        if n:
+            low, high = wilson_interval(successes[task], n)
+            result.update({f"success_low/{task}": low, f"success_high/{task}": high})
+        result.update({f"episodes/{task}": float(n), f"infra_failed/{task}": float(failed[task])})
     return result
 
 
@@ -161,9 +168,14 @@ def _success_text(m: dict[str, float], task: str) -> str:
 
 
 def format_success(m: dict[str, float]) -> str:
-    """``lookup 50.0% (43-57), calc 10.0% (6-15)`` from an evaluation's entries."""
+    """``lookup 50.0% (43-57), calc 10.0% (6-15)`` from an evaluation's entries, and the episodes left out
+    for infrastructure failures when there were any."""
     tasks = [k.split("/", 1)[1] for k in m if k.startswith("success/")]
-    return ", ".join(f"{t} {_success_text(m, t)}" for t in tasks)
+    text = ", ".join(f"{t} {_success_text(m, t)}" for t in tasks)
+    failed = {k.split("/", 1)[1]: int(v) for k, v in m.items() if k.startswith("infra_failed/") and v}
+    if failed:
+        text += " (left out, infrastructure failures: " + ", ".join(f"{t} {n}" for t, n in failed.items()) + ")"
+    return text
 
 
 def final_table(before: dict[str, float], after: dict[str, float], task_names: list[str]) -> str:

@@ -289,7 +289,7 @@ class TrainingRun:
             m, staleness = step_metrics(step, groups, stats, rl.rewards, rl.sample_adv, self.eta, times,
                                         self.manager, self.ro.busy_seconds() - busy0)
             m.update(self.manager.agent_metrics())  # rollout.agent: gateway: history rewrites, agent errors, ...
-            self._record(step, groups, stats, m, staleness)
+            self._record(step, groups, stats, m, staleness, rl.sample_adv.tolist())
 
     # ------------------------------------------------------------------ periodic evaluation
     def _periodic_eval(self, step: int) -> None:
@@ -340,8 +340,9 @@ class TrainingRun:
             self._collect_evals(wait=True)
 
     def _record(self, step: int, groups: list[FinishedGroup], stats: dict[str, float], m: dict[str, float],
-                staleness: list[int]) -> None:
-        """Rank 0: the step's metrics (metrics.jsonl, TensorBoard), its batches.jsonl row, its console line."""
+                staleness: list[int], advantages: list[float]) -> None:
+        """Rank 0: the step's metrics (metrics.jsonl, TensorBoard), its batches.jsonl row (with each trained
+        sample's end status and advantage, in the order of ``staleness``), its console line."""
         ids = [sid for g in groups for sid in g.request.sample_ids()]
         self.consumed_ids.extend(ids)
         self.trained_samples += sum(len(g.trajectories) for g in groups)
@@ -356,6 +357,7 @@ class TrainingRun:
             "step": step, "trained_version": step - 1, "group_ids": [g.request.group_id for g in groups],
             "sample_ids": ids, "tasks": [g.request.task for g in groups],
             "min_versions": [g.min_version for g in groups], "staleness": staleness,
+            "statuses": [t.status for g in groups for t in g.trajectories], "advantages": advantages,
             "loss": stats["loss"], "grad_norm": stats.get("grad_norm"),
         }) + "\n")
         self.batches_log.flush()
@@ -418,6 +420,10 @@ class TrainingRun:
                    "samples_per_s": self.trained_samples / max(self.rl_wall, 1e-9),
                    "dropped_stale": self.manager.stats.dropped_stale if self.manager else 0,
                    "last_checkpoint": self.last_ckpt}
+        if self.manager is not None:  # rollouts ended by infrastructure failures: counted, never trained
+            st = self.manager.stats
+            summary["infra"] = {"failed_episodes": dict(st.infra_failed), "groups_retried": st.infra_retried,
+                                "groups_dropped": dict(st.dropped_infra)}
         if self.manager is not None and self.manager.dynamic_sampling:
             st = self.manager.stats
             summary.update({"groups_drawn": st.drawn, "dropped_zero_variance": dict(st.dropped_zero_var),

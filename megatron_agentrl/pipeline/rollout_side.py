@@ -337,6 +337,7 @@ def make_manager(cfg: Config, ro: RolloutSide, version: int) -> RolloutManager:
         version_lag=0 if sync or cfg.rollout.cross_policy == "latest" else cfg.rollout.max_versions - 1,
         total_groups=cfg.train.steps * B,
         agent=build_agent_runner(cfg, ro) if cfg.rollout.agent == "gateway" else None,
+        min_valid_fraction=cfg.rollout.min_valid_fraction,
     )
     if cfg.algo.dynamic_sampling:  # groups of one sample are refused by Config.validate
         manager.enable_dynamic_sampling(ro.shaper, cfg.algo.dynamic_sampling_max_groups)

@@ -69,9 +69,21 @@ def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float]
     }
     for k in range(eta + 1):
         m[f"staleness/{k}"] = sum(1 for s in staleness if s == k) / len(staleness)
+    m.update(infra_metrics(manager))
     if manager.dynamic_sampling:
         m.update(dynamic_sampling_metrics(manager))
     return m, staleness
+
+
+def infra_metrics(manager: RolloutManager) -> dict[str, float]:
+    """The step's infrastructure failures since the previous step (``manager.last_batch``), none of them
+    trained: ``infra/failed_<task>`` (episodes, every task), ``infra/groups_retried`` (groups re-run) and
+    ``infra/groups_dropped`` (groups given up after their attempts)."""
+    last = manager.last_batch
+    m = {f"infra/failed_{task}": float(last.get("infra_failed", {}).get(task, 0)) for task in manager.sampler.tasks}
+    m["infra/groups_retried"] = float(last.get("infra_retried", 0))
+    m["infra/groups_dropped"] = float(sum(last.get("infra_dropped", {}).values()))
+    return m
 
 
 def dynamic_sampling_metrics(manager: RolloutManager) -> dict[str, float]:
@@ -104,6 +116,10 @@ def format_step(step: int, cfg: Config, m: dict[str, float]) -> str:
         dropped = sum(v for k, v in m.items() if k.startswith("dynamic_sampling/dropped_"))
         line += (f" | groups {m['dynamic_sampling/batch_groups']:.0f} drawn {m['dynamic_sampling/groups_drawn']:.0f} "
                  f"flat {dropped:.0f}")
+    failed = sum(v for k, v in m.items() if k.startswith("infra/failed_"))
+    if failed or m.get("infra/groups_dropped"):
+        line += (f" | infra-failed episodes {failed:.0f} (not trained), groups re-run "
+                 f"{m.get('infra/groups_retried', 0):.0f} dropped {m.get('infra/groups_dropped', 0):.0f}")
     if cfg.pipeline.mode == "async":
         line += (f" | stale mean {m['staleness_mean']:.2f} max {m['staleness_max']:.0f} | queue {m['queue_depth']:.0f} "
                  f"running {m['groups_running']:.0f} | idle trainer {100 * m['trainer_idle_frac']:.0f}% "

@@ -36,6 +36,12 @@ on the newest zero-variance groups instead (advantage 0: the policy-gradient ter
 advances); if none of those is fresh enough for the staleness cap, one slot is reopened for a draw
 beyond the budget, so a batch always comes (within ``get_batch``'s timeout) and nothing hangs.
 
+Infrastructure failures (``Trajectory.infra_failed``: the env or our code failed, not the policy) are never
+trained: a finished group keeps only its valid episodes when at least ``min_valid_fraction`` of its samples
+(and at least 2, or 1 for groups of one) remain; otherwise it is re-run from scratch (a fresh attempt, up to
+``max_attempts``) and then dropped, its slot free for another draw. Both are counted per task
+(:attr:`ManagerStats.infra_failed`, ``infra_retried``, ``dropped_infra``) and in :attr:`RolloutManager.last_batch`.
+
 Periodic evaluation runs on the rollout thread's event loop (:meth:`RolloutManager.submit`), beside
 the groups in flight: the engines' batching wrappers serve one event loop at a time.
 
@@ -49,6 +55,7 @@ import asyncio
 import concurrent.futures
 import copy
 import logging
+import math
 import random
 import threading
 import time
@@ -153,7 +160,9 @@ class ManagerStats:
     consumed counts batch slots the trainer took (``batch_groups`` per batch, a short batch's given-up
     slots included); drawn: fresh prompts drawn (retries are not); dropped_zero_var: groups dropped by
     dynamic sampling, per task; short_slots: slots given up when a batch's draw budget ran out;
-    fallback_batches: batches trained on zero-variance groups; forced_draws: draws beyond a budget.
+    fallback_batches: batches trained on zero-variance groups; forced_draws: draws beyond a budget;
+    infra_failed: episodes that ended for an infrastructure reason, per task (never trained); infra_retried:
+    groups re-run for them; dropped_infra: groups dropped for them once their attempts ran out, per task.
     """
 
     started: int = 0
@@ -169,6 +178,9 @@ class ManagerStats:
     short_slots: int = 0
     fallback_batches: int = 0
     forced_draws: int = 0
+    infra_failed: Counter = field(default_factory=Counter)
+    infra_retried: int = 0
+    dropped_infra: Counter = field(default_factory=Counter)
 
 
 class RolloutError(RuntimeError):
@@ -189,7 +201,8 @@ class RolloutManager:
     sampling seeds. max_attempts: tries of a group whose agent-loop call raised.
     on_group: optional callback (FinishedGroup) on the rollout thread, e.g. reward shaping.
     total_groups: stop admitting once ``consumed + waiting + running`` reaches it (the groups the
-    run will train; None = no limit).
+    run will train; None = no limit). min_valid_fraction: the share of a group's samples (at least 2)
+    that must end without an infrastructure failure for the group to train on them (see the module doc).
     agent: who plays the episodes instead of the built-in agent loop: an object with ``async
     run_group(requests, params) -> trajectories`` (any number per request, each carrying its request's
     ``group_id``), ``async aclose()`` (called on the rollout thread when it stops) and ``metrics() ->
@@ -198,7 +211,9 @@ class RolloutManager:
     After :meth:`get_batch`, :attr:`last_batch` describes the batch taken: ``groups`` trained,
     ``short`` (slots given up), ``fallback`` (1.0 when it trained on zero-variance groups), ``drawn``
     (fresh prompts drawn since the previous batch), ``dropped/<task>`` (zero-variance groups dropped
-    since the previous batch) and ``dropped_groups`` (those groups, for the step's reward means).
+    since the previous batch), ``dropped_groups`` (those groups, for the step's reward means), and since the
+    previous batch: ``infra_failed`` (task -> episodes), ``infra_retried`` (groups re-run), ``infra_dropped``
+    (task -> groups dropped).
     """
 
     def __init__(self, engine: Any, env: Any, template: Any, sampler: PromptSampler, *, batch_groups: int,
@@ -206,10 +221,12 @@ class RolloutManager:
                  sampling: Callable[[int], SamplingParams], max_turns: int, max_total_tokens: int,
                  env_timeout_s: float = 120.0, version: int = 0, seed: int = 0, max_attempts: int = 3,
                  version_lag: int = 0, on_group: Callable[[FinishedGroup], None] | None = None,
-                 total_groups: int | None = None, agent: Any = None) -> None:
+                 total_groups: int | None = None, agent: Any = None, min_valid_fraction: float = 0.5) -> None:
         if batch_groups < 1 or staleness < 0 or cohort_groups < 1:
             raise ValueError(f"batch_groups={batch_groups} and cohort_groups={cohort_groups} must be >= 1, "
                              f"staleness={staleness} >= 0")
+        if not 0 < min_valid_fraction <= 1:
+            raise ValueError(f"min_valid_fraction={min_valid_fraction} must be in (0, 1]")
         if not 0 <= version_lag <= staleness:
             raise ValueError(f"version_lag={version_lag} must be in 0..staleness={staleness}: turns sampled by "
                              "versions that old could never be trained")
@@ -233,6 +250,7 @@ class RolloutManager:
         self.on_group = on_group
         self.total_groups = total_groups
         self.agent = agent
+        self.min_valid_fraction = float(min_valid_fraction)
         self.stats = ManagerStats()
 
         self._cond = threading.Condition()
@@ -259,6 +277,8 @@ class RolloutManager:
         self._dropped_since: list[FinishedGroup] = []
         self._drawn_at_take = 0
         self._warned_batch = -1
+        self._infra_at_take = (Counter(), 0, Counter())  # stats.infra_failed, infra_retried, dropped_infra then
+        self.last_infra_error = ""
         self.last_batch: dict[str, Any] = {}
 
     def enable_dynamic_sampling(self, reward: Callable[[Trajectory], float], max_groups: float) -> None:
@@ -463,21 +483,31 @@ class RolloutManager:
             self._poke()
             return
         t1 = time.monotonic()
-        groups: list[FinishedGroup] = []
         by_group: dict[int, list[Trajectory]] = {}
         for t in trajs:  # an agent may return several trajectories per episode (the gateway's segments)
             by_group.setdefault(t.group_id, []).append(t)
-        for r, _ in cohort:
+        outcomes: list[tuple[FinishedGroup, int, str, int]] = []  # group, attempts, keep/retry/drop, infra-failed
+        for r, attempts in cohort:
             g = FinishedGroup(r, by_group.get(r.group_id, []), start_version, -1, t0, t1)
-            if self.on_group is not None:
+            verdict, failed = self._settle_infra(g, attempts)
+            if verdict == "keep" and self.on_group is not None:
                 self.on_group(g)
-            groups.append(g)
-        flat = [self._zero_variance(g) for g in groups]
+            outcomes.append((g, attempts, verdict, failed))
+        flat = {id(g): verdict == "keep" and self._zero_variance(g) for g, _, verdict, _ in outcomes}
         with self._cond:
             self._running -= len(cohort)
-            for g, drop in zip(groups, flat):
+            for g, attempts, verdict, failed in outcomes:
                 self._running_reqs.pop(g.request.group_id, None)
-                if drop:  # no GRPO signal: never accepted, its slot is free for another draw
+                self.stats.infra_failed[g.request.task] += failed
+                if verdict == "retry":  # a fresh attempt at the whole group, before any new draw
+                    self._retry.append((g.request, attempts + 1))
+                    self.stats.retried += 1
+                    self.stats.infra_retried += 1
+                    continue
+                if verdict == "drop":  # never accepted: its slot is free for another draw
+                    self.stats.dropped_infra[g.request.task] += 1
+                    continue
+                if flat[id(g)]:  # no GRPO signal: never accepted, its slot is free for another draw
                     self.stats.dropped_zero_var[g.request.task] += 1
                     self._fallback.append(g)
                     self._dropped_since.append(g)
@@ -489,6 +519,32 @@ class RolloutManager:
                 self.stats.group_times.append(t1 - t0)
             self._cond.notify_all()
         self._poke()
+
+    def _settle_infra(self, g: FinishedGroup, attempts: int) -> tuple[str, int]:
+        """What becomes of a finished group whose episodes may have ended for an infrastructure reason:
+        ``("keep", n)`` (``g`` now holds only its valid episodes), ``("retry", n)`` or ``("drop", n)``, with
+        ``n`` the episodes that failed (see the module doc)."""
+        failed = [t for t in g.trajectories if t.infra_failed]
+        if g.trajectories and not failed:
+            return "keep", 0
+        valid = [t for t in g.trajectories if not t.infra_failed]
+        size = g.request.size
+        need = max(min(2, size), math.ceil(self.min_valid_fraction * size))
+        verdict = "keep" if len(valid) >= need else "retry" if attempts + 1 < self.max_attempts else "drop"
+        if not failed:
+            self.last_infra_error = "no trajectory came back for the group"
+        else:
+            first = failed[0]
+            self.last_infra_error = f"{first.status}: {first.error}" if first.error else first.status
+        logger.warning("group %d (%s #%d): %d of %d episodes ended for an infrastructure reason (%s)%s",
+                       g.request.group_id, g.request.task, g.request.index, len(failed), len(g.trajectories),
+                       self.last_infra_error[:300],
+                       {"keep": f"; training on the {len(valid)} valid ones",
+                        "retry": f"; re-running the group (attempt {attempts + 2} of {self.max_attempts})",
+                        "drop": f"; dropped after {self.max_attempts} attempts"}[verdict])
+        if verdict == "keep":
+            g.trajectories = valid
+        return verdict, len(failed)
 
     def _zero_variance(self, g: FinishedGroup) -> bool:
         """Dynamic sampling's test of a finished group; a reward that raises keeps the group (and says so)."""
@@ -575,6 +631,12 @@ class RolloutManager:
                            "fallback": float(fallback), "drawn": self.stats.drawn - self._drawn_at_take,
                            "dropped": dict(dropped), "dropped_groups": self._dropped_since}
         self._dropped_since, self._drawn_at_take = [], self.stats.drawn
+        failed0, retried0, dropped0 = self._infra_at_take
+        self.last_batch.update({"infra_failed": dict(self.stats.infra_failed - failed0),
+                                "infra_retried": self.stats.infra_retried - retried0,
+                                "infra_dropped": dict(self.stats.dropped_infra - dropped0)})
+        self._infra_at_take = (Counter(self.stats.infra_failed), self.stats.infra_retried,
+                               Counter(self.stats.dropped_infra))
         return batch
 
     def get_batch(self, timeout_s: float) -> list[FinishedGroup]:
@@ -600,8 +662,10 @@ class RolloutManager:
                 if left <= 0:
                     raise TimeoutError(
                         f"no batch of {self.B} groups within {timeout_s:.0f}s (queued {len(self._queue)}, running "
-                        f"{self._running}, given up {self._short}, version {self._version}); raise "
-                        "pipeline.batch_timeout_s or check the environments and engines")
+                        f"{self._running}, given up {self._short}, version {self._version}; episodes ended by "
+                        f"infrastructure failures so far: {sum(self.stats.infra_failed.values())}"
+                        + (f", the last: {self.last_infra_error[:300]}" if self.last_infra_error else "")
+                        + "); raise pipeline.batch_timeout_s or check the environments and engines")
                 self._cond.wait(min(left, 1.0))
         self._poke()
         return batch

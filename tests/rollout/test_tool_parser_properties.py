@@ -40,6 +40,7 @@ from rollout_sglang.tool_parser import (
     parse_glm4_assistant_text,
     parse_glm45_assistant_text,
 )
+from rollout_sglang.trajectory import INTERNAL_ERROR
 from tests.rollout.support import SCRIPTS, FakeEngine, FakeEnv, _check_alignment, run
 
 PARSERS: list[Callable[..., dict[str, Any]]] = [parse_assistant_text, parse_glm4_assistant_text,
@@ -348,7 +349,7 @@ def test_deep_output_fails_its_episode_only(template: ChatTemplate, monkeypatch:
     trajs = run(engine, env, template, [("calc", 0, 0), ("deep", 0, 0), ("calc", 1, 0)],
                 max_new_tokens=8192, max_total_tokens=16384)
     calc0, deep, calc1 = trajs
-    assert deep.status == SampleStatus.AGENT_VALIDATION_FAILED.value
+    assert deep.status == SampleStatus.AGENT_VALIDATION_FAILED.value and not deep.infra_failed
     assert deep.reward == 0.0 and deep.metrics["validation_error"] == 1.0
     assert f"nested deeper than {MAX_JSON_DEPTH} levels" in deep.error
     assert template.decode(deep.token_ids[slice(*deep.turn_spans[0])]) == DEEP_992 + IM_END  # the turn is kept
@@ -362,7 +363,8 @@ def test_deep_output_fails_its_episode_only(template: ChatTemplate, monkeypatch:
 def test_unexpected_parser_exception_is_contained(
     template: ChatTemplate, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Defence in depth: a parser bug (here a RecursionError) ends that episode, logged once; the batch goes on."""
+    """Defence in depth: a parser bug (here a RecursionError) ends that episode as an internal error (an
+    infrastructure failure, never trained), logged once; the batch goes on."""
     monkeypatch.setitem(SCRIPTS, "deep", [DEEP_992])
     real = template.parse_assistant
 
@@ -377,7 +379,7 @@ def test_unexpected_parser_exception_is_contained(
         trajs = run(engine, env, template, [("deep", 0, 7), ("calc", 0, 7), ("two", 1, 7)],
                     max_new_tokens=8192, max_total_tokens=16384)
     deep = trajs[0]
-    assert deep.status == SampleStatus.AGENT_VALIDATION_FAILED.value and deep.reward == 0.0
+    assert deep.status == INTERNAL_ERROR and deep.infra_failed and deep.reward == 0.0
     assert deep.error.startswith("the tool-call parser failed: RecursionError(")
     assert env.cancelled == ["deep-0-1"]
     assert [t.status for t in trajs[1:]] == ["completed", "completed"]

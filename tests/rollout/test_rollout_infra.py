@@ -123,7 +123,8 @@ def test_a_group_never_trains_on_too_few_valid_episodes(template: ChatTemplate) 
                          max_turns=2, max_total_tokens=512, env_timeout_s=10, total_groups=1, min_valid_fraction=1)
     mgr.start()
     try:
-        with pytest.raises(TimeoutError, match=r"infrastructure failures so far: \d+, the last: task error: worker http://w1 declared dead"):
+        last = r"infrastructure failures so far: \d+, the last: task error: worker http://w1 declared dead"
+        with pytest.raises(TimeoutError, match=last):
             mgr.get_batch(timeout_s=3)
     finally:
         mgr.stop(timeout_s=10)

@@ -2,9 +2,9 @@
 reward plot.
 
 Everything lands under the run's ``output_dir``: ``metrics.jsonl`` (one JSON object per record, always),
-``tensorboard/`` (event files, ``logging.tensorboard``), ``wandb/`` (the W&B run, ``logging.wandb``; offline
-by default, ``wandb sync`` uploads it later) and ``reward_by_task.png``. ``wandb`` is imported only when
-W&B logging is on.
+``tensorboard/<phase>/`` (event files of ``sft``, ``rl`` and ``eval``, ``logging.tensorboard``), ``wandb/``
+(the W&B run, ``logging.wandb``; offline by default, ``wandb sync`` uploads it later) and
+``reward_by_task.png``. ``wandb`` is imported only when W&B logging is on.
 """
 from __future__ import annotations
 
@@ -47,16 +47,35 @@ class MetricsLogger:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.dir / "metrics.jsonl"
         self._jsonl = self.jsonl_path.open("a")
-        self._tb = None
+        self._tensorboard = tensorboard
+        self._tb: dict[str, Any] = {}  # phase -> its SummaryWriter, made on first use
+        self._purge_after: int | None = None
         self._wandb: Any = None  # the W&B run
         self._wandb_phases: set[str] = set()
         self._closed = False
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
         if wandb is not None and wandb.wandb:
             self._wandb = _start_wandb(self.dir, wandb, run_config or {})
+
+    def _writer(self, phase: str) -> Any:
+        """The phase's TensorBoard writer (None without TensorBoard). Each phase has its own folder, so that a
+        resumed run can drop its RL and evaluation points past the checkpoint without touching the warm-up's."""
+        if not self._tensorboard:
+            return None
+        if phase not in self._tb:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = self._purge_after + 1 if self._purge_after is not None and phase != "sft" else None
+            self._tb[phase] = SummaryWriter(str(self.dir / "tensorboard" / phase), purge_step=purge)
+        return self._tb[phase]
+
+    def resume_at(self, step: int) -> None:
+        """A run resumed from the checkpoint of RL step ``step``: drop what an earlier run of this output
+        directory recorded past it (``metrics.jsonl`` rows of the ``rl`` and ``eval`` phases, their TensorBoard
+        points), so that each step is recorded once. The warm-up's records stay. Call before logging."""
+        self._purge_after = int(step)
+        self._jsonl.close()
+        truncate_jsonl(self.jsonl_path, lambda r: r.get("phase") == "sft" or int(r.get("step", 0)) <= step)
+        self._jsonl = self.jsonl_path.open("a")
 
     @property
     def wandb_dir(self) -> Path | None:
@@ -75,10 +94,11 @@ class MetricsLogger:
         record = {"phase": phase, "step": step, **{k: float(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        if self._tb is not None:
+        tb = self._writer(phase)
+        if tb is not None:
             for k, v in metrics.items():
-                self._tb.add_scalar(f"{phase}/{k}", float(v), step)
-            self._tb.flush()
+                tb.add_scalar(f"{phase}/{k}", float(v), step)
+            tb.flush()
         if self._wandb is not None:
             self._wandb_axis(phase)
             self._wandb.log({f"{phase}/step": step, **{f"{phase}/{k}": float(v) for k, v in metrics.items()}})
@@ -88,10 +108,11 @@ class MetricsLogger:
         JSONL."""
         if not values:
             return
-        if self._tb is not None:
+        tb = self._writer(phase)
+        if tb is not None:
             import numpy as np
 
-            self._tb.add_histogram(f"{phase}/{name}", np.asarray(values, dtype=np.float64), step)
+            tb.add_histogram(f"{phase}/{name}", np.asarray(values, dtype=np.float64), step)
         if self._wandb is not None:
             import wandb
 
@@ -104,10 +125,34 @@ class MetricsLogger:
             return
         self._closed = True
         self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        for tb in self._tb.values():
+            tb.close()
         if self._wandb is not None:
             self._wandb.finish(exit_code=1 if failed else 0)
+
+
+def truncate_jsonl(path: Path, keep: Any) -> int:
+    """Rewrite the JSONL file ``path`` with the records for which ``keep(record)`` holds (a line that does not
+    parse, e.g. torn by a killed process, is dropped too); returns how many records were dropped. The file is
+    replaced at once (written beside it, then renamed), so a crash meanwhile leaves the old one."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            ok = bool(line.strip()) and keep(json.loads(line))
+        except (ValueError, TypeError, AttributeError):
+            ok = False
+        if ok:
+            kept.append(line)
+        else:
+            dropped += bool(line.strip())
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(path)
+    if dropped:
+        logger.info("%s: dropped %d record(s) past the resumed checkpoint", path, dropped)
+    return dropped
 
 
 def _start_wandb(output_dir: Path, settings: LoggingConfig, run_config: dict[str, Any]) -> Any:

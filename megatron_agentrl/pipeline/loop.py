@@ -45,7 +45,7 @@ from megatron_agentrl.distributed import broadcast_object, is_rank0
 from megatron_agentrl.hf_io import load_hf_config, load_hf_weights, save_hf_checkpoint
 from megatron_agentrl.megatron.actor import MegatronActor
 from megatron_agentrl.megatron.parallel import destroy_parallel, initialize_parallel
-from megatron_agentrl.metrics import MetricsLogger, plot_task_rewards, require_wandb
+from megatron_agentrl.metrics import MetricsLogger, plot_task_rewards, require_wandb, truncate_jsonl
 from megatron_agentrl.pipeline.batch import build_rl_batch
 from megatron_agentrl.pipeline.checkpoint import find_latest, load_checkpoint, save_checkpoint
 from megatron_agentrl.pipeline.collapse import CollapseMonitor
@@ -226,6 +226,9 @@ class TrainingRun:
             self.before = self.state.get("before_rl", {}) if self.rank0 else {}
             self.start_step = int(self.state["step"])
             self.consumed_ids = list(self.state.get("consumed_sample_ids", []))
+            if self.rank0:  # an earlier run in this output_dir may have gone past the checkpoint: record each step once
+                self.metrics.resume_at(self.start_step)
+                truncate_jsonl(self.out / "batches.jsonl", lambda r: int(r["step"]) <= self.start_step)
             logger.info("resumed at step %d (weight version %d)", self.start_step, self.state["version"])
             return
         if cfg.sft.steps:

@@ -46,7 +46,7 @@ def test_sync_loop_writes_metrics_plot_and_export(tmp_path, tp):
         for t in ("lookup", "calc", "guess")
     }
     assert (out / "reward_by_task.png").stat().st_size > 1000
-    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((out / "tensorboard" / "rl").glob("events.out.tfevents.*"))
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out / "hf_export")

@@ -29,7 +29,7 @@ def _tensorboard_tags(folder) -> set[str]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tags: set[str] = set()
-    for events in folder.glob("events.out.tfevents.*"):
+    for events in folder.rglob("events.out.tfevents.*"):
         acc = EventAccumulator(str(events))
         acc.Reload()
         tags |= set(acc.Tags()["scalars"])

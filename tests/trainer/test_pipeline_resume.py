@@ -102,3 +102,30 @@ def test_dp2_checkpoint_resumes_at_dp1(tmp_path):
                                            f"checkpoint.resume={ckpt}", "train.use_distributed_optimizer=false"],
                         timeout_s=120)
     assert _adam_steps(resumed / "checkpoints" / "step_000003") == {3.0}
+
+
+def _tb_steps(folder: Path, tag: str) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
+def test_resume_in_the_same_output_dir_records_each_step_once(tmp_path):
+    """A run that went on past its checkpoint (here: to step 4, checkpoints at 2 and 4), resumed from step 2 in the
+    same output_dir: steps 3 and 4 are redone and each RL step is recorded once, in metrics.jsonl, batches.jsonl
+    and TensorBoard; the records up to the checkpoint stay."""
+    out = tmp_path / "run"
+    common = TINY + [f"output_dir={out}", "train.steps=4"]
+    run_distributed(_train, 1, common, timeout_s=120)
+    first = _steps(out)
+    (out / "batches.jsonl").open("a").write('{"step": 5, "torn')  # a line cut by a killed trainer
+    run_distributed(_train, 1, common + [f"checkpoint.resume={out / 'checkpoints' / 'step_000002'}"], timeout_s=120)
+    rows = [json.loads(x) for x in (out / "batches.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0] == first[1] and rows[1] == first[2]
+    _same(first[3], rows[2])
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if m["phase"] == "rl"] == [1, 2, 3, 4]
+    assert _tb_steps(out / "tensorboard" / "rl", "rl/loss") == [1, 2, 3, 4]

@@ -32,6 +32,7 @@ import re
 from collections.abc import Callable
 from typing import Any, Sequence
 
+from env_controller.http.json_io import json_too_deep
 from rollout_sglang.tokenizer import (
     ARG_KEY_END,
     ARG_KEY_START,
@@ -118,10 +119,7 @@ def _strict_json(raw: str) -> Any:
 
     Raises json.JSONDecodeError for bad syntax and _Refused (with the problem) for the rest.
     """
-    # the bracket count outside strings, before json.loads can recurse (shared with the HTTP edge, whose module
-    # brings aiohttp: imported here, so that the chat formats, and the config that lists them, load without it)
-    from env_controller.http.service import json_too_deep
-
+    # the bracket count outside strings, before json.loads can recurse (the HTTP edge's check)
     if json_too_deep(raw.encode("utf-8", "surrogatepass"), MAX_JSON_DEPTH):
         raise _Refused(f"nested deeper than {MAX_JSON_DEPTH} levels of arrays and objects")
     obj = json.loads(raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)

@@ -30,7 +30,8 @@ import aiohttp
 
 from env_controller.clients.local import UnknownSessionError
 from env_controller.http.auth import TOKEN_ENV, TRAINER_TOKEN_ENV, pick_token, resolve_token
-from env_controller.http.service import SESSION_HEADER, base_api_url, dumps_json, loads_json
+from env_controller.http.json_io import dumps_json, loads_json
+from env_controller.http.service import SESSION_HEADER, base_api_url
 from env_controller.protocol import MalformedMessageError, TaskReply
 
 logger = logging.getLogger(__name__)

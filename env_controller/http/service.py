@@ -1,16 +1,14 @@
 """HTTP plumbing shared by the controller and the worker server (aiohttp, asyncio).
 
-JSON in and out (a nesting limit on what comes in, UTF-8 without escapes on what goes out), JSON
-error replies, the middleware that checks credentials (``auth.py``) against each route's role,
-request-body reading under a size and a time limit, a small runner
-that serves an aiohttp app on ``host:port`` (port 0 picks a free port) with uvloop when
+JSON in and out (through :mod:`~env_controller.http.json_io`: a nesting limit on what comes in, UTF-8
+without escapes on what goes out), JSON error replies, the middleware that checks credentials
+(``auth.py``) against each route's role, request-body reading under a size and a time limit, a small
+runner that serves an aiohttp app on ``host:port`` (port 0 picks a free port) with uvloop when
 installed, and :class:`HttpService`, the lifecycle both servers share.
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
 import logging
 import re
 import resource
@@ -32,6 +30,7 @@ from env_controller.http.auth import (
     check_bind,
     redact_url,
 )
+from env_controller.http.json_io import dumps_json, loads_json
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +38,6 @@ logger = logging.getLogger(__name__)
 SESSION_HEADER = "session_id"
 #: largest request body accepted (assistant messages can be long)
 MAX_BODY_BYTES = 32 * 1024 * 1024
-#: deepest nesting of arrays and objects accepted in a JSON body (the protocol needs under 10 levels;
-#: the parser recurses once per level, so an unbounded depth would exhaust the stack)
-MAX_JSON_DEPTH = 100
 #: seconds a client may take to send a request body once its headers arrived
 BODY_TIMEOUT_S = 30.0
 #: seconds a connection may stay without a complete request head (from its opening, or after a
@@ -65,63 +61,6 @@ class HttpError(Exception):
 
 class ClientGone(HttpError):
     """The client disconnected or stalled while sending its request (logged in one line, no traceback)."""
-
-
-# -- JSON ------------------------------------------------------------------------------------------
-
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-_TO_SQUARE = bytes.maketrans(b"{}", b"[]")
-_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
-_RUNS = re.compile(rb"\[+|\]+")
-
-
-def json_too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether the JSON text ``raw`` nests arrays and objects deeper than ``limit`` (brackets inside
-    strings do not count). Never recurses; C-speed passes, well under a second for 32 MiB."""
-    if raw.count(b"[") + raw.count(b"{") <= limit:
-        return False
-    brackets = _JSON_STRING.sub(b"", raw).translate(_TO_SQUARE, _NOT_BRACKET)
-    if b"[" * (limit + 1) in brackets:
-        return True
-    # each pass removes the innermost pairs, lowering the peak by one; after k passes every run of
-    # openers left stands for a subtree of 2(k+1) bytes or more, so few runs remain to add up
-    passes = 0
-    for _ in range(min(limit, 8)):
-        reduced = brackets.replace(b"[]", b"")
-        if len(reduced) == len(brackets):
-            break
-        brackets, passes = reduced, passes + 1
-    lengths = [len(run) for run in _RUNS.findall(brackets)]
-    if not lengths:
-        return passes > limit
-    closers = 1 if brackets.startswith(b"[") else 0  # runs alternate: openers, closers, openers, ...
-    lengths[closers::2] = [-n for n in lengths[closers::2]]
-    return max(itertools.accumulate(lengths)) + passes > limit
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def loads_json(raw: bytes | str, limit: int = MAX_JSON_DEPTH, strict: bool = True) -> Any:
-    """Parse JSON with a nesting limit; ValueError saying what is wrong. ``strict`` refuses
-    ``NaN`` and ``Infinity`` (not JSON, though Python writes them)."""
-    data = raw.encode() if isinstance(raw, str) else raw
-    if json_too_deep(data, limit):
-        raise ValueError(f"JSON nested deeper than {limit} levels of arrays and objects")
-    try:
-        return json.loads(data, parse_constant=_no_constant) if strict else json.loads(data)
-    except RecursionError:  # only when the stack is already deep: the limit keeps parsing shallow
-        raise ValueError(f"JSON nested too deep to parse (limit {limit} levels)") from None
-
-
-def dumps_json(body: Any) -> bytes:
-    """Compact JSON in UTF-8, non-ASCII text as is (escaping it as ``\\uXXXX`` can triple its size)."""
-    text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
-    try:
-        return text.encode()
-    except UnicodeEncodeError:  # a lone surrogate (sent as "\ud800") has no UTF-8 form: keep escapes
-        return json.dumps(body, separators=(",", ":")).encode()
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from env_controller.http.service import MAX_BODY_BYTES, MAX_JSON_DEPTH
+from env_controller.http.json_io import MAX_JSON_DEPTH
+from env_controller.http.service import MAX_BODY_BYTES
 from env_controller.protocol import SampleStatus
 
 JSON = "application/json"

@@ -14,7 +14,8 @@ import pytest
 from aiohttp import web
 
 from env_controller.controller.server import Controller
-from env_controller.http.service import MAX_BODY_BYTES, MAX_JSON_DEPTH, json_too_deep, loads_json, start_site
+from env_controller.http.json_io import MAX_JSON_DEPTH, json_too_deep, loads_json
+from env_controller.http.service import MAX_BODY_BYTES, start_site
 from env_controller.protocol import SampleStatus
 from env_controller.worker.server import WorkerServer
 from tests.env.support import EchoTask, cluster, fast_config, raw, run, tool_call

@@ -68,17 +68,23 @@ def test_a_worker_killed_mid_run_costs_no_trained_sample(tmp_path, processes):
                   "rollout.samples_per_prompt=4", "rollout.max_new_tokens=12", "eval.samples_per_task=0",
                   "pipeline.mode=async", "pipeline.staleness=1", log="train.log")
 
-    # kill lookup-a while it holds sessions of the run that have started (a start cut short is retried by the
-    # env client on the other worker: the controller says nothing happened; an episode under way cannot be)
+    # kill lookup-a while one of the run's sessions has an interact in flight there (the worker sleeps
+    # --latency-ms before it answers): that episode is under way, so it cannot be retried and must end as
+    # an infra failure. A session waiting for the model is not enough: the model's next turn may fail
+    # validation, which ends the episode without another env call. (A start cut short is retried by the
+    # controller on the other worker: nothing happened to the episode.)
     victim_port, victim = workers["lookup-a"]
 
-    def victim_sessions() -> int:
+    def victim_interacts() -> int:
         ids = {wid for wid, w in _get(f"{api}/list_workers").get("lookup", {}).get("workers", {}).items()
                if w["address"].endswith(f":{victim_port}/api")}
+        now = time.time()
+        # in an interact, idle_s counts from the call; in a start, from the session's creation
         return sum(1 for s in _get(f"{api}/list_sessions").values()
-                   if str(s["worker_id"]) in ids and (not s["busy"] or s["turns"] > 0))
+                   if str(s["worker_id"]) in ids and s["busy"] and s["idle_s"] < 0.2
+                   and now - s["start"] - s["idle_s"] > 0.3)
 
-    held = _wait("an episode under way on lookup-a", victim_sessions, 180, proc=train, poll_s=0.01)
+    held = _wait("an interact in flight on lookup-a", victim_interacts, 180, proc=train, poll_s=0.01)
     victim.send_signal(signal.SIGKILL)
     victim.wait(10)
 
@@ -92,7 +98,7 @@ def test_a_worker_killed_mid_run_costs_no_trained_sample(tmp_path, processes):
     assert all(len(r["statuses"]) == len(r["advantages"]) == len(r["staleness"]) for r in rows)
     summary = json.loads((out / "summary.json").read_text())
     failed = summary["infra"]["failed_episodes"]
-    assert failed.get("lookup", 0) >= 1, (held, summary["infra"], log[-4000:])  # the dead worker's sessions
+    assert failed.get("lookup", 0) >= held, (held, summary["infra"], log[-4000:])  # the interacts cut short
     assert "declared dead" in log or "cannot be reached" in log or "connect" in log.lower()
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rl = [m for m in metrics if m["phase"] == "rl"]

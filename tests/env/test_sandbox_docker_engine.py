@@ -198,7 +198,9 @@ def test_memory_counts_all_processes_together(backend: DockerBackend) -> None:
                            f"processes and in-memory files count together); all its processes were killed; {RESET}")
         peak = box.cgroup.memory_peak_bytes()
         print(f"\nmemory peak of the container: {peak and peak / 2**20:.1f} MB (limit 128 MB)")
-        assert peak is not None and peak <= 128 << 20
+        # the kernel charges a cgroup in per-CPU batches (64 pages) before it reclaims or kills, so the
+        # recorded peak may pass memory.max by a few pages; four hogs unchecked would reach 400 MB
+        assert peak is not None and peak <= (128 << 20) + (1 << 20)
         assert _idle(box), _processes(box)
         # ... or in the background after the command returned: the next command says so
         kills = box.cgroup.oom_kills() or 0

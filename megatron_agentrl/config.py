@@ -483,6 +483,13 @@ class RolloutConfig(_Section):
     recency_decay: in (0, 1], used by "recency".
     engine_timeout_s: limit on one generate call and on draining a slot before its update, seconds.
     engine_startup_timeout_s: limit on an SGLang server becoming healthy, seconds.
+    engine_health_interval_s / engine_health_timeout_s: how often each SGLang server's health is probed
+        (``/health_generate``, which waits up to 20 s for the scheduler) and the limit on one probe, seconds;
+        a failed probe takes the server out of rotation until one passes (docs/training.md, "When parts fail").
+    engine_unavailable_timeout_s: how long generation waits while no slot can serve (every engine down,
+        or updating) before the run fails with a message naming each engine and why, seconds.
+    weight_sync_max_failures: weight syncs that may fail in a row (a server died mid-sync: the slot is out
+        of rotation until a later sync reaches it) before the run stops.
     weight_sync_bucket_mb: bucket size of the weight broadcast, MiB.
     weight_sync_init_timeout_s / weight_sync_bucket_timeout_s: limits on the weight-sync group
         rendezvous and on each bucket, seconds.
@@ -529,6 +536,10 @@ class RolloutConfig(_Section):
     recency_decay: float = 0.5
     engine_timeout_s: float = 600.0
     engine_startup_timeout_s: float = 900.0
+    engine_health_interval_s: float = 5.0
+    engine_health_timeout_s: float = 30.0
+    engine_unavailable_timeout_s: float = 600.0
+    weight_sync_max_failures: int = 3
     weight_sync_bucket_mb: int = 512
     weight_sync_init_timeout_s: float = 300.0
     weight_sync_bucket_timeout_s: float = 120.0
@@ -559,13 +570,15 @@ class RolloutConfig(_Section):
         self.require(self.temperature > 0, "temperature", "must be > 0 (use a small value such as 0.01 for "
                      "near-greedy)")
         self.require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        self.require_positive_int("max_versions", "engines_per_slot", "weight_sync_bucket_mb")
+        self.require_positive_int("max_versions", "engines_per_slot", "weight_sync_bucket_mb",
+                                  "weight_sync_max_failures")
         self.require(0 < self.recency_decay <= 1, "recency_decay", "must be in (0, 1]")
         self.require(self.cross_policy == "latest" or self.max_versions >= 2, "cross_policy",
                      "needs rollout.max_versions >= 2 (one slot holds only the latest version); raise "
                      "max_versions or use cross_policy=latest")
         self.require_above_zero("engine_timeout_s", "engine_startup_timeout_s", "weight_sync_init_timeout_s",
-                                "weight_sync_bucket_timeout_s", unit="seconds")
+                                "weight_sync_bucket_timeout_s", "engine_health_interval_s", "engine_health_timeout_s",
+                                "engine_unavailable_timeout_s", unit="seconds")
         self._check_engine_urls()
         self.require(_is_host(self.weight_sync_master_address), "weight_sync_master_address",
                      "must be a host name or IP address such as 10.0.0.4 (no scheme, port or path), or '' to "

@@ -45,14 +45,10 @@ class _TurnCounter:
 
 
 class _NewestWeights:
-    """The version pool seen by an evaluation during RL: every turn goes to the newest live weights.
-
-    Under the pool's ``latest`` policy the turn goes through the pool's router, so it holds a lease and a
-    weight update drains it before pausing the slot (no half-loaded weights; no request aborted by an
-    SGLang pause). Under cross-policy sampling the router would spread turns over older versions, so the
-    turn goes to an engine of the newest live slot directly: a local engine finishes a running call before
-    it loads weights; an SGLang server paused in ``abort`` mode may abort it (the evaluation then fails with
-    a warning, training goes on).
+    """The version pool seen by an evaluation: every turn goes to the newest live weights through the pool's
+    router (``newest=True`` whatever the sampling policy), so it holds a lease (a weight update drains it
+    before pausing the slot: no half-loaded weights, no request aborted by an SGLang pause) and a turn whose
+    engine fails is generated again on another.
     """
 
     def __init__(self, ro: RolloutSide) -> None:
@@ -65,10 +61,7 @@ class _NewestWeights:
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
         """One turn of the episodes still running, on the newest live weights."""
-        pool = self.ro.pool
-        if pool.policy == "latest":
-            return await pool.generate(prompts, params)
-        return await self.ro.latest_engine().generate(prompts, params)
+        return await self.ro.pool.generate(prompts, params, newest=True)
 
 
 def _requests(ro: RolloutSide) -> list[tuple[str, int, int]]:
@@ -123,7 +116,7 @@ def evaluate(cfg: Config, ro: RolloutSide, seed: int, progress: Progress | None 
     agent = cfg.rollout.agent == "gateway"  # completions of many episodes, not lockstep turns: no fixed total
     with (progress or Progress(enabled=False)).phase(title, None if agent else cfg.rollout.max_turns,
                                                      unit="completions" if agent else "turns", lines=1) as phase:
-        trajs = asyncio.run(_play(cfg, ro, _TurnCounter(ro.latest_engine(), phase), seed))
+        trajs = asyncio.run(_play(cfg, ro, _TurnCounter(_NewestWeights(ro), phase), seed))
         result = eval_metrics(trajs)
         turns = max((len(t.versions) for t in trajs), default=0)
         phase.update(figures={"success": format_success(result)},

@@ -60,7 +60,7 @@ from megatron_agentrl.pipeline.rollout_side import (
     weight_sync_master_address,
 )
 from megatron_agentrl.pipeline.sft import sft_warmup
-from megatron_agentrl.pipeline.step_metrics import format_step, step_metrics
+from megatron_agentrl.pipeline.step_metrics import engine_metrics, format_step, step_metrics
 from megatron_agentrl.pipeline.trainer import Trainer
 from megatron_agentrl.weight_sync.publisher import WeightPublisher
 from rollout_sglang.rollout.manager import FinishedGroup, RolloutManager
@@ -207,6 +207,7 @@ class TrainingRun:
             sender_kwargs={"init_timeout_s": r.weight_sync_init_timeout_s,
                            "bucket_timeout_s": r.weight_sync_bucket_timeout_s, "checksum": r.weight_sync_checksum,
                            "master_address": weight_sync_master_address(cfg)},
+            max_failures=r.weight_sync_max_failures,
         )
         self.trainer = Trainer(self.actor, cfg, self.task_names)
         p = cfg.pipeline
@@ -292,6 +293,7 @@ class TrainingRun:
             m, staleness = step_metrics(step, groups, stats, rl.rewards, rl.sample_adv, self.eta, times,
                                         self.manager, self.ro.busy_seconds() - busy0)
             m.update(self.manager.agent_metrics())  # rollout.agent: gateway: history rewrites, agent errors, ...
+            m.update(engine_metrics(self.ro.pool, self.publisher))
             self._record(step, groups, stats, m, staleness, rl.sample_adv.tolist())
 
     # ------------------------------------------------------------------ periodic evaluation
@@ -395,6 +397,8 @@ class TrainingRun:
         finally:
             if self.batches_log is not None:
                 self.batches_log.close()
+            if self.ro is not None:
+                self.ro.pool.stop_health_checks()
         self.rl_wall = time.perf_counter() - self.t_rl
 
     def finish(self) -> dict[str, Any]:
@@ -432,6 +436,8 @@ class TrainingRun:
             summary.update({"groups_drawn": st.drawn, "dropped_zero_variance": dict(st.dropped_zero_var),
                             "short_slots": st.short_slots, "fallback_batches": st.fallback_batches,
                             "forced_draws": st.forced_draws})
+        if self.ro is not None and self.publisher.sender is not None:  # servers that came and went
+            summary["engines"] = engine_metrics(self.ro.pool, self.publisher)
         if cfg.eval.interval:
             summary["evals_skipped"] = self.evals_skipped
         if wandb_dir is not None:

@@ -61,14 +61,6 @@ class RolloutSide:
     sft_weights: list[float] = field(default_factory=list)
     shaper: RewardShaper = field(default_factory=RewardShaper)
 
-    def latest_engine(self) -> Any:
-        """An engine of the live slot with the newest weights (for evaluation).
-
-        RuntimeError when no slot is live (every slot updating or failed its last sync): an
-        updating or failed slot may hold partly loaded weights, which evaluation must not read.
-        """
-        return self.pool.newest_live_slot().engines[0]
-
     def busy_seconds(self) -> float:
         """Seconds the engines spent generating, averaged over engines."""
         return sum(e.busy_seconds() for e in self.engines) / max(1, len(self.engines))
@@ -188,7 +180,9 @@ def build_rollout_side(cfg: Config, hf_config: Any, dtype: torch.dtype, template
                    for i in range(r.max_versions * r.engines_per_slot)]
     pool = VersionPool.from_engines(engines, r.max_versions, r.engines_per_slot, policy=r.cross_policy,
                                     recency_decay=r.recency_decay, seed=cfg.train.seed,
-                                    drain_timeout_s=r.engine_timeout_s)
+                                    drain_timeout_s=r.engine_timeout_s, live_timeout_s=r.engine_unavailable_timeout_s)
+    if remote is not None:  # servers in other processes fail apart from us: probe them
+        pool.start_health_checks(r.engine_health_interval_s, r.engine_health_timeout_s)
     p = cfg.pipeline
     train_env: Any = env
     if p.sim_env_latency_s > 0:

@@ -1,6 +1,8 @@
 """The record of one RL step (what metrics.jsonl and TensorBoard get) and its console line."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from megatron_agentrl.config import Config
@@ -84,6 +86,19 @@ def infra_metrics(manager: RolloutManager) -> dict[str, float]:
     m["infra/groups_retried"] = float(last.get("infra_retried", 0))
     m["infra/groups_dropped"] = float(sum(last.get("infra_dropped", {}).values()))
     return m
+
+
+def engine_metrics(pool: Any, publisher: Any) -> dict[str, float]:
+    """Engines coming and going, as counts over the run so far: ``engines/out_of_rotation`` (now: down, or
+    back and waiting for weights), ``engines/failures`` (taken out of rotation), ``engines/returns``,
+    ``engines/rerouted_prompts`` (generated again on another engine), ``weight_sync/failed`` and
+    ``weight_sync/skipped`` (no engine reachable)."""
+    return {"engines/out_of_rotation": float(pool.engines_out()),
+            "engines/failures": float(pool.stats["engine_failures"]),
+            "engines/returns": float(pool.stats["engine_returns"]),
+            "engines/rerouted_prompts": float(pool.stats["rerouted"]),
+            "weight_sync/failed": float(publisher.failed_syncs),
+            "weight_sync/skipped": float(publisher.skipped_syncs)}
 
 
 def dynamic_sampling_metrics(manager: RolloutManager) -> dict[str, float]:

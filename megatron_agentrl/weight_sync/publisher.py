@@ -3,10 +3,17 @@
 :class:`WeightPublisher` exports the actor's weights (collective over all trainer ranks) and loads
 them into the pool's oldest slot (every slot with ``all_slots``): the pool drains the slot, pauses
 it and opens its update (``begin_update``), the weights arrive bucket by bucket, and
-``end_update`` resumes the slot under the new version. A delivery that fails marks the slot failed
-(``abort_update``: never sampled until a later sync succeeds) and the error ends the run. With one
-slot (``rollout.max_versions=1``) generation waits between turns while the update runs, then the
-trajectories in flight continue on the new weights.
+``end_update`` resumes the slot under the new version. With one slot (``rollout.max_versions=1``)
+generation waits between turns while the update runs, then the trajectories in flight continue on the
+new weights.
+
+Servers come and go (the pool's health checks): a sync reaches the slot's engines in rotation, and a
+slot with a server back from a restart goes first, in a fresh weight-sync group. A sync that fails
+because a server died (``WeightSyncError`` on every rank) marks the slot failed (``abort_update``:
+never sampled until a later sync succeeds) and training goes on; ``max_failures`` failures in a row
+end the run. With no server reachable at all the push is skipped (the rollout waits for one, up to the
+pool's unavailable timeout). In-process engines cannot fail apart from the trainer: an error there ends
+the run.
 
 Engines in this process (local PyTorch engines) get the tensors handed over directly
 (``deliver_direct``); engines in other processes (SGLang servers, ``rollout.engine_urls``) get them
@@ -14,14 +21,18 @@ over a weight-sync group (``WeightSender``: NCCL on GPUs, gloo on CPU) that ever
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from megatron_agentrl.distributed import broadcast_object
 from megatron_agentrl.weight_sync.sender import WeightSender
+from rollout_sglang.engines.protocol import EnginesUnavailable
 from rollout_sglang.engines.version_pool import Slot, VersionPool
-from rollout_sglang.weight_update import deliver_direct
+from rollout_sglang.weight_update import WeightSyncError, deliver_direct
+
+logger = logging.getLogger(__name__)
 
 
 class WeightPublisher:
@@ -35,17 +46,22 @@ class WeightPublisher:
     remote_slots: for engines in other processes (SGLang servers), on EVERY rank, the weight-update
         targets (``SGLangEngine`` clients) of each version slot; the weights then go over a weight-sync
         group instead of in-process. ``sender_kwargs``: WeightSender options.
+    max_failures: failed syncs to remote engines in a row before the error ends the run.
+    Counters: ``failed_syncs`` and ``skipped_syncs`` (no engine reachable), over the run.
     """
 
     def __init__(self, actor: Any, pool: VersionPool | None, bucket_mb: float = 512,
                  timeout_s: float = 600.0, remote_slots: list[list[Any]] | None = None,
-                 sender_kwargs: dict[str, Any] | None = None) -> None:
+                 sender_kwargs: dict[str, Any] | None = None, max_failures: int = 3) -> None:
         self.actor = actor
         self.pool = pool
         self.bucket_bytes = max(1, int(bucket_mb * 1024 * 1024))
         self.timeout_s = float(timeout_s)
         self.remote_slots = remote_slots
         self.sender = None
+        self.max_failures = int(max_failures)
+        self.failed_syncs = self.skipped_syncs = 0
+        self._failures_in_a_row = 0
         if remote_slots is not None:
             self.sender = WeightSender(actor, bucket_mb=bucket_mb, **(sender_kwargs or {}))
 
@@ -63,10 +79,17 @@ class WeightPublisher:
         return time.perf_counter() - t0
 
     def _slots(self, all_slots: bool) -> list[int]:
-        """The slots to update: known on rank 0 (the pool's), [] elsewhere."""
+        """The slots to update: known on rank 0 (the pool's), [] elsewhere (and when no engine can be reached)."""
         if self.pool is None:
             return []
-        return list(range(len(self.pool.slots))) if all_slots else [self.pool.oldest_slot().index]
+        if all_slots:
+            return list(range(len(self.pool.slots)))
+        try:
+            return [self.pool.oldest_slot().index]
+        except EnginesUnavailable as e:
+            self.skipped_syncs += 1
+            logger.error("weight sync skipped: %s; the rollout waits for an engine to return", e)
+            return []
 
     def _update(self, idx: int, version: int, deliver: Callable[[Slot], Any]) -> None:
         """Rank 0: open slot ``idx``'s update, ``deliver(slot)``, close it (marked failed when delivery fails)."""
@@ -79,22 +102,46 @@ class WeightPublisher:
         self.pool.end_update(slot)
 
     def _update_remote(self, idx: int, version: int) -> None:
-        """Every rank: rank 0 opens slot ``idx``'s update, all ranks send over its group, rank 0 closes it."""
-        slot, error = None, None
+        """Every rank: rank 0 opens slot ``idx``'s update for the engines it can reach, all ranks send over
+        their group (a fresh one when those engines changed), rank 0 closes it. A slot without a reachable
+        engine is skipped; a failed send marks the slot failed, and ends the run after ``max_failures``."""
+        slot, plan = None, None
         if self.pool is not None:
             try:
                 slot = self.pool.begin_update(version, slot=idx, timeout_s=self.timeout_s)
+                positions = [slot.engine_ids.index(e) for e in slot.targets]
+                plan = ("go", positions, self.pool.group_tag(slot))
+            except EnginesUnavailable as e:
+                plan = ("skip", str(e), None)
             except Exception as e:  # noqa: BLE001 - every rank learns of it below, then raises
-                error = repr(e)
-        error = broadcast_object(error)
-        if error is not None:
-            raise RuntimeError(f"weight update of slot {idx} to version {version} could not start: {error}")
+                plan = ("error", repr(e), None)
+        what, detail, tag = broadcast_object(plan)
+        if what == "skip":
+            self.skipped_syncs += 1
+            logger.error("weight sync of slot %d to version %d skipped: %s", idx, version, detail)
+            return
+        if what == "error":
+            raise RuntimeError(f"weight update of slot {idx} to version {version} could not start: {detail}")
+        targets = [self.remote_slots[idx][p] for p in detail]
         try:
-            self.sender.sync(version, slot_key=idx, targets=self.remote_slots[idx])
+            self.sender.sync(version, slot_key=idx, targets=targets, group_tag=tag)
+        except WeightSyncError as e:
+            if slot is not None:
+                self.pool.abort_update(slot)
+            self.failed_syncs += 1
+            self._failures_in_a_row += 1
+            if self._failures_in_a_row >= self.max_failures:
+                raise WeightSyncError(f"{self._failures_in_a_row} weight syncs failed in a row "
+                                      f"(rollout.weight_sync_max_failures={self.max_failures}); last: {e}") from e
+            logger.error("weight sync of slot %d to version %d failed (%d in a row; the run stops at "
+                         "rollout.weight_sync_max_failures=%d): %s; the slot is out of rotation until a later sync "
+                         "reaches it", idx, version, self._failures_in_a_row, self.max_failures, e)
+            return
         except BaseException:
             if slot is not None:
                 self.pool.abort_update(slot)
             raise
+        self._failures_in_a_row = 0
         if slot is not None:
             self.pool.end_update(slot)
 

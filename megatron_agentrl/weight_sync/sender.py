@@ -90,11 +90,13 @@ class WeightSender:
         self._gathers = replica0 or actor.ep > 1
         self.is_source = replica0 and actor.tp_rank == 0
         self._broadcasters: dict[Hashable, BucketBroadcaster] = {}
+        self._tags: dict[Hashable, Hashable] = {}
 
-    def _broadcaster(self, slot_key: Hashable, targets: Sequence[WeightUpdateTarget]) -> BucketBroadcaster:
+    def _broadcaster(self, slot_key: Hashable, targets: Sequence[WeightUpdateTarget],
+                     group_tag: Hashable = None) -> BucketBroadcaster:
         key = (slot_key, self.actor.pp_rank)
         b = self._broadcasters.get(key)
-        if b is None or [t.name for t in b.targets] != [t.name for t in targets]:
+        if b is None or [t.name for t in b.targets] != [t.name for t in targets] or self._tags.get(key) != group_tag:
             if b is not None:
                 b.close()
             b = BucketBroadcaster(targets, f"agentrl-slot{slot_key}-pp{self.actor.pp_rank}",
@@ -103,10 +105,11 @@ class WeightSender:
                                   wire_format=self.wire_format, small_tensor_bytes=self.small_tensor_bytes,
                                   transport=self.transport)
             self._broadcasters[key] = b
+            self._tags[key] = group_tag
         return b
 
     def sync(self, version: int, slot_key: Hashable = 0, targets: Sequence[WeightUpdateTarget] | None = None,
-             direct_engines: Sequence[Any] | None = None) -> SyncStats:
+             direct_engines: Sequence[Any] | None = None, group_tag: Hashable = None) -> SyncStats:
         """Send the actor's current weights to one slot's engines. Collective (all trainer ranks).
 
         version: the version the slot's update was opened for (its engines were told it then); for the
@@ -114,6 +117,9 @@ class WeightSender:
 
         targets: on each stage's source rank, the slot's engines reached over a weight-sync
             group (SGLang engine clients); ignored elsewhere.
+        group_tag: identifies the engines' current lives (the version pool's ``group_tag``): when it
+            differs from the last sync's of this slot, a fresh group is formed (a restarted server has
+            none, and one that missed a sync may have left it).
         direct_engines: on global rank 0 only (None elsewhere), the slot's in-process engines (local
             engines with an open weight update); with PP > 1 every rank joins the full-model gather
             (the ranks agree on the path first, so all run matching collectives).
@@ -150,7 +156,7 @@ class WeightSender:
             for turn in range(self.actor.pp):
                 if self.actor.pp_rank == turn and self._gathers:
                     failure = self._send_stage(version, slot_key, targets, direct_engines if direct and rank0 else None,
-                                               stats) or failure
+                                               stats, group_tag) or failure
                 if self.actor.pp > 1:
                     dist.all_reduce(torch.zeros(1, device=self.actor.device))
         stats.per_stage[self.actor.pp_rank] = stats.bytes
@@ -170,7 +176,8 @@ class WeightSender:
         return stats
 
     def _send_stage(self, version: int, slot_key: Hashable, targets: Sequence[WeightUpdateTarget] | None,
-                    direct_engines: Sequence[Any] | None, stats: SyncStats) -> BaseException | None:
+                    direct_engines: Sequence[Any] | None, stats: SyncStats,
+                    group_tag: Hashable = None) -> BaseException | None:
         """This stage's part (every TP rank of DP replica 0, CP rank 0 runs it; every rank with EP): gather, and on
         the source send.
         Fills ``stats``; returns the failure instead of raising, so the ranks can agree on it."""
@@ -178,7 +185,7 @@ class WeightSender:
         failure: BaseException | None = None
         try:
             if self.is_source and targets:
-                s = self._broadcaster(slot_key, targets).send(named, self.bucket_bytes)
+                s = self._broadcaster(slot_key, targets, group_tag).send(named, self.bucket_bytes)
                 stats.buckets, stats.bytes = s.buckets, s.bytes
             elif self.is_source and direct_engines:
                 s = deliver_direct(direct_engines, named, self.bucket_bytes)

@@ -207,6 +207,17 @@ class BatchingEngine:
         else:
             self.engine.end_weight_update()
 
+    @property
+    def name(self) -> str:
+        """The wrapped engine's name (an SGLang server's URL)."""
+        return str(getattr(self.engine, "name", None) or repr(self.engine))
+
+    @property
+    def probe(self) -> Any:
+        """The wrapped engine's health probe (``probe(timeout_s) -> Probe``), None when it has none (an
+        in-process engine cannot fail apart from its caller)."""
+        return getattr(self.engine, "probe", None)
+
     def health(self) -> dict:
         """The wrapped engine's health plus this wrapper's counters."""
         h = dict(self.engine.health())

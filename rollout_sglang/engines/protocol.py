@@ -13,6 +13,15 @@ from typing import Iterable, Protocol, runtime_checkable
 import torch
 
 
+class EngineUnavailable(RuntimeError):
+    """An engine could not serve a request for reasons of its own (unreachable, stalled, restarted, aborted
+    the request): nothing is wrong with the request, so the version pool sends it to another engine."""
+
+
+class EnginesUnavailable(TimeoutError):
+    """No engine could serve for the pool's unavailable timeout: the message names each engine and why."""
+
+
 @dataclass
 class SamplingParams:
     """Sampling settings of one generate call.
@@ -81,3 +90,17 @@ class Engine(Protocol):
     def health(self) -> dict:
         """A small status dict (``{"ok": bool, "version": int, ...}``)."""
         ...
+
+
+@dataclass
+class Probe:
+    """The answer of an engine's health probe.
+
+    ok: it served a probe generation in time. weight_version: the version its weights are stamped with
+    as the engine itself reports it (None: unknown, e.g. a freshly started SGLang server, which must be
+    given weights before it serves). error: why not ok.
+    """
+
+    ok: bool
+    weight_version: int | None = None
+    error: str = ""

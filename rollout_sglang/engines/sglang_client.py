@@ -65,7 +65,7 @@ import httpx
 import torch
 
 from env_controller.http.net import free_port
-from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
+from rollout_sglang.engines.protocol import EngineUnavailable, GenerationOutput, Probe, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,11 @@ class SGLangError(RuntimeError):
     """The SGLang server answered with an error, or could not be reached or started."""
 
 
-class SGLangTimeout(SGLangError, TimeoutError):
+class SGLangUnavailable(SGLangError, EngineUnavailable):
+    """The server could not serve: unreachable, a 5xx answer, or the request aborted (another engine may)."""
+
+
+class SGLangTimeout(SGLangUnavailable, TimeoutError):
     """An SGLang call or the server start did not finish within its timeout."""
 
 
@@ -199,7 +203,8 @@ class SGLangEngine:
             if resp.status_code in (401, 403):
                 hint = ("; the server wants a key: pass api_key (its --api-key), and admin_api_key (its "
                         "--admin-api-key) for the control endpoints")
-            raise SGLangError(f"{endpoint} on {self.base_url} failed with HTTP {resp.status_code}: {msg}{hint}")
+            cls = SGLangUnavailable if resp.status_code >= 500 else SGLangError
+            raise cls(f"{endpoint} on {self.base_url} failed with HTTP {resp.status_code}: {msg}{hint}")
         if isinstance(body, dict) and body.get("success") is False:
             raise SGLangError(f"{endpoint} on {self.base_url} refused: {body.get('message', body)}")
         return body
@@ -232,7 +237,7 @@ class SGLangEngine:
                 "overloaded (check its log; raise the timeout for very large requests)"
             ) from e
         except httpx.HTTPError as e:
-            raise SGLangError(
+            raise SGLangUnavailable(
                 f"{endpoint} on {self.base_url} could not be reached: {e!r}; is the server running?") from e
         return self._raise_for(endpoint, resp)
 
@@ -260,7 +265,7 @@ class SGLangEngine:
                 f"not answer within {t:.1f}s; the server is stalled or overloaded (raise request_timeout_s?)"
             ) from e
         except httpx.HTTPError as e:
-            raise SGLangError(
+            raise SGLangUnavailable(
                 f"/generate on {self.base_url} could not be reached: {e!r}; is the server running?") from e
         data = self._raise_for("/generate", resp)
         items = data if isinstance(data, list) else [data]
@@ -273,7 +278,7 @@ class SGLangEngine:
         fr = meta.get("finish_reason") or {}
         kind = fr.get("type") if isinstance(fr, dict) else str(fr)
         if kind == "abort":
-            raise SGLangError(
+            raise SGLangUnavailable(
                 f"/generate on {self.base_url}: row {row} was aborted ({fr.get('message', '')}); the server was paused "
                 "in 'abort' mode or ran out of memory while the request ran"
             )
@@ -330,6 +335,24 @@ class SGLangEngine:
         except httpx.HTTPError as e:
             out["error"] = repr(e)
         return out
+
+    def probe(self, timeout_s: float) -> Probe:
+        """Health probe of the version pool: ``GET /health_generate`` (SGLang runs a one-token generation
+        unless requests are running, so a stalled scheduler fails it) and the ``weight_version`` of
+        ``GET /model_info``; never raises."""
+        t = httpx.Timeout(timeout_s)
+        try:
+            resp = self._client().get(self._url("/health_generate"), timeout=t)
+            if resp.status_code != 200:
+                return Probe(False, error=f"/health_generate answered HTTP {resp.status_code}")
+            info = self._client().get(self._url("/model_info"), timeout=t)
+            if info.status_code != 200:
+                return Probe(False, error=f"/model_info answered HTTP {info.status_code}")
+            return Probe(True, version_from_wire(info.json().get("weight_version")))
+        except httpx.TimeoutException:
+            return Probe(False, error=f"no answer to the health probe within {timeout_s:.1f}s (stalled?)")
+        except (httpx.HTTPError, ValueError) as e:
+            return Probe(False, error=f"health probe failed: {e!r}")
 
     def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
         """Poll ``GET /health`` until 200; SGLangTimeout after ``timeout_s``, SGLangError when our process died."""

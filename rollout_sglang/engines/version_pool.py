@@ -18,12 +18,24 @@
 * **Router.** Within a slot, a request goes to the engine with the fewest requests in flight,
   except that a trajectory's consecutive turns (same ``key``) stay on the engine that served its
   previous turn when that engine is in the chosen slot and live, so its prefix cache is reused.
+* **Engines come and go.** An engine whose call fails for reasons of its own
+  (:class:`~rollout_sglang.engines.protocol.EngineUnavailable`: unreachable, stalled, aborted) or whose
+  health probe fails (:meth:`VersionPool.start_health_checks`: SGLang's ``/health_generate``, on a
+  thread per engine) is taken out of rotation: its in-flight calls are cancelled and every prompt of
+  them is generated again on another engine (the turn is re-generated; the episode's earlier turns
+  stand), with a growing pause between attempts. A slot without a serving engine is out of rotation.
+  When the probe passes again, an engine that still reports its slot's version serves at once; one
+  that does not (a restarted server) waits for weights: its slot is the next one a sync updates, in a
+  fresh weight-sync group (:meth:`VersionPool.group_tag` changes). Generation fails only when no slot
+  could serve for ``live_timeout_s`` (:class:`~rollout_sglang.engines.protocol.EnginesUnavailable`,
+  naming every engine and why).
 
 Thread-safety: routing, leases and updates are guarded by one lock; :meth:`begin_update` blocks
 (waiting for the drain), so call it from outside the rollout's event loop, or when nothing runs.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import random
@@ -34,7 +46,13 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_sglang.engines.protocol import Engine, GenerationOutput, SamplingParams
+from rollout_sglang.engines.protocol import (
+    Engine,
+    EnginesUnavailable,
+    EngineUnavailable,
+    GenerationOutput,
+    SamplingParams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +70,13 @@ class Slot:
     updating: bool = False
     failed: bool = False
     pending_version: int | None = None
+    targets: list[int] = field(default_factory=list)
     updated_at: float = field(default_factory=time.monotonic)
 
     @property
     def live(self) -> bool:
-        """Whether requests may be routed here."""
+        """Whether the slot's state admits requests (not updating, no failed sync); the pool also needs one
+        of its engines in rotation."""
         return not self.updating and not self.failed
 
 
@@ -70,7 +90,8 @@ class VersionPool:
     seed: seeds the slot choice (and the router's tie-breaks), so runs are reproducible.
     drain_timeout_s: how long :meth:`begin_update` waits for the slot's in-flight requests.
     max_affinity_keys: how many trajectory -> engine entries the router remembers (LRU).
-    live_timeout_s: how long :meth:`generate` waits for a live slot when none is (None: ``drain_timeout_s``).
+    live_timeout_s: how long :meth:`generate` waits for a live slot when none is (None: ``drain_timeout_s``);
+        also the limit on re-routing a call whose engines keep failing.
     """
 
     def __init__(self, slots: Sequence[Sequence[Engine]], *, policy: str = "latest", recency_decay: float = 0.5,
@@ -105,7 +126,16 @@ class VersionPool:
         self._assigned = [0] * len(self.engines)
         self._affinity: OrderedDict[Hashable, int] = OrderedDict()
         self._max_affinity = int(max_affinity_keys)
-        self.stats = {"routed": 0, "affinity_hits": 0}
+        # engines out of rotation (id -> why, since when), back but without their slot's weights, and a
+        # counter per engine that moves when it comes back so (its weight-sync group must be new)
+        self._down: dict[int, tuple[str, float]] = {}
+        self._needs_weights: set[int] = set()
+        self._epoch = [0] * len(self.engines)
+        self._calls: list[set[tuple[asyncio.AbstractEventLoop, asyncio.Task]]] = [set() for _ in self.engines]
+        self._kill_reason: dict[asyncio.Task, str] = {}
+        self._probes: list[threading.Thread] = []
+        self._stop_probes = threading.Event()
+        self.stats = {"routed": 0, "affinity_hits": 0, "engine_failures": 0, "engine_returns": 0, "rerouted": 0}
 
     @classmethod
     def from_engines(cls, engines: Sequence[Engine], max_versions: int, engines_per_slot: int,
@@ -126,22 +156,54 @@ class VersionPool:
     @property
     def latest_version(self) -> int:
         """The newest version a live slot serves (-1 when none is live)."""
-        live = [s.version for s in self.slots if s.live]
+        live = [s.version for s in self.slots if self._is_live(s)]
         return max(live) if live else -1
 
+    def _serving(self, s: Slot) -> list[int]:
+        """The slot's engines in rotation: not down, not waiting for weights."""
+        return [e for e in s.engine_ids if e not in self._down and e not in self._needs_weights]
+
+    def _is_live(self, s: Slot) -> bool:
+        return s.live and bool(self._serving(s))
+
+    def _state(self, s: Slot) -> str:
+        if s.updating:
+            return "updating"
+        if s.failed:
+            return "failed its last sync"
+        return "live" if self._serving(s) else "no engine in rotation"
+
+    def engine_name(self, engine_id: int) -> str:
+        """How messages name engine ``engine_id`` (its URL for an SGLang server)."""
+        return str(getattr(self.engines[engine_id], "name", None) or f"engine {engine_id}")
+
     def slot_states(self) -> str:
-        """Each slot's index, version and state, for messages (e.g. "slot 0: v3 live, slot 1: v2 updating")."""
-        return ", ".join(f"slot {s.index}: v{s.version} {'live' if s.live else 'failed' if s.failed else 'updating'}"
-                         for s in self.slots)
+        """Each slot's index, version and state, and every engine out of rotation with the reason, for messages
+        (e.g. "slot 0: v3 live, slot 1: v2 updating; http://h:30001 down for 12s: ...")."""
+        text = ", ".join(f"slot {s.index}: v{s.version} {self._state(s)}" for s in self.slots)
+        now = time.monotonic()
+        out = [f"{self.engine_name(e)} (slot {self._slot_of[e].index}) down for {now - since:.0f}s: {why}"
+               for e, (why, since) in sorted(self._down.items())]
+        out += [f"{self.engine_name(e)} (slot {self._slot_of[e].index}) back, waiting for weights"
+                for e in sorted(self._needs_weights - set(self._down))]
+        return text + ("; " + "; ".join(out) if out else "")
 
     def newest_live_slot(self) -> Slot:
         """The live slot with the newest version; RuntimeError naming the slot states when none is live
         (an updating or failed slot may hold partly loaded weights)."""
-        live = [s for s in self.slots if s.live]
+        live = [s for s in self.slots if self._is_live(s)]
         if not live:
             raise RuntimeError(f"no live engine slot in the version pool ({self.slot_states()}); a weight sync "
                                "failed or is still running; see the weight-sync errors in the trainer log")
         return max(live, key=lambda s: s.version)
+
+    def serving_engine(self, slot: Slot) -> Any:
+        """An engine of ``slot`` in rotation (the least loaded); RuntimeError when it has none."""
+        with self._lock:
+            serving = self._serving(slot)
+            if not serving:
+                raise RuntimeError(f"slot {slot.index} has no engine in rotation ({self.slot_states()})")
+            return self.engines[min(serving, key=lambda e: self._inflight[e])]
 
     def slot_of_engine(self, engine_id: int) -> Slot:
         """The slot that holds global engine ``engine_id``."""
@@ -162,12 +224,13 @@ class VersionPool:
             return {v: 1.0 for v in versions}
         return {v: self.recency_decay ** k for k, v in enumerate(versions)}
 
-    def _choose_locked(self) -> Slot:
-        """Draw a live slot by the policy (seeded); RuntimeError when every slot is updating or failed."""
-        live = [s for s in self.slots if s.live]
+    def _choose_locked(self, newest: bool = False) -> Slot:
+        """Draw a live slot by the policy (seeded; ``newest``: the newest version whatever the policy);
+        RuntimeError when no slot is live."""
+        live = [s for s in self.slots if self._is_live(s)]
         if not live:
-            raise RuntimeError("no live slot in the version pool: every slot is updating or failed a sync")
-        weights = self._weights(live)
+            raise RuntimeError(f"no live slot in the version pool ({self.slot_states()})")
+        weights = {max(s.version for s in live): 1.0} if newest else self._weights(live)
         versions = list(weights)
         v = versions[0]
         if len(versions) > 1:
@@ -176,11 +239,11 @@ class VersionPool:
         if len(candidates) == 1:
             return candidates[0]
         # several slots hold that version (e.g. before the pool filled up): the least loaded one
-        return min(candidates, key=lambda s: (sum(self._inflight[e] for e in s.engine_ids) / len(s.engine_ids),
+        return min(candidates, key=lambda s: (sum(self._inflight[e] for e in self._serving(s)) / len(self._serving(s)),
                                               self._rng.random()))
 
     # ----------------------------------------------------------------- router
-    def route(self, keys: Sequence[Hashable | None]) -> list[int]:
+    def route(self, keys: Sequence[Hashable | None], newest: bool = False) -> list[int]:
         """Choose a slot (by policy) and an engine for each request; returns global engine ids.
 
         keys: one per request; requests with the same key (the turns of one trajectory) stick to
@@ -189,41 +252,43 @@ class VersionPool:
         (:meth:`route_wait` waits instead).
         """
         with self._lock:
-            return self._route_locked(keys)
+            return self._route_locked(keys, newest)
 
-    async def route_wait(self, keys: Sequence[Hashable | None], timeout_s: float | None = None) -> list[int]:
+    async def route_wait(self, keys: Sequence[Hashable | None], timeout_s: float | None = None,
+                         newest: bool = False) -> list[int]:
         """:meth:`route`, but while no slot is live wait for one (polling, without blocking the event
-        loop) at most ``timeout_s`` (None: ``live_timeout_s``); TimeoutError naming the slots after it."""
-        import asyncio
-
+        loop) at most ``timeout_s`` (None: ``live_timeout_s``); EnginesUnavailable (a TimeoutError)
+        naming the slots and the engines out of rotation after it."""
         t = self.live_timeout_s if timeout_s is None else float(timeout_s)
         deadline = time.monotonic() + t
         delay = 0.002
         while True:
             with self._lock:
-                if any(s.live for s in self.slots):
-                    return self._route_locked(keys)
+                if any(self._is_live(s) for s in self.slots):
+                    return self._route_locked(keys, newest)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(
+                    raise EnginesUnavailable(
                         f"no live slot in the version pool for {t:.1f}s ({self.slot_states()}): an update did not "
-                        "finish or every slot failed its sync; raise rollout.engine_timeout_s for slow syncs, or "
-                        "check the weight-sync errors in the trainer log")
+                        "finish, every slot failed its sync, or no engine is reachable; raise "
+                        "rollout.engine_unavailable_timeout_s to wait longer, or check the engines and the "
+                        "weight-sync errors in the trainer log")
             await asyncio.sleep(min(delay, max(left, 0.0)))
             delay = min(delay * 2, 0.05)
 
-    def _route_locked(self, keys: Sequence[Hashable | None]) -> list[int]:
+    def _route_locked(self, keys: Sequence[Hashable | None], newest: bool = False) -> list[int]:
         out = []
         for key in keys:
-            slot = self._choose_locked()
+            slot = self._choose_locked(newest)
+            serving = self._serving(slot)
             eid = None
             if key is not None:
                 prev = self._affinity.get(key)
-                if prev is not None and prev in slot.engine_ids:
+                if prev is not None and prev in serving:
                     eid = prev
                     self.stats["affinity_hits"] += 1
             if eid is None:
-                eid = min(slot.engine_ids, key=lambda e: (self._inflight[e], self._assigned[e]))
+                eid = min(serving, key=lambda e: (self._inflight[e], self._assigned[e]))
             if key is not None:
                 self._affinity[key] = eid
                 self._affinity.move_to_end(key)
@@ -251,55 +316,205 @@ class VersionPool:
 
     async def generate_on(self, engine_id: int, prompts: list[list[int]],
                           params: SamplingParams) -> list[GenerationOutput]:
-        """``generate`` on engine ``engine_id``, then release the ``len(prompts)`` leases :meth:`route` took."""
+        """``generate`` on engine ``engine_id``, then release the ``len(prompts)`` leases :meth:`route` took.
+
+        EngineUnavailable when the engine fails for reasons of its own or is taken out of rotation while the
+        call runs (the call is cancelled then)."""
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self.engines[engine_id].generate(prompts, params))
+        entry = (loop, task)
+        with self._lock:
+            down = self._down.get(engine_id)
+            if down is None:
+                self._calls[engine_id].add(entry)
         try:
-            return await self.engines[engine_id].generate(prompts, params)
+            if down is not None:
+                task.cancel()
+                raise EngineUnavailable(f"{self.engine_name(engine_id)} is out of rotation: {down[0]}")
+            return await task
+        except asyncio.CancelledError:
+            with self._lock:
+                reason = self._kill_reason.get(task)
+            current = asyncio.current_task()
+            if reason is None or (current is not None and current.cancelling()):
+                raise
+            raise EngineUnavailable(f"{self.engine_name(engine_id)} was taken out of rotation while generating: "
+                                    f"{reason}") from None
         finally:
+            with self._lock:
+                self._calls[engine_id].discard(entry)
+                self._kill_reason.pop(task, None)
             self.release(engine_id, len(prompts))
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
-                       keys: Sequence[Hashable | None] | None = None) -> list[GenerationOutput]:
-        """Route every prompt (policy + router) and generate; outputs in prompt order.
+                       keys: Sequence[Hashable | None] | None = None, newest: bool = False) -> list[GenerationOutput]:
+        """Route every prompt (policy + router; ``newest``: the newest live version) and generate; outputs in
+        prompt order.
 
-        While no slot is live (e.g. the only slot is updating) the call waits for one, at most
-        ``live_timeout_s`` (TimeoutError after it). Prompts that land on the same engine go in one
-        batched call; with ``params.seed`` set,
-        the call on global engine ``e`` uses ``seed + e * len(prompts)`` (row ``j`` of it then
-        ``seed + e * len(prompts) + j``), so no two rows share a random stream.
+        While no slot is live (e.g. the only slot is updating) the call waits for one. Prompts whose engine
+        fails for reasons of its own (:class:`EngineUnavailable`) take that engine out of rotation and are
+        generated again elsewhere, after a pause that grows per attempt (0.05 s doubling, at most 2 s);
+        EnginesUnavailable when no slot could serve within ``live_timeout_s``. Other errors (a bad request)
+        are raised as they are. Prompts that land on the same engine go in one batched call; with
+        ``params.seed`` set, the call on global engine ``e`` uses ``seed + e * len(prompts)`` (row ``j``
+        of it then ``seed + e * len(prompts) + j``), so no two rows share a random stream.
         """
-        import asyncio
-
         if not prompts:
             return []
-        eids = await self.route_wait(list(keys) if keys is not None else [None] * len(prompts))
-        by_engine: dict[int, list[int]] = {}
-        for i, e in enumerate(eids):
-            by_engine.setdefault(e, []).append(i)
-        calls = []
-        for e, rows in by_engine.items():
-            p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + e * len(prompts))
-            calls.append(self.generate_on(e, [prompts[i] for i in rows], p))
-        results = await asyncio.gather(*calls)
+        keys = list(keys) if keys is not None else [None] * len(prompts)
         out: list[GenerationOutput | None] = [None] * len(prompts)
-        for rows, res in zip(by_engine.values(), results):
-            for i, o in zip(rows, res):
-                out[i] = o
+        todo = list(range(len(prompts)))
+        deadline = time.monotonic() + self.live_timeout_s
+        attempt = 0
+        while todo:
+            eids = await self.route_wait([keys[i] for i in todo], max(0.0, deadline - time.monotonic()), newest)
+            by_engine: dict[int, list[int]] = {}
+            for i, e in zip(todo, eids):
+                by_engine.setdefault(e, []).append(i)
+            calls = []
+            for e, rows in by_engine.items():
+                p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + e * len(prompts))
+                calls.append(self.generate_on(e, [prompts[i] for i in rows], p))
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            todo, error = [], None
+            for (e, rows), res in zip(by_engine.items(), results):
+                if isinstance(res, EngineUnavailable):
+                    self.mark_down(e, str(res))
+                    todo.extend(rows)
+                elif isinstance(res, BaseException):
+                    error = error or res
+                else:
+                    for i, o in zip(rows, res):
+                        out[i] = o
+            if error is not None:
+                raise error
+            if todo:
+                todo.sort()
+                attempt += 1
+                with self._lock:
+                    self.stats["rerouted"] += len(todo)
+                if time.monotonic() >= deadline:
+                    raise EnginesUnavailable(f"{len(todo)} prompts found no engine that could serve them within "
+                                             f"{self.live_timeout_s:.1f}s ({self.slot_states()}); raise "
+                                             "rollout.engine_unavailable_timeout_s or check the engines")
+                await asyncio.sleep(min(0.05 * 2 ** (attempt - 1), 2.0))
         return out  # type: ignore[return-value]
+
+    # ---------------------------------------------------------------- health
+    def mark_down(self, engine_id: int, reason: str) -> None:
+        """Take engine ``engine_id`` out of rotation: no new requests, its running calls cancelled (their
+        callers generate again elsewhere). It returns when its health probe passes."""
+        with self._lock:
+            if engine_id in self._down:
+                return
+            self._down[engine_id] = (reason, time.monotonic())
+            self.stats["engine_failures"] += 1
+            for loop, task in list(self._calls[engine_id]):
+                self._kill_reason[task] = reason
+                try:
+                    loop.call_soon_threadsafe(task.cancel)
+                except RuntimeError:  # its event loop has closed: nothing runs there any more
+                    pass
+            running = len(self._calls[engine_id])
+            self._lock.notify_all()
+        logger.error("%s (slot %d) is out of rotation: %s; %d running calls go to other engines",
+                     self.engine_name(engine_id), self._slot_of[engine_id].index, reason, running)
+
+    def mark_up(self, engine_id: int, weight_version: int | None) -> None:
+        """Engine ``engine_id`` passed its health probe, reporting ``weight_version``: it serves again when that
+        is its slot's version, else (a restarted server) after its slot's next sync, in a fresh group."""
+        with self._lock:
+            if engine_id not in self._down:
+                return
+            why, since = self._down.pop(engine_id)
+            slot = self._slot_of[engine_id]
+            fresh = weight_version != slot.version or int(self.engines[engine_id].version) != slot.version
+            if fresh:
+                self._needs_weights.add(engine_id)
+                self._epoch[engine_id] += 1
+            self.stats["engine_returns"] += 1
+            self._lock.notify_all()
+        name, gone = self.engine_name(engine_id), time.monotonic() - since
+        if fresh:
+            logger.warning("%s (slot %d) is back after %.0fs but reports weight version %s, not the slot's v%d: it "
+                           "serves again once the next weight sync (of its slot, next in line) has reached it",
+                           name, slot.index, gone, weight_version, slot.version)
+        else:
+            logger.warning("%s (slot %d) is back after %.0fs with the slot's v%d: serving again", name, slot.index,
+                           gone, slot.version)
+
+    def probe_once(self, engine_id: int, timeout_s: float) -> bool | None:
+        """Probe engine ``engine_id`` once and update its state; its result (None: the engine has no probe,
+        or its slot is updating, when probes of a paused server mean nothing)."""
+        engine = self.engines[engine_id]
+        probe = getattr(engine, "probe", None)
+        if not callable(probe) or self._slot_of[engine_id].updating:
+            return None
+        result = probe(timeout_s)
+        if self._slot_of[engine_id].updating:  # the slot was paused meanwhile: a refusal may be the pause
+            return None
+        if result.ok:
+            self.mark_up(engine_id, result.weight_version)
+        else:
+            self.mark_down(engine_id, result.error or "failed its health probe")
+        return bool(result.ok)
+
+    def start_health_checks(self, interval_s: float, timeout_s: float) -> None:
+        """Probe every engine that can be probed each ``interval_s`` seconds (a daemon thread per engine, so a
+        stalled one delays no other), each probe limited to ``timeout_s``. :meth:`stop_health_checks` ends them."""
+        if not interval_s > 0 or not timeout_s > 0:
+            raise ValueError(f"health checks need interval_s > 0 and timeout_s > 0, got {interval_s!r}, {timeout_s!r}")
+        if self._probes:
+            return
+        self._stop_probes.clear()
+
+        def loop(eid: int) -> None:
+            while not self._stop_probes.wait(interval_s):
+                try:
+                    self.probe_once(eid, timeout_s)
+                except Exception:  # noqa: BLE001 - a probe bug must not end the checks
+                    logger.exception("health probe of %s failed", self.engine_name(eid))
+
+        for eid, e in enumerate(self.engines):
+            if callable(getattr(e, "probe", None)):
+                t = threading.Thread(target=loop, args=(eid,), name=f"probe-{eid}", daemon=True)
+                t.start()
+                self._probes.append(t)
+
+    def stop_health_checks(self, timeout_s: float = 5.0) -> None:
+        """End the probe threads (waits at most ``timeout_s`` for each)."""
+        self._stop_probes.set()
+        for t in self._probes:
+            t.join(timeout_s)
+        self._probes = []
+
+    def group_tag(self, slot: Slot) -> tuple[tuple[int, int], ...]:
+        """Which engines a slot's update reaches, and how often each came back: a sender keeps its weight-sync
+        group while this stays the same and forms a fresh one when it changes."""
+        with self._lock:
+            return tuple((e, self._epoch[e]) for e in slot.targets)
 
     # ---------------------------------------------------------------- updates
     def oldest_slot(self) -> Slot:
-        """The slot the next sync should update: failed first, then lowest version, then lowest index."""
+        """The slot the next sync should update: among slots with an engine that can be reached, one that failed
+        its sync first, then one with an engine back and waiting for weights, then the lowest version, then the
+        lowest index. EnginesUnavailable when no slot has a reachable engine (nothing to update)."""
         with self._lock:
-            candidates = [s for s in self.slots if not s.updating]
+            candidates = [s for s in self.slots if not s.updating and any(e not in self._down for e in s.engine_ids)]
             if not candidates:
-                raise RuntimeError("every slot of the version pool is being updated")
-            return min(candidates, key=lambda s: (not s.failed, s.version, s.index))
+                if all(s.updating for s in self.slots):
+                    raise RuntimeError("every slot of the version pool is being updated")
+                raise EnginesUnavailable(f"no engine can be reached to take an update ({self.slot_states()})")
+            return min(candidates, key=lambda s: (not s.failed, not (self._needs_weights & set(s.engine_ids)),
+                                                  s.version, s.index))
 
     def begin_update(self, version: int, slot: Slot | int | None = None, timeout_s: float | None = None) -> Slot:
         """Take ``slot`` (default: the oldest) out of routing, drain it, pause its engines and open their update.
 
         Opening the update tells each engine ``version`` (``begin_weight_update``), once: the weights that
-        follow (``deliver_direct``, a broadcaster's buckets) carry none.
+        follow (``deliver_direct``, a broadcaster's buckets) carry none. Engines out of rotation are left
+        out, as is one that fails to pause or open (it is taken out of rotation); ``slot.targets`` lists
+        those in the update (EnginesUnavailable when none is left).
 
         Blocks until the slot's in-flight requests finished; TimeoutError (and the slot back in
         service) after ``timeout_s`` (default ``drain_timeout_s``). Other slots keep serving.
@@ -321,15 +536,27 @@ class VersionPool:
                     raise TimeoutError(f"slot {s.index} did not drain within {t:.1f}s (requests in flight per engine: "
                                        f"{busy}); raise rollout.engine_timeout_s or check for a stuck engine")
                 self._lock.wait(min(left, 0.5))
+            s.targets = [e for e in s.engine_ids if e not in self._down]
         try:
-            for e in s.engines:
-                e.pause()
-            for e in s.engines:
-                e.begin_weight_update(int(version), {})
+            for step in ("pause", "begin"):
+                for eid in list(s.targets):
+                    try:
+                        if step == "pause":
+                            self.engines[eid].pause()
+                        else:
+                            self.engines[eid].begin_weight_update(int(version), {})
+                    except EngineUnavailable as err:
+                        self.mark_down(eid, f"could not {step} its weight update: {err}")
+                        s.targets.remove(eid)
+            if not s.targets:
+                raise EnginesUnavailable(f"slot {s.index}: no engine could take the update to version {version} "
+                                         f"({self.slot_states()})")
         except BaseException:
             self._resume_quietly(s)
             with self._lock:
                 s.updating = False
+                s.targets = []
+                self._lock.notify_all()
             raise
         s.pending_version = int(version)
         logger.debug("slot %d (version %d) paused for the update to version %d", s.index, s.version, version)
@@ -341,16 +568,21 @@ class VersionPool:
         if not s.updating or s.pending_version is None:
             raise RuntimeError(f"slot {s.index} has no update in progress; call begin_update() first")
         try:
-            for e in s.engines:
-                e.end_weight_update()
+            for eid in list(s.targets):
+                try:
+                    self.engines[eid].end_weight_update()
+                except EngineUnavailable as err:  # the weights are in, the engine is gone: it returns for new ones
+                    self.mark_down(eid, f"could not close its weight update: {err}")
+                    s.targets.remove(eid)
         except BaseException:
             self.abort_update(s)
             raise
         self._resume_quietly(s)
         with self._lock:
             s.version, s.pending_version = s.pending_version, None
+            self._needs_weights -= set(s.targets)
             s.updating = False
-            s.failed = False
+            s.failed = not s.targets
             s.updated_at = time.monotonic()
             self._lock.notify_all()
         logger.debug("slot %d now serves version %d (pool versions %s)", s.index, s.version, self.versions)
@@ -358,7 +590,7 @@ class VersionPool:
     def abort_update(self, slot: Slot | int) -> None:
         """A sync of the slot failed: mark it failed (not sampled until a sync succeeds) and resume it."""
         s = self.slots[slot] if isinstance(slot, int) else slot
-        for e in s.engines:
+        for e in (self.engines[eid] for eid in s.targets):
             abort = getattr(e, "abort_weight_update", None)
             try:
                 if callable(abort):
@@ -376,14 +608,22 @@ class VersionPool:
         logger.error("slot %d failed its update and is out of rotation until the next successful sync", s.index)
 
     def _resume_quietly(self, s: Slot) -> None:
-        for e in s.engines:
+        for e in (self.engines[eid] for eid in s.engine_ids if eid not in self._down):
             try:
                 e.resume()
             except Exception as err:  # noqa: BLE001
                 logger.warning("resume of %r failed: %s", e, err)
 
     def health(self) -> list[dict]:
-        """Per slot: ``{"slot", "version", "updating", "failed", "inflight", "engines": [engine.health()]}``."""
+        """Per slot: ``{"slot", "version", "updating", "failed", "inflight", "down", "waiting_for_weights",
+        "engines": [engine.health()]}`` (down: ``{engine position in the slot: why}``)."""
         return [{"slot": s.index, "version": s.version, "updating": s.updating, "failed": s.failed,
-                 "inflight": [self._inflight[e] for e in s.engine_ids], "engines": [e.health() for e in s.engines]}
-                for s in self.slots]
+                 "inflight": [self._inflight[e] for e in s.engine_ids],
+                 "down": {i: self._down[e][0] for i, e in enumerate(s.engine_ids) if e in self._down},
+                 "waiting_for_weights": [i for i, e in enumerate(s.engine_ids) if e in self._needs_weights],
+                 "engines": [e.health() for e in s.engines]} for s in self.slots]
+
+    def engines_out(self) -> int:
+        """Engines out of rotation now (down, or back and waiting for weights)."""
+        with self._lock:
+            return len(set(self._down) | self._needs_weights)

@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rollout_sglang.agent_loop import run_group_lockstep
-from rollout_sglang.engines.protocol import SamplingParams
+from rollout_sglang.engines.protocol import EnginesUnavailable, SamplingParams
 from rollout_sglang.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -472,7 +472,9 @@ class RolloutManager:
                 self._running -= len(cohort)
                 for r, attempts in cohort:
                     self._running_reqs.pop(r.group_id, None)
-                    if attempts + 1 < self.max_attempts:
+                    if isinstance(e, EnginesUnavailable):  # the pool waited its whole budget for an engine already
+                        self._error = RolloutError(str(e))
+                    elif attempts + 1 < self.max_attempts:
                         self._retry.append((r, attempts + 1))
                         self.stats.retried += 1
                     else:

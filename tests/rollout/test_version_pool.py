@@ -257,7 +257,7 @@ def test_waiting_for_a_live_slot_times_out_with_a_clear_error():
     pool = make_pool(slots=(2,), live_timeout_s=0.2)
     pool.begin_update(1)
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"no live slot in the version pool for 0.2s .*updating.*engine_timeout_s"):
+    with pytest.raises(TimeoutError, match=r"no live slot .* for 0.2s .*updating.*engine_unavailable_timeout_s"):
         asyncio.run(pool.generate([[1]], SamplingParams(max_new_tokens=1)))
     assert time.monotonic() - t0 < 5
     assert pool.inflight() == [0, 0]
@@ -272,16 +272,24 @@ def test_config_accepts_async_with_one_slot_of_several_engines():
 
 
 def test_evaluation_reads_only_a_live_slot():
-    """Evaluation (RolloutSide.latest_engine) takes the newest *live* slot, and refuses when every
-    slot is updating or failed, instead of reading half-loaded weights."""
+    """Evaluation takes the newest *live* slot whatever the sampling policy, and gives up (after the pool's
+    unavailable timeout) when every slot is updating or failed, instead of reading half-loaded weights."""
+    from megatron_agentrl.pipeline.evaluation import _NewestWeights
     from megatron_agentrl.pipeline.rollout_side import RolloutSide
 
-    pool = VersionPool([[FakeEngine(0, version=3)], [FakeEngine(1, version=2)]])
+    pool = VersionPool([[FakeEngine(0, version=3)], [FakeEngine(1, version=2)]], policy="uniform",
+                       live_timeout_s=0.2)
     side = RolloutSide(pool=pool, engines=[], env=None, train_env=None, template=None, tasks={}, task_names=[],
                        train_indices={}, eval_indices={}, rng=None)
-    assert side.latest_engine().eid == 0
+    newest = _NewestWeights(side)
+
+    def served_by() -> set[int]:
+        outs = asyncio.run(newest.generate([[1]] * 8, SamplingParams(max_new_tokens=1)))
+        return {o.token_ids[0] for o in outs}
+
+    assert served_by() == {0} and newest.version == 3
     pool.slots[0].updating = True  # the newest slot is mid-update: the older live one serves evaluation
-    assert side.latest_engine().eid == 1
+    assert served_by() == {1} and newest.version == 2
     pool.slots[1].failed = True
-    with pytest.raises(RuntimeError, match="no live engine slot"):
-        side.latest_engine()
+    with pytest.raises(TimeoutError, match="no live slot"):
+        served_by()

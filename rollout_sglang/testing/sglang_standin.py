@@ -153,12 +153,15 @@ class StandInServer:
     api_key / admin_api_key: as ``--api-key`` / ``--admin-api-key`` (SGLang's auth rules per endpoint).
     contract: the SGLang request contract every request is checked against (None: the pinned
         version's, :func:`rollout_sglang.testing.sglang_contract.load_contract`).
+    weight_version: as ``--weight-version``: the version reported until an update sets one (None: SGLang's
+        ``"default"``).
     """
 
     def __init__(self, engine: LocalEngine, *, host: str = "127.0.0.1", port: int = 0,
                  model_path: str = "standin", group_timeout_s: float = 300.0, tp_size: int = 1,
                  lazy_join: bool = True, deterministic: bool = False, api_key: str | None = None,
-                 admin_api_key: str | None = None, contract: Contract | None = None) -> None:
+                 admin_api_key: str | None = None, contract: Contract | None = None,
+                 weight_version: str | None = None) -> None:
         if tp_size < 1:
             raise ValueError(f"tp_size={tp_size} must be >= 1")
         self.engine = engine
@@ -174,7 +177,8 @@ class StandInServer:
         self.contract = contract if contract is not None else load_contract()
         self.refuse_destroy = False  # test hook: /destroy_weights_update_group fails and keeps the group
         self.bodies: list[tuple[str, Any]] = []  # (path, JSON body) of every request, in order (for tests)
-        self.weight_version = str(engine.version)
+        # SGLang's --weight-version defaults to "default": a fresh server reports no version of ours
+        self.weight_version = "default" if weight_version is None else str(weight_version)
         self.requests: list[str] = []  # endpoints served, in order (for tests)
         self.update_log: list[str] = []  # one line per weight-update request (for tests)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -663,6 +667,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--admin-api-key", default=None)
     parser.add_argument("--enable-deterministic-inference", action="store_true")
+    parser.add_argument("--weight-version", default=None, help="the version the server reports (default: 'default')")
     args, unknown = parser.parse_known_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -672,7 +677,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = LocalEngine.from_pretrained(args.model_path, dtype=dtype, device="cpu")
     server = StandInServer(engine, host=args.host, port=args.port, model_path=args.model_path, tp_size=args.tp_size,
                            deterministic=args.enable_deterministic_inference, api_key=args.api_key,
-                           admin_api_key=args.admin_api_key)
+                           admin_api_key=args.admin_api_key, weight_version=args.weight_version)
     server.start()
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -368,8 +368,9 @@ class HttpEnvClient:
         outage = self._outages.pop(key, None)
         if outage is None:
             return
-        logger.warning("the env controller at %s is back after %.1f s (it %s: %d failed requests, %d starts "
-                       "waited; last: %s)", self.url, time.monotonic() - outage.since, outage.what,
+        logger.warning("the env controller at %s is back after %.1f s (%s: %d failed requests, %d starts "
+                       "waited; last: %s)", self.url, time.monotonic() - outage.since,
+                       "unreachable" if key is None else f"no worker free for task {key!r}",
                        outage.failures, outage.waited, outage.reason)
         outage.probing = False
         outage.wake()

@@ -88,7 +88,7 @@ def _messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
 
 def test_starts_wait_through_a_restart_with_one_probe_at_a_time(caplog: pytest.LogCaptureFixture) -> None:
     """500 starts during a 1 s outage, then 0.6 s of 503 "registering": all succeed once the controller serves,
-    the controller sees a handful of the 503 probes (not 500 x retries), one log line opens and one closes each outage."""
+    the controller sees a handful of 503 probes (not 500 x retries), one log line opens and one closes each outage."""
     caplog.set_level(logging.WARNING, logger=LOG)
 
     async def go() -> None:

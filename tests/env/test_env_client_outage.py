@@ -87,12 +87,12 @@ def _messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
 
 
 def test_starts_wait_through_a_restart_with_one_probe_at_a_time(caplog: pytest.LogCaptureFixture) -> None:
-    """500 starts during a 1 s outage, then 0.6 s of 503 "registering": all succeed once the controller serves,
+    """500 starts during a 1 s outage, then 1.5 s of 503 "registering": all succeed once the controller serves,
     the controller sees a handful of 503 probes (not 500 x retries), one log line opens and one closes each outage."""
     caplog.set_level(logging.WARNING, logger=LOG)
 
     async def go() -> None:
-        fake = FakeController(retry_after="0.2", unavailable_for_s=0.6)
+        fake = FakeController(retry_after="0.3", unavailable_for_s=1.5)
         env = HttpEnvClient(fake.url, unavailable_timeout_s=20, backoff_s=0.05, max_backoff_s=0.2)
         try:
             starts = [asyncio.ensure_future(env.start_sample("t", i)) for i in range(500)]
@@ -103,9 +103,9 @@ def test_starts_wait_through_a_restart_with_one_probe_at_a_time(caplog: pytest.L
             results = await asyncio.wait_for(asyncio.gather(*starts), 20)
             assert len({sid for sid, _ in results}) == 500
             assert all(r.messages == [{"role": "user", "content": "hi"}] for _, r in results)
-            # the 503 phase lasts 0.6 s and each probe waits >= Retry-After 0.2 s: about 3 probes, never hundreds
+            # the 503 phase lasts 1.5 s and each probe waits >= Retry-After 0.3 s: at most 6 probes, never hundreds
             assert 1 <= fake.answered_503 <= 6, fake.answered_503
-            assert time.monotonic() - t_up < 0.6 + 0.2 + 2.0
+            assert time.monotonic() - t_up < 1.5 + 0.3 + 3.0
             assert len(_messages(caplog, "is unreachable")) == 1  # once per outage, not per request
             assert len(_messages(caplog, "has no worker free for task 't'")) == 1
             back = _messages(caplog, "is back after")

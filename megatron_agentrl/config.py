@@ -880,6 +880,11 @@ class EnvConfig(_Section):
     token: the controller's trainer credential, its ``--trainer-token`` or shared ``--token`` ("" = the
         password in ``controller_url``, else ``$AGENTRL_TRAINER_TOKEN``, else ``$AGENTRL_CONTROLLER_TOKEN``,
         else none).
+    unavailable_timeout_s: how long one episode's start waits for a controller that cannot be
+        reached or cannot serve the task yet (a restart, its workers re-registering), seconds; the
+        waiting starts share one probe with backoff, and past this the episode ends as an
+        infrastructure failure (its group re-run, then dropped). Sessions open at a controller
+        restart are lost either way.
     """
 
     KEY: ClassVar[str] = "env"
@@ -887,12 +892,14 @@ class EnvConfig(_Section):
     controller_url: str = ""
     workers: dict[str, list[str]] = field(default_factory=dict)
     token: str = ""
+    unavailable_timeout_s: float = 120.0
 
     def check(self) -> None:
         """See :class:`_Section`."""
         super().check()
         self.require(not self.controller_url or self.controller_url.startswith(("http://", "https://")),
                      "controller_url", "must start with http:// or https://, e.g. http://127.0.0.1:5020")
+        self.require_above_zero("unavailable_timeout_s", unit="seconds (how long a start waits for the controller)")
         for task, urls in self.workers.items():
             if not isinstance(urls, list) or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
                                                      for u in urls):

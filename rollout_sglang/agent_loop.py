@@ -36,7 +36,11 @@ logger = logging.getLogger(__name__)
 
 
 class EnvClient(Protocol):
-    """The trainer-facing side of the environment controller (in-process, or over HTTP)."""
+    """The trainer-facing side of the environment controller (in-process, or over HTTP).
+
+    A client may also have ``start_wait_s``: how much longer than the env timeout a start may take
+    while it waits for an unavailable controller (the HTTP client's ``unavailable_timeout_s``).
+    """
 
     async def start_sample(self, task: str, index: int) -> tuple[str, TaskReply]:
         """Start an episode of ``task`` sample ``index``; returns (session_id, first reply)."""
@@ -111,7 +115,9 @@ async def _start(
     t = ep.traj
     t0 = time.perf_counter()
     try:
-        ep.session_id, reply = await asyncio.wait_for(env.start_sample(t.task, t.index), timeout_s)
+        # a start may wait out a restarting controller (bounded by the client) on top of the call itself
+        start_limit = timeout_s + float(getattr(env, "start_wait_s", 0.0) or 0.0)
+        ep.session_id, reply = await asyncio.wait_for(env.start_sample(t.task, t.index), start_limit)
     except Exception as e:  # noqa: BLE001
         t.timings["env_s"] = t.timings.get("env_s", 0.0) + time.perf_counter() - t0
         logger.error("start_sample(%s, %d) failed: %r", t.task, t.index, e)

@@ -10,7 +10,9 @@ Trainer-facing API (all JSON; errors are ``{"error": "...", "status": code}``):
 
 * ``POST /api/start_sample {name, index[, custom_task]}`` -> ``{messages, tools, status, finish,
   reward, metrics}``, the session id in the ``session_id`` response header.
-  404 unknown task, 400 bad body or index, 503 (with ``Retry-After``) no free worker.
+  404 unknown task, 400 bad body or index, 503 (with ``Retry-After``) no free worker, or a task no
+  worker has registered yet within ``heartbeat_timeout_s`` of the controller's start (a restarted
+  controller: its workers come back with their next heartbeat).
 * ``POST /api/interact`` with header ``session_id`` and ``{messages: [assistant message]}`` ->
   the same flat reply. 400 malformed body or header, 404 unknown session, 409 an interact on the
   session is still running.
@@ -101,6 +103,9 @@ class ControllerConfig:
         gets 413 and nothing is sent.
     suspect_after_s: a worker silent this long gets no new sessions.
     heartbeat_timeout_s: a worker silent this long is dead; its sessions end with ``task error``.
+    registration_window_s: for this long after the controller starts, a start of a task no worker has
+        registered gets 503 with ``Retry-After`` (its workers come back with their next heartbeat after a
+        controller restart), not 404; None = ``heartbeat_timeout_s``, 0 = off.
     session_idle_timeout_s: a session with no interact for this long is closed (``task error``).
     start_timeout_s, interact_timeout_s, cancel_timeout_s: limits on each call to a worker.
     connect_timeout_s: limit on opening a connection to a worker.
@@ -121,6 +126,7 @@ class ControllerConfig:
     worker_tokens: dict[str, str] = field(default_factory=dict, repr=False)
     suspect_after_s: float = 9.0
     heartbeat_timeout_s: float = 15.0
+    registration_window_s: float | None = None
     session_idle_timeout_s: float = 600.0
     start_timeout_s: float = 240.0
     interact_timeout_s: float = 240.0
@@ -140,6 +146,11 @@ class ControllerConfig:
         self._check_credentials()
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name == "registration_window_s":
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
+                    raise ValueError(f"controller config: registration_window_s={v!r} must be >= 0 seconds (0 = off) "
+                                     "or None (= heartbeat_timeout_s)")
+                continue
             if f.name.endswith("_s") and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 raise ValueError(f"controller config: {f.name}={v!r} must be a positive number of seconds")
         if not self.suspect_after_s < self.heartbeat_timeout_s:
@@ -245,6 +256,7 @@ class Controller(HttpService):
         self._monitor_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
         self._call_hist: dict[str, Any] = {}
+        self._born = time.monotonic()  # the registration window of unknown tasks counts from here
         super().__init__(
             c.credentials(), self._routes(), body_timeout_s=c.body_timeout_s, idle_timeout_s=c.idle_timeout_s,
             auth_hint=f"the controller's --trainer-token / --worker-token / --token; ${TRAINER_TOKEN_ENV}",
@@ -557,6 +569,14 @@ class Controller(HttpService):
         entry = self.registry.tasks.get(name)
         if entry is None:
             known = ", ".join(sorted(self.registry.tasks)) or "none yet (no worker has sent a heartbeat)"
+            age = time.monotonic() - self._born
+            window = self.config.registration_window_s
+            if age < (self.config.heartbeat_timeout_s if window is None else window):
+                # a (re)started controller: the task's workers register with their next heartbeat, so
+                # "try again" (a 5xx: nothing happened) rather than "no such task" until one is overdue
+                raise HttpError(503, f"no worker of task {name!r:.100} has registered yet: the controller started "
+                                     f"{age:.1f} s ago and workers register by heartbeat (tasks registered: {known})",
+                                headers={"Retry-After": "1"})
             raise HttpError(404, f"unknown task {name!r:.100}; tasks with registered workers: {known}")
         if not entry.has_index(index):
             n = len(entry.indices)

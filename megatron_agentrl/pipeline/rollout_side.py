@@ -114,7 +114,8 @@ def build_env(cfg: Config) -> tuple[Any, dict[str, Any], dict[str, list[int]]]:
             raise ConfigError(f"sft.steps={cfg.sft.steps}: the tasks {remote} run behind the env controller and have "
                               "no scripted demonstrations here; set sft.steps=0 or list only built-in tasks")
         client = HttpEnvClient(cfg.env.controller_url, token=cfg.env.token or None,
-                               timeout_s=cfg.pipeline.env_timeout_s)
+                               timeout_s=cfg.pipeline.env_timeout_s,
+                               unavailable_timeout_s=cfg.env.unavailable_timeout_s)
         indices = _controller_indices(client, names, cfg.pipeline.env_timeout_s)
         logger.info("environments: env controller %s", client.url)
         return client, tasks, indices

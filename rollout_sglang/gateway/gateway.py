@@ -179,12 +179,14 @@ class Gateway:
             if self.env is None:
                 raise bad("task", "this gateway has no environment to start tasks in; open the session without one")
             t0 = time.perf_counter()
+            # a start may wait out a restarting controller (bounded by the client) on top of the call itself
+            limit = self.env_timeout_s + float(getattr(self.env, "start_wait_s", 0.0) or 0.0)
             try:
-                s.env_session, reply = await asyncio.wait_for(self.env.start_sample(task, index), self.env_timeout_s)
+                s.env_session, reply = await asyncio.wait_for(self.env.start_sample(task, index), limit)
             except ValueError as e:
                 raise bad("task", f"the environment cannot start task {task!r:.80} index {index}: {e}") from None
             except Exception as e:  # noqa: BLE001 - any env failure is this request's, reported to it
-                what = f"timed out after {self.env_timeout_s:.1f}s" if isinstance(e, TimeoutError) else repr(e)
+                what = f"timed out after {limit:.1f}s" if isinstance(e, TimeoutError) else repr(e)
                 raise EnvStartError(f"start_sample({task!r}, {index}) {what}") from e
             finally:
                 s.timings["env_s"] += time.perf_counter() - t0

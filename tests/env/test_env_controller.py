@@ -66,7 +66,7 @@ def test_many_concurrent_sessions_spread_least_loaded() -> None:
         await controller.start()
         workers = [WorkerServer(EchoTask(), controller_url=controller.url, heartbeat_interval_s=0.2, concurrency=20)
                    for _ in range(3)]
-        env = HttpEnvClient(controller.url, retries=1, backoff_s=0.01)
+        env = HttpEnvClient(controller.url, retries=1, backoff_s=0.01, unavailable_timeout_s=0.5)
         try:
             for w in workers:
                 await w.start()
@@ -147,7 +147,7 @@ def test_agent_loop_runs_over_the_http_client() -> None:
 
 def test_bad_requests_get_clear_4xx_json_errors() -> None:
     async def go() -> None:
-        async with cluster() as (controller, _, env):
+        async with cluster(config=fast_config(registration_window_s=0)) as (controller, _, env):
             api = controller.url
             cases: list[tuple[str, str, dict[str, Any], int, str]] = [
                 ("start_sample", "not json{", {}, 400, "not valid JSON"),
@@ -299,7 +299,7 @@ def test_dead_worker_ends_its_sessions_within_the_heartbeat_timeout() -> None:
         controller = Controller(fast_config(suspect_after_s=suspect, heartbeat_timeout_s=dead))
         await controller.start()
         worker = WorkerServer(EchoTask())  # no controller_url: this test sends its heartbeats
-        env = HttpEnvClient(controller.url, retries=0)
+        env = HttpEnvClient(controller.url, retries=0, unavailable_timeout_s=0.2)
         try:
             await worker.start()
             assert (await beat(controller.url, worker))[0] == 200
@@ -576,19 +576,21 @@ def test_client_retries_5xx_and_refused_connections_only() -> None:
             with pytest.raises(EnvControllerError):
                 await env.interact("503", [tool_call("x", {})])
             assert hits["interact"] == 6, "503 is retried"
-            env.retries = 1
-            hits["start_sample"] = 0
+            env.unavailable_timeout_s = 0.3  # a start waits out 503s for this long, whatever `retries` says
+            hits["start_sample"] = -100
             with pytest.raises(EnvControllerError) as err:
                 await env.start_sample("t", 0)
-            assert err.value.status == 503 and hits["start_sample"] == 2
+            assert err.value.status == 503 and "no free slot" in err.value.message and hits["start_sample"] > -98
             await env.aclose()
         finally:
             await runner.cleanup()
-        env = HttpEnvClient(f"http://127.0.0.1:{port}", retries=2, backoff_s=0.01)
+        env = HttpEnvClient(f"http://127.0.0.1:{port}", retries=2, backoff_s=0.01, unavailable_timeout_s=0.5)
         t0 = time.monotonic()
-        with pytest.raises(EnvControllerError, match="cannot reach the controller"):
+        with pytest.raises(EnvControllerError, match="is unreachable"):
             await env.start_sample("t", 0)
-        assert time.monotonic() - t0 < 5
+        assert 0.5 <= time.monotonic() - t0 < 5
+        with pytest.raises(EnvControllerError, match="cannot reach the controller"):
+            await env.interact("1", [tool_call("x", {})])
         await env.aclose()
 
     run(go())

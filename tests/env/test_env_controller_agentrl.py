@@ -58,7 +58,7 @@ def test_agentrl_worker_serves_sessions_through_our_controller(
     async def go() -> None:
         controller = Controller(config)
         await controller.start()
-        env = HttpEnvClient(controller.url, retries=0, timeout_s=30)
+        env = HttpEnvClient(controller.url, retries=0, timeout_s=30, unavailable_timeout_s=0.5)
         try:
             proc, address = start_agentrl_worker(agentrl_worker_files, controller.url, processes)
             entry = await wait_registered(env, proc, "arwadd")

@@ -66,7 +66,9 @@ def servers() -> Iterator[dict[str, str]]:
     """A controller (split credentials) with a registered echo worker, and a calc worker of its own."""
     lt = LoopThread()
     # fuzzed heartbeats register workers at random addresses: keep connection attempts to them short
-    controller = Controller(fast_config(trainer_token=TRAINER, worker_tokens={"*": WORKER}, connect_timeout_s=1.0))
+    # registration_window_s=0: fuzzed task names get 404 at once, not the fresh controller's 503 (a 5xx fails the fuzz)
+    controller = Controller(fast_config(trainer_token=TRAINER, worker_tokens={"*": WORKER}, connect_timeout_s=1.0,
+                                        registration_window_s=0))
     echo = WorkerServer(EchoTask(), heartbeat_interval_s=0.2, token=WORKER)
     calc = WorkerServer(build_task("calc"), concurrency=8)
 

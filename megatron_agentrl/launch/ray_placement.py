@@ -15,11 +15,16 @@ join) is set. :func:`run_on_ray`:
    ray.engine_server_module``: SGLang's server), then the trainer ranks (:class:`TrainWorker`),
    which rendezvous through torch.distributed (rank 0's node and a free port) and each run the
    same training entry point as ``agentrl train`` does (``megatron_agentrl.train_rank``);
-4. watches them every ``ray.health_check_interval_s``: a trainer rank, an engine or the
-   controller that dies, or a node of the run that Ray marks dead, ends the run with
-   :class:`RunLostError`, whose message names what was lost and where the last checkpoint is,
-   and how to resume from it. Everything the run created (actors, placement groups, a local Ray)
-   is released on every way out.
+4. watches them every ``ray.health_check_interval_s`` and restarts what died, logging each restart
+   with its reason: a trainer rank's actor or a node that held only trainer ranks: every trainer
+   actor is replaced and the training runs again with ``checkpoint.resume=latest`` (up to
+   ``ray.max_restarts`` times for the run); an engine whose server or actor died: relaunched in
+   its bundle at its own host:port, so that the trainer's clients find it at the URL they know
+   (``ray.engine_max_restarts`` per engine); the env controller likewise
+   (``ray.controller_max_restarts``). What cannot come back (restarts used up, a lost node that
+   held an engine or the controller: their URL is gone) ends the run with :class:`RunLostError`,
+   whose message names what was lost, where the last checkpoint is and how to resume from it.
+   Everything the run created (actors, placement groups, a local Ray) is released on every way out.
 
 Hand-off to the training code (which runs in the trainer actors), as config overrides: the
 controller URL in ``env.controller_url`` (its token in ``$AGENTRL_CONTROLLER_TOKEN``), the engine
@@ -354,8 +359,16 @@ def _stop_stale_server(pid: int, port: int, timeout_s: float) -> None:
     except ProcessLookupError:
         return
     deadline = time.monotonic() + timeout_s
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)  # a zombie of the dead actor keeps /proc/<pid> until init reaps it; the port is free already
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a dead one whose parent has not reaped it holds no port)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 _REMOTE: dict[str, Any] = {}

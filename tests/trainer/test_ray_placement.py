@@ -3,7 +3,8 @@
 GPUs are logical resources here (the head node declares 4), so the pools are placed as on a GPU
 cluster while the trainer itself runs on CPU. One cluster serves the whole module: the placement
 groups of the pools, a layout that does not fit, a tiny training run on Ray with the env
-controller as an actor, and a node removed mid-run.
+controller as an actor, a node removed mid-run, a trainer actor killed mid-run (restarted and resumed, or the run
+stopped with ray.max_restarts=0) and an engine actor killed (back at its URL; slow).
 """
 from __future__ import annotations
 
@@ -298,3 +299,52 @@ def test_killed_trainer_without_restarts_stops_the_run(cluster: Cluster, tmp_pat
     assert "lost trainer rank 0" in msg and "its actor died" in msg and "(ray.max_restarts=0: no restart)" in msg
     assert "the last checkpoint is " + str(out / "checkpoints" / "step_000002") in msg, msg
     assert run.restarts == 0 and not _ours_left()
+
+
+@pytest.mark.slow  # about 30 s: two launches of the stand-in server
+def test_killed_engine_actor_comes_back_at_its_url(cluster: Cluster, tmp_path: Path, caplog) -> None:
+    """A rollout engine's actor SIGKILLed (its server, in a session of its own, outlives it): the launcher starts a
+    new actor in the same bundle, which stops the old server and launches one at the same host:port; a second
+    loss past ray.engine_max_restarts stops the run, naming the key."""
+    import logging
+    import os
+    import signal
+    import urllib.request
+
+    from megatron_agentrl.launch.ray_placement import _running
+
+    ckpt = _tiny_hf_checkpoint(tmp_path / "hf")
+    overrides = [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, f"model.checkpoint={ckpt}",
+                 "ray.rollout_gpus_per_engine=1", "ray.rollout_cpus_per_engine=0.25", "ray.health_check_interval_s=1",
+                 "ray.engine_server_module=rollout_sglang.testing.sglang_standin", "ray.engine_max_restarts=1"]
+    config = str(ROOT / "tests/configs/tiny_test.yaml")
+    run = RayRun(load_config(config, overrides), config, overrides)
+    caplog.set_level(logging.WARNING, logger="megatron_agentrl.launch.ray_placement")
+    try:
+        run.pgs = create_placement_groups(run.pools, 60, run.prefix)
+        [[url]] = run.start_engines()
+        engine = next(m for m in run.members if m.kind == "engine")
+        old_server, old_actor = engine.server_pid, engine.pid
+        os.kill(old_actor, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while engine.restarts == 0 or engine.starting is not None:  # the watch loop's ticks
+            assert time.monotonic() < deadline, "the engine did not come back"
+            run._check_service(engine)
+            time.sleep(0.5)
+        assert engine.url == url and engine.pid != old_actor and engine.server_pid != old_server
+        assert not _running(old_server)
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            assert r.status == 200
+        logs = [r.getMessage() for r in caplog.records]
+        assert any("restart 1 of 1 (ray.engine_max_restarts) of rollout engine 0 of version slot 0 at " + url in x
+                   and "its actor died" in x for x in logs), logs
+        assert any(f"is back at {url}" in x for x in logs), logs
+        os.kill(engine.server_pid, signal.SIGKILL)  # now the server exits: past the limit, the run stops
+        with pytest.raises(RunLostError, match=r"its process exited; it was restarted 1 time\(s\), "
+                                               r"ray.engine_max_restarts=1"):
+            while time.monotonic() < deadline + 30:
+                run._check_service(engine)
+                time.sleep(0.5)
+    finally:
+        run.cleanup()
+    assert not _ours_left()

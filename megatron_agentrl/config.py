@@ -914,8 +914,7 @@ class RayConfig(_Section):
         the steps since it are redone). 0 = the run stops at the first loss.
     engine_max_restarts: how often each rollout engine is relaunched at its own host:port after its server or
         actor died (0 = the run stops).
-    controller_max_restarts: the same for the env controller actor (its sessions are lost; the trainer's
-        episodes on it end as infrastructure failures).
+    controller_max_restarts: the same for the env controller actor (at its port; its sessions are lost).
     """
 
     KEY: ClassVar[str] = "ray"

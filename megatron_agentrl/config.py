@@ -929,6 +929,12 @@ class RayConfig(_Section):
     controller_cpus / controller_port: its CPUs and port (0 = a free port).
     placement_timeout_s: limit on the placement groups becoming ready, seconds.
     health_check_interval_s: how often the launcher checks its actors and nodes, seconds.
+    max_restarts: how often the launcher restarts the trainer group after a trainer rank's actor or its node
+        died: it starts fresh trainer actors that resume from the latest checkpoint (``checkpoint.resume=latest``;
+        the steps since it are redone). 0 = the run stops at the first loss.
+    engine_max_restarts: how often each rollout engine is relaunched at its own host:port after its server or
+        actor died (0 = the run stops).
+    controller_max_restarts: the same for the env controller actor (at its port; its sessions are lost).
     """
 
     KEY: ClassVar[str] = "ray"
@@ -950,6 +956,9 @@ class RayConfig(_Section):
     controller_port: int = 5020
     placement_timeout_s: float = 300.0
     health_check_interval_s: float = 5.0
+    max_restarts: int = 3
+    engine_max_restarts: int = 3
+    controller_max_restarts: int = 3
 
     @property
     def active(self) -> bool:
@@ -962,6 +971,8 @@ class RayConfig(_Section):
         self.require_non_negative("train_workers", "train_gpus_per_worker", "rollout_gpus_per_engine", "num_cpus")
         self.require(self.controller_port < 65536, "controller_port", "must be a TCP port (1-65535) or 0 (a free port)")
         self.require_non_negative("controller_port")
+        self.require_non_negative("max_restarts", "engine_max_restarts", "controller_max_restarts",
+                                  why="0 = no restart: the run stops at the first loss")
         self.require_above_zero("train_cpus_per_worker", "rollout_cpus_per_engine", "controller_cpus",
                                 "placement_timeout_s", "health_check_interval_s")
         g = self.train_gpus_per_worker

@@ -15,11 +15,16 @@ join) is set. :func:`run_on_ray`:
    ray.engine_server_module``: SGLang's server), then the trainer ranks (:class:`TrainWorker`),
    which rendezvous through torch.distributed (rank 0's node and a free port) and each run the
    same training entry point as ``agentrl train`` does (``megatron_agentrl.train_rank``);
-4. watches them every ``ray.health_check_interval_s``: a trainer rank, an engine or the
-   controller that dies, or a node of the run that Ray marks dead, ends the run with
-   :class:`RunLostError`, whose message names what was lost and where the last checkpoint is,
-   and how to resume from it. Everything the run created (actors, placement groups, a local Ray)
-   is released on every way out.
+4. watches them every ``ray.health_check_interval_s`` and restarts what died, logging each restart
+   with its reason: a trainer rank's actor or a node that held only trainer ranks: every trainer
+   actor is replaced and the training runs again with ``checkpoint.resume=latest`` (up to
+   ``ray.max_restarts`` times for the run); an engine whose server or actor died: relaunched in
+   its bundle at its own host:port, so that the trainer's clients find it at the URL they know
+   (``ray.engine_max_restarts`` per engine); the env controller likewise
+   (``ray.controller_max_restarts``). What cannot come back (restarts used up, a lost node that
+   held an engine or the controller: their URL is gone) ends the run with :class:`RunLostError`,
+   whose message names what was lost, where the last checkpoint is and how to resume from it.
+   Everything the run created (actors, placement groups, a local Ray) is released on every way out.
 
 Hand-off to the training code (which runs in the trainer actors), as config overrides: the
 controller URL in ``env.controller_url`` (its token in ``$AGENTRL_CONTROLLER_TOKEN``), the engine
@@ -210,11 +215,11 @@ def _node_ip() -> str:
 class _Placed:
     """Base of the run's actors: where am I."""
 
-    def node(self) -> tuple[str, str]:
-        """(node id, node IP) of this actor."""
+    def node(self) -> tuple[str, str, int]:
+        """(node id, node IP, process id) of this actor."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), _node_ip()
+        return ray.get_runtime_context().get_node_id(), _node_ip(), os.getpid()
 
 
 class TrainWorker(_Placed):
@@ -306,18 +311,25 @@ class RolloutEngineActor(_Placed):
     def __init__(self) -> None:
         self._engine = None
 
-    def start(self, model_path: str, server_module: str, dtype: str, startup_timeout_s: float, log_dir: str) -> str:
-        """Launch the server on the GPUs Ray gave this actor; return its URL once healthy."""
+    def start(self, model_path: str, server_module: str, dtype: str, startup_timeout_s: float, log_dir: str,
+              port: int = 0, stale_pid: int = 0) -> tuple[str, int]:
+        """Launch the server on the GPUs Ray gave this actor at ``port`` (0 = a free one); return its URL, once
+        healthy, and its process id. ``stale_pid``: the server an earlier actor of this bundle left (its own
+        session outlives a SIGKILLed actor): stopped first, so that the port is free for the relaunch."""
         import ray
 
         from rollout_sglang.engines.sglang_client import SGLangEngine
 
+        if self._engine is not None:  # relaunch in this actor: the old server exited (ping said so)
+            self._engine.shutdown()
+        if stale_pid:
+            _stop_stale_server(stale_pid, port, timeout_s=30.0)
         gpus = [int(g) for g in ray.get_gpu_ids()]
-        self._engine = SGLangEngine.launch(model_path, gpus=gpus, host="0.0.0.0", dtype=dtype,
+        self._engine = SGLangEngine.launch(model_path, gpus=gpus, host="0.0.0.0", port=port or None, dtype=dtype,
                                            startup_timeout_s=startup_timeout_s, log_dir=log_dir,
                                            server_module=server_module)
         port = self._engine.base_url.rsplit(":", 1)[1]
-        return f"http://{_node_ip()}:{port}"
+        return f"http://{_node_ip()}:{port}", int(self._engine.process.pid)
 
     def ping(self) -> bool:
         """True while the server process runs."""
@@ -330,6 +342,35 @@ class RolloutEngineActor(_Placed):
             self._engine.shutdown()
 
 
+def _stop_stale_server(pid: int, port: int, timeout_s: float) -> None:
+    """SIGKILL the process group of the engine server ``pid`` if it still runs and is the server of ``port`` (its
+    command line says so: a recycled pid is left alone), and wait up to ``timeout_s`` until it is gone."""
+    import signal
+
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return  # gone already
+    if b"--port" not in cmdline or cmdline[cmdline.index(b"--port") + 1:][:1] != [str(port).encode()]:
+        return
+    logger.warning("stopping the engine server left by the lost actor (pid %d, port %d)", pid, port)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # launched in a session of its own: its group is the server and its children
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a dead one whose parent has not reaped it holds no port)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 _REMOTE: dict[str, Any] = {}
 
 
@@ -338,6 +379,8 @@ def _remote(cls: type) -> Any:
     import ray
 
     if cls.__name__ not in _REMOTE:
+        # no restart by Ray: a restarted actor would only re-run __init__; RayRun restarts its actors itself, which
+        # knows what each must do again (resume the training, relaunch the server at its port)
         _REMOTE[cls.__name__] = ray.remote(max_restarts=0, max_task_retries=0)(cls)
     return _REMOTE[cls.__name__]
 
@@ -352,10 +395,26 @@ class _Member:
     actor: Any
     node_id: str = ""
     node_ip: str = ""
+    pid: int = 0
+    pool: str = ""  # its placement group and bundle: a restarted actor takes the same one (the same node)
+    index: int = 0
+    url: str = ""  # an engine's or the controller's: a restart brings it back there
+    server_pid: int = 0  # an engine's server process
+    restarts: int = 0
+    starting: Any = None  # the start() call of a restart still running
+    start_deadline: float = 0.0
+
+
+class _TrainerLost(Exception):
+    """A trainer rank's actor or its node died (the training can go on from the last checkpoint)."""
+
+    def __init__(self, what: str, detail: str) -> None:
+        super().__init__(f"{what}: {detail}")
+        self.what, self.detail = what, detail
 
 
 class RayRun:
-    """One run on Ray: placement groups, actors, the watch loop, and cleanup (see the module doc)."""
+    """One run on Ray: placement groups, actors, the watch loop, restarts and cleanup (see the module doc)."""
 
     def __init__(self, cfg: Config, config_path: str, overrides: list[str]) -> None:
         """``cfg``: the loaded config; ``config_path`` / ``overrides``: what each trainer rank loads."""
@@ -367,6 +426,8 @@ class RayRun:
         self.members: list[_Member] = []
         self.prefix = f"agentrl_{os.getpid()}_{int(time.time())}"
         self.controller_token = ""
+        self.restarts = 0  # of the trainer group
+        self._builtin: list[tuple[str, dict[str, Any]]] = []
 
     def _options(self, pool: str, index: int, cpus: float, gpus: float, name: str) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -375,59 +436,83 @@ class RayRun:
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pgs[pool],
                                                                         placement_group_bundle_index=index)}
 
-    def _add(self, kind: str, what: str, actor: Any) -> _Member:
+    def _add(self, kind: str, what: str, actor: Any, pool: str = "", index: int = 0) -> _Member:
         """Record an actor of the run and the node it was placed on."""
-        import ray
-
-        m = _Member(kind, what, actor)
+        m = _Member(kind, what, actor, pool=pool, index=index)
         self.members.append(m)
-        m.node_id, m.node_ip = ray.get(actor.node.remote(), timeout=self.cfg.ray.placement_timeout_s)
+        self._locate(m)
         return m
 
+    def _locate(self, m: _Member) -> None:
+        """Where ``m``'s actor runs; RunLostError when it is not placed within ``ray.placement_timeout_s`` (a
+        restart whose bundle lost its node waits for Ray to place the bundle again)."""
+        import ray
+
+        t = self.cfg.ray.placement_timeout_s
+        try:
+            m.node_id, m.node_ip, m.pid = ray.get(m.actor.node.remote(), timeout=t)
+        except ray.exceptions.GetTimeoutError:
+            raise self._lost(m.what, f"its actor was not placed within ray.placement_timeout_s={t:g}s (its "
+                             "placement group lacks a node that can hold it)") from None
+
+    # ---------------------------------------------------------------------------- controller
     def start_controller(self) -> str:
         """Start the env controller actor; returns its API URL."""
         import secrets
 
         import ray
 
-        r = self.cfg.ray
         token = self.cfg.env.token or os.environ.get("AGENTRL_CONTROLLER_TOKEN") or secrets.token_hex(16)
         self.controller_token = token
-        actor = _remote(EnvControllerActor).options(**self._options("env_controller", 0, r.controller_cpus, 0,
-                                                                     "env_controller")).remote()
-        self._add("controller", "the env controller", actor)
         from env_controller.tasks import TASKS
 
-        builtin = [(t.name, t.params) for t in self.cfg.tasks if t.name in TASKS]
-        url = ray.get(actor.start.remote(r.controller_port, token, builtin), timeout=300)
+        self._builtin = [(t.name, t.params) for t in self.cfg.tasks if t.name in TASKS]
+        m = self._add("controller", "the env controller", self._controller_actor(), "env_controller")
+        m.url = ray.get(m.actor.start.remote(self.cfg.ray.controller_port, token, self._builtin), timeout=300)
         logger.info("env controller: %s, serving the built-in tasks %s; other task workers register there with the "
-                    "token in $AGENTRL_CONTROLLER_TOKEN", url, [n for n, _ in builtin] or "none")
-        return url
+                    "token in $AGENTRL_CONTROLLER_TOKEN", m.url, [n for n, _ in self._builtin] or "none")
+        return m.url
 
+    def _controller_actor(self) -> Any:
+        return _remote(EnvControllerActor).options(**self._options("env_controller", 0, self.cfg.ray.controller_cpus,
+                                                                    0, "env_controller")).remote()
+
+    # ------------------------------------------------------------------------------- engines
     def start_engines(self) -> list[list[str]]:
         """Start one engine per rollout bundle; returns the URLs per version slot."""
         import ray
 
-        r, ro = self.cfg.ray, self.cfg.rollout
-        model = self.cfg.model.checkpoint or self.cfg.model.hf_config
-        if not model:
+        ro = self.cfg.rollout
+        if not (self.cfg.model.checkpoint or self.cfg.model.hf_config):
             raise ConfigError("ray.rollout_gpus_per_engine > 0 needs model.checkpoint "
                               "(the HF weights the engines serve)")
-        log_dir = str(Path(self.cfg.output_dir).resolve() / "ray" / "engine_logs")
-        refs: list[list[Any]] = []
+        started: list[list[tuple[_Member, Any]]] = []
         for slot in range(ro.max_versions):
-            refs.append([])
+            started.append([])
             for i in range(ro.engines_per_slot):
-                actor = _remote(RolloutEngineActor).options(**self._options(
-                    f"rollout_slot{slot}", i, r.rollout_cpus_per_engine, r.rollout_gpus_per_engine,
-                    f"engine_s{slot}_{i}")).remote()
-                self._add("engine", f"rollout engine {i} of version slot {slot}", actor)
-                refs[-1].append(actor.start.remote(str(model), r.engine_server_module, self.cfg.model.dtype,
-                                                   ro.engine_startup_timeout_s, log_dir))
-        urls = [ray.get(slot_refs, timeout=ro.engine_startup_timeout_s + 60) for slot_refs in refs]
+                m = self._add("engine", f"rollout engine {i} of version slot {slot}",
+                              self._engine_actor(f"rollout_slot{slot}", i), f"rollout_slot{slot}", i)
+                started[-1].append((m, self._engine_start(m, port=0)))
+        for slot_started in started:
+            for m, ref in slot_started:
+                m.url, m.server_pid = ray.get(ref, timeout=ro.engine_startup_timeout_s + 60)
+        urls = [[m.url for m, _ in slot_started] for slot_started in started]
         logger.info("rollout engines: %s", urls)
         return urls
 
+    def _engine_actor(self, pool: str, index: int) -> Any:
+        r = self.cfg.ray
+        slot = pool.removeprefix("rollout_slot")
+        return _remote(RolloutEngineActor).options(**self._options(
+            pool, index, r.rollout_cpus_per_engine, r.rollout_gpus_per_engine, f"engine_s{slot}_{index}")).remote()
+
+    def _engine_start(self, m: _Member, port: int, stale_pid: int = 0) -> Any:
+        model = self.cfg.model.checkpoint or self.cfg.model.hf_config
+        log_dir = str(Path(self.cfg.output_dir).resolve() / "ray" / "engine_logs")
+        return m.actor.start.remote(str(model), self.cfg.ray.engine_server_module, self.cfg.model.dtype,
+                                    self.cfg.rollout.engine_startup_timeout_s, log_dir, port, stale_pid)
+
+    # ------------------------------------------------------------------------------ trainers
     def start_trainers(self) -> list[_Member]:
         """Create the trainer rank actors in the train pool (not training yet)."""
         r = self.cfg.ray
@@ -436,13 +521,52 @@ class RayRun:
         for rank in range(world):
             actor = _remote(TrainWorker).options(**self._options("train", rank, r.train_cpus_per_worker,
                                                                   r.train_gpus_per_worker, f"train_{rank}")).remote()
-            members.append(self._add("trainer", f"trainer rank {rank}", actor))
+            members.append(self._add("trainer", f"trainer rank {rank}", actor, "train", rank))
         return members
 
-    def run(self) -> dict[str, Any]:
-        """Place, start, watch; returns the run's summary.json (empty dict when there is none)."""
+    def _launch_trainers(self, overrides: list[str], env: dict[str, str]) -> dict[Any, _Member]:
+        """Fresh trainer actors, each training its rank; returns {its run() call: member}."""
         import ray
 
+        trainers = self.start_trainers()
+        master_port = ray.get(trainers[0].actor.free_port.remote(), timeout=60)
+        world = len(trainers)
+        logger.info("train pool: %d rank(s) on %s; rendezvous %s:%d", world,
+                    ", ".join(sorted({m.node_ip for m in trainers})), trainers[0].node_ip, master_port)
+        refs = {}
+        for rank, m in enumerate(trainers):
+            rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                        "MASTER_ADDR": trainers[0].node_ip, "MASTER_PORT": str(master_port)}
+            refs[m.actor.run.remote(self.config_path, overrides, rank_env, os.getcwd())] = m
+        return refs
+
+    def _drop_trainers(self) -> None:
+        """Kill the trainer actors still alive (a rank that lost its peers would wait on them)."""
+        import ray
+
+        for m in [m for m in self.members if m.kind == "trainer"]:
+            try:
+                ray.kill(m.actor, no_restart=True)
+            except Exception as e:  # noqa: BLE001 - already gone
+                logger.debug("killing %s: %s", m.what, e)
+            self.members.remove(m)
+
+    def _set_aside_records(self) -> None:
+        """Before a restart from the beginning (no checkpoint yet): move the lost attempt's records (metrics.jsonl,
+        batches.jsonl, tensorboard/) to ``output_dir/ray/attempt_<n>/``, so that the new one records each step
+        once (a resume truncates them at the checkpoint instead)."""
+        out = Path(self.cfg.output_dir)
+        dest = out / "ray" / f"attempt_{self.restarts}"
+        for name in ("metrics.jsonl", "batches.jsonl", "tensorboard"):
+            if (out / name).exists():
+                dest.mkdir(parents=True, exist_ok=True)
+                (out / name).rename(dest / name)
+        if dest.exists():
+            logger.warning("no checkpoint to resume from: the lost attempt's records are kept in %s", dest)
+
+    def run(self) -> dict[str, Any]:
+        """Place, start, watch, restart the trainer group after a loss (``ray.max_restarts``); returns the run's
+        summary.json (empty dict when there is none)."""
         self.pgs = create_placement_groups(self.pools, self.cfg.ray.placement_timeout_s, self.prefix)
         overrides = list(self.overrides)
         env: dict[str, str] = {}
@@ -456,26 +580,38 @@ class RayRun:
             out = Path(self.cfg.output_dir) / "ray"
             out.mkdir(parents=True, exist_ok=True)
             (out / "engines.json").write_text(json.dumps(engines, indent=2))
-        trainers = self.start_trainers()
-        master_port = ray.get(trainers[0].actor.free_port.remote(), timeout=60)
-        world = len(trainers)
-        logger.info("train pool: %d rank(s) on %s; rendezvous %s:%d", world,
-                    ", ".join(sorted({m.node_ip for m in trainers})), trainers[0].node_ip, master_port)
-        refs = {}
-        for rank, m in enumerate(trainers):
-            rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                        "MASTER_ADDR": trainers[0].node_ip, "MASTER_PORT": str(master_port)}
-            refs[m.actor.run.remote(self.config_path, overrides, rank_env, os.getcwd())] = m
-        self._watch(refs)
+        limit = self.cfg.ray.max_restarts
+        while True:
+            try:
+                self._watch(self._launch_trainers(overrides, env))
+                break
+            except _TrainerLost as lost:
+                if self.restarts >= limit:
+                    raise self._lost(lost.what, lost.detail + (f"; the trainer group was restarted {self.restarts} "
+                                                               f"time(s), ray.max_restarts={limit}" if limit else
+                                                               " (ray.max_restarts=0: no restart)")) from None
+                self.restarts += 1
+                ckpt = latest_checkpoint(self.cfg)
+                logger.warning("trainer group restart %d of %d (ray.max_restarts): lost %s; resuming from %s",
+                               self.restarts, limit, lost, ckpt or "the beginning (no checkpoint yet)")
+                self._drop_trainers()
+                if ckpt is None:
+                    self._set_aside_records()
+                # the same command with checkpoint.resume=latest, as resume_hint tells a user; the last override wins
+                overrides = [o for o in overrides if not o.startswith("checkpoint.resume=")] + \
+                    ["checkpoint.resume=latest"]
         summary = Path(self.cfg.output_dir) / "summary.json"
         return json.loads(summary.read_text()) if summary.is_file() else {}
 
+    # --------------------------------------------------------------------------------- watch
     def _watch(self, refs: dict[Any, _Member]) -> None:
+        """Wait for the trainer ranks' run() calls; between them check the nodes and the other actors (restarting
+        those that died). _TrainerLost when a trainer actor or its node died, RunLostError for what cannot come
+        back, the training's own error when it raised."""
         import ray
         from ray.exceptions import RayTaskError
 
         pending = list(refs)
-        others = [m for m in self.members if m.kind != "trainer"]
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=self.cfg.ray.health_check_interval_s)
             for ref in done:
@@ -483,45 +619,131 @@ class RayRun:
                 try:
                     ray.get(ref)
                 except RayTaskError as e:  # the training code raised: re-raise what it raised
+                    # ... unless a peer rank died: its collective broke this one, the death is the cause
+                    self._raise_if_trainer_died(pending, refs)
                     cause = e.cause if isinstance(e.cause, BaseException) else None
                     if isinstance(cause, (ConfigError, FileNotFoundError)):
                         raise cause from None
                     raise RayLaunchError(f"{member.what} failed: {cause if cause is not None else e}") from None
                 except ray.exceptions.RayError as e:  # actor died, worker crashed, node died, object lost
                     self._wait_for_dead_node()  # a dead node is the better message: give Ray a moment to see it
-                    raise self._lost(f"{member.what} (node {member.node_ip}, Ray node {member.node_id[:12]})",
-                                     f"its actor died ({_first_line(e)})") from None
+                    raise _TrainerLost(f"{member.what} (node {member.node_ip}, Ray node {member.node_id[:12]})",
+                                       f"its actor died ({_first_line(e)})") from None
             if pending:
                 self._check_nodes(self.members)
-                for m in others:
-                    try:
-                        alive = ray.get(m.actor.ping.remote(), timeout=max(10.0, self.cfg.ray.health_check_interval_s))
-                    except ray.exceptions.GetTimeoutError:
-                        continue  # busy, not dead: the next tick asks again
-                    except ray.exceptions.RayError as e:
-                        self._wait_for_dead_node()
-                        raise self._lost(f"{m.what} (node {m.node_ip}, Ray node {m.node_id[:12]})",
-                                         _first_line(e)) from None
-                    if not alive:
-                        raise self._lost(m.what, "its process exited")
+                for m in [m for m in self.members if m.kind != "trainer"]:
+                    self._check_service(m)
+
+    def _raise_if_trainer_died(self, pending: list[Any], refs: dict[Any, _Member]) -> None:
+        """_TrainerLost when another trainer rank's actor died (seen within a few seconds)."""
+        import ray
+
+        if not pending:
+            return
+        wait_s = min(10.0, 2 * self.cfg.ray.health_check_interval_s)
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                m = refs[ref]
+                raise _TrainerLost(f"{m.what} (node {m.node_ip}, Ray node {m.node_id[:12]})",
+                                   f"its actor died ({_first_line(e)})") from None
+            except ray.exceptions.RayError:
+                continue
+
+    def _check_service(self, m: _Member) -> None:
+        """One health check of an engine or the controller; one that died is restarted at its URL."""
+        import ray
+
+        if m.starting is not None:
+            self._check_restart(m)
+            return
+        try:
+            alive = ray.get(m.actor.ping.remote(), timeout=max(10.0, self.cfg.ray.health_check_interval_s))
+        except ray.exceptions.GetTimeoutError:
+            return  # busy, not dead: the next tick asks again
+        except ray.exceptions.RayError as e:
+            self._wait_for_dead_node()
+            self._restart_service(m, f"its actor died ({_first_line(e)})", new_actor=True)
+            return
+        if not alive:
+            self._restart_service(m, "its process exited", new_actor=False)
+
+    def _restart_service(self, m: _Member, reason: str, new_actor: bool) -> None:
+        """Start ``m`` again at its URL (same bundle, so same node; same port), up to ``ray.engine_max_restarts``
+        / ``ray.controller_max_restarts`` times; the start runs while the watch goes on (see _check_restart)."""
+        import ray
+
+        r = self.cfg.ray
+        key = "engine_max_restarts" if m.kind == "engine" else "controller_max_restarts"
+        limit = getattr(r, key)
+        where = f"{m.what} at {m.url} (node {m.node_ip}, Ray node {m.node_id[:12]})"
+        if m.restarts >= limit:
+            raise self._lost(where, reason + (f"; it was restarted {m.restarts} time(s), ray.{key}={limit}" if limit
+                                              else f" (ray.{key}=0: no restart)"))
+        m.restarts += 1
+        logger.warning("restart %d of %d (ray.%s) of %s: %s", m.restarts, limit, key, where, reason)
+        port = int(m.url.rstrip("/").removesuffix("/api").rsplit(":", 1)[1])
+        if new_actor:
+            try:
+                ray.kill(m.actor, no_restart=True)
+            except Exception as e:  # noqa: BLE001 - dead already
+                logger.debug("killing %s: %s", m.what, e)
+            m.actor = self._engine_actor(m.pool, m.index) if m.kind == "engine" else self._controller_actor()
+            self._locate(m)
+        if m.kind == "engine":
+            m.starting = self._engine_start(m, port=port, stale_pid=m.server_pid if new_actor else 0)
+            m.start_deadline = time.monotonic() + self.cfg.rollout.engine_startup_timeout_s + 60
+        else:
+            m.starting = m.actor.start.remote(port, self.controller_token, self._builtin)
+            m.start_deadline = time.monotonic() + 300
+
+    def _check_restart(self, m: _Member) -> None:
+        """A restart of ``m`` in progress: done (back at its URL), failed (restart again or stop), or still on."""
+        import ray
+
+        done, _ = ray.wait([m.starting], timeout=0)
+        if not done:
+            if time.monotonic() > m.start_deadline:
+                m.starting = None
+                self._restart_service(m, "its restart did not come up in time", new_actor=True)
+            return
+        ref, m.starting = m.starting, None
+        try:
+            result = ray.get(ref)
+        except ray.exceptions.RayError as e:
+            self._restart_service(m, f"its restart failed ({_first_line(e)})", new_actor=True)
+            return
+        url = result[0] if m.kind == "engine" else result
+        if m.kind == "engine":
+            m.server_pid = result[1]
+        if url != m.url:  # the clients know the old URL only; a bundle on the same node cannot move it
+            raise self._lost(m.what, f"it came back at {url}, not at {m.url}")
+        logger.warning("%s is back at %s (restart %d)", m.what, m.url, m.restarts)
 
     def _wait_for_dead_node(self) -> None:
-        """After an actor died: raise the node's RunLostError if Ray marks its node dead within a few seconds."""
+        """After an actor died: raise the node's loss if Ray marks its node dead within a few seconds."""
         deadline = time.monotonic() + max(5.0, 2 * self.cfg.ray.health_check_interval_s)
         while time.monotonic() < deadline:
             self._check_nodes(self.members)
             time.sleep(0.5)
 
     def _check_nodes(self, members: list[_Member]) -> None:
-        """Raise RunLostError when a node that holds a member of the run is dead."""
+        """Raise when a node that holds a member of the run is dead: _TrainerLost when it held trainer ranks
+        only (the group restarts, Ray places the train bundles again), RunLostError when it held an engine or
+        the controller (they cannot come back at their URL)."""
         import ray
 
         alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
         for m in members:
             if m.node_id and not alive.get(m.node_id, False):
-                lost = [x.what for x in members if x.node_id == m.node_id]
-                raise self._lost(f"node {m.node_ip} (Ray node {m.node_id[:12]})",
-                                 f"Ray marks it dead; it held {', '.join(lost)}")
+                lost = [x for x in members if x.node_id == m.node_id]
+                what = f"node {m.node_ip} (Ray node {m.node_id[:12]})"
+                detail = f"Ray marks it dead; it held {', '.join(x.what for x in lost)}"
+                if all(x.kind == "trainer" for x in lost):
+                    raise _TrainerLost(what, detail)
+                raise self._lost(what, detail)
 
     def _lost(self, what: str, detail: str) -> RunLostError:
         return RunLostError(f"Ray run lost {what} mid-run: {detail}. The run was stopped; {resume_hint(self.cfg)}. "

@@ -82,6 +82,8 @@ def run_training(cfg: Config) -> dict[str, Any]:
     from the first to the last RL step), ``trained_samples``, ``trained_tokens``,
     ``samples_per_s``, ``dropped_stale``, ``last_checkpoint``; with dynamic sampling ``groups_drawn`` and
     ``dropped_zero_variance`` (per task); with ``eval.interval`` ``evals_skipped``; with W&B ``wandb``.
+    A resumed run's counters and ``rl_wall_s`` cover the whole run (the checkpoint carries those before it);
+    ``resumes`` counts the resumes behind it, ``resumed_from_step`` is the step this part started from.
     """
     if cfg.logging.wandb:
         require_wandb()  # on every rank, before anything starts: a clear error instead of a late one on rank 0
@@ -174,6 +176,8 @@ class TrainingRun:
         self.t_rl = self.rl_wall = 0.0
         self.evals: list[tuple[int, concurrent.futures.Future]] = []  # periodic evaluations running (async)
         self.evals_skipped = 0
+        self.rl_wall_before = 0.0  # RL seconds of the run before the checkpoint resumed from
+        self.resumes = 0  # resumes in the run's history, this one included
 
     # ------------------------------------------------------------------ stages
     def setup(self) -> None:
@@ -227,6 +231,7 @@ class TrainingRun:
             self.before = self.state.get("before_rl", {}) if self.rank0 else {}
             self.start_step = int(self.state["step"])
             self.consumed_ids = list(self.state.get("consumed_sample_ids", []))
+            self._restore_totals(self.state.get("totals", {}))
             if self.rank0:  # an earlier run in this output_dir may have gone past the checkpoint: record each step once
                 self.metrics.resume_at(self.start_step)
                 truncate_jsonl(self.out / "batches.jsonl", lambda r: int(r["step"]) <= self.start_step)
@@ -381,13 +386,29 @@ class TrainingRun:
         if self.manager is not None:
             self.manager.drain(self.cfg.pipeline.batch_timeout_s)
             pstate = {"step": step, "version": step, "manager": self.manager.state_dict(), "before_rl": self.before,
-                      "consumed_sample_ids": self.consumed_ids, "mode": self.cfg.pipeline.mode}
+                      "consumed_sample_ids": self.consumed_ids, "mode": self.cfg.pipeline.mode,
+                      "totals": self._totals()}
         with self.progress.phase(f"checkpoint step {step}") as phase:
             path = save_checkpoint(self.ckpt_root, step, self.actor, pstate, keep=self.cfg.checkpoint.keep)
             phase.update(figures={"saved to": str(path)})
         self.last_ckpt = str(path)
         if self.manager is not None:
             self.manager.release()
+
+    def _totals(self) -> dict[str, Any]:
+        """Rank 0: the run's own counters so far, for the checkpoint (the manager's are in its state)."""
+        return {"trained_samples": self.trained_samples, "trained_tokens": self.trained_tokens,
+                "evals_skipped": self.evals_skipped, "resumes": self.resumes,
+                "rl_wall_s": self.rl_wall_before + time.perf_counter() - self.t_rl}
+
+    def _restore_totals(self, totals: dict[str, Any]) -> None:
+        """The counters of :meth:`_totals` from the checkpoint resumed from (absent in older checkpoints: zero),
+        so that summary.json covers the whole run; counts this resume."""
+        self.trained_samples = int(totals.get("trained_samples", 0))
+        self.trained_tokens = int(totals.get("trained_tokens", 0))
+        self.evals_skipped = int(totals.get("evals_skipped", 0))
+        self.rl_wall_before = float(totals.get("rl_wall_s", 0.0))
+        self.resumes = int(totals.get("resumes", 0)) + 1
 
     def stop_rollouts(self) -> None:
         """Rank 0: stop the manager (its env sessions end) and close batches.jsonl; the RL wall time ends."""
@@ -399,7 +420,7 @@ class TrainingRun:
                 self.batches_log.close()
             if self.ro is not None:
                 self.ro.pool.stop_health_checks()
-        self.rl_wall = time.perf_counter() - self.t_rl
+        self.rl_wall = self.rl_wall_before + time.perf_counter() - self.t_rl
 
     def finish(self) -> dict[str, Any]:
         """The final evaluation, the HF export of the trained model, the reward plot and summary.json;
@@ -426,7 +447,8 @@ class TrainingRun:
                    "trained_samples": self.trained_samples, "trained_tokens": self.trained_tokens,
                    "samples_per_s": self.trained_samples / max(self.rl_wall, 1e-9),
                    "dropped_stale": self.manager.stats.dropped_stale if self.manager else 0,
-                   "last_checkpoint": self.last_ckpt}
+                   "last_checkpoint": self.last_ckpt, "resumes": self.resumes,
+                   "resumed_from_step": self.start_step if self.resume is not None else None}
         if self.manager is not None:  # rollouts ended by infrastructure failures: counted, never trained
             st = self.manager.stats
             summary["infra"] = {"failed_episodes": dict(st.infra_failed), "groups_retried": st.infra_retried,

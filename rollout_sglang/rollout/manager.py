@@ -61,7 +61,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from rollout_sglang.agent_loop import run_group_lockstep
@@ -155,7 +155,8 @@ def zero_variance(group: FinishedGroup, reward: Callable[[Trajectory], float]) -
 
 @dataclass
 class ManagerStats:
-    """Counters of a :class:`RolloutManager` (cumulative since it started).
+    """Counters of a :class:`RolloutManager` (cumulative since it started; a resumed run's manager goes on from
+    the checkpoint's, see :meth:`RolloutManager.load_state_dict`).
 
     consumed counts batch slots the trainer took (``batch_groups`` per batch, a short batch's given-up
     slots included); drawn: fresh prompts drawn (retries are not); dropped_zero_var: groups dropped by
@@ -181,6 +182,23 @@ class ManagerStats:
     infra_failed: Counter = field(default_factory=Counter)
     infra_retried: int = 0
     dropped_infra: Counter = field(default_factory=Counter)
+
+
+def _stats_state(stats: ManagerStats) -> dict[str, Any]:
+    """The counters of ``stats`` as plain values (Counters as dicts; ``group_times``, one float per group, left out)."""
+    return {f.name: dict(v) if isinstance(v := getattr(stats, f.name), Counter) else v
+            for f in fields(ManagerStats) if f.name != "group_times"}
+
+
+def _stats_from_state(state: dict[str, Any], consumed: int) -> ManagerStats:
+    """:class:`ManagerStats` from :func:`_stats_state` (``consumed`` as the state's own top-level count)."""
+    stats = ManagerStats()
+    for f in fields(ManagerStats):
+        if f.name in state and f.name != "group_times":
+            v = state[f.name]
+            setattr(stats, f.name, Counter(v) if isinstance(getattr(stats, f.name), Counter) else v)
+    stats.consumed = consumed
+    return stats
 
 
 class RolloutError(RuntimeError):
@@ -704,7 +722,8 @@ class RolloutManager:
         self._poke()
 
     def state_dict(self) -> dict[str, Any]:
-        """Sampler state, queued groups (with trajectories), requests to restart, counters, version.
+        """Sampler state, queued groups (with trajectories), requests to restart, counters (``stats``, so that a
+        resumed run's totals cover the whole run; ``group_times`` excepted), version.
 
         Call after :meth:`drain` (nothing running) for an exact resume; otherwise running groups
         are recorded as requests and restarted (re-sampled) after a resume.
@@ -722,6 +741,11 @@ class RolloutManager:
                 "draws": dict(self._draws),
                 "forced": self._forced,
                 "fallback": copy.deepcopy(list(self._fallback)),
+                "stats": _stats_state(self.stats),
+                # what the next batch's per-step counts (last_batch) are taken against: the counters at the last take
+                "at_take": {"drawn": self._drawn_at_take, "infra_failed": dict(self._infra_at_take[0]),
+                            "infra_retried": self._infra_at_take[1], "dropped_infra": dict(self._infra_at_take[2])},
+                "dropped_since": copy.deepcopy(self._dropped_since),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -738,6 +762,12 @@ class RolloutManager:
         self._draws = {int(k): int(v) for k, v in state.get("draws", {}).items()}
         self._forced = int(state.get("forced", 0))
         self._fallback = deque(state.get("fallback", []), maxlen=self.B)
+        if "stats" in state:  # checkpoints written before the counters were saved resume with them at zero
+            self.stats = _stats_from_state(state["stats"], consumed=self.stats.consumed)
+            t = state["at_take"]
+            self._drawn_at_take = int(t["drawn"])
+            self._infra_at_take = (Counter(t["infra_failed"]), int(t["infra_retried"]), Counter(t["dropped_infra"]))
+            self._dropped_since = list(state.get("dropped_since", []))
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run ``coro`` on the rollout thread's event loop, beside the groups in flight (e.g. an evaluation:

@@ -291,16 +291,30 @@ def test_a_drained_manager_resumes_the_same_next_batch(template, flat_every):
         pool.end_update(slot)
         mgr.set_version(1)
         mgr.drain(timeout_s=30)
+        mgr.stats.infra_failed["lookup"] += 2  # as if episodes had failed: the counters travel with the state
+        mgr.stats.infra_retried += 1
         state = mgr.state_dict()
+        counters = _counters(mgr)
         mgr.release()
         expected = [g.request.group_id for g in mgr.get_batch(timeout_s=30)]
+        expected_batch = {k: v for k, v in mgr.last_batch.items() if k != "dropped_groups"}
     finally:
         mgr.stop(timeout_s=10)
     restored, pool, _ = _manager(template, reward, B=B, eta=0, steps=steps, max_groups=1.5)
     pool.end_update(pool.begin_update(1, timeout_s=10))  # the resumed run's engines get the checkpoint's weights
     restored.load_state_dict(state)
+    assert _counters(restored) == counters and counters["drawn"] >= B and counters["infra_retried"] == 1
     restored.start()
     try:
         assert [g.request.group_id for g in restored.get_batch(timeout_s=30)] == expected
+        # the next step's counts (drawn, dropped, infra since the last batch) are those of the uninterrupted run
+        assert {k: v for k, v in restored.last_batch.items() if k != "dropped_groups"} == expected_batch
     finally:
         restored.stop(timeout_s=10)
+
+
+def _counters(mgr) -> dict:
+    """A manager's cumulative counters, what summary.json reports (its per-group times left out)."""
+    from dataclasses import asdict
+
+    return {k: v for k, v in asdict(mgr.stats).items() if k not in ("group_times", "wait_s")}

@@ -3,7 +3,8 @@
 GPUs are logical resources here (the head node declares 4), so the pools are placed as on a GPU
 cluster while the trainer itself runs on CPU. One cluster serves the whole module: the placement
 groups of the pools, a layout that does not fit, a tiny training run on Ray with the env
-controller as an actor, and a node removed mid-run.
+controller as an actor, a node removed mid-run, a trainer actor killed mid-run (restarted and resumed, or the run
+stopped with ray.max_restarts=0) and an engine actor killed (back at its URL; slow).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ray.util.placement_group import placement_group_table  # noqa: E402
 from megatron_agentrl.config import ConfigError, load_config  # noqa: E402
 from megatron_agentrl.launch.ray_placement import (  # noqa: E402
     PlacementError,
+    RayRun,
     RunLostError,
     create_placement_groups,
     plan_pools,
@@ -150,7 +152,8 @@ def test_node_lost_mid_run_stops_with_a_resumable_checkpoint(cluster: Cluster, t
     config = str(ROOT / "tests/configs/tiny_test.yaml")
     base = [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, "ray.health_check_interval_s=1",
             "checkpoint.interval=1", "checkpoint.resume=latest"]
-    overrides = [*base, "train.steps=1000", "ray.train_cpus_per_worker=3"]
+    # no restart: the train pool cannot be placed again on what is left (ray.max_restarts would wait for it)
+    overrides = [*base, "train.steps=1000", "ray.train_cpus_per_worker=3", "ray.max_restarts=0"]
     cfg = load_config(config, overrides)
     result: dict[str, BaseException] = {}
 
@@ -176,6 +179,7 @@ def test_node_lost_mid_run_stops_with_a_resumable_checkpoint(cluster: Cluster, t
     assert isinstance(err, RunLostError), repr(err)
     msg = str(err)
     assert "lost" in msg and "mid-run" in msg and "trainer rank 0" in msg and "The run was stopped" in msg, msg
+    assert "(ray.max_restarts=0: no restart)" in msg, msg
     assert "the last checkpoint is " + str(tmp_path / "run" / "checkpoints" / "step_") in msg, msg
     assert "the same command resumes from it" in msg, msg
     print(f"run stopped {time.monotonic() - t_kill:.1f}s after its node was removed: {msg}")
@@ -212,3 +216,135 @@ def test_running_engines_and_ray_engines_together_are_refused(tmp_path: Path) ->
     with pytest.raises(ConfigError, match=r"rollout.engine_urls=.*ray.rollout_gpus_per_engine=1 asks Ray to start "
                                           r"its own; clear one of the two"):
         plan_pools(cfg)
+
+
+def _run_in_thread(run: RayRun) -> tuple[threading.Thread, dict]:
+    """``run.run()`` (then its cleanup) on a thread; the dict gets its ``summary`` or ``error``."""
+    result: dict = {}
+
+    def target() -> None:
+        try:
+            result["summary"] = run.run()
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            result["error"] = e
+        finally:
+            run.cleanup()
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, result
+
+
+def _kill_trainer_after_checkpoint(run: RayRun, t: threading.Thread, result: dict, out: Path) -> None:
+    """SIGKILL trainer rank 0's actor process once the run wrote its first checkpoint."""
+    import os
+    import signal
+
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoints" / "latest").is_file():
+        assert t.is_alive(), result
+        assert time.monotonic() < deadline, "no checkpoint written"
+        time.sleep(0.2)
+    rank0 = next(m for m in run.members if m.kind == "trainer")
+    os.kill(rank0.pid, signal.SIGKILL)
+
+
+# slower steps (env latency), so that the kill lands while steps past the checkpoint run
+SLOW_STEPS = ["train.steps=4", "checkpoint.interval=2", "ray.health_check_interval_s=1",
+              "pipeline.sim_env_latency_s=0.15", "pipeline.sim_env_latency_alpha=50"]
+
+
+def test_killed_trainer_restarts_and_resumes_from_its_checkpoint(cluster: Cluster, tmp_path: Path, caplog) -> None:
+    """Trainer rank 0's process SIGKILLed after the step-2 checkpoint: the launcher starts a fresh trainer that
+    resumes from it (ray.max_restarts), the run completes all steps, each recorded once, and summary.json covers
+    the whole run."""
+    import logging
+
+    out = tmp_path / "run"
+    overrides = [f"output_dir={out}", "ray.enabled=true", *TINY, "sft.steps=0", *SLOW_STEPS, "ray.max_restarts=1"]
+    config = str(ROOT / "tests/configs/tiny_test.yaml")
+    run = RayRun(load_config(config, overrides), config, overrides)
+    caplog.set_level(logging.WARNING, logger="megatron_agentrl.launch.ray_placement")
+    t, result = _run_in_thread(run)
+    _kill_trainer_after_checkpoint(run, t, result, out)
+    t.join(timeout=150)
+    assert not t.is_alive(), "the restarted run did not end"
+    assert "error" not in result, repr(result.get("error"))
+    assert run.restarts == 1
+    restart = [r.getMessage() for r in caplog.records if "trainer group restart" in r.getMessage()]
+    assert len(restart) == 1 and "trainer rank 0" in restart[0] and "its actor died" in restart[0], restart
+    assert "resuming from " + str(out / "checkpoints" / "step_0000") in restart[0], restart
+    summary = result["summary"]
+    assert (summary["resumes"], summary["resumed_from_step"]) == (1, 2), summary
+    assert summary["trained_samples"] == 4 * 2 * 2, summary
+    rows = [json.loads(x) for x in (out / "batches.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    rl = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in rl if m["phase"] == "rl"] == [1, 2, 3, 4]
+    assert not _ours_left()
+
+
+def test_killed_trainer_without_restarts_stops_the_run(cluster: Cluster, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    overrides = [f"output_dir={out}", "ray.enabled=true", *TINY, "sft.steps=0", *SLOW_STEPS, "ray.max_restarts=0"]
+    config = str(ROOT / "tests/configs/tiny_test.yaml")
+    run = RayRun(load_config(config, overrides), config, overrides)
+    t, result = _run_in_thread(run)
+    _kill_trainer_after_checkpoint(run, t, result, out)
+    t.join(timeout=60)
+    assert not t.is_alive(), "the run did not stop after its trainer died"
+    err = result.get("error")
+    assert isinstance(err, RunLostError), repr(err)
+    msg = str(err)
+    assert "lost trainer rank 0" in msg and "its actor died" in msg and "(ray.max_restarts=0: no restart)" in msg
+    assert "the last checkpoint is " + str(out / "checkpoints" / "step_000002") in msg, msg
+    assert run.restarts == 0 and not _ours_left()
+
+
+@pytest.mark.slow  # about 30 s: two launches of the stand-in server
+def test_killed_engine_actor_comes_back_at_its_url(cluster: Cluster, tmp_path: Path, caplog) -> None:
+    """A rollout engine's actor SIGKILLed (its server, in a session of its own, outlives it): the launcher starts a
+    new actor in the same bundle, which stops the old server and launches one at the same host:port; a second
+    loss past ray.engine_max_restarts stops the run, naming the key."""
+    import logging
+    import os
+    import signal
+    import urllib.request
+
+    from megatron_agentrl.launch.ray_placement import _running
+
+    ckpt = _tiny_hf_checkpoint(tmp_path / "hf")
+    overrides = [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, f"model.checkpoint={ckpt}",
+                 "ray.rollout_gpus_per_engine=1", "ray.rollout_cpus_per_engine=0.25", "ray.health_check_interval_s=1",
+                 "ray.engine_server_module=rollout_sglang.testing.sglang_standin", "ray.engine_max_restarts=1"]
+    config = str(ROOT / "tests/configs/tiny_test.yaml")
+    run = RayRun(load_config(config, overrides), config, overrides)
+    caplog.set_level(logging.WARNING, logger="megatron_agentrl.launch.ray_placement")
+    try:
+        run.pgs = create_placement_groups(run.pools, 60, run.prefix)
+        [[url]] = run.start_engines()
+        engine = next(m for m in run.members if m.kind == "engine")
+        old_server, old_actor = engine.server_pid, engine.pid
+        os.kill(old_actor, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while engine.restarts == 0 or engine.starting is not None:  # the watch loop's ticks
+            assert time.monotonic() < deadline, "the engine did not come back"
+            run._check_service(engine)
+            time.sleep(0.5)
+        assert engine.url == url and engine.pid != old_actor and engine.server_pid != old_server
+        assert not _running(old_server)
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            assert r.status == 200
+        logs = [r.getMessage() for r in caplog.records]
+        assert any("restart 1 of 1 (ray.engine_max_restarts) of rollout engine 0 of version slot 0 at " + url in x
+                   and "its actor died" in x for x in logs), logs
+        assert any(f"is back at {url}" in x for x in logs), logs
+        os.kill(engine.server_pid, signal.SIGKILL)  # now the server exits: past the limit, the run stops
+        with pytest.raises(RunLostError, match=r"its process exited; it was restarted 1 time\(s\), "
+                                               r"ray.engine_max_restarts=1"):
+            while time.monotonic() < deadline + 30:
+                run._check_service(engine)
+                time.sleep(0.5)
+    finally:
+        run.cleanup()
+    assert not _ours_left()

@@ -275,8 +275,8 @@ class TrainingRun:
         rl = None
         groups: list[FinishedGroup] = []
         busy0 = self.ro.busy_seconds() if self.ro is not None else 0.0
+        groups = self._next_batch(step)
         if self.manager is not None:
-            groups = self.manager.get_batch(cfg.pipeline.batch_timeout_s)
             rl = build_rl_batch([t for g in groups for t in g.trajectories], self.task_names, cfg.algo,
                                 self.ro.shaper, trained_version=step - 1)
         wait_s = time.perf_counter() - t_step
@@ -300,6 +300,39 @@ class TrainingRun:
             m.update(self.manager.agent_metrics())  # rollout.agent: gateway: history rewrites, agent errors, ...
             m.update(engine_metrics(self.ro.pool, self.publisher))
             self._record(step, groups, stats, m, staleness, rl.sample_adv.tolist())
+
+    def _next_batch(self, step: int) -> list[FinishedGroup]:
+        """Rank 0: the groups of RL step ``step`` (``pipeline.batch_timeout_s`` at most); [] elsewhere.
+
+        With servers in other processes every rank takes part while rank 0 waits: when no slot can serve and
+        a server back from a restart waits for weights (every engine restarted, or the only one), nothing
+        would ever sample, so all ranks join a push of the current weights (version ``step - 1``) to it."""
+        timeout_s = self.cfg.pipeline.batch_timeout_s
+        if self.publisher.sender is None:
+            return self.manager.get_batch(timeout_s) if self.manager is not None else []
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        while True:
+            groups, status = [], None
+            if self.manager is not None:
+                try:
+                    now = time.monotonic()
+                    groups = self.manager.get_batch(min(1.0, max(0.0, deadline - now)), waited_s=now - t0)
+                    status = "ready"
+                except TimeoutError as e:
+                    if time.monotonic() >= deadline:
+                        status = f"error: {e}"
+                    else:
+                        status = "resync" if self.ro.pool.stranded() else "wait"
+            status = broadcast_object(status)
+            if status == "ready":
+                return groups
+            if status.startswith("error: "):
+                raise TimeoutError(status[len("error: "):])
+            if status == "resync":
+                logger.warning("no engine can serve and a restarted one waits for weights: sending it version %d "
+                               "before step %d", step - 1, step)
+                self.publisher.push(step - 1)
 
     # ------------------------------------------------------------------ periodic evaluation
     def _periodic_eval(self, step: int) -> None:

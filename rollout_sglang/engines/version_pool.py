@@ -623,6 +623,12 @@ class VersionPool:
                  "waiting_for_weights": [i for i, e in enumerate(s.engine_ids) if e in self._needs_weights],
                  "engines": [e.health() for e in s.engines]} for s in self.slots]
 
+    def stranded(self) -> bool:
+        """No slot can serve, yet an engine back from a restart would if it had weights: only a sync gets the
+        pool going again (the trainer then pushes without waiting for a batch that cannot come)."""
+        with self._lock:
+            return not any(self._is_live(s) for s in self.slots) and bool(self._needs_weights - set(self._down))
+
     def engines_out(self) -> int:
         """Engines out of rotation now (down, or back and waiting for weights)."""
         with self._lock:

@@ -659,12 +659,13 @@ class RolloutManager:
                                Counter(self.stats.dropped_infra))
         return batch
 
-    def get_batch(self, timeout_s: float) -> list[FinishedGroup]:
+    def get_batch(self, timeout_s: float, waited_s: float = 0.0) -> list[FinishedGroup]:
         """Block until ``batch_groups`` trainable groups are queued; take them (oldest version first).
 
         Groups too stale for the current version are dropped first. With dynamic sampling a batch
         whose draw budget ran out comes with fewer groups (see the module doc). Raises TimeoutError
-        after ``timeout_s`` seconds, RolloutError when the rollout side failed.
+        after ``timeout_s`` seconds (its message counts ``waited_s`` the caller waited before), RolloutError
+        when the rollout side failed.
         """
         t0 = time.monotonic()
         deadline = t0 + timeout_s
@@ -681,8 +682,8 @@ class RolloutManager:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
-                        f"no batch of {self.B} groups within {timeout_s:.0f}s (queued {len(self._queue)}, running "
-                        f"{self._running}, given up {self._short}, version {self._version}; episodes ended by "
+                        f"no batch of {self.B} groups within {waited_s + timeout_s:.0f}s (queued {len(self._queue)}, "
+                        f"running {self._running}, given up {self._short}, version {self._version}; episodes ended by "
                         f"infrastructure failures so far: {sum(self.stats.infra_failed.values())}"
                         + (f", the last: {self.last_infra_error[:300]}" if self.last_infra_error else "")
                         + "); raise pipeline.batch_timeout_s or check the environments and engines")

@@ -25,15 +25,17 @@ protocol                                    SGLang
                                             built with old weights), version stamp
 ``abort_weight_update()``                   ``POST /end_weight_update {}`` (the session closed, no stamp)
 ``health()``                                ``GET /health`` (+ ``GET /model_info`` for ``weight_version``)
+``probe(timeout_s)``                        ``GET /health_generate`` (+ ``GET /model_info``), the pool's health check
 ``num_ranks``                               ``GET /server_info`` ``tp_size`` (unless given)
 ==========================================  ==================================================
 
 Every call has a timeout (``request_timeout_s`` for generation, ``control_timeout_s`` for
-pause/continue/flush/health, the caller's for weight updates) and raises
-:class:`SGLangTimeout` (a TimeoutError) or :class:`SGLangError` naming the endpoint, the server
-and the fix. The version of a generation is the client-side stamp (set by
-:meth:`end_weight_update` after a successful sync); the version pool drains a slot before
-updating it, so no generation spans two versions.
+pause/continue/flush/health, the caller's for weight updates) and raises :class:`SGLangError`
+naming the endpoint, the server and the fix; when the server could not serve (unreachable, a 5xx
+answer, an aborted request, :class:`SGLangTimeout`) it is an :class:`SGLangUnavailable`, which the
+version pool answers by routing the request to another engine. The version of a generation is the
+client-side stamp (set by :meth:`end_weight_update` after a successful sync); the version pool
+drains a slot before updating it, so no generation spans two versions.
 
 Versions are ``int`` in our packages; SGLang's ``weight_version`` is a string. This client is the
 one place that converts (:func:`version_to_wire`, :func:`version_from_wire`): the version an update

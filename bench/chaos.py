@@ -15,7 +15,8 @@ The fault schedule is data (:data:`FAULTS`): each fault fires once the run has r
 ============== ================================================== ==============================================
 fault          action                                             recovered when
 ============== ================================================== ==============================================
-worker_kill    SIGKILL one of the two ``lookup`` workers          a step completes after the kill
+worker_kill    SIGKILL one of the two ``lookup`` workers while    the controller declared it dead, and a step
+               it holds sessions                                  completes after that
 controller     SIGKILL the controller; ``--controller-down-s``    it is back at its URL, every live worker
                later it starts again at the same port             registered again, and a step completes after
 trainer_kill   SIGKILL the trainer; the same command again        the resumed run records a step past the one

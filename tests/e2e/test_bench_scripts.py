@@ -51,6 +51,24 @@ def _check_async_vs_sync(lines: list[str], rec: dict[str, Any]) -> None:
     assert rec["async_speedup"] == pytest.approx(async_["samples_per_s"] / sync["samples_per_s"])
 
 
+def _check_chaos(lines: list[str], rec: dict[str, Any]) -> None:
+    chaos, faults = rec["chaos"], rec["chaos"]["faults"]
+    assert [f["name"] for f in faults] == [s["fault"] for s in rec["schedule"]] != []
+    assert rec["faults_survived"] == sum(f["survived"] for f in faults) and rec["faults_total"] == len(faults)
+    assert lines[-1] == f"chaos_faults_survived: {rec['faults_survived']}/{len(faults)}"
+    assert chaos["infra_failed_trained"] == 0 and chaos["batch_rows_seen"] >= chaos["steps_completed"] > 0
+    for f in faults:  # each fault fired and says how it ended: recovered, or the error that ended the run
+        assert f["fired_s"] is not None and (f["recovery_s"] is not None) == f["survived"], f
+        assert f["survived"] or f["error"], f
+    # what today's code survives (the engine faults wait for health checks, re-routing and re-joining the sync)
+    by_name = {f["name"]: f for f in faults}
+    assert by_name["worker_kill"]["survived"], by_name["worker_kill"]
+    trainer = by_name["trainer_kill"]
+    assert trainer["survived"] and 0 <= trainer["detail"]["steps_redone"] <= rec["args"]["ckpt_interval"], trainer
+    if rec["baseline"] is not None:
+        assert rec["steps_per_s_ratio"] == pytest.approx(chaos["steps_per_s"] / rec["baseline"]["steps_per_s"])
+
+
 def _check_convert(lines: list[str], rec: dict[str, Any]) -> None:
     assert rec["roundtrip_identical"] and rec["tensors"] == sum(r["tensors"] for r in rec["runs"]) > 0
     assert sorted(r["moe"] for r in rec["runs"]) == [False, True]  # a dense and a MoE model
@@ -167,6 +185,7 @@ CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
     "gpu_suite.py": _check_gpu_suite,
     "logprob_memory.py": _check_logprob_memory,
     "async_vs_sync.py": _check_async_vs_sync,
+    "chaos.py": _check_chaos,
     "containers.py": _check_containers,
     "convert.py": _check_convert,
     "demo_learning.py": _check_demo_learning,

@@ -260,6 +260,8 @@ class Cluster:
                 "pipeline.mode=async", "pipeline.staleness=1", "rollout.max_versions=2",
                 "rollout.cross_policy=uniform", "loss.tis_cap=2.0", f"rollout.engine_urls={urls}",
                 f"rollout.engine_timeout_s={a.engine_timeout_s}", "rollout.engine_startup_timeout_s=90",
+                "rollout.engine_health_interval_s=1", "rollout.engine_health_timeout_s=5",
+                "rollout.engine_unavailable_timeout_s=120",
                 "rollout.weight_sync_init_timeout_s=30", "rollout.weight_sync_bucket_timeout_s=30",
                 f"pipeline.batch_timeout_s={a.batch_timeout_s}", f"pipeline.env_timeout_s={a.env_timeout_s}",
                 f"checkpoint.interval={a.ckpt_interval}", "checkpoint.keep=2", "checkpoint.resume=latest",
@@ -667,10 +669,10 @@ def print_table(chaos: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = bench_parser("chaos", __doc__)
-    p.add_argument("--steps", type=int, default=36, help="RL steps of the run (train.steps)")
+    p.add_argument("--steps", type=int, default=48, help="RL steps of the run (train.steps)")
     p.add_argument("--faults", default=ALL_FAULTS, help=f"the faults, in order (of {ALL_FAULTS})")
     p.add_argument("--first-fault", type=int, default=3, help="the step the first fault fires after")
-    p.add_argument("--fault-every", type=int, default=6, help="steps between faults")
+    p.add_argument("--fault-every", type=int, default=8, help="steps between faults")
     p.add_argument("--prompts", type=int, default=2, help="groups per step (rollout.prompts_per_step)")
     p.add_argument("--group", type=int, default=4, help="samples per group (rollout.samples_per_prompt)")
     p.add_argument("--ckpt-interval", type=int, default=2, help="checkpoint.interval")

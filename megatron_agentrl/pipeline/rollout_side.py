@@ -212,7 +212,8 @@ def chat_template(cfg: Config, tokenizer: Any, hf_config: Any) -> AnyChatTemplat
                     "" if thinking is None else f", enable_thinking={thinking}")
         return build_chat_template(resolved, tokenizer, enable_thinking=thinking)
     except ValueError as e:
-        thinking = "" if cfg.model.enable_thinking is None else f" and model.enable_thinking={cfg.model.enable_thinking}"
+        thinking = cfg.model.enable_thinking
+        thinking = "" if thinking is None else f" and model.enable_thinking={thinking}"
         raise ConfigError(f"model.chat_template={cfg.model.chat_template!r}{thinking} with model.tokenizer="
                           f"'{cfg.model.tokenizer}': {e}") from None
 

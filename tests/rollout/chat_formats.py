@@ -258,7 +258,8 @@ For each function call, output the function name and arguments within the follow
 {% for m in messages %}
 {%- if m.role == 'user' -%}<|user|>
 {{ m.content }}
-{{- '/nothink' if (enable_thinking is defined and not enable_thinking and not m.content.endswith("/nothink")) else '' -}}
+{{- '/nothink' if (enable_thinking is defined and not enable_thinking
+    and not m.content.endswith("/nothink")) else '' -}}
 {%- elif m.role == 'assistant' -%}
 <|assistant|>
 {%- set reasoning_content = '' %}

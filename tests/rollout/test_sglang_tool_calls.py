@@ -89,7 +89,8 @@ def test_accepted_calls_read_as_sglang_reads_them(detectors, text: str) -> None:
         ('{"name": "search", "arguments": {"q": "x"}, "parameters": {}}', {"q": "x"}, "both"),
     ],
 )
-def test_refused_where_sglang_would_drop_or_guess_arguments(detectors, body: str, sglang_args: dict, problem: str) -> None:
+def test_refused_where_sglang_would_drop_or_guess_arguments(detectors, body: str, sglang_args: dict,
+                                                           problem: str) -> None:
     text = block(body)
     got = ours(text)
     assert isinstance(got, str) and problem in got

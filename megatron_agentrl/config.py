@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
-from rollout_sglang.chat_template import CHAT_TEMPLATES
+from rollout_sglang.chat_template import CHAT_TEMPLATES, thinking_switch_problem
 
 
 class ConfigError(ValueError):
@@ -160,6 +160,11 @@ class ModelConfig(_Section):
         tool calls, <think> reasoning) | auto (the format the model's family declares in
         ``megatron_agentrl.convert``; qwen2 for a model type without a family). The names are
         ``rollout_sglang.chat_template.CHAT_TEMPLATES`` (:data:`CHAT_TEMPLATE_CHOICES`).
+    enable_thinking: the official template's ``enable_thinking`` switch, for the formats that have one (qwen3,
+        glm45): null (the default) = the format's default, on; false = no reasoning: the generation prompt ends with
+        an empty think block (and, GLM-4.5, each user message with ``/nothink``), as the template writes it; the
+        same template object renders the engine's prompts and the trainer's encoding. Refused for a format without
+        the switch (checked here for a named format, when the format is built for auto).
 
     Which of hf_config / arch / megatron_checkpoint is set is checked by :meth:`Config.validate`
     (a section may be built empty and filled in).
@@ -174,6 +179,7 @@ class ModelConfig(_Section):
     tokenizer: str = "examples/tokenizer/tiny_agent"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     chat_template: str = "auto"
+    enable_thinking: bool | None = None
 
     def check(self) -> None:
         """See :class:`_Section`; the paths are checked where they are read (``megatron_agentrl.hf_io``)."""
@@ -181,6 +187,8 @@ class ModelConfig(_Section):
         self.require(self.chat_template in CHAT_TEMPLATE_CHOICES, "chat_template",
                      f"is not one of {', '.join(CHAT_TEMPLATE_CHOICES)} (auto: the default format of the model's "
                      "family, qwen2 for a model type without one)")
+        problem = thinking_switch_problem(self.chat_template, self.enable_thinking)
+        self.require(problem is None, "enable_thinking", f"is set but {problem}")
         for name in ("hf_config", "checkpoint", "megatron_checkpoint", "tokenizer"):
             self.require(getattr(self, name) != "", name, "is empty; give a path"
                          + ("" if name == "tokenizer" else " or leave it out"))

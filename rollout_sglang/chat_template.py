@@ -286,7 +286,9 @@ class ChatTemplate(_TokenTemplate):
         if eos_id is None:
             eos_id = vocab.get(ENDOFTEXT)
         self.eos_token_id: int | None = eos_id
-        self._generation_prompt_ids = self._encode(f"{IM_START}assistant\n")
+        #: What the prompt ends with, where the model's turn starts (Qwen3 without thinking: plus an empty think block)
+        self.generation_prompt = f"{IM_START}assistant\n"
+        self._generation_prompt_ids = self._encode(self.generation_prompt)
 
     # ----------------------------------------------------------------- text
     @property
@@ -380,12 +382,13 @@ class ChatTemplate(_TokenTemplate):
         if turns:
             text += turns + "\n"
         if add_generation_prompt:
-            text += f"{IM_START}assistant\n"
+            text += self.generation_prompt
         return text
 
     # --------------------------------------------------------------- tokens
     def encode_prompt(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> list[int]:
-        """Token ids of the conversation so far plus the ``<|im_start|>assistant\\n`` generation prompt."""
+        """Token ids of the conversation so far plus the ``<|im_start|>assistant\\n`` generation prompt
+        (:attr:`generation_prompt`)."""
         return self._encode(self.render_text(messages, tools, add_generation_prompt=False)) + list(
             self._generation_prompt_ids
         )
@@ -459,15 +462,27 @@ class Qwen3ChatTemplate(ChatTemplate):
 
     tokenizer: as :class:`ChatTemplate`; ``<think>`` and ``</think>`` may be single tokens (Qwen3's own,
         :data:`rollout_sglang.tokenizer.QWEN3_TEXT_TOKENS`) or plain text.
+    enable_thinking: the template's switch (default on). Off, the generation prompt ends with an empty think block,
+        ``<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n``, as the template writes it for
+        ``enable_thinking=false``; a generated turn (:meth:`render_assistant`) is then the content and calls alone
+        (a message's reasoning is dropped there), and every prompt and env reply piece ends with that block, so the
+        engine's prompt and the trainer's encoding stay one text.
     """
 
     name = "qwen3"
     FORMAT = "Qwen3"
     #: A forced call skips the reasoning: an empty think block, as Qwen3's no-thinking mode writes it.
     ANY_CALL_PREFIX = f"{THINK_START}\n\n{THINK_END}\n\n{TOOL_CALL_START}\n"
+    #: What the template's ``enable_thinking=false`` adds after the generation prompt.
+    NO_THINKING = f"{THINK_START}\n\n{THINK_END}\n\n"
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, enable_thinking: bool = True) -> None:
         super().__init__(tokenizer, default_system=None)
+        self.enable_thinking = enable_thinking
+        if not enable_thinking:
+            self.generation_prompt += self.NO_THINKING
+            self._generation_prompt_ids = self._encode(self.generation_prompt)
+            self.ANY_CALL_PREFIX = TOOL_CALL_START + "\n"  # the empty think block is in the prompt already
 
     def _tools_header(self, system: str | None) -> str:
         """The system text and the ``# Tools`` header; without a system text the header starts the turn."""
@@ -488,10 +503,15 @@ class Qwen3ChatTemplate(ChatTemplate):
         return text
 
     def render_assistant(self, message: Message) -> str:
-        """An assistant message as the text the model generates after ``<|im_start|>assistant\\n`` (no
-        ``<|im_end|>``): ``<think>\\n{reasoning}\\n</think>\\n\\n`` (empty when it has none), the content, then
-        one ``<tool_call>`` block per call, each after a newline unless it starts the content."""
-        return self._assistant_text(message, show_think=True)
+        """An assistant message as the text the model generates after the generation prompt (no ``<|im_end|>``):
+        ``<think>\\n{reasoning}\\n</think>\\n\\n`` (empty when it has none), the content, then one ``<tool_call>``
+        block per call, each after a newline unless it starts the content. Without thinking the think block is in
+        the prompt: the turn is what follows it, without the reasoning."""
+        if self.enable_thinking:
+            return self._assistant_text(message, show_think=True)
+        _, content = _reasoning_and_content(message)
+        text = self._assistant_text({**message, "reasoning_content": "", "content": content}, show_think=True)
+        return text[len(self.NO_THINKING):]
 
     def _render_assistant_in(self, messages: Sequence[Message], i: int, whole: bool) -> str:
         """``messages[i]`` with its think block where the template shows one: after the last user query, when it
@@ -718,10 +738,18 @@ class Glm45ChatTemplate(_GlmTemplate):
     Messages take OpenAI's shape; an assistant message may carry ``reasoning_content`` (or open its content
     with ``<think>...</think>``). A generated turn is what follows ``<|assistant|>``, from its
     ``\n<think>`` to its stop token, reasoning included (:meth:`render_assistant`).
+
+    enable_thinking: the template's switch (default on). Off, as the template writes ``enable_thinking=false``:
+    every user message ends with ``/nothink`` (unless it already does) and the generation prompt is
+    ``<|assistant|>\\n<think></think>``; a generated turn is then what follows that empty block (the content
+    and calls; a message's reasoning is dropped there), and every prompt and env reply piece ends with it.
     """
 
     name = "glm45"
     FORMAT = "GLM-4.5"
+    #: What the template's ``enable_thinking=false`` adds after ``<|assistant|>``, and to each user message.
+    NO_THINKING = f"\n{THINK_START}{THINK_END}"
+    NO_THINK_USER = "/nothink"
     EXTRA_TOKENS = (THINK_START, THINK_END, TOOL_CALL_START, TOOL_CALL_END, ARG_KEY_START, ARG_KEY_END,
                     ARG_VALUE_START, ARG_VALUE_END, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
     #: A forced call skips the reasoning (an empty think block, as GLM-4.5's no-thinking mode writes it).
@@ -733,6 +761,14 @@ class Glm45ChatTemplate(_GlmTemplate):
         return self.ANY_CALL_PREFIX if name is None else f"{self.ANY_CALL_PREFIX}{name}\n"
 
     reasoning_splitter = staticmethod(split_glm45_reasoning)
+
+    def __init__(self, tokenizer: Any, enable_thinking: bool = True) -> None:
+        super().__init__(tokenizer)
+        self.enable_thinking = enable_thinking
+        self.generation_prompt = GLM_ASSISTANT if enable_thinking else GLM_ASSISTANT + self.NO_THINKING
+        if not enable_thinking:
+            self._generation_prompt_ids = self._generation_prompt_ids + self._encode(self.NO_THINKING)
+            self.ANY_CALL_PREFIX = f"\n{TOOL_CALL_START}"  # the empty think block is in the prompt already
 
     # ----------------------------------------------------------------- text
     def render_system(self, messages: Sequence[Message], tools: Sequence[dict] | None) -> str:
@@ -768,8 +804,18 @@ class Glm45ChatTemplate(_GlmTemplate):
 
     def render_assistant(self, message: Message) -> str:
         """An assistant message as the text the model generates after ``<|assistant|>`` (no stop token):
-        ``\\n<think>{reasoning}</think>``, ``\\n{content}`` when non-empty, then its calls."""
-        return self._assistant_text(message, keep_reasoning=True)
+        ``\\n<think>{reasoning}</think>``, ``\\n{content}`` when non-empty, then its calls. Without thinking the
+        empty think block is in the prompt: the turn is what follows it, without the reasoning."""
+        if self.enable_thinking:
+            return self._assistant_text(message, keep_reasoning=True)
+        return self._assistant_text(message, keep_reasoning=False)[len(self.NO_THINKING):]
+
+    def _user_text(self, message: Message) -> str:
+        """A user message's text; without thinking it ends with ``/nothink``, as the template writes it."""
+        text = _content_text(message)
+        if not self.enable_thinking and not text.endswith(self.NO_THINK_USER):
+            text += self.NO_THINK_USER
+        return text
 
     def _render_in_place(self, messages: Sequence[Message]) -> str:
         """``messages`` rendered where they stand; an assistant message keeps its reasoning when no user
@@ -784,8 +830,10 @@ class Glm45ChatTemplate(_GlmTemplate):
                 parts.append(f"\n{TOOL_RESPONSE_START}\n{_content_text(msg)}\n{TOOL_RESPONSE_END}")
             elif role == "assistant":
                 parts.append(GLM_ASSISTANT + self._assistant_text(msg, keep_reasoning=i > last_user))
-            elif role in ("user", "system"):
-                parts.append(f"{_GLM_ROLE_TOKENS[role]}\n{_content_text(msg)}")
+            elif role == "user":
+                parts.append(f"{GLM_USER}\n{self._user_text(msg)}")
+            elif role == "system":
+                parts.append(f"{GLM_SYSTEM}\n{_content_text(msg)}")
             else:
                 raise ValueError(
                     f"message {i} has role {role!r}; expected one of 'system', 'user', 'assistant', 'tool'"
@@ -798,7 +846,7 @@ class Glm45ChatTemplate(_GlmTemplate):
         """The whole conversation as text, identical to GLM-4.5's jinja template output (messages in order;
         reasoning only for assistant messages after the last user message)."""
         text = self.render_system(messages, tools) + self._render_in_place(messages)
-        return text + GLM_ASSISTANT if add_generation_prompt else text
+        return text + self.generation_prompt if add_generation_prompt else text
 
     def parse_assistant(self, text: str, tools: Sequence[dict] | None = None, call_id_start: int = 0) -> Message:
         """A generated turn's text as an OpenAI assistant message with ``reasoning_content`` (see
@@ -814,15 +862,33 @@ _TEMPLATE_CLASSES: dict[str, type[AnyChatTemplate]] = {
 #: the trainer resolves to the default format of the model's family (``megatron_agentrl.convert``) before it
 #: builds one.
 CHAT_TEMPLATES: tuple[str, ...] = tuple(_TEMPLATE_CLASSES)
+#: The formats whose official template has the ``enable_thinking`` switch (on by default in both).
+THINKING_TEMPLATES: tuple[str, ...] = ("qwen3", "glm45")
 
 
-def build_chat_template(name: str, tokenizer: Any) -> AnyChatTemplate:
+def thinking_switch_problem(name: str, enable_thinking: bool | None) -> str | None:
+    """Why format ``name`` cannot take ``enable_thinking`` (None: it can; None, the format's default, always can)."""
+    if enable_thinking is None or name in THINKING_TEMPLATES or name not in _TEMPLATE_CLASSES:
+        return None
+    return (f"the {_TEMPLATE_CLASSES[name].FORMAT} chat format ({name}) has no thinking switch; enable_thinking "
+            f"applies to {' and '.join(THINKING_TEMPLATES)} (leave it null for the format's default)")
+
+
+def build_chat_template(name: str, tokenizer: Any, enable_thinking: bool | None = None) -> AnyChatTemplate:
     """The chat format ``name`` (one of :data:`CHAT_TEMPLATES`) bound to ``tokenizer``.
 
-    Raises ValueError naming an unknown ``name`` (and "auto", which the caller resolves from the model's family).
+    enable_thinking: the official template's ``enable_thinking`` switch, for the formats that have one
+        (:data:`THINKING_TEMPLATES`); None: the format's default (on).
+    Raises ValueError naming an unknown ``name`` (and "auto", which the caller resolves from the model's family),
+    and for an ``enable_thinking`` given to a format without the switch.
     """
     cls = _TEMPLATE_CLASSES.get(name)
     if cls is None:
         why = " ('auto' is resolved from the model's family before a format is built)" if name == "auto" else ""
         raise ValueError(f"chat template {name!r} is not one of {', '.join(CHAT_TEMPLATES)}{why}")
-    return cls(tokenizer)
+    problem = thinking_switch_problem(name, enable_thinking)
+    if problem:
+        raise ValueError(problem)
+    if enable_thinking is None:
+        return cls(tokenizer)
+    return cls(tokenizer, enable_thinking=enable_thinking)  # type: ignore[call-arg]

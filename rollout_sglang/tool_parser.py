@@ -2,7 +2,8 @@
 
 Hermes / Qwen2.5 (:func:`parse_assistant_text`): a tool call is a block
 ``<tool_call>\\n{"name": "<tool>", "arguments": {...}}\\n</tool_call>``; a turn may hold several.
-The text outside the blocks is the message content.
+The text outside the blocks is the message content. ``"parameters"`` is read as ``"arguments"``, as SGLang reads
+it; both at once, or any other key in the call object, is refused: the arguments are never dropped.
 
 Qwen3 (:func:`parse_qwen3_assistant_text`): Hermes calls after a ``<think>...</think>`` block that opens
 the turn, returned as ``reasoning_content``.
@@ -147,8 +148,18 @@ def _tool_names(tools: Sequence[dict] | None) -> set[str] | None:
     return names
 
 
+#: The keys a Hermes call object may have. ``parameters`` is read as ``arguments`` (SGLang's Hermes / Qwen2.5
+#: detectors do the same, ``act.get("parameters") or act.get("arguments", {})``); any other key is refused, where
+#: SGLang would drop it silently: a model that writes its arguments under a key of its own (``args``, ``input``, a
+#: nested ``function``) would otherwise call the tool with none.
+_CALL_KEYS = frozenset(["name", "arguments", "parameters"])
+
+
 def _parse_block(body: str, names: set[str] | None) -> tuple[str, dict]:
-    """Validate one block's JSON body; returns (name, arguments object)."""
+    """Validate one block's JSON body; returns (name, arguments object).
+
+    The object has a ``name`` string and the arguments as one object under ``arguments`` or, as SGLang also reads
+    it, ``parameters`` (absent: no arguments); both at once, or any other key, is refused (never dropped)."""
     raw = body.strip()
     if not raw:
         raise _fail("empty <tool_call> block", f"{TOOL_CALL_START}{body}{TOOL_CALL_END}")
@@ -160,12 +171,22 @@ def _parse_block(body: str, names: set[str] | None) -> tuple[str, dict]:
         raise _fail(f"tool call JSON refused: {e}", raw) from None
     if not isinstance(obj, dict):
         raise _fail(f"tool call must be a JSON object, got {type(obj).__name__}", raw)
+    extra = sorted(k for k in obj if k not in _CALL_KEYS)
+    if extra:
+        keys = ", ".join(repr(k) for k in extra)
+        raise _fail(f"tool call has key(s) {keys} besides \"name\" and \"arguments\" (a call is one object with "
+                    "the tool's name and its arguments as one \"arguments\" object; nothing else is read, so "
+                    "nothing else may be written)", raw)
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         raise _fail("tool call has no \"name\" string", raw)
-    args = obj.get("arguments", {})
+    if "arguments" in obj and "parameters" in obj:
+        raise _fail("tool call has both \"arguments\" and \"parameters\" (write the arguments once, as "
+                    "\"arguments\")", raw)
+    key = "parameters" if "parameters" in obj else "arguments"
+    args = obj.get(key, {})
     if not isinstance(args, dict):
-        raise _fail(f"tool call \"arguments\" must be a JSON object, got {type(args).__name__}", raw)
+        raise _fail(f"tool call \"{key}\" must be a JSON object, got {type(args).__name__}", raw)
     if names is not None and name not in names:
         known = ", ".join(sorted(names)) or "(none)"
         raise _fail(f"unknown tool {name!r} (available: {known})", raw)
@@ -184,7 +205,8 @@ def parse_assistant_text(
     Returns ``{"role": "assistant", "content": str, "tool_calls": [...]}`` with each call as
     ``{"id", "type": "function", "function": {"name", "arguments": JSON string}}``; content is the
     text outside the blocks, stripped (segments joined by a newline); ``tool_calls`` is empty for
-    plain text. Raises ToolCallParseError for bad JSON, a missing name, non-object arguments, an
+    plain text. Raises ToolCallParseError for bad JSON, a missing name, non-object arguments, a call
+    object with a key besides ``name`` and ``arguments`` (``parameters`` is read as ``arguments``), an
     unclosed or unopened tag, an unknown tool, JSON beyond the limits in the module doc, or a lone
     surrogate anywhere in the message; never any other exception.
     """

@@ -200,16 +200,21 @@ def build_rollout_side(cfg: Config, hf_config: Any, dtype: torch.dtype, template
 
 def chat_template(cfg: Config, tokenizer: Any, hf_config: Any) -> AnyChatTemplate:
     """The chat format ``model.chat_template`` names (auto: the default of the model's family, from the
-    family registry ``megatron_agentrl.convert``), on ``tokenizer``."""
+    family registry ``megatron_agentrl.convert``), on ``tokenizer``, with ``model.enable_thinking`` (refused, as a
+    ConfigError, for a format without the switch)."""
     from megatron_agentrl.convert import resolve_chat_template
 
     name, model_type = cfg.model.chat_template, getattr(hf_config, "model_type", None)
     try:
         resolved = resolve_chat_template(name, model_type)
-        logger.info("chat template: %s%s", resolved, f" (auto, model_type={model_type})" if name == "auto" else "")
-        return build_chat_template(resolved, tokenizer)
+        thinking = cfg.model.enable_thinking
+        logger.info("chat template: %s%s%s", resolved, f" (auto, model_type={model_type})" if name == "auto" else "",
+                    "" if thinking is None else f", enable_thinking={thinking}")
+        return build_chat_template(resolved, tokenizer, enable_thinking=thinking)
     except ValueError as e:
-        raise ConfigError(f"model.chat_template={cfg.model.chat_template!r} with model.tokenizer="
+        thinking = cfg.model.enable_thinking
+        thinking = "" if thinking is None else f" and model.enable_thinking={thinking}"
+        raise ConfigError(f"model.chat_template={cfg.model.chat_template!r}{thinking} with model.tokenizer="
                           f"'{cfg.model.tokenizer}': {e}") from None
 
 

@@ -258,6 +258,8 @@ For each function call, output the function name and arguments within the follow
 {% for m in messages %}
 {%- if m.role == 'user' -%}<|user|>
 {{ m.content }}
+{{- '/nothink' if (enable_thinking is defined and not enable_thinking
+    and not m.content.endswith("/nothink")) else '' -}}
 {%- elif m.role == 'assistant' -%}
 <|assistant|>
 {%- set reasoning_content = '' %}
@@ -304,7 +306,7 @@ For each function call, output the function name and arguments within the follow
 {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
-    <|assistant|>
+    <|assistant|>{{- '\n<think></think>' if (enable_thinking is defined and not enable_thinking) else '' -}}
 {%- endif -%}
 """
 
@@ -325,9 +327,9 @@ def glm45_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def render_glm45(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-    """Render GLM45_TEMPLATE with jinja2 configured as Hugging Face does."""
-    return render_jinja(GLM45_TEMPLATE, glm45_messages(messages), tools, add_generation_prompt)
+def render_glm45(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool, **kwargs: Any) -> str:
+    """Render GLM45_TEMPLATE with jinja2 configured as Hugging Face does (``kwargs``: e.g. enable_thinking)."""
+    return render_jinja(GLM45_TEMPLATE, glm45_messages(messages), tools, add_generation_prompt, **kwargs)
 
 
 def glm45_tokenizer(out_dir: Path):
@@ -486,9 +488,10 @@ def qwen3_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def render_qwen3(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-    """Render QWEN3_TEMPLATE with jinja2 configured as Hugging Face does (it takes OpenAI messages as they are)."""
-    return render_jinja(QWEN3_TEMPLATE, copy.deepcopy(messages), tools, add_generation_prompt)
+def render_qwen3(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool, **kwargs: Any) -> str:
+    """Render QWEN3_TEMPLATE with jinja2 configured as Hugging Face does (it takes OpenAI messages as they are;
+    ``kwargs``: e.g. enable_thinking)."""
+    return render_jinja(QWEN3_TEMPLATE, copy.deepcopy(messages), tools, add_generation_prompt, **kwargs)
 
 
 def train_qwen3_tokenizer(texts: list[str], out_dir, text_tokens=QWEN3_TEXT_TOKENS):

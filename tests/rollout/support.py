@@ -59,13 +59,14 @@ def hf_tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, sep
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def render_jinja(template: str, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+def render_jinja(template: str, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool,
+                 **kwargs: Any) -> str:
     """Render the jinja chat ``template`` with jinja2 configured as Hugging Face does; ``messages``
-    must already be in the shape the template expects."""
+    must already be in the shape the template expects; ``kwargs`` are the template's options (enable_thinking)."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = hf_tojson
     return env.from_string(template).render(messages=messages, tools=tools,
-                                            add_generation_prompt=add_generation_prompt)
+                                            add_generation_prompt=add_generation_prompt, **kwargs)
 
 
 def parse_error(parse: Callable[..., Any], text: str, tools: list[dict] | None) -> str:

@@ -81,3 +81,34 @@ def test_long_offending_text_is_shortened() -> None:
         parse_assistant_text(text)
     assert len(str(info.value)) < 500
     assert " ... " in str(info.value)
+
+
+def test_parameters_is_read_as_arguments() -> None:
+    """SGLang's Hermes / Qwen2.5 detectors read a "parameters" key as the arguments; so do we (never as no
+    arguments, which the parser once did)."""
+    msg = parse_assistant_text('<tool_call>\n{"name": "search", "parameters": {"q": "x", "k": 2}}\n</tool_call>',
+                               TOOLS)
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"q": "x", "k": 2}
+    msg = parse_assistant_text('<tool_call>\n{"parameters": {}, "name": "search"}\n</tool_call>', TOOLS)
+    assert msg["tool_calls"][0]["function"]["arguments"] == "{}"
+
+
+@pytest.mark.parametrize(
+    "body, problem",
+    [
+        ('{"name": "search", "args": {"q": "x"}}', "key(s) 'args' besides \"name\" and \"arguments\""),
+        ('{"name": "search", "input": {"q": "x"}}', "key(s) 'input' besides"),
+        ('{"name": "search", "arguments": {"q": "x"}, "k": 2}', "key(s) 'k' besides"),
+        ('{"function": {"name": "search", "arguments": {"q": "x"}}}', "key(s) 'function' besides"),
+        ('{"name": "search", "function": {"arguments": {"q": "x"}}, "id": "c1"}', "key(s) 'function', 'id' besides"),
+        ('{"name": "search", "arguments": {}, "parameters": {"q": "x"}}',
+         'both "arguments" and "parameters" (write the arguments once, as "arguments")'),
+        ('{"name": "search", "parameters": "{\\"q\\": 1}"}', '"parameters" must be a JSON object, got str'),
+        ('{"name": "search", "parameters": null}', '"parameters" must be a JSON object, got NoneType'),
+    ],
+)
+def test_arguments_under_another_key_are_refused_not_dropped(body: str, problem: str) -> None:
+    with pytest.raises(ToolCallParseError) as info:
+        parse_assistant_text(f"<tool_call>\n{body}\n</tool_call>", TOOLS)
+    assert problem in str(info.value)
+    assert body[:20] in str(info.value)

@@ -232,6 +232,42 @@ def test_valid_json_is_accepted_unchanged(args: dict, ascii_only: bool) -> None:
         assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == args
 
 
+# Keys a model may write in a Hermes call object besides "name": the two the parsers read as the arguments, and
+# ones a model may invent for them (or around them) that nothing reads.
+READ_KEYS = ("arguments", "parameters")
+INVENTED_KEYS = ("args", "input", "params", "kwargs", "argument", "tool_input", "function", "parameter", "id", "type",
+                 "Arguments", "arguments ")
+call_value = st.one_of(safe_args, safe_value, st.fixed_dictionaries(
+    {"name": st.just("x")}, optional={"arguments": safe_args, "parameters": safe_args}))  # a nested call too
+call_object = st.dictionaries(st.sampled_from(READ_KEYS + INVENTED_KEYS), call_value, max_size=3).map(
+    lambda extra: {"name": "x", **extra})
+
+
+def _empty(value: Any) -> bool:
+    return value in ({}, [], "", None)
+
+
+@BOUNDED
+@given(obj=call_object, ascii_only=st.booleans(), order=st.booleans())
+def test_no_call_loses_its_arguments(obj: dict, ascii_only: bool, order: bool) -> None:
+    """Whatever keys a model writes, a call it accepts carries exactly what it read: the object under
+    "arguments" or "parameters" (SGLang's reading), never an emptied one while argument-like content was
+    written elsewhere in the object."""
+    items = list(obj.items()) if order else list(reversed(obj.items()))
+    raw = "{" + ",".join(f"{json.dumps(k)}: {json.dumps(v, ensure_ascii=ascii_only)}" for k, v in items) + "}"
+    msg = parse_or_refuse(parse_assistant_text, f"{TOOL_CALL_START}\n{raw}\n{TOOL_CALL_END}")
+    extra = set(obj) - {"name", *READ_KEYS}
+    read = [k for k in READ_KEYS if k in obj]
+    if msg is None:  # refused only for a key nothing reads, both keys at once, or non-object arguments
+        assert extra or len(read) == 2 or not isinstance(obj[read[0]], dict), raw
+        return
+    assert not extra and len(read) <= 1, raw
+    args = json.loads(msg["tool_calls"][0]["function"]["arguments"])
+    assert args == (obj[read[0]] if read else {}), raw
+    if args == {}:
+        assert all(_empty(v) for k, v in obj.items() if k != "name"), raw
+
+
 @BOUNDED
 @given(depth=st.integers(1, 3000), opener=st.sampled_from(["[", '{"k":']))
 def test_nesting_is_bounded(depth: int, opener: str) -> None:

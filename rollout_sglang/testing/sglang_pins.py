@@ -22,7 +22,6 @@ import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name

@@ -4,8 +4,8 @@ setup.py's requirements (``install_requires`` plus the ``sglang`` and ``gpu`` ex
 source) and constraints.txt's exact versions are compared with the ``Requires-Dist`` of a distribution file
 (the SGLang wheel that :func:`~rollout_sglang.testing.sglang_contract.find_wheel` finds; a Transformer Engine
 wheel or sdist): every requirement both sides name must leave some version that satisfies both, and
-constraints.txt's version must satisfy the other side's (so ``pip install -c constraints.txt '.[sglang]'``
-resolves), except for :data:`DEV_ONLY`. Markers are evaluated for the platform the SGLang wheel is built for
+constraints.txt's version must satisfy the other side's (the dev environment tests versions SGLang accepts),
+except for :data:`DEV_ONLY`. Markers are evaluated for the platform the SGLang wheel is built for
 (:data:`TARGET_ENV`). This sees direct requirements only: ``.ci/run`` also runs pip's real resolver
 (``pip install --dry-run --ignore-installed '.[sglang]'``) for the transitive ones.
 
@@ -34,7 +34,9 @@ TARGET_ENV = {"python_version": "3.11", "python_full_version": "3.11.7", "implem
 #: the extras of setup.py installed beside SGLang
 EXTRAS = ("sglang", "gpu")
 #: constraints.txt pins that are meant to differ from SGLang's: the CPU dev environment (``make install``)
-#: tests these versions; the `sglang` extra resolves to SGLang's own, which setup.py's ranges admit
+#: tests these versions; the `sglang` extra resolves to SGLang's own, which setup.py's ranges admit. So
+#: ``pip install -c constraints.txt '.[sglang]'`` does not resolve (nor, transitively, would huggingface_hub
+#: 2.x, which tokenizers 0.23.3 brings and SGLang's tokenizers 0.23.2 refuses)
 DEV_ONLY = {
     "torch": "the dev environment runs the CPU build of torch 2.13.0 (Makefile); SGLang needs its CUDA build",
     "transformers": "the dev environment tests the newest transformers that setup.py's range admits",
@@ -155,8 +157,8 @@ def conflicts(mine: Iterable[Requirement], theirs: Iterable[Requirement], theirs
         pinned = (constraints or {}).get(name)
         if pinned is not None and name not in dev_only and not t.specifier.contains(pinned, prereleases=True):
             out.append(f"constraints.txt pins {name}=={pinned} but {theirs_name} requires {t}: pin a version that "
-                       f"satisfies {t.specifier} (and setup.py's range), so that `pip install -c constraints.txt "
-                       f"'.[sglang]'` resolves")
+                       f"satisfies {t.specifier} (and setup.py's range), so that CI tests a version SGLang accepts "
+                       f"(or, if the dev environment must differ, add it to DEV_ONLY with the reason)")
     return out
 
 

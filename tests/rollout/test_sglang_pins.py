@@ -115,8 +115,8 @@ def test_a_planted_constraint_conflict_fails_naming_both_sides_and_the_fix():
     found = conflicts([Requirement("openai>=2.8,<4"), Requirement("torch>=2.13,<2.15")], SGLANG_REQS,
                       "sglang-0.5.23.whl", pins)
     assert found == ["constraints.txt pins python-dateutil==4.0.0 but sglang-0.5.23.whl requires python-dateutil<3: "
-                     "pin a version that satisfies <3 (and setup.py's range), so that `pip install -c "
-                     "constraints.txt '.[sglang]'` resolves"]
+                     "pin a version that satisfies <3 (and setup.py's range), so that CI tests a version SGLang "
+                     "accepts (or, if the dev environment must differ, add it to DEV_ONLY with the reason)"]
     # torch is DEV_ONLY; without the exception it is named too
     assert any("torch==2.13.0" in m for m in conflicts([], SGLANG_REQS, "w", pins, dev_only={}))
 

@@ -11,8 +11,9 @@ setup(
     package_data={"rollout_sglang.testing": ["sglang_contract_*.json"]},
     install_requires=[
         # ranges that admit the pinned SGLang's own versions (the `sglang` extra installs us next to
-        # it); constraints.txt holds the exact versions CI tests. On a CPU-only machine install the
-        # CPU wheel of torch first (see Makefile)
+        # it; tests/rollout/test_sglang_pins.py checks every shared requirement against its wheel's
+        # Requires-Dist); constraints.txt holds the exact versions CI tests. On a CPU-only machine
+        # install the CPU wheel of torch first (see Makefile)
         "torch>=2.13.0,<2.15",
         "megatron-core==0.16.1",
         "transformers>=5.19.0,<5.24",
@@ -23,7 +24,8 @@ setup(
         "jinja2==3.1.6",
         "tensorboard==2.21.0",
         "wandb>=0.31,<0.32",  # logging.wandb: imported only when a run asks for it
-        "openai==3.54.0",  # rollout.agent=gateway: the client handed to the user's agent function
+        # rollout.agent=gateway: the client handed to the user's agent function (sglang pins openai 2.8.0)
+        "openai>=2.8,<4",
         "matplotlib==3.11.2",
         "rich==15.0.0",
         # rollout_sglang.engines.sglang_client: the SGLang server's HTTP client (sync, pooled)

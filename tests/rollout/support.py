@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from openai import AsyncOpenAI
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from env_controller.protocol import SampleStatus, TaskReply
 from rollout_sglang.agent_loop import run_group_lockstep
@@ -343,10 +344,14 @@ def client(info: dict, token: str = "unused") -> AsyncOpenAI:
 
 
 async def complete(c: AsyncOpenAI, stream: bool, **kw: Any) -> Any:
-    """One chat completion with the arguments ``kw``: streamed (the stream's final completion) or not."""
+    """One chat completion with the arguments ``kw``: streamed (the chunks accumulated into the final completion by
+    the client's own stream state) or not. Not ``chat.completions.stream()``: openai 2.x refuses there any tool that
+    is not ``strict`` (it auto-parses the arguments), and the `sglang` extra pins openai 2.x."""
     if stream:
-        async with c.chat.completions.stream(**kw) as st:
-            return await st.get_final_completion()
+        state = ChatCompletionStreamState()
+        async for chunk in await c.chat.completions.create(stream=True, **kw):
+            state.handle_chunk(chunk)
+        return state.get_final_completion()
     return await c.chat.completions.create(**kw)
 
 

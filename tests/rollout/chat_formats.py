@@ -227,6 +227,8 @@ def glm4_engine(template: Glm4ChatTemplate) -> ScriptEngine:
 # ------------------------------------------------------------------------------------------------ GLM-4.5
 # The chat template of zai-org/GLM-4.5 (https://huggingface.co/zai-org/GLM-4.5/blob/main/chat_template.jinja),
 # written out here to pin the format. Rendered with trim_blocks and lstrip_blocks, as Hugging Face does.
+# Its enable_thinking lines (a user turn ends with "/nothink", the generation prompt with "\n<think></think>")
+# were checked against the template GLM-4.5-Air's GGUF carries, as a llama.cpp server prints it.
 GLM45_TEMPLATE = r"""[gMASK]<sop>
 {%- if tools -%}
 <|system|>

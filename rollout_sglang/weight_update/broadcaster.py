@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -108,7 +109,15 @@ class BucketBroadcaster:
         self.group: WeightGroup | None = None
         self._forming: Future | None = None  # rank 0's side of the group while the engines join
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.targets)), thread_name_prefix="wsync")
+        # one ordered request channel per engine: a single thread, so its requests leave one by one, each
+        # after the previous one was answered. Bucket k+1 can then be asked for while bucket k is on the wire
+        # without ever reaching an engine before bucket k (which would cross the engines' broadcasts)
+        self._channels = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"wsync-ch{i}")
+                          for i in range(len(self.targets))]
         self._buffers: list[torch.Tensor | None] = [None, None]
+        # where the last send's time went, per bucket (seconds from its start): see :meth:`send`
+        self.timeline: list[dict[str, float]] = []
+        self._t0 = 0.0
 
     # ------------------------------------------------------------------ group
     def connect(self) -> None:
@@ -200,6 +209,8 @@ class BucketBroadcaster:
         """Close the group and the worker threads."""
         self.close_group()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for ch in self._channels:
+            ch.shutdown(wait=False, cancel_futures=True)
 
     def _collect(self, futures: list[tuple[WeightUpdateTarget, Future]], timeout_s: float) -> list[str]:
         """Wait for target calls; returns one message per failed/timed-out target."""
@@ -241,7 +252,10 @@ class BucketBroadcaster:
         The version is not the broadcaster's: each engine was told it when its update opened
         (``begin_weight_update``, by the version pool); the last bucket's request is marked
         (``last_bucket``), and an SGLang client stamps that version on its server with it.
-        Returns stats with version -1 (the caller knows it).
+        Returns stats with version -1 (the caller knows it). Afterwards :attr:`timeline` holds one dict per
+        bucket, seconds from the start of the send: ``taken`` (its tensors in hand), ``packed``, ``posted``
+        (requests out, transfers posted), ``wire_done`` (rank 0's transfers ended), ``acked`` (every engine
+        answered: received and loaded), plus ``mb`` and ``tensors``.
         Raises WeightSyncError naming the engine and the bucket on any failure or timeout; the
         group is closed then (the next send builds a new one).
         """
@@ -254,11 +268,14 @@ class BucketBroadcaster:
         self.connect()
         stats = SyncStats(version=-1)
         t0 = time.perf_counter()
-        # the bucket on the wire: (works, acks, meta). At most one: an engine must have finished bucket k
-        # before it is asked for bucket k+1. Its requests travel on separate connections, so a later one
-        # could overtake an earlier one, and with a broadcast tree (gloo or NCCL beyond 3 ranks) rank 0's
-        # transfer completing says nothing about the ranks further down the tree.
-        inflight: tuple[list, list, BucketMeta] | None = None
+        self.timeline = []
+        self._t0 = t0
+        # the buckets on the wire: (works, acks, meta), at most two. Bucket k+1's requests go out while
+        # bucket k moves, each on its engine's ordered channel (so no engine sees k+1 before it answered k),
+        # and rank 0 posts k+1's transfers behind k's. Bucket k-1 must be done (transfers and every
+        # engine's acknowledgement: with a broadcast tree, gloo or NCCL beyond 3 ranks, rank 0's transfer
+        # ending says nothing about the ranks further down) before bucket k+1 is packed into its buffer.
+        inflight: deque[tuple[list, list, BucketMeta]] = deque()
         try:
             if fmt == "flattened_bucket":
                 it = ((m, ts, True) for m, ts in iter_buckets(named, bucket_bytes))
@@ -269,6 +286,10 @@ class BucketBroadcaster:
             while nxt is not None:
                 meta, tensors, packed = nxt
                 nxt = next(it, None)
+                while len(inflight) >= 2:
+                    self._finish(inflight.popleft())
+                mark = {"mb": meta.nbytes / MB, "tensors": float(len(meta.names)), "taken": time.perf_counter() - t0}
+                self.timeline.append(mark)
                 if packed:
                     buf = self._buffer(slot, meta.nbytes, bucket_bytes)
                     payload = [pack_into(buf, meta, tensors)]  # raw bytes; overlaps the transfer in flight
@@ -283,25 +304,24 @@ class BucketBroadcaster:
                 del tensors
                 if src_cuda:
                     torch.cuda.current_stream().synchronize()
+                mark["packed"] = time.perf_counter() - t0
                 fields = transport.request_fields(self.targets, payload, packed, self._seq)
-                if inflight is not None:
-                    self._finish(inflight)
-                    inflight = None
                 wire = meta.wire()
-                futures = [(t, self._pool.submit(
+                futures = [(t, ch.submit(
                     t.update_weights_from_distributed, wire["names"], wire["dtypes"], wire["shapes"], self.group_name,
                     load_format="flattened_bucket" if packed else None, flush_cache=False,
                     last_bucket=nxt is None, timeout_s=self.bucket_timeout_s,
                     extra_fields=extra or None))
-                    for t, extra in zip(self.targets, fields)]
+                    for t, ch, extra in zip(self.targets, self._channels, fields)]
                 group = self._await_group(futures)  # the first bucket's requests let lazy engines join
                 works = transport.post(group, payload, self._seq)
                 self._seq += len(payload)
-                inflight = (works, futures, meta)
+                mark["posted"] = time.perf_counter() - t0
+                inflight.append((works, futures, meta))
                 stats.buckets += 1
                 stats.bytes += meta.nbytes
-            if inflight is not None:
-                self._finish(inflight)
+            while inflight:
+                self._finish(inflight.popleft())
         except Exception:
             self.close_group()
             raise
@@ -321,7 +341,10 @@ class BucketBroadcaster:
         except WeightSyncTimeout as e:
             errors = self._collect(futures, timeout_s=1.0)
             raise WeightSyncError(f"{e}" + (f"; engine errors: {errors}" if errors else "")) from e
+        wire_done = time.perf_counter()
         errors = self._collect(futures, timeout_s=max(0.001, deadline - time.monotonic()))
         if errors:
             raise WeightSyncError(f"bucket {meta.index} ({len(meta.names)} tensors, first {meta.names[0]!r}) "
                                   f"was not loaded: {errors}")
+        if meta.index < len(self.timeline):
+            self.timeline[meta.index].update(wire_done=wire_done - self._t0, acked=time.perf_counter() - self._t0)

@@ -116,8 +116,9 @@ _obj = st.builds(lambda name, extra: {"name": name, **extra}, st.sampled_from(NA
 
 @settings(max_examples=150, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
-@given(objs=st.lists(_obj, min_size=1, max_size=3), content=st.text(st.characters(blacklist_characters="<"),
-                                                                    max_size=10))
+# no lone surrogates in the text: we refuse them (invalid Unicode, test_tool_parser_properties.py), SGLang does not
+@given(objs=st.lists(_obj, min_size=1, max_size=3),
+       content=st.text(st.characters(blacklist_characters="<", blacklist_categories=("Cs",)), max_size=10))
 def test_every_call_we_accept_sglang_reads_the_same(detectors, objs: list[dict], content: str) -> None:
     text = content + "".join("\n" + block(json.dumps(o, ensure_ascii=False)) for o in objs)
     got = ours(text)

@@ -284,6 +284,7 @@ def test_killed_trainer_restarts_and_resumes_from_its_checkpoint(cluster: Cluste
     assert not _ours_left()
 
 
+@pytest.mark.slow  # the no-restart message is also checked by the node-lost test in the default run
 def test_killed_trainer_without_restarts_stops_the_run(cluster: Cluster, tmp_path: Path) -> None:
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", "ray.enabled=true", *TINY, "sft.steps=0", *SLOW_STEPS, "ray.max_restarts=0"]

@@ -207,6 +207,18 @@ class BatchingEngine:
         else:
             self.engine.end_weight_update()
 
+    def abandon(self) -> None:
+        """Give up the engine call running now (thread-safe): the version pool took the engine out of rotation
+        (stalled or dead), its callers went elsewhere, and calls after its return must not queue behind a call
+        that may never end (an SGLang request then closes its connection)."""
+        loop, worker = self._loop, self._worker
+        if loop is None or worker is None or worker.done():
+            return
+        try:
+            loop.call_soon_threadsafe(worker.cancel)
+        except RuntimeError:  # its event loop has closed: nothing runs there any more
+            pass
+
     @property
     def name(self) -> str:
         """The wrapped engine's name (an SGLang server's URL)."""

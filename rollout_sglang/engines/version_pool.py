@@ -417,6 +417,9 @@ class VersionPool:
                     pass
             running = len(self._calls[engine_id])
             self._lock.notify_all()
+        abandon = getattr(self.engines[engine_id], "abandon", None)
+        if callable(abandon):  # a batching wrapper drops the call it runs, so the engine's return finds it free
+            abandon()
         logger.error("%s (slot %d) is out of rotation: %s; %d running calls go to other engines",
                      self.engine_name(engine_id), self._slot_of[engine_id].index, reason, running)
 

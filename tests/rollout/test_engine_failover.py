@@ -174,3 +174,38 @@ def test_the_health_checks_bring_an_engine_back_on_their_own():
         assert pool.engines_out() == 0
     finally:
         pool.stop_health_checks()
+
+
+class Hangs(Server):
+    """A server whose first call never ends (it stalled mid-request); later calls are served."""
+
+    def __init__(self, eid: int) -> None:
+        super().__init__(eid)
+        self.hung = False
+
+    async def generate(self, prompts, params):
+        if not self.hung:
+            self.hung = True
+            await asyncio.Event().wait()  # only a cancel ends it
+        return await super().generate(prompts, params)
+
+
+def test_a_stalled_engine_that_recovers_is_not_blocked_by_its_stuck_call():
+    from rollout_sglang.engines.batching import BatchingEngine
+
+    a, b = Hangs(0), Server(1)
+    pool = VersionPool([[BatchingEngine(a), BatchingEngine(b)]])
+
+    async def run():
+        first = asyncio.ensure_future(pool.generate([[1]] * 4, PARAMS))
+        await asyncio.sleep(0.05)
+        a.stalled = True
+        await asyncio.to_thread(pool.probe_once, 0, 1.0)  # taken out: its turns go to b
+        assert set(served(await asyncio.wait_for(first, 5))) == {1}
+        a.stalled = False
+        await asyncio.to_thread(pool.probe_once, 0, 1.0)  # back with its slot's weights
+        # its wrapper dropped the stuck call: a call routed to it now is served, not queued behind that one
+        return served(await asyncio.wait_for(pool.generate_on(0, [[1]], PARAMS), 5))
+
+    pool.route([None])  # generate_on releases one lease of engine 0: take it first, as the router does
+    assert asyncio.run(run()) == [0]

@@ -1,7 +1,7 @@
-"""The env controller killed with SIGKILL in the middle of a training run and restarted on the same port 8 s later:
-the controller, the task workers and the trainer are processes of their own. The workers re-register by heartbeat;
-the trainer's env client waits out the outage (its starts do not fail), the sessions open at the kill are lost and
-end as infrastructure failures (counted, never trained), and the run finishes every step."""
+"""The env controller killed with SIGKILL in the middle of a training run and restarted on the same port, at
+once or 8 s later: the controller, the task workers and the trainer are processes of their own. The workers
+re-register by heartbeat; the trainer's env client waits out the outage (its starts do not fail), the sessions open
+at the kill are lost and end as infrastructure failures (counted, never trained), and the run finishes every step."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 from env_controller.http.net import free_port
 from rollout_sglang.trajectory import INFRA_STATUSES
@@ -40,7 +42,8 @@ def _wait(what: str, check, timeout_s: float, proc: subprocess.Popen | None = No
     raise AssertionError(f"no {what} within {timeout_s} s")
 
 
-def test_a_controller_restart_mid_run_costs_only_the_open_sessions(tmp_path, processes):
+@pytest.mark.parametrize("down_s", [0.0, DOWN_S], ids=["restarted-at-once", "down-8s"])
+def test_a_controller_restart_mid_run_costs_only_the_open_sessions(tmp_path, processes, down_s):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
@@ -88,7 +91,7 @@ def test_a_controller_restart_mid_run_costs_only_the_open_sessions(tmp_path, pro
     ctl.send_signal(signal.SIGKILL)
     ctl.wait(10)
     t_kill = time.monotonic()
-    time.sleep(DOWN_S)
+    time.sleep(down_s)
     assert train.poll() is None, "the run ended while the controller was down"
     controller()  # the same port: the workers' heartbeats find it
     _wait("the workers re-registered", lambda: registered() == 3, 30)
@@ -107,9 +110,13 @@ def test_a_controller_restart_mid_run_costs_only_the_open_sessions(tmp_path, pro
     # only sessions open at the kill failed: at most (staleness + 1) x prompts_per_step groups of 4 run at once; the
     # starts made while the controller was down (the retried groups' among them) waited instead of failing
     assert failed <= 2 * 2 * 4, (summary["infra"], log[-4000:])
-    # the client logged the outage once (not per request) and its end
-    assert log.count("is unreachable (") == 1, log[-4000:]
-    assert "is back after" in log and "starts wait for it" in log, log[-4000:]
+    # the client logged the outage once (not per request) and its end; a controller restarted at once (its start
+    # takes about a second) may be back before any start noticed
+    if down_s:
+        assert log.count("is unreachable (") == 1, log[-4000:]
+        assert "is back after" in log and "starts wait for it" in log, log[-4000:]
+    else:
+        assert log.count("is unreachable (") <= 1, log[-4000:]
     assert "start_sample failed" not in log, log[-4000:]  # no start gave up
     print(f"controller down {t_back - t_kill:.1f} s; {held} interact(s) in flight at the kill; "
           f"infra: {summary['infra']}")

@@ -178,6 +178,7 @@ class TrainingRun:
         self.evals_skipped = 0
         self.rl_wall_before = 0.0  # RL seconds of the run before the checkpoint resumed from
         self.resumes = 0  # resumes in the run's history, this one included
+        self.engines_before: dict[str, float] = {}  # engine counters of the run before the checkpoint resumed from
 
     # ------------------------------------------------------------------ stages
     def setup(self) -> None:
@@ -298,7 +299,7 @@ class TrainingRun:
             m, staleness = step_metrics(step, groups, stats, rl.rewards, rl.sample_adv, self.eta, times,
                                         self.manager, self.ro.busy_seconds() - busy0)
             m.update(self.manager.agent_metrics())  # rollout.agent: gateway: history rewrites, agent errors, ...
-            m.update(engine_metrics(self.ro.pool, self.publisher))
+            m.update(self._engine_counts())
             self._record(step, groups, stats, m, staleness, rl.sample_adv.tolist())
 
     def _next_batch(self, step: int) -> list[FinishedGroup]:
@@ -428,11 +429,19 @@ class TrainingRun:
         if self.manager is not None:
             self.manager.release()
 
+    def _engine_counts(self) -> dict[str, float]:
+        """Rank 0: :func:`engine_metrics` over the whole run (the counts before the checkpoint resumed from added;
+        ``engines/out_of_rotation`` is a state, not a count)."""
+        m = engine_metrics(self.ro.pool, self.publisher)
+        return {k: v + (0.0 if k == "engines/out_of_rotation" else float(self.engines_before.get(k, 0.0)))
+                for k, v in m.items()}
+
     def _totals(self) -> dict[str, Any]:
         """Rank 0: the run's own counters so far, for the checkpoint (the manager's are in its state)."""
         return {"trained_samples": self.trained_samples, "trained_tokens": self.trained_tokens,
                 "evals_skipped": self.evals_skipped, "resumes": self.resumes,
-                "rl_wall_s": self.rl_wall_before + time.perf_counter() - self.t_rl}
+                "rl_wall_s": self.rl_wall_before + time.perf_counter() - self.t_rl,
+                "engines": self._engine_counts() if self.ro is not None else {}}
 
     def _restore_totals(self, totals: dict[str, Any]) -> None:
         """The counters of :meth:`_totals` from the checkpoint resumed from (absent in older checkpoints: zero),
@@ -442,6 +451,7 @@ class TrainingRun:
         self.evals_skipped = int(totals.get("evals_skipped", 0))
         self.rl_wall_before = float(totals.get("rl_wall_s", 0.0))
         self.resumes = int(totals.get("resumes", 0)) + 1
+        self.engines_before = {k: float(v) for k, v in dict(totals.get("engines", {})).items()}
 
     def stop_rollouts(self) -> None:
         """Rank 0: stop the manager (its env sessions end) and close batches.jsonl; the RL wall time ends."""
@@ -492,7 +502,7 @@ class TrainingRun:
                             "short_slots": st.short_slots, "fallback_batches": st.fallback_batches,
                             "forced_draws": st.forced_draws})
         if self.ro is not None and self.publisher.sender is not None:  # servers that came and went
-            summary["engines"] = engine_metrics(self.ro.pool, self.publisher)
+            summary["engines"] = self._engine_counts()
         if cfg.eval.interval:
             summary["evals_skipped"] = self.evals_skipped
         if wandb_dir is not None:

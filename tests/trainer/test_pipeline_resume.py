@@ -162,3 +162,39 @@ def test_resumed_summary_covers_the_whole_run(tmp_path):
     assert saved["trained_samples"] == first["trained_samples"]
     assert summary["rl_wall_s"] > saved["rl_wall_s"] > 0
     assert [r["step"] for r in map(json.loads, (out / "batches.jsonl").read_text().splitlines())] == [1, 2, 3, 4]
+
+
+def test_engine_counters_of_a_resumed_run_cover_the_whole_run():
+    """The servers' failures, returns and re-routed prompts before the checkpoint count in the resumed run's
+    metrics and summary; how many are out of rotation is the present state, not a count."""
+    import time as _time
+    from types import SimpleNamespace
+
+    from megatron_agentrl.pipeline.loop import TrainingRun
+    from rollout_sglang.engines.version_pool import VersionPool
+
+    class Engine:
+        version = 0
+        name = "http://engine"
+
+    def part(failures: int, rerouted: int, out: int, sync_failed: int, before: dict) -> TrainingRun:
+        pool = VersionPool([[Engine()], [Engine()]])
+        pool.stats.update(engine_failures=failures, rerouted=rerouted)
+        for e in range(out):
+            pool.mark_down(e, "killed")
+        run = TrainingRun.__new__(TrainingRun)  # the counters only: no model, no engines
+        run.ro = SimpleNamespace(pool=pool)
+        run.publisher = SimpleNamespace(failed_syncs=sync_failed, skipped_syncs=0)
+        run.trained_samples = run.trained_tokens = run.evals_skipped = run.resumes = 0
+        run.rl_wall_before, run.t_rl, run.engines_before = 0.0, _time.perf_counter(), {}
+        if before:
+            run._restore_totals({"engines": before})
+        return run
+
+    first = part(failures=2, rerouted=5, out=1, sync_failed=1, before={})
+    saved = first._totals()["engines"]
+    assert saved["engines/failures"] == 3 and saved["engines/out_of_rotation"] == 1  # 2 given + the mark_down
+    second = part(failures=0, rerouted=4, out=0, sync_failed=0, before=saved)
+    counts = second._engine_counts()
+    assert counts["engines/failures"] == 3 and counts["engines/rerouted_prompts"] == 9
+    assert counts["weight_sync/failed"] == 1 and counts["engines/out_of_rotation"] == 0

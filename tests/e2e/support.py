@@ -1,10 +1,13 @@
 """Running a recipe script's ``--check`` and reading its report, and its submit mode with a stand-in for ``agentrl``
-(shared by the recipe tests)."""
+(shared by the recipe tests); reading a server's JSON and waiting on a run of processes (the fault tests)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import time
+import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -71,3 +74,42 @@ def converted_then_trained(log: Path, checkpoint: str) -> str:
         given = [a.split("=", 1)[1] for a in line.split() if a.startswith("model.megatron_checkpoint=")]
         assert given and set(given) == {checkpoint}, line
     return convert
+
+
+def get_json(url: str) -> dict:
+    """``GET url`` (5 s at most), its JSON body."""
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def wait_until(what: str, check, timeout_s: float, proc: subprocess.Popen | None = None, poll_s: float = 0.1):
+    """Poll ``check()`` (an OSError counts as not yet) until it is truthy and return it; AssertionError after
+    ``timeout_s``, or as soon as ``proc`` (the training run) has ended."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+        except OSError:
+            value = None
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the training run ended (exit {proc.returncode}) before {what}")
+        time.sleep(poll_s)
+    raise AssertionError(f"no {what} within {timeout_s} s")
+
+
+def finished_without_training_infra(train: subprocess.Popen, log_path: Path, out: Path, steps: int,
+                                    timeout_s: float) -> tuple[str, list[dict]]:
+    """Wait for the training run ``train``; assert it succeeded, recorded RL steps 1..``steps`` once each in
+    ``out/batches.jsonl`` and trained no sample that an infrastructure failure ended. Returns its log and the rows."""
+    from rollout_sglang.trajectory import INFRA_STATUSES
+
+    train.wait(timeout_s)
+    log = log_path.read_text(errors="replace")
+    assert train.returncode == 0, log[-4000:]
+    rows = [json.loads(x) for x in (out / "batches.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    statuses = [s for r in rows for s in r["statuses"]]
+    assert statuses and not INFRA_STATUSES & set(statuses), statuses
+    return log, rows

@@ -10,36 +10,17 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from env_controller.http.net import free_port
-from rollout_sglang.trajectory import INFRA_STATUSES
+from tests.e2e.support import finished_without_training_infra
+from tests.e2e.support import get_json as _get
+from tests.e2e.support import wait_until as _wait
 
 ROOT = Path(__file__).resolve().parents[2]
 DOWN_S = 8.0
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return json.loads(r.read())
-
-
-def _wait(what: str, check, timeout_s: float, proc: subprocess.Popen | None = None, poll_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except OSError:
-            value = None
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the training run ended (exit {proc.returncode}) before {what}")
-        time.sleep(poll_s)
-    raise AssertionError(f"no {what} within {timeout_s} s")
 
 
 @pytest.mark.parametrize("down_s", [0.0, DOWN_S], ids=["restarted-at-once", "down-8s"])
@@ -97,13 +78,7 @@ def test_a_controller_restart_mid_run_costs_only_the_open_sessions(tmp_path, pro
     _wait("the workers re-registered", lambda: registered() == 3, 30)
     t_back = time.monotonic()
 
-    train.wait(240)
-    log = (tmp_path / "train.log").read_text(errors="replace")
-    assert train.returncode == 0, log[-4000:]
-    rows = [json.loads(x) for x in (out / "batches.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 9))
-    statuses = [s for r in rows for s in r["statuses"]]
-    assert statuses and not INFRA_STATUSES & set(statuses), statuses
+    log, _ = finished_without_training_infra(train, tmp_path / "train.log", out, 8, 240)
     summary = json.loads((out / "summary.json").read_text())
     failed = sum(summary["infra"]["failed_episodes"].values())
     assert failed >= held, (held, summary["infra"], log[-4000:])  # the interacts cut short by the kill

@@ -10,52 +10,21 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 from env_controller.http.net import free_port
-from rollout_sglang.trajectory import INFRA_STATUSES
+from tests.e2e.support import finished_without_training_infra
+from tests.e2e.support import get_json as _get
+from tests.e2e.support import wait_until as _wait
+from tests.support.tiny_models import tiny_agent_checkpoint as _tiny_hf_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = "rollout_sglang.testing.sglang_standin"
 
 
-def _tiny_hf_checkpoint(path: Path) -> Path:
-    """A random tiny Qwen2 checkpoint with the demo tokenizer's vocab (what a fresh engine serves)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from rollout_sglang.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(str(ROOT / "examples/tokenizer/tiny_agent"))
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True)
-    Qwen2ForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    return path
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return json.loads(r.read())
-
-
 def _steps(out: Path) -> int:
     path = out / "batches.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def _wait(what: str, check, timeout_s: float, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"the training run ended (exit {proc.returncode}) before {what}")
-        time.sleep(0.05)
-    raise AssertionError(f"no {what} within {timeout_s} s")
 
 
 def test_engines_killed_and_one_restarted_mid_run(tmp_path, processes):
@@ -98,13 +67,7 @@ def test_engines_killed_and_one_restarted_mid_run(tmp_path, processes):
     engines[1].wait(10)
     b_killed_at = _steps(out)
 
-    train.wait(300)
-    log = (tmp_path / "train.log").read_text(errors="replace")
-    assert train.returncode == 0, log[-4000:]
-    rows = [json.loads(x) for x in (out / "batches.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 11))
-    statuses = [s for r in rows for s in r["statuses"]]
-    assert statuses and not INFRA_STATUSES & set(statuses), statuses
+    log, _ = finished_without_training_infra(train, tmp_path / "train.log", out, 10, 300)
     assert "is out of rotation" in log and "is back after" in log, log[-4000:]
     assert _steps(out) > b_killed_at
 

@@ -9,33 +9,14 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from env_controller.http.net import free_port
-from rollout_sglang.trajectory import INFRA_STATUSES
+from tests.e2e.support import finished_without_training_infra
+from tests.e2e.support import get_json as _get
+from tests.e2e.support import wait_until as _wait
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return json.loads(r.read())
-
-
-def _wait(what: str, check, timeout_s: float, proc: subprocess.Popen | None = None, poll_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except OSError:
-            value = None
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the training run ended (exit {proc.returncode}) before {what}")
-        time.sleep(poll_s)
-    raise AssertionError(f"no {what} within {timeout_s} s")
 
 
 def test_a_worker_killed_mid_run_costs_no_trained_sample(tmp_path, processes):
@@ -88,13 +69,7 @@ def test_a_worker_killed_mid_run_costs_no_trained_sample(tmp_path, processes):
     victim.send_signal(signal.SIGKILL)
     victim.wait(10)
 
-    train.wait(300)
-    log = (tmp_path / "train.log").read_text(errors="replace")
-    assert train.returncode == 0, log[-4000:]
-    rows = [json.loads(x) for x in (out / "batches.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 9))
-    statuses = [s for r in rows for s in r["statuses"]]
-    assert statuses and not INFRA_STATUSES & set(statuses), statuses
+    log, rows = finished_without_training_infra(train, tmp_path / "train.log", out, 8, 300)
     assert all(len(r["statuses"]) == len(r["advantages"]) == len(r["staleness"]) for r in rows)
     summary = json.loads((out / "summary.json").read_text())
     failed = summary["infra"]["failed_episodes"]

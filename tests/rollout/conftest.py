@@ -1,5 +1,5 @@
-"""Fixtures of the rollout tests: the agent loop's tokenizer and template, and a stand-in tokenizer and template per
-chat format (module-scoped, as each test module had its own)."""
+"""Fixtures of the rollout tests: the pinned SGLang wheel, the agent loop's tokenizer and template, and a
+stand-in tokenizer and template per chat format (module-scoped, as each test module had its own)."""
 from __future__ import annotations
 
 import json
@@ -10,9 +10,20 @@ from typing import Any
 import pytest
 
 from rollout_sglang.chat_template import ChatTemplate, Glm4ChatTemplate, Glm45ChatTemplate, Qwen3ChatTemplate
+from rollout_sglang.testing.sglang_contract import SGLANG_PIN, find_wheel
 from rollout_sglang.tokenizer import train_bpe_tokenizer
 from tests.rollout import chat_formats
 from tests.rollout.support import ADD_TOOLS, SCRIPTS
+
+
+@pytest.fixture(scope="session")
+def wheel() -> Path:
+    """The pinned SGLang wheel (fetched once when missing); the test skips, saying why, when it cannot be had."""
+    path = find_wheel(fetch=True)
+    if path is None:
+        pytest.skip(f"the sglang=={SGLANG_PIN} wheel could not be fetched (pip download --no-deps); set "
+                    "AGENTRL_SGLANG_WHEEL to a local copy")
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -25,20 +25,10 @@ from rollout_sglang.testing.sglang_contract import (
     SGLANG_PIN,
     ContractError,
     extract_contract,
-    find_wheel,
     load_contract,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="session")
-def wheel() -> Path:
-    path = find_wheel(fetch=True)
-    if path is None:
-        pytest.skip(f"the sglang=={SGLANG_PIN} wheel could not be fetched (pip download --no-deps); set "
-                    "AGENTRL_SGLANG_WHEEL to a local copy")
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from rollout_sglang.testing.sglang_contract import SGLANG_PIN, cache_dir, find_wheel
+from rollout_sglang.testing.sglang_contract import cache_dir
 from rollout_sglang.testing.sglang_pins import (
     DEV_ONLY,
     active,
@@ -31,15 +31,6 @@ from rollout_sglang.testing.sglang_pins import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="session")
-def wheel() -> Path:
-    path = find_wheel(fetch=True)
-    if path is None:
-        pytest.skip(f"the sglang=={SGLANG_PIN} wheel could not be fetched (pip download --no-deps); set "
-                    "AGENTRL_SGLANG_WHEEL to a local copy")
-    return path
 
 
 # ---------------------------------------------------------------------------------- the real pins

@@ -15,7 +15,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout_sglang.testing.sglang_contract import SGLANG_PIN, find_wheel
 from rollout_sglang.testing.sglang_detectors import load_detectors, sglang_calls
 from rollout_sglang.tool_parser import ToolCallParseError, parse_assistant_text, parse_qwen3_assistant_text
 
@@ -25,11 +24,7 @@ TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "ob
 
 
 @pytest.fixture(scope="module")
-def detectors():
-    wheel = find_wheel(fetch=True)
-    if wheel is None:
-        pytest.skip(f"the sglang=={SGLANG_PIN} wheel could not be fetched (pip download --no-deps); set "
-                    "AGENTRL_SGLANG_WHEEL to a local copy")
+def detectors(wheel):
     pytest.importorskip("pydantic")
     return load_detectors(wheel)
 

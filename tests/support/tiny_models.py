@@ -176,3 +176,19 @@ def ragged_batch(vocab: int, lengths: list[int], starts: list[int], seed: int, r
     if lag:
         extra.append(torch.where(mask > 0, torch.randint(0, 3, (B, T), generator=g), torch.full((B, T), -1)))
     return TrainBatch(tokens, mask, behavior, adv, *extra)
+
+
+def tiny_agent_checkpoint(path: Path) -> Path:
+    """A random tiny Qwen2 checkpoint (hidden 32, 2 layers, seed 0) with the demo tokenizer's vocab, written to
+    ``path``: what an engine process serves before the trainer's first sync."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rollout_sglang.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(Path(__file__).resolve().parents[2] / "examples/tokenizer/tiny_agent"))
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True)
+    Qwen2ForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path

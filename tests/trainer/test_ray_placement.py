@@ -32,6 +32,7 @@ from megatron_agentrl.launch.ray_placement import (  # noqa: E402
     remove_placement_groups,
     run_on_ray,
 )
+from tests.support.tiny_models import tiny_agent_checkpoint as _tiny_hf_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2",
@@ -99,22 +100,6 @@ def test_layout_that_does_not_fit_fails_clearly(cluster: Cluster, tmp_path: Path
     assert "train: 8 x {'CPU': 0.1, 'GPU': 1.0}" in msg and "The cluster has" in msg and "'GPU': 4.0" in msg, msg
     assert time.monotonic() - t0 < 30
     assert not _ours_left()
-
-
-def _tiny_hf_checkpoint(path: Path) -> Path:
-    """A random tiny Qwen2 checkpoint with the demo tokenizer's vocab (what the rollout engine serves)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from rollout_sglang.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(str(ROOT / "examples/tokenizer/tiny_agent"))
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True)
-    Qwen2ForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    return path
 
 
 def test_train_on_ray_with_controller_and_engine_actors(cluster: Cluster, tmp_path: Path) -> None:

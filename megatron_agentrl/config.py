@@ -299,6 +299,10 @@ class TrainConfig(_Section):
         the engines sample it.
     moe_capacity_factor: expert capacity as a multiple of an even share of the tokens (tokens past it
         are dropped, counted in ``moe/dropped_frac``); null = no dropping (dropless).
+    moe_routing_replay: mixture-of-experts models: rollout routing replay (R3): every forward of the trainer
+        (loss, old and reference log-probs) routes each token to the experts the engine chose for it
+        (``rollout.capture_routing`` must not be off); false = the trainer's own top-k. Either way
+        ``routing/flip_rate`` reports how often the two differ (docs/training.md, "MoE routing replay").
     """
 
     KEY: ClassVar[str] = "train"
@@ -324,6 +328,7 @@ class TrainConfig(_Section):
     recompute_num_layers: int = 0
     moe_aux_loss_coeff: float = 0.0
     moe_capacity_factor: float | None = None
+    moe_routing_replay: bool = False
 
     def check(self) -> None:
         """See :class:`_Section`."""
@@ -522,6 +527,11 @@ class RolloutConfig(_Section):
         (a module that is not importable is also looked for under the working directory).
     agent_timeout_s: limit on one call of ``agent_fn`` (one episode), seconds.
 
+    capture_routing: mixture-of-experts models: the engines return the experts they chose for every
+        token (SGLang: ``return_routed_experts``, servers started with ``--enable-return-routed-experts``),
+        carried with the trajectory for ``train.moe_routing_replay`` and ``routing/flip_rate``: "auto" = on for
+        MoE models, "on" (a dense model is refused), "off".
+
     Infrastructure failures (an episode ended by the env or our code, not the policy: never trained):
     min_valid_fraction: a group trains on its valid episodes when at least this share of
         ``samples_per_prompt`` (and at least 2) remain; otherwise it is re-run, up to 3 attempts, then
@@ -556,6 +566,7 @@ class RolloutConfig(_Section):
     weight_sync_master_address: str = ""
     engine_api_key_env: str = "SGLANG_API_KEY"
     engine_admin_api_key_env: str = "SGLANG_ADMIN_API_KEY"
+    capture_routing: Literal["auto", "on", "off"] = "auto"
     agent: Literal["builtin", "gateway"] = "builtin"
     agent_fn: str | None = None
     agent_timeout_s: float = 600.0
@@ -1108,6 +1119,10 @@ class Config:
         if self.eval.interval and not self.eval.samples_per_task:
             raise ConfigError(f"eval.interval={self.eval.interval} evaluates on held-out samples, but "
                               "eval.samples_per_task=0 keeps none; set eval.samples_per_task > 0 or eval.interval=0")
+        if self.train.moe_routing_replay and self.rollout.capture_routing == "off":
+            raise ConfigError("train.moe_routing_replay=true replays the engines' routed experts, but "
+                              "rollout.capture_routing=off asks the engines for none; set rollout.capture_routing "
+                              "to auto (or on), or train.moe_routing_replay=false")
         if self.ray.train_workers % self.parallel.model_parallel_size:
             raise ConfigError(f"ray.train_workers={self.ray.train_workers!r} must be 0 (the smallest world of the "
                               f"layout) or a positive multiple of {self.parallel.describe_ranks()}")
@@ -1281,9 +1296,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
             new, section = cls.MOVED[k], cls.MOVED[k].split(".")[0]
             raise ConfigError(f"{key} moved to {new}; set it in the '{section}:' section (override: {new}={v!r})")
         if k not in names:
-            close = difflib.get_close_matches(str(k), names, n=1, cutoff=0.5)
-            if not close:
-                close = [n for n in names if _abbreviates(n, str(k))][:1]
+            # an abbreviation (lr ~ learning_rate) is a surer guess than a merely similar spelling
+            close = [n for n in names if _abbreviates(n, str(k))][:1] or \
+                difflib.get_close_matches(str(k), names, n=1, cutoff=0.5)
             hint = f"; did you mean '{(prefix + '.' if prefix else '') + close[0]}'?" if close else ""
             raise ConfigError(f"unknown config key '{key}'{hint} (valid keys here: {', '.join(names)})")
         kwargs[k] = _coerce(v, hints[k], key)

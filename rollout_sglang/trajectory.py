@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 #: The end status of an episode that our own code failed (a tool-call parser bug, say), not the policy.
 INTERNAL_ERROR = "internal error"
 #: End statuses that say the infrastructure failed, not the policy: the env (the worker's or controller's
@@ -25,6 +27,9 @@ class Trajectory:
         ("agent validation failed", ...) or :data:`INTERNAL_ERROR`; see :attr:`infra_failed`.
     metrics: task metrics (e.g. success); timings: seconds spent per phase (generate, env).
     error: why the episode ended abnormally (a malformed tool call, an env failure), "" otherwise.
+    routed_experts: MoE models with routing capture: the experts the engines chose for positions
+        ``[0, n)`` of ``token_ids`` (``[n, MoE layers, top-k]``, :mod:`rollout_sglang.routing`; each turn's
+        positions from the engine that sampled that turn); None when not captured.
     """
 
     token_ids: list[int]
@@ -40,6 +45,7 @@ class Trajectory:
     metrics: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     error: str = ""
+    routed_experts: np.ndarray | None = None
 
     @property
     def infra_failed(self) -> bool:

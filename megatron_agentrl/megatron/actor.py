@@ -73,6 +73,9 @@ class TrainBatch:
         mismatch is reported per lag (``megatron_agentrl.algo.mismatch``).
     token_weights: optional float per-token weights of the loss (``loss.agg``:
         ``megatron_agentrl.algo.losses.loss_agg_weights`` of the GLOBAL batch); None = 1 (token mean).
+    routed_experts: optional ``[B, T, M, K]`` int16, MoE models: the experts the engine chose at each of the
+        ``M`` MoE layers for the forward pass of ``tokens[b, t]`` (``rollout_sglang.routing``); -1 where the
+        engine gave none (padding, the last token): the trainer's own routing there.
     """
 
     tokens: Tensor
@@ -82,6 +85,7 @@ class TrainBatch:
     ref_logprobs: Tensor | None = None
     version_lag: Tensor | None = None
     token_weights: Tensor | None = None
+    routed_experts: Tensor | None = None
 
     def select(self, index: slice | Tensor) -> "TrainBatch":
         """Rows ``index`` of every field (None fields stay None)."""

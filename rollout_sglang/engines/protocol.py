@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 
@@ -45,12 +46,18 @@ class SamplingParams:
 @dataclass
 class GenerationOutput:
     """One sequence's result: generated ``token_ids``, their ``logprobs`` (same length),
-    ``finish_reason`` ("stop" or "length") and the weight ``version`` that generated it."""
+    ``finish_reason`` ("stop" or "length") and the weight ``version`` that generated it.
+
+    routed_experts: when the call asked for routing (``routing_from``), the experts chosen for
+        positions ``[routing_from, len(prompt) + len(token_ids) - 1)`` of prompt + generated tokens,
+        ``[positions, MoE layers, top-k]`` (:mod:`rollout_sglang.routing`); None otherwise.
+    """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     version: int
+    routed_experts: np.ndarray | None = None
 
 
 @runtime_checkable
@@ -59,8 +66,15 @@ class Engine(Protocol):
 
     version: int
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
-        """Continue each prompt (a list of token ids); one output per prompt, same order."""
+    async def generate(self, prompts: list[list[int]], params: SamplingParams,
+                       routing_from: list[int] | None = None) -> list[GenerationOutput]:
+        """Continue each prompt (a list of token ids); one output per prompt, same order.
+
+        routing_from: MoE models: one start position per prompt; each output then carries the routed
+            experts of positions ``[routing_from[i], end - 1)`` (a multi-turn episode asks only for the
+            positions its earlier turns did not cover). None: no routing (engines that cannot capture it
+            are only ever called without).
+        """
         ...
 
     def pause(self) -> None:

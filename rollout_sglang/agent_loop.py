@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
+import numpy as np
+
 from env_controller.protocol import SampleStatus, TaskReply
 from rollout_sglang.chat_template import AnyChatTemplate
 from rollout_sglang.engines.protocol import Engine, SamplingParams
@@ -65,6 +67,9 @@ class _Episode:
     done: bool = False
     num_calls: int = 0
     turn_end: int | None = None  # the stop token that ended the last turn; None: cut by length
+    routing: list[np.ndarray] = field(default_factory=list)  # routed experts of positions [0, routed) in pieces
+    routed: int = 0
+    routing_lost: bool = False  # an engine answered without routing: the episode trains on the trainer's own
 
 
 def _finish(
@@ -90,6 +95,21 @@ def _append(ep: _Episode, tokens: Sequence[int], mask: int, logprobs: Sequence[f
         if len(logprobs) != len(tokens):
             raise ValueError(f"{len(tokens)} tokens but {len(logprobs)} log-probs from the engine")
         t.behavior_logprobs.extend(float(x) for x in logprobs)
+
+
+def _add_routing(ep: _Episode, routed: np.ndarray | None, end: int) -> None:
+    """Keep a turn's routed experts (positions ``[ep.routed, ...)``) up to position ``end`` (the turn's last
+    token, which no forward pass has run yet); a turn without routing leaves the episode without any."""
+    need = end - ep.routed
+    if routed is None or len(routed) < need:
+        if not ep.routing_lost:
+            got = "none" if routed is None else f"{len(routed)} positions from {ep.routed}, {need} needed"
+            logger.warning("%s #%d: the engine returned routed experts for %s; this episode trains on the "
+                           "trainer's own routing", ep.traj.task, ep.traj.index, got)
+        ep.routing_lost = True
+        return
+    ep.routing.append(routed[:need])
+    ep.routed = end
 
 
 def _shorten_repr(e: BaseException, limit: int = 500) -> str:
@@ -199,6 +219,7 @@ async def run_group_lockstep(
     max_total_tokens: int,
     *,
     env_timeout_s: float = 120.0,
+    capture_routing: bool = False,
 ) -> list[Trajectory]:
     """Run one episode per request in lockstep and return their Trajectories (same order).
 
@@ -215,6 +236,9 @@ async def run_group_lockstep(
         exceeds it, and an episode that runs out of room ends with "agent context limit".
     env_timeout_s: timeout of every env call (start, interact, cancel); a timeout or exception
         ends the episode with "task error" (an infrastructure failure: ``Trajectory.infra_failed``).
+    capture_routing: MoE models: every turn asks its engine for the routed experts of the positions
+        earlier turns did not cover (``routing_from``), so ``Trajectory.routed_experts`` ends up holding
+        each position's experts from the engine that sampled that turn (None when an engine gave none).
 
     Final statuses: the env's own (completed, ..., with the env's ``error`` text for "task error"),
     "agent validation failed" (a malformed tool call; reward 0, ``metrics["validation_error"] = 1.0``),
@@ -248,11 +272,16 @@ async def run_group_lockstep(
 
     await asyncio.gather(*(_start(env, template, ep, max_total_tokens, env_timeout_s) for ep in episodes))
     try:
-        return await _turns(engine, pool, env, template, episodes, params, stop_ids, stop_set, seed_stride, keys,
-                            max_turns, max_total_tokens, env_timeout_s)
+        trajs = await _turns(engine, pool, env, template, episodes, params, stop_ids, stop_set, seed_stride, keys,
+                             max_turns, max_total_tokens, env_timeout_s, capture_routing)
     finally:
         if pool is not None:
             pool.forget(list(keys.values()))
+    if capture_routing:
+        for ep in episodes:
+            if ep.routing and not ep.routing_lost:
+                ep.traj.routed_experts = np.concatenate(ep.routing)
+    return trajs
 
 
 async def _turns(
@@ -269,6 +298,7 @@ async def _turns(
     max_turns: int,
     max_total_tokens: int,
     env_timeout_s: float,
+    capture_routing: bool,
 ) -> list[Trajectory]:
     """The lockstep turns of :func:`run_group_lockstep` (one generate round, then the env calls)."""
     turn = 0
@@ -286,10 +316,11 @@ async def _turns(
         t0 = time.perf_counter()
         try:
             prompts = [ep.traj.token_ids for ep in active]
+            routing = {"routing_from": [ep.routed for ep in active]} if capture_routing else {}
             if pool is None:
-                outputs = await engine.generate(prompts, gen_params)
+                outputs = await engine.generate(prompts, gen_params, **routing)
             else:
-                outputs = await pool.generate(prompts, gen_params, keys=[keys[id(ep)] for ep in active])
+                outputs = await pool.generate(prompts, gen_params, keys=[keys[id(ep)] for ep in active], **routing)
         except BaseException:
             logger.exception("engine.generate failed on turn %d; cancelling %d env sessions", turn, len(active))
             await asyncio.gather(*(_cancel(env, ep, env_timeout_s) for ep in active))
@@ -304,6 +335,8 @@ async def _turns(
             t.timings["generate_s"] += gen_s
             toks, lps = list(out.token_ids[:cap]), list(out.logprobs[:cap])
             start = len(t.token_ids)
+            if capture_routing:
+                _add_routing(ep, out.routed_experts, start + len(toks) - 1)
             _append(ep, toks, 1, lps)
             t.versions.append(int(out.version))
             t.turn_spans.append((start, len(t.token_ids)))

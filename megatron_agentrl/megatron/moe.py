@@ -20,11 +20,35 @@ import torch
 
 from megatron_agentrl.config import ConfigError
 from megatron_agentrl.convert import get_mapping
+from rollout_sglang.routing import RoutingLayout
 
 
 def is_moe(hf_config: Any) -> bool:
     """Whether ``hf_config`` describes a mixture-of-experts model."""
     return get_mapping(hf_config).is_moe
+
+
+def routing_layout(hf_config: Any) -> RoutingLayout | None:
+    """The routed-experts layout of ``hf_config``'s model (None for a dense model): what the engines'
+    routing records (``rollout_sglang.routing``) and ``TrainBatch.routed_experts`` are checked against."""
+    mapping = get_mapping(hf_config)
+    if not mapping.is_moe:
+        return None
+    return RoutingLayout(num_layers=mapping.num_layers,
+                         moe_layers=tuple(i for i, m in enumerate(mapping.moe_layers) if m),
+                         num_experts=mapping.num_experts, top_k=int(hf_config.num_experts_per_tok))
+
+
+def routing_capture(capture: str, replay: bool, hf_config: Any) -> RoutingLayout | None:
+    """The layout the run's engines capture routing in, or None: ``rollout.capture_routing`` ("auto": MoE
+    models only) and ``train.moe_routing_replay``; ConfigError when a dense model is asked for either."""
+    layout = routing_layout(hf_config)
+    model_type = getattr(hf_config, "model_type", None)
+    if layout is None and (capture == "on" or replay):
+        what = "train.moe_routing_replay=true" if replay else "rollout.capture_routing=on"
+        raise ConfigError(f"{what} needs a mixture-of-experts model; model_type={model_type!r} has no MoE layer: "
+                          "turn it off (capture_routing: auto)")
+    return None if capture == "off" else layout
 
 
 def moe_options(hf_config: Any, ep: int, aux_loss_coeff: float = 0.0,

@@ -75,7 +75,25 @@ def build_rl_batch(trajs: Sequence[Trajectory], task_names: Sequence[str], algo:
                              pad=-1)
         lag = torch.where(versions >= 0, trained_version - versions, versions)
     return RLBatch(TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior, advantages=adv,
-                              version_lag=lag), tids, sample_adv, rewards)
+                              version_lag=lag, routed_experts=routed_experts_tensor(trajs, tokens.shape[1])),
+                   tids, sample_adv, rewards)
+
+
+def routed_experts_tensor(trajs: Sequence[Trajectory], width: int) -> torch.Tensor | None:
+    """``TrainBatch.routed_experts`` of ``trajs`` (``[B, width, M, K]`` int16, -1 where a trajectory's record
+    ends or it has none); None when none of them carries routing."""
+    shapes = {t.routed_experts.shape[1:] for t in trajs if t.routed_experts is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"trajectories carry routed experts of different layouts {sorted(shapes)} "
+                         "(MoE layers x top-k): they come from different models")
+    out = torch.full((len(trajs), width, *shapes.pop()), -1, dtype=torch.int16)
+    for i, t in enumerate(trajs):
+        if t.routed_experts is not None and len(t.routed_experts):
+            n = min(len(t.routed_experts), width)
+            out[i, :n] = torch.from_numpy(t.routed_experts[:n].astype("int16"))
+    return out
 
 
 def normalize_batch(batch: TrainBatch, task_ids: torch.Tensor, algo: AlgoConfig, num_tasks: int,

@@ -22,6 +22,7 @@ from env_controller.clients.local import LocalEnvClient
 from env_controller.http.net import address_towards
 from env_controller.tasks import build_task
 from megatron_agentrl.config import Config, ConfigError
+from megatron_agentrl.megatron.moe import routing_capture
 from megatron_agentrl.pipeline.rewards import RewardShaper
 from rollout_sglang.chat_template import AnyChatTemplate, build_chat_template
 from rollout_sglang.engines.batching import BatchingEngine
@@ -31,6 +32,7 @@ from rollout_sglang.engines.sglang_client import SGLangEngine
 from rollout_sglang.engines.version_pool import VersionPool
 from rollout_sglang.rollout.manager import PromptSampler, RolloutManager
 from rollout_sglang.rollout.sim_env import LatencyEnvClient
+from rollout_sglang.routing import RoutingLayout
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class RolloutSide:
     template; tasks: the built-in Task objects (demonstrations for SFT); task_names (config
     order), train/eval index splits, rng (SFT demonstrations), task weights (RL prompts), SFT
     weights (demonstrations) and the reward shaper (the tasks' settings, ``pipeline/rewards.py``).
+    routing: the routed-experts layout the engines capture in (``rollout.capture_routing``), None = no capture.
     """
 
     pool: VersionPool
@@ -60,6 +63,7 @@ class RolloutSide:
     weights: list[float] = field(default_factory=list)
     sft_weights: list[float] = field(default_factory=list)
     shaper: RewardShaper = field(default_factory=RewardShaper)
+    routing: RoutingLayout | None = None
 
     def busy_seconds(self) -> float:
         """Seconds the engines spent generating, averaged over engines."""
@@ -159,6 +163,7 @@ def build_rollout_side(cfg: Config, hf_config: Any, dtype: torch.dtype, template
     """Rank 0's rollout side: env, task splits (the last ``eval.samples_per_task`` indices of each task
     are held out), engines (``remote`` SGLang clients, or local engines of ``hf_config`` in ``dtype``)
     in one version pool."""
+    routing = routing_capture(cfg.rollout.capture_routing, cfg.train.moe_routing_replay, hf_config)
     env, tasks, indices = build_env(cfg)
     train_idx, eval_idx = {}, {}
     for name, idx in indices.items():
@@ -195,6 +200,7 @@ def build_rollout_side(cfg: Config, hf_config: Any, dtype: torch.dtype, template
         rng=random.Random(cfg.train.seed), weights=[s.weight for s in cfg.tasks],
         sft_weights=[s.weight if s.sft_weight is None else s.sft_weight for s in cfg.tasks],
         shaper=RewardShaper(cfg.tasks, cfg.algo, r.max_total_tokens),
+        routing=routing,
     )
 
 
@@ -338,6 +344,7 @@ def make_manager(cfg: Config, ro: RolloutSide, version: int) -> RolloutManager:
         total_groups=cfg.train.steps * B,
         agent=build_agent_runner(cfg, ro) if cfg.rollout.agent == "gateway" else None,
         min_valid_fraction=cfg.rollout.min_valid_fraction,
+        capture_routing=ro.routing is not None,
     )
     if cfg.algo.dynamic_sampling:  # groups of one sample are refused by Config.validate
         manager.enable_dynamic_sampling(ro.shaper, cfg.algo.dynamic_sampling_max_groups)

@@ -221,6 +221,7 @@ class RolloutManager:
     total_groups: stop admitting once ``consumed + waiting + running`` reaches it (the groups the
     run will train; None = no limit). min_valid_fraction: the share of a group's samples (at least 2)
     that must end without an infrastructure failure for the group to train on them (see the module doc).
+    capture_routing: the agent loop asks the engines for each turn's routed experts (MoE models).
     agent: who plays the episodes instead of the built-in agent loop: an object with ``async
     run_group(requests, params) -> trajectories`` (any number per request, each carrying its request's
     ``group_id``), ``async aclose()`` (called on the rollout thread when it stops) and ``metrics() ->
@@ -239,7 +240,8 @@ class RolloutManager:
                  sampling: Callable[[int], SamplingParams], max_turns: int, max_total_tokens: int,
                  env_timeout_s: float = 120.0, version: int = 0, seed: int = 0, max_attempts: int = 3,
                  version_lag: int = 0, on_group: Callable[[FinishedGroup], None] | None = None,
-                 total_groups: int | None = None, agent: Any = None, min_valid_fraction: float = 0.5) -> None:
+                 total_groups: int | None = None, agent: Any = None, min_valid_fraction: float = 0.5,
+                 capture_routing: bool = False) -> None:
         if batch_groups < 1 or staleness < 0 or cohort_groups < 1:
             raise ValueError(f"batch_groups={batch_groups} and cohort_groups={cohort_groups} must be >= 1, "
                              f"staleness={staleness} >= 0")
@@ -269,6 +271,7 @@ class RolloutManager:
         self.total_groups = total_groups
         self.agent = agent
         self.min_valid_fraction = float(min_valid_fraction)
+        self.capture_routing = bool(capture_routing)
         self.stats = ManagerStats()
 
         self._cond = threading.Condition()
@@ -476,6 +479,7 @@ class RolloutManager:
                 trajs = await run_group_lockstep(
                     self.engine, self.env, self.template, reqs, self.sampling(seed), max_turns=self.max_turns,
                     max_total_tokens=self.max_total_tokens, env_timeout_s=self.env_timeout_s,
+                    capture_routing=self.capture_routing,
                 )
         except asyncio.CancelledError:
             with self._cond:

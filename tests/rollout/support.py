@@ -268,10 +268,12 @@ class FakeEnv:
         self.cancelled.append(session_id)
 
 
-def run(engine, env, template, requests, max_turns=5, max_total_tokens=4096, max_new_tokens=256, timeout=5.0):
+def run(engine, env, template, requests, max_turns=5, max_total_tokens=4096, max_new_tokens=256, timeout=5.0,
+        capture_routing=False):
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=0)
     return asyncio.run(
-        run_group_lockstep(engine, env, template, requests, params, max_turns, max_total_tokens, env_timeout_s=timeout)
+        run_group_lockstep(engine, env, template, requests, params, max_turns, max_total_tokens, env_timeout_s=timeout,
+                           capture_routing=capture_routing)
     )
 
 

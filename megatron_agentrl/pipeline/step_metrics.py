@@ -25,7 +25,8 @@ def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float]
 
     With dynamic sampling, ``reward/<task>`` and ``success/<task>`` also count the zero-variance groups
     dropped since the previous step (every finished episode: a task whose groups all fail must still show
-    0, for the curve and the collapse alarm), and :func:`dynamic_sampling_metrics` are added.
+    0, for the curve and the collapse alarm), and :func:`dynamic_sampling_metrics` are added. With routing
+    capture, ``routing/captured_frac`` is the share of the step's trajectories that carry the engines' routing.
     """
     trajs: list[Trajectory] = [t for g in groups for t in g.trajectories]
     finished = trajs
@@ -71,6 +72,8 @@ def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float]
     }
     for k in range(eta + 1):
         m[f"staleness/{k}"] = sum(1 for s in staleness if s == k) / len(staleness)
+    if manager.capture_routing:  # an engine that returns no routing leaves its episodes on the trainer's own
+        m["routing/captured_frac"] = sum(t.routed_experts is not None for t in trajs) / len(trajs)
     m.update(infra_metrics(manager))
     if manager.dynamic_sampling:
         m.update(dynamic_sampling_metrics(manager))

@@ -312,12 +312,15 @@ class RolloutEngineActor(_Placed):
         self._engine = None
 
     def start(self, model_path: str, server_module: str, dtype: str, startup_timeout_s: float, log_dir: str,
-              port: int = 0, stale_pid: int = 0) -> tuple[str, int]:
+              port: int = 0, stale_pid: int = 0, capture_routing: str = "off") -> tuple[str, int]:
         """Launch the server on the GPUs Ray gave this actor at ``port`` (0 = a free one); return its URL, once
         healthy, and its process id. ``stale_pid``: the server an earlier actor of this bundle left (its own
-        session outlives a SIGKILLed actor): stopped first, so that the port is free for the relaunch."""
+        session outlives a SIGKILLed actor): stopped first, so that the port is free for the relaunch.
+        ``capture_routing``: ``rollout.capture_routing``; "auto"/"on" start a MoE model's server with routed-experts
+        capture (a dense model gets none: "on" was refused for it by the config check)."""
         import ray
 
+        from rollout_sglang.engines.router_capture import routing_layout_from_config
         from rollout_sglang.engines.sglang_client import SGLangEngine
 
         if self._engine is not None:  # relaunch in this actor: the old server exited (ping said so)
@@ -325,9 +328,10 @@ class RolloutEngineActor(_Placed):
         if stale_pid:
             _stop_stale_server(stale_pid, port, timeout_s=30.0)
         gpus = [int(g) for g in ray.get_gpu_ids()]
+        capture = capture_routing != "off" and routing_layout_from_config(model_path) is not None
         self._engine = SGLangEngine.launch(model_path, gpus=gpus, host="0.0.0.0", port=port or None, dtype=dtype,
                                            startup_timeout_s=startup_timeout_s, log_dir=log_dir,
-                                           server_module=server_module)
+                                           server_module=server_module, capture_routing=capture)
         port = self._engine.base_url.rsplit(":", 1)[1]
         return f"http://{_node_ip()}:{port}", int(self._engine.process.pid)
 
@@ -510,7 +514,8 @@ class RayRun:
         model = self.cfg.model.checkpoint or self.cfg.model.hf_config
         log_dir = str(Path(self.cfg.output_dir).resolve() / "ray" / "engine_logs")
         return m.actor.start.remote(str(model), self.cfg.ray.engine_server_module, self.cfg.model.dtype,
-                                    self.cfg.rollout.engine_startup_timeout_s, log_dir, port, stale_pid)
+                                    self.cfg.rollout.engine_startup_timeout_s, log_dir, port, stale_pid,
+                                    self.cfg.rollout.capture_routing)
 
     # ------------------------------------------------------------------------------ trainers
     def start_trainers(self) -> list[_Member]:

@@ -10,7 +10,10 @@ Merging: calls are merged when their temperature, top-p, top-k and stop tokens a
 merged call uses the largest ``max_new_tokens`` and each call's rows are cut back to its own
 cap (exactly what a capped call samples, since rows sample independently). A merged call of
 several callers is unseeded (the engine's own generator); a lone call keeps its seed, so a
-synchronous rollout (one call per turn) stays reproducible.
+synchronous rollout (one call per turn) stays reproducible. Routing (``routing_from``, MoE models)
+is per row: calls with and without it merge; when any merged call asks, the engine is asked for every
+row (a row that did not ask starts at its prompt's end, the least there is, and gets None back), and a row
+cut back to its cap keeps the routing of the positions it kept.
 
 Weight updates go through the version pool, which drains a slot before it pauses the slot's
 engines: :meth:`pause` then holds the calls that arrive later and pauses the wrapped engine, so no
@@ -39,10 +42,23 @@ class _Call:
     prompts: list[list[int]]
     params: SamplingParams
     future: asyncio.Future
+    routing_from: list[int] | None = None
 
 
 def _merge_key(p: SamplingParams) -> tuple:
     return (p.temperature, p.top_p, p.top_k, tuple(p.stop_token_ids))
+
+
+def _cut(out: GenerationOutput, call: _Call, row: int) -> GenerationOutput:
+    """Row ``row`` of ``call`` as the call asked for it: at most its own ``max_new_tokens`` (the routing of the
+    positions kept), routing only when the call asked."""
+    cap = call.params.max_new_tokens
+    routed = out.routed_experts if call.routing_from is not None else None
+    if len(out.token_ids) <= cap:
+        return out if routed is out.routed_experts else dataclasses.replace(out, routed_experts=routed)
+    if routed is not None:
+        routed = routed[:max(0, len(call.prompts[row]) + cap - 1 - call.routing_from[row])]
+    return GenerationOutput(out.token_ids[:cap], out.logprobs[:cap], "length", out.version, routed)
 
 
 class BatchingEngine:
@@ -78,15 +94,22 @@ class BatchingEngine:
         """The wrapped engine's weight version."""
         return int(self.engine.version)
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
-        """Queue the call; it runs alone or merged with others (outputs in prompt order)."""
+    async def generate(self, prompts: list[list[int]], params: SamplingParams,
+                       routing_from: list[int] | None = None) -> list[GenerationOutput]:
+        """Queue the call; it runs alone or merged with others (outputs in prompt order). ``routing_from``:
+        as :meth:`Engine.generate <rollout_sglang.engines.protocol.Engine.generate>`, one start per prompt."""
         if not prompts:
             return []
+        if routing_from is not None:
+            routing_from = list(routing_from)
+            if len(routing_from) != len(prompts):
+                raise ValueError(f"routing_from has {len(routing_from)} starts for {len(prompts)} prompts; give one "
+                                 "per prompt")
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # a new event loop (e.g. an evaluation after the rollout loop ended)
             self._loop, self._worker, self._pending = loop, None, []
         fut: asyncio.Future = loop.create_future()
-        self._pending.append(_Call([list(p) for p in prompts], params, fut))
+        self._pending.append(_Call([list(p) for p in prompts], params, fut, routing_from))
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._work())
         return await fut
@@ -140,8 +163,15 @@ class BatchingEngine:
         else:
             params = dataclasses.replace(take[0].params, max_new_tokens=max(c.params.max_new_tokens for c in take),
                                          seed=None)
+        routing: list[int] | None = None
+        if any(c.routing_from is not None for c in take):
+            routing = [s for c in take
+                       for s in (c.routing_from if c.routing_from is not None else [len(p) for p in c.prompts])]
         try:
-            outs = await self.engine.generate(prompts, params)
+            if routing is None:
+                outs = await self.engine.generate(prompts, params)
+            else:
+                outs = await self.engine.generate(prompts, params, routing_from=routing)
         except BaseException as e:  # noqa: BLE001 - handed to every caller of the merged call
             for c in take:
                 if not c.future.done():
@@ -160,10 +190,7 @@ class BatchingEngine:
         for c in take:
             mine = outs[i: i + len(c.prompts)]
             i += len(c.prompts)
-            cap = c.params.max_new_tokens
-            cut = [o if len(o.token_ids) <= cap
-                   else GenerationOutput(o.token_ids[:cap], o.logprobs[:cap], "length", o.version)
-                   for o in mine]
+            cut = [_cut(o, c, j) for j, o in enumerate(mine)]
             if not c.future.done():
                 c.future.set_result(cut)
 

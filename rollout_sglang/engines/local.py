@@ -10,7 +10,12 @@ engine's numerics. Generation is a hand-written KV-cache loop (not ``model.gener
 * with ``params.seed`` set, row ``i`` samples with its own ``torch.Generator`` seeded
   ``seed + i``, so a row's tokens do not depend on the rest of the batch;
 * rows stop on ``stop_token_ids`` (the stop token is kept) or at ``max_new_tokens``; finished
-  rows leave the batch (their KV cache rows are dropped).
+  rows leave the batch (their KV cache rows are dropped);
+* MoE models, asked for routing (``routing_from``): hooks on the router modules
+  (:mod:`rollout_sglang.engines.router_capture`) record each forward pass's top-k choices, and each
+  row gets those of its positions ``[routing_from, len(prompt) + len(generated) - 1)``: the prefill's
+  (its pads left out) and each decode step's (position ``t``: the forward of token ``t``; the last
+  sampled token is never fed back). Without ``routing_from`` no hook is registered.
 
 Compute runs in a worker thread (``asyncio.to_thread``); a lock serialises generate calls and
 weight loading, so weights never change under a running generation. Weights arrive by
@@ -29,9 +34,12 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 
 from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
+from rollout_sglang.engines.router_capture import RouterCapture, find_routers, routing_layout_of
+from rollout_sglang.routing import RoutingLayout
 from rollout_sglang.weight_update.buckets import dtype_from_name
 
 # One expert's weight as checkpoints (and SGLang) name it; transformers 5 holds a layer's experts fused
@@ -173,6 +181,9 @@ class LocalEngine:
         self._updated: set[int] = set()
         self._update_started = 0.0
         self._num_generate_calls = 0
+        self._routers = find_routers(self.model)
+        #: the routing facts of a MoE model (:mod:`rollout_sglang.routing`); None for a dense model
+        self.routing_layout: RoutingLayout | None = routing_layout_of(self.model)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -228,18 +239,39 @@ class LocalEngine:
                 )
             await asyncio.sleep(0.005)
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+    async def generate(self, prompts: list[list[int]], params: SamplingParams,
+                       routing_from: list[int] | None = None) -> list[GenerationOutput]:
         """Continue each prompt; one :class:`GenerationOutput` per prompt, in order.
 
         prompts: B lists of token ids (any lengths >= 1). Waits while the engine is paused. The
         outputs carry the weight version the whole call ran with.
+        routing_from: MoE models: a start per prompt in ``[0, len(prompt)]``; output ``i`` then carries the
+            experts chosen for positions ``[routing_from[i], len(prompt) + len(generated) - 1)``
+            (``[positions, MoE layers, top-k]`` in :attr:`routing_layout`'s dtype). ValueError for a dense
+            model or a start out of range.
         """
         if not prompts:
             return []
         self._check_inputs(prompts, params)
+        if routing_from is not None:
+            routing_from = self._check_routing_from(prompts, routing_from)
         async with self._loop_lock():
             await self._wait_resumed()
-            return await asyncio.to_thread(self._generate_sync, prompts, params)
+            return await asyncio.to_thread(self._generate_sync, prompts, params, routing_from)
+
+    def _check_routing_from(self, prompts: list[list[int]], routing_from: list[int]) -> list[int]:
+        """ValueError unless the model is MoE and each start is an int in ``[0, len(prompt)]`` (SGLang's rule)."""
+        if self.routing_layout is None:
+            raise ValueError(f"routing_from given, but {type(self.model).__name__} is a dense model (no MoE router "
+                             "modules): there are no routed experts to return; call generate without routing_from "
+                             "(rollout.capture_routing=off or auto)")
+        starts = list(routing_from)
+        if len(starts) != len(prompts):
+            raise ValueError(f"routing_from has {len(starts)} starts for {len(prompts)} prompts; give one per prompt")
+        for i, (s, p) in enumerate(zip(starts, prompts)):
+            if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= int(s) <= len(p):
+                raise ValueError(f"routing_from[{i}]={s!r} must be an int in [0, {len(p)}] (the prompt's length)")
+        return [int(s) for s in starts]
 
     def _check_inputs(self, prompts: list[list[int]], params: SamplingParams) -> None:
         """Raise ValueError for empty prompts, out-of-vocabulary ids or bad sampling settings."""
@@ -279,11 +311,32 @@ class LocalEngine:
             tok = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
         return tok, logp.gather(-1, tok[:, None])[:, 0]
 
-    def _generate_sync(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
-        """The batched KV-cache decoding loop (runs in a worker thread, under the weights lock)."""
+    def _generate_sync(self, prompts: list[list[int]], params: SamplingParams,
+                       routing_from: list[int] | None = None) -> list[GenerationOutput]:
+        """The batched KV-cache decoding loop (runs in a worker thread, under the weights lock), with the
+        routers' choices recorded when ``routing_from`` is given."""
+        if routing_from is None:
+            return self._decode(prompts, params, None)
+        layout = self.routing_layout
+        assert layout is not None
+        # per row, the [n, M, K] choices of its positions from routing_from on, in forward order
+        record: list[list[torch.Tensor]] = [[] for _ in prompts]
+        outs = self._decode(prompts, params, (routing_from, record))
+        for i, o in enumerate(outs):
+            n = max(0, len(prompts[i]) + len(o.token_ids) - 1 - routing_from[i])
+            got = torch.cat(record[i]).cpu() if record[i] else torch.zeros((0, len(layout.moe_layers), layout.top_k))
+            if got.shape[0] < n:
+                raise RuntimeError(f"routing capture recorded {got.shape[0]} positions for row {i}, expected {n}")
+            o.routed_experts = layout.check(got[:n].numpy(), n, f"local engine ({type(self.model).__name__})")
+        return outs
+
+    def _decode(self, prompts: list[list[int]], params: SamplingParams,
+                routing: tuple[list[int], list[list[torch.Tensor]]] | None) -> list[GenerationOutput]:
+        """The decoding loop; ``routing``: (the start of each row, each row's record to append to), recorded
+        by hooks that live only inside the lock (a call without routing never runs them)."""
         from transformers import DynamicCache
 
-        with self._weights_lock, torch.inference_mode():
+        with self._weights_lock, torch.inference_mode(), RouterCapture(self._routers if routing else {}) as capture:
             self._num_generate_calls += 1
             version = self.version
             dev = self.device
@@ -291,7 +344,7 @@ class LocalEngine:
             out_tokens: list[list[int]] = [[] for _ in range(bsz)]
             out_logprobs: list[list[float]] = [[] for _ in range(bsz)]
             reasons = ["length"] * bsz
-            if params.max_new_tokens == 0:
+            if params.max_new_tokens == 0 and routing is None:
                 return [GenerationOutput([], [], "length", version) for _ in range(bsz)]
             stop = set(int(t) for t in params.stop_token_ids)
             lens = [len(p) for p in prompts]
@@ -316,6 +369,13 @@ class LocalEngine:
                 input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
                 logits_to_keep=1,
             )
+            if routing is not None:  # the prompt's positions from each row's start (left pads dropped)
+                starts, record = routing
+                chosen = capture.take(bsz, width)
+                for i in range(bsz):
+                    record[i].append(chosen[i, width - lens[i] + starts[i]:])
+                if params.max_new_tokens == 0:  # SGLang returns the prefill's routing then: [start, len - 1)
+                    return [GenerationOutput([], [], "length", version) for _ in range(bsz)]
             logits = out.logits[:, -1].float()
             rows = list(range(bsz))  # original row of each live batch row
             next_pos = torch.tensor(lens, dtype=torch.long, device=dev)
@@ -343,6 +403,10 @@ class LocalEngine:
                     input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                     past_key_values=cache, use_cache=True,
                 )
+                if routing is not None:  # position len(prompt) + step of each live row (>= its start)
+                    chosen = capture.take(len(rows), 1)
+                    for j, r in enumerate(rows):
+                        record[r].append(chosen[j])
                 logits = out.logits[:, -1].float()
                 next_pos = next_pos + 1
             return [GenerationOutput(out_tokens[i], out_logprobs[i], reasons[i], version) for i in range(bsz)]

@@ -12,6 +12,12 @@ protocol                                    SGLang
 ``generate(prompts, params)``               ``POST /generate`` ``{"input_ids": [[...]], "sampling_params": [{...}],
                                             "return_logprob": true}`` -> per prompt ``output_ids`` and
                                             ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]``)
+``generate(..., routing_from)`` (MoE)       one ``/generate`` per distinct start (SGLang takes one start per
+                                            request), adding ``"return_routed_experts": true,
+                                            "routed_experts_start_len": start`` -> ``meta_info.routed_experts``
+                                            (base64 of int32 ``[positions, num_hidden_layers, top_k]``,
+                                            positions ``[start, seqlen - 1)``; the server needs
+                                            ``--enable-return-routed-experts``); the MoE layers are kept
 ``pause()`` / ``resume()``                  ``POST /pause_generation {"mode"}`` / ``POST /continue_generation {}``
 ``begin_weight_update(version)``            ``POST /begin_weight_update {}`` (opens the server's weight-update session;
                                             the client keeps ``version``)
@@ -49,6 +55,8 @@ weight-update calls), which then accept only the admin key.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import os
@@ -64,10 +72,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import torch
 
 from env_controller.http.net import free_port
 from rollout_sglang.engines.protocol import EngineUnavailable, GenerationOutput, Probe, SamplingParams
+from rollout_sglang.routing import RoutingError, RoutingLayout
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +90,9 @@ ADMIN_ENDPOINTS = frozenset({
 })
 # sampling_seed is an int64 on the server; row seeds are base + row, so bases stay below 2**62
 _SEED_BASE_LIMIT = 1 << 62
+#: the SGLang server option that enables routed-experts capture (0.5.23: ``enable_return_routed_experts``,
+#: sglang/srt/arg_groups/fields/exec_.py, a store_true flag); without it SGLang ignores ``return_routed_experts``
+CAPTURE_ROUTING_FLAG = "--enable-return-routed-experts"
 
 
 def version_to_wire(version: int) -> str:
@@ -149,6 +162,8 @@ class SGLangEngine:
     admin_api_key: the server's ``--admin-api-key``, sent instead of ``api_key`` on the control
         endpoints (:data:`ADMIN_ENDPOINTS`).
     process / log_path: the server process when this client launched it (see :meth:`launch`).
+    routing_layout: MoE models: the model's routing layout (:mod:`rollout_sglang.routing`), needed to ask for
+        and check routed experts (``generate(..., routing_from=...)``); None: the client asks for none.
     """
 
     def __init__(
@@ -165,6 +180,7 @@ class SGLangEngine:
         admin_api_key: str | None = None,
         process: subprocess.Popen | None = None,
         log_path: Path | None = None,
+        routing_layout: RoutingLayout | None = None,
     ) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode={pause_mode!r} is not one of {PAUSE_MODES}")
@@ -183,6 +199,7 @@ class SGLangEngine:
         self._admin_headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else self.headers
         self.process = process
         self.log_path = log_path
+        self.routing_layout = routing_layout
         self._pending_version: int | None = None
         self._extensions: list[str] | None = None
         self._paused = False
@@ -244,26 +261,72 @@ class SGLangEngine:
         return self._raise_for(endpoint, resp)
 
     # ---------------------------------------------------------------- generation
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+    async def generate(self, prompts: list[list[int]], params: SamplingParams,
+                       routing_from: list[int] | None = None) -> list[GenerationOutput]:
         """Continue each prompt (token ids); one output per prompt with its token ids and log-probs.
 
+        routing_from: MoE models (the client needs ``routing_layout``): a start per prompt in ``[0, len(prompt)]``;
+            output ``i`` then carries the routed experts of positions ``[routing_from[i], len(prompt) +
+            len(generated) - 1)``, MoE layers only. Prompts that share a start go in one request.
         Raises SGLangTimeout after ``request_timeout_s``, SGLangError when the server refuses the
-        request, aborts it, or answers with mismatched token/log-prob lists.
+        request, aborts it, or answers with mismatched token/log-prob lists; SGLangUnavailable for a
+        malformed routing record.
         """
         if not prompts:
             return []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         sp = sampling_params_to_sglang(params, len(prompts))
-        body = {"input_ids": [list(map(int, p)) for p in prompts], "sampling_params": sp, "return_logprob": True}
-        t = self.request_timeout_s
+        groups: dict[int | None, list[int]] = {}
+        if routing_from is None:
+            groups[None] = list(range(len(prompts)))
+        else:
+            for i, start in enumerate(self._check_routing_from(prompts, routing_from)):
+                groups.setdefault(start, []).append(i)
         version = self.version
+        tasks = [asyncio.ensure_future(self._generate_rows(prompts, rows, sp, start, params, version))
+                 for start, rows in groups.items()]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        out: list[GenerationOutput | None] = [None] * len(prompts)
+        for rows, res in zip(groups.values(), results):
+            for i, o in zip(rows, res):
+                out[i] = o
+        return out  # type: ignore[return-value]
+
+    def _check_routing_from(self, prompts: list[list[int]], routing_from: list[int]) -> list[int]:
+        """ValueError unless the client has a routing layout and each start is in ``[0, len(prompt)]`` (the
+        range SGLang's scheduler accepts; it aborts a request outside it)."""
+        if self.routing_layout is None:
+            raise ValueError(f"routing_from given, but the client of {self.base_url} has no routing_layout: build it "
+                             "with SGLangEngine(..., routing_layout=...) for a MoE model (a dense model has none)")
+        starts = list(routing_from)
+        if len(starts) != len(prompts):
+            raise ValueError(f"routing_from has {len(starts)} starts for {len(prompts)} prompts; give one per prompt")
+        for i, (start, p) in enumerate(zip(starts, prompts)):
+            if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not 0 <= int(start) <= len(p):
+                raise ValueError(f"routing_from[{i}]={start!r} must be an int in [0, {len(p)}] (the prompt's length)")
+        return [int(x) for x in starts]
+
+    async def _generate_rows(self, prompts: list[list[int]], rows: list[int], sp: list[dict[str, Any]],
+                             start: int | None, params: SamplingParams, version: int) -> list[GenerationOutput]:
+        """One ``/generate`` for ``rows`` of ``prompts`` (their own sampling params); routing from ``start`` on."""
+        body: dict[str, Any] = {"input_ids": [list(map(int, prompts[i])) for i in rows],
+                                "sampling_params": [sp[i] for i in rows], "return_logprob": True}
+        if start is not None:
+            body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = start
+        t = self.request_timeout_s
         try:
             resp = await asyncio.wait_for(
                 self._aclient().post(self._url("/generate"), json=body, timeout=httpx.Timeout(t)), t + 1.0)
         except (httpx.TimeoutException, asyncio.TimeoutError) as e:
             raise SGLangTimeout(
-                f"/generate on {self.base_url} ({len(prompts)} prompts, max_new_tokens={params.max_new_tokens}) did "
+                f"/generate on {self.base_url} ({len(rows)} prompts, max_new_tokens={params.max_new_tokens}) did "
                 f"not answer within {t:.1f}s; the server is stalled or overloaded (raise request_timeout_s?)"
             ) from e
         except httpx.HTTPError as e:
@@ -271,9 +334,56 @@ class SGLangEngine:
                 f"/generate on {self.base_url} could not be reached: {e!r}; is the server running?") from e
         data = self._raise_for("/generate", resp)
         items = data if isinstance(data, list) else [data]
-        if len(items) != len(prompts):
-            raise SGLangError(f"/generate on {self.base_url} returned {len(items)} results for {len(prompts)} prompts")
-        return [self._parse_output(i, item, version) for i, item in enumerate(items)]
+        if len(items) != len(rows):
+            raise SGLangError(f"/generate on {self.base_url} returned {len(items)} results for {len(rows)} prompts")
+        outs = []
+        for i, item in zip(rows, items):
+            o = self._parse_output(i, item, version)
+            if start is not None:
+                o.routed_experts = self._parse_routing(i, item, len(prompts[i]), len(o.token_ids), start)
+            outs.append(o)
+        return outs
+
+    def _parse_routing(self, row: int, item: dict, prompt_len: int, generated: int, start: int) -> np.ndarray:
+        """Row ``row``'s ``meta_info.routed_experts`` as a record of the MoE layers (``RoutingLayout.check``).
+
+        SGLang 0.5.23 sends base64 of the int32 ``[positions, num_hidden_layers, top_k]`` array of positions
+        ``[start, seqlen - 1)`` (dense layers hold zeros, dropped here). A server started without
+        ``--enable-return-routed-experts`` sends no such key: SGLangError naming the flag (a launch setting, the
+        same on every call: retrying elsewhere would not fix it). A record that does not decode or fit the model
+        is hostile input from that engine, never trusted: SGLangUnavailable, an EngineUnavailable, because the
+        request was sound (its starts were checked here) and the engine's answer was not (a server with another
+        model, corrupt capture buffers); the version pool then takes that engine out of rotation and sends the
+        rows to another engine, so a bad server neither fails the episode nor feeds wrong routing to training.
+        """
+        layout = self.routing_layout
+        assert layout is not None
+        meta = item.get("meta_info") or {}
+        where = f"/generate on {self.base_url}, row {row}"
+        if "routed_experts" not in meta:
+            raise SGLangError(f"{where}: the answer has no meta_info.routed_experts although the request asked for "
+                              f"them: the server was started without {CAPTURE_ROUTING_FLAG} (SGLang then ignores "
+                              "return_routed_experts); relaunch it with that flag, or set rollout.capture_routing=off")
+        raw = meta["routed_experts"]
+        try:
+            if not isinstance(raw, str):
+                raise RoutingError(f"{where}: routed_experts is a {type(raw).__name__} ({str(raw)[:80]!r}), not a "
+                                   "base64 string")
+            try:
+                data = base64.b64decode(raw, validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise RoutingError(f"{where}: routed_experts {raw[:40]!r}... is not valid base64 ({e})") from None
+            seqlen = prompt_len + generated
+            positions = max(0, seqlen - 1 - start)
+            want = positions * layout.num_layers * layout.top_k
+            if len(data) != 4 * want:
+                raise RoutingError(f"{where}: routed_experts of {len(data)} bytes, expected {4 * want} (int32 "
+                                   f"[{positions} positions [{start}, {seqlen - 1}), {layout.num_layers} layers, "
+                                   f"top-{layout.top_k}])")
+            arr = np.frombuffer(data, dtype="<i4").reshape(positions, layout.num_layers, layout.top_k)
+            return layout.check(arr[:, list(layout.moe_layers), :], positions, where)
+        except RoutingError as e:
+            raise SGLangUnavailable(f"malformed routed experts from {self.base_url}: {e}") from None
 
     def _parse_output(self, row: int, item: dict, version: int) -> GenerationOutput:
         meta = item.get("meta_info") or {}
@@ -528,12 +638,14 @@ class SGLangEngine:
         log_dir: str | os.PathLike | None = None,
         python: str = sys.executable,
         server_module: str = "sglang.launch_server",
+        capture_routing: bool = False,
         **client_kwargs: Any,
     ) -> "SGLangEngine":
         """Start ``python -m sglang.launch_server`` on ``gpus`` and wait until it is healthy.
 
         The server gets ``--model-path --host --port --tp-size len(gpus) --dtype --skip-tokenizer-init``
-        (token ids in and out) plus ``extra_args``; ``CUDA_VISIBLE_DEVICES`` is set to ``gpus``. Its
+        (token ids in and out), with ``capture_routing`` (MoE models) ``--enable-return-routed-experts``,
+        plus ``extra_args``; ``CUDA_VISIBLE_DEVICES`` is set to ``gpus``. Its
         output goes to ``log_dir/sglang_<port>.log``. Raises SGLangTimeout when it is not healthy
         within ``startup_timeout_s`` (the process is killed), SGLangError with the log tail when it
         exits early. ``server_module`` lets tests launch the stand-in the same way.
@@ -547,6 +659,8 @@ class SGLangEngine:
                "--tp-size", str(tp), "--dtype", dtype, "--skip-tokenizer-init"]
         if mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(mem_fraction_static)]
+        if capture_routing:
+            cmd.append(CAPTURE_ROUTING_FLAG)
         cmd += list(extra_args)
         env = dict(os.environ)
         if gpus:

@@ -314,14 +314,18 @@ class VersionPool:
             for k in keys:
                 self._affinity.pop(k, None)
 
-    async def generate_on(self, engine_id: int, prompts: list[list[int]],
-                          params: SamplingParams) -> list[GenerationOutput]:
+    async def generate_on(self, engine_id: int, prompts: list[list[int]], params: SamplingParams,
+                          routing_from: list[int] | None = None) -> list[GenerationOutput]:
         """``generate`` on engine ``engine_id``, then release the ``len(prompts)`` leases :meth:`route` took.
 
+        routing_from: MoE models, one start per prompt (``Engine.generate``); None asks the engine for no routing.
         EngineUnavailable when the engine fails for reasons of its own or is taken out of rotation while the
         call runs (the call is cancelled then)."""
         loop = asyncio.get_running_loop()
-        task = loop.create_task(self.engines[engine_id].generate(prompts, params))
+        engine = self.engines[engine_id]
+        call = engine.generate(prompts, params) if routing_from is None else \
+            engine.generate(prompts, params, routing_from=list(routing_from))
+        task = loop.create_task(call)
         entry = (loop, task)
         with self._lock:
             down = self._down.get(engine_id)
@@ -347,9 +351,11 @@ class VersionPool:
             self.release(engine_id, len(prompts))
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
-                       keys: Sequence[Hashable | None] | None = None, newest: bool = False) -> list[GenerationOutput]:
+                       keys: Sequence[Hashable | None] | None = None, newest: bool = False,
+                       routing_from: Sequence[int] | None = None) -> list[GenerationOutput]:
         """Route every prompt (policy + router; ``newest``: the newest live version) and generate; outputs in
-        prompt order.
+        prompt order. ``routing_from``: MoE models, one start per prompt (``Engine.generate``): each row's
+        start goes with it to whichever engine serves it, a re-routed row's too.
 
         While no slot is live (e.g. the only slot is updating) the call waits for one. Prompts whose engine
         fails for reasons of its own (:class:`EngineUnavailable`) take that engine out of rotation and are
@@ -362,6 +368,9 @@ class VersionPool:
         if not prompts:
             return []
         keys = list(keys) if keys is not None else [None] * len(prompts)
+        starts = list(routing_from) if routing_from is not None else None
+        if starts is not None and len(starts) != len(prompts):
+            raise ValueError(f"routing_from has {len(starts)} starts for {len(prompts)} prompts; give one per prompt")
         out: list[GenerationOutput | None] = [None] * len(prompts)
         todo = list(range(len(prompts)))
         deadline = time.monotonic() + self.live_timeout_s
@@ -374,7 +383,8 @@ class VersionPool:
             calls = []
             for e, rows in by_engine.items():
                 p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + e * len(prompts))
-                calls.append(self.generate_on(e, [prompts[i] for i in rows], p))
+                calls.append(self.generate_on(e, [prompts[i] for i in rows], p,
+                                              None if starts is None else [starts[i] for i in rows]))
             results = await asyncio.gather(*calls, return_exceptions=True)
             todo, error = [], None
             for (e, rows), res in zip(by_engine.items(), results):

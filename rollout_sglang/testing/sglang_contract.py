@@ -10,6 +10,13 @@ SGLang's source without importing SGLang (which needs CUDA-only modules):
 * ``sglang/api/v1/api_types.py``: ``GenerateRequest`` (unknown keys ignored) and
   ``SamplingParams`` (unknown keys rejected), with the type aliases they use;
 * ``sglang/srt/entrypoints/http_server.py``: each route's methods, request class and auth level.
+  ``/generate`` is checked twice in SGLang: the ``api/v1`` ``GenerateRequest`` gate checks the fields it
+  knows and ignores the rest, then FastAPI builds ``io_struct.GenerateReqInput`` (the route's own class,
+  the contract's ``target``) from the body; a field of either is understood (``return_routed_experts``
+  is in ``GenerateReqInput`` only);
+* routed experts (rollout routing replay): the server option that enables capture, the capturer's
+  buffer (dtype, shape), the layer count and top-k it is sized by, the positions a response covers, and
+  how the detokenizer encodes it (:data:`ROUTED_EXPERTS_SOURCES`), as source text the tests read.
 
 The result is committed as ``sglang_contract_<pin>.json`` next to this module. To bump the pin:
 ``pip download --no-deps sglang==<new> -d DIR``, then ``python -m rollout_sglang.testing.sglang_contract
@@ -41,6 +48,14 @@ PATHS = ("/generate", "/pause_generation", "/continue_generation", "/flush_cache
          "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update",
          "/destroy_weights_update_group", "/health", "/model_info", "/server_info")
 _API_CLASSES = ("GenerateRequest", "SamplingParams")
+#: where the facts of the routed-experts response live in the wheel
+ROUTED_EXPERTS_SOURCES = {
+    "options": "sglang/srt/arg_groups/fields/exec_.py",
+    "capturer": "sglang/srt/state_capturer/routed_experts.py",
+    "buffers": "sglang/srt/state_capturer/base.py",
+    "collect": "sglang/srt/managers/scheduler_components/batch_result_processor.py",
+    "encode": "sglang/srt/managers/detokenizer_manager.py",
+}
 
 
 class ContractError(ValueError):
@@ -105,15 +120,20 @@ def extract_contract(wheel_path: str | os.PathLike) -> dict[str, Any]:
             if p in PATHS:
                 r = routes.setdefault(p, {"methods": [], "request": request, "auth_level": level})
                 r["methods"] = sorted(set(r["methods"]) | methods)
-    # /generate's body is the api/v1 GenerateRequest (the route's contract gate decodes it)
+    # /generate's body is the api/v1 GenerateRequest (the route's contract gate decodes it), then the route's
+    # own GenerateReqInput (a dataclass FastAPI fills from the body: fields the gate does not know reach it)
     if "/generate" in routes:
         routes["/generate"]["request"] = "GenerateRequest"
+        routes["/generate"]["target"] = "GenerateReqInput"
     base = _fields(io_classes["BaseReq"], io_src)
     classes: dict[str, dict[str, Any]] = {}
     for r in routes.values():
         cls = r["request"]
         if cls in io_classes and cls not in classes:
             classes[cls] = {"unknown_keys": "ignored", "fields": {**base, **_fields(io_classes[cls], io_src)}}
+    if "/generate" in routes:
+        classes["GenerateReqInput"] = {"unknown_keys": "ignored",
+                                       "fields": _fields(io_classes["GenerateReqInput"], io_src)}
     for cls in _API_CLASSES:
         doc = ast.get_docstring(api_classes[cls]) or ""
         classes[cls] = {"unknown_keys": "rejected" if "unknown keys rejected" in doc else "ignored",
@@ -121,8 +141,57 @@ def extract_contract(wheel_path: str | os.PathLike) -> dict[str, Any]:
     aliases = {n.targets[0].id: ast.unparse(n.value) for n in api_tree.body
                if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
                and n.targets[0].id[:1].isupper()}
+    with zipfile.ZipFile(wheel_path) as z:
+        routed = _routed_experts_facts({k: z.read(v).decode() for k, v in ROUTED_EXPERTS_SOURCES.items()})
     return {"sglang": version, "routes": dict(sorted(routes.items())), "classes": classes,
-            "aliases": aliases, "structs": sorted(api_classes)}
+            "aliases": aliases, "structs": sorted(api_classes), "routed_experts": routed}
+
+
+def _function(tree: ast.AST, name: str, cls: str | None = None) -> ast.FunctionDef:
+    scope: Any = tree
+    if cls is not None:
+        scope = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(n for n in ast.walk(scope) if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _assigned(fn: ast.AST, target: str) -> str:
+    """The source of the first value assigned to ``target`` (a name) in ``fn``."""
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == target for t in n.targets):
+            return ast.unparse(n.value)
+    raise KeyError(target)
+
+
+def _calls(fn: ast.AST, name: str) -> list[str]:
+    """The source of every call of ``name`` (a function or method name) in ``fn``."""
+    return [ast.unparse(n) for n in ast.walk(fn) if isinstance(n, ast.Call)
+            and (getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name)]
+
+
+def _routed_experts_facts(src: dict[str, str]) -> dict[str, Any]:
+    """What a routed-experts response is, as the wheel's source says it (source text, for the tests to read)."""
+    trees = {k: ast.parse(v) for k, v in src.items()}
+    options = next(n for n in ast.walk(trees["options"]) if isinstance(n, ast.AnnAssign)
+                   and isinstance(n.target, ast.Name) and n.target.id == "enable_return_routed_experts")
+    capturer_init = _function(trees["capturer"], "__init__", "RoutedExpertsCapturer")
+    get_topk = _function(trees["buffers"], "get_topk", "BaseTopkCapturer")
+    collect = _function(trees["collect"], "_maybe_collect_routed_experts")
+    return {
+        # the server option (a bool field: the flag --enable-return-routed-experts) and its default
+        "server_option": {"name": options.target.id, "default": ast.literal_eval(options.value)},
+        # the host buffer every response is read from: its allocation (shape and dtype)
+        "host_buffer": _calls(_function(trees["buffers"], "__init__", "BaseHostCache"), "alloc"),
+        "num_layers": _assigned(capturer_init, "num_layers"),
+        "top_k": _assigned(capturer_init, "topk_size"),
+        # positions [start_len, seqlen - 1) of the request's slots, the start clamped to seqlen - 1
+        "start_clamp": _assigned(get_topk, "start_len"),
+        "positions": [ast.unparse(n.slice) for n in ast.walk(get_topk) if isinstance(n, ast.Subscript)
+                      and isinstance(n.slice, ast.Slice)],
+        "seqlen": _assigned(collect, "seqlen"),
+        # the response field: base64 of the tensor's raw bytes
+        "encoding": _calls(_function(trees["encode"], "_b64_encode_per_request"), "b64encode"),
+        "decoding": _calls(_function(trees["capturer"], "extract_routed_experts_from_meta_info"), "frombuffer"),
+    }
 
 
 # --------------------------------------------------------------------------------------- checking
@@ -152,9 +221,14 @@ class Contract:
         return str(self.route(path)["auth_level"])
 
     def fields(self, path: str) -> set[str]:
-        """The body fields ``path`` accepts (empty for a route without a request body)."""
-        cls = self.route(path)["request"]
-        return set(self.data["classes"][cls]["fields"]) if cls else set()
+        """The body fields ``path`` accepts (empty for a route without a request body): its request class's and,
+        for ``/generate``, its target's (``GenerateReqInput``)."""
+        route = self.route(path)
+        out: set[str] = set()
+        for cls in (route["request"], route.get("target")):
+            if cls:
+                out |= set(self.data["classes"][cls]["fields"])
+        return out
 
     def check_request(self, path: str, body: Any, method: str = "POST", allow_extra: Any = ()) -> None:
         """ContractError naming the endpoint, field, value and SGLang's expectation when ``body`` breaks
@@ -168,7 +242,16 @@ class Contract:
             if body not in (None, {}):
                 raise ContractError(f"{path} takes no request body in SGLang {self.pin} (got {str(body)[:80]})")
             return
-        self._check_object(path, cls, {} if body is None else body, set(allow_extra))
+        extra = set(allow_extra)
+        target = route.get("target")
+        if target and isinstance(body, dict):  # fields the gate ignores but the route's own class takes
+            spec, gate = self.data["classes"][target]["fields"], self.data["classes"][cls]["fields"]
+            for name in set(body) & set(spec) - set(gate):
+                if not self._matches(body[name], spec[name]["type"]):
+                    raise ContractError(f"{path}: {name}={body[name]!r} does not match {target}.{name}: "
+                                        f"{spec[name]['type']} in SGLang {self.pin}")
+                extra.add(name)
+        self._check_object(path, cls, {} if body is None else body, extra)
         if cls == "GenerateRequest" and isinstance(body, dict) and body.get("sampling_params") is not None:
             sps = body["sampling_params"]
             for i, sp in enumerate(sps if isinstance(sps, list) else [sps]):

@@ -14,7 +14,12 @@ refused (SGLang would drop it silently). Then it follows SGLang's behaviour:
   "length", "length": n}, "prompt_tokens", "completion_tokens", "cached_tokens",
   "output_token_logprobs": [[logprob, token_id, null], ...], "weight_version", "e2e_latency"}}``.
   With ``deterministic`` (``--enable-deterministic-inference``) a row without ``sampling_seed``
-  samples with seed 42, as SGLang's sampler does.
+  samples with seed 42, as SGLang's sampler does. MoE models: ``"return_routed_experts": true`` with
+  ``routed_experts_start_len`` (one start for the whole request, in ``[0, len(prompt)]`` of every row, else
+  HTTP 400 with the scheduler's message) adds ``meta_info.routed_experts``, base64 of the int32
+  ``[positions, num_hidden_layers, top_k]`` array of positions ``[start, seqlen - 1)`` (dense layers 0), from
+  the local engine's recorded routing; only with ``capture_routing`` (``--enable-return-routed-experts``):
+  without it the key is absent and nothing else changes, as in SGLang.
 * The weight update: ``/init_weights_update_group`` (every simulated TP rank joins at ``rank_offset
   + tp_rank``; with ``lazy_join``, the default, the group's collectives start only at the first
   update request, as SGLang's NCCL communicator does, so a trainer that waits for the group first
@@ -52,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import logging
 import secrets
 import signal
@@ -62,6 +68,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from aiohttp import web
 
@@ -155,15 +162,21 @@ class StandInServer:
         version's, :func:`rollout_sglang.testing.sglang_contract.load_contract`).
     weight_version: as ``--weight-version``: the version reported until an update sets one (None: SGLang's
         ``"default"``).
+    capture_routing: as ``--enable-return-routed-experts``: requests that ask for routed experts get them (MoE
+        models only: SGLang's capturer sizes its buffers by the config's ``num_experts_per_tok``).
     """
 
     def __init__(self, engine: LocalEngine, *, host: str = "127.0.0.1", port: int = 0,
                  model_path: str = "standin", group_timeout_s: float = 300.0, tp_size: int = 1,
                  lazy_join: bool = True, deterministic: bool = False, api_key: str | None = None,
                  admin_api_key: str | None = None, contract: Contract | None = None,
-                 weight_version: str | None = None) -> None:
+                 weight_version: str | None = None, capture_routing: bool = False) -> None:
         if tp_size < 1:
             raise ValueError(f"tp_size={tp_size} must be >= 1")
+        if capture_routing and getattr(engine, "routing_layout", None) is None:
+            raise ValueError(f"capture_routing (--enable-return-routed-experts) needs a MoE model; "
+                             f"{type(engine.model).__name__} is dense")
+        self.capture_routing = bool(capture_routing)
         self.engine = engine
         self.host = host
         self.port = int(port)
@@ -354,6 +367,12 @@ class StandInServer:
         body = await self._json(request)
         if body.get("stream"):
             raise BadRequest("stream=true is not supported by the stand-in")
+        # GenerateReqInput fields the api/v1 gate does not know: SGLang honours them, the stand-in only this one
+        route = self.contract.route("/generate")
+        gate = set(self.contract.data["classes"][route["request"]]["fields"])
+        unsupported = sorted(set(body) - gate - EXTENSION_FIELDS - {"return_routed_experts"})
+        if unsupported:
+            raise BadRequest(f"request fields {unsupported} are not supported by the stand-in")
         ids = body.get("input_ids")
         if ids is None:
             raise BadRequest("the stand-in needs input_ids (it runs like --skip-tokenizer-init); text is not supported")
@@ -373,6 +392,7 @@ class StandInServer:
         want_lp = [bool(x) for x in want_lp] if isinstance(want_lp, list) else [bool(want_lp)] * n
         rid = body.get("rid")
         rids = rid if isinstance(rid, list) else [f"{rid}_{i}" if rid else uuid.uuid4().hex for i in range(n)]
+        routing_from = self._routing_start(body, prompts)
 
         t0 = time.perf_counter()
         self._running += 1
@@ -393,7 +413,11 @@ class StandInServer:
                     calls = [([r], s) for r, s in zip(rows, seeds)]
                 for call_rows, seed in calls:
                     p = SamplingParams(**{**params.__dict__, "seed": seed})
-                    res = await self.engine.generate([prompts[r] for r in call_rows], p)
+                    if routing_from is None:
+                        res = await self.engine.generate([prompts[r] for r in call_rows], p)
+                    else:
+                        res = await self.engine.generate([prompts[r] for r in call_rows], p,
+                                                         routing_from=[routing_from] * len(call_rows))
                     for r, o in zip(call_rows, res):
                         outs[r] = (o, p)
         except ValueError as e:
@@ -414,8 +438,38 @@ class StandInServer:
             }
             if want_lp[i]:
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(o.logprobs, o.token_ids)]
+            if routing_from is not None:
+                meta["routed_experts"] = self._routed_experts_b64(o.routed_experts)
             items.append({"text": "", "output_ids": list(o.token_ids), "meta_info": meta})
         return web.json_response(items[0] if single else items)
+
+    def _routing_start(self, body: dict[str, Any], prompts: list[list[int]]) -> int | None:
+        """The start to ask the engine's routing from, None when none is returned: SGLang returns routing only
+        when the request asks (``return_routed_experts``) and the server captures (else it drops the ask
+        without a word); it aborts a request whose ``routed_experts_start_len`` is outside ``[0, len(prompt)]``
+        (scheduler.py), which the HTTP server answers with 400 and the message."""
+        if not body.get("return_routed_experts"):
+            return None
+        start = int(body.get("routed_experts_start_len", 0))
+        if start < 0:
+            raise BadRequest(f"recv_req.routed_experts_start_len={start} is lower than 0. Please use a non-negative "
+                             "routed_experts_start_len.")
+        for p in prompts:
+            if start > len(p):
+                raise BadRequest(f"recv_req.routed_experts_start_len={start} is higher than the number of input "
+                                 f"tokens len(req.origin_input_ids)={len(p)}. Please use a smaller "
+                                 "routed_experts_start_len.")
+        return start if self.capture_routing else None
+
+    def _routed_experts_b64(self, record: np.ndarray | None) -> str:
+        """A record of the MoE layers as SGLang sends it: its capturer's int32 host buffer rows ``[positions,
+        num_hidden_layers, top_k]`` (a layer without a router is never written: zeros), base64 of the raw bytes
+        (detokenizer_manager.py ``_b64_encode_per_request``)."""
+        layout = self.engine.routing_layout
+        assert record is not None and layout is not None
+        full = np.zeros((record.shape[0], layout.num_layers, layout.top_k), dtype=np.int32)
+        full[:, list(layout.moe_layers), :] = record
+        return base64.b64encode(full.tobytes()).decode("utf-8")
 
     # ---------------------------------------------------------- pause / flush
     async def _pause(self, request: web.Request) -> web.Response:
@@ -668,6 +722,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--admin-api-key", default=None)
     parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--weight-version", default=None, help="the version the server reports (default: 'default')")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="answer return_routed_experts (MoE models), as SGLang's flag")
     args, unknown = parser.parse_known_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -677,7 +733,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = LocalEngine.from_pretrained(args.model_path, dtype=dtype, device="cpu")
     server = StandInServer(engine, host=args.host, port=args.port, model_path=args.model_path, tp_size=args.tp_size,
                            deterministic=args.enable_deterministic_inference, api_key=args.api_key,
-                           admin_api_key=args.admin_api_key, weight_version=args.weight_version)
+                           admin_api_key=args.admin_api_key, weight_version=args.weight_version,
+                           capture_routing=args.enable_return_routed_experts)
     server.start()
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

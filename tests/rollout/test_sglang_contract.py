@@ -7,7 +7,9 @@ and ``/generate`` bodies must pass SGLang's own generated decoder.
 """
 from __future__ import annotations
 
+import ast
 import asyncio
+import base64
 import importlib.util
 import re
 import sys
@@ -15,11 +17,13 @@ import threading
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from aiohttp import web
 
 from rollout_sglang.engines.protocol import SamplingParams
-from rollout_sglang.engines.sglang_client import SGLangEngine
+from rollout_sglang.engines.sglang_client import CAPTURE_ROUTING_FLAG, SGLangEngine
+from rollout_sglang.routing import RoutingLayout
 from rollout_sglang.testing.sglang_contract import (
     API_TYPES,
     SGLANG_PIN,
@@ -29,6 +33,8 @@ from rollout_sglang.testing.sglang_contract import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+# the routing layout the recorded client asks with: 3 layers, the middle one dense, 4 experts, top-2
+LAYOUT = RoutingLayout(num_layers=3, moe_layers=(0, 2), num_experts=4, top_k=2)
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +69,13 @@ class Recorder:
                 "id": "r", "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 2,
                 "completion_tokens": 2, "cached_tokens": 0, "output_token_logprobs": [[-0.5, 5, None], [-0.7, 6, None]],
                 "weight_version": "0", "e2e_latency": 0.01}}
-            return web.json_response([item] * rows)
+            items = [item] * rows
+            if body.get("return_routed_experts"):  # as SGLang: int32 [start, seqlen - 1) x every layer x top-k
+                start = body.get("routed_experts_start_len", 0)
+                items = [{**item, "meta_info": {**item["meta_info"], "routed_experts": base64.b64encode(np.zeros(
+                    (len(p) + 2 - 1 - start, LAYOUT.num_layers, LAYOUT.top_k), np.int32).tobytes()).decode()}}
+                    for p in body["input_ids"]]
+            return web.json_response(items)
         if request.path == "/server_info":
             return web.json_response({"tp_size": 1, "pp_size": 1, "dp_size": 1})
         if request.path in ("/pause_generation", "/continue_generation"):
@@ -103,6 +115,10 @@ def client_bodies() -> list[tuple[str, str, object]]:
         asyncio.run(c.generate([[1, 2], [3, 4, 5]], SamplingParams(max_new_tokens=2, temperature=0.7, top_p=0.9,
                                                                    top_k=20, stop_token_ids=[2], seed=3)))
         asyncio.run(c.generate([[1, 2]], SamplingParams(max_new_tokens=2)))  # unseeded
+        c.routing_layout = LAYOUT  # routed experts: one request per start
+        asyncio.run(c.generate([[1, 2], [3, 4, 5], [6]], SamplingParams(max_new_tokens=2, seed=1),
+                               routing_from=[0, 3, 0]))
+        c.routing_layout = None
         c.pause()
         c.resume()
         c.flush_cache()
@@ -153,7 +169,7 @@ def test_every_client_body_fits_sglangs_request_classes():
 
 def test_generate_bodies_pass_sglangs_own_decoder(api_types):
     bodies = [b for _, p, b in client_bodies() if p == "/generate"]
-    assert len(bodies) == 2
+    assert len(bodies) == 4
     for body in bodies:
         api_types.GenerateRequest.from_json_value(body)
         assert all("sampling_seed" in sp for sp in body["sampling_params"])  # every row seeded
@@ -221,3 +237,80 @@ def test_contract_rules_name_the_field_and_the_fix():
         contract.check_request("/begin_weight_update", {}, method="GET")
     with pytest.raises(ContractError, match="not an endpoint"):
         contract.check_request("/update_weights_from_tensor", {})
+
+
+# --------------------------------------------------------------------------- routed experts (MoE, R3)
+def test_routed_experts_requests_fit_generate_req_input():
+    contract = load_contract()
+    routed = [b for _, p, b in client_bodies() if p == "/generate" and b.get("return_routed_experts")]
+    # SGLang takes one routed_experts_start_len per request: the client sends one request per start
+    assert sorted((b["routed_experts_start_len"], b["input_ids"]) for b in routed) == [(0, [[1, 2], [6]]),
+                                                                                       (3, [[3, 4, 5]])]
+    target = contract.data["classes"]["GenerateReqInput"]["fields"]
+    assert target["return_routed_experts"]["type"] == "bool" and target["routed_experts_start_len"]["type"] == "int"
+    assert "return_routed_experts" not in contract.data["classes"]["GenerateRequest"]["fields"]  # the gate ignores it
+    assert contract.route("/generate")["target"] == "GenerateReqInput"
+    with pytest.raises(ContractError, match="return_routed_experts='yes' does not match GenerateReqInput"):
+        contract.check_request("/generate", {"input_ids": [[1]], "return_routed_experts": "yes"})
+    with pytest.raises(ContractError, match="routed_experts_start_len=.*GenerateRequest"):  # the gate checks it
+        contract.check_request("/generate", {"input_ids": [[1]], "routed_experts_start_len": [0, 1]})
+
+
+def test_routed_experts_layout_is_the_wheels():
+    """What the client decodes (and the stand-in sends) is what SGLang 0.5.23's source says a response is."""
+    facts = load_contract().data["routed_experts"]
+    # the server option, a bool field of the server args, is the flag --enable-return-routed-experts
+    assert facts["server_option"] == {"name": "enable_return_routed_experts", "default": False}
+    assert CAPTURE_ROUTING_FLAG == "--" + facts["server_option"]["name"].replace("_", "-")
+    # the capturer's host buffer: int32 [token slots, num_hidden_layers, num_experts_per_tok] (zeroed, so a dense
+    # layer, which no router writes, reads 0)
+    [alloc] = facts["host_buffer"]
+    assert alloc.startswith("alloc((num_tokens, num_layers, topk_size), dtype=torch.int32")
+    assert facts["num_layers"] == "model_config.hf_text_config.num_hidden_layers"
+    assert facts["top_k"] == "model_config.hf_text_config.num_experts_per_tok"
+    # positions [start, seqlen - 1) of prompt + output (the start clamped to seqlen - 1)
+    assert facts["positions"] == ["start_len:seqlen - 1"] and facts["start_clamp"] == "min(start_len, seqlen - 1)"
+    assert facts["seqlen"] == "len(req.origin_input_ids) + len(req.output_ids_through_stop)"
+    # base64 of the raw bytes, read back as int32 by SGLang's own helper
+    assert facts["encoding"] == ["pybase64.b64encode(item.numpy().tobytes())"]
+    assert facts["decoding"] == ["np.frombuffer(pybase64.b64decode(routed_experts_base64.encode('utf-8')), "
+                                 "dtype=np.int32)"]
+
+
+def test_stand_in_routed_experts_decode_with_sglangs_own_helper(wheel, api_types):
+    """The stand-in's answer, decoded by ``extract_routed_experts_from_meta_info`` taken from the wheel."""
+    from rollout_sglang.engines.local import LocalEngine
+    from rollout_sglang.testing.sglang_standin import StandInServer
+    from tests.support.tiny_models import tiny_model
+
+    with zipfile.ZipFile(wheel) as z:
+        tree = ast.parse(z.read("sglang/srt/state_capturer/routed_experts.py").decode())
+    name = "extract_routed_experts_from_meta_info"
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    scope = {"np": np, "pybase64": base64}
+    exec(compile(ast.Module([fn], []), "routed_experts.py", "exec"), scope)
+    extract = scope[name]
+
+    engine = LocalEngine(tiny_model("glm4_moe", layers=3)[1])  # layer 0 dense
+    layout = engine.routing_layout
+    server = StandInServer(engine, capture_routing=True)
+    server.start()
+    try:
+        import httpx
+
+        prompt = [3, 4, 5, 6, 7]
+        body = {"input_ids": [prompt], "sampling_params": [{"max_new_tokens": 4, "sampling_seed": 2}],
+                "return_logprob": True, "return_routed_experts": True, "routed_experts_start_len": 1}
+        server.contract.check_request("/generate", body)
+        [item] = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+        api_types.GenerateResponse.from_json_value(item)  # meta_info.routed_experts: an extra key, ignored
+        flat = extract(item)
+        assert flat.dtype == np.int32
+        full = flat.reshape(-1, layout.num_layers, layout.top_k)
+        assert full.shape[0] == len(prompt) + len(item["output_ids"]) - 1 - 1
+        assert (full[:, 0] == 0).all()
+        [again] = asyncio.run(engine.generate([prompt], SamplingParams(max_new_tokens=4, seed=2), routing_from=[1]))
+        assert again.token_ids == item["output_ids"]
+        assert (np.sort(full[:, list(layout.moe_layers)], -1) == np.sort(again.routed_experts, -1)).all()
+    finally:
+        server.stop()

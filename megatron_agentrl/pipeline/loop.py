@@ -194,7 +194,7 @@ class TrainingRun:
         load_start_weights(cfg, self.actor)
         self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out / "checkpoints"
         self.resume = _resume_path(cfg, self.ckpt_root)
-        remote = remote_engines(cfg)
+        remote = remote_engines(cfg, self.hf_config)
         if self.rank0:
             import yaml
 

@@ -131,15 +131,17 @@ def build_env(cfg: Config) -> tuple[Any, dict[str, Any], dict[str, list[int]]]:
         {n: list(t.indices()) for n, t in tasks.items()}
 
 
-def remote_engines(cfg: Config) -> list[list[SGLangEngine]] | None:
+def remote_engines(cfg: Config, hf_config: Any) -> list[list[SGLangEngine]] | None:
     """SGLang engine clients per version slot for the servers ``rollout.engine_urls`` lists; None when
     the rollout runs on local engines (the list is empty). Built on every rank (each is a small HTTP
-    client: the weight sync needs them everywhere)."""
+    client: the weight sync needs them everywhere). With routing capture (``rollout.capture_routing``) they
+    ask for and check the routed experts of ``hf_config``'s MoE layers."""
     r = cfg.rollout
     if not r.engine_urls:
         return None
     keys = {"api_key": os.environ.get(r.engine_api_key_env) or None,
-            "admin_api_key": os.environ.get(r.engine_admin_api_key_env) or None}
+            "admin_api_key": os.environ.get(r.engine_admin_api_key_env) or None,
+            "routing_layout": routing_capture(r.capture_routing, cfg.train.moe_routing_replay, hf_config)}
     return [[SGLangEngine(u, request_timeout_s=r.engine_timeout_s, update_timeout_s=r.weight_sync_bucket_timeout_s,
                           **keys) for u in slot] for slot in r.engine_urls]
 
@@ -268,7 +270,7 @@ def standalone_pool(cfg: Config, hf_config: Any, dtype: torch.dtype) -> VersionP
     as their version slots, else one local engine with the weights of ``model.checkpoint`` (random weights
     without one, for trying the API)."""
     r = cfg.rollout
-    remote = remote_engines(cfg)
+    remote = remote_engines(cfg, hf_config)
     if remote is not None:
         for c in (c for slot in remote for c in slot):
             c.wait_healthy(r.engine_startup_timeout_s)

@@ -136,8 +136,7 @@ class RoutingReplay:
         self.tp = parallel_state.get_tensor_model_parallel_world_size() if sequence_parallel else 1
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank() if sequence_parallel else 0
         self.counting = False
-        self._flips = torch.zeros((), dtype=torch.float64)
-        self._pairs = torch.zeros((), dtype=torch.float64)
+        self._counts: Tensor | None = None  # (flipped pairs, pairs with a target), on the model's device
         moe_index = [sum(bool(x) for x in moe_layers[:i]) for i in range(len(moe_layers))]
         cls = _layer_replay_class()
         self.layers: list[Any] = []
@@ -183,8 +182,8 @@ class RoutingReplay:
             r.clear_indices()
 
     def _count(self, flipped: Tensor, given: Tensor) -> None:
-        self._flips += flipped.sum().detach().to("cpu", torch.float64)
-        self._pairs += given.sum().detach().to("cpu", torch.float64)
+        counts = torch.stack([flipped.sum(), given.sum()]).to(torch.float64)  # no host sync per router call
+        self._counts = counts if self._counts is None else self._counts + counts
 
     def step_metrics(self, given: bool, device: torch.device | str = "cpu") -> dict[str, float]:
         """``routing/flip_rate`` of the forwards counted since the last call, when any rank was ``given``
@@ -193,10 +192,10 @@ class RoutingReplay:
         Restarts the counts. Collective over all ranks."""
         from megatron.core import parallel_state
 
-        sums = torch.tensor([float(self._flips), float(self._pairs), float(given)], dtype=torch.float64,
-                            device=device)
-        self._flips.zero_()
-        self._pairs.zero_()
+        sums = torch.tensor([0.0, 0.0, float(given)], dtype=torch.float64, device=device)
+        if self._counts is not None:
+            sums[:2] += self._counts.to(device)
+        self._counts = None
         groups = [parallel_state.get_data_parallel_group(with_context_parallel=True),
                   parallel_state.get_pipeline_model_parallel_group()]
         if self.tp > 1:

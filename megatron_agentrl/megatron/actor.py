@@ -47,6 +47,7 @@ from megatron_agentrl.convert.qwen2 import OUTPUT_LAYER, padded_vocab_size
 from megatron_agentrl.megatron.model import build_gpt_model
 from megatron_agentrl.megatron.moe import MoEStats
 from megatron_agentrl.megatron.packing import effective_lengths, pack, padded_length, plan_micro_batches, unpack
+from megatron_agentrl.megatron.routing_replay import RoutingReplay
 from megatron_agentrl.megatron.vocab_parallel import token_logprobs
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,10 @@ LOSS_TYPES = ("grpo", "sft")
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT_RE = re.compile(r"(?<=^mlp\.experts\.)local_experts\.(\d+)\.")
 # megatron's loss function of one micro-batch: (micro-batch, output) -> (loss, num_tokens, stats)
+# what padding holds of a micro-batch field other than 0 (-1: no routing given, the trainer's own)
+_FILL = {"routed_experts": -1}
+# the model's inputs among the micro-batch fields: never rolled by the context-parallel cut
+_MODEL_INPUTS = ("tokens", "position_ids", "routed_experts")
 LossFunc = Callable[[dict[str, Tensor], Tensor], tuple[Tensor, Tensor, dict[str, Tensor]]]
 
 
@@ -75,7 +80,9 @@ class TrainBatch:
         ``megatron_agentrl.algo.losses.loss_agg_weights`` of the GLOBAL batch); None = 1 (token mean).
     routed_experts: optional ``[B, T, M, K]`` int16, MoE models: the experts the engine chose at each of the
         ``M`` MoE layers for the forward pass of ``tokens[b, t]`` (``rollout_sglang.routing``); -1 where the
-        engine gave none (padding, the last token): the trainer's own routing there.
+        engine gave none (padding, the last token): the trainer's own routing there. Replayed by
+        :meth:`MegatronActor.compute_grads` under ``train.moe_routing_replay`` (``routing_replay.py``), and
+        compared with the trainer's own routing either way (``routing/flip_rate``).
     """
 
     tokens: Tensor
@@ -98,18 +105,18 @@ def _zero_at_starts(x: Tensor, seq_starts: Tensor | None) -> Tensor:
     return x if seq_starts is None else x.masked_fill(seq_starts, 0.0)
 
 
-def _pad_cols(x: Tensor, width: int) -> Tensor:
-    """``x [b, t]`` with zero columns appended up to ``width`` (context parallelism may round a
+def _pad_cols(x: Tensor, width: int, fill: int | float = 0) -> Tensor:
+    """``x [b, t, ...]`` with columns of ``fill`` appended up to ``width`` (context parallelism may round a
     micro-batch past the batch's ``T``)."""
     if x.shape[1] >= width:
         return x
-    return torch.cat([x, x.new_zeros(x.shape[0], width - x.shape[1])], dim=1)
+    return torch.cat([x, x.new_full((x.shape[0], width - x.shape[1], *x.shape[2:]), fill)], dim=1)
 
 
-def _pad_rows(x: Tensor, rows: int) -> Tensor:
+def _pad_rows(x: Tensor, rows: int, fill: int | float = 0) -> Tensor:
     if rows == x.shape[0]:
         return x
-    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])], dim=0)
+    return torch.cat([x, x.new_full((rows - x.shape[0], *x.shape[1:]), fill)], dim=0)
 
 
 class MegatronActor:
@@ -163,9 +170,11 @@ class MegatronActor:
         self.padded_vocab = padded_vocab_size(self.vocab_size, make_vocab_size_divisible_by, self.tp)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
 
+        # a MoE model's routers always get megatron's replay hook: the flip rate is reported with replay off too
         self.model = build_gpt_model(hf_config, self.pre_process, self.post_process, dtype,
                                      make_vocab_size_divisible_by, train_cfg.recompute, train_cfg.recompute_num_layers,
-                                     train_cfg.moe_aux_loss_coeff, train_cfg.moe_capacity_factor)
+                                     train_cfg.moe_aux_loss_coeff, train_cfg.moe_capacity_factor,
+                                     moe_routing_replay=self.mapping.is_moe)
         self.config = self.model.config
         self.ddp = self._wrap_ddp()
         self.device = next(self.model.parameters()).device
@@ -182,6 +191,8 @@ class MegatronActor:
         self.moe_stats = (MoEStats(self.model, int(hf_config.num_experts_per_tok), self.mapping.num_layers,
                                    train_cfg.moe_aux_loss_coeff > 0, self.config.sequence_parallel)
                           if self.mapping.is_moe else None)
+        self.routing = (RoutingReplay(self.model, self.mapping.moe_layers, train_cfg.moe_routing_replay,
+                                      self.config.sequence_parallel) if self.mapping.is_moe else None)
         self.optimizer = self._build_optimizer()
         self.set_lr(train_cfg.lr)
         # Vocab entries of this TP shard that are padding (masked to -inf in log-softmax).
@@ -443,8 +454,8 @@ class MegatronActor:
         """This CP rank's shard of a micro-batch whose every sequence (``bounds``: ``[0, w]`` for padded
         rows, the ``cu_seqlens`` of a packed row) is a multiple of ``2 * cp`` long.
 
-        Every field but ``tokens`` and ``position_ids`` (the model's inputs) is rolled one position
-        left, and ``labels`` (the tokens rolled left) added: position ``t`` then holds what the loss
+        Every field but ``tokens``, ``position_ids`` and ``routed_experts`` (the model's inputs) is rolled
+        one position left, and ``labels`` (the tokens rolled left) added: position ``t`` then holds what the loss
         needs of token ``t + 1``, which the logits at ``t`` predict. ``seq_starts`` (the first column
         of padded rows) rolls with them: True where the target starts a sequence (or wraps around to
         column 0), whose log-prob is 0, as without CP. Then every field is cut to this rank's
@@ -456,7 +467,7 @@ class MegatronActor:
             starts = torch.zeros_like(tokens, dtype=torch.bool)
             starts[:, 0] = True
             mb = {**mb, "seq_starts": starts}
-        out = {k: (v if k in ("tokens", "position_ids") else torch.roll(v, -1, dims=1)) for k, v in mb.items()}
+        out = {k: (v if k in _MODEL_INPUTS else torch.roll(v, -1, dims=1)) for k, v in mb.items()}
         out["labels"] = torch.roll(tokens, -1, dims=1)
         index = local_index(bounds, self.cp, self.cp_rank, tokens.device)
         return {k: v.index_select(1, index) for k, v in out.items()}
@@ -510,7 +521,7 @@ class MegatronActor:
         def micro_batches() -> Iterator[tuple[dict[str, Tensor], Any]]:
             for j, ix in enumerate(plan):
                 if packed:
-                    p = pack(batch, ix, lengths, pad_tos[j], multiple)
+                    p = pack(batch, ix, lengths, pad_tos[j], multiple, _FILL)
                     mb = {k: v.to(self.device) for k, v in
                           {**p.fields, "position_ids": p.position_ids, "seq_starts": p.seq_starts}.items()}
                     cu = p.cu_seqlens.to(self.device)
@@ -523,9 +534,10 @@ class MegatronActor:
                     yield mb, params
                     continue
                 index = torch.tensor(ix, dtype=torch.long)
-                mb = {k: _pad_cols(v[index, :widths[j]], widths[j]).to(self.device) for k, v in batch.items()}
+                mb = {k: _pad_cols(v[index, :widths[j]], widths[j], _FILL.get(k, 0)).to(self.device)
+                      for k, v in batch.items()}
                 if self.pp > 1:
-                    mb = {k: _pad_rows(v, rows) for k, v in mb.items()}
+                    mb = {k: _pad_rows(v, rows, _FILL.get(k, 0)) for k, v in mb.items()}
                 b, w = mb["tokens"].shape
                 mb["position_ids"] = torch.arange(w, device=self.device).unsqueeze(0).expand(b, w)
                 if self.cp > 1:
@@ -534,19 +546,25 @@ class MegatronActor:
 
         def forward_step(data_iterator: Iterator[tuple[dict[str, Tensor], Any]], model: Any) -> tuple[Tensor, Callable]:
             mb, params = next(data_iterator)
+            if self.routing is not None:  # this micro-batch's routing (and a recompute's in the backward)
+                self.routing.set_micro_batch(mb.get("routed_experts"))
             out = model(mb["tokens"], mb["position_ids"], None, packed_seq_params=params)
             return out, partial(loss_func, mb)
 
         fb = get_forward_backward_func()
-        return fb(
-            forward_step_func=forward_step,
-            data_iterator=micro_batches(),
-            model=[self.ddp],
-            num_microbatches=len(plan),
-            seq_length=seq_length,
-            micro_batch_size=rows,
-            forward_only=forward_only,
-        )
+        try:
+            return fb(
+                forward_step_func=forward_step,
+                data_iterator=micro_batches(),
+                model=[self.ddp],
+                num_microbatches=len(plan),
+                seq_length=seq_length,
+                micro_batch_size=rows,
+                forward_only=forward_only,
+            )
+        finally:
+            if self.routing is not None:
+                self.routing.clear()
 
     def _plan(self, loss_mask: Tensor | None, B: int, T: int, micro_batch_size: int,
               token_budget: int) -> tuple[list[list[int]], list[int]]:
@@ -566,19 +584,22 @@ class MegatronActor:
         return x
 
     def compute_logprobs(self, tokens: Tensor, temperature: float = 1.0, micro_batch_size: int = 8,
-                         loss_mask: Tensor | None = None) -> Tensor:
+                         loss_mask: Tensor | None = None, routed_experts: Tensor | None = None) -> Tensor:
         """Log-probs of ``tokens`` ``[B, T]`` under the current weights: ``[B, T]`` fp32 on the CPU.
 
         ``out[b, t] = log softmax(logits[b, t-1] / temperature)[tokens[b, t]]`` for t >= 1,
         ``out[:, 0] = 0``. Vocab-parallel (no full-vocab gather), padded vocab excluded.
         With ``loss_mask`` given, only positions up to each row's last masked token are computed
         (the rest are 0) and micro-batches follow ``train.micro_batch_tokens``.
+        ``routed_experts``: a MoE model's routing of ``tokens`` (``TrainBatch.routed_experts``), replayed
+        under ``train.moe_routing_replay`` as in :meth:`compute_grads` (ignored with replay off).
         Returned on every rank (broadcast from the last PP stage). Collective over the model-
         parallel group; DP ranks work on their own ``tokens``.
         """
         if not temperature > 0:
             raise ValueError(f"temperature={temperature!r} must be > 0")
         self._check_tokens(tokens)
+        self._check_routing(routed_experts, tokens)
         B, T = tokens.shape
         if T < 2 or B == 0:
             return torch.zeros(B, T, dtype=torch.float32)
@@ -592,10 +613,13 @@ class MegatronActor:
                 lp = self._cp_unshard(lp.detach(), mb["cp_bounds"])
             return lp.new_zeros(()), torch.tensor(0, dtype=torch.int), {"logprobs": lp.detach()}
 
+        data = {"tokens": tokens.long()}
+        if routed_experts is not None and self.train_cfg.moe_routing_replay:
+            data["routed_experts"] = routed_experts
         self.ddp.eval()
         try:
             with torch.no_grad():
-                outs = self._run({"tokens": tokens.long()}, plan, lengths, True, loss_func)
+                outs = self._run(data, plan, lengths, True, loss_func)
         finally:
             self.ddp.train()
         lp = torch.zeros(B, T, dtype=torch.float32, device=self.device)
@@ -621,9 +645,11 @@ class MegatronActor:
         """Whether :meth:`snapshot_reference` (or a checkpoint load) set a reference policy."""
         return getattr(self, "_ref_params", None) is not None
 
-    def compute_ref_logprobs(self, tokens: Tensor, loss_mask: Tensor, temperature: float = 1.0) -> Tensor:
+    def compute_ref_logprobs(self, tokens: Tensor, loss_mask: Tensor, temperature: float = 1.0,
+                             routed_experts: Tensor | None = None) -> Tensor:
         """Log-probs ``[B, T]`` (fp32, CPU) of ``tokens`` under the reference weights; 0 after each
-        row's last masked token. Swaps the reference weights in and back (exactly). Collective."""
+        row's last masked token; ``routed_experts`` replayed as by :meth:`compute_logprobs`. Swaps the
+        reference weights in and back (exactly). Collective."""
         if not self.has_reference:
             raise RuntimeError("no reference policy: call snapshot_reference() first (loss.kl_coef > 0)")
         saved = [p.detach().clone() for _, p in self.named_params]
@@ -631,7 +657,8 @@ class MegatronActor:
             with torch.no_grad():
                 for (_, p), r in zip(self.named_params, self._ref_params):
                     p.copy_(r)
-            return self.compute_logprobs(tokens, temperature, self.train_cfg.micro_batch_size, loss_mask=loss_mask)
+            return self.compute_logprobs(tokens, temperature, self.train_cfg.micro_batch_size, loss_mask=loss_mask,
+                                         routed_experts=routed_experts)
         finally:
             with torch.no_grad():
                 for (_, p), x in zip(self.named_params, saved):
@@ -664,7 +691,11 @@ class MegatronActor:
         tokens) and ``num_micro_batches`` (this rank); with ``batch.version_lag`` also the ``mismatch/*`` metrics
         per version lag (:func:`megatron_agentrl.algo.mismatch.lag_metrics`, computed from the log-probs
         of this forward, i.e. the weights at the step start); for a MoE model the ``moe/*`` routing
-        metrics (:meth:`megatron_agentrl.megatron.moe.MoEStats.step_metrics`). Collective over all ranks.
+        metrics (:meth:`megatron_agentrl.megatron.moe.MoEStats.step_metrics`), and with ``batch.routed_experts``
+        (on any rank) ``routing/flip_rate``: the share of (token, MoE layer) pairs with engine routing whose
+        trainer top-k set differs from the engine's (``routing_replay.py``), whether or not
+        ``train.moe_routing_replay`` replays the engine's experts in this forward and backward. Collective over
+        all ranks.
         """
         self._check_train_batch(batch, loss_type, temperature)
         B, T = batch.tokens.shape
@@ -680,15 +711,21 @@ class MegatronActor:
         self.ddp.zero_grad_buffer()
         if self.moe_stats is not None:
             self.moe_stats.recording = True
+        if self.routing is not None:
+            self.routing.counting = True
         try:
             outs = self._run(data, plan, lengths, False, loss_func)
         finally:
             if self.moe_stats is not None:
                 self.moe_stats.recording = False
+            if self.routing is not None:
+                self.routing.counting = False
         result = self._reduce_stats(outs, self.loss_stat_keys(loss_type, "ref_logprobs" in data),
                                     "version_lag" in data, len(plan))
         if self.moe_stats is not None:
             result.update(self.moe_stats.step_metrics(len(plan)))
+        if self.routing is not None:
+            result.update(self.routing.step_metrics(batch.routed_experts is not None, self.device))
         return result
 
     def _check_train_batch(self, batch: TrainBatch, loss_type: str, temperature: float) -> None:
@@ -708,6 +745,43 @@ class MegatronActor:
         if weights is not None and weights.shape != batch.tokens.shape:
             raise ValueError(f"batch.token_weights {tuple(weights.shape)} must be [B, T] like batch.tokens "
                              f"{tuple(batch.tokens.shape)}")
+        self._check_routing(batch.routed_experts, batch.tokens, "batch.routed_experts")
+
+    def _check_routing(self, routed: Tensor | None, tokens: Tensor, name: str = "routed_experts") -> None:
+        """Refuse routing that is not ``[B, T, M, K]`` integer expert ids of this model (or -1 for a whole token)."""
+        if routed is None:
+            return
+        m = self.mapping
+        if not m.is_moe:
+            raise ValueError(f"{name} is given, but model_type={m.model_type!r} has no MoE layer to route; "
+                             "pass None (rollout.capture_routing=off for a dense model)")
+        if not isinstance(routed, Tensor) or routed.dtype.is_floating_point or routed.dtype == torch.bool \
+                or routed.dtype.is_complex:
+            raise ValueError(f"{name} must be an integer tensor (int16), got "
+                             f"{routed.dtype if isinstance(routed, Tensor) else type(routed).__name__}")
+        layers, topk, experts = sum(m.moe_layers), int(self.hf_config.num_experts_per_tok), m.num_experts
+        want = (*tokens.shape, layers, topk)
+        if tuple(routed.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(routed.shape)}; this model needs [B, T, M, K] = {list(want)} "
+                             f"(tokens {list(tokens.shape)}, {layers} MoE layers, top-{topk} of {experts} experts)")
+        if not routed.numel():
+            return
+        lo, hi = int(routed.min()), int(routed.max())
+        if lo < -1 or hi >= experts:
+            raise ValueError(f"{name} holds expert ids in [{lo}, {hi}]; this model has {experts} experts "
+                             f"(ids 0 .. {experts - 1}; -1 = no routing given)")
+        given = routed >= 0
+        partial_rows = given.any(-1) & ~given.all(-1)
+        if bool(partial_rows.any()):
+            b, t, layer = (int(x) for x in partial_rows.nonzero()[0])
+            raise ValueError(f"{name}[{b}, {t}, {layer}] = {routed[b, t, layer].tolist()} mixes expert ids and -1; a "
+                             f"token's {topk} experts at a layer are all given or all -1")
+        ordered = routed.sort(dim=-1).values
+        repeats = (ordered[..., 1:] == ordered[..., :-1]) & given[..., 1:]
+        if bool(repeats.any()):
+            b, t, layer = (int(x) for x in repeats.any(-1).nonzero()[0])
+            raise ValueError(f"{name}[{b}, {t}, {layer}] = {routed[b, t, layer].tolist()} repeats an expert; a "
+                             f"token's {topk} experts at a layer must differ")
 
     def _train_fields(self, batch: TrainBatch, loss_type: str) -> dict[str, Tensor]:
         """The ``[B, T]`` fields of ``batch`` that the micro-batches carry to the loss: the optional ones
@@ -718,6 +792,8 @@ class MegatronActor:
             "behavior_logprobs": batch.behavior_logprobs.float(),
             "advantages": batch.advantages.float(),
         }
+        if batch.routed_experts is not None:  # replayed, or observed only (routing/flip_rate)
+            data["routed_experts"] = batch.routed_experts
         if loss_type != "grpo":
             return data
         if batch.ref_logprobs is not None:

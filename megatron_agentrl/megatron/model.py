@@ -121,12 +121,13 @@ def recompute_options(recompute: str, recompute_num_layers: int, layers_per_stag
 
 def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, recompute: str = "none",
                             recompute_num_layers: int = 0, moe_aux_loss_coeff: float = 0.0,
-                            moe_capacity_factor: float | None = None) -> "Any":
+                            moe_capacity_factor: float | None = None, moe_routing_replay: bool = False) -> "Any":
     """A megatron ``TransformerConfig`` equivalent to the HF config, for the current TP/PP/CP/EP sizes.
 
     Requires ``initialize_parallel`` (reads TP/PP/CP/EP sizes from megatron's parallel_state).
     ``moe_aux_loss_coeff`` / ``moe_capacity_factor``: the MoE training settings of a MoE family
-    (:func:`megatron_agentrl.megatron.moe.moe_options`).
+    (:func:`megatron_agentrl.megatron.moe.moe_options`); ``moe_routing_replay``: a MoE model's routers get
+    megatron's replay hook (``moe_enable_routing_replay``; driven by ``routing_replay.RoutingReplay``).
     ``recompute`` / ``recompute_num_layers``: activation recomputation (:func:`recompute_options`).
     ``dtype`` is the parameter / compute dtype (float32, bfloat16 or float16). The residual
     stream stays in ``dtype`` (``fp32_residual_connection=False``), as in transformers/SGLang.
@@ -211,6 +212,7 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, 
         deallocate_pipeline_outputs=False,
         **recompute_options(recompute, recompute_num_layers, n_layers // pp),
         **moe,
+        **({"moe_enable_routing_replay": True} if moe and moe_routing_replay else {}),
     )
 
 
@@ -366,6 +368,7 @@ def build_gpt_model(
     recompute_num_layers: int = 0,
     moe_aux_loss_coeff: float = 0.0,
     moe_capacity_factor: float | None = None,
+    moe_routing_replay: bool = False,
 ) -> "Any":
     """The ``GPTModel`` chunk of this PP stage for ``hf_config`` (randomly initialised).
 
@@ -376,7 +379,7 @@ def build_gpt_model(
         dtype: parameter dtype.
         make_vocab_size_divisible_by: the vocab is padded to a multiple of this times TP.
         recompute, recompute_num_layers: activation recomputation (:func:`recompute_options`).
-        moe_aux_loss_coeff, moe_capacity_factor: MoE training settings (:func:`make_transformer_config`).
+        moe_aux_loss_coeff, moe_capacity_factor, moe_routing_replay: MoE settings (:func:`make_transformer_config`).
 
     The output layer is vocab-parallel (``parallel_output=True``): without labels the model
     returns logits ``[B, S, padded_vocab / tp]``; padded vocab entries must be masked by the
@@ -388,7 +391,7 @@ def build_gpt_model(
     from megatron_agentrl.convert.base import padded_vocab_size
 
     config = make_transformer_config(hf_config, dtype, recompute, recompute_num_layers, moe_aux_loss_coeff,
-                                     moe_capacity_factor)
+                                     moe_capacity_factor, moe_routing_replay)
     spec = layer_spec(hf_config, config)
     theta = rope_theta(hf_config)
     scaling = rope_scaling_factor(hf_config)

@@ -9,6 +9,7 @@ per-token result back into the ``[B, T]`` layout.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -94,10 +95,12 @@ def padded_length(n: int, multiple: int) -> int:
 
 
 def pack(batch: dict[str, Tensor], rows: list[int], lengths: list[int], pad_to: int = 0,
-         multiple: int = 1) -> PackedRows:
+         multiple: int = 1, fill: Mapping[str, int | float] | None = None) -> PackedRows:
     """Pack ``batch`` rows ``rows`` (each cut to ``lengths[row]``, then zero-padded to a multiple of
     ``multiple``: context parallelism needs every sequence a multiple of ``2 * cp``) into one row,
-    padded to ``pad_to`` tokens (0 = no padding; the pipeline needs equal shapes when PP > 1)."""
+    padded to ``pad_to`` tokens (0 = no padding; the pipeline needs equal shapes when PP > 1).
+    A field may have trailing dims (``[B, T, ...]`` -> ``[1, t, ...]``); ``fill``: the padding value of
+    a field other than 0 (``routed_experts``: -1)."""
     lens = [int(lengths[i]) for i in rows]
     seqs = [padded_length(n, multiple) for n in lens]
     total = sum(seqs)
@@ -106,13 +109,14 @@ def pack(batch: dict[str, Tensor], rows: list[int], lengths: list[int], pad_to: 
     fields = {}
     for k, v in batch.items():
         picked = v.index_select(0, index)
+        value = (fill or {}).get(k, 0)
         parts = []
         for j, (n, m) in enumerate(zip(lens, seqs)):
             parts.append(picked[j, :n])
             if m > n:
-                parts.append(v.new_zeros(m - n))
+                parts.append(v.new_full((m - n, *v.shape[2:]), value))
         if pad:
-            parts.append(v.new_zeros(pad))
+            parts.append(v.new_full((pad, *v.shape[2:]), value))
         fields[k] = torch.cat(parts).unsqueeze(0)
     seg = seqs + ([pad] if pad else [])
     cu = torch.zeros(len(seg) + 1, dtype=torch.int32)

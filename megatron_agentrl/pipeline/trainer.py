@@ -58,7 +58,8 @@ class Trainer:
                                 self._dp_group())
         temperature = self.cfg.rollout.temperature
         if self.cfg.loss.kl_coef > 0:
-            local.ref_logprobs = a.compute_ref_logprobs(local.tokens, local.loss_mask, temperature)
+            local.ref_logprobs = a.compute_ref_logprobs(local.tokens, local.loss_mask, temperature,
+                                                        routed_experts=local.routed_experts)
         lr = self.cfg.train.lr_at(step)
         a.set_lr(lr)
         return {**a.train_step(local, loss_type="grpo", temperature=temperature), "lr": lr}

@@ -26,9 +26,9 @@ from typing import Any
 from env_controller.protocol import SampleStatus
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.gateway.gateway import AGENT_ERROR, EnvStartError, Gateway
-from rollout_sglang.gateway.openai_format import ApiError
 from rollout_sglang.gateway.server import GatewayServer
 from rollout_sglang.gateway.session import GatewaySession
+from rollout_sglang.gateway.turn import ApiError
 from rollout_sglang.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)

@@ -203,6 +203,10 @@ class GatewayServer(HttpService):
         """The OpenAI base URL of a session (``origin``: scheme and host the client used; default :attr:`url`)."""
         return f"{origin or self.url}/sessions/{session_id}/v1"
 
+    def anthropic_base_url(self, session_id: str, origin: str | None = None) -> str:
+        """The Anthropic base URL of a session (the SDK appends ``/v1/messages``)."""
+        return f"{origin or self.url}/sessions/{session_id}"
+
     # ------------------------------------------------------------------ handlers
     async def _h_health(self, request: web.Request) -> web.Response:
         st = self.gateway.stats
@@ -249,6 +253,7 @@ class GatewayServer(HttpService):
             raise ApiError(502, f"the environment failed to start the session: {e}", param="task",
                            code="env_error") from None
         return json_response({"session_id": s.id, "base_url": self.base_url(s.id, str(request.url.origin())),
+                              "anthropic_base_url": self.anthropic_base_url(s.id, str(request.url.origin())),
                               "api_key": s.api_key, "status": s.status, "messages": s.first_messages,
                               "tools": s.tools}, status=201)
 

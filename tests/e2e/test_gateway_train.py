@@ -178,7 +178,7 @@ def test_gateway_command_serves_until_sigterm(processes):
         async with aiohttp.ClientSession() as h:
             async with h.post(url + "/sessions", json={"task": "lookup", "index": 0}) as r:
                 info = await r.json()
-            async with AsyncOpenAI(base_url=info["base_url"], api_key="x", max_retries=0) as c:
+            async with AsyncOpenAI(base_url=info["base_url"], api_key=info["api_key"], max_retries=0) as c:
                 comp = await c.chat.completions.create(model="p", messages=info["messages"], tools=info["tools"])
             async with h.get(f"{url}/sessions/{info['session_id']}/trajectory") as r:
                 return info, comp, await r.json()

@@ -339,8 +339,9 @@ async def open_session(srv: GatewayServer, token: str | None = None, **body) -> 
     return info
 
 
-def client(info: dict, token: str = "unused") -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=info["base_url"], api_key=token, max_retries=0)
+def client(info: dict, token: str | None = None, **kw: Any) -> AsyncOpenAI:
+    """An openai client on the session's base URL with its API key (``token``: another key)."""
+    return AsyncOpenAI(base_url=info["base_url"], api_key=token or info["api_key"], **{"max_retries": 0, **kw})
 
 
 async def complete(c: AsyncOpenAI, stream: bool, **kw: Any) -> Any:

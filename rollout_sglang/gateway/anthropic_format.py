@@ -20,6 +20,7 @@ A turn answers :func:`message_body`; :func:`message_events` are the streaming ev
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from typing import Any
 
@@ -31,8 +32,10 @@ SUPPORTED_FIELDS = frozenset({
     "stop_sequences", "stream", "thinking",
 })
 IGNORED_FIELDS = frozenset({"metadata", "service_tier"})
-#: ``anthropic-version`` header values accepted
-VERSIONS = ("2023-06-01", "2023-01-01")
+#: the oldest ``anthropic-version`` accepted (the header is a date; later ones, as newer SDKs send, are too: the
+#: Messages fields served here are the same in every version since)
+OLDEST_VERSION = "2023-01-01"
+_VERSION = re.compile(r"\d{4}-\d{2}-\d{2}")
 #: Most stop sequences in one request.
 MAX_STOP = 16
 
@@ -40,10 +43,11 @@ MAX_STOP = 16
 def check_version(header: str | None) -> None:
     """ApiError 400 unless the ``anthropic-version`` header names a version this surface speaks."""
     if header is None:
-        raise bad("anthropic-version", f"header is required (the Messages API version: {VERSIONS[0]}); the "
+        raise bad("anthropic-version", "header is required (the Messages API version, e.g. 2023-06-01); the "
                                        "anthropic SDK sends it")
-    if header not in VERSIONS:
-        raise bad("anthropic-version", f"header {header!r:.40} is not supported; send {VERSIONS[0]}")
+    if not _VERSION.fullmatch(header.strip()) or header.strip() < OLDEST_VERSION:
+        raise bad("anthropic-version", f"header {header!r:.40} is not supported; send a version date from "
+                                       f"{OLDEST_VERSION} on, e.g. 2023-06-01")
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:

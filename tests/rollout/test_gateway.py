@@ -29,6 +29,7 @@ from tests.rollout.support import (
     make_gateway,
     open_session,
     serving,
+    teach,
 )
 
 FIRST = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Solve the task EP=calc."}]
@@ -58,11 +59,6 @@ class Spy:
 def taught_engine(template):
     """A tiny Qwen2 taught (by rote) the calc episode in the RL layout: a real LocalEngine whose sampled turns are
     the episode's tool call and answer."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from rollout_sglang.engines.local import LocalEngine
-
     conv = FIRST + [
         {"role": "assistant", "content": "Let me add.", "tool_calls": [
             {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 40, "b": 2}'}}]},
@@ -70,28 +66,7 @@ def taught_engine(template):
         {"role": "assistant", "content": "The answer is 42."},
     ]
     ids, mask = template.encode_conversation(conv, TOOLS)
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(template.tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(cfg)
-    x = torch.tensor([ids])
-    labels = torch.tensor([[t if m else -100 for t, m in zip(ids, mask)]])
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # matrices this small: one thread is 4x faster on a busy 2-core machine
-    try:
-        for _ in range(300):  # about 100 steps; sampled at temperature 0.5 the taught turns are then near certain
-            loss = model(input_ids=x, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if loss.item() < 1e-2:
-                break
-    finally:
-        torch.set_num_threads(threads)
-    assert loss.item() < 1e-2, f"the tiny model did not learn the episode (loss {loss.item():.4f})"
-    return LocalEngine(model.eval(), version=3)
+    return teach(template, ids, mask, version=3)
 
 
 # ------------------------------------------------------------------------------------------------ acceptance

@@ -141,7 +141,7 @@ def test_three_apis_play_one_token_exact_trajectory(template, taught_engine, str
         spy = Spy(taught_engine)
         gw = make_gateway(template, spy, sampling=WARM)
 
-        async def main():
+        async def main(gw=gw, play=play):
             async with serving(gw) as srv:
                 info = await open_session(srv)
                 texts = await play(info, stream)
@@ -219,11 +219,12 @@ def test_each_api_refuses_in_its_own_error_shape(template):
             body = {"model": "p", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
             out["no version"] = await http("POST", url, info["api_key"], json=body)
             async with anthropic_client(info) as a:
-                for name, kw in (("temperature", {"extra_body": {"temperature": 0.9}}), ("image", {"messages": [{"role": "user", "content": [
-                        {"type": "image", "source": {"type": "url", "url": "http://x"}}]}]}),
-                        ("parallel", {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
-                                      "tools": ANTHROPIC_TOOLS}), ("thinking", {"thinking": {
-                                          "type": "enabled", "budget_tokens": 1024}})):
+                image = [{"type": "image", "source": {"type": "url", "url": "http://x"}}]
+                for name, kw in (("temperature", {"extra_body": {"temperature": 0.9}}),
+                                 ("image", {"messages": [{"role": "user", "content": image}]}),
+                                 ("parallel", {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+                                               "tools": ANTHROPIC_TOOLS}),
+                                 ("thinking", {"thinking": {"type": "enabled", "budget_tokens": 1024}})):
                     with pytest.raises(anthropic.BadRequestError) as e:
                         await a.messages.create(**{**body, **kw})
                     out[name] = e.value

@@ -394,9 +394,11 @@ class Script:
         return [GenerationOutput(ids, [-(k + 1) - j / 1000 for j in range(len(ids))], "stop", self.version)]
 
 
-def teach(template, ids: list[int], mask: list[int], version: int = 3, seed: int = 0) -> Any:
+def teach(template, ids: list[int], mask: list[int], version: int = 3, seed: int = 0,
+          more: list[tuple[list[int], list[int]]] = ()) -> Any:
     """A tiny Qwen2 taught by rote the tokens of ``ids`` where ``mask`` is 1 (the turns of an episode in the RL
-    layout), as a real LocalEngine: sampled at temperature 0.5 its turns are then near certain."""
+    layout; ``more``: other such sequences, e.g. the other segments of an episode), as a real LocalEngine: sampled
+    at temperature 0.5 its turns are then near certain."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -404,17 +406,18 @@ def teach(template, ids: list[int], mask: list[int], version: int = 3, seed: int
 
     torch.manual_seed(seed)
     cfg = Qwen2Config(vocab_size=len(template.tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(1024, 2 * len(ids)),
+                      num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=max(1024, 2 * max(len(x) for x, _ in [(ids, mask), *more])),
                       tie_word_embeddings=False)
     model = Qwen2ForCausalLM(cfg)
-    x = torch.tensor([ids])
-    labels = torch.tensor([[t if m else -100 for t, m in zip(ids, mask)]])
+    seqs = [(torch.tensor([x]), torch.tensor([[t if m else -100 for t, m in zip(x, y)]])) for x, y in
+            [(ids, mask), *more]]
     opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # matrices this small: one thread is 4x faster on a busy 2-core machine
     try:
         for _ in range(300):  # about 100 steps; sampled at temperature 0.5 the taught turns are then near certain
-            loss = model(input_ids=x, labels=labels).loss
+            loss = sum(model(input_ids=x, labels=labels).loss for x, labels in seqs) / len(seqs)
             loss.backward()
             opt.step()
             opt.zero_grad()

@@ -49,7 +49,10 @@ setup(
         "dev": ["pytest==9.2.0", "agentrl-worker==0.4.0", "import-linter==2.16", "ruff==0.17.6", "msgspec==0.22.0",
                 # hypothesis: property tests of the tool-call parsers; schemathesis: the HTTP APIs fuzzed from their
                 # OpenAPI description
-                "hypothesis==6.170.17", "schemathesis==4.32.5"],
+                "hypothesis==6.170.17", "schemathesis==4.32.5",
+                # the gateway's tests run real agent frameworks against it (openai is sglang's 2.8.0: openai-agents
+                # 0.6.2 is the newest that accepts it)
+                "anthropic==2.12.0", "openai-agents==0.6.2", "smolagents==1.26.0"],
     },
     entry_points={"console_scripts": ["agentrl=megatron_agentrl.cli:main"]},
 )

@@ -1,4 +1,4 @@
-"""Benchmark: what the OpenAI-compatible gateway adds per completion over calling the engine directly.
+"""Benchmark: what the agent gateway adds per completion over calling the engine directly, for each of its APIs.
 
 ``--sessions`` agents at once (256) each play ``--turns`` tool-calling turns, with a simulated tool time of
 ``--think-ms`` (jittered) between a reply and the next request. The same workload runs twice in one run:
@@ -14,7 +14,9 @@ handler's wall time minus the engine call's (request parsing and validation, the
 piece's encoding, routing, the tool-call parse, the response; plus any wait for the gateway's event loop
 under the load of the other sessions). The client's round trip minus the direct call's latency (which adds
 the HTTP stack and the openai client's own work) and the throughput with no tool time (saturated) are
-reported beside it. A last phase plays a few sessions against a tiny local engine (a real model behind the
+reported beside it. The loaded workload runs once per API (Chat Completions, Responses, Anthropic Messages:
+``stub_with_tool_time``, ``stub_responses``, ``stub_messages``), each turn re-sending the conversation in that
+API's own shape. A last phase plays a few sessions against a tiny local engine (a real model behind the
 batching wrapper) for an end-to-end figure.
 
     .venv/bin/python bench/gateway.py                 # 256 sessions x 8 turns, 500 ms tool time
@@ -22,7 +24,8 @@ batching wrapper) for an end-to-end figure.
     .venv/bin/python bench/gateway.py --smoke    # seconds
 
 Prints a table, writes ``bench/results/gateway.json`` (``--out``); the last line is
-``gateway_overhead_p99_ms: <value>`` (target < 5 ms).
+``gateway_overhead_p99_ms: <value>`` (Chat Completions; target < 5 ms); ``added_p99_ms_by_api`` in the record
+holds each API's.
 """
 from __future__ import annotations
 
@@ -163,12 +166,52 @@ async def _serve(args: dict, to_parent: Any, from_parent: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ agents side
-async def gateway_phase(url: str, sessions: int, turns: int, think_s: float, openai_client: bool = False
-                        ) -> dict[str, Any]:
+def _api_request(api: str, base: str, key: str, convo: list[Any]) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """``(url, body, headers)`` of one turn of ``convo`` (chat messages; assistant turns as the API returned them)."""
+    auth = {"Authorization": f"Bearer {key}"}
+    if api == "chat":
+        return base + "/chat/completions", {"model": "policy", "messages": convo, "tools": TOOLS}, auth
+    if api == "responses":
+        items: list[Any] = []
+        for m in convo[1:]:
+            items += m if isinstance(m, list) else [
+                {"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]}
+                if m["role"] == "tool" else {"role": m["role"], "content": m["content"]}]
+        tools = [{"type": "function", **TOOLS[0]["function"]}]
+        return base + "/responses", {"model": "policy", "instructions": convo[0]["content"], "input": items,
+                                     "tools": tools}, auth
+    msgs: list[Any] = []
+    for m in convo[1:]:
+        if m["role"] == "tool":
+            msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": m["tool_call_id"],
+                                                      "content": m["content"]}]})
+        else:
+            msgs.append(m)
+    fn = TOOLS[0]["function"]
+    tools = [{"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}]
+    return base[: -len("/v1")] + "/v1/messages", {"model": "policy", "max_tokens": 64, "system": convo[0]["content"],
+                                                  "messages": msgs, "tools": tools}, \
+        {"x-api-key": key, "anthropic-version": "2023-06-01"}
+
+
+def _api_reply(api: str, body: dict[str, Any]) -> tuple[Any, str]:
+    """The assistant turn as the next request re-sends it, and the call id the tool result answers."""
+    if api == "chat":
+        msg = body["choices"][0]["message"]
+        return msg, msg["tool_calls"][0]["id"]
+    if api == "responses":
+        return body["output"], next(o["call_id"] for o in body["output"] if o["type"] == "function_call")
+    return {"role": "assistant", "content": body["content"]}, next(
+        b["id"] for b in body["content"] if b["type"] == "tool_use")
+
+
+async def gateway_phase(url: str, sessions: int, turns: int, think_s: float, openai_client: bool = False,
+                        api: str = "chat") -> dict[str, Any]:
     """``sessions`` agents at once, ``turns`` completions each; client latency and wall time.
 
-    The agents post OpenAI request bodies with aiohttp (light: the figures are the gateway's, not a client
-    library's), or with ``openai_client`` are ``openai.AsyncOpenAI`` clients."""
+    The agents post request bodies of ``api`` ("chat", "responses", "messages") with aiohttp (light: the figures
+    are the gateway's, not a client library's), or with ``openai_client`` are ``openai.AsyncOpenAI`` clients
+    (Chat Completions)."""
     import aiohttp
     import openai
 
@@ -176,12 +219,12 @@ async def gateway_phase(url: str, sessions: int, turns: int, think_s: float, ope
     pool = openai.DefaultAsyncHttpxClient()  # one for all: a client of its own costs each an SSL context
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
 
-        async def complete_raw(base: str, msgs: list[Any]) -> dict[str, Any]:
-            async with http.post(base + "/chat/completions",
-                                 json={"model": "policy", "messages": msgs, "tools": TOOLS}) as r:
-                body = await r.json()
-                assert r.status == 200, body
-                return body["choices"][0]["message"]
+        async def complete_raw(base: str, key: str, msgs: list[Any]) -> tuple[Any, str]:
+            target, body, headers = _api_request(api, base, key, msgs)
+            async with http.post(target, json=body, headers=headers) as r:
+                reply = await r.json()
+                assert r.status == 200, reply
+                return _api_reply(api, reply)
 
         async def agent(j: int) -> list[float]:
             await asyncio.sleep(think_s * rng.random())  # starts spread over one tool time, not one burst
@@ -189,16 +232,18 @@ async def gateway_phase(url: str, sessions: int, turns: int, think_s: float, ope
                 info = await r.json()
             lat: list[float] = []
             msgs: list[Any] = list(FIRST)
-            c = openai.AsyncOpenAI(base_url=info["base_url"], api_key="bench", max_retries=0, http_client=pool)
+            c = openai.AsyncOpenAI(base_url=info["base_url"], api_key=info["api_key"], max_retries=0,
+                                   http_client=pool)
             for _ in range(turns):
                 t0 = time.perf_counter()
                 if openai_client:
                     reply: Any = (await c.chat.completions.create(model="policy", messages=msgs,
                                                                   tools=TOOLS)).choices[0].message
+                    call_id = reply.tool_calls[0].id if reply.tool_calls else "call_0"  # a random model: none
                 else:
-                    reply = await complete_raw(info["base_url"], msgs)
+                    reply, call_id = await complete_raw(info["base_url"], info["api_key"], msgs)
                 lat.append(time.perf_counter() - t0)
-                msgs += [reply, TOOL_RESULT]
+                msgs += [reply, {**TOOL_RESULT, "tool_call_id": call_id}]
                 await asyncio.sleep(think_s * rng.uniform(0.5, 1.5))
             async with http.delete(f"{url}/sessions/{info['session_id']}") as r:
                 assert r.status == 200, await r.text()
@@ -212,9 +257,9 @@ async def gateway_phase(url: str, sessions: int, turns: int, think_s: float, ope
     return {"completions": len(flat), "wall_s": wall, "completions_per_s": len(flat) / wall, "client": flat}
 
 
-def added(timings: list[tuple[float, float]]) -> list[float]:
+def added(timings: list[tuple[float, float, str]]) -> list[float]:
     """The gateway's own time per completion: handler wall time minus the engine call's."""
-    return [max(0.0, h - e) for h, e in timings]
+    return [max(0.0, h - e) for h, e, _ in timings]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         stub_url = f"http://127.0.0.1:{ready['ports']['stub']}"
         loaded = asyncio.run(gateway_phase(stub_url, args.sessions, args.turns, think_s))
         loaded_t = snapshot("stub")["timings"]
+        per_api = {}
+        for api in ("responses", "messages"):
+            per_api[api] = asyncio.run(gateway_phase(stub_url, args.sessions, args.turns, think_s, api=api))
+            per_api[api]["timings"] = snapshot("stub")["timings"]
         saturated = asyncio.run(gateway_phase(stub_url, args.sessions, args.turns, 0.0))
         saturated_t = snapshot("stub")["timings"]
         local_url = f"http://127.0.0.1:{ready['ports']['local']}"
@@ -260,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = {
         "stub_with_tool_time": {"completions_per_s": loaded["completions_per_s"], "added": summary_ms(added(loaded_t)),
                                 "client": summary_ms(loaded["client"]), "direct": direct},
+        **{f"stub_{api}": {"completions_per_s": r["completions_per_s"], "added": summary_ms(added(r["timings"])),
+                           "client": summary_ms(r["client"])} for api, r in per_api.items()},
         "stub_saturated": {"completions_per_s": saturated["completions_per_s"],
                            "added": summary_ms(added(saturated_t)), "client": summary_ms(saturated["client"])},
         "local_engine": {"completions_per_s": local["completions_per_s"], "added": summary_ms(added(local_t)),
@@ -270,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             r["client_minus_direct_p50_ms"] = r["client"]["p50_ms"] - r["direct"]["p50_ms"]
             r["client_minus_direct_p99_ms"] = r["client"]["p99_ms"] - r["direct"]["p99_ms"]
     overhead_p99 = rows["stub_with_tool_time"]["added"]["p99_ms"]
+    by_api = {"chat": overhead_p99, "responses": rows["stub_responses"]["added"]["p99_ms"],
+              "messages": rows["stub_messages"]["added"]["p99_ms"]}
     print(f"gateway: {args.sessions} sessions x {args.turns} turns, tool time {args.think_ms:g} ms (+-50 %), "
           f"stub engine (answers at once); load average {load0:.1f} -> {loadavg():.1f}")
     print(f"{'phase':<22}{'compl/s':>9}{'added p50':>11}{'added p99':>11}{'client p50':>12}{'client p99':>12}"
@@ -285,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
               "loadavg_start": load0, "loadavg_end": loadavg(), "results": rows,
               "completions_per_s": rows["stub_with_tool_time"]["completions_per_s"],
               "gateway_overhead_p50_ms": rows["stub_with_tool_time"]["added"]["p50_ms"],
-              "gateway_overhead_p99_ms": overhead_p99}
+              "gateway_overhead_p99_ms": overhead_p99, "added_p99_ms_by_api": by_api}
+    print("added p99 per API (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in by_api.items()))
     print(f"wrote {write_record(args.out, record)}")
     print(f"gateway_overhead_p99_ms: {overhead_p99:.3f}")
     return 0

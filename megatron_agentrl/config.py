@@ -642,6 +642,8 @@ class GatewayConfig(_Section):
         only); clients send it as their OpenAI api key.
     max_sessions: sessions open at once. session_idle_timeout_s: a session nobody used for that long is
         cancelled (not those of a training run's agents), seconds.
+    max_queued_turns: turns waiting for the engines at once beyond which a new turn of an outside agent gets 429
+        (0: no bound). retry_after_s: the ``Retry-After`` of a 429, seconds (docs/rollout.md, Backpressure).
     """
 
     KEY: ClassVar[str] = "gateway"
@@ -651,6 +653,8 @@ class GatewayConfig(_Section):
     token_env: str = "AGENTRL_GATEWAY_TOKEN"
     max_sessions: int = 4096
     session_idle_timeout_s: float = 900.0
+    max_queued_turns: int = 0
+    retry_after_s: float = 1.0
 
     def check(self) -> None:
         """See :class:`_Section`."""
@@ -662,6 +666,8 @@ class GatewayConfig(_Section):
                      "e.g. AGENTRL_GATEWAY_TOKEN")
         self.require_positive_int("max_sessions")
         self.require_above_zero("session_idle_timeout_s", unit="seconds")
+        self.require(self.max_queued_turns >= 0, "max_queued_turns", "must be >= 0 (0: no bound)")
+        self.require_above_zero("retry_after_s", unit="seconds")
 
 
 @dataclass

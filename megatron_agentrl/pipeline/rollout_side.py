@@ -262,7 +262,8 @@ def build_gateway(cfg: Config, engine: Any, template: AnyChatTemplate, env: Any,
     return Gateway(engine, template, env=env, sampling=sampling, max_turns=r.max_turns,
                    max_total_tokens=r.max_total_tokens, enforce_sampling=training,
                    env_timeout_s=cfg.pipeline.env_timeout_s, max_sessions=max_sessions or g.max_sessions,
-                   session_idle_timeout_s=g.session_idle_timeout_s)
+                   session_idle_timeout_s=g.session_idle_timeout_s, max_queued_turns=g.max_queued_turns,
+                   retry_after_s=g.retry_after_s)
 
 
 def standalone_pool(cfg: Config, hf_config: Any, dtype: torch.dtype) -> VersionPool:

@@ -2,8 +2,10 @@
 session, and comes back as the session's trajectories.
 
 ``fn(client: openai.AsyncOpenAI, sample: dict) -> float | None`` gets a client already pointed at a fresh
-session's base URL and ``sample`` = ``{task, index, group_id, session_id, base_url, model, messages,
-tools}`` (``messages`` and ``tools``: what the environment opened the episode with). Its completions are
+session's base URL and ``sample`` = ``{task, index, group_id, session_id, base_url, anthropic_base_url,
+api_key, model, messages, tools}`` (``messages`` and ``tools``: what the environment opened the episode with;
+``api_key``: the session's own key, for a framework's client of its own: an ``anthropic.AsyncAnthropic`` on
+``anthropic_base_url``, or an OpenAI Agents SDK / smolagents model on ``base_url``). Its completions are
 the episode's turns; ``client.post("/env", body={"messages": [reply]}, cast_to=object)`` sends a reply to
 the task's environment. Returning a number ends the episode with that reward ("completed"); returning
 None leaves the ending to the environment (an episode it did not end is cancelled, reward 0). An episode
@@ -26,9 +28,9 @@ from typing import Any
 from env_controller.protocol import SampleStatus
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.gateway.gateway import AGENT_ERROR, EnvStartError, Gateway
-from rollout_sglang.gateway.openai_format import ApiError
 from rollout_sglang.gateway.server import GatewayServer
 from rollout_sglang.gateway.session import GatewaySession
+from rollout_sglang.gateway.turn import ApiError
 from rollout_sglang.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -139,13 +141,14 @@ class AgentRunner:
     def sample(self, s: GatewaySession) -> dict[str, Any]:
         """What the agent function gets besides its client."""
         return {"task": s.task, "index": s.index, "group_id": s.group_id, "session_id": s.id,
-                "base_url": self.server.base_url(s.id), "model": self.gateway.model_name,
+                "base_url": self.server.base_url(s.id), "anthropic_base_url": self.server.anthropic_base_url(s.id),
+                "api_key": s.api_key, "model": self.gateway.model_name,
                 "messages": [dict(m) for m in s.first_messages], "tools": [dict(t) for t in s.tools]}
 
     async def _call_agent(self, s: GatewaySession) -> None:
         from openai import AsyncOpenAI  # only runs that train user agents need the package
 
-        client = AsyncOpenAI(base_url=self.server.base_url(s.id), api_key=self.token or "agentrl", max_retries=0,
+        client = AsyncOpenAI(base_url=self.server.base_url(s.id), api_key=s.api_key, max_retries=0,
                              timeout=self.client_timeout_s, http_client=self._http)
         t0 = time.monotonic()
         try:
@@ -191,11 +194,14 @@ class AgentRunner:
     def metrics(self) -> dict[str, float]:
         """Counts since the previous call: ``gateway/completions``, ``gateway/history_rewrites``,
         ``gateway/tool_parse_errors``, ``gateway/agent_errors``, ``gateway/turn_limits``,
-        ``gateway/context_limits``."""
+        ``gateway/context_limits``, ``gateway/throttled`` (429s); and ``gateway/queue_depth_max``, the most turns
+        waiting for the engines at once since the gateway started."""
         st = self.gateway.stats
         now = {"gateway/completions": st.completions, "gateway/history_rewrites": st.history_rewrites,
                "gateway/tool_parse_errors": st.tool_parse_errors, "gateway/agent_errors": self.agent_errors,
-               "gateway/turn_limits": st.turn_limits, "gateway/context_limits": st.context_limits}
+               "gateway/turn_limits": st.turn_limits, "gateway/context_limits": st.context_limits,
+               "gateway/throttled": sum(st.throttled.values())}
         out = {k: float(v - self._reported.get(k, 0)) for k, v in now.items()}
         self._reported = {k: float(v) for k, v in now.items()}
+        out["gateway/queue_depth_max"] = float(st.queue_depth_max)
         return out

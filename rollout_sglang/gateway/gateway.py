@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import logging
 import secrets
 import time
@@ -44,8 +45,16 @@ from env_controller.protocol import MalformedMessageError, SampleStatus, validat
 from rollout_sglang.chat_template import AnyChatTemplate
 from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.engines.version_pool import VersionPool
-from rollout_sglang.gateway.openai_format import ApiError, ChatRequest, bad, message_key, tools_key
 from rollout_sglang.gateway.session import GatewaySession, Plan, Turn
+from rollout_sglang.gateway.turn import (
+    ApiError,
+    Completion,
+    TurnRequest,
+    bad,
+    message_key,
+    retry_after_headers,
+    tools_key,
+)
 from rollout_sglang.tool_parser import ToolCallParseError
 from rollout_sglang.trajectory import Trajectory
 
@@ -58,7 +67,8 @@ AGENT_ERROR = "agent error"
 @dataclass
 class GatewayStats:
     """Counters since the gateway started: sessions opened, completions, history rewrites, tool-call parse
-    errors, episodes ended by the turn or context limit, engine failures."""
+    errors, episodes ended by the turn or context limit, engine failures, turns refused with 429 per reason
+    (``throttled``), and the turns waiting for the engine now (``queue_depth``) and at most."""
 
     sessions_opened: int = 0
     completions: int = 0
@@ -67,22 +77,13 @@ class GatewayStats:
     turn_limits: int = 0
     context_limits: int = 0
     engine_errors: int = 0
+    throttled: dict[str, int] = dataclasses.field(default_factory=dict)
+    queue_depth: int = 0
+    queue_depth_max: int = 0
 
-
-@dataclass
-class Completion:
-    """One sampled turn as the HTTP layer answers it: ``message`` (the OpenAI assistant message),
-    ``finish_reason``, token counts, the sampled ``token_ids`` with their ``logprobs`` and the ``version``
-    that sampled them; ``engine_s``: seconds in the engine call."""
-
-    message: dict[str, Any]
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    token_ids: list[int]
-    logprobs: list[float]
-    version: int
-    engine_s: float
+    def count_throttled(self, reason: str) -> None:
+        """Count one 429 for ``reason`` ("rollout_ahead", "engines_busy", "queue_full")."""
+        self.throttled[reason] = self.throttled.get(reason, 0) + 1
 
 
 class EnvStartError(RuntimeError):
@@ -122,7 +123,8 @@ class Gateway:
     def __init__(self, engine: Any, template: AnyChatTemplate, *, sampling: SamplingParams, max_turns: int,
                  max_total_tokens: int, env: Any = None, enforce_sampling: bool = False, env_timeout_s: float = 120.0,
                  max_sessions: int = 4096, session_idle_timeout_s: float = 900.0,
-                 model_name: str = "agentrl-policy") -> None:
+                 model_name: str = "agentrl-policy", max_queued_turns: int = 0, retry_after_s: float = 1.0,
+                 admission: Callable[[], str | None] | None = None) -> None:
         if max_turns < 1 or max_total_tokens < 2 or sampling.max_new_tokens < 1:
             raise ValueError(f"max_turns={max_turns} must be >= 1, max_total_tokens={max_total_tokens} >= 2 and "
                              f"max_new_tokens={sampling.max_new_tokens} >= 1")
@@ -144,8 +146,27 @@ class Gateway:
         self.sessions: dict[str, GatewaySession] = {}
         self.stats = GatewayStats()
         self._prefixes: dict[tuple[str, str | None], list[int]] = {}
+        if max_queued_turns < 0 or not retry_after_s > 0:
+            raise ValueError(f"max_queued_turns={max_queued_turns} must be >= 0 (0: no bound) and "
+                             f"retry_after_s={retry_after_s} > 0")
+        self.max_queued_turns = int(max_queued_turns)
+        self.retry_after_s = float(retry_after_s)
+        self.admission = admission
 
     # ------------------------------------------------------------------ sessions
+    def authorize(self, session_id: str, key: str | None) -> GatewaySession:
+        """The session ``session_id`` when ``key`` is its API key; ApiError 401 without a key, 403 with another
+        session's key or an unknown one, 404 for an unknown session."""
+        s = self.session(session_id)
+        if not key:
+            raise ApiError(401, f"session {s.id} needs its API key (the api_key POST /sessions returned): send it "
+                                "as 'Authorization: Bearer <key>' or 'x-api-key: <key>' (the SDKs' api_key)",
+                           code="missing_api_key")
+        if not hmac.compare_digest(key.encode(), s.api_key.encode()):
+            raise ApiError(403, f"this API key is not session {s.id}'s: each session has its own key (the api_key "
+                                "POST /sessions returned for it)", code="invalid_api_key")
+        return s
+
     def session(self, session_id: str) -> GatewaySession:
         """The open session ``session_id``; ApiError 404 naming it otherwise."""
         s = self.sessions.get(session_id)
@@ -256,10 +277,14 @@ class Gateway:
             await self.end_session(s, SampleStatus.CANCELLED.value)
 
     # ------------------------------------------------------------------ completions
-    def _params(self, req: ChatRequest, s: GatewaySession) -> SamplingParams:
+    def _params(self, req: TurnRequest, s: GatewaySession) -> SamplingParams:
         base = self.sampling
-        for name, value in (("temperature", req.temperature), ("top_p", req.top_p)):
+        for name, value in (("temperature", req.temperature), ("top_p", req.top_p), ("top_k", req.top_k)):
             ours = getattr(base, name)
+            if name == "top_k" and value is not None and value != ours and not (ours < 1 and value < 1):
+                raise bad(name, f"is {value} but this gateway samples with top_k={ours} (-1: none) and a turn cannot "
+                                "change it (the trainer scores every token with the run's sampling); leave top_k out",
+                          code="unsupported_value")
             if self.enforce_sampling and value is not None and abs(value - ours) > 1e-9:
                 raise bad(name, f"is {value} but this gateway samples for training at {name}={ours} (the trainer "
                                 f"scores every token at it); leave {name} out or set it to {ours}",
@@ -270,10 +295,11 @@ class Gateway:
             top_p=base.top_p if req.top_p is None else req.top_p, top_k=base.top_k, stop_token_ids=self.stop_ids,
             seed=req.seed if req.seed is not None else s.turn_seed())
 
-    def _forced_prefix(self, req: ChatRequest) -> list[int]:
-        """The tokens ``tool_choice`` forces before sampling (empty for auto and none)."""
+    def _forced_prefix(self, req: TurnRequest) -> list[int]:
+        """The tokens ``tool_choice`` forces before sampling (the call's head; an empty think block for ``no_think``
+        in a reasoning format; empty otherwise)."""
         if req.tool_choice not in ("required", "function"):
-            return []
+            return self._no_think_prefix() if req.no_think else []
         name = req.forced_tool
         if name is None and self.template.call_prefix(None) is None:
             # the format cannot start "some call": its calls start with the tool's name
@@ -288,12 +314,28 @@ class Gateway:
             self._prefixes[key] = list(self.template.tokenizer.encode(text, add_special_tokens=False))
         return self._prefixes[key]
 
+    def _no_think_prefix(self) -> list[int]:
+        """The empty think block a turn that must not reason starts with (forced, loss mask 0); none when the
+        format does not reason or its prompts already end with one; ApiError 400 when it has no such block."""
+        t = self.template
+        if getattr(t, "reasoning_splitter", None) is None or getattr(t, "enable_thinking", True) is False:
+            return []
+        text = getattr(t, "NO_THINKING", None)
+        if text is None:
+            raise bad("thinking", f"cannot be turned off in the {t.name} chat format (the policy reasons in every "
+                                  "turn, and no empty think block is defined for it); leave thinking out",
+                      code="unsupported_value")
+        key = ("no_think", None)
+        if key not in self._prefixes:
+            self._prefixes[key] = list(t.tokenizer.encode(text, add_special_tokens=False))
+        return self._prefixes[key]
+
     async def _generate(self, s: GatewaySession, prompt: list[int], params: SamplingParams) -> GenerationOutput:
         if self.pool is not None:
             return (await self.pool.generate([prompt], params, keys=[s.key]))[0]
         return (await self.engine.generate([prompt], params))[0]
 
-    async def complete(self, session_id: str, req: ChatRequest,
+    async def complete(self, session_id: str, req: TurnRequest,
                        on_ready: Callable[[], Awaitable[None]] | None = None) -> Completion:
         """Sample one turn for ``req`` in session ``session_id`` and record it.
 
@@ -325,9 +367,14 @@ class Gateway:
                                     f"max_total_tokens={self.max_total_tokens}; the episode ended with 'agent context "
                                     "limit'", param="messages", code="context_length_exceeded")
             params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
+            if not s.owned:
+                self._check_backpressure()
             if on_ready is not None:
                 await on_ready()
             t0 = time.perf_counter()
+            st = self.stats
+            st.queue_depth += 1
+            st.queue_depth_max = max(st.queue_depth_max, st.queue_depth)
             try:
                 out = await self._generate(s, plan.prompt, params)
             except (asyncio.CancelledError, ApiError):
@@ -336,13 +383,35 @@ class Gateway:
                 self.stats.engine_errors += 1
                 logger.error("gateway session %s: the engine failed: %r", s.id, e)
                 raise ApiError(503, f"the engine failed: {e!r:.300}", code="engine_error") from e
+            finally:
+                st.queue_depth -= 1
             engine_s = time.perf_counter() - t0
             s.timings["generate_s"] += engine_s
             return self._record(s, req, plan, out, params.max_new_tokens, engine_s)
 
-    def _cut_at_stop(self, toks: list[int], stops: list[str]) -> tuple[int, str] | None:
-        """``(k, text)``: the fewest tokens whose text holds a stop string, and the text before it; None
-        when the turn holds none."""
+    def _check_backpressure(self) -> None:
+        """ApiError 429 with ``Retry-After`` when a new turn should wait instead of queuing: the rollout is ahead
+        of training beyond its staleness budget (``admission``), no slot of the version pool can serve (every one
+        updating or out of rotation), or ``max_queued_turns`` turns are in the engine already. The trainer's own
+        sessions (the agent runner's) are never refused: the rollout manager admitted their groups."""
+        reason = self.admission() if self.admission is not None else None
+        if reason is not None:
+            code, msg = "rollout_ahead", f"the rollout is ahead of training: {reason}"
+        elif self.pool is not None and self.pool.latest_version < 0:
+            code, msg = "engines_busy", (f"no engine can serve now ({self.pool.slot_states()}): a weight update is "
+                                         "running")
+        elif self.max_queued_turns and self.stats.queue_depth >= self.max_queued_turns:
+            code, msg = "queue_full", (f"{self.stats.queue_depth} turns are waiting for the engines (gateway "
+                                       f"max_queued_turns={self.max_queued_turns})")
+        else:
+            return
+        self.stats.count_throttled(code)
+        raise ApiError(429, f"{msg}; retry after {self.retry_after_s:g}s", code=code,
+                       headers=retry_after_headers(self.retry_after_s))
+
+    def _cut_at_stop(self, toks: list[int], stops: list[str]) -> tuple[int, str, str] | None:
+        """``(k, text, stop)``: the fewest tokens whose text holds a stop string, the text before it and the stop
+        string; None when the turn holds none."""
         decode = self.template.decode
         if not any(x in decode(toks) for x in stops):
             return None
@@ -354,9 +423,10 @@ class Gateway:
             else:
                 lo = mid + 1
         text = decode(toks[:lo])
-        return lo, text[: min(text.index(x) for x in stops if x in text)]
+        first = min((x for x in stops if x in text), key=text.index)
+        return lo, text[:text.index(first)], first
 
-    def _reply(self, s: GatewaySession, text: str, req: ChatRequest) -> tuple[dict[str, Any], str]:
+    def _reply(self, s: GatewaySession, text: str, req: TurnRequest) -> tuple[dict[str, Any], str]:
         """The OpenAI assistant message of a turn's ``text`` and the parse error ("" when none)."""
         reasoning, rest = self.template.split_reasoning(text)
         content, calls, error = rest.strip(), [], ""
@@ -377,7 +447,7 @@ class Gateway:
             message["tool_calls"] = calls
         return message, error
 
-    def _record(self, s: GatewaySession, req: ChatRequest, plan: Plan, out: GenerationOutput, cap: int,
+    def _record(self, s: GatewaySession, req: TurnRequest, plan: Plan, out: GenerationOutput, cap: int,
                 engine_s: float) -> Completion:
         """Commit the sampled turn to the session and build its completion (see the module doc)."""
         toks, lps = list(out.token_ids[:cap]), list(out.logprobs[:cap])
@@ -385,7 +455,7 @@ class Gateway:
         body = toks[:-1] if ended_by_stop else toks
         cut = self._cut_at_stop(body, req.stop) if req.stop else None
         if cut is not None:
-            k, text = cut
+            k, text, _ = cut
             toks, lps, ended_by_stop = toks[:k], lps[:k], False
         else:
             text = self.template.decode(body)
@@ -410,7 +480,7 @@ class Gateway:
         self.stats.completions += 1
         return Completion(message=message, finish_reason=finish, prompt_tokens=len(plan.prompt),
                           completion_tokens=len(toks), token_ids=toks, logprobs=lps, version=int(out.version),
-                          engine_s=engine_s)
+                          engine_s=engine_s, stop_sequence=cut[2] if cut is not None else None)
 
     def token_pieces(self, token_ids: list[int]) -> list[tuple[str, bytes]]:
         """``(text, bytes)`` of each token, for ``logprobs`` (bytes exact for byte-level BPE vocabularies)."""

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
-from env_controller.http.service import HttpError
+from rollout_sglang.gateway.turn import TurnRequest, bad
+
+#: The Chat Completions request is the internal turn request as it is.
+ChatRequest = TurnRequest
 
 #: Request fields the gateway honours.
 SUPPORTED_FIELDS = frozenset({
@@ -34,61 +36,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 #: Most stop strings in one request (OpenAI's limit).
 MAX_STOP = 4
 ROLES = ("system", "user", "assistant", "tool")
-
-
-class ApiError(HttpError):
-    """An error reply in OpenAI's shape: ``status``, ``message``, the offending ``param`` and a ``code``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(status, message)
-        self.param = param
-        self.code = code
-
-    @property
-    def kind(self) -> str:
-        """OpenAI's error ``type`` for the status."""
-        if self.status in (401, 403):
-            return "authentication_error"
-        if self.status == 404:
-            return "not_found_error"
-        if self.status == 429:
-            return "rate_limit_error"
-        return "invalid_request_error" if self.status < 500 else "server_error"
-
-    def body(self) -> dict[str, Any]:
-        """``{"error": {"message", "type", "param", "code"}}``."""
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def bad(param: str, rule: str, code: str | None = None) -> ApiError:
-    """A 400 naming ``param`` (dotted, with indices: ``messages[2].content``) and what it must be."""
-    return ApiError(400, f"{param}: {rule}", param=param, code=code)
-
-
-@dataclass
-class ChatRequest:
-    """A validated Chat Completions request.
-
-    messages: normalized (``role``, ``content`` text, ``tool_calls`` with JSON-string arguments,
-    ``tool_call_id``, ``name``); tools: the function schemas as given (empty: none); tool_choice:
-    "auto" | "none" | "required" | "function" (then ``forced_tool`` names it); max_tokens: the
-    client's cap on generated tokens (None: the gateway's); stop: stop strings; include_usage:
-    the last stream chunk carries ``usage``.
-    """
-
-    model: str
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    tool_choice: str = "auto"
-    forced_tool: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-    stream: bool = False
-    include_usage: bool = False
-    logprobs: bool = False
 
 
 def _is_int(v: Any) -> bool:
@@ -177,25 +124,6 @@ def normalize_message(m: Any, i: int) -> dict[str, Any]:
             raise bad(f"{where}.tool_call_id", "a tool message needs the string id of the call it answers")
         out["tool_call_id"] = tid
     return out
-
-
-def _args_key(args: str) -> str:
-    """Tool-call arguments as a canonical string: equal JSON values give equal keys (key order ignored)."""
-    try:
-        return json.dumps(json.loads(args), sort_keys=True, ensure_ascii=False)
-    except ValueError:
-        return args
-
-
-def message_key(m: dict[str, Any]) -> tuple:
-    """What a chat template renders of a normalized message: role, text, tool calls (name, JSON arguments)."""
-    calls = tuple((c["function"]["name"], _args_key(c["function"]["arguments"])) for c in m.get("tool_calls") or ())
-    return (m["role"], m.get("content") or "", calls)
-
-
-def tools_key(tools: list[dict[str, Any]]) -> str:
-    """The tool list as the templates render it (key order kept: it changes the rendered prompt)."""
-    return json.dumps(tools, ensure_ascii=False)
 
 
 def _tools(value: Any) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ one starts from the request's messages. Nothing is ever re-tokenized.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,13 +92,17 @@ class GatewaySession:
 
     task, index, group_id, metadata: what it was opened with (task "" when none); owned: opened by the
     trainer's agent runner (never reaped as idle); seed: base sampling seed of its turns (None: unseeded),
-    turn ``k`` uses ``seed + k * seed_stride``; key: its router key in the version pool.
+    turn ``k`` uses ``seed + k * seed_stride``; key: its router key in the version pool; api_key: the credential
+    of its base URL (no other session's works there).
     """
 
     def __init__(self, session_id: str, *, task: str = "", index: int = 0, group_id: int = 0,
                  metadata: dict[str, Any] | None = None, owned: bool = False, seed: int | None = None,
                  seed_stride: int = 1) -> None:
         self.id = session_id
+        self.api_key = "sk-agentrl-" + secrets.token_hex(16)
+        # Responses API: response id -> the conversation it ended (without instructions), for previous_response_id
+        self.responses: dict[str, list[dict[str, Any]]] = {}
         self.task, self.index, self.group_id = task, int(index), int(group_id)
         self.metadata = dict(metadata or {})
         self.owned = owned

@@ -156,11 +156,15 @@ def _check_gateway(lines: list[str], rec: dict[str, Any]) -> None:
     m = re.fullmatch(r"gateway_overhead_p99_ms: (\d+\.\d+)", lines[-1])
     assert m and float(m.group(1)) == pytest.approx(rec["gateway_overhead_p99_ms"], abs=1e-3)
     res, a = rec["results"], rec["args"]
-    assert set(res) == {"stub_with_tool_time", "stub_saturated", "local_engine"}
+    assert set(res) == {"stub_with_tool_time", "stub_responses", "stub_messages", "stub_saturated", "local_engine"}
     for name, n in (("stub_with_tool_time", a["sessions"] * a["turns"]), ("stub_saturated", a["sessions"] * a["turns"]),
+                    ("stub_responses", a["sessions"] * a["turns"]), ("stub_messages", a["sessions"] * a["turns"]),
                     ("local_engine", a["local_sessions"] * a["local_turns"])):
         assert res[name]["completions_per_s"] > 0 and res[name]["added"]["n"] == res[name]["client"]["n"] == n
     assert rec["gateway_overhead_p99_ms"] == res["stub_with_tool_time"]["added"]["p99_ms"]
+    assert rec["added_p99_ms_by_api"] == {"chat": rec["gateway_overhead_p99_ms"],
+                                          "responses": res["stub_responses"]["added"]["p99_ms"],
+                                          "messages": res["stub_messages"]["added"]["p99_ms"]}
 
 
 def _check_gpu_suite(lines: list[str], rec: dict[str, Any]) -> None:

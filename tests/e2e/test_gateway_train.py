@@ -153,6 +153,48 @@ def test_train_trajectories_carry_two_versions(tmp_path):
     assert [b["min_versions"] for b in batches] == [[0, 0], [0, 0]]
 
 
+async def anthropic_agent(client, sample):
+    """A tool-using agent written against the anthropic SDK (Messages API, its own client on the session's Anthropic
+    base URL and key): each reply goes to the task (the ``/env`` route, as an assistant message), the task's tool
+    results come back as tool_result blocks, until the task ends the episode (its reward) or 3 turns passed."""
+    import json as _json
+
+    from anthropic import AsyncAnthropic
+
+    tools = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
+              "input_schema": t["function"].get("parameters") or {"type": "object", "properties": {}}}
+             for t in sample["tools"]]
+    system = "\n".join(m["content"] for m in sample["messages"] if m["role"] == "system")
+    msgs = [{"role": "user", "content": m["content"]} for m in sample["messages"] if m["role"] == "user"]
+    async with AsyncAnthropic(base_url=sample["anthropic_base_url"], api_key=sample["api_key"], max_retries=2) as a:
+        for _ in range(3):
+            m = await a.messages.create(model=sample["model"], max_tokens=8, system=system, messages=msgs,
+                                        tools=tools)
+            text = "".join(b.text for b in m.content if b.type == "text")
+            calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": _json.dumps(b.input)}}
+                     for b in m.content if b.type == "tool_use"]
+            step = await client.post("/env", body={"messages": [
+                {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]}, cast_to=object)
+            if step["finish"]:
+                return None  # the task's reward stands
+            msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": r["tool_call_id"],
+                                                   "content": r["content"]} for r in step["messages"]]}]
+    return 0.0
+
+
+def test_train_runs_an_anthropic_sdk_agent(tmp_path):
+    """`agentrl train` with rollout.agent_fn naming an agent written against the anthropic SDK: every episode is
+    played through the gateway's Messages API, and the run trains on them for 2 steps."""
+    proc, out = _train(tmp_path, "anthropic", ["rollout.agent_fn=tests.e2e.test_gateway_train:anthropic_agent",
+                                               "rollout.max_turns=3"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rl = _rows(out, "metrics.jsonl")
+    assert [r["step"] for r in rl] == [1, 2]
+    assert all(r["gateway/agent_errors"] == 0 and r["gateway/throttled"] == 0 for r in rl)
+    assert sum(r["gateway/completions"] for r in rl) >= 2 * 2 * 2
+
+
 # ------------------------------------------------------------------------------------------------ agentrl gateway
 def test_gateway_command_serves_until_sigterm(processes):
     """`agentrl gateway --config ... --port 0`: a session opened with a task, a completion through the openai client,
@@ -178,7 +220,7 @@ def test_gateway_command_serves_until_sigterm(processes):
         async with aiohttp.ClientSession() as h:
             async with h.post(url + "/sessions", json={"task": "lookup", "index": 0}) as r:
                 info = await r.json()
-            async with AsyncOpenAI(base_url=info["base_url"], api_key="x", max_retries=0) as c:
+            async with AsyncOpenAI(base_url=info["base_url"], api_key=info["api_key"], max_retries=0) as c:
                 comp = await c.chat.completions.create(model="p", messages=info["messages"], tools=info["tools"])
             async with h.get(f"{url}/sessions/{info['session_id']}/trajectory") as r:
                 return info, comp, await r.json()

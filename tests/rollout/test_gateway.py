@@ -29,6 +29,7 @@ from tests.rollout.support import (
     make_gateway,
     open_session,
     serving,
+    teach,
 )
 
 FIRST = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Solve the task EP=calc."}]
@@ -58,11 +59,6 @@ class Spy:
 def taught_engine(template):
     """A tiny Qwen2 taught (by rote) the calc episode in the RL layout: a real LocalEngine whose sampled turns are
     the episode's tool call and answer."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from rollout_sglang.engines.local import LocalEngine
-
     conv = FIRST + [
         {"role": "assistant", "content": "Let me add.", "tool_calls": [
             {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 40, "b": 2}'}}]},
@@ -70,28 +66,7 @@ def taught_engine(template):
         {"role": "assistant", "content": "The answer is 42."},
     ]
     ids, mask = template.encode_conversation(conv, TOOLS)
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(template.tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(cfg)
-    x = torch.tensor([ids])
-    labels = torch.tensor([[t if m else -100 for t, m in zip(ids, mask)]])
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # matrices this small: one thread is 4x faster on a busy 2-core machine
-    try:
-        for _ in range(300):  # about 100 steps; sampled at temperature 0.5 the taught turns are then near certain
-            loss = model(input_ids=x, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if loss.item() < 1e-2:
-                break
-    finally:
-        torch.set_num_threads(threads)
-    assert loss.item() < 1e-2, f"the tiny model did not learn the episode (loss {loss.item():.4f})"
-    return LocalEngine(model.eval(), version=3)
+    return teach(template, ids, mask, version=3)
 
 
 # ------------------------------------------------------------------------------------------------ acceptance
@@ -351,18 +326,18 @@ def test_bad_requests_name_the_field(template):
     async def main():
         async with serving(gw) as srv:
             info = await open_session(srv)
-            base, sid = info["base_url"], info["session_id"]
+            base, sid, key = info["base_url"], info["session_id"], info["api_key"]
             out = {}
             out["unknown session"] = await http("POST", f"{srv.url}/sessions/nope/v1/chat/completions",
                                                 json={"model": "p", "messages": FIRST})
-            out["messages"] = await http("POST", base + "/chat/completions", json={"model": "p", "messages": "hi"})
-            out["tools[0]"] = await http("POST", base + "/chat/completions",
+            out["messages"] = await http("POST", base + "/chat/completions", key, json={"model": "p", "messages": "hi"})
+            out["tools[0]"] = await http("POST", base + "/chat/completions", key,
                                          json={"model": "p", "messages": FIRST, "tools": ["add"]})
             out["tools[0].function.parameters"] = await http(
-                "POST", base + "/chat/completions",
+                "POST", base + "/chat/completions", key,
                 json={"model": "p", "messages": FIRST, "tools": [{"type": "function", "function": {
                     "name": "add", "parameters": "a, b"}}]})
-            out["unsupported"] = await http("POST", base + "/chat/completions",
+            out["unsupported"] = await http("POST", base + "/chat/completions", key,
                                             json={"model": "p", "messages": FIRST, "response_format": {"type": "x"}})
             out["reward"] = await http("POST", f"{srv.url}/sessions/{sid}/reward", json={"metrics": {}})
             out["reward nan"] = await http("POST", f"{srv.url}/sessions/{sid}/reward", data=b'{"reward": NaN}')
@@ -487,8 +462,9 @@ def test_training_sampling_refuses_another_temperature(template):
 
 
 def test_credentials_follow_the_controller_rules(template):
-    """Loopback without a token; elsewhere a token is required; with one, every route but /health needs it and an
-    OpenAI client sends it as its api key."""
+    """Loopback without a token; elsewhere a token is required; with one, the admin routes need it (not /health), while
+    a session's base URL takes the session's own API key (which an OpenAI client sends as its api key) and no other
+    credential: none is a 401, another session's key or the admin token a 403."""
     gw = make_gateway(template, Script(template, ["x"]))
 
     async def main():
@@ -497,16 +473,25 @@ def test_credentials_follow_the_controller_rules(template):
         async with serving(gw, token="s3cret") as srv:
             no_token = await http("POST", srv.url + "/sessions", json={})
             health = await http("GET", srv.url + "/health")
-            info = await open_session(srv, token="s3cret")
-            with pytest.raises(openai.AuthenticationError):
-                async with client(info, "wrong") as c:
-                    await c.chat.completions.create(model="p", messages=FIRST)
-            async with client(info, "s3cret") as c:
+            info, other = await open_session(srv, token="s3cret"), await open_session(srv, token="s3cret")
+            refused = {}
+            for name, key in (("another session's", other["api_key"]), ("admin", "s3cret")):
+                with pytest.raises(openai.PermissionDeniedError) as e:
+                    async with client(info, key) as c:
+                        await c.chat.completions.create(model="p", messages=FIRST)
+                refused[name] = e.value
+            none = await http("POST", info["base_url"] + "/chat/completions", json={"model": "p", "messages": FIRST})
+            async with client(info) as c:
                 comp = await c.chat.completions.create(model="p", messages=FIRST)
-            return no_token, health, comp
+            traj = await http("GET", f"{srv.url}/sessions/{info['session_id']}/trajectory", token=info["api_key"])
+            return no_token, health, comp, refused, none, traj
 
-    no_token, health, comp = asyncio.run(main())
+    no_token, health, comp, refused, none, traj = asyncio.run(main())
     assert no_token[0] == 401 and health[0] == 200 and comp.choices[0].message.content == "x"
+    assert all(e.status_code == 403 and e.code == "invalid_api_key" for e in refused.values())
+    assert none[0] == 401 and none[1]["error"]["code"] == "missing_api_key"
+    assert traj[0] == 401  # a session key is no admin credential
+    assert [s.turns for s in gw.sessions.values()].count([]) == 1  # the refused requests sampled nothing
 
 
 # ------------------------------------------------------------------------------------------------ the agent runner

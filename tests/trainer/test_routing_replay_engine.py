@@ -56,6 +56,12 @@ def _episodes(engine, template) -> tuple[list[list[int]], list[list[int]], list[
     return seqs, masks, lps, [np.concatenate(r) for r in routing]
 
 
+def _mismatch(actor, batch, routed) -> float:
+    """Largest |trainer - engine| log-prob over the sampled tokens, with ``routed`` replayed (None: own routing)."""
+    lp = actor.compute_logprobs(batch.tokens, 1.0, 2, loss_mask=batch.loss_mask, routed_experts=routed)
+    return ((lp - batch.behavior_logprobs).abs() * batch.loss_mask).max().item()
+
+
 def _check(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
@@ -88,7 +94,8 @@ def _check(rank: int, world: int) -> dict:
     dist.broadcast_object_list(box, src=0)
     out: dict = {}
     for perturbed, (seqs, masks, lps, routing) in box[0].items():
-        tokens, mask, behavior = pad_right(seqs, torch.long), pad_right(masks, torch.float32), pad_right(lps, torch.float32)
+        tokens, mask = pad_right(seqs, torch.long), pad_right(masks, torch.float32)
+        behavior = pad_right(lps, torch.float32)
         assert mask.sum() > 20, "the episodes should contain generated tokens"
         routed = torch.full((*tokens.shape, 4, 2), -1, dtype=torch.int16)
         for i, r in enumerate(routing):
@@ -100,14 +107,11 @@ def _check(rank: int, world: int) -> dict:
                                                              micro_batch_size=2), LossConfig())
                 actor.load_hf_state_dict(state)
 
-                def mismatch(r):
-                    lp = actor.compute_logprobs(tokens, 1.0, 2, loss_mask=mask, routed_experts=r)
-                    return ((lp - behavior).abs() * mask).max().item()
-
                 batch = TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior,
                                    advantages=0.1 * mask, routed_experts=routed)
                 flip = actor.compute_grads(actor.dp_slice(batch))["routing/flip_rate"]
-                out[(perturbed, tp, pp, ep, packed)] = (mismatch(routed), mismatch(None), flip)
+                out[(perturbed, tp, pp, ep, packed)] = (_mismatch(actor, batch, routed), _mismatch(actor, batch, None),
+                                                        flip)
     destroy_parallel()
     return out
 

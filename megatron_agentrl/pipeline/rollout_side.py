@@ -250,10 +250,12 @@ def gateway_token(cfg: Config) -> str | None:
 
 
 def build_gateway(cfg: Config, engine: Any, template: AnyChatTemplate, env: Any, *, training: bool,
-                  temperature: float | None = None, max_sessions: int | None = None) -> Any:
+                  temperature: float | None = None, max_sessions: int | None = None,
+                  capture_routing: bool = False) -> Any:
     """A :class:`~rollout_sglang.gateway.Gateway` over ``engine`` (a pool or an engine) and ``env`` with the
     run's sampling settings and limits (``temperature`` and ``max_sessions`` replace ``rollout.temperature``
-    and ``gateway.max_sessions``); ``training`` refuses a temperature or top_p other than the run's."""
+    and ``gateway.max_sessions``); ``training`` refuses a temperature or top_p other than the run's;
+    ``capture_routing``: its trajectories carry the engines' routed experts (MoE)."""
     from rollout_sglang.gateway import Gateway
 
     r, g = cfg.rollout, cfg.gateway
@@ -263,7 +265,7 @@ def build_gateway(cfg: Config, engine: Any, template: AnyChatTemplate, env: Any,
                    max_total_tokens=r.max_total_tokens, enforce_sampling=training,
                    env_timeout_s=cfg.pipeline.env_timeout_s, max_sessions=max_sessions or g.max_sessions,
                    session_idle_timeout_s=g.session_idle_timeout_s, max_queued_turns=g.max_queued_turns,
-                   retry_after_s=g.retry_after_s)
+                   retry_after_s=g.retry_after_s, capture_routing=capture_routing)
 
 
 def standalone_pool(cfg: Config, hf_config: Any, dtype: torch.dtype) -> VersionPool:
@@ -305,7 +307,8 @@ def build_agent_runner(cfg: Config, ro: RolloutSide) -> Any:
     if g.max_sessions < in_flight:
         raise ConfigError(f"gateway.max_sessions={g.max_sessions} is below the {in_flight} episodes the rollout may "
                           "run at once (pipeline.queue_size groups of rollout.samples_per_prompt); raise it")
-    gateway = build_gateway(cfg, ro.pool, ro.template, ro.train_env, training=True)
+    gateway = build_gateway(cfg, ro.pool, ro.template, ro.train_env, training=True,
+                            capture_routing=ro.routing is not None)
     return AgentRunner(gateway, load_agent_fn(str(r.agent_fn)), host=g.host, port=g.port, token=gateway_token(cfg),
                        agent_timeout_s=r.agent_timeout_s, client_timeout_s=r.engine_timeout_s + p.env_timeout_s)
 

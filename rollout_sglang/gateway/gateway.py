@@ -118,13 +118,16 @@ class Gateway:
     env_timeout_s: limit on each environment call, seconds; max_sessions: sessions open at once;
     session_idle_timeout_s: a session nobody touched that long is cancelled by :meth:`reap_idle`
     (not those of the trainer's agent runner); model_name: the model id ``/models`` lists.
+    max_queued_turns, retry_after_s, admission: backpressure (see the module doc).
+    capture_routing: MoE models: each turn asks the engine for the routed experts of the positions its
+        segment does not hold yet, and the segments' trajectories carry them (``Trajectory.routed_experts``).
     """
 
     def __init__(self, engine: Any, template: AnyChatTemplate, *, sampling: SamplingParams, max_turns: int,
                  max_total_tokens: int, env: Any = None, enforce_sampling: bool = False, env_timeout_s: float = 120.0,
                  max_sessions: int = 4096, session_idle_timeout_s: float = 900.0,
                  model_name: str = "agentrl-policy", max_queued_turns: int = 0, retry_after_s: float = 1.0,
-                 admission: Callable[[], str | None] | None = None) -> None:
+                 admission: Callable[[], str | None] | None = None, capture_routing: bool = False) -> None:
         if max_turns < 1 or max_total_tokens < 2 or sampling.max_new_tokens < 1:
             raise ValueError(f"max_turns={max_turns} must be >= 1, max_total_tokens={max_total_tokens} >= 2 and "
                              f"max_new_tokens={sampling.max_new_tokens} >= 1")
@@ -152,6 +155,7 @@ class Gateway:
         self.max_queued_turns = int(max_queued_turns)
         self.retry_after_s = float(retry_after_s)
         self.admission = admission
+        self.capture_routing = bool(capture_routing)
 
     # ------------------------------------------------------------------ sessions
     def authorize(self, session_id: str, key: str | None) -> GatewaySession:
@@ -330,10 +334,12 @@ class Gateway:
             self._prefixes[key] = list(t.tokenizer.encode(text, add_special_tokens=False))
         return self._prefixes[key]
 
-    async def _generate(self, s: GatewaySession, prompt: list[int], params: SamplingParams) -> GenerationOutput:
+    async def _generate(self, s: GatewaySession, prompt: list[int], params: SamplingParams,
+                        routing_from: int | None) -> GenerationOutput:
+        routing = {} if routing_from is None else {"routing_from": [routing_from]}
         if self.pool is not None:
-            return (await self.pool.generate([prompt], params, keys=[s.key]))[0]
-        return (await self.engine.generate([prompt], params))[0]
+            return (await self.pool.generate([prompt], params, keys=[s.key], **routing))[0]
+        return (await self.engine.generate([prompt], params, **routing))[0]
 
     async def complete(self, session_id: str, req: TurnRequest,
                        on_ready: Callable[[], Awaitable[None]] | None = None) -> Completion:
@@ -376,7 +382,8 @@ class Gateway:
             st.queue_depth += 1
             st.queue_depth_max = max(st.queue_depth_max, st.queue_depth)
             try:
-                out = await self._generate(s, plan.prompt, params)
+                out = await self._generate(s, plan.prompt, params,
+                                           s.routing_from(plan) if self.capture_routing else None)
             except (asyncio.CancelledError, ApiError):
                 raise
             except Exception as e:  # noqa: BLE001 - reported to the client; the session stays as it was
@@ -461,7 +468,8 @@ class Gateway:
             text = self.template.decode(body)
         text = (self.template.decode(plan.prefix) if plan.prefix else "") + text
         message, error = self._reply(s, text, req)
-        s.commit(plan, toks, lps, out.version, toks[-1] if ended_by_stop else None, message_key(message))
+        s.commit(plan, toks, lps, out.version, toks[-1] if ended_by_stop else None, message_key(message),
+                 out.routed_experts, self.capture_routing)
         if plan.rewrite:
             self.stats.history_rewrites += 1
             logger.debug("gateway session %s: history rewrite, segment %d starts", s.id, len(s.segments) - 1)

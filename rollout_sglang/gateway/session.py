@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from rollout_sglang.trajectory import Trajectory
 
 #: The status of a session whose episode has not ended.
@@ -32,6 +34,8 @@ class Segment:
 
     keys: the message keys of the conversation the tokens encode (the last is the returned reply);
     tools_key: its tool list; turn_end: the stop token that ended the last turn (None: it was cut).
+    routing: with routing capture, the routed experts of positions ``[0, routed)`` in pieces (one per turn);
+    routing_lost: a turn came back without them (the segment then carries none).
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -42,6 +46,9 @@ class Segment:
     keys: list[tuple] = field(default_factory=list)
     tools_key: str = ""
     turn_end: int | None = None
+    routing: list[np.ndarray] = field(default_factory=list)
+    routed: int = 0
+    routing_lost: bool = False
 
     def append(self, tokens: list[int], mask: int, logprobs: list[float] | None = None) -> None:
         """Append ``tokens`` with one loss-mask value (log-probs 0.0 when not given)."""
@@ -153,9 +160,16 @@ class GatewaySession:
         piece = template.encode_prompt(messages, tools or None)
         return Plan(True, seg is not None, piece, prefix, piece + prefix, keys, tools_key)
 
+    def routing_from(self, plan: Plan) -> int:
+        """The first position of ``plan``'s prompt whose routed experts its segment does not hold yet."""
+        return 0 if plan.new_segment or self.current is None else self.current.routed
+
     def commit(self, plan: Plan, tokens: list[int], logprobs: list[float], version: int, turn_end: int | None,
-               reply_key: tuple) -> tuple[int, int]:
-        """Append a sampled turn after ``plan``'s tokens; returns its span ``(start, end)`` in its segment."""
+               reply_key: tuple, routed_experts: np.ndarray | None = None, capture: bool = False) -> tuple[int, int]:
+        """Append a sampled turn after ``plan``'s tokens; returns its span ``(start, end)`` in its segment.
+
+        With ``capture``, ``routed_experts`` are the engine's from :meth:`routing_from` on; the rows up to the
+        turn's last kept token are kept (None: the segment loses its routing)."""
         if plan.new_segment:
             self.segments.append(Segment(tools_key=plan.tools_key))
             self.history_rewrites += int(plan.rewrite)
@@ -168,6 +182,13 @@ class GatewaySession:
         seg.turn_spans.append((start, len(seg.token_ids)))
         seg.keys = plan.keys + [reply_key]
         seg.turn_end = turn_end
+        if capture:
+            need = len(seg.token_ids) - 1 - seg.routed
+            if routed_experts is None or len(routed_experts) < need:
+                seg.routing_lost = True
+            elif need > 0:
+                seg.routing.append(routed_experts[:need])
+                seg.routed += need
         return start, len(seg.token_ids)
 
     def end(self, status: str, reward: float = 0.0, metrics: dict[str, float] | None = None, error: str = "") -> None:
@@ -194,7 +215,9 @@ class GatewaySession:
                            behavior_logprobs=list(s.logprobs), versions=list(s.versions),
                            turn_spans=list(s.turn_spans), task=self.task, index=self.index, group_id=self.group_id,
                            reward=self.reward, status=self.status, metrics=self._metrics(),
-                           timings=dict(self.timings), error=self.error) for s in segments]
+                           timings=dict(self.timings), error=self.error,
+                           routed_experts=np.concatenate(s.routing) if s.routing and not s.routing_lost else None)
+                for s in segments]
 
     def to_json(self) -> dict[str, Any]:
         """The trajectory view: the current segment's arrays at the top level, every segment under ``segments``,

@@ -87,3 +87,51 @@ def test_the_batch_holds_each_rows_routing_and_minus_one_elsewhere(template: Cha
     for t in trajs:
         t.routed_experts = None
     assert build_rl_batch(trajs, ["calc"], AlgoConfig()).batch.routed_experts is None
+
+
+class RoutingScript:
+    """Gateway engine: scripted turns (``support.Script``) that answer ``routing_from`` by position."""
+
+    def __init__(self, template: ChatTemplate, texts: list[str], version: int = 5) -> None:
+        from tests.rollout.support import Script
+
+        self.script = Script(template, texts, version=version)
+        self.version = version
+        self.asked: list[int] = []
+
+    async def generate(self, prompts, params, routing_from=None):
+        outs = await self.script.generate(prompts, params)
+        self.asked += list(routing_from)
+        (p,), (o,), (start,) = prompts, outs, routing_from
+        o.routed_experts = np.stack([experts_at(t, self.version) for t in range(start, len(p) + len(o.token_ids) - 1)])
+        return outs
+
+
+def test_gateway_segments_carry_each_turns_routing(template: ChatTemplate) -> None:
+    """Through the gateway (openai client, two turns with a tool reply between them): the second turn asks only for
+    the positions after the first turn's last token, and the session's trajectory holds every position's experts."""
+    import asyncio
+
+    from tests.rollout.support import ADD_TOOLS, client, make_gateway, open_session, serving
+
+    engine = RoutingScript(template, ["Let me add.\n" + '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}'
+                                      "\n</tool_call>", "It is 3."])
+    gw = make_gateway(template, engine, capture_routing=True)
+    msgs = [{"role": "user", "content": "Add 1 and 2."}]
+
+    async def main():
+        async with serving(gw) as srv:
+            info = await open_session(srv)
+            c = client(info)
+            first = await c.chat.completions.create(model="policy", messages=msgs, tools=ADD_TOOLS)
+            call = first.choices[0].message
+            msgs.append(call.model_dump(exclude_none=True))
+            msgs.append({"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": "3"})
+            await c.chat.completions.create(model="policy", messages=msgs, tools=ADD_TOOLS)
+            await c.close()
+            return gw.session(info["session_id"]).to_trajectories()
+
+    (traj,) = asyncio.run(main())
+    last = traj.turn_spans[-1][1] - 1
+    assert np.array_equal(traj.routed_experts, np.stack([experts_at(p, 5) for p in range(last)]))
+    assert engine.asked == [0, traj.turn_spans[0][1] - 1]

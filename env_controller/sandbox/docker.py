@@ -343,11 +343,12 @@ class DockerSandbox(ShellSandbox):
             raise SandboxError(f"sandbox {self.id}: docker diff of {self.container.id[:12]} failed: {exc}") from exc
 
     def put_files(self, directory: str, files: Mapping[str, bytes | str], mode: int = 0o755,
-                  owner: tuple[int, int] | None = None) -> None:
+                  owner: tuple[int, int] | None = None, dir_mode: int = 0o755) -> None:
         """Write ``files`` (paths relative to ``directory``, an absolute path) into the container through the
         engine (as root: the image's permissions do not apply), owned by ``owner`` (default: the sandbox's
-        user) with ``mode``; ``directory`` and the parents the paths name are made. Needs a writable root
-        filesystem (or a ``directory`` on a tmpfs). SandboxError when the engine refuses."""
+        user) with ``mode``; ``directory``, its parents and the directories the paths name are made (or
+        changed) with ``dir_mode`` and the same owner: use it for directories of your own. Needs a writable
+        root filesystem (or a ``directory`` on a tmpfs). SandboxError when the engine refuses."""
         import io
         import tarfile
 
@@ -368,7 +369,7 @@ class DockerSandbox(ShellSandbox):
                     continue
                 made.add(d)
                 info = tarfile.TarInfo(d)
-                info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, 0o755, uid, gid
+                info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, dir_mode, uid, gid
                 tar.addfile(info)
             for rel in paths:
                 data = files[rel].encode() if isinstance(files[rel], str) else bytes(files[rel])
@@ -382,6 +383,20 @@ class DockerSandbox(ShellSandbox):
                                f"{exc}") from exc
         if not ok:
             raise SandboxError(f"sandbox {self.id}: the engine refused the files for {directory}")
+
+    def remove_as_root(self, paths: list[str]) -> None:
+        """``rm -rf`` ``paths`` as root in the container (no capabilities: the permissions of their directories
+        apply); SandboxError when something is left."""
+        api = self._backend.client.api
+        script = 'rm -rf -- "$@"; for p in "$@"; do [ -e "$p" ] && { echo "left $p"; exit 1; }; done; exit 0'
+        try:
+            exec_id = api.exec_create(self.container.id, ["bash", "-c", script, "rm", *paths], user="0")["Id"]
+            out = api.exec_start(exec_id).decode(errors="replace")
+            code = api.exec_inspect(exec_id).get("ExitCode")
+        except (self._errors.DockerException, OSError) as exc:
+            raise SandboxError(f"sandbox {self.id}: removing {paths} failed: {exc}") from exc
+        if code != 0:
+            raise SandboxError(f"sandbox {self.id}: removing {paths} failed: {out.strip()[-300:]}")
 
     def wipe(self) -> None:
         """See :meth:`Sandbox.wipe`. With a writable root the image's workdir is not emptied (its files are the

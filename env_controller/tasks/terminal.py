@@ -102,8 +102,10 @@ class TerminalSession(BlockingToolTaskSession):
         box = self.sandbox
         try:
             box.reset()  # the agent's processes end; the verifier gets a fresh shell
-            box.put_files(TESTS_DIR, v.files)
-            box.put_files(LOGS_DIR, {})
+            # root's, writable by all: the verifier (the session's user) writes its reward, and a container to
+            # be reused loses both again (remove_as_root) before its wipe compares the filesystem
+            box.put_files(TESTS_DIR, v.files, owner=(0, 0), dir_mode=0o777)
+            box.put_files(LOGS_DIR, {}, owner=(0, 0), dir_mode=0o777)
         except SandboxError as exc:
             return self._task_error(f"the verifier of {self.instance.id} could not be set up: {exc}")
         env = {"HOME": box.workdir, "PATH": _PATH, "LANG": "C.UTF-8", "TEST_DIR": TESTS_DIR,
@@ -130,8 +132,8 @@ class TerminalSession(BlockingToolTaskSession):
 
     def _reward_file(self) -> tuple[float | None, dict[str, float], str]:
         """``(reward, metrics, error)`` from ``reward.json`` / ``reward.txt`` in :data:`LOGS_DIR`, if written."""
-        out = self.sandbox.run(f"for f in {LOGS_DIR}/reward.json {LOGS_DIR}/reward.txt; do "
-                               "[ -f \"$f\" ] && { echo \"$f\"; head -c 65536 \"$f\"; exit 0; }; done; echo none",
+        out = self.sandbox.run(f"( for f in {LOGS_DIR}/reward.json {LOGS_DIR}/reward.txt; do "
+                               "[ -f \"$f\" ] && { echo \"$f\"; head -c 65536 \"$f\"; exit 0; }; done; echo none )",
                                timeout_s=10.0)
         if not out.ok:
             return None, {}, f"reading it failed: {out.error or out.output[-200:]}"
@@ -161,7 +163,15 @@ class TerminalSession(BlockingToolTaskSession):
 
     def release(self) -> None:
         """Back to the pool: wiped and kept when the instance allows reuse (the wipe verified), else removed."""
-        self.pool.release(self.sandbox, reusable=True)
+        reusable = True
+        if self.pool.reuse and not self.sandbox.closed:
+            # what the verifier brought is not the session's change: gone before the wipe compares the layer
+            try:
+                self.sandbox.remove_as_root([TESTS_DIR, LOGS_DIR.rsplit("/", 1)[0]])
+            except SandboxError as exc:
+                logger.warning("terminal: %s; the container is not reused", exc)
+                reusable = False
+        self.pool.release(self.sandbox, reusable=reusable)
 
 
 class TerminalPools:
@@ -187,7 +197,8 @@ class TerminalPools:
         out["peak_live"] = budget.stats()["peak"] if budget is not None else sum(s["peak_live"] for s in per.values())
         out["budget"] = budget.stats() if budget is not None else None
         builds = self.task.images.build_s if self.task.has_images else {}
-        out["images"] = {f"{key[0]}@{key[1]}": {
+        out["images"] = {f"{key[0]}@{key[1]}" + (f" cpus={key[2]:g} memory_mb={key[3]}" if key[2:4] != (
+            self.task.cpus, self.task.memory_mb) else "") + (" reuse" if key[4] else ""): {
             "image": key[0], "build_s": builds.get(key[0]), "live": s["live"], "idle": s["idle"],
             "leased": s["leased"], "peak_live": s["peak_live"], "served_warm": s["served_warm"],
             "served_cold": s["served_cold"], "reused": s["reused"], "wipe_failures": s["wipe_failures"],
@@ -291,6 +302,7 @@ class TerminalTask(BlockingToolTask):
         self._backends: list[Any] = []
         self._demos: dict[tuple[str, int], tuple[list[Message], list[ToolSchema]]] = {}
         self._view = TerminalPools(self)
+        self._prebuilt = False
 
     # -- the engine, images and pools ------------------------------------------------------------
 
@@ -370,7 +382,9 @@ class TerminalTask(BlockingToolTask):
         """The pools as one (for the worker); connects to the engine and, with ``prebuild``, starts every image's
         build, each image's pool made (and its warm containers started) once its image is ready."""
         images = self.images
-        if self.prebuild:
+        with self._lock:
+            first_call, self._prebuilt = not self._prebuilt, True
+        if self.prebuild and first_call:
             first: dict[ImageSource, TerminalInstance] = {}
             for inst in self.instances:
                 first.setdefault(inst.image, inst)

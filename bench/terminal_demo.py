@@ -191,9 +191,9 @@ def run(args: Any, overrides: list[str], work: Path) -> dict[str, Any]:
                     except Exception as e:  # noqa: BLE001 - informational
                         pools[spec_name] = {"error": repr(e)}
     finally:
-        counter.stop()
         t2 = time.monotonic()
-        _stop(procs)
+        _stop(procs)  # first: the workers remove their containers
+        counter.stop()
         timings["stop_s"] = round(time.monotonic() - t2, 1)
         try:
             leaked = counter.count()

@@ -229,7 +229,7 @@ class TerminalTask(BlockingToolTask):
     ``MIN:MAX`` by the last ``warm_window_s`` of demand; ``--warm-containers``), reuse_containers (default
     for instances that do not say: a finished session's container serves another after a verified wipe),
     acquire_timeout_s, build_timeout_s (one image's build or import), prebuild (start every image's build
-    when the pools start, not at the first session).
+    when the pools start, not at the first session), demo_threads (demonstrations played at once).
     """
 
     name = "terminal"
@@ -241,7 +241,7 @@ class TerminalTask(BlockingToolTask):
                  memory_mb: int = 512, max_processes: int = 64, cpus: float = 1.0, max_output_chars: int = 4000,
                  max_workers: int = 64, max_containers: int | None = None, warm_containers: int | str | list[int] = 0,
                  reuse_containers: bool = False, acquire_timeout_s: float = 60.0, warm_window_s: float = 30.0,
-                 build_timeout_s: float = 600.0, prebuild: bool = True) -> None:
+                 build_timeout_s: float = 600.0, prebuild: bool = True, demo_threads: int = 6) -> None:
         """Load the instances and check the params (TaskParamError naming a bad one); nothing starts yet."""
         if (tasks is None) == (demo is None):
             raise TaskParamError(self.name, "tasks", tasks, "give exactly one of tasks (a task directory, a directory "
@@ -300,7 +300,9 @@ class TerminalTask(BlockingToolTask):
         self._images: ImageCache | None = None
         self._pools: dict[tuple[Any, ...], SandboxPool] = {}
         self._backends: list[Any] = []
-        self._demos: dict[tuple[str, int], tuple[list[Message], list[ToolSchema]]] = {}
+        self._demos: dict[tuple[str, int], Future[tuple[list[Message], list[ToolSchema]]]] = {}
+        self._demo_executor: Any = None
+        self.demo_threads = int_param(self.name, "demo_threads", demo_threads, low=1)
         self._view = TerminalPools(self)
         self._prebuilt = False
 
@@ -461,34 +463,55 @@ class TerminalTask(BlockingToolTask):
             yield "bash_action", {"script": inst.careless}
         yield "finish_action", {}
 
+    def _demo(self, kind: str, index: int) -> tuple[list[Message], list[ToolSchema]]:
+        """A demonstration of ``kind`` (expert | careless), played once per index, then cached; the first call
+        of a kind plays every index's in the background too (``demo_threads`` at once), since each takes a
+        container."""
+        self.check_index(index)
+        with self._lock:
+            if self._demo_executor is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._demo_executor = ThreadPoolExecutor(self.demo_threads, thread_name_prefix="agentrl-terminal-demo")
+            play = self._play_expert if kind == "expert" else self._play_careless
+            first = not any(k[0] == kind for k in self._demos)
+            future = self._demos.get((kind, index))
+            if future is None:
+                future = self._demos[(kind, index)] = self._demo_executor.submit(play, index)
+            if first:
+                for i in range(self.num_samples):
+                    if (kind, i) not in self._demos:
+                        self._demos[(kind, i)] = self._demo_executor.submit(play, i)
+        return future.result()
+
+    def _play_expert(self, index: int) -> tuple[list[Message], list[ToolSchema]]:
+        return BlockingToolTask.demonstration(self, index)
+
     def demonstration(self, index: int) -> tuple[list[Message], list[ToolSchema]]:
         """See :meth:`Task.demonstration`; played once per index in a container (checked to pass), then cached."""
-        key = ("expert", index)
-        if key not in self._demos:
-            self._demos[key] = super().demonstration(index)
-        return self._demos[key]
+        return self._demo("expert", index)
 
     def careless_demonstration(self, index: int) -> tuple[list[Message], list[ToolSchema]] | None:
-        """The careless player's conversation (it may fail), played once per index, then cached."""
-        key = ("careless", index)
-        if key not in self._demos:
-            session, messages = self.new_session(index)
-            try:
-                conversation = list(messages)
-                player = self.careless(index)
-                name, args = next(player)
-                for turn in range(self.max_turns):
-                    message = {"role": "assistant", "content": "",
-                               "tool_calls": [make_tool_call(f"call_{turn}", name, args)]}
-                    reply = session.step(message)
-                    conversation += [message, *reply.messages]
-                    if reply.finish:
-                        break
-                    name, args = player.send(reply.messages[-1]["content"])
-            finally:
-                session.release_once()
-            self._demos[key] = (conversation, self.tools())
-        return self._demos[key]
+        """The careless player's conversation (it may fail), played once per index in a container, then cached."""
+        return self._demo("careless", index)
+
+    def _play_careless(self, index: int) -> tuple[list[Message], list[ToolSchema]]:
+        session, messages = self.new_session(index)
+        try:
+            conversation = list(messages)
+            player = self.careless(index)
+            name, args = next(player)
+            for turn in range(self.max_turns):
+                message = {"role": "assistant", "content": "",
+                           "tool_calls": [make_tool_call(f"call_{turn}", name, args)]}
+                reply = session.step(message)
+                conversation += [message, *reply.messages]
+                if reply.finish:
+                    break
+                name, args = player.send(reply.messages[-1]["content"])
+        finally:
+            session.release_once()
+        return conversation, self.tools()
 
     def close_pools(self) -> None:
         """Remove every container of the task's pools and close their backends."""
@@ -502,6 +525,10 @@ class TerminalTask(BlockingToolTask):
 
     def close(self) -> None:
         """Remove every container of this task (warm ones included), stop the builds and the threads."""
+        with self._lock:
+            demos, self._demo_executor = self._demo_executor, None
+        if demos is not None:
+            demos.shutdown(wait=True, cancel_futures=True)
         super().close()
         with self._lock:
             images, self._images = self._images, None

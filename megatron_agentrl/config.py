@@ -850,6 +850,11 @@ class CheckpointConfig(_Section):
 class TaskSpec(_Section):
     """One task: its ``name``, sampling ``weight`` and, for a built-in task, constructor ``params``.
 
+    task: the built-in task class to build when ``name`` is this entry's own name (""; ``name`` is the
+        class): several entries of one class, e.g. ``{name: term_files, task: terminal, params: {demo:
+        files}}``; ``name`` is then what the env controller's worker announces (``agentrl worker --task
+        terminal --name term_files``).
+
     weight: the task's share of RL prompts (relative to the other tasks' weights).
     sft_weight: its share of the warm-up demonstrations (None: ``weight``); e.g. give the task
         the warm-up leaves weakest more RL rollouts without changing the warm-up mixture.
@@ -867,6 +872,7 @@ class TaskSpec(_Section):
     KEY: ClassVar[str] = "task"
 
     name: str = ""
+    task: str = ""
     weight: float = 1.0
     sft_weight: float | None = None
     params: dict[str, Any] = field(default_factory=dict)
@@ -1162,7 +1168,7 @@ class Config:
         (no ``env.controller_url``) or its demonstrations (``sft.steps`` > 0)."""
         from env_controller.tasks import TASKS
 
-        return spec.name in TASKS and (not self.env.controller_url or self.sft.steps > 0)
+        return (spec.task or spec.name) in TASKS and (not self.env.controller_url or self.sft.steps > 0)
 
     def _validate_tasks(self) -> None:
         """A non-empty list of distinct tasks; the params of each task built here fit its class."""
@@ -1180,7 +1186,7 @@ class Config:
             if not self.builds_task_here(spec):
                 continue  # served by the env controller, which owns its parameters
             try:
-                build_task(spec.name, **spec.params)
+                build_task(spec.task or spec.name, **spec.params)
             except TaskParamError as e:
                 raise ConfigError(f"tasks[{i}].params.{e.param}={e.value!r} {e.rule}") from None
             except (TypeError, ValueError) as e:

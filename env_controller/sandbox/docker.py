@@ -53,6 +53,7 @@ from env_controller.sandbox.base import (
     SandboxLimits,
     SandboxUnavailableError,
     ShellSandbox,
+    ansi_c_quote,
     nearly_full,
     proc_stat,
     read_when_ready,
@@ -102,6 +103,14 @@ while ((SECONDS < end)); do
   ((found)) || break
 done
 echo "${#seen[@]}"
+"""
+#: empties the directories DIRS that exist and are writable (a subshell of the fresh shell), then says what is left
+_SCRATCH_WIPE = """for d in DIRS; do [[ -d $d && -w $d ]] || continue
+  find "$d" -mindepth 1 -type d ! -perm -u=rwx -exec chmod u+rwx -- {} \\; 2>/dev/null
+  find "$d" -mindepth 1 -delete 2>/dev/null
+  left=$(find "$d" -mindepth 1 -print -quit 2>/dev/null); [[ -n $left ]] && { printf 'wiped %s\\n' "$left"; exit 0; }
+done
+printf 'wiped none\\n'
 """
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: seconds between two process counts while a command runs, when a count is an ``exec``
@@ -267,6 +276,13 @@ class DockerSandbox(ShellSandbox):
         all_labels = {**labels, LABEL: "1", OWNER_LABEL: owner_id(), CREATED_LABEL: str(int(time.time())),
                       BACKEND_LABEL: backend.instance}
         file_bytes = limits.max_file_mb << 20
+        tmpfs = {"/tmp": f"rw,exec,nosuid,nodev,size={limits.tmp_mb}m,mode=1777"}
+        if not backend.writable_root:
+            # the home is a tmpfs of its own; with a writable root the image's workdir (its files) is used as is
+            tmpfs[self.workdir] = (f"rw,exec,nosuid,nodev,size={backend.home_mb}m,uid={backend.uid},"
+                                   f"gid={backend.gid},mode=0700")
+        #: the container layer's changes right after the start (a writable root): a reuse must find the same
+        self._baseline_diff: set[tuple[str, int]] | None = None
         try:
             self.container = backend.client.containers.run(
                 backend.image,
@@ -277,14 +293,9 @@ class DockerSandbox(ShellSandbox):
                 hostname="sandbox",
                 init=True,
                 network_mode="none",
-                read_only=True,
+                read_only=not backend.writable_root,
                 # Docker mounts a tmpfs noexec unless told: scripts the agent writes there must run
-                tmpfs={
-                    "/tmp": f"rw,exec,nosuid,nodev,size={limits.tmp_mb}m,mode=1777",
-                    self.workdir: (
-                        f"rw,exec,nosuid,nodev,size={backend.home_mb}m,uid={backend.uid},gid={backend.gid},mode=0700"
-                    ),
-                },
+                tmpfs=tmpfs,
                 mem_limit=f"{limits.memory_mb}m",
                 memswap_limit=f"{limits.memory_mb}m",
                 pids_limit=limits.max_processes + BASE_PROCESSES,
@@ -315,6 +326,100 @@ class DockerSandbox(ShellSandbox):
             self.process_poll_s = EXEC_POLL_S
         backend._counted_by("host" if self.cgroup is not None else "exec")
         self._open()
+        if backend.writable_root:
+            try:
+                self._baseline_diff = self._diff()
+            except SandboxError:
+                self._cleanup()
+                raise
+
+    # -- a writable root: files put in as root, changes to the image's filesystem --------------------
+
+    def _diff(self) -> set[tuple[str, int]]:
+        """The container layer's changes (``docker diff``: path, kind), mounts excluded."""
+        try:
+            return {(c["Path"], c["Kind"]) for c in self.container.diff() or []}
+        except (self._errors.DockerException, OSError) as exc:
+            raise SandboxError(f"sandbox {self.id}: docker diff of {self.container.id[:12]} failed: {exc}") from exc
+
+    def put_files(self, directory: str, files: Mapping[str, bytes | str], mode: int = 0o755,
+                  owner: tuple[int, int] | None = None, dir_mode: int = 0o755) -> None:
+        """Write ``files`` (paths relative to ``directory``, an absolute path) into the container through the
+        engine (as root: the image's permissions do not apply), owned by ``owner`` (default: the sandbox's
+        user) with ``mode``; ``directory``, its parents and the directories the paths name are made (or
+        changed) with ``dir_mode`` and the same owner: use it for directories of your own. Needs a writable
+        root filesystem (or a ``directory`` on a tmpfs). SandboxError when the engine refuses."""
+        import io
+        import tarfile
+
+        uid, gid = owner if owner is not None else (self._backend.uid, self._backend.gid)
+        buf = io.BytesIO()
+        made: set[str] = set()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            parts = [p for p in directory.strip("/").split("/") if p]
+            paths = sorted(files)
+            dirs = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+            for rel in paths:
+                pieces = [p for p in rel.split("/") if p not in ("", ".")]
+                if not pieces or ".." in pieces:
+                    raise ValueError(f"put_files: {rel!r} is not a relative path inside {directory}")
+                dirs += ["/".join([*parts, *pieces[:i]]) for i in range(1, len(pieces))]
+            for d in dirs:
+                if d in made:
+                    continue
+                made.add(d)
+                info = tarfile.TarInfo(d)
+                info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, dir_mode, uid, gid
+                tar.addfile(info)
+            for rel in paths:
+                data = files[rel].encode() if isinstance(files[rel], str) else bytes(files[rel])
+                info = tarfile.TarInfo("/".join([*parts, *(p for p in rel.split("/") if p not in ("", "."))]))
+                info.size, info.mode, info.uid, info.gid = len(data), mode, uid, gid
+                tar.addfile(info, io.BytesIO(data))
+        try:
+            ok = self.container.put_archive("/", buf.getvalue())
+        except (self._errors.DockerException, OSError) as exc:
+            raise SandboxError(f"sandbox {self.id}: copying {len(files)} file(s) into {directory} failed: "
+                               f"{exc}") from exc
+        if not ok:
+            raise SandboxError(f"sandbox {self.id}: the engine refused the files for {directory}")
+
+    def remove_as_root(self, paths: list[str]) -> None:
+        """``rm -rf`` ``paths`` as root in the container (no capabilities: the permissions of their directories
+        apply); SandboxError when something is left."""
+        api = self._backend.client.api
+        script = 'rm -rf -- "$@"; for p in "$@"; do [ -e "$p" ] && { echo "left $p"; exit 1; }; done; exit 0'
+        try:
+            exec_id = api.exec_create(self.container.id, ["bash", "-c", script, "rm", *paths], user="0")["Id"]
+            out = api.exec_start(exec_id).decode(errors="replace")
+            code = api.exec_inspect(exec_id).get("ExitCode")
+        except (self._errors.DockerException, OSError) as exc:
+            raise SandboxError(f"sandbox {self.id}: removing {paths} failed: {exc}") from exc
+        if code != 0:
+            raise SandboxError(f"sandbox {self.id}: removing {paths} failed: {out.strip()[-300:]}")
+
+    def wipe(self) -> None:
+        """See :meth:`Sandbox.wipe`. With a writable root the image's workdir is not emptied (its files are the
+        task's): every process is killed, ``/tmp``, ``/dev/shm`` and ``/dev/mqueue`` are emptied, and the
+        container layer must hold exactly the changes it had after its start (``docker diff``), else
+        SandboxError: a session that changed the image's files leaves a container that cannot be reused."""
+        if not self._backend.writable_root:
+            super().wipe()
+            return
+        self.reset()
+        dirs = " ".join(ansi_c_quote(d.encode()) for d in ("/tmp", *self.scratch_dirs))
+        result = self.run(f"( {_SCRATCH_WIPE.replace('DIRS', dirs)} )", timeout_s=max(30.0, self.limits.timeout_s))
+        if not (result.ok and result.output.endswith("wiped none\n")):
+            raise SandboxError(f"sandbox {self.id}: the wipe left something behind: "
+                               f"{result.error or result.output.strip()[-300:]!r}")
+        changed = self._diff() ^ (self._baseline_diff or set())
+        if changed:
+            sample = ", ".join(f"{path}" for path, _ in sorted(changed)[:3])
+            raise SandboxError(f"sandbox {self.id}: the session changed {len(changed)} path(s) of the image's "
+                               f"filesystem ({sample}...); not reusable")
+        count = self._count_processes()
+        if count is not None and count > self._idle_processes:
+            raise SandboxError(f"sandbox {self.id}: {count - self._idle_processes} process(es) outlived the wipe")
 
     # -- running things in the container --------------------------------------------------------
 
@@ -406,7 +511,9 @@ class DockerSandbox(ShellSandbox):
 
     def _full_filesystems(self) -> list[tuple[str, int]]:
         """The capped ``/tmp`` and home that are (nearly) full, from ``stat -f`` in the container."""
-        caps = [("/tmp", self.limits.tmp_mb), (self.workdir, self._backend.home_mb)]
+        caps = [("/tmp", self.limits.tmp_mb)]
+        if not self._backend.writable_root:
+            caps.append((self.workdir, self._backend.home_mb))
         out = self._exec(["stat", "-f", "-c", "%a %S %d %c", "--", *(d for d, _ in caps)], "checking free space")
         rows = [line.split() for line in (out or "").splitlines()]
         rows = [row for row in rows if len(row) == 4 and all(x.isdigit() for x in row)]
@@ -450,7 +557,10 @@ class DockerBackend(SandboxBackend):
     ``docker.from_env`` (``DOCKER_HOST`` or the local socket). user / workdir / home_mb: the user
     commands run as (``uid:gid``, not root), its home (a tmpfs) and the home's size. reap: remove
     leaked containers at start (see the module docstring); reap_foreign_after_s: also those of other
-    hosts older than this.
+    hosts older than this. writable_root: the container's root filesystem is writable (its own layer)
+    and ``workdir`` is the image's directory, not a tmpfs (terminal tasks, whose agent changes the
+    image's files; ``/tmp`` stays a tmpfs, the other limits hold; a reuse requires ``docker diff``
+    to show no change).
     """
 
     name = "docker"
@@ -458,7 +568,7 @@ class DockerBackend(SandboxBackend):
     def __init__(self, limits: SandboxLimits | None = None, image: str = "ubuntu:22.04", client: Any = None,
                  user: str = "1000:1000", workdir: str = "/home/user", home_mb: int = 256,
                  api_timeout_s: float = 60.0, reap: bool | str = True, reap_foreign_after_s: float | None = None,
-                 base_url: str | None = None) -> None:
+                 base_url: str | None = None, writable_root: bool = False) -> None:
         """Connect to the daemon and reap leaked containers (``reap``: True before returning, "background"
         in a thread, False not at all); SandboxUnavailableError when unreachable."""
         super().__init__(limits)
@@ -498,6 +608,9 @@ class DockerBackend(SandboxBackend):
         self.uid, self.gid = uid, gid
         self.workdir = workdir.rstrip("/")
         self.home_mb = home_mb
+        #: the root filesystem is the container's writable layer and ``workdir`` the image's own directory
+        #: (terminal tasks: the agent changes the image's files); off, a read-only root and a tmpfs home
+        self.writable_root = bool(writable_root)
         self.reap_foreign_after_s = reap_foreign_after_s
         #: this backend's id, in the label :data:`BACKEND_LABEL` of its containers
         self.instance = secrets.token_hex(6)

@@ -51,6 +51,61 @@ SWEEP_MIN_AGE_S = 120.0
 LATENCY_SAMPLES = 4096
 
 
+class PoolBudget:
+    """A cap on the sandboxes of several pools together (e.g. one pool per image, one budget per worker).
+
+    Every sandbox a pool counts as live holds one unit. A pool that cannot take a unit for a session
+    raises the budget's *pressure*; pools with idle sandboxes give one up for each such request on
+    their next refill tick (warm sandboxes of an image nobody asks for make room for one that is asked
+    for), and never start warm ones while the budget is short.
+    """
+
+    def __init__(self, max_live: int) -> None:
+        """``max_live``: sandboxes of all its pools live at once (ValueError when not a positive integer)."""
+        if isinstance(max_live, bool) or not isinstance(max_live, int) or max_live < 1:
+            raise ValueError(f"PoolBudget: max_live={max_live!r} must be a positive integer")
+        self.max_live = max_live
+        self._lock = threading.Lock()
+        self._used = 0
+        self._pressure = 0
+        self._peak = 0
+
+    def take(self, n: int = 1, urgent: bool = False) -> int:
+        """Take up to ``n`` units; how many were granted. ``urgent`` (a session waits): when none is left,
+        ask the pools to give up an idle sandbox."""
+        with self._lock:
+            granted = max(0, min(n, self.max_live - self._used))
+            self._used += granted
+            self._peak = max(self._peak, self._used)
+            if urgent and granted < n:
+                self._pressure = min(self._pressure + n - granted, self.max_live)
+            return granted
+
+    def give(self, n: int = 1) -> None:
+        """Return ``n`` units (a sandbox removed, a start that failed)."""
+        with self._lock:
+            self._used = max(0, self._used - n)
+
+    def claim_pressure(self) -> bool:
+        """Whether some session waits for a unit (and this caller will give up an idle sandbox for it)."""
+        with self._lock:
+            if self._pressure <= 0:
+                return False
+            self._pressure -= 1
+            return True
+
+    @property
+    def short(self) -> bool:
+        """Whether sessions are waiting for units (pools start no warm sandboxes then)."""
+        with self._lock:
+            return self._pressure > 0 or self._used >= self.max_live
+
+    def stats(self) -> dict[str, int]:
+        """``max``, ``used`` (units held: live sandboxes of all pools), ``peak`` and ``pressure``."""
+        with self._lock:
+            return {"max": self.max_live, "used": self._used, "peak": self._peak, "pressure": self._pressure}
+
+
 class PoolExhaustedError(SandboxError):
     """No sandbox freed within the acquire timeout: the pool is at its maximum."""
 
@@ -113,14 +168,16 @@ class SandboxPool:
     session gets a fresh one). limits / labels: given to every ``backend.create``. acquire_timeout_s:
     how long :meth:`acquire` waits at the max. max_starting: sandboxes starting at once. sweep_interval_s:
     seconds between sweeps of the backend's orphans (0: never). refill_interval_s: the refill thread's
-    tick. limit_hint: how the error of a timed-out acquire names the setting to raise.
+    tick. limit_hint: how the error of a timed-out acquire names the setting to raise. budget: a
+    :class:`PoolBudget` shared with other pools (a cap on them all together), or None.
     """
 
     def __init__(self, backend: SandboxBackend, *, max_size: int | None = None, warm_min: int = 0,
                  warm_max: int | None = None, window_s: float = 30.0, reuse: bool = False,
                  limits: SandboxLimits | None = None, labels: Mapping[str, str] | None = None,
                  acquire_timeout_s: float = 30.0, max_starting: int = 4, sweep_interval_s: float = 60.0,
-                 refill_interval_s: float = 0.5, limit_hint: str = "the pool's max_size") -> None:
+                 refill_interval_s: float = 0.5, limit_hint: str = "the pool's max_size",
+                 budget: PoolBudget | None = None) -> None:
         """Validate the sizes (ValueError naming the bad one) and start the refill thread."""
         warm_max = warm_min if warm_max is None else warm_max
         for name, v in (("warm_min", warm_min), ("warm_max", warm_max)):
@@ -150,6 +207,7 @@ class SandboxPool:
         self.sweep_interval_s = float(sweep_interval_s)
         self.refill_interval_s = float(refill_interval_s)
         self.limit_hint = limit_hint
+        self.budget = budget
         self._cap = math.inf if max_size is None else max_size
         self._cond = threading.Condition()
         self._idle: deque[Sandbox] = deque()
@@ -166,6 +224,7 @@ class SandboxPool:
         self._retry_at = 0.0  # after a failed warm start, no new one before this
         self._failures_in_row = 0
         self._latency = {"warm": deque(maxlen=LATENCY_SAMPLES), "cold": deque(maxlen=LATENCY_SAMPLES)}
+        self._start_latency: deque[float] = deque(maxlen=LATENCY_SAMPLES)  # backend.create alone
         self._counts = dict.fromkeys(("created", "removed", "create_failures", "acquired", "served_warm",
                                       "served_cold", "reused", "wipe_failures", "waited", "timeouts", "swept"), 0)
         self._peak = 0
@@ -192,7 +251,7 @@ class SandboxPool:
 
         ``live`` = ``leased`` + ``idle`` + ``starting`` + ``resetting`` + ``removing`` (at most ``max``);
         ``acquire_s``: seconds to get a sandbox, warm (served idle) and cold (started for the caller),
-        over the last acquisitions.
+        over the last acquisitions; ``start_s``: seconds the backend took to start one (warm or cold).
         """
         with self._cond:
             return {
@@ -202,6 +261,7 @@ class SandboxPool:
                 "starting": self._starting, "resetting": self._resetting, "removing": self._removing,
                 "waiting": self._waiting, **self._counts,
                 "acquire_s": {kind: _percentiles(v) for kind, v in self._latency.items()},
+                "start_s": _percentiles(self._start_latency),
             }
 
     # -- acquire / release -----------------------------------------------------------------------
@@ -227,10 +287,12 @@ class SandboxPool:
                     candidate = self._idle.popleft()
                     if not candidate.closed:  # one closed while idle just frees its slot
                         box = candidate
+                    else:
+                        self._give(1)
                 if box is not None:
                     self._leased[box.id] = box
                     break
-                if self._live() < self._cap:
+                if self._live() < self._cap and (self.budget is None or self.budget.take(1, urgent=True)):
                     self._starting += 1
                     self._cold_queued += 1
                     break
@@ -243,7 +305,8 @@ class SandboxPool:
                     self._counts["waited"] += 1
                 self._waiting += 1
                 try:
-                    self._cond.wait(left)
+                    # another pool's removal frees a unit of the budget without waking this pool
+                    self._cond.wait(left if self.budget is None else min(left, 0.2))
                 finally:
                     self._waiting -= 1
             self._changed()
@@ -265,15 +328,18 @@ class SandboxPool:
         """Start a sandbox for the caller of :meth:`acquire` (its slot is already counted in ``starting``)."""
         try:
             with self._start_slots:
+                t0 = time.monotonic()
                 box = self.backend.create(self.limits, {**self.labels, **(labels or {})})
         except BaseException:
             with self._cond:
                 self._starting -= 1
                 self._cold_queued -= 1
                 self._counts["create_failures"] += 1
+                self._give(1)
                 self._changed()
             raise
         with self._cond:
+            self._start_latency.append(time.monotonic() - t0)
             self._starting -= 1
             self._cold_queued -= 1
             self._counts["created"] += 1
@@ -283,8 +349,15 @@ class SandboxPool:
             self._changed()
         if closed:
             self._close_box(box)
+            with self._cond:
+                self._give(1)
             raise RuntimeError("the sandbox pool is closed")
         return box
+
+    def _give(self, n: int) -> None:
+        """Return ``n`` units to the budget, if any (call with the lock held)."""
+        if self.budget is not None and n:
+            self.budget.give(n)
 
     def release(self, box: Sandbox, reusable: bool = False) -> None:
         """Give back a sandbox from :meth:`acquire` (blocking): wiped and kept idle when the pool allows
@@ -324,6 +397,7 @@ class SandboxPool:
             with self._cond:
                 self._removing -= 1
                 self._counts["removed"] += 1
+                self._give(1)
                 self._changed()
 
     @staticmethod
@@ -344,12 +418,18 @@ class SandboxPool:
         self._target = target
         excess = len(self._idle) - target
         drop = [self._idle.pop() for _ in range(max(0, excess))]
+        # a session of another pool of the budget waits: an idle sandbox here makes room for it
+        while self.budget is not None and self._idle and self.budget.claim_pressure():
+            drop.append(self._idle.pop())
         self._removing += len(drop)
         need = target - len(self._idle) - self._starting_warm
-        # sessions waiting, or cold starts queued for a slot, come first
-        if need <= 0 or self._waiting or self._cold_queued or now < self._retry_at:
+        # sessions waiting, or cold starts queued for a slot, come first (this pool's, or the budget's)
+        if (need <= 0 or self._waiting or self._cold_queued or now < self._retry_at
+                or (self.budget is not None and self.budget.short)):
             return drop, 0
         n = int(min(need, self._cap - self._live(), self.max_starting - self._starting_warm))
+        if n > 0 and self.budget is not None:
+            n = self.budget.take(n)
         if n > 0:
             self._starting += n
             self._starting_warm += n
@@ -379,9 +459,11 @@ class SandboxPool:
     def _start_warm(self) -> None:
         """Start one idle sandbox (its slot is already counted in ``starting``)."""
         box: Sandbox | None = None
+        t0 = 0.0
         try:
             with self._start_slots:
                 if not self._closed:
+                    t0 = time.monotonic()
                     box = self.backend.create(self.limits, self.labels)
         except Exception as exc:  # noqa: BLE001 - a failed warm start is retried with backoff, never raised
             with self._cond:
@@ -394,14 +476,19 @@ class SandboxPool:
             self._starting -= 1
             self._starting_warm -= 1
             if box is not None:
+                self._start_latency.append(time.monotonic() - t0)
                 self._counts["created"] += 1
                 self._failures_in_row = 0
                 if not self._closed:
                     self._idle.append(box)
                     box = None
+            else:
+                self._give(1)
             self._changed()
         if box is not None:  # the pool closed while it started
             self._close_box(box)
+            with self._cond:
+                self._give(1)
 
     def _sweep(self) -> None:
         sweep = getattr(self.backend, "sweep", None)

@@ -3,8 +3,9 @@
 ``build_task("lookup", seed=1)`` builds a registered task; :data:`TASKS` maps each name to its
 class. The three small function-call tasks of the CPU demo, from easy to harder:
 ``lookup`` (read a hidden table), ``calc`` (use a calculator tool), ``guess`` (bisection);
-and the heavier ``os_shell`` (bash in a bubblewrap or Docker sandbox) and ``db`` (SQL on a
-MariaDB database of its own per session).
+and the heavier ``os_shell`` (bash in a bubblewrap or Docker sandbox), ``db`` (SQL on a
+MariaDB database of its own per session) and ``terminal`` (terminal-agent tasks with their own image and a
+verifier in the container: Harbor / Terminal-Bench task directories, manifests, the demo's families).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from env_controller.tasks.guess import GuessTask
 from env_controller.tasks.lookup import LookupTask
 from env_controller.tasks.os_shell import OsShellTask
 from env_controller.tasks.params import TaskParamError
+from env_controller.tasks.terminal import TerminalTask
 
 TASKS: dict[str, type[Task]] = {
     LookupTask.name: LookupTask,
@@ -25,6 +27,7 @@ TASKS: dict[str, type[Task]] = {
     GuessTask.name: GuessTask,
     OsShellTask.name: OsShellTask,
     DBTask.name: DBTask,
+    TerminalTask.name: TerminalTask,
 }
 
 

@@ -199,13 +199,18 @@ class ToolResult:
 
     content: the tool message text; finish: the call ends the episode;
     success: the episode's goal is reached (only read when finish); reward: the episode's reward
-    when finish (None = ``float(success)``).
+    when finish (None = ``float(success)``); status: the finishing status (None = completed; e.g.
+    ``task error`` when the task could not judge the episode, with ``error`` saying why); metrics:
+    numbers added to the finishing reply's metrics.
     """
 
     content: str
     finish: bool = False
     success: bool = False
     reward: float | None = None
+    status: SampleStatus | None = None
+    error: str = ""
+    metrics: dict[str, float] | None = None
 
 
 class ToolTaskSession(TaskSession):
@@ -263,15 +268,18 @@ class ToolTaskSession(TaskSession):
                 reward = float(result.success) if result.reward is None else float(result.reward)
                 if i + 1 < len(calls):
                     logger.debug("ignoring %d tool call(s) after the finishing call", len(calls) - i - 1)
-                return self._finish(out, SampleStatus.COMPLETED, success=result.success, reward=reward)
+                return self._finish(out, result.status or SampleStatus.COMPLETED, success=result.success,
+                                    reward=reward, error=result.error, metrics=result.metrics)
             if self.turns >= self.max_turns:
                 return self._finish(out, SampleStatus.TASK_LIMIT_REACHED, success=False, reward=0.0)
         return TaskReply(messages=out)
 
-    def _finish(self, messages: list[Message], status: SampleStatus, success: bool, reward: float) -> TaskReply:
+    def _finish(self, messages: list[Message], status: SampleStatus, success: bool, reward: float, error: str = "",
+                metrics: dict[str, float] | None = None) -> TaskReply:
         self.finished = True
-        metrics = {"success": 1.0 if success else 0.0, "turns": float(self.turns), **self.extra_metrics()}
-        return TaskReply(messages=messages, status=status, finish=True, reward=reward, metrics=metrics)
+        metrics = {"success": 1.0 if success else 0.0, "turns": float(self.turns), **self.extra_metrics(),
+                   **(metrics or {})}
+        return TaskReply(messages=messages, status=status, finish=True, reward=reward, metrics=metrics, error=error)
 
 
 class ToolTask(Task):

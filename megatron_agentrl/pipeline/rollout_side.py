@@ -108,8 +108,8 @@ def build_env(cfg: Config) -> tuple[Any, dict[str, Any], dict[str, list[int]]]:
         raise ConfigError(f"tasks: '{dup}' is listed twice; list each task once (use its weight to sample it more)")
     tasks: dict[str, Any] = {}
     for spec in cfg.tasks:
-        if spec.name in TASKS and (not cfg.env.controller_url or cfg.sft.steps):
-            tasks[spec.name] = build_task(spec.name, **spec.params)
+        if (spec.task or spec.name) in TASKS and (not cfg.env.controller_url or cfg.sft.steps):
+            tasks[spec.name] = build_task(spec.task or spec.name, **spec.params)
     if cfg.env.controller_url:
         from env_controller.clients.http_client import HttpEnvClient
 

@@ -152,6 +152,19 @@ def _check_containers(lines: list[str], rec: dict[str, Any]) -> None:
     assert lines[-2:] == [f"containers_peak: {c['peak_live']}", f"containers_leaked: {c['leaked']}"]
 
 
+def _check_terminal_demo(lines: list[str], rec: dict[str, Any]) -> None:
+    if "skipped" in rec:  # --smoke where dockerd cannot run
+        return
+    assert rec["leaked_containers"] == 0 and rec["peak_live_containers"] >= 1
+    assert lines[-2:] == [f"terminal_peak_live_containers: {rec['peak_live_containers']}",
+                          f"terminal_leaked_containers: {rec['leaked_containers']}"]
+    (seed,) = rec["per_seed"].values()
+    assert set(seed["before"]) == set(seed["after"]) == {"term_files", "term_copy", "term_count"}
+    assert set(rec["pools"]) == {"term_files", "term_copy", "term_count"}
+    for pool in rec["pools"].values():  # each family's worker served from its own image's pool
+        assert pool["served_warm"] + pool["served_cold"] >= 1 and len(pool["images"]) == 1, pool
+
+
 def _check_gateway(lines: list[str], rec: dict[str, Any]) -> None:
     m = re.fullmatch(r"gateway_overhead_p99_ms: (\d+\.\d+)", lines[-1])
     assert m and float(m.group(1)) == pytest.approx(rec["gateway_overhead_p99_ms"], abs=1e-3)
@@ -201,6 +214,7 @@ CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
     "env_controller.py": _check_env_controller,
     "gateway.py": _check_gateway,
     "gloo_transport.py": _check_gloo_transport,
+    "terminal_demo.py": _check_terminal_demo,
     "train_scale.py": _check_train_scale,
     "weight_sync.py": _check_weight_sync,
 }

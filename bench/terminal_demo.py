@@ -1,0 +1,262 @@
+#!/usr/bin/env python
+"""The terminal demo on containers: held-out success per task family before and after RL, over seeds, with the
+containers counted.
+
+Starts a private Docker engine (``DockerEngine``), an env controller and one task worker per family of
+``--config`` (``examples/configs/tiny_cpu_terminal.yaml``: ``agentrl worker --task terminal --name <name>``
+with the entry's params, ``--max-containers`` and ``--warm-containers``), then runs ``agentrl train`` once
+per seed (``train.seed=<s>``) against that controller: the scripted warm-up (demonstrations played in
+containers by the trainer), held-out evaluation, async GRPO, evaluation again; every episode runs in its own
+container through the controller and a worker. A thread counts the engine's sandbox containers every
+second (the peak is the most live at once); after the seeds the workers stop, and the containers still in
+the engine are the leaked ones.
+
+Prints a line per seed (success before -> after RL per family), the per-family means and gains, the peak
+of live containers and the leaked ones; writes ``bench/results/terminal_demo.json`` (``--out``); the last two
+lines are ``terminal_peak_live_containers: N`` and ``terminal_leaked_containers: N``.
+
+``--smoke``: one seed of a tiny run (2 warm-up steps, 1 RL step, 2 evaluation samples per family, a few
+containers), in a minute or two; its figures mean nothing. Where dockerd cannot run, ``--smoke`` records
+``skipped`` and exits 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
+from bench.demo_learning import task_interval, task_success  # noqa: E402
+
+SMOKE = {"seeds": "1", "timeout": 900.0, "max_containers": 8, "warm": "0:1", "num_samples": 12}
+SMOKE_OVERRIDES = ["sft.steps=2", "sft.short_format_steps=1", "sft.batch_size=2", "train.steps=1",
+                   "train.micro_batch_size=4", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+                   "rollout.max_new_tokens=8", "eval.samples_per_task=2", "model.arch.hidden_size=32",
+                   "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=1"]
+LABEL = "org.agentrl.sandbox=1"
+
+
+def _get(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback
+        return json.loads(r.read())
+
+
+class Counter(threading.Thread):
+    """Counts the engine's sandbox containers every ``interval_s``; ``peak`` is the most seen at once."""
+
+    def __init__(self, client: Any, interval_s: float = 1.0) -> None:
+        super().__init__(daemon=True, name="container-counter")
+        self.client, self.interval_s = client, interval_s
+        self.peak = 0
+        self.samples: list[tuple[float, int]] = []
+        self._halt = threading.Event()
+
+    def count(self) -> int:
+        return len(self.client.api.containers(all=True, filters={"label": LABEL}, quiet=True))
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        while not self._halt.wait(self.interval_s):
+            try:
+                n = self.count()
+            except Exception:  # noqa: BLE001 - a busy engine: the next sample counts
+                continue
+            self.peak = max(self.peak, n)
+            self.samples.append((round(time.monotonic() - t0, 1), n))
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self.is_alive():
+            self.join(10)
+
+
+def _spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    fh = open(log, "wb")  # noqa: SIM115 - the process owns it
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], timeout_s: float = 120.0) -> None:
+    """SIGTERM (workers remove their containers on it), then SIGKILL past ``timeout_s``."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
+def run(args: Any, overrides: list[str], work: Path) -> dict[str, Any]:
+    """Start the engine, controller and workers; run the seeds; stop everything; count leaks."""
+    import docker
+
+    from env_controller.http.net import free_port
+    from env_controller.sandbox.dockerd import DockerEngine
+    from megatron_agentrl.config import load_config
+
+    cfg = load_config(ROOT / args.config)
+    engine = DockerEngine().start()
+    procs: list[subprocess.Popen[bytes]] = []
+    client = docker.DockerClient(base_url=engine.url, timeout=300)
+    counter = Counter(client)
+    env = {**os.environ, "DOCKER_HOST": engine.url, "PYTHONPATH": str(ROOT)}
+    timings: dict[str, float] = {}
+    per_seed: dict[int, Any] = {}
+    pools: dict[str, Any] = {}
+    try:
+        port = free_port()
+        controller = f"http://127.0.0.1:{port}"
+        procs.append(_spawn([sys.executable, "-m", "env_controller.cli", "controller", "--port", str(port)],
+                            work / "controller.log", env))
+        for spec in cfg.tasks:
+            params = dict(spec.params)
+            if args.num_samples:
+                params["num_samples"] = args.num_samples
+            cmd = [sys.executable, "-m", "env_controller.cli", "worker", "--task", spec.task or spec.name,
+                   "--name", spec.name, "--port", "0", "--controller", f"{controller}/api",
+                   "--max-containers", str(args.max_containers), "--warm-containers", args.warm,
+                   "--timeout", "600", *(x for k, v in params.items() for x in ("--param", f"{k}={json.dumps(v)}"))]
+            procs.append(_spawn(cmd, work / f"worker_{spec.name}.log", env))
+        t0 = time.monotonic()
+        names = {s.name for s in cfg.tasks}
+        while True:
+            try:
+                listed = {name for name, t in _get(f"{controller}/api/list_workers").items() if t["workers"]}
+            except Exception:  # noqa: BLE001 - not up yet
+                listed = set()
+            if names <= listed:
+                break
+            dead = [p for p in procs if p.poll() is not None]
+            if dead or time.monotonic() - t0 > 300:
+                raise SystemExit(f"the controller or a worker did not come up (logs in {work})")
+            time.sleep(0.5)
+        timings["workers_up_s"] = round(time.monotonic() - t0, 1)
+        counter.start()
+        config = str(ROOT / args.config)
+        if args.num_samples:  # list items take no key=value override: a copy of the config with the new size
+            import yaml
+
+            doc = yaml.safe_load(Path(config).read_text())
+            for entry in doc["tasks"]:
+                entry.setdefault("params", {})["num_samples"] = args.num_samples
+            config = str(work / "config.yaml")
+            Path(config).write_text(yaml.safe_dump(doc))
+        for seed in [int(s) for s in args.seeds.split(",") if s.strip()]:
+            out_dir = work / f"seed{seed}"
+            cmd = [sys.executable, "-m", "megatron_agentrl.cli", "train", "--config", config,
+                   f"train.seed={seed}", f"output_dir={out_dir}", f"env.controller_url={controller}", *overrides]
+            t1 = time.monotonic()
+            log = work / f"train_seed{seed}.log"
+            with open(log, "wb") as fh:
+                try:
+                    proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                          timeout=args.timeout)
+                except subprocess.TimeoutExpired:
+                    raise SystemExit(f"seed {seed}: ran past --timeout {args.timeout:.0f}s; log {log}") from None
+            if proc.returncode != 0:
+                sys.stderr.write(log.read_text(errors="replace")[-4000:])
+                raise SystemExit(f"seed {seed}: the run failed (exit {proc.returncode}); log {log}")
+            summary = json.loads((out_dir / "summary.json").read_text())
+            wall = round(time.monotonic() - t1, 1)
+            before, after = task_success(summary, "before_rl"), task_success(summary, "after_rl")
+            per_seed[seed] = {"before": before, "after": after, "wall_s": wall, "rl_wall_s": summary.get("rl_wall_s"),
+                              "interval_95": {"before": task_interval(summary, "before_rl"),
+                                              "after": task_interval(summary, "after_rl")}}
+            print(f"seed {seed}: {wall:.0f}s | " + ", ".join(
+                f"{t} {100 * before[t]:.0f}% -> {100 * after[t]:.0f}%" for t in sorted(before)), flush=True)
+        for name, t in _get(f"{controller}/api/list_workers").items():  # the workers' own view, before they stop
+            for w in t["workers"].values():
+                spec_name = name
+                if spec_name in names:
+                    try:
+                        status = _get(f"{w['address'].rstrip('/')}/worker_status")
+                        pools[spec_name] = status.get("sandbox_pool")
+                    except Exception as e:  # noqa: BLE001 - informational
+                        pools[spec_name] = {"error": repr(e)}
+    finally:
+        t2 = time.monotonic()
+        _stop(procs)  # first: the workers remove their containers
+        counter.stop()
+        timings["stop_s"] = round(time.monotonic() - t2, 1)
+        try:
+            leaked = counter.count()
+        except Exception:  # noqa: BLE001 - the engine is gone
+            leaked = -1
+        client.close()
+        engine.stop()
+    return {"per_seed": per_seed, "peak_live_containers": counter.peak, "leaked_containers": leaked,
+            "pools": pools, "timings_s": timings, "container_samples": counter.samples[-600:]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = bench_parser("terminal_demo", __doc__)
+    p.add_argument("--config", default="examples/configs/tiny_cpu_terminal.yaml")
+    p.add_argument("--seeds", default="1,2,3", help="comma-separated train.seed values (run one after another)")
+    p.add_argument("--timeout", type=float, default=7200.0, help="limit on one seed's run, seconds")
+    p.add_argument("--max-containers", type=int, default=160, help="each worker's --max-containers")
+    p.add_argument("--warm", default="8:96", help="each worker's --warm-containers (per image)")
+    p.add_argument("--num-samples", type=int, default=0, help="instances per family (0: the config's)")
+    p.add_argument("--workdir", default=None, help="logs and runs go here (default: a temporary directory, kept "
+                   "on failure)")
+    p.add_argument("overrides", nargs="*", help="extra key=value config overrides for every seed")
+    args = parse_bench_args(p, argv, SMOKE)
+    overrides = [*SMOKE_OVERRIDES, *args.overrides] if args.smoke else args.overrides
+    from env_controller.sandbox.dockerd import DockerUnavailableError, find_dockerd
+
+    try:
+        find_dockerd()
+    except DockerUnavailableError as e:
+        if not args.smoke:
+            raise SystemExit(f"terminal demo: {e}") from None
+        write_record(args.out, {"bench": "terminal_demo", "commit": git_commit(), "skipped": str(e)})
+        print(f"skipped: {e}\nterminal_peak_live_containers: 0\nterminal_leaked_containers: 0")
+        return 0
+    work = Path(args.workdir).resolve() if args.workdir else Path(tempfile.mkdtemp(prefix="agentrl-terminal-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    result = run(args, overrides, work)
+    wall = round(time.monotonic() - t0, 1)
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    seeds = result["per_seed"]
+    families = sorted({t for s in seeds.values() for t in s["before"]})
+    gains = {t: 100 * mean(s["after"][t] - s["before"][t] for s in seeds.values()) for t in families}
+    print(f"\n{'family':<12}{'before RL %':>13}{'after RL %':>12}{'mean gain':>11}{'worst seed':>12}  (points)")
+    for t in families:
+        b = 100 * mean(s["before"][t] for s in seeds.values())
+        a = 100 * mean(s["after"][t] for s in seeds.values())
+        worst = 100 * min(s["after"][t] - s["before"][t] for s in seeds.values())
+        print(f"{t:<12}{b:>13.1f}{a:>12.1f}{gains[t]:>11.1f}{worst:>12.1f}")
+    print(f"wall: {wall:.0f}s; containers: peak {result['peak_live_containers']} live at once, "
+          f"{result['leaked_containers']} left after the workers stopped")
+    record = {"bench": "terminal_demo", "config": args.config, "smoke": args.smoke, "seeds": sorted(seeds),
+              "overrides": overrides, "args": {k: v for k, v in vars(args).items() if k != "overrides"},
+              "mean_gain_points": gains, "min_family_gain_points": min(gains.values()) if gains else None,
+              "every_family_gains": bool(gains) and all(g > 0 for g in gains.values()), "wall_s": wall,
+              **result, "commit": git_commit(),
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "date": time.strftime("%Y-%m-%d")}
+    print(f"results: {write_record(args.out, record)}")
+    print(f"terminal_peak_live_containers: {result['peak_live_containers']}")
+    print(f"terminal_leaked_containers: {result['leaked_containers']}")
+    return 0 if result["leaked_containers"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

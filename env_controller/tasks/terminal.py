@@ -1,0 +1,544 @@
+"""``terminal``: terminal-agent tasks that bring their own image and are judged by a verifier run in the container.
+
+Each instance (:mod:`env_controller.tasks.terminal_format`: a Harbor / Terminal-Bench task directory, a
+manifest of many, or the demo's generated families, :mod:`env_controller.tasks.terminal_demo`) names its
+image; a session gets a container of that image (root filesystem writable, no network, a non-root user,
+the image's working directory), runs the instance's setup commands, and gives the agent a bash tool. When
+the agent calls ``finish_action``, the verifier's files are put in ``/tests`` and its script runs in a
+fresh shell of the same container under its own time limit; its result is the reward:
+
+* ``/logs/verifier/reward.json`` (``{"reward": x, ...}``; other numbers become metrics ``verifier/<key>``)
+  or ``/logs/verifier/reward.txt`` (a number), when the verifier writes one (Harbor's contract);
+* else its exit code: 0 is reward 1, anything else 0.
+
+A verifier that runs past its timeout (or breaks another limit: output, processes, memory) ends the
+episode with ``task error`` and an ``error`` saying so: an infrastructure failure, never a reward of 0.
+
+Containers come from one :class:`~env_controller.sandbox.pool.SandboxPool` per image (and per working
+directory and limits), all under one :class:`~env_controller.sandbox.pool.PoolBudget` (``max_containers``):
+warm containers per image by demand (``warm_containers``), started ahead of sessions; images are built on
+their own threads (:class:`~env_controller.sandbox.task_images.ImageCache`), and a session awaits its own
+image's build only, never another's.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import shlex
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from env_controller.protocol import SampleStatus, TaskReply
+from env_controller.sandbox import SandboxError, SandboxLimits
+from env_controller.sandbox.pool import PoolBudget, SandboxPool, parse_warm
+from env_controller.sandbox.task_images import ImageCache, ImageSource
+from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, function_schema, make_tool_call
+from env_controller.tasks.blocking import BlockingToolTask, BlockingToolTaskSession
+from env_controller.tasks.params import TaskParamError, bool_param, int_param, seconds_param, str_param
+from env_controller.tasks.terminal_demo import FAMILIES, demo_instances  # also registers the demo's images
+from env_controller.tasks.terminal_format import TaskFormatError, TerminalInstance, load_tasks
+
+logger = logging.getLogger(__name__)
+
+TOOLS: list[ToolSchema] = [
+    function_schema(
+        "bash_action",
+        "Run a bash script in the task's Linux container and get its output (stdout and stderr) and exit code. "
+        "The shell keeps its working directory and variables between calls; there is no network.",
+        {"script": "string"},
+    ),
+    function_schema("finish_action", "Say that the task is done; its tests then run and decide the reward.", {}),
+]
+#: where the verifier's files go, and where it may write its reward (Harbor's paths)
+TESTS_DIR = "/tests"
+LOGS_DIR = "/logs/verifier"
+_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class TerminalSession(BlockingToolTaskSession):
+    """One episode in its own container (see the module docstring)."""
+
+    def __init__(self, task: "TerminalTask", instance: TerminalInstance, pool: SandboxPool, box: Any) -> None:
+        super().__init__(TOOLS, task.max_turns, task.executor)
+        self.instance = instance
+        self.pool = pool
+        self.sandbox = box
+        self.max_output_chars = task.max_output_chars
+        self.commands = 0
+        self.limit_hits = 0
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult:
+        """``bash_action`` runs the script; ``finish_action`` runs the verifier."""
+        if name == "bash_action":
+            return ToolResult(self._bash(arguments["script"]))
+        return self.verify()
+
+    def _bash(self, script: str) -> str:
+        self.commands += 1
+        if not script.strip():
+            return "error: the script is empty; pass bash commands in 'script'"
+        result = self.sandbox.run(script)
+        output = result.output
+        if len(output) > self.max_output_chars:
+            output = output[: self.max_output_chars] + f"\n[... {len(output) - self.max_output_chars} more characters]"
+        if result.limit is not None:
+            self.limit_hits += 1
+            text = f"error: {result.error}"
+            return text + (f"\noutput before it was stopped:\n{output}" if output.strip() else "")
+        if not output:
+            output = "(no output)" if result.exit_code == 0 else ""
+        if result.exit_code != 0:
+            output = (output + ("\n" if output and not output.endswith("\n") else "")
+                      + f"[exit code {result.exit_code}]")
+        return output
+
+    def verify(self) -> ToolResult:
+        """Run the verifier in a fresh shell of the container; its reward, or ``task error`` when it could not
+        judge (its timeout, another limit, the files not copied)."""
+        v = self.instance.verifier
+        box = self.sandbox
+        try:
+            box.reset()  # the agent's processes end; the verifier gets a fresh shell
+            # root's, writable by all: the verifier (the session's user) writes its reward, and a container to
+            # be reused loses both again (remove_as_root) before its wipe compares the filesystem
+            box.put_files(TESTS_DIR, v.files, owner=(0, 0), dir_mode=0o777)
+            box.put_files(LOGS_DIR, {}, owner=(0, 0), dir_mode=0o777)
+        except SandboxError as exc:
+            return self._task_error(f"the verifier of {self.instance.id} could not be set up: {exc}")
+        env = {"HOME": box.workdir, "PATH": _PATH, "LANG": "C.UTF-8", "TEST_DIR": TESTS_DIR,
+               "T_BENCH_TEST_DIR": TESTS_DIR, "T_BENCH_CONTAINER_LOGS_PATH": "/logs", **v.env}
+        assigns = " ".join(f"{k}={shlex.quote(val)}" for k, val in env.items())
+        script = f"cd {shlex.quote(box.workdir)} && env -i {assigns} {v.command}"
+        result = box.run(script, timeout_s=v.timeout_s)
+        metrics = {"verifier_s": round(result.duration_s, 3)}
+        if result.limit == "timeout":
+            return self._task_error(f"the verifier of {self.instance.id} ran past its timeout of {v.timeout_s:g} s "
+                                    "and was stopped; the episode was not judged", metrics)
+        if result.limit is not None:
+            return self._task_error(f"the verifier of {self.instance.id} was stopped: {result.error}", metrics)
+        metrics["verifier_exit_code"] = float(result.exit_code if result.exit_code is not None else -1)
+        reward, extra, error = self._reward_file()
+        if error:
+            return self._task_error(f"the verifier of {self.instance.id} wrote a bad reward: {error}", metrics)
+        if reward is None:
+            reward = 1.0 if result.exit_code == 0 else 0.0
+        metrics.update(extra)
+        success = reward >= 1.0
+        text = "the tests passed" if success else f"the tests failed (reward {reward:g})"
+        return ToolResult(text, finish=True, success=success, reward=reward, metrics=metrics)
+
+    def _reward_file(self) -> tuple[float | None, dict[str, float], str]:
+        """``(reward, metrics, error)`` from ``reward.json`` / ``reward.txt`` in :data:`LOGS_DIR`, if written."""
+        out = self.sandbox.run(f"( for f in {LOGS_DIR}/reward.json {LOGS_DIR}/reward.txt; do "
+                               "[ -f \"$f\" ] && { echo \"$f\"; head -c 65536 \"$f\"; exit 0; }; done; echo none )",
+                               timeout_s=10.0)
+        if not out.ok:
+            return None, {}, f"reading it failed: {out.error or out.output[-200:]}"
+        first, _, body = out.output.partition("\n")
+        if first.strip() == "none":
+            return None, {}, ""
+        try:
+            if first.endswith(".json"):
+                doc = json.loads(body)
+                if not isinstance(doc, dict) or not isinstance(doc.get("reward"), (int, float)):
+                    return None, {}, "reward.json must be an object with a number 'reward'"
+                extra = {f"verifier/{k}": float(val) for k, val in doc.items()
+                         if k != "reward" and isinstance(val, (int, float)) and not isinstance(val, bool)}
+                return float(doc["reward"]), extra, ""
+            return float(body.strip()), {}, ""
+        except ValueError as e:
+            return None, {}, f"{first}: {e}"
+
+    def _task_error(self, why: str, metrics: dict[str, float] | None = None) -> ToolResult:
+        logger.warning("terminal: %s", why)
+        return ToolResult(f"error: {why}", finish=True, success=False, reward=0.0, status=SampleStatus.TASK_ERROR,
+                          error=why, metrics=metrics)
+
+    def extra_metrics(self) -> dict[str, float]:
+        """``commands`` and ``limit_hits``."""
+        return {"commands": float(self.commands), "limit_hits": float(self.limit_hits)}
+
+    def release(self) -> None:
+        """Back to the pool: wiped and kept when the instance allows reuse (the wipe verified), else removed."""
+        reusable = True
+        if self.pool.reuse and not self.sandbox.closed:
+            # what the verifier brought is not the session's change: gone before the wipe compares the layer
+            try:
+                self.sandbox.remove_as_root([TESTS_DIR, LOGS_DIR.rsplit("/", 1)[0]])
+            except SandboxError as exc:
+                logger.warning("terminal: %s; the container is not reused", exc)
+                reusable = False
+        self.pool.release(self.sandbox, reusable=reusable)
+
+
+class TerminalPools:
+    """The task's pools, one per image, seen as one by the worker (``sandbox_pool`` of the worker's status and
+    metrics): the states and counters summed, ``max`` the budget, and ``images`` per image."""
+
+    _SUMMED = ("live", "leased", "idle", "starting", "resetting", "removing", "waiting", "warm_target", "created",
+               "removed", "create_failures", "acquired", "served_warm", "served_cold", "reused", "wipe_failures",
+               "waited", "timeouts", "swept")
+
+    def __init__(self, task: "TerminalTask") -> None:
+        self.task = task
+
+    def stats(self) -> dict[str, Any]:
+        """See the class docstring."""
+        pools = self.task.pools()
+        per = {key: pool.stats() for key, pool in pools.items()}
+        out: dict[str, Any] = {"backend": "docker", "max": self.task.max_containers, "warm_min": self.task.warm_min,
+                               "warm_max": self.task.warm_max, "reuse": self.task.reuse_containers}
+        for k in self._SUMMED:
+            out[k] = sum(s[k] for s in per.values())
+        budget = self.task.budget
+        out["peak_live"] = budget.stats()["peak"] if budget is not None else sum(s["peak_live"] for s in per.values())
+        out["budget"] = budget.stats() if budget is not None else None
+        builds = self.task.images.build_s if self.task.has_images else {}
+        out["images"] = {f"{key[0]}@{key[1]}" + (f" cpus={key[2]:g} memory_mb={key[3]}" if key[2:4] != (
+            self.task.cpus, self.task.memory_mb) else "") + (" reuse" if key[4] else ""): {
+            "image": key[0], "build_s": builds.get(key[0]), "live": s["live"], "idle": s["idle"],
+            "leased": s["leased"], "peak_live": s["peak_live"], "served_warm": s["served_warm"],
+            "served_cold": s["served_cold"], "reused": s["reused"], "wipe_failures": s["wipe_failures"],
+            "start_s": s["start_s"], "acquire_s": s["acquire_s"]} for key, s in per.items()}
+        return out
+
+    def close(self) -> None:
+        """Close the task's pools."""
+        self.task.close_pools()
+
+
+class TerminalTask(BlockingToolTask):
+    """``terminal``: instances with their own image and verifier (see the module docstring).
+
+    tasks: a task directory, a directory of task directories, a manifest, or a list of these
+    (:func:`~env_controller.tasks.terminal_format.load_tasks`); or demo: a family of the demo's generated
+    instances (:mod:`env_controller.tasks.terminal_demo`), with seed and num_samples. family: keep only the
+    instances of this family. Tools: ``bash_action(script)`` and ``finish_action()`` (runs the verifier).
+    Expert: the instance's solution script, then ``finish_action``; careless player: ``finish_action`` at
+    once (or the instance's careless script first). Reward: the verifier's (module docstring); 0 on the turn
+    limit (default 6 tool calls) or a message without tool calls. Metrics: ``success``, ``turns``,
+    ``commands``, ``limit_hits``, ``verifier_s``, ``verifier_exit_code`` and the verifier's own.
+
+    Containers: docker_host (the engine's URL; default ``$DOCKER_HOST``, else the local socket), user
+    (``uid:gid`` the commands, setup and verifier run as; not root), command_timeout_s / memory_mb /
+    max_processes / cpus (per container, an instance's ``cpus`` / ``memory_mb`` win), max_containers (live
+    at once over all images; the worker's ``--max-containers``), warm_containers (per image: ``N`` or
+    ``MIN:MAX`` by the last ``warm_window_s`` of demand; ``--warm-containers``), reuse_containers (default
+    for instances that do not say: a finished session's container serves another after a verified wipe),
+    acquire_timeout_s, build_timeout_s (one image's build or import), prebuild (start every image's build
+    when the pools start, not at the first session), demo_threads (demonstrations played at once).
+    """
+
+    name = "terminal"
+    default_max_turns = 6
+
+    def __init__(self, tasks: str | list[str] | None = None, demo: str | None = None, family: str | None = None,
+                 seed: int = 0, num_samples: int | None = None, max_turns: int | None = None,
+                 docker_host: str | None = None, user: str = "1000:1000", command_timeout_s: float = 10.0,
+                 memory_mb: int = 512, max_processes: int = 64, cpus: float = 1.0, max_output_chars: int = 4000,
+                 max_workers: int = 64, max_containers: int | None = None, warm_containers: int | str | list[int] = 0,
+                 reuse_containers: bool = False, acquire_timeout_s: float = 60.0, warm_window_s: float = 30.0,
+                 build_timeout_s: float = 600.0, prebuild: bool = True, demo_threads: int = 6) -> None:
+        """Load the instances and check the params (TaskParamError naming a bad one); nothing starts yet."""
+        if (tasks is None) == (demo is None):
+            raise TaskParamError(self.name, "tasks", tasks, "give exactly one of tasks (a task directory, a directory "
+                                 "of them, or a manifest) and demo (a demo family)")
+        if demo is not None:
+            if demo not in FAMILIES:
+                raise TaskParamError(self.name, "demo", demo, f"must be one of {', '.join(FAMILIES)}")
+            n = 256 if num_samples is None else int_param(self.name, "num_samples", num_samples, low=1)
+            instances = demo_instances(demo, int_param(self.name, "seed", seed), n)
+        else:
+            if not (isinstance(tasks, str) or (isinstance(tasks, list) and tasks
+                                               and all(isinstance(t, str) for t in tasks))):
+                raise TaskParamError(self.name, "tasks", tasks, "must be a path or a list of paths")
+            try:
+                instances = load_tasks(tasks)
+            except (TaskFormatError, OSError) as e:
+                raise TaskParamError(self.name, "tasks", tasks, f"cannot be read: {e}", message=str(e)) from None
+        if family is not None:
+            instances = [i for i in instances if i.family == family]
+            if not instances:
+                raise TaskParamError(self.name, "family", family, "names no instance of the task set")
+        if num_samples is not None and demo is None:
+            int_param(self.name, "num_samples", num_samples, low=1, high=len(instances))
+            instances = instances[:num_samples]
+        super().__init__(seed=seed, num_samples=len(instances), max_turns=max_turns, max_workers=max_workers)
+        self.instances = instances
+        self.docker_host = str_param(self.name, "docker_host", docker_host, optional=True)
+        self.user = str_param(self.name, "user", user)
+        if not re.fullmatch(r"\d+:\d+", self.user) or int(self.user.split(":")[0]) == 0:
+            raise TaskParamError(self.name, "user", user, "must be 'uid:gid' of a user other than root, e.g. "
+                                 "'1000:1000' (tasks that need root at run time are not supported: do that work "
+                                 "in the image)")
+        self.max_output_chars = int_param(self.name, "max_output_chars", max_output_chars, low=100)
+        self.command_timeout_s = seconds_param(self.name, "command_timeout_s", command_timeout_s)
+        self.memory_mb = int_param(self.name, "memory_mb", memory_mb, low=16)
+        self.max_processes = int_param(self.name, "max_processes", max_processes, low=4)
+        if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not 0.01 <= cpus < float("inf"):
+            raise TaskParamError(self.name, "cpus", cpus, "must be a number of CPUs of at least 0.01, e.g. 1.0")
+        self.cpus = float(cpus)
+        self.max_containers: int | None = (None if max_containers is None
+                                           else int_param(self.name, "max_containers", max_containers, low=1))
+        try:
+            self.warm_min, self.warm_max = parse_warm(warm_containers)
+        except ValueError:
+            raise TaskParamError(self.name, "warm_containers", warm_containers,
+                                 "must be N or 'MIN:MAX' with 0 <= MIN <= MAX, e.g. 4 or '0:32'") from None
+        self.reuse_containers = bool_param(self.name, "reuse_containers", reuse_containers)
+        self.acquire_timeout_s = seconds_param(self.name, "acquire_timeout_s", acquire_timeout_s)
+        self.warm_window_s = seconds_param(self.name, "warm_window_s", warm_window_s)
+        self.build_timeout_s = seconds_param(self.name, "build_timeout_s", build_timeout_s)
+        self.prebuild = bool_param(self.name, "prebuild", prebuild)
+        #: one cap over every image's pool
+        self.budget = PoolBudget(self.max_containers) if self.max_containers is not None else None
+        self._lock = threading.RLock()
+        self._client: Any = None
+        self._images: ImageCache | None = None
+        self._pools: dict[tuple[Any, ...], SandboxPool] = {}
+        self._backends: list[Any] = []
+        self._demos: dict[tuple[str, int], Future[tuple[list[Message], list[ToolSchema]]]] = {}
+        self._demo_executor: Any = None
+        self.demo_threads = int_param(self.name, "demo_threads", demo_threads, low=1)
+        self._view = TerminalPools(self)
+        self._prebuilt = False
+
+    # -- the engine, images and pools ------------------------------------------------------------
+
+    @property
+    def has_images(self) -> bool:
+        """Whether the image cache exists (the engine was reached)."""
+        return self._images is not None
+
+    @property
+    def images(self) -> ImageCache:
+        """The image cache on the task's engine (connected on first use; SandboxUnavailableError when not)."""
+        with self._lock:
+            if self._images is None:
+                from env_controller.sandbox.base import SandboxUnavailableError
+
+                try:
+                    import docker
+                except ImportError as exc:
+                    raise SandboxUnavailableError("the terminal task needs the docker SDK: pip install docker") from exc
+                try:
+                    if self.docker_host:
+                        client = docker.DockerClient(base_url=self.docker_host, timeout=120,
+                                                     max_pool_size=max(10, self.max_workers))
+                    else:
+                        client = docker.from_env(timeout=120, max_pool_size=max(10, self.max_workers))
+                    client.ping()
+                except docker.errors.DockerException as exc:
+                    raise SandboxUnavailableError(f"terminal: cannot reach a Docker engine "
+                                                  f"({self.docker_host or '$DOCKER_HOST'}): {exc}") from exc
+                self._client = client
+                self._images = ImageCache(client, build_timeout_s=self.build_timeout_s)
+            return self._images
+
+    def pools(self) -> dict[tuple[Any, ...], SandboxPool]:
+        """The pools made so far, by (image tag, working directory, cpus, memory, reuse)."""
+        with self._lock:
+            return dict(self._pools)
+
+    def _workdir_of(self, tag: str, instance: TerminalInstance) -> str:
+        if instance.workdir:
+            return instance.workdir
+        try:
+            workdir = (self._client.images.get(tag).attrs.get("Config") or {}).get("WorkingDir") or ""
+        except Exception:  # noqa: BLE001 - the default below serves
+            workdir = ""
+        return workdir if workdir not in ("", "/") else "/app"
+
+    def pool_for(self, tag: str, instance: TerminalInstance) -> SandboxPool:
+        """The pool of ``instance``'s containers (made on first use, with its backend)."""
+        reuse = self.reuse_containers if instance.reuse_containers is None else instance.reuse_containers
+        cpus = instance.cpus or self.cpus
+        memory = instance.memory_mb or self.memory_mb
+        with self._lock:
+            workdir = self._workdir_of(tag, instance)
+            key = (tag, workdir, cpus, memory, reuse)
+            pool = self._pools.get(key)
+            if pool is not None:
+                return pool
+            from env_controller.sandbox.docker import DockerBackend
+
+            limits = SandboxLimits(timeout_s=self.command_timeout_s, memory_mb=memory,
+                                   max_processes=self.max_processes, cpus=cpus)
+            # the first backend removes the containers of dead workers (in the background); one is enough
+            backend = DockerBackend(limits, image=tag, client=self._client, user=self.user, workdir=workdir,
+                                    writable_root=True, reap="background" if not self._backends else False)
+            self._backends.append(backend)
+            pool = SandboxPool(backend, max_size=self.max_containers, warm_min=self.warm_min,
+                               warm_max=self.warm_max, window_s=self.warm_window_s, reuse=reuse, limits=limits,
+                               labels={"agentrl.task": self.name, "agentrl.image": tag},
+                               acquire_timeout_s=self.acquire_timeout_s, budget=self.budget,
+                               limit_hint="max_containers (the worker's --max-containers)")
+            self._pools[key] = pool
+            logger.info("terminal: a container pool for %s (workdir %s, reuse %s)", tag, workdir, reuse)
+            return pool
+
+    def sandbox_pool(self) -> TerminalPools:
+        """The pools as one (for the worker); connects to the engine and, with ``prebuild``, starts every image's
+        build, each image's pool made (and its warm containers started) once its image is ready."""
+        images = self.images
+        with self._lock:
+            first_call, self._prebuilt = not self._prebuilt, True
+        if self.prebuild and first_call:
+            first: dict[ImageSource, TerminalInstance] = {}
+            for inst in self.instances:
+                first.setdefault(inst.image, inst)
+            for source, inst in first.items():
+                images.submit(source).add_done_callback(lambda f, inst=inst: self._image_ready(f, inst))
+        return self._view
+
+    def _image_ready(self, future: "Future[str]", instance: TerminalInstance) -> None:
+        if future.cancelled() or future.exception() is not None:
+            logger.error("terminal: the image of %s is not available: %s", instance.id,
+                         "cancelled" if future.cancelled() else future.exception())
+            return
+        with self._lock:
+            if self._images is None:
+                return  # closed meanwhile
+        try:
+            self.pool_for(future.result(), instance)
+        except Exception:  # noqa: BLE001 - the first session of the image tries again and reports it
+            logger.exception("terminal: starting the pool of %s failed", future.result())
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def tools(self) -> list[ToolSchema]:
+        """``bash_action`` and ``finish_action``."""
+        return TOOLS
+
+    def instance(self, index: int) -> TerminalInstance:
+        """The instance at ``index``."""
+        self.check_index(index)
+        return self.instances[index]
+
+    async def start(self, index: int) -> tuple[BlockingToolTaskSession, TaskReply]:
+        """See :meth:`Task.start`: awaits this instance's image (a build of another image never holds it up),
+        then opens the session on the executor."""
+        inst = self.instance(index)
+        await asyncio.wrap_future(self.images.submit(inst.image))
+        return await super().start(index)
+
+    def new_session(self, index: int) -> tuple[TerminalSession, list[Message]]:
+        """A container of the instance's image, its setup run, and the prompt (blocking)."""
+        inst = self.instance(index)
+        tag = self.images.ensure(inst.image)
+        pool = self.pool_for(tag, inst)
+        box = pool.acquire(labels={"agentrl.index": str(index)})
+        try:
+            for command in inst.setup:
+                result = box.run(command, timeout_s=max(60.0, self.command_timeout_s))
+                if not result.ok:
+                    raise SandboxError(f"terminal {inst.id}: the setup command {command!r} failed: "
+                                       f"{result.error or result.output.strip()[-500:]}")
+        except BaseException:
+            pool.release(box, reusable=False)
+            raise
+        prompt = (
+            f"You are in a Linux bash shell in {box.workdir} (no network). Run commands with bash_action; the shell "
+            "keeps its working directory and variables between calls. When the task is done, call finish_action: "
+            f"tests then check your work. You have {self.max_turns} tool calls.\n\nTask: {inst.instruction.strip()}"
+        )
+        return TerminalSession(self, inst, pool, box), [{"role": "user", "content": prompt}]
+
+    def expert(self, index: int) -> Expert:
+        """The instance's solution script, then ``finish_action``."""
+        inst = self.instance(index)
+        if inst.solution is None:
+            raise RuntimeError(f"terminal: instance {inst.id} has no solution (solution/solve.sh), so no "
+                               "demonstration; set sft.steps=0 or add one")
+        yield "bash_action", {"script": inst.solution}
+        yield "finish_action", {}
+
+    def careless(self, index: int) -> Expert:
+        """``finish_action`` at once (after the instance's careless script, if it has one)."""
+        inst = self.instance(index)
+        if inst.careless:
+            yield "bash_action", {"script": inst.careless}
+        yield "finish_action", {}
+
+    def _demo(self, kind: str, index: int) -> tuple[list[Message], list[ToolSchema]]:
+        """A demonstration of ``kind`` (expert | careless), played once per index, then cached; the first call
+        of a kind plays every index's in the background too (``demo_threads`` at once), since each takes a
+        container."""
+        self.check_index(index)
+        with self._lock:
+            if self._demo_executor is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._demo_executor = ThreadPoolExecutor(self.demo_threads, thread_name_prefix="agentrl-terminal-demo")
+            play = self._play_expert if kind == "expert" else self._play_careless
+            first = not any(k[0] == kind for k in self._demos)
+            future = self._demos.get((kind, index))
+            if future is None:
+                future = self._demos[(kind, index)] = self._demo_executor.submit(play, index)
+            if first:
+                for i in range(self.num_samples):
+                    if (kind, i) not in self._demos:
+                        self._demos[(kind, i)] = self._demo_executor.submit(play, i)
+        return future.result()
+
+    def _play_expert(self, index: int) -> tuple[list[Message], list[ToolSchema]]:
+        return BlockingToolTask.demonstration(self, index)
+
+    def demonstration(self, index: int) -> tuple[list[Message], list[ToolSchema]]:
+        """See :meth:`Task.demonstration`; played once per index in a container (checked to pass), then cached."""
+        return self._demo("expert", index)
+
+    def careless_demonstration(self, index: int) -> tuple[list[Message], list[ToolSchema]] | None:
+        """The careless player's conversation (it may fail), played once per index in a container, then cached."""
+        return self._demo("careless", index)
+
+    def _play_careless(self, index: int) -> tuple[list[Message], list[ToolSchema]]:
+        session, messages = self.new_session(index)
+        try:
+            conversation = list(messages)
+            player = self.careless(index)
+            name, args = next(player)
+            for turn in range(self.max_turns):
+                message = {"role": "assistant", "content": "",
+                           "tool_calls": [make_tool_call(f"call_{turn}", name, args)]}
+                reply = session.step(message)
+                conversation += [message, *reply.messages]
+                if reply.finish:
+                    break
+                name, args = player.send(reply.messages[-1]["content"])
+        finally:
+            session.release_once()
+        return conversation, self.tools()
+
+    def close_pools(self) -> None:
+        """Remove every container of the task's pools and close their backends."""
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+            backends, self._backends = self._backends, []
+        for pool in pools:
+            pool.close()
+        for backend in backends:
+            backend.close()
+
+    def close(self) -> None:
+        """Remove every container of this task (warm ones included), stop the builds and the threads."""
+        with self._lock:
+            demos, self._demo_executor = self._demo_executor, None
+        if demos is not None:
+            demos.shutdown(wait=True, cancel_futures=True)
+        super().close()
+        with self._lock:
+            images, self._images = self._images, None
+        if images is not None:
+            images.close()
+        self.close_pools()
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - closing a connection pool is best effort
+                logger.debug("closing the docker client failed", exc_info=True)

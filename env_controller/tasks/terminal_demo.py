@@ -1,0 +1,109 @@
+"""The terminal demo's task families: small instances in the terminal format, each family with its own tiny
+image made on this machine from host binaries (as the OS task's image is), judged by a verifier in the
+container.
+
+Families (``demo_instances(family, seed, n)``; instance ``i`` is fixed by ``(family, seed, i)``):
+
+* ``files``: write a given word into ``notes/<name>.txt`` (the setup command makes ``notes/``);
+  expert ``echo <word> > notes/<name>.txt``; image ``term-files`` (bash and coreutils).
+* ``copy``: copy ``data/<name>.txt`` (one of 24 files baked into the image) to ``backup/``;
+  expert ``mkdir -p backup && cp data/<name>.txt backup/``; image ``term-copy``.
+* ``count``: write the line count of ``logs/<name>.log`` (baked into the image) into ``answer.txt``;
+  expert ``wc -l < logs/<name>.log > answer.txt``; image ``term-count``.
+
+Each expert's script is copied from words of its instruction, so a small policy can learn it; the careless
+player calls ``finish_action`` at once (reward 0), the habit that RL has to unlearn.
+"""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+from env_controller.sandbox.docker_image import build_rootfs
+from env_controller.sandbox.task_images import BUILTIN_ROOTFS, ImageSource
+from env_controller.tasks.terminal_format import TerminalInstance, Verifier
+
+FAMILIES = ("files", "copy", "count")
+#: the tools of the demo's images (a subset of the OS task's)
+TOOLS = ("bash", "ls", "cat", "echo", "printf", "mkdir", "rm", "cp", "mv", "touch", "wc", "head", "tail", "grep",
+         "sort", "cut", "tr", "find", "sleep", "test", "true", "false", "env", "cmp", "id", "timeout")
+_WORDS = ("alpha", "bravo", "cedar", "delta", "ember", "flint", "grove", "harbor", "iris", "jade", "kite", "lumen",
+          "maple", "nova", "onyx", "pearl", "quartz", "raven", "sage", "tide", "umber", "vale", "willow", "zephyr")
+_VERIFIER_TIMEOUT_S = 20.0
+
+
+def _data_files() -> dict[str, str]:
+    """The ``copy`` image's ``data/``: one file per word."""
+    return {f"data/{w}.txt": f"{w} record {i}\n" * (1 + i % 3) for i, w in enumerate(_WORDS)}
+
+
+def _log_files() -> dict[str, str]:
+    """The ``count`` image's ``logs/``: one log per word, 3 to 17 lines."""
+    return {f"logs/{w}.log": "".join(f"{w} event {k}\n" for k in range(3 + (i * 7) % 15))
+            for i, w in enumerate(_WORDS)}
+
+
+def _builder(files: dict[str, str]):  # noqa: ANN202 - a closure registered below
+    def build(root: Path) -> None:
+        build_rootfs(root, TOOLS)
+        app = root / "app"
+        app.mkdir(parents=True, exist_ok=True)
+        for rel, text in files.items():
+            path = app / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        if os.geteuid() == 0:  # the session's user (1000) works in /app
+            for dirpath, _, filenames in os.walk(app):
+                os.chown(dirpath, 1000, 1000)
+                for name in filenames:
+                    os.chown(os.path.join(dirpath, name), 1000, 1000)
+    return build
+
+
+BUILTIN_ROOTFS.update({"term-files": _builder({"README": "notes go in notes/\n"}),
+                       "term-copy": _builder(_data_files()),
+                       "term-count": _builder(_log_files())})
+
+
+def _files(rng: random.Random) -> dict[str, object]:
+    name, word = f"{rng.choice(_WORDS)}{rng.randint(1, 9)}", rng.choice(_WORDS)
+    path = f"notes/{name}.txt"
+    return {"instruction": f"Write the word {word} into the file {path}.", "setup": ("mkdir -p notes",),
+            "solution": f"echo {word} > {path}",
+            "verifier": f'[ "$(cat /app/{path})" = {word} ]', "image": "term-files"}
+
+
+def _copy(rng: random.Random) -> dict[str, object]:
+    name = rng.choice(_WORDS)
+    return {"instruction": f"Copy the file data/{name}.txt into the directory backup.", "setup": (),
+            "solution": f"mkdir -p backup && cp data/{name}.txt backup/",
+            "verifier": f"cmp -s /app/data/{name}.txt /app/backup/{name}.txt", "image": "term-copy"}
+
+
+def _count(rng: random.Random) -> dict[str, object]:
+    name = rng.choice(_WORDS)
+    lines = _log_files()[f"logs/{name}.log"].count("\n")
+    return {"instruction": f"Write the number of lines of logs/{name}.log into answer.txt.", "setup": (),
+            "solution": f"wc -l < logs/{name}.log > answer.txt",
+            "verifier": f'[ "$(tr -d "[:space:]" < /app/answer.txt)" = {lines} ]', "image": "term-count"}
+
+
+_GENERATORS = {"files": _files, "copy": _copy, "count": _count}
+
+
+def demo_instances(family: str, seed: int, n: int) -> list[TerminalInstance]:
+    """``n`` instances of ``family`` (ValueError naming the families for an unknown one)."""
+    if family not in _GENERATORS:
+        raise ValueError(f"unknown demo family {family!r}; families: {', '.join(FAMILIES)}")
+    out = []
+    for i in range(n):
+        spec = _GENERATORS[family](random.Random(f"terminal/{family}/{seed}/{i}"))
+        out.append(TerminalInstance(
+            id=f"{family}-{seed}-{i}", instruction=str(spec["instruction"]),
+            image=ImageSource.builtin(str(spec["image"])),
+            verifier=Verifier("bash /tests/test.sh", {"test.sh": str(spec["verifier"]).encode()},
+                              _VERIFIER_TIMEOUT_S),
+            setup=tuple(spec["setup"]),  # type: ignore[arg-type]
+            solution=str(spec["solution"]), family=family, workdir="/app"))
+    return out

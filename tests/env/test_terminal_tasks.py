@@ -1,0 +1,296 @@
+"""The ``terminal`` task on a real Docker engine (a private dockerd started by the tests): instances with their
+own image (built from a Dockerfile context, imported from a root-filesystem tarball), a verifier run in the
+container whose exit code (or reward file) decides the reward, a hanging verifier cut at its timeout as a task
+error, per-image pools serving at once under one cap, a reuse only after a verified wipe, and no container left
+behind. The format's refusals are checked without an engine."""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from env_controller.clients.local import LocalEnvClient
+from env_controller.protocol import SampleStatus
+from env_controller.sandbox.docker import LABEL
+from env_controller.sandbox.docker_image import ImageBuildError, build_rootfs
+from env_controller.sandbox.task_images import ImageCache, ImageSource
+from env_controller.tasks import build_task
+from env_controller.tasks.params import TaskParamError
+from env_controller.tasks.terminal import TerminalTask
+from env_controller.tasks.terminal_format import TaskFormatError, load_tasks
+from tests.env.support import call, replay
+
+pytest.importorskip("docker", reason="the docker SDK is not installed (pip install docker)")
+
+SOLVE = "echo done > out.txt"
+CHECK = '[ "$(cat /app/out.txt)" = done ]'
+
+
+def _containers(engine: Any) -> list[Any]:
+    client = engine.client()
+    try:
+        return client.containers.list(all=True, filters={"label": [f"{LABEL}=1", "agentrl.task=terminal"]})
+    finally:
+        client.close()
+
+
+def _harbor_task(root: Path, base_image: str, name: str = "hello", test: str = CHECK, timeout: float = 20) -> Path:
+    """A Harbor-layout task whose image is built FROM ``base_image`` (the OS task's, imported here)."""
+    d = root / name
+    (d / "environment").mkdir(parents=True)
+    (d / "tests").mkdir()
+    (d / "solution").mkdir()
+    (d / "task.toml").write_text(f'version = "1.0"\n[metadata]\ndifficulty = "easy"\n[verifier]\ntimeout_sec = '
+                                 f'{timeout}\n[agent]\ntimeout_sec = 60.0\n[environment]\ncpus = 1\nmemory_mb = 256\n')
+    (d / "instruction.md").write_text("Write the word done into /app/out.txt.\n")
+    (d / "environment" / "Dockerfile").write_text(
+        f"FROM {base_image}\nWORKDIR /app\nCOPY seed.txt /app/seed.txt\nRUN chown -R 1000:1000 /app\n")
+    (d / "environment" / "seed.txt").write_text("seed\n")
+    (d / "tests" / "test.sh").write_text(test + "\n")
+    (d / "solution" / "solve.sh").write_text(SOLVE + "\n")
+    return d
+
+
+def _rootfs_tarball(path: Path, scratch: Path) -> Path:
+    """A root filesystem (host bash and coreutils, ``/app`` owned by uid 1000) as a .tar.gz for ``docker import``."""
+    root = scratch / "rootfs"
+    build_rootfs(root, ("bash", "cat", "echo", "ls", "sleep", "mkdir", "rm", "touch", "test", "env", "head", "wc"))
+    (root / "app").mkdir()
+    (root / "app" / "input.txt").write_text("3\n")
+    with tarfile.open(path, "w:gz") as tar:
+        def owner(info: tarfile.TarInfo) -> tarfile.TarInfo:
+            if info.name == "app" or info.name.startswith("app/"):
+                info.uid = info.gid = 1000
+            return info
+        for child in sorted(root.iterdir()):
+            tar.add(child, arcname=child.name, filter=owner)
+    return path
+
+
+@pytest.fixture(scope="module")
+def task_set(docker_engine: Any, os_shell_image: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A manifest: a Harbor directory (Dockerfile), and rootfs instances judged by exit code, by reward.json,
+    one whose verifier hangs, one that allows reuse."""
+    root = tmp_path_factory.mktemp("terminal_tasks")
+    _harbor_task(root, os_shell_image)
+    _rootfs_tarball(root / "base.tar.gz", tmp_path_factory.mktemp("scratch"))
+    rootfs = {"rootfs": "base.tar.gz"}
+    manifest = {"tasks": [
+        {"path": "hello"},
+        {"id": "double", "instruction": "Write twice the number in input.txt into answer.txt.", "image": rootfs,
+         "setup": ["touch started"], "solution": "echo 6 > answer.txt",
+         "verifier": {"script": '[ -f /app/started ] && [ "$(cat /app/answer.txt)" = 6 ]', "timeout_s": 20},
+         "family": "arith"},
+        {"id": "partial", "instruction": "Anything.", "image": rootfs, "solution": "true",
+         "verifier": {"script": 'echo \'{"reward": 0.25, "passed": 1, "total": 4}\' > /logs/verifier/reward.json; '
+                                "exit 1", "timeout_s": 20}},
+        {"id": "hang", "instruction": "Anything.", "image": rootfs, "solution": "true",
+         "verifier": {"script": "sleep 1000", "timeout_s": 2}},
+        {"id": "reusable", "instruction": "Look around.", "image": rootfs, "solution": "ls /app > /tmp/seen",
+         "reuse_containers": True, "verifier": {"script": "true", "timeout_s": 20}},
+    ]}
+    (root / "tasks.yaml").write_text(json.dumps(manifest))
+    return root / "tasks.yaml"
+
+
+@pytest.fixture
+def task(docker_engine: Any, task_set: Path) -> Iterator[TerminalTask]:
+    t = build_task("terminal", tasks=str(task_set), docker_host=docker_engine.url, max_containers=6,
+                   warm_containers="0:2", command_timeout_s=5, memory_mb=128)
+    assert isinstance(t, TerminalTask)
+    try:
+        yield t
+    finally:
+        t.close()
+        assert _containers(docker_engine) == [], "a container outlived the task"
+
+
+def _index(task: TerminalTask, id_: str) -> int:
+    return next(i for i, inst in enumerate(task.instances) if inst.id == id_)
+
+
+def test_dockerfile_and_rootfs_images_run_and_the_verifier_decides(task: TerminalTask) -> None:
+    async def go() -> None:
+        c = LocalEnvClient({"terminal": task})
+        for id_ in ("hello", "double"):
+            i = _index(task, id_)
+            solution = task.instances[i].solution
+            _, reply = await replay(c, "terminal", i, [call("bash_action", {"script": solution}),
+                                                       call("finish_action", {})])
+            assert reply.status is SampleStatus.COMPLETED and reply.reward == 1.0, (id_, reply)
+            assert reply.metrics["verifier_exit_code"] == 0.0 and reply.metrics["success"] == 1.0
+            # finishing at once: the verifier exits non-zero, a reward of 0, completed
+            _, reply = await replay(c, "terminal", i, [call("finish_action", {})])
+            assert reply.status is SampleStatus.COMPLETED and reply.reward == 0.0, (id_, reply)
+            assert reply.metrics["verifier_exit_code"] != 0.0
+        # reward.json wins over the exit code; its other numbers become metrics
+        _, reply = await replay(c, "terminal", _index(task, "partial"), [call("finish_action", {})])
+        assert reply.status is SampleStatus.COMPLETED and reply.reward == 0.25, reply
+        assert reply.metrics["verifier/passed"] == 1.0 and reply.metrics["verifier/total"] == 4.0
+        assert reply.metrics["verifier_exit_code"] == 1.0
+
+    asyncio.run(go())
+    images = {s["image"] for s in task.sandbox_pool().stats()["images"].values()}
+    assert any(t.startswith("agentrl/task:d-") for t in images) and any(t.startswith("agentrl/task:r-") for t in images)
+
+
+def test_a_hanging_verifier_is_cut_at_its_timeout_as_a_task_error(task: TerminalTask) -> None:
+    async def go() -> Any:
+        c = LocalEnvClient({"terminal": task})
+        t0 = time.monotonic()
+        _, reply = await replay(c, "terminal", _index(task, "hang"), [call("finish_action", {})])
+        return reply, time.monotonic() - t0
+
+    reply, took = asyncio.run(go())
+    assert reply.finish and reply.status is SampleStatus.TASK_ERROR, reply  # never a judged reward of 0
+    assert "ran past its timeout of 2 s" in reply.error
+    assert took < 15
+
+
+def test_two_images_pools_serve_at_once_under_one_cap(task: TerminalTask, docker_engine: Any) -> None:
+    hello, double = _index(task, "hello"), _index(task, "double")
+
+    async def go() -> dict[str, Any]:
+        opened = await asyncio.gather(*(task.start(i) for i in (hello, double, hello, double)))
+        stats = task.sandbox_pool().stats()
+        assert len(_containers(docker_engine)) >= 4
+        replies = await asyncio.gather(*(s.interact(call("finish_action", {})) for s, _ in opened))
+        for s, _ in opened:
+            await s.close()
+        assert all(r.finish and r.status is SampleStatus.COMPLETED for r in replies)
+        return stats
+
+    stats = asyncio.run(go())
+    per_image = [s for s in stats["images"].values() if s["leased"]]
+    assert len(per_image) == 2 and all(s["leased"] == 2 for s in per_image), stats
+    assert stats["max"] == 6 and stats["budget"]["used"] <= 6 and stats["leased"] == 4
+    for s in per_image:
+        assert s["start_s"]["n"] >= 1 and s["start_s"]["p50"] > 0  # the start latency, per image
+
+
+def test_reuse_only_after_a_verified_wipe(task: TerminalTask) -> None:
+    i = _index(task, "reusable")
+
+    async def episode(script: str) -> None:
+        session, _ = await task.start(i)
+        await session.interact(call("bash_action", {"script": script}))
+        reply = await session.interact(call("finish_action", {}))
+        assert reply.reward == 1.0, reply
+        await session.close()
+
+    async def go() -> None:
+        await episode("ls /app > /tmp/seen")  # /tmp is wiped: reused
+        await episode("touch /app/changed")   # the image's files changed: docker diff refuses the reuse
+
+    asyncio.run(go())
+    (stats,) = [s for s in task.sandbox_pool().stats()["images"].values() if s["reused"] or s["wipe_failures"]]
+    assert stats["reused"] >= 1 and stats["wipe_failures"] == 1, stats
+
+
+def test_builds_need_their_base_in_the_engine(docker_engine: Any, tmp_path: Path) -> None:
+    (tmp_path / "Dockerfile").write_text("FROM ubuntu:22.04\nRUN true\n")
+    client = docker_engine.client()
+    images = ImageCache(client)
+    try:
+        with pytest.raises(ImageBuildError, match="FROM ubuntu:22.04: that image is not in the Docker engine, and "
+                                                  "builds here pull nothing"):
+            images.ensure(ImageSource.from_dockerfile(tmp_path))
+        with pytest.raises(ImageBuildError, match="not in the Docker engine"):
+            images.ensure(ImageSource.from_tag("nope/missing:1"))
+    finally:
+        images.close()
+        client.close()
+
+
+def test_the_demo_families_images_and_experts(docker_engine: Any) -> None:
+    for family in ("files", "copy", "count"):
+        t = build_task("terminal", demo=family, num_samples=3, docker_host=docker_engine.url)
+        assert isinstance(t, TerminalTask)
+        try:
+            conversation, tools = t.demonstration(1)  # checked to pass its verifier
+            assert conversation[-1]["content"] == "the tests passed"
+            careless, _ = t.careless_demonstration(1)
+            assert careless[-1]["content"].startswith("the tests failed")
+            assert t.demonstration(1) is t.demonstration(1)  # played once, cached
+        finally:
+            t.close()
+    assert _containers(docker_engine) == []
+
+
+# -- the format's refusals (no engine) ---------------------------------------------------------------
+
+
+def test_terminal_bench_1_layout_and_refusals(tmp_path: Path) -> None:
+    tb1 = tmp_path / "tb1" / "hello-world"
+    (tb1 / "tests").mkdir(parents=True)
+    (tb1 / "task.yaml").write_text("instruction: |\n  Create hello.txt.\ndifficulty: easy\ncategory: files\n"
+                                   "max_test_timeout_sec: 30\nparser_name: pytest\n")
+    (tb1 / "Dockerfile").write_text("FROM scratch\n")
+    (tb1 / "docker-compose.yaml").write_text("services:\n  client:\n    build: .\n")
+    (tb1 / "run-tests.sh").write_text("bash $TEST_DIR/check.sh\n")
+    (tb1 / "tests" / "check.sh").write_text("test -f hello.txt\n")
+    (tb1 / "solution.sh").write_text("touch hello.txt\n")
+    (inst,) = load_tasks(str(tmp_path / "tb1"))
+    assert inst.id == "hello-world" and inst.verifier.timeout_s == 30 and inst.family == "files"
+    assert set(inst.verifier.files) == {"run-tests.sh", "check.sh"} and inst.solution == "touch hello.txt\n"
+    assert inst.image.kind == "dockerfile" and inst.verifier.command == "bash /tests/run-tests.sh"
+
+    (tb1 / "docker-compose.yaml").write_text("services:\n  client: {build: .}\n  db: {image: postgres}\n")
+    with pytest.raises(TaskFormatError, match="2 services: multi-container tasks are not supported"):
+        load_tasks(str(tb1))
+
+    harbor = _harbor_task(tmp_path, "scratch", name="net")
+    toml = harbor / "task.toml"
+    toml.write_text(toml.read_text() + "allow_internet = true\n")
+    with pytest.raises(TaskFormatError, match="allow_internet = true: containers here have no network"):
+        load_tasks(str(harbor))
+    harbor = _harbor_task(tmp_path, "scratch", name="notest")
+    (harbor / "tests" / "test.sh").unlink()
+    with pytest.raises(TaskFormatError, match="tests/test.sh is missing"):
+        load_tasks(str(harbor))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(json.dumps({"tasks": [{"id": "x", "instruction": "y", "image": {"name": "a:b"},
+                                          "verifier": {"script": "true"}, "timeout": 3}]}))
+    with pytest.raises(TaskFormatError, match="'timeout' is not a field of an instance"):
+        load_tasks(str(bad))
+    with pytest.raises(TaskParamError, match="give exactly one of tasks"):
+        build_task("terminal")
+    with pytest.raises(TaskParamError, match="user=.*other than root"):
+        build_task("terminal", demo="files", user="0:0")
+
+
+def test_put_files_tar_is_rooted(tmp_path: Path) -> None:
+    """What put_files sends: the directory chain and the files, owned by the user (no engine needed)."""
+    from env_controller.sandbox.docker import DockerSandbox
+
+    sent: list[bytes] = []
+
+    class _C:
+        id = "c" * 64
+
+        def put_archive(self, path: str, data: bytes) -> bool:
+            assert path == "/"
+            sent.append(data)
+            return True
+
+    box = object.__new__(DockerSandbox)
+    box.id, box.container = "x", _C()
+
+    class _B:
+        uid, gid = 1000, 1000
+
+    box._backend, box._errors = _B(), __import__("docker").errors
+    box.put_files("/tests", {"test.sh": "true\n", "data/a.txt": b"a"})
+    with tarfile.open(fileobj=io.BytesIO(sent[0])) as tar:
+        names = {m.name: m for m in tar.getmembers()}
+    assert set(names) == {"tests", "tests/data", "tests/test.sh", "tests/data/a.txt"}
+    assert all(m.uid == 1000 for m in names.values()) and names["tests"].isdir()
+    with pytest.raises(ValueError, match="not a relative path"):
+        box.put_files("/tests", {"../etc/passwd": "x"})

@@ -156,16 +156,23 @@ def test_capacity_factor_drops_tokens_and_says_so():
 
 
 def test_cli_trains_two_rl_steps_at_ep2(tmp_path):
-    """`agentrl train --nproc 2 parallel.ep=2` with a tiny Qwen3-MoE on the demo's tasks: SFT and two RL steps
-    with finite losses, the MoE metrics in metrics.jsonl, and the trainer's log-probs of the sampled tokens (EP=2)
-    equal the rollout engine's (its fused expert weights synced from the trainer) to fp32 rounding."""
+    """`agentrl train --nproc 2 parallel.ep=2 train.moe_routing_replay=true` with a tiny Qwen3-MoE on the demo's
+    tasks: SFT and two RL steps with finite losses, the MoE metrics in metrics.jsonl, every trajectory carrying
+    the engine's routed experts, ``routing/flip_rate`` logged, and the trainer's log-probs of the sampled tokens
+    (EP=2, replaying the engine's routing) equal the rollout engine's (its fused expert weights synced from the
+    trainer) to fp32 rounding."""
     from tests.support.demo_run import train_demo, trained_rl_rows
 
     out = tmp_path / "run"
-    proc = train_demo(out, 2, "parallel.ep=2", "checkpoint.interval=0", *TINY_MOE)
+    proc = train_demo(out, 2, "parallel.ep=2", "checkpoint.interval=0", "train.moe_routing_replay=true", *TINY_MOE)
     assert "ep=2 dp=2" in proc.stdout + proc.stderr
     rl = trained_rl_rows(out)
     assert all(r["moe/load_imbalance"] >= 1.0 for r in rl)
+    assert all(r["routing/captured_frac"] == 1.0 and 0.0 <= r["routing/flip_rate"] <= 1.0 for r in rl), rl
+    # tokens sampled by the weights being trained route as the trainer does (older versions may not)
+    on_policy = [r["routing/flip_rate"] for r in rl if not any(k.startswith("mismatch/tokens_lag") and k != "mismatch/"
+                                                               "tokens_lag0" for k in r)]
+    assert on_policy and max(on_policy) < 1e-3, rl
     lag0 = [r["mismatch/abs_lag0"] for r in rl if "mismatch/abs_lag0" in r]
     assert lag0 and max(lag0) < 1e-4, lag0
 

@@ -44,6 +44,17 @@ def _check_gpu_train(lines: list[str], rec: dict[str, Any]) -> None:
     assert row["megatron_over_transformers"] > 0
 
 
+def _check_routing_replay(lines: list[str], rec: dict[str, Any]) -> None:
+    bf16, fp32 = rec["results"]["bf16"], rec["results"]["fp32"]
+    # the fp32 engine computes what the trainer does: no flip, and replay changes nothing
+    assert fp32["own"]["routing/flip_rate"] == 0.0
+    assert abs(fp32["own"]["mismatch/abs_lag0"] - fp32["replay"]["mismatch/abs_lag0"]) < 1e-6
+    assert fp32["own"]["mismatch/abs_lag0"] < 1e-4 < bf16["own"]["mismatch/abs_lag0"]
+    ratio = bf16["replay"]["mismatch/abs_lag0"] / bf16["own"]["mismatch/abs_lag0"]
+    assert rec["routing_replay_abs_mismatch_ratio"] == pytest.approx(ratio)
+    assert lines[-1] == f"routing_replay_abs_mismatch_ratio: {ratio:.4f}"
+
+
 def _check_async_vs_sync(lines: list[str], rec: dict[str, Any]) -> None:
     sync, async_ = rec["results"]["sync"], rec["results"]["async"]
     assert sync["trained_samples"] == async_["trained_samples"] > 0  # the same work in both modes
@@ -214,6 +225,7 @@ CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
     "env_controller.py": _check_env_controller,
     "gateway.py": _check_gateway,
     "gloo_transport.py": _check_gloo_transport,
+    "routing_replay.py": _check_routing_replay,
     "terminal_demo.py": _check_terminal_demo,
     "train_scale.py": _check_train_scale,
     "weight_sync.py": _check_weight_sync,

@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DOWN_S = 8.0
 
 
-@pytest.mark.parametrize("down_s", [0.0, DOWN_S], ids=["restarted-at-once", "down-8s"])
+# restarted at once: the same path with no outage to wait out (slow: the 8 s outage covers it in the default run)
+@pytest.mark.parametrize("down_s", [pytest.param(0.0, marks=pytest.mark.slow), DOWN_S],
+                         ids=["restarted-at-once", "down-8s"])
 def test_a_controller_restart_mid_run_costs_only_the_open_sessions(tmp_path, processes, down_s):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     port = free_port()

@@ -238,9 +238,11 @@ def test_indices_and_samples_are_deterministic(name: str) -> None:
 
 
 def test_registry_and_param_errors() -> None:
-    assert set(TASKS) == set(NAMES) | {"os_shell", "db"}  # the sandbox and database tasks have their own tests
+    # the sandbox, database and terminal tasks have their own tests
+    assert set(TASKS) == set(NAMES) | {"os_shell", "db", "terminal"}
     assert all(issubclass(cls, Task) for cls in TASKS.values())
-    with pytest.raises(ValueError, match=r"unknown task 'sudoku'; registered tasks: calc, db, guess, lookup, os_shell"):
+    with pytest.raises(ValueError,
+                       match=r"unknown task 'sudoku'; registered tasks: calc, db, guess, lookup, os_shell, terminal"):
         build_task("sudoku")
     with pytest.raises(ValueError, match=r"task 'calc' has no parameter 'nkeys'; "
                                          r"accepted: seed, num_samples, max_turns, low, high"):

@@ -27,6 +27,7 @@ def _same(a: dict, b: dict) -> None:
     assert abs(ga - gb) <= 1e-6 * max(1.0, abs(ga)), (ga, gb)
 
 
+@pytest.mark.slow  # the async TP=2 resume below covers the same contract in the default run
 def test_sync_stop_resume_matches_uninterrupted(tmp_path):
     full, stop, resumed = tmp_path / "full", tmp_path / "stop", tmp_path / "resumed"
     run_distributed(_train, 1, TINY + [f"output_dir={full}", "train.steps=3"], timeout_s=120)
@@ -79,6 +80,7 @@ def _adam_steps(ckpt: Path) -> set[float]:
     return found
 
 
+@pytest.mark.slow  # a layout change on resume stays in the default run through test_moe's EP=2 -> EP=1
 def test_dp2_checkpoint_resumes_at_dp1(tmp_path):
     """Saved by 2 data-parallel ranks with the distributed optimizer (each holding half the Adam
     state), resumed on one process: step 3 trains on the same samples with the loss of the

@@ -100,7 +100,8 @@ def _check(rank: int, world: int) -> dict:
         routed = torch.full((*tokens.shape, 4, 2), -1, dtype=torch.int16)
         for i, r in enumerate(routing):
             routed[i, :len(r)] = torch.from_numpy(r.astype(np.int16))
-        for tp, pp, ep in LAYOUTS:
+        # the bf16-picking engine on one layout: the flips and what replay removes do not depend on it
+        for tp, pp, ep in (LAYOUTS if not perturbed else LAYOUTS[:1]):
             for packed in (False, True):
                 reinit_parallel(tp, pp, ep=ep, seed=7)
                 actor = MegatronActor(hf_config, TrainConfig(moe_routing_replay=True, sequence_packing=packed,

@@ -260,7 +260,7 @@ class Controller(HttpService):
         super().__init__(
             c.credentials(), self._routes(), body_timeout_s=c.body_timeout_s, idle_timeout_s=c.idle_timeout_s,
             auth_hint=f"the controller's --trainer-token / --worker-token / --token; ${TRAINER_TOKEN_ENV}",
-            on_rejected=self._count_rejected,
+            on_rejected=self._count_rejected, fast=True,
         )
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -339,11 +339,10 @@ class Controller(HttpService):
         return [(method, path, self._instrument(endpoint, handler), role)
                 for method, path, endpoint, handler, role in routes]
 
-    def _count_rejected(self, request: web.Request, status: int) -> None:
-        """Count a request refused before its handler ran (401 / 403 credentials; 404 / 405 as "unknown")."""
-        resource = request.match_info.route.resource
-        path = resource.canonical if resource is not None else ""
-        self.metrics.requests.labels(self._endpoints.get((request.method, path), "unknown"), str(status)).inc()
+    def _count_rejected(self, method: str, path: str, status: int) -> None:
+        """Count a request refused before its handler ran (401 / 403 credentials; 404 / 405 as "unknown"; a
+        body that did not arrive on the fast path under its endpoint)."""
+        self.metrics.requests.labels(self._endpoints.get((method, path), "unknown"), str(status)).inc()
 
     def _instrument(self, endpoint: str, handler: Any) -> Any:
         seconds = self.metrics.request_seconds.labels(endpoint)
@@ -370,26 +369,42 @@ class Controller(HttpService):
     # -- calls to workers ------------------------------------------------------------------------
 
     async def call_worker(
-        self, worker: Worker, api: str, body: dict[str, Any] | bytes | None, timeout_s: float, method: str = "POST"
+        self, worker: Worker, api: str, body: dict[str, Any] | bytes | None, timeout_s: float, method: str = "POST",
+        session: Session | None = None,
     ) -> WorkerReply:
         """Call ``worker.address + api`` with ``body`` (an object, or its JSON already encoded);
         returns the parsed JSON reply and its timings.
 
         The worker's own time is its ``x-worker-time`` header when present, else the round trip.
-        Raises :class:`WorkerCallError`.
+        Raises :class:`WorkerCallError`. With a ``session``, the call in flight is ``session.call``
+        (a future): cancelling it after setting ``session.abort`` makes this raise :class:`_Aborted`.
         """
         if self._http is None:
             raise WorkerCallError("connect", "the controller is not started")
         data = body if isinstance(body, bytes) or body is None else dumps_json(body)
         t0 = _perf()
         try:
-            resp = await self._http.request(method, worker.address + api, data, worker.call_headers, timeout_s)
+            future = self._http.start(method, worker.address + api, data, worker.call_headers, timeout_s)
         except ConnectError as e:
             self.metrics.worker_errors.labels(api, "connect").inc()
             raise WorkerCallError("connect", f"cannot reach {worker.describe()}: {e}") from None
         except ValueError as e:  # an address that passed the heartbeat's check but no request can carry
             self.metrics.worker_errors.labels(api, "connect").inc()
             raise WorkerCallError("connect", f"cannot call {worker.describe()}: {e}") from None
+        if session is not None:
+            session.call = future
+        try:
+            resp = await future
+        except asyncio.CancelledError:
+            if session is None or session.abort is None or not future.cancelled():
+                raise
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():  # this handler itself is being cancelled
+                raise
+            raise _Aborted(*session.abort) from None
+        except ConnectError as e:
+            self.metrics.worker_errors.labels(api, "connect").inc()
+            raise WorkerCallError("connect", f"cannot reach {worker.describe()}: {e}") from None
         except TimeoutError:
             self.metrics.worker_errors.labels(api, "timeout").inc()
             raise WorkerCallError(
@@ -398,6 +413,10 @@ class Controller(HttpService):
         except OSError as e:
             self.metrics.worker_errors.labels(api, "disconnect").inc()
             raise WorkerCallError("disconnect", f"connection to {worker.describe()} lost during {api}: {e}") from None
+        finally:
+            if session is not None:
+                session.call = None
+            del future  # a failed call's traceback holds this frame: no frame -> future -> exception cycle
         rtt = _perf() - t0
         raw, status, worker_time = resp.body, resp.status, resp.headers.get("x-worker-time")
         self._call_seconds(api).observe(rtt)
@@ -430,19 +449,7 @@ class Controller(HttpService):
     async def _session_call(self, session: Session, api: str, body: dict[str, Any] | bytes,
                             timeout_s: float) -> WorkerReply:
         """A worker call on behalf of ``session`` that the controller can abort (raises _Aborted)."""
-        call = asyncio.ensure_future(self.call_worker(session.worker, api, body, timeout_s))
-        session.call = call
-        try:
-            return await call
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if (me is not None and me.cancelling()) or session.abort is None:
-                call.cancel()
-                raise
-            raise _Aborted(*session.abort) from None
-        finally:
-            session.call = None
-            del call  # a failed call's traceback holds this frame: no frame -> task -> exception cycle
+        return await self.call_worker(session.worker, api, body, timeout_s, session=session)
 
     async def _cancel_on_worker(self, worker: Worker, session_id: int) -> None:
         worker.cancelling.add(session_id)

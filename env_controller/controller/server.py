@@ -345,8 +345,8 @@ class Controller(HttpService):
         self.metrics.requests.labels(self._endpoints.get((method, path), "unknown"), str(status)).inc()
 
     def _instrument(self, endpoint: str, handler: Any) -> Any:
-        seconds = self.metrics.request_seconds.labels(endpoint)
-        ok = self.metrics.requests.labels(endpoint, "200")
+        seconds = self.metrics.histogram(self.metrics.request_seconds, endpoint)
+        ok = self.metrics.counter(self.metrics.requests, endpoint, "200")
         requests = self.metrics.requests
 
         async def wrapped(request: web.Request) -> web.StreamResponse:
@@ -443,7 +443,7 @@ class Controller(HttpService):
     def _call_seconds(self, api: str) -> Any:
         child = self._call_hist.get(api)
         if child is None:
-            child = self._call_hist[api] = self.metrics.worker_call_seconds.labels(api)
+            child = self._call_hist[api] = self.metrics.histogram(self.metrics.worker_call_seconds, api)
         return child
 
     async def _session_call(self, session: Session, api: str, body: dict[str, Any] | bytes,
@@ -641,7 +641,7 @@ class Controller(HttpService):
                 session, SampleStatus.TASK_ERROR, f"{worker.describe()} start_sample: {e}", cancel_on_worker=True
             )
         session.last_active = _mono()
-        self.metrics.sessions_started.labels(name).inc()
+        self.metrics.counter(self.metrics.sessions_started, name).inc()
         if reply.finish:
             self._end(session, reply.status, "finished at start")
         elif session.abort is not None:
@@ -840,6 +840,7 @@ class Controller(HttpService):
             try:
                 for worker in self.registry.sweep():
                     self._worker_died(worker)
+                self.metrics.flush()
                 now = _mono()
                 if now - last_gc >= gc_every:
                     last_gc = now

@@ -41,6 +41,8 @@ MAX_HEAD = 16384
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HANDED_OVER_HEADERS = frozenset(("transfer-encoding", "expect", "upgrade"))
+#: header names seen, as sent -> lower-cased (only valid tokens get in; bounded)
+_NAMES: dict[str, str] = {}
 
 
 class LiteRequest:
@@ -302,12 +304,19 @@ class _FastConn(asyncio.Protocol):
         if handler is None:
             return None
         headers: dict[str, str] = {}
+        names = _NAMES
         for line in lines[1:]:
             name, sep, value = line.partition(":")
-            if not sep or not line.isprintable() or not _TOKEN.fullmatch(name):
+            key = names.get(name)
+            if not sep:
                 return None
-            key = name.lower()
-            if key in headers or key in _HANDED_OVER_HEADERS:
+            if key is None:  # a name not seen before: a token? (then remembered, lower-cased)
+                if not _TOKEN.fullmatch(name):
+                    return None
+                key = name.lower()
+                if len(names) < 4096:
+                    names[name] = key
+            if key in headers or key in _HANDED_OVER_HEADERS or not value.isprintable():
                 return None
             headers[key] = value.strip(" ")
         if headers.get("connection", "keep-alive").lower() != "keep-alive":

@@ -27,7 +27,9 @@ adds the network stack both ways and this driver's own event-loop delays.
     .venv/bin/python bench/env_controller.py --smoke            # seconds: 24 sessions, 2 workers
 
 The controller's CPU per request (user + system seconds of its process over the run, from
-``/proc/<pid>/stat``, divided by the trainer's requests) is in the table and the JSON.
+``/proc/<pid>/stat``, divided by the trainer's requests) is in the table and the JSON, and beside it,
+counted apart, that of the fake workers (which run in a process group of their own; the killed one
+counted up to its kill) and that of this driver (its own process time): all share the machine's cores.
 
 Prints a table, writes ``bench/results/env_controller.json`` (``--out``; with ``--smoke``
 ``env_controller_smoke.json``); the last line is ``env_lost_sessions: <n>``.

@@ -1,8 +1,10 @@
 """The environment controller: one asyncio HTTP server between the trainer and many task workers.
 
 Wire-compatible with the AgentBench-FC / AgentRL task-worker protocol (DESIGN.md, "Env
-protocol"). The server is aiohttp; calls to workers go through the small pooled HTTP/1.1 client
-of :mod:`~env_controller.controller.worker_http`. Workers register with heartbeats
+protocol"). The app is aiohttp's, served behind :mod:`~env_controller.http.fast` (plain requests
+are parsed and answered there, every other one by aiohttp); calls to workers go through the small
+pooled HTTP/1.1 client of :mod:`~env_controller.controller.worker_http` (a future per call, driven by
+callbacks). The hot path is described in docs/environments.md ("The hot path"). Workers register with heartbeats
 (:mod:`~env_controller.controller.registry`); the trainer starts, drives and cancels sessions
 (:mod:`~env_controller.controller.sessions`); every start goes to the least-loaded alive worker of the task.
 

@@ -119,6 +119,8 @@ class ControllerConfig:
         below the workers' own keep-alive timeout (uvicorn, which AgentRL workers use: 5 s) so that
         the controller never sends a request on a connection the worker is closing.
     remember_ended: ended sessions remembered for error messages and late final replies.
+    fast_front: serve plain requests through the fast front (:mod:`env_controller.http.fast`); False
+        has aiohttp serve every request, as before it (the same replies, at about twice the CPU).
     """
 
     host: str = "127.0.0.1"
@@ -142,6 +144,7 @@ class ControllerConfig:
     idle_timeout_s: float = IDLE_TIMEOUT_S
     max_forward_bytes: int = MAX_BODY_BYTES
     remember_ended: int = 50_000
+    fast_front: bool = True
 
     def __post_init__(self) -> None:
         """Check every value; ValueError naming the bad one (never a token's value)."""
@@ -262,7 +265,7 @@ class Controller(HttpService):
         super().__init__(
             c.credentials(), self._routes(), body_timeout_s=c.body_timeout_s, idle_timeout_s=c.idle_timeout_s,
             auth_hint=f"the controller's --trainer-token / --worker-token / --token; ${TRAINER_TOKEN_ENV}",
-            on_rejected=self._count_rejected, fast=True,
+            on_rejected=self._count_rejected, fast=c.fast_front,
         )
 
     # -- lifecycle -------------------------------------------------------------------------------

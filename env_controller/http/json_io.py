@@ -1,11 +1,17 @@
 """JSON under limits, with no HTTP dependency: a nesting check that never recurses, parsing that refuses
-what is too deep (and ``NaN``), and compact UTF-8 output. The HTTP services and the tool-call parser use it."""
+what is too deep (and ``NaN``), and compact UTF-8 output. The HTTP services and the tool-call parser use it.
+
+Parsing tries msgspec first (a few times faster than ``json``; what it accepts it parses as ``json``
+does) and leaves to ``json.loads`` whatever it refuses, so the values and the errors are ``json``'s.
+Output stays ``json``'s (msgspec would write ``NaN`` as ``null``)."""
 from __future__ import annotations
 
 import itertools
 import json
 import re
 from typing import Any
+
+import msgspec
 
 #: deepest nesting of arrays and objects accepted in a JSON body (the protocol needs under 10 levels;
 #: the parser recurses once per level, so an unbounded depth would exhaust the stack)
@@ -50,6 +56,9 @@ _STRICT = json.JSONDecoder(parse_constant=_no_constant)
 _LAX = json.JSONDecoder()
 _COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 _COMPACT_ASCII = json.JSONEncoder(separators=(",", ":"))
+#: msgspec's decoder gives what json.loads gives for every text it accepts (RFC 8259 JSON in UTF-8); it
+#: refuses the rest (NaN, Infinity, numbers past a float, lone surrogate escapes, other encodings, a BOM)
+_MSGSPEC = msgspec.json.Decoder()
 
 
 def loads_json(raw: bytes | str, limit: int = MAX_JSON_DEPTH, strict: bool = True) -> Any:
@@ -61,6 +70,10 @@ def loads_json(raw: bytes | str, limit: int = MAX_JSON_DEPTH, strict: bool = Tru
     try:
         if isinstance(raw, str):
             return json.loads(raw, parse_constant=_no_constant) if strict else json.loads(raw)
+        try:  # msgspec first, several times faster; whatever it refuses, json.loads decides, as before
+            return _MSGSPEC.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+            pass
         # as json.loads does for bytes: UTF-8, -16 or -32 by the first bytes
         text = data.decode(json.detect_encoding(data), "surrogatepass")
         return (_STRICT if strict else _LAX).decode(text)

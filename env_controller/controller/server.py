@@ -75,6 +75,7 @@ from env_controller.http.service import (
     json_response,
     loads_json,
     read_json_object,
+    read_json_object_raw,
     session_id_from,
 )
 from env_controller.protocol import MalformedMessageError, SampleStatus, TaskReply, validate_assistant_messages
@@ -226,6 +227,17 @@ class _Aborted(Exception):
         super().__init__(reason)
         self.status = status
         self.reason = reason
+
+
+def _pass_through(raw: bytes, body: dict[str, Any], message: dict[str, Any], sid: int) -> bytes | None:
+    """The worker's interact body made from the trainer's bytes, not re-encoded: ``{"session_id": sid,`` and
+    the rest of the trainer's object, when that object holds only ``messages``, its message is already in
+    the normalized form, and its text is UTF-8 (as ``{`` first shows) without ``\\u`` escapes (which a
+    re-encoding writes as the characters, up to a third of the size); else None (the body is encoded anew)."""
+    start = len(raw) - len(raw.lstrip())
+    if len(body) != 1 or raw[start:start + 1] != b"{" or b"\\u" in raw or body["messages"][0] != message:
+        return None
+    return b'{"session_id":%d,%s' % (sid, raw[start + 1:])
 
 
 def _detail(raw: bytes) -> str:
@@ -658,7 +670,7 @@ class Controller(HttpService):
     async def _h_interact(self, request: web.Request) -> web.Response:
         t0 = _perf()
         sid = self._session_from_header(request)
-        body = await read_json_object(request)
+        body, raw = await read_json_object_raw(request)
         session = self.sessions.open.get(sid)
         if session is None:
             final = self.sessions.take_final(sid)
@@ -675,7 +687,9 @@ class Controller(HttpService):
             message = validate_assistant_messages(body["messages"])
         except MalformedMessageError as e:
             raise HttpError(400, str(e)) from None
-        data = dumps_json({"session_id": sid, "messages": [message]})
+        data = _pass_through(raw, body, message, sid)
+        if data is None:
+            data = dumps_json({"session_id": sid, "messages": [message]})
         self._check_forward_size(len(data), f"interact on session {sid}")
         worker = session.worker
         session.busy = True

@@ -225,6 +225,11 @@ async def read_body(request: web.Request | LiteRequest) -> bytes:
 
 async def read_json_object(request: web.Request | LiteRequest) -> dict[str, Any]:
     """The request body as a JSON object; :class:`HttpError` 400 saying what is wrong."""
+    return (await read_json_object_raw(request))[0]
+
+
+async def read_json_object_raw(request: web.Request | LiteRequest) -> tuple[dict[str, Any], bytes]:
+    """:func:`read_json_object`, and the body's bytes (for a handler that can pass them on as they are)."""
     raw = await read_body(request)
     if not raw:
         raise HttpError(400, f"{request.path}: empty request body; expected a JSON object")
@@ -234,7 +239,7 @@ async def read_json_object(request: web.Request | LiteRequest) -> dict[str, Any]
         raise HttpError(400, f"{request.path}: request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise HttpError(400, f"{request.path}: request body must be a JSON object, got {type(body).__name__}")
-    return body
+    return body, raw
 
 
 _DECIMAL = re.compile(r"-?[0-9]{1,30}")

@@ -234,3 +234,40 @@ def test_batched_metrics_equal_direct_observations() -> None:
     assert batched.child._sum.get() == pytest.approx(ref._sum.get())
     m.flush()  # nothing pending: no change
     assert [b.get() for b in batched.child._buckets] == got
+
+
+def test_interact_bodies_pass_through_when_already_normalized() -> None:
+    async def go() -> None:
+        async with cluster() as (controller, _, env):
+            sid, _ = await env.start_sample("echo", 0)
+            assert controller._http is not None
+            sent: list[bytes] = []
+            start = controller._http.start
+
+            def record(method, url, body, headers, timeout_s):  # type: ignore[no-untyped-def]
+                if url.endswith("/interact"):
+                    sent.append(body)
+                return start(method, url, body, headers, timeout_s)
+
+            controller._http.start = record  # type: ignore[method-assign]
+            normalized = {"role": "assistant", "content": "é",
+                          "tool_calls": [{"id": "c0", "type": "function",
+                                          "function": {"name": "echo", "arguments": "{\"text\": \"ü\"}"}}]}
+            cases = [
+                (json.dumps({"messages": [normalized]}, ensure_ascii=False).encode(), True, normalized),
+                (b'  {"messages": ' + json.dumps([normalized], ensure_ascii=False).encode() + b"}\n", True, normalized),
+                (json.dumps({"messages": [normalized]}).encode(), False, normalized),  # \u escapes: written as is
+                (json.dumps({"messages": [{**normalized, "content": None}]}).encode(), False,  # normalized anew
+                 {**normalized, "content": ""}),
+                (json.dumps({"messages": [normalized], "x": 1}).encode(), False, normalized),  # only messages goes
+            ]
+            for raw, passed, want in cases:
+                [(head, reply)] = await exchange(controller.port, post("/api/interact", raw, f"session_id: {sid}\r\n"))
+                assert head.startswith(b"HTTP/1.1 200") and json.loads(reply)["messages"][0]["content"] == "ü"
+                body = sent.pop()
+                if passed:
+                    assert body == b'{"session_id":%d,%s' % (int(sid), raw.lstrip()[1:])
+                else:
+                    assert b"\\u" not in body and json.loads(body) == {"session_id": int(sid), "messages": [want]}
+
+    run(go())

@@ -926,6 +926,9 @@ async def serve_controller(config: ControllerConfig) -> None:
     # the collector's full passes, which would otherwise stall every request for tens of ms
     gc.collect()
     gc.freeze()
+    # the request path allocates many short-lived objects, nearly all freed by reference counting: collect
+    # the youngest generation every 10,000 allocations net instead of 700 (a few % of the CPU per request)
+    gc.set_threshold(10_000, 10, 10)
     try:
         await wait_for_signal()
     finally:

@@ -275,6 +275,7 @@ class WorkerHttp:
         self._waiting: deque[_Call] = deque()  # calls waiting for a slot, oldest first
         self._targets: dict[str, Target] = {}
         self._heads: dict[tuple[str, str, tuple[tuple[str, str], ...]], bytes] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of its connections (one loop per client)
         self._closed = False
 
     def target(self, url: str) -> Target:
@@ -340,7 +341,7 @@ class WorkerHttp:
         call.has_slot = True
         conn = self._take_idle(call.key)
         if conn is None:
-            call.connecting = asyncio.get_running_loop().create_task(self._connect_for(call))
+            call.connecting = self._loop.create_task(self._connect_for(call))
             return
         try:
             call.send(conn)
@@ -375,7 +376,9 @@ class WorkerHttp:
             data = head + b"\r\n"
         else:
             data = b"".join((head, b"Content-Length: %d\r\n\r\n" % len(body), body))
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None or loop.is_closed():  # kept: asyncio.get_running_loop() costs a getpid() call each time
+            loop = self._loop = asyncio.get_running_loop()
         future: asyncio.Future[Response] = loop.create_future()
         call = _Call(self, future, t, data)
         call.timer = loop.call_later(timeout_s, call.expire)

@@ -136,12 +136,14 @@ class FastFront:
         self.conns: set[_FastConn] = set()
         self.handed_over = 0
         self._server: asyncio.AbstractServer | None = None
+        #: the event loop it serves on (kept: asyncio.get_running_loop() costs a getpid() call each time)
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self._sweeper: asyncio.TimerHandle | None = None
         self._closing = False
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: a free port); returns the bound port."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _FastConn(self), host, port, backlog=4096,
                                                 reuse_address=True)
         self._schedule_sweep()
@@ -149,7 +151,7 @@ class FastFront:
 
     def _schedule_sweep(self) -> None:
         every = max(0.05, min(5.0, self.idle_timeout_s / 4))
-        self._sweeper = asyncio.get_running_loop().call_later(every, self._sweep)
+        self._sweeper = self.loop.call_later(every, self._sweep)
 
     def _sweep(self) -> None:
         """Close keep-alive connections idle past ``idle_timeout_s`` (partial requests have timers of their own)."""
@@ -284,7 +286,7 @@ class _FastConn(asyncio.Protocol):
         self.buf = buf[total:]
         self.busy = True
         request = LiteRequest(method, path, headers, query, bytes(body), self)
-        self.task = asyncio.get_running_loop().create_task(self._serve(handler, request))
+        self.task = self.front.loop.create_task(self._serve(handler, request))
 
     def _parse_head(
         self, buf: bytes | bytearray, end: int
@@ -374,7 +376,7 @@ class _FastConn(asyncio.Protocol):
             protocol.data_received(bytes(data))
 
     def _arm(self, when_monotonic: float, callback: Callable[[], None]) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self.front.loop
         self.timer = loop.call_at(loop.time() + max(0.0, when_monotonic - time.monotonic()), callback)
 
     def _cancel_timer(self) -> None:

@@ -49,7 +49,6 @@ to the worker and the worker's HTTP layer (its time before and after its handler
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import re
 import time
@@ -918,17 +917,11 @@ class Controller(HttpService):
 
 async def serve_controller(config: ControllerConfig) -> None:
     """Run a controller until SIGINT/SIGTERM (the ``agentrl controller`` command)."""
-    from env_controller.http.service import wait_for_signal
+    from env_controller.http.service import settle_gc, wait_for_signal
 
     controller = Controller(config)
     await controller.start()
-    # what exists now (modules, classes, the app) lives as long as the process: keep it out of
-    # the collector's full passes, which would otherwise stall every request for tens of ms
-    gc.collect()
-    gc.freeze()
-    # the request path allocates many short-lived objects, nearly all freed by reference counting: collect
-    # the youngest generation every 10,000 allocations net instead of 700 (a few % of the CPU per request)
-    gc.set_threshold(10_000, 10, 10)
+    settle_gc()  # no full collector passes over the sessions while they are served
     try:
         await wait_for_signal()
     finally:

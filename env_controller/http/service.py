@@ -9,6 +9,7 @@ installed, and :class:`HttpService`, the lifecycle both servers share.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import re
 import resource
@@ -256,6 +257,17 @@ def session_id_from(value: Any, where: str) -> int:
     if value is None:
         raise HttpError(400, f"missing {where}: the integer session id returned by start_sample")
     raise HttpError(400, f"{where} must be an integer session id, got {value!r:.100}")
+
+
+def settle_gc() -> None:
+    """For a long-running server, once it is up: what exists now (modules, classes, the app) is kept out
+    of the collector's passes (``gc.freeze``), and the young generation is collected every 10,000
+    allocations net instead of 700, the oldest every 100 of those passes instead of 10. Nearly everything
+    a request allocates is freed by reference counting; the collector's full passes over thousands of
+    sessions would otherwise stall every request in flight for tens to hundreds of ms."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 100)
 
 
 def install_uvloop() -> bool:

@@ -83,6 +83,8 @@ logger = logging.getLogger(__name__)
 
 _perf = time.perf_counter
 _mono = time.monotonic
+#: a dead worker's sessions are ended this many at a time, the event loop serving requests between
+_END_SLICE = 256
 #: task names land in logs and metric labels: no control characters (no forged log lines), bounded length
 _TASK_NAME = re.compile(r"[^\x00-\x1f\x7f]{1,200}")
 
@@ -402,10 +404,10 @@ class Controller(HttpService):
         try:
             future = self._http.start(method, worker.address + api, data, worker.call_headers, timeout_s)
         except ConnectError as e:
-            self.metrics.worker_errors.labels(api, "connect").inc()
+            self.metrics.counter(self.metrics.worker_errors, api, "connect").inc()
             raise WorkerCallError("connect", f"cannot reach {worker.describe()}: {e}") from None
         except ValueError as e:  # an address that passed the heartbeat's check but no request can carry
-            self.metrics.worker_errors.labels(api, "connect").inc()
+            self.metrics.counter(self.metrics.worker_errors, api, "connect").inc()
             raise WorkerCallError("connect", f"cannot call {worker.describe()}: {e}") from None
         if session is not None:
             session.call = future
@@ -419,15 +421,15 @@ class Controller(HttpService):
                 raise
             raise _Aborted(*session.abort) from None
         except ConnectError as e:
-            self.metrics.worker_errors.labels(api, "connect").inc()
+            self.metrics.counter(self.metrics.worker_errors, api, "connect").inc()
             raise WorkerCallError("connect", f"cannot reach {worker.describe()}: {e}") from None
         except TimeoutError:
-            self.metrics.worker_errors.labels(api, "timeout").inc()
+            self.metrics.counter(self.metrics.worker_errors, api, "timeout").inc()
             raise WorkerCallError(
                 "timeout", f"{worker.describe()} did not answer {api} within {timeout_s:g} s"
             ) from None
         except OSError as e:
-            self.metrics.worker_errors.labels(api, "disconnect").inc()
+            self.metrics.counter(self.metrics.worker_errors, api, "disconnect").inc()
             raise WorkerCallError("disconnect", f"connection to {worker.describe()} lost during {api}: {e}") from None
         finally:
             if session is not None:
@@ -437,14 +439,14 @@ class Controller(HttpService):
         raw, status, worker_time = resp.body, resp.status, resp.headers.get("x-worker-time")
         self._call_seconds(api).observe(rtt)
         if status != 200:
-            self.metrics.worker_errors.labels(api, "http").inc()
+            self.metrics.counter(self.metrics.worker_errors, api, "http").inc()
             raise WorkerCallError(
                 "http", f"{worker.describe()} answered {api} with HTTP {status}: {_detail(raw)}", status
             )
         try:
             payload = loads_json(raw, strict=False) if raw else None
         except ValueError as e:
-            self.metrics.worker_errors.labels(api, "bad_reply").inc()
+            self.metrics.counter(self.metrics.worker_errors, api, "bad_reply").inc()
             raise WorkerCallError(
                 "bad_reply", f"{worker.describe()} answered {api} with bad JSON ({e}): {raw[:200]!r}"
             ) from None
@@ -520,7 +522,7 @@ class Controller(HttpService):
         status = status.value if isinstance(status, SampleStatus) else status
         if not self.sessions.remove(session, status, reason, final):
             return False
-        self.metrics.sessions_ended.labels(session.task, status).inc()
+        self.metrics.counter(self.metrics.sessions_ended, session.task, status).inc()
         if log and status == SampleStatus.TASK_ERROR.value:
             logger.warning(
                 "session %d (%s #%s) ended with task error: %s", session.id, session.task, session.index, reason
@@ -680,6 +682,8 @@ class Controller(HttpService):
             raise HttpError(
                 409, f"session {sid} is busy: its previous interact is not answered yet; send one interact at a time"
             )
+        if session.abort is not None:  # its worker was declared dead: being ended, it answers that now
+            return self._fail(session, *session.abort)
         if "messages" not in body:
             raise HttpError(400, "missing 'messages': a list holding the one assistant message of this turn")
         try:
@@ -874,32 +878,31 @@ class Controller(HttpService):
                 logger.exception("controller monitor step failed")
 
     def _worker_died(self, worker: Worker) -> None:
-        """End every session of a dead worker with ``task error``: abort calls in flight, park a final
-        reply for idle ones."""
+        """End every session of a dead worker with ``task error``: abort calls in flight now, mark every
+        session aborted (an interact on one answers the error at once), and end them in slices of
+        :data:`_END_SLICE` (idle ones with a parked final reply), the event loop serving between slices."""
         self.metrics.worker_deaths.labels(worker.name).inc()
         reason = f"{worker.describe()} declared dead: {worker.reason}"
-        n = 0
+        doomed: list[Session] = []
         for sid in list(worker.sessions):
             session = self.sessions.open.get(sid)
             if session is None:
                 worker.sessions.discard(sid)
                 continue
-            n += 1
             session.abort = (SampleStatus.TASK_ERROR, reason)
-            if session.busy:
-                if session.call is not None and not session.call.done():
-                    session.call.cancel()
-                self._end(session, SampleStatus.TASK_ERROR, reason, log=False)
-            else:
-                self._end(
-                    session,
-                    SampleStatus.TASK_ERROR,
-                    reason,
-                    final=final_reply(SampleStatus.TASK_ERROR, reason),
-                    log=False,
-                )
-        if n:
-            logger.error("%d session(s) of %s ended with task error", n, worker.describe())
+            if session.busy and session.call is not None and not session.call.done():
+                session.call.cancel()
+            doomed.append(session)
+        if doomed:
+            self._spawn(self._end_doomed(worker, doomed, reason))
+
+    async def _end_doomed(self, worker: Worker, doomed: list[Session], reason: str) -> None:
+        for i, session in enumerate(doomed):
+            if i and i % _END_SLICE == 0:
+                await asyncio.sleep(0)
+            final = None if session.busy else final_reply(SampleStatus.TASK_ERROR, reason)
+            self._end(session, SampleStatus.TASK_ERROR, reason, final=final, log=False)
+        logger.error("%d session(s) of %s ended with task error", len(doomed), worker.describe())
 
     def _gc_idle(self, now: float) -> None:
         limit = self.config.session_idle_timeout_s

@@ -295,7 +295,10 @@ class Controller(HttpService):
     async def start(self) -> int:
         """Bind and serve; start the monitor (heartbeat timeouts, idle GC, worker sync). Returns the port."""
         c = self.config
-        self._http = WorkerHttp(c.max_worker_connections, c.worker_keepalive_s, c.connect_timeout_s)
+        # a worker that refused a connection is not tried again for a second: a killed worker's thousands of
+        # sessions would each open one otherwise (its starts go elsewhere: it is suspect until it beats again)
+        self._http = WorkerHttp(c.max_worker_connections, c.worker_keepalive_s, c.connect_timeout_s,
+                                refused_for_s=1.0)
         try:
             self.port = await self._serve(c.host, c.port, "the controller")
         except BaseException:

@@ -265,9 +265,12 @@ class WorkerHttp:
     headers) is built once.
     """
 
-    def __init__(self, max_in_flight: int = 2048, keepalive_s: float = 3.0, connect_timeout_s: float = 5.0) -> None:
-        """See the class docstring."""
+    def __init__(self, max_in_flight: int = 2048, keepalive_s: float = 3.0, connect_timeout_s: float = 5.0,
+                 refused_for_s: float = 0.0) -> None:
+        """See the class docstring; ``refused_for_s``: after a connection to an address could not be
+        opened, calls to it fail at once (the same :class:`ConnectError`) for this long (0: never)."""
         self.keepalive_s = float(keepalive_s)
+        self.refused_for_s = float(refused_for_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self.max_in_flight = int(max_in_flight)
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
@@ -276,6 +279,8 @@ class WorkerHttp:
         self._targets: dict[str, Target] = {}
         self._heads: dict[tuple[str, str, tuple[tuple[str, str], ...]], bytes] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of its connections (one loop per client)
+        #: addresses a connection could not be opened to: until when calls to them fail at once, and why
+        self._refused: dict[tuple[str, int], tuple[float, str]] = {}
         self._closed = False
 
     def target(self, url: str) -> Target:
@@ -313,6 +318,8 @@ class WorkerHttp:
         try:
             conn = await self._connect(call.target)
         except ConnectError as e:
+            if self.refused_for_s > 0:
+                self._refused[call.key] = (time.monotonic() + self.refused_for_s, str(e))
             if not call.future.done():
                 call.future.set_exception(e)
             return
@@ -336,11 +343,18 @@ class WorkerHttp:
         return None
 
     def _begin(self, call: _Call) -> None:
-        """Take a slot for ``call`` and send it on an idle connection, or open one."""
+        """Take a slot for ``call`` and send it on an idle connection, or open one (or fail it at once when
+        opening one to that address failed less than ``refused_for_s`` ago)."""
         self._in_flight += 1
         call.has_slot = True
         conn = self._take_idle(call.key)
         if conn is None:
+            refused = self._refused.get(call.key)
+            if refused is not None:
+                if time.monotonic() < refused[0]:
+                    call.future.set_exception(ConnectError(refused[1]))
+                    return
+                del self._refused[call.key]
             call.connecting = self._loop.create_task(self._connect_for(call))
             return
         try:

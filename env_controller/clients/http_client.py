@@ -53,7 +53,8 @@ from env_controller.protocol import MalformedMessageError, TaskReply
 
 logger = logging.getLogger(__name__)
 
-#: idle pooled connections to the controller are closed after this long (below its --idle-timeout, 75 s)
+#: idle pooled connections to the controller are closed after this long (below its --idle-timeout, 75 s;
+#: longer when it announces a longer one)
 _KEEPALIVE_S = 30.0
 
 #: a connection to the controller could not be opened (refused, or not within connect_timeout_s)

@@ -74,6 +74,18 @@ def parse_url(url: str) -> Target:
     return Target(host, port, path, host_header)
 
 
+def _keepalive_timeout(hint: str) -> float | None:
+    """The ``timeout=N`` of a ``Keep-Alive`` header, in seconds (None when absent or malformed)."""
+    for part in hint.split(","):
+        name, _, value = part.strip().partition("=")
+        if name.strip().lower() == "timeout":
+            try:
+                return float(value.strip())
+            except ValueError:
+                return None
+    return None
+
+
 class _Conn(asyncio.Protocol):
     """One keep-alive connection; parses one reply at a time into ``self.waiter``."""
 
@@ -84,6 +96,8 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.reusable = True
         self.idle_since = time.monotonic()
+        #: how long the server keeps this connection idle, as its ``Keep-Alive: timeout=N`` says (None: unsaid)
+        self.server_keepalive_s: float | None = None
         self._head: tuple[int, dict[str, str]] | None = None
         self._body_start = 0
 
@@ -142,6 +156,9 @@ class _Conn(asyncio.Protocol):
                 continue
             self._head = (status, headers)
             self._body_start = end + 4
+            hint = headers.get("keep-alive")
+            if hint is not None:
+                self.server_keepalive_s = _keepalive_timeout(hint)
             connection = headers.get("connection", "").lower()
             self.reusable = (version == "HTTP/1.1" and connection != "close") or connection == "keep-alive"
             if status in (204, 304):
@@ -202,6 +219,10 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
 
+#: the longest a connection stays pooled idle, whatever its server's Keep-Alive says
+MAX_KEEPALIVE_S = 60.0
+
+
 class _Call:
     """One request in flight: its reply future, its slot, its connection, its deadline."""
 
@@ -258,7 +279,10 @@ class WorkerHttp:
     """Pooled keep-alive HTTP/1.1 connections to many ``host:port`` pairs.
 
     ``max_in_flight`` bounds concurrent requests (and so open connections); idle connections
-    are closed after ``keepalive_s`` (keep it below the servers' own keep-alive timeout).
+    are closed after ``keepalive_s`` (keep it below the servers' own keep-alive timeout), or a second
+    before the timeout their server announces in ``Keep-Alive: timeout=N`` when that is longer (the fast
+    front announces its idle timeout: our workers' and controller's connections stay pooled, stock
+    AgentRL workers' (uvicorn, 5 s, unannounced) close after ``keepalive_s``).
 
     A request is a future driven by callbacks (:meth:`start`): no task, timeout scope or lock per
     call; only opening a connection runs as a task. The request head of each (method, URL,
@@ -332,12 +356,21 @@ class WorkerHttp:
         except Exception as e:  # noqa: BLE001 - a transport that broke at once
             call.future.set_exception(Disconnected(f"{type(e).__name__}: {e}"))
 
+    def _keepalive(self, conn: _Conn) -> float:
+        """How long ``conn`` may stay idle: ``keepalive_s``, or, when its server says it keeps connections
+        longer (``Keep-Alive: timeout=N``, as the fast front says), up to a second short of that (at most
+        :data:`MAX_KEEPALIVE_S`)."""
+        hint = conn.server_keepalive_s
+        if hint is None or hint - 1.0 <= self.keepalive_s:
+            return self.keepalive_s
+        return min(hint - 1.0, MAX_KEEPALIVE_S)
+
     def _take_idle(self, key: tuple[str, int]) -> _Conn | None:
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < self.keepalive_s:
+            if not conn.closed and now - conn.idle_since < self._keepalive(conn):
                 return conn
             conn.close()
         return None
@@ -421,7 +454,7 @@ class WorkerHttp:
         for key, idle in list(self._idle.items()):
             keep = []
             for conn in idle:
-                if conn.closed or now - conn.idle_since >= self.keepalive_s:
+                if conn.closed or now - conn.idle_since >= self._keepalive(conn):
                     conn.close()
                     n += 1
                 else:

@@ -95,8 +95,9 @@ FastHandler = Callable[[LiteRequest], Awaitable[web.Response]]
 GoneHandler = Callable[[str, str, str | None, int, str], web.Response | None]
 
 
-def serialize(response: web.Response, close: bool = False) -> bytes:
-    """The bytes of ``response`` (status line, its headers, Content-Length, the body)."""
+def serialize(response: web.Response, close: bool = False, keepalive_s: float | None = None) -> bytes:
+    """The bytes of ``response`` (status line, its headers, Content-Length, the body); ``keepalive_s``:
+    announced as ``Keep-Alive: timeout=N`` (how long an idle connection is kept), unless ``close``."""
     body = response.body
     if not isinstance(body, (bytes, bytearray)):
         body = b"" if body is None else bytes(body)
@@ -107,6 +108,8 @@ def serialize(response: web.Response, close: bool = False) -> bytes:
     parts.append(f"Content-Length: {len(body)}\r\n")
     if close:
         parts.append("Connection: close\r\n")
+    elif keepalive_s is not None:
+        parts.append(f"Keep-Alive: timeout={int(keepalive_s)}\r\n")
     parts.append("\r\n")
     return "".join(parts).encode("latin-1") + body
 
@@ -344,7 +347,7 @@ class _FastConn(asyncio.Protocol):
         if self.closed:
             return
         close = self._close_after
-        self.transport.write(serialize(response, close))  # type: ignore[union-attr]
+        self.transport.write(serialize(response, close, self.front.idle_timeout_s))  # type: ignore[union-attr]
         self.idle_since = time.monotonic()
         if close:
             self.close()

@@ -69,6 +69,11 @@ def test_plain_requests_stay_on_the_fast_path_and_pipelined_ones_answer_in_order
             assert replies[0][0].startswith(b"HTTP/1.1 200 OK\r\n")
             assert b"x-controller-overhead-ms: " in replies[0][0]
             assert b"Content-Type: application/json; charset=utf-8" in replies[0][0]
+            assert b"Keep-Alive: timeout=%d\r\n" % int(controller.idle_timeout_s) in replies[0][0]
+            # so the controller keeps its connections to our workers pooled longer than its 3 s default
+            assert controller._http is not None
+            conns = [c for idle in controller._http._idle.values() for c in idle]
+            assert conns and all(controller._http._keepalive(c) > controller.config.worker_keepalive_s for c in conns)
             assert json.loads(replies[2][1])["status"] == "ok"
             assert front.handed_over == 0 and workers[0]._front is not None and workers[0]._front.handed_over == 0
             # the worker's own API on its fast path too

@@ -34,6 +34,8 @@ setup(
         # env_controller: asyncio HTTP (controller, worker server, client) and Prometheus metrics
         "aiohttp==3.14.5",
         "prometheus_client==0.26.0",
+        # env_controller.http.json_io: JSON parsing on the controller's hot path (SGLang needs it too)
+        "msgspec==0.22.0",
         "uvloop==0.23.0; sys_platform != 'win32'",
         # env_controller sandboxes and the db task: the Docker SDK and a MySQL/MariaDB client
         "docker==7.2.0",
@@ -45,8 +47,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]==2.20.2", "nvidia-ml-py==13.615.71"],
         "sglang": ["sglang==0.5.23"],
         # agentrl-worker: the AgentRL task-worker package, for the controller compatibility test
-        # msgspec: to run SGLang's own generated request decoder (api/v1) from its wheel in the tests
-        "dev": ["pytest==9.2.0", "agentrl-worker==0.4.0", "import-linter==2.16", "ruff==0.17.6", "msgspec==0.22.0",
+        "dev": ["pytest==9.2.0", "agentrl-worker==0.4.0", "import-linter==2.16", "ruff==0.17.6",
                 # hypothesis: property tests of the tool-call parsers; schemathesis: the HTTP APIs fuzzed from their
                 # OpenAPI description
                 "hypothesis==6.170.17", "schemathesis==4.32.5",

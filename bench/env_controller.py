@@ -27,7 +27,9 @@ adds the network stack both ways and this driver's own event-loop delays.
     .venv/bin/python bench/env_controller.py --smoke            # seconds: 24 sessions, 2 workers
 
 The controller's CPU per request (user + system seconds of its process over the run, from
-``/proc/<pid>/stat``, divided by the trainer's requests) is in the table and the JSON.
+``/proc/<pid>/stat``, divided by the trainer's requests) is in the table and the JSON, and beside it,
+counted apart, that of the fake workers (which run in a process group of their own; the killed one
+counted up to its kill) and that of this driver (its own process time): all share the machine's cores.
 
 Prints a table, writes ``bench/results/env_controller.json`` (``--out``; with ``--smoke``
 ``env_controller_smoke.json``); the last line is ``env_lost_sessions: <n>``.
@@ -165,11 +167,12 @@ class Procs:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.files: list[Any] = []
 
-    def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def spawn(self, name: str, args: list[str], process_group: int | None = None) -> subprocess.Popen[bytes]:
+        """Start ``env_controller.cli args``; ``process_group``: 0 for a new group, a pgid to join one."""
         log = open(self.log_dir / f"{name}.log", "wb")
         self.files.append(log)
         cmd = [sys.executable, "-m", "env_controller.cli", *args]
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log, process_group=process_group)
         self.procs.append(proc)
         return proc
 
@@ -232,6 +235,7 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     worker_task: list[str] = []
     worker_procs: list[subprocess.Popen[bytes]] = []
     worker_ports: list[int] = []
+    worker_group = 0  # the workers get a process group of their own (the first worker's pid), apart
     for i in range(args.workers):
         task = tasks[i % len(tasks)]
         concurrency = math.ceil(sessions_per_task[task] / per_task[task] * 1.25) + 8
@@ -240,7 +244,8 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
             "worker", "--task", task, "--controller", url, "--port", str(port), "--concurrency", str(concurrency),
             "--heartbeat-interval", str(args.heartbeat_interval), "--latency-ms", str(args.latency_ms),
             "--log-level", "WARNING",
-        ]))
+        ], process_group=worker_group))
+        worker_group = worker_group or worker_procs[0].pid
         worker_task.append(task)
         worker_ports.append(port)
     victim = next(i for i, t in enumerate(worker_task) if per_task[t] >= 2)  # its task has a survivor
@@ -273,6 +278,7 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     open_now = 0
     peak_open = 0
     kill_time: list[float] = []
+    victim_cpu: list[float] = []  # the killed worker's CPU seconds just before the kill
     t_origin = time.monotonic()
 
     def note_start() -> None:
@@ -327,12 +333,15 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     async def killer() -> None:
         await asyncio.wait_for(all_started.wait(), args.ramp_s + 120)
         await asyncio.sleep(args.kill_after_s)
+        victim_cpu.append(cpu_seconds(worker_procs[victim].pid))
         worker_procs[victim].send_signal(signal.SIGKILL)
         kill_time.append(time.monotonic())
         logger.info("killed worker %d (%s) at t=%.1f s", victim, worker_task[victim], kill_time[0] - t_origin)
 
     controller_pid = procs.procs[0].pid
     cpu0, load0, psi0 = cpu_seconds(controller_pid), loadavg(), cpu_pressure()
+    workers_cpu0 = [cpu_seconds(p.pid) for p in worker_procs]
+    driver_cpu0 = time.process_time()
     runs = [asyncio.ensure_future(episode(i)) for i in range(args.sessions)]
     kill_task = asyncio.ensure_future(killer())
     done, pending = await asyncio.wait(runs, timeout=args.deadline_s)
@@ -343,6 +352,11 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     kill_task.cancel()
     wall = time.monotonic() - t_origin
     controller_cpu, load1, psi1 = cpu_seconds(controller_pid) - cpu0, loadavg(), cpu_pressure()
+    driver_cpu = time.process_time() - driver_cpu0
+    workers_cpu = sum(
+        (victim_cpu[0] if i == victim and victim_cpu else cpu_seconds(p.pid)) - c0
+        for i, (p, c0) in enumerate(zip(worker_procs, workers_cpu0))
+    )
 
     # which sessions were on the killed worker: the controller's ended table is not exposed, so ask
     # the surviving workers' view instead: a failed session whose reason names the victim's address
@@ -367,6 +381,7 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     ov = stats.overhead_ms
     cl = stats.client_ms
     interacts = len(ov["interact"])
+    requests = max(1, sum(stats.status_codes.values()))
     return {
         "config": {k: v for k, v in vars(args).items()},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
@@ -374,7 +389,12 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
                     "cpu_pressure_avg60_pct_before": psi0, "cpu_pressure_avg60_pct_after": psi1},
         "controller_cpu": {"seconds": round(controller_cpu, 2), "share_of_one_core": round(controller_cpu / wall, 3),
                            "requests": sum(stats.status_codes.values()),
-                           "us_per_request": round(1e6 * controller_cpu / max(1, sum(stats.status_codes.values())), 1)},
+                           "us_per_request": round(1e6 * controller_cpu / requests, 1)},
+        # the fake workers (their own process group) and this driver, counted apart from the controller
+        "workers_cpu": {"seconds": round(workers_cpu, 2), "share_of_one_core": round(workers_cpu / wall, 3),
+                        "us_per_request": round(1e6 * workers_cpu / requests, 1), "process_group": worker_group},
+        "driver_cpu": {"seconds": round(driver_cpu, 2), "share_of_one_core": round(driver_cpu / wall, 3),
+                       "us_per_request": round(1e6 * driver_cpu / requests, 1)},
         "wall_s": round(wall, 2),
         "sessions": {
             "planned": args.sessions,
@@ -462,6 +482,14 @@ def print_table(r: dict[str, Any]) -> None:
         (
             "controller CPU: share of a core, us per request",
             f"{r['controller_cpu']['share_of_one_core']}, {r['controller_cpu']['us_per_request']}",
+        ),
+        (
+            "fake workers' CPU (own process group), share, us per request",
+            f"{r['workers_cpu']['share_of_one_core']}, {r['workers_cpu']['us_per_request']}",
+        ),
+        (
+            "driver's CPU (this process), share, us per request",
+            f"{r['driver_cpu']['share_of_one_core']}, {r['driver_cpu']['us_per_request']}",
         ),
         ("interacts (rate/s)", f"{r['interacts']} ({r['interact_rate_per_s']})"),
         ("worker latency (simulated), ms", f"{c['latency_ms']} x U(0.5, 1.5)"),

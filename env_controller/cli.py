@@ -252,7 +252,7 @@ def controller(args: argparse.Namespace) -> int:
 def worker(args: argparse.Namespace) -> int:
     """Run a task worker until SIGINT/SIGTERM (``agentrl worker``)."""
     from env_controller.http.auth import check_bind
-    from env_controller.http.service import wait_for_signal
+    from env_controller.http.service import settle_gc, wait_for_signal
     from env_controller.worker.server import WorkerServer
 
     _setup_logging(args.log_level)
@@ -279,6 +279,7 @@ def worker(args: argparse.Namespace) -> int:
     async def run() -> None:
         try:
             await server.start()
+            settle_gc()  # as the controller: no full collector passes over the sessions while they are served
             try:
                 await wait_for_signal()
             finally:

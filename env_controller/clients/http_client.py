@@ -1,4 +1,8 @@
-"""The trainer-side client of the environment controller (asyncio, aiohttp).
+"""The trainer-side client of the environment controller (asyncio).
+
+Calls to an ``http://`` controller go through the small pooled HTTP/1.1 client the controller uses for
+its worker calls (:mod:`env_controller.controller.worker_http`: a third of aiohttp's CPU per call);
+an ``https://`` controller is called through aiohttp's client.
 
 :class:`HttpEnvClient` implements the agent loop's ``EnvClient`` protocol over HTTP, exactly as
 :class:`~env_controller.clients.local.LocalEnvClient` does in process::
@@ -36,16 +40,22 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 import aiohttp
 
 from env_controller.clients.local import UnknownSessionError
+from env_controller.controller.worker_http import ConnectError, Disconnected, WorkerHttp, parse_url
 from env_controller.http.auth import TOKEN_ENV, TRAINER_TOKEN_ENV, pick_token, resolve_token
 from env_controller.http.json_io import dumps_json, loads_json
 from env_controller.http.service import SESSION_HEADER, base_api_url
 from env_controller.protocol import MalformedMessageError, TaskReply
 
 logger = logging.getLogger(__name__)
+
+#: idle pooled connections to the controller are closed after this long (below its --idle-timeout, 75 s;
+#: longer when it announces a longer one)
+_KEEPALIVE_S = 30.0
 
 #: a connection to the controller could not be opened (refused, or not within connect_timeout_s)
 _CONNECT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientConnectorError,) + tuple(
@@ -169,6 +179,15 @@ class HttpEnvClient:
         self.outages = 0  # outages seen (both kinds), for tests and reports
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # start, interact, cancel and the views go through the controller's own lean HTTP/1.1 client
+        # (a third of aiohttp's CPU per call) when the URL is plain http://; aiohttp otherwise
+        self._lean: WorkerHttp | None = None
+        self._lean_loop: asyncio.AbstractEventLoop | None = None
+        try:
+            parse_url(self.url)
+            self._lean_ok = True
+        except ValueError:
+            self._lean_ok = False
         self._headers = {"Content-Type": "application/json"}
         if self.token:
             self._headers["Authorization"] = f"Bearer {self.token}"
@@ -200,6 +219,9 @@ class HttpEnvClient:
     ) -> tuple[int, Any, Mapping[str, str]]:
         """One HTTP attempt: (status, parsed JSON or text, headers); :class:`_NoReply` when the
         connection could not be opened or broke before a reply, :class:`EnvTimeoutError` past ``limit``."""
+        lean = self._lean_client()
+        if lean is not None:
+            return await self._send_lean(lean, endpoint, method, data, headers, params, limit)
         timeout = aiohttp.ClientTimeout(total=limit, sock_connect=self.connect_timeout_s)
         t0 = time.perf_counter()
         try:
@@ -226,6 +248,53 @@ class HttpEnvClient:
         except ValueError:
             payload = raw.decode(errors="replace")
         return status, payload, resp_headers
+
+    def _lean_client(self) -> WorkerHttp | None:
+        """The pooled HTTP/1.1 client of the controller's worker calls, for an ``http://`` controller (None
+        for ``https://``, which aiohttp serves); one per event loop."""
+        if not self._lean_ok:
+            return None
+        loop = asyncio.get_running_loop()
+        if self._lean is None or self._lean_loop is not loop:
+            self._lean = WorkerHttp(max_in_flight=self.max_connections, keepalive_s=_KEEPALIVE_S,
+                                    connect_timeout_s=self.connect_timeout_s)
+            self._lean_loop = loop
+        return self._lean
+
+    async def _send_lean(
+        self,
+        lean: WorkerHttp,
+        endpoint: str,
+        method: str,
+        data: bytes | None,
+        headers: Mapping[str, str],
+        params: dict[str, str] | None,
+        limit: float,
+    ) -> tuple[int, Any, Mapping[str, str]]:
+        """:meth:`_send` over the lean client (same errors, headers case-insensitive as aiohttp's)."""
+        url = f"{self.url}/{endpoint}" + (f"?{urlencode(params)}" if params else "")
+        t0 = time.perf_counter()
+        try:
+            resp = await lean.request(method, url, data, headers, limit)
+        except ConnectError as e:  # never reached the controller: safe to retry
+            raise _NoReply(f"cannot connect: {e}", sent=False) from None
+        except TimeoutError:
+            raise EnvTimeoutError(0, f"{endpoint}: no reply from the controller within {limit:g} s") from None
+        except Disconnected as e:
+            raise _NoReply(f"connection lost: {type(e).__name__}: {e}", sent=True) from None
+        except OSError as e:
+            raise EnvControllerError(
+                0, f"{endpoint}: connection to the controller lost: {type(e).__name__}: {e}"
+            ) from None
+        resp_headers = _Headers(resp.headers)
+        if self.observer is not None:
+            self.observer(endpoint, time.perf_counter() - t0, resp.status, resp_headers)
+        raw = resp.body
+        try:
+            payload: Any = loads_json(raw, strict=False) if raw else None
+        except ValueError:
+            payload = raw.decode(errors="replace")
+        return resp.status, payload, resp_headers
 
     async def _request(
         self,
@@ -474,10 +543,14 @@ class HttpEnvClient:
         return await self._get("health")
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pools."""
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
+        if self._lean is not None:
+            lean, self._lean = self._lean, None
+            if self._lean_loop is asyncio.get_running_loop():
+                await lean.close()
 
     async def __aenter__(self) -> "HttpEnvClient":
         """``async with HttpEnvClient(url) as env:``."""
@@ -486,6 +559,20 @@ class HttpEnvClient:
     async def __aexit__(self, *exc: Any) -> None:
         """Close the pool."""
         await self.aclose()
+
+
+class _Headers(dict[str, str]):
+    """A reply's headers (names lower-cased) read case-insensitively, as aiohttp's."""
+
+    def __getitem__(self, name: str) -> str:
+        return super().__getitem__(name.lower())
+
+    def __contains__(self, name: object) -> bool:
+        return super().__contains__(name.lower() if isinstance(name, str) else name)
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        """The value of header ``name`` (any case), or ``default``."""
+        return super().get(name.lower(), default)
 
 
 class _NoReply(Exception):

@@ -1,11 +1,15 @@
 """Prometheus metrics of the controller, served at ``/metrics`` (one registry per controller).
 
-Counters and histograms are updated on the request path; gauges (open sessions, workers by state)
-are read from the controller's tables at scrape time.
+Counters and histograms are updated on the request path, the busy ones in batches
+(:class:`BatchedHistogram`, :class:`BatchedCounter`: plain numbers on the request path, folded into
+the Prometheus series at each scrape and each tick of the controller's monitor); gauges (open sessions,
+workers by state) are read from the controller's tables at scrape time.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -40,6 +44,64 @@ class _TableCollector(Collector):
         for (task, state), n in sorted(self._workers().items()):
             w.add_metric([task, state], n)
         yield w
+
+
+class BatchedHistogram:
+    """Observations for one Prometheus histogram child, kept as bucket counts and a sum until :meth:`flush`
+    adds them to it (what the child's own ``observe`` does per call, with a lock, in one step).
+
+    Only for use from one thread (the controller's event loop)."""
+
+    __slots__ = ("child", "bounds", "counts", "total", "pending")
+
+    def __init__(self, child: Any) -> None:
+        """``child``: a labelled ``prometheus_client.Histogram`` (its bucket bounds end with +Inf)."""
+        self.child = child
+        self.bounds = list(child._upper_bounds)
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
+        self.pending = False
+
+    def observe(self, amount: float) -> None:
+        """Record one observation (as ``Histogram.observe``: the first bucket whose bound is >= it)."""
+        i = bisect_left(self.bounds, amount)
+        self.counts[min(i, len(self.counts) - 1)] += 1
+        self.total += amount
+        self.pending = True
+
+    def flush(self) -> None:
+        """Add what was recorded to the Prometheus child."""
+        if not self.pending:
+            return
+        buckets = self.child._buckets
+        for i, n in enumerate(self.counts):
+            if n:
+                buckets[i].inc(n)
+                self.counts[i] = 0
+        self.child._sum.inc(self.total)
+        self.total = 0.0
+        self.pending = False
+
+
+class BatchedCounter:
+    """Increments of one Prometheus counter child, added to it at :meth:`flush` (one thread only)."""
+
+    __slots__ = ("child", "n")
+
+    def __init__(self, child: Any) -> None:
+        """``child``: a labelled ``prometheus_client.Counter``."""
+        self.child = child
+        self.n = 0
+
+    def inc(self) -> None:
+        """Count one."""
+        self.n += 1
+
+    def flush(self) -> None:
+        """Add what was counted to the Prometheus child."""
+        if self.n:
+            self.child.inc(self.n)
+            self.n = 0
 
 
 class ControllerMetrics:
@@ -86,10 +148,33 @@ class ControllerMetrics:
             "agentrl_controller_worker_errors", "Failed controller -> worker calls by kind", ["api", "kind"], registry=r
         )
         r.register(_TableCollector(sessions, workers))
+        self._batched: dict[tuple[Any, tuple[str, ...]], BatchedHistogram | BatchedCounter] = {}
         # label children looked up once (the hot path skips the labels() dict lookup)
-        self.overhead_interact = self.overhead_seconds.labels("interact")
-        self.overhead_start = self.overhead_seconds.labels("start_sample")
+        self.overhead_interact = self.histogram(self.overhead_seconds, "interact")
+        self.overhead_start = self.histogram(self.overhead_seconds, "start_sample")
+
+    def histogram(self, metric: Histogram, *labels: str) -> BatchedHistogram:
+        """The batched child of ``metric`` for ``labels`` (made once, then the same object)."""
+        key = (metric, labels)
+        b = self._batched.get(key)
+        if b is None:
+            b = self._batched[key] = BatchedHistogram(metric.labels(*labels))
+        return b  # type: ignore[return-value]
+
+    def counter(self, metric: Counter, *labels: str) -> BatchedCounter:
+        """The batched child of ``metric`` for ``labels`` (made once, then the same object)."""
+        key = (metric, labels)
+        b = self._batched.get(key)
+        if b is None:
+            b = self._batched[key] = BatchedCounter(metric.labels(*labels))
+        return b  # type: ignore[return-value]
+
+    def flush(self) -> None:
+        """Fold every batched observation into the Prometheus series."""
+        for b in self._batched.values():
+            b.flush()
 
     def render(self) -> bytes:
-        """The text exposition format."""
+        """The text exposition format (batched observations folded in first)."""
+        self.flush()
         return generate_latest(self.registry)

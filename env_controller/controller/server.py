@@ -1,8 +1,10 @@
 """The environment controller: one asyncio HTTP server between the trainer and many task workers.
 
 Wire-compatible with the AgentBench-FC / AgentRL task-worker protocol (DESIGN.md, "Env
-protocol"). The server is aiohttp; calls to workers go through the small pooled HTTP/1.1 client
-of :mod:`~env_controller.controller.worker_http`. Workers register with heartbeats
+protocol"). The app is aiohttp's, served behind :mod:`~env_controller.http.fast` (plain requests
+are parsed and answered there, every other one by aiohttp); calls to workers go through the small
+pooled HTTP/1.1 client of :mod:`~env_controller.controller.worker_http` (a future per call, driven by
+callbacks). The hot path is described in docs/environments.md ("The hot path"). Workers register with heartbeats
 (:mod:`~env_controller.controller.registry`); the trainer starts, drives and cancels sessions
 (:mod:`~env_controller.controller.sessions`); every start goes to the least-loaded alive worker of the task.
 
@@ -47,7 +49,6 @@ to the worker and the worker's HTTP layer (its time before and after its handler
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import re
 import time
@@ -73,6 +74,7 @@ from env_controller.http.service import (
     json_response,
     loads_json,
     read_json_object,
+    read_json_object_raw,
     session_id_from,
 )
 from env_controller.protocol import MalformedMessageError, SampleStatus, TaskReply, validate_assistant_messages
@@ -81,6 +83,8 @@ logger = logging.getLogger(__name__)
 
 _perf = time.perf_counter
 _mono = time.monotonic
+#: a dead worker's sessions are ended this many at a time, the event loop serving requests between
+_END_SLICE = 256
 #: task names land in logs and metric labels: no control characters (no forged log lines), bounded length
 _TASK_NAME = re.compile(r"[^\x00-\x1f\x7f]{1,200}")
 
@@ -117,6 +121,8 @@ class ControllerConfig:
         below the workers' own keep-alive timeout (uvicorn, which AgentRL workers use: 5 s) so that
         the controller never sends a request on a connection the worker is closing.
     remember_ended: ended sessions remembered for error messages and late final replies.
+    fast_front: serve plain requests through the fast front (:mod:`env_controller.http.fast`); False
+        has aiohttp serve every request, as before it (the same replies, at about twice the CPU).
     """
 
     host: str = "127.0.0.1"
@@ -140,6 +146,7 @@ class ControllerConfig:
     idle_timeout_s: float = IDLE_TIMEOUT_S
     max_forward_bytes: int = MAX_BODY_BYTES
     remember_ended: int = 50_000
+    fast_front: bool = True
 
     def __post_init__(self) -> None:
         """Check every value; ValueError naming the bad one (never a token's value)."""
@@ -223,6 +230,17 @@ class _Aborted(Exception):
         self.reason = reason
 
 
+def _pass_through(raw: bytes, body: dict[str, Any], message: dict[str, Any], sid: int) -> bytes | None:
+    """The worker's interact body made from the trainer's bytes, not re-encoded: ``{"session_id": sid,`` and
+    the rest of the trainer's object, when that object holds only ``messages``, its message is already in
+    the normalized form, and its text is UTF-8 (as ``{`` first shows) without ``\\u`` escapes (which a
+    re-encoding writes as the characters, up to a third of the size); else None (the body is encoded anew)."""
+    start = len(raw) - len(raw.lstrip())
+    if len(body) != 1 or raw[start:start + 1] != b"{" or b"\\u" in raw or body["messages"][0] != message:
+        return None
+    return b'{"session_id":%d,%s' % (sid, raw[start + 1:])
+
+
 def _detail(raw: bytes) -> str:
     """The error text of a worker reply (FastAPI ``detail``, our ``error``, or the raw text)."""
     text = raw[:2000].decode(errors="replace")
@@ -260,7 +278,7 @@ class Controller(HttpService):
         super().__init__(
             c.credentials(), self._routes(), body_timeout_s=c.body_timeout_s, idle_timeout_s=c.idle_timeout_s,
             auth_hint=f"the controller's --trainer-token / --worker-token / --token; ${TRAINER_TOKEN_ENV}",
-            on_rejected=self._count_rejected,
+            on_rejected=self._count_rejected, fast=c.fast_front,
         )
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -277,7 +295,10 @@ class Controller(HttpService):
     async def start(self) -> int:
         """Bind and serve; start the monitor (heartbeat timeouts, idle GC, worker sync). Returns the port."""
         c = self.config
-        self._http = WorkerHttp(c.max_worker_connections, c.worker_keepalive_s, c.connect_timeout_s)
+        # a worker that refused a connection is not tried again for a second: a killed worker's thousands of
+        # sessions would each open one otherwise (its starts go elsewhere: it is suspect until it beats again)
+        self._http = WorkerHttp(c.max_worker_connections, c.worker_keepalive_s, c.connect_timeout_s,
+                                refused_for_s=1.0)
         try:
             self.port = await self._serve(c.host, c.port, "the controller")
         except BaseException:
@@ -339,15 +360,14 @@ class Controller(HttpService):
         return [(method, path, self._instrument(endpoint, handler), role)
                 for method, path, endpoint, handler, role in routes]
 
-    def _count_rejected(self, request: web.Request, status: int) -> None:
-        """Count a request refused before its handler ran (401 / 403 credentials; 404 / 405 as "unknown")."""
-        resource = request.match_info.route.resource
-        path = resource.canonical if resource is not None else ""
-        self.metrics.requests.labels(self._endpoints.get((request.method, path), "unknown"), str(status)).inc()
+    def _count_rejected(self, method: str, path: str, status: int) -> None:
+        """Count a request refused before its handler ran (401 / 403 credentials; 404 / 405 as "unknown"; a
+        body that did not arrive on the fast path under its endpoint)."""
+        self.metrics.requests.labels(self._endpoints.get((method, path), "unknown"), str(status)).inc()
 
     def _instrument(self, endpoint: str, handler: Any) -> Any:
-        seconds = self.metrics.request_seconds.labels(endpoint)
-        ok = self.metrics.requests.labels(endpoint, "200")
+        seconds = self.metrics.histogram(self.metrics.request_seconds, endpoint)
+        ok = self.metrics.counter(self.metrics.requests, endpoint, "200")
         requests = self.metrics.requests
 
         async def wrapped(request: web.Request) -> web.StreamResponse:
@@ -370,46 +390,66 @@ class Controller(HttpService):
     # -- calls to workers ------------------------------------------------------------------------
 
     async def call_worker(
-        self, worker: Worker, api: str, body: dict[str, Any] | bytes | None, timeout_s: float, method: str = "POST"
+        self, worker: Worker, api: str, body: dict[str, Any] | bytes | None, timeout_s: float, method: str = "POST",
+        session: Session | None = None,
     ) -> WorkerReply:
         """Call ``worker.address + api`` with ``body`` (an object, or its JSON already encoded);
         returns the parsed JSON reply and its timings.
 
         The worker's own time is its ``x-worker-time`` header when present, else the round trip.
-        Raises :class:`WorkerCallError`.
+        Raises :class:`WorkerCallError`. With a ``session``, the call in flight is ``session.call``
+        (a future): cancelling it after setting ``session.abort`` makes this raise :class:`_Aborted`.
         """
         if self._http is None:
             raise WorkerCallError("connect", "the controller is not started")
         data = body if isinstance(body, bytes) or body is None else dumps_json(body)
         t0 = _perf()
         try:
-            resp = await self._http.request(method, worker.address + api, data, worker.call_headers, timeout_s)
+            future = self._http.start(method, worker.address + api, data, worker.call_headers, timeout_s)
         except ConnectError as e:
-            self.metrics.worker_errors.labels(api, "connect").inc()
+            self.metrics.counter(self.metrics.worker_errors, api, "connect").inc()
             raise WorkerCallError("connect", f"cannot reach {worker.describe()}: {e}") from None
         except ValueError as e:  # an address that passed the heartbeat's check but no request can carry
-            self.metrics.worker_errors.labels(api, "connect").inc()
+            self.metrics.counter(self.metrics.worker_errors, api, "connect").inc()
             raise WorkerCallError("connect", f"cannot call {worker.describe()}: {e}") from None
+        if session is not None:
+            session.call = future
+        try:
+            resp = await future
+        except asyncio.CancelledError:
+            if session is None or session.abort is None or not future.cancelled():
+                raise
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():  # this handler itself is being cancelled
+                raise
+            raise _Aborted(*session.abort) from None
+        except ConnectError as e:
+            self.metrics.counter(self.metrics.worker_errors, api, "connect").inc()
+            raise WorkerCallError("connect", f"cannot reach {worker.describe()}: {e}") from None
         except TimeoutError:
-            self.metrics.worker_errors.labels(api, "timeout").inc()
+            self.metrics.counter(self.metrics.worker_errors, api, "timeout").inc()
             raise WorkerCallError(
                 "timeout", f"{worker.describe()} did not answer {api} within {timeout_s:g} s"
             ) from None
         except OSError as e:
-            self.metrics.worker_errors.labels(api, "disconnect").inc()
+            self.metrics.counter(self.metrics.worker_errors, api, "disconnect").inc()
             raise WorkerCallError("disconnect", f"connection to {worker.describe()} lost during {api}: {e}") from None
+        finally:
+            if session is not None:
+                session.call = None
+            del future  # a failed call's traceback holds this frame: no frame -> future -> exception cycle
         rtt = _perf() - t0
         raw, status, worker_time = resp.body, resp.status, resp.headers.get("x-worker-time")
         self._call_seconds(api).observe(rtt)
         if status != 200:
-            self.metrics.worker_errors.labels(api, "http").inc()
+            self.metrics.counter(self.metrics.worker_errors, api, "http").inc()
             raise WorkerCallError(
                 "http", f"{worker.describe()} answered {api} with HTTP {status}: {_detail(raw)}", status
             )
         try:
             payload = loads_json(raw, strict=False) if raw else None
         except ValueError as e:
-            self.metrics.worker_errors.labels(api, "bad_reply").inc()
+            self.metrics.counter(self.metrics.worker_errors, api, "bad_reply").inc()
             raise WorkerCallError(
                 "bad_reply", f"{worker.describe()} answered {api} with bad JSON ({e}): {raw[:200]!r}"
             ) from None
@@ -424,25 +464,13 @@ class Controller(HttpService):
     def _call_seconds(self, api: str) -> Any:
         child = self._call_hist.get(api)
         if child is None:
-            child = self._call_hist[api] = self.metrics.worker_call_seconds.labels(api)
+            child = self._call_hist[api] = self.metrics.histogram(self.metrics.worker_call_seconds, api)
         return child
 
     async def _session_call(self, session: Session, api: str, body: dict[str, Any] | bytes,
                             timeout_s: float) -> WorkerReply:
         """A worker call on behalf of ``session`` that the controller can abort (raises _Aborted)."""
-        call = asyncio.ensure_future(self.call_worker(session.worker, api, body, timeout_s))
-        session.call = call
-        try:
-            return await call
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if (me is not None and me.cancelling()) or session.abort is None:
-                call.cancel()
-                raise
-            raise _Aborted(*session.abort) from None
-        finally:
-            session.call = None
-            del call  # a failed call's traceback holds this frame: no frame -> task -> exception cycle
+        return await self.call_worker(session.worker, api, body, timeout_s, session=session)
 
     async def _cancel_on_worker(self, worker: Worker, session_id: int) -> None:
         worker.cancelling.add(session_id)
@@ -497,7 +525,7 @@ class Controller(HttpService):
         status = status.value if isinstance(status, SampleStatus) else status
         if not self.sessions.remove(session, status, reason, final):
             return False
-        self.metrics.sessions_ended.labels(session.task, status).inc()
+        self.metrics.counter(self.metrics.sessions_ended, session.task, status).inc()
         if log and status == SampleStatus.TASK_ERROR.value:
             logger.warning(
                 "session %d (%s #%s) ended with task error: %s", session.id, session.task, session.index, reason
@@ -634,7 +662,7 @@ class Controller(HttpService):
                 session, SampleStatus.TASK_ERROR, f"{worker.describe()} start_sample: {e}", cancel_on_worker=True
             )
         session.last_active = _mono()
-        self.metrics.sessions_started.labels(name).inc()
+        self.metrics.counter(self.metrics.sessions_started, name).inc()
         if reply.finish:
             self._end(session, reply.status, "finished at start")
         elif session.abort is not None:
@@ -646,7 +674,7 @@ class Controller(HttpService):
     async def _h_interact(self, request: web.Request) -> web.Response:
         t0 = _perf()
         sid = self._session_from_header(request)
-        body = await read_json_object(request)
+        body, raw = await read_json_object_raw(request)
         session = self.sessions.open.get(sid)
         if session is None:
             final = self.sessions.take_final(sid)
@@ -657,13 +685,17 @@ class Controller(HttpService):
             raise HttpError(
                 409, f"session {sid} is busy: its previous interact is not answered yet; send one interact at a time"
             )
+        if session.abort is not None:  # its worker was declared dead: being ended, it answers that now
+            return self._fail(session, *session.abort)
         if "messages" not in body:
             raise HttpError(400, "missing 'messages': a list holding the one assistant message of this turn")
         try:
             message = validate_assistant_messages(body["messages"])
         except MalformedMessageError as e:
             raise HttpError(400, str(e)) from None
-        data = dumps_json({"session_id": sid, "messages": [message]})
+        data = _pass_through(raw, body, message, sid)
+        if data is None:
+            data = dumps_json({"session_id": sid, "messages": [message]})
         self._check_forward_size(len(data), f"interact on session {sid}")
         worker = session.worker
         session.busy = True
@@ -833,6 +865,7 @@ class Controller(HttpService):
             try:
                 for worker in self.registry.sweep():
                     self._worker_died(worker)
+                self.metrics.flush()
                 now = _mono()
                 if now - last_gc >= gc_every:
                     last_gc = now
@@ -848,32 +881,31 @@ class Controller(HttpService):
                 logger.exception("controller monitor step failed")
 
     def _worker_died(self, worker: Worker) -> None:
-        """End every session of a dead worker with ``task error``: abort calls in flight, park a final
-        reply for idle ones."""
+        """End every session of a dead worker with ``task error``: abort calls in flight now, mark every
+        session aborted (an interact on one answers the error at once), and end them in slices of
+        :data:`_END_SLICE` (idle ones with a parked final reply), the event loop serving between slices."""
         self.metrics.worker_deaths.labels(worker.name).inc()
         reason = f"{worker.describe()} declared dead: {worker.reason}"
-        n = 0
+        doomed: list[Session] = []
         for sid in list(worker.sessions):
             session = self.sessions.open.get(sid)
             if session is None:
                 worker.sessions.discard(sid)
                 continue
-            n += 1
             session.abort = (SampleStatus.TASK_ERROR, reason)
-            if session.busy:
-                if session.call is not None and not session.call.done():
-                    session.call.cancel()
-                self._end(session, SampleStatus.TASK_ERROR, reason, log=False)
-            else:
-                self._end(
-                    session,
-                    SampleStatus.TASK_ERROR,
-                    reason,
-                    final=final_reply(SampleStatus.TASK_ERROR, reason),
-                    log=False,
-                )
-        if n:
-            logger.error("%d session(s) of %s ended with task error", n, worker.describe())
+            if session.busy and session.call is not None and not session.call.done():
+                session.call.cancel()
+            doomed.append(session)
+        if doomed:
+            self._spawn(self._end_doomed(worker, doomed, reason))
+
+    async def _end_doomed(self, worker: Worker, doomed: list[Session], reason: str) -> None:
+        for i, session in enumerate(doomed):
+            if i and i % _END_SLICE == 0:
+                await asyncio.sleep(0)
+            final = None if session.busy else final_reply(SampleStatus.TASK_ERROR, reason)
+            self._end(session, SampleStatus.TASK_ERROR, reason, final=final, log=False)
+        logger.error("%d session(s) of %s ended with task error", len(doomed), worker.describe())
 
     def _gc_idle(self, now: float) -> None:
         limit = self.config.session_idle_timeout_s
@@ -891,14 +923,11 @@ class Controller(HttpService):
 
 async def serve_controller(config: ControllerConfig) -> None:
     """Run a controller until SIGINT/SIGTERM (the ``agentrl controller`` command)."""
-    from env_controller.http.service import wait_for_signal
+    from env_controller.http.service import settle_gc, wait_for_signal
 
     controller = Controller(config)
     await controller.start()
-    # what exists now (modules, classes, the app) lives as long as the process: keep it out of
-    # the collector's full passes, which would otherwise stall every request for tens of ms
-    gc.collect()
-    gc.freeze()
+    settle_gc()  # no full collector passes over the sessions while they are served
     try:
         await wait_for_signal()
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections import deque
 from collections.abc import Mapping
 from typing import NamedTuple
 from urllib.parse import urlsplit
@@ -73,6 +74,18 @@ def parse_url(url: str) -> Target:
     return Target(host, port, path, host_header)
 
 
+def _keepalive_timeout(hint: str) -> float | None:
+    """The ``timeout=N`` of a ``Keep-Alive`` header, in seconds (None when absent or malformed)."""
+    for part in hint.split(","):
+        name, _, value = part.strip().partition("=")
+        if name.strip().lower() == "timeout":
+            try:
+                return float(value.strip())
+            except ValueError:
+                return None
+    return None
+
+
 class _Conn(asyncio.Protocol):
     """One keep-alive connection; parses one reply at a time into ``self.waiter``."""
 
@@ -83,6 +96,8 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.reusable = True
         self.idle_since = time.monotonic()
+        #: how long the server keeps this connection idle, as its ``Keep-Alive: timeout=N`` says (None: unsaid)
+        self.server_keepalive_s: float | None = None
         self._head: tuple[int, dict[str, str]] | None = None
         self._body_start = 0
 
@@ -141,6 +156,9 @@ class _Conn(asyncio.Protocol):
                 continue
             self._head = (status, headers)
             self._body_start = end + 4
+            hint = headers.get("keep-alive")
+            if hint is not None:
+                self.server_keepalive_s = _keepalive_timeout(hint)
             connection = headers.get("connection", "").lower()
             self.reusable = (version == "HTTP/1.1" and connection != "close") or connection == "keep-alive"
             if status in (204, 304):
@@ -201,20 +219,92 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
 
+#: the longest a connection stays pooled idle, whatever its server's Keep-Alive says
+MAX_KEEPALIVE_S = 60.0
+
+
+class _Call:
+    """One request in flight: its reply future, its slot, its connection, its deadline."""
+
+    __slots__ = ("http", "future", "key", "target", "data", "conn", "timer", "connecting", "has_slot")
+
+    def __init__(self, http: WorkerHttp, future: asyncio.Future[Response], target: Target, data: bytes) -> None:
+        self.http = http
+        self.future = future
+        self.key = (target.host, target.port)
+        self.target = target
+        self.data = data
+        self.conn: _Conn | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.connecting: asyncio.Task[None] | None = None
+        self.has_slot = False
+
+    def send(self, conn: _Conn) -> None:
+        """Write the request on ``conn``; its reply resolves the future."""
+        self.conn = conn
+        conn.waiter = self.future
+        assert conn.transport is not None
+        conn.transport.write(self.data)
+
+    def expire(self) -> None:
+        self.timer = None
+        if not self.future.done():
+            self.future.set_exception(TimeoutError())
+
+    def finished(self, future: asyncio.Future[Response]) -> None:
+        """The future is done (a reply, an error, the timeout, or cancelled by the caller): keep or close
+        the connection, give the slot to the next call waiting for one."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        conn = self.conn
+        if conn is not None:
+            self.conn = None
+            if conn.waiter is future:
+                conn.waiter = None
+            if not future.cancelled() and future.exception() is None and conn.reusable and not conn.closed:
+                conn.idle_since = time.monotonic()
+                self.http._idle.setdefault(self.key, []).append(conn)
+            else:
+                conn.close()
+        if self.connecting is not None and not self.connecting.done():
+            self.connecting.cancel()
+        self.connecting = None
+        if self.has_slot:
+            self.has_slot = False
+            self.http._release()
+
+
 class WorkerHttp:
     """Pooled keep-alive HTTP/1.1 connections to many ``host:port`` pairs.
 
     ``max_in_flight`` bounds concurrent requests (and so open connections); idle connections
-    are closed after ``keepalive_s`` (keep it below the servers' own keep-alive timeout).
+    are closed after ``keepalive_s`` (keep it below the servers' own keep-alive timeout), or a second
+    before the timeout their server announces in ``Keep-Alive: timeout=N`` when that is longer (the fast
+    front announces its idle timeout: our workers' and controller's connections stay pooled, stock
+    AgentRL workers' (uvicorn, 5 s, unannounced) close after ``keepalive_s``).
+
+    A request is a future driven by callbacks (:meth:`start`): no task, timeout scope or lock per
+    call; only opening a connection runs as a task. The request head of each (method, URL,
+    headers) is built once.
     """
 
-    def __init__(self, max_in_flight: int = 2048, keepalive_s: float = 3.0, connect_timeout_s: float = 5.0) -> None:
-        """See the class docstring."""
+    def __init__(self, max_in_flight: int = 2048, keepalive_s: float = 3.0, connect_timeout_s: float = 5.0,
+                 refused_for_s: float = 0.0) -> None:
+        """See the class docstring; ``refused_for_s``: after a connection to an address could not be
+        opened, calls to it fail at once (the same :class:`ConnectError`) for this long (0: never)."""
         self.keepalive_s = float(keepalive_s)
+        self.refused_for_s = float(refused_for_s)
         self.connect_timeout_s = float(connect_timeout_s)
+        self.max_in_flight = int(max_in_flight)
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
-        self._slots = asyncio.Semaphore(max_in_flight)
+        self._in_flight = 0
+        self._waiting: deque[_Call] = deque()  # calls waiting for a slot, oldest first
         self._targets: dict[str, Target] = {}
+        self._heads: dict[tuple[str, str, tuple[tuple[str, str], ...]], bytes] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of its connections (one loop per client)
+        #: addresses a connection could not be opened to: until when calls to them fail at once, and why
+        self._refused: dict[tuple[str, int], tuple[float, str]] = {}
         self._closed = False
 
     def target(self, url: str) -> Target:
@@ -225,6 +315,17 @@ class WorkerHttp:
                 self._targets.clear()
             t = self._targets[url] = parse_url(url)
         return t
+
+    def _head(self, method: str, url: str, t: Target, headers: Mapping[str, str]) -> bytes:
+        key = (method, url, tuple(headers.items()))
+        head = self._heads.get(key)
+        if head is None:
+            if len(self._heads) > 10_000:
+                self._heads.clear()
+            lines = [f"{method} {t.path} HTTP/1.1\r\nHost: {t.host_header}\r\n"]
+            lines += [f"{name}: {value}\r\n" for name, value in headers.items()]
+            head = self._heads[key] = "".join(lines).encode("latin-1")
+        return head
 
     async def _connect(self, t: Target) -> _Conn:
         loop = asyncio.get_running_loop()
@@ -237,15 +338,103 @@ class WorkerHttp:
             raise ConnectError(f"cannot connect to {t.host_header}: {e.strerror or e}") from None
         return conn
 
+    async def _connect_for(self, call: _Call) -> None:
+        try:
+            conn = await self._connect(call.target)
+        except ConnectError as e:
+            if self.refused_for_s > 0:
+                self._refused[call.key] = (time.monotonic() + self.refused_for_s, str(e))
+            if not call.future.done():
+                call.future.set_exception(e)
+            return
+        if call.future.done():  # timed out or cancelled meanwhile: the connection serves a later call
+            conn.idle_since = time.monotonic()
+            self._idle.setdefault(call.key, []).append(conn)
+            return
+        try:
+            call.send(conn)
+        except Exception as e:  # noqa: BLE001 - a transport that broke at once
+            call.future.set_exception(Disconnected(f"{type(e).__name__}: {e}"))
+
+    def _keepalive(self, conn: _Conn) -> float:
+        """How long ``conn`` may stay idle: ``keepalive_s``, or, when its server says it keeps connections
+        longer (``Keep-Alive: timeout=N``, as the fast front says), up to a second short of that (at most
+        :data:`MAX_KEEPALIVE_S`)."""
+        hint = conn.server_keepalive_s
+        if hint is None or hint - 1.0 <= self.keepalive_s:
+            return self.keepalive_s
+        return min(hint - 1.0, MAX_KEEPALIVE_S)
+
     def _take_idle(self, key: tuple[str, int]) -> _Conn | None:
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < self.keepalive_s:
+            if not conn.closed and now - conn.idle_since < self._keepalive(conn):
                 return conn
             conn.close()
         return None
+
+    def _begin(self, call: _Call) -> None:
+        """Take a slot for ``call`` and send it on an idle connection, or open one (or fail it at once when
+        opening one to that address failed less than ``refused_for_s`` ago)."""
+        self._in_flight += 1
+        call.has_slot = True
+        conn = self._take_idle(call.key)
+        if conn is None:
+            refused = self._refused.get(call.key)
+            if refused is not None:
+                if time.monotonic() < refused[0]:
+                    call.future.set_exception(ConnectError(refused[1]))
+                    return
+                del self._refused[call.key]
+            call.connecting = self._loop.create_task(self._connect_for(call))
+            return
+        try:
+            call.send(conn)
+        except Exception as e:  # noqa: BLE001 - a transport that broke at once
+            call.future.set_exception(Disconnected(f"{type(e).__name__}: {e}"))
+
+    def _release(self) -> None:
+        self._in_flight -= 1
+        waiting = self._waiting
+        while waiting and self._in_flight < self.max_in_flight:
+            call = waiting.popleft()
+            if not call.future.done():
+                self._begin(call)
+
+    def start(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: Mapping[str, str],
+        timeout_s: float,
+    ) -> asyncio.Future[Response]:
+        """Send one request; the future resolves to the whole reply within ``timeout_s`` (waiting for a
+        slot and connecting included) or fails (:class:`ConnectError`, :class:`Disconnected`,
+        ``TimeoutError``). Cancelling it abandons the request (its connection is closed).
+        ValueError for a URL no request can carry."""
+        if self._closed:
+            raise ConnectError("the worker HTTP client is closed")
+        t = self.target(url)
+        head = self._head(method, url, t, headers)
+        if body is None:
+            data = head + b"\r\n"
+        else:
+            data = b"".join((head, b"Content-Length: %d\r\n\r\n" % len(body), body))
+        loop = self._loop
+        if loop is None or loop.is_closed():  # kept: asyncio.get_running_loop() costs a getpid() call each time
+            loop = self._loop = asyncio.get_running_loop()
+        future: asyncio.Future[Response] = loop.create_future()
+        call = _Call(self, future, t, data)
+        call.timer = loop.call_later(timeout_s, call.expire)
+        future.add_done_callback(call.finished)
+        if self._in_flight < self.max_in_flight:
+            self._begin(call)
+        else:
+            self._waiting.append(call)
+        return future
 
     async def request(
         self,
@@ -256,37 +445,7 @@ class WorkerHttp:
         timeout_s: float,
     ) -> Response:
         """Send one request and read the whole reply, within ``timeout_s`` (connect included)."""
-        if self._closed:
-            raise ConnectError("the worker HTTP client is closed")
-        t = self.target(url)
-        key = (t.host, t.port)
-        head = [f"{method} {t.path} HTTP/1.1\r\nHost: {t.host_header}\r\n"]
-        for name, value in headers.items():
-            head.append(f"{name}: {value}\r\n")
-        if body is not None:
-            head.append(f"Content-Length: {len(body)}\r\n")
-        head.append("\r\n")
-        data = "".join(head).encode("latin-1") + (body or b"")
-        loop = asyncio.get_running_loop()
-        async with asyncio.timeout(timeout_s):
-            async with self._slots:
-                conn = self._take_idle(key) or await self._connect(t)
-                waiter: asyncio.Future[Response] = loop.create_future()
-                conn.waiter = waiter
-                try:
-                    assert conn.transport is not None
-                    conn.transport.write(data)
-                    response = await waiter
-                except BaseException:
-                    conn.waiter = None
-                    conn.close()
-                    raise
-                if conn.reusable and not conn.closed:
-                    conn.idle_since = time.monotonic()
-                    self._idle.setdefault(key, []).append(conn)
-                else:
-                    conn.close()
-                return response
+        return await self.start(method, url, body, headers, timeout_s)
 
     def sweep(self) -> int:
         """Close idle connections older than ``keepalive_s``; returns how many were closed."""
@@ -295,7 +454,7 @@ class WorkerHttp:
         for key, idle in list(self._idle.items()):
             keep = []
             for conn in idle:
-                if conn.closed or now - conn.idle_since >= self.keepalive_s:
+                if conn.closed or now - conn.idle_since >= self._keepalive(conn):
                     conn.close()
                     n += 1
                 else:

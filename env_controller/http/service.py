@@ -9,6 +9,7 @@ installed, and :class:`HttpService`, the lifecycle both servers share.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import re
 import resource
@@ -30,6 +31,7 @@ from env_controller.http.auth import (
     check_bind,
     redact_url,
 )
+from env_controller.http.fast import MAX_FAST_BODY, FastFront, LiteRequest
 from env_controller.http.json_io import dumps_json, loads_json
 
 logger = logging.getLogger(__name__)
@@ -92,7 +94,7 @@ def base_api_url(url: str) -> str:
 IDENTITY_KEY = web.RequestKey("agentrl_identity", Identity)
 
 
-def identity_of(request: web.Request) -> Identity:
+def identity_of(request: web.Request | LiteRequest) -> Identity:
     """The identity the auth middleware found for ``request``."""
     return request.get(IDENTITY_KEY, OPEN_IDENTITY)
 
@@ -105,16 +107,34 @@ def _role_error(role: Role, path: str) -> HttpError:
                           "them: give the worker a worker token (the controller's --worker-token NAME=TOKEN)")
 
 
+def authorize(credentials: Credentials, role: Role, authorization: str | None, path: str, auth_hint: str) -> Identity:
+    """The identity an ``Authorization`` header proves for a route of ``role`` (credentials enabled, role
+    not open); :class:`HttpError` 401 without a valid credential, 403 with one of the wrong role."""
+    identity = credentials.identify(authorization)
+    if identity is None:
+        raise HttpError(
+            401, f"missing or wrong bearer token: send 'Authorization: Bearer <token>' ({auth_hint})",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    if (role is Role.TRAINER and not identity.trainer) or (role is Role.WORKER and not identity.worker):
+        raise _role_error(role, path)
+    return identity
+
+
+#: called for a request refused before its route's handler ran: (method, route path or "", status)
+OnRejected = Callable[[str, str, int], None]
+
+
 def make_middleware(
     credentials: Credentials,
     roles: Mapping[tuple[str, str], Role] | None = None,
-    on_error: Callable[[web.Request, int], None] | None = None,
+    on_error: OnRejected | None = None,
     auth_hint: str = f"the controller's --token / ${TOKEN_ENV}",
 ) -> Any:
     """Middleware: the credential check (when ``credentials`` has any) against the route's role in
     ``roles`` (``(method, path)``; default :attr:`Role.ANY`), and JSON bodies for every error.
 
-    ``on_error(request, status)`` is called for each error reply given before a route's handler ran
+    ``on_error(method, route_path, status)`` is called for each error reply given before a route's handler ran
     (a refused credential, an unknown endpoint or method: the handlers count their own, for metrics);
     ``auth_hint`` names where the expected token comes from in the 401 message (never the token itself).
     """
@@ -128,15 +148,8 @@ def make_middleware(
                 resource = request.match_info.route.resource
                 role = roles.get((request.method, resource.canonical if resource else ""), Role.ANY)
                 if role is not Role.OPEN:
-                    identity = credentials.identify(request.headers.get("Authorization"))
-                    if identity is None:
-                        raise HttpError(
-                            401, f"missing or wrong bearer token: send 'Authorization: Bearer <token>' ({auth_hint})",
-                            headers={"WWW-Authenticate": "Bearer"},
-                        )
-                    if (role is Role.TRAINER and not identity.trainer) or (role is Role.WORKER and not identity.worker):
-                        raise _role_error(role, request.path)
-                    request[IDENTITY_KEY] = identity
+                    request[IDENTITY_KEY] = authorize(credentials, role, request.headers.get("Authorization"),
+                                                      request.path, auth_hint)
             reached = request.match_info.http_exception is None
             return await handler(request)
         except ClientGone as e:
@@ -173,7 +186,8 @@ def make_middleware(
             status = 500
             response = json_error(500, f"internal error: {type(e).__name__}: {e}")
         if on_error is not None and not reached:
-            on_error(request, status)
+            resource = request.match_info.route.resource
+            on_error(request.method, resource.canonical if resource is not None else "", status)
         return response
 
     return middleware
@@ -186,12 +200,15 @@ BODY_TIMEOUT_KEY = web.AppKey("agentrl_body_timeout_s", float)
 MAX_BODY_KEY = web.AppKey("agentrl_max_body_bytes", int)
 
 
-async def read_body(request: web.Request) -> bytes:
+async def read_body(request: web.Request | LiteRequest) -> bytes:
     """The whole request body, within the size limit and the app's body timeout.
 
     :class:`HttpError` 413 over the limit; :class:`ClientGone` 408 when the client stalls and 400
-    when it disconnects or breaks the framing mid-body.
+    when it disconnects or breaks the framing mid-body. On the fast path (:class:`LiteRequest`) the
+    body is already read, under the same limits.
     """
+    if type(request) is LiteRequest:
+        return request.body
     limit = request.app.get(MAX_BODY_KEY, MAX_BODY_BYTES)
     declared = request.content_length
     if declared is not None and declared > limit:
@@ -207,8 +224,13 @@ async def read_body(request: web.Request) -> bytes:
         raise ClientGone(400, f"client went away mid-body ({type(e).__name__}: {e})") from None
 
 
-async def read_json_object(request: web.Request) -> dict[str, Any]:
+async def read_json_object(request: web.Request | LiteRequest) -> dict[str, Any]:
     """The request body as a JSON object; :class:`HttpError` 400 saying what is wrong."""
+    return (await read_json_object_raw(request))[0]
+
+
+async def read_json_object_raw(request: web.Request | LiteRequest) -> tuple[dict[str, Any], bytes]:
+    """:func:`read_json_object`, and the body's bytes (for a handler that can pass them on as they are)."""
     raw = await read_body(request)
     if not raw:
         raise HttpError(400, f"{request.path}: empty request body; expected a JSON object")
@@ -218,7 +240,7 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
         raise HttpError(400, f"{request.path}: request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise HttpError(400, f"{request.path}: request body must be a JSON object, got {type(body).__name__}")
-    return body
+    return body, raw
 
 
 _DECIMAL = re.compile(r"-?[0-9]{1,30}")
@@ -235,6 +257,17 @@ def session_id_from(value: Any, where: str) -> int:
     if value is None:
         raise HttpError(400, f"missing {where}: the integer session id returned by start_sample")
     raise HttpError(400, f"{where} must be an integer session id, got {value!r:.100}")
+
+
+def settle_gc() -> None:
+    """For a long-running server, once it is up: what exists now (modules, classes, the app) is kept out
+    of the collector's passes (``gc.freeze``), and the young generation is collected every 10,000
+    allocations net instead of 700, the oldest every 100 of those passes instead of 10. Nearly everything
+    a request allocates is freed by reference counting; the collector's full passes over thousands of
+    sessions would otherwise stall every request in flight for tens to hundreds of ms."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 100)
 
 
 def install_uvloop() -> bool:
@@ -303,13 +336,16 @@ class HttpService(ABC):
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         max_body_bytes: int = MAX_BODY_BYTES,
         auth_hint: str = f"the controller's --token / ${TOKEN_ENV}",
-        on_rejected: Callable[[web.Request, int], None] | None = None,
+        on_rejected: OnRejected | None = None,
+        fast: bool = False,
     ) -> None:
         """``credentials``: what requests must prove (none: open); ``routes``: (method, path,
         handler, role); ``body_timeout_s``: limit on receiving a request body; ``idle_timeout_s``:
         limit on receiving a request head (and on idle keep-alive connections); ``max_body_bytes``:
-        largest request body; ``on_rejected(request, status)``: called for each request refused before
-        its handler ran (bad credential, unknown endpoint or method)."""
+        largest request body; ``on_rejected(method, route_path, status)``: called for each request refused
+        before its handler ran (bad credential, unknown endpoint or method, a body that did not arrive on
+        the fast path); ``fast``: serve plain requests through :class:`~env_controller.http.fast.FastFront`
+        (aiohttp takes every other one), else aiohttp serves all."""
         for label, v in (("body_timeout_s", body_timeout_s), ("idle_timeout_s", idle_timeout_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{label}={v!r} must be a positive number of seconds")
@@ -317,28 +353,86 @@ class HttpService(ABC):
             raise ValueError(f"max_body_bytes={max_body_bytes!r} must be a positive integer")
         self.credentials = credentials
         self.idle_timeout_s = float(idle_timeout_s)
+        self.body_timeout_s = float(body_timeout_s)
         self.max_body_bytes = max_body_bytes
+        self._auth_hint = auth_hint
+        self._on_rejected = on_rejected
         roles: dict[tuple[str, str], Role] = {}
         self.app = web.Application(client_max_size=max_body_bytes)
         self.app.middlewares.append(make_middleware(credentials, roles, on_error=on_rejected, auth_hint=auth_hint))
         self.app[BODY_TIMEOUT_KEY] = float(body_timeout_s)
         self.app[MAX_BODY_KEY] = max_body_bytes
+        self._fast_routes: dict[tuple[str, str], Any] | None = {} if fast else None
         for method, path, handler, role in routes:
             self.app.router.add_route(method, path, handler)
             roles[(method, path)] = role
+            if self._fast_routes is not None:
+                self._fast_routes[(method, path)] = self._fast_handler(method, path, handler, role)
         self._runner: web.AppRunner | None = None
+        self._front: FastFront | None = None
 
     async def _serve(self, host: str, port: int, what: str) -> int:
         """Check the bind rule for ``what`` (ValueError) and serve the app; returns the bound port."""
         check_bind(host, self.credentials.enabled, what)
-        self._runner, bound = await start_site(self.app, host, port, self.idle_timeout_s)
+        if self._fast_routes is None:
+            self._runner, bound = await start_site(self.app, host, port, self.idle_timeout_s)
+            return bound
+        runner = web.AppRunner(self.app, access_log=None, handle_signals=False, keepalive_timeout=self.idle_timeout_s)
+        await runner.setup()
+        assert runner.server is not None
+        front = FastFront(self._fast_routes, runner.server, body_timeout_s=self.body_timeout_s,
+                          idle_timeout_s=self.idle_timeout_s, on_gone=self._body_gone,
+                          max_fast_body=min(self.max_body_bytes, MAX_FAST_BODY))
+        try:
+            bound = await front.start(host, port)
+        except OSError:
+            await runner.cleanup()
+            raise
+        self._runner, self._front = runner, front
         return bound
 
     async def _unserve(self) -> None:
         """Stop serving (waits at most 10 s for open requests)."""
+        if self._front is not None:
+            await self._front.close(timeout_s=5)
+            self._front = None
         if self._runner is not None:
             await asyncio.wait_for(self._runner.cleanup(), timeout=10)
             self._runner = None
+
+    def _fast_handler(self, method: str, path: str, handler: Handler, role: Role) -> Any:
+        """``handler`` on the fast path: the credential check and the error replies of the middleware."""
+        credentials, hint, on_rejected = self.credentials, self._auth_hint, self._on_rejected
+        check = credentials.enabled and role is not Role.OPEN
+
+        async def serve(request: LiteRequest) -> web.Response:
+            reached = False
+            try:
+                if check:
+                    request[IDENTITY_KEY] = authorize(credentials, role, request.headers.get("authorization"),
+                                                      path, hint)
+                reached = True
+                return await handler(request)  # type: ignore[arg-type,return-value]
+            except HttpError as e:
+                status, response = e.status, json_error(e.status, e.message, e.headers)
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                raise
+            except Exception as e:  # noqa: BLE001 - one bad request must not kill the server
+                logger.exception("%s %s failed", method, path)
+                status, response = 500, json_error(500, f"internal error: {type(e).__name__}: {e}")
+            if on_rejected is not None and not reached:
+                on_rejected(method, path, status)
+            return response
+
+        return serve
+
+    def _body_gone(self, method: str, path: str, remote: str | None, status: int, message: str) -> web.Response:
+        """A body that did not arrive on the fast path: logged and counted as the middleware does."""
+        logger.log(logging.WARNING if status == 408 else logging.INFO, "%s %s from %s: %s", method, path, remote,
+                   message)
+        if self._on_rejected is not None:
+            self._on_rejected(method, path, status)
+        return json_error(status, message)
 
     @abstractmethod
     async def start(self) -> int:

@@ -158,7 +158,7 @@ class WorkerServer(HttpService):
         super().__init__(
             Credentials.single(token), self._routes(), body_timeout_s=body_timeout_s,
             idle_timeout_s=idle_timeout_s, max_body_bytes=max_body_bytes,
-            auth_hint=f"the worker's --token / ${WORKER_TOKEN_ENV}",
+            auth_hint=f"the worker's --token / ${WORKER_TOKEN_ENV}", fast=True,
         )
 
     # -- lifecycle -------------------------------------------------------------------------------

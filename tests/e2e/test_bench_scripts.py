@@ -121,6 +121,12 @@ def _check_env_controller(lines: list[str], rec: dict[str, Any]) -> None:
     assert s["completed"] + s["failed"] == s["started"]
 
 
+def _check_controller_front(lines: list[str], rec: dict[str, Any]) -> None:
+    assert {r["front"] for r in rec["runs"]} == {"fast", "aiohttp"}
+    assert all(r["interact_us_per_request"] > 0 and r["interacts_per_s"] > 0 for r in rec["runs"])
+    assert lines[-1] == f"controller_front_cpu_ratio: {rec['cpu_ratio']}"
+
+
 def _check_gloo_transport(lines: list[str], rec: dict[str, Any]) -> None:
     assert set(rec["seconds"]) == {"flat", "broadcast", "send_recv"}
     assert all(len(t) == rec["repeats"] and min(t) > 0 for t in rec["seconds"].values())
@@ -220,6 +226,7 @@ CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
     "async_vs_sync.py": _check_async_vs_sync,
     "chaos.py": _check_chaos,
     "containers.py": _check_containers,
+    "controller_front.py": _check_controller_front,
     "convert.py": _check_convert,
     "demo_learning.py": _check_demo_learning,
     "env_controller.py": _check_env_controller,

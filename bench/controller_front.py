@@ -1,0 +1,221 @@
+"""Benchmark: the controller's CPU per forwarded request, its fast front against aiohttp's server, side by side.
+
+One run starts, in turn and in rounds (fast, aiohttp, aiohttp, fast, ...), a controller process with
+``ControllerConfig(fast_front=True)`` and one with ``fast_front=False`` (aiohttp serves every request,
+as before the fast front), each against the same stand-in worker process (a raw asyncio server with
+canned replies, so the worker's own cost stays out of it), and drives it from this process with raw
+keep-alive connections: ``--sessions`` starts, then ``--rounds-per-session`` interacts on each, over
+``--connections`` connections. The controller's CPU (user + system, ``/proc/<pid>/stat``) over each
+phase, divided by its requests, is the figure; the machine's load average is recorded beside it.
+It isolates the controller's own cost (closed loop, the driver and worker as light as they can be);
+``bench/env_controller.py`` measures the whole system at scale.
+
+    .venv/bin/python bench/controller_front.py                 # 4000 sessions, 3 interacts each, 2 rounds
+    .venv/bin/python bench/controller_front.py --smoke         # seconds
+
+Prints a table, writes ``bench/results/controller_front.json`` (``--out``); the last line is
+``controller_front_cpu_ratio: <fast / aiohttp CPU per interact>``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
+from env_controller.http.net import free_port  # noqa: E402
+
+SMOKE = {"sessions": 200, "rounds_per_session": 2, "connections": 16, "rounds": 1}
+
+_INTERACT = json.dumps({"session_id": 1, "env_out": {
+    "messages": [{"role": "tool", "tool_call_id": "c0", "content": "too low; " * 20}],
+    "tools": [], "status": "running", "finish": False, "reward": 0.0, "metric": {}}}).encode()
+_START = json.dumps({
+    "messages": [{"role": "system", "content": "s" * 300}, {"role": "user", "content": "u" * 200}],
+    "tools": [{"type": "function", "function": {"name": "guess", "parameters": {"type": "object"}}}],
+    "status": "running", "finish": False, "reward": 0.0, "metric": {}}).encode()
+_MESSAGE = json.dumps({"messages": [{"role": "assistant", "content": "", "tool_calls": [
+    {"id": "c0", "type": "function", "function": {"name": "guess", "arguments": "{\"n\": 5}"}}]}]}).encode()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_controller(port: int, fast: bool) -> None:
+    """A controller process (``fast_front`` as given) until SIGTERM."""
+    from env_controller.controller.server import ControllerConfig, serve_controller
+    from env_controller.http.service import install_uvloop
+
+    install_uvloop()
+    asyncio.run(serve_controller(ControllerConfig(port=port, fast_front=fast)))
+
+
+def run_worker(port: int, controller_port: int) -> None:
+    """The stand-in worker: canned replies, a heartbeat a second."""
+    from env_controller.http.service import install_uvloop
+
+    class Worker(asyncio.Protocol):
+        def connection_made(self, transport: Any) -> None:
+            self.transport, self.buf = transport, b""
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            while (end := self.buf.find(b"\r\n\r\n")) >= 0:
+                head = self.buf[:end].lower()
+                i = head.find(b"content-length: ")
+                length = int(head[i + 16:].split(b"\r\n")[0]) if i >= 0 else 0
+                if len(self.buf) < end + 4 + length:
+                    return
+                self.buf = self.buf[end + 4 + length:]
+                body = _START if head.startswith(b"post /api/start_sample") else (
+                    _INTERACT if head.startswith(b"post /api/interact") else b"{}")
+                self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nx-worker-time: 0.0001\r\n"
+                                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    async def main() -> None:
+        await asyncio.get_running_loop().create_server(Worker, "127.0.0.1", port)
+        beat = json.dumps({"name": "guess", "address": f"http://127.0.0.1:{port}/api", "concurrency": 1_000_000,
+                           "indices": list(range(100))}).encode()
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", controller_port)
+                writer.write(b"POST /api/receive_heartbeat HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\n"
+                             b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(beat), beat))
+                await asyncio.wait_for(reader.read(), 10)
+                writer.close()
+            except OSError:
+                pass
+            await asyncio.sleep(1.0)
+
+    install_uvloop()
+    asyncio.run(main())
+
+
+async def call(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: bytes, body: bytes,
+               sid: int | None = None) -> tuple[bytes, bytes]:
+    extra = b"session_id: %d\r\n" % sid if sid is not None else b""
+    writer.write(b"POST %s HTTP/1.1\r\nHost: c\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (path, extra, len(body), body))
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+    low = head.lower()
+    i = low.find(b"content-length: ")
+    data = await asyncio.wait_for(reader.readexactly(int(low[i + 16:].split(b"\r\n")[0])), 60)
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"{path!r}: {head[:60]!r} {data[:200]!r}")
+    return low, data
+
+
+async def measure(fast: bool, args: Any) -> dict[str, Any]:
+    cport, wport = free_port(), free_port()
+    ctx = mp.get_context("spawn")
+    controller = ctx.Process(target=run_controller, args=(cport, fast), daemon=True)
+    worker = ctx.Process(target=run_worker, args=(wport, cport), daemon=True)
+    controller.start()
+    worker.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the worker has registered once a start succeeds
+            try:
+                conn = await asyncio.open_connection("127.0.0.1", cport)
+                await call(*conn, b"/api/start_sample", b'{"name":"guess","index":0}')
+                conn[1].close()
+                break
+            except (OSError, RuntimeError, asyncio.IncompleteReadError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the controller or the stand-in worker did not come up within 60 s") from None
+                await asyncio.sleep(0.2)
+        conns = [await asyncio.open_connection("127.0.0.1", cport) for _ in range(args.connections)]
+        sids: list[int] = []
+        overheads: list[float] = []
+
+        async def starts(k: int) -> None:
+            for i in range(k, args.sessions, args.connections):
+                low, _ = await call(*conns[k], b"/api/start_sample", b'{"name":"guess","index":%d}' % (i % 100))
+                j = low.find(b"session_id: ")
+                sids.append(int(low[j + 12:].split(b"\r\n")[0]))
+
+        async def interacts(k: int) -> None:
+            for _ in range(args.rounds_per_session):
+                for j in range(k, len(sids), args.connections):
+                    low, _ = await call(*conns[k], b"/api/interact", _MESSAGE, sids[j])
+                    o = low.find(b"x-controller-overhead-ms: ")
+                    overheads.append(float(low[o + 26:].split(b"\r\n")[0]))
+
+        load0 = os.getloadavg()[0]
+        c0 = cpu_seconds(controller.pid)
+        await asyncio.gather(*(starts(k) for k in range(args.connections)))
+        c1, t1 = cpu_seconds(controller.pid), time.monotonic()
+        await asyncio.gather(*(interacts(k) for k in range(args.connections)))
+        c2, t2 = cpu_seconds(controller.pid), time.monotonic()
+        for _, w in conns:
+            w.close()
+        overheads.sort()
+        n = len(overheads)
+        return {
+            "front": "fast" if fast else "aiohttp",
+            "start_us_per_request": round(1e6 * (c1 - c0) / args.sessions, 1),
+            "interact_us_per_request": round(1e6 * (c2 - c1) / n, 1),
+            "interacts_per_s": round(n / (t2 - t1), 1),
+            "interact_overhead_ms_p50": overheads[n // 2],
+            "interact_overhead_ms_p99": overheads[min(n - 1, int(n * 0.99))],
+            "loadavg_1m": [load0, os.getloadavg()[0]],
+        }
+    finally:
+        for p in (controller, worker):
+            p.terminate()
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+
+
+async def drive(args: Any) -> dict[str, Any]:
+    runs = []
+    for r in range(args.rounds):
+        for fast in ((True, False) if r % 2 == 0 else (False, True)):
+            runs.append(await measure(fast, args))
+    per = {}
+    for front in ("fast", "aiohttp"):
+        mine = [x for x in runs if x["front"] == front]
+        per[front] = {k: round(sum(x[k] for x in mine) / len(mine), 1)
+                      for k in ("start_us_per_request", "interact_us_per_request", "interacts_per_s")}
+    return {"config": vars(args), "cpus": os.cpu_count(), "runs": runs, "mean": per,
+            "cpu_ratio": round(per["fast"]["interact_us_per_request"] / per["aiohttp"]["interact_us_per_request"], 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_parser("controller_front", __doc__)
+    parser.add_argument("--sessions", type=int, default=4000)
+    parser.add_argument("--rounds-per-session", type=int, default=3, help="interacts per session")
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of (fast, aiohttp), order alternating")
+    args = parse_bench_args(parser, argv, SMOKE)
+    from env_controller.http.service import install_uvloop
+
+    install_uvloop()
+    result = asyncio.run(drive(args))
+    out = write_record(args.out, {"bench": "controller_front", "commit": git_commit(), **result})
+    print(f"\ncontroller CPU per forwarded request, fast front vs aiohttp's server ({result['cpus']} CPUs)")
+    print(f"{'front':<8} {'start us':>9} {'interact us':>12} {'interacts/s':>12} {'p50 ms':>8} {'p99 ms':>8}  load")
+    for x in result["runs"]:
+        print(f"{x['front']:<8} {x['start_us_per_request']:>9} {x['interact_us_per_request']:>12} "
+              f"{x['interacts_per_s']:>12} {x['interact_overhead_ms_p50']:>8} {x['interact_overhead_ms_p99']:>8}  "
+              f"{x['loadavg_1m'][0]:.2f} -> {x['loadavg_1m'][1]:.2f}")
+    print(f"results: {out}")
+    print(f"controller_front_cpu_ratio: {result['cpu_ratio']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

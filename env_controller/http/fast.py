@@ -1,0 +1,419 @@
+"""A lean HTTP/1.1 front for an aiohttp app: plain requests to known routes are served by a small
+asyncio protocol, everything else is handed to aiohttp on the same connection.
+
+The controller is a proxy whose every trainer request becomes one worker call; aiohttp's server costs
+several times what parsing a plain keep-alive request and writing its reply needs (docs/BENCHMARKS.md
+has the two side by side). :class:`FastFront` listens in aiohttp's place. On each connection it reads
+request heads itself, and a request it recognises as *plain* (``HTTP/1.1``, a route of the app with
+that method and path, a ``Content-Length`` body no larger than ``max_fast_body`` or none, header
+names that are tokens and values of printable ASCII, each header once, no ``Transfer-Encoding``,
+``Expect``, ``Upgrade`` or ``Connection: close``) goes to the route's handler with a
+:class:`LiteRequest`; the reply (an aiohttp ``web.Response``) is written by hand. The first request
+that is not plain (or any byte it cannot judge) hands the connection, with every byte not yet used, to
+aiohttp's own protocol for the rest of its life: so every oddity of HTTP (chunked bodies, large ones,
+malformed heads, unknown paths, 404 / 405) keeps aiohttp's handling and its error replies.
+
+Limits kept as aiohttp keeps them: a request head must arrive within ``idle_timeout_s`` of the
+connection's opening or its previous reply (else the connection is closed unanswered), and idle
+keep-alive connections are closed after ``idle_timeout_s``; a body must arrive within
+``body_timeout_s`` of its head (else ``408`` and the connection is closed); a client that leaves
+mid-body is logged in one line. Replies go out in request order (one request at a time per
+connection, as HTTP/1.1 keep-alive clients send them).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import parse_qsl
+
+from aiohttp import web
+
+logger = logging.getLogger(__name__)
+
+#: the largest body served on the fast path (larger ones go to aiohttp, whose limits apply)
+MAX_FAST_BODY = 1 << 20
+#: the longest request head looked at (longer ones go to aiohttp, which refuses them)
+MAX_HEAD = 16384
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_HANDED_OVER_HEADERS = frozenset(("transfer-encoding", "expect", "upgrade"))
+#: header names seen, as sent -> lower-cased (only valid tokens get in; bounded)
+_NAMES: dict[str, str] = {}
+
+
+class LiteRequest:
+    """What a handler reads of a request on the fast path (a subset of ``aiohttp.web.Request``):
+    ``method``, ``path``, ``headers`` (names lower-cased), ``query``, ``body``, ``remote``,
+    ``content_length``, ``body_exists``, and per-request values by key (``request[key]``)."""
+
+    __slots__ = ("method", "path", "headers", "query", "body", "_conn", "_values")
+
+    def __init__(self, method: str, path: str, headers: dict[str, str], query: dict[str, str], body: bytes,
+                 conn: _FastConn) -> None:
+        """See the class docstring."""
+        self.method = method
+        self.path = path
+        self.headers = headers
+        self.query = query
+        self.body = body
+        self._conn = conn
+        self._values: dict[Any, Any] = {}
+
+    @property
+    def remote(self) -> str | None:
+        """The client's address (as aiohttp's ``request.remote``)."""
+        return self._conn.remote()
+
+    @property
+    def content_length(self) -> int:
+        """Bytes in the body."""
+        return len(self.body)
+
+    @property
+    def body_exists(self) -> bool:
+        """Whether the request has a body."""
+        return bool(self.body)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._values[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._values[key] = value
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        """A per-request value, or ``default``."""
+        return self._values.get(key, default)
+
+
+#: a fast route's handler: the request in, the reply out (errors already made into replies)
+FastHandler = Callable[[LiteRequest], Awaitable[web.Response]]
+#: a body that did not arrive: called with (method, path, remote, status, message); returns the reply
+GoneHandler = Callable[[str, str, str | None, int, str], web.Response | None]
+
+
+def serialize(response: web.Response, close: bool = False, keepalive_s: float | None = None) -> bytes:
+    """The bytes of ``response`` (status line, its headers, Content-Length, the body); ``keepalive_s``:
+    announced as ``Keep-Alive: timeout=N`` (how long an idle connection is kept), unless ``close``."""
+    body = response.body
+    if not isinstance(body, (bytes, bytearray)):
+        body = b"" if body is None else bytes(body)
+    parts = [f"HTTP/1.1 {response.status} {response.reason}\r\n"]
+    for name, value in response.headers.items():
+        if name.lower() not in ("content-length", "connection", "transfer-encoding"):
+            parts.append(f"{name}: {value}\r\n")
+    parts.append(f"Content-Length: {len(body)}\r\n")
+    if close:
+        parts.append("Connection: close\r\n")
+    elif keepalive_s is not None:
+        parts.append(f"Keep-Alive: timeout={int(keepalive_s)}\r\n")
+    parts.append("\r\n")
+    return "".join(parts).encode("latin-1") + body
+
+
+class FastFront:
+    """Serves ``routes`` (``(method, path) -> handler``) on the fast path; ``fallback()`` makes the aiohttp
+    protocol a connection is handed to. See the module docstring for the limits."""
+
+    def __init__(
+        self,
+        routes: dict[tuple[str, str], FastHandler],
+        fallback: Callable[[], asyncio.Protocol],
+        *,
+        body_timeout_s: float,
+        idle_timeout_s: float,
+        on_gone: GoneHandler,
+        max_fast_body: int = MAX_FAST_BODY,
+    ) -> None:
+        """See the class docstring; ``on_gone``: logs (and counts) a body that did not arrive, and gives
+        the reply for a stalled one (status 408)."""
+        self.routes = routes
+        self.fallback = fallback
+        self.body_timeout_s = float(body_timeout_s)
+        self.idle_timeout_s = float(idle_timeout_s)
+        self.max_fast_body = max_fast_body
+        self.on_gone = on_gone
+        self.conns: set[_FastConn] = set()
+        self.handed_over = 0
+        self._server: asyncio.AbstractServer | None = None
+        #: the event loop it serves on (kept: asyncio.get_running_loop() costs a getpid() call each time)
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._closing = False
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: a free port); returns the bound port."""
+        loop = self.loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _FastConn(self), host, port, backlog=4096,
+                                                reuse_address=True)
+        self._schedule_sweep()
+        return int(self._server.sockets[0].getsockname()[1])
+
+    def _schedule_sweep(self) -> None:
+        every = max(0.05, min(5.0, self.idle_timeout_s / 4))
+        self._sweeper = self.loop.call_later(every, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close keep-alive connections idle past ``idle_timeout_s`` (partial requests have timers of their own)."""
+        now = time.monotonic()
+        for conn in list(self.conns):
+            if not conn.busy and not conn.buf and now - conn.idle_since > self.idle_timeout_s:
+                conn.close()
+        if not self._closing:
+            self._schedule_sweep()
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Stop listening; close idle connections, let requests in progress answer (at most
+        ``timeout_s``), then close the rest. Connections handed to aiohttp are aiohttp's to close."""
+        self._closing = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.conns):
+            conn.close_when_idle()
+        deadline = time.monotonic() + timeout_s
+        while any(c.busy for c in self.conns) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for conn in list(self.conns):
+            conn.close()
+            if conn.task is not None and not conn.task.done():
+                conn.task.cancel()
+        if self._server is not None:
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+            except TimeoutError:
+                pass
+            self._server = None
+
+
+class _FastConn(asyncio.Protocol):
+    """One client connection on the fast path (until it is handed to aiohttp)."""
+
+    __slots__ = ("front", "transport", "buf", "busy", "idle_since", "timer", "task", "closed", "_close_after",
+                 "_pending", "_parsed", "_remote", "_paused")
+
+    def __init__(self, front: FastFront) -> None:
+        self.front = front
+        self.transport: asyncio.Transport | None = None
+        self.buf: bytes | bytearray = b""
+        self.busy = False  # a request of this connection is in its handler
+        self.idle_since = time.monotonic()
+        self.timer: asyncio.TimerHandle | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.closed = False
+        self._close_after = False
+        self._pending: tuple[str, str] | None = None  # (method, path) whose body is still arriving
+        self._parsed: tuple[Any, ...] | None = None  # that request's parsed head
+        self._remote: str | None = None
+        self._paused = False
+
+    # -- asyncio.Protocol --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # noqa: D102
+        self.transport = transport  # type: ignore[assignment]
+        self.front.conns.add(self)
+        if self.front._closing:
+            self.close()
+
+    def data_received(self, data: bytes) -> None:  # noqa: D102
+        if not self.buf:
+            self.buf = data
+        else:  # a request in pieces: gather them in place (no copy of all so far per piece)
+            if not isinstance(self.buf, bytearray):
+                self.buf = bytearray(self.buf)
+            self.buf += data
+        if self.busy:
+            if len(self.buf) > self.front.max_fast_body + MAX_HEAD and not self._paused:
+                self._paused = True  # a client sending ahead of its replies waits for them
+                self.transport.pause_reading()  # type: ignore[union-attr]
+            return
+        self._next()
+
+    def eof_received(self) -> bool:  # noqa: D102
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
+        self.closed = True
+        self.front.conns.discard(self)
+        self._cancel_timer()
+        if self._pending is not None:
+            method, path = self._pending
+            self._pending = None
+            why = f"{type(exc).__name__}: {exc}" if exc else "the connection was closed"
+            self.front.on_gone(method, path, self.remote(), 400, f"client went away mid-body ({why})")
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def remote(self) -> str | None:
+        """The peer's host (as ``aiohttp.web.Request.remote``)."""
+        if self._remote is None and self.transport is not None:
+            peer = self.transport.get_extra_info("peername")
+            self._remote = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else None
+        return self._remote
+
+    def _next(self) -> None:
+        """Serve the request at the head of the buffer when it is complete; hand over what is not plain."""
+        buf = self.buf
+        if not buf:
+            return
+        if self._parsed is not None:  # its head was read before: only the body was awaited
+            end, parsed = self._parsed
+        else:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > MAX_HEAD:
+                    self._handover()
+                elif self.timer is None:  # the head must arrive within idle_timeout_s of the last reply
+                    self._arm(self.idle_since + self.front.idle_timeout_s, self._head_timeout)
+                return
+            parsed = self._parse_head(buf, end)
+            if parsed is None:
+                self._handover()
+                return
+        handler, method, path, headers, query, length = parsed
+        total = end + 4 + length
+        if len(buf) < total:
+            if self._pending is None:
+                self._pending = (method, path)
+                self._parsed = (end, parsed)
+                self._cancel_timer()
+                self._arm(time.monotonic() + self.front.body_timeout_s, self._body_timeout)
+            return
+        self._pending = self._parsed = None
+        self._cancel_timer()
+        body = buf[end + 4 : total]
+        self.buf = buf[total:]
+        self.busy = True
+        request = LiteRequest(method, path, headers, query, bytes(body), self)
+        self.task = self.front.loop.create_task(self._serve(handler, request))
+
+    def _parse_head(
+        self, buf: bytes | bytearray, end: int
+    ) -> tuple[FastHandler, str, str, dict[str, str], dict[str, str], int] | None:
+        """The route and the request's parts, or None when the request is not plain."""
+        try:
+            text = buf[:end].decode("ascii")
+        except UnicodeDecodeError:
+            return None
+        lines = text.split("\r\n")
+        first = lines[0].split(" ")
+        if len(first) != 3 or first[2] != "HTTP/1.1":
+            return None
+        method, target = first[0], first[1]
+        path, _, qs = target.partition("?")
+        handler = self.front.routes.get((method, path))
+        if handler is None:
+            return None
+        headers: dict[str, str] = {}
+        names = _NAMES
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            key = names.get(name)
+            if not sep:
+                return None
+            if key is None:  # a name not seen before: a token? (then remembered, lower-cased)
+                if not _TOKEN.fullmatch(name):
+                    return None
+                key = name.lower()
+                if len(names) < 4096:
+                    names[name] = key
+            if key in headers or key in _HANDED_OVER_HEADERS or not value.isprintable():
+                return None
+            headers[key] = value.strip(" ")
+        if headers.get("connection", "keep-alive").lower() != "keep-alive":
+            return None
+        length_text = headers.get("content-length", "0")
+        if not (length_text.isascii() and length_text.isdigit()) or len(length_text) > 12:
+            return None
+        length = int(length_text)
+        if length > self.front.max_fast_body:
+            return None
+        query: dict[str, str] = {}
+        if qs:
+            for k, v in parse_qsl(qs, keep_blank_values=True):
+                query.setdefault(k, v)
+        return handler, method, path, headers, query, length
+
+    async def _serve(self, handler: FastHandler, request: LiteRequest) -> None:
+        try:
+            response = await handler(request)
+        finally:
+            self.busy = False
+            self.task = None
+        if self.closed:
+            return
+        close = self._close_after
+        self.transport.write(serialize(response, close, self.front.idle_timeout_s))  # type: ignore[union-attr]
+        self.idle_since = time.monotonic()
+        if close:
+            self.close()
+            return
+        if self._paused:
+            self._paused = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
+        if self.buf:
+            self._next()
+
+    # -- hand-over, timers, closing ----------------------------------------------------------
+
+    def _handover(self) -> None:
+        """Give the connection, and the bytes not yet used, to aiohttp's protocol."""
+        self._cancel_timer()
+        self._pending = self._parsed = None
+        self.front.conns.discard(self)
+        self.front.handed_over += 1
+        transport, data = self.transport, self.buf
+        self.buf = b""
+        self.closed = True  # for this protocol; the connection lives on under aiohttp
+        protocol = self.front.fallback()
+        assert transport is not None
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+        if self._paused:
+            transport.resume_reading()
+        if data:
+            protocol.data_received(bytes(data))
+
+    def _arm(self, when_monotonic: float, callback: Callable[[], None]) -> None:
+        loop = self.front.loop
+        self.timer = loop.call_at(loop.time() + max(0.0, when_monotonic - time.monotonic()), callback)
+
+    def _cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _head_timeout(self) -> None:
+        self.timer = None
+        if not self.busy and not self.closed:
+            self.close()  # as aiohttp: a connection without a complete request head is closed unanswered
+
+    def _body_timeout(self) -> None:
+        self.timer = None
+        if self._pending is None or self.closed:
+            return
+        method, path = self._pending
+        self._pending = self._parsed = None
+        msg = f"request body not received within {self.front.body_timeout_s:g} s; connection closed"
+        response = self.front.on_gone(method, path, self.remote(), 408, msg)
+        if response is not None and self.transport is not None:
+            self.transport.write(serialize(response, close=True))
+        self.close()
+
+    def close_when_idle(self) -> None:
+        """Close now when no request is in progress, else after its reply."""
+        if self.busy:
+            self._close_after = True
+        else:
+            self.close()
+
+    def close(self) -> None:
+        """Close the connection."""
+        self._cancel_timer()
+        self._pending = self._parsed = None
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()

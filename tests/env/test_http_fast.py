@@ -1,0 +1,278 @@
+"""The fast front of the controller and the worker server (env_controller/http/fast.py): plain requests
+served by it, every other one handed to aiohttp on the same connection with the bytes not yet used;
+the controller's future-driven worker client; the batched metrics."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from env_controller.controller.metrics import OVERHEAD_BUCKETS, ControllerMetrics
+from env_controller.controller.worker_http import ConnectError, WorkerHttp
+from tests.env.support import cluster, run, tool_call
+
+
+async def exchange(port: int, data: bytes, until: int = 1, timeout_s: float = 10) -> list[tuple[bytes, bytes]]:
+    """Send ``data`` on one connection and read ``until`` replies: (status line + headers, body) each."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    out = []
+    try:
+        for _ in range(until):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout_s)
+            while head.startswith(b"HTTP/1.1 1"):  # an interim reply (100 Continue)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout_s)
+            length = 0
+            chunked = False
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+                if line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower():
+                    chunked = True
+            if chunked:
+                body = b""
+                while True:
+                    size = int((await reader.readuntil(b"\r\n")).strip().split(b";")[0], 16)
+                    chunk = await reader.readexactly(size + 2)
+                    if size == 0:
+                        break
+                    body += chunk[:-2]
+            else:
+                body = await asyncio.wait_for(reader.readexactly(length), timeout_s)
+            out.append((head, body))
+    finally:
+        writer.close()
+    return out
+
+
+def post(path: str, body: bytes, extra: str = "", version: str = "HTTP/1.1") -> bytes:
+    return (f"POST {path} {version}\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"{extra}\r\n").encode() + body
+
+
+def test_plain_requests_stay_on_the_fast_path_and_pipelined_ones_answer_in_order() -> None:
+    async def go() -> None:
+        async with cluster() as (controller, workers, env):
+            sid, _ = await env.start_sample("echo", 0)
+            front = controller._front
+            assert front is not None and front.handed_over == 0
+            body = json.dumps({"messages": [tool_call("echo", {"text": "ü 1"})]}, ensure_ascii=False).encode()
+            body2 = json.dumps({"messages": [tool_call("echo", {"text": "2"})]}).encode()
+            # two requests in one write (pipelined), then a health check, all on one connection
+            replies = await exchange(controller.port, post("/api/interact", body, f"session_id: {sid}\r\n")
+                                     + post("/api/interact", body2, f"Session_ID: {sid}\r\n")
+                                     + b"GET /api/health HTTP/1.1\r\nHost: t\r\n\r\n", until=3)
+            texts = [json.loads(b)["messages"][0]["content"] for _, b in replies[:2]]
+            assert texts == ["ü 1", "2"]
+            assert replies[0][0].startswith(b"HTTP/1.1 200 OK\r\n")
+            assert b"x-controller-overhead-ms: " in replies[0][0]
+            assert b"Content-Type: application/json; charset=utf-8" in replies[0][0]
+            assert b"Keep-Alive: timeout=%d\r\n" % int(controller.idle_timeout_s) in replies[0][0]
+            # so the controller keeps its connections to our workers pooled longer than its 3 s default
+            assert controller._http is not None
+            conns = [c for idle in controller._http._idle.values() for c in idle]
+            assert conns and all(controller._http._keepalive(c) > controller.config.worker_keepalive_s for c in conns)
+            assert json.loads(replies[2][1])["status"] == "ok"
+            assert front.handed_over == 0 and workers[0]._front is not None and workers[0]._front.handed_over == 0
+            # the worker's own API on its fast path too
+            w = workers[0]
+            [(head, b)] = await exchange(w.port, b"GET /api/worker_status HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200") and json.loads(b)["concurrency"] == w.concurrency
+
+    run(go())
+
+
+@pytest.mark.parametrize("case", ["chunked", "http10", "close", "unknown", "method", "expect", "bad_header", "query"])
+def test_requests_that_are_not_plain_are_handed_to_aiohttp(case: str) -> None:
+    async def go() -> None:
+        async with cluster() as (controller, _, env):
+            sid, _ = await env.start_sample("echo", 0)
+            front = controller._front
+            assert front is not None
+            body = json.dumps({"messages": [tool_call("echo", {"text": "x"})]}).encode()
+            session = f"session_id: {sid}\r\n"
+            want_status, want_text = b"200", "x"
+            if case == "chunked":
+                data = (f"POST /api/interact HTTP/1.1\r\nHost: t\r\n{session}Transfer-Encoding: chunked\r\n\r\n"
+                        f"{len(body):x}\r\n").encode() + body + b"\r\n0\r\n\r\n"
+            elif case == "http10":
+                data = post("/api/interact", body, session, version="HTTP/1.0")
+            elif case == "close":
+                data = post("/api/interact", body, session + "Connection: close\r\n")
+            elif case == "expect":
+                data = post("/api/interact", body, session + "Expect: 100-continue\r\n")
+            elif case == "bad_header":  # a header name that is no token: aiohttp refuses the request
+                data = post("/api/interact", body, session + "Bad Name: 1\r\n")
+                want_status, want_text = b"400", ""
+            elif case == "query":  # a query on a route the fast path knows: served there
+                data = post("/api/interact?x=1", body, session)
+            elif case == "unknown":
+                data = post("/api/nope", body)
+                want_status, want_text = b"404", "no such endpoint"
+            else:
+                data = b"DELETE /api/interact HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n"
+                want_status, want_text = b"405", "not allowed"
+            [(head, reply)] = await exchange(controller.port, data)
+            assert head.split(b" ")[1] == want_status, (head, reply)
+            if want_status == b"200":
+                assert json.loads(reply)["messages"][0]["content"] == want_text
+            elif want_text:
+                assert want_text in json.loads(reply)["error"]
+            assert front.handed_over == (0 if case == "query" else 1)
+            # a client's next request on a handed-over connection: aiohttp serves it as before
+            assert (await env.health())["status"] == "ok"
+
+    run(go())
+
+
+def test_a_large_body_goes_to_aiohttp_and_a_slow_small_one_waits_on_the_fast_path() -> None:
+    async def go() -> None:
+        async with cluster() as (controller, _, env):
+            sid, _ = await env.start_sample("echo", 0)
+            front = controller._front
+            assert front is not None
+            text = "y" * (2 << 20)
+            big = json.dumps({"messages": [tool_call("echo", {"text": text})]}).encode()
+            [(head, reply)] = await exchange(controller.port, post("/api/interact", big, f"session_id: {sid}\r\n"))
+            assert head.startswith(b"HTTP/1.1 200") and json.loads(reply)["messages"][0]["content"] == text
+            assert front.handed_over == 1
+            # a body in pieces, the head split too: still the fast path
+            small = post("/api/interact", json.dumps({"messages": [tool_call("echo", {"text": "z"})]}).encode(),
+                         f"session_id: {sid}\r\n")
+            reader, writer = await asyncio.open_connection("127.0.0.1", controller.port)
+            for i in range(0, len(small), 7):
+                writer.write(small[i:i + 7])
+                await writer.drain()
+                await asyncio.sleep(0.002)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 200")
+            writer.close()
+            assert front.handed_over == 1
+
+    run(go())
+
+
+def test_idle_keepalive_connections_are_closed_after_the_idle_timeout() -> None:
+    async def go() -> None:
+        from tests.env.support import fast_config
+
+        async with cluster(config=fast_config(idle_timeout_s=0.4)) as (controller, _, _env):
+            reader, writer = await asyncio.open_connection("127.0.0.1", controller.port)
+            writer.write(b"GET /api/health HTTP/1.1\r\nHost: t\r\n\r\n")
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            t0 = time.monotonic()
+            rest = await asyncio.wait_for(reader.read(), 5)  # the body, then EOF once idle too long
+            assert rest.endswith(b"}") and 0.3 < time.monotonic() - t0 < 2.5
+            writer.close()
+
+    run(go())
+
+
+def test_worker_http_calls_are_futures_bounded_cancellable_and_timed_out() -> None:
+    async def go() -> None:
+        hold = asyncio.Event()
+        served: list[int] = []
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while True:
+                    await reader.readuntil(b"\r\n\r\n")
+                    served.append(1)
+                    await hold.wait()
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x"
+        http = WorkerHttp(max_in_flight=2, keepalive_s=5, connect_timeout_s=2)
+        try:
+            calls = [http.start("GET", url, None, {}, 5) for _ in range(3)]
+            await asyncio.sleep(0.2)
+            assert len(served) == 2 and http._in_flight == 2 and len(http._waiting) == 1  # the third waits
+            calls[0].cancel()  # abandoned: its slot goes to the third call, its connection is closed
+            await asyncio.sleep(0.2)
+            assert len(served) == 3 and http._in_flight == 2
+            hold.set()
+            for c in calls[1:]:
+                assert (await c).body == b"ok"
+            await asyncio.sleep(0)  # a future's done callbacks (which free the slot) run after it is done
+            assert http._in_flight == 0
+            hold.clear()
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError):
+                await http.request("GET", url, None, {}, 0.3)
+            await asyncio.sleep(0)
+            assert time.monotonic() - t0 < 2 and http._in_flight == 0
+            hold.set()
+        finally:
+            await http.close()
+            server.close()
+            await server.wait_closed()
+        with pytest.raises(ConnectError):
+            http.start("GET", url, None, {}, 1)  # closed
+
+    run(go())
+
+
+def test_batched_metrics_equal_direct_observations() -> None:
+    from prometheus_client import CollectorRegistry, Histogram
+
+    m = ControllerMetrics(lambda: {}, lambda: {})
+    values = [0.00005, 0.0001, 0.0003, 0.004, 0.02, 0.3, 2.0, 7.0]
+    batched = m.histogram(m.overhead_seconds, "interact")
+    assert batched is m.overhead_interact
+    ref = Histogram("r", "r", ["endpoint"], buckets=OVERHEAD_BUCKETS, registry=CollectorRegistry()).labels("interact")
+    for v in values:
+        batched.observe(v)
+        ref.observe(v)
+    m.counter(m.requests, "interact", "200").inc()
+    m.counter(m.requests, "interact", "200").inc()
+    text = m.render().decode()
+    assert 'agentrl_controller_requests_total{code="200",endpoint="interact"} 2.0' in text
+    assert f'agentrl_controller_overhead_seconds_count{{endpoint="interact"}} {float(len(values))}' in text
+    got = [b.get() for b in batched.child._buckets]
+    assert got == [b.get() for b in ref._buckets]
+    assert batched.child._sum.get() == pytest.approx(ref._sum.get())
+    m.flush()  # nothing pending: no change
+    assert [b.get() for b in batched.child._buckets] == got
+
+
+def test_interact_bodies_pass_through_when_already_normalized() -> None:
+    async def go() -> None:
+        async with cluster() as (controller, _, env):
+            sid, _ = await env.start_sample("echo", 0)
+            assert controller._http is not None
+            sent: list[bytes] = []
+            start = controller._http.start
+
+            def record(method, url, body, headers, timeout_s):  # type: ignore[no-untyped-def]
+                if url.endswith("/interact"):
+                    sent.append(body)
+                return start(method, url, body, headers, timeout_s)
+
+            controller._http.start = record  # type: ignore[method-assign]
+            normalized = {"role": "assistant", "content": "é",
+                          "tool_calls": [{"id": "c0", "type": "function",
+                                          "function": {"name": "echo", "arguments": "{\"text\": \"ü\"}"}}]}
+            cases = [
+                (json.dumps({"messages": [normalized]}, ensure_ascii=False).encode(), True, normalized),
+                (b'  {"messages": ' + json.dumps([normalized], ensure_ascii=False).encode() + b"}\n", True, normalized),
+                (json.dumps({"messages": [normalized]}).encode(), False, normalized),  # \u escapes: written as is
+                (json.dumps({"messages": [{**normalized, "content": None}]}).encode(), False,  # normalized anew
+                 {**normalized, "content": ""}),
+                (json.dumps({"messages": [normalized], "x": 1}).encode(), False, normalized),  # only messages goes
+            ]
+            for raw, passed, want in cases:
+                [(head, reply)] = await exchange(controller.port, post("/api/interact", raw, f"session_id: {sid}\r\n"))
+                assert head.startswith(b"HTTP/1.1 200") and json.loads(reply)["messages"][0]["content"] == "ü"
+                body = sent.pop()
+                if passed:
+                    assert body == b'{"session_id":%d,%s' % (int(sid), raw.lstrip()[1:])
+                else:
+                    assert b"\\u" not in body and json.loads(body) == {"session_id": int(sid), "messages": [want]}
+
+    run(go())

@@ -58,7 +58,8 @@ def agentrl_stub(tmp_path: Path) -> tuple[Path, Path]:
     of a log, and runs anything else with the real python; returns the stub and the log."""
     log = tmp_path / "agentrl.log"
     stub = tmp_path / "python"
-    real = os.path.realpath(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv").is_dir() else shutil.which("python3")
+    # the venv's own python path, not its symlink's target: the target alone runs outside the venv
+    real = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv").is_dir() else shutil.which("python3")
     stub.write_text(f'#!/usr/bin/env bash\nif [ "$1" = -m ] && [ "$2" = megatron_agentrl.cli ]; then\n'
                     f'  shift 2; printf "%s\\n" "$*" >> "{log}"; exit 0\nfi\nexec "{real}" "$@"\n')
     stub.chmod(0o755)

@@ -54,10 +54,10 @@ LATENCY_SAMPLES = 4096
 class PoolBudget:
     """A cap on the sandboxes of several pools together (e.g. one pool per image, one budget per worker).
 
-    Every sandbox a pool counts as live holds one unit. A pool that cannot take a unit for a session
-    raises the budget's *pressure*; pools with idle sandboxes give one up for each such request on
-    their next refill tick (warm sandboxes of an image nobody asks for make room for one that is asked
-    for), and never start warm ones while the budget is short.
+    Every sandbox a pool counts as live holds one unit. A session that cannot take a unit waits as the
+    budget's (:meth:`want` until :meth:`unwant`); pools with idle sandboxes give one up for each waiting
+    session on their next refill tick (warm sandboxes of an image nobody asks for make room for one that
+    is asked for), and never start warm ones while sessions wait.
     """
 
     def __init__(self, max_live: int) -> None:
@@ -67,19 +67,32 @@ class PoolBudget:
         self.max_live = max_live
         self._lock = threading.Lock()
         self._used = 0
-        self._pressure = 0
+        self._wanted = 0  # sessions waiting for a unit
+        self._claimed = 0  # idle sandboxes being given up for them (at most one per waiting session)
         self._peak = 0
 
     def take(self, n: int = 1, urgent: bool = False) -> int:
-        """Take up to ``n`` units; how many were granted. ``urgent`` (a session waits): when none is left,
-        ask the pools to give up an idle sandbox."""
+        """Take up to ``n`` units; how many were granted. Not ``urgent`` (a warm start): none while sessions
+        wait, so a unit freed for a waiting session goes to a session."""
         with self._lock:
+            if not urgent and self._wanted:
+                return 0
             granted = max(0, min(n, self.max_live - self._used))
             self._used += granted
             self._peak = max(self._peak, self._used)
-            if urgent and granted < n:
-                self._pressure = min(self._pressure + n - granted, self.max_live)
             return granted
+
+    def want(self) -> None:
+        """A session starts waiting for a unit (once per session, however often it retries :meth:`take`):
+        a pool with an idle sandbox gives one up for it."""
+        with self._lock:
+            self._wanted += 1
+
+    def unwant(self) -> None:
+        """A session of :meth:`want` stops waiting (it got a unit, timed out, or its pool closed)."""
+        with self._lock:
+            self._wanted = max(0, self._wanted - 1)
+            self._claimed = min(self._claimed, self._wanted)
 
     def give(self, n: int = 1) -> None:
         """Return ``n`` units (a sandbox removed, a start that failed)."""
@@ -87,23 +100,27 @@ class PoolBudget:
             self._used = max(0, self._used - n)
 
     def claim_pressure(self) -> bool:
-        """Whether some session waits for a unit (and this caller will give up an idle sandbox for it)."""
+        """Whether some waiting session has no idle sandbox given up for it yet (and this caller will give up
+        one for it). One per session: a count of its retries instead gave up every idle sandbox of the other
+        pools for a single session (the test of an image's session under a cap filled by another's)."""
         with self._lock:
-            if self._pressure <= 0:
+            if self._claimed >= self._wanted:
                 return False
-            self._pressure -= 1
+            self._claimed += 1
             return True
 
     @property
     def short(self) -> bool:
-        """Whether sessions are waiting for units (pools start no warm sandboxes then)."""
+        """Whether sessions are waiting for units, or none is left (pools start no warm sandboxes then)."""
         with self._lock:
-            return self._pressure > 0 or self._used >= self.max_live
+            return self._wanted > 0 or self._used >= self.max_live
 
     def stats(self) -> dict[str, int]:
-        """``max``, ``used`` (units held: live sandboxes of all pools), ``peak`` and ``pressure``."""
+        """``max``, ``used`` (units held: live sandboxes of all pools), ``peak``, ``waiting`` (sessions waiting
+        for a unit) and ``pressure`` (those of them no idle sandbox is being given up for yet)."""
         with self._lock:
-            return {"max": self.max_live, "used": self._used, "peak": self._peak, "pressure": self._pressure}
+            return {"max": self.max_live, "used": self._used, "peak": self._peak, "waiting": self._wanted,
+                    "pressure": self._wanted - self._claimed}
 
 
 class PoolExhaustedError(SandboxError):
@@ -280,35 +297,43 @@ class SandboxPool:
             self._demand.append(t0)
             self._counts["acquired"] += 1
             waited = False
-            while True:
-                if self._closed:
-                    raise RuntimeError("the sandbox pool is closed")
-                while self._idle and box is None:
-                    candidate = self._idle.popleft()
-                    if not candidate.closed:  # one closed while idle just frees its slot
-                        box = candidate
-                    else:
-                        self._give(1)
-                if box is not None:
-                    self._leased[box.id] = box
-                    break
-                if self._live() < self._cap and (self.budget is None or self.budget.take(1, urgent=True)):
-                    self._starting += 1
-                    self._cold_queued += 1
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._counts["timeouts"] += 1
-                    raise PoolExhaustedError(self._exhausted_message(time.monotonic() - t0))
-                if not waited:
-                    waited = True
-                    self._counts["waited"] += 1
-                self._waiting += 1
-                try:
-                    # another pool's removal frees a unit of the budget without waking this pool
-                    self._cond.wait(left if self.budget is None else min(left, 0.2))
-                finally:
-                    self._waiting -= 1
+            wanting = False  # this session waits as the budget's (its cap, not the pool's own, is reached)
+            try:
+                while True:
+                    if self._closed:
+                        raise RuntimeError("the sandbox pool is closed")
+                    while self._idle and box is None:
+                        candidate = self._idle.popleft()
+                        if not candidate.closed:  # one closed while idle just frees its slot
+                            box = candidate
+                        else:
+                            self._give(1)
+                    if box is not None:
+                        self._leased[box.id] = box
+                        break
+                    if self._live() < self._cap and (self.budget is None or self.budget.take(1, urgent=True)):
+                        self._starting += 1
+                        self._cold_queued += 1
+                        break
+                    if self.budget is not None and not wanting and self._live() < self._cap:
+                        wanting = True
+                        self.budget.want()
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self._counts["timeouts"] += 1
+                        raise PoolExhaustedError(self._exhausted_message(time.monotonic() - t0))
+                    if not waited:
+                        waited = True
+                        self._counts["waited"] += 1
+                    self._waiting += 1
+                    try:
+                        # another pool's removal frees a unit of the budget without waking this pool
+                        self._cond.wait(left if self.budget is None else min(left, 0.2))
+                    finally:
+                        self._waiting -= 1
+            finally:
+                if wanting and self.budget is not None:
+                    self.budget.unwant()
             self._changed()
         kind = "warm" if box is not None else "cold"
         if box is None:
@@ -319,9 +344,17 @@ class SandboxPool:
         return box
 
     def _exhausted_message(self, waited_s: float) -> str:
-        return (f"no sandbox became free within {waited_s:.0f} s: all {self.max_size} allowed by {self.limit_hint} "
-                f"are live ({len(self._leased)} held by sessions, {self._starting} starting, "
-                f"{self._resetting} being wiped, {self._removing} being removed); raise {self.limit_hint}, or "
+        mine = (f"{len(self._leased)} held by sessions, {self._starting} starting, {self._resetting} being wiped, "
+                f"{self._removing} being removed")
+        if self.budget is not None and self._live() < self._cap:
+            # the cap that was hit is the budget's, shared with other pools (e.g. other images): this pool's
+            # counts alone would not add up to it, so say how many the others hold
+            b = self.budget.stats()
+            where = (f"all {b['max']} allowed by {self.limit_hint} are live over all pools ({b['used']} units "
+                     f"used; this pool: {mine}, {len(self._idle)} idle)")
+        else:
+            where = f"all {self.max_size} allowed by {self.limit_hint} are live ({mine})"
+        return (f"no sandbox became free within {waited_s:.0f} s: {where}; raise {self.limit_hint}, or "
                 "send fewer sessions at once (a worker's --concurrency at most its --max-containers)")
 
     def _start_cold(self, labels: Mapping[str, str] | None) -> Sandbox:

@@ -294,3 +294,157 @@ def test_put_files_tar_is_rooted(tmp_path: Path) -> None:
     assert all(m.uid == 1000 for m in names.values()) and names["tests"].isdir()
     with pytest.raises(ValueError, match="not a relative path"):
         box.put_files("/tests", {"../etc/passwd": "x"})
+
+
+# -- one cap over every image's pool (max_containers) ------------------------------------------------
+
+
+class _Watch:
+    """Samples, on its own thread, the task's containers in the engine and the budget's units, keeping the most
+    seen of each (the cap must hold at every moment, not only at the end)."""
+
+    def __init__(self, engine: Any, task: TerminalTask) -> None:
+        import threading
+
+        self.engine, self.task = engine, task
+        self.max_docker = self.max_used = self.max_live = self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        client = self.engine.client()
+        try:
+            while not self._stop.is_set():
+                # sparse: no inspect per container (one removed meanwhile would fail the listing)
+                n = len(client.containers.list(all=True, sparse=True,
+                                               filters={"label": [f"{LABEL}=1", "agentrl.task=terminal"]}))
+                used = self.task.budget.stats()["used"] if self.task.budget is not None else 0
+                live = sum(p.stats()["live"] for p in self.task.pools().values())
+                self.max_docker, self.max_used = max(self.max_docker, n), max(self.max_used, used)
+                self.max_live = max(self.max_live, live)
+                self.samples += 1
+                self._stop.wait(0.02)
+        finally:
+            client.close()
+
+    def __enter__(self) -> "_Watch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        assert self.samples >= 10, "the watch took too few samples"
+
+
+def _capped_task(engine: Any, task_set: Path, **kw: Any) -> TerminalTask:
+    params: dict[str, Any] = {"max_containers": 2, "warm_containers": 2, "prebuild": False, "command_timeout_s": 5,
+                              "memory_mb": 128, "acquire_timeout_s": 10, **kw}
+    t = build_task("terminal", tasks=str(task_set), docker_host=engine.url, **params)
+    assert isinstance(t, TerminalTask)
+    return t
+
+
+def _wait_for(what: str, cond: Any, limit: float = 30.0) -> None:
+    end = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < end, f"not within {limit:g} s: {what}"
+        time.sleep(0.05)
+
+
+def _warm_pool(task: TerminalTask, id_: str) -> Any:
+    """The pool of instance ``id_``'s image, made now, once its warm containers fill the cap."""
+    inst = task.instances[_index(task, id_)]
+    pool = task.pool_for(task.images.ensure(inst.image), inst)
+    _wait_for(f"{id_}'s pool warm", lambda: pool.stats()["idle"] == task.max_containers)
+    return pool
+
+
+def test_a_session_of_another_image_evicts_an_idle_container_under_the_cap(docker_engine: Any,
+                                                                          task_set: Path) -> None:
+    task = _capped_task(docker_engine, task_set)
+    try:
+        pool_a = _warm_pool(task, "hello")  # image A's idle containers fill the cap of 2
+        assert task.budget is not None and task.budget.stats()["used"] == 2
+        assert len(_containers(docker_engine)) == 2
+        double = _index(task, "double")  # image B
+
+        async def go() -> tuple[list[float], list[Any]]:
+            took, opened, a_idle = [], [], []
+            for _ in range(2):  # the first evicts one of A's two idle containers, the second the other
+                t0 = time.monotonic()
+                opened.append(await task.start(double))
+                took.append(time.monotonic() - t0)
+                await asyncio.sleep(1.0)  # refill ticks: a waiting session takes one container from A, not more
+                a_idle.append(pool_a.stats()["idle"])
+            assert a_idle == [1, 0], a_idle
+            replies = [await s.interact(call("finish_action", {})) for s, _ in opened]
+            for s, _ in opened:
+                await s.close()
+            return took, replies
+
+        with _Watch(docker_engine, task) as watch:
+            took, replies = asyncio.run(go())
+            time.sleep(1.0)  # the pools' refill ticks after the sessions: still under the cap
+        assert all(r.finish and r.status is SampleStatus.COMPLETED for r in replies), replies
+        assert all(t < 8 for t in took), took  # evicted on the next refill tick, not after the acquire timeout
+        a = pool_a.stats()
+        assert a["removed"] >= 2 and a["timeouts"] == 0, a
+        stats = task.sandbox_pool().stats()
+        assert stats["timeouts"] == 0 and stats["budget"]["peak"] <= 2, stats
+        assert watch.max_docker <= 2 and watch.max_used <= 2 and watch.max_live <= 2, vars(watch)
+        print(f"B sessions started in {[round(t, 2) for t in took]} s; A created {a['created']} removed "
+              f"{a['removed']}; most containers seen {watch.max_docker}")
+    finally:
+        task.close()
+    assert _containers(docker_engine) == [], "a container outlived the task"
+
+
+def test_at_the_cap_with_busy_containers_a_session_waits_for_a_release_or_times_out(docker_engine: Any,
+                                                                                 task_set: Path) -> None:
+    from env_controller.sandbox.pool import PoolExhaustedError
+
+    task = _capped_task(docker_engine, task_set, warm_containers=0, acquire_timeout_s=3)
+    try:
+        hello, double = _index(task, "hello"), _index(task, "double")
+
+        async def go() -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            held = [await task.start(hello), await task.start(double)]  # both images, every unit busy
+            # none is released: the session fails after its timeout, with the error naming the cap
+            t0 = time.monotonic()
+            with pytest.raises(PoolExhaustedError, match=r"all 2 allowed by max_containers .* are live over all "
+                                                          r"pools \(2 units used; this pool: 1 held"):
+                await task.start(hello)
+            out["timeout_s"] = time.monotonic() - t0
+            # through a client: an infrastructure failure (task error), never a judged reward
+            c = LocalEnvClient({"terminal": task})
+            _, reply = await c.start_sample("terminal", double)
+            out["client_reply"] = reply
+            # one released a second into the wait: the waiting session (another image's) starts at once
+            waiter = asyncio.ensure_future(task.start(double))
+            await asyncio.sleep(1.0)
+            assert not waiter.done()
+            released = time.monotonic()
+            await held[0][0].close()
+            session, _ = await asyncio.wait_for(waiter, 10)
+            out["after_release_s"] = time.monotonic() - released
+            reply = await session.interact(call("finish_action", {}))
+            assert reply.finish and reply.status is SampleStatus.COMPLETED, reply
+            await session.close()
+            await held[1][0].close()
+            return out
+
+        with _Watch(docker_engine, task) as watch:
+            out = asyncio.run(go())
+        assert 2.5 <= out["timeout_s"] < 6, out
+        reply = out["client_reply"]
+        assert reply.finish and reply.status is SampleStatus.TASK_ERROR and reply.reward == 0.0, reply
+        assert out["after_release_s"] < 5, out
+        stats = task.sandbox_pool().stats()
+        assert stats["timeouts"] == 2 and stats["waited"] >= 3, stats
+        assert watch.max_docker <= 2 and watch.max_used <= 2 and watch.max_live <= 2, vars(watch)
+        print(f"timed out after {out['timeout_s']:.2f} s; started {out['after_release_s']:.2f} s after a release")
+    finally:
+        task.close()
+    assert _containers(docker_engine) == [], "a container outlived the task"

@@ -205,7 +205,14 @@ def run(args: Any, overrides: list[str], work: Path) -> dict[str, Any]:
             "pools": pools, "timings_s": timings, "container_samples": counter.samples[-600:]}
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (a `timeout`, a job scheduler) ends the bench through its cleanup: the controller and workers run in
+    sessions of their own, so they would outlive it."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     p = bench_parser("terminal_demo", __doc__)
     p.add_argument("--config", default="examples/configs/tiny_cpu_terminal.yaml")
     p.add_argument("--seeds", default="1,2,3", help="comma-separated train.seed values (run one after another)")

@@ -1,6 +1,6 @@
 """Helpers shared by the trainer tests: an HF state dict and a random batch for the Megatron actor, a tiny training
-run on a spawned rank (``run_distributed``) with its per-step records, the tiny agent tokenizer's chat template, and a
-reward that varies within a group
+run on a spawned rank (``run_distributed``) with its per-step records, the tiny agent tokenizer's chat template,
+three-turn episodes sampled by an engine, and a reward that varies within a group
 (``tasks[].reward_fn: "tests.trainer.support:varied_reward"``)."""
 from __future__ import annotations
 
@@ -70,3 +70,49 @@ def tiny_agent_template():
 def varied_reward(traj) -> float:
     """A reward that differs between the samples of a group (the tiny random policy earns nothing yet)."""
     return float(sum(traj.token_ids) % 5)
+
+
+def three_turn_episodes(engine, template, temperature: float = 1.0, capture_routing: bool = False):
+    """Three-turn episodes of three tasks (different prompt lengths, so the engine left-pads) sampled by ``engine``,
+    with a fixed env reply between turns: ``(tokens, loss masks, engine log-probs, routing)`` per episode; with
+    ``capture_routing`` each turn asks for the positions earlier turns did not cover and ``routing`` holds each
+    episode's whole record (else None)."""
+    import asyncio
+
+    import numpy as np
+
+    from env_controller.tasks import build_task
+    from rollout_sglang.engines.protocol import SamplingParams
+
+    seqs = []
+    for name, index in (("lookup", 1), ("calc", 7), ("guess", 3)):
+        reply = asyncio.run(build_task(name).start(index))[1]
+        seqs.append(list(template.encode_prompt(reply.messages, reply.tools)))
+    masks = [[0] * len(p) for p in seqs]
+    lps = [[0.0] * len(p) for p in seqs]
+    routing: list[list] = [[] for _ in seqs]
+    covered = [0] * len(seqs)
+    env_reply = template.encode_env_reply([{"role": "tool", "tool_call_id": "call_0", "content": "higher"}])
+    for turn in range(3):
+        params = SamplingParams(max_new_tokens=12, temperature=temperature, stop_token_ids=template.stop_token_ids,
+                                seed=turn)
+        ask = {"routing_from": list(covered)} if capture_routing else {}
+        outs = asyncio.run(engine.generate(seqs, params, **ask))
+        for i, o in enumerate(outs):
+            if capture_routing:
+                end = len(seqs[i]) + len(o.token_ids) - 1
+                assert o.routed_experts.shape[0] == end - covered[i]
+                routing[i].append(o.routed_experts)
+                covered[i] = end
+            seqs[i] += o.token_ids
+            masks[i] += [1] * len(o.token_ids)
+            lps[i] += o.logprobs
+            if turn < 2:
+                if o.token_ids[-1] not in template.stop_token_ids:
+                    seqs[i].append(template.im_end_id)
+                    masks[i].append(0)
+                    lps[i].append(0.0)
+                seqs[i] += env_reply
+                masks[i] += [0] * len(env_reply)
+                lps[i] += [0.0] * len(env_reply)
+    return seqs, masks, lps, ([np.concatenate(r) for r in routing] if capture_routing else None)

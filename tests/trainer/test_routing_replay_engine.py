@@ -5,8 +5,6 @@ padded and packed. An engine whose router picks its top-k in bf16 (experts flip 
 changes) shows a flip rate and a log-prob mismatch without replay; replay removes the mismatch."""
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import torch
 
@@ -18,42 +16,6 @@ ARCH = dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=96, num_hi
             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False,
             num_experts=8, moe_intermediate_size=32, num_experts_per_tok=2, norm_topk_prob=True)
 LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (1, 2, 1)]  # (tp, pp, ep) on 2 processes (the rest data-parallel)
-
-
-def _episodes(engine, template) -> tuple[list[list[int]], list[list[int]], list[list[float]], list[np.ndarray]]:
-    """Three-turn episodes of three tasks with routing capture; returns tokens, masks, log-probs, routing."""
-    from env_controller.tasks import build_task
-    from rollout_sglang.engines.protocol import SamplingParams
-
-    seqs = []
-    for name, index in (("lookup", 1), ("calc", 7), ("guess", 3)):
-        reply = asyncio.run(build_task(name).start(index))[1]
-        seqs.append(list(template.encode_prompt(reply.messages, reply.tools)))
-    masks = [[0] * len(p) for p in seqs]
-    lps = [[0.0] * len(p) for p in seqs]
-    routing: list[list[np.ndarray]] = [[] for _ in seqs]
-    covered = [0] * len(seqs)
-    env_reply = template.encode_env_reply([{"role": "tool", "tool_call_id": "call_0", "content": "higher"}])
-    for turn in range(3):
-        params = SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_ids=template.stop_token_ids, seed=turn)
-        outs = asyncio.run(engine.generate(seqs, params, routing_from=list(covered)))
-        for i, o in enumerate(outs):
-            end = len(seqs[i]) + len(o.token_ids) - 1
-            assert o.routed_experts.shape[0] == end - covered[i]
-            routing[i].append(o.routed_experts)
-            covered[i] = end
-            seqs[i] += o.token_ids
-            masks[i] += [1] * len(o.token_ids)
-            lps[i] += o.logprobs
-            if turn < 2:
-                if o.token_ids[-1] not in template.stop_token_ids:
-                    seqs[i].append(template.im_end_id)
-                    masks[i].append(0)
-                    lps[i].append(0.0)
-                seqs[i] += env_reply
-                masks[i] += [0] * len(env_reply)
-                lps[i] += [0.0] * len(env_reply)
-    return seqs, masks, lps, [np.concatenate(r) for r in routing]
 
 
 def _mismatch(actor, batch, routed) -> float:
@@ -75,6 +37,7 @@ def _check(rank: int, world: int) -> dict:
     from rollout_sglang.tokenizer import load_tokenizer
     from tests.support.routing import pick_experts_in_bf16
     from tests.support.tiny_models import reinit_parallel
+    from tests.trainer.support import three_turn_episodes
 
     tok = load_tokenizer(TOKENIZER)
     hf_config = load_hf_config(ModelConfig(arch=ARCH, tokenizer=TOKENIZER), tok)
@@ -89,7 +52,7 @@ def _check(rank: int, world: int) -> dict:
             engine.load_state_dict(1, state)
             if perturbed:
                 assert pick_experts_in_bf16(engine.model) == 4
-            episodes[perturbed] = _episodes(engine, ChatTemplate(tok))
+            episodes[perturbed] = three_turn_episodes(engine, ChatTemplate(tok), capture_routing=True)
         box = [episodes]
     dist.broadcast_object_list(box, src=0)
     out: dict = {}

@@ -6,46 +6,12 @@ vocabulary is sharded and log-probs are computed vocab-parallel.
 """
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
 from tests.support.dist_utils import run_distributed
 
 TOKENIZER = "examples/tokenizer/tiny_agent"
-
-
-def _episodes(engine, template, temperature: float) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
-    """Three-turn episodes of three tasks (different prompt lengths, so the engine left-pads)."""
-    from env_controller.tasks import build_task
-    from rollout_sglang.engines.protocol import SamplingParams
-
-    prompts = []
-    for name, index in (("lookup", 1), ("calc", 7), ("guess", 3)):
-        reply = asyncio.run(build_task(name).start(index))[1]
-        prompts.append(template.encode_prompt(reply.messages, reply.tools))
-    seqs = [list(p) for p in prompts]
-    masks = [[0] * len(p) for p in prompts]
-    lps = [[0.0] * len(p) for p in prompts]
-    env_reply = template.encode_env_reply([{"role": "tool", "tool_call_id": "call_0", "content": "higher"}])
-    for turn in range(3):
-        params = SamplingParams(max_new_tokens=12, temperature=temperature, stop_token_ids=template.stop_token_ids,
-                                seed=turn)
-        outs = asyncio.run(engine.generate(seqs, params))
-        for i, o in enumerate(outs):
-            seqs[i] += o.token_ids
-            masks[i] += [1] * len(o.token_ids)
-            lps[i] += o.logprobs
-            if turn < 2:
-                if o.token_ids[-1] not in template.stop_token_ids:
-                    seqs[i].append(template.im_end_id)
-                    masks[i].append(0)
-                    lps[i].append(0.0)
-                seqs[i] += env_reply
-                masks[i] += [0] * len(env_reply)
-                lps[i] += [0.0] * len(env_reply)
-    return seqs, masks, lps
 
 
 def _check(rank: int, world: int, tp: int, temperature: float) -> float:
@@ -59,6 +25,7 @@ def _check(rank: int, world: int, tp: int, temperature: float) -> float:
     from rollout_sglang.chat_template import ChatTemplate
     from rollout_sglang.engines.local import LocalEngine
     from rollout_sglang.tokenizer import load_tokenizer
+    from tests.trainer.support import three_turn_episodes
 
     initialize_parallel(tp, 1, seed=7)
     tok = load_tokenizer(TOKENIZER)
@@ -71,7 +38,7 @@ def _check(rank: int, world: int, tp: int, temperature: float) -> float:
     if rank == 0:
         engine = LocalEngine(hf_config)
         engine.load_state_dict(1, state)
-        box = [_episodes(engine, ChatTemplate(tok), temperature)]
+        box = [three_turn_episodes(engine, ChatTemplate(tok), temperature)[:3]]
     dist.broadcast_object_list(box, src=0)
     seqs, masks, lps = box[0]
     recomputed = actor.compute_logprobs(pad_right(seqs, torch.long), temperature=temperature, micro_batch_size=2)

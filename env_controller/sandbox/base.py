@@ -142,6 +142,24 @@ class CommandResult:
         """The command ended by itself with exit status 0."""
         return self.limit is None and self.exit_code == 0
 
+    def reply(self, max_chars: int) -> str:
+        """The tool reply an agent sees: the output (cut at ``max_chars`` characters, saying how many more), a
+        non-zero exit code after it, "(no output)" for silent success; a limit that stopped the command and
+        reset the shell comes first, with the output before it; one that stopped nothing (a full /tmp) after."""
+        output = self.output
+        if len(output) > max_chars:
+            output = output[:max_chars] + f"\n[... {len(output) - max_chars} more characters not shown]"
+        if self.limit is not None and self.restarted:
+            return f"error: {self.error}" + (f"\noutput before it was stopped:\n{output}" if output.strip() else "")
+        if not output:
+            output = "(no output)" if self.exit_code == 0 else ""
+        if self.exit_code != 0:
+            output = (output + ("\n" if output and not output.endswith("\n") else "")
+                      + f"[exit code {self.exit_code}]")
+        if self.limit is not None:
+            output += f"\nerror: {self.error}"
+        return output
+
 
 class Sandbox(ABC):
     """One session's sandbox: a persistent bash with private writable ``workdir`` and ``/tmp``."""

@@ -281,11 +281,6 @@ class OsShellSession(BlockingToolTaskSession):
         self.commands = 0
         self.limit_hits = 0
 
-    def _clip(self, text: str) -> str:
-        if len(text) <= self.max_output_chars:
-            return text
-        return text[: self.max_output_chars] + f"\n[... {len(text) - self.max_output_chars} more characters not shown]"
-
     def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult:
         """Run ``bash_action`` in the sandbox; grade on ``answer_action`` / ``finish_action``."""
         if name == "bash_action":
@@ -301,20 +296,9 @@ class OsShellSession(BlockingToolTaskSession):
             result = self.sandbox.run(script)
         except ValueError as exc:
             return f"error: {exc}"
-        output = self._clip(result.output)
         if result.limit is not None:
             self.limit_hits += 1
-        if result.limit is not None and result.restarted:
-            text = f"error: {result.error}"
-            return text + (f"\noutput before it was stopped:\n{output}" if output.strip() else "")
-        if not output:
-            output = "(no output)" if result.exit_code == 0 else ""
-        if result.exit_code != 0:
-            output = (output + ("\n" if output and not output.endswith("\n") else "")
-                      + f"[exit code {result.exit_code}]")
-        if result.limit is not None:  # a limit that stopped nothing (a full /tmp): said after the output
-            output += f"\nerror: {result.error}"
-        return output
+        return result.reply(self.max_output_chars)
 
     def _grade(self, name: str, answer: str) -> ToolResult:
         sample = self.sample

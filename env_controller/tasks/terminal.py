@@ -81,19 +81,9 @@ class TerminalSession(BlockingToolTaskSession):
         if not script.strip():
             return "error: the script is empty; pass bash commands in 'script'"
         result = self.sandbox.run(script)
-        output = result.output
-        if len(output) > self.max_output_chars:
-            output = output[: self.max_output_chars] + f"\n[... {len(output) - self.max_output_chars} more characters]"
         if result.limit is not None:
             self.limit_hits += 1
-            text = f"error: {result.error}"
-            return text + (f"\noutput before it was stopped:\n{output}" if output.strip() else "")
-        if not output:
-            output = "(no output)" if result.exit_code == 0 else ""
-        if result.exit_code != 0:
-            output = (output + ("\n" if output and not output.endswith("\n") else "")
-                      + f"[exit code {result.exit_code}]")
-        return output
+        return result.reply(self.max_output_chars)
 
     def verify(self) -> ToolResult:
         """Run the verifier in a fresh shell of the container; its reward, or ``task error`` when it could not

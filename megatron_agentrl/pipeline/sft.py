@@ -7,6 +7,7 @@ player when it has one (evenly spread, see :class:`DemoSampler`). The learning r
 """
 from __future__ import annotations
 
+import logging
 import time
 
 from megatron_agentrl.config import Config
@@ -16,6 +17,17 @@ from megatron_agentrl.metrics import MetricsLogger
 from megatron_agentrl.pipeline.batch import build_sft_batch
 from megatron_agentrl.pipeline.progress import Progress
 from megatron_agentrl.pipeline.rollout_side import RolloutSide
+
+logger = logging.getLogger(__name__)
+
+
+def longest_turn(loss_mask: list[int]) -> int:
+    """The longest run of trained tokens in ``loss_mask``: the longest assistant turn, end token included."""
+    best = run = 0
+    for m in loss_mask:
+        run = run + 1 if m else 0
+        best = max(best, run)
+    return best
 
 
 class DemoSampler:
@@ -33,6 +45,7 @@ class DemoSampler:
     def __init__(self, cfg: Config, ro: RolloutSide) -> None:
         self.cfg, self.ro = cfg, ro
         self._careless_due = dict.fromkeys(ro.task_names, 0.0)
+        self._warned: set[str] = set()
 
     def _careless_turn(self, task: str) -> bool:
         """Whether this full-format demonstration of ``task`` is the careless player's (even spread)."""
@@ -52,8 +65,21 @@ class DemoSampler:
             demo = ro.tasks[task].careless_demonstration(index)
         messages, tools = demo or ro.tasks[task].demonstration(index)
         if short:
-            return ro.template.encode_conversation([{"role": "system", "content": ""}, *messages], None)
-        return ro.template.encode_conversation(messages, tools)
+            ids, mask = ro.template.encode_conversation([{"role": "system", "content": ""}, *messages], None)
+        else:
+            ids, mask = ro.template.encode_conversation(messages, tools)
+        self._check_turns(task, mask)
+        return ids, mask
+
+    def _check_turns(self, task: str, mask: list[int]) -> None:
+        """Warn once per task when a demonstrated turn is longer than a rollout turn may be: the policy would
+        learn a tool call that ``rollout.max_new_tokens`` always cuts (an invalid call, every episode)."""
+        n, cap = longest_turn(mask), self.cfg.rollout.max_new_tokens
+        if n > cap and task not in self._warned:
+            self._warned.add(task)
+            logger.warning("sft: a demonstration of task %r has an assistant turn of %d tokens, more than "
+                           "rollout.max_new_tokens=%d: rollouts and evaluations cut such a turn before its tool "
+                           "call ends; set rollout.max_new_tokens to at least %d", task, n, cap, n)
 
     def batch(self, short: bool) -> list[tuple[list[int], list[int]]]:
         """``sft.batch_size`` demonstrations."""

@@ -8,7 +8,7 @@ import pytest
 
 from env_controller.tasks import build_task
 from megatron_agentrl.config import load_config
-from megatron_agentrl.pipeline.sft import DemoSampler
+from megatron_agentrl.pipeline.sft import DemoSampler, longest_turn
 from rollout_sglang.chat_template import ChatTemplate
 from rollout_sglang.tokenizer import load_tokenizer
 
@@ -87,3 +87,23 @@ def test_sft_weights_set_the_demonstration_mix_apart_from_rl_weights():
     assert rl_only_ids == even_ids
     assert 0.25 < even < 0.42, even
     assert 0.58 < sft_calc < 0.75, sft_calc
+
+
+def test_a_demonstrated_turn_longer_than_a_rollout_turn_is_named_once_per_task(caplog):
+    """A demonstration whose tool call is longer than ``rollout.max_new_tokens`` teaches a call that every rollout
+    cuts (the episode then ends in an invalid call): the warm-up says so, once per task, with the length to set."""
+    ids, mask = DemoSampler(load_config(CONFIG), _rollout_side(0)).example(short=True)
+    assert 8 < longest_turn(mask) < sum(mask)         # several turns, each counted apart
+    only_lookup = {"task_names": ["lookup"], "sft_weights": [1.0]}
+    cfg = load_config(CONFIG, ["rollout.max_new_tokens=8", "sft.careless_fraction=0"])
+    demos = DemoSampler(cfg, SimpleNamespace(**{**vars(_rollout_side(0)), **only_lookup}))
+    with caplog.at_level("WARNING", logger="megatron_agentrl.pipeline.sft"):
+        demos.batch(short=True)
+        demos.batch(short=False)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "'lookup'" in said[0] and "rollout.max_new_tokens=8" in said[0], said
+    caplog.clear()
+    roomy = load_config(CONFIG, ["rollout.max_new_tokens=400"])
+    with caplog.at_level("WARNING", logger="megatron_agentrl.pipeline.sft"):
+        DemoSampler(roomy, _rollout_side(0)).batch(short=False)
+    assert not caplog.records

@@ -25,7 +25,7 @@ import secrets
 from typing import Any
 
 from rollout_sglang.gateway.openai_format import _is_int, _is_number
-from rollout_sglang.gateway.turn import Completion, TurnRequest, bad
+from rollout_sglang.gateway.turn import Completion, ToolShape, TurnRequest, bad, function_tools
 
 SUPPORTED_FIELDS = frozenset({
     "model", "max_tokens", "messages", "system", "tools", "tool_choice", "temperature", "top_p", "top_k",
@@ -130,34 +130,10 @@ def to_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(value: Any) -> list[dict[str, Any]]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise bad("tools", f"must be a list of tool objects, got {type(value).__name__}")
-    out, names = [], set()
-    for i, t in enumerate(value):
-        w = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise bad(w, f"must be an object, got {type(t).__name__}")
-        if t.get("type") not in (None, "custom"):
-            raise bad(f"{w}.type", f"{t.get('type')!r:.60} (a server or client tool of Anthropic's) is not "
-                                   "supported: define the tool with name, description and input_schema",
-                      code="unsupported_parameter")
-        name, schema = t.get("name"), t.get("input_schema")
-        if not isinstance(name, str) or not name:
-            raise bad(f"{w}.name", "must be a non-empty string")
-        if name in names:
-            raise bad(f"{w}.name", f"{name!r} is listed twice")
-        names.add(name)
-        if not isinstance(schema, dict):
-            raise bad(f"{w}.input_schema", "must be a JSON Schema object")
-        fn: dict[str, Any] = {"name": name}
-        if t.get("description"):
-            fn["description"] = t["description"]
-        fn["parameters"] = schema
-        out.append({"type": "function", "function": fn})
-    return out
+#: Messages tools: ``{"name", "description", "input_schema"}`` (``type`` absent or "custom")
+TOOL_SHAPE = ToolShape(kinds=(None, "custom"), other_kind="(a server or client tool of Anthropic's) is not supported: "
+                       "define the tool with name, description and input_schema", under="", schema="input_schema",
+                       schema_required=True, kind_code="unsupported_parameter")
 
 
 def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -200,7 +176,7 @@ def parse_messages_request(body: dict[str, Any], reasons: bool) -> TurnRequest:
     if system is not None:
         text = system if isinstance(system, str) else _text_of(system, "system")
         msgs = [{"role": "system", "content": text}] + msgs
-    tools = _tools(body.get("tools"))
+    tools = function_tools(body.get("tools"), TOOL_SHAPE)
     choice, forced = _tool_choice(body.get("tool_choice"), tools)
     temperature, top_p, top_k = body.get("temperature"), body.get("top_p"), body.get("top_k")
     if temperature is not None and not (_is_number(temperature) and 0 <= temperature <= 1):

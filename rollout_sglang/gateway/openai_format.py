@@ -17,7 +17,7 @@ import json
 import math
 from typing import Any
 
-from rollout_sglang.gateway.turn import TurnRequest, bad
+from rollout_sglang.gateway.turn import ToolShape, TurnRequest, bad, function_tools, openai_tool_choice
 
 #: The Chat Completions request is the internal turn request as it is.
 ChatRequest = TurnRequest
@@ -126,54 +126,9 @@ def normalize_message(m: Any, i: int) -> dict[str, Any]:
     return out
 
 
-def _tools(value: Any) -> list[dict[str, Any]]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise bad("tools", f"must be a list of tool objects, got {type(value).__name__}")
-    names = set()
-    for i, t in enumerate(value):
-        w = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise bad(w, f"must be an object ({{\"type\": \"function\", \"function\": {{...}}}}), got "
-                         f"{type(t).__name__}")
-        if t.get("type") != "function":
-            raise bad(f"{w}.type", f"must be 'function', got {t.get('type')!r:.60}")
-        fn = t.get("function")
-        if not isinstance(fn, dict):
-            raise bad(f"{w}.function", f"must be an object with a 'name', got {type(fn).__name__}")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad(f"{w}.function.name", "must be a non-empty string")
-        if "parameters" in fn and not isinstance(fn["parameters"], dict):
-            raise bad(f"{w}.function.parameters",
-                      f"must be a JSON Schema object, got {type(fn['parameters']).__name__}")
-        if fn["name"] in names:
-            raise bad(f"{w}.function.name", f"{fn['name']!r} is listed twice")
-        names.add(fn["name"])
-    return value
-
-
-def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """``(choice, forced tool name)`` of ``tool_choice`` (default "auto", "none" without tools)."""
-    if value is None:
-        return ("auto" if tools else "none"), None
-    names = [t["function"]["name"] for t in tools]
-    if isinstance(value, str):
-        if value not in ("auto", "none", "required"):
-            raise bad("tool_choice", f"must be auto, none, required or {{\"type\": \"function\", \"function\": "
-                                     f"{{\"name\": ...}}}}; got {value!r:.60}")
-        if value == "required" and not tools:
-            raise bad("tool_choice", "is 'required' but the request lists no tools")
-        return value, None
-    fn = value.get("function") if isinstance(value, dict) else None
-    if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(fn, dict) \
-            or not isinstance(fn.get("name"), str):
-        raise bad("tool_choice", "must be auto, none, required or {\"type\": \"function\", \"function\": "
-                                 "{\"name\": ...}}")
-    if fn["name"] not in names:
-        raise bad("tool_choice.function.name", f"{fn['name']!r:.60} is not one of the request's tools "
-                                               f"({', '.join(names) or 'none'})")
-    return "function", fn["name"]
+#: Chat Completions tools: ``{"type": "function", "function": {"name", "description", "parameters"}}``
+TOOL_SHAPE = ToolShape(kinds=("function",), other_kind="is not a tool type of Chat Completions: 'function' only",
+                       under="function", schema="parameters", schema_required=False)
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
@@ -197,8 +152,8 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     if not messages:
         raise bad("messages", "is empty; give at least one message")
     msgs = [normalize_message(m, i) for i, m in enumerate(messages)]
-    tools = _tools(body.get("tools"))
-    choice, forced = _tool_choice(body.get("tool_choice"), tools)
+    tools = function_tools(body.get("tools"), TOOL_SHAPE)
+    choice, forced = openai_tool_choice(body.get("tool_choice"), tools, "function")
     n = body.get("n")
     if n is not None and n != 1:
         raise bad("n", f"must be 1 (one completion per request: each one is a turn of the trajectory); got {n!r:.60}",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_sglang.gateway.openai_format import _is_int, _is_number
-from rollout_sglang.gateway.turn import Completion, TurnRequest, bad
+from rollout_sglang.gateway.turn import Completion, ToolShape, TurnRequest, bad, function_tools, openai_tool_choice
 
 SUPPORTED_FIELDS = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "temperature", "top_p", "max_output_tokens", "stream",
@@ -135,55 +135,10 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     return msgs
 
 
-def _tools(value: Any) -> list[dict[str, Any]]:
-    """Responses function tools (``{"type": "function", "name", "parameters", ...}``) as chat tools."""
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise bad("tools", f"must be a list of tool objects, got {type(value).__name__}")
-    out, names = [], set()
-    for i, t in enumerate(value):
-        w = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise bad(w, f"must be an object, got {type(t).__name__}")
-        if t.get("type") != "function":
-            raise bad(f"{w}.type", f"{t.get('type')!r:.60} tools are not supported: this gateway serves function "
-                                   "tools only (the agent runs its tools itself)", code="unsupported_parameter")
-        name = t.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad(f"{w}.name", "must be a non-empty string")
-        if name in names:
-            raise bad(f"{w}.name", f"{name!r} is listed twice")
-        names.add(name)
-        params = t.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise bad(f"{w}.parameters", f"must be a JSON Schema object, got {type(params).__name__}")
-        fn: dict[str, Any] = {"name": name}
-        if t.get("description"):
-            fn["description"] = t["description"]
-        fn["parameters"] = params if params is not None else {"type": "object", "properties": {}}
-        out.append({"type": "function", "function": fn})
-    return out
-
-
-def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
-    if value is None:
-        return ("auto" if tools else "none"), None
-    names = [t["function"]["name"] for t in tools]
-    if isinstance(value, str):
-        if value not in ("auto", "none", "required"):
-            raise bad("tool_choice", f"must be auto, none, required or {{\"type\": \"function\", \"name\": ...}}; got "
-                                     f"{value!r:.60}")
-        if value == "required" and not tools:
-            raise bad("tool_choice", "is 'required' but the request lists no tools")
-        return value, None
-    if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(value.get("name"), str):
-        raise bad("tool_choice", "must be auto, none, required or {\"type\": \"function\", \"name\": ...} (other "
-                                 "tool kinds are not served)", code="unsupported_parameter")
-    if value["name"] not in names:
-        raise bad("tool_choice.name", f"{value['name']!r:.60} is not one of the request's tools "
-                                      f"({', '.join(names) or 'none'})")
-    return "function", value["name"]
+#: Responses tools: ``{"type": "function", "name", "description", "parameters"}``
+TOOL_SHAPE = ToolShape(kinds=("function",), other_kind="tools are not supported: this gateway serves function tools "
+                       "only (the agent runs its tools itself)", under="", schema="parameters",
+                       schema_required=False, kind_code="unsupported_parameter")
 
 
 def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
@@ -207,8 +162,8 @@ def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
         raise bad("previous_response_id", f"must be the id of an earlier response, got {prev!r:.60}")
     if not msgs and prev is None:
         raise bad("input", "is empty; give at least one input item")
-    tools = _tools(body.get("tools"))
-    choice, forced = _tool_choice(body.get("tool_choice"), tools)
+    tools = function_tools(body.get("tools"), TOOL_SHAPE)
+    choice, forced = openai_tool_choice(body.get("tool_choice"), tools, "")
     temperature, top_p = body.get("temperature"), body.get("top_p")
     if temperature is not None and not (_is_number(temperature) and 0 <= temperature <= 2):
         raise bad("temperature", f"must be a number in [0, 2], got {temperature!r:.60}")

@@ -67,6 +67,89 @@ def bad(param: str, rule: str, code: str | None = None) -> ApiError:
     return ApiError(400, f"{param}: {rule}", param=param, code=code)
 
 
+@dataclass(frozen=True)
+class ToolShape:
+    """Where one wire format keeps a function tool's parts (:func:`function_tools`)."""
+
+    #: the accepted values of a tool's ``type`` (None: absent)
+    kinds: tuple[str | None, ...]
+    #: said of another ``type``, after its value
+    other_kind: str
+    #: the object under which name, description and schema sit (Chat Completions: ``function``), or ""
+    under: str
+    #: the key of the argument schema (``parameters``; Anthropic: ``input_schema``)
+    schema: str
+    #: whether the schema must be given (else an empty object schema)
+    schema_required: bool
+    #: the error code of a refused ``type`` (None: a plain 400)
+    kind_code: str | None = None
+
+
+def function_tools(value: Any, shape: ToolShape) -> list[dict[str, Any]]:
+    """A request's ``tools`` in ``shape``, checked, as chat-template tools (``{"type": "function", "function":
+    {"name", "description"?, "parameters", ...}}``); ApiError 400 naming the first bad field."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise bad("tools", f"must be a list of tool objects, got {type(value).__name__}")
+    out, names = [], set()
+    for i, t in enumerate(value):
+        w = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise bad(w, f"must be an object, got {type(t).__name__}")
+        if t.get("type") not in shape.kinds:
+            raise bad(f"{w}.type", f"{t.get('type')!r:.60} {shape.other_kind}", code=shape.kind_code)
+        fn = t
+        if shape.under:
+            w = f"{w}.{shape.under}"
+            fn = t.get(shape.under)
+            if not isinstance(fn, dict):
+                raise bad(w, f"must be an object with a 'name', got {type(fn).__name__}")
+        name, schema = fn.get("name"), fn.get(shape.schema)
+        if not isinstance(name, str) or not name:
+            raise bad(f"{w}.name", "must be a non-empty string")
+        if name in names:
+            raise bad(f"{w}.name", f"{name!r} is listed twice")
+        names.add(name)
+        if (schema is not None or shape.schema_required) and not isinstance(schema, dict):
+            raise bad(f"{w}.{shape.schema}", f"must be a JSON Schema object, got {type(schema).__name__}")
+        if shape.under:  # already the chat form: kept whole (e.g. "strict")
+            out.append(t)
+            continue
+        tool: dict[str, Any] = {"name": name}
+        if fn.get("description"):
+            tool["description"] = fn["description"]
+        tool["parameters"] = schema if schema is not None else {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": tool})
+    return out
+
+
+def openai_tool_choice(value: Any, tools: list[dict[str, Any]], under: str) -> tuple[str, str | None]:
+    """``(choice, forced tool name)`` of an OpenAI ``tool_choice`` (default "auto", "none" without tools): a string
+    auto / none / required, or a named function, its name under ``under`` ("function" in Chat Completions, "" in
+    Responses); ApiError 400 naming what is wrong."""
+    where = f"{under}." if under else ""
+    named = f'{{"type": "function", "{under}": {{"name": ...}}}}' if under else '{"type": "function", "name": ...}'
+    if value is None:
+        return ("auto" if tools else "none"), None
+    names = [t["function"]["name"] for t in tools]
+    if isinstance(value, str):
+        if value not in ("auto", "none", "required"):
+            raise bad("tool_choice", f"must be auto, none, required or {named}; got {value!r:.60}")
+        if value == "required" and not tools:
+            raise bad("tool_choice", "is 'required' but the request lists no tools")
+        return value, None
+    holder = value.get(under) if under and isinstance(value, dict) else value
+    if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(holder, dict) \
+            or not isinstance(holder.get("name"), str):
+        raise bad("tool_choice", f"must be auto, none, required or {named} (other tool kinds are not served)",
+                  code="unsupported_parameter")
+    if holder["name"] not in names:
+        raise bad(f"tool_choice.{where}name", f"{holder['name']!r:.60} is not one of the request's tools "
+                                              f"({', '.join(names) or 'none'})")
+    return "function", holder["name"]
+
+
 def retry_after_headers(seconds: float) -> dict[str, str]:
     """``Retry-After`` (whole seconds, at least 1) and ``retry-after-ms`` (which the openai and anthropic SDKs read
     first) for a 429."""

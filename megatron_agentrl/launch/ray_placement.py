@@ -263,10 +263,11 @@ class EnvControllerActor(_Placed):
 
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)
 
-    def start(self, port: int, token: str, builtin_tasks: list[tuple[str, dict[str, Any]]],
+    def start(self, port: int, token: str, builtin_tasks: list[tuple[str, str, dict[str, Any]]],
               timeout_s: float = 120.0) -> str:
         """Serve on all interfaces at ``port`` (0 = free), every request needing ``token``; start a
-        worker for each ``(task name, params)`` and wait until the controller accepted its heartbeat.
+        worker for each ``(task name, built-in task class, params)`` and wait until the controller accepted its
+        heartbeat.
         Returns the controller's API URL."""
         import asyncio
 
@@ -280,9 +281,9 @@ class EnvControllerActor(_Placed):
         except Exception as e:  # noqa: BLE001 - reported to the launcher
             raise RayLaunchError(f"the env controller did not start on port {port}: {e}") from None
         local = f"http://127.0.0.1:{self._controller.port}/api"
-        for name, params in builtin_tasks:
-            worker = WorkerServer(build_task(name, **params), controller_url=local, host="127.0.0.1", port=0,
-                                  token=token)
+        for name, cls, params in builtin_tasks:
+            worker = WorkerServer(build_task(cls, **params), name=name, controller_url=local, host="127.0.0.1",
+                                  port=0, token=token)
             self._run(worker.start(), timeout_s)
             self._workers.append(worker)
             try:
@@ -431,7 +432,7 @@ class RayRun:
         self.prefix = f"agentrl_{os.getpid()}_{int(time.time())}"
         self.controller_token = ""
         self.restarts = 0  # of the trainer group
-        self._builtin: list[tuple[str, dict[str, Any]]] = []
+        self._builtin: list[tuple[str, str, dict[str, Any]]] = []
 
     def _options(self, pool: str, index: int, cpus: float, gpus: float, name: str) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -470,11 +471,11 @@ class RayRun:
         self.controller_token = token
         from env_controller.tasks import TASKS
 
-        self._builtin = [(t.name, t.params) for t in self.cfg.tasks if t.name in TASKS]
+        self._builtin = [(t.name, t.task or t.name, t.params) for t in self.cfg.tasks if (t.task or t.name) in TASKS]
         m = self._add("controller", "the env controller", self._controller_actor(), "env_controller")
         m.url = ray.get(m.actor.start.remote(self.cfg.ray.controller_port, token, self._builtin), timeout=300)
         logger.info("env controller: %s, serving the built-in tasks %s; other task workers register there with the "
-                    "token in $AGENTRL_CONTROLLER_TOKEN", m.url, [n for n, _ in self._builtin] or "none")
+                    "token in $AGENTRL_CONTROLLER_TOKEN", m.url, [n for n, _, _ in self._builtin] or "none")
         return m.url
 
     def _controller_actor(self) -> Any:

@@ -24,6 +24,7 @@ from ray.util.placement_group import placement_group_table  # noqa: E402
 
 from megatron_agentrl.config import ConfigError, load_config  # noqa: E402
 from megatron_agentrl.launch.ray_placement import (  # noqa: E402
+    EnvControllerActor,
     PlacementError,
     RayRun,
     RunLostError,
@@ -334,3 +335,19 @@ def test_killed_engine_actor_comes_back_at_its_url(cluster: Cluster, tmp_path: P
     finally:
         run.cleanup()
     assert not _ours_left()
+
+
+def test_controller_actor_serves_a_task_entry_under_its_own_name() -> None:
+    """An entry ``{name: sums, task: calc}`` (several entries of one built-in class) gets a worker of the class
+    that announces the entry's name, as the trainer asks for it; the actor's class runs here without Ray."""
+    import urllib.request
+
+    actor = EnvControllerActor()
+    try:
+        url = actor.start(0, "tok", [("sums", "calc", {}), ("lookup", "lookup", {})], timeout_s=60)
+        req = urllib.request.Request(f"{url}/list_workers", headers={"Authorization": "Bearer tok"})
+        with urllib.request.urlopen(req, timeout=10) as r:  # noqa: S310 - loopback
+            listed = json.loads(r.read())
+        assert {n for n, t in listed.items() if t["workers"]} == {"sums", "lookup"}, listed
+    finally:
+        actor.stop()

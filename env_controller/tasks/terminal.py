@@ -28,6 +28,7 @@ import logging
 import re
 import shlex
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -55,6 +56,9 @@ TOOLS: list[ToolSchema] = [
 #: where the verifier's files go, and where it may write its reward (Harbor's paths)
 TESTS_DIR = "/tests"
 LOGS_DIR = "/logs/verifier"
+#: plays of a demonstration before its infrastructure failure is final, and the pause after the first (then 2x, ...)
+DEMO_ATTEMPTS = 3
+DEMO_RETRY_PAUSE_S = 5.0
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -456,26 +460,22 @@ class TerminalTask(BlockingToolTask):
     def _demo(self, kind: str, index: int) -> tuple[list[Message], list[ToolSchema]]:
         """A demonstration of ``kind`` (expert | careless), played once per index, then cached; the first call
         of a kind plays every index's in the background too (``demo_threads`` at once), since each takes a
-        container."""
+        container. A play that failed for the infrastructure's reasons is not cached: the next call plays again."""
         self.check_index(index)
         with self._lock:
             if self._demo_executor is None:
                 from concurrent.futures import ThreadPoolExecutor
 
                 self._demo_executor = ThreadPoolExecutor(self.demo_threads, thread_name_prefix="agentrl-terminal-demo")
-            play = self._play_expert if kind == "expert" else self._play_careless
             first = not any(k[0] == kind for k in self._demos)
             future = self._demos.get((kind, index))
-            if future is None:
-                future = self._demos[(kind, index)] = self._demo_executor.submit(play, index)
+            if future is None or (future.done() and future.exception() is not None):
+                future = self._demos[(kind, index)] = self._demo_executor.submit(self._play, kind, index)
             if first:
                 for i in range(self.num_samples):
                     if (kind, i) not in self._demos:
-                        self._demos[(kind, i)] = self._demo_executor.submit(play, i)
+                        self._demos[(kind, i)] = self._demo_executor.submit(self._play, kind, i)
         return future.result()
-
-    def _play_expert(self, index: int) -> tuple[list[Message], list[ToolSchema]]:
-        return BlockingToolTask.demonstration(self, index)
 
     def demonstration(self, index: int) -> tuple[list[Message], list[ToolSchema]]:
         """See :meth:`Task.demonstration`; played once per index in a container (checked to pass), then cached."""
@@ -485,11 +485,28 @@ class TerminalTask(BlockingToolTask):
         """The careless player's conversation (it may fail), played once per index in a container, then cached."""
         return self._demo("careless", index)
 
-    def _play_careless(self, index: int) -> tuple[list[Message], list[ToolSchema]]:
+    def _play(self, kind: str, index: int) -> tuple[list[Message], list[ToolSchema]]:
+        """Play a demonstration, again (up to :data:`DEMO_ATTEMPTS` in all, a pause between) when the container,
+        its shell or the verifier failed (``SandboxError``, ``task error``): a busy machine is not the player's
+        fault, and a conversation that ends in an infrastructure error is no demonstration. RuntimeError when
+        the expert's script fails its verifier (the task set's fault: nothing to retry)."""
+        for attempt in range(1, DEMO_ATTEMPTS + 1):
+            try:
+                return self._play_once(kind, index)
+            except SandboxError as e:
+                if attempt == DEMO_ATTEMPTS:
+                    raise SandboxError(f"terminal: the {kind} demonstration of {self.instance(index).id} failed "
+                                       f"{attempt} times for the infrastructure's reasons, last: {e}") from e
+                logger.warning("terminal: the %s demonstration of %s failed (%s); playing it again", kind,
+                               self.instance(index).id, e)
+                time.sleep(DEMO_RETRY_PAUSE_S * attempt)
+        raise AssertionError("unreachable")
+
+    def _play_once(self, kind: str, index: int) -> tuple[list[Message], list[ToolSchema]]:
+        player = self.expert(index) if kind == "expert" else self.careless(index)
         session, messages = self.new_session(index)
         try:
             conversation = list(messages)
-            player = self.careless(index)
             name, args = next(player)
             for turn in range(self.max_turns):
                 message = {"role": "assistant", "content": "",
@@ -497,11 +514,19 @@ class TerminalTask(BlockingToolTask):
                 reply = session.step(message)
                 conversation += [message, *reply.messages]
                 if reply.finish:
-                    break
+                    if reply.status is SampleStatus.TASK_ERROR:
+                        raise SandboxError(reply.error or "task error")
+                    if kind == "expert" and reply.reward < 1.0 and session.limit_hits:
+                        raise SandboxError(f"a command of the expert's hit a limit of the container: {reply}")
+                    if kind == "expert" and reply.reward < 1.0:
+                        raise RuntimeError(f"{self.name}: the scripted expert failed on {self.instance(index).id} "
+                                           f"(reward {reply.reward:g}): check its solution and verifier")
+                    return conversation, self.tools()
                 name, args = player.send(reply.messages[-1]["content"])
+            raise RuntimeError(f"{self.name}: the {kind} player did not finish {self.instance(index).id} in "
+                               f"{self.max_turns} turns")
         finally:
             session.release_once()
-        return conversation, self.tools()
 
     def close_pools(self) -> None:
         """Remove every container of the task's pools and close their backends."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
+from env_controller.sandbox import SandboxError
 from megatron_agentrl.config import Config
 from megatron_agentrl.distributed import broadcast_object
 from megatron_agentrl.megatron.actor import MegatronActor
@@ -19,6 +20,8 @@ from megatron_agentrl.pipeline.progress import Progress
 from megatron_agentrl.pipeline.rollout_side import RolloutSide
 
 logger = logging.getLogger(__name__)
+#: demonstrations in a row that may fail to play before the warm-up stops with the last error
+MAX_UNPLAYABLE = 20
 
 
 def longest_turn(loss_mask: list[int]) -> int:
@@ -46,6 +49,8 @@ class DemoSampler:
         self.cfg, self.ro = cfg, ro
         self._careless_due = dict.fromkeys(ro.task_names, 0.0)
         self._warned: set[str] = set()
+        #: demonstrations left out because the infrastructure could not play them
+        self.unplayable = 0
 
     def _careless_turn(self, task: str) -> bool:
         """Whether this full-format demonstration of ``task`` is the careless player's (even spread)."""
@@ -56,7 +61,19 @@ class DemoSampler:
         return False
 
     def example(self, short: bool) -> tuple[list[int], list[int]]:
-        """One demonstration as ``(token_ids, loss_mask)``."""
+        """One demonstration as ``(token_ids, loss_mask)``; one that the infrastructure could not play
+        (``SandboxError``: a container task's retries spent) is left out and another drawn, up to
+        :data:`MAX_UNPLAYABLE` in a row."""
+        for _ in range(MAX_UNPLAYABLE - 1):
+            try:
+                return self._draw(short)
+            except SandboxError as e:
+                self.unplayable += 1
+                logger.warning("sft: a demonstration could not be played and is left out (%d so far): %s",
+                               self.unplayable, e)
+        return self._draw(short)
+
+    def _draw(self, short: bool) -> tuple[list[int], list[int]]:
         ro = self.ro
         task = ro.rng.choices(ro.task_names, weights=ro.sft_weights)[0]
         index = ro.rng.choice(ro.train_indices[task])
@@ -90,7 +107,8 @@ def sft_warmup(cfg: Config, actor: MegatronActor, ro: RolloutSide | None, metric
                progress: Progress) -> None:
     """``sft.steps`` supervised steps (collective: rank 0 passes ``ro`` and ``metrics``, the others None).
 
-    Every step goes to ``metrics`` (phase "sft": the actor's stats, ``lr``, ``step_time_s``);
+    Every step goes to ``metrics`` (phase "sft": the actor's stats, ``lr``, ``step_time_s``, ``demos_left_out``:
+    demonstrations the infrastructure could not play, so far);
     ``progress`` shows step, nll/token, lr and s/step. The actor's learning rate is ``train.lr`` after.
     """
     title = "SFT warm-up"
@@ -107,7 +125,8 @@ def sft_warmup(cfg: Config, actor: MegatronActor, ro: RolloutSide | None, metric
             t0 = time.perf_counter()
             stats = actor.train_step(actor.dp_slice(batch), loss_type="sft")
             if metrics is not None:
-                metrics.log(step, {**stats, "lr": lr, "step_time_s": time.perf_counter() - t0}, phase="sft")
+                metrics.log(step, {**stats, "lr": lr, "step_time_s": time.perf_counter() - t0,
+                                   "demos_left_out": float(demos.unplayable if demos is not None else 0)}, phase="sft")
             phase.update(step, {"nll/token": f"{stats['loss']:.3f}", "lr": f"{lr:.1e}",
                                 "s/step": f"{(time.perf_counter() - t_start) / step:.2f}"})
     actor.set_lr(cfg.train.lr)

@@ -154,6 +154,28 @@ def test_a_hanging_verifier_is_cut_at_its_timeout_as_a_task_error(task: Terminal
     assert took < 15
 
 
+def test_a_demonstration_that_meets_an_infrastructure_failure_is_played_again_never_kept(
+        task: TerminalTask, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The warm-up's demonstrations are played in containers; a verifier cut at its timeout (a busy machine) is the
+    infrastructure's failure, not the player's: the play is repeated, and after the last attempt the error says so
+    and nothing is cached (the next call plays again), never a conversation that ends in the error."""
+    import env_controller.tasks.terminal as terminal
+
+    monkeypatch.setattr(terminal, "DEMO_RETRY_PAUSE_S", 0.0)
+    hang = _index(task, "hang")
+    with caplog.at_level("WARNING", logger="env_controller.tasks.terminal"):
+        with pytest.raises(terminal.SandboxError, match=f"failed {terminal.DEMO_ATTEMPTS} times.*infrastructure"):
+            task.careless_demonstration(hang)
+    again = [r for r in caplog.records if "playing it again" in r.getMessage()]
+    assert len(again) == terminal.DEMO_ATTEMPTS - 1, [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    with pytest.raises(terminal.SandboxError):
+        task.careless_demonstration(hang)  # played again, not the cached failure
+    assert any("playing it again" in r.getMessage() for r in caplog.records)
+    conversation, _ = task.careless_demonstration(_index(task, "double"))
+    assert conversation[-1]["content"].startswith("the tests failed")
+
+
 def test_two_images_pools_serve_at_once_under_one_cap(task: TerminalTask, docker_engine: Any) -> None:
     hello, double = _index(task, "hello"), _index(task, "double")
 

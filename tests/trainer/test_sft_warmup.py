@@ -107,3 +107,30 @@ def test_a_demonstrated_turn_longer_than_a_rollout_turn_is_named_once_per_task(c
     with caplog.at_level("WARNING", logger="megatron_agentrl.pipeline.sft"):
         DemoSampler(roomy, _rollout_side(0)).batch(short=False)
     assert not caplog.records
+
+
+def test_a_demonstration_the_infrastructure_cannot_play_is_left_out_and_counted(caplog):
+    """A container task whose demonstration could not be played (its retries spent) costs that demonstration, not
+    the warm-up: another is drawn and the count kept; only a long run of failures stops it, with the last error."""
+    from env_controller.sandbox import SandboxError
+    from megatron_agentrl.pipeline import sft
+
+    ro = _rollout_side(0)
+    real = ro.tasks["lookup"].demonstration
+    failures = iter([True, True, False] * 100)
+
+    def flaky(index):
+        if next(failures):
+            raise SandboxError("the shell did not start within 20 s")
+        return real(index)
+
+    ro.tasks["lookup"].demonstration = flaky
+    demos = DemoSampler(load_config(CONFIG, ["sft.careless_fraction=0"]), SimpleNamespace(
+        **{**vars(ro), "task_names": ["lookup"], "sft_weights": [1.0]}))
+    with caplog.at_level("WARNING", logger="megatron_agentrl.pipeline.sft"):
+        batch = demos.batch(short=True)
+    assert len(batch) == load_config(CONFIG).sft.batch_size and demos.unplayable == 2 * len(batch)
+    ro.tasks["lookup"].demonstration = lambda index: (_ for _ in ()).throw(SandboxError("dockerd is gone"))
+    with pytest.raises(SandboxError, match="dockerd is gone"):
+        demos.example(short=True)
+    assert demos.unplayable == 2 * len(batch) + sft.MAX_UNPLAYABLE - 1

@@ -4,8 +4,8 @@ container.
 
 Families (``demo_instances(family, seed, n)``; instance ``i`` is fixed by ``(family, seed, i)``):
 
-* ``files``: write a given word into ``notes/<name>.txt`` (the setup command makes ``notes/``);
-  expert ``echo <word> > notes/<name>.txt``; image ``term-files`` (bash and coreutils).
+* ``files``: write a given word into ``notes/word.txt`` (the setup command makes ``notes/``);
+  expert ``echo <word> > notes/word.txt``; image ``term-files`` (bash and coreutils).
 * ``copy``: copy ``data/<name>.txt`` (one of 24 files baked into the image) to ``backup/``;
   expert ``mkdir -p backup && cp data/<name>.txt backup/``; image ``term-copy``.
 * ``count``: write the line count of ``logs/<name>.log`` (baked into the image) into ``answer.txt``;
@@ -67,8 +67,8 @@ BUILTIN_ROOTFS.update({"term-files": _builder({"README": "notes go in notes/\n"}
 
 
 def _files(rng: random.Random) -> dict[str, object]:
-    name, word = f"{rng.choice(_WORDS)}{rng.randint(1, 9)}", rng.choice(_WORDS)
-    path = f"notes/{name}.txt"
+    word = rng.choice(_WORDS)
+    path = "notes/word.txt"  # one word to copy, as in the other families (with two, the tiny policy got 0 %)
     return {"instruction": f"Write the word {word} into the file {path}.", "setup": ("mkdir -p notes",),
             "solution": f"echo {word} > {path}",
             "verifier": f'[ "$(cat /app/{path})" = {word} ]', "image": "term-files"}

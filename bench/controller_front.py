@@ -7,6 +7,9 @@ canned replies, so the worker's own cost stays out of it), and drives it from th
 keep-alive connections: ``--sessions`` starts, then ``--rounds-per-session`` interacts on each, over
 ``--connections`` connections. The controller's CPU (user + system, ``/proc/<pid>/stat``) over each
 phase, divided by its requests, is the figure; the machine's load average is recorded beside it.
+A third server, ``relay``, is the floor: a bare uvloop proxy that reads each request, writes it to the worker
+on a kept-alive connection and writes the reply back with a session header, with no JSON, sessions, validation
+or metrics: what the same sockets and event loop cost with no controller logic (system time is reported apart).
 It isolates the controller's own cost (closed loop, the driver and worker as light as they can be);
 ``bench/env_controller.py`` measures the whole system at scale.
 
@@ -46,10 +49,16 @@ _MESSAGE = json.dumps({"messages": [{"role": "assistant", "content": "", "tool_c
     {"id": "c0", "type": "function", "function": {"name": "guess", "arguments": "{\"n\": 5}"}}]}]}).encode()
 
 
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_split(pid))
 
 
 def run_controller(port: int, fast: bool) -> None:
@@ -59,6 +68,73 @@ def run_controller(port: int, fast: bool) -> None:
 
     install_uvloop()
     asyncio.run(serve_controller(ControllerConfig(port=port, fast_front=fast)))
+
+
+def run_relay(port: int, worker_port: int) -> None:
+    """The floor: a proxy that does only what every forwarded request needs at the socket level (read the
+    request, write it to the worker on a kept-alive connection, read the reply, write it back with the
+    session header added), with no JSON, sessions, validation or metrics, on the same event loop (uvloop)."""
+    from env_controller.http.service import install_uvloop
+
+    class Up(asyncio.Protocol):
+        def __init__(self, down: Any) -> None:
+            self.down, self.buf = down, b""
+
+        def connection_made(self, transport: Any) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            i = self.buf.find(b"Content-Length: ", 0, end)
+            n = int(self.buf[i + 16:self.buf.index(b"\r\n", i)])
+            if len(self.buf) < end + 4 + n:
+                return
+            reply, self.buf = self.buf[:end + 4 + n], self.buf[end + 4 + n:]
+            self.down.transport.write(reply[:end + 2] + self.down.extra + reply[end + 2:])
+
+    class Down(asyncio.Protocol):
+        sessions = 0
+
+        def connection_made(self, transport: Any) -> None:
+            self.transport, self.buf, self.up, self.extra = transport, b"", None, b""
+            asyncio.get_running_loop().create_task(self._connect())
+
+        async def _connect(self) -> None:
+            _, self.up = await asyncio.get_running_loop().create_connection(lambda: Up(self), "127.0.0.1",
+                                                                            worker_port)
+            self._next()
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            if self.up is not None:
+                self._next()
+
+        def _next(self) -> None:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end].lower()
+            i = head.find(b"content-length: ")
+            n = int(head[i + 16:].split(b"\r\n")[0]) if i >= 0 else 0
+            if len(self.buf) < end + 4 + n:
+                return
+            request, self.buf = self.buf[:end + 4 + n], self.buf[end + 4 + n:]
+            if head.startswith(b"post /api/start_sample"):
+                Down.sessions += 1
+                self.extra = b"session_id: %d\r\n" % Down.sessions
+            else:
+                self.extra = b"x-controller-overhead-ms: 0.0\r\n"
+            self.up.transport.write(request)
+
+    async def main() -> None:
+        await asyncio.get_running_loop().create_server(Down, "127.0.0.1", port)
+        await asyncio.Event().wait()
+
+    install_uvloop()
+    asyncio.run(main())
 
 
 def run_worker(port: int, controller_port: int) -> None:
@@ -116,10 +192,13 @@ async def call(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path:
     return low, data
 
 
-async def measure(fast: bool, args: Any) -> dict[str, Any]:
+async def measure(front: str, args: Any) -> dict[str, Any]:
     cport, wport = free_port(), free_port()
     ctx = mp.get_context("spawn")
-    controller = ctx.Process(target=run_controller, args=(cport, fast), daemon=True)
+    if front == "relay":
+        controller = ctx.Process(target=run_relay, args=(cport, wport), daemon=True)
+    else:
+        controller = ctx.Process(target=run_controller, args=(cport, front == "fast"), daemon=True)
     worker = ctx.Process(target=run_worker, args=(wport, cport), daemon=True)
     controller.start()
     worker.start()
@@ -155,17 +234,20 @@ async def measure(fast: bool, args: Any) -> dict[str, Any]:
         load0 = os.getloadavg()[0]
         c0 = cpu_seconds(controller.pid)
         await asyncio.gather(*(starts(k) for k in range(args.connections)))
-        c1, t1 = cpu_seconds(controller.pid), time.monotonic()
+        (u1, s1), t1 = cpu_split(controller.pid), time.monotonic()
+        c1 = u1 + s1
         await asyncio.gather(*(interacts(k) for k in range(args.connections)))
-        c2, t2 = cpu_seconds(controller.pid), time.monotonic()
+        (u2, s2), t2 = cpu_split(controller.pid), time.monotonic()
+        c2 = u2 + s2
         for _, w in conns:
             w.close()
         overheads.sort()
         n = len(overheads)
         return {
-            "front": "fast" if fast else "aiohttp",
+            "front": front,
             "start_us_per_request": round(1e6 * (c1 - c0) / args.sessions, 1),
             "interact_us_per_request": round(1e6 * (c2 - c1) / n, 1),
+            "interact_system_us_per_request": round(1e6 * (s2 - s1) / n, 1),
             "interacts_per_s": round(n / (t2 - t1), 1),
             "interact_overhead_ms_p50": overheads[n // 2],
             "interact_overhead_ms_p99": overheads[min(n - 1, int(n * 0.99))],
@@ -180,18 +262,29 @@ async def measure(fast: bool, args: Any) -> dict[str, Any]:
                 p.join(10)
 
 
+FRONTS = ("fast", "aiohttp", "relay")
+
+
 async def drive(args: Any) -> dict[str, Any]:
+    fronts = [f for f in args.fronts.split(",") if f]
+    if not {"fast", "aiohttp"} <= set(fronts) or not set(fronts) <= set(FRONTS):
+        raise SystemExit(f"--fronts {args.fronts!r}: give fast and aiohttp, and relay if wanted ({','.join(FRONTS)})")
     runs = []
     for r in range(args.rounds):
-        for fast in ((True, False) if r % 2 == 0 else (False, True)):
-            runs.append(await measure(fast, args))
+        for front in (fronts if r % 2 == 0 else fronts[::-1]):
+            runs.append(await measure(front, args))
     per = {}
-    for front in ("fast", "aiohttp"):
+    for front in fronts:
         mine = [x for x in runs if x["front"] == front]
         per[front] = {k: round(sum(x[k] for x in mine) / len(mine), 1)
-                      for k in ("start_us_per_request", "interact_us_per_request", "interacts_per_s")}
-    return {"config": vars(args), "cpus": os.cpu_count(), "runs": runs, "mean": per,
-            "cpu_ratio": round(per["fast"]["interact_us_per_request"] / per["aiohttp"]["interact_us_per_request"], 3)}
+                      for k in ("start_us_per_request", "interact_us_per_request", "interact_system_us_per_request",
+                                "interacts_per_s")}
+    out = {"config": vars(args), "cpus": os.cpu_count(), "runs": runs, "mean": per,
+           "cpu_ratio": round(per["fast"]["interact_us_per_request"] / per["aiohttp"]["interact_us_per_request"], 3)}
+    if "relay" in per:
+        out["fast_over_relay"] = round(per["fast"]["interact_us_per_request"] / per["relay"]["interact_us_per_request"],
+                                       3)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=4000)
     parser.add_argument("--rounds-per-session", type=int, default=3, help="interacts per session")
     parser.add_argument("--connections", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of (fast, aiohttp), order alternating")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the fronts, order alternating")
+    parser.add_argument("--fronts", default="fast,aiohttp,relay", help="fast and aiohttp (the controller's two "
+                        "servers), and relay: the floor, a bare byte relay with no controller logic")
     args = parse_bench_args(parser, argv, SMOKE)
     from env_controller.http.service import install_uvloop
 
@@ -207,11 +302,15 @@ def main(argv: list[str] | None = None) -> int:
     result = asyncio.run(drive(args))
     out = write_record(args.out, {"bench": "controller_front", "commit": git_commit(), **result})
     print(f"\ncontroller CPU per forwarded request, fast front vs aiohttp's server ({result['cpus']} CPUs)")
-    print(f"{'front':<8} {'start us':>9} {'interact us':>12} {'interacts/s':>12} {'p50 ms':>8} {'p99 ms':>8}  load")
+    print(f"{'front':<8} {'start us':>9} {'interact us':>12} {'of it system':>13} {'interacts/s':>12} {'p50 ms':>8} "
+          f"{'p99 ms':>8}  load")
     for x in result["runs"]:
         print(f"{x['front']:<8} {x['start_us_per_request']:>9} {x['interact_us_per_request']:>12} "
-              f"{x['interacts_per_s']:>12} {x['interact_overhead_ms_p50']:>8} {x['interact_overhead_ms_p99']:>8}  "
+              f"{x['interact_system_us_per_request']:>13} {x['interacts_per_s']:>12} "
+              f"{x['interact_overhead_ms_p50']:>8} {x['interact_overhead_ms_p99']:>8}  "
               f"{x['loadavg_1m'][0]:.2f} -> {x['loadavg_1m'][1]:.2f}")
+    if "fast_over_relay" in result:
+        print(f"fast front / bare relay (a Python proxy's floor here), CPU per interact: {result['fast_over_relay']}")
     print(f"results: {out}")
     print(f"controller_front_cpu_ratio: {result['cpu_ratio']}")
     return 0

@@ -4,15 +4,17 @@ container.
 
 Families (``demo_instances(family, seed, n)``; instance ``i`` is fixed by ``(family, seed, i)``):
 
-* ``files``: write a given word into ``notes/word.txt`` (the setup command makes ``notes/``);
-  expert ``echo <word> > notes/word.txt``; image ``term-files`` (bash and coreutils).
+* ``files``: create the empty file ``notes/<word>.txt`` (the setup command makes ``notes/``);
+  expert ``touch notes/<word>.txt``; image ``term-files`` (bash and coreutils).
 * ``copy``: copy ``data/<name>.txt`` (one of 24 files baked into the image) to ``backup/``;
   expert ``mkdir -p backup && cp data/<name>.txt backup/``; image ``term-copy``.
 * ``count``: write the line count of ``logs/<name>.log`` (baked into the image) into ``answer.txt``;
   expert ``wc -l < logs/<name>.log > answer.txt``; image ``term-count``.
 
-Each expert's script is copied from words of its instruction, so a small policy can learn it; the careless
-player calls ``finish_action`` at once (reward 0), the habit that RL has to unlearn.
+Each expert's script copies its instruction's path, after the same prefix (``notes/``, ``data/``, ``logs/``), so a
+small policy can learn it; the careless player calls ``finish_action`` at once (reward 0), the habit that RL has to
+unlearn. Instances draw from 24 words: the held-out evaluation (indices not trained on) repeats words of training,
+so it measures the habit unlearned and the copying sharpened, not new words.
 """
 from __future__ import annotations
 
@@ -67,11 +69,12 @@ BUILTIN_ROOTFS.update({"term-files": _builder({"README": "notes go in notes/\n"}
 
 
 def _files(rng: random.Random) -> dict[str, object]:
-    word = rng.choice(_WORDS)
-    path = "notes/word.txt"  # one word to copy, as in the other families (with two, the tiny policy got 0 %)
-    return {"instruction": f"Write the word {word} into the file {path}.", "setup": ("mkdir -p notes",),
-            "solution": f"echo {word} > {path}",
-            "verifier": f'[ "$(cat /app/{path})" = {word} ]', "image": "term-files"}
+    path = f"notes/{rng.choice(_WORDS)}.txt"
+    # the word follows "notes/" in the instruction and in the command: the tiny policy copies it after the same
+    # prefix, as in the other families (with "echo <word> > ..." no prefix showed what to copy: 0 % after warm-up)
+    return {"instruction": f"Create the empty file {path}.", "setup": ("mkdir -p notes",),
+            "solution": f"touch {path}", "verifier": f"[ -f /app/{path} ] && [ ! -s /app/{path} ]",
+            "image": "term-files"}
 
 
 def _copy(rng: random.Random) -> dict[str, object]:

@@ -122,8 +122,11 @@ def _check_env_controller(lines: list[str], rec: dict[str, Any]) -> None:
 
 
 def _check_controller_front(lines: list[str], rec: dict[str, Any]) -> None:
-    assert {r["front"] for r in rec["runs"]} == {"fast", "aiohttp"}
-    assert all(r["interact_us_per_request"] > 0 and r["interacts_per_s"] > 0 for r in rec["runs"])
+    assert {r["front"] for r in rec["runs"]} == {"fast", "aiohttp", "relay"}
+    assert all(r["interacts_per_s"] > 0 for r in rec["runs"])
+    # the relay (the floor) may stay below one clock tick of CPU in a smoke run; the controller's fronts cannot
+    assert all(r["interact_us_per_request"] > 0 for r in rec["runs"] if r["front"] != "relay")
+    assert "fast_over_relay" in rec
     assert lines[-1] == f"controller_front_cpu_ratio: {rec['cpu_ratio']}"
 
 

@@ -162,6 +162,7 @@ def test_a_demonstration_that_meets_an_infrastructure_failure_is_played_again_ne
     import env_controller.tasks.terminal as terminal
 
     monkeypatch.setattr(terminal, "DEMO_RETRY_PAUSE_S", 0.0)
+    monkeypatch.setattr(terminal, "DEMO_ATTEMPTS", 2)  # each attempt waits out the verifier's 2 s timeout
     hang = _index(task, "hang")
     with caplog.at_level("WARNING", logger="env_controller.tasks.terminal"):
         with pytest.raises(terminal.SandboxError, match=f"failed {terminal.DEMO_ATTEMPTS} times.*infrastructure"):

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from env_controller.protocol import TaskReply
-from env_controller.tasks.base import Message, ToolSchema, ToolTask, ToolTaskSession, make_tool_call
+from env_controller.tasks.base import Expert, Message, ToolSchema, ToolTask, ToolTaskSession, make_tool_call
 from env_controller.tasks.params import int_param
 
 logger = logging.getLogger(__name__)
@@ -91,14 +91,15 @@ class BlockingToolTask(ToolTask):
         session, messages = await loop.run_in_executor(self.executor, self.new_session, index)
         return session, TaskReply(messages=messages, tools=self.tools())
 
-    def demonstration(self, index: int) -> tuple[list[Message], list[ToolSchema]]:
-        """See :meth:`Task.demonstration` (blocking; the session it opens is released)."""
+    def play(self, index: int, player: Expert) -> tuple[list[Message], TaskReply, Any]:
+        """Play ``player`` (a scripted expert or careless player) through a session of ``index`` (blocking; the
+        session is released); returns the conversation, the final reply and the session. RuntimeError when the
+        player does not finish within ``max_turns``."""
         self.check_index(index)
         session, messages = self.new_session(index)
         try:
             conversation = list(messages)
-            expert = self.expert(index)
-            name, args = next(expert)
+            name, args = next(player)
             for turn in range(self.max_turns):
                 message: dict[str, Any] = {"role": "assistant", "content": "",
                                            "tool_calls": [make_tool_call(f"call_{turn}", name, args)]}
@@ -106,14 +107,19 @@ class BlockingToolTask(ToolTask):
                 conversation.append(message)
                 conversation.extend(reply.messages)
                 if reply.finish:
-                    if reply.reward < 1.0:
-                        raise RuntimeError(f"{self.name}: the scripted expert failed on index {index}: {reply}")
-                    return conversation, self.tools()
-                name, args = expert.send(reply.messages[-1]["content"])
-            raise RuntimeError(
-                f"{self.name}: the scripted expert did not finish index {index} in {self.max_turns} turns")
+                    return conversation, reply, session
+                name, args = player.send(reply.messages[-1]["content"])
+            raise RuntimeError(f"{self.name}: the scripted player did not finish index {index} in {self.max_turns} "
+                               "turns")
         finally:
             session.release_once()
+
+    def demonstration(self, index: int) -> tuple[list[Message], list[ToolSchema]]:
+        """See :meth:`Task.demonstration` (blocking; the session it opens is released)."""
+        conversation, reply, _ = self.play(index, self.expert(index))
+        if reply.reward < 1.0:
+            raise RuntimeError(f"{self.name}: the scripted expert failed on index {index}: {reply}")
+        return conversation, self.tools()
 
     def close(self) -> None:
         """Stop the executor (running calls finish first); subclasses also release their servers."""

@@ -36,7 +36,7 @@ from env_controller.protocol import SampleStatus, TaskReply
 from env_controller.sandbox import SandboxError, SandboxLimits
 from env_controller.sandbox.pool import PoolBudget, SandboxPool, parse_warm
 from env_controller.sandbox.task_images import ImageCache, ImageSource
-from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, function_schema, make_tool_call
+from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, function_schema
 from env_controller.tasks.blocking import BlockingToolTask, BlockingToolTaskSession
 from env_controller.tasks.params import TaskParamError, bool_param, int_param, seconds_param, str_param
 from env_controller.tasks.terminal_demo import FAMILIES, demo_instances  # also registers the demo's images
@@ -504,29 +504,15 @@ class TerminalTask(BlockingToolTask):
 
     def _play_once(self, kind: str, index: int) -> tuple[list[Message], list[ToolSchema]]:
         player = self.expert(index) if kind == "expert" else self.careless(index)
-        session, messages = self.new_session(index)
-        try:
-            conversation = list(messages)
-            name, args = next(player)
-            for turn in range(self.max_turns):
-                message = {"role": "assistant", "content": "",
-                           "tool_calls": [make_tool_call(f"call_{turn}", name, args)]}
-                reply = session.step(message)
-                conversation += [message, *reply.messages]
-                if reply.finish:
-                    if reply.status is SampleStatus.TASK_ERROR:
-                        raise SandboxError(reply.error or "task error")
-                    if kind == "expert" and reply.reward < 1.0 and session.limit_hits:
-                        raise SandboxError(f"a command of the expert's hit a limit of the container: {reply}")
-                    if kind == "expert" and reply.reward < 1.0:
-                        raise RuntimeError(f"{self.name}: the scripted expert failed on {self.instance(index).id} "
-                                           f"(reward {reply.reward:g}): check its solution and verifier")
-                    return conversation, self.tools()
-                name, args = player.send(reply.messages[-1]["content"])
-            raise RuntimeError(f"{self.name}: the {kind} player did not finish {self.instance(index).id} in "
-                               f"{self.max_turns} turns")
-        finally:
-            session.release_once()
+        conversation, reply, session = self.play(index, player)
+        if reply.status is SampleStatus.TASK_ERROR:
+            raise SandboxError(reply.error or "task error")
+        if kind == "expert" and reply.reward < 1.0 and session.limit_hits:
+            raise SandboxError(f"a command of the expert's hit a limit of the container: {reply}")
+        if kind == "expert" and reply.reward < 1.0:
+            raise RuntimeError(f"{self.name}: the scripted expert failed on {self.instance(index).id} "
+                               f"(reward {reply.reward:g}): check its solution and verifier")
+        return conversation, self.tools()
 
     def close_pools(self) -> None:
         """Remove every container of the task's pools and close their backends."""

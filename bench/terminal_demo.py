@@ -8,8 +8,9 @@ with the entry's params, ``--max-containers`` and ``--warm-containers``), then r
 per seed (``train.seed=<s>``) against that controller: the scripted warm-up (demonstrations played in
 containers by the trainer), held-out evaluation, async GRPO, evaluation again; every episode runs in its own
 container through the controller and a worker. A thread counts the engine's sandbox containers every
-second (the peak is the most live at once); after the seeds the workers stop, and the containers still in
-the engine are the leaked ones.
+second (the peak is the most live at once) and the ones sessions hold (the workers' own count), over the
+whole run and during RL; after the seeds the workers stop, and the containers still in the engine are the
+leaked ones.
 
 Prints a line per seed (success before -> after RL per family), the per-family means and gains, the peak
 of live containers and the leaked ones; writes ``bench/results/terminal_demo.json`` (``--out``); the last two
@@ -56,17 +57,40 @@ def _get(url: str, timeout: float = 5.0) -> Any:
 
 
 class Counter(threading.Thread):
-    """Counts the engine's sandbox containers every ``interval_s``; ``peak`` is the most seen at once."""
+    """Counts the engine's sandbox containers every ``interval_s`` (``peak``: the most seen at once) and the
+    containers the workers say sessions hold (``leased``, from ``/worker_status`` of ``workers``); each sample
+    is tagged with the phase of the seed being run (``rl`` between the two held-out evaluations, read from
+    ``metrics`` (that seed's metrics.jsonl), else ``other``), and ``peaks[phase]`` keeps the most of each."""
 
     def __init__(self, client: Any, interval_s: float = 1.0) -> None:
         super().__init__(daemon=True, name="container-counter")
         self.client, self.interval_s = client, interval_s
         self.peak = 0
-        self.samples: list[tuple[float, int]] = []
+        self.peaks: dict[str, dict[str, int]] = {}
+        self.samples: list[tuple[float, int, int, str]] = []  # (seconds, live, leased, phase)
+        self.workers: list[str] = []
+        self.metrics: Path | None = None
         self._halt = threading.Event()
 
     def count(self) -> int:
         return len(self.client.api.containers(all=True, filters={"label": LABEL}, quiet=True))
+
+    def leased(self) -> int:
+        """Containers held by sessions, summed over the workers (-1 when a worker does not answer)."""
+        total = 0
+        for url in self.workers:
+            try:
+                total += int((_get(url, timeout=2.0).get("sandbox_pool") or {}).get("leased", 0))
+            except Exception:  # noqa: BLE001 - a busy worker: this sample has no leased count
+                return -1
+        return total
+
+    def phase(self) -> str:
+        try:
+            evals = self.metrics.read_text().count('"phase": "eval"') if self.metrics else 0
+        except OSError:
+            evals = 0
+        return "rl" if evals == 1 else "other"
 
     def run(self) -> None:
         t0 = time.monotonic()
@@ -75,8 +99,11 @@ class Counter(threading.Thread):
                 n = self.count()
             except Exception:  # noqa: BLE001 - a busy engine: the next sample counts
                 continue
+            held, phase = self.leased(), self.phase()
             self.peak = max(self.peak, n)
-            self.samples.append((round(time.monotonic() - t0, 1), n))
+            peak = self.peaks.setdefault(phase, {"live": 0, "leased": 0})
+            peak["live"], peak["leased"] = max(peak["live"], n), max(peak["leased"], held)
+            self.samples.append((round(time.monotonic() - t0, 1), n, held, phase))
 
     def stop(self) -> None:
         self._halt.set()
@@ -148,6 +175,9 @@ def run(args: Any, overrides: list[str], work: Path) -> dict[str, Any]:
                 raise SystemExit(f"the controller or a worker did not come up (logs in {work})")
             time.sleep(0.5)
         timings["workers_up_s"] = round(time.monotonic() - t0, 1)
+        counter.workers = [f"{w['address'].rstrip('/')}/worker_status"
+                           for name, t in _get(f"{controller}/api/list_workers").items() if name in names
+                           for w in t["workers"].values()]
         counter.start()
         config = str(ROOT / args.config)
         if args.num_samples:  # list items take no key=value override: a copy of the config with the new size
@@ -163,6 +193,7 @@ def run(args: Any, overrides: list[str], work: Path) -> dict[str, Any]:
             cmd = [sys.executable, "-m", "megatron_agentrl.cli", "train", "--config", config,
                    f"train.seed={seed}", f"output_dir={out_dir}", f"env.controller_url={controller}", *overrides]
             t1 = time.monotonic()
+            counter.metrics = out_dir / "metrics.jsonl"
             log = work / f"train_seed{seed}.log"
             with open(log, "wb") as fh:
                 try:
@@ -202,6 +233,7 @@ def run(args: Any, overrides: list[str], work: Path) -> dict[str, Any]:
         client.close()
         engine.stop()
     return {"per_seed": per_seed, "peak_live_containers": counter.peak, "leaked_containers": leaked,
+            "peak_during_rl": counter.peaks.get("rl", {"live": 0, "leased": 0}),
             "pools": pools, "timings_s": timings, "container_samples": counter.samples[-600:]}
 
 
@@ -217,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="examples/configs/tiny_cpu_terminal.yaml")
     p.add_argument("--seeds", default="1,2,3", help="comma-separated train.seed values (run one after another)")
     p.add_argument("--timeout", type=float, default=7200.0, help="limit on one seed's run, seconds")
-    p.add_argument("--max-containers", type=int, default=160, help="each worker's --max-containers")
-    p.add_argument("--warm", default="8:96", help="each worker's --warm-containers (per image)")
+    p.add_argument("--max-containers", type=int, default=192, help="each worker's --max-containers")
+    # two steps in flight hold up to 2 x 64 containers per family; starts run at about 3 a second on 2 cores, so a
+    # pool that only followed demand served most sessions cold (p50 wait 30 s): keep most of a step's worth warm
+    p.add_argument("--warm", default="96:128", help="each worker's --warm-containers (per image)")
     p.add_argument("--num-samples", type=int, default=0, help="instances per family (0: the config's)")
     p.add_argument("--workdir", default=None, help="logs and runs go here (default: a temporary directory, kept "
                    "on failure)")
@@ -251,8 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         a = 100 * mean(s["after"][t] for s in seeds.values())
         worst = 100 * min(s["after"][t] - s["before"][t] for s in seeds.values())
         print(f"{t:<12}{b:>13.1f}{a:>12.1f}{gains[t]:>11.1f}{worst:>12.1f}")
-    print(f"wall: {wall:.0f}s; containers: peak {result['peak_live_containers']} live at once, "
-          f"{result['leaked_containers']} left after the workers stopped")
+    rl = result["peak_during_rl"]
+    print(f"wall: {wall:.0f}s; containers: peak {result['peak_live_containers']} live at once (during RL "
+          f"{rl['live']} live, {rl['leased']} held by sessions), {result['leaked_containers']} left after the "
+          "workers stopped")
     record = {"bench": "terminal_demo", "config": args.config, "smoke": args.smoke, "seeds": sorted(seeds),
               "overrides": overrides, "args": {k: v for k, v in vars(args).items() if k != "overrides"},
               "mean_gain_points": gains, "min_family_gain_points": min(gains.values()) if gains else None,

@@ -176,6 +176,8 @@ def _check_terminal_demo(lines: list[str], rec: dict[str, Any]) -> None:
     if "skipped" in rec:  # --smoke where dockerd cannot run
         return
     assert rec["leaked_containers"] == 0 and rec["peak_live_containers"] >= 1
+    rl = rec["peak_during_rl"]  # the counter saw the RL phase, and the workers' count of held containers
+    assert rec["peak_live_containers"] >= rl["live"] >= 0 and rl["leased"] >= 0, rl
     assert lines[-2:] == [f"terminal_peak_live_containers: {rec['peak_live_containers']}",
                           f"terminal_leaked_containers: {rec['leaked_containers']}"]
     (seed,) = rec["per_seed"].values()

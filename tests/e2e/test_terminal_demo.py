@@ -23,4 +23,4 @@ def test_terminal_demo_one_seed_at_scale(tmp_path: Path) -> None:
     rec = json.loads(out.read_text())
     if "skipped" in rec:
         pytest.skip(rec["skipped"])
-    assert rec["peak_live_containers"] >= 256 and rec["leaked_containers"] == 0, rec
+    assert rec["peak_during_rl"]["live"] >= 256 and rec["leaked_containers"] == 0, rec

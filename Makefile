@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/agentrl train --config examples/configs/tiny_cpu.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not gpu and not slow" tests
+	$(BIN)/python -m pytest -q -m "not gpu and not slow" --durations=30 tests
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -8,10 +8,16 @@ request heads itself, and a request it recognises as *plain* (``HTTP/1.1``, a ro
 that method and path, a ``Content-Length`` body no larger than ``max_fast_body`` or none, header
 names that are tokens and values of printable ASCII, each header once, no ``Transfer-Encoding``,
 ``Expect``, ``Upgrade`` or ``Connection: close``) goes to the route's handler with a
-:class:`LiteRequest`; the reply (an aiohttp ``web.Response``) is written by hand. The first request
+:class:`LiteRequest`; the handler's :class:`Reply` is written by hand. The first request
 that is not plain (or any byte it cannot judge) hands the connection, with every byte not yet used, to
 aiohttp's own protocol for the rest of its life: so every oddity of HTTP (chunked bodies, large ones,
 malformed heads, unknown paths, 404 / 405) keeps aiohttp's handling and its error replies.
+
+With ``taskless``, the front runs a fast route's handler coroutine itself instead of in an ``asyncio.Task``:
+its first step runs as the request is read, and each later one when the future it awaits is done (a task
+per request, with its scheduling, registration and context, is about a fifth of a forwarded request's CPU
+here). Such handlers may await futures and coroutines that await futures (a worker call, ``gather``,
+``sleep``), but nothing that needs a current task (``asyncio.timeout()``, Python 3.12's ``wait_for``).
 
 Limits kept as aiohttp keeps them: a request head must arrive within ``idle_timeout_s`` of the
 connection's opening or its previous reply (else the connection is closed unanswered), and idle
@@ -26,8 +32,9 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from http import HTTPStatus
+from typing import Any, NamedTuple
 from urllib.parse import parse_qsl
 
 from aiohttp import web
@@ -90,27 +97,51 @@ class LiteRequest:
 
 
 #: a fast route's handler: the request in, the reply out (errors already made into replies)
-FastHandler = Callable[[LiteRequest], Awaitable[web.Response]]
+FastHandler = Callable[[LiteRequest], Awaitable["Reply"]]
 #: a body that did not arrive: called with (method, path, remote, status, message); returns the reply
-GoneHandler = Callable[[str, str, str | None, int, str], web.Response | None]
+GoneHandler = Callable[[str, str, str | None, int, str], "Reply | None"]
 
 
-def serialize(response: web.Response, close: bool = False, keepalive_s: float | None = None) -> bytes:
-    """The bytes of ``response`` (status line, its headers, Content-Length, the body); ``keepalive_s``:
-    announced as ``Keep-Alive: timeout=N`` (how long an idle connection is kept), unless ``close``."""
-    body = response.body
-    if not isinstance(body, (bytes, bytearray)):
-        body = b"" if body is None else bytes(body)
-    parts = [f"HTTP/1.1 {response.status} {response.reason}\r\n"]
-    for name, value in response.headers.items():
-        if name.lower() not in ("content-length", "connection", "transfer-encoding"):
-            parts.append(f"{name}: {value}\r\n")
-    parts.append(f"Content-Length: {len(body)}\r\n")
+class Reply(NamedTuple):
+    """A handler's answer on either path: ``body`` (bytes), ``status``, extra ``headers`` (e.g. the session id)
+    and ``content_type``. The fast front writes it as it is; :meth:`to_aiohttp` makes aiohttp's response (a
+    ``web.Response`` costs several times the building and writing of these bytes)."""
+
+    body: bytes
+    status: int = 200
+    headers: Mapping[str, str] | None = None
+    content_type: str = "application/json; charset=utf-8"
+
+    def to_aiohttp(self) -> web.Response:
+        """The same reply as an ``aiohttp.web.Response``."""
+        headers = {**self.headers, "Content-Type": self.content_type} if self.headers else {
+            "Content-Type": self.content_type}
+        return web.Response(body=self.body, status=self.status, headers=headers)
+
+
+#: reason phrases by status code
+_REASONS = {int(s): s.phrase for s in HTTPStatus}
+#: headers the serializer writes itself (a handler's own are left out)
+_OWN_HEADERS = frozenset(("content-length", "connection", "transfer-encoding", "content-type", "keep-alive"))
+
+
+def serialize(reply: Reply, close: bool = False, keepalive_s: float | None = None) -> bytes:
+    """The bytes of ``reply`` (status line, Content-Type, its headers, Content-Length, the body);
+    ``keepalive_s``: announced as ``Keep-Alive: timeout=N`` (how long an idle connection is kept), unless
+    ``close``."""
+    body = reply.body
+    parts = ["HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n" % (
+        reply.status, _REASONS.get(reply.status, "Unknown"), reply.content_type, len(body))]
+    if reply.headers:
+        for name, value in reply.headers.items():
+            if name.lower() not in _OWN_HEADERS:
+                parts.append("%s: %s\r\n" % (name, value))
     if close:
-        parts.append("Connection: close\r\n")
+        parts.append("Connection: close\r\n\r\n")
     elif keepalive_s is not None:
-        parts.append(f"Keep-Alive: timeout={int(keepalive_s)}\r\n")
-    parts.append("\r\n")
+        parts.append("Keep-Alive: timeout=%d\r\n\r\n" % keepalive_s)
+    else:
+        parts.append("\r\n")
     return "".join(parts).encode("latin-1") + body
 
 
@@ -127,15 +158,18 @@ class FastFront:
         idle_timeout_s: float,
         on_gone: GoneHandler,
         max_fast_body: int = MAX_FAST_BODY,
+        taskless: bool = False,
     ) -> None:
         """See the class docstring; ``on_gone``: logs (and counts) a body that did not arrive, and gives
-        the reply for a stalled one (status 408)."""
+        the reply for a stalled one (status 408); ``taskless``: drive handlers without a task (module
+        docstring)."""
         self.routes = routes
         self.fallback = fallback
         self.body_timeout_s = float(body_timeout_s)
         self.idle_timeout_s = float(idle_timeout_s)
         self.max_fast_body = max_fast_body
         self.on_gone = on_gone
+        self.taskless = bool(taskless)
         self.conns: set[_FastConn] = set()
         self.handed_over = 0
         self._server: asyncio.AbstractServer | None = None
@@ -180,8 +214,7 @@ class FastFront:
             await asyncio.sleep(0.02)
         for conn in list(self.conns):
             conn.close()
-            if conn.task is not None and not conn.task.done():
-                conn.task.cancel()
+            conn.cancel()
         if self._server is not None:
             try:
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
@@ -193,8 +226,8 @@ class FastFront:
 class _FastConn(asyncio.Protocol):
     """One client connection on the fast path (until it is handed to aiohttp)."""
 
-    __slots__ = ("front", "transport", "buf", "busy", "idle_since", "timer", "task", "closed", "_close_after",
-                 "_pending", "_parsed", "_remote", "_paused")
+    __slots__ = ("front", "transport", "buf", "busy", "idle_since", "timer", "task", "awaiting", "closed",
+                 "_close_after", "_pending", "_parsed", "_remote", "_paused")
 
     def __init__(self, front: FastFront) -> None:
         self.front = front
@@ -204,6 +237,7 @@ class _FastConn(asyncio.Protocol):
         self.idle_since = time.monotonic()
         self.timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
+        self.awaiting: asyncio.Future[Any] | None = None  # what a taskless handler waits for
         self.closed = False
         self._close_after = False
         self._pending: tuple[str, str] | None = None  # (method, path) whose body is still arriving
@@ -258,7 +292,7 @@ class _FastConn(asyncio.Protocol):
     def _next(self) -> None:
         """Serve the request at the head of the buffer when it is complete; hand over what is not plain."""
         buf = self.buf
-        if not buf:
+        if not buf or self.busy or self.closed:
             return
         if self._parsed is not None:  # its head was read before: only the body was awaited
             end, parsed = self._parsed
@@ -289,7 +323,10 @@ class _FastConn(asyncio.Protocol):
         self.buf = buf[total:]
         self.busy = True
         request = LiteRequest(method, path, headers, query, bytes(body), self)
-        self.task = self.front.loop.create_task(self._serve(handler, request))
+        if self.front.taskless:
+            self._step(handler(request), None, None)
+        else:
+            self.task = self.front.loop.create_task(self._serve(handler, request))
 
     def _parse_head(
         self, buf: bytes | bytearray, end: int
@@ -310,20 +347,21 @@ class _FastConn(asyncio.Protocol):
             return None
         headers: dict[str, str] = {}
         names = _NAMES
-        for line in lines[1:]:
+        fields = lines[1:]
+        for line in fields:
             name, sep, value = line.partition(":")
             key = names.get(name)
-            if not sep:
-                return None
-            if key is None:  # a name not seen before: a token? (then remembered, lower-cased)
-                if not _TOKEN.fullmatch(name):
+            if key is None or not sep:  # a name not seen before: a token? (then remembered, lower-cased)
+                if not sep or not _TOKEN.fullmatch(name):
                     return None
                 key = name.lower()
                 if len(names) < 4096:
                     names[name] = key
-            if key in headers or key in _HANDED_OVER_HEADERS or not value.isprintable():
-                return None
             headers[key] = value.strip(" ")
+        # checked once for all lines: no header twice, none of those aiohttp must handle, printable values
+        if (len(headers) != len(fields) or not _HANDED_OVER_HEADERS.isdisjoint(headers)
+                or not "".join(fields).isprintable()):
+            return None
         if headers.get("connection", "keep-alive").lower() != "keep-alive":
             return None
         length_text = headers.get("content-length", "0")
@@ -344,6 +382,47 @@ class _FastConn(asyncio.Protocol):
         finally:
             self.busy = False
             self.task = None
+        self._answer(response)
+
+    def _step(self, coro: Coroutine[Any, Any, Reply], value: Any, exc: BaseException | None) -> None:
+        """Run a taskless handler to its next wait (as a task's step would): send it ``value`` or throw
+        ``exc``; when it returns, answer; when it waits on a future, resume it once that is done."""
+        try:
+            awaited = coro.send(value) if exc is None else coro.throw(exc)
+        except StopIteration as done:
+            self.busy = False
+            self._answer(done.value)
+            return
+        except BaseException as e:  # the service turns errors into replies: here only cancellation, or a bug
+            self.busy = False
+            if not isinstance(e, asyncio.CancelledError):
+                logger.error("a fast-path handler raised %s: %s; the connection is closed", type(e).__name__, e)
+            self.close()
+            if not isinstance(e, Exception):
+                raise
+            return
+        if awaited is None:  # a bare yield (asyncio.sleep(0)): the next pass of the loop resumes it
+            self.front.loop.call_soon(self._step, coro, None, None)
+            return
+        if not asyncio.isfuture(awaited):
+            self.front.loop.call_soon(self._step, coro, None,
+                                      RuntimeError(f"a taskless handler awaited {awaited!r}, not a future"))
+            return
+        awaited._asyncio_future_blocking = False  # as a task does: it is handled
+        self.awaiting = awaited
+        awaited.add_done_callback(lambda f: self._resume(coro, f))
+
+    def _resume(self, coro: Coroutine[Any, Any, Reply], future: asyncio.Future[Any]) -> None:
+        self.awaiting = None
+        try:
+            value = future.result()
+        except BaseException as e:  # noqa: BLE001 - thrown into the handler, as a task would
+            self._step(coro, None, e)
+        else:
+            self._step(coro, value, None)
+
+    def _answer(self, response: Reply) -> None:
+        """Write a handler's reply (unless the client left), then serve what the client sent meanwhile."""
         if self.closed:
             return
         close = self._close_after
@@ -355,8 +434,15 @@ class _FastConn(asyncio.Protocol):
         if self._paused:
             self._paused = False
             self.transport.resume_reading()  # type: ignore[union-attr]
-        if self.buf:
-            self._next()
+        if self.buf:  # a request sent ahead: on the next pass (a taskless reply may come within this call)
+            self.front.loop.call_soon(self._next)
+
+    def cancel(self) -> None:
+        """Cancel the request in progress, if any (its handler sees ``CancelledError``)."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        if self.awaiting is not None and not self.awaiting.done():
+            self.awaiting.cancel()
 
     # -- hand-over, timers, closing ----------------------------------------------------------
 

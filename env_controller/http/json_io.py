@@ -3,11 +3,14 @@ what is too deep (and ``NaN``), and compact UTF-8 output. The HTTP services and 
 
 Parsing tries msgspec first (a few times faster than ``json``; what it accepts it parses as ``json``
 does) and leaves to ``json.loads`` whatever it refuses, so the values and the errors are ``json``'s.
-Output stays ``json``'s (msgspec would write ``NaN`` as ``null``)."""
+Output is msgspec's (ten times faster than ``json.dumps``, the same bytes for JSON values), with one
+difference that is JSON's own rule: a float that is not finite is written ``null`` (``json.dumps`` writes
+``NaN``, which no strict parser, ours included, accepts)."""
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 from typing import Any
 
@@ -54,8 +57,8 @@ def _no_constant(name: str) -> Any:
 #: made once (``json.loads`` / ``json.dumps`` with options build a new decoder / encoder per call)
 _STRICT = json.JSONDecoder(parse_constant=_no_constant)
 _LAX = json.JSONDecoder()
-_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
-_COMPACT_ASCII = json.JSONEncoder(separators=(",", ":"))
+_ENCODER = msgspec.json.Encoder()
+_COMPACT_ASCII = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 #: msgspec's decoder gives what json.loads gives for every text it accepts (RFC 8259 JSON in UTF-8); it
 #: refuses the rest (NaN, Infinity, numbers past a float, lone surrogate escapes, other encodings, a BOM)
 _MSGSPEC = msgspec.json.Decoder()
@@ -82,9 +85,20 @@ def loads_json(raw: bytes | str, limit: int = MAX_JSON_DEPTH, strict: bool = Tru
 
 
 def dumps_json(body: Any) -> bytes:
-    """Compact JSON in UTF-8, non-ASCII text as is (escaping it as ``\\uXXXX`` can triple its size)."""
-    text = _COMPACT.encode(body)
+    """Compact JSON in UTF-8, non-ASCII text as is (escaping it as ``\\uXXXX`` can triple its size), floats
+    that are not finite as ``null``; TypeError for what JSON cannot hold."""
     try:
-        return text.encode()
+        return _ENCODER.encode(body)
     except UnicodeEncodeError:  # a lone surrogate (sent as "\ud800") has no UTF-8 form: keep escapes
-        return _COMPACT_ASCII.encode(body).encode()
+        return _COMPACT_ASCII.encode(_finite(body)).encode()
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with floats that are not finite made None (for the rare escaped path)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import re
 import resource
 import signal
 from abc import ABC, abstractmethod
@@ -31,7 +30,7 @@ from env_controller.http.auth import (
     check_bind,
     redact_url,
 )
-from env_controller.http.fast import MAX_FAST_BODY, FastFront, LiteRequest
+from env_controller.http.fast import MAX_FAST_BODY, FastFront, LiteRequest, Reply
 from env_controller.http.json_io import dumps_json, loads_json
 
 logger = logging.getLogger(__name__)
@@ -47,7 +46,9 @@ BODY_TIMEOUT_S = 30.0
 #: pool towards workers: 3 s), so that no client sends on a connection the server is closing
 IDLE_TIMEOUT_S = 75.0
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: a route's handler: a :class:`Reply` (any service's), or aiohttp's own response (a service without the fast
+#: front, e.g. one that streams)
+Handler = Callable[[web.Request], Awaitable["Reply | web.StreamResponse"]]
 
 
 class HttpError(Exception):
@@ -65,16 +66,24 @@ class ClientGone(HttpError):
     """The client disconnected or stalled while sending its request (logged in one line, no traceback)."""
 
 
+def json_reply(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Reply:
+    """A JSON reply (compact UTF-8) of an :class:`HttpService` handler."""
+    return Reply(dumps_json(body), status, headers)
+
+
+def error_reply(status: int, message: str, headers: dict[str, str] | None = None) -> Reply:
+    """The JSON error reply ``{"error": message, "status": status}``."""
+    return Reply(dumps_json({"error": message, "status": status}), status, headers)
+
+
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    """A JSON response (compact UTF-8)."""
-    return web.Response(
-        body=dumps_json(body), status=status, headers=headers, content_type="application/json", charset="utf-8"
-    )
+    """:func:`json_reply` as an aiohttp response (for handlers that stream, or return aiohttp's responses)."""
+    return json_reply(body, status, headers).to_aiohttp()
 
 
 def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    """The JSON error reply ``{"error": message, "status": status}``."""
-    return json_response({"error": message, "status": status}, status=status, headers=headers)
+    """:func:`error_reply` as an aiohttp response."""
+    return error_reply(status, message, headers).to_aiohttp()
 
 
 # -- URLs and credentials (the credential model itself: auth.py) ------------------------------------
@@ -243,17 +252,16 @@ async def read_json_object_raw(request: web.Request | LiteRequest) -> tuple[dict
     return body, raw
 
 
-_DECIMAL = re.compile(r"-?[0-9]{1,30}")
-
-
 def session_id_from(value: Any, where: str) -> int:
     """Parse a session id (an integer, or its decimal string in ASCII digits); HttpError 400 naming ``where``."""
-    if isinstance(value, bool):
+    if isinstance(value, str):
+        digits = value[1:] if value[:1] == "-" else value
+        if digits.isascii() and digits.isdigit() and len(digits) <= 30:
+            return int(value)
+    elif isinstance(value, bool):
         value = None
-    if isinstance(value, int):
+    elif isinstance(value, int):
         return value
-    if isinstance(value, str) and _DECIMAL.fullmatch(value):
-        return int(value)
     if value is None:
         raise HttpError(400, f"missing {where}: the integer session id returned by start_sample")
     raise HttpError(400, f"{where} must be an integer session id, got {value!r:.100}")
@@ -316,6 +324,17 @@ async def start_site(
     return runner, bound
 
 
+def _on_aiohttp(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """``handler`` served by aiohttp: its :class:`Reply` made aiohttp's response."""
+
+    async def serve(request: web.Request) -> web.StreamResponse:
+        response = await handler(request)
+        return response.to_aiohttp() if type(response) is Reply else response  # type: ignore[union-attr,return-value]
+
+    serve.__name__ = getattr(handler, "__name__", "handler")
+    return serve
+
+
 #: one route of an :class:`HttpService`: (method, path, handler, who may call it)
 Route = tuple[str, str, Handler, Role]
 
@@ -338,6 +357,7 @@ class HttpService(ABC):
         auth_hint: str = f"the controller's --token / ${TOKEN_ENV}",
         on_rejected: OnRejected | None = None,
         fast: bool = False,
+        taskless: bool = False,
     ) -> None:
         """``credentials``: what requests must prove (none: open); ``routes``: (method, path,
         handler, role); ``body_timeout_s``: limit on receiving a request body; ``idle_timeout_s``:
@@ -345,7 +365,8 @@ class HttpService(ABC):
         largest request body; ``on_rejected(method, route_path, status)``: called for each request refused
         before its handler ran (bad credential, unknown endpoint or method, a body that did not arrive on
         the fast path); ``fast``: serve plain requests through :class:`~env_controller.http.fast.FastFront`
-        (aiohttp takes every other one), else aiohttp serves all."""
+        (aiohttp takes every other one), else aiohttp serves all; ``taskless``: the fast front drives the
+        handlers without a task (they await only futures: see :mod:`~env_controller.http.fast`)."""
         for label, v in (("body_timeout_s", body_timeout_s), ("idle_timeout_s", idle_timeout_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{label}={v!r} must be a positive number of seconds")
@@ -363,8 +384,9 @@ class HttpService(ABC):
         self.app[BODY_TIMEOUT_KEY] = float(body_timeout_s)
         self.app[MAX_BODY_KEY] = max_body_bytes
         self._fast_routes: dict[tuple[str, str], Any] | None = {} if fast else None
+        self._taskless = bool(taskless)
         for method, path, handler, role in routes:
-            self.app.router.add_route(method, path, handler)
+            self.app.router.add_route(method, path, _on_aiohttp(handler))
             roles[(method, path)] = role
             if self._fast_routes is not None:
                 self._fast_routes[(method, path)] = self._fast_handler(method, path, handler, role)
@@ -382,7 +404,7 @@ class HttpService(ABC):
         assert runner.server is not None
         front = FastFront(self._fast_routes, runner.server, body_timeout_s=self.body_timeout_s,
                           idle_timeout_s=self.idle_timeout_s, on_gone=self._body_gone,
-                          max_fast_body=min(self.max_body_bytes, MAX_FAST_BODY))
+                          max_fast_body=min(self.max_body_bytes, MAX_FAST_BODY), taskless=self._taskless)
         try:
             bound = await front.start(host, port)
         except OSError:
@@ -405,7 +427,7 @@ class HttpService(ABC):
         credentials, hint, on_rejected = self.credentials, self._auth_hint, self._on_rejected
         check = credentials.enabled and role is not Role.OPEN
 
-        async def serve(request: LiteRequest) -> web.Response:
+        async def serve(request: LiteRequest) -> Reply:
             reached = False
             try:
                 if check:
@@ -414,25 +436,25 @@ class HttpService(ABC):
                 reached = True
                 return await handler(request)  # type: ignore[arg-type,return-value]
             except HttpError as e:
-                status, response = e.status, json_error(e.status, e.message, e.headers)
+                status, response = e.status, error_reply(e.status, e.message, e.headers)
             except (asyncio.CancelledError, KeyboardInterrupt):
                 raise
             except Exception as e:  # noqa: BLE001 - one bad request must not kill the server
                 logger.exception("%s %s failed", method, path)
-                status, response = 500, json_error(500, f"internal error: {type(e).__name__}: {e}")
+                status, response = 500, error_reply(500, f"internal error: {type(e).__name__}: {e}")
             if on_rejected is not None and not reached:
                 on_rejected(method, path, status)
             return response
 
         return serve
 
-    def _body_gone(self, method: str, path: str, remote: str | None, status: int, message: str) -> web.Response:
+    def _body_gone(self, method: str, path: str, remote: str | None, status: int, message: str) -> Reply:
         """A body that did not arrive on the fast path: logged and counted as the middleware does."""
         logger.log(logging.WARNING if status == 408 else logging.INFO, "%s %s from %s: %s", method, path, remote,
                    message)
         if self._on_rejected is not None:
             self._on_rejected(method, path, status)
-        return json_error(status, message)
+        return error_reply(status, message)
 
     @abstractmethod
     async def start(self) -> int:

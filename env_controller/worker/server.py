@@ -53,8 +53,9 @@ from env_controller.http.service import (
     SESSION_HEADER,
     HttpError,
     HttpService,
+    Reply,
     base_api_url,
-    json_response,
+    json_reply,
     loads_json,
     read_json_object,
     session_id_from,
@@ -269,7 +270,7 @@ class WorkerServer(HttpService):
 
     # -- handlers --------------------------------------------------------------------------------
 
-    async def _h_start(self, request: web.Request) -> web.Response:
+    async def _h_start(self, request: web.Request) -> Reply:
         t0 = _perf()
         body = await read_json_object(request)
         sid = session_id_from(body.get("session_id"), "'session_id'")
@@ -306,7 +307,7 @@ class WorkerServer(HttpService):
         else:
             entry.session = session
             entry.last_active = time.monotonic()
-        return json_response(
+        return json_reply(
             reply.to_json("metric"), headers={SESSION_HEADER: str(sid), "x-worker-time": f"{_perf() - t0:.6f}"}
         )
 
@@ -319,7 +320,7 @@ class WorkerServer(HttpService):
             raise HttpError(400, "No such session")
         return body, sid, entry
 
-    async def _h_interact(self, request: web.Request) -> web.Response:
+    async def _h_interact(self, request: web.Request) -> Reply:
         t0 = _perf()
         body, sid, entry = await self._open_session(request)
         if entry.busy or entry.session is None:
@@ -341,7 +342,7 @@ class WorkerServer(HttpService):
         if reply.finish and self._sessions.get(sid) is entry:
             del self._sessions[sid]
             await self._close(session, sid)
-        return json_response(
+        return json_reply(
             {"session_id": sid, "env_out": reply.to_json("metric")}, headers={"x-worker-time": f"{_perf() - t0:.6f}"}
         )
 
@@ -355,14 +356,14 @@ class WorkerServer(HttpService):
         await self._close(entry.session, sid)
         return True
 
-    async def _h_cancel(self, request: web.Request) -> web.Response:
+    async def _h_cancel(self, request: web.Request) -> Reply:
         body = await read_json_object(request)
         sid = session_id_from(body.get("session_id"), "'session_id'")
         if not await self._cancel(sid):
             raise HttpError(400, "No such session")
-        return json_response({"session_id": sid})
+        return json_reply({"session_id": sid})
 
-    async def _h_cancel_with_notice(self, request: web.Request) -> web.Response:
+    async def _h_cancel_with_notice(self, request: web.Request) -> Reply:
         _, sid, _ = await self._open_session(request)
 
         async def cancel_and_notify() -> None:
@@ -382,40 +383,40 @@ class WorkerServer(HttpService):
         task = asyncio.ensure_future(cancel_and_notify())
         self._notices.add(task)
         task.add_done_callback(self._notices.discard)
-        return json_response({"session_id": sid})
+        return json_reply({"session_id": sid})
 
-    async def _h_cancel_all(self, request: web.Request) -> web.Response:
+    async def _h_cancel_all(self, request: web.Request) -> Reply:
         sids = list(self._sessions)
         await asyncio.gather(*(self._cancel(sid) for sid in sids))
-        return json_response({"cancelled": sids})
+        return json_reply({"cancelled": sids})
 
-    async def _h_sample_status(self, request: web.Request) -> web.Response:
+    async def _h_sample_status(self, request: web.Request) -> Reply:
         _, sid, entry = await self._open_session(request)
-        return json_response({"session_id": sid, "index": entry.index, "status": {"busy": entry.busy}})
+        return json_reply({"session_id": sid, "index": entry.index, "status": {"busy": entry.busy}})
 
-    async def _h_get_indices(self, request: web.Request) -> web.Response:
-        return json_response(self.indices)
+    async def _h_get_indices(self, request: web.Request) -> Reply:
+        return json_reply(self.indices)
 
-    async def _h_get_sessions(self, request: web.Request) -> web.Response:
-        return json_response({str(sid): e.index for sid, e in self._sessions.items()})
+    async def _h_get_sessions(self, request: web.Request) -> Reply:
+        return json_reply({str(sid): e.index for sid, e in self._sessions.items()})
 
-    async def _h_worker_status(self, request: web.Request) -> web.Response:
+    async def _h_worker_status(self, request: web.Request) -> Reply:
         status: dict[str, Any] = {"concurrency": self.concurrency, "current": len(self._sessions)}
         if self.pool is not None:
             status["sandbox_pool"] = self.pool.stats()
-        return json_response(status)
+        return json_reply(status)
 
-    async def _h_metrics(self, request: web.Request) -> web.Response:
+    async def _h_metrics(self, request: web.Request) -> Reply:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return web.Response(body=_render_metrics(self.name, self.concurrency, len(self._sessions),
-                                                 self.pool.stats() if self.pool is not None else None),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return Reply(_render_metrics(self.name, self.concurrency, len(self._sessions),
+                                     self.pool.stats() if self.pool is not None else None),
+                     content_type=CONTENT_TYPE_LATEST)
 
-    async def _h_openapi(self, request: web.Request) -> web.Response:
+    async def _h_openapi(self, request: web.Request) -> Reply:
         from env_controller.openapi import worker_spec
 
-        return json_response(worker_spec())
+        return json_reply(worker_spec())
 
     # -- background ------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from env_controller.controller.server import Controller
-from env_controller.http.json_io import MAX_JSON_DEPTH, json_too_deep, loads_json
+from env_controller.http.json_io import MAX_JSON_DEPTH, dumps_json, json_too_deep, loads_json
 from env_controller.http.service import MAX_BODY_BYTES, start_site
 from env_controller.protocol import SampleStatus
 from env_controller.worker.server import WorkerServer
@@ -69,6 +69,11 @@ def test_json_depth_scan() -> None:
     with pytest.raises(ValueError, match="NaN is not a JSON value"):
         loads_json(b'{"reward": NaN}')
     assert loads_json(b'{"reward": NaN}', strict=False)["reward"] != 0
+    # what goes out is JSON a strict parser (ours) takes: a float that is not finite is null, text as UTF-8,
+    # a lone surrogate (no UTF-8 form) escaped
+    out = dumps_json({"metric": {"a": float("nan"), "b": [float("inf"), 1.5]}, "text": "é"})
+    assert out == '{"metric":{"a":null,"b":[null,1.5]},"text":"é"}'.encode()
+    assert loads_json(dumps_json({"s": "\ud800", "x": float("-inf")})) == {"s": "\ud800", "x": None}
 
 
 def test_deeply_nested_bodies_get_400_naming_the_depth(caplog: pytest.LogCaptureFixture) -> None:

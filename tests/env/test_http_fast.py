@@ -276,3 +276,59 @@ def test_interact_bodies_pass_through_when_already_normalized() -> None:
                     assert b"\\u" not in body and json.loads(body) == {"session_id": int(sid), "messages": [want]}
 
     run(go())
+
+
+def test_taskless_handlers_await_futures_answer_pipelined_requests_in_order_and_are_cancelled_on_close() -> None:
+    """The controller's front drives handlers without a task: what a task gave them must still hold."""
+    from aiohttp import web
+
+    from env_controller.http.fast import FastFront, Reply
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        gate: asyncio.Future[bytes] = loop.create_future()
+        seen: list[str] = []
+
+        async def at_once(request):  # type: ignore[no-untyped-def]
+            return Reply(b'{"path":"%s"}' % request.path.encode())
+
+        async def sleeps(request):  # type: ignore[no-untyped-def]
+            await asyncio.sleep(0)  # a bare yield
+            await asyncio.sleep(0.01)  # a future with a timer
+            return Reply(b'"slept"', headers={"x-a": "1"})
+
+        async def waits(request):  # type: ignore[no-untyped-def]
+            try:
+                return Reply(await gate)
+            except asyncio.CancelledError:
+                seen.append("cancelled")
+                raise
+
+        async def fallback(request: web.Request) -> web.Response:
+            return web.Response(status=404)
+
+        front = FastFront({("GET", "/now"): at_once, ("GET", "/sleep"): sleeps, ("GET", "/wait"): waits},
+                          web.Server(fallback), body_timeout_s=5, idle_timeout_s=5,
+                          on_gone=lambda *a: None, taskless=True)
+        port = await front.start("127.0.0.1", 0)
+        try:
+            # 1,000 pipelined requests answered as they are read, on one connection: in order, none lost (and no
+            # recursion from one reply to the next request), then requests whose handlers wait
+            many = b"GET /now HTTP/1.1\r\nHost: t\r\n\r\n" * 1000 + b"".join(
+                b"GET /now HTTP/1.1\r\nHost: t\r\n\r\nGET /sleep HTTP/1.1\r\nHost: t\r\n\r\n" for _ in range(20))
+            replies = await exchange(port, many, until=1040, timeout_s=30)
+            assert [json.loads(b) for _, b in replies] == [{"path": "/now"}] * 1000 + [{"path": "/now"}, "slept"] * 20
+            assert b"x-a: 1\r\n" in replies[1001][0] and front.handed_over == 0
+            # a handler waiting when the front closes sees CancelledError; the connection is closed
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /wait HTTP/1.1\r\nHost: t\r\n\r\n")
+            deadline = time.monotonic() + 5
+            while not any(c.busy for c in front.conns) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            await front.close(timeout_s=0.1)
+            assert seen == ["cancelled"] and await asyncio.wait_for(reader.read(), 5) == b""
+            writer.close()
+        finally:
+            await front.close(timeout_s=0.1)
+
+    run(go())

@@ -15,6 +15,12 @@ It isolates the controller's own cost (closed loop, the driver and worker as lig
 
     .venv/bin/python bench/controller_front.py                 # 4000 sessions, 3 interacts each, 2 rounds
     .venv/bin/python bench/controller_front.py --smoke         # seconds
+    .venv/bin/python bench/controller_front.py --instructions  # + user-space instructions per request (valgrind)
+
+``--instructions`` also runs each server once under valgrind's callgrind, its counting switched on only while
+one connection sends ``--instruction-requests`` starts and then as many interacts: the instructions per request,
+a figure that other jobs on the machine do not move (CPU time under load varies by a fifth between runs). It
+leaves out the kernel's share (the ``system`` column) and cache misses.
 
 Prints a table, writes ``bench/results/controller_front.json`` (``--out``); the last line is
 ``controller_front_cpu_ratio: <fast / aiohttp CPU per interact>``.
@@ -225,8 +231,7 @@ async def measure(front: str, args: Any) -> dict[str, Any]:
         async def starts(k: int) -> None:
             for i in range(k, args.sessions, args.connections):
                 low, _ = await call(*conns[k], b"/api/start_sample", b'{"name":"guess","index":%d}' % (i % 100))
-                j = low.find(b"session_id: ")
-                sids.append(int(low[j + 12:].split(b"\r\n")[0]))
+                sids.append(_session_id(low))
 
         async def interacts(k: int) -> None:
             for _ in range(args.rounds_per_session):
@@ -266,6 +271,90 @@ async def measure(front: str, args: Any) -> dict[str, Any]:
                 p.join(10)
 
 
+_UNDER_VALGRIND = ("import sys; sys.path.insert(0, {repo!r})\n"
+                   "from bench.controller_front import {target}; {target}({args})\n")
+
+
+async def _callgrind(pid: int, *args: str) -> None:
+    """``callgrind_control <args> <pid>`` (it returns once valgrind has done it)."""
+    proc = await asyncio.create_subprocess_exec("callgrind_control", *args, str(pid),
+                                                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    if await asyncio.wait_for(proc.wait(), 120) != 0:
+        raise RuntimeError(f"callgrind_control {' '.join(args)} {pid} failed")
+
+
+def _session_id(head: bytes) -> int:
+    """The ``session_id`` header of a start reply's head (lower-cased)."""
+    j = head.find(b"session_id: ")
+    return int(head[j + 12:].split(b"\r\n")[0])
+
+
+def _callgrind_total(out: Path) -> int:
+    """Instructions counted in a callgrind dump (``totals:`` / ``summary:`` line)."""
+    for line in out.read_text(errors="replace").splitlines():
+        if line.startswith(("totals:", "summary:")):
+            return int(line.split()[1])
+    raise RuntimeError(f"{out}: no totals line")
+
+
+async def count_instructions(front: str, n: int, workdir: Path) -> dict[str, Any]:
+    """User-space instructions per start and per interact of one server (``fast`` or ``relay``) under callgrind,
+    one request at a time on one connection."""
+    import subprocess
+
+    cport, wport = free_port(), free_port()
+    target, call_args = ("run_relay", f"{cport}, {wport}") if front == "relay" else (
+        "run_controller", f"{cport}, {front == 'fast'}")
+    worker = mp.get_context("spawn").Process(target=run_worker, args=(wport, cport), daemon=True)
+    worker.start()
+    dump = workdir / f"callgrind.{front}"
+    server = subprocess.Popen(
+        ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={dump}.%p", sys.executable,
+         "-c", _UNDER_VALGRIND.format(repo=str(REPO), target=target, args=call_args)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    counts: dict[str, Any] = {"front": front, "requests": n}
+    try:
+        deadline = time.monotonic() + 300  # a server starts tens of times slower under valgrind
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", cport)
+                low, _ = await call(reader, writer, b"/api/start_sample", b'{"name":"guess","index":0}')
+                break
+            except (OSError, RuntimeError, asyncio.IncompleteReadError):
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError(f"{front} under valgrind did not come up within 300 s") from None
+                await asyncio.sleep(0.5)
+        first = _session_id(low)
+        for _ in range(50):  # warm: first calls build caches and connections
+            await call(reader, writer, b"/api/interact", _MESSAGE, first)
+        sids: list[int] = []
+        await _callgrind(server.pid, "-i", "on")
+        for phase in ("start", "interact"):
+            await _callgrind(server.pid, "-z")  # count from here
+            for i in range(n):
+                if phase == "start":
+                    body = b'{"name":"guess","index":%d}' % (i % 100)
+                    low, _ = await call(reader, writer, b"/api/start_sample", body)
+                    sids.append(_session_id(low))
+                else:
+                    await call(reader, writer, b"/api/interact", _MESSAGE, sids[i])
+            before = set(workdir.glob(f"callgrind.{front}.*"))
+            await _callgrind(server.pid, "-d")  # to here
+            (dumped,) = set(workdir.glob(f"callgrind.{front}.*")) - before
+            counts[f"{phase}_instructions_per_request"] = round(_callgrind_total(dumped) / n)
+        writer.close()
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(10)
+        worker.terminate()
+        worker.join(10)
+    return counts
+
+
 FRONTS = ("fast", "aiohttp", "relay")
 
 
@@ -288,6 +377,15 @@ async def drive(args: Any) -> dict[str, Any]:
     if "relay" in per:  # None when the relay's CPU stayed below one clock tick (a smoke run)
         floor = per["relay"]["interact_us_per_request"]
         out["fast_over_relay"] = round(per["fast"]["interact_us_per_request"] / floor, 3) if floor > 0 else None
+    if args.instructions:
+        import shutil
+        import tempfile
+
+        if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+            raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
+        with tempfile.TemporaryDirectory(prefix="agentrl-callgrind-") as tmp:
+            out["instructions"] = [await count_instructions(front, args.instruction_requests, Path(tmp))
+                                   for front in ("fast", "relay")]
     return out
 
 
@@ -299,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the fronts, order alternating")
     parser.add_argument("--fronts", default="fast,aiohttp,relay", help="fast and aiohttp (the controller's two "
                         "servers), and relay: the floor, a bare byte relay with no controller logic")
+    parser.add_argument("--instructions", action="store_true", help="also count user-space instructions per "
+                        "request of the fast front and the relay under valgrind's callgrind (load-independent)")
+    parser.add_argument("--instruction-requests", type=int, default=500, help="requests counted per phase")
     args = parse_bench_args(parser, argv, SMOKE)
     from env_controller.http.service import install_uvloop
 
@@ -315,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{x['loadavg_1m'][0]:.2f} -> {x['loadavg_1m'][1]:.2f}")
     if result.get("fast_over_relay") is not None:
         print(f"fast front / bare relay (a Python proxy's floor here), CPU per interact: {result['fast_over_relay']}")
+    for x in result.get("instructions", []):
+        print(f"user-space instructions per request ({x['front']}, callgrind, {x['requests']} of each): "
+              f"start {x['start_instructions_per_request']:,}, interact {x['interact_instructions_per_request']:,}")
     print(f"results: {out}")
     print(f"controller_front_cpu_ratio: {result['cpu_ratio']}")
     return 0

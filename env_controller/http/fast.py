@@ -14,9 +14,9 @@ aiohttp's own protocol for the rest of its life: so every oddity of HTTP (chunke
 malformed heads, unknown paths, 404 / 405) keeps aiohttp's handling and its error replies.
 
 With ``taskless``, the front runs a fast route's handler coroutine itself instead of in an ``asyncio.Task``:
-its first step runs as the request is read, and each later one when the future it awaits is done (a task
-per request, with its scheduling, registration and context, is about a fifth of a forwarded request's CPU
-here). Such handlers may await futures and coroutines that await futures (a worker call, ``gather``,
+its first step runs as the request is read (the worker call goes out in the same pass of the loop), and
+each later one when the future it awaits is done: no task's scheduling, registration and context per
+request. Such handlers may await futures and coroutines that await futures (a worker call, ``gather``,
 ``sleep``), but nothing that needs a current task (``asyncio.timeout()``, Python 3.12's ``wait_for``).
 
 Limits kept as aiohttp keeps them: a request head must arrive within ``idle_timeout_s`` of the

@@ -393,13 +393,11 @@ class _FastConn(asyncio.Protocol):
             self.busy = False
             self._answer(done.value)
             return
-        except BaseException as e:  # the service turns errors into replies: here only cancellation, or a bug
+        except (Exception, asyncio.CancelledError) as e:  # the service makes errors replies: cancelled, or a bug
             self.busy = False
             if not isinstance(e, asyncio.CancelledError):
                 logger.error("a fast-path handler raised %s: %s; the connection is closed", type(e).__name__, e)
             self.close()
-            if not isinstance(e, Exception):
-                raise
             return
         if awaited is None:  # a bare yield (asyncio.sleep(0)): the next pass of the loop resumes it
             self.front.loop.call_soon(self._step, coro, None, None)

@@ -278,8 +278,12 @@ def test_interact_bodies_pass_through_when_already_normalized() -> None:
     run(go())
 
 
-def test_taskless_handlers_await_futures_answer_pipelined_requests_in_order_and_are_cancelled_on_close() -> None:
+def test_taskless_handlers_await_futures_answer_pipelined_requests_in_order_and_are_cancelled_on_close(
+        caplog: pytest.LogCaptureFixture) -> None:
     """The controller's front drives handlers without a task: what a task gave them must still hold."""
+    import logging
+
+    caplog.set_level(logging.WARNING)
     from aiohttp import web
 
     from env_controller.http.fast import FastFront, Reply
@@ -328,6 +332,8 @@ def test_taskless_handlers_await_futures_answer_pipelined_requests_in_order_and_
             await front.close(timeout_s=0.1)
             assert seen == ["cancelled"] and await asyncio.wait_for(reader.read(), 5) == b""
             writer.close()
+            await asyncio.sleep(0.05)
+            assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text  # quiet, no traceback
         finally:
             await front.close(timeout_s=0.1)
 

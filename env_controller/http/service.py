@@ -269,13 +269,15 @@ def session_id_from(value: Any, where: str) -> int:
 
 def settle_gc() -> None:
     """For a long-running server, once it is up: what exists now (modules, classes, the app) is kept out
-    of the collector's passes (``gc.freeze``), and the young generation is collected every 10,000
-    allocations net instead of 700, the oldest every 100 of those passes instead of 10. Nearly everything
-    a request allocates is freed by reference counting; the collector's full passes over thousands of
-    sessions would otherwise stall every request in flight for tens to hundreds of ms."""
+    of the collector's passes (``gc.freeze``), and the young generation is collected every 100,000
+    allocations net instead of 700, the oldest every 100 of the middle one's passes instead of 10. Nearly
+    everything a request allocates is freed by reference counting, so a young pass visits only what is
+    still alive: fewer passes cost less (at 10,000 sessions, passes every 10,000 allocations were 8 % of the
+    controller's CPU). The collector's full passes over thousands of sessions would otherwise stall every
+    request in flight for tens to hundreds of ms."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(10_000, 10, 100)
+    gc.set_threshold(100_000, 10, 100)
 
 
 def install_uvloop() -> bool:

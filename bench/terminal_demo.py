@@ -14,7 +14,8 @@ leaked ones.
 
 Prints a line per seed (success before -> after RL per family), the per-family means and gains, the peak
 of live containers and the leaked ones; writes ``bench/results/terminal_demo.json`` (``--out``); the last two
-lines are ``terminal_peak_live_containers: N`` and ``terminal_leaked_containers: N``.
+lines are ``terminal_peak_live_containers: N`` and ``terminal_leaked_containers: N``. A run that fails or is
+stopped (SIGTERM) still writes what it measured, with ``complete: false`` and the error.
 
 ``--smoke``: one seed of a tiny run (2 warm-up steps, 1 RL step, 2 evaluation samples per family, a few
 containers), in a minute or two; its figures mean nothing. Where dockerd cannot run, ``--smoke`` records
@@ -130,8 +131,9 @@ def _stop(procs: list[subprocess.Popen[bytes]], timeout_s: float = 120.0) -> Non
             p.wait(10)
 
 
-def run(args: Any, overrides: list[str], work: Path) -> dict[str, Any]:
-    """Start the engine, controller and workers; run the seeds; stop everything; count leaks."""
+def run(args: Any, overrides: list[str], work: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """Start the engine, controller and workers; run the seeds; stop everything; count leaks. ``state`` holds
+    what was measured so far, also when a seed fails or the bench is stopped (it is returned at the end)."""
     import docker
 
     from env_controller.http.net import free_port
@@ -147,6 +149,7 @@ def run(args: Any, overrides: list[str], work: Path) -> dict[str, Any]:
     timings: dict[str, float] = {}
     per_seed: dict[int, Any] = {}
     pools: dict[str, Any] = {}
+    state.update(per_seed=per_seed, pools=pools, timings_s=timings)
     try:
         port = free_port()
         controller = f"http://127.0.0.1:{port}"
@@ -230,11 +233,12 @@ def run(args: Any, overrides: list[str], work: Path) -> dict[str, Any]:
             leaked = counter.count()
         except Exception:  # noqa: BLE001 - the engine is gone
             leaked = -1
+        state.update(peak_live_containers=counter.peak, leaked_containers=leaked,
+                     peak_during_rl=counter.peaks.get("rl", {"live": 0, "leased": 0}),
+                     container_samples=counter.samples[-600:])
         client.close()
         engine.stop()
-    return {"per_seed": per_seed, "peak_live_containers": counter.peak, "leaked_containers": leaked,
-            "peak_during_rl": counter.peaks.get("rl", {"live": 0, "leased": 0}),
-            "pools": pools, "timings_s": timings, "container_samples": counter.samples[-600:]}
+    return state
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -272,7 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir).resolve() if args.workdir else Path(tempfile.mkdtemp(prefix="agentrl-terminal-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    result = run(args, overrides, work)
+    state: dict[str, Any] = {}
+    try:
+        result = run(args, overrides, work, state)
+    except BaseException as e:  # a failed seed, a wedged engine, SIGTERM: keep what was measured
+        out = write_record(args.out, {"bench": "terminal_demo", "complete": False, "error": f"{type(e).__name__}: {e}",
+                                      "config": args.config, "overrides": overrides, **state, "commit": git_commit(),
+                                      "date": time.strftime("%Y-%m-%d")})
+        print(f"stopped before the end ({type(e).__name__}: {e}); what was measured: {out}", file=sys.stderr)
+        raise
     wall = round(time.monotonic() - t0, 1)
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
@@ -289,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wall: {wall:.0f}s; containers: peak {result['peak_live_containers']} live at once (during RL "
           f"{rl['live']} live, {rl['leased']} held by sessions), {result['leaked_containers']} left after the "
           "workers stopped")
-    record = {"bench": "terminal_demo", "config": args.config, "smoke": args.smoke, "seeds": sorted(seeds),
+    record = {"bench": "terminal_demo", "complete": True, "config": args.config, "smoke": args.smoke,
+              "seeds": sorted(seeds),
               "overrides": overrides, "args": {k: v for k, v in vars(args).items() if k != "overrides"},
               "mean_gain_points": gains, "min_family_gain_points": min(gains.values()) if gains else None,
               "every_family_gains": bool(gains) and all(g > 0 for g in gains.values()), "wall_s": wall,

@@ -199,11 +199,13 @@ def run(args: Any, overrides: list[str], work: Path, state: dict[str, Any]) -> d
             counter.metrics = out_dir / "metrics.jsonl"
             log = work / f"train_seed{seed}.log"
             with open(log, "wb") as fh:
+                proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env)
                 try:
-                    proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                          timeout=args.timeout)
+                    proc.wait(args.timeout)
                 except subprocess.TimeoutExpired:
                     raise SystemExit(f"seed {seed}: ran past --timeout {args.timeout:.0f}s; log {log}") from None
+                finally:
+                    _stop([proc], timeout_s=60.0)  # stopped or timed out: SIGTERM, then SIGKILL past 60 s
             if proc.returncode != 0:
                 sys.stderr.write(log.read_text(errors="replace")[-4000:])
                 raise SystemExit(f"seed {seed}: the run failed (exit {proc.returncode}); log {log}")

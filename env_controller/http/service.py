@@ -73,7 +73,7 @@ def json_reply(body: Any, status: int = 200, headers: dict[str, str] | None = No
 
 def error_reply(status: int, message: str, headers: dict[str, str] | None = None) -> Reply:
     """The JSON error reply ``{"error": message, "status": status}``."""
-    return Reply(dumps_json({"error": message, "status": status}), status, headers)
+    return json_reply({"error": message, "status": status}, status, headers)
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

@@ -71,6 +71,7 @@ class Counter(threading.Thread):
         self.samples: list[tuple[float, int, int, str]] = []  # (seconds, live, leased, phase)
         self.workers: list[str] = []
         self.metrics: Path | None = None
+        self._read: tuple[Path | None, int, int] = (None, 0, 0)  # (metrics file, bytes read, evaluations seen)
         self._halt = threading.Event()
 
     def count(self) -> int:
@@ -87,11 +88,21 @@ class Counter(threading.Thread):
         return total
 
     def phase(self) -> str:
-        try:
-            evals = self.metrics.read_text().count('"phase": "eval"') if self.metrics else 0
-        except OSError:
-            evals = 0
-        return "rl" if evals == 1 else "other"
+        """``rl`` once the seed's metrics hold one evaluation (before RL) and until the second; read on from
+        where the last call stopped (the file only grows)."""
+        if self.metrics != self._read[0]:  # a new seed
+            self._read = (self.metrics, 0, 0)
+        path, offset, evals = self._read
+        if path is not None:
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(offset)
+                    chunk = fh.read()
+            except OSError:
+                chunk = b""
+            complete = chunk[:chunk.rfind(b"\n") + 1]  # a line still being written counts next time
+            self._read = (path, offset + len(complete), evals + complete.count(b'"phase": "eval"'))
+        return "rl" if self._read[2] == 1 else "other"
 
     def run(self) -> None:
         t0 = time.monotonic()

@@ -385,23 +385,34 @@ class _Shell:
     forget_jobs: bool = False
 
 
-#: empties the writable directories (DIRS; the first is the home, mode 0700 again) as the sandbox user and
-#: removes its System V IPC objects where ``ipcrm`` exists; prints ``wiped <a path left, or none> <IPC objects
-#: left>``. Directories the agent made unreadable are opened first (``-exec ... ;`` runs before find descends).
-WIPE_SCRIPT = """dirs=(DIRS); home=${dirs[0]}; live=()
-for d in "${dirs[@]}"; do [[ -d $d && -w $d ]] && live+=("$d"); done
-for d in "${live[@]}"; do
-  find "$d" -mindepth 1 -type d ! -perm -u=rwx -exec chmod u+rwx -- {} \\; 2>/dev/null
-  find "$d" -mindepth 1 -delete 2>/dev/null
+#: empties DIRS as the sandbox user (those it owns are opened first, the others where writable), then checks
+#: with bash alone that nothing is left in them: an image without ``find`` (or ``rm``) fails the check instead
+#: of passing it. Sets ``left``: a path left, or ``none``. Directories the agent made unreadable are opened
+#: before find descends (``-exec ... ;`` runs first).
+EMPTY_DIRS = """dirs=(DIRS); live=(); left=none; shopt -s nullglob dotglob
+for d in "${dirs[@]}"; do
+  [[ -d $d && -O $d ]] && chmod u+rwx -- "$d" 2>/dev/null
+  [[ -d $d && -w $d ]] && live+=("$d")
 done
-chmod 0700 -- "$home"
+for d in "${live[@]}"; do
+  if command -v find >/dev/null 2>&1; then
+    find "$d" -mindepth 1 -type d ! -perm -u=rwx -exec chmod u+rwx -- {} \\; 2>/dev/null
+    find "$d" -mindepth 1 -delete 2>/dev/null
+  else
+    e=("$d"/*); (( ${#e[@]} )) && rm -rf -- "${e[@]}" 2>/dev/null
+  fi
+done
+for d in "${live[@]}"; do e=("$d"/*); (( ${#e[@]} )) && { left=${e[0]}; break; }; done
+"""
+#: :data:`EMPTY_DIRS` (the first of DIRS is the home, mode 0700 again), then removes the user's System V IPC
+#: objects where ``ipcrm`` exists; prints ``wiped <a path left, or none> <IPC objects left>``.
+WIPE_SCRIPT = EMPTY_DIRS + """chmod 0700 -- "${dirs[0]}"
 command -v ipcrm >/dev/null 2>&1 && ipcrm --all >/dev/null 2>&1
 ipc=0
 for f in /proc/sysvipc/shm /proc/sysvipc/sem /proc/sysvipc/msg; do
   [[ -r $f ]] && { mapfile -t rows < "$f"; ipc=$((ipc + ${#rows[@]} - 1)); }
 done
-left=$(find "$home" "${live[@]}" -mindepth 1 -print -quit 2>/dev/null)
-printf 'wiped %s %d\\n' "${left:-none}" "$ipc"
+printf 'wiped %s %d\\n' "$left" "$ipc"
 """
 
 

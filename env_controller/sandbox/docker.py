@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from env_controller.sandbox.base import (
+    EMPTY_DIRS,
     Channel,
     SandboxBackend,
     SandboxError,
@@ -105,13 +106,6 @@ done
 echo "${#seen[@]}"
 """
 #: empties the directories DIRS that exist and are writable (a subshell of the fresh shell), then says what is left
-_SCRATCH_WIPE = """for d in DIRS; do [[ -d $d && -w $d ]] || continue
-  find "$d" -mindepth 1 -type d ! -perm -u=rwx -exec chmod u+rwx -- {} \\; 2>/dev/null
-  find "$d" -mindepth 1 -delete 2>/dev/null
-  left=$(find "$d" -mindepth 1 -print -quit 2>/dev/null); [[ -n $left ]] && { printf 'wiped %s\\n' "$left"; exit 0; }
-done
-printf 'wiped none\\n'
-"""
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: seconds between two process counts while a command runs, when a count is an ``exec``
 EXEC_POLL_S = 1.0
@@ -277,8 +271,9 @@ class DockerSandbox(ShellSandbox):
                       BACKEND_LABEL: backend.instance}
         file_bytes = limits.max_file_mb << 20
         tmpfs = {"/tmp": f"rw,exec,nosuid,nodev,size={limits.tmp_mb}m,mode=1777"}
-        if not backend.writable_root:
+        if not backend.writable_root or backend.scratch_workdir:
             # the home is a tmpfs of its own; with a writable root the image's workdir (its files) is used as is
+            # unless it is declared scratch
             tmpfs[self.workdir] = (f"rw,exec,nosuid,nodev,size={backend.home_mb}m,uid={backend.uid},"
                                    f"gid={backend.gid},mode=0700")
         #: the container layer's changes right after the start (a writable root): a reuse must find the same
@@ -400,15 +395,18 @@ class DockerSandbox(ShellSandbox):
 
     def wipe(self) -> None:
         """See :meth:`Sandbox.wipe`. With a writable root the image's workdir is not emptied (its files are the
-        task's): every process is killed, ``/tmp``, ``/dev/shm`` and ``/dev/mqueue`` are emptied, and the
-        container layer must hold exactly the changes it had after its start (``docker diff``), else
-        SandboxError: a session that changed the image's files leaves a container that cannot be reused."""
+        task's) unless it is a scratch tmpfs (``scratch_workdir``): every process is killed, ``/tmp``,
+        ``/dev/shm`` and ``/dev/mqueue`` are emptied, and the container layer must hold exactly the changes it
+        had after its start (``docker diff``), else SandboxError: a session that changed the image's files
+        leaves a container that cannot be reused."""
         if not self._backend.writable_root:
             super().wipe()
             return
         self.reset()
-        dirs = " ".join(ansi_c_quote(d.encode()) for d in ("/tmp", *self.scratch_dirs))
-        result = self.run(f"( {_SCRATCH_WIPE.replace('DIRS', dirs)} )", timeout_s=max(30.0, self.limits.timeout_s))
+        scratch = (self.workdir, "/tmp") if self._backend.scratch_workdir else ("/tmp",)
+        dirs = " ".join(ansi_c_quote(d.encode()) for d in (*scratch, *self.scratch_dirs))
+        script = EMPTY_DIRS.replace("DIRS", dirs) + "printf 'wiped %s\\n' \"$left\"\n"
+        result = self.run(f"( {script} )", timeout_s=max(30.0, self.limits.timeout_s))
         if not (result.ok and result.output.endswith("wiped none\n")):
             raise SandboxError(f"sandbox {self.id}: the wipe left something behind: "
                                f"{result.error or result.output.strip()[-300:]!r}")
@@ -560,7 +558,9 @@ class DockerBackend(SandboxBackend):
     hosts older than this. writable_root: the container's root filesystem is writable (its own layer)
     and ``workdir`` is the image's directory, not a tmpfs (terminal tasks, whose agent changes the
     image's files; ``/tmp`` stays a tmpfs, the other limits hold; a reuse requires ``docker diff``
-    to show no change).
+    to show no change). scratch_workdir (with writable_root): ``workdir`` is a tmpfs of each container after
+    all (the image's files there hidden), emptied by the wipe, so what a session writes there does not bar
+    a reuse.
     """
 
     name = "docker"
@@ -568,7 +568,7 @@ class DockerBackend(SandboxBackend):
     def __init__(self, limits: SandboxLimits | None = None, image: str = "ubuntu:22.04", client: Any = None,
                  user: str = "1000:1000", workdir: str = "/home/user", home_mb: int = 256,
                  api_timeout_s: float = 60.0, reap: bool | str = True, reap_foreign_after_s: float | None = None,
-                 base_url: str | None = None, writable_root: bool = False) -> None:
+                 base_url: str | None = None, writable_root: bool = False, scratch_workdir: bool = False) -> None:
         """Connect to the daemon and reap leaked containers (``reap``: True before returning, "background"
         in a thread, False not at all); SandboxUnavailableError when unreachable."""
         super().__init__(limits)
@@ -611,6 +611,9 @@ class DockerBackend(SandboxBackend):
         #: the root filesystem is the container's writable layer and ``workdir`` the image's own directory
         #: (terminal tasks: the agent changes the image's files); off, a read-only root and a tmpfs home
         self.writable_root = bool(writable_root)
+        self.scratch_workdir = bool(scratch_workdir)
+        if self.scratch_workdir and not self.writable_root:
+            raise ValueError("scratch_workdir=True needs writable_root=True (without it the workdir is a tmpfs anyway)")
         self.reap_foreign_after_s = reap_foreign_after_s
         #: this backend's id, in the label :data:`BACKEND_LABEL` of its containers
         self.instance = secrets.token_hex(6)

@@ -191,13 +191,18 @@ class TerminalPools:
         out["peak_live"] = budget.stats()["peak"] if budget is not None else sum(s["peak_live"] for s in per.values())
         out["budget"] = budget.stats() if budget is not None else None
         builds = self.task.images.build_s if self.task.has_images else {}
-        out["images"] = {f"{key[0]}@{key[1]}" + (f" cpus={key[2]:g} memory_mb={key[3]}" if key[2:4] != (
-            self.task.cpus, self.task.memory_mb) else "") + (" reuse" if key[4] else ""): {
+        out["images"] = {self._label(key): {
             "image": key[0], "build_s": builds.get(key[0]), "live": s["live"], "idle": s["idle"],
             "leased": s["leased"], "peak_live": s["peak_live"], "served_warm": s["served_warm"],
             "served_cold": s["served_cold"], "reused": s["reused"], "wipe_failures": s["wipe_failures"],
             "start_s": s["start_s"], "acquire_s": s["acquire_s"]} for key, s in per.items()}
         return out
+
+    def _label(self, key: tuple[Any, ...]) -> str:
+        """A pool's name in ``images``: ``tag@workdir`` and what differs from the task's defaults."""
+        tag, workdir, scratch, cpus, memory, reuse = key
+        limits = f" cpus={cpus:g} memory_mb={memory}" if (cpus, memory) != (self.task.cpus, self.task.memory_mb) else ""
+        return f"{tag}@{workdir}{' scratch' if scratch else ''}{limits}{' reuse' if reuse else ''}"
 
     def close(self) -> None:
         """Close the task's pools."""
@@ -333,7 +338,7 @@ class TerminalTask(BlockingToolTask):
             return self._images
 
     def pools(self) -> dict[tuple[Any, ...], SandboxPool]:
-        """The pools made so far, by (image tag, working directory, cpus, memory, reuse)."""
+        """The pools made so far, by (image tag, working directory, scratch workdir, cpus, memory, reuse)."""
         with self._lock:
             return dict(self._pools)
 
@@ -353,7 +358,7 @@ class TerminalTask(BlockingToolTask):
         memory = instance.memory_mb or self.memory_mb
         with self._lock:
             workdir = self._workdir_of(tag, instance)
-            key = (tag, workdir, cpus, memory, reuse)
+            key = (tag, workdir, instance.scratch_workdir, cpus, memory, reuse)
             pool = self._pools.get(key)
             if pool is not None:
                 return pool
@@ -363,7 +368,8 @@ class TerminalTask(BlockingToolTask):
                                    max_processes=self.max_processes, cpus=cpus)
             # the first backend removes the containers of dead workers (in the background); one is enough
             backend = DockerBackend(limits, image=tag, client=self._client, user=self.user, workdir=workdir,
-                                    writable_root=True, reap="background" if not self._backends else False)
+                                    writable_root=True, scratch_workdir=instance.scratch_workdir,
+                                    reap="background" if not self._backends else False)
             self._backends.append(backend)
             pool = SandboxPool(backend, max_size=self.max_containers, warm_min=self.warm_min,
                                warm_max=self.warm_max, window_s=self.warm_window_s, reuse=reuse, limits=limits,

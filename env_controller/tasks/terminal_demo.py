@@ -11,6 +11,10 @@ Families (``demo_instances(family, seed, n)``; instance ``i`` is fixed by ``(fam
 * ``count``: write the line count of ``logs/<name>.log`` (baked into the image) into ``answer.txt``;
   expert ``wc -l < logs/<name>.log > answer.txt``; image ``term-count``.
 
+The working directory ``/app`` is a scratch tmpfs of each container (``scratch_workdir``): the images keep
+their files in ``/srv/task`` and the setup copies them in, so a session changes nothing of the image and its
+container can serve another session after the verified wipe (``reuse_containers`` of the task).
+
 Each expert's script copies its instruction's path, after the same prefix (``notes/``, ``data/``, ``logs/``), so a
 small policy can learn it; the careless player calls ``finish_action`` at once (reward 0), the habit that RL has to
 unlearn. Instances draw from 24 words: the held-out evaluation (indices not trained on) repeats words of training,
@@ -18,7 +22,6 @@ so it measures the habit unlearned and the copying sharpened, not new words.
 """
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
@@ -33,6 +36,8 @@ TOOLS = ("bash", "ls", "cat", "echo", "printf", "mkdir", "rm", "cp", "mv", "touc
 _WORDS = ("alpha", "bravo", "cedar", "delta", "ember", "flint", "grove", "harbor", "iris", "jade", "kite", "lumen",
           "maple", "nova", "onyx", "pearl", "quartz", "raven", "sage", "tide", "umber", "vale", "willow", "zephyr")
 _VERIFIER_TIMEOUT_S = 20.0
+#: where the images keep the files the setup copies into the scratch working directory
+SEED_DIR = "/srv/task"
 
 
 def _data_files() -> dict[str, str]:
@@ -49,17 +54,13 @@ def _log_files() -> dict[str, str]:
 def _builder(files: dict[str, str]):  # noqa: ANN202 - a closure registered below
     def build(root: Path) -> None:
         build_rootfs(root, TOOLS)
-        app = root / "app"
-        app.mkdir(parents=True, exist_ok=True)
+        (root / "app").mkdir(parents=True, exist_ok=True)  # the mount point of the scratch workdir
+        seed = root / SEED_DIR.lstrip("/")
+        seed.mkdir(parents=True, exist_ok=True)
         for rel, text in files.items():
-            path = app / rel
+            path = seed / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
-        if os.geteuid() == 0:  # the session's user (1000) works in /app
-            for dirpath, _, filenames in os.walk(app):
-                os.chown(dirpath, 1000, 1000)
-                for name in filenames:
-                    os.chown(os.path.join(dirpath, name), 1000, 1000)
     return build
 
 
@@ -72,14 +73,15 @@ def _files(rng: random.Random) -> dict[str, object]:
     path = f"notes/{rng.choice(_WORDS)}.txt"
     # the word follows "notes/" in the instruction and in the command: the tiny policy copies it after the same
     # prefix, as in the other families (with "echo <word> > ..." no prefix showed what to copy: 0 % after warm-up)
-    return {"instruction": f"Create the empty file {path}.", "setup": ("mkdir -p notes",),
+    return {"instruction": f"Create the empty file {path}.", "setup": (f"cp {SEED_DIR}/README . && mkdir -p notes",),
             "solution": f"touch {path}", "verifier": f"[ -f /app/{path} ] && [ ! -s /app/{path} ]",
             "image": "term-files"}
 
 
 def _copy(rng: random.Random) -> dict[str, object]:
     name = rng.choice(_WORDS)
-    return {"instruction": f"Copy the file data/{name}.txt into the directory backup.", "setup": (),
+    return {"instruction": f"Copy the file data/{name}.txt into the directory backup.",
+            "setup": (f"cp -r {SEED_DIR}/data .",),
             "solution": f"mkdir -p backup && cp data/{name}.txt backup/",
             "verifier": f"cmp -s /app/data/{name}.txt /app/backup/{name}.txt", "image": "term-copy"}
 
@@ -87,7 +89,8 @@ def _copy(rng: random.Random) -> dict[str, object]:
 def _count(rng: random.Random) -> dict[str, object]:
     name = rng.choice(_WORDS)
     lines = _log_files()[f"logs/{name}.log"].count("\n")
-    return {"instruction": f"Write the number of lines of logs/{name}.log into answer.txt.", "setup": (),
+    return {"instruction": f"Write the number of lines of logs/{name}.log into answer.txt.",
+            "setup": (f"cp -r {SEED_DIR}/logs .",),
             "solution": f"wc -l < logs/{name}.log > answer.txt",
             "verifier": f'[ "$(tr -d "[:space:]" < /app/answer.txt)" = {lines} ]', "image": "term-count"}
 
@@ -108,5 +111,5 @@ def demo_instances(family: str, seed: int, n: int) -> list[TerminalInstance]:
             verifier=Verifier("bash /tests/test.sh", {"test.sh": str(spec["verifier"]).encode()},
                               _VERIFIER_TIMEOUT_S),
             setup=tuple(spec["setup"]),  # type: ignore[arg-type]
-            solution=str(spec["solution"]), family=family, workdir="/app"))
+            solution=str(spec["solution"]), family=family, workdir="/app", scratch_workdir=True))
     return out

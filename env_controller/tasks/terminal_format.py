@@ -13,7 +13,8 @@ What is read, and what is refused, is listed in docs/environments.md ("Terminal 
 * **Manifests** (``.yaml`` / ``.json`` with a ``tasks`` list, or ``.jsonl`` with one instance per line): each
   entry is ``{path: <task directory>}`` or an inline instance ``{id, instruction, image: {dockerfile: DIR,
   file: NAME} | {rootfs: FILE} | {name: TAG} | {builtin: NAME}, setup: [..], verifier: {script | file,
-  files: DIR, timeout_s, env}, solution, family, reuse_containers, workdir}``; relative paths are taken from
+  files: DIR, timeout_s, env}, solution, family, reuse_containers, workdir, scratch_workdir}``; relative paths
+  are taken from
   the manifest's directory.
 
 Every refusal is a :class:`TaskFormatError` naming the file, the field and the fix.
@@ -64,8 +65,10 @@ class TerminalInstance:
     fails the start. verifier: see :class:`Verifier`. solution: the scripted expert's bash script (the
     demonstration), or None. family: a group name for reports. reuse_containers: a container of this
     instance may serve another session after a verified wipe (None: the task's setting). workdir: where the
-    shell starts (None: the image's WORKDIR, else /app). cpus / memory_mb: per-container limits (None: the
-    task's). careless: a low-effort player's script (the warm-up's bad habit), or None.
+    shell starts (None: the image's WORKDIR, else /app). scratch_workdir: the working directory is an empty
+    tmpfs of each container (the image's files there hidden), filled by ``setup``; the wipe empties it, so a
+    session's work there does not bar the container's reuse. cpus / memory_mb: per-container limits (None:
+    the task's). careless: a low-effort player's script (the warm-up's bad habit), or None.
     """
 
     id: str
@@ -77,6 +80,7 @@ class TerminalInstance:
     family: str = ""
     reuse_containers: bool | None = None
     workdir: str | None = None
+    scratch_workdir: bool = False
     cpus: float | None = None
     memory_mb: int | None = None
     careless: str | None = None
@@ -147,14 +151,15 @@ def load_task_dir(path: str | Path) -> TerminalInstance:
 
 def _agentrl_section(raw: Any, where: Path) -> dict[str, Any]:
     """Our own settings (``[agentrl]`` in task.toml, ``agentrl:`` in task.yaml): setup, reuse_containers,
-    workdir, family."""
+    workdir, scratch_workdir, family."""
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise _err(where, "the agentrl section must be a table")
-    unknown = sorted(set(raw) - {"setup", "reuse_containers", "workdir", "family"})
+    unknown = sorted(set(raw) - {"setup", "reuse_containers", "workdir", "scratch_workdir", "family"})
     if unknown:
-        raise _err(where, f"agentrl.{unknown[0]} is not a setting; known: setup, reuse_containers, workdir, family")
+        raise _err(where, f"agentrl.{unknown[0]} is not a setting; known: setup, reuse_containers, workdir, "
+                   "scratch_workdir, family")
     setup = raw.get("setup", [])
     if isinstance(setup, str):
         setup = [setup]
@@ -169,7 +174,15 @@ def _agentrl_section(raw: Any, where: Path) -> dict[str, Any]:
     family = raw.get("family", "")
     if not isinstance(family, str):
         raise _err(where, "agentrl.family must be a string")
-    return {"setup": tuple(setup), "reuse_containers": reuse, "workdir": workdir, "family": family}
+    return {"setup": tuple(setup), "reuse_containers": reuse, "workdir": workdir,
+            "scratch_workdir": _flag(raw.get("scratch_workdir", False), where, "agentrl.scratch_workdir"),
+            "family": family}
+
+
+def _flag(value: Any, where: Path | str, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise _err(where, f"{key}={value!r} must be true or false")
+    return value
 
 
 def _load_harbor(root: Path) -> TerminalInstance:
@@ -220,6 +233,7 @@ def _load_harbor(root: Path) -> TerminalInstance:
                           _str_env(verifier_conf.get("env"), where, "[verifier] env")),
         setup=ours.get("setup", ()), solution=solution.read_text() if solution.is_file() else None,
         family=ours.get("family", ""), reuse_containers=ours.get("reuse_containers"), workdir=ours.get("workdir"),
+        scratch_workdir=ours.get("scratch_workdir", False),
         cpus=_opt_number(env.get("cpus"), where, "[environment] cpus"),
         memory_mb=_opt_int(env.get("memory_mb"), where, "[environment] memory_mb"),
         metadata={"format": "harbor", **(conf.get("metadata") or {})},
@@ -298,6 +312,7 @@ def _load_tb1(root: Path) -> TerminalInstance:
         setup=ours.get("setup", ()), solution=solution.read_text() if solution.is_file() else None,
         family=ours.get("family", "") or str(conf.get("category") or ""),
         reuse_containers=ours.get("reuse_containers"), workdir=ours.get("workdir"),
+        scratch_workdir=ours.get("scratch_workdir", False),
         metadata={"format": "terminal-bench-1", **{k: conf[k] for k in ("difficulty", "category", "tags")
                                                    if k in conf}},
     )
@@ -305,7 +320,7 @@ def _load_tb1(root: Path) -> TerminalInstance:
 
 def _inline(entry: dict[str, Any], base: Path, where: str) -> TerminalInstance:
     known = {"id", "instruction", "image", "setup", "verifier", "solution", "family", "reuse_containers", "workdir",
-             "cpus", "memory_mb", "careless", "metadata"}
+             "scratch_workdir", "cpus", "memory_mb", "careless", "metadata"}
     unknown = sorted(set(entry) - known)
     if unknown:
         raise _err(where, f"{unknown[0]!r} is not a field of an instance; known: {', '.join(sorted(known))} "
@@ -350,7 +365,9 @@ def _inline(entry: dict[str, Any], base: Path, where: str) -> TerminalInstance:
     return TerminalInstance(
         id=_check_id(entry.get("id"), where), instruction=instruction, image=source, verifier=verifier,
         setup=tuple(setup), solution=entry.get("solution"), family=str(entry.get("family") or ""),
-        reuse_containers=reuse, workdir=workdir, cpus=_opt_number(entry.get("cpus"), where, "cpus"),
+        reuse_containers=reuse, workdir=workdir,
+        scratch_workdir=_flag(entry.get("scratch_workdir", False), where, "scratch_workdir"),
+        cpus=_opt_number(entry.get("cpus"), where, "cpus"),
         memory_mb=_opt_int(entry.get("memory_mb"), where, "memory_mb"), careless=entry.get("careless"),
         metadata=dict(entry.get("metadata") or {}),
     )

@@ -95,6 +95,10 @@ def task_set(docker_engine: Any, os_shell_image: str, tmp_path_factory: pytest.T
          "verifier": {"script": "sleep 1000", "timeout_s": 2}},
         {"id": "reusable", "instruction": "Look around.", "image": rootfs, "solution": "ls /app > /tmp/seen",
          "reuse_containers": True, "verifier": {"script": "true", "timeout_s": 20}},
+        {"id": "scratch", "instruction": "Work in a scratch directory.", "image": rootfs, "setup": ["echo x > seed"],
+         "reuse_containers": True, "scratch_workdir": True,
+         # what the episode found in /app at its start: only the setup's file, never an earlier session's
+         "verifier": {"script": '[ "$(cat /tmp/found)" = seed ]', "timeout_s": 20}},
     ]}
     (root / "tasks.yaml").write_text(json.dumps(manifest))
     return root / "tasks.yaml"
@@ -215,6 +219,37 @@ def test_reuse_only_after_a_verified_wipe(task: TerminalTask) -> None:
     asyncio.run(go())
     (stats,) = [s for s in task.sandbox_pool().stats()["images"].values() if s["reused"] or s["wipe_failures"]]
     assert stats["reused"] >= 1 and stats["wipe_failures"] == 1, stats
+
+
+def test_a_scratch_workdir_is_emptied_and_its_container_reused(docker_engine: Any, task_set: Path) -> None:
+    """A session that wrote in a scratch working directory leaves a reusable container, and the next session in
+    it finds only what its own setup put there (one container at most: the second session gets the first's)."""
+    task = build_task("terminal", tasks=str(task_set), docker_host=docker_engine.url, max_containers=1,
+                      warm_containers=1, prebuild=False, command_timeout_s=5, memory_mb=128)
+    assert isinstance(task, TerminalTask)
+    i = _index(task, "scratch")
+    boxes: list[str] = []
+
+    async def go() -> None:
+        for _ in range(2):
+            session, _ = await task.start(i)
+            boxes.append(session.sandbox.id)
+            seen = await session.interact(call("bash_action", {"script": "ls -A > /tmp/found; mkdir out; touch out/x"}))
+            reply = await session.interact(call("finish_action", {}))
+            assert reply.reward == 1.0, (boxes, seen, reply)
+            await session.close()
+            deadline = time.monotonic() + 60  # the release (the wipe) runs after close returns
+            while session.pool.stats()["idle"] < 1:
+                assert time.monotonic() < deadline, session.pool.stats()
+                await asyncio.sleep(0.05)
+
+    try:
+        asyncio.run(go())
+        (stats,) = [s for key, s in task.sandbox_pool().stats()["images"].items() if " scratch" in key]
+        assert boxes[0] == boxes[1] and stats["reused"] == 2 and stats["wipe_failures"] == 0, (boxes, stats)
+    finally:
+        task.close()
+    assert _containers(docker_engine) == [], "a container outlived the task"
 
 
 def test_builds_need_their_base_in_the_engine(docker_engine: Any, tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -45,4 +47,19 @@ def train_rank(config: str, overrides: list[str]) -> dict[str, Any]:
     setup_logging(int(os.environ.get("RANK", 0)))
     from megatron_agentrl.pipeline.loop import run_training
 
-    return run_training(load_config(config, overrides))
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # Ray actors run elsewhere and handle it themselves
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return run_training(load_config(config, overrides))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (a scheduler's preemption or time limit, ``kill``) ends the run through its cleanup (env sessions
+    ended, the tasks' containers removed, the metrics flushed) instead of at once; exit status 143. A rank
+    blocked inside a collective sees it only when the call returns: the sender's SIGKILL that follows ends it."""
+    logging.getLogger(__name__).warning("SIGTERM: stopping the run (its cleanup runs; SIGKILL ends it at once)")
+    raise SystemExit(128 + signum)

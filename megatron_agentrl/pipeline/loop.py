@@ -108,7 +108,11 @@ def run_training(cfg: Config) -> dict[str, Any]:
             run.metrics.close(failed=True)  # the W&B run ends as failed; the files are flushed
         raise
     finally:
-        destroy_parallel()
+        try:
+            if run is not None and run.ro is not None:
+                run.ro.close()
+        finally:
+            destroy_parallel()
 
 
 def eval_due(cfg: Config, step: int) -> bool:

@@ -65,6 +65,17 @@ class RolloutSide:
     shaper: RewardShaper = field(default_factory=RewardShaper)
     routing: RoutingLayout | None = None
 
+    def close(self) -> None:
+        """Close the built-in tasks held here (their containers, servers and threads); each failure is logged,
+        the others still close."""
+        for name, task in self.tasks.items():
+            close = getattr(task, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - the run is ending: the next task still gets closed
+                    logger.exception("closing task %s failed", name)
+
     def busy_seconds(self) -> float:
         """Seconds the engines spent generating, averaged over engines."""
         return sum(e.busy_seconds() for e in self.engines) / max(1, len(self.engines))

@@ -775,6 +775,9 @@ class PipelineConfig(_Section):
         whole step in sync mode, 1 in async mode).
     batch_timeout_s: limit on the trainer waiting for one batch (and on a checkpoint's drain), s.
     env_timeout_s: limit on every environment call of the agent loop, seconds.
+    max_dropped_groups_in_row: a task whose last this many finished groups were all dropped for
+        infrastructure failures (each after its attempts) stops the run with the task's last error: its
+        environment is broken (a wedged container engine, a task set that cannot start); 0 = never.
     sim_env_latency_s: > 0 adds simulated environment latency to every env call of the training
         rollouts: Pareto(alpha) seconds with scale (minimum) sim_env_latency_s, capped at
         sim_env_latency_max_s (0 = 100 x the scale). For benchmarks and tests; 0 = off.
@@ -795,6 +798,7 @@ class PipelineConfig(_Section):
     cohort_groups: int = 0
     batch_timeout_s: float = 1800.0
     env_timeout_s: float = 120.0
+    max_dropped_groups_in_row: int = 20
     sim_env_latency_s: float = 0.0
     sim_env_latency_alpha: float = 1.5
     sim_env_latency_max_s: float = 0.0
@@ -810,6 +814,7 @@ class PipelineConfig(_Section):
         self.require(0 < self.collapse_drop <= 1, "collapse_drop", "must be in (0, 1] (0.5: half the recent level)")
         self.require_positive_int("collapse_patience")
         self.require_non_negative("queue_size", "cohort_groups", why="0 = auto")
+        self.require_non_negative("max_dropped_groups_in_row", why="0 = never stop for dropped groups")
         self.require_above_zero("batch_timeout_s", "env_timeout_s", unit="seconds")
         self.require_non_negative("sim_env_latency_s", "sim_env_latency_max_s", why="0 = off / auto")
         self.require_above_zero("sim_env_latency_alpha")

@@ -362,6 +362,7 @@ def make_manager(cfg: Config, ro: RolloutSide, version: int) -> RolloutManager:
         agent=build_agent_runner(cfg, ro) if cfg.rollout.agent == "gateway" else None,
         min_valid_fraction=cfg.rollout.min_valid_fraction,
         capture_routing=ro.routing is not None,
+        max_dropped_in_row=cfg.pipeline.max_dropped_groups_in_row,
     )
     if cfg.algo.dynamic_sampling:  # groups of one sample are refused by Config.validate
         manager.enable_dynamic_sampling(ro.shaper, cfg.algo.dynamic_sampling_max_groups)

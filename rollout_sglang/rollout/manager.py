@@ -41,6 +41,9 @@ trained: a finished group keeps only its valid episodes when at least ``min_vali
 (and at least 2, or 1 for groups of one) remain; otherwise it is re-run from scratch (a fresh attempt, up to
 ``max_attempts``) and then dropped, its slot free for another draw. Both are counted per task
 (:attr:`ManagerStats.infra_failed`, ``infra_retried``, ``dropped_infra``) and in :attr:`RolloutManager.last_batch`.
+A task whose last ``max_dropped_in_row`` finished groups were all dropped fails the run (:class:`RolloutError`
+naming the task and the last infrastructure error): its environment is broken, and drawing on would only
+wait out ``get_batch``'s timeout.
 
 Periodic evaluation runs on the rollout thread's event loop (:meth:`RolloutManager.submit`), beside
 the groups in flight: the engines' batching wrappers serve one event loop at a time.
@@ -222,6 +225,8 @@ class RolloutManager:
     run will train; None = no limit). min_valid_fraction: the share of a group's samples (at least 2)
     that must end without an infrastructure failure for the group to train on them (see the module doc).
     capture_routing: the agent loop asks the engines for each turn's routed experts (MoE models).
+    max_dropped_in_row: groups of one task dropped one after another (infrastructure failures) that fail the
+    run (0: never).
     agent: who plays the episodes instead of the built-in agent loop: an object with ``async
     run_group(requests, params) -> trajectories`` (any number per request, each carrying its request's
     ``group_id``), ``async aclose()`` (called on the rollout thread when it stops) and ``metrics() ->
@@ -241,12 +246,14 @@ class RolloutManager:
                  env_timeout_s: float = 120.0, version: int = 0, seed: int = 0, max_attempts: int = 3,
                  version_lag: int = 0, on_group: Callable[[FinishedGroup], None] | None = None,
                  total_groups: int | None = None, agent: Any = None, min_valid_fraction: float = 0.5,
-                 capture_routing: bool = False) -> None:
+                 capture_routing: bool = False, max_dropped_in_row: int = 0) -> None:
         if batch_groups < 1 or staleness < 0 or cohort_groups < 1:
             raise ValueError(f"batch_groups={batch_groups} and cohort_groups={cohort_groups} must be >= 1, "
                              f"staleness={staleness} >= 0")
         if not 0 < min_valid_fraction <= 1:
             raise ValueError(f"min_valid_fraction={min_valid_fraction} must be in (0, 1]")
+        if max_dropped_in_row < 0:
+            raise ValueError(f"max_dropped_in_row={max_dropped_in_row} must be >= 0 (0: no limit)")
         if not 0 <= version_lag <= staleness:
             raise ValueError(f"version_lag={version_lag} must be in 0..staleness={staleness}: turns sampled by "
                              "versions that old could never be trained")
@@ -272,6 +279,8 @@ class RolloutManager:
         self.agent = agent
         self.min_valid_fraction = float(min_valid_fraction)
         self.capture_routing = bool(capture_routing)
+        self.max_dropped_in_row = int(max_dropped_in_row)
+        self._dropped_in_row: Counter = Counter()  # task -> groups dropped since its last kept group
         self.stats = ManagerStats()
 
         self._cond = threading.Condition()
@@ -528,9 +537,18 @@ class RolloutManager:
                     self.stats.retried += 1
                     self.stats.infra_retried += 1
                     continue
+                task = g.request.task
                 if verdict == "drop":  # never accepted: its slot is free for another draw
-                    self.stats.dropped_infra[g.request.task] += 1
+                    self.stats.dropped_infra[task] += 1
+                    self._dropped_in_row[task] += 1
+                    if 0 < self.max_dropped_in_row <= self._dropped_in_row[task] and self._error is None:
+                        self._error = RolloutError(
+                            f"task {task}: {self._dropped_in_row[task]} groups in a row were dropped for "
+                            f"infrastructure failures (each after {self.max_attempts} attempts): its environment "
+                            f"looks broken; last error: {self.last_infra_error} (the limit is "
+                            "pipeline.max_dropped_groups_in_row)")
                     continue
+                self._dropped_in_row[task] = 0
                 if flat[id(g)]:  # no GRPO signal: never accepted, its slot is free for another draw
                     self.stats.dropped_zero_var[g.request.task] += 1
                     self._fallback.append(g)

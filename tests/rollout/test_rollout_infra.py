@@ -11,7 +11,7 @@ import pytest
 from env_controller.protocol import SampleStatus, TaskReply
 from rollout_sglang.chat_template import ChatTemplate
 from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
-from rollout_sglang.rollout.manager import PromptSampler, RolloutManager
+from rollout_sglang.rollout.manager import PromptSampler, RolloutError, RolloutManager
 from rollout_sglang.trajectory import INFRA_STATUSES, Trajectory
 
 SIZE = 4
@@ -144,3 +144,24 @@ def test_an_episode_without_tokens_is_an_infra_failure() -> None:
     for status in ("task error", "cancelled", "internal error"):
         ok.status = status
         assert ok.infra_failed
+
+
+def test_a_task_whose_groups_are_all_dropped_stops_the_run(template: ChatTemplate) -> None:
+    """Every group of the task is dropped (index 3: too few valid episodes, ever): after max_dropped_in_row drops in
+    a row the trainer's wait ends at once in an error naming the task and the environment's last error, not in
+    get_batch's timeout."""
+    sampler = PromptSampler(["t"], [1.0], {"t": [3]}, SIZE, seed=0)
+    stop = list(template.stop_token_ids)
+    mgr = RolloutManager(OkEngine(template), FlakyEnv(), template, sampler, batch_groups=1, staleness=0,
+                         sampling=lambda s: SamplingParams(max_new_tokens=4, stop_token_ids=stop, seed=s),
+                         max_turns=2, max_total_tokens=512, env_timeout_s=10, total_groups=10, max_dropped_in_row=2)
+    mgr.start()
+    try:
+        with pytest.raises(RolloutError, match=r"task t: 2 groups in a row were dropped .*declared dead"):
+            mgr.get_batch(timeout_s=60)
+    finally:
+        mgr.stop(timeout_s=10)
+    assert mgr.stats.dropped_infra["t"] >= 2 and mgr.stats.accepted == 0
+    with pytest.raises(ValueError, match="max_dropped_in_row=-1 must be >= 0"):
+        RolloutManager(OkEngine(template), FlakyEnv(), template, sampler, batch_groups=1, staleness=0,
+                       sampling=lambda s: SamplingParams(), max_turns=2, max_total_tokens=512, max_dropped_in_row=-1)

@@ -267,9 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="1,2,3", help="comma-separated train.seed values (run one after another)")
     p.add_argument("--timeout", type=float, default=7200.0, help="limit on one seed's run, seconds")
     p.add_argument("--max-containers", type=int, default=160, help="each worker's --max-containers")
-    # 8 at rest served 85 % of sessions cold (a step asks 64 per family at once, two cores start ~3 a second) but
-    # kept the engine well: with 64:96 (~90 % warm, ~300 live) dockerd 20.10 stopped answering here mid-run, twice
-    p.add_argument("--warm", default="8:96", help="each worker's --warm-containers (per image)")
+    # a step asks 64 per family at once: 96 at rest serve them warm, and reused containers (the families work in a
+    # scratch directory the wipe empties) spare the engine a create and a removal per episode. Without reuse,
+    # pools this size made dockerd 20.10 stop answering here mid-run (a create and a removal per episode)
+    p.add_argument("--warm", default="96:128", help="each worker's --warm-containers (per image)")
     p.add_argument("--num-samples", type=int, default=0, help="instances per family (0: the config's)")
     p.add_argument("--workdir", default=None, help="logs and runs go here (default: a temporary directory, kept "
                    "on failure)")

@@ -46,6 +46,12 @@ ToolSchema = dict[str, Any]
 #: A scripted expert: yields ``(tool name, arguments)`` and is sent each call's tool reply content.
 Expert = Generator[tuple[str, dict[str, Any]], str, None]
 
+
+class DemonstrationUnavailable(RuntimeError):
+    """A demonstration the infrastructure could not play (a container task's retries spent): the task set is not at
+    fault, and another demonstration may be drawn instead."""
+
+
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,),
     "integer": (int,),

@@ -36,7 +36,14 @@ from env_controller.protocol import SampleStatus, TaskReply
 from env_controller.sandbox import SandboxError, SandboxLimits
 from env_controller.sandbox.pool import PoolBudget, SandboxPool, parse_warm
 from env_controller.sandbox.task_images import ImageCache, ImageSource
-from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, function_schema
+from env_controller.tasks.base import (
+    DemonstrationUnavailable,
+    Expert,
+    Message,
+    ToolResult,
+    ToolSchema,
+    function_schema,
+)
 from env_controller.tasks.blocking import BlockingToolTask, BlockingToolTaskSession
 from env_controller.tasks.params import TaskParamError, bool_param, int_param, seconds_param, str_param
 from env_controller.tasks.terminal_demo import FAMILIES, demo_instances  # also registers the demo's images
@@ -494,15 +501,17 @@ class TerminalTask(BlockingToolTask):
     def _play(self, kind: str, index: int) -> tuple[list[Message], list[ToolSchema]]:
         """Play a demonstration, again (up to :data:`DEMO_ATTEMPTS` in all, a pause between) when the container,
         its shell or the verifier failed (``SandboxError``, ``task error``): a busy machine is not the player's
-        fault, and a conversation that ends in an infrastructure error is no demonstration. RuntimeError when
+        fault, and a conversation that ends in an infrastructure error is no demonstration; then
+        :class:`DemonstrationUnavailable`. RuntimeError when
         the expert's script fails its verifier (the task set's fault: nothing to retry)."""
         for attempt in range(1, DEMO_ATTEMPTS + 1):
             try:
                 return self._play_once(kind, index)
             except SandboxError as e:
                 if attempt == DEMO_ATTEMPTS:
-                    raise SandboxError(f"terminal: the {kind} demonstration of {self.instance(index).id} failed "
-                                       f"{attempt} times for the infrastructure's reasons, last: {e}") from e
+                    raise DemonstrationUnavailable(
+                        f"terminal: the {kind} demonstration of {self.instance(index).id} failed {attempt} times for "
+                        f"the infrastructure's reasons, last: {e}") from e
                 logger.warning("terminal: the %s demonstration of %s failed (%s); playing it again", kind,
                                self.instance(index).id, e)
                 time.sleep(DEMO_RETRY_PAUSE_S * attempt)

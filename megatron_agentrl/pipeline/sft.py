@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from env_controller.sandbox import SandboxError
+from env_controller.tasks.base import DemonstrationUnavailable
 from megatron_agentrl.config import Config
 from megatron_agentrl.distributed import broadcast_object
 from megatron_agentrl.megatron.actor import MegatronActor
@@ -62,12 +62,12 @@ class DemoSampler:
 
     def example(self, short: bool) -> tuple[list[int], list[int]]:
         """One demonstration as ``(token_ids, loss_mask)``; one that the infrastructure could not play
-        (``SandboxError``: a container task's retries spent) is left out and another drawn, up to
+        (:class:`DemonstrationUnavailable`: a container task's retries spent) is left out and another drawn, up to
         :data:`MAX_UNPLAYABLE` in a row."""
         for _ in range(MAX_UNPLAYABLE - 1):
             try:
                 return self._draw(short)
-            except SandboxError as e:
+            except DemonstrationUnavailable as e:
                 self.unplayable += 1
                 logger.warning("sft: a demonstration could not be played and is left out (%d so far): %s",
                                self.unplayable, e)

@@ -169,12 +169,13 @@ def test_a_demonstration_that_meets_an_infrastructure_failure_is_played_again_ne
     monkeypatch.setattr(terminal, "DEMO_ATTEMPTS", 2)  # each attempt waits out the verifier's 2 s timeout
     hang = _index(task, "hang")
     with caplog.at_level("WARNING", logger="env_controller.tasks.terminal"):
-        with pytest.raises(terminal.SandboxError, match=f"failed {terminal.DEMO_ATTEMPTS} times.*infrastructure"):
+        with pytest.raises(terminal.DemonstrationUnavailable,
+                           match=f"failed {terminal.DEMO_ATTEMPTS} times.*infrastructure"):
             task.careless_demonstration(hang)
     again = [r for r in caplog.records if "playing it again" in r.getMessage()]
     assert len(again) == terminal.DEMO_ATTEMPTS - 1, [r.getMessage() for r in caplog.records]
     caplog.clear()
-    with pytest.raises(terminal.SandboxError):
+    with pytest.raises(terminal.DemonstrationUnavailable):
         task.careless_demonstration(hang)  # played again, not the cached failure
     assert any("playing it again" in r.getMessage() for r in caplog.records)
     conversation, _ = task.careless_demonstration(_index(task, "double"))

@@ -112,7 +112,7 @@ def test_a_demonstrated_turn_longer_than_a_rollout_turn_is_named_once_per_task(c
 def test_a_demonstration_the_infrastructure_cannot_play_is_left_out_and_counted(caplog):
     """A container task whose demonstration could not be played (its retries spent) costs that demonstration, not
     the warm-up: another is drawn and the count kept; only a long run of failures stops it, with the last error."""
-    from env_controller.sandbox import SandboxError
+    from env_controller.tasks.base import DemonstrationUnavailable
     from megatron_agentrl.pipeline import sft
 
     ro = _rollout_side(0)
@@ -121,7 +121,7 @@ def test_a_demonstration_the_infrastructure_cannot_play_is_left_out_and_counted(
 
     def flaky(index):
         if next(failures):
-            raise SandboxError("the shell did not start within 20 s")
+            raise DemonstrationUnavailable("the shell did not start within 20 s")
         return real(index)
 
     ro.tasks["lookup"].demonstration = flaky
@@ -130,7 +130,7 @@ def test_a_demonstration_the_infrastructure_cannot_play_is_left_out_and_counted(
     with caplog.at_level("WARNING", logger="megatron_agentrl.pipeline.sft"):
         batch = demos.batch(short=True)
     assert len(batch) == load_config(CONFIG).sft.batch_size and demos.unplayable == 2 * len(batch)
-    ro.tasks["lookup"].demonstration = lambda index: (_ for _ in ()).throw(SandboxError("dockerd is gone"))
-    with pytest.raises(SandboxError, match="dockerd is gone"):
+    ro.tasks["lookup"].demonstration = lambda index: (_ for _ in ()).throw(DemonstrationUnavailable("dockerd is gone"))
+    with pytest.raises(DemonstrationUnavailable, match="dockerd is gone"):
         demos.example(short=True)
     assert demos.unplayable == 2 * len(batch) + sft.MAX_UNPLAYABLE - 1

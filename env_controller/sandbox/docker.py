@@ -105,7 +105,6 @@ while ((SECONDS < end)); do
 done
 echo "${#seen[@]}"
 """
-#: empties the directories DIRS that exist and are writable (a subshell of the fresh shell), then says what is left
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: seconds between two process counts while a command runs, when a count is an ``exec``
 EXEC_POLL_S = 1.0

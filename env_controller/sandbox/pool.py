@@ -18,7 +18,10 @@ of sessions queues instead of crowding the engine.
 
 A background thread keeps ``warm_target`` sandboxes idle: the number of acquisitions over the last
 ``window_s`` seconds, clamped to ``warm_min..warm_max`` (and to the room under ``max_size``); it starts
-what is missing and removes idle sandboxes beyond it (the pool shrinks as demand falls). Every
+what is missing and removes idle sandboxes beyond it. The target rises at once and falls slowly: it is the
+most demand seen over the last ``shrink_after_s`` (by default 5 x ``window_s``), so demand that comes in bursts
+(an RL step's episodes every minute or two) keeps its sandboxes between bursts instead of removing and
+starting them again each time, as an autoscaler's scale-down stabilization window does. Every
 ``sweep_interval_s`` it also asks the backend to remove what it made and no sandbox holds any more (a
 removal the engine failed), when the backend can (``sweep(min_age_s)``). The sandboxes of owners that
 died (a worker killed with ``kill -9``) are the backend's to remove when it starts, not the pool's: every
@@ -186,7 +189,8 @@ class SandboxPool:
     how long :meth:`acquire` waits at the max. max_starting: sandboxes starting at once. sweep_interval_s:
     seconds between sweeps of the backend's orphans (0: never). refill_interval_s: the refill thread's
     tick. limit_hint: how the error of a timed-out acquire names the setting to raise. budget: a
-    :class:`PoolBudget` shared with other pools (a cap on them all together), or None.
+    :class:`PoolBudget` shared with other pools (a cap on them all together), or None. shrink_after_s: how long
+    the warm target keeps the most demand it saw (None: 5 x ``window_s``).
     """
 
     def __init__(self, backend: SandboxBackend, *, max_size: int | None = None, warm_min: int = 0,
@@ -194,7 +198,7 @@ class SandboxPool:
                  limits: SandboxLimits | None = None, labels: Mapping[str, str] | None = None,
                  acquire_timeout_s: float = 30.0, max_starting: int = 4, sweep_interval_s: float = 60.0,
                  refill_interval_s: float = 0.5, limit_hint: str = "the pool's max_size",
-                 budget: PoolBudget | None = None) -> None:
+                 budget: PoolBudget | None = None, shrink_after_s: float | None = None) -> None:
         """Validate the sizes (ValueError naming the bad one) and start the refill thread."""
         warm_max = warm_min if warm_max is None else warm_max
         for name, v in (("warm_min", warm_min), ("warm_max", warm_max)):
@@ -206,8 +210,9 @@ class SandboxPool:
             raise ValueError(f"SandboxPool: max_size={max_size!r} must be a positive integer or None")
         if isinstance(max_starting, bool) or not isinstance(max_starting, int) or max_starting < 1:
             raise ValueError(f"SandboxPool: max_starting={max_starting!r} must be a positive integer")
+        shrink_after_s = 5 * window_s if shrink_after_s is None else shrink_after_s
         for name, s in (("window_s", window_s), ("acquire_timeout_s", acquire_timeout_s),
-                        ("refill_interval_s", refill_interval_s)):
+                        ("refill_interval_s", refill_interval_s), ("shrink_after_s", shrink_after_s)):
             if not (isinstance(s, (int, float)) and 0 < s < math.inf):
                 raise ValueError(f"SandboxPool: {name}={s!r} must be a positive number of seconds")
         if not (isinstance(sweep_interval_s, (int, float)) and 0 <= sweep_interval_s < math.inf):
@@ -216,6 +221,7 @@ class SandboxPool:
         self.max_size = max_size
         self.warm_min, self.warm_max = warm_min, warm_max
         self.window_s = float(window_s)
+        self.shrink_after_s = float(shrink_after_s)
         self.reuse = bool(reuse)
         self.limits = limits
         self.labels = dict(labels or {})
@@ -236,6 +242,7 @@ class SandboxPool:
         self._removing = 0
         self._waiting = 0
         self._demand: deque[float] = deque()
+        self._peaks: deque[tuple[float, int]] = deque()  # (time, demand), demand falling: the window's maximum first
         self._target = warm_min
         self._closed = False
         self._retry_at = 0.0  # after a failed warm start, no new one before this
@@ -446,8 +453,14 @@ class SandboxPool:
         """Under the lock: the idle sandboxes to remove and the number of warm starts to begin."""
         while self._demand and self._demand[0] < now - self.window_s:
             self._demand.popleft()
+        demand, peaks = len(self._demand), self._peaks
+        while peaks and peaks[-1][1] <= demand:
+            peaks.pop()
+        peaks.append((now, demand))
+        while peaks[0][0] < now - self.shrink_after_s:
+            peaks.popleft()
         room = self._cap - len(self._leased) - self._resetting - self._removing - self._starting + self._starting_warm
-        target = int(min(max(len(self._demand), self.warm_min), self.warm_max, max(0, room)))
+        target = int(min(max(peaks[0][1], self.warm_min), self.warm_max, max(0, room)))
         self._target = target
         excess = len(self._idle) - target
         drop = [self._idle.pop() for _ in range(max(0, excess))]

@@ -83,8 +83,8 @@ def _processes(box: DockerSandbox) -> list[str]:
 
 def test_warm_pool_starts_ahead_of_demand_and_shrinks(backend: DockerBackend, docker_engine: Any) -> None:
     mine = "agentrl.test=warm"
-    pool = SandboxPool(backend, max_size=6, warm_min=1, warm_max=3, window_s=2.0, labels={"agentrl.test": "warm"},
-                       refill_interval_s=0.05)
+    pool = SandboxPool(backend, max_size=6, warm_min=1, warm_max=3, window_s=2.0, shrink_after_s=2.0,
+                       labels={"agentrl.test": "warm"}, refill_interval_s=0.05)
     try:
         # one container is started before anyone asks
         _wait("warm_min idle", lambda: pool.stats()["idle"] == 1)
@@ -314,3 +314,55 @@ def test_worker_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--warm-containers='5:2' must be N (keep N warm) or MIN:MAX" in capsys.readouterr().err
     assert main(["worker", "--task", "os_shell", "--max-containers", "2", "--warm-containers", "3"]) == 2
     assert "warm_containers='3' keeps more warm than max_containers=2" in capsys.readouterr().err
+
+
+class _Box:
+    """A stand-in sandbox for the pool's bookkeeping alone (the tests above use real containers)."""
+
+    def __init__(self, n: int) -> None:
+        self.id, self.closed = f"box-{n}", False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def wipe(self) -> None:
+        pass
+
+
+class _Backend:
+    name = "stand-in"
+
+    def __init__(self) -> None:
+        self.made = 0
+
+    def create(self, limits: Any = None, labels: Any = None) -> _Box:
+        self.made += 1
+        return _Box(self.made)
+
+
+def test_the_warm_target_falls_only_after_the_shrink_delay() -> None:
+    """Demand in bursts (an RL step's episodes, then a pause): the burst's containers stay warm for shrink_after_s
+    after the demand left the window, then the pool shrinks to warm_min; a new burst within the delay finds them."""
+    backend = _Backend()
+    pool = SandboxPool(backend, max_size=10, warm_min=1, warm_max=8, window_s=0.5, shrink_after_s=2.0,
+                       reuse=True, refill_interval_s=0.02, sweep_interval_s=0)
+    try:
+        _wait("warm_min idle", lambda: pool.stats()["idle"] == 1)
+        boxes = [pool.acquire() for _ in range(6)]
+        for box in boxes:
+            pool.release(box, reusable=True)
+        _wait("the burst's containers idle", lambda: pool.stats()["idle"] >= 6)
+        time.sleep(1.0)  # the burst left the demand window (0.5 s), not the shrink delay (2 s)
+        stats = pool.stats()
+        assert stats["idle"] >= 6 and stats["warm_target"] >= 6 and stats["removed"] == 0, stats
+        made, warm = backend.made, stats["served_warm"]
+        again = [pool.acquire() for _ in range(6)]  # the next burst: served warm, nothing new made
+        assert backend.made == made and pool.stats()["served_warm"] == warm + 6, pool.stats()
+        for box in again:
+            pool.release(box, reusable=True)
+        _wait("shrunk to warm_min", lambda: pool.stats()["idle"] == 1, 10)
+        assert pool.stats()["warm_target"] == 1
+    finally:
+        pool.close()
+    with pytest.raises(ValueError, match="shrink_after_s=0 must be a positive number"):
+        SandboxPool(_Backend(), shrink_after_s=0)

@@ -14,8 +14,7 @@ What is read, and what is refused, is listed in docs/environments.md ("Terminal 
   entry is ``{path: <task directory>}`` or an inline instance ``{id, instruction, image: {dockerfile: DIR,
   file: NAME} | {rootfs: FILE} | {name: TAG} | {builtin: NAME}, setup: [..], verifier: {script | file,
   files: DIR, timeout_s, env}, solution, family, reuse_containers, workdir, scratch_workdir}``; relative paths
-  are taken from
-  the manifest's directory.
+  are taken from the manifest's directory.
 
 Every refusal is a :class:`TaskFormatError` naming the file, the field and the fix.
 """
@@ -166,8 +165,8 @@ def _agentrl_section(raw: Any, where: Path) -> dict[str, Any]:
     if not isinstance(setup, list) or not all(isinstance(c, str) for c in setup):
         raise _err(where, "agentrl.setup must be a list of shell commands")
     reuse = raw.get("reuse_containers")
-    if reuse is not None and not isinstance(reuse, bool):
-        raise _err(where, "agentrl.reuse_containers must be true or false")
+    if reuse is not None:
+        _flag(reuse, where, "agentrl.reuse_containers")
     workdir = raw.get("workdir")
     if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/")):
         raise _err(where, "agentrl.workdir must be an absolute path")
@@ -360,8 +359,8 @@ def _inline(entry: dict[str, Any], base: Path, where: str) -> TerminalInstance:
     if not isinstance(setup, list) or not all(isinstance(c, str) for c in setup):
         raise _err(where, "setup must be a list of shell commands")
     reuse = entry.get("reuse_containers")
-    if reuse is not None and not isinstance(reuse, bool):
-        raise _err(where, "reuse_containers must be true or false")
+    if reuse is not None:
+        _flag(reuse, where, "reuse_containers")
     return TerminalInstance(
         id=_check_id(entry.get("id"), where), instruction=instruction, image=source, verifier=verifier,
         setup=tuple(setup), solution=entry.get("solution"), family=str(entry.get("family") or ""),

@@ -112,15 +112,20 @@ def test_infra_failures_are_never_trained(template: ChatTemplate) -> None:
     assert "declared dead" in mgr.last_infra_error or "start_sample failed" in mgr.last_infra_error
 
 
+def _manager_on(template: ChatTemplate, index: int, **kw) -> RolloutManager:
+    """A one-group-per-batch manager drawing only ``index`` of FlakyEnv's task, with ``kw`` (e.g. limits)."""
+    sampler = PromptSampler(["t"], [1.0], {"t": [index]}, SIZE, seed=0)
+    stop = list(template.stop_token_ids)
+    return RolloutManager(OkEngine(template), FlakyEnv(), template, sampler, batch_groups=1, staleness=0,
+                          sampling=lambda s: SamplingParams(max_new_tokens=4, stop_token_ids=stop, seed=s),
+                          max_turns=2, max_total_tokens=512, env_timeout_s=10, **kw)
+
+
 def test_a_group_never_trains_on_too_few_valid_episodes(template: ChatTemplate) -> None:
     """min_valid_fraction=1: any infrastructure failure sends the whole group back (index 1 is re-run until its
     attempts run out, then dropped, and the next draw fares the same): the trainer's wait ends in a timeout that
     says what failed, never in a batch."""
-    sampler = PromptSampler(["t"], [1.0], {"t": [1]}, SIZE, seed=0)
-    stop = list(template.stop_token_ids)
-    mgr = RolloutManager(OkEngine(template), FlakyEnv(), template, sampler, batch_groups=1, staleness=0,
-                         sampling=lambda s: SamplingParams(max_new_tokens=4, stop_token_ids=stop, seed=s),
-                         max_turns=2, max_total_tokens=512, env_timeout_s=10, total_groups=1, min_valid_fraction=1)
+    mgr = _manager_on(template, 1, total_groups=1, min_valid_fraction=1)
     mgr.start()
     try:
         last = r"infrastructure failures so far: \d+, the last: task error: worker http://w1 declared dead"
@@ -131,8 +136,7 @@ def test_a_group_never_trains_on_too_few_valid_episodes(template: ChatTemplate) 
     st = mgr.stats
     assert st.dropped_infra["t"] >= 1 and st.infra_retried >= 2 and st.accepted == 0
     with pytest.raises(ValueError, match="min_valid_fraction=0 must be in"):
-        RolloutManager(OkEngine(template), FlakyEnv(), template, sampler, batch_groups=1, staleness=0,
-                       sampling=lambda s: SamplingParams(), max_turns=2, max_total_tokens=512, min_valid_fraction=0)
+        _manager_on(template, 1, min_valid_fraction=0)
 
 
 def test_an_episode_without_tokens_is_an_infra_failure() -> None:
@@ -150,11 +154,7 @@ def test_a_task_whose_groups_are_all_dropped_stops_the_run(template: ChatTemplat
     """Every group of the task is dropped (index 3: too few valid episodes, ever): after max_dropped_in_row drops in
     a row the trainer's wait ends at once in an error naming the task and the environment's last error, not in
     get_batch's timeout."""
-    sampler = PromptSampler(["t"], [1.0], {"t": [3]}, SIZE, seed=0)
-    stop = list(template.stop_token_ids)
-    mgr = RolloutManager(OkEngine(template), FlakyEnv(), template, sampler, batch_groups=1, staleness=0,
-                         sampling=lambda s: SamplingParams(max_new_tokens=4, stop_token_ids=stop, seed=s),
-                         max_turns=2, max_total_tokens=512, env_timeout_s=10, total_groups=10, max_dropped_in_row=2)
+    mgr = _manager_on(template, 3, total_groups=10, max_dropped_in_row=2)
     mgr.start()
     try:
         with pytest.raises(RolloutError, match=r"task t: 2 groups in a row were dropped .*declared dead"):
@@ -163,5 +163,4 @@ def test_a_task_whose_groups_are_all_dropped_stops_the_run(template: ChatTemplat
         mgr.stop(timeout_s=10)
     assert mgr.stats.dropped_infra["t"] >= 2 and mgr.stats.accepted == 0
     with pytest.raises(ValueError, match="max_dropped_in_row=-1 must be >= 0"):
-        RolloutManager(OkEngine(template), FlakyEnv(), template, sampler, batch_groups=1, staleness=0,
-                       sampling=lambda s: SamplingParams(), max_turns=2, max_total_tokens=512, max_dropped_in_row=-1)
+        _manager_on(template, 3, max_dropped_in_row=-1)

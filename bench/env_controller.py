@@ -30,6 +30,9 @@ The controller's CPU per request (user + system seconds of its process over the 
 ``/proc/<pid>/stat``, divided by the trainer's requests) is in the table and the JSON, and beside it,
 counted apart, that of the fake workers (which run in a process group of their own; the killed one
 counted up to its kill) and that of this driver (its own process time): all share the machine's cores.
+How long the controller waited on a run queue for a CPU (``/proc/<pid>/schedstat``) is reported over the run
+and per 2 s window beside that window's interact overhead: a tail that comes with such waits is the
+machine's contention (the driver and the workers on the same two cores), not the controller's own work.
 
 Prints a table, writes ``bench/results/env_controller.json`` (``--out``; with ``--smoke``
 ``env_controller_smoke.json``); the last line is ``env_lost_sessions: <n>``.
@@ -80,6 +83,15 @@ def cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def run_delay_s(pid: int) -> float:
+    """Seconds a process's main thread has waited on a run queue for a CPU (Linux ``/proc/<pid>/schedstat``),
+    nan when unavailable: the part of a request's time that is the machine's contention, not the process's work."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return float("nan")
 
 
 def loadavg() -> float:
@@ -342,14 +354,23 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     cpu0, load0, psi0 = cpu_seconds(controller_pid), loadavg(), cpu_pressure()
     workers_cpu0 = [cpu_seconds(p.pid) for p in worker_procs]
     driver_cpu0 = time.process_time()
+    waits: list[tuple[float, float]] = []  # (monotonic time, the controller's run-queue wait so far, s)
+
+    async def sample_waits() -> None:
+        while True:
+            waits.append((time.monotonic(), run_delay_s(controller_pid)))
+            await asyncio.sleep(0.5)
+
     runs = [asyncio.ensure_future(episode(i)) for i in range(args.sessions)]
     kill_task = asyncio.ensure_future(killer())
+    wait_task = asyncio.ensure_future(sample_waits())
     done, pending = await asyncio.wait(runs, timeout=args.deadline_s)
     for t in pending:
         t.cancel()
     if pending:
         await asyncio.wait(pending, timeout=10)
     kill_task.cancel()
+    wait_task.cancel()
     wall = time.monotonic() - t_origin
     controller_cpu, load1, psi1 = cpu_seconds(controller_pid) - cpu0, loadavg(), cpu_pressure()
     driver_cpu = time.process_time() - driver_cpu0
@@ -389,7 +410,9 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
                     "cpu_pressure_avg60_pct_before": psi0, "cpu_pressure_avg60_pct_after": psi1},
         "controller_cpu": {"seconds": round(controller_cpu, 2), "share_of_one_core": round(controller_cpu / wall, 3),
                            "requests": sum(stats.status_codes.values()),
-                           "us_per_request": round(1e6 * controller_cpu / requests, 1)},
+                           "us_per_request": round(1e6 * controller_cpu / requests, 1),
+                           # on a run queue, ready but without a CPU (the other processes had both cores)
+                           "waited_for_cpu_s": round(waits[-1][1] - waits[0][1], 3) if len(waits) > 1 else None},
         # the fake workers (their own process group) and this driver, counted apart from the controller
         "workers_cpu": {"seconds": round(workers_cpu, 2), "share_of_one_core": round(workers_cpu / wall, 3),
                         "us_per_request": round(1e6 * workers_cpu / requests, 1), "process_group": worker_group},
@@ -431,22 +454,31 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
             for ep, v in cl.items()
         },
         "prometheus_overhead": histogram,
-        "interact_overhead_by_second": windows(stats.timeline, t_origin, kill_time[0] if kill_time else None),
+        "interact_overhead_by_second": windows(stats.timeline, t_origin, kill_time[0] if kill_time else None,
+                                               waits=waits),
         "http_status_counts": dict(stats.status_codes),
     }
 
 
 def windows(
-    timeline: list[tuple[float, float]], t0: float, t_kill: float | None, width_s: float = 2.0
+    timeline: list[tuple[float, float]], t0: float, t_kill: float | None, width_s: float = 2.0,
+    waits: list[tuple[float, float]] = (),
 ) -> list[dict[str, Any]]:
-    """Interact overhead per time window (seconds since the start; the kill marked)."""
+    """Interact overhead per time window (seconds since the start; the kill marked), with the milliseconds per
+    second the controller waited for a CPU in it (``waits``: (time, cumulative run-queue wait) samples)."""
     buckets: dict[int, list[float]] = {}
     for t, v in timeline:
         buckets.setdefault(int((t - t0) // width_s), []).append(v)
+    waited: dict[int, float] = {}
+    for (ta, a), (tb, b) in zip(waits, waits[1:]):  # each interval's wait goes to the window it ends in
+        if tb > ta and not math.isnan(a + b):
+            k = int((tb - t0) // width_s)
+            waited[k] = waited.get(k, 0.0) + (b - a)
     kill_bucket = int((t_kill - t0) // width_s) if t_kill is not None else None
     return [
         {"from_s": k * width_s, "n": len(v), "p50_ms": round(pct(v, 0.5), 3), "p99_ms": round(pct(v, 0.99), 3),
-         "max_ms": round(max(v), 3), "kill": k == kill_bucket}
+         "max_ms": round(max(v), 3), "kill": k == kill_bucket,
+         "controller_cpu_wait_ms_per_s": round(1000 * waited[k] / width_s, 1) if k in waited else None}
         for k, v in sorted(buckets.items())
     ]
 
@@ -508,6 +540,11 @@ def print_table(r: dict[str, Any]) -> None:
         rows.append(
             (f"client view {ep}: rtt - worker p50 / p99, ms", f"{v['minus_worker_p50']} / {v['minus_worker_p99']}")
         )
+    worst = max(r["interact_overhead_by_second"], key=lambda w: w["p99_ms"], default=None)
+    if worst is not None:
+        rows.append(("  worst 2 s window: from s, p99 ms, controller's wait for a CPU ms/s",
+                     f"{worst['from_s']:g}, {worst['p99_ms']}, {worst['controller_cpu_wait_ms_per_s']}"))
+    rows.append(("controller's wait for a CPU over the run, s", r["controller_cpu"]["waited_for_cpu_s"]))
     p = r["prometheus_overhead"]
     rows.append(
         ("/metrics: interact overheads <= 10 ms", f"{p['interact_share_le_10ms']:.4f} of {int(p['interact_count'])}")

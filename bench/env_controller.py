@@ -54,6 +54,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -462,7 +463,7 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
 
 def windows(
     timeline: list[tuple[float, float]], t0: float, t_kill: float | None, width_s: float = 2.0,
-    waits: list[tuple[float, float]] = (),
+    waits: Sequence[tuple[float, float]] = (),
 ) -> list[dict[str, Any]]:
     """Interact overhead per time window (seconds since the start; the kill marked), with the milliseconds per
     second the controller waited for a CPU in it (``waits``: (time, cumulative run-queue wait) samples)."""

@@ -18,10 +18,11 @@ of sessions queues instead of crowding the engine.
 
 A background thread keeps ``warm_target`` sandboxes idle: the number of acquisitions over the last
 ``window_s`` seconds, clamped to ``warm_min..warm_max`` (and to the room under ``max_size``); it starts
-what is missing and removes idle sandboxes beyond it. The target rises at once and falls slowly: it is the
-most demand seen over the last ``shrink_after_s`` (by default 5 x ``window_s``), so demand that comes in bursts
-(an RL step's episodes every minute or two) keeps its sandboxes between bursts instead of removing and
-starting them again each time, as an autoscaler's scale-down stabilization window does. Every
+what is missing. The target rises at once and falls slowly: it is the most demand seen over the last
+``shrink_after_s`` (by default 5 x ``window_s``), as an autoscaler's scale-down stabilization window does. Idle
+sandboxes above the target are removed once they have waited ``shrink_after_s`` unused (beyond ``warm_max``, at
+once): with reuse, a burst's sandboxes (an RL step's episodes every minute or two) come back wiped after the
+pool refilled itself during the burst, and serve the next burst instead of being removed and started again. Every
 ``sweep_interval_s`` it also asks the backend to remove what it made and no sandbox holds any more (a
 removal the engine failed), when the backend can (``sweep(min_age_s)``). The sandboxes of owners that
 died (a worker killed with ``kill -9``) are the backend's to remove when it starts, not the pool's: every
@@ -190,7 +191,8 @@ class SandboxPool:
     seconds between sweeps of the backend's orphans (0: never). refill_interval_s: the refill thread's
     tick. limit_hint: how the error of a timed-out acquire names the setting to raise. budget: a
     :class:`PoolBudget` shared with other pools (a cap on them all together), or None. shrink_after_s: how long
-    the warm target keeps the most demand it saw (None: 5 x ``window_s``).
+    the warm target keeps the most demand it saw, and how long an idle sandbox above it is kept unused (None:
+    5 x ``window_s``).
     """
 
     def __init__(self, backend: SandboxBackend, *, max_size: int | None = None, warm_min: int = 0,
@@ -233,7 +235,8 @@ class SandboxPool:
         self.budget = budget
         self._cap = math.inf if max_size is None else max_size
         self._cond = threading.Condition()
-        self._idle: deque[Sandbox] = deque()
+        self._idle: deque[Sandbox] = deque()  # oldest idle first: acquire takes from the left
+        self._idle_since: dict[str, float] = {}  # sandbox id -> when it became idle (monotonic)
         self._leased: dict[str, Sandbox] = {}
         self._starting = 0  # cold and warm starts in flight
         self._starting_warm = 0
@@ -311,6 +314,7 @@ class SandboxPool:
                         raise RuntimeError("the sandbox pool is closed")
                     while self._idle and box is None:
                         candidate = self._idle.popleft()
+                        self._idle_since.pop(candidate.id, None)
                         if not candidate.closed:  # one closed while idle just frees its slot
                             box = candidate
                         else:
@@ -421,6 +425,7 @@ class SandboxPool:
                 self._resetting -= 1
                 if wiped and not self._closed:
                     self._idle.append(box)
+                    self._idle_since[box.id] = time.monotonic()
                     self._counts["reused"] += 1
                     self._changed()
                     return
@@ -462,11 +467,20 @@ class SandboxPool:
         room = self._cap - len(self._leased) - self._resetting - self._removing - self._starting + self._starting_warm
         target = int(min(max(peaks[0][1], self.warm_min), self.warm_max, max(0, room)))
         self._target = target
-        excess = len(self._idle) - target
-        drop = [self._idle.pop() for _ in range(max(0, excess))]
+        # idle sandboxes above the target go beyond warm_max at once, and otherwise once they have waited
+        # shrink_after_s unused (oldest first): a burst's sandboxes, wiped and back after the warm-up had
+        # refilled the pool during the burst, serve the next burst instead of being removed and started again
+        drop: list[Sandbox] = []
+        excess, over_max = len(self._idle) - target, len(self._idle) - self.warm_max
+        while excess > 0 and (over_max > 0 or now - self._idle_since.get(self._idle[0].id, now)
+                              >= self.shrink_after_s):
+            drop.append(self._idle.popleft())
+            excess, over_max = excess - 1, over_max - 1
         # a session of another pool of the budget waits: an idle sandbox here makes room for it
         while self.budget is not None and self._idle and self.budget.claim_pressure():
             drop.append(self._idle.pop())
+        for box in drop:
+            self._idle_since.pop(box.id, None)
         self._removing += len(drop)
         need = target - len(self._idle) - self._starting_warm
         # sessions waiting, or cold starts queued for a slot, come first (this pool's, or the budget's)
@@ -527,6 +541,7 @@ class SandboxPool:
                 self._failures_in_row = 0
                 if not self._closed:
                     self._idle.append(box)
+                    self._idle_since[box.id] = time.monotonic()
                     box = None
             else:
                 self._give(1)
@@ -559,6 +574,7 @@ class SandboxPool:
             self._closed = True
             boxes = list(self._idle) + list(self._leased.values())
             self._idle.clear()
+            self._idle_since.clear()
             self._leased.clear()
             self._removing += len(boxes)
             self._cond.notify_all()

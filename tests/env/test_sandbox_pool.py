@@ -366,3 +366,29 @@ def test_the_warm_target_falls_only_after_the_shrink_delay() -> None:
         pool.close()
     with pytest.raises(ValueError, match="shrink_after_s=0 must be a positive number"):
         SandboxPool(_Backend(), shrink_after_s=0)
+
+
+def test_a_bursts_wiped_sandboxes_serve_the_next_burst() -> None:
+    """Demand at warm_min's level in bursts, with reuse: the pool refills itself during a burst, so the burst's
+    sandboxes come back wiped above the target. They stay idle (up to warm_max) for shrink_after_s instead of
+    being removed at once, and the next burst takes them: fewer starts per burst, and none beyond warm_max."""
+    backend = _Backend()
+    pool = SandboxPool(backend, max_size=10, warm_min=4, warm_max=6, window_s=0.3, shrink_after_s=2.0,
+                       reuse=True, refill_interval_s=0.02, sweep_interval_s=0)
+    try:
+        _wait("warm_min idle", lambda: pool.stats()["idle"] == 4)
+        for burst in range(2):
+            made = backend.made
+            boxes = [pool.acquire() for _ in range(4)]
+            _wait("refilled to the target", lambda: pool.stats()["idle"] == 4)
+            for box in boxes:
+                pool.release(box, reusable=True)
+            # 8 idle: the 2 beyond warm_max go at once, the other 2 above the target stay for now
+            _wait("back to warm_max", lambda: pool.stats()["idle"] == 6 and pool.stats()["removing"] == 0)
+            # the first burst found 4 idle and refilled 4; the second found 6 and needed only 2 more
+            assert backend.made - made == (4 if burst == 0 else 2), (burst, backend.made - made, pool.stats())
+            time.sleep(0.5)  # out of the demand window, inside shrink_after_s
+        assert pool.stats()["idle"] == 6 and pool.stats()["served_warm"] == 8
+        _wait("shrunk to warm_min once unused for shrink_after_s", lambda: pool.stats()["idle"] == 4, 10)
+    finally:
+        pool.close()

@@ -25,6 +25,7 @@ adds the network stack both ways and this driver's own event-loop delays.
     .venv/bin/python bench/env_controller.py                    # 4000 sessions, 4 workers
     .venv/bin/python bench/env_controller.py --sessions 500     # quicker
     .venv/bin/python bench/env_controller.py --smoke            # seconds: 24 sessions, 2 workers
+    .venv/bin/python bench/env_controller.py --sessions 10000 --pin-controller   # the controller on a CPU of its own
 
 The controller's CPU per request (user + system seconds of its process over the run, from
 ``/proc/<pid>/stat``, divided by the trainer's requests) is in the table and the JSON, and beside it,
@@ -32,7 +33,9 @@ counted apart, that of the fake workers (which run in a process group of their o
 counted up to its kill) and that of this driver (its own process time): all share the machine's cores.
 How long the controller waited on a run queue for a CPU (``/proc/<pid>/schedstat``) is reported over the run
 and per 2 s window beside that window's interact overhead: a tail that comes with such waits is the
-machine's contention (the driver and the workers on the same two cores), not the controller's own work.
+machine's contention (the driver and the workers on the same two cores), not the controller's own work;
+``--pin-controller`` gives the controller a CPU of its own (the others run the workers and the driver), as a
+deployment on separate machines would.
 
 Prints a table, writes ``bench/results/env_controller.json`` (``--out``; with ``--smoke``
 ``env_controller_smoke.json``); the last line is ``env_lost_sessions: <n>``.
@@ -93,6 +96,17 @@ def run_delay_s(pid: int) -> float:
         return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return float("nan")
+
+
+def pinning(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(the controller's CPUs, everyone else's): with ``pin``, the controller alone on the first CPU this process
+    may use and the workers and the driver on the others, as on separate machines; else (None, None)."""
+    if not pin:
+        return None, None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit(f"--pin-controller needs 2 CPUs or more; this process may use {len(cpus)}")
+    return {cpus[0]}, set(cpus[1:])
 
 
 def loadavg() -> float:
@@ -180,13 +194,17 @@ class Procs:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.files: list[Any] = []
 
-    def spawn(self, name: str, args: list[str], process_group: int | None = None) -> subprocess.Popen[bytes]:
-        """Start ``env_controller.cli args``; ``process_group``: 0 for a new group, a pgid to join one."""
+    def spawn(self, name: str, args: list[str], process_group: int | None = None,
+              cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
+        """Start ``env_controller.cli args``; ``process_group``: 0 for a new group, a pgid to join one; ``cpus``:
+        the CPUs it may run on (None: any)."""
         log = open(self.log_dir / f"{name}.log", "wb")
         self.files.append(log)
         cmd = [sys.executable, "-m", "env_controller.cli", *args]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log, process_group=process_group)
         self.procs.append(proc)
+        if cpus is not None:  # before its interpreter starts any thread (threads inherit the mask)
+            os.sched_setaffinity(proc.pid, cpus)
         return proc
 
     def close(self) -> None:
@@ -239,10 +257,13 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     tasks = args.tasks.split(",")
     cport = free_port()
     url = f"http://127.0.0.1:{cport}/api"
+    own, rest = pinning(args.pin_controller)
+    if rest is not None:
+        os.sched_setaffinity(0, rest)  # this driver, and through inheritance nothing else, off the controller's CPU
     procs.spawn("controller", [
         "controller", "--port", str(cport), "--suspect-after", str(args.suspect_after),
         "--heartbeat-timeout", str(args.heartbeat_timeout), "--log-level", "WARNING",
-    ])
+    ], cpus=own)
     per_task = Counter(tasks[i % len(tasks)] for i in range(args.workers))
     sessions_per_task = Counter(tasks[i % len(tasks)] for i in range(args.sessions))
     worker_task: list[str] = []
@@ -257,7 +278,7 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
             "worker", "--task", task, "--controller", url, "--port", str(port), "--concurrency", str(concurrency),
             "--heartbeat-interval", str(args.heartbeat_interval), "--latency-ms", str(args.latency_ms),
             "--log-level", "WARNING",
-        ], process_group=worker_group))
+        ], process_group=worker_group, cpus=rest))
         worker_group = worker_group or worker_procs[0].pid
         worker_task.append(task)
         worker_ports.append(port)
@@ -545,7 +566,9 @@ def print_table(r: dict[str, Any]) -> None:
     if worst is not None:
         rows.append(("  worst 2 s window: from s, p99 ms, controller's wait for a CPU ms/s",
                      f"{worst['from_s']:g}, {worst['p99_ms']}, {worst['controller_cpu_wait_ms_per_s']}"))
-    rows.append(("controller's wait for a CPU over the run, s", r["controller_cpu"]["waited_for_cpu_s"]))
+    waited = r["controller_cpu"]["waited_for_cpu_s"]
+    rows.append(("controller's wait for a CPU over the run, s",
+                 f"{waited} (on a CPU of its own)" if c.get("pin_controller") else waited))
     p = r["prometheus_overhead"]
     rows.append(
         ("/metrics: interact overheads <= 10 ms", f"{p['interact_share_le_10ms']:.4f} of {int(p['interact_count'])}")
@@ -581,6 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--retries", type=int, default=3)
     parser.add_argument("--call-timeout", type=float, default=60.0)
     parser.add_argument("--max-connections", type=int, default=1024)
+    parser.add_argument("--pin-controller", action="store_true",
+                        help="the controller alone on one CPU, the workers and this driver on the others (as on "
+                             "separate machines: their bursts no longer delay the controller's requests)")
     parser.add_argument("--deadline-s", type=float, default=300.0,
                         help="sessions without a final reply by then are lost")
     args = parse_bench_args(parser, argv, SMOKE)

@@ -373,7 +373,7 @@ def test_a_bursts_wiped_sandboxes_serve_the_next_burst() -> None:
     sandboxes come back wiped above the target. They stay idle (up to warm_max) for shrink_after_s instead of
     being removed at once, and the next burst takes them: fewer starts per burst, and none beyond warm_max."""
     backend = _Backend()
-    pool = SandboxPool(backend, max_size=10, warm_min=4, warm_max=6, window_s=0.3, shrink_after_s=2.0,
+    pool = SandboxPool(backend, max_size=10, warm_min=4, warm_max=6, window_s=0.3, shrink_after_s=5.0,
                        reuse=True, refill_interval_s=0.02, sweep_interval_s=0)
     try:
         _wait("warm_min idle", lambda: pool.stats()["idle"] == 4)
@@ -389,6 +389,6 @@ def test_a_bursts_wiped_sandboxes_serve_the_next_burst() -> None:
             assert backend.made - made == (4 if burst == 0 else 2), (burst, backend.made - made, pool.stats())
             time.sleep(0.5)  # out of the demand window, inside shrink_after_s
         assert pool.stats()["idle"] == 6 and pool.stats()["served_warm"] == 8
-        _wait("shrunk to warm_min once unused for shrink_after_s", lambda: pool.stats()["idle"] == 4, 10)
+        _wait("shrunk to warm_min once unused for shrink_after_s", lambda: pool.stats()["idle"] == 4, 20)
     finally:
         pool.close()

@@ -468,8 +468,8 @@ class SandboxPool:
         target = int(min(max(peaks[0][1], self.warm_min), self.warm_max, max(0, room)))
         self._target = target
         # idle sandboxes above the target go beyond warm_max at once, and otherwise once they have waited
-        # shrink_after_s unused (oldest first): a burst's sandboxes, wiped and back after the warm-up had
-        # refilled the pool during the burst, serve the next burst instead of being removed and started again
+        # shrink_after_s unused (oldest first): a burst's sandboxes, wiped and back after the pool refilled
+        # itself during the burst, serve the next burst instead of being removed and started again
         drop: list[Sandbox] = []
         excess, over_max = len(self._idle) - target, len(self._idle) - self.warm_max
         while excess > 0 and (over_max > 0 or now - self._idle_since.get(self._idle[0].id, now)

@@ -108,6 +108,10 @@ echo "${#seen[@]}"
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: seconds between two process counts while a command runs, when a count is an ``exec``
 EXEC_POLL_S = 1.0
+#: how the engine's answer to an exec starts when the runtime could not start its process
+EXEC_START_FAILED = "OCI runtime exec failed"
+#: seconds an exec the runtime could not start is tried again
+EXEC_START_RETRY_S = 10.0
 
 _warned: set[str] = set()
 
@@ -437,16 +441,32 @@ class DockerSandbox(ShellSandbox):
         return self._channel
 
     def _exec(self, cmd: list[str], what: str) -> str | None:
-        """Run ``cmd`` as the user in the container and wait for it: its output, None when it could not run."""
+        """Run ``cmd`` as the user in the container and wait for it: its output, None when it could not run.
+
+        While a fork bomb holds the container at its process limit the runtime may fail to start the
+        exec (its init cannot make a thread); the engine then answers with the runtime's error as the
+        output. That is tried again for up to :data:`EXEC_START_RETRY_S` seconds: the kill that ends
+        the bomb is such an exec."""
         api = self._backend.client.api
-        try:
-            exec_id = api.exec_create(self.container.id, cmd, user=self._backend.user)["Id"]
-            return api.exec_start(exec_id).decode(errors="replace")
-        except self._errors.NotFound:
-            return None
-        except (self._errors.DockerException, OSError) as exc:
-            logger.warning("sandbox %s: %s failed: %s", self.id, what, exc)
-            return None
+        deadline = time.monotonic() + EXEC_START_RETRY_S
+        pause = 0.05
+        while True:
+            try:
+                exec_id = api.exec_create(self.container.id, cmd, user=self._backend.user)["Id"]
+                out = api.exec_start(exec_id).decode(errors="replace")
+            except self._errors.NotFound:
+                return None
+            except (self._errors.DockerException, OSError) as exc:
+                logger.warning("sandbox %s: %s failed: %s", self.id, what, exc)
+                return None
+            if not out.startswith(EXEC_START_FAILED):
+                return out
+            if time.monotonic() + pause > deadline:
+                logger.warning("sandbox %s: %s failed for %g s: %s", self.id, what, EXEC_START_RETRY_S,
+                               out.strip()[-300:])
+                return None
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
 
     def _kill_cmd(self, spare: int) -> list[str]:
         """The exec that kills every process of the user but ``spare`` (0: none); see :data:`KILL_SCRIPT`."""

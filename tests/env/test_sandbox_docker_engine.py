@@ -268,6 +268,29 @@ def test_background_jobs(backend: DockerBackend) -> None:
         assert _idle(box), _processes(box)
 
 
+def test_background_jobs_end_when_the_runtime_fails_to_start_the_kill(backend: DockerBackend,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # at its process limit (a fork bomb) a container's runtime may fail to start an exec; the engine answers
+    # with the runtime's error as the exec's output. The kill that ends what a command left is such an exec.
+    with backend.create() as box:
+        api = backend.client.api
+        start = api.exec_start
+        refused: list[str] = []
+
+        def exec_start(exec_id: str, *args: Any, **kwargs: Any) -> Any:
+            if not kwargs.get("socket") and len(refused) < 2:  # the shell's own exec attaches a socket
+                refused.append(exec_id)
+                return (b"OCI runtime exec failed: exec failed: unable to start container process: read init-p: "
+                        b"connection reset by peer: unknown\r\n")
+            return start(exec_id, *args, **kwargs)
+
+        monkeypatch.setattr(api, "exec_start", exec_start)
+        r = box.run("sleep 100 & sleep 100 & echo started")
+        assert len(refused) == 2
+        assert r.ok and r.output.startswith("started\n[note: 2 processes left running in the background stopped"), r
+        assert _idle(box), _processes(box)
+
+
 def test_counting_through_exec_without_host_cgroups(backend: DockerBackend, monkeypatch: pytest.MonkeyPatch) -> None:
     # as with a remote engine: the container's cgroup is read from inside, by an exec
     monkeypatch.setattr(docker_module, "container_cgroup", lambda pid, cid: None)

@@ -56,7 +56,7 @@ class StandInTransport:
     checksum: send each bucket's checksum to the engines that list ``bucket_checksum`` (the
         others get the bucket unverified, with a warning).
     small_tensor_bytes: packing threshold of the per_tensor wire format (None: 256 KiB with
-        sends, 2 MiB with broadcasts).
+        sends, 1 MiB with broadcasts).
     """
 
     def __init__(self, send_recv: bool = True, checksum: bool = False, small_tensor_bytes: int | None = None) -> None:

@@ -19,10 +19,12 @@ import torch
 from rollout_sglang.weight_update.group import WeightGroup
 
 MB = 1024 * 1024
-# per_tensor wire format: tensors under this travel packed together. A gloo broadcast costs ~0.5 ms
-# of CPU on each side and a round trip, a packing copy (sender) plus a load copy (engine) ~0.27 ms
-# per MB: packing pays below ~2 MB (Qwen2.5-0.5B: 72 collectives instead of 121).
-BROADCAST_SMALL_TENSOR_BYTES = 2 * MB
+# per_tensor wire format: tensors under this travel packed together. A gloo broadcast waits a round
+# trip (~0.1 ms) for its receiver; packing costs a copy on the trainer and one on the engine that, with
+# the next bucket already on the wire, compete with it for the CPU. bench/weight_sync.py, 9 runs
+# interleaved, median per-round ratio: 2 MiB (Qwen2.5-0.5B's q/o projections packed too, 84 MB)
+# 0.73-0.78, 1 MiB (k/v, biases and norms packed, 10.6 MB) 0.79-0.81.
+BROADCAST_SMALL_TENSOR_BYTES = MB
 
 
 @runtime_checkable

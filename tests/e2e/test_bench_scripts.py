@@ -133,6 +133,9 @@ def _check_controller_front(lines: list[str], rec: dict[str, Any]) -> None:
 def _check_gloo_transport(lines: list[str], rec: dict[str, Any]) -> None:
     assert set(rec["seconds"]) == {"flat", "broadcast", "send_recv"}
     assert all(len(t) == rec["repeats"] and min(t) > 0 for t in rec["seconds"].values())
+    # the smoke runs the model's layout: its tensors at least the packing threshold, then one packed tensor
+    assert rec["model"] and len(rec["tensor_bytes"]) == rec["tensors"] > 2
+    assert set(rec["median_round_ratio_to_flat"]) == {"broadcast", "send_recv"}
 
 
 def _check_weight_sync(lines: list[str], rec: dict[str, Any]) -> None:

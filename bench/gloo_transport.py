@@ -18,8 +18,7 @@ Best and median of ``--repeats`` rounds after two warm-up rounds, and the median
 ratios flat s / mode s; prints a table, writes ``bench/results/gloo_transport.json`` (``--out``) and
 ends with ``send_recv_vs_broadcast_speedup: <best broadcast s / best send_recv s>``. ``--smoke``:
 ``--model`` on the tiny layout of ``bench/weight_sync.py --smoke`` (2 layers, hidden 64; tensors under
-16 KiB packed), 2 rounds, in
-seconds (checks that every mode runs; the figures mean nothing then).
+16 KiB packed), 2 rounds, in seconds (checks that every mode runs; the figures mean nothing then).
 
 Usage: ``python bench/gloo_transport.py [--tensors 42] [--tensor-mb 8.3125] [--model [--small-mb M]] [--repeats 12]
 [--smoke] [--out PATH]``

@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
 from bench.demo_learning import task_interval, task_success  # noqa: E402
+from megatron_agentrl.sigterm import sigterm_raises  # noqa: E402
 
 SMOKE = {"seeds": "1", "timeout": 900.0, "max_containers": 8, "warm": "0:1", "num_samples": 12}
 SMOKE_OVERRIDES = ["sft.steps=2", "sft.short_format_steps=1", "sft.batch_size=2", "train.steps=1",
@@ -254,14 +255,7 @@ def run(args: Any, overrides: list[str], work: Path, state: dict[str, Any]) -> d
     return state
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    """SIGTERM (a `timeout`, a job scheduler) ends the bench through its cleanup: the controller and workers run in
-    sessions of their own, so they would outlive it."""
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     p = bench_parser("terminal_demo", __doc__)
     p.add_argument("--config", default="examples/configs/tiny_cpu_terminal.yaml")
     p.add_argument("--seeds", default="1,2,3", help="comma-separated train.seed values (run one after another)")
@@ -292,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     state: dict[str, Any] = {}
     try:
-        result = run(args, overrides, work, state)
+        # SIGTERM (a `timeout`, a job scheduler) ends the bench through its cleanup: the controller and workers run
+        # in sessions of their own, so they would outlive it
+        with sigterm_raises(lambda signum: SystemExit(128 + signum)):
+            result = run(args, overrides, work, state)
     except BaseException as e:  # a failed seed, a wedged engine, SIGTERM: keep what was measured
         out = write_record(args.out, {"bench": "terminal_demo", "complete": False, "error": f"{type(e).__name__}: {e}",
                                       "config": args.config, "overrides": overrides, **state, "commit": git_commit(),

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import threading
 import warnings
 from typing import Any
 
 from megatron_agentrl.config import load_config
+from megatron_agentrl.sigterm import sigterm_raises
 
 
 def setup_logging(rank: int) -> None:
@@ -47,19 +46,13 @@ def train_rank(config: str, overrides: list[str]) -> dict[str, Any]:
     setup_logging(int(os.environ.get("RANK", 0)))
     from megatron_agentrl.pipeline.loop import run_training
 
-    previous = None
-    if threading.current_thread() is threading.main_thread():  # Ray actors run elsewhere and handle it themselves
-        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
+    with sigterm_raises(_stop_on_sigterm):  # Ray actors run outside the main thread and handle it themselves
         return run_training(load_config(config, overrides))
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
+def _stop_on_sigterm(signum: int) -> SystemExit:
     """SIGTERM (a scheduler's preemption or time limit, ``kill``) ends the run through its cleanup (env sessions
     ended, the tasks' containers removed, the metrics flushed) instead of at once; exit status 143. A rank
     blocked inside a collective sees it only when the call returns: the sender's SIGKILL that follows ends it."""
     logging.getLogger(__name__).warning("SIGTERM: stopping the run (its cleanup runs; SIGKILL ends it at once)")
-    raise SystemExit(128 + signum)
+    return SystemExit(128 + signum)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
+
+from megatron_agentrl.sigterm import sigterm_raises
 
 
 def add_hf_to_megatron_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,21 +66,13 @@ def run_megatron_to_hf(args: argparse.Namespace) -> int:
 def _interruptible(out_dir: str, convert: Callable[[], Any]) -> int:
     """Run ``convert`` with SIGTERM raising KeyboardInterrupt, so that the converter removes its partial
     output as on Ctrl-C; 0, or 130 after an interrupt (one log line, no traceback)."""
-    main_thread = threading.current_thread() is threading.main_thread()  # only it can set signal handlers
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
     try:
-        convert()
+        with sigterm_raises(lambda signum: KeyboardInterrupt(f"signal {signum}")):
+            convert()
     except KeyboardInterrupt:
         logging.getLogger("agentrl").warning("interrupted; '%s' was left as it was", out_dir)
         return 130
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     return 0
-
-
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 # the subcommands of ``agentrl convert``: name, help, the function that adds its options, the one that runs it

@@ -160,7 +160,9 @@ def make_middleware(
                     request[IDENTITY_KEY] = authorize(credentials, role, request.headers.get("Authorization"),
                                                       request.path, auth_hint)
             reached = request.match_info.http_exception is None
-            return await handler(request)
+            answer = await handler(request)
+            # a route's Reply made aiohttp's response here, not in a wrapper coroutine per route
+            return answer.to_aiohttp() if type(answer) is Reply else answer
         except ClientGone as e:
             level = logging.WARNING if e.status == 408 else logging.INFO
             logger.log(level, "%s %s from %s: %s", request.method, request.path, request.remote, e.message)
@@ -326,17 +328,6 @@ async def start_site(
     return runner, bound
 
 
-def _on_aiohttp(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    """``handler`` served by aiohttp: its :class:`Reply` made aiohttp's response."""
-
-    async def serve(request: web.Request) -> web.StreamResponse:
-        response = await handler(request)
-        return response.to_aiohttp() if type(response) is Reply else response  # type: ignore[union-attr,return-value]
-
-    serve.__name__ = getattr(handler, "__name__", "handler")
-    return serve
-
-
 #: one route of an :class:`HttpService`: (method, path, handler, who may call it)
 Route = tuple[str, str, Handler, Role]
 
@@ -388,7 +379,7 @@ class HttpService(ABC):
         self._fast_routes: dict[tuple[str, str], Any] | None = {} if fast else None
         self._taskless = bool(taskless)
         for method, path, handler, role in routes:
-            self.app.router.add_route(method, path, _on_aiohttp(handler))
+            self.app.router.add_route(method, path, handler)
             roles[(method, path)] = role
             if self._fast_routes is not None:
                 self._fast_routes[(method, path)] = self._fast_handler(method, path, handler, role)

@@ -41,18 +41,21 @@ MODES = ("flat", "broadcast", "send_recv")
 
 
 def model_wire_sizes(small_bytes: int, smoke: bool) -> list[int]:
-    """Bytes of each wire tensor of a Qwen2.5-0.5B sync (bf16, tied embedding sent once): the tensors of
-    at least ``small_bytes`` in state-dict order, then one packed tensor of all smaller ones."""
+    """Bytes of each wire tensor of a Qwen2.5-0.5B sync (bf16, tied embedding sent once), as the weight
+    sync's own planner splits them in one bucket: the tensors of at least ``small_bytes`` apart, then one
+    packed tensor of all smaller ones."""
     from transformers import Qwen2ForCausalLM
 
     from bench.weight_sync import qwen25_05b_config
+    from rollout_sglang.weight_update.buckets import iter_split_buckets
 
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(qwen25_05b_config(2 if smoke else 24, smoke))
-    sizes = [p.numel() * 2 for name, p in model.state_dict().items() if name != "lm_head.weight"]
-    big = [n for n in sizes if n >= small_bytes]
-    packed = sum(n for n in sizes if n < small_bytes)
-    return big + ([packed] if packed else [])
+        model = Qwen2ForCausalLM(qwen25_05b_config(2 if smoke else 24, smoke)).to(torch.bfloat16)
+    named = ((n, t) for n, t in model.state_dict().items() if n != "lm_head.weight")
+    sizes: list[int] = []
+    for meta, tensors, packed in iter_split_buckets(named, 1 << 60, small_bytes):
+        sizes += [meta.nbytes] if packed else [t.numel() * t.element_size() for t in tensors]
+    return sizes
 
 
 def rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int) -> dict:

@@ -16,6 +16,13 @@ It isolates the controller's own cost (closed loop, the driver and worker as lig
     .venv/bin/python bench/controller_front.py                 # 4000 sessions, 3 interacts each, 2 rounds
     .venv/bin/python bench/controller_front.py --smoke         # seconds
     .venv/bin/python bench/controller_front.py --instructions  # + user-space instructions per request (valgrind)
+    .venv/bin/python bench/controller_front.py --connections 1 --gap-ms 2 [--awake]   # sparse arrivals
+
+``--gap-ms`` paces the driver (a pause before each request on each connection), as requests arrive at a controller
+whose sessions spend most of their time in the model and the task: between requests the CPUs go idle, and a
+request that wakes an idle CPU costs more than one that finds it running. ``--awake`` keeps every CPU busy with a
+spinning process of the lowest scheduling class (``SCHED_IDLE``: it runs only when nothing else wants the CPU, so
+it takes no time from the servers), which separates the cost of waking idle CPUs from the servers' own work.
 
 ``--instructions`` also runs each server once under valgrind's callgrind, its counting switched on only while
 one connection sends ``--instruction-requests`` starts and then as many interacts: the instructions per request,
@@ -42,7 +49,7 @@ sys.path.insert(0, str(REPO))
 from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
 from env_controller.http.net import free_port  # noqa: E402
 
-SMOKE = {"sessions": 200, "rounds_per_session": 2, "connections": 16, "rounds": 1}
+SMOKE = {"sessions": 200, "rounds_per_session": 2, "connections": 16, "rounds": 1, "gap_ms": 0.2, "awake": True}
 
 _INTERACT = json.dumps({"session_id": 1, "env_out": {
     "messages": [{"role": "tool", "tool_call_id": "c0", "content": "too low; " * 20}],
@@ -228,14 +235,20 @@ async def measure(front: str, args: Any) -> dict[str, Any]:
         sids: list[int] = []
         overheads: list[float] = []
 
+        gap_s = args.gap_ms / 1000
+
         async def starts(k: int) -> None:
             for i in range(k, args.sessions, args.connections):
+                if gap_s:
+                    await asyncio.sleep(gap_s)
                 low, _ = await call(*conns[k], b"/api/start_sample", b'{"name":"guess","index":%d}' % (i % 100))
                 sids.append(_session_id(low))
 
         async def interacts(k: int) -> None:
             for _ in range(args.rounds_per_session):
                 for j in range(k, len(sids), args.connections):
+                    if gap_s:
+                        await asyncio.sleep(gap_s)
                     low, _ = await call(*conns[k], b"/api/interact", _MESSAGE, sids[j])
                     o = low.find(b"x-controller-overhead-ms: ")
                     overheads.append(float(low[o + 26:].split(b"\r\n")[0]))
@@ -358,14 +371,31 @@ async def count_instructions(front: str, n: int, workdir: Path) -> dict[str, Any
 FRONTS = ("fast", "aiohttp", "relay")
 
 
+def _spin() -> None:
+    """Busy-loop at the lowest scheduling class (``SCHED_IDLE``) until terminated: the CPU never idles, yet any
+    other process that wants it preempts this one at once."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    while True:
+        pass
+
+
 async def drive(args: Any) -> dict[str, Any]:
     fronts = [f for f in args.fronts.split(",") if f]
     if not {"fast", "aiohttp"} <= set(fronts) or not set(fronts) <= set(FRONTS):
         raise SystemExit(f"--fronts {args.fronts!r}: give fast and aiohttp, and relay if wanted ({','.join(FRONTS)})")
     runs = []
-    for r in range(args.rounds):
-        for front in (fronts if r % 2 == 0 else fronts[::-1]):
-            runs.append(await measure(front, args))
+    spinners = [mp.get_context("spawn").Process(target=_spin, daemon=True) for _ in range(os.cpu_count() or 1)
+                if args.awake]
+    for p in spinners:
+        p.start()
+    try:
+        for r in range(args.rounds):
+            for front in (fronts if r % 2 == 0 else fronts[::-1]):
+                runs.append(await measure(front, args))
+    finally:
+        for p in spinners:
+            p.terminate()
+            p.join(10)
     per = {}
     for front in fronts:
         mine = [x for x in runs if x["front"] == front]
@@ -397,10 +427,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the fronts, order alternating")
     parser.add_argument("--fronts", default="fast,aiohttp,relay", help="fast and aiohttp (the controller's two "
                         "servers), and relay: the floor, a bare byte relay with no controller logic")
+    parser.add_argument("--gap-ms", type=float, default=0.0, help="pause before each request on each connection "
+                        "(sparse arrivals: the CPUs idle between requests)")
+    parser.add_argument("--awake", action="store_true", help="keep every CPU from idling with SCHED_IDLE spinners "
+                        "(they yield to any other process)")
     parser.add_argument("--instructions", action="store_true", help="also count user-space instructions per "
                         "request of the fast front and the relay under valgrind's callgrind (load-independent)")
     parser.add_argument("--instruction-requests", type=int, default=500, help="requests counted per phase")
     args = parse_bench_args(parser, argv, SMOKE)
+    if not args.gap_ms >= 0:
+        raise SystemExit(f"--gap-ms {args.gap_ms}: give a pause of 0 ms or more")
     from env_controller.http.service import install_uvloop
 
     install_uvloop()

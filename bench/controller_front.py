@@ -35,11 +35,13 @@ Prints a table, writes ``bench/results/controller_front.json`` (``--out``); the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -372,11 +374,27 @@ FRONTS = ("fast", "aiohttp", "relay")
 
 
 def _spin() -> None:
-    """Busy-loop at the lowest scheduling class (``SCHED_IDLE``) until terminated: the CPU never idles, yet any
-    other process that wants it preempts this one at once."""
+    """Busy-loop at the lowest scheduling class (``SCHED_IDLE``) until terminated."""
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     while True:
         pass
+
+
+@contextlib.contextmanager
+def cpus_kept_awake(on: bool) -> Iterator[None]:
+    """While open (with ``on``), one ``SCHED_IDLE`` spinning process per CPU: no CPU goes idle, yet any other
+    process that wants a CPU preempts the spinner at once: what the servers' requests cost without the CPUs'
+    wake-ups from idle states (a virtual machine's halt among them)."""
+    spinners = [mp.get_context("spawn").Process(target=_spin, daemon=True) for _ in range(os.cpu_count() or 1)
+                if on]
+    for p in spinners:
+        p.start()
+    try:
+        yield
+    finally:
+        for p in spinners:
+            p.terminate()
+            p.join(10)
 
 
 async def drive(args: Any) -> dict[str, Any]:
@@ -384,18 +402,10 @@ async def drive(args: Any) -> dict[str, Any]:
     if not {"fast", "aiohttp"} <= set(fronts) or not set(fronts) <= set(FRONTS):
         raise SystemExit(f"--fronts {args.fronts!r}: give fast and aiohttp, and relay if wanted ({','.join(FRONTS)})")
     runs = []
-    spinners = [mp.get_context("spawn").Process(target=_spin, daemon=True) for _ in range(os.cpu_count() or 1)
-                if args.awake]
-    for p in spinners:
-        p.start()
-    try:
+    with cpus_kept_awake(args.awake):
         for r in range(args.rounds):
             for front in (fronts if r % 2 == 0 else fronts[::-1]):
                 runs.append(await measure(front, args))
-    finally:
-        for p in spinners:
-            p.terminate()
-            p.join(10)
     per = {}
     for front in fronts:
         mine = [x for x in runs if x["front"] == front]

@@ -35,7 +35,9 @@ How long the controller waited on a run queue for a CPU (``/proc/<pid>/schedstat
 and per 2 s window beside that window's interact overhead: a tail that comes with such waits is the
 machine's contention (the driver and the workers on the same two cores), not the controller's own work;
 ``--pin-controller`` gives the controller a CPU of its own (the others run the workers and the driver), as a
-deployment on separate machines would.
+deployment on separate machines would. The CPU per request falls as the request rate rises (fewer sessions, fewer
+requests a second: compare ``--sessions 1000`` with ``10000``): a request that arrives after a pause finds the
+caches cold, for a bare relay as much as for the controller (``bench/controller_front.py --gap-ms``).
 
 Prints a table, writes ``bench/results/env_controller.json`` (``--out``; with ``--smoke``
 ``env_controller_smoke.json``); the last line is ``env_lost_sessions: <n>``.

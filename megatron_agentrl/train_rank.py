@@ -33,6 +33,9 @@ def setup_logging(rank: int) -> None:
     # (TransformerEngine, Apex, CUDA graphs): set before the pipeline imports it
     warnings.filterwarnings("ignore", message=".*Apex (is|are) not installed.*")
     warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*|.*full scope is deprecated.*")
+    # torch 2.13 renamed the flat-tensor collectives; megatron-core still calls them by their old names
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r".*distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated.*")
 
 
 def train_rank(config: str, overrides: list[str]) -> dict[str, Any]:

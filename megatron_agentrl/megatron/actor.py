@@ -379,8 +379,7 @@ class MegatronActor:
             for bucket in group.buckets:
                 shard = bucket.grad_data.numel() // size
                 local = bucket.grad_data[rank * shard:(rank + 1) * shard].clone()
-                dist.all_gather_into_tensor(bucket.grad_data, local,
-                                            group=group.intra_distributed_optimizer_instance_group)
+                dist.all_gather_single(bucket.grad_data, local, group=group.intra_distributed_optimizer_instance_group)
 
     def _export(self, getter: Callable[[torch.nn.Parameter], Tensor] | None) -> dict[str, Tensor]:
         from megatron_agentrl.weight_sync.gather import stage_hf_tensors

@@ -70,7 +70,7 @@ class _AllGatherSequence(torch.autograd.Function):
         n = grad.shape[0] // size
         if dist.get_backend(group) == dist.Backend.NCCL:
             out = torch.empty((n, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-            dist.reduce_scatter_tensor(out, grad, group=group)
+            dist.reduce_scatter_single(out, grad, group=group)
             return out, None
         grad = grad.clone()
         dist.all_reduce(grad, group=group)

@@ -19,10 +19,11 @@ It isolates the controller's own cost (closed loop, the driver and worker as lig
     .venv/bin/python bench/controller_front.py --connections 1 --gap-ms 2 [--awake]   # sparse arrivals
 
 ``--gap-ms`` paces the driver (a pause before each request on each connection), as requests arrive at a controller
-whose sessions spend most of their time in the model and the task: between requests the CPUs go idle, and a
-request that wakes an idle CPU costs more than one that finds it running. ``--awake`` keeps every CPU busy with a
-spinning process of the lowest scheduling class (``SCHED_IDLE``: it runs only when nothing else wants the CPU, so
-it takes no time from the servers), which separates the cost of waking idle CPUs from the servers' own work.
+whose sessions spend most of their time in the model and the task: a request after a pause costs more than one
+right after another (the CPU may have gone idle, the caches have cooled), for the bare relay as much as for the
+controller. ``--awake`` keeps every CPU busy with a spinning process of the lowest scheduling class (``SCHED_IDLE``:
+it runs only when nothing else wants the CPU, so it takes no time from the servers), which tells the cost of waking
+idle CPUs apart from the rest (on the development machine it did not remove the rise: docs/BENCHMARKS.md).
 
 ``--instructions`` also runs each server once under valgrind's callgrind, its counting switched on only while
 one connection sends ``--instruction-requests`` starts and then as many interacts: the instructions per request,

@@ -225,6 +225,14 @@ def _check_logprob_memory(lines: list[str], rec: dict[str, Any]) -> None:
     assert all(r["step_ms"] > 0 for r in rec["results"].values())
 
 
+def _check_warmup_layouts(lines: list[str], rec: dict[str, Any]) -> None:
+    runs = rec["results"]["strict"]
+    assert set(runs) == {"default", "padded"} and all(len(r["losses"]) == 3 for r in runs.values())
+    # as agentrl train runs (MKL's strict reproducible mode), where tensors lie in memory does not move the losses
+    assert runs["padded"]["losses"] == runs["default"]["losses"]
+    assert lines[-1] == "warmup_layout_divergent_runs: 0"
+
+
 CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
     "ablation.py": _check_ablation,
     "gpu_advantages.py": _check_gpu_advantages,
@@ -243,6 +251,7 @@ CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
     "routing_replay.py": _check_routing_replay,
     "terminal_demo.py": _check_terminal_demo,
     "train_scale.py": _check_train_scale,
+    "warmup_layouts.py": _check_warmup_layouts,
     "weight_sync.py": _check_weight_sync,
 }
 

@@ -5,13 +5,13 @@ Runs ``agentrl train --config examples/configs/tiny_cpu.yaml`` (the command behi
 count unchanged) once per heap layout: glibc's defaults, and glibc told to pad its heap or to map its large blocks
 apart (``MALLOC_TOP_PAD_`` / ``MALLOC_MMAP_THRESHOLD_``), which moves where tensors land in memory and nothing else.
 Each run stops after ``--steps`` warm-up steps (its ``metrics.jsonl`` read as it grows). The CPU math library (MKL)
-may round a product differently by where its operands lie; ``agentrl train`` sets MKL's strict reproducible mode
-(``MKL_CBWR=AUTO,STRICT``) unless the user set ``MKL_CBWR``: ``--mode both`` also runs every layout with
-``MKL_CBWR=`` (empty: MKL's own default, no reproducible mode) beside it, to show what the setting buys.
+may round a product differently by where its operands lie: runs of one seed once split into two warm-ups that way
+(docs/training.md). Every layout runs with MKL's strict reproducible mode (``MKL_CBWR=AUTO,STRICT``, independent of
+memory alignment) and, with ``--mode both``, also with MKL's own default (what ``agentrl train`` runs with).
 
 Prints, per mode, each layout's step-by-step agreement with the first; writes ``bench/results/warmup_layouts.json``
-(``--out``); the last line is ``warmup_layout_divergent_runs: <runs of the shipped mode whose losses differ from
-the first layout's>``. ``--smoke``: 3 steps, two layouts, seconds (equal or not, it says nothing).
+(``--out``); the last line is ``warmup_layout_divergent_runs: <runs in the strict mode whose losses differ from
+the first layout's>``. ``--smoke``: 3 steps, two layouts, the strict mode, seconds.
 """
 from __future__ import annotations
 
@@ -36,9 +36,8 @@ LAYOUTS = {
     "padded": {"MALLOC_TOP_PAD_": "12345", "MALLOC_MMAP_THRESHOLD_": "100000000"},
     "mmap": {"MALLOC_MMAP_THRESHOLD_": "4096"},
 }
-#: MKL_CBWR per mode; None: what agentrl train sets itself; "" (a value MKL does not know): MKL's own default,
-#: reproducibility off (agentrl train keeps a user's MKL_CBWR, even an empty one)
-MODES = {"strict": None, "off": ""}
+#: MKL_CBWR per mode (None: not set, MKL's own default)
+MODES = {"strict": "AUTO,STRICT", "default": None}
 SMOKE = {"steps": 3, "layouts": "default,padded", "mode": "strict"}
 
 
@@ -80,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100, help="warm-up steps compared")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"heap layouts, of {','.join(LAYOUTS)}")
     parser.add_argument("--mode", choices=("strict", "both"), default="both",
-                        help="strict: as agentrl train runs; both: also with MKL's own default")
+                        help="strict: MKL_CBWR=AUTO,STRICT; both: also MKL's own default (as agentrl train runs)")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     args = parse_bench_args(parser, argv, SMOKE)
     layouts = [x for x in args.layouts.split(",") if x]
@@ -89,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--layouts {args.layouts!r}: give two or more of {','.join(LAYOUTS)}")
     if args.steps < 2:
         parser.error(f"--steps {args.steps}: give 2 or more (the first step comes before any update)")
-    modes = ["strict"] if args.mode == "strict" else ["strict", "off"]
+    modes = ["strict"] if args.mode == "strict" else ["strict", "default"]
     base_env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
     os.environ.clear()
     os.environ.update(base_env)
@@ -113,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     out = write_record(args.out, {"bench": "warmup_layouts", "commit": git_commit(), "config": vars(args),
                                   "cpus": os.cpu_count(), "results": result})
     for mode, runs in result.items():
-        print(f"\nMKL_CBWR={'AUTO,STRICT (agentrl train)' if mode == 'strict' else ' (MKL default)'}: "
-              f"{args.steps} warm-up steps")
+        print(f"\n{'MKL_CBWR=AUTO,STRICT' if mode == 'strict' else 'MKL default'}: {args.steps} warm-up steps")
         for layout, r in runs.items():
             d = r["first_difference_step"]
             print(f"  {layout:<8} loss at step {len(r['losses'])} {r['losses'][-1]!r}  "

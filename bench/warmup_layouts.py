@@ -45,18 +45,19 @@ def warm_up_losses(out: Path, steps: int, env: dict[str, str], timeout_s: float)
     """The first ``steps`` warm-up losses of the demo config in a process with ``env`` added; stops it then."""
     cmd = [sys.executable, "-m", "megatron_agentrl.cli", "train", "--config", "examples/configs/tiny_cpu.yaml",
            f"output_dir={out}"]
-    log = open(out.with_suffix(".log"), "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    log_path = out.with_suffix(".log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     metrics, losses = out / "metrics.jsonl", []
     deadline = time.monotonic() + timeout_s
     try:
         while len(losses) < steps:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{steps} warm-up steps did not come within {timeout_s:g} s (log: {log.name})")
+                raise RuntimeError(f"{steps} warm-up steps did not come within {timeout_s:g} s (log: {log_path})")
             if proc.poll() is not None:
                 raise RuntimeError(f"the run ended with status {proc.returncode} before {steps} warm-up steps "
-                                   f"(log: {log.name})")
+                                   f"(log: {log_path})")
             if metrics.exists():
                 rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
                 losses = [r["loss"] for r in rows if r.get("phase") == "sft"]
@@ -65,7 +66,6 @@ def warm_up_losses(out: Path, steps: int, env: dict[str, str], timeout_s: float)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
-        log.close()
     return losses[:steps]
 
 
@@ -89,9 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2:
         parser.error(f"--steps {args.steps}: give 2 or more (the first step comes before any update)")
     modes = ["strict"] if args.mode == "strict" else ["strict", "default"]
-    base_env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
-    os.environ.clear()
-    os.environ.update(base_env)
+    os.environ.pop("MKL_CBWR", None)  # each mode sets its own
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="agentrl-warmup-layouts-") as tmp:
         for mode in modes:

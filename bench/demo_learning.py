@@ -18,8 +18,15 @@ the runs' output directories go under ``--workdir``); the last line is
 part of what a seed gives: float sums in another order change the warm-up's trajectory, so a seed
 reproduces exactly only at the same thread count (the record keeps it).
 
-``--smoke``: one seed of a tiny demo (2 warm-up steps, 1 RL step, 2 evaluation samples per task,
-short turns; the runs in a temporary directory), in seconds; its gain means nothing.
+``--warmup-seed S --runs N``: the warm-up runs once (``train.seed=S``, saved as the checkpoint
+``step_000000`` by ``checkpoint.after_warmup``) and RL runs N times from it (``checkpoint.resume``), so
+the spread over the runs is RL's own (asynchronous timing: which weight version samples which turn)
+and not the warm-up's. The record's ``per_run`` takes the place of ``per_seed``; a run's
+``collapse_steps`` counts the RL steps on which the collapse alarm was up for some task.
+
+``--smoke``: the tiny demo (2 warm-up steps, 1 RL step, 2 evaluation samples per task, short
+turns; in a temporary directory) warmed up once and run once from that warm-up, in seconds; its
+gain means nothing.
 """
 from __future__ import annotations
 
@@ -41,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
 
-SMOKE = {"seeds": "1", "timeout": 600.0}
+SMOKE = {"seeds": "1", "warmup_seed": 1, "runs": 1, "timeout": 600.0}
 # the demo at its smallest: each phase runs once, on short sequences
 SMOKE_OVERRIDES = ["sft.steps=2", "sft.short_format_steps=1", "sft.batch_size=4", "train.steps=1",
                    "train.micro_batch_size=4", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
@@ -99,6 +106,10 @@ def main(argv: list[str] | None = None) -> None:
                         "temporary directory)")
     p.add_argument("--timeout", type=float, default=1800.0, help="limit on one seed's run, seconds")
     p.add_argument("--jobs", type=int, default=1, help="seeds run at a time (each with cores / jobs threads)")
+    p.add_argument("--warmup-seed", type=int, default=None,
+                   help="warm up once with this train.seed and run RL --runs times from that warm-up (instead of "
+                        "one whole run per --seeds entry)")
+    p.add_argument("--runs", type=int, default=3, help="with --warmup-seed: RL runs from the one warm-up")
     p.add_argument("overrides", nargs="*", help="extra key=value config overrides for every seed")
     args = parse_bench_args(p, argv, SMOKE)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -106,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--seeds {args.seeds!r} names no seed; give e.g. --seeds 1,2,3")
     if args.jobs < 1:
         raise SystemExit(f"--jobs {args.jobs} must be at least 1")
+    if args.warmup_seed is not None and args.runs < 1:
+        raise SystemExit(f"--runs {args.runs} must be at least 1")
     overrides = [*SMOKE_OVERRIDES, *args.overrides] if args.smoke else args.overrides
     if args.workdir is not None:
         run_seeds(args, seeds, overrides, (ROOT / args.workdir).resolve())
@@ -121,41 +134,69 @@ def _rate(success: float, interval: list[float] | None) -> str:
     return f"{100 * success:.0f}%" + (f" ({100 * interval[0]:.0f}-{100 * interval[1]:.0f})" if interval else "")
 
 
-def run_seeds(args: argparse.Namespace, seeds: list[int], overrides: list[str], out_root: Path) -> None:
-    """Run the seeds under ``out_root``, print the table, write the JSON, print the last line."""
-    jobs = min(args.jobs, len(seeds))
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+def collapse_steps(out_dir: Path) -> int:
+    """RL steps of a run (its ``metrics.jsonl``) on which the collapse alarm was up for at least one task."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return sum(1 for r in rows if r.get("phase") == "rl" and any(
+        v for k, v in r.items() if k.startswith("collapse/")))
 
-    def one(seed: int) -> tuple[dict[str, Any], float]:
-        result = run_seed(args.config, seed, out_root / f"seed{seed}", overrides, args.timeout, threads)
-        print(f"seed {seed} done in {result[1]:.0f}s", flush=True)
+
+def run_seeds(args: argparse.Namespace, seeds: list[int], overrides: list[str], out_root: Path) -> None:
+    """Run the seeds (or, with ``--warmup-seed``, the RL runs from one warm-up) under ``out_root``, print the
+    table, write the JSON, print the last line."""
+    cores = os.cpu_count() or 1
+    warmup = None
+    if args.warmup_seed is not None:
+        wdir = out_root / f"warmup_seed{args.warmup_seed}"
+        print(f"warm-up (train.seed={args.warmup_seed}) ...", flush=True)
+        _, wall = run_seed(args.config, args.warmup_seed, wdir, [*overrides, "train.steps=1",
+                                                                 "checkpoint.after_warmup=true"], args.timeout, cores)
+        warmup = {"seed": args.warmup_seed, "checkpoint": str(wdir / "checkpoints" / "step_000000"), "wall_s": wall}
+        print(f"warm-up done in {wall:.0f}s: {warmup['checkpoint']}", flush=True)
+        labels = [f"run{i}" for i in range(1, args.runs + 1)]
+    else:
+        labels = [str(seed) for seed in seeds]
+    jobs = min(args.jobs, len(labels))
+    threads = max(1, cores // jobs)
+
+    def one(label: str) -> tuple[dict[str, Any], float]:
+        if warmup is None:
+            result = run_seed(args.config, int(label), out_root / f"seed{label}", overrides, args.timeout, threads)
+        else:
+            result = run_seed(args.config, warmup["seed"], out_root / label,
+                              [*overrides, f"checkpoint.resume={warmup['checkpoint']}"], args.timeout, threads)
+        print(f"{'seed ' if warmup is None else ''}{label} done in {result[1]:.0f}s", flush=True)
         return result
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        results = dict(zip(seeds, pool.map(one, seeds)))
-    rows, per_seed = [], {}
-    for seed, (summary, wall) in results.items():
+        results = dict(zip(labels, pool.map(one, labels)))
+    rows, per_run = [], {}
+    for label, (summary, wall) in results.items():
         before, after = task_success(summary, "before_rl"), task_success(summary, "after_rl")
         lo_hi = {"before": task_interval(summary, "before_rl"), "after": task_interval(summary, "after_rl")}
-        per_seed[seed] = {"before": before, "after": after, "interval_95": lo_hi, "wall_s": wall,
-                          "rl_wall_s": summary.get("rl_wall_s"), "threads": threads}
+        run_dir = out_root / (f"seed{label}" if warmup is None else label)
+        per_run[label] = {"before": before, "after": after, "interval_95": lo_hi, "wall_s": wall,
+                          "rl_wall_s": summary.get("rl_wall_s"), "threads": threads,
+                          "collapse_steps": collapse_steps(run_dir)}
         for task in sorted(before):
-            rows.append((seed, task, before[task], after[task]))
+            rows.append((label, task, before[task], after[task]))
 
-        print(f"seed {seed}: {wall:.0f}s | " + ", ".join(
+        print(f"{'seed ' if warmup is None else ''}{label}: {wall:.0f}s | " + ", ".join(
             f"{t} {_rate(before[t], lo_hi['before'].get(t))} -> {_rate(after[t], lo_hi['after'].get(t))}"
-            for t in sorted(before)), flush=True)
+            for t in sorted(before)) + f" | collapse alarm on {per_run[label]['collapse_steps']} steps", flush=True)
 
     tasks = sorted({r[1] for r in rows})
     gains = {t: 100 * mean(a - b for _, task, b, a in rows if task == t) for t in tasks}
     worst = {t: 100 * min(a - b for _, task, b, a in rows if task == t) for t in tasks}
-    print(f"\n{'task':<10}{'before RL %':>13}{'after RL %':>12}{'mean gain':>11}{'worst seed':>12}  (points)")
+    worst_of = "worst seed" if warmup is None else "worst run"
+    print(f"\n{'task':<10}{'before RL %':>13}{'after RL %':>12}{'mean gain':>11}{worst_of:>12}  (points)")
     for t in tasks:
         b = 100 * mean(r[2] for r in rows if r[1] == t)
         a = 100 * mean(r[3] for r in rows if r[1] == t)
         print(f"{t:<10}{b:>13.1f}{a:>12.1f}{gains[t]:>11.1f}{worst[t]:>12.1f}")
-    result = {"config": args.config, "smoke": args.smoke, "seeds": seeds, "overrides": overrides, "jobs": jobs,
-              "threads_per_run": threads, "per_seed": per_seed, "mean_gain_points": gains,
+    runs = {"per_seed": per_run} if warmup is None else {"warmup": warmup, "per_run": per_run}
+    result = {"config": args.config, "smoke": args.smoke, "seeds": seeds if warmup is None else [warmup["seed"]],
+              "overrides": overrides, "jobs": jobs, "threads_per_run": threads, **runs, "mean_gain_points": gains,
               "worst_seed_gain_points": worst, "demo_min_task_gain_points": min(gains.values()),
               "commit": git_commit(), "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
               "date": time.strftime("%Y-%m-%d")}

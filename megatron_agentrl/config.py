@@ -832,6 +832,9 @@ class CheckpointConfig(_Section):
         warm-up and the first evaluation and trains step k+1 on the batch the uninterrupted run
         would have trained on.
     keep: how many newest checkpoints to keep (older ones are deleted); 0 = keep all.
+    after_warmup: also save ``step_000000`` once the SFT warm-up and the evaluation before RL are done
+        (whatever ``interval``): resuming from it runs RL from that warm-up, so RL settings can be
+        compared from one warm-up without repeating it (``checkpoint.resume=<dir>/step_000000``).
     """
 
     KEY: ClassVar[str] = "checkpoint"
@@ -840,6 +843,7 @@ class CheckpointConfig(_Section):
     dir: str | None = None
     resume: str | None = None
     keep: int = 2
+    after_warmup: bool = False
 
     def check(self) -> None:
         """See :class:`_Section`."""

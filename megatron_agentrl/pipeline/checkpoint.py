@@ -11,7 +11,8 @@ One checkpoint is a folder ``<checkpoint.dir>/step_<k>`` holding:
   RNG states;
 * ``pipeline.pt`` (rank 0): the pipeline's state: step and weight version, the rollout
   manager's state (prompt sampler, the queued groups with their trajectories, which is the next
-  batch, counters), consumed sample ids, the first evaluation;
+  batch, counters; None in ``step_000000``, saved before RL started), consumed sample ids, the first
+  evaluation;
 * ``meta.json``: step, version, layout, time.
 
 ``<checkpoint.dir>/latest`` names the newest complete checkpoint (written last, atomically).
@@ -148,7 +149,8 @@ def save_checkpoint(root: str | Path, step: int, actor: Any, pipeline_state: dic
     """Write checkpoint ``step`` under ``root`` (see the module doc); collective over all ranks.
 
     pipeline_state: rank 0's pipeline state (picklable), None on other ranks. keep: how many
-    newest checkpoints to keep (0 = all). Returns the checkpoint folder.
+    newest checkpoints to keep (0 = all); ``step_000000`` (the warm-up's) is never deleted. Returns
+    the checkpoint folder.
     """
     from megatron.core import dist_checkpointing
 
@@ -180,7 +182,7 @@ def save_checkpoint(root: str | Path, step: int, actor: Any, pipeline_state: dic
         tmp.write_text(d.name + "\n")
         os.replace(tmp, root / LATEST)
         if keep > 0:
-            old = sorted(p for p in root.glob("step_*") if p.is_dir() and p != d)
+            old = sorted(p for p in root.glob("step_*") if p.is_dir() and p not in (d, step_dir(root, 0)))
             for p in old[: max(0, len(old) - (keep - 1))]:
                 shutil.rmtree(p, ignore_errors=True)
     _barrier()

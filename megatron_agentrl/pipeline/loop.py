@@ -252,6 +252,8 @@ class TrainingRun:
                                    title="evaluation before RL")
             if self.before:
                 self.metrics.log(0, self.before, phase="eval")
+        if cfg.checkpoint.after_warmup:
+            self._save(0, None)
 
     def start_rollouts(self) -> None:
         """Rank 0: the rollout manager (with the checkpoint's state when resuming) starts sampling."""
@@ -265,7 +267,7 @@ class TrainingRun:
                            self.eta, cfg.rollout.cross_policy)
         if self.rank0:
             self.manager = make_manager(cfg, self.ro, version=self.start_step)
-            if self.state is not None:
+            if self.state is not None and self.state["manager"] is not None:  # None: saved before RL began
                 self.manager.load_state_dict(self.state["manager"])
             self.batches_log = (self.out / "batches.jsonl").open("a")
         self.t_rl = time.perf_counter()
@@ -420,18 +422,23 @@ class TrainingRun:
     def checkpoint(self, step: int) -> None:
         """Save a resumable checkpoint after step ``step`` (rank 0 drains the manager first, so the groups
         in flight are part of it, and lets it go on after)."""
-        pstate = None
         if self.manager is not None:
             self.manager.drain(self.cfg.pipeline.batch_timeout_s)
-            pstate = {"step": step, "version": step, "manager": self.manager.state_dict(), "before_rl": self.before,
+        self._save(step, self.manager.state_dict() if self.manager is not None else None)
+        if self.manager is not None:
+            self.manager.release()
+
+    def _save(self, step: int, manager_state: dict[str, Any] | None) -> None:
+        """Write checkpoint ``step`` with the rollout manager's state (None before RL has started)."""
+        pstate = None
+        if self.rank0:
+            pstate = {"step": step, "version": step, "manager": manager_state, "before_rl": self.before,
                       "consumed_sample_ids": self.consumed_ids, "mode": self.cfg.pipeline.mode,
                       "totals": self._totals()}
         with self.progress.phase(f"checkpoint step {step}") as phase:
             path = save_checkpoint(self.ckpt_root, step, self.actor, pstate, keep=self.cfg.checkpoint.keep)
             phase.update(figures={"saved to": str(path)})
         self.last_ckpt = str(path)
-        if self.manager is not None:
-            self.manager.release()
 
     def _engine_counts(self) -> dict[str, float]:
         """Rank 0: :func:`engine_metrics` over the whole run (the counts before the checkpoint resumed from added;
@@ -444,7 +451,7 @@ class TrainingRun:
         """Rank 0: the run's own counters so far, for the checkpoint (the manager's are in its state)."""
         return {"trained_samples": self.trained_samples, "trained_tokens": self.trained_tokens,
                 "evals_skipped": self.evals_skipped, "resumes": self.resumes,
-                "rl_wall_s": self.rl_wall_before + time.perf_counter() - self.t_rl,
+                "rl_wall_s": self.rl_wall_before + (time.perf_counter() - self.t_rl if self.t_rl else 0.0),
                 "engines": self._engine_counts() if self.ro is not None else {}}
 
     def _restore_totals(self, totals: dict[str, Any]) -> None:

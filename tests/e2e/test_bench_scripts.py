@@ -92,11 +92,14 @@ def _check_convert(lines: list[str], rec: dict[str, Any]) -> None:
 
 
 def _check_demo_learning(lines: list[str], rec: dict[str, Any]) -> None:
-    seed = rec["per_seed"]["1"]
-    assert set(seed["before"]) == set(seed["after"]) == set(rec["mean_gain_points"]) != set()
+    # the smoke warms up once and runs RL from that warm-up's checkpoint
+    assert rec["warmup"]["checkpoint"].endswith("step_000000") and rec["warmup"]["seed"] == 1
+    run = rec["per_run"]["run1"]
+    assert set(run["before"]) == set(run["after"]) == set(rec["mean_gain_points"]) != set()
     for phase in ("before", "after"):  # each success rate comes with its interval, around it
-        for task, (low, high) in seed["interval_95"][phase].items():
-            assert 0.0 <= low <= seed[phase][task] <= high <= 1.0
+        for task, (low, high) in run["interval_95"][phase].items():
+            assert 0.0 <= low <= run[phase][task] <= high <= 1.0
+    assert run["collapse_steps"] == 0  # one RL step cannot raise the alarm (it needs a history)
     assert set(rec["worst_seed_gain_points"]) == set(rec["mean_gain_points"])
 
 

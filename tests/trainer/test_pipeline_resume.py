@@ -59,6 +59,32 @@ def test_async_tp2_resume_matches_uninterrupted(tmp_path):
     _same(f[3], r[3])
 
 
+def test_rl_from_the_warm_up_checkpoint_is_the_rl_of_the_run_that_saved_it(tmp_path):
+    """``checkpoint.after_warmup``: ``step_000000`` holds the policy, Adam state and reference right after the SFT
+    warm-up and the evaluation before RL; RL resumed from it trains the same batches with the same losses as the run
+    that saved it (sync mode), reports that run's evaluation before RL, and the checkpoint outlives ``keep``."""
+    import torch
+
+    common = TINY + ["sft.steps=3", "sft.batch_size=4", "eval.samples_per_task=2", "train.steps=3"]
+    full, again = tmp_path / "full", tmp_path / "again"
+    whole = run_distributed(_train, 1, common + [f"output_dir={full}", "checkpoint.after_warmup=true",
+                                                 "checkpoint.keep=1"], timeout_s=120)[0]
+    warm = full / "checkpoints" / "step_000000"
+    assert sorted(p.name for p in (full / "checkpoints").glob("step_*")) == ["step_000000", "step_000003"]
+    assert torch.load(warm / "pipeline.pt", weights_only=False)["manager"] is None
+    assert json.loads((warm / "meta.json").read_text())["has_reference"]
+    resumed = run_distributed(_train, 1, common + [f"output_dir={again}", f"checkpoint.resume={warm}"],
+                              timeout_s=120)[0]
+    f, r = _steps(full), _steps(again)
+    assert sorted(r) == [1, 2, 3]
+    for step in (1, 2, 3):
+        _same(f[step], r[step])
+    assert resumed["before_rl"] == whole["before_rl"] and whole["before_rl"]
+    assert (resumed["resumes"], resumed["resumed_from_step"]) == (1, 0)
+    rows = [json.loads(x) for x in (again / "metrics.jsonl").read_text().splitlines()]
+    assert not [m for m in rows if m["phase"] == "sft"]  # no warm-up again
+
+
 def _adam_steps(ckpt: Path) -> set[float]:
     """The Adam step count(s) a checkpoint stores (megatron keeps it with the param groups)."""
     import torch

@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workdir", default=None,
                    help="per-seed output dirs go under here (default bench/results/demo_learning; with --smoke a "
                         "temporary directory)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="limit on one seed's run, seconds")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="limit on one run, seconds (default 1800, times jobs / cores where more runs than cores share them)")
     p.add_argument("--jobs", type=int, default=1, help="seeds run at a time (each with cores / jobs threads)")
     p.add_argument("--warmup-seed", type=int, default=None,
                    help="warm up once with this train.seed and run RL --runs times from that warm-up (instead of "
@@ -145,6 +146,9 @@ def run_seeds(args: argparse.Namespace, seeds: list[int], overrides: list[str], 
     """Run the seeds (or, with ``--warmup-seed``, the RL runs from one warm-up) under ``out_root``, print the
     table, write the JSON, print the last line."""
     cores = os.cpu_count() or 1
+    if args.timeout is None:  # runs sharing the cores take proportionally longer (5 on 2 cores: 27 min of warm-up)
+        args.timeout = 1800.0 * max(1.0, min(args.jobs, len(seeds) if args.warmup_seed is None else args.runs)
+                                    / cores)
     warmup = None
     if args.warmup_seed is not None:
         wdir = out_root / f"warmup_seed{args.warmup_seed}"

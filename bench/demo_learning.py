@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="per-seed output dirs go under here (default bench/results/demo_learning; with --smoke a "
                         "temporary directory)")
     p.add_argument("--timeout", type=float, default=None,
-                   help="limit on one run, seconds (default 1800, times jobs / cores where more runs than cores share them)")
+                   help="limit on one run, seconds (default 1800, times jobs / cores where more runs than cores "
+                        "share them)")
     p.add_argument("--jobs", type=int, default=1, help="seeds run at a time (each with cores / jobs threads)")
     p.add_argument("--warmup-seed", type=int, default=None,
                    help="warm up once with this train.seed and run RL --runs times from that warm-up (instead of "

@@ -147,9 +147,10 @@ def run_seeds(args: argparse.Namespace, seeds: list[int], overrides: list[str], 
     """Run the seeds (or, with ``--warmup-seed``, the RL runs from one warm-up) under ``out_root``, print the
     table, write the JSON, print the last line."""
     cores = os.cpu_count() or 1
+    jobs = min(args.jobs, len(seeds) if args.warmup_seed is None else args.runs)
+    threads = max(1, cores // jobs)
     if args.timeout is None:  # runs sharing the cores take proportionally longer (5 on 2 cores: 27 min of warm-up)
-        args.timeout = 1800.0 * max(1.0, min(args.jobs, len(seeds) if args.warmup_seed is None else args.runs)
-                                    / cores)
+        args.timeout = 1800.0 * max(1.0, jobs / cores)
     warmup = None
     if args.warmup_seed is not None:
         wdir = out_root / f"warmup_seed{args.warmup_seed}"
@@ -161,8 +162,6 @@ def run_seeds(args: argparse.Namespace, seeds: list[int], overrides: list[str], 
         labels = [f"run{i}" for i in range(1, args.runs + 1)]
     else:
         labels = [str(seed) for seed in seeds]
-    jobs = min(args.jobs, len(labels))
-    threads = max(1, cores // jobs)
 
     def one(label: str) -> tuple[dict[str, Any], float]:
         if warmup is None:

@@ -40,13 +40,15 @@ shell's processes.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import secrets
 import select
+import signal
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from types import TracebackType
@@ -336,15 +338,48 @@ def nearly_full(free_bytes: int, size_mb: int, free_inodes: int | None = None) -
     return free_bytes < (size_mb << 20) // 20 or free_inodes == 0
 
 
-def proc_stat(pid: int | str) -> list[bytes] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command name (state, parent pid, ...; see
-    proc(5), shifted by two), or None when the process is gone."""
+def proc_stat(pid: int | str, proc: str = "/proc") -> list[bytes] | None:
+    """The fields of ``<proc>/<pid>/stat`` after the command name (state, parent pid, ...; see
+    proc(5), shifted by two), or None when the process is gone; ``proc``: another pid namespace's
+    procfs as the host sees it (``/proc/<pid>/root/proc``)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
     return stat[stat.rfind(b")") + 2:].split()
+
+
+def kill_owned(pids: Iterable[int], owned: Callable[[set[int]], set[int]]) -> set[int]:
+    """SIGKILL each of ``pids`` that ``owned`` (given the pids still alive, returns those still the caller's)
+    confirms, through a pidfd opened before asking: a pid that ended after the caller's scan and was then
+    given to another process (pids wrap at ``kernel.pid_max``, 32768 on many hosts: a fork bomb cycles them
+    in seconds) is never signalled. Returns the pids signalled."""
+    fds: dict[int, int | None] = {}
+    try:
+        for pid in pids:
+            try:
+                fds[pid] = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue
+            except OSError:  # no pidfds (Linux < 5.3): the check below narrows the window, cannot close it
+                fds[pid] = None
+        signalled: set[int] = set()
+        for pid in owned(set(fds)) & fds.keys():
+            fd = fds[pid]
+            try:
+                if fd is None:
+                    os.kill(pid, signal.SIGKILL)
+                else:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                continue
+            signalled.add(pid)
+        return signalled
+    finally:
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
 
 
 def read_when_ready(source: int | object, timeout_s: float, read: Callable[[], bytes]) -> bytes | None:

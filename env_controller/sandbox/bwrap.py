@@ -26,7 +26,9 @@ What a sandbox sees and may do:
   :class:`~env_controller.sandbox.base.ShellSandbox`, which also counts the sandbox's processes
   (from the host's ``/proc``) to stop fork bombs early, and, unless ``background_jobs`` is set,
   kills whatever a command left running when it returns (the cgroup's processes, or the bwrap
-  process tree without a cgroup).
+  process tree without a cgroup; each signalled through a pidfd once seen in the sandbox's pid
+  namespace, so a pid reused by a host process is never hit; until the namespace's own ``/proc``
+  lists nothing but the idle shell).
 * lifetime: the outer ``bwrap`` runs in its own process group and is started from one
   long-lived thread with ``--die-with-parent``, so the sandbox dies with the worker process;
   killing it kills the sandbox's pid namespace, hence every process in it. Cgroups and home
@@ -64,6 +66,7 @@ from env_controller.sandbox.base import (
     SandboxLimits,
     SandboxUnavailableError,
     ShellSandbox,
+    kill_owned,
     nearly_full,
     proc_stat,
     read_when_ready,
@@ -252,9 +255,17 @@ def descendants(pid: int, zombies: bool = False, max_age_s: float = 0.0) -> list
     return out
 
 
-def _alive(pid: int) -> bool:
-    fields = proc_stat(pid)
+def _alive(pid: int | str, proc: str = "/proc") -> bool:
+    fields = proc_stat(pid, proc)
     return fields is not None and fields[:1] != [b"Z"]
+
+
+def _pid_namespace(pid: int) -> str | None:
+    """Process ``pid``'s pid namespace (``pid:[inode]``), None when it is gone or unreadable."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
 
 
 def _safe_write(root: Path, rel: PurePosixPath, data: bytes, mode: int, uid: int | None) -> None:
@@ -298,6 +309,11 @@ class BwrapSandbox(ShellSandbox):
         self.cgroup: SandboxCgroup | None = None
         self._mounts: list[Path] = []
         self._shell_pids: set[int] = set()
+        #: the idle shell's pid namespace (``/proc/<pid>/ns/pid``), that namespace's procfs seen from the host,
+        #: and how many live processes it lists when the shell is idle; None when the host cannot read them
+        self._pid_ns: str | None = None
+        self._ns_proc = ""
+        self._ns_baseline: int | None = None
         self.host_dir = backend.base_dir / sandbox_id
         self.host_home = self.host_dir / "home"
         self.host_dir.mkdir(mode=0o711)
@@ -439,11 +455,7 @@ class BwrapSandbox(ShellSandbox):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        for p in inside:  # belt and braces: anything that escaped the group
-            try:
-                os.kill(p, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        kill_owned(inside, self._owned)  # belt and braces: anything that escaped the group
         if self.cgroup is not None:
             self.cgroup.kill()
         try:
@@ -484,8 +496,35 @@ class BwrapSandbox(ShellSandbox):
         return {proc.pid, *descendants(proc.pid)}
 
     def _shell_ready(self) -> None:
-        """Note the idle shell's processes (bwrap, its init, bash): all others are a command's."""
+        """Note the idle shell's processes (bwrap, its init, bash; all others are a command's), its pid
+        namespace and the count of that namespace's processes."""
         self._shell_pids = self._sandbox_pids()
+        self._pid_ns = self._ns_baseline = None
+        own = _pid_namespace(os.getpid())
+        for p in sorted(self._shell_pids):
+            ns = _pid_namespace(p)
+            if ns is not None and ns != own:
+                self._pid_ns = ns
+                self._ns_proc = f"/proc/{p}/root/proc"
+                self._ns_baseline = self._ns_processes()
+                break
+
+    def _ns_processes(self) -> int | None:
+        """Live processes of the sandbox's pid namespace, as its own ``/proc`` lists them (None: unreadable).
+        Unlike the host's process tree, this sees a process whose parent exited while the tree was read."""
+        if self._pid_ns is None:
+            return None
+        try:
+            names = [n for n in os.listdir(self._ns_proc) if n.isdigit()]
+        except OSError:
+            return None
+        return sum(1 for n in names if _alive(n, self._ns_proc))
+
+    def _owned(self, pids: set[int]) -> set[int]:
+        """Those of ``pids`` that are processes of this sandbox now (in its pid namespace, or found in it again)."""
+        if self._pid_ns is not None:
+            return {p for p in pids if _pid_namespace(p) == self._pid_ns}
+        return pids & self._sandbox_pids()
 
     def _end_stragglers(self) -> int:
         """SIGKILL every process but the idle shell's, until none is left; how many there were."""
@@ -494,16 +533,13 @@ class BwrapSandbox(ShellSandbox):
         while True:
             stray = {p for p in self._sandbox_pids() - self._shell_pids if _alive(p)}
             if not stray:
-                break
+                count = self._ns_processes()
+                if count is None or self._ns_baseline is None or count <= self._ns_baseline:
+                    break
             if time.monotonic() > deadline:
                 logger.error("sandbox %s: processes %s survived SIGKILL", self.id, sorted(stray))
                 break
-            for p in stray:
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            stopped |= stray
+            stopped |= kill_owned(stray, self._owned)
             time.sleep(0.002)
         return len(stopped)
 

@@ -23,12 +23,11 @@ import logging
 import os
 import re
 import secrets
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from env_controller.sandbox.base import proc_stat
+from env_controller.sandbox.base import kill_owned, proc_stat
 
 logger = logging.getLogger(__name__)
 
@@ -212,11 +211,7 @@ class SandboxCgroup:
                 except FileNotFoundError:
                     return True
             else:  # v1 has no cgroup.kill: kill what is listed until nothing is (the forks of the dying too)
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
+                kill_owned(pids, lambda alive: alive & self.procs())
             if time.monotonic() >= deadline:
                 logger.error("cgroup %s: processes %s survived SIGKILL", self.name, sorted(pids))
                 return False

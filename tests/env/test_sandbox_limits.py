@@ -167,6 +167,58 @@ def test_background_processes_end_with_their_command(cgroups: bool) -> None:
     assert _our_bwraps() == []
 
 
+@pytest.mark.parametrize("cgroups", [True, False], ids=["cgroup", "process-tree"])
+def test_a_pid_reused_by_a_host_process_is_never_signalled(cgroups: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The straggler scan names a pid whose process ended and whose number went to a process outside the sandbox
+    (pids wrap at kernel.pid_max, 32768 here): the sandbox's own stray is killed, the host process lives."""
+    if cgroups and NO_CGROUPS:
+        pytest.skip(f"sandbox cgroups cannot be made here: {NO_CGROUPS}")
+    backend = make_backend("bwrap", LIMITS, cgroups=cgroups)
+    host = subprocess.Popen(["sleep", "60"])
+    try:
+        with backend.create() as box:
+            assert isinstance(box, BwrapSandbox)
+            scan = box._sandbox_pids
+            monkeypatch.setattr(box, "_sandbox_pids", lambda: scan() | {host.pid})
+            r = box.run("sleep 100 & echo started")
+            assert r.ok and r.output.startswith("started\n[note: 1 process left running in the background "), r
+            monkeypatch.undo()
+            assert host.poll() is None  # not signalled
+            assert {p for p in box.processes() if bwrap_module._alive(p)} == box._shell_pids
+    finally:
+        host.kill()
+        host.wait()
+        backend.close()
+    assert _our_bwraps() == []
+
+
+def test_a_stray_the_process_tree_missed_is_still_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a cgroup the strays are found in the host's process tree, which misses a process whose parent
+    exited while the tree was read; the sandbox's own /proc, counted after an empty scan, does not."""
+    backend = make_backend("bwrap", LIMITS, cgroups=False)
+    try:
+        with backend.create() as box:
+            assert isinstance(box, BwrapSandbox)
+            shell = set(box.processes())
+            scan, missed = box._sandbox_pids, []
+
+            def first_scan_misses_the_command() -> set[int]:
+                if not missed:
+                    missed.append(scan() - box._shell_pids)
+                    return set(box._shell_pids)
+                return scan()
+
+            monkeypatch.setattr(box, "_sandbox_pids", first_scan_misses_the_command)
+            r = box.run("sleep 100 & echo started")
+            monkeypatch.undo()
+            assert missed and missed[0], "the command's sleep was not running at the first scan"
+            assert r.ok and r.output.startswith("started\n[note: 1 process left running in the background "), r
+            assert set(box.processes()) == shell
+    finally:
+        backend.close()
+    assert _our_bwraps() == []
+
+
 @needs_cgroups
 def test_cpu_quota_holds_for_the_sandbox() -> None:
     backend = make_backend("bwrap", SandboxLimits(timeout_s=10, cpus=0.2))

@@ -7,7 +7,8 @@ apart (``MALLOC_TOP_PAD_`` / ``MALLOC_MMAP_THRESHOLD_``), which moves where tens
 Each run stops after ``--steps`` warm-up steps (its ``metrics.jsonl`` read as it grows). The CPU math library (MKL)
 may round a product differently by where its operands lie: runs of one seed once split into two warm-ups that way
 (docs/training.md). Every layout runs with MKL's strict reproducible mode (``MKL_CBWR=AUTO,STRICT``, independent of
-memory alignment) and, with ``--mode both``, also with MKL's own default (what ``agentrl train`` runs with).
+memory alignment; what ``agentrl train`` sets unless ``MKL_CBWR`` is set) and, with ``--mode both``, also with MKL's
+own default (``MKL_CBWR`` set empty, which ``agentrl train`` keeps and MKL ignores).
 
 Prints, per mode, each layout's step-by-step agreement with the first; writes ``bench/results/warmup_layouts.json``
 (``--out``); the last line is ``warmup_layout_divergent_runs: <runs in the strict mode whose losses differ from
@@ -36,8 +37,8 @@ LAYOUTS = {
     "padded": {"MALLOC_TOP_PAD_": "12345", "MALLOC_MMAP_THRESHOLD_": "100000000"},
     "mmap": {"MALLOC_MMAP_THRESHOLD_": "4096"},
 }
-#: MKL_CBWR per mode (None: not set, MKL's own default)
-MODES = {"strict": "AUTO,STRICT", "default": None}
+#: MKL_CBWR per mode (empty: MKL's own default, which agentrl train keeps)
+MODES = {"strict": "AUTO,STRICT", "default": ""}
 SMOKE = {"steps": 3, "layouts": "default,padded", "mode": "strict"}
 
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100, help="warm-up steps compared")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"heap layouts, of {','.join(LAYOUTS)}")
     parser.add_argument("--mode", choices=("strict", "both"), default="both",
-                        help="strict: MKL_CBWR=AUTO,STRICT; both: also MKL's own default (as agentrl train runs)")
+                        help="strict: MKL_CBWR=AUTO,STRICT (agentrl train's default); both: also MKL's own default")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     args = parse_bench_args(parser, argv, SMOKE)
     layouts = [x for x in args.layouts.split(",") if x]
@@ -89,15 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2:
         parser.error(f"--steps {args.steps}: give 2 or more (the first step comes before any update)")
     modes = ["strict"] if args.mode == "strict" else ["strict", "default"]
-    os.environ.pop("MKL_CBWR", None)  # each mode sets its own
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="agentrl-warmup-layouts-") as tmp:
         for mode in modes:
             runs = {}
             for layout in layouts:
-                env = dict(LAYOUTS[layout])
-                if MODES[mode] is not None:
-                    env["MKL_CBWR"] = MODES[mode]
+                env = {**LAYOUTS[layout], "MKL_CBWR": MODES[mode]}
                 out = Path(tmp) / f"{mode}-{layout}"
                 t0 = time.monotonic()
                 losses = warm_up_losses(out, args.steps, env, args.timeout_s)

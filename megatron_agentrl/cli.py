@@ -24,7 +24,7 @@ from megatron_agentrl.convert import cli as convert_cli
 from megatron_agentrl.launch import check, slurm
 from megatron_agentrl.launch.ray_placement import RayLaunchError, run_on_ray
 from megatron_agentrl.launch.slurm import SlurmError
-from megatron_agentrl.train_rank import setup_logging, train_rank
+from megatron_agentrl.train_rank import reproducible_cpu_math, setup_logging, train_rank
 
 logger = logging.getLogger("agentrl")
 
@@ -41,6 +41,7 @@ def _train_spawned(rank: int, world: int, port: int, config: str, overrides: lis
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Validate the config, then train on this process or on ``--nproc`` local processes."""
+    reproducible_cpu_math()  # before torch loads, here and in the processes spawned below
     from megatron_agentrl.hf_io import check_model_paths
 
     cfg = load_config(args.config, args.overrides)  # fail fast, before spawning anything

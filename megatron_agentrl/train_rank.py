@@ -20,6 +20,16 @@ from typing import Any
 from megatron_agentrl.config import load_config
 from megatron_agentrl.sigterm import sigterm_raises
 
+#: MKL's conditional bitwise reproducibility, strict mode: the CPU math library's results stop depending on where
+#: the allocator placed the tensors. Without it one config and seed gave two different warm-ups on one machine,
+#: decided by the heap's layout (docs/training.md, the warm-up); a user's own MKL_CBWR (even empty) is kept.
+MKL_CBWR = "AUTO,STRICT"
+
+
+def reproducible_cpu_math() -> None:
+    """``MKL_CBWR=AUTO,STRICT`` unless already set: call before torch loads (MKL reads it once, at its start)."""
+    os.environ.setdefault("MKL_CBWR", MKL_CBWR)
+
 
 def setup_logging(rank: int) -> None:
     """Log INFO on rank 0 and WARNING on the other ranks, one plain line per record on stdout;
@@ -46,6 +56,7 @@ def train_rank(config: str, overrides: list[str]) -> dict[str, Any]:
     """
     # torch and megatron-core load only here, when a rank trains: `agentrl --help` and the Ray
     # driver, which import this module, stay light
+    reproducible_cpu_math()
     setup_logging(int(os.environ.get("RANK", 0)))
     from megatron_agentrl.pipeline.loop import run_training
 

@@ -231,7 +231,7 @@ def _check_logprob_memory(lines: list[str], rec: dict[str, Any]) -> None:
 def _check_warmup_layouts(lines: list[str], rec: dict[str, Any]) -> None:
     runs = rec["results"]["strict"]
     assert set(runs) == {"default", "padded"} and all(len(r["losses"]) == 3 for r in runs.values())
-    # in MKL's strict reproducible mode, where tensors lie in memory does not move the losses
+    # in MKL's strict reproducible mode (agentrl train's default), where tensors lie in memory does not move the losses
     assert runs["padded"]["losses"] == runs["default"]["losses"]
     assert lines[-1] == "warmup_layout_divergent_runs: 0"
 

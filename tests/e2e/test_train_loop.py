@@ -3,6 +3,7 @@ evaluation, outputs) on 1 process and at TP=2 on 2 processes."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -85,3 +86,18 @@ def test_cli_trains_the_demo_config_at_dp2_on_the_scale_path(tmp_path):
     assert [r["lr"] for r in rl] == [1e-3, 1e-4]  # the demo's lr, decayed linearly to min_lr at the last step
     meta = json.loads((out / "checkpoints" / "step_000002" / "meta.json").read_text())
     assert meta["dp"] == 2 and meta["use_distributed_optimizer"] is True
+
+
+def test_training_sets_mkl_strict_reproducibility_unless_the_user_chose_a_mode(monkeypatch):
+    """MKL may round a product by where its operands lie in memory (two warm-ups of one seed differed by the heap's
+    layout): training turns on its strict reproducible mode before torch loads, and keeps a user's own setting
+    (empty: MKL's own default). That the mode makes layouts agree is checked by bench/warmup_layouts.py's smoke."""
+    from megatron_agentrl.train_rank import reproducible_cpu_math
+
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    reproducible_cpu_math()
+    assert os.environ["MKL_CBWR"] == "AUTO,STRICT"
+    for own in ("AVX2", ""):
+        monkeypatch.setenv("MKL_CBWR", own)
+        reproducible_cpu_math()
+        assert os.environ["MKL_CBWR"] == own

@@ -46,7 +46,7 @@ VARIANTS: dict[str, list[str]] = {
     "no_task_norm": ["algo.normalize_per_task=false"],
     "dynamic": ["algo.dynamic_sampling=true"],
 }
-SMOKE = {"seeds": "1", "timeout": 600.0}
+SMOKE = {"seeds": "1", "timeout": 600.0, "jobs": 2}  # the four variants two at a time
 
 
 def gains(summary: dict[str, Any]) -> dict[str, float]:

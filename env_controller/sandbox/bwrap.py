@@ -312,7 +312,7 @@ class BwrapSandbox(ShellSandbox):
         #: the idle shell's pid namespace (``/proc/<pid>/ns/pid``), that namespace's procfs seen from the host,
         #: and how many live processes it lists when the shell is idle; None when the host cannot read them
         self._pid_ns: str | None = None
-        self._ns_proc = ""
+        self._ns_pid = 0
         self._ns_baseline: int | None = None
         self.host_dir = backend.base_dir / sandbox_id
         self.host_home = self.host_dir / "home"
@@ -456,6 +456,7 @@ class BwrapSandbox(ShellSandbox):
         except ProcessLookupError:
             pass
         kill_owned(inside, self._owned)  # belt and braces: anything that escaped the group
+        self._pid_ns = None  # the namespace dies with its init; the next shell has its own
         if self.cgroup is not None:
             self.cgroup.kill()
         try:
@@ -504,21 +505,24 @@ class BwrapSandbox(ShellSandbox):
         for p in sorted(self._shell_pids):
             ns = _pid_namespace(p)
             if ns is not None and ns != own:
-                self._pid_ns = ns
-                self._ns_proc = f"/proc/{p}/root/proc"
+                self._pid_ns, self._ns_pid = ns, p
                 self._ns_baseline = self._ns_processes()
                 break
 
-    def _ns_processes(self) -> int | None:
-        """Live processes of the sandbox's pid namespace, as its own ``/proc`` lists them (None: unreadable).
-        Unlike the host's process tree, this sees a process whose parent exited while the tree was read."""
+    def _ns_processes(self, zombies: bool = False) -> int | None:
+        """Processes of the sandbox's pid namespace (zombies only when ``zombies``), as its own ``/proc`` lists
+        them; None when unreadable. Unlike the host's process tree, this sees a process whose parent exited while
+        the tree was read (a fork bomb's processes, mostly), and it reads only the sandbox's processes."""
         if self._pid_ns is None:
             return None
+        procfs = f"/proc/{self._ns_pid}/root/proc"
         try:
-            names = [n for n in os.listdir(self._ns_proc) if n.isdigit()]
+            names = [n for n in os.listdir(procfs) if n.isdigit()]
         except OSError:
             return None
-        return sum(1 for n in names if _alive(n, self._ns_proc))
+        if _pid_namespace(self._ns_pid) != self._pid_ns:  # the pid the path went through is no longer ours
+            return None
+        return len(names) if zombies else sum(1 for n in names if _alive(n, procfs))
 
     def _owned(self, pids: set[int]) -> set[int]:
         """Those of ``pids`` that are processes of this sandbox now (in its pid namespace, or found in it again)."""
@@ -567,10 +571,14 @@ class BwrapSandbox(ShellSandbox):
         return full
 
     def _count_processes(self) -> int | None:
-        """Processes inside the sandbox's pid namespace (its init and shell included)."""
+        """Processes inside the sandbox's pid namespace (its init and shell included; zombies too, which
+        still count against ``RLIMIT_NPROC``)."""
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return 0
+        count = self._ns_processes(zombies=True)
+        if count is not None:
+            return count
         # sandboxes polling at once share a scan of /proc; 0.04 s is below the 0.05 s between the
         # counts of ShellSandbox._background_bomb, so consecutive counts are never the same scan
         return len(descendants(proc.pid, zombies=True, max_age_s=0.04))

@@ -23,12 +23,12 @@ What a sandbox sees and may do:
   ``ulimit`` inside the new user namespace (where the kernel counts processes per namespace):
   processes (``RLIMIT_NPROC``), address space (``RLIMIT_AS``), file size (``RLIMIT_FSIZE``), no
   core files. Wall time and output size are enforced by
-  :class:`~env_controller.sandbox.base.ShellSandbox`, which also counts the sandbox's processes
-  (from the host's ``/proc``) to stop fork bombs early, and, unless ``background_jobs`` is set,
-  kills whatever a command left running when it returns (the cgroup's processes, or the bwrap
-  process tree without a cgroup; each signalled through a pidfd once seen in the sandbox's pid
-  namespace, so a pid reused by a host process is never hit; until the namespace's own ``/proc``
-  lists nothing but the idle shell).
+  :class:`~env_controller.sandbox.base.ShellSandbox`, which also counts the sandbox's processes (from
+  its pid namespace's own ``/proc``, seen from the host) to stop fork bombs early, and, unless
+  ``background_jobs`` is set, kills whatever a command left running when it returns (the cgroup's
+  processes, or the bwrap process tree without a cgroup; each signalled through a pidfd once seen in
+  the sandbox's pid namespace, so a pid reused by a host process is never hit; until the namespace's
+  own ``/proc`` lists nothing but the idle shell).
 * lifetime: the outer ``bwrap`` runs in its own process group and is started from one
   long-lived thread with ``--die-with-parent``, so the sandbox dies with the worker process;
   killing it kills the sandbox's pid namespace, hence every process in it. Cgroups and home

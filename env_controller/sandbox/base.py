@@ -473,6 +473,7 @@ class ShellSandbox(Sandbox):
         self._run_lock = threading.Lock()
         self._idle_processes = 0
         self._oom_seen: int | None = None
+        self._limit_hits_seen: int | None = None
 
     # -- backend part -------------------------------------------------------------------------
 
@@ -498,6 +499,19 @@ class ShellSandbox(Sandbox):
     def _oom_kills(self) -> int | None:
         """Processes killed so far for reaching the sandbox's memory limit, or None when unknown."""
         return None
+
+    def _process_limit_hits(self) -> int | None:
+        """Forks the kernel refused so far at the sandbox's process limit, or None when unknown."""
+        return None
+
+    def _at_process_limit(self, count: int | None) -> bool:
+        """Whether the sandbox is at its process limit (a fork bomb?): ``count`` processes near the limit, or a fork
+        refused at the limit since the last command (a bomb may settle below the count's threshold: the kernel
+        also counts processes being created or torn down)."""
+        if count is not None and count >= self._bomb_threshold:
+            return True
+        hits, seen = self._process_limit_hits(), self._limit_hits_seen
+        return hits is not None and seen is not None and hits > seen
 
     def _full_filesystems(self) -> list[tuple[str, int]]:
         """``(directory in the sandbox, size limit in MB)`` of each size-capped file system now full."""
@@ -541,6 +555,7 @@ class ShellSandbox(Sandbox):
         count = self._count_processes()
         self._idle_processes = count if count is not None else 0
         self._oom_seen = self._oom_kills()
+        self._limit_hits_seen = self._process_limit_hits()
         logger.debug("sandbox %s: shell ready in %.2f s", self.id, time.monotonic() - started)
 
     def _open(self) -> None:
@@ -605,7 +620,7 @@ class ShellSandbox(Sandbox):
         count = self._count_processes()
         oom = self._oom_kills()
         reset = "a new shell was started: the working directory and variables are reset, files are kept"
-        if count is not None and count >= self._bomb_threshold:
+        if self._at_process_limit(count):
             # what an earlier command left in the background filled the process table since
             self._restart()
             notice = (f"[note: background processes had reached the limit of {self.limits.max_processes} "
@@ -645,8 +660,7 @@ class ShellSandbox(Sandbox):
                 break
             if now >= next_count:
                 next_count = now + self.process_poll_s
-                count = self._count_processes()
-                if count is not None and count >= self._bomb_threshold:
+                if self._at_process_limit(self._count_processes()):
                     limit = "process_limit"
                     break
             chunk = shell.channel.recv(min(deadline - now, next_count - now, 0.25))
@@ -668,6 +682,7 @@ class ShellSandbox(Sandbox):
         output = bytes(buf[:max_out]).decode("utf-8", errors="replace")
         if limit is None:
             self._oom_seen = oom_after
+            self._limit_hits_seen = self._process_limit_hits()
             if stopped:
                 output += ("" if output.endswith("\n") or not output else "\n") + (
                     f"[note: {stopped} process{'es' if stopped > 1 else ''} left running in the background "
@@ -703,14 +718,14 @@ class ShellSandbox(Sandbox):
         flat = 0
         deadline = time.monotonic() + 1.5
         while count is not None and count > self._idle_processes and time.monotonic() < deadline:
-            if count >= self._bomb_threshold:
+            if self._at_process_limit(count):
                 return True
             flat = flat + 1 if count <= previous else 0
             if flat >= 4:
                 return False
             time.sleep(0.05)
             previous, count = count, self._count_processes()
-        return count is not None and count >= self._bomb_threshold
+        return self._at_process_limit(count)
 
     def _limit_message(self, limit: LimitKind, limit_s: float) -> str:
         reset = ("a new shell was started: the working directory and variables are reset, "

@@ -551,6 +551,10 @@ class BwrapSandbox(ShellSandbox):
         """The cgroup's count of processes killed for reaching the memory limit."""
         return self.cgroup.oom_kills() if self.cgroup is not None else None
 
+    def _process_limit_hits(self) -> int | None:
+        """The cgroup's count of forks refused at its task limit."""
+        return self.cgroup.process_limit_hits() if self.cgroup is not None else None
+
     def _full_filesystems(self) -> list[tuple[str, int]]:
         """The capped ``/tmp``, ``/dev/shm`` and home that are (nearly) full, seen from the host."""
         inner = sorted(p for p in self._shell_pids if self._proc is not None and p != self._proc.pid)

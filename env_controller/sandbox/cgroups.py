@@ -197,6 +197,19 @@ class SandboxCgroup:
             return None
         return None
 
+    def process_limit_hits(self) -> int | None:
+        """Forks refused so far at the cgroup's task limit (``pids.events``: ``max``), None when unknown."""
+        for d in self.dirs:
+            try:
+                text = (d / "pids.events").read_text()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                key, _, value = line.partition(" ")
+                if key == "max" and value.strip().isdigit():
+                    return int(value)
+        return None
+
     def kill(self, timeout_s: float = 10.0) -> bool:
         """SIGKILL every process in the cgroup and wait until it is empty; False when some remain."""
         use_kill_file = self.version == 2 and (self.dirs[0] / "cgroup.kill").exists()

@@ -34,9 +34,12 @@ CHECK = '[ "$(cat /app/out.txt)" = done ]'
 
 
 def _containers(engine: Any) -> list[Any]:
+    """The task's containers, from the engine's list alone (sparse: no inspect per container, which fails with
+    404 for one the pool removes meanwhile)."""
     client = engine.client()
     try:
-        return client.containers.list(all=True, filters={"label": [f"{LABEL}=1", "agentrl.task=terminal"]})
+        return client.containers.list(all=True, sparse=True,
+                                      filters={"label": [f"{LABEL}=1", "agentrl.task=terminal"]})
     finally:
         client.close()
 

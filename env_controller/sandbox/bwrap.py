@@ -309,11 +309,10 @@ class BwrapSandbox(ShellSandbox):
         self.cgroup: SandboxCgroup | None = None
         self._mounts: list[Path] = []
         self._shell_pids: set[int] = set()
-        #: the idle shell's pid namespace (``/proc/<pid>/ns/pid``), that namespace's procfs seen from the host,
-        #: and how many live processes it lists when the shell is idle; None when the host cannot read them
+        #: the idle shell's pid namespace (``/proc/<pid>/ns/pid``; None when the host cannot read it) and a pid in
+        #: it, through which the host sees the namespace's own ``/proc``
         self._pid_ns: str | None = None
         self._ns_pid = 0
-        self._ns_baseline: int | None = None
         self.host_dir = backend.base_dir / sandbox_id
         self.host_home = self.host_dir / "home"
         self.host_dir.mkdir(mode=0o711)
@@ -497,16 +496,15 @@ class BwrapSandbox(ShellSandbox):
         return {proc.pid, *descendants(proc.pid)}
 
     def _shell_ready(self) -> None:
-        """Note the idle shell's processes (bwrap, its init, bash; all others are a command's), its pid
-        namespace and the count of that namespace's processes."""
+        """Note the idle shell's processes (bwrap, its init, bash; all others are a command's) and its pid
+        namespace."""
         self._shell_pids = self._sandbox_pids()
-        self._pid_ns = self._ns_baseline = None
+        self._pid_ns = None
         own = _pid_namespace(os.getpid())
         for p in sorted(self._shell_pids):
             ns = _pid_namespace(p)
             if ns is not None and ns != own:
                 self._pid_ns, self._ns_pid = ns, p
-                self._ns_baseline = self._ns_processes()
                 break
 
     def _ns_processes(self, zombies: bool = False) -> int | None:
@@ -537,8 +535,8 @@ class BwrapSandbox(ShellSandbox):
         while True:
             stray = {p for p in self._sandbox_pids() - self._shell_pids if _alive(p)}
             if not stray:
-                count = self._ns_processes()
-                if count is None or self._ns_baseline is None or count <= self._ns_baseline:
+                count = self._ns_processes()  # against the idle shell's count, taken when it became ready
+                if count is None or count <= self._idle_processes:
                     break
             if time.monotonic() > deadline:
                 logger.error("sandbox %s: processes %s survived SIGKILL", self.id, sorted(stray))

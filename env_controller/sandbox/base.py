@@ -350,36 +350,80 @@ def proc_stat(pid: int | str, proc: str = "/proc") -> list[bytes] | None:
     return stat[stat.rfind(b")") + 2:].split()
 
 
+class PidFds:
+    """Pidfds of ``pids`` opened at once (those already gone are left out), closed on exit: a pidfd keeps naming
+    its process after the pid is reused, and becomes readable when the process has exited. ``fds`` maps a pid
+    to its pidfd, or to None where the kernel has no pidfds (Linux < 5.3; the pid is used as is)."""
+
+    def __init__(self, pids: Iterable[int]) -> None:
+        self.fds: dict[int, int | None] = {}
+        for pid in pids:
+            try:
+                self.fds[pid] = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue
+            except OSError:
+                self.fds[pid] = None
+
+    def __enter__(self) -> PidFds:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self.fds.values():
+            if fd is not None:
+                os.close(fd)
+        self.fds = {}
+
+    def keep(self, pids: set[int]) -> None:
+        """Close the pidfds of every process but ``pids`` (e.g. those an ownership check confirmed once the pidfds
+        were open: a pid reused between a scan and the open is dropped here)."""
+        for pid in [p for p in self.fds if p not in pids]:
+            fd = self.fds.pop(pid)
+            if fd is not None:
+                os.close(fd)
+
+    def kill(self, pid: int) -> bool:
+        """SIGKILL ``pid`` through its pidfd; False when it is gone (or not ours to signal)."""
+        fd = self.fds[pid]
+        try:
+            if fd is None:
+                os.kill(pid, signal.SIGKILL)
+            else:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def wait_exited(self, timeout_s: float) -> list[int]:
+        """Wait at most ``timeout_s`` for every process to exit (a zombie has); the pids still running."""
+        poller = select.poll()
+        waiting = {fd: pid for pid, fd in self.fds.items() if fd is not None}
+        for fd in waiting:
+            poller.register(fd, select.POLLIN)
+        plain = [pid for pid, fd in self.fds.items() if fd is None]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for fd, _ in poller.poll(0):
+                poller.unregister(fd)
+                del waiting[fd]
+            plain = [pid for pid in plain if (stat := proc_stat(pid)) is not None and stat[:1] != [b"Z"]]
+            remaining = deadline - time.monotonic()
+            if not (waiting or plain) or remaining <= 0:
+                return sorted([*waiting.values(), *plain])
+            if plain:
+                time.sleep(min(0.02, remaining))
+            else:
+                poller.poll(max(1, int(remaining * 1000)))
+
+
 def kill_owned(pids: Iterable[int], owned: Callable[[set[int]], set[int]]) -> set[int]:
     """SIGKILL each of ``pids`` that ``owned`` (given the pids still alive, returns those still the caller's)
     confirms, through a pidfd opened before asking: a pid that ended after the caller's scan and was then
     given to another process (pids wrap at ``kernel.pid_max``, 32768 on many hosts: a fork bomb cycles them
     in seconds) is never signalled. Returns the pids signalled."""
-    fds: dict[int, int | None] = {}
-    try:
-        for pid in pids:
-            try:
-                fds[pid] = os.pidfd_open(pid)
-            except ProcessLookupError:
-                continue
-            except OSError:  # no pidfds (Linux < 5.3): the check below narrows the window, cannot close it
-                fds[pid] = None
-        signalled: set[int] = set()
-        for pid in owned(set(fds)) & fds.keys():
-            fd = fds[pid]
-            try:
-                if fd is None:
-                    os.kill(pid, signal.SIGKILL)
-                else:
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                continue
-            signalled.add(pid)
-        return signalled
-    finally:
-        for fd in fds.values():
-            if fd is not None:
-                os.close(fd)
+    with PidFds(pids) as fds:
+        fds.keep(owned(set(fds.fds)))  # without pidfds the check narrows the window of a reused pid, cannot close it
+        return {pid for pid in fds.fds if fds.kill(pid)}
 
 
 def read_when_ready(source: int | object, timeout_s: float, read: Callable[[], bytes]) -> bytes | None:

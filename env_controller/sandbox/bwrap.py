@@ -61,6 +61,7 @@ from typing import Any
 
 from env_controller.sandbox.base import (
     Channel,
+    PidFds,
     SandboxBackend,
     SandboxError,
     SandboxLimits,
@@ -446,26 +447,27 @@ class BwrapSandbox(ShellSandbox):
 
     def _kill(self) -> None:
         """SIGKILL the outer bwrap's process group; its pid namespace, hence every process, dies with it."""
-        proc, self._proc = self._proc, None
+        proc = self._proc
         if proc is None:
             return
-        inside = descendants(proc.pid)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        kill_owned(inside, self._owned)  # belt and braces: anything that escaped the group
-        self._pid_ns = None  # the namespace dies with its init; the next shell has its own
-        if self.cgroup is not None:
-            self.cgroup.kill()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            logger.error("sandbox %s: bwrap pid %d did not die within 10 s of SIGKILL", self.id, proc.pid)
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in inside) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        left = [p for p in inside if _alive(p)]
+        # waited for through pidfds: a pid polled after the kill may already be another process's
+        with PidFds(descendants(proc.pid)) as inside:
+            inside.keep(self._owned(set(inside.fds)))  # while self._proc still names the tree
+            self._proc = None
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            for pid in inside.fds:  # belt and braces: anything that escaped the group
+                inside.kill(pid)
+            self._pid_ns = None  # the namespace dies with its init; the next shell has its own
+            if self.cgroup is not None:
+                self.cgroup.kill()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                logger.error("sandbox %s: bwrap pid %d did not die within 10 s of SIGKILL", self.id, proc.pid)
+            left = inside.wait_exited(10)
         if left:
             logger.error("sandbox %s: processes %s survived the kill", self.id, left)
 

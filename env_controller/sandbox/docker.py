@@ -73,15 +73,19 @@ BACKEND_LABEL = "org.agentrl.backend"
 BASE_PROCESSES = 2
 #: the shell prints its pid (which ``exec`` keeps) before it reads commands
 SHELL_CMD = ["bash", "--noprofile", "--norc", "-c", "printf '%s\\n' \"$$\"; exec bash --noprofile --norc"]
-#: the container's tasks and OOM kills, from inside (cgroup v1 or v2 paths), with builtins only
-PROBE_CMD = ["bash", "-c", """p=- o=-
-for f in /sys/fs/cgroup/pids/pids.current /sys/fs/cgroup/pids.current; do
-  [[ -r $f ]] && { read -r p < "$f"; break; }
+#: the container's tasks, OOM kills and forks refused at its task limit, from inside (cgroup v1 or v2 paths),
+#: with builtins only
+PROBE_CMD = ["bash", "-c", """p=- o=- r=-
+for d in /sys/fs/cgroup/pids /sys/fs/cgroup; do
+  [[ -r $d/pids.current ]] || continue
+  read -r p < "$d/pids.current"
+  [[ -r $d/pids.events ]] && while read -r k v; do [[ $k == max ]] && r=$v; done < "$d/pids.events"
+  break
 done
 for f in /sys/fs/cgroup/memory/memory.oom_control /sys/fs/cgroup/memory.events; do
   [[ -r $f ]] && { while read -r k v; do [[ $k == oom_kill ]] && o=$v; done < "$f"; break; }
 done
-echo "$p $o"
+echo "$p $o $r"
 """]
 #: run as the user ($2): kill every process of the user but pid 1, itself and $1 (the shell, or 0), and
 #: print how many were killed. ``kill -1`` is no test of what is left: it reports success while any
@@ -269,7 +273,7 @@ class DockerSandbox(ShellSandbox):
 
         self._errors = docker.errors
         self._channel: _ExecChannel | None = None
-        self._probed: tuple[int, float, int | None, int | None] | None = None
+        self._probed: tuple[int, float, tuple[int | None, int | None, int | None]] | None = None
         all_labels = {**labels, LABEL: "1", OWNER_LABEL: owner_id(), CREATED_LABEL: str(int(time.time())),
                       BACKEND_LABEL: backend.instance}
         file_bytes = limits.max_file_mb << 20
@@ -485,25 +489,27 @@ class DockerSandbox(ShellSandbox):
 
     # -- counts ---------------------------------------------------------------------------------
 
-    def _counts(self) -> tuple[int | None, int | None]:
-        """``(tasks of the container but init and sleep, OOM kills so far)``, each None when unknown."""
+    def _counts(self) -> tuple[int | None, int | None, int | None]:
+        """``(tasks of the container but init and sleep, OOM kills so far, forks refused at its task limit so
+        far)``, each None when unknown."""
         if self.cgroup is not None:
             try:
                 tasks: int | None = int((self.cgroup.dirs[0] / "pids.current").read_text()) - BASE_PROCESSES
             except (OSError, ValueError):
                 tasks = None
-            return tasks, self.cgroup.oom_kills()
+            return tasks, self.cgroup.oom_kills(), self.cgroup.process_limit_hits()
         # an exec costs ~50 ms: the counts before a command (or after it) are taken together
         sends = self._channel.sends if self._channel is not None else -1
         probed = self._probed
         if probed is not None and probed[0] == sends and time.monotonic() - probed[1] < 0.05:
-            return probed[2], probed[3]
-        out = self._exec(PROBE_CMD, "counting processes") or ""
-        values = out.split()
-        tasks = int(values[0]) - BASE_PROCESSES - 1 if len(values) == 2 and values[0].isdigit() else None
-        oom = int(values[1]) if len(values) == 2 and values[1].isdigit() else None
-        self._probed = (sends, time.monotonic(), tasks, oom)
-        return tasks, oom
+            return probed[2]
+        values = [int(v) if v.isdigit() else None for v in (self._exec(PROBE_CMD, "counting processes") or "").split()]
+        if len(values) != 3:
+            values = [None, None, None]
+        tasks = values[0] - BASE_PROCESSES - 1 if values[0] is not None else None  # less the probe's own bash
+        counts = (tasks, values[1], values[2])
+        self._probed = (sends, time.monotonic(), counts)
+        return counts
 
     def _count_processes(self) -> int | None:
         """Tasks in the container besides init and ``sleep`` (the shell included)."""
@@ -512,6 +518,10 @@ class DockerSandbox(ShellSandbox):
     def _oom_kills(self) -> int | None:
         """Processes the kernel killed for reaching the container's memory limit."""
         return self._counts()[1]
+
+    def _process_limit_hits(self) -> int | None:
+        """Forks the container's pids cgroup refused at its limit (``pids.events``)."""
+        return self._counts()[2]
 
     def _end_stragglers(self) -> int:
         """Kill every process of the user but the shell; how many there were."""

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -185,6 +186,37 @@ def test_a_pid_reused_by_a_host_process_is_never_signalled(cgroups: bool, monkey
             monkeypatch.undo()
             assert host.poll() is None  # not signalled
             assert {p for p in box.processes() if bwrap_module._alive(p)} == box._shell_pids
+    finally:
+        host.kill()
+        host.wait()
+        backend.close()
+    assert _our_bwraps() == []
+
+
+@pytest.mark.parametrize("cgroups", [True, False], ids=["cgroup", "process-tree"])
+def test_a_killed_sandbox_waits_for_its_own_processes_only(cgroups: bool, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """The kill of a sandbox waits for the processes it scanned to exit; a scanned pid already reused by a host
+    process is neither signalled nor waited for (no false 10 s wait, no "survived" error)."""
+    if cgroups and NO_CGROUPS:
+        pytest.skip(f"sandbox cgroups cannot be made here: {NO_CGROUPS}")
+    backend = make_backend("bwrap", LIMITS, cgroups=cgroups)
+    host = subprocess.Popen(["sleep", "60"])
+    try:
+        box = backend.create(replace(LIMITS, background_jobs=True))
+        assert isinstance(box, BwrapSandbox)
+        assert box.run("sleep 100 & echo started").output == "started\n"
+        inside = set(box.processes())
+        scan = bwrap_module.descendants
+        monkeypatch.setattr(bwrap_module, "descendants", lambda pid: scan(pid) + [host.pid])
+        started = time.monotonic()
+        with caplog.at_level("ERROR", logger=bwrap_module.__name__):
+            box.close()
+        took = time.monotonic() - started
+        monkeypatch.undo()
+        assert host.poll() is None  # not signalled
+        assert took < 5 and not caplog.records, (took, caplog.records)
+        assert not any(bwrap_module._alive(p) for p in inside)
     finally:
         host.kill()
         host.wait()

@@ -255,7 +255,7 @@ def convert_hf_to_megatron(
 
     padded = padded_vocab_size(mapping.vocab_size, make_vocab_size_divisible_by, tp)
     specs, key_to_names = plan_checkpoint(mapping, reader, tp, padded, out_dtype)
-    total = sum(math.prod(s.global_shape) * torch.empty((), dtype=s.dtype).element_size() for s in specs)
+    total = sum(math.prod(s.global_shape) * s.dtype.itemsize for s in specs)
     logger.info("converting %s (%s, %d layers) -> %s at tp=%d pp=%d, %.2f GB", hf_root, mapping.architecture,
                 mapping.num_layers, out, tp, pp, total / 1e9)
     with atomic_output_dir(out, overwrite, stale=("*.distcp", ".metadata")) as tmp:

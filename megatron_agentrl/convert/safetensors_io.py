@@ -33,7 +33,7 @@ SINGLE_FILE = "model.safetensors"
 
 def dtype_size(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def parse_size(size: str | int, what: str = "size") -> int:

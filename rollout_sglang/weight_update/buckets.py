@@ -45,7 +45,7 @@ class BucketMeta:
     @property
     def nbytes(self) -> int:
         """Bytes of the packed bucket."""
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     def offsets(self) -> list[tuple[int, int]]:
         """``[start, end)`` element range of each tensor in the flat bucket."""
@@ -74,7 +74,7 @@ def _plan(specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], bucket_byte
     index = 0
     for name, shape, dtype in specs:
         n = math.prod(shape)
-        size = n * torch.empty((), dtype=dtype).element_size()
+        size = n * dtype.itemsize
         if cur is not None and (cur.dtype != dtype or cur.nbytes + size > bucket_bytes):
             yield cur
             index += 1
@@ -182,7 +182,7 @@ def flattened_layout(names: Sequence[str], dtypes: Sequence[str],
         dtype, shape = dtype_from_name(d), tuple(int(x) for x in s)
         if any(x < 0 for x in shape):
             raise ValueError(f"negative dimension in the shape {list(shape)} of {name!r}")
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         if offset % size:
             raise ValueError(f"{name!r} ({d}) would start at byte {offset} of the flattened bucket, not a multiple "
                              f"of its element size {size}; order a bucket's tensors so each one is aligned")
@@ -195,7 +195,7 @@ def unflatten_bytes(flat: torch.Tensor, layout: Sequence[TensorSpan]) -> list[tu
     """(name, tensor) views into the raw-byte bucket ``flat`` (uint8, 1-D) per :func:`flattened_layout`."""
     out = []
     for name, dtype, shape, start in layout:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         out.append((name, flat[start:start + nbytes].view(dtype).view(shape)))
     return out
 

@@ -103,6 +103,11 @@ class TerminalSession(BlockingToolTaskSession):
         box = self.sandbox
         try:
             box.reset()  # the agent's processes end; the verifier gets a fresh shell
+            # an image that lets the user write there lets the agent plant a reward or tests before the verifier
+            # runs: what the user made is removed as the user (root here has no capability to override its
+            # modes), then anything left as root; SandboxError (not judged) when something remains
+            box.run(f"chmod -R u+rwx {TESTS_DIR} {LOGS_DIR}; rm -rf {TESTS_DIR} {LOGS_DIR}", timeout_s=30.0)
+            box.remove_as_root([TESTS_DIR, LOGS_DIR])
             # root's, writable by all: the verifier (the session's user) writes its reward, and a container to
             # be reused loses both again (remove_as_root) before its wipe compares the filesystem
             box.put_files(TESTS_DIR, v.files, owner=(0, 0), dir_mode=0o777)

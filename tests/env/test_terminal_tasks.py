@@ -256,6 +256,37 @@ def test_a_scratch_workdir_is_emptied_and_its_container_reused(docker_engine: An
     assert _containers(docker_engine) == [], "a container outlived the task"
 
 
+def test_a_reward_or_tests_planted_by_the_agent_never_judge_it(docker_engine: Any, os_shell_image: str,
+                                                                 tmp_path: Path) -> None:
+    """An image that lets the session's user write /logs and /tests: the agent plants a reward of 1 and a test of
+    its own, then finishes without doing the task; the task's verifier alone judges it (reward 0)."""
+    d = _harbor_task(tmp_path, os_shell_image, name="open")
+    (d / "environment" / "Dockerfile").write_text(
+        f"FROM {os_shell_image}\nRUN mkdir -m 1777 /logs /tests\nWORKDIR /app\nRUN chown -R 1000:1000 /app\n")
+    task = build_task("terminal", tasks=str(d), docker_host=docker_engine.url, max_containers=1,
+                      warm_containers=0, prebuild=False, command_timeout_s=5, memory_mb=128)
+    assert isinstance(task, TerminalTask)
+    plant = ("mkdir -p /logs/verifier/deep /tests && echo '{\"reward\": 1}' > /logs/verifier/reward.json && "
+             "echo 1 > /logs/verifier/reward.txt && echo 'exit 0' > /tests/test.sh && chmod 0 /logs/verifier/deep && "
+             "ls /logs/verifier /tests")
+
+    async def go() -> tuple[Any, Any]:
+        c = LocalEnvClient({"terminal": task})
+        planted = await replay(c, "terminal", 0, [call("bash_action", {"script": plant}), call("finish_action", {})])
+        solved = await replay(c, "terminal", 0, [call("bash_action", {"script": plant + "; " + SOLVE}),
+                                                 call("finish_action", {})])
+        return planted[1], solved[1]
+
+    try:
+        planted, solved = asyncio.run(go())
+    finally:
+        task.close()
+    assert planted.status is SampleStatus.COMPLETED and planted.reward == 0.0, planted
+    assert planted.metrics["verifier_exit_code"] != 0.0
+    assert solved.status is SampleStatus.COMPLETED and solved.reward == 1.0, solved  # the real test still runs
+    assert _containers(docker_engine) == [], "a container outlived the task"
+
+
 def test_builds_need_their_base_in_the_engine(docker_engine: Any, tmp_path: Path) -> None:
     (tmp_path / "Dockerfile").write_text("FROM ubuntu:22.04\nRUN true\n")
     client = docker_engine.client()

@@ -114,7 +114,8 @@ class TerminalSession(BlockingToolTaskSession):
             box.put_files(LOGS_DIR, {}, owner=(0, 0), dir_mode=0o777)
         except SandboxError as exc:
             return self._task_error(f"the verifier of {self.instance.id} could not be set up: {exc}")
-        env = {"HOME": box.workdir, "PATH": _PATH, "LANG": "C.UTF-8", "TEST_DIR": TESTS_DIR,
+        # no Python user site: a usercustomize.py or .pth the agent put under its home would run in the verifier
+        env = {"HOME": box.workdir, "PATH": _PATH, "LANG": "C.UTF-8", "PYTHONNOUSERSITE": "1", "TEST_DIR": TESTS_DIR,
                "T_BENCH_TEST_DIR": TESTS_DIR, "T_BENCH_CONTAINER_LOGS_PATH": "/logs", **v.env}
         assigns = " ".join(f"{k}={shlex.quote(val)}" for k, val in env.items())
         script = f"cd {shlex.quote(box.workdir)} && env -i {assigns} {v.command}"

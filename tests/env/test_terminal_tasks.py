@@ -260,7 +260,7 @@ def test_a_reward_or_tests_planted_by_the_agent_never_judge_it(docker_engine: An
                                                                  tmp_path: Path) -> None:
     """An image that lets the session's user write /logs and /tests: the agent plants a reward of 1 and a test of
     its own, then finishes without doing the task; the task's verifier alone judges it (reward 0)."""
-    d = _harbor_task(tmp_path, os_shell_image, name="open")
+    d = _harbor_task(tmp_path, os_shell_image, name="open", test=CHECK + ' && [ "$PYTHONNOUSERSITE" = 1 ]')
     (d / "environment" / "Dockerfile").write_text(
         f"FROM {os_shell_image}\nRUN mkdir -m 1777 /logs /tests\nWORKDIR /app\nRUN chown -R 1000:1000 /app\n")
     task = build_task("terminal", tasks=str(d), docker_host=docker_engine.url, max_containers=1,

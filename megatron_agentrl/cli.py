@@ -4,6 +4,9 @@
 servers of ``rollout.engine_urls``) behind the OpenAI-compatible gateway, with the run's tasks as its
 environment, until SIGINT or SIGTERM.
 
+``agentrl eval --config run.yaml checkpoint.resume=latest`` (or ``model.checkpoint=<run>/hf_export``) plays the
+held-out samples of the run's tasks on those weights and writes ``<output_dir>/eval/eval.json``, the same way.
+
 ``agentrl train`` runs the training of :mod:`megatron_agentrl.train_rank` in this process, in
 ``--nproc`` local processes, or in Ray actors (``ray.enabled`` / ``ray.address``). Under
 ``torchrun`` or ``srun`` (``WORLD_SIZE`` set) each process trains its own rank::
@@ -32,26 +35,35 @@ logger = logging.getLogger("agentrl")
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 
-def _train_spawned(rank: int, world: int, port: int, config: str, overrides: list[str]) -> None:
-    """One of the local processes of ``agentrl train --nproc N``: rank ``rank`` of ``world``."""
+def _train_spawned(rank: int, world: int, port: int, config: str, overrides: list[str],
+                   evaluate_only: bool = False) -> None:
+    """One of the local processes of ``agentrl train|eval --nproc N``: rank ``rank`` of ``world``."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    train_rank(config, overrides)
+    train_rank(config, overrides, evaluate_only)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    """Validate the config, then train on this process or on ``--nproc`` local processes."""
+def cmd_train(args: argparse.Namespace, evaluate_only: bool = False) -> int:
+    """Validate the config, then train (``evaluate_only``: evaluate) on this process or on ``--nproc`` local
+    processes."""
     reproducible_cpu_math()  # before torch loads, here and in the processes spawned below
     from megatron_agentrl.hf_io import check_model_paths
 
     cfg = load_config(args.config, args.overrides)  # fail fast, before spawning anything
     check_model_paths(cfg.model)
+    if evaluate_only:
+        from megatron_agentrl.pipeline.loop import evaluation_config
+
+        cfg = evaluation_config(cfg)  # refuses a config without weights to evaluate
     if cfg.logging.wandb:
         from megatron_agentrl.metrics import require_wandb
 
         require_wandb()
     # ray.enabled / ray.address: the trainer ranks are Ray actors
     if cfg.ray.active and "WORLD_SIZE" not in os.environ:
+        if evaluate_only:
+            raise ConfigError("agentrl eval runs in local processes or under torchrun, not on Ray: set "
+                              "ray.enabled=false (and leave ray.address empty)")
         setup_logging(0)
         run_on_ray(cfg, args.config, args.overrides)
         return 0
@@ -61,7 +73,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg.check_world_size(nproc, f"--nproc {nproc}")
     if "WORLD_SIZE" in os.environ or nproc == 1:  # under torchrun/srun, or one process
-        train_rank(args.config, args.overrides)
+        train_rank(args.config, args.overrides, evaluate_only)
         return 0
     import socket
 
@@ -70,9 +82,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_train_spawned, args=(nproc, port, args.config, args.overrides), nprocs=nproc,
+    mp.start_processes(_train_spawned, args=(nproc, port, args.config, args.overrides, evaluate_only), nprocs=nproc,
                        start_method="spawn")
     return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate a policy's weights on the held-out samples of the config's tasks, without training."""
+    return cmd_train(args, evaluate_only=True)
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -165,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentrl", description="Agentic RL on megatron-core (AgentRL).")
     sub = parser.add_subparsers(dest="command", required=True)
     add_commands(sub, [("train", "train a policy from a YAML config", add_train_arguments, cmd_train),
+                       ("eval", "evaluate a policy on the tasks' held-out samples without training (a run's "
+                                "checkpoint, HF or megatron weights)", add_train_arguments, cmd_eval),
                        ("gateway", "serve a run's policy behind the OpenAI-compatible gateway (any agent's "
                                    "completions become trajectories)", add_gateway_arguments, cmd_gateway)])
     register_env_commands(sub)  # agentrl controller / agentrl worker

@@ -46,22 +46,25 @@ def setup_logging(rank: int) -> None:
     # torch 2.13 renamed the flat-tensor collectives; megatron-core still calls them by their old names
     warnings.filterwarnings("ignore", category=FutureWarning,
                             message=r".*distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated.*")
+    # and its distributed checkpoints are ShardedTensors, which torch's checkpoint loader warns about on every load
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*Please use DTensor instead.*")
 
 
-def train_rank(config: str, overrides: list[str]) -> dict[str, Any]:
-    """Train this process's rank of the run of YAML ``config`` with ``key=value`` ``overrides``.
+def train_rank(config: str, overrides: list[str], evaluate_only: bool = False) -> dict[str, Any]:
+    """Train this process's rank of the run of YAML ``config`` with ``key=value`` ``overrides`` (with
+    ``evaluate_only``: evaluate its weights without training, ``agentrl eval``).
 
-    Returns the run's summary on rank 0 (``{}`` on the other ranks). Raises ConfigError for a
-    bad config or override.
+    Returns the run's summary (the evaluation's record) on rank 0, ``{}`` on the other ranks. Raises ConfigError
+    for a bad config or override.
     """
     # torch and megatron-core load only here, when a rank trains: `agentrl --help` and the Ray
     # driver, which import this module, stay light
     reproducible_cpu_math()
     setup_logging(int(os.environ.get("RANK", 0)))
-    from megatron_agentrl.pipeline.loop import run_training
+    from megatron_agentrl.pipeline.loop import run_evaluation, run_training
 
     with sigterm_raises(_stop_on_sigterm):  # Ray actors run outside the main thread and handle it themselves
-        return run_training(load_config(config, overrides))
+        return (run_evaluation if evaluate_only else run_training)(load_config(config, overrides))
 
 
 def _stop_on_sigterm(signum: int) -> SystemExit:

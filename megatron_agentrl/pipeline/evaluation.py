@@ -88,18 +88,28 @@ async def _play(cfg: Config, ro: RolloutSide, engine: Any, seed: int) -> list[Tr
 
 
 def eval_metrics(trajs: list[Trajectory]) -> dict[str, float]:
-    """Per task: ``reward/``, ``success/``, ``episodes/``, ``success_low/``, ``success_high/`` (95 % Wilson)
-    over the valid episodes, and ``infra_failed/`` (episodes that ended for an infrastructure reason:
-    left out of the others, since their outcome says nothing of the policy)."""
+    """Per task: ``reward/``, ``success/``, ``episodes/``, ``success_low/``, ``success_high/`` (95 % Wilson),
+    ``gen_tokens/`` (tokens the policy generated per episode, mean) and ``gen_logprob/`` (the log-probability of
+    a generated token under the engine that sampled it, mean over the task's generated tokens) over the valid
+    episodes, and ``infra_failed/`` (episodes that ended for an infrastructure reason: left out of the others,
+    since their outcome says nothing of the policy)."""
     valid = [t for t in trajs if not t.infra_failed]
     result = per_task_means(valid)
     episodes, successes = Counter(t.task for t in valid), Counter(t.task for t in valid if is_success(t))
+    generated: Counter[str] = Counter()
+    logprob: dict[str, float] = {}
+    for t in valid:
+        generated[t.task] += t.num_generated
+        logprob[t.task] = logprob.get(t.task, 0.0) + math.fsum(
+            lp for lp, m in zip(t.behavior_logprobs, t.loss_mask) if m)
     failed = Counter(t.task for t in trajs if t.infra_failed)
     for task in sorted(set(episodes) | set(failed)):
         n = episodes[task]
         if n:
             low, high = wilson_interval(successes[task], n)
-            result.update({f"success_low/{task}": low, f"success_high/{task}": high})
+            result.update({f"success_low/{task}": low, f"success_high/{task}": high,
+                           f"gen_tokens/{task}": generated[task] / n,
+                           f"gen_logprob/{task}": logprob[task] / generated[task] if generated[task] else 0.0})
         result.update({f"episodes/{task}": float(n), f"infra_failed/{task}": float(failed[task])})
     return result
 
@@ -171,20 +181,29 @@ def format_success(m: dict[str, float]) -> str:
     return text
 
 
-def final_table(before: dict[str, float], after: dict[str, float], task_names: list[str]) -> str:
-    """The per-task success before and after RL as a text table (rich)."""
+def success_table(evals: dict[str, dict[str, float]], task_names: list[str],
+                  title: str = "Per-task success on held-out samples (95 % interval)") -> str:
+    """The per-task success of one or more evaluations (a column each, named by ``evals``' keys, in order) as a
+    text table (rich); with two or more, the change from the first to the last in points."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="Per-task success on held-out samples (95 % interval)")
-    for col in ("task", "episodes", "before RL", "after RL", "change (points)"):
+    names, columns = list(evals), list(evals.values())
+    table = Table(title=title)
+    for col in ("task", "episodes", *names, *(["change (points)"] if len(columns) > 1 else [])):
         table.add_column(col, justify="right" if col != "task" else "left")
     for t in task_names:
-        b, a = before.get(f"success/{t}"), after.get(f"success/{t}")
-        n = after.get(f"episodes/{t}", before.get(f"episodes/{t}"))
-        diff = "-" if a is None or b is None else f"{100 * (a - b):+.1f}"
-        table.add_row(t, "-" if n is None else f"{n:.0f}", "-" if b is None else _success_text(before, t),
-                      "-" if a is None else _success_text(after, t), diff)
+        n = next((m[f"episodes/{t}"] for m in reversed(columns) if f"episodes/{t}" in m), None)
+        cells = ["-" if f"success/{t}" not in m else _success_text(m, t) for m in columns]
+        if len(columns) > 1:
+            first, last = columns[0].get(f"success/{t}"), columns[-1].get(f"success/{t}")
+            cells.append("-" if first is None or last is None else f"{100 * (last - first):+.1f}")
+        table.add_row(t, "-" if n is None else f"{n:.0f}", *cells)
     console = Console(file=io.StringIO(), width=100)
     console.print(table)
     return console.file.getvalue()
+
+
+def final_table(before: dict[str, float], after: dict[str, float], task_names: list[str]) -> str:
+    """The per-task success before and after RL as a text table (rich)."""
+    return success_table({"before RL": before, "after RL": after}, task_names)

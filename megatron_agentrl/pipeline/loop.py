@@ -28,6 +28,10 @@ Outputs under ``cfg.output_dir``: config.yaml, metrics.jsonl (phases ``sft``, ``
 batches.jsonl (the sample ids, versions and staleness of every trained step), tensorboard/, wandb/
 (``logging.wandb``), reward_by_task.png, summary.json, hf_export/, and checkpoints/ when
 ``checkpoint.interval > 0``.
+
+:func:`run_evaluation` (``agentrl eval``) evaluates a policy without training, through the same stages: ``setup``,
+then ``evaluate_only`` (the weights of a run's checkpoint, of ``model.megatron_checkpoint`` or of the HF
+``model.checkpoint`` in every slot, then the held-out samples), its outputs under ``<output_dir>/eval``.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import concurrent.futures
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -49,7 +54,13 @@ from megatron_agentrl.metrics import MetricsLogger, plot_task_rewards, require_w
 from megatron_agentrl.pipeline.batch import build_rl_batch
 from megatron_agentrl.pipeline.checkpoint import find_latest, load_checkpoint, save_checkpoint
 from megatron_agentrl.pipeline.collapse import CollapseMonitor
-from megatron_agentrl.pipeline.evaluation import evaluate, evaluate_during_rl, final_table, format_success
+from megatron_agentrl.pipeline.evaluation import (
+    evaluate,
+    evaluate_during_rl,
+    final_table,
+    format_success,
+    success_table,
+)
 from megatron_agentrl.pipeline.progress import Progress
 from megatron_agentrl.pipeline.rollout_side import (
     RolloutSide,
@@ -107,6 +118,53 @@ def run_training(cfg: Config) -> dict[str, Any]:
         if run is not None and run.metrics is not None:
             run.metrics.close(failed=True)  # the W&B run ends as failed; the files are flushed
         raise
+    finally:
+        try:
+            if run is not None and run.ro is not None:
+                run.ro.close()
+        finally:
+            destroy_parallel()
+
+
+def evaluation_config(cfg: Config) -> Config:
+    """``cfg`` as ``agentrl eval`` runs it: outputs under ``<output_dir>/eval`` (the run's checkpoints still found
+    under ``<output_dir>/checkpoints``), no warm-up, no checkpoints written, no TensorBoard or W&B. ConfigError
+    when it names no weights to evaluate (the random initialisation says nothing of a policy)."""
+    c = cfg.checkpoint
+    if not (c.resume or cfg.model.megatron_checkpoint or cfg.model.checkpoint):
+        raise ConfigError("agentrl eval: no weights to evaluate; give checkpoint.resume=latest (or a step_<k> folder) "
+                          "for a run's checkpoint, model.checkpoint=<HF directory> (e.g. a run's hf_export), or "
+                          "model.megatron_checkpoint=<directory>")
+    out = Path(cfg.output_dir)
+    ckpt_dir = c.dir or str(out / "checkpoints")
+    if c.resume == "latest" and find_latest(ckpt_dir) is None:
+        raise ConfigError(f"checkpoint.resume=latest: no checkpoint under {ckpt_dir}; point checkpoint.dir (or "
+                          "output_dir) at the run's, or name a step_<k> folder")
+    if c.resume and c.resume != "latest" and not (Path(c.resume) / "meta.json").is_file():
+        raise ConfigError(f"checkpoint.resume={c.resume}: not a checkpoint folder (no meta.json); name a step_<k> "
+                          f"folder of a run's checkpoints, or latest")
+    return replace(cfg, output_dir=str(out / "eval"),
+                   checkpoint=replace(c, dir=ckpt_dir, interval=0, after_warmup=False),
+                   sft=replace(cfg.sft, steps=0, short_format_steps=0),
+                   logging=replace(cfg.logging, tensorboard=False, wandb=False))
+
+
+def run_evaluation(cfg: Config) -> dict[str, Any]:
+    """Evaluate a policy on every task's held-out samples without training (``agentrl eval``), on every rank.
+
+    The weights: a run's checkpoint (``checkpoint.resume``: ``latest`` or a ``step_<k>`` folder, at any layout),
+    else ``model.megatron_checkpoint``, else the HF ``model.checkpoint``; played by the run's engines (local, or
+    the SGLang servers of ``rollout.engine_urls``, which receive those weights) at ``eval.temperature``, seeded
+    as the run's own evaluations. Writes ``<output_dir>/eval/``: config.yaml, metrics.jsonl and eval.json (the
+    weights, the step, the per-task entries of :func:`~.evaluation.evaluate`), and logs the per-task table.
+    Returns eval.json's record on rank 0 (``{}`` elsewhere)."""
+    cfg = evaluation_config(cfg)
+    initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed, cp=cfg.parallel.cp, ep=cfg.parallel.ep)
+    run: TrainingRun | None = None
+    try:
+        run = TrainingRun(cfg)
+        run.setup()
+        return run.evaluate_only()
     finally:
         try:
             if run is not None and run.ro is not None:
@@ -254,6 +312,53 @@ class TrainingRun:
                 self.metrics.log(0, self.before, phase="eval")
         if cfg.checkpoint.after_warmup:
             self._save(0, None)
+
+    def evaluate_only(self) -> dict[str, Any]:
+        """``agentrl eval``'s stage after ``setup``: the weights to evaluate (a checkpoint's, or the start weights)
+        in every slot, the held-out samples played, eval.json written; the record on rank 0, ``{}`` elsewhere."""
+        cfg = self.cfg
+        version = 0
+        if self.resume is not None:
+            self.state = load_checkpoint(self.resume, self.actor)
+            version, self.start_step = int(self.state["version"]), int(self.state["step"])
+            weights = f"checkpoint {self.resume} (step {self.start_step})"
+        elif cfg.checkpoint.resume:
+            raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume}: no checkpoint under {self.ckpt_root}; "
+                              "point checkpoint.dir (or output_dir) at the run's")
+        else:
+            weights = (f"megatron checkpoint {cfg.model.megatron_checkpoint}" if cfg.model.megatron_checkpoint
+                       else f"HF checkpoint {cfg.model.checkpoint}")
+        self.publisher.push(version, all_slots=True)
+        self.publisher.close()
+        if not self.rank0:
+            return {}
+        self._warn_if_trained_on()
+        result = evaluate(cfg, self.ro, seed=cfg.train.seed + 1, progress=self.progress, title="evaluation")
+        self.metrics.log(self.start_step, result, phase="eval")
+        self.metrics.close()
+        record = {"weights": weights, "step": self.start_step, "weight_version": version,
+                  "samples_per_task": cfg.eval.samples_per_task, "temperature": cfg.eval.temperature,
+                  "results": result}
+        (self.out / "eval.json").write_text(json.dumps(record, indent=2))
+        logger.info("%s\n%s", weights, success_table({"success": result}, self.task_names))
+        logger.info("evaluation: %s", self.out / "eval.json")
+        return record
+
+    def _warn_if_trained_on(self) -> None:
+        """Warn when the run whose output folder holds this evaluation's held out fewer samples per task: the held-out
+        samples are each task's last indices, so the extra ones were the run's training samples."""
+        import yaml
+
+        run_config = self.out.parent / "config.yaml"
+        try:
+            held_out = (yaml.safe_load(run_config.read_text()) or {}).get("eval", {}).get("samples_per_task")
+        except (OSError, yaml.YAMLError, AttributeError):
+            return
+        n = self.cfg.eval.samples_per_task
+        if isinstance(held_out, int) and n > held_out:
+            logger.warning("eval.samples_per_task=%d is more than the %d the run held out (%s): %d of each task's "
+                           "samples evaluated here were its training samples; use at most %d", n, held_out,
+                           run_config, n - held_out, held_out)
 
     def start_rollouts(self) -> None:
         """Rank 0: the rollout manager (with the checkpoint's state when resuming) starts sampling."""

@@ -43,7 +43,8 @@ def test_sync_loop_writes_metrics_plot_and_export(tmp_path, tp):
             k.startswith("mismatch/tokens_lag") and k != "mismatch/tokens_lag0" for k in r), r
         assert r["mismatch/abs_lag0"] < 1e-4 and r["mismatch/kl_lag0"] < 1e-6, r
     assert set(summary["before_rl"]) == set(summary["after_rl"]) == {
-        f"{m}/{t}" for m in ("reward", "success", "episodes", "success_low", "success_high", "infra_failed")
+        f"{m}/{t}" for m in ("reward", "success", "episodes", "success_low", "success_high", "gen_tokens",
+                             "gen_logprob", "infra_failed")
         for t in ("lookup", "calc", "guess")
     }
     assert (out / "reward_by_task.png").stat().st_size > 1000

@@ -19,9 +19,11 @@ def _eval(out: Path, *source: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
-def _record(out: Path, *source: str) -> dict:
+def _record(out: Path, *source: str, log: list[str] | None = None) -> dict:
     proc = _eval(out, *source)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if log is not None:
+        log.append(proc.stdout + proc.stderr)
     return json.loads((out / "eval" / "eval.json").read_text())
 
 
@@ -39,6 +41,11 @@ def test_eval_of_a_runs_weights_gives_the_runs_own_evaluation(tmp_path: Path) ->
     final = _record(out, "checkpoint.resume=latest")
     assert final["step"] == 2 and final["weight_version"] == 2 and "step_000002" in final["weights"]
     assert _record(out, f"model.checkpoint={out / 'hf_export'}")["results"] == final["results"]
+    # more held-out samples than the run's reach into its training samples: said
+    log: list[str] = []
+    wider = _record(out, "checkpoint.resume=latest", "eval.samples_per_task=5", log=log)
+    assert wider["results"]["episodes/calc"] == 5.0
+    assert "eval.samples_per_task=5 is more than the 4 the run held out" in log[0], log[0][-2000:]
     assert set(final["results"]) == set(summary["after_rl"])
     rows = [json.loads(line) for line in (out / "eval" / "metrics.jsonl").read_text().splitlines()]
     assert rows and all(r["phase"] == "eval" for r in rows)

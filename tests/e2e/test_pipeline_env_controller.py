@@ -62,7 +62,8 @@ def test_async_run_over_the_env_controller(tmp_path):
     out = tmp_path / "run"
     summary = run_distributed(_serve_and_train, 1, str(out), timeout_s=120)[0]
     assert summary["trained_samples"] == 3 * 2 * 2
-    kinds = ("reward", "success", "episodes", "success_low", "success_high", "infra_failed")
+    kinds = ("reward", "success", "episodes", "success_low", "success_high", "gen_tokens", "gen_logprob",
+             "infra_failed")
     assert set(summary["after_rl"]) == {f"{m}/{t}" for m in kinds for t in ("lookup", "calc")}
     rows = [json.loads(x) for x in (out / "batches.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]

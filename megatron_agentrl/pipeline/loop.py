@@ -36,9 +36,11 @@ then ``evaluate_only`` (the weights of a run's checkpoint, of ``model.megatron_c
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
@@ -98,26 +100,35 @@ def run_training(cfg: Config) -> dict[str, Any]:
     """
     if cfg.logging.wandb:
         require_wandb()  # on every rank, before anything starts: a clear error instead of a late one on rank 0
+    with _run_on_layout(cfg) as run:
+        try:
+            run.setup()
+            run.warm_up()
+            run.start_rollouts()
+            try:
+                for step in range(run.start_step + 1, cfg.train.steps + 1):
+                    run.step(step)
+                    if run.checkpoint_due(step):
+                        run.checkpoint(step)
+                run.end_evals()
+            finally:
+                run.stop_rollouts()
+            return run.finish()
+        except BaseException:
+            if run.metrics is not None:
+                run.metrics.close(failed=True)  # the W&B run ends as failed; the files are flushed
+            raise
+
+
+@contextlib.contextmanager
+def _run_on_layout(cfg: Config) -> Iterator[TrainingRun]:
+    """A :class:`TrainingRun` of ``cfg`` inside its parallel layout: the rollout side (its tasks' containers, servers
+    and threads) closed and the layout destroyed on the way out, also on errors."""
     initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed, cp=cfg.parallel.cp, ep=cfg.parallel.ep)
     run: TrainingRun | None = None
     try:
         run = TrainingRun(cfg)
-        run.setup()
-        run.warm_up()
-        run.start_rollouts()
-        try:
-            for step in range(run.start_step + 1, cfg.train.steps + 1):
-                run.step(step)
-                if run.checkpoint_due(step):
-                    run.checkpoint(step)
-            run.end_evals()
-        finally:
-            run.stop_rollouts()
-        return run.finish()
-    except BaseException:
-        if run is not None and run.metrics is not None:
-            run.metrics.close(failed=True)  # the W&B run ends as failed; the files are flushed
-        raise
+        yield run
     finally:
         try:
             if run is not None and run.ro is not None:
@@ -158,19 +169,9 @@ def run_evaluation(cfg: Config) -> dict[str, Any]:
     as the run's own evaluations. Writes ``<output_dir>/eval/``: config.yaml, metrics.jsonl and eval.json (the
     weights, the step, the per-task entries of :func:`~.evaluation.evaluate`), and logs the per-task table.
     Returns eval.json's record on rank 0 (``{}`` elsewhere)."""
-    cfg = evaluation_config(cfg)
-    initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed, cp=cfg.parallel.cp, ep=cfg.parallel.ep)
-    run: TrainingRun | None = None
-    try:
-        run = TrainingRun(cfg)
+    with _run_on_layout(evaluation_config(cfg)) as run:
         run.setup()
         return run.evaluate_only()
-    finally:
-        try:
-            if run is not None and run.ro is not None:
-                run.ro.close()
-        finally:
-            destroy_parallel()
 
 
 def eval_due(cfg: Config, step: int) -> bool:

@@ -489,15 +489,10 @@ class DockerSandbox(ShellSandbox):
 
     # -- counts ---------------------------------------------------------------------------------
 
-    def _counts(self) -> tuple[int | None, int | None, int | None]:
+    def _probed_counts(self) -> tuple[int | None, int | None, int | None]:
         """``(tasks of the container but init and sleep, OOM kills so far, forks refused at its task limit so
-        far)``, each None when unknown."""
-        if self.cgroup is not None:
-            try:
-                tasks: int | None = int((self.cgroup.dirs[0] / "pids.current").read_text()) - BASE_PROCESSES
-            except (OSError, ValueError):
-                tasks = None
-            return tasks, self.cgroup.oom_kills(), self.cgroup.process_limit_hits()
+        far)`` read from inside by an exec, each None when unknown (a container whose cgroup this process cannot
+        see)."""
         # an exec costs ~50 ms: the counts before a command (or after it) are taken together
         sends = self._channel.sends if self._channel is not None else -1
         probed = self._probed
@@ -513,15 +508,20 @@ class DockerSandbox(ShellSandbox):
 
     def _count_processes(self) -> int | None:
         """Tasks in the container besides init and ``sleep`` (the shell included)."""
-        return self._counts()[0]
+        if self.cgroup is None:
+            return self._probed_counts()[0]
+        try:
+            return int((self.cgroup.dirs[0] / "pids.current").read_text()) - BASE_PROCESSES
+        except (OSError, ValueError):
+            return None
 
     def _oom_kills(self) -> int | None:
         """Processes the kernel killed for reaching the container's memory limit."""
-        return self._counts()[1]
+        return self.cgroup.oom_kills() if self.cgroup is not None else self._probed_counts()[1]
 
     def _process_limit_hits(self) -> int | None:
         """Forks the container's pids cgroup refused at its limit (``pids.events``)."""
-        return self._counts()[2]
+        return self.cgroup.process_limit_hits() if self.cgroup is not None else self._probed_counts()[2]
 
     def _end_stragglers(self) -> int:
         """Kill every process of the user but the shell; how many there were."""

@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all lint clean
+.PHONY: install demo test test-e2e test-all lint clean
 
 $(STAMP): setup.py constraints.txt
 	@command -v $(BASE_PYTHON) >/dev/null || { echo "error: $(BASE_PYTHON) not found; install Python 3.11 or run 'make BASE_PYTHON=/path/to/python3.11 ...'"; exit 1; }
@@ -23,11 +23,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/agentrl train --config examples/configs/tiny_cpu.yaml
 
+# the tiers (tests/README.md): the fast one, the end-to-end one (whole runs, real servers, bench smokes, faults), all
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not gpu and not slow" --durations=30 tests
+	$(BIN)/python -m pytest -q -m "not e2e and not gpu and not slow" --durations=30 tests
+
+test-e2e: $(STAMP)
+	$(BIN)/python -m pytest -q -m "e2e and not gpu and not slow" --durations=30 tests
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 # the import contracts of .importlinter (layers, env_controller without torch, no cycles), then ruff
 lint: $(STAMP)

@@ -1,12 +1,25 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules, and the rule that puts a test in the end-to-end tier."""
 from __future__ import annotations
 
 import signal
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+E2E_DIR = Path(__file__).parent / "e2e"
+# fixtures that start a real server (dockerd, MariaDB, SLURM, a Ray cluster): a test that uses one is end-to-end
+REAL_SERVERS = frozenset({"docker_engine", "mariadb", "slurm", "ray_cluster"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``e2e`` every test under tests/e2e/ and every test that uses a real server (tests/README.md)."""
+    for item in items:
+        if item.path.is_relative_to(E2E_DIR) or REAL_SERVERS.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[MariaDBServer]:
+def mariadb() -> Iterator[MariaDBServer]:
     """One private server for the module; it must be gone, files and process, afterwards."""
     srv = MariaDBServer()
     srv.start()
@@ -70,15 +70,15 @@ def _leftovers(server: MariaDBServer) -> tuple[list[str], list[str]]:
 
 
 @pytest.fixture
-def task(server: MariaDBServer) -> Iterator[DBTask]:
-    t = build_task("db", unix_socket=server.socket_path, admin_user=server.user, admin_password=server.password,
+def task(mariadb: MariaDBServer) -> Iterator[DBTask]:
+    t = build_task("db", unix_socket=mariadb.socket_path, admin_user=mariadb.user, admin_password=mariadb.password,
                    query_timeout_s=2)
     assert isinstance(t, DBTask)
     try:
         yield t
     finally:
         t.close()
-        assert _leftovers(server) == ([], []), "a session's database or account was not dropped"
+        assert _leftovers(mariadb) == ([], []), "a session's database or account was not dropped"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,8 +183,8 @@ def test_wrong_answers_and_wrong_changes_score_zero(task: DBTask) -> None:
 
 
 @needs_mariadb
-def test_sql_errors_and_limits_are_tool_messages(server: MariaDBServer) -> None:
-    task = DBTask(unix_socket=server.socket_path, admin_password=server.password, query_timeout_s=2, max_turns=20)
+def test_sql_errors_and_limits_are_tool_messages(mariadb: MariaDBServer) -> None:
+    task = DBTask(unix_socket=mariadb.socket_path, admin_password=mariadb.password, query_timeout_s=2, max_turns=20)
 
     async def go() -> None:
         c = LocalEnvClient({"db": task}, timeout_s=30)
@@ -221,12 +221,12 @@ def test_sql_errors_and_limits_are_tool_messages(server: MariaDBServer) -> None:
         asyncio.run(go())
     finally:
         task.close()
-    assert _leftovers(server) == ([], [])
+    assert _leftovers(mariadb) == ([], [])
 
 
 @needs_mariadb
-def test_parallel_sessions_are_isolated(server: MariaDBServer) -> None:
-    task = DBTask(unix_socket=server.socket_path, admin_password=server.password, max_turns=20)
+def test_parallel_sessions_are_isolated(mariadb: MariaDBServer) -> None:
+    task = DBTask(unix_socket=mariadb.socket_path, admin_password=mariadb.password, max_turns=20)
 
     async def go() -> None:
         opened = await asyncio.gather(*(task.start(i) for i in range(12, 20)))
@@ -235,7 +235,7 @@ def test_parallel_sessions_are_isolated(server: MariaDBServer) -> None:
             await use(sessions)
         finally:
             await asyncio.gather(*(s.close() for s in sessions))
-        assert _leftovers(server) == ([], [])
+        assert _leftovers(mariadb) == ([], [])
 
     async def use(sessions: list[Any]) -> None:
         assert all(isinstance(s, DBSession) for s in sessions)
@@ -276,6 +276,7 @@ def test_parallel_sessions_are_isolated(server: MariaDBServer) -> None:
         task.close()
 
 
+@pytest.mark.e2e
 @needs_mariadb
 def test_start_server_option_runs_its_own_server() -> None:
     t = DBTask(start_server=True)

@@ -435,6 +435,7 @@ def test_sequence_level_terms_at_cp2_match_cp1():
     ["algo.estimator=reinforce_pp", "loss.agg=seq_mean_token_mean", "loss.ratio_level=sequence",
      "loss.mis_cap=2.0", "loss.mis_level=sequence", "loss.tis_cap=2.0", "algo.normalize_per_task=false"],
 ], ids=["grpo-token_mean-mis_token", "rloo-seq_sum-gspo-tis", "reinforce_pp-seq_mean-gspo-mis_seq"])
+@pytest.mark.e2e
 def test_cli_runs_each_estimator_and_loss_setting(tmp_path, settings):
     import os
     import subprocess

@@ -128,6 +128,7 @@ def test_cp2_same_logprobs_loss_and_grads_as_cp1():
         assert torch.equal(outs[0][k + "_lp"], outs[1][k + "_lp"]), k  # the same, whole, on both CP ranks
 
 
+@pytest.mark.e2e
 def test_cli_trains_two_rl_steps_at_cp2(tmp_path):
     """`agentrl train --nproc 2 parallel.cp=2` on the demo's config (packed sequences, shrunk): SFT and two RL
     steps with finite losses and grad norms, and the trainer's log-probs of the sampled tokens (CP=2) equal

@@ -233,6 +233,7 @@ def _tasks(fn: str) -> str:
            f'{{name: calc, reward_fn: "tests.trainer.test_dynamic_sampling:{fn}"}}]'
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_pipeline_never_trains_a_flat_group(tmp_path, mode):
     from tests.support.dist_utils import run_distributed
@@ -256,6 +257,7 @@ def test_pipeline_never_trains_a_flat_group(tmp_path, mode):
         assert dropped == [1, 1, 1] and [m["dynamic_sampling/groups_drawn"] for m in rl] == [3, 3, 3]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_pipeline_with_only_flat_groups_completes(tmp_path, mode):
     """Every group flat and a budget of 1.5 x 2 draws: every step trains on zero-variance stand-ins (no

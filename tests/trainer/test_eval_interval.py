@@ -36,6 +36,7 @@ def _tensorboard_tags(folder) -> set[str]:
     return tags
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_an_eval_row_per_step_and_task(tmp_path, mode):
     from tests.support.dist_utils import run_distributed

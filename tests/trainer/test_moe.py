@@ -155,6 +155,7 @@ def test_capacity_factor_drops_tokens_and_says_so():
     assert stats[0.5]["moe/dropped_frac"] >= 0.4
 
 
+@pytest.mark.e2e
 def test_cli_trains_two_rl_steps_at_ep2(tmp_path):
     """`agentrl train --nproc 2 parallel.ep=2 train.moe_routing_replay=true` with a tiny Qwen3-MoE on the demo's
     tasks: SFT and two RL steps with finite losses, the MoE metrics in metrics.jsonl, every trajectory carrying
@@ -177,6 +178,7 @@ def test_cli_trains_two_rl_steps_at_ep2(tmp_path):
     assert lag0 and max(lag0) < 1e-4, lag0
 
 
+@pytest.mark.e2e
 def test_ep2_checkpoint_resumes_at_ep1(tmp_path):
     """A training checkpoint of a MoE model written at EP=2 (each rank holding half the experts and, with the
     distributed optimizer, its share of their Adam state) resumes at EP=1 (DP=2, every rank holding every

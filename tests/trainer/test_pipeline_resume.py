@@ -27,6 +27,7 @@ def _same(a: dict, b: dict) -> None:
     assert abs(ga - gb) <= 1e-6 * max(1.0, abs(ga)), (ga, gb)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow  # the async TP=2 resume below covers the same contract in the default run
 def test_sync_stop_resume_matches_uninterrupted(tmp_path):
     full, stop, resumed = tmp_path / "full", tmp_path / "stop", tmp_path / "resumed"
@@ -44,6 +45,7 @@ def test_sync_stop_resume_matches_uninterrupted(tmp_path):
     assert f[3]["loss"] != f[2]["loss"]  # the loss does depend on the state
 
 
+@pytest.mark.e2e
 def test_async_tp2_resume_matches_uninterrupted(tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     common = TINY + ["parallel.tp=2", "pipeline.mode=async", "pipeline.staleness=1", "pipeline.sim_env_latency_s=0.01",
@@ -59,6 +61,7 @@ def test_async_tp2_resume_matches_uninterrupted(tmp_path):
     _same(f[3], r[3])
 
 
+@pytest.mark.e2e
 def test_rl_from_the_warm_up_checkpoint_is_the_rl_of_the_run_that_saved_it(tmp_path):
     """``checkpoint.after_warmup``: ``step_000000`` holds the policy, Adam state and reference right after the SFT
     warm-up and the evaluation before RL; RL resumed from it trains the same batches with the same losses as the run
@@ -106,6 +109,7 @@ def _adam_steps(ckpt: Path) -> set[float]:
     return found
 
 
+@pytest.mark.e2e
 @pytest.mark.slow  # a layout change on resume stays in the default run through test_moe's EP=2 -> EP=1
 def test_dp2_checkpoint_resumes_at_dp1(tmp_path):
     """Saved by 2 data-parallel ranks with the distributed optimizer (each holding half the Adam
@@ -146,6 +150,7 @@ def reward_every_third_group_flat(traj) -> float:
     return 0.0 if traj.group_id % 3 == 0 else float(sum(traj.behavior_logprobs)) - len(traj.token_ids)
 
 
+@pytest.mark.e2e
 def test_resume_in_the_same_output_dir_records_each_step_once_and_totals_the_whole_run(tmp_path):
     """A run that went on past its checkpoint (to step 4, checkpoints at 2 and 4; its last line torn, as a killed
     trainer leaves it), resumed from step 2 in the same output_dir: steps 3 and 4 are redone, each RL step is

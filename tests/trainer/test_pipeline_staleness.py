@@ -129,6 +129,7 @@ def test_manager_never_trains_samples_older_than_eta(template, eta, lag):
         assert max(staleness) == 0
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("engines", ["one", "pool"])
 def test_async_pipeline_staleness_bound(tmp_path, engines):
     """One local engine, or a version pool of two (cross-policy sampling over the live versions)."""

@@ -42,7 +42,7 @@ TINY = ["model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.a
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
+def ray_cluster() -> Iterator[Cluster]:
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 4, "include_dashboard": False})
     ray.init(address=c.address, namespace="agentrl_test", log_to_driver=False)
     try:
@@ -63,7 +63,7 @@ def _ours_left() -> list[str]:
             if pg["name"].startswith("agentrl_") and pg["state"] != "REMOVED"]
 
 
-def test_pools_are_placement_groups(cluster: Cluster, tmp_path: Path) -> None:
+def test_pools_are_placement_groups(ray_cluster: Cluster, tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "ray.train_workers=2", "ray.train_gpus_per_worker=1", "ray.train_cpus_per_worker=0.25",
                "ray.rollout_gpus_per_engine=1", "ray.rollout_cpus_per_engine=0.25", "ray.controller=true",
                "ray.controller_cpus=0.25")
@@ -91,7 +91,7 @@ def _wait_for_free_gpus(n: float, why: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.2)
 
 
-def test_layout_that_does_not_fit_fails_clearly(cluster: Cluster, tmp_path: Path) -> None:
+def test_layout_that_does_not_fit_fails_clearly(ray_cluster: Cluster, tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "ray.train_workers=8", "ray.train_gpus_per_worker=1", "ray.train_cpus_per_worker=0.1",
                "ray.placement_timeout_s=3")
     t0 = time.monotonic()
@@ -103,7 +103,7 @@ def test_layout_that_does_not_fit_fails_clearly(cluster: Cluster, tmp_path: Path
     assert not _ours_left()
 
 
-def test_train_on_ray_with_controller_and_engine_actors(cluster: Cluster, tmp_path: Path) -> None:
+def test_train_on_ray_with_controller_and_engine_actors(ray_cluster: Cluster, tmp_path: Path) -> None:
     """A tiny run on Ray: the env controller (with workers for the built-in tasks) and one rollout
     engine (the SGLang stand-in, launched the way SGLang is) as actors in their own placement
     groups, the trainer in the train pool; the episodes go through both over HTTP."""
@@ -131,10 +131,10 @@ def test_train_on_ray_with_controller_and_engine_actors(cluster: Cluster, tmp_pa
     assert not alive, alive
 
 
-def test_node_lost_mid_run_stops_with_a_resumable_checkpoint(cluster: Cluster, tmp_path: Path) -> None:
+def test_node_lost_mid_run_stops_with_a_resumable_checkpoint(ray_cluster: Cluster, tmp_path: Path) -> None:
     # the trainer asks for 3 CPUs: only the added node (4 CPUs) can hold it, the head has 2
-    node = cluster.add_node(num_cpus=4)
-    cluster.wait_for_nodes()
+    node = ray_cluster.add_node(num_cpus=4)
+    ray_cluster.wait_for_nodes()
     config = str(ROOT / "tests/configs/tiny_test.yaml")
     base = [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, "ray.health_check_interval_s=1",
             "checkpoint.interval=1", "checkpoint.resume=latest"]
@@ -158,7 +158,7 @@ def test_node_lost_mid_run_stops_with_a_resumable_checkpoint(cluster: Cluster, t
         assert time.monotonic() < deadline, "no checkpoint written"
         time.sleep(0.5)
     t_kill = time.monotonic()
-    cluster.remove_node(node, allow_graceful=False)
+    ray_cluster.remove_node(node, allow_graceful=False)
     t.join(timeout=90)
     assert not t.is_alive(), "the run did not stop after its node was removed"
     err = result.get("error")
@@ -240,7 +240,7 @@ SLOW_STEPS = ["train.steps=4", "checkpoint.interval=2", "ray.health_check_interv
               "pipeline.sim_env_latency_s=0.15", "pipeline.sim_env_latency_alpha=50"]
 
 
-def test_killed_trainer_restarts_and_resumes_from_its_checkpoint(cluster: Cluster, tmp_path: Path, caplog) -> None:
+def test_killed_trainer_restarts_and_resumes_from_its_checkpoint(ray_cluster: Cluster, tmp_path: Path, caplog) -> None:
     """Trainer rank 0's process SIGKILLed after the step-2 checkpoint: the launcher starts a fresh trainer that
     resumes from it (ray.max_restarts), the run completes all steps, each recorded once, and summary.json covers
     the whole run."""
@@ -271,7 +271,7 @@ def test_killed_trainer_restarts_and_resumes_from_its_checkpoint(cluster: Cluste
 
 
 @pytest.mark.slow  # the no-restart message is also checked by the node-lost test in the default run
-def test_killed_trainer_without_restarts_stops_the_run(cluster: Cluster, tmp_path: Path) -> None:
+def test_killed_trainer_without_restarts_stops_the_run(ray_cluster: Cluster, tmp_path: Path) -> None:
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", "ray.enabled=true", *TINY, "sft.steps=0", *SLOW_STEPS, "ray.max_restarts=0"]
     config = str(ROOT / "tests/configs/tiny_test.yaml")
@@ -289,7 +289,7 @@ def test_killed_trainer_without_restarts_stops_the_run(cluster: Cluster, tmp_pat
 
 
 @pytest.mark.slow  # about 30 s: two launches of the stand-in server
-def test_killed_engine_actor_comes_back_at_its_url(cluster: Cluster, tmp_path: Path, caplog) -> None:
+def test_killed_engine_actor_comes_back_at_its_url(ray_cluster: Cluster, tmp_path: Path, caplog) -> None:
     """A rollout engine's actor SIGKILLed (its server, in a session of its own, outlives it): the launcher starts a
     new actor in the same bundle, which stops the old server and launches one at the same host:port; a second
     loss past ray.engine_max_restarts stops the run, naming the key."""

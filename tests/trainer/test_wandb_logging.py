@@ -142,6 +142,7 @@ def _run(rank: int, world: int, overrides: list[str]) -> dict:
     return run_training(load_config("tests/configs/tiny_test.yaml", overrides))
 
 
+@pytest.mark.e2e
 def test_a_run_with_wandb_writes_its_metrics_and_config_under_output_dir(tmp_path):
     """A tiny run (SFT warm-up, 2 RL steps, evaluations) with logging.wandb=true in offline mode, no network:
     the W&B run under output_dir/wandb holds the config and every phase's metrics; TensorBoard off."""

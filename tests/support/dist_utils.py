@@ -30,7 +30,8 @@ from typing import Any
 
 from env_controller.http.net import free_port
 
-PRELOAD = ["torch", "megatron.core", "transformers", "megatron_agentrl.megatron.actor", "megatron_agentrl.pipeline.loop"]
+PRELOAD = ["torch", "megatron.core", "transformers", "megatron_agentrl.megatron.actor",
+           "megatron_agentrl.pipeline.loop"]
 # read when torch loads, so the fork server must start with it: a rank's own setting would come too late
 SERVER_ENV = {"OMP_NUM_THREADS": "1"}
 

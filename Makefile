@@ -23,9 +23,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/agentrl train --config examples/configs/tiny_cpu.yaml
 
-# the tiers (tests/README.md): the fast one, the end-to-end one (whole runs, real servers, bench smokes, faults), all
+# the tiers (tests/README.md): the fast one, the end-to-end one (whole runs, real servers, bench smokes, faults), all.
+# The fast one runs on TEST_JOBS pytest-xdist workers, a test file on one worker (its module fixtures built once)
+TEST_JOBS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not e2e and not gpu and not slow" --durations=30 tests
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not e2e and not gpu and not slow" --durations=30 tests
 
 test-e2e: $(STAMP)
 	$(BIN)/python -m pytest -q -m "e2e and not gpu and not slow" --durations=30 tests

@@ -47,7 +47,8 @@ setup(
         "gpu": ["transformer-engine[pytorch]==2.20.2", "nvidia-ml-py==13.615.71"],
         "sglang": ["sglang==0.5.23"],
         # agentrl-worker: the AgentRL task-worker package, for the controller compatibility test
-        "dev": ["pytest==9.2.0", "agentrl-worker==0.4.0", "import-linter==2.16", "ruff==0.17.6",
+        # pytest-xdist: `make test` on two workers (tests/README.md)
+        "dev": ["pytest==9.2.0", "pytest-xdist==3.8.0", "agentrl-worker==0.4.0", "import-linter==2.16", "ruff==0.17.6",
                 # hypothesis: property tests of the tool-call parsers; schemathesis: the HTTP APIs fuzzed from their
                 # OpenAPI description
                 "hypothesis==6.170.17", "schemathesis==4.32.5",

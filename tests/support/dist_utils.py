@@ -9,7 +9,7 @@ deadline passes, stragglers are killed and the error names them. ``fn`` must be 
 (defined at the top level of a module).
 
 The ranks are forked from multiprocessing's fork server, which imported torch, megatron-core, transformers and the
-training path once (``PRELOAD``): a spawned rank paid those imports, about 2 s, again. A rank still starts from a
+training path once (``PRELOAD``), where a spawned rank paid all those imports again. A rank still starts from a
 process that ran nothing but imports, in this process's current directory and environment, with one OpenMP thread.
 
 ``wait_for_file(path, timeout_s)`` lets one of those processes wait for a file that another writes
@@ -27,6 +27,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from env_controller.http.net import free_port
 
@@ -115,16 +116,8 @@ def _context() -> Any:
     """The fork-server context, its server started (once per process) with ``PRELOAD`` imported."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    saved = {k: os.environ.get(k) for k in SERVER_ENV}
-    os.environ.update(SERVER_ENV)
-    try:
+    with mock.patch.dict(os.environ, SERVER_ENV):
         multiprocessing.forkserver.ensure_running()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return ctx
 
 

@@ -24,7 +24,10 @@ connection's opening or its previous reply (else the connection is closed unansw
 keep-alive connections are closed after ``idle_timeout_s``; a body must arrive within
 ``body_timeout_s`` of its head (else ``408`` and the connection is closed); a client that leaves
 mid-body is logged in one line. Replies go out in request order (one request at a time per
-connection, as HTTP/1.1 keep-alive clients send them).
+connection, as HTTP/1.1 keep-alive clients send them). A client that does not read its replies gets no
+more served: once the unsent bytes pass the transport's high-water mark, the connection neither reads
+nor serves until they drain, so pipelined requests wait in the client's socket rather than as replies
+in this process; one that still has not read after ``idle_timeout_s`` is dropped.
 """
 from __future__ import annotations
 
@@ -191,10 +194,15 @@ class FastFront:
         self._sweeper = self.loop.call_later(every, self._sweep)
 
     def _sweep(self) -> None:
-        """Close keep-alive connections idle past ``idle_timeout_s`` (partial requests have timers of their own)."""
+        """Close keep-alive connections idle past ``idle_timeout_s`` (partial requests have timers of their own),
+        and drop those whose client has not read a reply for as long (what is unsent is dropped with them)."""
         now = time.monotonic()
         for conn in list(self.conns):
-            if not conn.busy and not conn.buf and now - conn.idle_since > self.idle_timeout_s:
+            if now - conn.idle_since <= self.idle_timeout_s:
+                continue
+            if conn.write_paused:
+                conn.abort()
+            elif not conn.busy and not conn.buf:
                 conn.close()
         if not self._closing:
             self._schedule_sweep()
@@ -227,7 +235,7 @@ class _FastConn(asyncio.Protocol):
     """One client connection on the fast path (until it is handed to aiohttp)."""
 
     __slots__ = ("front", "transport", "buf", "busy", "idle_since", "timer", "task", "awaiting", "closed",
-                 "_close_after", "_pending", "_parsed", "_remote", "_paused")
+                 "_close_after", "_pending", "_parsed", "_remote", "_paused", "write_paused")
 
     def __init__(self, front: FastFront) -> None:
         self.front = front
@@ -243,7 +251,8 @@ class _FastConn(asyncio.Protocol):
         self._pending: tuple[str, str] | None = None  # (method, path) whose body is still arriving
         self._parsed: tuple[Any, ...] | None = None  # that request's parsed head
         self._remote: str | None = None
-        self._paused = False
+        self._paused = False  # reading paused
+        self.write_paused = False  # the transport holds more unsent reply bytes than its high-water mark
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -260,12 +269,24 @@ class _FastConn(asyncio.Protocol):
             if not isinstance(self.buf, bytearray):
                 self.buf = bytearray(self.buf)
             self.buf += data
-        if self.busy:
-            if len(self.buf) > self.front.max_fast_body + MAX_HEAD and not self._paused:
-                self._paused = True  # a client sending ahead of its replies waits for them
-                self.transport.pause_reading()  # type: ignore[union-attr]
+        if self.busy or self.write_paused:
+            if len(self.buf) > self.front.max_fast_body + MAX_HEAD:
+                self._pause_reading()  # a client sending ahead of its replies waits for them
             return
         self._next()
+
+    def pause_writing(self) -> None:  # noqa: D102
+        # the client does not read its replies: serve and read nothing more until it does, so that what it
+        # sends ahead waits in its own socket, not as replies in this process
+        self.write_paused = True
+        self._pause_reading()
+
+    def resume_writing(self) -> None:  # noqa: D102
+        self.write_paused = False
+        if not self.busy and not self.closed:
+            self._resume_reading()
+            if self.buf:
+                self.front.loop.call_soon(self._next)
 
     def eof_received(self) -> bool:  # noqa: D102
         return False  # close our side too
@@ -292,7 +313,7 @@ class _FastConn(asyncio.Protocol):
     def _next(self) -> None:
         """Serve the request at the head of the buffer when it is complete; hand over what is not plain."""
         buf = self.buf
-        if not buf or self.busy or self.closed:
+        if not buf or self.busy or self.closed or self.write_paused:
             return
         if self._parsed is not None:  # its head was read before: only the body was awaited
             end, parsed = self._parsed
@@ -429,11 +450,21 @@ class _FastConn(asyncio.Protocol):
         if close:
             self.close()
             return
-        if self._paused:
-            self._paused = False
-            self.transport.resume_reading()  # type: ignore[union-attr]
+        if self.write_paused:  # resume_writing() goes on
+            return
+        self._resume_reading()
         if self.buf:  # a request sent ahead: on the next pass (a taskless reply may come within this call)
             self.front.loop.call_soon(self._next)
+
+    def _pause_reading(self) -> None:
+        if not self._paused and self.transport is not None and not self.transport.is_closing():
+            self._paused = True
+            self.transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        if self._paused and self.transport is not None and not self.transport.is_closing():
+            self._paused = False
+            self.transport.resume_reading()
 
     def cancel(self) -> None:
         """Cancel the request in progress, if any (its handler sees ``CancelledError``)."""
@@ -457,6 +488,8 @@ class _FastConn(asyncio.Protocol):
         assert transport is not None
         transport.set_protocol(protocol)
         protocol.connection_made(transport)
+        if self.write_paused:  # aiohttp's protocol waits for resume_writing() before its next write
+            protocol.pause_writing()
         if self._paused:
             transport.resume_reading()
         if data:
@@ -496,8 +529,15 @@ class _FastConn(asyncio.Protocol):
             self.close()
 
     def close(self) -> None:
-        """Close the connection."""
+        """Close the connection (once what is written is sent)."""
         self._cancel_timer()
         self._pending = self._parsed = None
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
+
+    def abort(self) -> None:
+        """Close the connection now, unsent replies dropped."""
+        self._cancel_timer()
+        self._pending = self._parsed = None
+        if self.transport is not None:
+            self.transport.abort()

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import threading
 import time
 
 import pytest
 
 from env_controller.controller.metrics import OVERHEAD_BUCKETS, ControllerMetrics
 from env_controller.controller.worker_http import ConnectError, WorkerHttp
-from tests.env.support import cluster, run, tool_call
+from env_controller.http.net import free_port
+from tests.env.support import AGENTRL, cluster, run, tool_call
 
 
 async def exchange(port: int, data: bytes, until: int = 1, timeout_s: float = 10) -> list[tuple[bytes, bytes]]:
@@ -338,3 +342,66 @@ def test_taskless_handlers_await_futures_answer_pipelined_requests_in_order_and_
             await front.close(timeout_s=0.1)
 
     run(go())
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def _connect(port: int, timeout_s: float) -> socket.socket:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=5)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_a_client_that_does_not_read_its_replies_cannot_grow_the_server(processes) -> None:
+    """1 MB of pipelined ``GET /openapi.json`` (a 17 KB reply each, no credential needed) that the client does not
+    read: the controller grows by less than 64 MB (it stops serving the connection until the replies drain); once the
+    client reads, every request is answered."""
+    port = free_port()
+    proc = subprocess.Popen([*AGENTRL, "controller", "--port", str(port), "--log-level", "WARNING"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    processes.append(proc)
+    request = b"GET /openapi.json HTTP/1.1\r\nHost: t\r\n\r\n"
+    with _connect(port, 60) as warm:  # the reply's first build, before the baseline
+        warm.sendall(request)
+        assert warm.recv(4096).startswith(b"HTTP/1.1 200 OK")
+    before = _rss_mb(proc.pid)
+    data = request * ((1 << 20) // len(request))
+    with _connect(port, 10) as sock:
+        sock.setblocking(False)
+        sent, deadline = 0, time.monotonic() + 20
+        while sent < len(data) and time.monotonic() < deadline:  # what the kernel takes; the rest is sent below
+            try:
+                sent += sock.send(data[sent:])
+            except BlockingIOError:
+                time.sleep(0.05)
+        peak = before
+        for _ in range(15):  # the server serves what it read until its replies back up
+            time.sleep(0.2)
+            peak = max(peak, _rss_mb(proc.pid))
+        assert peak - before < 64, f"{peak - before:.0f} MB of growth for 1 MB of unread requests"
+
+        sock.setblocking(True)
+        sock.settimeout(30)
+        rest = threading.Thread(target=sock.sendall, args=(data[sent:],), daemon=True)
+        rest.start()
+        status, answered, tail = b"HTTP/1.1 200 OK\r\n", 0, b""
+        buf = bytearray(1 << 22)
+        while answered < len(data) // len(request):
+            n = sock.recv_into(buf)
+            assert n, f"the connection closed after {answered} replies"
+            chunk = tail + bytes(buf[:n])
+            answered += chunk.count(status)
+            tail = chunk[-(len(status) - 1):]
+        rest.join(10)
+        assert answered == len(data) // len(request)

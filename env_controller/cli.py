@@ -28,6 +28,7 @@ from env_controller.http.auth import (
     resolve_token,
     split_url_credentials,
 )
+from env_controller.http.fast import MAX_CONNECTIONS
 from env_controller.http.service import BODY_TIMEOUT_S, IDLE_TIMEOUT_S, install_uvloop, raise_nofile_limit
 
 logger = logging.getLogger("agentrl.env")
@@ -64,6 +65,8 @@ def add_controller_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds a client may take to send a request body (default {BODY_TIMEOUT_S:g})")
     p.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT_S,
                    help=f"seconds a connection may wait for a complete request head (default {IDLE_TIMEOUT_S:g})")
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                   help=f"client connections open at once; one more is answered 503 (default {MAX_CONNECTIONS})")
     p.add_argument(
         "--heartbeat-timeout",
         type=float,
@@ -233,6 +236,7 @@ def controller(args: argparse.Namespace) -> int:
             heartbeat_timeout_s=args.heartbeat_timeout, suspect_after_s=args.suspect_after,
             session_idle_timeout_s=args.session_idle_timeout, interact_timeout_s=args.interact_timeout,
             start_timeout_s=args.start_timeout, body_timeout_s=args.body_timeout, idle_timeout_s=args.idle_timeout,
+            max_connections=args.max_connections,
         )
         from env_controller.http.auth import check_bind
 

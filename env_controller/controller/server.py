@@ -62,6 +62,7 @@ from env_controller.controller.registry import NoWorkerError, RegistryError, Wor
 from env_controller.controller.sessions import Session, SessionTable, final_reply
 from env_controller.controller.worker_http import ConnectError, WorkerHttp, parse_url
 from env_controller.http.auth import ANY_TASK, TRAINER_TOKEN_ENV, Credentials, Role, split_url_credentials, token_ok
+from env_controller.http.fast import MAX_CONNECTIONS
 from env_controller.http.service import (
     BODY_TIMEOUT_S,
     IDLE_TIMEOUT_S,
@@ -122,6 +123,8 @@ class ControllerConfig:
         below the workers' own keep-alive timeout (uvicorn, which AgentRL workers use: 5 s) so that
         the controller never sends a request on a connection the worker is closing.
     remember_ended: ended sessions remembered for error messages and late final replies.
+    max_connections: connections from clients (trainers, workers) open at once; one more is answered 503 and
+        closed, and reaching the cap is logged.
     fast_front: serve plain requests through the fast front (:mod:`env_controller.http.fast`); False
         has aiohttp serve every request, as before it (the same replies, at about twice the CPU).
     """
@@ -147,6 +150,7 @@ class ControllerConfig:
     idle_timeout_s: float = IDLE_TIMEOUT_S
     max_forward_bytes: int = MAX_BODY_BYTES
     remember_ended: int = 50_000
+    max_connections: int = MAX_CONNECTIONS
     fast_front: bool = True
 
     def __post_init__(self) -> None:
@@ -168,7 +172,7 @@ class ControllerConfig:
             )
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"controller config: port={self.port!r} must be 0..65535 (0 picks a free port)")
-        for name in ("max_worker_connections", "remember_ended", "max_forward_bytes"):
+        for name in ("max_worker_connections", "remember_ended", "max_forward_bytes", "max_connections"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"controller config: {name}={v!r} must be a positive integer")
@@ -280,6 +284,7 @@ class Controller(HttpService):
             c.credentials(), self._routes(), body_timeout_s=c.body_timeout_s, idle_timeout_s=c.idle_timeout_s,
             auth_hint=f"the controller's --trainer-token / --worker-token / --token; ${TRAINER_TOKEN_ENV}",
             on_rejected=self._count_rejected, fast=c.fast_front, taskless=True,  # its handlers await only futures
+            max_connections=c.max_connections,
         )
 
     # -- lifecycle -------------------------------------------------------------------------------

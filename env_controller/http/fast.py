@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 MAX_FAST_BODY = 1 << 20
 #: the longest request head looked at (longer ones go to aiohttp, which refuses them)
 MAX_HEAD = 16384
+#: open connections a server keeps at once by default (its clients pool theirs: a trainer's env client 256)
+MAX_CONNECTIONS = 4096
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HANDED_OVER_HEADERS = frozenset(("transfer-encoding", "expect", "upgrade"))
@@ -150,24 +152,30 @@ def serialize(reply: Reply, close: bool = False, keepalive_s: float | None = Non
 
 class FastFront:
     """Serves ``routes`` (``(method, path) -> handler``) on the fast path; ``fallback()`` makes the aiohttp
-    protocol a connection is handed to. See the module docstring for the limits."""
+    protocol a connection is handed to (no routes: every connection is, at its first request). See the module
+    docstring for the limits."""
 
     def __init__(
         self,
         routes: dict[tuple[str, str], FastHandler],
-        fallback: Callable[[], asyncio.Protocol],
+        fallback: web.Server,
         *,
         body_timeout_s: float,
         idle_timeout_s: float,
         on_gone: GoneHandler,
         max_fast_body: int = MAX_FAST_BODY,
         taskless: bool = False,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         """See the class docstring; ``on_gone``: logs (and counts) a body that did not arrive, and gives
         the reply for a stalled one (status 408); ``taskless``: drive handlers without a task (module
-        docstring)."""
+        docstring); ``max_connections``: connections open at once, on either path; one more is answered 503 and
+        closed, and reaching the cap is logged once each time."""
         self.routes = routes
         self.fallback = fallback
+        self.max_connections = max_connections
+        self.refused = 0  # connections refused at the cap
+        self._at_cap = False
         self.body_timeout_s = float(body_timeout_s)
         self.idle_timeout_s = float(idle_timeout_s)
         self.max_fast_body = max_fast_body
@@ -184,10 +192,31 @@ class FastFront:
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: a free port); returns the bound port."""
         loop = self.loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _FastConn(self), host, port, backlog=4096,
-                                                reuse_address=True)
+        self._server = await loop.create_server(self._accept, host, port, backlog=4096, reuse_address=True)
         self._schedule_sweep()
         return int(self._server.sockets[0].getsockname()[1])
+
+    def open_connections(self) -> int:
+        """Connections open now: on the fast path (from their acceptance) and handed to aiohttp."""
+        return len(self.conns) + len(self.fallback.connections)
+
+    def _accept(self) -> asyncio.Protocol:
+        """A new connection's protocol: a fast one, or, with ``max_connections`` open, one that refuses it."""
+        if self.open_connections() < self.max_connections:
+            self._at_cap = False
+            conn = _FastConn(self)
+            self.conns.add(conn)  # counted from here, not from connection_made: a burst of accepts comes first
+            return conn
+        self.refused += 1
+        if not self._at_cap:
+            self._at_cap = True
+            logger.warning("%d connections open, the cap (max_connections=%d): new connections are answered 503 "
+                           "and closed until some close; raise max_connections if the clients are yours, else "
+                           "look for a client that opens connections and leaves them open",
+                           self.open_connections(), self.max_connections)
+        body = ('{"error": "the server has %d connections open, its cap; retry later", "status": 503}'
+                % self.max_connections).encode()
+        return _Refused(serialize(Reply(body, 503, {"Retry-After": "1"}), close=True))
 
     def _schedule_sweep(self) -> None:
         every = max(0.05, min(5.0, self.idle_timeout_s / 4))
@@ -229,6 +258,17 @@ class FastFront:
             except TimeoutError:
                 pass
             self._server = None
+
+
+class _Refused(asyncio.Protocol):
+    """A connection past the cap: its bytes (a 503 reply) written, then closed."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # noqa: D102
+        transport.write(self.reply)  # type: ignore[attr-defined]
+        transport.close()
 
 
 class _FastConn(asyncio.Protocol):
@@ -532,7 +572,9 @@ class _FastConn(asyncio.Protocol):
         """Close the connection (once what is written is sent)."""
         self._cancel_timer()
         self._pending = self._parsed = None
-        if self.transport is not None and not self.transport.is_closing():
+        if self.transport is None:  # accepted, never made: nothing will call connection_lost
+            self.front.conns.discard(self)
+        elif not self.transport.is_closing():
             self.transport.close()
 
     def abort(self) -> None:

@@ -30,7 +30,7 @@ from env_controller.http.auth import (
     check_bind,
     redact_url,
 )
-from env_controller.http.fast import MAX_FAST_BODY, FastFront, LiteRequest, Reply
+from env_controller.http.fast import MAX_CONNECTIONS, MAX_FAST_BODY, FastFront, LiteRequest, Reply
 from env_controller.http.json_io import dumps_json, loads_json
 
 logger = logging.getLogger(__name__)
@@ -351,6 +351,7 @@ class HttpService(ABC):
         on_rejected: OnRejected | None = None,
         fast: bool = False,
         taskless: bool = False,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         """``credentials``: what requests must prove (none: open); ``routes``: (method, path,
         handler, role); ``body_timeout_s``: limit on receiving a request body; ``idle_timeout_s``:
@@ -359,12 +360,15 @@ class HttpService(ABC):
         before its handler ran (bad credential, unknown endpoint or method, a body that did not arrive on
         the fast path); ``fast``: serve plain requests through :class:`~env_controller.http.fast.FastFront`
         (aiohttp takes every other one), else aiohttp serves all; ``taskless``: the fast front drives the
-        handlers without a task (they await only futures: see :mod:`~env_controller.http.fast`)."""
+        handlers without a task (they await only futures: see :mod:`~env_controller.http.fast`);
+        ``max_connections``: connections open at once (one more is answered 503 and closed, and logged)."""
         for label, v in (("body_timeout_s", body_timeout_s), ("idle_timeout_s", idle_timeout_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{label}={v!r} must be a positive number of seconds")
-        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes={max_body_bytes!r} must be a positive integer")
+        for label, n in (("max_body_bytes", max_body_bytes), ("max_connections", max_connections)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{label}={n!r} must be a positive integer")
+        self.max_connections = max_connections
         self.credentials = credentials
         self.idle_timeout_s = float(idle_timeout_s)
         self.body_timeout_s = float(body_timeout_s)
@@ -387,17 +391,17 @@ class HttpService(ABC):
         self._front: FastFront | None = None
 
     async def _serve(self, host: str, port: int, what: str) -> int:
-        """Check the bind rule for ``what`` (ValueError) and serve the app; returns the bound port."""
+        """Check the bind rule for ``what`` (ValueError) and serve the app; returns the bound port. The fast front
+        listens either way (it caps the connections); without ``fast`` it hands each one to aiohttp at its first
+        request."""
         check_bind(host, self.credentials.enabled, what)
-        if self._fast_routes is None:
-            self._runner, bound = await start_site(self.app, host, port, self.idle_timeout_s)
-            return bound
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False, keepalive_timeout=self.idle_timeout_s)
         await runner.setup()
         assert runner.server is not None
-        front = FastFront(self._fast_routes, runner.server, body_timeout_s=self.body_timeout_s,
+        front = FastFront(self._fast_routes or {}, runner.server, body_timeout_s=self.body_timeout_s,
                           idle_timeout_s=self.idle_timeout_s, on_gone=self._body_gone,
-                          max_fast_body=min(self.max_body_bytes, MAX_FAST_BODY), taskless=self._taskless)
+                          max_fast_body=min(self.max_body_bytes, MAX_FAST_BODY), taskless=self._taskless,
+                          max_connections=self.max_connections)
         try:
             bound = await front.start(host, port)
         except OSError:

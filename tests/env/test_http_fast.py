@@ -405,3 +405,42 @@ def test_a_client_that_does_not_read_its_replies_cannot_grow_the_server(processe
             tail = chunk[-(len(status) - 1):]
         rest.join(10)
         assert answered == len(data) // len(request)
+
+
+@pytest.mark.parametrize("fast_front", [True, False])
+def test_connections_past_the_cap_are_answered_503_and_the_cap_is_logged_once(fast_front: bool, caplog) -> None:
+    """``max_connections`` open connections (idle, or handed to aiohttp after a request it serves): one more is
+    answered 503 and closed, as many times as it comes, with one log line; once one closes, a new one is served."""
+    from env_controller.controller.server import Controller
+    from tests.env.support import fast_config
+
+    async def go() -> None:
+        controller = Controller(fast_config(max_connections=3, fast_front=fast_front))
+        await controller.start()
+        held = []
+        try:
+            for i in range(3):  # one of them served by aiohttp (HTTP/1.0 keep-alive is not plain)
+                reader, writer = await asyncio.open_connection("127.0.0.1", controller.port)
+                if i == 0:
+                    writer.write(b"GET /api/health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+                    assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.")
+                held.append(writer)
+            for _ in range(2):
+                reader, writer = await asyncio.open_connection("127.0.0.1", controller.port)
+                refused = await asyncio.wait_for(reader.read(), 5)  # answered before any request, then closed
+                writer.close()
+                assert refused.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), refused
+                assert json.loads(refused.split(b"\r\n\r\n", 1)[1]) == {
+                    "error": "the server has 3 connections open, its cap; retry later", "status": 503}
+            cap_lines = [r for r in caplog.records if "max_connections=3" in r.getMessage()]
+            assert len(cap_lines) == 1 and "new connections are answered 503" in cap_lines[0].getMessage()
+            held.pop().close()
+            await asyncio.sleep(0.2)
+            replies = await exchange(controller.port, b"GET /api/health HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert replies[0][0].startswith(b"HTTP/1.1 200")
+        finally:
+            for w in held:
+                w.close()
+            await controller.stop()
+
+    run(go())

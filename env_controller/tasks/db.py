@@ -583,10 +583,13 @@ class DBTask(BlockingToolTask):
                 cur.execute(f"CREATE DATABASE `{database}` CHARACTER SET utf8mb4")
                 cur.execute(f"CREATE USER '{user}'@'localhost' IDENTIFIED BY %s, '{user}'@'%%' IDENTIFIED BY %s "
                             "WITH MAX_USER_CONNECTIONS 2", (password, password))
+                # a grant's database name is a pattern where _ matches any character: escaped, it names this
+                # database alone (else CREATE would reach databases that drop() never removes)
+                exact = database.replace("_", "\\_")
                 for host in ("localhost", "%"):
                     cur.execute("GRANT SELECT, INSERT, UPDATE, DELETE, CREATE, DROP, ALTER, INDEX, CREATE VIEW, "
                                 "SHOW VIEW, CREATE TEMPORARY TABLES, LOCK TABLES "
-                                f"ON `{database}`.* TO '{user}'@'{host}'")
+                                f"ON `{exact}`.* TO '{user}'@'{host}'")
                 self._load(cur, database, sample.tables)
                 if sample.is_query:
                     cur.execute(sample.solution)

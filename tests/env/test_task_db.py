@@ -225,6 +225,42 @@ def test_sql_errors_and_limits_are_tool_messages(mariadb: MariaDBServer) -> None
 
 
 @needs_mariadb
+def test_a_session_makes_no_database_beyond_its_own_and_leaves_nothing(mariadb: MariaDBServer) -> None:
+    """A grant's database name is a pattern (``_`` matches any character): the session's names its own database
+    exactly, so a database the unescaped pattern would match is refused, and what the session made in its own
+    database (a MEMORY table) goes with it."""
+    task = DBTask(unix_socket=mariadb.socket_path, admin_password=mariadb.password, max_turns=20)
+    with _admin(mariadb) as conn, conn.cursor() as cur:
+        cur.execute("SHOW DATABASES")
+        before = {r[0] for r in cur.fetchall()}
+
+    async def go() -> None:
+        c = LocalEnvClient({"db": task}, timeout_s=30)
+        sid, _ = await c.start_sample("db", 0)
+
+        async def sql(text: str) -> str:
+            reply = await c.interact(sid, [call("execute_sql", {"sql": text})])
+            return reply.messages[0]["content"]
+
+        own = (await sql("SELECT DATABASE() AS db")).split("\n")[1]
+        assert own.startswith("agentrl_"), own
+        twin = own.replace("_", "X", 1)  # matched by `agentrl_...` as a pattern, not by the name itself
+        refused = await sql(f"CREATE DATABASE `{twin}`")
+        assert refused.startswith("error: (1044) Access denied"), refused
+        assert await sql("CREATE TABLE kept (x INT) ENGINE=MEMORY") == "Query OK, 0 rows affected"
+        await c.cancel(sid)
+
+    try:
+        asyncio.run(go())
+    finally:
+        task.close()
+    with _admin(mariadb) as conn, conn.cursor() as cur:
+        cur.execute("SHOW DATABASES")
+        assert {r[0] for r in cur.fetchall()} == before
+    assert _leftovers(mariadb) == ([], [])
+
+
+@needs_mariadb
 def test_parallel_sessions_are_isolated(mariadb: MariaDBServer) -> None:
     task = DBTask(unix_socket=mariadb.socket_path, admin_password=mariadb.password, max_turns=20)
 

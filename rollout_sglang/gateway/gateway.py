@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import logging
 import secrets
@@ -62,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 #: Status of an episode whose agent function raised (or ran past its time limit).
 AGENT_ERROR = "agent error"
+#: forced prefixes (a tool call's head, by tool name) whose tokens are kept
+PREFIX_CACHE = 1024
 
 
 @dataclass
@@ -148,7 +151,8 @@ class Gateway:
         self.created = int(time.time())
         self.sessions: dict[str, GatewaySession] = {}
         self.stats = GatewayStats()
-        self._prefixes: dict[tuple[str, str | None], list[int]] = {}
+        # the forced prefixes' tokens by text; keyed by what agents send (tool names), so bounded
+        self._encode_prefix = functools.lru_cache(maxsize=PREFIX_CACHE)(self._encode)
         if max_queued_turns < 0 or not retry_after_s > 0:
             raise ValueError(f"max_queued_turns={max_queued_turns} must be >= 0 (0: no bound) and "
                              f"retry_after_s={retry_after_s} > 0")
@@ -312,11 +316,10 @@ class Gateway:
                                          f"{self.template.name} chat format (a call starts with the tool's name); "
                                          "name the tool or use 'auto'")
             name = req.tools[0]["function"]["name"]
-        key = (req.tool_choice, name)
-        if key not in self._prefixes:
-            text = self.template.call_prefix(name) or ""
-            self._prefixes[key] = list(self.template.tokenizer.encode(text, add_special_tokens=False))
-        return self._prefixes[key]
+        return list(self._encode_prefix(self.template.call_prefix(name) or ""))
+
+    def _encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self.template.tokenizer.encode(text, add_special_tokens=False))
 
     def _no_think_prefix(self) -> list[int]:
         """The empty think block a turn that must not reason starts with (forced, loss mask 0); none when the
@@ -329,10 +332,7 @@ class Gateway:
             raise bad("thinking", f"cannot be turned off in the {t.name} chat format (the policy reasons in every "
                                   "turn, and no empty think block is defined for it); leave thinking out",
                       code="unsupported_value")
-        key = ("no_think", None)
-        if key not in self._prefixes:
-            self._prefixes[key] = list(t.tokenizer.encode(text, add_special_tokens=False))
-        return self._prefixes[key]
+        return list(self._encode_prefix(text))
 
     async def _generate(self, s: GatewaySession, prompt: list[int], params: SamplingParams,
                         routing_from: int | None) -> GenerationOutput:

@@ -271,6 +271,31 @@ def test_forced_tool_choice_prefills_the_call(template, choice):
     assert engine.prompts[0] == t.token_ids[:s]
 
 
+def test_forced_prefixes_are_cached_within_a_bound_whatever_tools_agents_send(template, monkeypatch):
+    """Each forced tool name costs one cached prefix; agents that send ever new names fill at most
+    ``PREFIX_CACHE`` entries (an agent decides the keys)."""
+    from rollout_sglang.gateway import gateway as gateway_module
+
+    monkeypatch.setattr(gateway_module, "PREFIX_CACHE", 4)
+    names = [f"tool_{i}" for i in range(12)]
+    engine = Script(template, ['{"a": 1}}\n</tool_call>'] * len(names))
+    gw = make_gateway(template, engine)
+
+    async def main():
+        async with serving(gw) as srv:
+            for name in names:
+                tools = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "name": name}}]
+                info = await open_session(srv)
+                async with client(info) as c:
+                    comp = await c.chat.completions.create(model="p", messages=FIRST, tools=tools,
+                                                           tool_choice={"type": "function", "function": {"name": name}})
+                assert comp.choices[0].message.tool_calls[0].function.name == name
+
+    asyncio.run(main())
+    info = gw._encode_prefix.cache_info()
+    assert info.currsize == 4 and info.misses == len(names), info
+
+
 def test_stop_strings_cut_the_turn_where_the_text_stops(template):
     """A stop string ends the text before it; the turn keeps the sampled tokens up to the one that completed it,
     and the next env piece closes it with an <|im_end|> of its own (mask 0)."""

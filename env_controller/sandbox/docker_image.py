@@ -25,6 +25,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 REPOSITORY = "agentrl/os-shell"
+#: the uid and gid of the images' ``user`` account (/etc/passwd below), the owner of its home
+USER_ID = 1000
 #: what an agent of the OS task expects to find (missing ones are skipped with a log line)
 DEFAULT_TOOLS: tuple[str, ...] = (
     "bash", "ls", "cat", "echo", "printf", "mkdir", "rmdir", "rm", "cp", "mv", "ln", "touch", "chmod", "chown",
@@ -103,24 +105,26 @@ def build_rootfs(root: str | os.PathLike[str], tools: Sequence[str] = DEFAULT_TO
     if "bash" not in found:
         raise ImageBuildError("bash is not on this host; the OS task's image needs it (apt-get install bash)")
     os.symlink("bash", root / "usr/bin/sh")
-    (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000:user:/home/user:/bin/bash\n"
+    (root / "etc/passwd").write_text(f"root:x:0:0:root:/root:/bin/bash\n"
+                                     f"user:x:{USER_ID}:{USER_ID}:user:/home/user:/bin/bash\n"
                                      "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
-    (root / "etc/group").write_text("root:x:0:\nuser:x:1000:\nnogroup:x:65534:\n")
+    (root / "etc/group").write_text(f"root:x:0:\nuser:x:{USER_ID}:\nnogroup:x:65534:\n")
     (root / "etc/hostname").write_text("sandbox\n")
-    if os.geteuid() == 0:
-        os.chown(root / "home/user", 1000, 1000)
     return found
 
 
 def _tar(root: Path) -> tuple[bytes, str]:
     """The root filesystem as an uncompressed tar (sorted, zeroed times: the same tree gives the same bytes)
-    and its sha256."""
+    and its sha256. Every file is root's, whoever built the tree, but the ``user`` account's home, which is
+    its: a builder's own uid on ``/usr/bin`` or ``/etc`` would hand them to a sandbox user of that uid."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for path in sorted(_walk(root)):
-            info = tar.gettarinfo(str(path), arcname=str(path.relative_to(root)))
+            rel = path.relative_to(root)
+            info = tar.gettarinfo(str(path), arcname=str(rel))
             info.mtime = 0
             info.uname = info.gname = ""
+            info.uid = info.gid = USER_ID if rel.parts[:2] == ("home", "user") else 0
             if info.isreg():
                 with open(path, "rb") as f:
                     tar.addfile(info, f)

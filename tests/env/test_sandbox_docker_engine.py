@@ -349,3 +349,26 @@ def test_leaked_containers_are_reaped_after_kill_9(docker_engine: Any, os_shell_
     finally:
         b.close()
     assert _containers(docker_engine) == []
+
+
+def test_a_built_in_image_is_roots_but_the_users_home_whoever_built_it(docker_engine: Any, tmp_path: Path) -> None:
+    """A worker that is not root builds the image from files it owns: they must not reach the image as the
+    sandbox user's (uid 1000 here, the builder's too), or the agent could replace /usr/bin's tools and /etc."""
+    from env_controller.sandbox.docker_image import USER_ID, _tar, build_rootfs
+
+    root = tmp_path / "rootfs"
+    build_rootfs(root, ("bash", "stat", "cmp"))
+    for path in [root, *root.rglob("*")]:  # as a builder of the sandbox user's uid leaves them
+        os.lchown(path, USER_ID, USER_ID)
+    data, digest = _tar(root)
+    client = docker_engine.client()
+    tag = f"agentrl-test/owners:{digest[:12]}"
+    try:
+        client.api.import_image_from_data(data, repository=tag.split(":")[0], tag=tag.split(":")[1])
+        out = client.containers.run(tag, ["stat", "-c", "%u:%g %n", "/usr/bin/cmp", "/etc", "/etc/passwd", "/usr/bin",
+                                          "/home/user"], remove=True, network_disabled=True).decode()
+    finally:
+        client.images.remove(tag, force=True)
+        client.close()
+    assert out.splitlines() == ["0:0 /usr/bin/cmp", "0:0 /etc", "0:0 /etc/passwd", "0:0 /usr/bin",
+                                f"{USER_ID}:{USER_ID} /home/user"], out

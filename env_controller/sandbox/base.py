@@ -483,16 +483,17 @@ for d in "${live[@]}"; do
 done
 for d in "${live[@]}"; do e=("$d"/*); (( ${#e[@]} )) && { left=${e[0]}; break; }; done
 """
-#: :data:`EMPTY_DIRS` (the first of DIRS is the home, mode 0700 again), then removes the user's System V IPC
-#: objects where ``ipcrm`` exists; prints ``wiped <a path left, or none> <IPC objects left>``.
-WIPE_SCRIPT = EMPTY_DIRS + """chmod 0700 -- "${dirs[0]}"
-command -v ipcrm >/dev/null 2>&1 && ipcrm --all >/dev/null 2>&1
+#: after :data:`EMPTY_DIRS`: removes the user's System V IPC objects where ``ipcrm`` exists (an image without it is
+#: clean only when none was made) and prints ``wiped <a path left, or none> <IPC objects left>``
+WIPE_IPC = """command -v ipcrm >/dev/null 2>&1 && ipcrm --all >/dev/null 2>&1
 ipc=0
 for f in /proc/sysvipc/shm /proc/sysvipc/sem /proc/sysvipc/msg; do
   [[ -r $f ]] && { mapfile -t rows < "$f"; ipc=$((ipc + ${#rows[@]} - 1)); }
 done
 printf 'wiped %s %d\\n' "$left" "$ipc"
 """
+#: :data:`EMPTY_DIRS` (the first of DIRS is the home, mode 0700 again), then :data:`WIPE_IPC`.
+WIPE_SCRIPT = EMPTY_DIRS + 'chmod 0700 -- "${dirs[0]}"\n' + WIPE_IPC
 
 
 class ShellSandbox(Sandbox):

@@ -48,6 +48,7 @@ from typing import Any
 
 from env_controller.sandbox.base import (
     EMPTY_DIRS,
+    WIPE_IPC,
     Channel,
     SandboxBackend,
     SandboxError,
@@ -412,9 +413,9 @@ class DockerSandbox(ShellSandbox):
         self.reset()
         scratch = (self.workdir, "/tmp") if self._backend.scratch_workdir else ("/tmp",)
         dirs = " ".join(ansi_c_quote(d.encode()) for d in (*scratch, *self.scratch_dirs))
-        script = EMPTY_DIRS.replace("DIRS", dirs) + "printf 'wiped %s\\n' \"$left\"\n"
+        script = EMPTY_DIRS.replace("DIRS", dirs) + WIPE_IPC
         result = self.run(f"( {script} )", timeout_s=max(30.0, self.limits.timeout_s))
-        if not (result.ok and result.output.endswith("wiped none\n")):
+        if not (result.ok and result.output.endswith("wiped none 0\n")):
             raise SandboxError(f"sandbox {self.id}: the wipe left something behind: "
                                f"{result.error or result.output.strip()[-300:]!r}")
         changed = self._diff() ^ (self._baseline_diff or set())

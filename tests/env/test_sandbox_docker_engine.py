@@ -372,3 +372,43 @@ def test_a_built_in_image_is_roots_but_the_users_home_whoever_built_it(docker_en
         client.close()
     assert out.splitlines() == ["0:0 /usr/bin/cmp", "0:0 /etc", "0:0 /etc/passwd", "0:0 /usr/bin",
                                 f"{USER_ID}:{USER_ID} /home/user"], out
+
+
+def test_a_reused_writable_root_container_keeps_no_ipc_object(docker_engine: Any, tmp_path: Path) -> None:
+    """System V IPC objects live in the container's IPC namespace, past every process and file: a session's
+    shared memory, semaphores and queues are removed by the wipe, so the next session in the container sees none
+    (an image without ``ipcrm`` is clean only when none was made: one of it with an object is not reused)."""
+    from env_controller.sandbox.docker_image import DEFAULT_TOOLS, _tar, build_rootfs
+
+    client = docker_engine.client()
+    tags = []
+    try:
+        for tools in ((*DEFAULT_TOOLS, "ipcmk", "ipcrm"), (*DEFAULT_TOOLS, "ipcmk")):
+            root = tmp_path / f"rootfs{len(tags)}"
+            build_rootfs(root, tools)
+            data, digest = _tar(root)
+            tags.append(f"agentrl-test/ipc:{digest[:12]}")
+            client.api.import_image_from_data(data, repository="agentrl-test/ipc", tag=digest[:12])
+        with_ipcrm = DockerBackend(LIMITS, image=tags[0], base_url=docker_engine.url, writable_root=True)
+        try:
+            with with_ipcrm.create() as box:
+                made = box.run("ipcmk -M 4096; ipcmk -S 2; ipcmk -Q; cat /proc/sysvipc/shm /proc/sysvipc/sem "
+                               "/proc/sysvipc/msg | wc -l")
+                assert made.ok and made.output.endswith("6\n"), made  # three headers, three objects
+                box.wipe()
+                assert box.run("cat /proc/sysvipc/shm /proc/sysvipc/sem /proc/sysvipc/msg | wc -l").output == "3\n"
+        finally:
+            with_ipcrm.close()
+        without = DockerBackend(LIMITS, image=tags[1], base_url=docker_engine.url, writable_root=True)
+        try:
+            with without.create() as box:
+                box.wipe()  # nothing made: reusable
+                assert box.run("ipcmk -M 4096").ok
+                with pytest.raises(SandboxError, match="the wipe left something behind"):
+                    box.wipe()
+        finally:
+            without.close()
+    finally:
+        for tag in tags:
+            client.images.remove(tag, force=True)
+        client.close()

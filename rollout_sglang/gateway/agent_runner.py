@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import secrets
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -60,8 +61,10 @@ class AgentRunner:
     """Runs ``agent_fn`` once per requested episode, each against its own session of ``gateway``, served by a
     :class:`GatewayServer` on ``host:port`` (started on the first call, on the caller's event loop).
 
-    token: the server's bearer token (also the clients' api key); agent_timeout_s: limit on one call of
-    ``agent_fn``; client_timeout_s: the OpenAI client's limit on one request.
+    token: the server's bearer token, for its admin routes (open a session, reward, ...); None: a random one, which no
+    agent is given: the runner opens and ends sessions in process, and agents reach only their own session's routes
+    with its key, so no agent's code can post its own reward; agent_timeout_s: limit on one call of ``agent_fn``;
+    client_timeout_s: the OpenAI client's limit on one request.
     """
 
     def __init__(self, gateway: Gateway, agent_fn: AgentFn, *, host: str = "127.0.0.1", port: int = 0,
@@ -71,10 +74,10 @@ class AgentRunner:
                              "must be > 0")
         self.gateway = gateway
         self.fn = agent_fn
-        self.token = token
+        self.token = token or secrets.token_urlsafe(24)
         self.agent_timeout_s = float(agent_timeout_s)
         self.client_timeout_s = float(client_timeout_s)
-        self.server = GatewayServer(gateway, host=host, port=port, token=token)
+        self.server = GatewayServer(gateway, host=host, port=port, token=self.token)
         self.agent_errors = 0
         self._logged: set[str] = set()
         self._start_lock: asyncio.Lock | None = None

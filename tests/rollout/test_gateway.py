@@ -605,6 +605,41 @@ def test_agent_runner_plays_episodes_and_survives_agent_errors(template, caplog)
     assert trajs[0].status == "agent error" and "agent_timeout_s=0.2" in trajs[0].error
 
 
+async def reward_posting_agent(client, sample):
+    """An agent whose code (the policy's, say) posts its own reward to the gateway's admin route, with no credential
+    and with its session's key; returns what each post got, and leaves the ending to the environment."""
+    import aiohttp
+
+    url = sample["base_url"].removesuffix("/v1") + "/reward"
+    got = []
+    async with aiohttp.ClientSession() as http:
+        for headers in ({}, {"Authorization": f"Bearer {sample['api_key']}"}):
+            async with http.post(url, json={"reward": 1.0}, headers=headers) as r:
+                got.append(r.status)
+    REWARD_POSTS.append(got)
+    return None
+
+
+REWARD_POSTS: list[list[int]] = []
+
+
+def test_an_agent_cannot_post_its_own_reward_to_the_runners_gateway(template):
+    """The agent runner's gateway takes rewards from the runner alone (in process): its admin routes need a token
+    that no agent is given, so an agent's own post is refused and the episode ends as the environment says."""
+    REWARD_POSTS.clear()
+    runner = AgentRunner(make_gateway(template, FakeEngine(template), env=FakeEnv()), reward_posting_agent)
+
+    async def main():
+        try:
+            return await runner.run_group([("calc", 0, 0)], SamplingParams(seed=1))
+        finally:
+            await runner.aclose()
+
+    (t,) = asyncio.run(main())
+    assert REWARD_POSTS == [[401, 401]]  # neither is the admin token
+    assert t.status == "cancelled" and t.reward == 0.0, (t.status, t.reward)
+
+
 async def two_turn_agent(client, sample):
     msgs = list(sample["messages"])
     for _ in range(2):

@@ -313,12 +313,14 @@ class RolloutEngineActor(_Placed):
         self._engine = None
 
     def start(self, model_path: str, server_module: str, dtype: str, startup_timeout_s: float, log_dir: str,
-              port: int = 0, stale_pid: int = 0, capture_routing: str = "off") -> tuple[str, int]:
+              port: int = 0, stale_pid: int = 0, capture_routing: str = "off",
+              keys: tuple[str, str] | None = None) -> tuple[str, int]:
         """Launch the server on the GPUs Ray gave this actor at ``port`` (0 = a free one); return its URL, once
         healthy, and its process id. ``stale_pid``: the server an earlier actor of this bundle left (its own
         session outlives a SIGKILLed actor): stopped first, so that the port is free for the relaunch.
         ``capture_routing``: ``rollout.capture_routing``; "auto"/"on" start a MoE model's server with routed-experts
-        capture (a dense model gets none: "on" was refused for it by the config check)."""
+        capture (a dense model gets none: "on" was refused for it by the config check). ``keys``: the server's API
+        and admin keys (it listens on every interface: without them anyone on the network could push weights)."""
         import ray
 
         from rollout_sglang.engines.router_capture import routing_layout_from_config
@@ -330,9 +332,11 @@ class RolloutEngineActor(_Placed):
             _stop_stale_server(stale_pid, port, timeout_s=30.0)
         gpus = [int(g) for g in ray.get_gpu_ids()]
         capture = capture_routing != "off" and routing_layout_from_config(model_path) is not None
+        api_key, admin_api_key = keys or (None, None)
         self._engine = SGLangEngine.launch(model_path, gpus=gpus, host="0.0.0.0", port=port or None, dtype=dtype,
                                            startup_timeout_s=startup_timeout_s, log_dir=log_dir,
-                                           server_module=server_module, capture_routing=capture)
+                                           server_module=server_module, capture_routing=capture, api_key=api_key,
+                                           admin_api_key=admin_api_key)
         port = self._engine.base_url.rsplit(":", 1)[1]
         return f"http://{_node_ip()}:{port}", int(self._engine.process.pid)
 
@@ -431,6 +435,7 @@ class RayRun:
         self.members: list[_Member] = []
         self.prefix = f"agentrl_{os.getpid()}_{int(time.time())}"
         self.controller_token = ""
+        self.engine_keys: tuple[str, str] | None = None  # the engine servers' API and admin keys
         self.restarts = 0  # of the trainer group
         self._builtin: list[tuple[str, str, dict[str, Any]]] = []
 
@@ -485,12 +490,17 @@ class RayRun:
     # ------------------------------------------------------------------------------- engines
     def start_engines(self) -> list[list[str]]:
         """Start one engine per rollout bundle; returns the URLs per version slot."""
+        import secrets
+
         import ray
 
         ro = self.cfg.rollout
         if not (self.cfg.model.checkpoint or self.cfg.model.hf_config):
             raise ConfigError("ray.rollout_gpus_per_engine > 0 needs model.checkpoint "
                               "(the HF weights the engines serve)")
+        # the servers' keys: the user's (the variables the trainer's clients read), else generated for the run
+        self.engine_keys = (os.environ.get(ro.engine_api_key_env) or secrets.token_hex(16),
+                            os.environ.get(ro.engine_admin_api_key_env) or secrets.token_hex(16))
         started: list[list[tuple[_Member, Any]]] = []
         for slot in range(ro.max_versions):
             started.append([])
@@ -516,7 +526,7 @@ class RayRun:
         log_dir = str(Path(self.cfg.output_dir).resolve() / "ray" / "engine_logs")
         return m.actor.start.remote(str(model), self.cfg.ray.engine_server_module, self.cfg.model.dtype,
                                     self.cfg.rollout.engine_startup_timeout_s, log_dir, port, stale_pid,
-                                    self.cfg.rollout.capture_routing)
+                                    self.cfg.rollout.capture_routing, self.engine_keys)
 
     # ------------------------------------------------------------------------------ trainers
     def start_trainers(self) -> list[_Member]:
@@ -583,6 +593,8 @@ class RayRun:
         if self.cfg.ray.rollout_gpus_per_engine:
             engines = self.start_engines()
             overrides.append(f"rollout.engine_urls={json.dumps(engines)}")
+            ro = self.cfg.rollout
+            env[ro.engine_api_key_env], env[ro.engine_admin_api_key_env] = self.engine_keys
             out = Path(self.cfg.output_dir) / "ray"
             out.mkdir(parents=True, exist_ok=True)
             (out / "engines.json").write_text(json.dumps(engines, indent=2))

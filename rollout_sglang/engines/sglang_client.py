@@ -645,7 +645,9 @@ class SGLangEngine:
 
         The server gets ``--model-path --host --port --tp-size len(gpus) --dtype --skip-tokenizer-init``
         (token ids in and out), with ``capture_routing`` (MoE models) ``--enable-return-routed-experts``,
-        plus ``extra_args``; ``CUDA_VISIBLE_DEVICES`` is set to ``gpus``. Its
+        ``--api-key`` / ``--admin-api-key`` when the client's ``api_key`` / ``admin_api_key`` are given (so it
+        accepts this client's requests and no keyless ones; the logged command line hides them), plus
+        ``extra_args``; ``CUDA_VISIBLE_DEVICES`` is set to ``gpus``. Its
         output goes to ``log_dir/sglang_<port>.log``. Raises SGLangTimeout when it is not healthy
         within ``startup_timeout_s`` (the process is killed), SGLangError with the log tail when it
         exits early. ``server_module`` lets tests launch the stand-in the same way.
@@ -661,11 +663,19 @@ class SGLangEngine:
             cmd += ["--mem-fraction-static", str(mem_fraction_static)]
         if capture_routing:
             cmd.append(CAPTURE_ROUTING_FLAG)
+        keys = [(flag, client_kwargs.get(name)) for flag, name in (("--api-key", "api_key"),
+                                                                     ("--admin-api-key", "admin_api_key"))]
+        shown = list(cmd)
+        for flag, key in keys:
+            if key:
+                cmd += [flag, key]
+                shown += [flag, "<hidden>"]
         cmd += list(extra_args)
+        shown += list(extra_args)
         env = dict(os.environ)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-        logger.info("launching SGLang server: %s (GPUs %s, log %s)", " ".join(cmd), list(gpus) or "none", log_path)
+        logger.info("launching SGLang server: %s (GPUs %s, log %s)", " ".join(shown), list(gpus) or "none", log_path)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         client_host = "127.0.0.1" if host in ("0.0.0.0", "") else host

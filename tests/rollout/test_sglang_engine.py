@@ -7,8 +7,11 @@ a timeout error rather than a hang.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -201,17 +204,26 @@ def test_stalled_update_times_out_per_bucket(served, send_recv):
     sender.close()
 
 
-def test_launch_waits_for_health_and_reports_failures(tmp_path, monkeypatch):
+def test_launch_waits_for_health_and_reports_failures(tmp_path, monkeypatch, caplog):
     cfg = tiny_config()
     model_dir = tmp_path / "model"
     LocalEngine.from_config(cfg, init_seed=0).model.save_pretrained(model_dir)
 
-    eng = SGLangEngine.launch(model_dir, server_module="rollout_sglang.testing.sglang_standin", startup_timeout_s=120,
-                              log_dir=tmp_path / "logs", request_timeout_s=60)
+    with caplog.at_level(logging.INFO, logger="rollout_sglang.engines.sglang_client"):
+        eng = SGLangEngine.launch(model_dir, server_module="rollout_sglang.testing.sglang_standin",
+                                  startup_timeout_s=120, log_dir=tmp_path / "logs", request_timeout_s=60,
+                                  api_key="k-api-123", admin_api_key="k-admin-456")
     try:
         assert eng.health()["ok"]
         out = asyncio.run(eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, seed=0)))
         assert len(out[0].token_ids) == 3
+        # the server took the client's keys: a request without them is refused
+        request = urllib.request.Request(eng.base_url + "/generate", data=b'{"input_ids": [1]}',
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 401
+        assert "--api-key <hidden> --admin-api-key <hidden>" in caplog.text and "k-api-123" not in caplog.text
     finally:
         eng.shutdown()
     assert eng.process is None

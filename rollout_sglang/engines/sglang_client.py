@@ -663,19 +663,17 @@ class SGLangEngine:
             cmd += ["--mem-fraction-static", str(mem_fraction_static)]
         if capture_routing:
             cmd.append(CAPTURE_ROUTING_FLAG)
-        keys = [(flag, client_kwargs.get(name)) for flag, name in (("--api-key", "api_key"),
-                                                                     ("--admin-api-key", "admin_api_key"))]
-        shown = list(cmd)
-        for flag, key in keys:
-            if key:
-                cmd += [flag, key]
-                shown += [flag, "<hidden>"]
+        keys = []
+        for flag, name in (("--api-key", "api_key"), ("--admin-api-key", "admin_api_key")):
+            if client_kwargs.get(name):
+                keys.append(client_kwargs[name])
+                cmd += [flag, client_kwargs[name]]
         cmd += list(extra_args)
-        shown += list(extra_args)
         env = dict(os.environ)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-        logger.info("launching SGLang server: %s (GPUs %s, log %s)", " ".join(shown), list(gpus) or "none", log_path)
+        shown = " ".join("<hidden>" if arg in keys else arg for arg in cmd)
+        logger.info("launching SGLang server: %s (GPUs %s, log %s)", shown, list(gpus) or "none", log_path)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         client_host = "127.0.0.1" if host in ("0.0.0.0", "") else host

@@ -605,28 +605,24 @@ def test_agent_runner_plays_episodes_and_survives_agent_errors(template, caplog)
     assert trajs[0].status == "agent error" and "agent_timeout_s=0.2" in trajs[0].error
 
 
-async def reward_posting_agent(client, sample):
-    """An agent whose code (the policy's, say) posts its own reward to the gateway's admin route, with no credential
-    and with its session's key; returns what each post got, and leaves the ending to the environment."""
-    import aiohttp
-
-    url = sample["base_url"].removesuffix("/v1") + "/reward"
-    got = []
-    async with aiohttp.ClientSession() as http:
-        for headers in ({}, {"Authorization": f"Bearer {sample['api_key']}"}):
-            async with http.post(url, json={"reward": 1.0}, headers=headers) as r:
-                got.append(r.status)
-    REWARD_POSTS.append(got)
-    return None
-
-
-REWARD_POSTS: list[list[int]] = []
-
-
 def test_an_agent_cannot_post_its_own_reward_to_the_runners_gateway(template):
     """The agent runner's gateway takes rewards from the runner alone (in process): its admin routes need a token
     that no agent is given, so an agent's own post is refused and the episode ends as the environment says."""
-    REWARD_POSTS.clear()
+    import aiohttp
+
+    posts: list[list[int]] = []
+
+    async def reward_posting_agent(client, sample):
+        """Its code (the policy's, say) posts its own reward to the admin route, with no credential and with its
+        session's key, then leaves the ending to the environment."""
+        url = sample["base_url"].removesuffix("/v1") + "/reward"
+        async with aiohttp.ClientSession() as http:
+            got = []
+            for headers in ({}, {"Authorization": f"Bearer {sample['api_key']}"}):
+                async with http.post(url, json={"reward": 1.0}, headers=headers) as r:
+                    got.append(r.status)
+        posts.append(got)
+
     runner = AgentRunner(make_gateway(template, FakeEngine(template), env=FakeEnv()), reward_posting_agent)
 
     async def main():
@@ -636,7 +632,7 @@ def test_an_agent_cannot_post_its_own_reward_to_the_runners_gateway(template):
             await runner.aclose()
 
     (t,) = asyncio.run(main())
-    assert REWARD_POSTS == [[401, 401]]  # neither is the admin token
+    assert posts == [[401, 401]]  # neither is the admin token
     assert t.status == "cancelled" and t.reward == 0.0, (t.status, t.reward)
 
 

@@ -634,10 +634,7 @@ class ShellSandbox(Sandbox):
 
     def run(self, script: str, timeout_s: float | None = None) -> CommandResult:
         """See :meth:`Sandbox.run`."""
-        if not isinstance(script, str):
-            raise TypeError(f"script must be a str, got {type(script).__name__}")
-        data = script.encode("utf-8", errors="surrogateescape")
-        quoted = ansi_c_quote(data)  # ValueError on NUL
+        quoted = self._quote(script)
         limit_s = self.limits.timeout_s if timeout_s is None else float(timeout_s)
         with self._run_lock:
             if self.closed:
@@ -645,6 +642,13 @@ class ShellSandbox(Sandbox):
             if self._shell is None:
                 self._start_shell()
             return self._run_locked(quoted, limit_s)
+
+    @staticmethod
+    def _quote(script: str) -> str:
+        """``script`` as one bash word (TypeError unless a str, ValueError on NUL)."""
+        if not isinstance(script, str):
+            raise TypeError(f"script must be a str, got {type(script).__name__}")
+        return ansi_c_quote(script.encode("utf-8", errors="surrogateescape"))
 
     def _run_locked(self, quoted: str, limit_s: float) -> CommandResult:
         assert self._shell is not None

@@ -50,6 +50,7 @@ from env_controller.sandbox.base import (
     EMPTY_DIRS,
     WIPE_IPC,
     Channel,
+    CommandResult,
     SandboxBackend,
     SandboxError,
     SandboxLimits,
@@ -119,6 +120,18 @@ EXEC_START_FAILED = "OCI runtime exec failed"
 EXEC_START_RETRY_S = 10.0
 
 _warned: set[str] = set()
+
+
+def parse_user(user: str, key: str = "user") -> tuple[int, int]:
+    """``(uid, gid)`` of ``'uid:gid'``; ValueError naming ``key`` unless both are numbers and uid is not root
+    (killing "all the user's processes" as root would end the container's own ``sleep``)."""
+    try:
+        uid, gid = (int(x) for x in str(user).split(":"))
+    except ValueError:
+        raise ValueError(f"{key}={user!r} must be 'uid:gid' with numbers, e.g. '1000:1000'") from None
+    if uid == 0:
+        raise ValueError(f"{key}={user!r}: sandbox commands cannot run as root; use e.g. '1000:1000'")
+    return uid, gid
 
 
 def _start_time(pid: int) -> str | None:
@@ -267,6 +280,8 @@ class DockerSandbox(ShellSandbox):
         super().__init__(sandbox_id, limits)
         self._backend = backend
         self.workdir = backend.workdir
+        #: who the shell and the execs run as: the backend's user, another only inside :meth:`run_as`
+        self._user, self._uid = backend.user, backend.uid
         self.env = {"HOME": self.workdir, "USER": "user", "LOGNAME": "user", "SHELL": "/bin/bash",
                     "PATH": _PATH, "LANG": "C.UTF-8", "TERM": "dumb", "TMPDIR": "/tmp"}
         import docker.errors
@@ -281,9 +296,9 @@ class DockerSandbox(ShellSandbox):
         tmpfs = {"/tmp": f"rw,exec,nosuid,nodev,size={limits.tmp_mb}m,mode=1777"}
         if not backend.writable_root or backend.scratch_workdir:
             # the home is a tmpfs of its own; with a writable root the image's workdir (its files) is used as is
-            # unless it is declared scratch
+            # unless it is declared scratch, and is readable by others (a verifier runs as another user)
             tmpfs[self.workdir] = (f"rw,exec,nosuid,nodev,size={backend.home_mb}m,uid={backend.uid},"
-                                   f"gid={backend.gid},mode=0700")
+                                   f"gid={backend.gid},mode={self._workdir_mode:04o}")
         #: the container layer's changes right after the start (a writable root): a reuse must find the same
         self._baseline_diff: set[tuple[str, int]] | None = None
         try:
@@ -349,8 +364,9 @@ class DockerSandbox(ShellSandbox):
                   owner: tuple[int, int] | None = None, dir_mode: int = 0o755) -> None:
         """Write ``files`` (paths relative to ``directory``, an absolute path) into the container through the
         engine (as root: the image's permissions do not apply), owned by ``owner`` (default: the sandbox's
-        user) with ``mode``; ``directory``, its parents and the directories the paths name are made (or
-        changed) with ``dir_mode`` and the same owner: use it for directories of your own. Needs a writable
+        user) with ``mode``; ``directory`` and the directories the paths name are made (or changed) with
+        ``dir_mode`` and the same owner: use it for directories of your own. Its missing parents are made root's
+        (mode 0755) and existing ones are left as they are. Needs a writable
         root filesystem (or a ``directory`` on a tmpfs). SandboxError when the engine refuses."""
         import io
         import tarfile
@@ -361,7 +377,7 @@ class DockerSandbox(ShellSandbox):
         with tarfile.open(fileobj=buf, mode="w") as tar:
             parts = [p for p in directory.strip("/").split("/") if p]
             paths = sorted(files)
-            dirs = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+            dirs = ["/".join(parts)]
             for rel in paths:
                 pieces = [p for p in rel.split("/") if p not in ("", ".")]
                 if not pieces or ".." in pieces:
@@ -387,19 +403,67 @@ class DockerSandbox(ShellSandbox):
         if not ok:
             raise SandboxError(f"sandbox {self.id}: the engine refused the files for {directory}")
 
-    def remove_as_root(self, paths: list[str]) -> None:
-        """``rm -rf`` ``paths`` as root in the container (no capabilities: the permissions of their directories
-        apply); SandboxError when something is left."""
+    @property
+    def _workdir_mode(self) -> int:
+        """The mode of a tmpfs workdir: readable by others with a writable root (terminal tasks), else 0700."""
+        return 0o755 if self._backend.writable_root else 0o700
+
+    def _exec_as(self, user: str, argv: list[str], what: str) -> None:
+        """Run ``argv`` as ``user`` (``uid:gid``, ``0`` for root) in the container and wait for it; SandboxError
+        naming ``what`` when the engine fails or it exits non-zero."""
         api = self._backend.client.api
-        script = 'rm -rf -- "$@"; for p in "$@"; do [ -e "$p" ] && { echo "left $p"; exit 1; }; done; exit 0'
         try:
-            exec_id = api.exec_create(self.container.id, ["bash", "-c", script, "rm", *paths], user="0")["Id"]
+            exec_id = api.exec_create(self.container.id, argv, user=user)["Id"]
             out = api.exec_start(exec_id).decode(errors="replace")
             code = api.exec_inspect(exec_id).get("ExitCode")
         except (self._errors.DockerException, OSError) as exc:
-            raise SandboxError(f"sandbox {self.id}: removing {paths} failed: {exc}") from exc
+            raise SandboxError(f"sandbox {self.id}: {what} failed: {exc}") from exc
         if code != 0:
-            raise SandboxError(f"sandbox {self.id}: removing {paths} failed: {out.strip()[-300:]}")
+            raise SandboxError(f"sandbox {self.id}: {what} failed: {out.strip()[-300:]}")
+
+    def remove_as_root(self, paths: list[str]) -> None:
+        """``rm -rf`` ``paths`` as root in the container (no capabilities: the permissions of their directories
+        apply); SandboxError when something is left."""
+        script = 'rm -rf -- "$@"; for p in "$@"; do [ -e "$p" ] && { echo "left $p"; exit 1; }; done; exit 0'
+        self._exec_as("0", ["bash", "-c", script, "rm", *paths], f"removing {paths}")
+
+    def empty_as(self, user: str, dirs: list[str]) -> None:
+        """Empty ``dirs`` (those that exist) as ``user`` (``uid:gid``), who can open what it made unreadable;
+        SandboxError when something is left. For what another user left where root, without capabilities,
+        cannot remove it."""
+        words = " ".join(ansi_c_quote(d.encode()) for d in dirs)
+        script = EMPTY_DIRS.replace("DIRS", words) + '[[ $left == none ]] || { echo "left $left"; exit 1; }\n'
+        self._exec_as(user, ["bash", "-c", script], f"emptying {dirs} as {user}")
+
+    def read_file(self, path: str, max_bytes: int) -> bytes | None:
+        """The bytes of the regular file at ``path`` (absolute), read through the engine (as root: the file's
+        mode does not apply, and nothing runs in the container); None when there is none. SandboxError when it is
+        not a regular file, is larger than ``max_bytes``, or the engine fails."""
+        import io
+        import tarfile
+
+        try:
+            stream, stat = self.container.get_archive(path, chunk_size=65536)
+        except self._errors.NotFound:
+            return None
+        except (self._errors.DockerException, OSError) as exc:
+            raise SandboxError(f"sandbox {self.id}: reading {path} failed: {exc}") from exc
+        # Go's FileMode: the bits above the permissions mark a directory, link, device, pipe, socket...
+        if stat.get("linkTarget") or int(stat.get("mode", 0)) & ~0o7777 & 0xFFFFFFFF:
+            raise SandboxError(f"sandbox {self.id}: {path} is not a regular file")
+        if int(stat.get("size", 0)) > max_bytes:
+            raise SandboxError(f"sandbox {self.id}: {path} has {stat.get('size')} bytes, more than {max_bytes}")
+        data = bytearray()
+        for chunk in stream:  # the tar of one file: its size plus headers and padding
+            data += chunk
+            if len(data) > max_bytes + 65536:
+                raise SandboxError(f"sandbox {self.id}: {path} grew past {max_bytes} bytes while it was read")
+        with tarfile.open(fileobj=io.BytesIO(bytes(data))) as tar:
+            member = tar.next()
+            if member is None or not member.isfile():
+                raise SandboxError(f"sandbox {self.id}: {path} is not a regular file")
+            handle = tar.extractfile(member)
+            return handle.read(max_bytes) if handle is not None else b""
 
     def wipe(self) -> None:
         """See :meth:`Sandbox.wipe`. With a writable root the image's workdir is not emptied (its files are the
@@ -413,7 +477,11 @@ class DockerSandbox(ShellSandbox):
         self.reset()
         scratch = (self.workdir, "/tmp") if self._backend.scratch_workdir else ("/tmp",)
         dirs = " ".join(ansi_c_quote(d.encode()) for d in (*scratch, *self.scratch_dirs))
-        script = EMPTY_DIRS.replace("DIRS", dirs) + WIPE_IPC
+        # a scratch workdir gets its mode back: one the agent closed would hide the next episode's work from its
+        # verifier
+        mode = (f"chmod {self._workdir_mode:04o} -- {ansi_c_quote(self.workdir.encode())}\n"
+                if self._backend.scratch_workdir else "")
+        script = EMPTY_DIRS.replace("DIRS", dirs) + mode + WIPE_IPC
         result = self.run(f"( {script} )", timeout_s=max(30.0, self.limits.timeout_s))
         if not (result.ok and result.output.endswith("wiped none 0\n")):
             raise SandboxError(f"sandbox {self.id}: the wipe left something behind: "
@@ -429,12 +497,37 @@ class DockerSandbox(ShellSandbox):
 
     # -- running things in the container --------------------------------------------------------
 
+    def run_as(self, user: str, script: str, env: Mapping[str, str], workdir: str, timeout_s: float) -> CommandResult:
+        """Run ``script`` as another user (``uid:gid``: neither root nor the sandbox's user) in a fresh shell that
+        starts in ``workdir`` with ``env`` over the container's environment, under the sandbox's limits and
+        ``timeout_s``. Every process of the sandbox's user is killed before it starts, and every process of
+        ``user`` when it ends, so neither sees the other's; the next :meth:`run` starts a fresh shell of the
+        sandbox's user. SandboxError when the shell cannot start."""
+        uid, _ = parse_user(user)
+        if uid == self._backend.uid:
+            raise ValueError(f"run_as: {user!r} is the sandbox's own user; give another uid")
+        quoted = self._quote(script)
+        with self._run_lock:
+            if self.closed:
+                raise RuntimeError(f"sandbox {self.id} is closed")
+            self._stop_shell()
+            own = (self._user, self._uid, self.env, self.workdir)
+            self._user, self._uid, self.env, self.workdir = user, uid, dict(env), workdir
+            try:
+                self._start_shell()
+                return self._run_locked(quoted, float(timeout_s))
+            finally:
+                try:
+                    self._stop_shell()
+                finally:
+                    self._user, self._uid, self.env, self.workdir = own
+
     def _spawn(self) -> Channel:
         """Attach a new ``bash`` exec in the container."""
         api = self._backend.client.api
         try:
             exec_id = api.exec_create(self.container.id, SHELL_CMD, stdin=True, stdout=True, stderr=True,
-                                      tty=False, user=self._backend.user, workdir=self.workdir,
+                                      tty=False, user=self._user, workdir=self.workdir,
                                       environment=self.env)["Id"]
             sock = api.exec_start(exec_id, socket=True)
         except (self._errors.DockerException, OSError) as exc:
@@ -457,7 +550,7 @@ class DockerSandbox(ShellSandbox):
         pause = 0.05
         while True:
             try:
-                exec_id = api.exec_create(self.container.id, cmd, user=self._backend.user)["Id"]
+                exec_id = api.exec_create(self.container.id, cmd, user=self._user)["Id"]
                 out = api.exec_start(exec_id).decode(errors="replace")
             except self._errors.NotFound:
                 return None
@@ -475,7 +568,7 @@ class DockerSandbox(ShellSandbox):
 
     def _kill_cmd(self, spare: int) -> list[str]:
         """The exec that kills every process of the user but ``spare`` (0: none); see :data:`KILL_SCRIPT`."""
-        return ["bash", "-c", KILL_SCRIPT, "kill", str(spare), str(self._backend.uid), "0" if spare else "1"]
+        return ["bash", "-c", KILL_SCRIPT, "kill", str(spare), str(self._uid), "0" if spare else "1"]
 
     def _kill(self) -> None:
         """Kill every process of the user, the shell included, and wait until they are gone."""
@@ -604,13 +697,7 @@ class DockerBackend(SandboxBackend):
         super().__init__(limits)
         if reap not in (True, False, "background"):
             raise ValueError(f"reap={reap!r} must be true, false or 'background'")
-        try:
-            uid, gid = (int(x) for x in user.split(":"))
-        except ValueError:
-            raise ValueError(f"user={user!r} must be 'uid:gid' with numbers, e.g. '1000:1000'") from None
-        if uid == 0:
-            # killing "all the user's processes" as root would end the container's own sleep
-            raise ValueError(f"user={user!r}: sandbox commands cannot run as root; use e.g. '1000:1000'")
+        uid, gid = parse_user(user)
         if not workdir.startswith("/") or workdir.rstrip("/") in ("", "/tmp"):
             raise ValueError(f"workdir={workdir!r} must be an absolute path other than / and /tmp")
         if isinstance(home_mb, bool) or not isinstance(home_mb, int) or home_mb < 1:

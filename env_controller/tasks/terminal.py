@@ -4,8 +4,9 @@ Each instance (:mod:`env_controller.tasks.terminal_format`: a Harbor / Terminal-
 manifest of many, or the demo's generated families, :mod:`env_controller.tasks.terminal_demo`) names its
 image; a session gets a container of that image (root filesystem writable, no network, a non-root user,
 the image's working directory), runs the instance's setup commands, and gives the agent a bash tool. When
-the agent calls ``finish_action``, the verifier's files are put in ``/tests`` and its script runs in a
-fresh shell of the same container under its own time limit; its result is the reward:
+the agent calls ``finish_action``, the agent's processes are killed, the verifier's files are put in ``/tests``
+and its script runs in the same container as a user of its own (``verifier_user``), from a home of its own, under
+its own time limit (:meth:`TerminalSession.verify`); its result is the reward:
 
 * ``/logs/verifier/reward.json`` (``{"reward": x, ...}``; other numbers become metrics ``verifier/<key>``)
   or ``/logs/verifier/reward.txt`` (a number), when the verifier writes one (Harbor's contract);
@@ -63,6 +64,13 @@ TOOLS: list[ToolSchema] = [
 #: where the verifier's files go, and where it may write its reward (Harbor's paths)
 TESTS_DIR = "/tests"
 LOGS_DIR = "/logs/verifier"
+#: the verifier's home, working directory and (``tmp/``) temporary files: its own, made for each verification
+VERIFIER_HOME = "/verifier"
+#: what the verifier made, removed before a container is reused (and what an agent may have planted there, before
+#: the verifier runs)
+VERIFIER_PATHS = (TESTS_DIR, LOGS_DIR.rsplit("/", 1)[0], VERIFIER_HOME)
+#: the largest reward file read
+MAX_REWARD_BYTES = 65536
 #: plays of a demonstration before its infrastructure failure is final, and the pause after the first (then 2x, ...)
 DEMO_ATTEMPTS = 3
 DEMO_RETRY_PAUSE_S = 5.0
@@ -78,6 +86,7 @@ class TerminalSession(BlockingToolTaskSession):
         self.pool = pool
         self.sandbox = box
         self.max_output_chars = task.max_output_chars
+        self.verifier_user = task.verifier_user
         self.commands = 0
         self.limit_hits = 0
 
@@ -97,29 +106,41 @@ class TerminalSession(BlockingToolTaskSession):
         return result.reply(self.max_output_chars)
 
     def verify(self) -> ToolResult:
-        """Run the verifier in a fresh shell of the container; its reward, or ``task error`` when it could not
-        judge (its timeout, another limit, the files not copied)."""
+        """Run the verifier as its own user, after the agent's last process; its reward, or ``task error`` when it
+        could not judge (its timeout, another limit, the files not copied).
+
+        The agent's processes are killed first. What it may have planted where the verifier's files go is
+        removed, then the tests are copied in (root's, read-only to all), the reward directory and the
+        verifier's home are made (the verifier's alone), and the verifier runs as :attr:`TerminalTask.verifier_user`
+        from its home, with a fixed environment: nothing the agent wrote is on its PATH, in its HOME or in its
+        working directory. It reads the agent's work by absolute path (docs/environments.md)."""
         v = self.instance.verifier
         box = self.sandbox
+        user = self.verifier_user
+        vuid, vgid = (int(x) for x in user.split(":"))
         try:
-            box.reset()  # the agent's processes end; the verifier gets a fresh shell
-            # an image that lets the user write there lets the agent plant a reward or tests before the verifier
-            # runs: what the user made is removed as the user (root here has no capability to override its
-            # modes), then anything left as root; SandboxError (not judged) when something remains
-            box.run(f"chmod -R u+rwx {TESTS_DIR} {LOGS_DIR}; rm -rf {TESTS_DIR} {LOGS_DIR}", timeout_s=30.0)
-            box.remove_as_root([TESTS_DIR, LOGS_DIR])
-            # root's, writable by all: the verifier (the session's user) writes its reward, and a container to
-            # be reused loses both again (remove_as_root) before its wipe compares the filesystem
-            box.put_files(TESTS_DIR, v.files, owner=(0, 0), dir_mode=0o777)
-            box.put_files(LOGS_DIR, {}, owner=(0, 0), dir_mode=0o777)
+            box.reset()  # the agent's processes end
+            # an image that lets the agent write there lets it plant a reward, tests or a home before the verifier
+            # runs: what it made is removed as the agent (root here has no capability to override its modes), then
+            # anything left as root; SandboxError (not judged) when something remains
+            paths = " ".join(VERIFIER_PATHS)
+            box.run(f"chmod -R u+rwx {paths} 2>/dev/null; rm -rf {paths}", timeout_s=30.0)
+            box.remove_as_root(list(VERIFIER_PATHS))
+            box.put_files(TESTS_DIR, v.files, owner=(0, 0), dir_mode=0o755)
+            box.put_files(LOGS_DIR, {}, owner=(vuid, vgid), dir_mode=0o755)
+            box.put_files(VERIFIER_HOME, {}, owner=(vuid, vgid), dir_mode=0o700)
         except SandboxError as exc:
             return self._task_error(f"the verifier of {self.instance.id} could not be set up: {exc}")
-        # no Python user site: a usercustomize.py or .pth the agent put under its home would run in the verifier
-        env = {"HOME": box.workdir, "PATH": _PATH, "LANG": "C.UTF-8", "PYTHONNOUSERSITE": "1", "TEST_DIR": TESTS_DIR,
+        tmp = f"{VERIFIER_HOME}/tmp"
+        env = {"HOME": VERIFIER_HOME, "USER": "verifier", "LOGNAME": "verifier", "SHELL": "/bin/bash",
+               "PATH": _PATH, "LANG": "C.UTF-8", "TMPDIR": tmp, "TEST_DIR": TESTS_DIR,
                "T_BENCH_TEST_DIR": TESTS_DIR, "T_BENCH_CONTAINER_LOGS_PATH": "/logs", **v.env}
         assigns = " ".join(f"{k}={shlex.quote(val)}" for k, val in env.items())
-        script = f"cd {shlex.quote(box.workdir)} && env -i {assigns} {v.command}"
-        result = box.run(script, timeout_s=v.timeout_s)
+        script = f"cd {VERIFIER_HOME} && mkdir -p {tmp} && env -i {assigns} {v.command}"
+        try:
+            result = box.run_as(user, script, env, VERIFIER_HOME, timeout_s=v.timeout_s)
+        except SandboxError as exc:
+            return self._task_error(f"the verifier of {self.instance.id} could not start: {exc}")
         metrics = {"verifier_s": round(result.duration_s, 3)}
         if result.limit == "timeout":
             return self._task_error(f"the verifier of {self.instance.id} ran past its timeout of {v.timeout_s:g} s "
@@ -139,14 +160,16 @@ class TerminalSession(BlockingToolTaskSession):
 
     def _reward_file(self) -> tuple[float | None, dict[str, float], str]:
         """``(reward, metrics, error)`` from ``reward.json`` / ``reward.txt`` in :data:`LOGS_DIR`, if written."""
-        out = self.sandbox.run(f"( for f in {LOGS_DIR}/reward.json {LOGS_DIR}/reward.txt; do "
-                               "[ -f \"$f\" ] && { echo \"$f\"; head -c 65536 \"$f\"; exit 0; }; done; echo none )",
-                               timeout_s=10.0)
-        if not out.ok:
-            return None, {}, f"reading it failed: {out.error or out.output[-200:]}"
-        first, _, body = out.output.partition("\n")
-        if first.strip() == "none":
+        for first in (f"{LOGS_DIR}/reward.json", f"{LOGS_DIR}/reward.txt"):
+            try:
+                data = self.sandbox.read_file(first, MAX_REWARD_BYTES)
+            except SandboxError as exc:
+                return None, {}, f"reading it failed: {exc}"
+            if data is not None:
+                break
+        else:
             return None, {}, ""
+        body = data.decode(errors="replace")
         try:
             if first.endswith(".json"):
                 doc = json.loads(body)
@@ -172,9 +195,11 @@ class TerminalSession(BlockingToolTaskSession):
         """Back to the pool: wiped and kept when the instance allows reuse (the wipe verified), else removed."""
         reusable = True
         if self.pool.reuse and not self.sandbox.closed:
-            # what the verifier brought is not the session's change: gone before the wipe compares the layer
+            # what the verifier brought and made is not the session's change: gone before the wipe compares the
+            # layer (its own files first, as itself: root without capabilities cannot remove them)
             try:
-                self.sandbox.remove_as_root([TESTS_DIR, LOGS_DIR.rsplit("/", 1)[0]])
+                self.sandbox.empty_as(self.verifier_user, [VERIFIER_HOME, LOGS_DIR])
+                self.sandbox.remove_as_root(list(VERIFIER_PATHS))
             except SandboxError as exc:
                 logger.warning("terminal: %s; the container is not reused", exc)
                 reusable = False
@@ -235,7 +260,8 @@ class TerminalTask(BlockingToolTask):
     ``commands``, ``limit_hits``, ``verifier_s``, ``verifier_exit_code`` and the verifier's own.
 
     Containers: docker_host (the engine's URL; default ``$DOCKER_HOST``, else the local socket), user
-    (``uid:gid`` the commands, setup and verifier run as; not root), command_timeout_s / memory_mb /
+    (``uid:gid`` the agent's commands and the setup run as; not root), verifier_user (``uid:gid`` the verifier
+    runs as: neither root nor the agent's uid or gid, and owning no file of the image), command_timeout_s / memory_mb /
     max_processes / cpus (per container, an instance's ``cpus`` / ``memory_mb`` win), max_containers (live
     at once over all images; the worker's ``--max-containers``), warm_containers (per image: ``N`` or
     ``MIN:MAX`` by the last ``warm_window_s`` of demand; ``--warm-containers``), reuse_containers (default
@@ -249,7 +275,8 @@ class TerminalTask(BlockingToolTask):
 
     def __init__(self, tasks: str | list[str] | None = None, demo: str | None = None, family: str | None = None,
                  seed: int = 0, num_samples: int | None = None, max_turns: int | None = None,
-                 docker_host: str | None = None, user: str = "1000:1000", command_timeout_s: float = 10.0,
+                 docker_host: str | None = None, user: str = "1000:1000", verifier_user: str = "1001:1001",
+                 command_timeout_s: float = 10.0,
                  memory_mb: int = 512, max_processes: int = 64, cpus: float = 1.0, max_output_chars: int = 4000,
                  max_workers: int = 64, max_containers: int | None = None, warm_containers: int | str | list[int] = 0,
                  reuse_containers: bool = False, acquire_timeout_s: float = 60.0, warm_window_s: float = 30.0,
@@ -286,6 +313,14 @@ class TerminalTask(BlockingToolTask):
             raise TaskParamError(self.name, "user", user, "must be 'uid:gid' of a user other than root, e.g. "
                                  "'1000:1000' (tasks that need root at run time are not supported: do that work "
                                  "in the image)")
+        self.verifier_user = str_param(self.name, "verifier_user", verifier_user)
+        if not re.fullmatch(r"\d+:\d+", self.verifier_user) or int(self.verifier_user.split(":")[0]) == 0:
+            raise TaskParamError(self.name, "verifier_user", verifier_user, "must be 'uid:gid' of a user other than "
+                                 "root, e.g. '1001:1001'")
+        if any(int(a) == int(b) for a, b in zip(self.verifier_user.split(":"), self.user.split(":"))):
+            raise TaskParamError(self.name, "verifier_user", verifier_user, f"must differ from user {self.user!r} "
+                                 "in uid and gid: an agent that shares the verifier's user or group could write its "
+                                 "own reward")
         self.max_output_chars = int_param(self.name, "max_output_chars", max_output_chars, low=100)
         self.command_timeout_s = seconds_param(self.name, "command_timeout_s", command_timeout_s)
         self.memory_mb = int_param(self.name, "memory_mb", memory_mb, low=16)

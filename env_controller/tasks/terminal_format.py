@@ -214,9 +214,9 @@ def _load_harbor(root: Path) -> TerminalInstance:
                    "environment/Dockerfile")
     image = _image_of(root / "environment", env.get("docker_image"), where)
     verifier_conf = conf.get("verifier") or {}
-    if verifier_conf.get("user") not in (None, "", "agent") and str(verifier_conf.get("user")) != "1000":
-        raise _err(where, f"[verifier] user = {verifier_conf['user']!r}: the verifier runs as the session's user "
-                   "(not root); leave user out")
+    if verifier_conf.get("user") not in (None, ""):
+        raise _err(where, f"[verifier] user = {verifier_conf['user']!r}: the verifier runs as a user of its own, "
+                   "neither root nor the agent's (the terminal task's verifier_user); leave user out")
     tests = root / "tests"
     if not (tests / "test.sh").is_file():
         raise _err(root, "tests/test.sh is missing (the verifier)")

@@ -97,7 +97,8 @@ def task_set(docker_engine: Any, os_shell_image: str, tmp_path_factory: pytest.T
         {"id": "hang", "instruction": "Anything.", "image": rootfs, "solution": "true",
          "verifier": {"script": "sleep 1000", "timeout_s": 2}},
         {"id": "reusable", "instruction": "Look around.", "image": rootfs, "solution": "ls /app > /tmp/seen",
-         "reuse_containers": True, "verifier": {"script": "true", "timeout_s": 20}},
+         # what the verifier leaves in its home and temporary directory does not bar a reuse
+         "reuse_containers": True, "verifier": {"script": "touch $HOME/x $TMPDIR/y", "timeout_s": 20}},
         {"id": "scratch", "instruction": "Work in a scratch directory.", "image": rootfs, "setup": ["echo x > seed"],
          "reuse_containers": True, "scratch_workdir": True,
          # what the episode found in /app at its start: only the setup's file, never an earlier session's
@@ -260,7 +261,7 @@ def test_a_reward_or_tests_planted_by_the_agent_never_judge_it(docker_engine: An
                                                                  tmp_path: Path) -> None:
     """An image that lets the session's user write /logs and /tests: the agent plants a reward of 1 and a test of
     its own, then finishes without doing the task; the task's verifier alone judges it (reward 0)."""
-    d = _harbor_task(tmp_path, os_shell_image, name="open", test=CHECK + ' && [ "$PYTHONNOUSERSITE" = 1 ]')
+    d = _harbor_task(tmp_path, os_shell_image, name="open", test=CHECK)
     (d / "environment" / "Dockerfile").write_text(
         f"FROM {os_shell_image}\nRUN mkdir -m 1777 /logs /tests\nWORKDIR /app\nRUN chown -R 1000:1000 /app\n")
     task = build_task("terminal", tasks=str(d), docker_host=docker_engine.url, max_containers=1,
@@ -285,6 +286,60 @@ def test_a_reward_or_tests_planted_by_the_agent_never_judge_it(docker_engine: An
     assert planted.metrics["verifier_exit_code"] != 0.0
     assert solved.status is SampleStatus.COMPLETED and solved.reward == 1.0, solved  # the real test still runs
     assert _containers(docker_engine) == [], "a container outlived the task"
+
+
+#: Harbor's test.sh template, reduced to what runs offline: uv's installer's env file from HOME, a venv in the
+#: working directory, then the test, which writes the reward (with who ran it, and the modes of its directories)
+HARBOR_TEMPLATE = """source $HOME/.local/bin/env 2>/dev/null
+if [ "$PWD" = / ]; then echo "no working directory"; exit 1; fi
+source .tbench-testing/bin/activate 2>/dev/null
+if [ "$(cat /app/out.txt)" = done ]; then r=1; else r=0; fi
+logs=$(stat -c '%u.%a' /logs/verifier) tests=$(stat -c '%u.%a' /tests)
+echo "{\\"reward\\": $r, \\"uid\\": $(id -u), \\"logs\\": $logs, \\"tests\\": $tests}" > /logs/verifier/reward.json"""
+#: what an agent plants for the template to run as the verifier: a reward of 1, then the end of the script
+FORGE = "printf 'echo 1 > /logs/verifier/reward.txt; exit 0\\n'"
+
+
+def test_code_planted_in_home_or_beside_the_work_never_runs_as_the_verifier(docker_engine: Any, os_shell_image: str,
+                                                                             tmp_path: Path) -> None:
+    """The agent plants what Harbor's template would run, in its HOME (uv's env file) and beside its work (the
+    venv's activate script), then finishes without doing the task: the verifier, its own user in its own home,
+    runs neither (reward 0). A solved episode with the same plants still gets 1, and the verifier ran as
+    ``verifier_user``, with its reward directory its own and the tests root's, neither writable by others."""
+    _harbor_task(tmp_path, os_shell_image, name="template", test=HARBOR_TEMPLATE)
+    task = build_task("terminal", tasks=str(tmp_path / "template"), docker_host=docker_engine.url, max_containers=2,
+                      warm_containers=0, prebuild=False, command_timeout_s=5, memory_mb=128, verifier_user="1234:1234")
+    assert isinstance(task, TerminalTask)
+    in_home = f"mkdir -p ~/.local/bin && {FORGE} > ~/.local/bin/env"
+    beside = f"mkdir -p .tbench-testing/bin && {FORGE} > .tbench-testing/bin/activate"
+
+    async def go() -> list[Any]:
+        c = LocalEnvClient({"terminal": task})
+        out = []
+        for script in (in_home, beside, f"{in_home} && {beside} && {SOLVE}"):
+            _, reply = await replay(c, "terminal", 0, [call("bash_action", {"script": script}),
+                                                        call("finish_action", {})])
+            out.append(reply)
+        return out
+
+    try:
+        home, work, solved = asyncio.run(go())
+    finally:
+        task.close()
+    for reply in (home, work):
+        assert reply.status is SampleStatus.COMPLETED and reply.reward == 0.0, reply
+    assert solved.status is SampleStatus.COMPLETED and solved.reward == 1.0, solved
+    assert solved.metrics["verifier/uid"] == 1234.0, solved.metrics
+    # uid.mode: the verifier's 755, root's 755
+    assert solved.metrics["verifier/logs"] == 1234.755 and solved.metrics["verifier/tests"] == 0.755, solved.metrics
+    assert _containers(docker_engine) == [], "a container outlived the task"
+
+
+def test_the_verifier_user_is_checked() -> None:
+    for bad, why in (("0:0", "other than root"), ("1000:5", "must differ from user"), ("7:1000", "must differ"),
+                     ("me", "uid:gid")):
+        with pytest.raises(TaskParamError, match=why):
+            build_task("terminal", demo="files", verifier_user=bad)
 
 
 def test_builds_need_their_base_in_the_engine(docker_engine: Any, tmp_path: Path) -> None:
@@ -344,6 +399,11 @@ def test_terminal_bench_1_layout_and_refusals(tmp_path: Path) -> None:
     toml.write_text(toml.read_text() + "allow_internet = true\n")
     with pytest.raises(TaskFormatError, match="allow_internet = true: containers here have no network"):
         load_tasks(str(harbor))
+    harbor = _harbor_task(tmp_path, "scratch", name="asuser")
+    toml = harbor / "task.toml"
+    toml.write_text(toml.read_text().replace("[verifier]\n", '[verifier]\nuser = "agent"\n'))
+    with pytest.raises(TaskFormatError, match="user = 'agent': the verifier runs as a user of its own"):
+        load_tasks(str(harbor))
     harbor = _harbor_task(tmp_path, "scratch", name="notest")
     (harbor / "tests" / "test.sh").unlink()
     with pytest.raises(TaskFormatError, match="tests/test.sh is missing"):
@@ -360,7 +420,8 @@ def test_terminal_bench_1_layout_and_refusals(tmp_path: Path) -> None:
 
 
 def test_put_files_tar_is_rooted(tmp_path: Path) -> None:
-    """What put_files sends: the directory chain and the files, owned by the user (no engine needed)."""
+    """What put_files sends: the directory, those below it and the files, owned by the user, and never the
+    directory's parents (the engine makes missing ones root's and keeps existing ones; no engine needed)."""
     from env_controller.sandbox.docker import DockerSandbox
 
     sent: list[bytes] = []
@@ -380,11 +441,11 @@ def test_put_files_tar_is_rooted(tmp_path: Path) -> None:
         uid, gid = 1000, 1000
 
     box._backend, box._errors = _B(), __import__("docker").errors
-    box.put_files("/tests", {"test.sh": "true\n", "data/a.txt": b"a"})
+    box.put_files("/logs/tests", {"test.sh": "true\n", "data/a.txt": b"a"})
     with tarfile.open(fileobj=io.BytesIO(sent[0])) as tar:
         names = {m.name: m for m in tar.getmembers()}
-    assert set(names) == {"tests", "tests/data", "tests/test.sh", "tests/data/a.txt"}
-    assert all(m.uid == 1000 for m in names.values()) and names["tests"].isdir()
+    assert set(names) == {"logs/tests", "logs/tests/data", "logs/tests/test.sh", "logs/tests/data/a.txt"}
+    assert all(m.uid == 1000 for m in names.values()) and names["logs/tests"].isdir()
     with pytest.raises(ValueError, match="not a relative path"):
         box.put_files("/tests", {"../etc/passwd": "x"})
 

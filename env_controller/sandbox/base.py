@@ -562,6 +562,12 @@ class ShellSandbox(Sandbox):
         """``(directory in the sandbox, size limit in MB)`` of each size-capped file system now full."""
         return []
 
+    def _over_disk(self, now: bool) -> str | None:
+        """A sentence for the agent when the sandbox's own files are over a cap that no kernel or engine quota
+        enforces (the backend checks it itself), else None. ``now``: check even if checked a moment ago (after a
+        command); else the backend may answer from its last check (polled while a command runs)."""
+        return None
+
     # -- shell lifecycle ----------------------------------------------------------------------
 
     def _start_shell(self) -> None:
@@ -688,6 +694,7 @@ class ShellSandbox(Sandbox):
         searched = 0
         limit: LimitKind | None = None
         exit_code: int | None = None
+        disk_error: str | None = None
         try:
             shell.channel.send(line)
         except OSError:
@@ -711,6 +718,10 @@ class ShellSandbox(Sandbox):
                 next_count = now + self.process_poll_s
                 if self._at_process_limit(self._count_processes()):
                     limit = "process_limit"
+                    break
+                disk_error = self._over_disk(now=False)
+                if disk_error is not None:
+                    limit = "disk_full"
                     break
             chunk = shell.channel.recv(min(deadline - now, next_count - now, 0.25))
             if chunk is None:
@@ -740,12 +751,20 @@ class ShellSandbox(Sandbox):
             if full:
                 return CommandResult(output=output, exit_code=exit_code, limit="disk_full",
                                      error=self._disk_full_message(full), truncated=truncated, duration_s=duration)
+            disk_error = self._over_disk(now=True)
+            if disk_error is not None:
+                return CommandResult(output=output, exit_code=exit_code, limit="disk_full", error=disk_error,
+                                     truncated=truncated, duration_s=duration)
             return CommandResult(output=output, exit_code=exit_code, truncated=truncated, duration_s=duration)
         logger.info("sandbox %s: command ended by %s after %.2f s; restarting the shell", self.id, limit, duration)
         self._restart()
+        if disk_error is not None:
+            disk_error += ("; the command was stopped, and a new shell was started: the working directory and "
+                           "variables are reset, files are kept")
         return CommandResult(
             output=output, exit_code=exit_code if limit == "process_limit" else None, limit=limit,
-            error=self._limit_message(limit, limit_s), truncated=truncated, restarted=True, duration_s=duration,
+            error=disk_error or self._limit_message(limit, limit_s), truncated=truncated, restarted=True,
+            duration_s=duration,
         )
 
     @property

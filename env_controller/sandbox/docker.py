@@ -9,7 +9,10 @@ Limits, enforced by the engine for the container as a whole: ``network_mode="non
 filesystem, private tmpfs ``/tmp`` (``tmp_mb``) and home (``home_mb``, owned by the user), ``mem_limit``
 = ``memswap_limit`` = ``memory_mb`` (all processes and the tmpfs pages they write), ``pids_limit`` =
 ``max_processes`` + 2 (init and ``sleep``), ``nano_cpus`` = ``cpus`` (at most the engine's CPUs),
-``fsize`` and ``core`` ulimits; wall time and output size per command as in every shell sandbox.
+``fsize`` and ``core`` ulimits; wall time and output size per command as in every shell sandbox. With a
+writable root, ``disk_mb`` caps the container's own layer: an engine quota (``--storage-opt size``) where the
+storage driver has one, else the layer's size read through the engine while commands run
+(:meth:`DockerSandbox._over_disk`).
 
 What the limits did is read from the container's cgroup: ``pids.current`` (fork bombs, what a command
 left running) and the ``oom_kill`` count (``memory_limit``). When this process sees the engine's
@@ -118,6 +121,9 @@ EXEC_POLL_S = 1.0
 EXEC_START_FAILED = "OCI runtime exec failed"
 #: seconds an exec the runtime could not start is tried again
 EXEC_START_RETRY_S = 10.0
+#: seconds between two reads of a container's writable-layer size while a command runs (``disk_mb`` without an
+#: engine quota); each is one list call to the engine
+DISK_POLL_S = 2.0
 
 _warned: set[str] = set()
 
@@ -301,35 +307,56 @@ class DockerSandbox(ShellSandbox):
                                    f"gid={backend.gid},mode={self._workdir_mode:04o}")
         #: the container layer's changes right after the start (a writable root): a reuse must find the same
         self._baseline_diff: set[tuple[str, int]] | None = None
+        #: when the writable layer's size was last read (``disk_mb`` without a quota; monotonic seconds)
+        self._disk_checked = 0.0
+
+        def start(storage_opt: dict[str, str] | None) -> Any:
+            try:
+                return backend.client.containers.run(
+                    backend.image,
+                    command=["sleep", "infinity"],
+                    detach=True,
+                    name=sandbox_id,
+                    labels=all_labels,
+                    hostname="sandbox",
+                    init=True,
+                    network_mode="none",
+                    read_only=not backend.writable_root,
+                    # Docker mounts a tmpfs noexec unless told: scripts the agent writes there must run
+                    tmpfs=tmpfs,
+                    mem_limit=f"{limits.memory_mb}m",
+                    memswap_limit=f"{limits.memory_mb}m",
+                    pids_limit=limits.max_processes + BASE_PROCESSES,
+                    nano_cpus=backend.nano_cpus(limits.cpus),
+                    cap_drop=["ALL"],
+                    security_opt=["no-new-privileges"],
+                    ulimits=[Ulimit(name="fsize", soft=file_bytes, hard=file_bytes),
+                             Ulimit(name="core", soft=0, hard=0)],
+                    environment=self.env,
+                    working_dir=self.workdir,
+                    storage_opt=storage_opt,
+                )
+            except docker.errors.DockerException:
+                try:  # created, then refused at start (a limit the engine rejects): not left behind
+                    backend.client.containers.get(sandbox_id).remove(force=True, v=True)
+                except (docker.errors.DockerException, OSError):
+                    pass
+                raise
+
+        quota = backend.disk_mb is not None and backend.writable_root and backend.quota is not False
         try:
-            self.container = backend.client.containers.run(
-                backend.image,
-                command=["sleep", "infinity"],
-                detach=True,
-                name=sandbox_id,
-                labels=all_labels,
-                hostname="sandbox",
-                init=True,
-                network_mode="none",
-                read_only=not backend.writable_root,
-                # Docker mounts a tmpfs noexec unless told: scripts the agent writes there must run
-                tmpfs=tmpfs,
-                mem_limit=f"{limits.memory_mb}m",
-                memswap_limit=f"{limits.memory_mb}m",
-                pids_limit=limits.max_processes + BASE_PROCESSES,
-                nano_cpus=backend.nano_cpus(limits.cpus),
-                cap_drop=["ALL"],
-                security_opt=["no-new-privileges"],
-                ulimits=[Ulimit(name="fsize", soft=file_bytes, hard=file_bytes), Ulimit(name="core", soft=0, hard=0)],
-                environment=self.env,
-                working_dir=self.workdir,
-            )
+            try:
+                self.container = start({"size": f"{backend.disk_mb}M"} if quota else None)
+            except docker.errors.APIError as exc:
+                if not (quota and "storage-opt" in str(exc)):
+                    raise
+                # this engine's storage driver has no quota (overlay2 not on xfs with pquota): checked here instead
+                backend.no_quota(str(exc))
+                self.container = start(None)
         except docker.errors.DockerException as exc:
-            try:  # created, then refused at start (a limit the engine rejects): not left behind
-                backend.client.containers.get(sandbox_id).remove(force=True, v=True)
-            except (docker.errors.DockerException, OSError):
-                pass
             raise SandboxError(f"sandbox {sandbox_id}: cannot start a container from {backend.image!r}: {exc}") from exc
+        if quota and backend.quota is None:
+            backend.quota = True
         logger.debug("sandbox %s: container %s", sandbox_id, self.container.id[:12])
         try:
             self.container.reload()  # run() inspected it before it started: no pid yet
@@ -630,6 +657,28 @@ class DockerSandbox(ShellSandbox):
         self._probed = None
         return int(out[-1]) if out and out[-1].isdigit() else 0
 
+    def _over_disk(self, now: bool) -> str | None:
+        """See :meth:`ShellSandbox._over_disk`: the writable layer's size (``SizeRw``, from the engine's container
+        list) against ``disk_mb`` where the engine has no quota; read at most every :data:`DISK_POLL_S` unless
+        ``now``."""
+        cap = self._backend.disk_mb
+        if cap is None or self._backend.quota is not False:
+            return None
+        if not now and time.monotonic() - self._disk_checked < DISK_POLL_S:
+            return None
+        try:
+            rows = self._backend.client.api.containers(all=True, filters={"id": self.container.id}, size=True)
+            size = int(rows[0].get("SizeRw") or 0) if rows else 0
+        except (self._errors.DockerException, OSError, ValueError) as exc:
+            logger.warning("sandbox %s: reading the size of its files failed: %s", self.id, exc)
+            size = 0
+        message = None
+        if size > cap << 20:
+            message = (f"the container's own files (outside /tmp) hold {size / 2**20:.0f} MB, more than its "
+                       f"limit of {cap} MB; delete files to make room")
+        self._disk_checked = time.monotonic()
+        return message
+
     def _full_filesystems(self) -> list[tuple[str, int]]:
         """The capped ``/tmp`` and home that are (nearly) full, from ``stat -f`` in the container."""
         caps = [("/tmp", self.limits.tmp_mb)]
@@ -691,7 +740,8 @@ class DockerBackend(SandboxBackend):
     def __init__(self, limits: SandboxLimits | None = None, image: str = "ubuntu:22.04", client: Any = None,
                  user: str = "1000:1000", workdir: str = "/home/user", home_mb: int = 256,
                  api_timeout_s: float = 60.0, reap: bool | str = True, reap_foreign_after_s: float | None = None,
-                 base_url: str | None = None, writable_root: bool = False, scratch_workdir: bool = False) -> None:
+                 base_url: str | None = None, writable_root: bool = False, scratch_workdir: bool = False,
+                 disk_mb: int | None = None) -> None:
         """Connect to the daemon and reap leaked containers (``reap``: True before returning, "background"
         in a thread, False not at all); SandboxUnavailableError when unreachable."""
         super().__init__(limits)
@@ -731,6 +781,15 @@ class DockerBackend(SandboxBackend):
         self.scratch_workdir = bool(scratch_workdir)
         if self.scratch_workdir and not self.writable_root:
             raise ValueError("scratch_workdir=True needs writable_root=True (without it the workdir is a tmpfs anyway)")
+        if disk_mb is not None and (isinstance(disk_mb, bool) or not isinstance(disk_mb, int) or disk_mb < 1):
+            raise ValueError(f"disk_mb={disk_mb!r} must be a positive integer (MB) or None")
+        if disk_mb is not None and not self.writable_root:
+            raise ValueError("disk_mb needs writable_root=True (a read-only root's files are capped tmpfs already)")
+        #: the cap on a container's own writable layer, in MB (None: none)
+        self.disk_mb = disk_mb
+        #: whether the engine enforces ``disk_mb`` (``--storage-opt size``): None until the first container
+        #: tells; False: the sandboxes check the layer's size themselves (:meth:`DockerSandbox._over_disk`)
+        self.quota: bool | None = None
         self.reap_foreign_after_s = reap_foreign_after_s
         #: this backend's id, in the label :data:`BACKEND_LABEL` of its containers
         self.instance = secrets.token_hex(6)
@@ -755,6 +814,15 @@ class DockerBackend(SandboxBackend):
             if reap:
                 self.reaped = self.reap()
             self._reap_done.set()
+
+    def no_quota(self, why: str) -> None:
+        """Record that the engine has no disk quota for containers (``why``: its refusal), once."""
+        if self.quota is not False:
+            self.quota = False
+            self._warn(f"the engine's storage driver has no per-container quota ({why.strip()[-160:]}): "
+                       f"disk_mb={self.disk_mb} is checked by reading each container's layer size, every "
+                       f"{DISK_POLL_S:g} s while a command runs and after it, so a fast writer can overshoot it "
+                       "by what it writes in that time")
 
     def _reap_at_start(self) -> None:
         try:

@@ -238,8 +238,9 @@ class TerminalPools:
 
     def _label(self, key: tuple[Any, ...]) -> str:
         """A pool's name in ``images``: ``tag@workdir`` and what differs from the task's defaults."""
-        tag, workdir, scratch, cpus, memory, reuse = key
-        limits = f" cpus={cpus:g} memory_mb={memory}" if (cpus, memory) != (self.task.cpus, self.task.memory_mb) else ""
+        tag, workdir, scratch, cpus, memory, disk, reuse = key
+        own = (self.task.cpus, self.task.memory_mb, self.task.disk_mb)
+        limits = f" cpus={cpus:g} memory_mb={memory} disk_mb={disk}" if (cpus, memory, disk) != own else ""
         return f"{tag}@{workdir}{' scratch' if scratch else ''}{limits}{' reuse' if reuse else ''}"
 
     def close(self) -> None:
@@ -262,7 +263,9 @@ class TerminalTask(BlockingToolTask):
     Containers: docker_host (the engine's URL; default ``$DOCKER_HOST``, else the local socket), user
     (``uid:gid`` the agent's commands and the setup run as; not root), verifier_user (``uid:gid`` the verifier
     runs as: neither root nor the agent's uid or gid, and owning no file of the image), command_timeout_s / memory_mb /
-    max_processes / cpus (per container, an instance's ``cpus`` / ``memory_mb`` win), max_containers (live
+    max_processes / cpus / disk_mb (per container, an instance's ``cpus`` / ``memory_mb`` / ``storage_mb`` win;
+    disk_mb caps the container's own files: an engine quota where its storage driver has one, else the backend's
+    own check), max_containers (live
     at once over all images; the worker's ``--max-containers``), warm_containers (per image: ``N`` or
     ``MIN:MAX`` by the last ``warm_window_s`` of demand; ``--warm-containers``), reuse_containers (default
     for instances that do not say: a finished session's container serves another after a verified wipe),
@@ -276,8 +279,8 @@ class TerminalTask(BlockingToolTask):
     def __init__(self, tasks: str | list[str] | None = None, demo: str | None = None, family: str | None = None,
                  seed: int = 0, num_samples: int | None = None, max_turns: int | None = None,
                  docker_host: str | None = None, user: str = "1000:1000", verifier_user: str = "1001:1001",
-                 command_timeout_s: float = 10.0,
-                 memory_mb: int = 512, max_processes: int = 64, cpus: float = 1.0, max_output_chars: int = 4000,
+                 command_timeout_s: float = 10.0, memory_mb: int = 512, disk_mb: int = 10240,
+                 max_processes: int = 64, cpus: float = 1.0, max_output_chars: int = 4000,
                  max_workers: int = 64, max_containers: int | None = None, warm_containers: int | str | list[int] = 0,
                  reuse_containers: bool = False, acquire_timeout_s: float = 60.0, warm_window_s: float = 30.0,
                  build_timeout_s: float = 600.0, prebuild: bool = True, demo_threads: int = 6) -> None:
@@ -324,6 +327,7 @@ class TerminalTask(BlockingToolTask):
         self.max_output_chars = int_param(self.name, "max_output_chars", max_output_chars, low=100)
         self.command_timeout_s = seconds_param(self.name, "command_timeout_s", command_timeout_s)
         self.memory_mb = int_param(self.name, "memory_mb", memory_mb, low=16)
+        self.disk_mb = int_param(self.name, "disk_mb", disk_mb, low=16)
         self.max_processes = int_param(self.name, "max_processes", max_processes, low=4)
         if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not 0.01 <= cpus < float("inf"):
             raise TaskParamError(self.name, "cpus", cpus, "must be a number of CPUs of at least 0.01, e.g. 1.0")
@@ -386,7 +390,7 @@ class TerminalTask(BlockingToolTask):
             return self._images
 
     def pools(self) -> dict[tuple[Any, ...], SandboxPool]:
-        """The pools made so far, by (image tag, working directory, scratch workdir, cpus, memory, reuse)."""
+        """The pools made so far, by (image tag, working directory, scratch workdir, cpus, memory, disk, reuse)."""
         with self._lock:
             return dict(self._pools)
 
@@ -404,9 +408,10 @@ class TerminalTask(BlockingToolTask):
         reuse = self.reuse_containers if instance.reuse_containers is None else instance.reuse_containers
         cpus = instance.cpus or self.cpus
         memory = instance.memory_mb or self.memory_mb
+        disk = instance.storage_mb or self.disk_mb
         with self._lock:
             workdir = self._workdir_of(tag, instance)
-            key = (tag, workdir, instance.scratch_workdir, cpus, memory, reuse)
+            key = (tag, workdir, instance.scratch_workdir, cpus, memory, disk, reuse)
             pool = self._pools.get(key)
             if pool is not None:
                 return pool
@@ -416,7 +421,7 @@ class TerminalTask(BlockingToolTask):
                                    max_processes=self.max_processes, cpus=cpus)
             # the first backend removes the containers of dead workers (in the background); one is enough
             backend = DockerBackend(limits, image=tag, client=self._client, user=self.user, workdir=workdir,
-                                    writable_root=True, scratch_workdir=instance.scratch_workdir,
+                                    writable_root=True, scratch_workdir=instance.scratch_workdir, disk_mb=disk,
                                     reap="background" if not self._backends else False)
             self._backends.append(backend)
             pool = SandboxPool(backend, max_size=self.max_containers, warm_min=self.warm_min,

@@ -66,8 +66,9 @@ class TerminalInstance:
     instance may serve another session after a verified wipe (None: the task's setting). workdir: where the
     shell starts (None: the image's WORKDIR, else /app). scratch_workdir: the working directory is an empty
     tmpfs of each container (the image's files there hidden), filled by ``setup``; the wipe empties it, so a
-    session's work there does not bar the container's reuse. cpus / memory_mb: per-container limits (None:
-    the task's). careless: a low-effort player's script (the warm-up's bad habit), or None.
+    session's work there does not bar the container's reuse. cpus / memory_mb / storage_mb: per-container limits
+    (None: the task's; storage_mb caps the container's own files, the task's ``disk_mb``). careless: a
+    low-effort player's script (the warm-up's bad habit), or None.
     """
 
     id: str
@@ -82,6 +83,7 @@ class TerminalInstance:
     scratch_workdir: bool = False
     cpus: float | None = None
     memory_mb: int | None = None
+    storage_mb: int | None = None
     careless: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
 
@@ -235,6 +237,7 @@ def _load_harbor(root: Path) -> TerminalInstance:
         scratch_workdir=ours.get("scratch_workdir", False),
         cpus=_opt_number(env.get("cpus"), where, "[environment] cpus"),
         memory_mb=_opt_int(env.get("memory_mb"), where, "[environment] memory_mb"),
+        storage_mb=_opt_int(env.get("storage_mb"), where, "[environment] storage_mb"),
         metadata={"format": "harbor", **(conf.get("metadata") or {})},
     )
 
@@ -319,7 +322,7 @@ def _load_tb1(root: Path) -> TerminalInstance:
 
 def _inline(entry: dict[str, Any], base: Path, where: str) -> TerminalInstance:
     known = {"id", "instruction", "image", "setup", "verifier", "solution", "family", "reuse_containers", "workdir",
-             "scratch_workdir", "cpus", "memory_mb", "careless", "metadata"}
+             "scratch_workdir", "cpus", "memory_mb", "storage_mb", "careless", "metadata"}
     unknown = sorted(set(entry) - known)
     if unknown:
         raise _err(where, f"{unknown[0]!r} is not a field of an instance; known: {', '.join(sorted(known))} "
@@ -367,7 +370,8 @@ def _inline(entry: dict[str, Any], base: Path, where: str) -> TerminalInstance:
         reuse_containers=reuse, workdir=workdir,
         scratch_workdir=_flag(entry.get("scratch_workdir", False), where, "scratch_workdir"),
         cpus=_opt_number(entry.get("cpus"), where, "cpus"),
-        memory_mb=_opt_int(entry.get("memory_mb"), where, "memory_mb"), careless=entry.get("careless"),
+        memory_mb=_opt_int(entry.get("memory_mb"), where, "memory_mb"),
+        storage_mb=_opt_int(entry.get("storage_mb"), where, "storage_mb"), careless=entry.get("careless"),
         metadata=dict(entry.get("metadata") or {}),
     )
 

@@ -412,3 +412,29 @@ def test_a_reused_writable_root_container_keeps_no_ipc_object(docker_engine: Any
         for tag in tags:
             client.images.remove(tag, force=True)
         client.close()
+
+
+def test_a_container_over_its_disk_cap_is_stopped_where_the_engine_has_no_quota(docker_engine: Any,
+                                                                               os_shell_image: str) -> None:
+    """``disk_mb`` caps a writable root's own files. This engine's overlay2 is not on xfs with pquota, so it has no
+    quota: the backend says so once and reads the layer's size itself. A command that leaves the files over the
+    cap gets ``disk_full`` naming it; a command that keeps writing is stopped; once files are deleted, commands
+    run again."""
+    b = DockerBackend(LIMITS, image=os_shell_image, base_url=docker_engine.url, writable_root=True, disk_mb=8)
+    try:
+        with b.create() as box:
+            if b.quota:
+                pytest.skip("this engine enforces a disk quota per container")
+            assert any("no per-container quota" in w for w in b.health()["warnings"]), b.health()
+            r = box.run("for i in 1 2 3; do head -c 3M /dev/zero > /var/tmp/f$i; done; echo wrote")
+            assert r.limit == "disk_full" and "more than its limit of 8 MB" in (r.error or "") and "wrote" in r.output
+            assert box.run("rm /var/tmp/f*; echo ok").ok
+            r = box.run("i=0; while :; do head -c 1M /dev/zero > /var/tmp/g$i; i=$((i+1)); sleep 0.2; done",
+                        timeout_s=30)
+            assert r.limit == "disk_full" and r.restarted and r.duration_s < 10, r
+            assert "the command was stopped" in (r.error or "")
+            assert box.run("rm /var/tmp/g*; echo ok").ok
+    finally:
+        b.close()
+    with pytest.raises(ValueError, match="disk_mb needs writable_root"):
+        DockerBackend(LIMITS, image=os_shell_image, base_url=docker_engine.url, disk_mb=8)

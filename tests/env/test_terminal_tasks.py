@@ -99,6 +99,8 @@ def task_set(docker_engine: Any, os_shell_image: str, tmp_path_factory: pytest.T
         {"id": "reusable", "instruction": "Look around.", "image": rootfs, "solution": "ls /app > /tmp/seen",
          # what the verifier leaves in its home and temporary directory does not bar a reuse
          "reuse_containers": True, "verifier": {"script": "touch $HOME/x $TMPDIR/y", "timeout_s": 20}},
+        {"id": "disk", "instruction": "Fill the disk.", "image": rootfs, "storage_mb": 16,
+         "verifier": {"script": "true", "timeout_s": 20}},
         {"id": "scratch", "instruction": "Work in a scratch directory.", "image": rootfs, "setup": ["echo x > seed"],
          "reuse_containers": True, "scratch_workdir": True,
          # what the episode found in /app at its start: only the setup's file, never an earlier session's
@@ -205,6 +207,24 @@ def test_two_images_pools_serve_at_once_under_one_cap(task: TerminalTask, docker
     assert stats["max"] == 6 and stats["budget"]["used"] <= 6 and stats["leased"] == 4
     for s in per_image:
         assert s["start_s"]["n"] >= 1 and s["start_s"]["p50"] > 0  # the start latency, per image
+
+
+def test_an_instances_storage_mb_caps_its_containers_own_files(task: TerminalTask) -> None:
+    """An instance's ``storage_mb`` (Harbor's ``[environment] storage_mb``) caps what its container writes outside
+    /tmp: the agent is told, in the command's reply, and can delete files and go on."""
+    i = _index(task, "disk")
+
+    async def go() -> tuple[Any, Any]:
+        session, _ = await task.start(i)
+        full = await session.interact(call("bash_action", {"script": "for i in 1 2 3 4 5 6; do "
+                                                                       "head -c 3M /dev/zero > /app/f$i; done"}))
+        freed = await session.interact(call("bash_action", {"script": "rm /app/f*; echo freed"}))
+        await session.close()
+        return full, freed
+
+    full, freed = asyncio.run(go())
+    assert "more than its limit of 16 MB" in full.messages[0]["content"], full
+    assert "freed" in freed.messages[0]["content"] and "limit" not in freed.messages[0]["content"], freed
 
 
 def test_reuse_only_after_a_verified_wipe(task: TerminalTask) -> None:

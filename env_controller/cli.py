@@ -130,6 +130,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-containers", default=None, metavar="N|MIN:MAX",
                    help="sandboxes started ahead of demand: N, or between MIN and MAX by the last 30 s of demand; "
                         "sets the task's warm_containers param")
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                   help=f"client connections open at once; one more is answered 503 (default {MAX_CONNECTIONS})")
     p.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between heartbeats (default 2)")
     p.add_argument("--timeout", type=float, default=60.0, help="limit on each task call, seconds (default 60)")
     p.add_argument(
@@ -273,7 +275,7 @@ def worker(args: argparse.Namespace) -> int:
             task, name=args.name, controller_url=args.controller, host=args.host, port=args.port,
             self_address=args.self_address, concurrency=concurrency,
             heartbeat_interval_s=args.heartbeat_interval, timeout_s=args.timeout,
-            latency_s=args.latency_ms / 1000.0, token=token,
+            latency_s=args.latency_ms / 1000.0, token=token, max_connections=args.max_connections,
         )
     except ValueError as e:
         return _error(str(e))

@@ -644,6 +644,7 @@ class GatewayConfig(_Section):
         cancelled (not those of a training run's agents), seconds.
     max_queued_turns: turns waiting for the engines at once beyond which a new turn of an outside agent gets 429
         (0: no bound). retry_after_s: the ``Retry-After`` of a 429, seconds (docs/rollout.md, Backpressure).
+    max_connections: HTTP connections open at once; one more is answered 503 and closed (logged once).
     """
 
     KEY: ClassVar[str] = "gateway"
@@ -655,10 +656,12 @@ class GatewayConfig(_Section):
     session_idle_timeout_s: float = 900.0
     max_queued_turns: int = 0
     retry_after_s: float = 1.0
+    max_connections: int = 4096
 
     def check(self) -> None:
         """See :class:`_Section`."""
         super().check()
+        self.require_positive_int("max_connections")
         self.require(bool(self.host) and _is_host(self.host), "host",
                      "must be a host name or IP address such as 127.0.0.1 (no scheme, port or path)")
         self.require(0 <= self.port < 65536, "port", "must be a TCP port (1-65535) or 0 (a free port)")

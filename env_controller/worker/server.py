@@ -50,6 +50,7 @@ from env_controller.http.service import (
     BODY_TIMEOUT_S,
     IDLE_TIMEOUT_S,
     MAX_BODY_BYTES,
+    MAX_CONNECTIONS,
     SESSION_HEADER,
     HttpError,
     HttpService,
@@ -105,12 +106,14 @@ class WorkerServer(HttpService):
         body_timeout_s: float = BODY_TIMEOUT_S,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         max_body_bytes: int = MAX_BODY_BYTES,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         """``task``: the task served; ``name``: its name on the wire (default ``task.name``);
         ``controller_url``: where to heartbeat (None: no heartbeats); ``self_address``: the URL
         the controller reaches this worker at (default ``http://<host>:<port>/api``);
         ``concurrency``: open sessions allowed; ``body_timeout_s``, ``idle_timeout_s``,
-        ``max_body_bytes``: limits on requests (see :class:`~env_controller.http.service.HttpService`);
+        ``max_body_bytes``, ``max_connections``: limits on requests and connections (see
+        :class:`~env_controller.http.service.HttpService`);
         the other arguments as in the module docstring.
         """
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
@@ -158,7 +161,7 @@ class WorkerServer(HttpService):
         self.heartbeat_refusal: tuple[int, str] | None = None
         super().__init__(
             Credentials.single(token), self._routes(), body_timeout_s=body_timeout_s,
-            idle_timeout_s=idle_timeout_s, max_body_bytes=max_body_bytes,
+            idle_timeout_s=idle_timeout_s, max_body_bytes=max_body_bytes, max_connections=max_connections,
             auth_hint=f"the worker's --token / ${WORKER_TOKEN_ENV}", fast=True,
         )
 

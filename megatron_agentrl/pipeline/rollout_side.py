@@ -321,7 +321,8 @@ def build_agent_runner(cfg: Config, ro: RolloutSide) -> Any:
     gateway = build_gateway(cfg, ro.pool, ro.template, ro.train_env, training=True,
                             capture_routing=ro.routing is not None)
     return AgentRunner(gateway, load_agent_fn(str(r.agent_fn)), host=g.host, port=g.port, token=gateway_token(cfg),
-                       agent_timeout_s=r.agent_timeout_s, client_timeout_s=r.engine_timeout_s + p.env_timeout_s)
+                       agent_timeout_s=r.agent_timeout_s, client_timeout_s=r.engine_timeout_s + p.env_timeout_s,
+                       max_connections=g.max_connections)
 
 
 def build_eval_agent_runner(cfg: Config, ro: RolloutSide, engine: Any, episodes: int) -> Any:
@@ -337,7 +338,8 @@ def build_eval_agent_runner(cfg: Config, ro: RolloutSide, engine: Any, episodes:
                             max_sessions=max(g.max_sessions, episodes))
     return AgentRunner(gateway, load_agent_fn(str(r.agent_fn)), host=g.host, port=0, token=gateway_token(cfg),
                        agent_timeout_s=r.agent_timeout_s,
-                       client_timeout_s=r.engine_timeout_s + cfg.pipeline.env_timeout_s)
+                       client_timeout_s=r.engine_timeout_s + cfg.pipeline.env_timeout_s,
+                       max_connections=g.max_connections)
 
 
 def make_manager(cfg: Config, ro: RolloutSide, version: int) -> RolloutManager:

@@ -26,6 +26,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from env_controller.http.service import MAX_CONNECTIONS
 from env_controller.protocol import SampleStatus
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.gateway.gateway import AGENT_ERROR, EnvStartError, Gateway
@@ -68,7 +69,8 @@ class AgentRunner:
     """
 
     def __init__(self, gateway: Gateway, agent_fn: AgentFn, *, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, agent_timeout_s: float = 600.0, client_timeout_s: float = 600.0) -> None:
+                 token: str | None = None, agent_timeout_s: float = 600.0, client_timeout_s: float = 600.0,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         if not agent_timeout_s > 0 or not client_timeout_s > 0:
             raise ValueError(f"agent_timeout_s={agent_timeout_s!r} and client_timeout_s={client_timeout_s!r} "
                              "must be > 0")
@@ -77,7 +79,7 @@ class AgentRunner:
         self.token = token or secrets.token_urlsafe(24)
         self.agent_timeout_s = float(agent_timeout_s)
         self.client_timeout_s = float(client_timeout_s)
-        self.server = GatewayServer(gateway, host=host, port=port, token=self.token)
+        self.server = GatewayServer(gateway, host=host, port=port, token=self.token, max_connections=max_connections)
         self.agent_errors = 0
         self._logged: set[str] = set()
         self._start_lock: asyncio.Lock | None = None

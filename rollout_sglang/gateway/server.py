@@ -50,6 +50,7 @@ from aiohttp import web
 
 from env_controller.http.auth import Credentials, Role, is_loopback
 from env_controller.http.service import (
+    MAX_CONNECTIONS,
     ClientGone,
     HttpError,
     HttpService,
@@ -139,11 +140,13 @@ class GatewayServer(HttpService):
     (None: none, loopback only; a session's base URL takes the session's own key); record_timings: keep
     ``(handler seconds, engine seconds, api)`` of every completion in :attr:`timings` (api: "chat", "responses"
     or "messages"; benchmarks; the handler's time runs from its body read to its response built, or to a
-    stream's last chunk written); reap_interval_s: how often idle sessions are looked for.
+    stream's last chunk written); reap_interval_s: how often idle sessions are looked for. max_connections:
+    connections open at once (one more is answered 503 and closed, and logged once).
     """
 
     def __init__(self, gateway: Gateway, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 record_timings: bool = False, reap_interval_s: float = 30.0) -> None:
+                 record_timings: bool = False, reap_interval_s: float = 30.0,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.gateway = gateway
         self.host, self.port = host, int(port)
         self.reap_interval_s = float(reap_interval_s)
@@ -162,7 +165,8 @@ class GatewayServer(HttpService):
             ("GET", "/sessions/{sid}/trajectory", self._h_trajectory, Role.ANY),
             ("DELETE", "/sessions/{sid}", self._h_delete, Role.ANY),
         ]
-        super().__init__(Credentials.single(token), routes, auth_hint=f"the gateway's --token / ${TOKEN_ENV}")
+        super().__init__(Credentials.single(token), routes, auth_hint=f"the gateway's --token / ${TOKEN_ENV}",
+                         max_connections=max_connections)
         self.app.middlewares.append(_api_errors)
 
     # ------------------------------------------------------------------ lifecycle

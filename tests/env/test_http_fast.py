@@ -16,6 +16,7 @@ from env_controller.controller.metrics import OVERHEAD_BUCKETS, ControllerMetric
 from env_controller.controller.worker_http import ConnectError, WorkerHttp
 from env_controller.http.net import free_port
 from tests.env.support import AGENTRL, cluster, run, tool_call
+from tests.support.http_cap import check_connection_cap
 
 
 async def exchange(port: int, data: bytes, until: int = 1, timeout_s: float = 10) -> list[tuple[bytes, bytes]]:
@@ -417,30 +418,25 @@ def test_connections_past_the_cap_are_answered_503_and_the_cap_is_logged_once(fa
     async def go() -> None:
         controller = Controller(fast_config(max_connections=3, fast_front=fast_front))
         await controller.start()
-        held = []
         try:
-            for i in range(3):  # one of them served by aiohttp (HTTP/1.0 keep-alive is not plain)
-                reader, writer = await asyncio.open_connection("127.0.0.1", controller.port)
-                if i == 0:
-                    writer.write(b"GET /api/health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
-                    assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.")
-                held.append(writer)
-            for _ in range(2):
-                reader, writer = await asyncio.open_connection("127.0.0.1", controller.port)
-                refused = await asyncio.wait_for(reader.read(), 5)  # answered before any request, then closed
-                writer.close()
-                assert refused.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), refused
-                assert json.loads(refused.split(b"\r\n\r\n", 1)[1]) == {
-                    "error": "the server has 3 connections open, its cap; retry later", "status": 503}
-            cap_lines = [r for r in caplog.records if "max_connections=3" in r.getMessage()]
-            assert len(cap_lines) == 1 and "new connections are answered 503" in cap_lines[0].getMessage()
-            held.pop().close()
-            await asyncio.sleep(0.2)
-            replies = await exchange(controller.port, b"GET /api/health HTTP/1.1\r\nHost: t\r\n\r\n")
-            assert replies[0][0].startswith(b"HTTP/1.1 200")
+            await check_connection_cap(controller.port, 3, caplog, "/api/health")
         finally:
-            for w in held:
-                w.close()
             await controller.stop()
+
+    run(go())
+
+
+def test_a_workers_connections_are_capped_too(caplog) -> None:
+    """The task worker's ``max_connections`` (``agentrl worker --max-connections``) holds as the controller's."""
+    from env_controller.tasks import build_task
+    from env_controller.worker.server import WorkerServer
+
+    async def go() -> None:
+        worker = WorkerServer(build_task("calc"), max_connections=2)
+        await worker.start()
+        try:
+            await check_connection_cap(worker.port, 2, caplog, "/api/worker_status")
+        finally:
+            await worker.stop()
 
     run(go())

@@ -31,6 +31,7 @@ from tests.rollout.support import (
     serving,
     teach,
 )
+from tests.support.http_cap import check_connection_cap
 
 FIRST = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Solve the task EP=calc."}]
 CALC_TURNS = ["Let me add.\n" + call(40, 2), "The answer is 42."]
@@ -517,6 +518,21 @@ def test_credentials_follow_the_controller_rules(template):
     assert none[0] == 401 and none[1]["error"]["code"] == "missing_api_key"
     assert traj[0] == 401  # a session key is no admin credential
     assert [s.turns for s in gw.sessions.values()].count([]) == 1  # the refused requests sampled nothing
+
+
+def test_the_gateways_connections_are_capped(template, caplog):
+    """``gateway.max_connections`` holds as the controller's: one connection past it is answered 503 and closed."""
+    gw = make_gateway(template, Script(template, ["x"]))
+
+    async def main():
+        srv = GatewayServer(gw, max_connections=2)
+        await srv.start()
+        try:
+            await check_connection_cap(srv.port, 2, caplog, "/health")
+        finally:
+            await srv.stop()
+
+    asyncio.run(main())
 
 
 # ------------------------------------------------------------------------------------------------ the agent runner

@@ -10,13 +10,10 @@ and what is accepted.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
 import ipaddress
 import json
 import math
 import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,93 +21,15 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
+from env_controller.options import FieldError, Options, build_options, placed
+from env_controller.options import OptionError as ConfigError
 from rollout_sglang.chat_template import CHAT_TEMPLATES, thinking_switch_problem
-
-
-class ConfigError(ValueError):
-    """A bad config file, key or value; the message names it and the fix."""
-
-
-class _FieldError(ConfigError):
-    """A bad field of one section: ``key`` (the section's place), ``name``, ``value`` and ``rule``.
-
-    The section that raises it knows only its default place (``TaskSpec``: "task"); :func:`_build`
-    and :meth:`Config.validate` say it again with the place in the file (``tasks[2]``).
-    """
-
-    def __init__(self, key: str, name: str, value: Any, rule: str) -> None:
-        super().__init__(f"{key}.{name}={value!r} {rule}")
-        self.name, self.value, self.rule = name, value, rule
-
-    def at(self, key: str) -> _FieldError:
-        """The same error, placed under ``key``."""
-        return _FieldError(key, self.name, self.value, self.rule)
-
 
 #: ``model.chat_template`` values: "auto" (the default format of the model's family, which
 #: ``megatron_agentrl.convert.resolve_chat_template`` reads from the family registry) and the formats of
 #: ``rollout_sglang.chat_template``.
 CHAT_TEMPLATE_CHOICES: tuple[str, ...] = ("auto", *CHAT_TEMPLATES)
 RayStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    """The resolved field types of a dataclass (annotations are strings under ``from __future__``)."""
-    return typing.get_type_hints(cls)
-
-
-class _Section:
-    """Base of the config sections: each checks its own fields when it is built.
-
-    :meth:`check` refuses non-finite floats and a value outside a ``Literal`` field's choices;
-    each section extends it with its own ranges. ``KEY`` is the section's place in
-    :class:`Config`, the prefix of its messages; ``CHOICE_HINTS`` adds a word on a choice field;
-    ``MOVED`` maps a key the section no longer has to its new dotted place (refused, naming it).
-    """
-
-    KEY: ClassVar[str] = ""
-    CHOICE_HINTS: ClassVar[dict[str, str]] = {}
-    MOVED: ClassVar[dict[str, str]] = {}
-
-    def __post_init__(self) -> None:
-        self.check()
-
-    def check(self) -> None:
-        """Raise ConfigError naming the first bad field."""
-        hints = _hints(type(self))
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise self.bad(f.name, "must be a finite number")
-            choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else ()
-            if choices and value not in choices:
-                hint = self.CHOICE_HINTS.get(f.name)
-                raise self.bad(f.name, f"is not one of {', '.join(choices)}" + (f" ({hint})" if hint else ""))
-
-    def bad(self, name: str, rule: str) -> _FieldError:
-        """The error for field ``name`` (its current value) breaking ``rule``."""
-        return _FieldError(self.KEY, name, getattr(self, name), rule)
-
-    def require(self, ok: bool, name: str, rule: str) -> None:
-        """Raise :meth:`bad` unless ``ok``."""
-        if not ok:
-            raise self.bad(name, rule)
-
-    def require_positive_int(self, *names: str) -> None:
-        """Each field of ``names`` is >= 1."""
-        for name in names:
-            self.require(getattr(self, name) >= 1, name, "must be a positive integer")
-
-    def require_non_negative(self, *names: str, why: str = "") -> None:
-        """Each field of ``names`` is >= 0; ``why`` says what 0 means."""
-        for name in names:
-            self.require(getattr(self, name) >= 0, name, "must be >= 0" + (f" ({why})" if why else ""))
-
-    def require_above_zero(self, *names: str, unit: str = "") -> None:
-        """Each field of ``names`` is > 0 (``unit`` ends the message, e.g. "seconds")."""
-        for name in names:
-            self.require(getattr(self, name) > 0, name, "must be > 0" + (f" {unit}" if unit else ""))
 
 
 def _is_host(value: str) -> bool:
@@ -140,7 +59,7 @@ def _is_host_port_url(url: str) -> bool:
 
 
 @dataclass
-class ModelConfig(_Section):
+class ModelConfig(Options):
     """The policy model.
 
     hf_config: a Hugging Face config (a directory holding config.json, or a config.json path),
@@ -182,7 +101,7 @@ class ModelConfig(_Section):
     enable_thinking: bool | None = None
 
     def check(self) -> None:
-        """See :class:`_Section`; the paths are checked where they are read (``megatron_agentrl.hf_io``)."""
+        """See :class:`Options`; the paths are checked where they are read (``megatron_agentrl.hf_io``)."""
         super().check()
         self.require(self.chat_template in CHAT_TEMPLATE_CHOICES, "chat_template",
                      f"is not one of {', '.join(CHAT_TEMPLATE_CHOICES)} (auto: the default format of the model's "
@@ -216,7 +135,7 @@ class ModelConfig(_Section):
 
 
 @dataclass
-class ParallelConfig(_Section):
+class ParallelConfig(Options):
     """Megatron model parallelism; data parallel size = world size / (tp * pp * cp).
 
     tp: tensor-parallel size; pp: pipeline-parallel size (stages).
@@ -235,7 +154,7 @@ class ParallelConfig(_Section):
     ep: int = 1
 
     def check(self) -> None:
-        """See :class:`_Section`."""
+        """See :class:`Options`."""
         super().check()
         self.require_positive_int("tp", "pp", "cp", "ep")
 
@@ -270,7 +189,7 @@ def scheduled_lr(step: int, length: int, peak: float, min_lr: float, style: str,
 
 
 @dataclass
-class TrainConfig(_Section):
+class TrainConfig(Options):
     """Optimizer settings of the RL phase (the policy loss has its own section, :class:`LossConfig`).
 
     steps: RL steps (one rollout batch + one optimizer pass each).
@@ -331,7 +250,7 @@ class TrainConfig(_Section):
     moe_routing_replay: bool = False
 
     def check(self) -> None:
-        """See :class:`_Section`."""
+        """See :class:`Options`."""
         super().check()
         self.require_positive_int("steps", "micro_batch_size")
         self.require_above_zero("lr")
@@ -358,7 +277,7 @@ class TrainConfig(_Section):
 
 
 @dataclass
-class LossConfig(_Section):
+class LossConfig(Options):
     """The policy loss of the RL phase (``megatron_agentrl.algo.losses.policy_loss``, per micro-batch).
 
     clip_eps_low / clip_eps_high: PPO ratio clip range [1 - low, 1 + high] (asymmetric allowed;
@@ -399,7 +318,7 @@ class LossConfig(_Section):
     agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
 
     def check(self) -> None:
-        """See :class:`_Section`."""
+        """See :class:`Options`."""
         super().check()
         self.require(0 <= self.clip_eps_low < 1, "clip_eps_low",
                      "must be in [0, 1): the ratio is clipped from below at 1 - clip_eps_low (0.2 is usual)")
@@ -424,7 +343,7 @@ class LossConfig(_Section):
 
 
 @dataclass
-class SFTConfig(_Section):
+class SFTConfig(Options):
     """Optional supervised warm-up on the tasks' scripted demonstrations before RL (0 steps = off).
 
     short_format_steps: the first of ``steps`` (all of them when larger) render each
@@ -455,7 +374,7 @@ class SFTConfig(_Section):
     full_format_lr: float | None = None
 
     def check(self) -> None:
-        """See :class:`_Section`."""
+        """See :class:`Options`."""
         super().check()
         self.require_non_negative("steps", why="0 disables the warm-up")
         self.require_above_zero("lr")
@@ -480,7 +399,7 @@ class SFTConfig(_Section):
 
 
 @dataclass
-class RolloutConfig(_Section):
+class RolloutConfig(Options):
     """Sampling of trajectory groups.
 
     prompts_per_step: distinct task samples per RL step; samples_per_prompt: group size for GRPO.
@@ -573,7 +492,7 @@ class RolloutConfig(_Section):
     min_valid_fraction: float = 0.5
 
     def check(self) -> None:
-        """See :class:`_Section`."""
+        """See :class:`Options`."""
         super().check()
         self._check_agent()
         self.require(0 < self.min_valid_fraction <= 1, "min_valid_fraction",
@@ -628,12 +547,12 @@ class RolloutConfig(_Section):
         for i, slot in enumerate(self.engine_urls):
             for j, url in enumerate(slot):
                 if not _is_host_port_url(url):
-                    raise _FieldError(self.KEY, f"engine_urls[{i}][{j}]", url, "is not an http(s)://host:port URL "
+                    raise FieldError(self.KEY, f"engine_urls[{i}][{j}]", url, "is not an http(s)://host:port URL "
                                       "such as http://10.0.0.5:30000")
 
 
 @dataclass
-class GatewayConfig(_Section):
+class GatewayConfig(Options):
     """The OpenAI-compatible gateway (``rollout_sglang.gateway``): ``agentrl gateway``, and ``agentrl train``
     with ``rollout.agent: gateway``.
 
@@ -659,7 +578,7 @@ class GatewayConfig(_Section):
     max_connections: int = 4096
 
     def check(self) -> None:
-        """See :class:`_Section`."""
+        """See :class:`Options`."""
         super().check()
         self.require_positive_int("max_connections")
         self.require(bool(self.host) and _is_host(self.host), "host",
@@ -674,7 +593,7 @@ class GatewayConfig(_Section):
 
 
 @dataclass
-class EvalConfig(_Section):
+class EvalConfig(Options):
     """Per-task success measured before and after RL on held-out samples (0 samples = off).
 
     samples_per_task: held-out indices per task (taken from the end of each task's index list,
@@ -690,7 +609,7 @@ class EvalConfig(_Section):
     interval: int = 0
 
     def check(self) -> None:
-        """See :class:`_Section`."""
+        """See :class:`Options`."""
         super().check()
         self.require_non_negative("samples_per_task", why="0 disables evaluation")
         self.require_non_negative("interval", why="0 = before and after RL only")
@@ -698,7 +617,7 @@ class EvalConfig(_Section):
 
 
 @dataclass
-class AlgoConfig(_Section):
+class AlgoConfig(Options):
     """Advantages and the shaping of the batch: sample advantages per group, then per-task normalization of
     token advantages over the global batch; ``eps`` (> 0) is added to every standard deviation that divides.
 
@@ -728,7 +647,7 @@ class AlgoConfig(_Section):
     overlong_penalty: float = 1.0
 
     def check(self) -> None:
-        """See :class:`_Section`."""
+        """See :class:`Options`."""
         super().check()
         self.require(self.eps > 0, "eps", "must be > 0: it keeps the division by a zero standard deviation "
                      "finite (1e-6 is usual)")
@@ -739,7 +658,7 @@ class AlgoConfig(_Section):
 
 
 @dataclass
-class LoggingConfig(_Section):
+class LoggingConfig(Options):
     """Where a run's metrics go besides ``metrics.jsonl`` (always written).
 
     tensorboard: TensorBoard event files under ``output_dir/tensorboard``.
@@ -757,13 +676,13 @@ class LoggingConfig(_Section):
     wandb_mode: Literal["offline", "online"] = "offline"
 
     def check(self) -> None:
-        """See :class:`_Section`."""
+        """See :class:`Options`."""
         super().check()
         self.require(bool(self.wandb_project), "wandb_project", "is empty; give a W&B project name")
 
 
 @dataclass
-class PipelineConfig(_Section):
+class PipelineConfig(Options):
     """How rollout and training are scheduled (``megatron_agentrl.pipeline``).
 
     mode: "sync" (generate a step's groups, then train on them, then push weights) or "async"
@@ -810,7 +729,7 @@ class PipelineConfig(_Section):
     collapse_patience: int = 3
 
     def check(self) -> None:
-        """See :class:`_Section`."""
+        """See :class:`Options`."""
         super().check()
         self.require_non_negative("staleness", why="0 = every sample from the newest weights")
         self.require_non_negative("collapse_window", why="0 = no collapse alarm")
@@ -824,7 +743,7 @@ class PipelineConfig(_Section):
 
 
 @dataclass
-class CheckpointConfig(_Section):
+class CheckpointConfig(Options):
     """Checkpoints (megatron distributed checkpoint of model + optimizer, plus the pipeline state).
 
     interval: save every this many RL steps (and after the last step); 0 = never.
@@ -849,7 +768,7 @@ class CheckpointConfig(_Section):
     after_warmup: bool = False
 
     def check(self) -> None:
-        """See :class:`_Section`."""
+        """See :class:`Options`."""
         super().check()
         self.require_non_negative("interval", why="0 = no checkpoints")
         self.require_non_negative("keep", why="0 = keep all")
@@ -859,7 +778,7 @@ class CheckpointConfig(_Section):
 
 
 @dataclass
-class TaskSpec(_Section):
+class TaskSpec(Options):
     """One task: its ``name``, sampling ``weight`` and, for a built-in task, constructor ``params``.
 
     task: the built-in task class to build when ``name`` is this entry's own name (""; ``name`` is the
@@ -893,7 +812,7 @@ class TaskSpec(_Section):
     reward_fn: str | None = None
 
     def check(self) -> None:
-        """See :class:`_Section`."""
+        """See :class:`Options`."""
         super().check()
         self.require(bool(self.name), "name", "is empty; give a registered task name")
         self.require(self.weight > 0, "weight", "must be > 0")
@@ -912,7 +831,7 @@ class TaskSpec(_Section):
 
 
 @dataclass
-class EnvConfig(_Section):
+class EnvConfig(Options):
     """Where the tasks run when they are not built in (``megatron_agentrl.launch``, the GLM-4 recipe).
 
     controller_url: an env controller (AgentRL task-worker protocol) that serves the tasks, e.g.
@@ -938,7 +857,7 @@ class EnvConfig(_Section):
     unavailable_timeout_s: float = 120.0
 
     def check(self) -> None:
-        """See :class:`_Section`."""
+        """See :class:`Options`."""
         super().check()
         self.require(not self.controller_url or self.controller_url.startswith(("http://", "https://")),
                      "controller_url", "must start with http:// or https://, e.g. http://127.0.0.1:5020")
@@ -946,12 +865,12 @@ class EnvConfig(_Section):
         for task, urls in self.workers.items():
             if not isinstance(urls, list) or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
                                                      for u in urls):
-                raise _FieldError(self.KEY, f"workers.{task}", urls, "must be a list of worker URLs such as "
+                raise FieldError(self.KEY, f"workers.{task}", urls, "must be a list of worker URLs such as "
                                   "['http://10.0.0.2:5021/api']")
 
 
 @dataclass
-class RayConfig(_Section):
+class RayConfig(Options):
     """Ray placement of a run (``megatron_agentrl.launch.ray_placement``).
 
     enabled: run ``agentrl train`` as Ray actors; with ``address`` empty a local Ray is started.
@@ -1009,7 +928,7 @@ class RayConfig(_Section):
         return self.enabled or bool(self.address)
 
     def check(self) -> None:
-        """See :class:`_Section`; ``train_workers`` against the parallel layout: :meth:`Config.validate`."""
+        """See :class:`Options`; ``train_workers`` against the parallel layout: :meth:`Config.validate`."""
         super().check()
         self.require_non_negative("train_workers", "train_gpus_per_worker", "rollout_gpus_per_engine", "num_cpus")
         self.require(self.controller_port < 65536, "controller_port", "must be a TCP port (1-65535) or 0 (a free port)")
@@ -1028,7 +947,7 @@ class RayConfig(_Section):
 
 
 @dataclass
-class SlurmConfig(_Section):
+class SlurmConfig(Options):
     """Defaults of ``agentrl slurm submit`` (``megatron_agentrl.launch.slurm``); its flags override them.
 
     nodes / gpus_per_node: the allocation; cpus_per_node: 0 = what SLURM gives (whole node with exclusive).
@@ -1062,7 +981,7 @@ class SlurmConfig(_Section):
     sbatch_args: list[str] = field(default_factory=list)
 
     def check(self) -> None:
-        """See :class:`_Section`."""
+        """See :class:`Options`."""
         super().check()
         self.require_positive_int("nodes")
         self.require_non_negative("gpus_per_node", "cpus_per_node")
@@ -1106,10 +1025,10 @@ class Config:
         spans sections; raises ConfigError naming the key."""
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, _Section):
+            if isinstance(value, Options):
                 value.check()
         for i, spec in enumerate(self.tasks):
-            _placed(f"tasks[{i}]", spec.check)
+            placed(f"tasks[{i}]", spec.check)
         if self.log_every < 1:
             raise ConfigError(f"log_every={self.log_every!r} must be a positive integer (log every this many steps)")
         if self.model.hf_config is None and not self.model.arch and not self.model.megatron_checkpoint:
@@ -1243,98 +1162,6 @@ def load_agent_fn(path: str, key: str = "rollout.agent_fn") -> typing.Callable[.
     return fn
 
 
-def _placed(key: str, check: typing.Callable[[], Any]) -> Any:
-    """Run ``check`` (a section's constructor or check), its field errors placed under ``key``."""
-    try:
-        return check()
-    except _FieldError as e:
-        raise e.at(key) from None
-
-
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    """Check/convert ``value`` to the annotated type ``hint``; ConfigError on mismatch.
-
-    ``Literal`` choices pass through: the section checks them, with its hint on the choice.
-    """
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if hint is Any or origin is Literal:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
-    if dataclasses.is_dataclass(hint):
-        if isinstance(value, hint):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be a mapping of {hint.__name__} fields, got {value!r}")
-        return _build(hint, value, key)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list, got {value!r}")
-        (item,) = args or (Any,)
-        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be a mapping, got {value!r}")
-        return dict(value)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}={value!r} must be true or false")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():  # 1e8 is read as a float
-            raise ConfigError(f"{key}={value!r} must be an integer; write it without a decimal point or exponent "
-                              f"({int(value)})")
-        raise ConfigError(f"{key}={value!r} must be an integer")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{key}={value!r} must be a number")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key}={value!r} must be a string")
-    return value
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
-    """``cls(**data)`` with every value coerced to its field's type; ConfigError names the key."""
-    hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for k, v in data.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if k not in names and k in getattr(cls, "MOVED", {}):
-            new, section = cls.MOVED[k], cls.MOVED[k].split(".")[0]
-            raise ConfigError(f"{key} moved to {new}; set it in the '{section}:' section (override: {new}={v!r})")
-        if k not in names:
-            # an abbreviation (lr ~ learning_rate) is a surer guess than a merely similar spelling
-            close = [n for n in names if _abbreviates(n, str(k))][:1] or \
-                difflib.get_close_matches(str(k), names, n=1, cutoff=0.5)
-            hint = f"; did you mean '{(prefix + '.' if prefix else '') + close[0]}'?" if close else ""
-            raise ConfigError(f"unknown config key '{key}'{hint} (valid keys here: {', '.join(names)})")
-        kwargs[k] = _coerce(v, hints[k], key)
-    return _placed(prefix, lambda: cls(**kwargs))
-
-
-def _abbreviates(short: str, long: str) -> bool:
-    """True when ``short`` is an abbreviation of ``long`` (same first letter, letters in order): lr ~ learning_rate."""
-    it = iter(long)
-    return bool(short) and short[0] == long[:1] and all(c in it for c in short)
-
-
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     node = data
@@ -1417,7 +1244,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = read_mapping_file(path, "yaml", f"config file '{path}'")
     for ov in overrides or []:
         _set_dotted(data, *_parse_override(ov))
-    cfg = _build(Config, data, "")
+    cfg = build_options(Config, data, "")
     cfg.validate()
     return cfg
 

@@ -152,6 +152,7 @@ def build_worker_task(spec: str, params: list[str]) -> Any:
     """
     import yaml
 
+    from env_controller.options import Options, build_options
     from env_controller.tasks import build_task
 
     kwargs: dict[str, Any] = {}
@@ -170,7 +171,10 @@ def build_worker_task(spec: str, params: list[str]) -> Any:
     cls = getattr(module, cls_name, None)
     if cls is None:
         raise ValueError(f"--task {spec!r}: module {module_name!r} has no {cls_name!r}")
+    options = getattr(cls, "Options", None)
     try:
+        if isinstance(options, type) and issubclass(options, Options):  # a task written on TaskOptions
+            return cls(build_options(options, kwargs, cls_name))
         return cls(**kwargs)
     except TypeError as e:
         raise ValueError(f"--task {spec!r}: {e}") from None
@@ -179,7 +183,7 @@ def build_worker_task(spec: str, params: list[str]) -> Any:
 def pool_params(args: argparse.Namespace) -> list[str]:
     """``--param`` items for ``--max-containers`` / ``--warm-containers``; ValueError when the task has no
     sandbox pool to apply them to."""
-    from env_controller.sandbox.pool import parse_warm
+    from env_controller.sandbox.options import parse_warm
 
     items = []
     if args.max_containers is not None:

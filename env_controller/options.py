@@ -123,6 +123,27 @@ class Options:
             self.require(_is_number(v) and v > 0, name, "must be > 0" + (f" {unit}" if unit else ""))
 
 
+    def require_seconds(self, *names: str) -> None:
+        """Each field of ``names`` is a positive, finite number of seconds."""
+        for name in names:
+            v = getattr(self, name)
+            self.require(_is_number(v) and 0 < v < math.inf, name, "must be a positive (finite) number of seconds")
+
+    def require_string(self, name: str, *, empty: bool = False, optional: bool = False) -> None:
+        """Field ``name`` is a string (non-empty unless ``empty``), or None when ``optional``."""
+        value = getattr(self, name)
+        if value is None and optional:
+            return
+        kind = "a string" if empty else "a non-empty string"
+        self.require(isinstance(value, str) and (empty or bool(value)), name,
+                     f"must be {kind}" + (" or null" if optional else ""))
+
+    def require_bool(self, *names: str) -> None:
+        """Each field of ``names`` is true or false."""
+        for name in names:
+            self.require(isinstance(getattr(self, name), bool), name, "must be true or false")
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -139,8 +160,9 @@ def placed(key: str, check: Callable[[], T]) -> T:
         raise e.at(key) from None
 
 
-def coerce(value: Any, hint: Any, key: str) -> Any:
-    """Check/convert ``value`` to the annotated type ``hint``; :class:`OptionError` naming ``key`` on a mismatch.
+def coerce(value: Any, hint: Any, prefix: str, name: str) -> Any:
+    """Check/convert ``value`` of field ``name`` (under ``prefix``) to the annotated type ``hint``;
+    :class:`FieldError` on a mismatch.
 
     ``Literal`` choices pass through (the options class checks them, with its hint); a dataclass type is built
     from a mapping with :func:`build_options`.
@@ -152,57 +174,68 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
+        first: FieldError | None = None
         for a in args:
             if a is type(None):
                 continue
             try:
-                return coerce(value, a, key)
-            except OptionError as e:
-                errors.append(str(e))
-        raise OptionError(errors[0] if errors else f"{key}: bad value {value!r}")
+                return coerce(value, a, prefix, name)
+            except FieldError as e:
+                first = first or e
+        raise first or FieldError(prefix, name, value, "is not a value this key takes")
     if dataclasses.is_dataclass(hint):
         if isinstance(value, hint):
             return value
         if not isinstance(value, Mapping):
-            raise OptionError(f"{key} must be a mapping of {hint.__name__} fields, got {value!r}")
-        return build_options(hint, value, key)  # type: ignore[arg-type]
+            raise FieldError(prefix, name, value, f"must be a mapping of {hint.__name__} fields")
+        return build_options(hint, value, f"{prefix}.{name}" if prefix else name)  # type: ignore[arg-type]
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise OptionError(f"{key} must be a list, got {value!r}")
+            raise FieldError(prefix, name, value, "must be a list")
         item = args[0] if args else Any
-        items = [coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        items = [coerce(v, item, prefix, f"{name}[{i}]") for i, v in enumerate(value)]
         return items if origin is list else tuple(items)
     if origin is dict:
         if not isinstance(value, Mapping):
-            raise OptionError(f"{key} must be a mapping, got {value!r}")
+            raise FieldError(prefix, name, value, "must be a mapping")
         return dict(value)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise OptionError(f"{key}={value!r} must be true or false")
-    if hint is int:
-        if _is_int(value):
-            return value
+    if hint is bool and not isinstance(value, bool):
+        raise FieldError(prefix, name, value, "must be true or false")
+    if hint is int and not _is_int(value):
         if isinstance(value, float) and value.is_integer():  # 1e8 is read as a float
-            raise OptionError(f"{key}={value!r} must be an integer; write it without a decimal point or exponent "
-                              f"({int(value)})")
-        raise OptionError(f"{key}={value!r} must be an integer")
+            raise FieldError(prefix, name, value, f"must be an integer; write it without a decimal point or "
+                             f"exponent ({int(value)})")
+        raise FieldError(prefix, name, value, "must be an integer")
     if hint is float:
-        if _is_number(value):
-            return float(value)
-        raise OptionError(f"{key}={value!r} must be a number")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise OptionError(f"{key}={value!r} must be a string")
+        if not _is_number(value):
+            raise FieldError(prefix, name, value, "must be a number")
+        return float(value)
+    if hint is str and not isinstance(value, str):
+        raise FieldError(prefix, name, value, "must be a string")
     return value
 
 
+class UnknownKeyError(FieldError):
+    """A key the options class does not have; the message names the valid ones and a close one."""
+
+    def __init__(self, key: str, name: str, value: Any, rule: str, message: str) -> None:
+        super().__init__(key, name, value, rule)
+        self.args = (message,)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def at(self, key: str) -> FieldError:
+        """The same error, placed under ``key``."""
+        where = f"{key}.{self.name}" if key else self.name
+        return UnknownKeyError(key, self.name, self.value, self.rule,
+                               f"unknown config key '{where}'{self.rule.removeprefix('is not a key here')}")
+
+
 def build_options(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
-    """``cls(**data)`` with every value checked against its field's type; :class:`OptionError` naming the dotted
-    key of an unknown, moved or mistyped one, :class:`FieldError` (placed under ``prefix``) for a value the class
-    refuses. Fields declared with ``init=False`` cannot be given."""
+    """``cls(**data)`` with every value checked against its field's type; :class:`FieldError` (placed under
+    ``prefix``) naming the dotted key of an unknown (:class:`UnknownKeyError`) or mistyped one, or of a value the
+    class refuses; :class:`OptionError` for a moved key. Fields declared with ``init=False`` cannot be given."""
     hints = field_types(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
     moved = getattr(cls, "MOVED", {})
@@ -217,8 +250,10 @@ def build_options(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
             close = [n for n in names if _abbreviates(n, str(k))][:1] or \
                 difflib.get_close_matches(str(k), names, n=1, cutoff=0.5)
             hint = f"; did you mean '{(prefix + '.' if prefix else '') + close[0]}'?" if close else ""
-            raise OptionError(f"unknown config key '{key}'{hint} (valid keys here: {', '.join(names)})")
-        kwargs[k] = coerce(v, hints[k], key)
+            valid = f"(valid keys here: {', '.join(names)})"
+            raise UnknownKeyError(prefix, str(k), v, f"is not a key here{hint} {valid}",
+                                  f"unknown config key '{key}'{hint} {valid}")
+        kwargs[k] = coerce(v, hints[k], prefix, k)
     return placed(prefix, lambda: cls(**kwargs))
 
 

@@ -1103,7 +1103,7 @@ class Config:
 
     def _validate_tasks(self) -> None:
         """A non-empty list of distinct tasks; the params of each task built here fit its class."""
-        from env_controller.tasks import TaskParamError, build_task
+        from env_controller.tasks import TASKS, task_options
 
         if not self.tasks:
             raise ConfigError("tasks: the list is empty; add at least one entry such as {name: lookup}")
@@ -1116,10 +1116,11 @@ class Config:
                 load_reward_fn(spec.reward_fn, f"tasks[{i}].reward_fn")
             if not self.builds_task_here(spec):
                 continue  # served by the env controller, which owns its parameters
+            name = spec.task or spec.name
             try:
-                build_task(spec.task or spec.name, **spec.params)
-            except TaskParamError as e:
-                raise ConfigError(f"tasks[{i}].params.{e.param}={e.value!r} {e.rule}") from None
+                TASKS[name](task_options(name, spec.params, f"tasks[{i}].params"))  # type: ignore[call-arg]
+            except ConfigError:
+                raise
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"tasks[{i}].params={spec.params!r} do not fit task '{spec.name}': {e}") from None
 

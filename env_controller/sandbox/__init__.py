@@ -24,18 +24,22 @@ BACKENDS = ("bwrap", "docker")
 def make_backend(name: str, limits: SandboxLimits | None = None, **options: Any) -> SandboxBackend:
     """Build the sandbox backend ``name`` (``bwrap`` or ``docker``) with default ``limits``.
 
-    ``options`` go to the backend's constructor (:class:`~env_controller.sandbox.bwrap.BwrapBackend`
-    or :class:`~env_controller.sandbox.docker.DockerBackend`). Raises ValueError for an unknown
-    name and :class:`SandboxUnavailableError` when the backend cannot run here.
+    ``options`` go to :class:`~env_controller.sandbox.bwrap.BwrapBackend`'s constructor, or make the
+    :class:`~env_controller.sandbox.options.DockerOptions` of a
+    :class:`~env_controller.sandbox.docker.DockerBackend` (``client``: a docker client to use). Raises ValueError
+    for an unknown name or option and :class:`SandboxUnavailableError` when the backend cannot run here.
     """
     if name == "bwrap":
         from env_controller.sandbox.bwrap import BwrapBackend
 
         return BwrapBackend(limits, **options)
     if name == "docker":
+        from env_controller.options import build_options
         from env_controller.sandbox.docker import DockerBackend
+        from env_controller.sandbox.options import DockerOptions
 
-        return DockerBackend(limits, **options)
+        client = options.pop("client", None)
+        return DockerBackend(limits, build_options(DockerOptions, options, "docker"), client=client)
     raise ValueError(f"unknown sandbox backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 

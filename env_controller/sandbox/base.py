@@ -54,6 +54,8 @@ from pathlib import PurePosixPath
 from types import TracebackType
 from typing import Any, ClassVar, Literal
 
+from env_controller.options import Options
+
 logger = logging.getLogger(__name__)
 
 LimitKind = Literal["timeout", "output_limit", "process_limit", "memory_limit", "shell_exited", "disk_full"]
@@ -68,7 +70,7 @@ class SandboxUnavailableError(SandboxError):
 
 
 @dataclass(frozen=True)
-class SandboxLimits:
+class SandboxLimits(Options):
     """Limits applied to every sandbox of a backend (or to one sandbox, given to ``create``).
 
     memory_mb: memory of the whole sandbox, swap off (bwrap: its cgroup, where one can be made, and
@@ -97,24 +99,19 @@ class SandboxLimits:
     cpus: float = 1.0
     background_jobs: bool = False
 
-    def __post_init__(self) -> None:
-        """Validate every field; raises ValueError naming the bad one."""
-        for name in ("memory_mb", "max_processes", "max_output_bytes", "max_file_mb", "tmp_mb"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SandboxLimits.{name}={value!r} must be a positive integer")
-        for name in ("timeout_s", "start_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"SandboxLimits.{name}={value!r} must be a positive number of seconds")
-        cpus = self.cpus
-        if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not 0.01 <= cpus < float("inf"):
-            raise ValueError(f"SandboxLimits.cpus={cpus!r} must be a number of CPUs of at least 0.01, e.g. 1.0 "
-                             "(0.5 = half of one core)")
-        if not isinstance(self.background_jobs, bool):
-            raise ValueError(f"SandboxLimits.background_jobs={self.background_jobs!r} must be true or false")
-        if self.max_processes < 4:
-            raise ValueError(f"SandboxLimits.max_processes={self.max_processes} is too low; the shell alone needs 3")
+    KEY = "limits"
+
+    def check(self) -> None:
+        """See :class:`~env_controller.options.Options`."""
+        super().check()
+        self.require_positive_int("max_output_bytes", "max_file_mb", "tmp_mb")
+        self.require_int("memory_mb", low=16, why="a sandbox's shell needs more, and Docker refuses less than 6 MB")
+        self.require_int("max_processes", low=4, why="the sandbox's shell alone needs 3")
+        self.require_seconds("timeout_s", "start_timeout_s")
+        self.require(isinstance(self.cpus, (int, float)) and not isinstance(self.cpus, bool)
+                     and 0.01 <= self.cpus < float("inf"), "cpus",
+                     "must be a number of CPUs of at least 0.01, e.g. 1.0 (0.5 = half of one core)")
+        self.require_bool("background_jobs")
 
 
 @dataclass

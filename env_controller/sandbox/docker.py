@@ -66,6 +66,7 @@ from env_controller.sandbox.base import (
     warn_once,
 )
 from env_controller.sandbox.cgroups import SandboxCgroup, cgroup_mounts
+from env_controller.sandbox.options import DockerOptions, parse_user
 
 logger = logging.getLogger(__name__)
 
@@ -126,18 +127,6 @@ EXEC_START_RETRY_S = 10.0
 DISK_POLL_S = 2.0
 
 _warned: set[str] = set()
-
-
-def parse_user(user: str, key: str = "user") -> tuple[int, int]:
-    """``(uid, gid)`` of ``'uid:gid'``; ValueError naming ``key`` unless both are numbers and uid is not root
-    (killing "all the user's processes" as root would end the container's own ``sleep``)."""
-    try:
-        uid, gid = (int(x) for x in str(user).split(":"))
-    except ValueError:
-        raise ValueError(f"{key}={user!r} must be 'uid:gid' with numbers, e.g. '1000:1000'") from None
-    if uid == 0:
-        raise ValueError(f"{key}={user!r}: sandbox commands cannot run as root; use e.g. '1000:1000'")
-    return uid, gid
 
 
 def _start_time(pid: int) -> str | None:
@@ -722,36 +711,22 @@ class DockerSandbox(ShellSandbox):
 class DockerBackend(SandboxBackend):
     """Creates :class:`DockerSandbox` es through the ``docker`` SDK (see the module docstring).
 
-    image: the sandbox image (must have bash and coreutils). client: a ``docker.DockerClient``;
-    else one on ``base_url`` (e.g. ``unix:///run/docker.sock``, ``tcp://host:2376``), else
-    ``docker.from_env`` (``DOCKER_HOST`` or the local socket). user / workdir / home_mb: the user
-    commands run as (``uid:gid``, not root), its home (a tmpfs) and the home's size. reap: remove
-    leaked containers at start (see the module docstring); reap_foreign_after_s: also those of other
-    hosts older than this. writable_root: the container's root filesystem is writable (its own layer)
-    and ``workdir`` is the image's directory, not a tmpfs (terminal tasks, whose agent changes the
-    image's files; ``/tmp`` stays a tmpfs, the other limits hold; a reuse requires ``docker diff``
-    to show no change). scratch_workdir (with writable_root): ``workdir`` is a tmpfs of each container after
-    all (the image's files there hidden), emptied by the wipe, so what a session writes there does not bar
-    a reuse.
+    limits: every sandbox's (:class:`SandboxLimits`). options: the image, the engine, the user and the container
+    layout (:class:`~env_controller.sandbox.options.DockerOptions`). client: a ``docker.DockerClient`` to use
+    (else one on ``options.docker_host``, else ``docker.from_env``: ``DOCKER_HOST`` or the local socket).
     """
 
     name = "docker"
 
-    def __init__(self, limits: SandboxLimits | None = None, image: str = "ubuntu:22.04", client: Any = None,
-                 user: str = "1000:1000", workdir: str = "/home/user", home_mb: int = 256,
-                 api_timeout_s: float = 60.0, reap: bool | str = True, reap_foreign_after_s: float | None = None,
-                 base_url: str | None = None, writable_root: bool = False, scratch_workdir: bool = False,
-                 disk_mb: int | None = None) -> None:
-        """Connect to the daemon and reap leaked containers (``reap``: True before returning, "background"
-        in a thread, False not at all); SandboxUnavailableError when unreachable."""
+    def __init__(self, limits: SandboxLimits | None = None, options: DockerOptions | None = None, *,
+                 client: Any = None) -> None:
+        """Connect to the daemon and reap leaked containers (``options.reap``: True before returning,
+        "background" in a thread, False not at all); SandboxUnavailableError when unreachable."""
         super().__init__(limits)
-        if reap not in (True, False, "background"):
-            raise ValueError(f"reap={reap!r} must be true, false or 'background'")
-        uid, gid = parse_user(user)
-        if not workdir.startswith("/") or workdir.rstrip("/") in ("", "/tmp"):
-            raise ValueError(f"workdir={workdir!r} must be an absolute path other than / and /tmp")
-        if isinstance(home_mb, bool) or not isinstance(home_mb, int) or home_mb < 1:
-            raise ValueError(f"home_mb={home_mb!r} must be a positive integer (MB)")
+        options = options if options is not None else DockerOptions()
+        self.options = options
+        uid, gid = parse_user(options.user)
+        base_url, api_timeout_s, reap = options.docker_host, options.api_timeout_s, options.reap
         try:
             import docker
         except ImportError as exc:
@@ -770,27 +745,21 @@ class DockerBackend(SandboxBackend):
                     f"cannot reach a Docker daemon ({where}): {exc}; start Docker (or a private engine, "
                     "env_controller.sandbox.dockerd.DockerEngine), or use the bwrap backend") from exc
         self.client = client
-        self.image = image
-        self.user = user
+        self.image = options.image
+        self.user = options.user
         self.uid, self.gid = uid, gid
-        self.workdir = workdir.rstrip("/")
-        self.home_mb = home_mb
+        self.workdir = options.workdir.rstrip("/")
+        self.home_mb = options.home_mb
         #: the root filesystem is the container's writable layer and ``workdir`` the image's own directory
         #: (terminal tasks: the agent changes the image's files); off, a read-only root and a tmpfs home
-        self.writable_root = bool(writable_root)
-        self.scratch_workdir = bool(scratch_workdir)
-        if self.scratch_workdir and not self.writable_root:
-            raise ValueError("scratch_workdir=True needs writable_root=True (without it the workdir is a tmpfs anyway)")
-        if disk_mb is not None and (isinstance(disk_mb, bool) or not isinstance(disk_mb, int) or disk_mb < 1):
-            raise ValueError(f"disk_mb={disk_mb!r} must be a positive integer (MB) or None")
-        if disk_mb is not None and not self.writable_root:
-            raise ValueError("disk_mb needs writable_root=True (a read-only root's files are capped tmpfs already)")
+        self.writable_root = options.writable_root
+        self.scratch_workdir = options.scratch_workdir
         #: the cap on a container's own writable layer, in MB (None: none)
-        self.disk_mb = disk_mb
+        self.disk_mb = options.disk_mb
         #: whether the engine enforces ``disk_mb`` (``--storage-opt size``): None until the first container
         #: tells; False: the sandboxes check the layer's size themselves (:meth:`DockerSandbox._over_disk`)
         self.quota: bool | None = None
-        self.reap_foreign_after_s = reap_foreign_after_s
+        self.reap_foreign_after_s = options.reap_foreign_after_s
         #: this backend's id, in the label :data:`BACKEND_LABEL` of its containers
         self.instance = secrets.token_hex(6)
         self._docker_errors = docker.errors

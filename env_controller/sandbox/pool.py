@@ -1,38 +1,37 @@
-"""A pool of sandboxes over any :class:`~env_controller.sandbox.base.SandboxBackend`: a cap on how many
-live at once, some started ahead of demand, and none left behind.
+"""A pool of sandboxes over any :class:`~env_controller.sandbox.base.SandboxBackend`: a cap on how many live at once,
+some started ahead of demand, and none left behind.
 
 ::
 
-    pool = SandboxPool(backend, max_size=100, warm_min=2, warm_max=16)
+    pool = SandboxPool(backend, PoolOptions(max_containers=100, warm_containers="2:16"))
     box = pool.acquire(labels={"agentrl.index": "7"})   # a warm sandbox, or a new one; waits at the max
     ...
     pool.release(box, reusable=True)                      # wiped and kept (reuse=True), else removed
     pool.close()                                          # removes every sandbox of the pool
 
-Every sandbox of the pool is in one state: *starting*, *idle* (warm, ready for the next session),
-*leased* (a session holds it), *resetting* (being wiped for reuse) or *removing*; all of them count
-against ``max_size``. :meth:`SandboxPool.acquire` takes an idle sandbox, else starts one (a *cold*
-start), else, at ``max_size``, waits until one frees and raises :class:`PoolExhaustedError` after
-``acquire_timeout_s``. At most ``max_starting`` sandboxes start at once (cold starts first), so a burst
-of sessions queues instead of crowding the engine.
+Every sandbox of the pool is in one state: *starting*, *idle* (warm, ready for the next session), *leased* (a
+session holds it), *resetting* (being wiped for reuse) or *removing*; all of them count against ``max_containers``.
+:meth:`SandboxPool.acquire` takes an idle sandbox, else starts one (a *cold* start), else, at ``max_containers``,
+waits until one frees and raises :class:`PoolExhaustedError` after ``acquire_timeout_s``. At most ``max_starting``
+sandboxes start at once (cold starts first), so a burst of sessions queues instead of crowding the engine.
 
-A background thread keeps ``warm_target`` sandboxes idle: the number of acquisitions over the last
-``window_s`` seconds, clamped to ``warm_min..warm_max`` (and to the room under ``max_size``); it starts
-what is missing. The target rises at once and falls slowly: it is the most demand seen over the last
-``shrink_after_s`` (by default 5 x ``window_s``), as an autoscaler's scale-down stabilization window does. Idle
-sandboxes above the target are removed once they have waited ``shrink_after_s`` unused (beyond ``warm_max``, at
-once): with reuse, a burst's sandboxes (an RL step's episodes every minute or two) come back wiped after the
-pool refilled itself during the burst, and serve the next burst instead of being removed and started again. Every
-``sweep_interval_s`` it also asks the backend to remove what it made and no sandbox holds any more (a
-removal the engine failed), when the backend can (``sweep(min_age_s)``). The sandboxes of owners that
-died (a worker killed with ``kill -9``) are the backend's to remove when it starts, not the pool's: every
-worker of a host sweeping them at once would ask the engine to remove each one several times over.
+A background thread keeps ``warm_target`` sandboxes idle: the number of acquisitions over the last ``warm_window_s``
+seconds, clamped to the ``warm_containers`` bounds (and to the room under ``max_containers``); it starts what is
+missing. The target rises at once and falls slowly: it is the most demand seen over the last ``shrink_after_s`` (by
+default 5 x ``warm_window_s``), as an autoscaler's scale-down stabilization window does. Idle sandboxes above the
+target are removed once they have waited ``shrink_after_s`` unused (beyond ``warm_max``, at once): with reuse, a
+burst's sandboxes (an RL step's episodes every minute or two) come back wiped after the pool refilled itself during
+the burst, and serve the next burst instead of being removed and started again. Every ``sweep_interval_s`` it also
+asks the backend to remove what it made and no sandbox holds any more (a removal the engine failed), when the
+backend can (``sweep(min_age_s)``). The sandboxes of owners that died (a worker killed with ``kill -9``) are the
+backend's to remove when it starts, not the pool's: every worker of a host sweeping them at once would ask the
+engine to remove each one several times over.
 
-:meth:`SandboxPool.release` removes the sandbox, unless the pool allows reuse (``reuse``) and the caller
-says it may be reused: then it is wiped (:meth:`~env_controller.sandbox.base.Sandbox.wipe`: processes
-killed, files deleted, a fresh shell) and goes back to the idle ones; a wipe that fails removes it.
-A warm sandbox was started before its session was known, so it carries the pool's ``labels`` only; a
-cold one carries those given to :meth:`~SandboxPool.acquire` as well.
+:meth:`SandboxPool.release` removes the sandbox, unless the pool allows reuse (``reuse_containers``) and the caller
+says it may be reused: then it is wiped (:meth:`~env_controller.sandbox.base.Sandbox.wipe`: processes killed, files
+deleted, a fresh shell) and goes back to the idle ones; a wipe that fails removes it. A warm sandbox was started
+before its session was known, so it carries the pool's ``labels`` only; a cold one carries those given to
+:meth:`~SandboxPool.acquire` as well.
 """
 from __future__ import annotations
 
@@ -46,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, runtime_checkable
 
 from env_controller.sandbox.base import Sandbox, SandboxBackend, SandboxError, SandboxLimits
+from env_controller.sandbox.options import PoolOptions
 
 logger = logging.getLogger(__name__)
 
@@ -142,33 +142,6 @@ class PooledTask(Protocol):
         """The task's pool, started (and the backend's leaked sandboxes reaped) on the first call; blocking."""
 
 
-def parse_warm(value: Any, what: str = "warm_containers") -> tuple[int, int]:
-    """``(min, max)`` of a warm-pool size: ``N`` (a fixed ``N``), ``"MIN:MAX"`` or ``[MIN, MAX]``.
-
-    ValueError naming ``what`` when it is none of these, negative, or MIN > MAX.
-    """
-    rule = (f"{what}={value!r} must be N (keep N warm) or MIN:MAX (between MIN and MAX, by recent demand), "
-            "with 0 <= MIN <= MAX, e.g. 4 or 0:32")
-    if isinstance(value, str) and ":" in value:
-        parts: list[Any] = value.split(":")
-    elif isinstance(value, (list, tuple)):
-        parts = list(value)
-    else:
-        parts = [value, value]
-    if len(parts) != 2:
-        raise ValueError(rule)
-    out = []
-    for part in parts:
-        if isinstance(part, str) and part.strip().isdigit():
-            part = int(part)
-        if isinstance(part, bool) or not isinstance(part, int) or part < 0:
-            raise ValueError(rule)
-        out.append(part)
-    if out[0] > out[1]:
-        raise ValueError(rule)
-    return out[0], out[1]
-
-
 def _percentiles(values: deque[float]) -> dict[str, float | int | None]:
     """``n``, ``p50`` and ``p99`` (nearest rank, seconds) of ``values``."""
     s = sorted(values)
@@ -184,55 +157,33 @@ def _percentiles(values: deque[float]) -> dict[str, float | int | None]:
 class SandboxPool:
     """Sandboxes of one backend and one set of limits (see the module docstring).
 
-    max_size: sandboxes live at once, in every state (None: no cap). warm_min / warm_max: bounds of the
-    warm target. window_s: the demand window. reuse: wipe released sandboxes and keep them (else each
-    session gets a fresh one). limits / labels: given to every ``backend.create``. acquire_timeout_s:
-    how long :meth:`acquire` waits at the max. max_starting: sandboxes starting at once. sweep_interval_s:
-    seconds between sweeps of the backend's orphans (0: never). refill_interval_s: the refill thread's
-    tick. limit_hint: how the error of a timed-out acquire names the setting to raise. budget: a
-    :class:`PoolBudget` shared with other pools (a cap on them all together), or None. shrink_after_s: how long
-    the warm target keeps the most demand it saw, and how long an idle sandbox above it is kept unused (None:
-    5 x ``window_s``).
+    options: the cap, warm target, reuse and pace (:class:`~env_controller.sandbox.options.PoolOptions`).
+    limits / labels: given to every ``backend.create``. limit_hint: how the error of a timed-out acquire names the
+    setting to raise. budget: a :class:`PoolBudget` shared with other pools (a cap on them all together), or None.
     """
 
-    def __init__(self, backend: SandboxBackend, *, max_size: int | None = None, warm_min: int = 0,
-                 warm_max: int | None = None, window_s: float = 30.0, reuse: bool = False,
+    def __init__(self, backend: SandboxBackend, options: PoolOptions | None = None, *,
                  limits: SandboxLimits | None = None, labels: Mapping[str, str] | None = None,
-                 acquire_timeout_s: float = 30.0, max_starting: int = 4, sweep_interval_s: float = 60.0,
-                 refill_interval_s: float = 0.5, limit_hint: str = "the pool's max_size",
-                 budget: PoolBudget | None = None, shrink_after_s: float | None = None) -> None:
-        """Validate the sizes (ValueError naming the bad one) and start the refill thread."""
-        warm_max = warm_min if warm_max is None else warm_max
-        for name, v in (("warm_min", warm_min), ("warm_max", warm_max)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"SandboxPool: {name}={v!r} must be an integer >= 0")
-        if warm_min > warm_max:
-            raise ValueError(f"SandboxPool: warm_min={warm_min} is above warm_max={warm_max}")
-        if max_size is not None and (isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1):
-            raise ValueError(f"SandboxPool: max_size={max_size!r} must be a positive integer or None")
-        if isinstance(max_starting, bool) or not isinstance(max_starting, int) or max_starting < 1:
-            raise ValueError(f"SandboxPool: max_starting={max_starting!r} must be a positive integer")
-        shrink_after_s = 5 * window_s if shrink_after_s is None else shrink_after_s
-        for name, s in (("window_s", window_s), ("acquire_timeout_s", acquire_timeout_s),
-                        ("refill_interval_s", refill_interval_s), ("shrink_after_s", shrink_after_s)):
-            if not (isinstance(s, (int, float)) and 0 < s < math.inf):
-                raise ValueError(f"SandboxPool: {name}={s!r} must be a positive number of seconds")
-        if not (isinstance(sweep_interval_s, (int, float)) and 0 <= sweep_interval_s < math.inf):
-            raise ValueError(f"SandboxPool: sweep_interval_s={sweep_interval_s!r} must be >= 0 seconds (0: never)")
+                 limit_hint: str = "the pool's max_containers", budget: PoolBudget | None = None) -> None:
+        """Start the refill thread."""
+        options = options if options is not None else PoolOptions()
+        self.options = options
         self.backend = backend
-        self.max_size = max_size
-        self.warm_min, self.warm_max = warm_min, warm_max
-        self.window_s = float(window_s)
-        self.shrink_after_s = float(shrink_after_s)
-        self.reuse = bool(reuse)
+        self.max_size = options.max_containers
+        self.warm_min, self.warm_max = options.warm_bounds
+        self.window_s = float(options.warm_window_s)
+        self.shrink_after_s = float(5 * options.warm_window_s if options.shrink_after_s is None
+                                    else options.shrink_after_s)
+        self.reuse = options.reuse_containers
         self.limits = limits
         self.labels = dict(labels or {})
-        self.acquire_timeout_s = float(acquire_timeout_s)
-        self.max_starting = max_starting
-        self.sweep_interval_s = float(sweep_interval_s)
-        self.refill_interval_s = float(refill_interval_s)
+        self.acquire_timeout_s = float(options.acquire_timeout_s)
+        self.max_starting = options.max_starting
+        self.sweep_interval_s = float(options.sweep_interval_s)
+        self.refill_interval_s = float(options.refill_interval_s)
         self.limit_hint = limit_hint
         self.budget = budget
+        max_size, warm_min, max_starting = self.max_size, self.warm_min, self.max_starting
         self._cap = math.inf if max_size is None else max_size
         self._cond = threading.Condition()
         self._idle: deque[Sandbox] = deque()  # oldest idle first: acquire takes from the left

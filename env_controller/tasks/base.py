@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from env_controller.protocol import SampleStatus, TaskReply
-from env_controller.tasks.params import int_param
+from env_controller.tasks.options import TaskOptions
 
 logger = logging.getLogger(__name__)
 
@@ -291,19 +291,21 @@ class ToolTaskSession(TaskSession):
 class ToolTask(Task):
     """A task of small tool-use samples, each a pure function of ``(seed, index)``.
 
-    Subclasses set ``name``, implement :meth:`tools`, :meth:`new_session` and :meth:`expert`.
-    ``seed`` selects the sample set, ``num_samples`` its size, ``max_turns`` the tool calls allowed
-    per episode.
+    Subclasses set ``name`` and ``Options`` (a :class:`~env_controller.tasks.options.TaskOptions` whose ``KEY``
+    is the name), implement :meth:`tools`, :meth:`new_session` and :meth:`expert`. ``seed`` selects the sample
+    set, ``num_samples`` its size, ``max_turns`` the tool calls allowed per episode.
     """
 
-    default_max_turns: ClassVar[int] = 4
+    #: the task's options class; :func:`~env_controller.tasks.build_task` makes one from plain params
+    Options: ClassVar[type[TaskOptions]] = TaskOptions
 
-    def __init__(self, seed: int = 0, num_samples: int = 512, max_turns: int | None = None) -> None:
-        """Validate the common params; raises TaskParamError (a ValueError) naming a bad one."""
-        self.seed = int_param(self.name, "seed", seed)
-        self.num_samples = int_param(self.name, "num_samples", num_samples, low=1)
-        self.max_turns = int_param(self.name, "max_turns", self.default_max_turns if max_turns is None else max_turns,
-                                   low=1)
+    def __init__(self, options: TaskOptions | None = None) -> None:
+        """``options``: the task's (checked when they were made); None: the defaults."""
+        options = options if options is not None else self.Options()
+        self.options = options
+        self.seed = options.seed
+        self.num_samples = options.num_samples
+        self.max_turns = options.max_turns
 
     # -- to implement ------------------------------------------------------------------------
 

@@ -13,11 +13,11 @@ import logging
 import threading
 from abc import abstractmethod
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, ClassVar
 
 from env_controller.protocol import TaskReply
 from env_controller.tasks.base import Expert, Message, ToolSchema, ToolTask, ToolTaskSession, make_tool_call
-from env_controller.tasks.params import int_param
+from env_controller.tasks.options import BlockingTaskOptions
 
 logger = logging.getLogger(__name__)
 
@@ -58,17 +58,16 @@ class BlockingToolTaskSession(ToolTaskSession):
 
 
 class BlockingToolTask(ToolTask):
-    """A :class:`ToolTask` whose sessions are :class:`BlockingToolTaskSession` s.
+    """A :class:`ToolTask` whose sessions are :class:`BlockingToolTaskSession` s, their tool calls run on a thread
+    pool of ``max_workers`` (:class:`~env_controller.tasks.options.BlockingTaskOptions`)."""
 
-    ``max_workers``: threads running blocking tool calls of all sessions of this task at once
-    (at least the number of sessions expected to run commands concurrently).
-    """
+    Options: ClassVar[type[BlockingTaskOptions]] = BlockingTaskOptions
+    options: BlockingTaskOptions
 
-    def __init__(self, seed: int = 0, num_samples: int = 512, max_turns: int | None = None,
-                 max_workers: int = 64) -> None:
-        """See :class:`ToolTask`; TaskParamError naming a bad ``max_workers``."""
-        super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns)
-        self.max_workers = int_param(self.name, "max_workers", max_workers, low=1)
+    def __init__(self, options: BlockingTaskOptions | None = None) -> None:
+        """See :class:`ToolTask`."""
+        super().__init__(options)
+        self.max_workers = self.options.max_workers
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
 

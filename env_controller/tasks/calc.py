@@ -1,6 +1,7 @@
 """``calc`` (medium): one addition or multiplication done with a calculator tool, then answered."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from env_controller.tasks.base import (
@@ -12,7 +13,7 @@ from env_controller.tasks.base import (
     ToolTaskSession,
     function_schema,
 )
-from env_controller.tasks.params import TaskParamError, int_param
+from env_controller.tasks.options import TaskOptions
 
 TOOLS: list[ToolSchema] = [
     function_schema("add", "Return a + b.", {"a": "integer", "b": "integer"}),
@@ -39,6 +40,25 @@ class CalcSession(ToolTaskSession):
         return ToolResult("correct" if ok else "wrong", finish=True, success=ok)
 
 
+@dataclass
+class CalcOptions(TaskOptions):
+    """The calc task's params."""
+
+    KEY = "calc"
+
+    #: the smallest operand
+    low: int = 2
+    #: the largest operand (above ``low``)
+    high: int = 49
+
+    def check(self) -> None:
+        """See :class:`TaskOptions`."""
+        super().check()
+        self.require_int("low", low=0)
+        self.require_int("high")
+        self.require(self.low < self.high, "high", f"must be above low={self.low!r}")
+
+
 class CalcTask(ToolTask):
     """Medium: "What is A plus B?" or "What is A times B?" with A, B in ``[low, high]``.
 
@@ -51,16 +71,13 @@ class CalcTask(ToolTask):
     """
 
     name = "calc"
+    Options = CalcOptions
+    options: CalcOptions
 
-    def __init__(self, seed: int = 0, num_samples: int = 512, max_turns: int | None = None,
-                 low: int = 2, high: int = 49) -> None:
-        """``low``/``high``: inclusive operand range (0 <= low < high); other params: :class:`ToolTask`."""
-        super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns)
-        self.low = int_param(self.name, "low", low, low=0)
-        self.high = int_param(self.name, "high", high)
-        if not low < high:
-            raise TaskParamError(self.name, "high", high, f"must be above low={low!r}",
-                                 message=f"calc: need 0 <= low < high, got low={low!r}, high={high!r}")
+    def __init__(self, options: CalcOptions | None = None) -> None:
+        """See :class:`ToolTask`."""
+        super().__init__(options)
+        self.low, self.high = self.options.low, self.options.high
 
     def tools(self) -> list[ToolSchema]:
         """``add``, ``multiply`` and ``answer``."""

@@ -30,7 +30,7 @@ from typing import Any
 
 from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, function_schema
 from env_controller.tasks.blocking import BlockingToolTask, BlockingToolTaskSession
-from env_controller.tasks.params import bool_param, int_param, seconds_param, str_param
+from env_controller.tasks.options import BlockingTaskOptions
 
 logger = logging.getLogger(__name__)
 
@@ -455,6 +455,45 @@ class DBSession(BlockingToolTaskSession):
         self.task.drop(self.database, self.user)
 
 
+@dataclass
+class DBOptions(BlockingTaskOptions):
+    """The db task's params (the server: :class:`DBTask`)."""
+
+    KEY = "db"
+
+    num_samples: int = 300
+    max_turns: int = 8
+    #: the server's host and port (when no ``unix_socket``)
+    host: str = "127.0.0.1"
+    port: int = 3306
+    #: the server's socket file (wins over host and port)
+    unix_socket: str | None = None
+    #: an account allowed to create databases and users, with GRANT OPTION
+    admin_user: str = "root"
+    admin_password: str = ""
+    #: start a private server on first use (stopped when the task closes) instead of using one
+    start_server: bool = False
+    #: a statement running past this is cancelled, seconds
+    query_timeout_s: float = 5.0
+    #: rows of a result shown to the agent (then how many more)
+    max_rows: int = 50
+    #: characters of a reply shown to the agent
+    max_output_chars: int = 4000
+
+    def check(self) -> None:
+        """See :class:`BlockingTaskOptions`."""
+        super().check()
+        self.require_string("host")
+        self.require_int("port", low=1, high=65535)
+        self.require_string("unix_socket", optional=True)
+        self.require_string("admin_user")
+        self.require_string("admin_password", empty=True)
+        self.require_bool("start_server")
+        self.require_seconds("query_timeout_s")
+        self.require_positive_int("max_rows")
+        self.require_int("max_output_chars", low=100)
+
+
 class DBTask(BlockingToolTask):
     """``db``: answer a question about a small MariaDB database, or change it, with SQL.
 
@@ -483,25 +522,21 @@ class DBTask(BlockingToolTask):
     """
 
     name = "db"
-    default_max_turns = 8
+    Options = DBOptions
+    options: DBOptions
 
-    def __init__(self, seed: int = 0, num_samples: int = 300, max_turns: int | None = None,
-                 host: str = "127.0.0.1", port: int = 3306, unix_socket: str | None = None,
-                 admin_user: str = "root", admin_password: str = "", start_server: bool = False,
-                 query_timeout_s: float = 5.0, max_rows: int = 50, max_output_chars: int = 4000,
-                 max_workers: int = 64) -> None:
-        """Validate the params (TaskParamError naming a bad one); no connection is made yet."""
-        super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns, max_workers=max_workers)
-        self.host = str_param(self.name, "host", host)
-        self.port = int_param(self.name, "port", port, low=1, high=65535)
-        self.unix_socket = str_param(self.name, "unix_socket", unix_socket, optional=True)
-        self.admin_user = str_param(self.name, "admin_user", admin_user)
-        self.admin_password = str_param(self.name, "admin_password", admin_password, empty=True)
-        self.start_server = bool_param(self.name, "start_server", start_server)
-        self.query_timeout_s = seconds_param(self.name, "query_timeout_s", query_timeout_s)
-        self.max_rows = int_param(self.name, "max_rows", max_rows, low=1)
+    def __init__(self, options: DBOptions | None = None) -> None:
+        """See :class:`ToolTask`; no connection is made yet."""
+        super().__init__(options)
+        options = self.options
+        # the server's address and admin account: a private server's once it started (``start_server``)
+        self.host, self.port, self.unix_socket = options.host, options.port, options.unix_socket
+        self.admin_user, self.admin_password = options.admin_user, options.admin_password
+        self.start_server = options.start_server
+        self.query_timeout_s = options.query_timeout_s
+        self.max_rows = options.max_rows
         self.max_scan_rows = 100_000
-        self.max_output_chars = int_param(self.name, "max_output_chars", max_output_chars, low=100)
+        self.max_output_chars = options.max_output_chars
         self._server: Any = None
         self._server_lock = threading.Lock()
 

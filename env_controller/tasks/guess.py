@@ -1,6 +1,7 @@
 """``guess`` (harder): find a hidden number by bisection on higher/lower feedback."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from env_controller.tasks.base import (
@@ -12,7 +13,7 @@ from env_controller.tasks.base import (
     ToolTaskSession,
     function_schema,
 )
-from env_controller.tasks.params import TaskParamError, int_param
+from env_controller.tasks.options import TaskOptions
 
 TOOLS: list[ToolSchema] = [
     function_schema("guess", "Guess the number.", {"n": "integer"}),
@@ -38,6 +39,24 @@ class GuessSession(ToolTaskSession):
         return ToolResult("higher" if self.target > n else "lower")
 
 
+@dataclass
+class GuessOptions(TaskOptions):
+    """The guess task's params."""
+
+    KEY = "guess"
+
+    #: the hidden number lies in ``1..max_value``
+    max_value: int = 15
+
+    def check(self) -> None:
+        """See :class:`TaskOptions`."""
+        super().check()
+        self.require_int("max_value", low=2)
+        needed = self.max_value.bit_length()
+        self.require(self.max_turns >= needed, "max_turns", f"is too few to always find a number in "
+                     f"1..{self.max_value} (bisection needs {needed}); raise max_turns or lower max_value")
+
+
 class GuessTask(ToolTask):
     """Harder: find a hidden number in ``1..max_value`` with at most ``max_turns`` guesses.
 
@@ -52,16 +71,13 @@ class GuessTask(ToolTask):
     """
 
     name = "guess"
+    Options = GuessOptions
+    options: GuessOptions
 
-    def __init__(self, seed: int = 0, num_samples: int = 512, max_turns: int | None = None,
-                 max_value: int = 15) -> None:
-        """``max_value``: the hidden number lies in ``1..max_value`` (>= 2); other params: :class:`ToolTask`."""
-        super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns)
-        self.max_value = int_param(self.name, "max_value", max_value, low=2)
-        needed = max_value.bit_length()
-        if self.max_turns < needed:
-            raise TaskParamError(self.name, "max_turns", self.max_turns, f"is too few to always find a number in "
-                                 f"1..{max_value} (bisection needs {needed}); raise max_turns or lower max_value")
+    def __init__(self, options: GuessOptions | None = None) -> None:
+        """See :class:`ToolTask`."""
+        super().__init__(options)
+        self.max_value = self.options.max_value
 
     def tools(self) -> list[ToolSchema]:
         """``guess``."""

@@ -1,6 +1,7 @@
 """``lookup`` (easy): read one value out of a small hidden table, then answer it."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from env_controller.tasks.base import (
@@ -12,7 +13,7 @@ from env_controller.tasks.base import (
     ToolTaskSession,
     function_schema,
 )
-from env_controller.tasks.params import int_param
+from env_controller.tasks.options import TaskOptions
 
 KEYS: tuple[str, ...] = (
     "ant", "bear", "cat", "crow", "deer", "dog", "duck", "eel", "fox", "frog", "goat", "hawk",
@@ -52,6 +53,21 @@ class LookupSession(ToolTaskSession):
         return ToolResult("correct" if ok else "wrong", finish=True, success=ok)
 
 
+@dataclass
+class LookupOptions(TaskOptions):
+    """The lookup task's params."""
+
+    KEY = "lookup"
+
+    #: entries of each sample's hidden table
+    num_keys: int = 6
+
+    def check(self) -> None:
+        """See :class:`TaskOptions`."""
+        super().check()
+        self.require_int("num_keys", low=1, high=len(KEYS))
+
+
 class LookupTask(ToolTask):
     """Easy: the user asks for the value of one key of a hidden table of ``num_keys`` entries.
 
@@ -66,11 +82,13 @@ class LookupTask(ToolTask):
     """
 
     name = "lookup"
+    Options = LookupOptions
+    options: LookupOptions
 
-    def __init__(self, seed: int = 0, num_samples: int = 512, max_turns: int | None = None, num_keys: int = 6) -> None:
-        """``num_keys``: entries of each sample's hidden table (1..24); other params: :class:`ToolTask`."""
-        super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns)
-        self.num_keys = int_param(self.name, "num_keys", num_keys, low=1, high=len(KEYS))
+    def __init__(self, options: LookupOptions | None = None) -> None:
+        """See :class:`ToolTask`."""
+        super().__init__(options)
+        self.num_keys = self.options.num_keys
 
     def tools(self) -> list[ToolSchema]:
         """``lookup`` and ``answer``."""

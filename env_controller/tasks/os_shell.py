@@ -16,13 +16,14 @@ import shlex
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from env_controller.sandbox import Sandbox, SandboxBackend, SandboxError, SandboxLimits, make_backend
-from env_controller.sandbox.pool import SandboxPool, parse_warm
+from env_controller.sandbox import Sandbox, SandboxBackend, SandboxError, make_backend
+from env_controller.sandbox.options import ContainerOptions
+from env_controller.sandbox.pool import SandboxPool
 from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, function_schema
 from env_controller.tasks.blocking import BlockingToolTask, BlockingToolTaskSession
-from env_controller.tasks.params import TaskParamError, bool_param, int_param, seconds_param, str_param
+from env_controller.tasks.options import BlockingTaskOptions
 
 logger = logging.getLogger(__name__)
 
@@ -258,14 +259,6 @@ def answer_matches(answer: str, expected: str, answer_type: str) -> bool:
     return got == expected
 
 
-def _cpus_param(task: str, value: Any) -> float:
-    """``cpus`` as a float when it is a finite number of CPUs >= 0.01."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.01 <= value < float("inf")
-    if not ok:
-        raise TaskParamError(task, "cpus", value, "must be a number of CPUs of at least 0.01, e.g. 1.0")
-    return float(value)
-
-
 class OsShellSession(BlockingToolTaskSession):
     """One ``os_shell`` episode in its own sandbox."""
 
@@ -338,6 +331,30 @@ class OsShellSession(BlockingToolTaskSession):
             self.sandbox.close()
 
 
+@dataclass
+class OsShellOptions(BlockingTaskOptions, ContainerOptions):
+    """The os_shell task's params: its samples, its sandboxes' backend, limits and pool
+    (:class:`~env_controller.sandbox.options.ContainerOptions`)."""
+
+    KEY = "os_shell"
+
+    num_samples: int = 300
+    max_turns: int = 8
+    memory_mb: int = 1024
+    #: where sandboxes run: ``"bwrap"`` (bubblewrap) or ``"docker"`` (one container per session)
+    backend: Literal["bwrap", "docker"] = "bwrap"
+    #: the Docker image (it must hold bash and coreutils)
+    image: str = "ubuntu:22.04"
+    #: a command's background processes run on after it returns (off: they are killed)
+    background_jobs: bool = False
+
+    def check(self) -> None:
+        """See :class:`ContainerOptions`."""
+        super().check()
+        self.require_string("image")
+        self.require_bool("background_jobs")
+
+
 class OsShellTask(BlockingToolTask):
     """``os_shell``: answer a question or make a change with bash in a sandbox.
 
@@ -361,63 +378,25 @@ class OsShellTask(BlockingToolTask):
     0 on the turn limit (default 8 tool calls) or a message without tool calls.
     Metrics: ``success``, ``turns``, ``commands``, ``limit_hits``.
 
-    backend: ``"bwrap"`` (default), ``"docker"`` or a :class:`SandboxBackend`; created on the
-    first session. command_timeout_s (per command) / memory_mb / max_processes / cpus (per
-    sandbox): sandbox limits. background_jobs: let a command's background processes run on after
-    it returns (off: they are killed). For ``docker``, one container per session: image (it must
-    hold bash and coreutils), docker_host (the engine's URL, e.g. ``unix:///run/docker.sock``;
-    default ``$DOCKER_HOST``, else the local socket) and user (``uid:gid`` commands run as, not root).
-
-    Sandboxes come from a :class:`~env_controller.sandbox.pool.SandboxPool`: max_containers (live at
-    once, None: no cap; a worker's ``--max-containers``), warm_containers (started ahead of demand: ``N``
-    or ``"MIN:MAX"``, sized by the last ``warm_window_s`` of demand; ``--warm-containers``),
-    acquire_timeout_s (how long a new session waits at the max), reuse_containers (off: a fresh
-    sandbox per session, as in AgentBench; on: a finished session's sandbox is wiped and serves the next).
+    Sandboxes: :class:`OsShellOptions` (the backend, limits and pool); a :class:`SandboxBackend` of the caller's
+    may be given instead of the options' ``backend``.
     """
 
     name = "os_shell"
-    default_max_turns = 8
+    Options = OsShellOptions
+    options: OsShellOptions
 
-    def __init__(self, seed: int = 0, num_samples: int = 300, max_turns: int | None = None,
-                 backend: str | SandboxBackend = "bwrap", command_timeout_s: float = 10.0, memory_mb: int = 1024,
-                 max_processes: int = 64, max_output_chars: int = 4000, image: str = "ubuntu:22.04",
-                 max_workers: int = 64, cpus: float = 1.0, background_jobs: bool = False,
-                 docker_host: str | None = None, user: str = "1000:1000", max_containers: int | None = None,
-                 warm_containers: int | str | list[int] = 0, reuse_containers: bool = False,
-                 acquire_timeout_s: float = 30.0, warm_window_s: float = 30.0) -> None:
-        """Validate the params (TaskParamError naming a bad one); the backend starts on first use."""
-        super().__init__(seed=seed, num_samples=num_samples, max_turns=max_turns, max_workers=max_workers)
-        if not (isinstance(backend, SandboxBackend) or backend in ("bwrap", "docker")):
-            raise TaskParamError(self.name, "backend", backend, "must be 'bwrap', 'docker' or a SandboxBackend")
-        self.max_output_chars = int_param(self.name, "max_output_chars", max_output_chars, low=100)
-        self.limits = SandboxLimits(timeout_s=seconds_param(self.name, "command_timeout_s", command_timeout_s),
-                                    memory_mb=int_param(self.name, "memory_mb", memory_mb, low=1),
-                                    # the sandbox's shell alone needs 3 processes
-                                    max_processes=int_param(self.name, "max_processes", max_processes, low=4),
-                                    cpus=_cpus_param(self.name, cpus),
-                                    background_jobs=bool_param(self.name, "background_jobs", background_jobs))
-        self.image = str_param(self.name, "image", image)
-        self.docker_host = str_param(self.name, "docker_host", docker_host, optional=True)
-        self.user = str_param(self.name, "user", user)
-        if not re.fullmatch(r"\d+:\d+", self.user) or int(self.user.split(":")[0]) == 0:
-            raise TaskParamError(self.name, "user", user, "must be 'uid:gid' of a user other than root, "
-                                 "e.g. '1000:1000'")
-        self.max_containers: int | None = (None if max_containers is None
-                                           else int_param(self.name, "max_containers", max_containers, low=1))
-        try:
-            self.warm_min, self.warm_max = parse_warm(warm_containers)
-        except ValueError:
-            raise TaskParamError(self.name, "warm_containers", warm_containers,
-                                 "must be N (keep N warm) or 'MIN:MAX' (between MIN and MAX, by recent demand) "
-                                 "with 0 <= MIN <= MAX, e.g. 4 or '0:32'") from None
-        if self.max_containers is not None and self.warm_min > self.max_containers:
-            raise TaskParamError(self.name, "warm_containers", warm_containers,
-                                 f"keeps more warm than max_containers={self.max_containers}")
-        self.reuse_containers = bool_param(self.name, "reuse_containers", reuse_containers)
-        self.acquire_timeout_s = seconds_param(self.name, "acquire_timeout_s", acquire_timeout_s)
-        self.warm_window_s = seconds_param(self.name, "warm_window_s", warm_window_s)
-        self._backend_spec = backend
-        self._backend: SandboxBackend | None = backend if isinstance(backend, SandboxBackend) else None
+    def __init__(self, options: OsShellOptions | None = None, *, backend: SandboxBackend | None = None) -> None:
+        """See :class:`ToolTask`; ``backend``: sandboxes from this backend (else one of ``options.backend``, made
+        on first use)."""
+        super().__init__(options)
+        options = self.options
+        self.max_output_chars = options.max_output_chars
+        self.limits = options.limits(background_jobs=options.background_jobs)
+        self.image, self.docker_host, self.user = options.image, options.docker_host, options.user
+        self.max_containers = options.max_containers
+        self._backend: SandboxBackend | None = backend
+        self._own_backend = backend is None  # closed with the task
         self._pool: SandboxPool | None = None
         self._backend_lock = threading.RLock()
 
@@ -427,11 +406,11 @@ class OsShellTask(BlockingToolTask):
         with self._backend_lock:
             if self._backend is None:
                 options: dict[str, Any] = {}
-                if self._backend_spec == "docker":
+                if self.options.backend == "docker":
                     # a worker restarted after a crash serves while its predecessor's containers go
-                    options = {"image": self.image, "base_url": self.docker_host, "user": self.user,
+                    options = {"image": self.image, "docker_host": self.docker_host, "user": self.user,
                                "reap": "background"}
-                self._backend = make_backend(str(self._backend_spec), self.limits, **options)
+                self._backend = make_backend(self.options.backend, self.limits, **options)
             return self._backend
 
     def sandbox_pool(self) -> SandboxPool:
@@ -439,11 +418,9 @@ class OsShellTask(BlockingToolTask):
         sandboxes of dead workers), on the first call (blocking)."""
         with self._backend_lock:
             if self._pool is None:
-                self._pool = SandboxPool(
-                    self.backend, max_size=self.max_containers, warm_min=self.warm_min, warm_max=self.warm_max,
-                    window_s=self.warm_window_s, reuse=self.reuse_containers, limits=self.limits,
-                    labels={"agentrl.task": self.name}, acquire_timeout_s=self.acquire_timeout_s,
-                    limit_hint="max_containers (the worker's --max-containers)")
+                self._pool = SandboxPool(self.backend, self.options, limits=self.limits,
+                                         labels={"agentrl.task": self.name},
+                                         limit_hint="max_containers (the worker's --max-containers)")
             return self._pool
 
     def tools(self) -> list[ToolSchema]:
@@ -494,6 +471,6 @@ class OsShellTask(BlockingToolTask):
             pool, self._pool = self._pool, None
             if pool is not None:
                 pool.close()
-            if self._backend is not None and not isinstance(self._backend_spec, SandboxBackend):
+            if self._backend is not None and self._own_backend:
                 self._backend.close()
                 self._backend = None

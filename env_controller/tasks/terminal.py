@@ -31,11 +31,14 @@ import shlex
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from typing import Any
 
 from env_controller.protocol import SampleStatus, TaskReply
-from env_controller.sandbox import SandboxError, SandboxLimits
-from env_controller.sandbox.pool import PoolBudget, SandboxPool, parse_warm
+from env_controller.sandbox import SandboxError
+from env_controller.sandbox.docker import DockerBackend
+from env_controller.sandbox.options import ContainerOptions, DockerOptions
+from env_controller.sandbox.pool import PoolBudget, SandboxPool
 from env_controller.sandbox.task_images import ImageCache, ImageSource
 from env_controller.tasks.base import (
     DemonstrationUnavailable,
@@ -46,7 +49,7 @@ from env_controller.tasks.base import (
     function_schema,
 )
 from env_controller.tasks.blocking import BlockingToolTask, BlockingToolTaskSession
-from env_controller.tasks.params import TaskParamError, bool_param, int_param, seconds_param, str_param
+from env_controller.tasks.options import BlockingTaskOptions
 from env_controller.tasks.terminal_demo import FAMILIES, demo_instances  # also registers the demo's images
 from env_controller.tasks.terminal_format import TaskFormatError, TerminalInstance, load_tasks
 
@@ -85,8 +88,8 @@ class TerminalSession(BlockingToolTaskSession):
         self.instance = instance
         self.pool = pool
         self.sandbox = box
-        self.max_output_chars = task.max_output_chars
-        self.verifier_user = task.verifier_user
+        self.max_output_chars = task.options.max_output_chars
+        self.verifier_user = task.options.verifier_user
         self.commands = 0
         self.limit_hits = 0
 
@@ -221,8 +224,10 @@ class TerminalPools:
         """See the class docstring."""
         pools = self.task.pools()
         per = {key: pool.stats() for key, pool in pools.items()}
-        out: dict[str, Any] = {"backend": "docker", "max": self.task.max_containers, "warm_min": self.task.warm_min,
-                               "warm_max": self.task.warm_max, "reuse": self.task.reuse_containers}
+        options = self.task.options
+        warm_min, warm_max = options.warm_bounds
+        out: dict[str, Any] = {"backend": "docker", "max": options.max_containers, "warm_min": warm_min,
+                               "warm_max": warm_max, "reuse": options.reuse_containers}
         for k in self._SUMMED:
             out[k] = sum(s[k] for s in per.values())
         budget = self.task.budget
@@ -239,13 +244,92 @@ class TerminalPools:
     def _label(self, key: tuple[Any, ...]) -> str:
         """A pool's name in ``images``: ``tag@workdir`` and what differs from the task's defaults."""
         tag, workdir, scratch, cpus, memory, disk, reuse = key
-        own = (self.task.cpus, self.task.memory_mb, self.task.disk_mb)
+        own = (self.task.options.cpus, self.task.options.memory_mb, self.task.options.disk_mb)
         limits = f" cpus={cpus:g} memory_mb={memory} disk_mb={disk}" if (cpus, memory, disk) != own else ""
         return f"{tag}@{workdir}{' scratch' if scratch else ''}{limits}{' reuse' if reuse else ''}"
 
     def close(self) -> None:
         """Close the task's pools."""
         self.task.close_pools()
+
+
+@dataclass
+class TerminalOptions(BlockingTaskOptions, ContainerOptions):
+    """The terminal task's params: its instances, its verifier's user, its images' builds and its containers
+    (:class:`~env_controller.sandbox.options.ContainerOptions`, per container; an instance's ``cpus`` /
+    ``memory_mb`` / ``storage_mb`` win)."""
+
+    KEY = "terminal"
+
+    #: a task directory, a directory of task directories, a manifest, or a list of these
+    #: (:func:`~env_controller.tasks.terminal_format.load_tasks`); or ``demo``
+    tasks: str | list[str] | None = None
+    #: a family of the demo's generated instances (:mod:`env_controller.tasks.terminal_demo`)
+    demo: str | None = None
+    #: keep only the instances of this family
+    family: str | None = None
+    #: instances kept: the first ``num_samples`` of the set (None: all; 256 of a demo family)
+    num_samples: int | None = None
+    max_turns: int = 6
+    acquire_timeout_s: float = 60.0
+    #: ``uid:gid`` the verifier runs as: neither root nor the agent's uid or gid, and owning no file of the image
+    verifier_user: str = "1001:1001"
+    #: the cap on a container's own files (its writable layer), MB: an engine quota where its storage driver has
+    #: one, else the backend's own check
+    disk_mb: int = 10240
+    #: limit on one image's build or import, seconds
+    build_timeout_s: float = 600.0
+    #: start every image's build when the pools start, not at an instance's first session
+    prebuild: bool = True
+    #: demonstrations played at once (each takes a container)
+    demo_threads: int = 6
+
+    def check(self) -> None:
+        """See :class:`ContainerOptions`; what depends on the instances' files is checked where they are read
+        (:meth:`load_instances`)."""
+        super().check()
+        self.require((self.tasks is None) != (self.demo is None), "tasks", "give exactly one of tasks (a task "
+                     "directory, a directory of them, or a manifest) and demo (a demo family)")
+        if self.tasks is not None:
+            self.require(isinstance(self.tasks, str) or (isinstance(self.tasks, list) and bool(self.tasks) and all(
+                isinstance(t, str) for t in self.tasks)), "tasks", "must be a path or a list of paths")
+        if self.demo is not None:
+            self.require(self.demo in FAMILIES, "demo", f"must be one of {', '.join(FAMILIES)}")
+        self.require_string("family", optional=True)
+        self.require(re.fullmatch(r"\d+:\d+", str(self.verifier_user)) is not None
+                     and int(self.verifier_user.split(":")[0]) != 0, "verifier_user",
+                     "must be 'uid:gid' of a user other than root, e.g. '1001:1001'")
+        self.require(not any(int(a) == int(b) for a, b in zip(self.verifier_user.split(":"), self.user.split(":"))),
+                     "verifier_user", f"must differ from user {self.user!r} in uid and gid: an agent that shares "
+                     "the verifier's user or group could write its own reward")
+        self.require_int("disk_mb", low=16)
+        self.require_seconds("build_timeout_s")
+        self.require_bool("prebuild")
+        self.require_positive_int("demo_threads")
+
+    def check_samples(self) -> None:
+        """``num_samples``: None (all) or a positive integer; its bound is the set's size (:meth:`load_instances`)."""
+        if self.num_samples is not None:
+            self.require_positive_int("num_samples")
+
+    def load_instances(self) -> list[TerminalInstance]:
+        """The instances these options name (the files read, ``family`` and ``num_samples`` applied); FieldError
+        naming ``tasks``, ``family`` or ``num_samples`` when they do not fit."""
+        if self.demo is not None:
+            return demo_instances(self.demo, self.seed, 256 if self.num_samples is None else self.num_samples)
+        assert self.tasks is not None
+        try:
+            instances = load_tasks(self.tasks)
+        except (TaskFormatError, OSError) as e:
+            raise self.bad("tasks", f"cannot be read: {e}") from None
+        if self.family is not None:
+            instances = [i for i in instances if i.family == self.family]
+            self.require(bool(instances), "family", "names no instance of the task set")
+        if self.num_samples is not None:
+            self.require(self.num_samples <= len(instances), "num_samples",
+                         f"must be an integer in 1..{len(instances)} (the instances of the set)")
+            instances = instances[:self.num_samples]
+        return instances
 
 
 class TerminalTask(BlockingToolTask):
@@ -274,78 +358,18 @@ class TerminalTask(BlockingToolTask):
     """
 
     name = "terminal"
-    default_max_turns = 6
+    Options = TerminalOptions
+    options: TerminalOptions
 
-    def __init__(self, tasks: str | list[str] | None = None, demo: str | None = None, family: str | None = None,
-                 seed: int = 0, num_samples: int | None = None, max_turns: int | None = None,
-                 docker_host: str | None = None, user: str = "1000:1000", verifier_user: str = "1001:1001",
-                 command_timeout_s: float = 10.0, memory_mb: int = 512, disk_mb: int = 10240,
-                 max_processes: int = 64, cpus: float = 1.0, max_output_chars: int = 4000,
-                 max_workers: int = 64, max_containers: int | None = None, warm_containers: int | str | list[int] = 0,
-                 reuse_containers: bool = False, acquire_timeout_s: float = 60.0, warm_window_s: float = 30.0,
-                 build_timeout_s: float = 600.0, prebuild: bool = True, demo_threads: int = 6) -> None:
-        """Load the instances and check the params (TaskParamError naming a bad one); nothing starts yet."""
-        if (tasks is None) == (demo is None):
-            raise TaskParamError(self.name, "tasks", tasks, "give exactly one of tasks (a task directory, a directory "
-                                 "of them, or a manifest) and demo (a demo family)")
-        if demo is not None:
-            if demo not in FAMILIES:
-                raise TaskParamError(self.name, "demo", demo, f"must be one of {', '.join(FAMILIES)}")
-            n = 256 if num_samples is None else int_param(self.name, "num_samples", num_samples, low=1)
-            instances = demo_instances(demo, int_param(self.name, "seed", seed), n)
-        else:
-            if not (isinstance(tasks, str) or (isinstance(tasks, list) and tasks
-                                               and all(isinstance(t, str) for t in tasks))):
-                raise TaskParamError(self.name, "tasks", tasks, "must be a path or a list of paths")
-            try:
-                instances = load_tasks(tasks)
-            except (TaskFormatError, OSError) as e:
-                raise TaskParamError(self.name, "tasks", tasks, f"cannot be read: {e}", message=str(e)) from None
-        if family is not None:
-            instances = [i for i in instances if i.family == family]
-            if not instances:
-                raise TaskParamError(self.name, "family", family, "names no instance of the task set")
-        if num_samples is not None and demo is None:
-            int_param(self.name, "num_samples", num_samples, low=1, high=len(instances))
-            instances = instances[:num_samples]
-        super().__init__(seed=seed, num_samples=len(instances), max_turns=max_turns, max_workers=max_workers)
-        self.instances = instances
-        self.docker_host = str_param(self.name, "docker_host", docker_host, optional=True)
-        self.user = str_param(self.name, "user", user)
-        if not re.fullmatch(r"\d+:\d+", self.user) or int(self.user.split(":")[0]) == 0:
-            raise TaskParamError(self.name, "user", user, "must be 'uid:gid' of a user other than root, e.g. "
-                                 "'1000:1000' (tasks that need root at run time are not supported: do that work "
-                                 "in the image)")
-        self.verifier_user = str_param(self.name, "verifier_user", verifier_user)
-        if not re.fullmatch(r"\d+:\d+", self.verifier_user) or int(self.verifier_user.split(":")[0]) == 0:
-            raise TaskParamError(self.name, "verifier_user", verifier_user, "must be 'uid:gid' of a user other than "
-                                 "root, e.g. '1001:1001'")
-        if any(int(a) == int(b) for a, b in zip(self.verifier_user.split(":"), self.user.split(":"))):
-            raise TaskParamError(self.name, "verifier_user", verifier_user, f"must differ from user {self.user!r} "
-                                 "in uid and gid: an agent that shares the verifier's user or group could write its "
-                                 "own reward")
-        self.max_output_chars = int_param(self.name, "max_output_chars", max_output_chars, low=100)
-        self.command_timeout_s = seconds_param(self.name, "command_timeout_s", command_timeout_s)
-        self.memory_mb = int_param(self.name, "memory_mb", memory_mb, low=16)
-        self.disk_mb = int_param(self.name, "disk_mb", disk_mb, low=16)
-        self.max_processes = int_param(self.name, "max_processes", max_processes, low=4)
-        if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not 0.01 <= cpus < float("inf"):
-            raise TaskParamError(self.name, "cpus", cpus, "must be a number of CPUs of at least 0.01, e.g. 1.0")
-        self.cpus = float(cpus)
-        self.max_containers: int | None = (None if max_containers is None
-                                           else int_param(self.name, "max_containers", max_containers, low=1))
-        try:
-            self.warm_min, self.warm_max = parse_warm(warm_containers)
-        except ValueError:
-            raise TaskParamError(self.name, "warm_containers", warm_containers,
-                                 "must be N or 'MIN:MAX' with 0 <= MIN <= MAX, e.g. 4 or '0:32'") from None
-        self.reuse_containers = bool_param(self.name, "reuse_containers", reuse_containers)
-        self.acquire_timeout_s = seconds_param(self.name, "acquire_timeout_s", acquire_timeout_s)
-        self.warm_window_s = seconds_param(self.name, "warm_window_s", warm_window_s)
-        self.build_timeout_s = seconds_param(self.name, "build_timeout_s", build_timeout_s)
-        self.prebuild = bool_param(self.name, "prebuild", prebuild)
+    def __init__(self, options: TerminalOptions) -> None:
+        """Load the instances (a FieldError naming ``tasks``, ``family`` or ``num_samples`` when they do not fit);
+        nothing starts yet."""
+        self.instances = options.load_instances()
+        super().__init__(replace(options, num_samples=len(self.instances)))
+        #: the most containers live at once over every image (the worker's view: ``PooledTask``)
+        self.max_containers = options.max_containers
         #: one cap over every image's pool
-        self.budget = PoolBudget(self.max_containers) if self.max_containers is not None else None
+        self.budget = PoolBudget(options.max_containers) if options.max_containers is not None else None
         self._lock = threading.RLock()
         self._client: Any = None
         self._images: ImageCache | None = None
@@ -353,7 +377,6 @@ class TerminalTask(BlockingToolTask):
         self._backends: list[Any] = []
         self._demos: dict[tuple[str, int], Future[tuple[list[Message], list[ToolSchema]]]] = {}
         self._demo_executor: Any = None
-        self.demo_threads = int_param(self.name, "demo_threads", demo_threads, low=1)
         self._view = TerminalPools(self)
         self._prebuilt = False
 
@@ -376,17 +399,17 @@ class TerminalTask(BlockingToolTask):
                 except ImportError as exc:
                     raise SandboxUnavailableError("the terminal task needs the docker SDK: pip install docker") from exc
                 try:
-                    if self.docker_host:
-                        client = docker.DockerClient(base_url=self.docker_host, timeout=120,
+                    if self.options.docker_host:
+                        client = docker.DockerClient(base_url=self.options.docker_host, timeout=120,
                                                      max_pool_size=max(10, self.max_workers))
                     else:
                         client = docker.from_env(timeout=120, max_pool_size=max(10, self.max_workers))
                     client.ping()
                 except docker.errors.DockerException as exc:
                     raise SandboxUnavailableError(f"terminal: cannot reach a Docker engine "
-                                                  f"({self.docker_host or '$DOCKER_HOST'}): {exc}") from exc
+                                                  f"({self.options.docker_host or '$DOCKER_HOST'}): {exc}") from exc
                 self._client = client
-                self._images = ImageCache(client, build_timeout_s=self.build_timeout_s)
+                self._images = ImageCache(client, build_timeout_s=self.options.build_timeout_s)
             return self._images
 
     def pools(self) -> dict[tuple[Any, ...], SandboxPool]:
@@ -405,29 +428,25 @@ class TerminalTask(BlockingToolTask):
 
     def pool_for(self, tag: str, instance: TerminalInstance) -> SandboxPool:
         """The pool of ``instance``'s containers (made on first use, with its backend)."""
-        reuse = self.reuse_containers if instance.reuse_containers is None else instance.reuse_containers
-        cpus = instance.cpus or self.cpus
-        memory = instance.memory_mb or self.memory_mb
-        disk = instance.storage_mb or self.disk_mb
+        reuse = self.options.reuse_containers if instance.reuse_containers is None else instance.reuse_containers
+        cpus = instance.cpus or self.options.cpus
+        memory = instance.memory_mb or self.options.memory_mb
+        disk = instance.storage_mb or self.options.disk_mb
         with self._lock:
             workdir = self._workdir_of(tag, instance)
             key = (tag, workdir, instance.scratch_workdir, cpus, memory, disk, reuse)
             pool = self._pools.get(key)
             if pool is not None:
                 return pool
-            from env_controller.sandbox.docker import DockerBackend
-
-            limits = SandboxLimits(timeout_s=self.command_timeout_s, memory_mb=memory,
-                                   max_processes=self.max_processes, cpus=cpus)
+            limits = self.options.limits(memory_mb=memory, cpus=cpus)
             # the first backend removes the containers of dead workers (in the background); one is enough
-            backend = DockerBackend(limits, image=tag, client=self._client, user=self.user, workdir=workdir,
-                                    writable_root=True, scratch_workdir=instance.scratch_workdir, disk_mb=disk,
-                                    reap="background" if not self._backends else False)
+            docker = DockerOptions(image=tag, user=self.options.user, workdir=workdir, writable_root=True,
+                                   scratch_workdir=instance.scratch_workdir, disk_mb=disk,
+                                   reap="background" if not self._backends else False)
+            backend = DockerBackend(limits, docker, client=self._client)
             self._backends.append(backend)
-            pool = SandboxPool(backend, max_size=self.max_containers, warm_min=self.warm_min,
-                               warm_max=self.warm_max, window_s=self.warm_window_s, reuse=reuse, limits=limits,
-                               labels={"agentrl.task": self.name, "agentrl.image": tag},
-                               acquire_timeout_s=self.acquire_timeout_s, budget=self.budget,
+            pool = SandboxPool(backend, replace(self.options, reuse_containers=reuse), limits=limits,
+                               labels={"agentrl.task": self.name, "agentrl.image": tag}, budget=self.budget,
                                limit_hint="max_containers (the worker's --max-containers)")
             self._pools[key] = pool
             logger.info("terminal: a container pool for %s (workdir %s, reuse %s)", tag, workdir, reuse)
@@ -439,7 +458,7 @@ class TerminalTask(BlockingToolTask):
         images = self.images
         with self._lock:
             first_call, self._prebuilt = not self._prebuilt, True
-        if self.prebuild and first_call:
+        if self.options.prebuild and first_call:
             first: dict[ImageSource, TerminalInstance] = {}
             for inst in self.instances:
                 first.setdefault(inst.image, inst)
@@ -486,7 +505,7 @@ class TerminalTask(BlockingToolTask):
         box = pool.acquire(labels={"agentrl.index": str(index)})
         try:
             for command in inst.setup:
-                result = box.run(command, timeout_s=max(60.0, self.command_timeout_s))
+                result = box.run(command, timeout_s=max(60.0, self.options.command_timeout_s))
                 if not result.ok:
                     raise SandboxError(f"terminal {inst.id}: the setup command {command!r} failed: "
                                        f"{result.error or result.output.strip()[-500:]}")
@@ -525,7 +544,8 @@ class TerminalTask(BlockingToolTask):
             if self._demo_executor is None:
                 from concurrent.futures import ThreadPoolExecutor
 
-                self._demo_executor = ThreadPoolExecutor(self.demo_threads, thread_name_prefix="agentrl-terminal-demo")
+                self._demo_executor = ThreadPoolExecutor(self.options.demo_threads,
+                                                         thread_name_prefix="agentrl-terminal-demo")
             first = not any(k[0] == kind for k in self._demos)
             future = self._demos.get((kind, index))
             if future is None or (future.done() and future.exception() is not None):

@@ -32,6 +32,7 @@ from env_controller.sandbox.docker import (  # noqa: E402
     DockerBackend,
     owner_id,
 )
+from env_controller.sandbox.options import DockerOptions  # noqa: E402
 from tests.env.fake_docker import FakeDockerDaemon  # noqa: E402
 
 
@@ -51,7 +52,8 @@ LIMITS = SandboxLimits(
 
 def _backend(fake: FakeDockerDaemon, home: Path, **kw: Any) -> DockerBackend:
     home.mkdir(exist_ok=True)
-    return DockerBackend(LIMITS, image="agentrl/sandbox:test", client=fake.client(), workdir=str(home), **kw)
+    return DockerBackend(LIMITS, DockerOptions(image="agentrl/sandbox:test", workdir=str(home), **kw),
+                         client=fake.client())
 
 
 def test_create_labels_limits_exec_and_remove(fake: FakeDockerDaemon, tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ docker = pytest.importorskip("docker", reason="the docker SDK is not installed (
 from env_controller.sandbox import SandboxError, SandboxLimits  # noqa: E402
 from env_controller.sandbox import docker as docker_module  # noqa: E402
 from env_controller.sandbox.docker import LABEL, OWNER_LABEL, DockerBackend, DockerSandbox, owner_id  # noqa: E402
+from env_controller.sandbox.options import DockerOptions  # noqa: E402
 
 LIMITS = SandboxLimits(timeout_s=5, max_processes=32, max_output_bytes=8192, memory_mb=128, tmp_mb=8,
                        max_file_mb=4)
@@ -44,7 +45,7 @@ RESET = "a new shell was started: the working directory and variables are reset,
 @pytest.fixture(scope="module")
 def backend(docker_engine: Any, os_shell_image: str) -> Iterator[DockerBackend]:
     """One backend for the module; no container of this process is left after it."""
-    b = DockerBackend(LIMITS, image=os_shell_image, base_url=docker_engine.url, home_mb=16)
+    b = DockerBackend(LIMITS, DockerOptions(image=os_shell_image, docker_host=docker_engine.url, home_mb=16))
     yield b
     b.close()
     assert _containers(docker_engine, owner_id()) == []
@@ -120,7 +121,7 @@ def test_shell_files_reset_and_close(backend: DockerBackend, docker_engine: Any)
         box.run("true")
     assert backend.live() == []
     with pytest.raises(ValueError, match="cannot run as root"):
-        DockerBackend(image="x", client=backend.client, user="0:0", reap=False)
+        DockerBackend(None, DockerOptions(image="x", user="0:0", reap=False), client=backend.client)
 
 
 def test_isolation(backend: DockerBackend) -> None:
@@ -319,7 +320,8 @@ def test_counting_through_exec_without_host_cgroups(backend: DockerBackend, monk
 _CRASH = textwrap.dedent("""
     import os, sys
     from env_controller.sandbox.docker import DockerBackend
-    backend = DockerBackend(image=sys.argv[2], base_url=sys.argv[1])
+    from env_controller.sandbox.options import DockerOptions
+    backend = DockerBackend(None, DockerOptions(image=sys.argv[2], docker_host=sys.argv[1]))
     boxes = [backend.create() for _ in range(2)]
     boxes[0].run("echo data > ~/kept")
     print(" ".join(box.container.id for box in boxes), flush=True)
@@ -333,7 +335,7 @@ def test_leaked_containers_are_reaped_after_kill_9(docker_engine: Any, os_shell_
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     ids = crashed.stdout.split()
     assert len(ids) == 2 and {c.id for c in _containers(docker_engine)} >= set(ids)
-    b = DockerBackend(LIMITS, image=os_shell_image, base_url=docker_engine.url)
+    b = DockerBackend(LIMITS, DockerOptions(image=os_shell_image, docker_host=docker_engine.url))
     try:
         assert sorted(b.reaped) == sorted(ids)
         assert _containers(docker_engine) == []
@@ -343,7 +345,7 @@ def test_leaked_containers_are_reaped_after_kill_9(docker_engine: Any, os_shell_
             assert ps.returncode == 0 and ps.stdout.strip() == "", ps
         # the containers of a live owner stay
         with b.create():
-            second = DockerBackend(LIMITS, image=os_shell_image, base_url=docker_engine.url)
+            second = DockerBackend(LIMITS, DockerOptions(image=os_shell_image, docker_host=docker_engine.url))
             assert second.reaped == [] and len(_containers(docker_engine)) == 1
             second.close()
     finally:
@@ -389,7 +391,8 @@ def test_a_reused_writable_root_container_keeps_no_ipc_object(docker_engine: Any
             data, digest = _tar(root)
             tags.append(f"agentrl-test/ipc:{digest[:12]}")
             client.api.import_image_from_data(data, repository="agentrl-test/ipc", tag=digest[:12])
-        with_ipcrm = DockerBackend(LIMITS, image=tags[0], base_url=docker_engine.url, writable_root=True)
+        with_ipcrm = DockerBackend(LIMITS, DockerOptions(image=tags[0], docker_host=docker_engine.url,
+                                                         writable_root=True))
         try:
             with with_ipcrm.create() as box:
                 made = box.run("ipcmk -M 4096; ipcmk -S 2; ipcmk -Q; cat /proc/sysvipc/shm /proc/sysvipc/sem "
@@ -399,7 +402,8 @@ def test_a_reused_writable_root_container_keeps_no_ipc_object(docker_engine: Any
                 assert box.run("cat /proc/sysvipc/shm /proc/sysvipc/sem /proc/sysvipc/msg | wc -l").output == "3\n"
         finally:
             with_ipcrm.close()
-        without = DockerBackend(LIMITS, image=tags[1], base_url=docker_engine.url, writable_root=True)
+        without = DockerBackend(LIMITS, DockerOptions(image=tags[1], docker_host=docker_engine.url,
+                                                      writable_root=True))
         try:
             with without.create() as box:
                 box.wipe()  # nothing made: reusable
@@ -420,7 +424,8 @@ def test_a_container_over_its_disk_cap_is_stopped_where_the_engine_has_no_quota(
     quota: the backend says so once and reads the layer's size itself. A command that leaves the files over the
     cap gets ``disk_full`` naming it; a command that keeps writing is stopped; once files are deleted, commands
     run again."""
-    b = DockerBackend(LIMITS, image=os_shell_image, base_url=docker_engine.url, writable_root=True, disk_mb=8)
+    b = DockerBackend(LIMITS, DockerOptions(image=os_shell_image, docker_host=docker_engine.url, writable_root=True,
+                                            disk_mb=8))
     try:
         with b.create() as box:
             if b.quota:
@@ -436,5 +441,5 @@ def test_a_container_over_its_disk_cap_is_stopped_where_the_engine_has_no_quota(
             assert box.run("rm /var/tmp/g*; echo ok").ok
     finally:
         b.close()
-    with pytest.raises(ValueError, match="disk_mb needs writable_root"):
-        DockerBackend(LIMITS, image=os_shell_image, base_url=docker_engine.url, disk_mb=8)
+    with pytest.raises(ValueError, match="disk_mb=8 needs writable_root"):
+        DockerOptions(image=os_shell_image, docker_host=docker_engine.url, disk_mb=8)

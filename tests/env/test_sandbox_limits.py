@@ -266,9 +266,9 @@ def test_cpu_quota_holds_for_the_sandbox() -> None:
 
 
 def test_limits_are_checked() -> None:
-    with pytest.raises(ValueError, match=r"SandboxLimits.cpus=0 must be a number of CPUs of at least 0.01"):
+    with pytest.raises(ValueError, match=r"limits.cpus=0 must be a number of CPUs of at least 0.01"):
         SandboxLimits(cpus=0)
-    with pytest.raises(ValueError, match="SandboxLimits.background_jobs='yes' must be true or false"):
+    with pytest.raises(ValueError, match="limits.background_jobs='yes' must be true or false"):
         SandboxLimits(background_jobs="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="home_mb=0 must be a positive integer"):
         make_backend("bwrap", home_mb=0)

@@ -23,11 +23,13 @@ import pytest
 docker = pytest.importorskip("docker", reason="the docker SDK is not installed (pip install docker)")
 
 from env_controller.clients.http_client import HttpEnvClient  # noqa: E402
+from env_controller.clients.options import EnvClientOptions  # noqa: E402
 from env_controller.http.net import free_port  # noqa: E402
 from env_controller.openapi import worker_spec  # noqa: E402
 from env_controller.protocol import SampleStatus  # noqa: E402
 from env_controller.sandbox import SandboxError, SandboxLimits  # noqa: E402
 from env_controller.sandbox.docker import LABEL, OWNER_LABEL, DockerBackend, DockerSandbox, owner_id  # noqa: E402
+from env_controller.sandbox.options import DockerOptions, PoolOptions  # noqa: E402
 from env_controller.sandbox.pool import PoolExhaustedError, SandboxPool  # noqa: E402
 from env_controller.tasks import build_task  # noqa: E402
 
@@ -38,7 +40,7 @@ LIMITS = SandboxLimits(timeout_s=5, max_processes=32, memory_mb=128, tmp_mb=8, m
 
 @pytest.fixture(scope="module")
 def backend(docker_engine: Any, os_shell_image: str) -> Iterator[DockerBackend]:
-    b = DockerBackend(LIMITS, image=os_shell_image, base_url=docker_engine.url, home_mb=16)
+    b = DockerBackend(LIMITS, DockerOptions(image=os_shell_image, docker_host=docker_engine.url, home_mb=16))
     yield b
     b.close()
     assert _ps_a(docker_engine) == [], "a sandbox container outlived the tests"
@@ -83,8 +85,9 @@ def _processes(box: DockerSandbox) -> list[str]:
 
 def test_warm_pool_starts_ahead_of_demand_and_shrinks(backend: DockerBackend, docker_engine: Any) -> None:
     mine = "agentrl.test=warm"
-    pool = SandboxPool(backend, max_size=6, warm_min=1, warm_max=3, window_s=2.0, shrink_after_s=2.0,
-                       labels={"agentrl.test": "warm"}, refill_interval_s=0.05)
+    pool = SandboxPool(backend, PoolOptions(max_containers=6, warm_containers="1:3", warm_window_s=2.0,
+                                             shrink_after_s=2.0, refill_interval_s=0.05),
+                       labels={"agentrl.test": "warm"})
     try:
         # one container is started before anyone asks
         _wait("warm_min idle", lambda: pool.stats()["idle"] == 1)
@@ -113,7 +116,7 @@ def test_warm_pool_starts_ahead_of_demand_and_shrinks(backend: DockerBackend, do
 
 
 def test_max_is_enforced(backend: DockerBackend, docker_engine: Any) -> None:
-    pool = SandboxPool(backend, max_size=2, acquire_timeout_s=1.0, labels={"agentrl.test": "max"},
+    pool = SandboxPool(backend, PoolOptions(max_containers=2, acquire_timeout_s=1.0), labels={"agentrl.test": "max"},
                        limit_hint="max_containers (the worker's --max-containers)")
     try:
         a, b = pool.acquire(), pool.acquire()
@@ -146,13 +149,14 @@ echo dirty"""
 
 def test_reuse_only_when_allowed_and_the_wipe_resets(backend: DockerBackend, docker_engine: Any,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    with SandboxPool(backend, max_size=1, labels={"agentrl.test": "reuse"}) as fresh:
+    with SandboxPool(backend, PoolOptions(max_containers=1), labels={"agentrl.test": "reuse"}) as fresh:
         box = fresh.acquire()
         box.run("echo mine > ~/marker")
         fresh.release(box, reusable=True)  # reuse is off: removed
         again = fresh.acquire()
         assert again is not box and box.closed and again.run("ls ~").output == ""
-    with SandboxPool(backend, max_size=1, reuse=True, labels={"agentrl.test": "reuse"}) as pool:
+    with SandboxPool(backend, PoolOptions(max_containers=1, reuse_containers=True),
+                     labels={"agentrl.test": "reuse"}) as pool:
         box = pool.acquire()
         container = box.container.id
         assert box.run(DIRTY).output == "dirty\n"
@@ -199,8 +203,8 @@ def test_os_shell_reuses_containers_only_when_its_param_says(docker_engine: Any,
 
 
 def test_containers_no_sandbox_holds_are_swept(docker_engine: Any, os_shell_image: str) -> None:
-    b = DockerBackend(LIMITS, image=os_shell_image, base_url=docker_engine.url, home_mb=16)
-    other = DockerBackend(LIMITS, image=os_shell_image, base_url=docker_engine.url, home_mb=16)
+    b = DockerBackend(LIMITS, DockerOptions(image=os_shell_image, docker_host=docker_engine.url, home_mb=16))
+    other = DockerBackend(LIMITS, DockerOptions(image=os_shell_image, docker_host=docker_engine.url, home_mb=16))
     try:
         kept, lost, others = b.create(), b.create(), other.create()
         b._forget(lost.id)  # as after a removal the engine refused
@@ -247,7 +251,7 @@ def test_containers_of_a_killed_worker_are_removed_by_the_next_start(
         return proc, f"http://127.0.0.1:{port}/api"
 
     async def go() -> None:
-        env = HttpEnvClient(controller, retries=0, timeout_s=60)
+        env = HttpEnvClient(controller, EnvClientOptions(retries=0, timeout_s=60))
         try:
             first, first_url = worker()
 
@@ -344,8 +348,9 @@ def test_the_warm_target_falls_only_after_the_shrink_delay() -> None:
     """Demand in bursts (an RL step's episodes, then a pause): the burst's containers stay warm for shrink_after_s
     after the demand left the window, then the pool shrinks to warm_min; a new burst within the delay finds them."""
     backend = _Backend()
-    pool = SandboxPool(backend, max_size=10, warm_min=1, warm_max=8, window_s=0.5, shrink_after_s=2.0,
-                       reuse=True, refill_interval_s=0.02, sweep_interval_s=0)
+    pool = SandboxPool(backend, PoolOptions(max_containers=10, warm_containers="1:8", warm_window_s=0.5,
+                                            shrink_after_s=2.0, reuse_containers=True, refill_interval_s=0.02,
+                                            sweep_interval_s=0))
     try:
         _wait("warm_min idle", lambda: pool.stats()["idle"] == 1)
         boxes = [pool.acquire() for _ in range(6)]
@@ -364,8 +369,8 @@ def test_the_warm_target_falls_only_after_the_shrink_delay() -> None:
         assert pool.stats()["warm_target"] == 1
     finally:
         pool.close()
-    with pytest.raises(ValueError, match="shrink_after_s=0 must be a positive number"):
-        SandboxPool(_Backend(), shrink_after_s=0)
+    with pytest.raises(ValueError, match="shrink_after_s=0 must be a positive"):
+        PoolOptions(shrink_after_s=0)
 
 
 def test_a_bursts_wiped_sandboxes_serve_the_next_burst() -> None:
@@ -373,8 +378,9 @@ def test_a_bursts_wiped_sandboxes_serve_the_next_burst() -> None:
     sandboxes come back wiped above the target. They stay idle (up to warm_max) for shrink_after_s instead of
     being removed at once, and the next burst takes them: fewer starts per burst, and none beyond warm_max."""
     backend = _Backend()
-    pool = SandboxPool(backend, max_size=10, warm_min=4, warm_max=6, window_s=0.3, shrink_after_s=5.0,
-                       reuse=True, refill_interval_s=0.02, sweep_interval_s=0)
+    pool = SandboxPool(backend, PoolOptions(max_containers=10, warm_containers="4:6", warm_window_s=0.3,
+                                            shrink_after_s=5.0, reuse_containers=True, refill_interval_s=0.02,
+                                            sweep_interval_s=0))
     try:
         _wait("warm_min idle", lambda: pool.stats()["idle"] == 4)
         for burst in range(2):

@@ -16,7 +16,7 @@ from env_controller.clients.local import LocalEnvClient
 from env_controller.protocol import SampleStatus
 from env_controller.servers.mariadb import MariaDBServer, MariaDBUnavailableError, find_mariadb
 from env_controller.tasks import TASKS, build_task
-from env_controller.tasks.db import GENERATORS, DBSession, DBTask, answer_matches
+from env_controller.tasks.db import GENERATORS, DBOptions, DBSession, DBTask, answer_matches
 from tests.env.support import call, replay
 
 pymysql = pytest.importorskip("pymysql", reason="PyMySQL is not installed (pip install PyMySQL)")
@@ -91,7 +91,7 @@ def test_samples_are_deterministic_varied_and_documented() -> None:
     assert len(a.indices()) == 300 and a.max_turns == 8
     samples = [a.sample(i) for i in a.indices()]
     assert samples == [b.sample(i) for i in b.indices()]
-    assert samples != [DBTask(seed=1).sample(i) for i in range(300)]
+    assert samples != [DBTask(DBOptions(seed=1)).sample(i) for i in range(300)]
     kinds = Counter(s.kind for s in samples)
     assert len(kinds) == len(GENERATORS) == 12 and set(kinds.values()) == {25}
     assert sum(s.is_query for s in samples) == 200
@@ -126,7 +126,7 @@ def test_missing_server_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch)
 
 def test_unreachable_server_is_a_task_error() -> None:
     async def go() -> None:
-        t = DBTask(unix_socket="/nonexistent/mysqld.sock")
+        t = DBTask(DBOptions(unix_socket="/nonexistent/mysqld.sock"))
         with pytest.raises(ConnectionError,
                            match="cannot connect to MariaDB at /nonexistent/mysqld.sock.*start_server=True"):
             await t.start(0)
@@ -184,7 +184,8 @@ def test_wrong_answers_and_wrong_changes_score_zero(task: DBTask) -> None:
 
 @needs_mariadb
 def test_sql_errors_and_limits_are_tool_messages(mariadb: MariaDBServer) -> None:
-    task = DBTask(unix_socket=mariadb.socket_path, admin_password=mariadb.password, query_timeout_s=2, max_turns=20)
+    task = DBTask(DBOptions(unix_socket=mariadb.socket_path, admin_password=mariadb.password, query_timeout_s=2,
+                             max_turns=20))
 
     async def go() -> None:
         c = LocalEnvClient({"db": task}, timeout_s=30)
@@ -229,7 +230,7 @@ def test_a_session_makes_no_database_beyond_its_own_and_leaves_nothing(mariadb: 
     """A grant's database name is a pattern (``_`` matches any character): the session's names its own database
     exactly, so a database the unescaped pattern would match is refused, and what the session made in its own
     database (a MEMORY table) goes with it."""
-    task = DBTask(unix_socket=mariadb.socket_path, admin_password=mariadb.password, max_turns=20)
+    task = DBTask(DBOptions(unix_socket=mariadb.socket_path, admin_password=mariadb.password, max_turns=20))
     with _admin(mariadb) as conn, conn.cursor() as cur:
         cur.execute("SHOW DATABASES")
         before = {r[0] for r in cur.fetchall()}
@@ -262,7 +263,7 @@ def test_a_session_makes_no_database_beyond_its_own_and_leaves_nothing(mariadb: 
 
 @needs_mariadb
 def test_parallel_sessions_are_isolated(mariadb: MariaDBServer) -> None:
-    task = DBTask(unix_socket=mariadb.socket_path, admin_password=mariadb.password, max_turns=20)
+    task = DBTask(DBOptions(unix_socket=mariadb.socket_path, admin_password=mariadb.password, max_turns=20))
 
     async def go() -> None:
         opened = await asyncio.gather(*(task.start(i) for i in range(12, 20)))
@@ -315,7 +316,7 @@ def test_parallel_sessions_are_isolated(mariadb: MariaDBServer) -> None:
 @pytest.mark.e2e
 @needs_mariadb
 def test_start_server_option_runs_its_own_server() -> None:
-    t = DBTask(start_server=True)
+    t = DBTask(DBOptions(start_server=True))
     try:
         demo, _ = t.demonstration(3)
         assert demo[-1]["content"] == "correct"

@@ -15,8 +15,9 @@ import pytest
 from env_controller.clients.local import LocalEnvClient
 from env_controller.protocol import SampleStatus
 from env_controller.sandbox.bwrap import descendants, find_bwrap
+from env_controller.sandbox.options import DockerOptions
 from env_controller.tasks import TASKS, build_task
-from env_controller.tasks.os_shell import GENERATORS, OsShellTask, answer_matches, normalize_answer
+from env_controller.tasks.os_shell import GENERATORS, OsShellOptions, OsShellTask, answer_matches, normalize_answer
 from tests.env.support import attempts_then_solve, call, replay
 from tests.env.support import run_coro as run
 
@@ -51,7 +52,7 @@ def task() -> Any:
 
 def test_samples_are_deterministic_varied_and_documented() -> None:
     assert TASKS["os_shell"] is OsShellTask
-    a, b, other = OsShellTask(), OsShellTask(), OsShellTask(seed=1)
+    a, b, other = OsShellTask(), OsShellTask(), OsShellTask(OsShellOptions(seed=1))
     assert len(a.indices()) == 300 and a.max_turns == 8
     samples = [a.sample(i) for i in a.indices()]
     assert samples == [b.sample(i) for i in b.indices()]
@@ -185,7 +186,7 @@ def test_on_the_docker_backend_through_the_fake_daemon(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
     try:
-        backend = DockerBackend(SandboxLimits(timeout_s=5), client=fake.client(), workdir=str(home))
+        backend = DockerBackend(SandboxLimits(timeout_s=5), DockerOptions(workdir=str(home)), client=fake.client())
         t = OsShellTask(backend=backend)
         for index in (0, 7, 9):  # a question, a created file, renamed files
             shutil.rmtree(home)  # one host directory stands for every container's tmpfs home

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 from env_controller.clients.local import LocalEnvClient
+from env_controller.options import FieldError
 from env_controller.protocol import SampleStatus
 from env_controller.sandbox import SandboxUnavailableError
 from env_controller.sandbox.docker import LABEL, DockerBackend
 from env_controller.tasks import build_task
 from env_controller.tasks.os_shell import OsShellTask
-from env_controller.tasks.params import TaskParamError
 from tests.env.support import attempts_then_solve, call, replay
 from tests.env.support import run_coro as run
 
@@ -103,9 +103,9 @@ def test_one_container_per_session_removed_on_cancel(task: OsShellTask, docker_e
 
 
 def test_docker_params(docker_engine: Any, tmp_path: Any) -> None:
-    with pytest.raises(TaskParamError, match="user='0:0' must be 'uid:gid' of a user other than root"):
+    with pytest.raises(FieldError, match="user='0:0' must be 'uid:gid' of a user other than root"):
         build_task("os_shell", backend="docker", user="0:0")
-    with pytest.raises(TaskParamError, match="docker_host=5 must be a non-empty string or null"):
+    with pytest.raises(FieldError, match="docker_host=5 must be a string"):
         build_task("os_shell", backend="docker", docker_host=5)
     t = build_task("os_shell", backend="docker", docker_host=f"unix://{tmp_path}/no-such.sock")
     try:

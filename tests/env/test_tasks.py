@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from env_controller.clients.local import LocalEnvClient, MalformedMessageError, UnknownSessionError
+from env_controller.options import FieldError
 from env_controller.protocol import SampleStatus, TaskReply
-from env_controller.tasks import TASKS, Task, TaskParamError, TaskSession, build_task
+from env_controller.tasks import TASKS, Task, TaskSession, build_task
 from env_controller.tasks.base import make_tool_call
 from tests.env.support import call, replay
 
@@ -244,14 +245,14 @@ def test_registry_and_param_errors() -> None:
     with pytest.raises(ValueError,
                        match=r"unknown task 'sudoku'; registered tasks: calc, db, guess, lookup, os_shell, terminal"):
         build_task("sudoku")
-    with pytest.raises(ValueError, match=r"task 'calc' has no parameter 'nkeys'; "
-                                         r"accepted: seed, num_samples, max_turns, low, high"):
+    with pytest.raises(ValueError, match=r"unknown config key 'calc.nkeys' "
+                                         r"\(valid keys here: seed, num_samples, max_turns, low, high\)"):
         build_task("calc", nkeys=3)
     with pytest.raises(ValueError, match=r"num_samples=0"):
         build_task("lookup", num_samples=0)
     with pytest.raises(ValueError, match=r"num_keys=99"):
         build_task("lookup", num_keys=99)
-    with pytest.raises(ValueError, match=r"low=9, high=3"):
+    with pytest.raises(ValueError, match=r"calc.high=3 must be above low=9"):
         build_task("calc", low=9, high=3)
     with pytest.raises(ValueError, match=r"max_turns=2 is too few"):
         build_task("guess", max_turns=2)
@@ -261,34 +262,34 @@ def test_registry_and_param_errors() -> None:
 
 @pytest.mark.parametrize("name, params, param, rule", [
     ("calc", {"nkeys": 3}, "nkeys",
-     "is not a parameter of task 'calc'; accepted: seed, num_samples, max_turns, low, high"),
+     "is not a key here (valid keys here: seed, num_samples, max_turns, low, high)"),
     ("lookup", {"seed": 1.5}, "seed", "must be an integer"),
-    ("lookup", {"num_samples": True}, "num_samples", "must be a positive integer"),
+    ("lookup", {"num_samples": True}, "num_samples", "must be an integer"),
     ("lookup", {"num_keys": 99}, "num_keys", "must be an integer in 1..24"),
     ("calc", {"low": -1}, "low", "must be an integer >= 0"),
     ("calc", {"low": 9, "high": 3}, "high", "must be above low=9"),
     ("guess", {"max_value": 1}, "max_value", "must be an integer >= 2"),
     ("guess", {"max_turns": 2}, "max_turns", "is too few to always find a number in 1..15 (bisection needs 4); "
                                              "raise max_turns or lower max_value"),
-    ("os_shell", {"command_timeout_s": float("inf")}, "command_timeout_s",
-     "must be a positive (finite) number of seconds"),
-    ("os_shell", {"max_processes": 3}, "max_processes", "must be an integer >= 4"),
-    ("os_shell", {"memory_mb": 0}, "memory_mb", "must be a positive integer"),
+    ("os_shell", {"command_timeout_s": float("inf")}, "command_timeout_s", "must be a finite number"),
+    ("os_shell", {"max_processes": 3}, "max_processes", "must be an integer >= 4 (the sandbox's shell alone needs 3)"),
+    ("os_shell", {"memory_mb": 0}, "memory_mb",
+     "must be an integer >= 16 (a sandbox's shell needs more, and Docker refuses less than 6 MB)"),
     ("os_shell", {"image": ""}, "image", "must be a non-empty string"),
     ("os_shell", {"max_workers": 0}, "max_workers", "must be a positive integer"),
     ("db", {"port": 70000}, "port", "must be an integer in 1..65535"),
     ("db", {"admin_password": 1234}, "admin_password", "must be a string"),
-    ("db", {"unix_socket": 5}, "unix_socket", "must be a non-empty string or null"),
+    ("db", {"unix_socket": 5}, "unix_socket", "must be a string"),
     ("db", {"start_server": "yes"}, "start_server", "must be true or false"),
-    ("db", {"query_timeout_s": float("nan")}, "query_timeout_s", "must be a positive (finite) number of seconds"),
+    ("db", {"query_timeout_s": float("nan")}, "query_timeout_s", "must be a finite number"),
     ("db", {"max_output_chars": 10}, "max_output_chars", "must be an integer >= 100"),
 ])
 def test_each_task_names_its_bad_param(name: str, params: dict[str, Any], param: str, rule: str) -> None:
     """Every built-in task checks its own params when built; the error names the param, the value and the rule,
     which the trainer's config turns into ``tasks[i].params.<param>=<value> <rule>``."""
-    with pytest.raises(TaskParamError) as info:
+    with pytest.raises(FieldError) as info:
         build_task(name, **params)
-    assert (info.value.param, info.value.value, info.value.rule) == (param, params[param], rule)
+    assert (info.value.name, info.value.value, info.value.rule) == (param, params[param], rule)
     assert isinstance(info.value, ValueError) and str(info.value)
 
 

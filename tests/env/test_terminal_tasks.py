@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 
 from env_controller.clients.local import LocalEnvClient
+from env_controller.options import FieldError
 from env_controller.protocol import SampleStatus
 from env_controller.sandbox.docker import LABEL
 from env_controller.sandbox.docker_image import ImageBuildError, build_rootfs
 from env_controller.sandbox.task_images import ImageCache, ImageSource
 from env_controller.tasks import build_task
-from env_controller.tasks.params import TaskParamError
 from env_controller.tasks.terminal import TerminalTask
 from env_controller.tasks.terminal_format import TaskFormatError, load_tasks
 from tests.env.support import call, replay
@@ -358,7 +358,7 @@ def test_code_planted_in_home_or_beside_the_work_never_runs_as_the_verifier(dock
 def test_the_verifier_user_is_checked() -> None:
     for bad, why in (("0:0", "other than root"), ("1000:5", "must differ from user"), ("7:1000", "must differ"),
                      ("me", "uid:gid")):
-        with pytest.raises(TaskParamError, match=why):
+        with pytest.raises(FieldError, match=why):
             build_task("terminal", demo="files", verifier_user=bad)
 
 
@@ -433,9 +433,9 @@ def test_terminal_bench_1_layout_and_refusals(tmp_path: Path) -> None:
                                           "verifier": {"script": "true"}, "timeout": 3}]}))
     with pytest.raises(TaskFormatError, match="'timeout' is not a field of an instance"):
         load_tasks(str(bad))
-    with pytest.raises(TaskParamError, match="give exactly one of tasks"):
+    with pytest.raises(FieldError, match="give exactly one of tasks"):
         build_task("terminal")
-    with pytest.raises(TaskParamError, match="user=.*other than root"):
+    with pytest.raises(FieldError, match="user=.*other than root"):
         build_task("terminal", demo="files", user="0:0")
 
 

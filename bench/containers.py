@@ -62,6 +62,7 @@ sys.path.insert(0, str(REPO))
 from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
 from bench.env_controller import Procs, cpu_pressure, cpu_seconds, loadavg, pct, reason_kind  # noqa: E402
 from env_controller.clients.http_client import EnvControllerError, HttpEnvClient  # noqa: E402
+from env_controller.clients.options import EnvClientOptions  # noqa: E402
 from env_controller.http.net import free_port  # noqa: E402
 from env_controller.http.service import install_uvloop, raise_nofile_limit  # noqa: E402
 from env_controller.protocol import SampleStatus  # noqa: E402
@@ -373,8 +374,9 @@ class Bench:
         t_boot = time.monotonic()
         self.load_at_start = loadavg()
         self.workers = [self.spawn_worker(f"worker{i}") for i in range(a.workers)]
-        self.env = HttpEnvClient(self.controller_url, retries=3, backoff_s=0.5, timeout_s=a.worker_timeout + 60,
-                                 max_connections=2048)
+        self.env = HttpEnvClient(self.controller_url, EnvClientOptions(retries=3, backoff_s=0.5,
+                                                                       timeout_s=a.worker_timeout + 60,
+                                                                       max_connections=2048))
         await self.wait_registered([url for _, url in self.workers])
         boot_s = time.monotonic() - t_boot
         sampler = Sampler(self.client, a.sample_s)

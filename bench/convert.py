@@ -183,8 +183,9 @@ def held_at_once(mapping: Any, dtype: Any, tp: int) -> dict[str, int]:
     one TP rank (HF -> megatron's largest chunk: ``padded_vocab / tp`` rows)."""
     import math
 
-    from megatron_agentrl.convert.base import EMBEDDING, padded_vocab_size
+    from megatron_agentrl.convert.base import EMBEDDING
     from megatron_agentrl.convert.safetensors_io import dtype_size
+    from megatron_agentrl.parallel_layout import padded_vocab_size
 
     size = dtype_size(dtype)
     layers, experts = [], [0]

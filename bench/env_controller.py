@@ -69,6 +69,7 @@ sys.path.insert(0, str(REPO))
 
 from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
 from env_controller.clients.http_client import EnvControllerError, HttpEnvClient  # noqa: E402
+from env_controller.clients.options import EnvClientOptions  # noqa: E402
 from env_controller.http.net import free_port  # noqa: E402
 from env_controller.http.service import install_uvloop, raise_nofile_limit  # noqa: E402
 from env_controller.protocol import SampleStatus  # noqa: E402
@@ -286,8 +287,8 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         worker_ports.append(port)
     victim = next(i for i, t in enumerate(worker_task) if per_task[t] >= 2)  # its task has a survivor
     stats = Stats()
-    env = HttpEnvClient(url, retries=args.retries, backoff_s=0.2, timeout_s=args.call_timeout,
-                        max_connections=args.max_connections, observer=stats.observe)
+    env = HttpEnvClient(url, EnvClientOptions(retries=args.retries, backoff_s=0.2, timeout_s=args.call_timeout,
+                                              max_connections=args.max_connections), observer=stats.observe)
     await wait_ready(env, args.workers, procs)
     victim_address = f"http://127.0.0.1:{worker_ports[victim]}/api"
     victim_id: int | None = None

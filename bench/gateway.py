@@ -131,7 +131,8 @@ async def _serve(args: dict, to_parent: Any, from_parent: Any) -> None:
     from rollout_sglang.engines.local import LocalEngine
     from rollout_sglang.engines.protocol import SamplingParams
     from rollout_sglang.engines.version_pool import VersionPool
-    from rollout_sglang.gateway import Gateway, GatewayServer
+    from rollout_sglang.episode_options import EpisodeLimits, EpisodeOptions
+    from rollout_sglang.gateway import Gateway, GatewayOptions, GatewayServer
     from rollout_sglang.tokenizer import load_tokenizer
 
     torch.set_num_threads(1)  # the other core runs the agents' process
@@ -147,8 +148,9 @@ async def _serve(args: dict, to_parent: Any, from_parent: Any) -> None:
                                       args["local_tokens"])
     servers = {}
     for name, pool, tokens in (("stub", stub_pool, 64), ("local", local_pool, args["local_tokens"])):
-        gw = Gateway(pool, template, sampling=SamplingParams(max_new_tokens=tokens), max_turns=args["turns"] + 1,
-                     max_total_tokens=8192, max_sessions=args["sessions"] + 16)
+        limits = EpisodeLimits(max_turns=args["turns"] + 1, max_total_tokens=8192)
+        gw = Gateway(pool, template, SamplingParams(max_new_tokens=tokens), EpisodeOptions(limits),
+                     GatewayOptions(max_sessions=args["sessions"] + 16))
         servers[name] = GatewayServer(gw, record_timings=True)
         await servers[name].start()
     to_parent.put({"ports": {k: s.port for k, s in servers.items()}, "direct_stub": direct_stub,

@@ -218,8 +218,10 @@ def run_transformers(hf_cfg: Any, batch: Any, args: argparse.Namespace, device: 
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from megatron_agentrl.algo.losses import clipped_policy_loss
+    from megatron_agentrl.algo.losses import LossInputs, clipped_policy_loss
+    from megatron_agentrl.config import LossConfig
 
+    clip = LossConfig(clip_eps_low=0.2, clip_eps_high=0.28)
     clock = Clock(device)
     dtype = dtype_from_name(args.dtype)
     with torch.device(device):
@@ -250,7 +252,8 @@ def run_transformers(hf_cfg: Any, batch: Any, args: argparse.Namespace, device: 
             for i in range(0, B, mb):
                 t0 = clock.now()
                 lp = logprobs(tokens[i:i + mb])
-                loss, _ = clipped_policy_loss(lp, behavior[i:i + mb], adv[i:i + mb], mask[i:i + mb], 0.2, 0.28)
+                inputs = LossInputs(lp, behavior[i:i + mb], adv[i:i + mb], mask[i:i + mb])
+                loss, _ = clipped_policy_loss(inputs, clip)
                 loss = loss / n_tok
                 t1 = clock.now()
                 loss.backward()

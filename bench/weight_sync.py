@@ -95,13 +95,14 @@ def engine_main(conn, layers: int, smoke: bool) -> None:
         logging.getLogger("rollout_sglang.testing.sglang_standin").setLevel(logging.DEBUG)
     from rollout_sglang.engines.local import LocalEngine
     from rollout_sglang.testing.sglang_standin import StandInServer
+    from rollout_sglang.testing.standin_options import StandInOptions
 
     cfg = qwen25_05b_config(layers, smoke)
     model = build_uninitialised(cfg, torch.bfloat16)
     for p in model.parameters():  # touch the pages once, as a loaded engine's weights are
         p.data.zero_()
     engine = LocalEngine(model, dtype="bfloat16", device="cpu")
-    server = StandInServer(engine, group_timeout_s=600)
+    server = StandInServer(engine, StandInOptions(group_timeout_s=600))
     conn.send(server.start())
     while True:
         msg = conn.recv()
@@ -163,8 +164,9 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
     from rollout_sglang.engines.sglang_client import SGLangEngine
+    from rollout_sglang.engines.sglang_options import SGLangClientOptions
     from rollout_sglang.testing.transport import StandInTransport
-    from rollout_sglang.weight_update import BucketBroadcaster, SGLangBroadcast
+    from rollout_sglang.weight_update import BroadcastOptions, BucketBroadcaster, SGLangBroadcast
 
     cfg = qwen25_05b_config(args.layers, args.smoke)
     ctx = mp.get_context("spawn")
@@ -186,11 +188,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"model: Qwen2 {args.layers} layers{sizes}, {params / 1e6:.3g}M parameters, {nbytes / 1e9:.3g} GB bf16 "
           f"(setup {time.perf_counter() - t0:.1f}s); engine at {url}")
 
-    client = SGLangEngine(url, update_timeout_s=600, control_timeout_s=60)
+    client = SGLangEngine(url, SGLangClientOptions(update_timeout_s=600, control_timeout_s=60))
     small = None if args.small_mb is None else int(args.small_mb * 1024 * 1024)
     sglang_transport = SGLangBroadcast()
-    sender = BucketBroadcaster([client], "bench", backend="gloo", init_timeout_s=120, bucket_timeout_s=600,
-                               small_tensor_bytes=small, transport=StandInTransport())
+    sender = BucketBroadcaster([client], "bench", BroadcastOptions(backend="gloo", init_timeout_s=120,
+                                                                   bucket_timeout_s=600, small_tensor_bytes=small),
+                               transport=StandInTransport())
     flat = torch.empty(nbytes, dtype=torch.uint8)
     flat.fill_(7)
     pool = ThreadPoolExecutor(max_workers=2)

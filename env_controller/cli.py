@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib
 import inspect
 import logging
 import sys
-from typing import Any
+import typing
+from typing import Any, TypeVar
 
 from env_controller.http.auth import (
     TOKEN_ENV,
@@ -28,10 +30,11 @@ from env_controller.http.auth import (
     resolve_token,
     split_url_credentials,
 )
-from env_controller.http.fast import MAX_CONNECTIONS
-from env_controller.http.service import BODY_TIMEOUT_S, IDLE_TIMEOUT_S, install_uvloop, raise_nofile_limit
+from env_controller.http.service import install_uvloop, raise_nofile_limit
+from env_controller.options import field_types
 
 logger = logging.getLogger("agentrl.env")
+T = TypeVar("T")
 
 
 def _setup_logging(level: str) -> None:
@@ -49,10 +52,66 @@ def _error(message: str) -> int:
     return 2
 
 
+#: a flag that sets one field of an options class: (flag, field, help); its type and default are the field's
+Flag = tuple[str, str, str]
+
+#: the request and connection limits of a server (:class:`~env_controller.http.options.HttpOptions`)
+HTTP_FLAGS: tuple[Flag, ...] = (
+    ("--body-timeout", "body_timeout_s", "seconds a client may take to send a request body"),
+    ("--idle-timeout", "idle_timeout_s", "seconds a connection may wait for a complete request head"),
+    ("--max-connections", "max_connections", "client connections open at once; one more is answered 503"),
+)
+#: ``agentrl controller``'s flags of :class:`~env_controller.controller.options.ControllerConfig`
+CONTROLLER_FLAGS: tuple[Flag, ...] = (
+    ("--host", "host", "address to bind (elsewhere than loopback needs --token)"),
+    ("--port", "port", "port to bind (0 picks a free one)"),
+    *HTTP_FLAGS,
+    ("--heartbeat-timeout", "heartbeat_timeout_s", "seconds without heartbeat before a worker is dead"),
+    ("--suspect-after", "suspect_after_s", "seconds without heartbeat before a worker gets no new sessions"),
+    ("--session-idle-timeout", "session_idle_timeout_s", "seconds without interact before a session is closed"),
+    ("--interact-timeout", "interact_timeout_s", "limit on one worker interact call, seconds"),
+    ("--start-timeout", "start_timeout_s", "limit on one worker start_sample call, seconds"),
+)
+#: ``agentrl worker``'s flags of :class:`~env_controller.worker.options.WorkerOptions`
+WORKER_FLAGS: tuple[Flag, ...] = (
+    ("--name", "name", "task name announced to the controller (default: the task's name)"),
+    ("--controller", "controller_url", "controller API URL"),
+    ("--host", "host", "address to bind (elsewhere than loopback needs --token)"),
+    ("--port", "port", "port to bind (0 picks a free one)"),
+    ("--self-address", "self_address", "URL the controller reaches this worker at (default http://<host>:<port>/api)"),
+    *HTTP_FLAGS,
+    ("--heartbeat-interval", "heartbeat_interval_s", "seconds between heartbeats"),
+    ("--timeout", "timeout_s", "limit on each task call, seconds"),
+)
+#: where ``agentrl worker`` differs from the library's defaults: it heartbeats to a local controller by default
+WORKER_CLI_DEFAULTS = {"controller_url": "http://127.0.0.1:5020/api", "port": 5021}
+
+
+def add_option_flags(p: argparse.ArgumentParser, cls: type, flags: tuple[Flag, ...],
+                     defaults: dict[str, Any] | None = None) -> None:
+    """Add ``flags`` to ``p``, each setting a field of the options class ``cls`` (``dest`` the field's name), with
+    the field's type and default (or this command's, from ``defaults``), which its help shows."""
+    hints = field_types(cls)
+    declared = {f.name: f.default for f in dataclasses.fields(cls)}
+    for flag, name, text in flags:
+        default = (defaults or {}).get(name, declared[name])
+        kinds = [t for t in typing.get_args(hints[name]) if t is not type(None)] or [hints[name]]
+        shown = f" (default {default:g})" if isinstance(default, float) else (
+            f" (default {default})" if default is not None else "")
+        p.add_argument(flag, dest=name, type=kinds[0], default=default, help=text + shown,
+                       metavar=flag.lstrip("-").replace("-", "_").upper())
+
+
+def options_from_args(cls: type[T], args: argparse.Namespace, flags: tuple[Flag, ...], **derived: Any) -> T:
+    """``cls`` from the parsed values of ``flags`` plus the ``derived`` fields (those no single flag sets)."""
+    return cls(**{name: getattr(args, name) for _, name, _ in flags}, **derived)
+
+
 def add_controller_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``agentrl controller``."""
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; elsewhere needs --token)")
-    p.add_argument("--port", type=int, default=5020, help="port to bind (default 5020; 0 picks a free one)")
+    from env_controller.controller.options import ControllerConfig
+
+    add_option_flags(p, ControllerConfig, CONTROLLER_FLAGS)
     p.add_argument("--token", default=None, help=f"shared token: the trainer's and every worker's credential, for "
                    f"the roles not given their own below (default ${TOKEN_ENV})")
     p.add_argument("--trainer-token", default=None,
@@ -61,44 +120,13 @@ def add_controller_arguments(p: argparse.ArgumentParser) -> None:
                    help="a worker credential and the task it may serve (NAME '*' = any task); repeatable")
     p.add_argument("--worker-tokens-file", default=None, metavar="PATH",
                    help="YAML mapping of task name (or '*') to worker token, read like --worker-token")
-    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
-                   help=f"seconds a client may take to send a request body (default {BODY_TIMEOUT_S:g})")
-    p.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT_S,
-                   help=f"seconds a connection may wait for a complete request head (default {IDLE_TIMEOUT_S:g})")
-    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
-                   help=f"client connections open at once; one more is answered 503 (default {MAX_CONNECTIONS})")
-    p.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=15.0,
-        help="seconds without heartbeat before a worker is dead (default 15)",
-    )
-    p.add_argument(
-        "--suspect-after",
-        type=float,
-        default=9.0,
-        help="seconds without heartbeat before a worker gets no new sessions (default 9)",
-    )
-    p.add_argument(
-        "--session-idle-timeout",
-        type=float,
-        default=600.0,
-        help="seconds without interact before a session is closed (default 600)",
-    )
-    p.add_argument(
-        "--interact-timeout", type=float, default=240.0, help="limit on one worker interact call, seconds (default 240)"
-    )
-    p.add_argument(
-        "--start-timeout",
-        type=float,
-        default=240.0,
-        help="limit on one worker start_sample call, seconds (default 240)",
-    )
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``agentrl worker``."""
+    from env_controller.worker.options import WorkerOptions
+
     p.add_argument(
         "--task", required=True, help="a registered task (lookup, calc, guess, ...) or module.path:TaskClass"
     )
@@ -109,31 +137,16 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="task constructor parameter (value parsed as YAML); repeatable",
     )
-    p.add_argument("--name", default=None, help="task name announced to the controller (default: the task's name)")
-    p.add_argument(
-        "--controller",
-        default="http://127.0.0.1:5020/api",
-        help="controller API URL (default http://127.0.0.1:5020/api)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; elsewhere needs --token)")
-    p.add_argument("--port", type=int, default=5021, help="port to bind (default 5021; 0 picks a free one)")
-    p.add_argument(
-        "--self-address",
-        default=None,
-        help="URL the controller reaches this worker at (default http://<host>:<port>/api)",
-    )
+    add_option_flags(p, WorkerOptions, WORKER_FLAGS, WORKER_CLI_DEFAULTS)
     p.add_argument("--concurrency", type=int, default=None,
-                   help="open sessions allowed (default 64, or --max-containers when given; never more than it)")
+                   help=f"open sessions allowed (default {WorkerOptions.concurrency}, or --max-containers when "
+                        "given; never more than it)")
     p.add_argument("--max-containers", type=int, default=None, metavar="N",
                    help="sandboxes (containers) this worker may hold live at once, warm ones included; sets the "
                         "task's max_containers param (tasks with sandboxes, e.g. os_shell)")
     p.add_argument("--warm-containers", default=None, metavar="N|MIN:MAX",
                    help="sandboxes started ahead of demand: N, or between MIN and MAX by the last 30 s of demand; "
                         "sets the task's warm_containers param")
-    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
-                   help=f"client connections open at once; one more is answered 503 (default {MAX_CONNECTIONS})")
-    p.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between heartbeats (default 2)")
-    p.add_argument("--timeout", type=float, default=60.0, help="limit on each task call, seconds (default 60)")
     p.add_argument(
         "--latency-ms", type=float, default=0.0, help="simulated extra latency per start/interact, ms (benchmarks)"
     )
@@ -231,18 +244,15 @@ def worker_tokens(items: list[str], path: str | None) -> dict[str, str]:
 
 def controller(args: argparse.Namespace) -> int:
     """Run the controller until SIGINT/SIGTERM (``agentrl controller``)."""
-    from env_controller.controller.server import ControllerConfig, serve_controller
+    from env_controller.controller.options import ControllerConfig
+    from env_controller.controller.server import serve_controller
 
     _setup_logging(args.log_level)
     try:
-        config = ControllerConfig(
-            host=args.host, port=args.port, token=resolve_token(args.token),
+        config = options_from_args(
+            ControllerConfig, args, CONTROLLER_FLAGS, token=resolve_token(args.token),
             trainer_token=resolve_token(args.trainer_token, TRAINER_TOKEN_ENV),
             worker_tokens=worker_tokens(args.worker_token, args.worker_tokens_file),
-            heartbeat_timeout_s=args.heartbeat_timeout, suspect_after_s=args.suspect_after,
-            session_idle_timeout_s=args.session_idle_timeout, interact_timeout_s=args.interact_timeout,
-            start_timeout_s=args.start_timeout, body_timeout_s=args.body_timeout, idle_timeout_s=args.idle_timeout,
-            max_connections=args.max_connections,
         )
         from env_controller.http.auth import check_bind
 
@@ -263,24 +273,23 @@ def worker(args: argparse.Namespace) -> int:
     """Run a task worker until SIGINT/SIGTERM (``agentrl worker``)."""
     from env_controller.http.auth import check_bind
     from env_controller.http.service import settle_gc, wait_for_signal
+    from env_controller.worker.options import WorkerOptions
     from env_controller.worker.server import WorkerServer
 
     _setup_logging(args.log_level)
     # precedence: --token, then credentials in the URL (the server warns when both are given), then the environment
-    _, url_token = split_url_credentials(args.controller)
+    _, url_token = split_url_credentials(args.controller_url)
     token = args.token or None
     if token is None and url_token is None:
         token = resolve_token(None, WORKER_TOKEN_ENV, TOKEN_ENV)
     try:
         check_bind(args.host, token or url_token, "the worker")
         task = build_worker_task(args.task, args.param + pool_params(args))
-        concurrency = args.concurrency if args.concurrency is not None else args.max_containers or 64
-        server = WorkerServer(
-            task, name=args.name, controller_url=args.controller, host=args.host, port=args.port,
-            self_address=args.self_address, concurrency=concurrency,
-            heartbeat_interval_s=args.heartbeat_interval, timeout_s=args.timeout,
-            latency_s=args.latency_ms / 1000.0, token=token, max_connections=args.max_connections,
-        )
+        concurrency = args.concurrency if args.concurrency is not None else args.max_containers
+        server = WorkerServer(task, options_from_args(
+            WorkerOptions, args, WORKER_FLAGS, latency_s=args.latency_ms / 1000.0, token=token,
+            **({"concurrency": concurrency} if concurrency is not None else {}),
+        ))
     except ValueError as e:
         return _error(str(e))
     install_uvloop()

@@ -151,8 +151,7 @@ async def _serve_gateway(cfg: Config) -> None:
     env, _, _ = build_env(cfg)
     pool = standalone_pool(cfg, hf_config, dtype_from_name(cfg.model.dtype))
     gateway = build_gateway(cfg, pool, template, env, training=False)
-    server = GatewayServer(gateway, host=cfg.gateway.host, port=cfg.gateway.port, token=token,
-                           max_connections=cfg.gateway.max_connections)
+    server = GatewayServer(gateway, token=token)
     try:
         await server.start()
     except (OSError, ValueError) as e:

@@ -10,7 +10,6 @@ and what is accepted.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import json
 import math
 import re
@@ -21,28 +20,20 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
+from env_controller.http.net import is_host
 from env_controller.options import FieldError, Options, build_options, placed
 from env_controller.options import OptionError as ConfigError
+from megatron_agentrl.parallel_layout import ParallelLayout
 from rollout_sglang.chat_template import CHAT_TEMPLATES, thinking_switch_problem
+from rollout_sglang.episode_options import EpisodeLimits
+from rollout_sglang.gateway.options import GatewayOptions
+from rollout_sglang.rollout.retries import RetryOptions
 
 #: ``model.chat_template`` values: "auto" (the default format of the model's family, which
 #: ``megatron_agentrl.convert.resolve_chat_template`` reads from the family registry) and the formats of
 #: ``rollout_sglang.chat_template``.
 CHAT_TEMPLATE_CHOICES: tuple[str, ...] = ("auto", *CHAT_TEMPLATES)
 RayStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
-
-
-def _is_host(value: str) -> bool:
-    """'' or a bare host: a name or IPv4 address (no scheme, port, path or spaces), or an IPv6 address."""
-    if not value:
-        return True
-    if ":" in value:
-        try:
-            ipaddress.IPv6Address(value.strip("[]"))
-            return True
-        except ValueError:
-            return False
-    return not any(c.isspace() or c in "/@?#" for c in value)
 
 
 def _is_host_port_url(url: str) -> bool:
@@ -135,42 +126,11 @@ class ModelConfig(Options):
 
 
 @dataclass
-class ParallelConfig(Options):
-    """Megatron model parallelism; data parallel size = world size / (tp * pp * cp).
-
-    tp: tensor-parallel size; pp: pipeline-parallel size (stages).
-    cp: context-parallel size: each sequence is split over ``cp`` ranks (megatron's load-balanced
-        layout of ``2 * cp`` chunks; the trainer pads every sequence to a multiple of ``2 * cp``).
-    ep: expert-parallel size (mixture-of-experts models): the experts of each MoE layer are split
-        over ``ep`` ranks of a pipeline stage (tokens travel to their experts by all-to-all); experts
-        are not split by TP. ``ep`` must divide the expert count and the ranks of a stage.
-    """
+class ParallelConfig(ParallelLayout):
+    """Megatron model parallelism (``parallel:``): the fields ``tp``, ``pp``, ``cp``, ``ep`` and the rules of
+    :class:`~megatron_agentrl.parallel_layout.ParallelLayout`, its messages naming them ``parallel.<field>``."""
 
     KEY: ClassVar[str] = "parallel"
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-
-    def check(self) -> None:
-        """See :class:`Options`."""
-        super().check()
-        self.require_positive_int("tp", "pp", "cp", "ep")
-
-    @property
-    def model_parallel_size(self) -> int:
-        """The smallest world this layout runs on (every world is a multiple of it):
-        ``tp * pp * cp``, or ``lcm(tp * cp, ep) * pp`` with expert parallelism."""
-        return math.lcm(self.tp * self.cp, self.ep) * self.pp
-
-    def describe_ranks(self) -> str:
-        """``parallel.tp * parallel.pp * parallel.cp = 1 * 2 * 2 = 4`` (for messages; ``ep`` when > 1)."""
-        if self.ep > 1:
-            return (f"lcm(parallel.tp * parallel.cp, parallel.ep) * parallel.pp = "
-                    f"lcm({self.tp} * {self.cp}, {self.ep}) * {self.pp} = {self.model_parallel_size}")
-        return (f"parallel.tp * parallel.pp * parallel.cp = {self.tp} * {self.pp} * {self.cp} = "
-                f"{self.model_parallel_size}")
 
 
 def scheduled_lr(step: int, length: int, peak: float, min_lr: float, style: str, warmup: int = 0) -> float:
@@ -274,6 +234,15 @@ class TrainConfig(Options):
     def lr_at(self, step: int) -> float:
         """The learning rate of RL step ``step`` (1-based): warm-up, then ``lr_decay_style``."""
         return scheduled_lr(step, self.steps, self.lr, self.min_lr, self.lr_decay_style, self.lr_warmup_steps)
+
+    def check_recompute_layers(self, num_layers: int, layout: ParallelLayout) -> int:
+        """``recompute_num_layers`` asks for no more layers than a pipeline stage of ``layout`` has, of a model of
+        ``num_layers``; returns the layers of a stage (:meth:`ParallelLayout.stage_layers`, which checks them)."""
+        stage = layout.stage_layers(num_layers)
+        self.require(self.recompute_num_layers <= stage, "recompute_num_layers",
+                     f"exceeds the {stage} layers of a pipeline stage (num_hidden_layers={num_layers} / "
+                     f"{layout.key('pp')}={layout.pp}); use at most {stage} (0 = all of them)")
+        return stage
 
 
 @dataclass
@@ -399,12 +368,17 @@ class SFTConfig(Options):
 
 
 @dataclass
-class RolloutConfig(Options):
+class RolloutConfig(EpisodeLimits, RetryOptions):
     """Sampling of trajectory groups.
 
+    Two groups of fields are declared and checked by the components that use them, and the section is handed to
+    them as it is: the episode limits ``max_turns`` and ``max_total_tokens``
+    (:class:`~rollout_sglang.episode_options.EpisodeLimits`: the agent loop, the gateway), and the treatment of
+    infrastructure failures, ``min_valid_fraction`` and ``max_attempts``
+    (:class:`~rollout_sglang.rollout.retries.RetryOptions`: the rollout manager).
+
     prompts_per_step: distinct task samples per RL step; samples_per_prompt: group size for GRPO.
-    max_turns: agent turns per episode; max_new_tokens: tokens per turn (below max_total_tokens);
-    max_total_tokens: whole-episode cap (context limit, prompt included; >= 2).
+    max_new_tokens: tokens per turn (below max_total_tokens).
     temperature (> 0), top_p (in (0, 1]): sampling of the training rollouts.
 
     Engines, versions and weight sync (``rollout_sglang.engines.version_pool``, ``megatron_agentrl.weight_sync``):
@@ -450,11 +424,6 @@ class RolloutConfig(Options):
         token (SGLang: ``return_routed_experts``, servers started with ``--enable-return-routed-experts``),
         carried with the trajectory for ``train.moe_routing_replay`` and ``routing/flip_rate``: "auto" = on for
         MoE models, "on" (a dense model is refused), "off".
-
-    Infrastructure failures (an episode ended by the env or our code, not the policy: never trained):
-    min_valid_fraction: a group trains on its valid episodes when at least this share of
-        ``samples_per_prompt`` (and at least 2) remain; otherwise it is re-run, up to 3 attempts, then
-        dropped (counted under ``infra/`` in metrics.jsonl).
     """
 
     KEY: ClassVar[str] = "rollout"
@@ -464,9 +433,7 @@ class RolloutConfig(Options):
     samples_per_prompt: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
-    max_turns: int = 4
     max_new_tokens: int = 48
-    max_total_tokens: int = 512
     max_versions: int = 1
     engines_per_slot: int = 1
     cross_policy: Literal["latest", "uniform", "recency"] = "latest"
@@ -489,19 +456,12 @@ class RolloutConfig(Options):
     agent: Literal["builtin", "gateway"] = "builtin"
     agent_fn: str | None = None
     agent_timeout_s: float = 600.0
-    min_valid_fraction: float = 0.5
 
     def check(self) -> None:
-        """See :class:`Options`."""
+        """See :class:`Options`; the episode limits and the retry settings check themselves first."""
         super().check()
         self._check_agent()
-        self.require(0 < self.min_valid_fraction <= 1, "min_valid_fraction",
-                     "must be in (0, 1]: the share of a group's samples that must end without an infrastructure "
-                     "failure for it to train (0.5 is the default)")
-        self.require_positive_int("prompts_per_step", "samples_per_prompt", "max_turns", "max_new_tokens",
-                                  "max_total_tokens")
-        self.require(self.max_total_tokens >= 2, "max_total_tokens",
-                     "must be >= 2: an episode holds its prompt and at least one generated token")
+        self.require_positive_int("prompts_per_step", "samples_per_prompt", "max_new_tokens")
         self.require(self.max_new_tokens < self.max_total_tokens, "max_new_tokens",
                      f"must be below rollout.max_total_tokens={self.max_total_tokens} (one turn cannot outgrow "
                      "the whole episode, prompt included); lower it or raise max_total_tokens")
@@ -518,7 +478,7 @@ class RolloutConfig(Options):
                                 "weight_sync_bucket_timeout_s", "engine_health_interval_s", "engine_health_timeout_s",
                                 "engine_unavailable_timeout_s", unit="seconds")
         self._check_engine_urls()
-        self.require(_is_host(self.weight_sync_master_address), "weight_sync_master_address",
+        self.require(is_host(self.weight_sync_master_address), "weight_sync_master_address",
                      "must be a host name or IP address such as 10.0.0.4 (no scheme, port or path), or '' to "
                      "pick the address that routes to the engines")
 
@@ -551,45 +511,9 @@ class RolloutConfig(Options):
                                       "such as http://10.0.0.5:30000")
 
 
-@dataclass
-class GatewayConfig(Options):
-    """The OpenAI-compatible gateway (``rollout_sglang.gateway``): ``agentrl gateway``, and ``agentrl train``
-    with ``rollout.agent: gateway``.
-
-    host: address to bind; anything but loopback needs a token. port: port to bind (0 = a free one).
-    token_env: the environment variable holding the bearer token (unset or empty: no token, loopback
-        only); clients send it as their OpenAI api key.
-    max_sessions: sessions open at once. session_idle_timeout_s: a session nobody used for that long is
-        cancelled (not those of a training run's agents), seconds.
-    max_queued_turns: turns waiting for the engines at once beyond which a new turn of an outside agent gets 429
-        (0: no bound). retry_after_s: the ``Retry-After`` of a 429, seconds (docs/rollout.md, Backpressure).
-    max_connections: HTTP connections open at once; one more is answered 503 and closed (logged once).
-    """
-
-    KEY: ClassVar[str] = "gateway"
-
-    host: str = "127.0.0.1"
-    port: int = 0
-    token_env: str = "AGENTRL_GATEWAY_TOKEN"
-    max_sessions: int = 4096
-    session_idle_timeout_s: float = 900.0
-    max_queued_turns: int = 0
-    retry_after_s: float = 1.0
-    max_connections: int = 4096
-
-    def check(self) -> None:
-        """See :class:`Options`."""
-        super().check()
-        self.require_positive_int("max_connections")
-        self.require(bool(self.host) and _is_host(self.host), "host",
-                     "must be a host name or IP address such as 127.0.0.1 (no scheme, port or path)")
-        self.require(0 <= self.port < 65536, "port", "must be a TCP port (1-65535) or 0 (a free port)")
-        self.require(bool(self.token_env), "token_env", "is empty; name the environment variable of the token, "
-                     "e.g. AGENTRL_GATEWAY_TOKEN")
-        self.require_positive_int("max_sessions")
-        self.require_above_zero("session_idle_timeout_s", unit="seconds")
-        self.require(self.max_queued_turns >= 0, "max_queued_turns", "must be >= 0 (0: no bound)")
-        self.require_above_zero("retry_after_s", unit="seconds")
+#: The ``gateway`` section: the gateway's own options (``rollout_sglang.gateway.options``), fields documented and
+#: checked there.
+GatewayConfig = GatewayOptions
 
 
 @dataclass
@@ -1066,33 +990,23 @@ class Config:
             raise ConfigError("train.moe_routing_replay=true replays the engines' routed experts, but "
                               "rollout.capture_routing=off asks the engines for none; set rollout.capture_routing "
                               "to auto (or on), or train.moe_routing_replay=false")
-        if self.ray.train_workers % self.parallel.model_parallel_size:
-            raise ConfigError(f"ray.train_workers={self.ray.train_workers!r} must be 0 (the smallest world of the "
-                              f"layout) or a positive multiple of {self.parallel.describe_ranks()}")
+        if self.ray.train_workers:
+            ranks = self.parallel.model_parallel_size
+            self.parallel.check_world(self.ray.train_workers, "ray.train_workers",
+                                      fix=f"set ray.train_workers to a multiple of {ranks}, or to 0 (the smallest "
+                                      f"world of the layout, {ranks})")
 
     def _validate_layers(self) -> None:
         """The pipeline stages split the layers evenly; recomputation asks for no more layers than a stage has."""
-        layers, pp, t = self.model.num_layers(), self.parallel.pp, self.train
-        if layers is None:
-            return
-        if layers % pp:
-            raise ConfigError(f"parallel.pp={pp} does not divide the model's num_hidden_layers={layers}; use a "
-                              f"divisor of {layers}")
-        if t.recompute_num_layers > layers // pp:
-            raise ConfigError(f"train.recompute_num_layers={t.recompute_num_layers} exceeds the {layers // pp} layers "
-                              f"of a pipeline stage (num_hidden_layers={layers} / parallel.pp={pp}); use at most "
-                              f"{layers // pp} (0 = all of them)")
+        layers = self.model.num_layers()
+        if layers is not None:
+            self.train.check_recompute_layers(layers, self.parallel)
 
     def check_world_size(self, world: int, source: str = "the world size") -> None:
         """Refuse a number of trainer processes that the layout's smallest world
         (:attr:`ParallelConfig.model_parallel_size`) does not divide (``source`` names where the number
         came from, e.g. "--nproc 3")."""
-        ranks = self.parallel.model_parallel_size
-        if world < 1 or world % ranks:
-            raise ConfigError(f"{source} = {world} trainer processes is not a multiple of "
-                              f"{self.parallel.describe_ranks()} (the data-parallel size, which "
-                              f"train.use_distributed_optimizer shards over, is their quotient); launch a multiple of "
-                              f"{ranks} processes or change parallel.tp / parallel.pp / parallel.cp / parallel.ep")
+        self.parallel.check_world(world, source)
 
     def builds_task_here(self, spec: TaskSpec) -> bool:
         """Whether the trainer builds ``spec``'s built-in task in process: it runs the task's episodes

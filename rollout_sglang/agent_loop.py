@@ -31,6 +31,7 @@ from env_controller.protocol import SampleStatus, TaskReply
 from rollout_sglang.chat_template import AnyChatTemplate
 from rollout_sglang.engines.protocol import Engine, SamplingParams
 from rollout_sglang.engines.version_pool import VersionPool
+from rollout_sglang.episode_options import EpisodeLimits, EpisodeOptions
 from rollout_sglang.tool_parser import ToolCallParseError
 from rollout_sglang.trajectory import INTERNAL_ERROR, Trajectory
 
@@ -166,12 +167,7 @@ async def _start(
 
 
 async def _interact(
-    env: EnvClient,
-    template: AnyChatTemplate,
-    ep: _Episode,
-    message: dict[str, Any],
-    max_turns: int,
-    max_total_tokens: int,
+    env: EnvClient, template: AnyChatTemplate, ep: _Episode, message: dict[str, Any], limits: EpisodeLimits,
     timeout_s: float,
 ) -> None:
     """Send the assistant message, then finish the episode or append the env reply (loss_mask 0)."""
@@ -190,7 +186,7 @@ async def _interact(
     if reply.finish:
         _finish(ep, reply.status, reply.reward, reply.metrics, error=reply.error)
         return
-    if len(t.versions) >= max_turns:
+    if len(t.versions) >= limits.max_turns:
         _finish(ep, SampleStatus.TASK_LIMIT_REACHED)
         await _cancel(env, ep, timeout_s)
         return
@@ -202,7 +198,7 @@ async def _interact(
         _finish(ep, SampleStatus.TASK_ERROR, error=f"cannot render the env reply: {e}")
         await _cancel(env, ep, timeout_s)
         return
-    if len(t.token_ids) + len(piece) >= max_total_tokens:
+    if len(t.token_ids) + len(piece) >= limits.max_total_tokens:
         _finish(ep, SampleStatus.AGENT_CONTEXT_LIMIT)
         await _cancel(env, ep, timeout_s)
         return
@@ -215,11 +211,7 @@ async def run_group_lockstep(
     template: AnyChatTemplate,
     requests: list[tuple[str, int, int]],
     params: SamplingParams,
-    max_turns: int,
-    max_total_tokens: int,
-    *,
-    env_timeout_s: float = 120.0,
-    capture_routing: bool = False,
+    episode: EpisodeOptions,
 ) -> list[Trajectory]:
     """Run one episode per request in lockstep and return their Trajectories (same order).
 
@@ -230,15 +222,13 @@ async def run_group_lockstep(
         ``seed + k * len(requests)`` so turns and rows never share a random stream (with a pool of
         E engines: ``seed + k * len(requests) * E``, and the pool offsets each engine's call, see
         ``VersionPool.generate``).
-    max_turns: generated turns per episode; an episode still running after that many ends with
-        "task limit reached" (and its env session is cancelled).
-    max_total_tokens: cap on prompt + all turns + env replies; a turn is cut so the total never
-        exceeds it, and an episode that runs out of room ends with "agent context limit".
-    env_timeout_s: timeout of every env call (start, interact, cancel); a timeout or exception
-        ends the episode with "task error" (an infrastructure failure: ``Trajectory.infra_failed``).
-    capture_routing: MoE models: every turn asks its engine for the routed experts of the positions
-        earlier turns did not cover (``routing_from``), so ``Trajectory.routed_experts`` ends up holding
-        each position's experts from the engine that sampled that turn (None when an engine gave none).
+    episode: the limits (``max_turns``: an episode still running after that many turns ends with "task limit
+        reached" and its env session is cancelled; ``max_total_tokens``: a turn is cut so that prompt, turns and
+        env replies never exceed it, and an episode that runs out of room ends with "agent context limit"),
+        ``env_timeout_s`` (every env call: start, interact, cancel; a timeout or exception ends the episode
+        with "task error", an infrastructure failure: ``Trajectory.infra_failed``) and ``capture_routing``
+        (``Trajectory.routed_experts`` ends up holding each position's experts from the engine that sampled
+        that turn; None when an engine gave none).
 
     Final statuses: the env's own (completed, ..., with the env's ``error`` text for "task error"),
     "agent validation failed" (a malformed tool call; reward 0, ``metrics["validation_error"] = 1.0``),
@@ -248,10 +238,6 @@ async def run_group_lockstep(
     ``env_s`` (its own env calls). If the engine raises, every running session is cancelled and the
     exception propagates.
     """
-    if max_turns < 1:
-        raise ValueError(f"max_turns={max_turns} must be >= 1")
-    if max_total_tokens < 2:
-        raise ValueError(f"max_total_tokens={max_total_tokens} must be >= 2")
     episodes = [
         _Episode(
             Trajectory(
@@ -262,117 +248,120 @@ async def run_group_lockstep(
         )
         for task, index, group_id in requests
     ]
-    stop_ids = list(dict.fromkeys(list(params.stop_token_ids) + template.stop_token_ids))
-    stop_set = set(stop_ids)
-
-    pool = engine if isinstance(engine, VersionPool) else None
-    seed_stride = len(requests) * (len(pool.engines) if pool is not None else 1)
-    call_id = object()  # router keys of this call's episodes: (call_id, episode index)
-    keys = {id(ep): (call_id, i) for i, ep in enumerate(episodes)}
-
-    await asyncio.gather(*(_start(env, template, ep, max_total_tokens, env_timeout_s) for ep in episodes))
+    lockstep = _Lockstep(engine, env, template, episodes, episode)
+    limit, timeout_s = episode.limits.max_total_tokens, episode.env_timeout_s
+    await asyncio.gather(*(_start(env, template, ep, limit, timeout_s) for ep in episodes))
     try:
-        trajs = await _turns(engine, pool, env, template, episodes, params, stop_ids, stop_set, seed_stride, keys,
-                             max_turns, max_total_tokens, env_timeout_s, capture_routing)
+        trajs = await lockstep.turns(params)
     finally:
-        if pool is not None:
-            pool.forget(list(keys.values()))
-    if capture_routing:
+        if lockstep.pool is not None:
+            lockstep.pool.forget(list(lockstep.keys.values()))
+    if episode.capture_routing:
         for ep in episodes:
             if ep.routing and not ep.routing_lost:
                 ep.traj.routed_experts = np.concatenate(ep.routing)
     return trajs
 
 
-async def _turns(
-    engine: Any,
-    pool: VersionPool | None,
-    env: EnvClient,
-    template: AnyChatTemplate,
-    episodes: list[_Episode],
-    params: SamplingParams,
-    stop_ids: list[int],
-    stop_set: set[int],
-    seed_stride: int,
-    keys: dict[int, Any],
-    max_turns: int,
-    max_total_tokens: int,
-    env_timeout_s: float,
-    capture_routing: bool,
-) -> list[Trajectory]:
-    """The lockstep turns of :func:`run_group_lockstep` (one generate round, then the env calls)."""
-    turn = 0
-    while True:
-        active = [ep for ep in episodes if not ep.done]
-        if not active:
-            break
-        caps = [min(params.max_new_tokens, max_total_tokens - len(ep.traj.token_ids)) for ep in active]
-        gen_params = dataclasses.replace(
-            params,
-            max_new_tokens=max(caps),
-            stop_token_ids=stop_ids,
-            seed=None if params.seed is None else params.seed + turn * seed_stride,
-        )
-        t0 = time.perf_counter()
-        try:
-            prompts = [ep.traj.token_ids for ep in active]
-            routing = {"routing_from": [ep.routed for ep in active]} if capture_routing else {}
-            if pool is None:
-                outputs = await engine.generate(prompts, gen_params, **routing)
-            else:
-                outputs = await pool.generate(prompts, gen_params, keys=[keys[id(ep)] for ep in active], **routing)
-        except BaseException:
-            logger.exception("engine.generate failed on turn %d; cancelling %d env sessions", turn, len(active))
-            await asyncio.gather(*(_cancel(env, ep, env_timeout_s) for ep in active))
-            raise
-        gen_s = time.perf_counter() - t0
-        turn += 1
+class _Lockstep:
+    """The turns of one :func:`run_group_lockstep` call: one generate round over the running episodes, then
+    their env calls, until none runs."""
 
-        pending: list[tuple[_Episode, dict[str, Any]]] = []
-        cancels: list[_Episode] = []
-        for ep, out, cap in zip(active, outputs, caps):
-            t = ep.traj
-            t.timings["generate_s"] += gen_s
-            toks, lps = list(out.token_ids[:cap]), list(out.logprobs[:cap])
-            start = len(t.token_ids)
-            if capture_routing:
-                _add_routing(ep, out.routed_experts, start + len(toks) - 1)
-            _append(ep, toks, 1, lps)
-            t.versions.append(int(out.version))
-            t.turn_spans.append((start, len(t.token_ids)))
-            ended_by_stop = bool(toks) and toks[-1] in stop_set
-            if not ended_by_stop and len(t.token_ids) >= max_total_tokens:
-                _finish(ep, SampleStatus.AGENT_CONTEXT_LIMIT)
-                cancels.append(ep)
-                continue
-            ep.turn_end = toks[-1] if ended_by_stop else None
+    def __init__(self, engine: Any, env: EnvClient, template: AnyChatTemplate, episodes: list[_Episode],
+                 episode: EpisodeOptions) -> None:
+        self.engine, self.env, self.template, self.episodes = engine, env, template, episodes
+        self.limits, self.timeout_s = episode.limits, episode.env_timeout_s
+        self.capture_routing = episode.capture_routing
+        self.pool = engine if isinstance(engine, VersionPool) else None
+        self.seed_stride = len(episodes) * (len(self.pool.engines) if self.pool is not None else 1)
+        call_id = object()  # router keys of this call's episodes: (call_id, episode index)
+        self.keys = {id(ep): (call_id, i) for i, ep in enumerate(episodes)}
+
+    async def _generate(self, active: list[_Episode], params: SamplingParams) -> list[Any]:
+        prompts = [ep.traj.token_ids for ep in active]
+        routing = {"routing_from": [ep.routed for ep in active]} if self.capture_routing else {}
+        if self.pool is None:
+            return await self.engine.generate(prompts, params, **routing)
+        return await self.pool.generate(prompts, params, keys=[self.keys[id(ep)] for ep in active], **routing)
+
+    async def turns(self, params: SamplingParams) -> list[Trajectory]:
+        """Play every episode to its end; their trajectories in request order."""
+        template, max_total_tokens = self.template, self.limits.max_total_tokens
+        stop_ids = list(dict.fromkeys(list(params.stop_token_ids) + template.stop_token_ids))
+        stop_set = set(stop_ids)
+        turn = 0
+        while True:
+            active = [ep for ep in self.episodes if not ep.done]
+            if not active:
+                break
+            caps = [min(params.max_new_tokens, max_total_tokens - len(ep.traj.token_ids)) for ep in active]
+            gen_params = dataclasses.replace(
+                params,
+                max_new_tokens=max(caps),
+                stop_token_ids=stop_ids,
+                seed=None if params.seed is None else params.seed + turn * self.seed_stride,
+            )
+            t0 = time.perf_counter()
             try:
-                text = template.decode(toks[:-1] if ended_by_stop else toks)
-                message = template.parse_assistant(text, ep.tools or None, call_id_start=ep.num_calls)
-            except ToolCallParseError as e:
-                logger.debug(
-                    "env session %s (%s #%d) turn %d: agent validation failed: %s",
-                    ep.session_id, t.task, t.index, len(t.versions), e,
-                )
-                _finish(ep, SampleStatus.AGENT_VALIDATION_FAILED, 0.0, {"validation_error": 1.0}, error=str(e))
-                cancels.append(ep)
-                continue
-            except Exception as e:  # noqa: BLE001 - a parser bug must cost one episode, never the batch
-                # the parsers promise ToolCallParseError only; anything else is a bug there, so log it loudly
-                logger.exception(
-                    "env session %s (%s #%d) turn %d: the tool-call parser raised %s; ending this episode",
-                    ep.session_id, t.task, t.index, len(t.versions), type(e).__name__,
-                )
-                _finish(ep, INTERNAL_ERROR, error=f"the tool-call parser failed: {_shorten_repr(e)}")
-                cancels.append(ep)
-                continue
-            ep.num_calls += len(message["tool_calls"])
-            if not message["tool_calls"]:
-                del message["tool_calls"]  # a final answer: a plain assistant message
-            pending.append((ep, message))
+                outputs = await self._generate(active, gen_params)
+            except BaseException:
+                logger.exception("engine.generate failed on turn %d; cancelling %d env sessions", turn, len(active))
+                await asyncio.gather(*(_cancel(self.env, ep, self.timeout_s) for ep in active))
+                raise
+            gen_s = time.perf_counter() - t0
+            turn += 1
 
-        await asyncio.gather(
-            *(_interact(env, template, ep, msg, max_turns, max_total_tokens, env_timeout_s) for ep, msg in pending),
-            *(_cancel(env, ep, env_timeout_s) for ep in cancels),
-        )
-    return [ep.traj for ep in episodes]
+            pending: list[tuple[_Episode, dict[str, Any]]] = []
+            cancels: list[_Episode] = []
+            for ep, out, cap in zip(active, outputs, caps):
+                message = self._record(ep, out, cap, gen_s, stop_set)
+                if message is None:
+                    cancels.append(ep)
+                else:
+                    pending.append((ep, message))
+
+            await asyncio.gather(
+                *(_interact(self.env, template, ep, msg, self.limits, self.timeout_s) for ep, msg in pending),
+                *(_cancel(self.env, ep, self.timeout_s) for ep in cancels),
+            )
+        return [ep.traj for ep in self.episodes]
+
+    def _record(self, ep: _Episode, out: Any, cap: int, gen_s: float, stop_set: set[int]) -> dict[str, Any] | None:
+        """Append a generated turn to the episode and parse it: the assistant message to send, or None when the
+        turn ended the episode (context limit, malformed call, parser bug)."""
+        t, template = ep.traj, self.template
+        t.timings["generate_s"] += gen_s
+        toks, lps = list(out.token_ids[:cap]), list(out.logprobs[:cap])
+        start = len(t.token_ids)
+        if self.capture_routing:
+            _add_routing(ep, out.routed_experts, start + len(toks) - 1)
+        _append(ep, toks, 1, lps)
+        t.versions.append(int(out.version))
+        t.turn_spans.append((start, len(t.token_ids)))
+        ended_by_stop = bool(toks) and toks[-1] in stop_set
+        if not ended_by_stop and len(t.token_ids) >= self.limits.max_total_tokens:
+            _finish(ep, SampleStatus.AGENT_CONTEXT_LIMIT)
+            return None
+        ep.turn_end = toks[-1] if ended_by_stop else None
+        try:
+            text = template.decode(toks[:-1] if ended_by_stop else toks)
+            message = template.parse_assistant(text, ep.tools or None, call_id_start=ep.num_calls)
+        except ToolCallParseError as e:
+            logger.debug(
+                "env session %s (%s #%d) turn %d: agent validation failed: %s",
+                ep.session_id, t.task, t.index, len(t.versions), e,
+            )
+            _finish(ep, SampleStatus.AGENT_VALIDATION_FAILED, 0.0, {"validation_error": 1.0}, error=str(e))
+            return None
+        except Exception as e:  # noqa: BLE001 - a parser bug must cost one episode, never the batch
+            # the parsers promise ToolCallParseError only; anything else is a bug there, so log it loudly
+            logger.exception(
+                "env session %s (%s #%d) turn %d: the tool-call parser raised %s; ending this episode",
+                ep.session_id, t.task, t.index, len(t.versions), type(e).__name__,
+            )
+            _finish(ep, INTERNAL_ERROR, error=f"the tool-call parser failed: {_shorten_repr(e)}")
+            return None
+        ep.num_calls += len(message["tool_calls"])
+        if not message["tool_calls"]:
+            del message["tool_calls"]  # a final answer: a plain assistant message
+        return message

@@ -7,7 +7,7 @@ an ``https://`` controller is called through aiohttp's client.
 :class:`HttpEnvClient` implements the agent loop's ``EnvClient`` protocol over HTTP, exactly as
 :class:`~env_controller.clients.local.LocalEnvClient` does in process::
 
-    async with HttpEnvClient("http://127.0.0.1:5020") as env:
+    async with HttpEnvClient("http://127.0.0.1:5020", EnvClientOptions(retries=1)) as env:
         session_id, reply = await env.start_sample("lookup", 0)      # user message + tools
         reply = await env.interact(session_id, [assistant_message])  # tool messages
         await env.cancel(session_id)                                 # idempotent
@@ -45,6 +45,7 @@ from urllib.parse import urlencode
 import aiohttp
 
 from env_controller.clients.local import UnknownSessionError
+from env_controller.clients.options import EnvClientOptions
 from env_controller.controller.worker_http import ConnectError, Disconnected, WorkerHttp, parse_url
 from env_controller.http.auth import TOKEN_ENV, TRAINER_TOKEN_ENV, pick_token, resolve_token
 from env_controller.http.json_io import dumps_json, loads_json
@@ -129,51 +130,23 @@ class _Outage:
 class HttpEnvClient:
     """The env protocol (start_sample / interact / cancel) against a controller over HTTP."""
 
-    def __init__(
-        self,
-        url: str = "http://127.0.0.1:5020",
-        *,
-        token: str | None = None,
-        timeout_s: float = 300.0,
-        connect_timeout_s: float = 5.0,
-        retries: int = 3,
-        backoff_s: float = 0.25,
-        max_connections: int = 256,
-        observer: Observer | None = None,
-        unavailable_timeout_s: float = 120.0,
-        max_backoff_s: float = 2.0,
-        cancel_timeout_s: float = 10.0,
-    ) -> None:
-        """``url``: the controller (``/api`` optional); ``token``: the trainer credential (default:
-        the password of ``url`` when it holds one, else ``$AGENTRL_TRAINER_TOKEN``, else
-        ``$AGENTRL_CONTROLLER_TOKEN``); ``timeout_s``: limit per call (keep it above the
-        controller's interact timeout so the controller answers first); ``retries``: extra
-        attempts on 5xx and on connections that could not be opened; ``backoff_s``: first wait
-        (doubled each retry, jittered) and of a start's wait for an unavailable controller;
-        ``max_connections``: pooled connections; ``unavailable_timeout_s``: how long one start waits
-        for a controller that cannot be reached or answers 502/503/504 (``env.unavailable_timeout_s``
-        of a run); ``max_backoff_s``: the longest pause between two probes of such a controller (a
-        larger Retry-After is honoured up to :data:`MAX_RETRY_AFTER_S`); ``cancel_timeout_s``: limit on a cancel.
-        """
-        if not timeout_s > 0 or not connect_timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s!r} and connect_timeout_s={connect_timeout_s!r} must be > 0")
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries={retries!r} must be an integer >= 0")
-        for name, value in (("unavailable_timeout_s", unavailable_timeout_s), ("backoff_s", backoff_s),
-                            ("max_backoff_s", max_backoff_s), ("cancel_timeout_s", cancel_timeout_s)):
-            if not value > 0:
-                raise ValueError(f"{name}={value!r} must be > 0 seconds")
-        self.url, token = pick_token(token, base_api_url(url), "env client")  # never a URL login plus a header
+    def __init__(self, url: str = "http://127.0.0.1:5020", options: EnvClientOptions | None = None, *,
+                 observer: Observer | None = None) -> None:
+        """``url``: the controller (``/api`` optional; credentials in it serve as the token when
+        ``options.token`` is not given); ``options``: timeouts, retries and connections (None: the defaults);
+        ``observer``: called after each HTTP reply (benchmarks)."""
+        o = self.options = options if options is not None else EnvClientOptions()
+        self.url, token = pick_token(o.token, base_api_url(url), "env client")  # never a URL login plus a header
         self.token = resolve_token(token, TRAINER_TOKEN_ENV, TOKEN_ENV)
-        self.timeout_s = float(timeout_s)
-        self.connect_timeout_s = float(connect_timeout_s)
-        self.retries = retries
-        self.backoff_s = float(backoff_s)
-        self.max_connections = max_connections
+        self.timeout_s = float(o.timeout_s)
+        self.connect_timeout_s = float(o.connect_timeout_s)
+        self.retries = o.retries
+        self.backoff_s = float(o.backoff_s)
+        self.max_connections = o.max_connections
         self.observer = observer
-        self.unavailable_timeout_s = float(unavailable_timeout_s)
-        self.max_backoff_s = float(max_backoff_s)
-        self.cancel_timeout_s = float(cancel_timeout_s)
+        self.unavailable_timeout_s = float(o.unavailable_timeout_s)
+        self.max_backoff_s = float(o.max_backoff_s)
+        self.cancel_timeout_s = float(o.cancel_timeout_s)
         #: open outages: None = the controller cannot be reached at all, a task name = it answers 503 for that task
         self._outages: dict[str | None, _Outage] = {}
         self.outages = 0  # outages seen (both kinds), for tests and reports

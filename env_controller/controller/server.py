@@ -25,8 +25,8 @@ Trainer-facing API (all JSON; errors are ``{"error": "...", "status": code}``):
   ``POST /api/cancel_notice`` (header ``session_id``: the worker cancelled that session).
 * ``GET /openapi.json``: this API in OpenAPI 3 (:mod:`env_controller.openapi`).
 
-Credentials (:class:`ControllerConfig`): with any configured, the trainer API needs the trainer
-token and the worker API a worker token listed for the task name (401 without a valid one, 403
+Credentials (:class:`~env_controller.controller.options.ControllerConfig`): with any configured, the trainer
+API needs the trainer token and the worker API a worker token listed for the task name (401 without a valid one, 403
 for the wrong role or task). Bodies are parsed under a size, nesting and time limit (400, 408,
 413) and forwarded to workers as UTF-8, never larger than ``max_forward_bytes`` (else 413, the
 session untouched).
@@ -52,21 +52,17 @@ import asyncio
 import logging
 import re
 import time
-from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 from aiohttp import web
 
 from env_controller.controller.metrics import ControllerMetrics
+from env_controller.controller.options import ControllerConfig
 from env_controller.controller.registry import NoWorkerError, RegistryError, Worker, WorkerRegistry, WorkerState
 from env_controller.controller.sessions import Session, SessionTable, final_reply
 from env_controller.controller.worker_http import ConnectError, WorkerHttp, parse_url
-from env_controller.http.auth import ANY_TASK, TRAINER_TOKEN_ENV, Credentials, Role, split_url_credentials, token_ok
-from env_controller.http.fast import MAX_CONNECTIONS
+from env_controller.http.auth import TRAINER_TOKEN_ENV, Role, split_url_credentials
 from env_controller.http.service import (
-    BODY_TIMEOUT_S,
-    IDLE_TIMEOUT_S,
-    MAX_BODY_BYTES,
     SESSION_HEADER,
     HttpError,
     HttpService,
@@ -89,118 +85,6 @@ _mono = time.monotonic
 _END_SLICE = 256
 #: task names land in logs and metric labels: no control characters (no forged log lines), bounded length
 _TASK_NAME = re.compile(r"[^\x00-\x1f\x7f]{1,200}")
-
-
-@dataclass
-class ControllerConfig:
-    """Settings of a :class:`Controller` (times in seconds).
-
-    host, port: where to listen (loopback by default; elsewhere credentials are required).
-    token: the shared token of older setups: the trainer credential when ``trainer_token`` is not
-        set, and a worker credential for every task when ``worker_tokens`` is empty.
-    trainer_token: the trainer's credential (start, interact, cancel, the views, metrics).
-    worker_tokens: workers' credentials, task name (or ``*`` for every task) to token: a worker
-        may register only for the task names its token is listed under. The controller's calls to
-        a worker carry the token that worker registered with. With no credential at all (the
-        loopback default) anyone may do anything; with some, both roles must have one.
-    body_timeout_s: limit on receiving a request body; idle_timeout_s: limit on receiving a
-        request head, and on idle keep-alive connections (keep it above the trainer client's 30 s).
-    max_forward_bytes: largest body sent to a worker (our workers' request limit); a larger one
-        gets 413 and nothing is sent.
-    suspect_after_s: a worker silent this long gets no new sessions.
-    heartbeat_timeout_s: a worker silent this long is dead; its sessions end with ``task error``.
-    registration_window_s: for this long after the controller starts, a start of a task no worker has
-        registered gets 503 with ``Retry-After`` (its workers come back with their next heartbeat after a
-        controller restart), not 404; None = ``heartbeat_timeout_s``, 0 = off.
-    session_idle_timeout_s: a session with no interact for this long is closed (``task error``).
-    start_timeout_s, interact_timeout_s, cancel_timeout_s: limits on each call to a worker.
-    connect_timeout_s: limit on opening a connection to a worker.
-    forget_dead_after_s: how long a dead worker stays listed.
-    sync_interval_s: how often alive workers are asked for their sessions (orphans get cancelled).
-    max_worker_connections: calls to workers in flight at once, all together (so also the most
-        open connections to workers).
-    worker_keepalive_s: idle pooled connections to workers are closed after this long; keep it
-        below the workers' own keep-alive timeout (uvicorn, which AgentRL workers use: 5 s) so that
-        the controller never sends a request on a connection the worker is closing.
-    remember_ended: ended sessions remembered for error messages and late final replies.
-    max_connections: connections from clients (trainers, workers) open at once; one more is answered 503 and
-        closed, and reaching the cap is logged.
-    fast_front: serve plain requests through the fast front (:mod:`env_controller.http.fast`); False
-        has aiohttp serve every request, as before it (the same replies, at about twice the CPU).
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 5020
-    token: str | None = field(default=None, repr=False)
-    trainer_token: str | None = field(default=None, repr=False)
-    worker_tokens: dict[str, str] = field(default_factory=dict, repr=False)
-    suspect_after_s: float = 9.0
-    heartbeat_timeout_s: float = 15.0
-    registration_window_s: float | None = None
-    session_idle_timeout_s: float = 600.0
-    start_timeout_s: float = 240.0
-    interact_timeout_s: float = 240.0
-    cancel_timeout_s: float = 30.0
-    connect_timeout_s: float = 5.0
-    forget_dead_after_s: float = 300.0
-    sync_interval_s: float = 60.0
-    max_worker_connections: int = 2048
-    worker_keepalive_s: float = 3.0
-    body_timeout_s: float = BODY_TIMEOUT_S
-    idle_timeout_s: float = IDLE_TIMEOUT_S
-    max_forward_bytes: int = MAX_BODY_BYTES
-    remember_ended: int = 50_000
-    max_connections: int = MAX_CONNECTIONS
-    fast_front: bool = True
-
-    def __post_init__(self) -> None:
-        """Check every value; ValueError naming the bad one (never a token's value)."""
-        self._check_credentials()
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name == "registration_window_s":
-                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
-                    raise ValueError(f"controller config: registration_window_s={v!r} must be >= 0 seconds (0 = off) "
-                                     "or None (= heartbeat_timeout_s)")
-                continue
-            if f.name.endswith("_s") and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
-                raise ValueError(f"controller config: {f.name}={v!r} must be a positive number of seconds")
-        if not self.suspect_after_s < self.heartbeat_timeout_s:
-            raise ValueError(
-                f"controller config: suspect_after_s={self.suspect_after_s} must be below "
-                f"heartbeat_timeout_s={self.heartbeat_timeout_s}"
-            )
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
-            raise ValueError(f"controller config: port={self.port!r} must be 0..65535 (0 picks a free port)")
-        for name in ("max_worker_connections", "remember_ended", "max_forward_bytes", "max_connections"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"controller config: {name}={v!r} must be a positive integer")
-
-    def _check_credentials(self) -> None:
-        for name in ("token", "trainer_token"):
-            if not token_ok(getattr(self, name)):
-                raise ValueError(f"controller config: {name} must be None or printable ASCII without spaces "
-                                 "(it travels in an Authorization header)")
-        if not isinstance(self.worker_tokens, dict):
-            raise ValueError("controller config: worker_tokens must be a mapping of task name (or '*') to token")
-        for task, tok in self.worker_tokens.items():
-            if not isinstance(task, str) or not task or tok is None or not token_ok(tok):
-                raise ValueError(f"controller config: worker_tokens entry for {task!r:.100} must map a task name "
-                                 "(or '*') to a token of printable ASCII without spaces")
-        creds = self.credentials()
-        if self.worker_tokens and creds.trainer in self.worker_tokens.values():
-            raise ValueError("controller config: the trainer token equals a worker token; give each role its own "
-                             "(or use --token alone for both)")
-        if creds.enabled and not (creds.trainer and creds.workers):
-            missing = "no worker could register (add --worker-token NAME=TOKEN)" if creds.trainer else (
-                f"no trainer could start sessions (add --trainer-token or ${TRAINER_TOKEN_ENV})")
-            raise ValueError(f"controller config: credentials for one role only: {missing}; or use --token for both")
-
-    def credentials(self) -> Credentials:
-        """The credentials the controller accepts (see the class docstring)."""
-        workers = dict(self.worker_tokens) or ({ANY_TASK: self.token} if self.token else {})
-        return Credentials(self.trainer_token or self.token, workers)
 
 
 class WorkerReply(NamedTuple):
@@ -281,10 +165,9 @@ class Controller(HttpService):
         self._call_hist: dict[str, Any] = {}
         self._born = time.monotonic()  # the registration window of unknown tasks counts from here
         super().__init__(
-            c.credentials(), self._routes(), body_timeout_s=c.body_timeout_s, idle_timeout_s=c.idle_timeout_s,
+            c.credentials(), self._routes(), c,
             auth_hint=f"the controller's --trainer-token / --worker-token / --token; ${TRAINER_TOKEN_ENV}",
             on_rejected=self._count_rejected, fast=c.fast_front, taskless=True,  # its handlers await only futures
-            max_connections=c.max_connections,
         )
 
     # -- lifecycle -------------------------------------------------------------------------------

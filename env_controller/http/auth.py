@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
+from env_controller.options import OptionError
+
 logger = logging.getLogger(__name__)
 
 #: environment variable of the shared token (trainer and worker credential at once, as before the split)
@@ -81,6 +83,14 @@ def token_ok(token: str | None) -> bool:
 
 
 _TOKEN = re.compile(r"[!-~]{1,4096}")
+
+
+def check_token(token: str | None, key: str) -> None:
+    """:class:`~env_controller.options.OptionError` naming the setting ``key`` unless :func:`token_ok` (the
+    message never holds the token: it is a credential)."""
+    if not token_ok(token):
+        raise OptionError(f"{key} must be printable ASCII without spaces (it travels in an Authorization header); "
+                          "generate one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
 
 
 def pick_token(token: str | None, url: str, what: str) -> tuple[str, str | None]:

@@ -1,7 +1,21 @@
 """Network helpers shared by every package (env_controller is the lowest layer)."""
 from __future__ import annotations
 
+import ipaddress
 import socket
+
+
+def is_host(value: str) -> bool:
+    """'' or a bare host: a name or IPv4 address (no scheme, port, path or spaces), or an IPv6 address."""
+    if not value:
+        return True
+    if ":" in value:
+        try:
+            ipaddress.IPv6Address(value.strip("[]"))
+            return True
+        except ValueError:
+            return False
+    return not any(c.isspace() or c in "/@?#" for c in value)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

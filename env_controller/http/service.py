@@ -4,7 +4,9 @@ JSON in and out (through :mod:`~env_controller.http.json_io`: a nesting limit on
 without escapes on what goes out), JSON error replies, the middleware that checks credentials
 (``auth.py``) against each route's role, request-body reading under a size and a time limit, a small
 runner that serves an aiohttp app on ``host:port`` (port 0 picks a free port) with uvloop when
-installed, and :class:`HttpService`, the lifecycle both servers share.
+installed, and :class:`HttpService`, the lifecycle both servers share; its limits are its
+:class:`~env_controller.http.options.HttpOptions` (whose defaults, ``MAX_CONNECTIONS`` among them, are importable
+from here too).
 """
 from __future__ import annotations
 
@@ -30,22 +32,14 @@ from env_controller.http.auth import (
     check_bind,
     redact_url,
 )
-from env_controller.http.fast import MAX_CONNECTIONS, MAX_FAST_BODY, FastFront, LiteRequest, Reply
+from env_controller.http.fast import MAX_CONNECTIONS, MAX_FAST_BODY, FastFront, LiteRequest, Reply  # noqa: F401
 from env_controller.http.json_io import dumps_json, loads_json
+from env_controller.http.options import BODY_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_BODY_BYTES, HttpOptions
 
 logger = logging.getLogger(__name__)
 
 #: the header that carries a session id, as AgentRL clients and workers send it
 SESSION_HEADER = "session_id"
-#: largest request body accepted (assistant messages can be long)
-MAX_BODY_BYTES = 32 * 1024 * 1024
-#: seconds a client may take to send a request body once its headers arrived
-BODY_TIMEOUT_S = 30.0
-#: seconds a connection may stay without a complete request head (from its opening, or after a
-#: reply); keep it above the clients' own keep-alive (the trainer client: 30 s, the controller's
-#: pool towards workers: 3 s), so that no client sends on a connection the server is closing
-IDLE_TIMEOUT_S = 75.0
-
 #: a route's handler: a :class:`Reply` (any service's), or aiohttp's own response (a service without the fast
 #: front, e.g. one that streams)
 Handler = Callable[[web.Request], Awaitable["Reply | web.StreamResponse"]]
@@ -343,43 +337,33 @@ class HttpService(ABC):
         self,
         credentials: Credentials,
         routes: Iterable[Route],
+        options: HttpOptions | None = None,
         *,
-        body_timeout_s: float = BODY_TIMEOUT_S,
-        idle_timeout_s: float = IDLE_TIMEOUT_S,
-        max_body_bytes: int = MAX_BODY_BYTES,
         auth_hint: str = f"the controller's --token / ${TOKEN_ENV}",
         on_rejected: OnRejected | None = None,
         fast: bool = False,
         taskless: bool = False,
-        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         """``credentials``: what requests must prove (none: open); ``routes``: (method, path,
-        handler, role); ``body_timeout_s``: limit on receiving a request body; ``idle_timeout_s``:
-        limit on receiving a request head (and on idle keep-alive connections); ``max_body_bytes``:
-        largest request body; ``on_rejected(method, route_path, status)``: called for each request refused
+        handler, role); ``options``: the limits on requests and connections (a server's own options include
+        them; None: the defaults); ``on_rejected(method, route_path, status)``: called for each request refused
         before its handler ran (bad credential, unknown endpoint or method, a body that did not arrive on
         the fast path); ``fast``: serve plain requests through :class:`~env_controller.http.fast.FastFront`
         (aiohttp takes every other one), else aiohttp serves all; ``taskless``: the fast front drives the
-        handlers without a task (they await only futures: see :mod:`~env_controller.http.fast`);
-        ``max_connections``: connections open at once (one more is answered 503 and closed, and logged)."""
-        for label, v in (("body_timeout_s", body_timeout_s), ("idle_timeout_s", idle_timeout_s)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{label}={v!r} must be a positive number of seconds")
-        for label, n in (("max_body_bytes", max_body_bytes), ("max_connections", max_connections)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{label}={n!r} must be a positive integer")
-        self.max_connections = max_connections
+        handlers without a task (they await only futures: see :mod:`~env_controller.http.fast`)."""
+        limits = options if options is not None else HttpOptions()
+        self.max_connections = limits.max_connections
         self.credentials = credentials
-        self.idle_timeout_s = float(idle_timeout_s)
-        self.body_timeout_s = float(body_timeout_s)
-        self.max_body_bytes = max_body_bytes
+        self.idle_timeout_s = float(limits.idle_timeout_s)
+        self.body_timeout_s = float(limits.body_timeout_s)
+        self.max_body_bytes = limits.max_body_bytes
         self._auth_hint = auth_hint
         self._on_rejected = on_rejected
         roles: dict[tuple[str, str], Role] = {}
-        self.app = web.Application(client_max_size=max_body_bytes)
+        self.app = web.Application(client_max_size=self.max_body_bytes)
         self.app.middlewares.append(make_middleware(credentials, roles, on_error=on_rejected, auth_hint=auth_hint))
-        self.app[BODY_TIMEOUT_KEY] = float(body_timeout_s)
-        self.app[MAX_BODY_KEY] = max_body_bytes
+        self.app[BODY_TIMEOUT_KEY] = self.body_timeout_s
+        self.app[MAX_BODY_KEY] = self.max_body_bytes
         self._fast_routes: dict[tuple[str, str], Any] | None = {} if fast else None
         self._taskless = bool(taskless)
         for method, path, handler, role in routes:

@@ -45,12 +45,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from env_controller.http.auth import WORKER_TOKEN_ENV, Credentials, Role, pick_token, redact_url, token_ok
+from env_controller.http.auth import WORKER_TOKEN_ENV, Credentials, Role, pick_token, redact_url
 from env_controller.http.service import (
-    BODY_TIMEOUT_S,
-    IDLE_TIMEOUT_S,
-    MAX_BODY_BYTES,
-    MAX_CONNECTIONS,
     SESSION_HEADER,
     HttpError,
     HttpService,
@@ -70,6 +66,7 @@ from env_controller.protocol import (
 )
 from env_controller.sandbox.pool import PooledTask, SandboxPool
 from env_controller.tasks.base import Task, TaskSession
+from env_controller.worker.options import WorkerOptions
 
 logger = logging.getLogger(__name__)
 _perf = time.perf_counter
@@ -87,46 +84,12 @@ class _Open:
 class WorkerServer(HttpService):
     """Serves one task over the task-worker protocol and heartbeats to a controller."""
 
-    def __init__(
-        self,
-        task: Task,
-        *,
-        name: str | None = None,
-        controller_url: str | None = None,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        self_address: str | None = None,
-        concurrency: int = 64,
-        heartbeat_interval_s: float = 2.0,
-        timeout_s: float = 60.0,
-        latency_s: float = 0.0,
-        token: str | None = None,
-        session_idle_timeout_s: float = 1800.0,
-        heartbeat_backoff_cap_s: float = 30.0,
-        body_timeout_s: float = BODY_TIMEOUT_S,
-        idle_timeout_s: float = IDLE_TIMEOUT_S,
-        max_body_bytes: int = MAX_BODY_BYTES,
-        max_connections: int = MAX_CONNECTIONS,
-    ) -> None:
-        """``task``: the task served; ``name``: its name on the wire (default ``task.name``);
-        ``controller_url``: where to heartbeat (None: no heartbeats); ``self_address``: the URL
-        the controller reaches this worker at (default ``http://<host>:<port>/api``);
-        ``concurrency``: open sessions allowed; ``body_timeout_s``, ``idle_timeout_s``,
-        ``max_body_bytes``, ``max_connections``: limits on requests and connections (see
-        :class:`~env_controller.http.service.HttpService`);
-        the other arguments as in the module docstring.
-        """
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ValueError(f"worker: concurrency={concurrency!r} must be a positive integer")
-        for label, v in (("heartbeat_interval_s", heartbeat_interval_s), ("timeout_s", timeout_s),
-                         ("session_idle_timeout_s", session_idle_timeout_s),
-                         ("heartbeat_backoff_cap_s", heartbeat_backoff_cap_s)):
-            if not v > 0:
-                raise ValueError(f"worker: {label}={v!r} must be > 0")
-        if latency_s < 0:
-            raise ValueError(f"worker: latency_s={latency_s!r} must be >= 0")
+    def __init__(self, task: Task, options: WorkerOptions | None = None) -> None:
+        """``task``: the task served; ``options``: how it is served (None: the defaults, no heartbeats)."""
+        self.options = o = options if options is not None else WorkerOptions()
         self.task = task
-        self.name = name or getattr(task, "name", None) or type(task).__name__
+        self.name = o.name or getattr(task, "name", None) or type(task).__name__
+        concurrency = o.concurrency
         cap = task.max_containers if isinstance(task, PooledTask) else None
         if cap is not None and concurrency > cap:
             logger.info("worker %s: concurrency %d lowered to max_containers=%d (one sandbox per session)",
@@ -134,21 +97,20 @@ class WorkerServer(HttpService):
             concurrency = cap
         #: the task's sandbox pool, once started (see the module docstring)
         self.pool: SandboxPool | None = None
+        controller_url, token = o.controller_url, o.token
         if controller_url:  # kept without credentials: it is logged, and aiohttp refuses a URL login plus a header
             controller_url, token = pick_token(token, base_api_url(controller_url), f"worker {self.name}")
         self.controller_url = controller_url or None
-        self.host = host
-        self.port = port
-        self._self_address = self_address.rstrip("/") if self_address else None
+        self.host = o.host
+        self.port = o.port
+        self._self_address = o.self_address.rstrip("/") if o.self_address else None
         self.concurrency = concurrency
-        self.heartbeat_interval_s = float(heartbeat_interval_s)
-        self.timeout_s = float(timeout_s)
-        self.latency_s = float(latency_s)
-        if not token_ok(token):
-            raise ValueError("worker: token must be printable ASCII without spaces (it travels in a header)")
+        self.heartbeat_interval_s = float(o.heartbeat_interval_s)
+        self.timeout_s = float(o.timeout_s)
+        self.latency_s = float(o.latency_s)
         self.token = token
-        self.session_idle_timeout_s = float(session_idle_timeout_s)
-        self.heartbeat_backoff_cap_s = max(float(heartbeat_backoff_cap_s), self.heartbeat_interval_s)
+        self.session_idle_timeout_s = float(o.session_idle_timeout_s)
+        self.heartbeat_backoff_cap_s = max(float(o.heartbeat_backoff_cap_s), self.heartbeat_interval_s)
         self.indices: list[Any] = list(task.indices())
         self._index_set = set(self.indices)
         self._sessions: dict[int, _Open] = {}
@@ -159,11 +121,8 @@ class WorkerServer(HttpService):
         self.heartbeat_ok: asyncio.Event | None = None
         #: the controller's last refusal of a heartbeat, ``(status, message)``; None while they are accepted
         self.heartbeat_refusal: tuple[int, str] | None = None
-        super().__init__(
-            Credentials.single(token), self._routes(), body_timeout_s=body_timeout_s,
-            idle_timeout_s=idle_timeout_s, max_body_bytes=max_body_bytes, max_connections=max_connections,
-            auth_hint=f"the worker's --token / ${WORKER_TOKEN_ENV}", fast=True,
-        )
+        super().__init__(Credentials.single(token), self._routes(), o,
+                         auth_hint=f"the worker's --token / ${WORKER_TOKEN_ENV}", fast=True)
 
     # -- lifecycle -------------------------------------------------------------------------------
 

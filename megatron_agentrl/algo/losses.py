@@ -35,6 +35,7 @@ CP ranks and its (detached) sums are all-reduced over the CP group.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,7 +45,6 @@ from torch import Tensor
 if TYPE_CHECKING:
     from megatron_agentrl.config import LossConfig
 
-RATIO_LEVELS = ("token", "sequence")
 MIS_LEVELS = ("token", "sequence")
 LOSS_AGGS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 
@@ -130,32 +130,45 @@ def loss_agg_weights(mask: Tensor, mode: str) -> Tensor | None:
     return w.to(torch.float32)
 
 
-def _clipped_per_token(
-    logprobs: Tensor,
-    behavior_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_eps_low: float,
-    clip_eps_high: float,
-    old_logprobs: Tensor | None,
-    tis_cap: float,
-    ratio_level: str,
-    sequences: Sequences | None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+@dataclass(frozen=True)
+class LossInputs:
+    """The per-token inputs of a policy loss for one micro-batch, all ``[B, T]``.
+
+    logprobs: current-policy log-probs (with grad); behavior_logprobs: those the engine recorded when
+    sampling; advantages: token advantages; mask: the loss mask (1 = policy token).
+    old_logprobs: the trainer policy at the start of the step (no grad); ref_logprobs: the reference
+    policy's; entropy: the current policy's entropy per position; token_weights: per-token weights of the
+    loss (:func:`loss_agg_weights`); sequences: the sequence of each token (default one per row). Each
+    optional input is None when not given; which ones a loss needs, it says.
+    """
+
+    logprobs: Tensor
+    behavior_logprobs: Tensor
+    advantages: Tensor
+    mask: Tensor
+    old_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    entropy: Tensor | None = None
+    token_weights: Tensor | None = None
+    sequences: Sequences | None = None
+
+
+def _clipped_per_token(x: LossInputs, cfg: LossConfig, old_logprobs: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
     """The clipped surrogate per token ``[B, T]`` (not yet masked) and the per-token-sum stats of
-    :func:`clipped_policy_loss`."""
-    _check_level("ratio_level", ratio_level, RATIO_LEVELS)
-    mask = mask.to(logprobs.dtype)
+    :func:`clipped_policy_loss`, with ``old_logprobs`` (or None) as the base of the ratio."""
+    logprobs, behavior_logprobs, advantages = x.logprobs, x.behavior_logprobs, x.advantages
+    mask = x.mask.to(logprobs.dtype)
+    tis_cap = cfg.tis_cap
     base = behavior_logprobs if old_logprobs is None else old_logprobs.detach()
-    if ratio_level == "token":
+    if cfg.ratio_level == "token":
         log_ratio = (logprobs - base) * mask
     else:
         # GSPO-token: value log s_i (the sequence's mean log ratio), gradient that of log π_θ of each token
-        seq_log_ratio = (sequences or Sequences.rows(mask)).mean(logprobs.detach() - base, mask)
+        seq_log_ratio = (x.sequences or Sequences.rows(mask)).mean(logprobs.detach() - base, mask)
         log_ratio = (seq_log_ratio + logprobs - logprobs.detach()) * mask
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * advantages
+    clipped = torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
     stats: dict[str, Tensor] = {}
     if old_logprobs is not None and tis_cap > 0:
@@ -172,24 +185,13 @@ def _clipped_per_token(
     return per_token, stats
 
 
-def clipped_policy_loss(
-    logprobs: Tensor,
-    behavior_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_eps_low: float,
-    clip_eps_high: float,
-    *,
-    old_logprobs: Tensor | None = None,
-    tis_cap: float = 0.0,
-    ratio_level: str = "token",
-    sequences: Sequences | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def clipped_policy_loss(x: LossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO/GRPO clipped surrogate, summed over masked tokens.
 
-    All tensor inputs are ``[B, T]``: current-policy log-probs (with grad), the behavior
-    log-probs the engine recorded when sampling, token advantages and the loss mask (1 = policy
-    token). ``old_logprobs`` (optional, no grad): the trainer policy at the start of the step.
+    Reads of ``x`` the current-policy log-probs (with grad), the behavior log-probs the engine recorded
+    when sampling, the token advantages, the loss mask and, when given, ``old_logprobs`` (no grad: the
+    trainer policy at the start of the step) and ``sequences``; of ``cfg`` (the ``loss`` section)
+    ``clip_eps_low`` / ``clip_eps_high``, ``tis_cap`` and ``ratio_level``.
 
     Per token, with ``base = old_logprobs`` when given else ``behavior_logprobs``,
     ``r = exp(logprobs - base)`` and ``w = min(exp(old_logprobs - behavior_logprobs), tis_cap)``
@@ -205,9 +207,8 @@ def clipped_policy_loss(
     and with importance weights ``is_weight`` (sum of ``w``) and ``is_truncated`` (tokens whose
     weight hit the cap).
     """
-    per_token, stats = _clipped_per_token(logprobs, behavior_logprobs, advantages, mask, clip_eps_low, clip_eps_high,
-                                          old_logprobs, tis_cap, ratio_level, sequences)
-    return (per_token * mask.to(logprobs.dtype)).sum(), stats
+    per_token, stats = _clipped_per_token(x, cfg, x.old_logprobs)
+    return (per_token * x.mask.to(x.logprobs.dtype)).sum(), stats
 
 
 KL_ESTIMATORS = ("k3", "k2")
@@ -242,19 +243,7 @@ def _kl_per_token(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimato
     return k3(d) if estimator == "k3" else 0.5 * d * d
 
 
-def policy_loss(
-    logprobs: Tensor,
-    behavior_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: LossConfig,
-    *,
-    old_logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
-    entropy: Tensor | None = None,
-    sequences: Sequences | None = None,
-    token_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def policy_loss(x: LossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """The RL training loss of one micro-batch under the ``loss`` config section: a weighted sum over masked
     tokens.
 
@@ -265,7 +254,7 @@ def policy_loss(
     ``loss = sum_t mask_t * keep_t * w_t * l_t`` where ``keep`` is 0 for the tokens that masked importance
     sampling drops (``cfg.mis_cap > 0``, :func:`importance_keep` of ``old_logprobs`` at ``cfg.mis_level``), and
     ``w = token_weights`` (:func:`loss_agg_weights` of ``cfg.agg`` over the global batch; 1 when None).
-    ``[B, T]`` inputs; ``sequences`` (default one per row) groups the tokens for ``ratio_level`` /
+    ``[B, T]`` inputs (``x``); ``sequences`` (default one per row) groups the tokens for ``ratio_level`` /
     ``mis_level`` "sequence".
 
     Needs ``ref_logprobs`` when ``kl_coef > 0``, ``entropy`` when ``entropy_coef > 0`` and ``old_logprobs``
@@ -274,6 +263,8 @@ def policy_loss(
     (when a reference is given), ``entropy`` (when given) and ``mis_masked`` (tokens dropped, when
     ``mis_cap > 0``).
     """
+    logprobs, behavior_logprobs, mask = x.logprobs, x.behavior_logprobs, x.mask
+    old_logprobs, ref_logprobs, entropy, token_weights = x.old_logprobs, x.ref_logprobs, x.entropy, x.token_weights
     if cfg.needs_old_logprobs and old_logprobs is None:
         raise ValueError("loss.tis_cap > 0 and loss.mis_cap > 0 need old_logprobs (the policy's log-probs at the "
                          "step start)")
@@ -284,9 +275,7 @@ def policy_loss(
     if token_weights is not None and token_weights.shape != mask.shape:
         raise ValueError(f"token_weights {tuple(token_weights.shape)} must be [B, T] like mask {tuple(mask.shape)}")
     maskf = mask.to(logprobs.dtype)
-    per_token, stats = _clipped_per_token(logprobs, behavior_logprobs, advantages, maskf, cfg.clip_eps_low,
-                                          cfg.clip_eps_high, old_logprobs if cfg.tis_cap > 0 else None, cfg.tis_cap,
-                                          cfg.ratio_level, sequences)
+    per_token, stats = _clipped_per_token(x, cfg, old_logprobs if cfg.tis_cap > 0 else None)
     stats["pg_loss"] = (per_token * maskf).sum().detach()
     if ref_logprobs is not None:
         kl = _kl_per_token(logprobs, ref_logprobs, maskf, cfg.kl_estimator)
@@ -299,7 +288,7 @@ def policy_loss(
             per_token = per_token - cfg.entropy_coef * entropy
     scale = maskf
     if cfg.mis_cap > 0:
-        keep = importance_keep(old_logprobs, behavior_logprobs, maskf, cfg.mis_cap, cfg.mis_level, sequences)
+        keep = importance_keep(old_logprobs, behavior_logprobs, maskf, cfg.mis_cap, cfg.mis_level, x.sequences)
         stats["mis_masked"] = (maskf * (1.0 - keep)).sum()
         scale = scale * keep
     if token_weights is not None:

@@ -118,12 +118,6 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) -> int:
-    """Megatron's padded vocab: the smallest multiple of ``make_vocab_size_divisible_by * tp`` >= vocab_size."""
-    multiple = make_vocab_size_divisible_by * tp
-    return ((vocab_size + multiple - 1) // multiple) * multiple
-
-
 @dataclass(frozen=True)
 class TPLayout:
     """How one Megatron parameter is split over tensor-parallel ranks.
@@ -487,7 +481,8 @@ class GPTMapping:
     def checkpoint_chunks(self, mname: str, tp: int, padded_vocab: int | None = None) -> list[CheckpointChunk]:
         """The pieces a TP=``tp`` model stores for ``mname`` (as megatron's ``sharded_state_dict``
         does): one per TP rank, two per rank for ``linear_fc1`` (its gate and up halves),
-        one for replicated tensors. Vocab tensors cover ``padded_vocab`` rows."""
+        one for replicated tensors. Vocab tensors cover ``padded_vocab`` rows. ``tp`` divides the model's
+        widths (:meth:`~megatron_agentrl.parallel_layout.ParallelLayout.check_model`)."""
         lay = self.tp_layout(mname)
         shape = list(self.megatron_shape(mname))
         if lay.vocab:
@@ -500,8 +495,6 @@ class GPTMapping:
         dim = lay.partition_dim
         if lay.gated:
             half = shape[0] // 2
-            if half % tp:
-                raise ConversionError(f"{mname}: intermediate_size={half} does not split over tp={tp}")
             per = half // tp
             sizes = (per, *shape[1:])
             out = []
@@ -509,36 +502,10 @@ class GPTMapping:
                 out.append(CheckpointChunk((r * per, *zero[1:]), sizes))
                 out.append(CheckpointChunk((half + r * per, *zero[1:]), sizes))
             return out
-        if shape[dim] % tp:
-            raise ConversionError(f"{mname}: dim {dim} of shape {tuple(shape)} does not split over tp={tp}")
         per = shape[dim] // tp
         sizes = tuple(per if i == dim else s for i, s in enumerate(shape))
         return [CheckpointChunk(tuple(r * per if i == dim else 0 for i in range(len(shape))), sizes)
                 for r in range(tp)]
-
-    def check_parallel(self, tp: int, pp: int, ep: int = 1) -> None:
-        """Raise ConversionError unless this model splits over ``tp`` x ``pp`` x ``ep`` (heads, KV heads,
-        the dense and shared-expert FFN widths by TP; layers by PP; experts by EP)."""
-        if tp < 1 or pp < 1 or ep < 1:
-            raise ConversionError(f"tp={tp}, pp={pp}, ep={ep}: all must be positive integers")
-        widths = [("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads)]
-        if not all(self.moe_layers):
-            widths.append(("intermediate_size", self.intermediate_size))
-        if self.shared_expert_size:
-            widths.append(("shared expert width", self.shared_expert_size))
-        bad = [f"{what}={n}" for what, n in widths if n % tp]
-        if bad:
-            divisors = [t for t in range(1, self.num_kv_heads + 1) if all(n % t == 0 for _, n in widths)]
-            raise ConversionError(f"tp={tp} does not divide {', '.join(bad)}; choose tp in {divisors}")
-        if self.num_layers % pp:
-            divisors = [p for p in range(1, self.num_layers + 1) if self.num_layers % p == 0]
-            raise ConversionError(
-                f"pp={pp} does not divide num_hidden_layers={self.num_layers}; choose pp in {divisors}")
-        if ep > 1 and not self.is_moe:
-            raise ConversionError(f"ep={ep}: a {self.model_type} model has no experts; use ep=1")
-        if self.is_moe and self.num_experts % ep:
-            divisors = [e for e in range(1, self.num_experts + 1) if self.num_experts % e == 0]
-            raise ConversionError(f"ep={ep} does not divide the {self.num_experts} experts; choose ep in {divisors}")
 
     # ------------------------------------------------------------ conversion
     def to_megatron(self, mname: str, hf: Mapping[str, Tensor]) -> Tensor:

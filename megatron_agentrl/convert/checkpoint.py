@@ -477,7 +477,7 @@ def save_megatron_checkpoint(model: Any, ckpt_dir: str | Path, hf_config: Any,
     from megatron.core import dist_checkpointing, parallel_state
 
     from megatron_agentrl.convert import get_mapping
-    from megatron_agentrl.convert.base import padded_vocab_size
+    from megatron_agentrl.parallel_layout import padded_vocab_size
 
     mapping = get_mapping(hf_config)
     root = Path(ckpt_dir)

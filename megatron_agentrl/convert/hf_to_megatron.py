@@ -21,7 +21,7 @@ from torch import Tensor
 
 from megatron_agentrl.config import read_mapping_file
 from megatron_agentrl.convert import ARCHITECTURES, MAPPINGS, get_mapping
-from megatron_agentrl.convert.base import ConversionError, GPTMapping, one_line, padded_vocab_size
+from megatron_agentrl.convert.base import ConversionError, GPTMapping, one_line
 from megatron_agentrl.convert.checkpoint import (
     HF_ASSETS_DIR,
     CheckpointInfo,
@@ -33,6 +33,7 @@ from megatron_agentrl.convert.checkpoint import (
 )
 from megatron_agentrl.convert.output_dir import atomic_output_dir, check_output_dir
 from megatron_agentrl.convert.safetensors_io import SafetensorsReader
+from megatron_agentrl.parallel_layout import ModelDims, ParallelLayout, padded_vocab_size
 from rollout_sglang.dtypes import dtype_name
 
 logger = logging.getLogger(__name__)
@@ -248,7 +249,7 @@ def convert_hf_to_megatron(
     config_dict = load_hf_config_dict(hf_root)
     hf_config = hf_config_from_dict(config_dict, f"'{config_json_path(hf_root)}'")
     mapping = get_mapping(hf_config)
-    mapping.check_parallel(tp, pp)
+    ParallelLayout(tp=tp, pp=pp).check_model(ModelDims.of(mapping))
     reader = SafetensorsReader(hf_root)
     check_hf_tensors(reader, mapping)
     out = check_output_dir(out_dir, overwrite, source=hf_root)

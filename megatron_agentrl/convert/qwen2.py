@@ -19,7 +19,6 @@ from megatron_agentrl.convert.base import (  # noqa: F401  (re-exports)
     OUTPUT_LAYER,
     GPTMapping,
     TPLayout,
-    padded_vocab_size,
 )
 
 

@@ -59,6 +59,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from megatron_agentrl.config import Config, ConfigError
+from megatron_agentrl.parallel_layout import ModelDims
 
 GiB = 1024**3
 
@@ -259,22 +260,6 @@ class MemoryPlan:
         return self.layout_problems + self.memory_problems()
 
 
-def _check_experts(shape: ModelShape, ep: int, stage_ranks: int) -> None:
-    """ConfigError when ``parallel.ep`` does not fit the model's experts or a pipeline stage's ranks."""
-    if not shape.is_moe:
-        if ep != 1:
-            raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model; model_type={shape.model_type!r} "
-                              "has no MoE layer: set parallel.ep=1")
-        return
-    experts = shape.num_experts
-    if experts % ep:
-        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
-        raise ConfigError(f"parallel.ep={ep} does not divide the model's {experts} experts; choose ep in {divisors}")
-    if stage_ranks % ep:
-        raise ConfigError(f"parallel.ep={ep} does not divide the {stage_ranks} train ranks of a pipeline stage; "
-                          "choose ep dividing ray.train_workers / parallel.pp")
-
-
 def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 80.0,
                     total_gpus: int | None = None) -> MemoryPlan:
     """Per-GPU memory of the train pool and of the rollout pool for ``cfg``'s layout.
@@ -286,23 +271,18 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
         in it; None skips that check.
     """
     shape = ModelShape.from_hf(hf)
-    tp, pp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep
-    if shape.num_heads % tp or shape.num_kv_heads % tp:
-        raise ConfigError(f"parallel.tp={tp} does not divide the model's {shape.num_heads} attention heads and "
-                          f"{shape.num_kv_heads} KV heads (megatron splits both); choose a divisor of "
-                          f"{shape.num_kv_heads}")
-    if shape.num_layers % pp:
-        raise ConfigError(f"parallel.pp={pp} does not divide the model's {shape.num_layers} layers; choose a divisor")
+    layout = cfg.parallel
+    tp, pp, cp, ep = layout.tp, layout.pp, layout.cp, layout.ep
+    layout.check_model(ModelDims.of(shape))
     wbytes = _DTYPE_BYTES[cfg.model.dtype]
-    cp = cfg.parallel.cp
-    train_workers = cfg.ray.train_workers or cfg.parallel.model_parallel_size
+    train_workers = cfg.ray.train_workers or layout.model_parallel_size
+    layout.check_world(train_workers, "ray.train_workers")
     dp = train_workers // (tp * pp * cp)
-    _check_experts(shape, ep, train_workers // pp)
     expert_dp = train_workers // (ep * pp)  # expert tensor parallel 1: the experts' data-parallel ranks
 
     # Per stage: its layers plus the embedding (first stage) or the output layer (last stage); with
     # pp == 1 the one stage holds both. Params a GPU holds: TP-split, replicated (router), EP-split (experts).
-    layers_per_stage = shape.num_layers // pp
+    layers_per_stage = layout.stage_layers(shape.num_layers)
     emb = shape.embedding_params()
     masters = 0 if wbytes == 4 else 4
     shards = max(1, dp) * cp if cfg.train.use_distributed_optimizer else 1

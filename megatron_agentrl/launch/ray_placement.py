@@ -273,6 +273,7 @@ class EnvControllerActor(_Placed):
 
         from env_controller.controller.server import Controller, ControllerConfig
         from env_controller.tasks import build_task
+        from env_controller.worker.options import WorkerOptions
         from env_controller.worker.server import WorkerServer
 
         self._controller = Controller(ControllerConfig(host="0.0.0.0", port=port, token=token))
@@ -282,8 +283,8 @@ class EnvControllerActor(_Placed):
             raise RayLaunchError(f"the env controller did not start on port {port}: {e}") from None
         local = f"http://127.0.0.1:{self._controller.port}/api"
         for name, cls, params in builtin_tasks:
-            worker = WorkerServer(build_task(cls, **params), name=name, controller_url=local, host="127.0.0.1",
-                                  port=0, token=token)
+            worker = WorkerServer(build_task(cls, **params), WorkerOptions(name=name, controller_url=local,
+                                                                           host="127.0.0.1", port=0, token=token))
             self._run(worker.start(), timeout_s)
             self._workers.append(worker)
             try:
@@ -306,37 +307,58 @@ class EnvControllerActor(_Placed):
         self._loop.call_soon_threadsafe(self._loop.stop)
 
 
+@dataclass(frozen=True)
+class EngineLaunch:
+    """What every (re)launch of a rollout engine's server is given: the run's model and server settings."""
+
+    #: the HF weights (or config) the server loads: ``model.checkpoint`` or ``model.hf_config``
+    model_path: str
+    #: the server's module (``ray.engine_server_module``)
+    server_module: str
+    #: ``model.dtype``
+    dtype: str
+    #: ``rollout.engine_startup_timeout_s``
+    startup_timeout_s: float
+    #: where the server's log goes
+    log_dir: str
+    #: ``rollout.capture_routing``: "auto"/"on" start a MoE model's server with routed-experts capture (a dense
+    #: model gets none: "on" was refused for it by the config check)
+    capture_routing: str = "off"
+    #: the server's API and admin keys (it listens on every interface: without them anyone on the network could
+    #: push weights)
+    keys: tuple[str, str] | None = None
+
+
 class RolloutEngineActor(_Placed):
     """One rollout engine: an SGLang server (or a module with its command line) on this bundle's GPUs."""
 
     def __init__(self) -> None:
         self._engine = None
 
-    def start(self, model_path: str, server_module: str, dtype: str, startup_timeout_s: float, log_dir: str,
-              port: int = 0, stale_pid: int = 0, capture_routing: str = "off",
-              keys: tuple[str, str] | None = None) -> tuple[str, int]:
-        """Launch the server on the GPUs Ray gave this actor at ``port`` (0 = a free one); return its URL, once
-        healthy, and its process id. ``stale_pid``: the server an earlier actor of this bundle left (its own
-        session outlives a SIGKILLed actor): stopped first, so that the port is free for the relaunch.
-        ``capture_routing``: ``rollout.capture_routing``; "auto"/"on" start a MoE model's server with routed-experts
-        capture (a dense model gets none: "on" was refused for it by the config check). ``keys``: the server's API
-        and admin keys (it listens on every interface: without them anyone on the network could push weights)."""
+    def start(self, run: EngineLaunch, port: int = 0, stale_pid: int = 0) -> tuple[str, int]:
+        """Launch the server (``run``: the run's model and server settings) on the GPUs Ray gave this actor at
+        ``port`` (0 = a free one); return its URL, once healthy, and its process id. ``stale_pid``: the server an
+        earlier actor of this bundle left (its own session outlives a SIGKILLed actor): stopped first, so that the
+        port is free for the relaunch."""
         import ray
 
         from rollout_sglang.engines.router_capture import routing_layout_from_config
         from rollout_sglang.engines.sglang_client import SGLangEngine
+        from rollout_sglang.engines.sglang_options import SGLangClientOptions, SGLangLaunchOptions
 
         if self._engine is not None:  # relaunch in this actor: the old server exited (ping said so)
             self._engine.shutdown()
         if stale_pid:
             _stop_stale_server(stale_pid, port, timeout_s=30.0)
         gpus = [int(g) for g in ray.get_gpu_ids()]
-        capture = capture_routing != "off" and routing_layout_from_config(model_path) is not None
-        api_key, admin_api_key = keys or (None, None)
-        self._engine = SGLangEngine.launch(model_path, gpus=gpus, host="0.0.0.0", port=port or None, dtype=dtype,
-                                           startup_timeout_s=startup_timeout_s, log_dir=log_dir,
-                                           server_module=server_module, capture_routing=capture, api_key=api_key,
-                                           admin_api_key=admin_api_key)
+        capture = run.capture_routing != "off" and routing_layout_from_config(run.model_path) is not None
+        api_key, admin_api_key = run.keys or (None, None)
+        launch = SGLangLaunchOptions(host="0.0.0.0", port=port or None, dtype=run.dtype,
+                                     startup_timeout_s=run.startup_timeout_s, log_dir=run.log_dir,
+                                     server_module=run.server_module, capture_routing=capture)
+        self._engine = SGLangEngine.launch(run.model_path, launch, SGLangClientOptions(api_key=api_key,
+                                                                                   admin_api_key=admin_api_key),
+                                           gpus=gpus)
         port = self._engine.base_url.rsplit(":", 1)[1]
         return f"http://{_node_ip()}:{port}", int(self._engine.process.pid)
 
@@ -524,9 +546,10 @@ class RayRun:
     def _engine_start(self, m: _Member, port: int, stale_pid: int = 0) -> Any:
         model = self.cfg.model.checkpoint or self.cfg.model.hf_config
         log_dir = str(Path(self.cfg.output_dir).resolve() / "ray" / "engine_logs")
-        return m.actor.start.remote(str(model), self.cfg.ray.engine_server_module, self.cfg.model.dtype,
-                                    self.cfg.rollout.engine_startup_timeout_s, log_dir, port, stale_pid,
-                                    self.cfg.rollout.capture_routing, self.engine_keys)
+        run = EngineLaunch(str(model), self.cfg.ray.engine_server_module, self.cfg.model.dtype,
+                           self.cfg.rollout.engine_startup_timeout_s, log_dir, self.cfg.rollout.capture_routing,
+                           self.engine_keys)
+        return m.actor.start.remote(run, port, stale_pid)
 
     # ------------------------------------------------------------------------------ trainers
     def start_trainers(self) -> list[_Member]:

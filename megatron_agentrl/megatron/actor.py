@@ -14,7 +14,7 @@ every sequence is a multiple of ``2 * cp`` tokens, then cut with megatron's load
 (``context_parallel.py``; per sequence for THD); each CP rank runs the model on its shard. Token
 ``t + 1`` is predicted at position ``t``, which may sit on another rank than token ``t + 1``, so the
 per-token inputs of the loss (the target token, mask, advantages, behaviour / reference log-probs)
-are shifted one position left before the cut (``_cp_shard``); every rank then computes log-probs,
+are shifted one position left before the cut (``context_parallel.shard``); every rank then computes log-probs,
 entropy and loss terms of its own positions only, and log-probs that are returned are gathered
 over CP and shifted back.
 
@@ -43,12 +43,15 @@ from torch import Tensor
 from megatron_agentrl.config import LossConfig, TrainConfig
 from megatron_agentrl.convert import get_mapping
 from megatron_agentrl.convert.base import ConversionError
-from megatron_agentrl.convert.qwen2 import OUTPUT_LAYER, padded_vocab_size
+from megatron_agentrl.convert.qwen2 import OUTPUT_LAYER
+from megatron_agentrl.megatron.context_parallel import shard as cp_shard
+from megatron_agentrl.megatron.context_parallel import unshard as cp_unshard
 from megatron_agentrl.megatron.model import build_gpt_model
 from megatron_agentrl.megatron.moe import MoEStats
 from megatron_agentrl.megatron.packing import effective_lengths, pack, padded_length, plan_micro_batches, unpack
 from megatron_agentrl.megatron.routing_replay import RoutingReplay
 from megatron_agentrl.megatron.vocab_parallel import token_logprobs
+from megatron_agentrl.parallel_layout import padded_vocab_size, sequence_multiple
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +61,6 @@ _LOCAL_EXPERT_RE = re.compile(r"(?<=^mlp\.experts\.)local_experts\.(\d+)\.")
 # megatron's loss function of one micro-batch: (micro-batch, output) -> (loss, num_tokens, stats)
 # what padding holds of a micro-batch field other than 0 (-1: no routing given, the trainer's own)
 _FILL = {"routed_experts": -1}
-# the model's inputs among the micro-batch fields: never rolled by the context-parallel cut
-_MODEL_INPUTS = ("tokens", "position_ids", "routed_experts")
 LossFunc = Callable[[dict[str, Tensor], Tensor], tuple[Tensor, Tensor, dict[str, Tensor]]]
 
 
@@ -172,9 +173,7 @@ class MegatronActor:
 
         # a MoE model's routers always get megatron's replay hook: the flip rate is reported with replay off too
         self.model = build_gpt_model(hf_config, self.pre_process, self.post_process, dtype,
-                                     make_vocab_size_divisible_by, train_cfg.recompute, train_cfg.recompute_num_layers,
-                                     train_cfg.moe_aux_loss_coeff, train_cfg.moe_capacity_factor,
-                                     moe_routing_replay=self.mapping.is_moe)
+                                     make_vocab_size_divisible_by, train_cfg, routing_replay=self.mapping.is_moe)
         self.config = self.model.config
         self.ddp = self._wrap_ddp()
         self.device = next(self.model.parameters()).device
@@ -427,8 +426,9 @@ class MegatronActor:
         logits ``[B, T, V/tp]`` (padded vocab entries excluded), and with ``with_entropy`` the entropy of
         the same distributions (else None); column 0 (and, in a packed row, the first token of every
         sequence: ``seq_starts``) is 0 in both. With ``labels`` (a context-parallel shard, see
-        ``_cp_shard``): position ``t`` scores ``labels[:, t]``, 0 where ``seq_starts`` (there the
-        shifted target starts a sequence). Chunked: no fp32 copy of the whole logits (vocab_parallel.py)."""
+        :func:`~megatron_agentrl.megatron.context_parallel.shard`): position ``t`` scores ``labels[:, t]``, 0
+        where ``seq_starts`` (there the shifted target starts a sequence). Chunked: no fp32 copy of the whole
+        logits (vocab_parallel.py)."""
         from megatron.core import parallel_state
 
         shifted = labels is not None
@@ -448,36 +448,6 @@ class MegatronActor:
         from megatron.core import parallel_state
 
         return parallel_state.get_context_parallel_group()
-
-    def _cp_shard(self, mb: dict[str, Tensor], bounds: list[int]) -> dict[str, Tensor]:
-        """This CP rank's shard of a micro-batch whose every sequence (``bounds``: ``[0, w]`` for padded
-        rows, the ``cu_seqlens`` of a packed row) is a multiple of ``2 * cp`` long.
-
-        Every field but ``tokens``, ``position_ids`` and ``routed_experts`` (the model's inputs) is rolled
-        one position left, and ``labels`` (the tokens rolled left) added: position ``t`` then holds what the loss
-        needs of token ``t + 1``, which the logits at ``t`` predict. ``seq_starts`` (the first column
-        of padded rows) rolls with them: True where the target starts a sequence (or wraps around to
-        column 0), whose log-prob is 0, as without CP. Then every field is cut to this rank's
-        positions (:func:`~megatron_agentrl.megatron.context_parallel.local_index`)."""
-        from megatron_agentrl.megatron.context_parallel import local_index
-
-        tokens = mb["tokens"]
-        if "seq_starts" not in mb:
-            starts = torch.zeros_like(tokens, dtype=torch.bool)
-            starts[:, 0] = True
-            mb = {**mb, "seq_starts": starts}
-        out = {k: (v if k in _MODEL_INPUTS else torch.roll(v, -1, dims=1)) for k, v in mb.items()}
-        out["labels"] = torch.roll(tokens, -1, dims=1)
-        index = local_index(bounds, self.cp, self.cp_rank, tokens.device)
-        return {k: v.index_select(1, index) for k, v in out.items()}
-
-    def _cp_unshard(self, x: Tensor, bounds: list[int]) -> Tensor:
-        """The full-row per-token values from this rank's ``x`` (positions of :meth:`_cp_shard`, values of the
-        shifted targets) and the other CP ranks': gathered over CP and rolled back one position right,
-        so that column ``t`` holds token ``t``'s value. Collective over the CP group."""
-        from megatron_agentrl.megatron.context_parallel import gather_full
-
-        return torch.roll(gather_full(x, bounds, self.cp, self._cp_group()), 1, dims=1)
 
     def _check_tokens(self, tokens: Tensor) -> None:
         if tokens.ndim != 2 or tokens.dtype not in (torch.long, torch.int32, torch.int64):
@@ -503,7 +473,7 @@ class MegatronActor:
         packed = self.train_cfg.sequence_packing
         # context parallelism: every sequence a multiple of 2 * cp tokens (zeros appended, after the
         # tokens that matter, so causal attention leaves those unchanged)
-        multiple = 2 * self.cp if self.cp > 1 else 1
+        multiple = sequence_multiple(self.cp)
         # sequence parallelism (MoE under TP): each CP shard of a micro-batch splits evenly over the TP ranks
         whole = math.lcm(multiple, self.cp * self.tp) if self.config.sequence_parallel else multiple
         if packed:
@@ -529,7 +499,8 @@ class MegatronActor:
                     if self.cp > 1:
                         # cu_seqlens stay those of the full packed row; *_padded for TransformerEngine's CP
                         params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = cu
-                        mb = {**self._cp_shard(mb, p.cu_seqlens.tolist()), "cp_bounds": p.cu_seqlens.tolist()}
+                        bounds = p.cu_seqlens.tolist()
+                        mb = {**cp_shard(mb, bounds, self.cp, self.cp_rank), "cp_bounds": bounds}
                     yield mb, params
                     continue
                 index = torch.tensor(ix, dtype=torch.long)
@@ -540,7 +511,7 @@ class MegatronActor:
                 b, w = mb["tokens"].shape
                 mb["position_ids"] = torch.arange(w, device=self.device).unsqueeze(0).expand(b, w)
                 if self.cp > 1:
-                    mb = {**self._cp_shard(mb, [0, w]), "cp_bounds": [0, w]}
+                    mb = {**cp_shard(mb, [0, w], self.cp, self.cp_rank), "cp_bounds": [0, w]}
                 yield mb, None
 
         def forward_step(data_iterator: Iterator[tuple[dict[str, Tensor], Any]], model: Any) -> tuple[Tensor, Callable]:
@@ -609,7 +580,7 @@ class MegatronActor:
             lp, _ = self._token_logprobs(output, mb["tokens"], temperature, seq_starts=mb.get("seq_starts"),
                                          labels=mb.get("labels"))
             if self.cp > 1:  # the whole micro-batch, in token order, on every CP rank
-                lp = self._cp_unshard(lp.detach(), mb["cp_bounds"])
+                lp = cp_unshard(lp.detach(), mb["cp_bounds"], self.cp, self._cp_group())
             return lp.new_zeros(()), torch.tensor(0, dtype=torch.int), {"logprobs": lp.detach()}
 
         data = {"tokens": tokens.long()}
@@ -623,7 +594,7 @@ class MegatronActor:
             self.ddp.train()
         lp = torch.zeros(B, T, dtype=torch.float32, device=self.device)
         if self.post_process:
-            multiple = 2 * self.cp if self.cp > 1 else 1
+            multiple = sequence_multiple(self.cp)
             for ix, o in zip(plan, outs):
                 x = o["logprobs"]
                 if self.train_cfg.sequence_packing:
@@ -810,11 +781,11 @@ class MegatronActor:
                    cp_group: Any) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """megatron's loss function of one grpo micro-batch: :func:`~megatron_agentrl.algo.losses.policy_loss`
         under ``loss_cfg``, with the micro-batch's optional fields (:meth:`_train_fields`) where present."""
-        from megatron_agentrl.algo.losses import Sequences, policy_loss
+        from megatron_agentrl.algo.losses import LossInputs, Sequences, policy_loss
         from megatron_agentrl.algo.mismatch import lag_sums
 
         mask = mb["loss_mask"].float()
-        # context parallelism: targets and fields shifted (_cp_shard)
+        # context parallelism: targets and fields shifted (context_parallel.shard)
         lp, entropy = self._token_logprobs(output, mb["tokens"], temperature, seq_starts=mb.get("seq_starts"),
                                            labels=mb.get("labels"), with_entropy=self.loss_cfg.entropy_coef > 0)
         behavior = mb["behavior_logprobs"].to(lp.dtype)
@@ -822,8 +793,9 @@ class MegatronActor:
         # the batch row of every token (padding rows / columns: mask 0, never counted); every CP rank sums its
         # part of each sequence and the CP group adds them up
         seqs = Sequences(mb["seq_id"], rows, cp_group) if "seq_id" in mb else None
-        loss, stats = policy_loss(lp, behavior, mb["advantages"].to(lp.dtype), mask, self.loss_cfg,
-                                  old_logprobs=lp.detach(), entropy=entropy, sequences=seqs, **optional)
+        inputs = LossInputs(lp, behavior, mb["advantages"].to(lp.dtype), mask, old_logprobs=lp.detach(),
+                            entropy=entropy, sequences=seqs, **optional)
+        loss, stats = policy_loss(inputs, self.loss_cfg)
         if "version_lag" in mb:
             stats["lag_sums"] = lag_sums(lp, behavior, mask, mb["version_lag"])
         return self._reported(loss, mask, stats)

@@ -7,6 +7,9 @@ one of each (megatron's ``get_batch_on_this_cp_rank``; TransformerEngine's
 ``thd_get_partitioned_indices`` for THD). Every sequence length must therefore be a multiple of
 ``2 * cp``; the actor pads them.
 
+* :func:`shard` / :func:`unshard`: a micro-batch's fields cut to a CP rank's positions, the targets of the loss
+  shifted so that each rank scores the tokens its logits predict; and per-token values of the full row back
+  from every rank's shard;
 * :func:`local_index`: the positions (in the full row) that a CP rank holds, in its local order;
 * :func:`all_gather_sequence`: an autograd-aware all-gather of the local shards (the core attention
   gathers keys and values with it; the backward sums the gradient over the CP ranks and keeps this
@@ -20,6 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+#: the model's inputs among a micro-batch's fields: never rolled by :func:`shard`
+MODEL_INPUTS = ("tokens", "position_ids", "routed_experts")
 
 
 def local_index(bounds: list[int], cp: int, rank: int, device: Any = None) -> Tensor:
@@ -41,6 +47,34 @@ def local_index(bounds: list[int], cp: int, rank: int, device: Any = None) -> Te
     if not parts:
         return torch.zeros(0, dtype=torch.long, device=device)
     return torch.cat(parts)
+
+
+def shard(mb: dict[str, Tensor], bounds: list[int], cp: int, rank: int) -> dict[str, Tensor]:
+    """CP rank ``rank``'s shard of a micro-batch whose every sequence (``bounds``: ``[0, w]`` for padded
+    rows, the ``cu_seqlens`` of a packed row) is a multiple of ``2 * cp`` long.
+
+    Every field but ``tokens``, ``position_ids`` and ``routed_experts`` (the model's inputs) is rolled
+    one position left, and ``labels`` (the tokens rolled left) added: position ``t`` then holds what the loss
+    needs of token ``t + 1``, which the logits at ``t`` predict. ``seq_starts`` (the first column
+    of padded rows) rolls with them: True where the target starts a sequence (or wraps around to
+    column 0), whose log-prob is 0, as without CP. Then every field is cut to this rank's
+    positions (:func:`local_index`)."""
+    tokens = mb["tokens"]
+    if "seq_starts" not in mb:
+        starts = torch.zeros_like(tokens, dtype=torch.bool)
+        starts[:, 0] = True
+        mb = {**mb, "seq_starts": starts}
+    out = {k: (v if k in MODEL_INPUTS else torch.roll(v, -1, dims=1)) for k, v in mb.items()}
+    out["labels"] = torch.roll(tokens, -1, dims=1)
+    index = local_index(bounds, cp, rank, tokens.device)
+    return {k: v.index_select(1, index) for k, v in out.items()}
+
+
+def unshard(x: Tensor, bounds: list[int], cp: int, group: Any) -> Tensor:
+    """The full-row per-token values from this rank's ``x`` (positions of :func:`shard`, values of the
+    shifted targets) and the other CP ranks' of ``group``: gathered over CP and rolled back one position
+    right, so that column ``t`` holds token ``t``'s value. Collective over the CP group."""
+    return torch.roll(gather_full(x, bounds, cp, group), 1, dims=1)
 
 
 def full_order(bounds: list[int], cp: int, device: Any = None) -> Tensor:

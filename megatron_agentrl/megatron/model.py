@@ -33,10 +33,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_agentrl.config import ConfigError
+from megatron_agentrl.config import ConfigError, ParallelConfig, TrainConfig
 from megatron_agentrl.convert import MODEL_TYPES as SUPPORTED_MODEL_TYPES
 from megatron_agentrl.convert import get_mapping
 from megatron_agentrl.megatron.moe import is_moe, moe_options
+from megatron_agentrl.parallel_layout import ModelDims
 
 logger = logging.getLogger(__name__)
 
@@ -102,33 +103,30 @@ def partial_rotary_factor(hf_config: Any) -> float:
     return float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0))
 
 
-def recompute_options(recompute: str, recompute_num_layers: int, layers_per_stage: int) -> dict[str, Any]:
+def recompute_options(train: TrainConfig, layers_per_stage: int) -> dict[str, Any]:
     """megatron-core's recomputation fields for ``train.recompute`` / ``train.recompute_num_layers``:
     "none" -> none; "selective" -> the core attention of every layer; "full" -> whole layers, the
-    first ``recompute_num_layers`` of each stage (0 = all)."""
-    if recompute == "none":
+    first ``recompute_num_layers`` of each stage (0 = all; :meth:`TrainConfig.check_recompute_layers`
+    bounds it by ``layers_per_stage``)."""
+    if train.recompute == "none":
         return {}
-    if recompute == "selective":
+    if train.recompute == "selective":
         return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
-    if recompute != "full":
-        raise ConfigError(f"train.recompute={recompute!r} is not one of none, selective, full")
-    if recompute_num_layers > layers_per_stage:
-        raise ConfigError(f"train.recompute_num_layers={recompute_num_layers} exceeds the {layers_per_stage} layers "
-                          f"of a pipeline stage; use at most {layers_per_stage} (0 = all of them)")
     return {"recompute_granularity": "full", "recompute_method": "block",
-            "recompute_num_layers": recompute_num_layers or layers_per_stage}
+            "recompute_num_layers": train.recompute_num_layers or layers_per_stage}
 
 
-def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, recompute: str = "none",
-                            recompute_num_layers: int = 0, moe_aux_loss_coeff: float = 0.0,
-                            moe_capacity_factor: float | None = None, moe_routing_replay: bool = False) -> "Any":
+def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, train: TrainConfig | None = None,
+                            routing_replay: bool = False) -> "Any":
     """A megatron ``TransformerConfig`` equivalent to the HF config, for the current TP/PP/CP/EP sizes.
 
-    Requires ``initialize_parallel`` (reads TP/PP/CP/EP sizes from megatron's parallel_state).
-    ``moe_aux_loss_coeff`` / ``moe_capacity_factor``: the MoE training settings of a MoE family
-    (:func:`megatron_agentrl.megatron.moe.moe_options`); ``moe_routing_replay``: a MoE model's routers get
-    megatron's replay hook (``moe_enable_routing_replay``; driven by ``routing_replay.RoutingReplay``).
-    ``recompute`` / ``recompute_num_layers``: activation recomputation (:func:`recompute_options`).
+    Requires ``initialize_parallel`` (reads TP/PP/CP/EP sizes from megatron's parallel_state; the layout's
+    rules against the model: :meth:`~megatron_agentrl.parallel_layout.ParallelLayout.check_model`).
+    ``train`` (None: :class:`TrainConfig`'s defaults): ``recompute`` / ``recompute_num_layers``, activation
+    recomputation (:func:`recompute_options`), and ``moe_aux_loss_coeff`` / ``moe_capacity_factor``, the MoE
+    training settings of a MoE family (:func:`megatron_agentrl.megatron.moe.moe_options`). ``routing_replay``: a
+    MoE model's routers get megatron's replay hook (``moe_enable_routing_replay``; driven by
+    ``routing_replay.RoutingReplay``).
     ``dtype`` is the parameter / compute dtype (float32, bfloat16 or float16). The residual
     stream stays in ``dtype`` (``fp32_residual_connection=False``), as in transformers/SGLang.
     ``calculate_per_token_loss=True``: losses are sums over tokens divided by the global token
@@ -149,23 +147,20 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, 
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ConfigError(f"dtype={dtype} must be float32, bfloat16 or float16")
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    cp = parallel_state.get_context_parallel_world_size()
-    ep = parallel_state.get_expert_model_parallel_world_size()
-    n_layers = int(hf_config.num_hidden_layers)
-    n_heads = int(hf_config.num_attention_heads)
-    n_kv = int(getattr(hf_config, "num_key_value_heads", None) or n_heads)
-    if n_layers % pp:
-        raise ConfigError(f"num_hidden_layers={n_layers} is not divisible by parallel.pp={pp}")
-    if n_heads % tp or n_kv % tp:
-        raise ConfigError(
-            f"num_attention_heads={n_heads} and num_key_value_heads={n_kv} must both be divisible by parallel.tp={tp}"
-        )
+    train = train if train is not None else TrainConfig()
+    layout = ParallelConfig(tp=parallel_state.get_tensor_model_parallel_world_size(),
+                            pp=parallel_state.get_pipeline_model_parallel_world_size(),
+                            cp=parallel_state.get_context_parallel_world_size(),
+                            ep=parallel_state.get_expert_model_parallel_world_size())
+    tp, pp, cp = layout.tp, layout.pp, layout.cp
+    mapping = get_mapping(hf_config)
+    layout.check_model(ModelDims.of(mapping))
+    n_layers, n_heads, n_kv = mapping.num_layers, mapping.num_heads, mapping.num_kv_heads
+    stage_layers = train.check_recompute_layers(n_layers, layout)
     head_dim = getattr(hf_config, "head_dim", None) or int(hf_config.hidden_size) // n_heads
     # the family's own fields (q/k/v bias, q/k norms, rotary layout), ConfigError for what it cannot express
-    family = get_mapping(hf_config).transformer_options(partial_rotary_factor(hf_config))
-    moe = moe_options(hf_config, ep, moe_aux_loss_coeff, moe_capacity_factor)
+    family = mapping.transformer_options(partial_rotary_factor(hf_config))
+    moe = moe_options(hf_config, layout.ep, train.moe_aux_loss_coeff, train.moe_capacity_factor)
     cuda = torch.cuda.is_available()
     return TransformerConfig(
         num_layers=n_layers,
@@ -210,9 +205,9 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, 
         calculate_per_token_loss=True,
         variable_seq_lengths=False,
         deallocate_pipeline_outputs=False,
-        **recompute_options(recompute, recompute_num_layers, n_layers // pp),
+        **recompute_options(train, stage_layers),
         **moe,
-        **({"moe_enable_routing_replay": True} if moe and moe_routing_replay else {}),
+        **({"moe_enable_routing_replay": True} if moe and routing_replay else {}),
     )
 
 
@@ -364,11 +359,8 @@ def build_gpt_model(
     post_process: bool,
     dtype: torch.dtype = torch.float32,
     make_vocab_size_divisible_by: int = 128,
-    recompute: str = "none",
-    recompute_num_layers: int = 0,
-    moe_aux_loss_coeff: float = 0.0,
-    moe_capacity_factor: float | None = None,
-    moe_routing_replay: bool = False,
+    train: TrainConfig | None = None,
+    routing_replay: bool = False,
 ) -> "Any":
     """The ``GPTModel`` chunk of this PP stage for ``hf_config`` (randomly initialised).
 
@@ -378,8 +370,7 @@ def build_gpt_model(
         post_process: this stage holds the final norm and output layer (last PP stage).
         dtype: parameter dtype.
         make_vocab_size_divisible_by: the vocab is padded to a multiple of this times TP.
-        recompute, recompute_num_layers: activation recomputation (:func:`recompute_options`).
-        moe_aux_loss_coeff, moe_capacity_factor, moe_routing_replay: MoE settings (:func:`make_transformer_config`).
+        train, routing_replay: recomputation and MoE settings (:func:`make_transformer_config`).
 
     The output layer is vocab-parallel (``parallel_output=True``): without labels the model
     returns logits ``[B, S, padded_vocab / tp]``; padded vocab entries must be masked by the
@@ -388,10 +379,9 @@ def build_gpt_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_agentrl.convert.base import padded_vocab_size
+    from megatron_agentrl.parallel_layout import padded_vocab_size
 
-    config = make_transformer_config(hf_config, dtype, recompute, recompute_num_layers, moe_aux_loss_coeff,
-                                     moe_capacity_factor, moe_routing_replay)
+    config = make_transformer_config(hf_config, dtype, train, routing_replay)
     spec = layer_spec(hf_config, config)
     theta = rope_theta(hf_config)
     scaling = rope_scaling_factor(hf_config)

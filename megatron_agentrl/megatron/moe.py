@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megatron_agentrl.config import ConfigError
+from megatron_agentrl.config import ConfigError, ParallelConfig
 from megatron_agentrl.convert import get_mapping
 from rollout_sglang.routing import RoutingLayout
 
@@ -55,25 +55,20 @@ def moe_options(hf_config: Any, ep: int, aux_loss_coeff: float = 0.0,
                 capacity_factor: float | None = None) -> dict[str, Any]:
     """megatron ``TransformerConfig`` fields for ``hf_config``'s experts ({} for a dense family).
 
-    ep: expert-parallel size (must divide the expert count); aux_loss_coeff: the load-balancing
+    ep: expert-parallel size (:meth:`~megatron_agentrl.parallel_layout.ParallelLayout.check_experts`: 1 for a
+    dense model, else a divisor of the expert count); aux_loss_coeff: the load-balancing
     loss's coefficient (0 = none); capacity_factor: expert capacity as a multiple of the even share
     (None = no token dropping). Raises ConfigError for router settings megatron cannot express.
     """
     mapping = get_mapping(hf_config)
     model_type = mapping.model_type
+    ParallelConfig(ep=ep).check_experts(model_type, mapping.num_experts if mapping.is_moe else 0)
     if not mapping.is_moe:
-        if ep != 1:
-            raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model; model_type={model_type!r} "
-                              "has no MoE layer: set parallel.ep=1")
         return {}
     experts = mapping.num_experts
     topk = int(hf_config.num_experts_per_tok)
     if not 1 <= topk <= experts:
         raise ConfigError(f"{model_type}: num_experts_per_tok={topk} must be in [1, {experts}] (the expert count)")
-    if experts % ep:
-        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
-        raise ConfigError(f"parallel.ep={ep} does not divide the {experts} experts of the model; "
-                          f"choose ep in {divisors}")
     pattern = mapping.moe_layers
     opts: dict[str, Any] = {
         "num_moe_experts": experts,

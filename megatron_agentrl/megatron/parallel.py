@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from env_controller.http.net import free_port
-from megatron_agentrl.config import ConfigError
+from megatron_agentrl.config import ConfigError, ParallelConfig
 from megatron_agentrl.megatron import cpu_bridge
 
 logger = logging.getLogger(__name__)
@@ -64,37 +64,26 @@ def initialize_parallel(tp: int, pp: int, seed: int, timeout_s: float = 300, cp:
 
     Args:
         tp: tensor-parallel size; pp: pipeline-parallel size; cp: context-parallel size (each
-            sequence split over ``cp`` ranks). The world size must be a multiple of ``tp * pp * cp``;
-            data-parallel size = world / (tp * pp * cp). ep: expert-parallel size (MoE models); it
-            must divide ``world / pp``.
+            sequence split over ``cp`` ranks); ep: expert-parallel size (MoE models). The world size must
+            be a multiple of the layout's smallest world (``ParallelLayout.check_world``);
+            data-parallel size = world / (tp * pp * cp).
         seed: base seed. Python/torch RNGs get ``seed + 100 * pp_rank`` (as megatron's
             training loop does, so stages do not init layers identically); megatron's
             model-parallel RNG tracker is seeded with ``seed`` (offset per TP rank by megatron).
         timeout_s: timeout of the process group's collectives, seconds.
 
     Raises:
-        ConfigError (a ValueError) when the world size is not divisible by ``tp * pp * cp``, ``ep`` does
-        not divide the ranks of a stage, or megatron was already initialised with different sizes.
+        ConfigError (a ValueError) when a size is not a positive integer, the layout does not divide the world
+        size, or megatron was already initialised with different sizes.
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    if tp < 1 or pp < 1 or cp < 1 or ep < 1:
-        raise ConfigError(f"parallel.tp={tp}, parallel.pp={pp}, parallel.cp={cp}, parallel.ep={ep}: all must be "
-                          "positive integers")
+    layout = ParallelConfig(tp=tp, pp=pp, cp=cp, ep=ep)
     cpu_bridge.install()
     if not dist.is_initialized():
         _init_torch_distributed(timeout_s)
     world = dist.get_world_size()
-    ranks = tp * pp * cp
-    if world % ranks != 0:
-        raise ConfigError(
-            f"world size {world} is not divisible by parallel.tp * parallel.pp * parallel.cp = {tp} * {pp} * {cp} = "
-            f"{ranks}; launch a multiple of {ranks} processes or change parallel.tp / parallel.pp / parallel.cp"
-        )
-    if (world // pp) % ep:
-        raise ConfigError(f"parallel.ep={ep} does not divide the {world // pp} ranks of a pipeline stage "
-                          f"(world {world} / parallel.pp {pp}); launch a multiple of {ep * pp} processes or change "
-                          "parallel.ep")
+    layout.check_world(world, "the world size")
     if parallel_state.model_parallel_is_initialized():
         cur = (
             parallel_state.get_tensor_model_parallel_world_size(),
@@ -124,7 +113,7 @@ def initialize_parallel(tp: int, pp: int, seed: int, timeout_s: float = 300, cp:
     logger.info(
         "megatron parallel: tp=%d pp=%d cp=%d ep=%d dp=%d (rank %d: tp_rank=%d pp_rank=%d cp_rank=%d ep_rank=%d "
         "dp_rank=%d)",
-        tp, pp, cp, ep, world // ranks, dist.get_rank(),
+        tp, pp, cp, ep, world // (tp * pp * cp), dist.get_rank(),
         parallel_state.get_tensor_model_parallel_rank(), pp_rank,
         parallel_state.get_context_parallel_rank(), parallel_state.get_expert_model_parallel_rank(),
         parallel_state.get_data_parallel_rank(),

@@ -18,6 +18,7 @@ log-partition known, each rank's share of ``d / d x`` is local.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,9 +51,21 @@ def token_logprobs(logits: Tensor, targets: Tensor, *, temperature: float = 1.0,
                                      and torch.distributed.get_world_size(tp_group) > 1):
         tp_group = None
     rows = max(1, int(chunk_mb * 2**20 // (4 * max(1, logits.shape[-1]))))
-    lp, ent = _TokenLogprobs.apply(logits, targets, float(temperature), pad_mask, int(vocab_start), tp_group,
-                                   bool(with_entropy), rows)
+    scoring = _Scoring(float(temperature), pad_mask, int(vocab_start), tp_group, bool(with_entropy), rows)
+    lp, ent = _TokenLogprobs.apply(logits, targets, scoring)
     return lp, (ent if with_entropy else None)
+
+
+@dataclass(frozen=True)
+class _Scoring:
+    """How :class:`_TokenLogprobs` reads the logits (see :func:`token_logprobs`); ``rows``: rows per fp32 chunk."""
+
+    temperature: float
+    pad_mask: Tensor | None
+    vocab_start: int
+    tp_group: Any
+    with_entropy: bool
+    rows: int
 
 
 def _chunks(logits: Tensor, rows: int):
@@ -75,8 +88,9 @@ def _scaled(chunk: Tensor, temperature: float, pad_mask: Tensor | None) -> Tenso
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, targets: Tensor, temperature: float, pad_mask: Tensor | None,
-                vocab_start: int, tp_group: Any, with_entropy: bool, rows: int) -> tuple[Tensor, Tensor]:
+    def forward(ctx: Any, logits: Tensor, targets: Tensor, scoring: _Scoring) -> tuple[Tensor, Tensor]:
+        temperature, pad_mask, vocab_start = scoring.temperature, scoring.pad_mask, scoring.vocab_start
+        tp_group, with_entropy, rows = scoring.tp_group, scoring.with_entropy, scoring.rows
         b, s, v = logits.shape
         local = (targets >= vocab_start) & (targets < vocab_start + v)
         idx = torch.where(local, targets - vocab_start, torch.zeros_like(targets)).long()
@@ -109,7 +123,7 @@ class _TokenLogprobs(torch.autograd.Function):
         logprobs = sums[1] - lse
         entropy = log_z - sums[2] / sums[0]
         ctx.save_for_backward(logits, idx, local, lse, entropy)
-        ctx.temperature, ctx.pad_mask, ctx.rows, ctx.with_entropy = temperature, pad_mask, rows, with_entropy
+        ctx.scoring = scoring
         ctx.set_materialize_grads(False)  # an output nobody used gets None, not a tensor of zeros
         return logprobs, entropy
 
@@ -117,10 +131,11 @@ class _TokenLogprobs(torch.autograd.Function):
     def backward(ctx: Any, g_lp: Tensor | None, g_ent: Tensor | None):
         logits, idx, local, lse, entropy = ctx.saved_tensors
         grad = torch.empty_like(logits)
-        use_ent = ctx.with_entropy and g_ent is not None
-        for i, j0, j1 in _chunks(logits, ctx.rows):
+        scoring = ctx.scoring
+        use_ent = scoring.with_entropy and g_ent is not None
+        for i, j0, j1 in _chunks(logits, scoring.rows):
             # two fp32 chunks at a time: log p (then the entropy term) and p (then the gradient)
-            logp = _scaled(logits[i, j0:j1], ctx.temperature, ctx.pad_mask).sub_(lse[i, j0:j1, None])
+            logp = _scaled(logits[i, j0:j1], scoring.temperature, scoring.pad_mask).sub_(lse[i, j0:j1, None])
             g = logp.exp()
             if use_ent:  # d entropy / d x = -p (log p + entropy)
                 logp.add_(entropy[i, j0:j1, None]).mul_(g).mul_(-g_ent[i, j0:j1, None])
@@ -131,7 +146,7 @@ class _TokenLogprobs(torch.autograd.Function):
                 g.zero_()
             if use_ent:
                 g.add_(logp)
-            if ctx.temperature != 1.0:
-                g.div_(ctx.temperature)
+            if scoring.temperature != 1.0:
+                g.div_(scoring.temperature)
             grad[i, j0:j1] = g
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None

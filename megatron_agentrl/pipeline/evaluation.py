@@ -18,7 +18,12 @@ from megatron_agentrl.config import Config
 from megatron_agentrl.pipeline.batch import per_task_means
 from megatron_agentrl.pipeline.progress import Phase, Progress
 from megatron_agentrl.pipeline.rewards import is_success
-from megatron_agentrl.pipeline.rollout_side import RolloutSide, build_eval_agent_runner, sampling_params
+from megatron_agentrl.pipeline.rollout_side import (
+    RolloutSide,
+    build_eval_agent_runner,
+    episode_options,
+    sampling_params,
+)
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.trajectory import Trajectory
@@ -73,7 +78,7 @@ async def _play(cfg: Config, ro: RolloutSide, engine: Any, seed: int) -> list[Tr
     """The held-out episodes on ``engine`` at ``eval.temperature``: in lockstep by the agent loop, or with
     ``rollout.agent: gateway`` each by the user's agent function (one trajectory per episode: its last
     segment, which carries the episode's ending)."""
-    requests, params = _requests(ro), sampling_params(cfg, ro, cfg.eval.temperature, seed)
+    requests, params = _requests(ro), sampling_params(cfg, ro.template, cfg.eval.temperature, seed)
     if cfg.rollout.agent == "gateway":
         runner = build_eval_agent_runner(cfg, ro, engine, len(requests))
         try:
@@ -81,10 +86,7 @@ async def _play(cfg: Config, ro: RolloutSide, engine: Any, seed: int) -> list[Tr
         finally:
             await runner.aclose()
         return list({t.group_id: t for t in trajs}.values())
-    return await run_group_lockstep(
-        engine, ro.env, ro.template, requests, params, max_turns=cfg.rollout.max_turns,
-        max_total_tokens=cfg.rollout.max_total_tokens, env_timeout_s=cfg.pipeline.env_timeout_s,
-    )
+    return await run_group_lockstep(engine, ro.env, ro.template, requests, params, episode_options(cfg))
 
 
 def eval_metrics(trajs: list[Trajectory]) -> dict[str, float]:

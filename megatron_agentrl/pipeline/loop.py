@@ -75,6 +75,7 @@ from megatron_agentrl.pipeline.rollout_side import (
 from megatron_agentrl.pipeline.sft import sft_warmup
 from megatron_agentrl.pipeline.step_metrics import engine_metrics, format_step, step_metrics
 from megatron_agentrl.pipeline.trainer import Trainer
+from megatron_agentrl.weight_sync.options import SenderOptions
 from megatron_agentrl.weight_sync.publisher import WeightPublisher
 from rollout_sglang.rollout.manager import FinishedGroup, RolloutManager
 from rollout_sglang.tokenizer import load_tokenizer
@@ -269,14 +270,12 @@ class TrainingRun:
             logger.info("output_dir: %s | mode: %s | tasks: %s | model: %s", self.out, cfg.pipeline.mode,
                         ", ".join(self.task_names), _describe(self.hf_config))
         r = cfg.rollout
-        self.publisher = WeightPublisher(
-            self.actor, self.ro.pool if self.ro is not None else None, r.weight_sync_bucket_mb,
-            timeout_s=r.engine_timeout_s, remote_slots=remote,
-            sender_kwargs={"init_timeout_s": r.weight_sync_init_timeout_s,
-                           "bucket_timeout_s": r.weight_sync_bucket_timeout_s, "checksum": r.weight_sync_checksum,
-                           "master_address": weight_sync_master_address(cfg)},
-            max_failures=r.weight_sync_max_failures,
-        )
+        sync = SenderOptions(bucket_mb=r.weight_sync_bucket_mb, init_timeout_s=r.weight_sync_init_timeout_s,
+                             bucket_timeout_s=r.weight_sync_bucket_timeout_s, checksum=r.weight_sync_checksum,
+                             master_address=weight_sync_master_address(cfg))
+        self.publisher = WeightPublisher(self.actor, self.ro.pool if self.ro is not None else None, sync,
+                                         timeout_s=r.engine_timeout_s, remote_slots=remote,
+                                         max_failures=r.weight_sync_max_failures)
         self.trainer = Trainer(self.actor, cfg, self.task_names)
         p = cfg.pipeline
         self.collapse = CollapseMonitor(p.collapse_window, p.collapse_drop, patience=p.collapse_patience)
@@ -408,8 +407,8 @@ class TrainingRun:
                      "step_time_s": time.perf_counter() - t_step}
             if cfg.eval.interval:
                 times["eval_wait_s"] = eval_s
-            m, staleness = step_metrics(step, groups, stats, rl.rewards, rl.sample_adv, self.eta, times,
-                                        self.manager, self.ro.busy_seconds() - busy0)
+            m, staleness = step_metrics(step, groups, stats, rl, self.eta, times, self.manager,
+                                        self.ro.busy_seconds() - busy0)
             m.update(self.manager.agent_metrics())  # rollout.agent: gateway: history rewrites, agent errors, ...
             m.update(self._engine_counts())
             self._record(step, groups, stats, m, staleness, rl.sample_adv.tolist())

@@ -9,6 +9,7 @@ engine sits behind a :class:`~rollout_sglang.engines.batching.BatchingEngine` th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import random
@@ -29,8 +30,17 @@ from rollout_sglang.engines.batching import BatchingEngine
 from rollout_sglang.engines.local import LocalEngine
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.engines.sglang_client import SGLangEngine
+from rollout_sglang.engines.sglang_options import SGLangClientOptions
 from rollout_sglang.engines.version_pool import VersionPool
-from rollout_sglang.rollout.manager import PromptSampler, RolloutManager
+from rollout_sglang.episode_options import EpisodeOptions
+from rollout_sglang.gateway.options import GatewayOptions
+from rollout_sglang.rollout.manager import (
+    AdmissionOptions,
+    DynamicSamplingOptions,
+    PromptSampler,
+    RolloutManager,
+    RolloutOptions,
+)
 from rollout_sglang.rollout.sim_env import LatencyEnvClient
 from rollout_sglang.routing import RoutingLayout
 
@@ -123,14 +133,15 @@ def build_env(cfg: Config) -> tuple[Any, dict[str, Any], dict[str, list[int]]]:
             tasks[spec.name] = build_task(spec.task or spec.name, **spec.params)
     if cfg.env.controller_url:
         from env_controller.clients.http_client import HttpEnvClient
+        from env_controller.clients.options import EnvClientOptions
 
         if cfg.sft.steps and len(tasks) < len(names):
             remote = [n for n in names if n not in tasks]
             raise ConfigError(f"sft.steps={cfg.sft.steps}: the tasks {remote} run behind the env controller and have "
                               "no scripted demonstrations here; set sft.steps=0 or list only built-in tasks")
-        client = HttpEnvClient(cfg.env.controller_url, token=cfg.env.token or None,
-                               timeout_s=cfg.pipeline.env_timeout_s,
-                               unavailable_timeout_s=cfg.env.unavailable_timeout_s)
+        client = HttpEnvClient(cfg.env.controller_url, EnvClientOptions(
+            token=cfg.env.token or None, timeout_s=cfg.pipeline.env_timeout_s,
+            unavailable_timeout_s=cfg.env.unavailable_timeout_s))
         indices = _controller_indices(client, names, cfg.pipeline.env_timeout_s)
         logger.info("environments: env controller %s", client.url)
         return client, tasks, indices
@@ -150,11 +161,11 @@ def remote_engines(cfg: Config, hf_config: Any) -> list[list[SGLangEngine]] | No
     r = cfg.rollout
     if not r.engine_urls:
         return None
-    keys = {"api_key": os.environ.get(r.engine_api_key_env) or None,
-            "admin_api_key": os.environ.get(r.engine_admin_api_key_env) or None,
-            "routing_layout": routing_capture(r.capture_routing, cfg.train.moe_routing_replay, hf_config)}
-    return [[SGLangEngine(u, request_timeout_s=r.engine_timeout_s, update_timeout_s=r.weight_sync_bucket_timeout_s,
-                          **keys) for u in slot] for slot in r.engine_urls]
+    options = SGLangClientOptions(request_timeout_s=r.engine_timeout_s, update_timeout_s=r.weight_sync_bucket_timeout_s,
+                                  api_key=os.environ.get(r.engine_api_key_env) or None,
+                                  admin_api_key=os.environ.get(r.engine_admin_api_key_env) or None)
+    layout = routing_capture(r.capture_routing, cfg.train.moe_routing_replay, hf_config)
+    return [[SGLangEngine(u, options, routing_layout=layout) for u in slot] for slot in r.engine_urls]
 
 
 def weight_sync_master_address(cfg: Config) -> str:
@@ -237,13 +248,13 @@ def chat_template(cfg: Config, tokenizer: Any, hf_config: Any) -> AnyChatTemplat
                           f"'{cfg.model.tokenizer}': {e}") from None
 
 
-def sampling_params(cfg: Config, ro: RolloutSide, temperature: float, seed: int | None) -> SamplingParams:
+def sampling_params(cfg: Config, template: AnyChatTemplate, temperature: float, seed: int | None) -> SamplingParams:
     """The sampling settings of a rollout turn (``rollout.*`` caps, the template's stop tokens)."""
     return SamplingParams(
         max_new_tokens=cfg.rollout.max_new_tokens,
         temperature=temperature,
         top_p=cfg.rollout.top_p,
-        stop_token_ids=list(ro.template.stop_token_ids),
+        stop_token_ids=list(template.stop_token_ids),
         seed=seed,
     )
 
@@ -260,23 +271,25 @@ def gateway_token(cfg: Config) -> str | None:
     return token
 
 
+def episode_options(cfg: Config, capture_routing: bool = False) -> EpisodeOptions:
+    """How the run plays an episode: the limits of the ``rollout`` section (which is an
+    :class:`~rollout_sglang.episode_options.EpisodeLimits`), ``pipeline.env_timeout_s``, and whether the engines
+    capture routing."""
+    return EpisodeOptions(cfg.rollout, env_timeout_s=cfg.pipeline.env_timeout_s, capture_routing=capture_routing)
+
+
 def build_gateway(cfg: Config, engine: Any, template: AnyChatTemplate, env: Any, *, training: bool,
-                  temperature: float | None = None, max_sessions: int | None = None,
+                  temperature: float | None = None, gateway: GatewayOptions | None = None,
                   capture_routing: bool = False) -> Any:
     """A :class:`~rollout_sglang.gateway.Gateway` over ``engine`` (a pool or an engine) and ``env`` with the
-    run's sampling settings and limits (``temperature`` and ``max_sessions`` replace ``rollout.temperature``
-    and ``gateway.max_sessions``); ``training`` refuses a temperature or top_p other than the run's;
+    run's sampling settings and limits (``temperature`` replaces ``rollout.temperature``, ``gateway`` the
+    ``gateway`` section); ``training`` refuses a temperature or top_p other than the run's;
     ``capture_routing``: its trajectories carry the engines' routed experts (MoE)."""
     from rollout_sglang.gateway import Gateway
 
-    r, g = cfg.rollout, cfg.gateway
-    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature if temperature is None
-                              else temperature, top_p=r.top_p, stop_token_ids=list(template.stop_token_ids))
-    return Gateway(engine, template, env=env, sampling=sampling, max_turns=r.max_turns,
-                   max_total_tokens=r.max_total_tokens, enforce_sampling=training,
-                   env_timeout_s=cfg.pipeline.env_timeout_s, max_sessions=max_sessions or g.max_sessions,
-                   session_idle_timeout_s=g.session_idle_timeout_s, max_queued_turns=g.max_queued_turns,
-                   retry_after_s=g.retry_after_s, capture_routing=capture_routing)
+    t = cfg.rollout.temperature if temperature is None else temperature
+    return Gateway(engine, template, sampling_params(cfg, template, t, None),
+                   episode_options(cfg, capture_routing), gateway or cfg.gateway, env=env, enforce_sampling=training)
 
 
 def standalone_pool(cfg: Config, hf_config: Any, dtype: torch.dtype) -> VersionPool:
@@ -309,9 +322,6 @@ def standalone_pool(cfg: Config, hf_config: Any, dtype: torch.dtype) -> VersionP
 def build_agent_runner(cfg: Config, ro: RolloutSide) -> Any:
     """The :class:`~rollout_sglang.gateway.AgentRunner` of ``rollout.agent: gateway``: ``rollout.agent_fn`` per
     sample against a gateway over the pool and the training env, served on ``gateway.host:port``."""
-    from megatron_agentrl.config import load_agent_fn
-    from rollout_sglang.gateway import AgentRunner
-
     r, g, p = cfg.rollout, cfg.gateway, cfg.pipeline
     eta = 0 if p.mode == "sync" else p.staleness
     in_flight = (p.queue_size or (eta + 1) * r.prompts_per_step) * r.samples_per_prompt
@@ -320,9 +330,7 @@ def build_agent_runner(cfg: Config, ro: RolloutSide) -> Any:
                           "run at once (pipeline.queue_size groups of rollout.samples_per_prompt); raise it")
     gateway = build_gateway(cfg, ro.pool, ro.template, ro.train_env, training=True,
                             capture_routing=ro.routing is not None)
-    return AgentRunner(gateway, load_agent_fn(str(r.agent_fn)), host=g.host, port=g.port, token=gateway_token(cfg),
-                       agent_timeout_s=r.agent_timeout_s, client_timeout_s=r.engine_timeout_s + p.env_timeout_s,
-                       max_connections=g.max_connections)
+    return _agent_runner(cfg, gateway)
 
 
 def build_eval_agent_runner(cfg: Config, ro: RolloutSide, engine: Any, episodes: int) -> Any:
@@ -330,16 +338,22 @@ def build_eval_agent_runner(cfg: Config, ro: RolloutSide, engine: Any, episodes:
     ``rollout.agent_fn``: a gateway of its own over ``engine`` and the evaluation env, ``eval.temperature``
     by default (an agent may ask for another: nothing is trained on these tokens), on ``gateway.host`` at a
     port the system picks (the training runner keeps ``gateway.port``)."""
+    g = cfg.gateway
+    options = dataclasses.replace(g, port=0, max_sessions=max(g.max_sessions, episodes))
+    gateway = build_gateway(cfg, engine, ro.template, ro.env, training=False, temperature=cfg.eval.temperature,
+                            gateway=options)
+    return _agent_runner(cfg, gateway)
+
+
+def _agent_runner(cfg: Config, gateway: Any) -> Any:
+    """``rollout.agent_fn`` on ``gateway``, served where its options say, with the run's time limits."""
     from megatron_agentrl.config import load_agent_fn
     from rollout_sglang.gateway import AgentRunner
 
-    r, g = cfg.rollout, cfg.gateway
-    gateway = build_gateway(cfg, engine, ro.template, ro.env, training=False, temperature=cfg.eval.temperature,
-                            max_sessions=max(g.max_sessions, episodes))
-    return AgentRunner(gateway, load_agent_fn(str(r.agent_fn)), host=g.host, port=0, token=gateway_token(cfg),
+    r = cfg.rollout
+    return AgentRunner(gateway, load_agent_fn(str(r.agent_fn)), token=gateway_token(cfg),
                        agent_timeout_s=r.agent_timeout_s,
-                       client_timeout_s=r.engine_timeout_s + cfg.pipeline.env_timeout_s,
-                       max_connections=g.max_connections)
+                       client_timeout_s=r.engine_timeout_s + cfg.pipeline.env_timeout_s)
 
 
 def make_manager(cfg: Config, ro: RolloutSide, version: int) -> RolloutManager:
@@ -347,25 +361,25 @@ def make_manager(cfg: Config, ro: RolloutSide, version: int) -> RolloutManager:
     async: ``pipeline.staleness``, groups one by one) over the pool, at weight version ``version``; with
     ``rollout.agent: gateway`` its episodes are played by ``rollout.agent_fn`` through the gateway; with
     ``algo.dynamic_sampling`` groups whose shaped rewards are all equal are dropped and more are drawn."""
-    sync = cfg.pipeline.mode == "sync"
-    B = cfg.rollout.prompts_per_step
-    sampler = PromptSampler(ro.task_names, ro.weights, ro.train_indices, cfg.rollout.samples_per_prompt,
-                            seed=cfg.train.seed)
-    cohort = cfg.pipeline.cohort_groups or (B if sync else 1)
-    manager = RolloutManager(
-        ro.pool, ro.train_env, ro.template, sampler, batch_groups=B,
-        staleness=0 if sync else cfg.pipeline.staleness,
-        queue_size=cfg.pipeline.queue_size, cohort_groups=cohort,
-        sampling=lambda seed: sampling_params(cfg, ro, cfg.rollout.temperature, seed),
-        max_turns=cfg.rollout.max_turns, max_total_tokens=cfg.rollout.max_total_tokens,
-        env_timeout_s=cfg.pipeline.env_timeout_s, version=version, seed=cfg.train.seed,
-        version_lag=0 if sync or cfg.rollout.cross_policy == "latest" else cfg.rollout.max_versions - 1,
+    r, p = cfg.rollout, cfg.pipeline
+    sync = p.mode == "sync"
+    B = r.prompts_per_step
+    sampler = PromptSampler(ro.task_names, ro.weights, ro.train_indices, r.samples_per_prompt, seed=cfg.train.seed)
+    admission = AdmissionOptions(
+        batch_groups=B, staleness=0 if sync else p.staleness, queue_size=p.queue_size,
+        cohort_groups=p.cohort_groups or (B if sync else 1),
+        version_lag=0 if sync or r.cross_policy == "latest" else r.max_versions - 1,
         total_groups=cfg.train.steps * B,
-        agent=build_agent_runner(cfg, ro) if cfg.rollout.agent == "gateway" else None,
-        min_valid_fraction=cfg.rollout.min_valid_fraction,
-        capture_routing=ro.routing is not None,
-        max_dropped_in_row=cfg.pipeline.max_dropped_groups_in_row,
     )
-    if cfg.algo.dynamic_sampling:  # groups of one sample are refused by Config.validate
-        manager.enable_dynamic_sampling(ro.shaper, cfg.algo.dynamic_sampling_max_groups)
+    options = RolloutOptions(
+        admission, episode=episode_options(cfg, ro.routing is not None),
+        sampling=sampling_params(cfg, ro.template, r.temperature, None), retry=r,
+        dynamic_sampling=DynamicSamplingOptions(cfg.algo.dynamic_sampling_max_groups), seed=cfg.train.seed,
+        max_dropped_in_row=p.max_dropped_groups_in_row,
+    )
+    # groups of one sample under dynamic sampling are refused by Config.validate
+    manager = RolloutManager(ro.pool, ro.train_env, ro.template, sampler, options,
+                             agent=build_agent_runner(cfg, ro) if r.agent == "gateway" else None,
+                             reward=ro.shaper if cfg.algo.dynamic_sampling else None)
+    manager.set_version(version)
     return manager

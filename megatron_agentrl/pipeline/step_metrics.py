@@ -3,23 +3,21 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from megatron_agentrl.config import Config
 from megatron_agentrl.metrics import gpu_stats
-from megatron_agentrl.pipeline.batch import per_task_means
+from megatron_agentrl.pipeline.batch import RLBatch, per_task_means
 from rollout_sglang.rollout.manager import FinishedGroup, RolloutManager
 from rollout_sglang.trajectory import Trajectory
 
 
-def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float], rewards: torch.Tensor,
-                 sample_adv: torch.Tensor, eta: int, times: dict[str, float], manager: RolloutManager,
+def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float], batch: RLBatch, eta: int,
+                 times: dict[str, float], manager: RolloutManager,
                  busy_delta: float) -> tuple[dict[str, float], list[int]]:
     """The metrics of RL step ``step`` (trained on weight version ``step - 1``) and the staleness of
     each trained sample (versions between the trainer and the oldest turn).
 
-    groups: the step's groups; stats: the trainer's; rewards, sample_adv: ``[B]`` shaped rewards
-    and sample advantages; eta: the staleness cap (``staleness/<k>`` for k <= eta); times: seconds
+    groups: the step's groups; stats: the trainer's; batch: the step's RL batch (its ``[B]`` shaped
+    ``rewards`` and ``sample_adv``); eta: the staleness cap (``staleness/<k>`` for k <= eta); times: seconds
     of ``wait_batch_s``, ``train_time_s``, ``weight_sync_s``, ``step_time_s``; busy_delta: engine
     seconds spent generating during the step.
 
@@ -47,8 +45,8 @@ def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float]
         **per_task_means(finished),
         **stats,
         **times,
-        "reward_shaped_mean": float(rewards.mean()),
-        "adv_abs_mean": float(sample_adv.abs().mean()),
+        "reward_shaped_mean": float(batch.rewards.mean()),
+        "adv_abs_mean": float(batch.sample_adv.abs().mean()),
         "gen_tokens_per_s": gen_tokens / max(rollout_s, 1e-9),
         "train_tokens_per_s": train_tokens / max(times["train_time_s"], 1e-9),
         "trained_tokens_per_s": train_tokens / max(step_s, 1e-9),

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_agentrl.distributed import broadcast_object
+from megatron_agentrl.weight_sync.options import SenderOptions
 from megatron_agentrl.weight_sync.sender import WeightSender
 from rollout_sglang.engines.protocol import EnginesUnavailable
 from rollout_sglang.engines.version_pool import Slot, VersionPool
@@ -41,21 +42,22 @@ class WeightPublisher:
     actor: the :class:`~megatron_agentrl.megatron.actor.MegatronActor` (every rank calls :meth:`push`: it is
         collective); typed loosely, as the actor's own export imports this package's gather.
     pool: on rank 0 the rollout's VersionPool; None elsewhere.
-    bucket_mb: bucket size of the hand-over, MiB. timeout_s: limit on draining a slot (its running
-        generate calls) before the update.
+    sync: the weight sync's settings (:class:`~megatron_agentrl.weight_sync.options.SenderOptions`; None: its
+        defaults): the bucket size of the hand-over, and for remote slots the :class:`WeightSender`'s.
+    timeout_s: limit on draining a slot (its running generate calls) before the update.
     remote_slots: for engines in other processes (SGLang servers), on EVERY rank, the weight-update
         targets (``SGLangEngine`` clients) of each version slot; the weights then go over a weight-sync
-        group instead of in-process. ``sender_kwargs``: WeightSender options.
+        group instead of in-process.
     max_failures: failed syncs to remote engines in a row before the error ends the run.
     Counters: ``failed_syncs`` and ``skipped_syncs`` (no engine reachable), over the run.
     """
 
-    def __init__(self, actor: Any, pool: VersionPool | None, bucket_mb: float = 512,
-                 timeout_s: float = 600.0, remote_slots: list[list[Any]] | None = None,
-                 sender_kwargs: dict[str, Any] | None = None, max_failures: int = 3) -> None:
+    def __init__(self, actor: Any, pool: VersionPool | None, sync: SenderOptions | None = None,
+                 timeout_s: float = 600.0, remote_slots: list[list[Any]] | None = None, max_failures: int = 3) -> None:
+        sync = sync if sync is not None else SenderOptions()
         self.actor = actor
         self.pool = pool
-        self.bucket_bytes = max(1, int(bucket_mb * 1024 * 1024))
+        self.bucket_bytes = max(1, int(sync.bucket_mb * 1024 * 1024))
         self.timeout_s = float(timeout_s)
         self.remote_slots = remote_slots
         self.sender = None
@@ -63,7 +65,7 @@ class WeightPublisher:
         self.failed_syncs = self.skipped_syncs = 0
         self._failures_in_a_row = 0
         if remote_slots is not None:
-            self.sender = WeightSender(actor, bucket_mb=bucket_mb, **(sender_kwargs or {}))
+            self.sender = WeightSender(actor, sync)
 
     def push(self, version: int, all_slots: bool = False) -> float:
         """Send ``version`` to the oldest pool slot (every slot with ``all_slots``). Collective over all

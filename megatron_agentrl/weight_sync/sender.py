@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_agentrl.weight_sync.gather import stage_hf_tensors
+from megatron_agentrl.weight_sync.options import SenderOptions
 from rollout_sglang.weight_update import (
     MB,
     BucketBroadcaster,
@@ -50,34 +51,18 @@ logger = logging.getLogger(__name__)
 class WeightSender:
     """The weight sync of one :class:`~megatron_agentrl.megatron.actor.MegatronActor`, on every trainer rank.
 
-    bucket_mb: bucket size in MiB (``rollout.weight_sync_bucket_mb``; fractions allowed).
-    init_timeout_s / bucket_timeout_s: group rendezvous and per-bucket limits, seconds.
-    checksum: have every bucket verified (``rollout.weight_sync_checksum``): the transport's
-        ``with_checksum()`` when it offers one (the stand-in's does); SGLang's broadcasts carry no
-        checksum, so with them the buckets go unverified, with a warning.
-    master_address: an address of the source ranks' host that the engines can reach.
-    backend: "nccl" / "gloo" (None: NCCL when CUDA is available).
-    wire_format: "flattened_bucket" | "per_tensor" (None: by backend, see :meth:`BucketBroadcaster.send`).
-    small_tensor_bytes: with "per_tensor", tensors under this size travel packed together (None: the transport's).
+    options: bucket size, checksum, and the broadcast's group, limits and wire (:class:`SenderOptions`; None:
+        its defaults).
     transport: how buckets travel (None: :class:`~rollout_sglang.weight_update.SGLangBroadcast`).
     """
 
-    def __init__(self, actor: Any, *, bucket_mb: float = 512, init_timeout_s: float = 300.0,
-                 bucket_timeout_s: float = 120.0, checksum: bool = False, master_address: str = "127.0.0.1",
-                 backend: str | None = None, wire_format: str | None = None,
-                 small_tensor_bytes: int | None = None, transport: BucketTransport | None = None) -> None:
-        if not bucket_mb > 0:
-            raise ValueError(f"bucket_mb={bucket_mb} must be > 0")
+    def __init__(self, actor: Any, options: SenderOptions | None = None, *,
+                 transport: BucketTransport | None = None) -> None:
         self.actor = actor
-        self.bucket_bytes = max(1, int(bucket_mb * MB))
-        self.init_timeout_s = float(init_timeout_s)
-        self.bucket_timeout_s = float(bucket_timeout_s)
-        self.master_address = master_address
-        self.backend = backend
-        self.wire_format = wire_format
-        self.small_tensor_bytes = small_tensor_bytes
+        self.options = options if options is not None else SenderOptions()
+        self.bucket_bytes = max(1, int(self.options.bucket_mb * MB))
         self.transport: BucketTransport = transport if transport is not None else SGLangBroadcast()
-        if checksum:
+        if self.options.checksum:
             with_checksum = getattr(self.transport, "with_checksum", None)
             if callable(with_checksum):
                 self.transport = with_checksum()
@@ -99,10 +84,7 @@ class WeightSender:
         if b is None or [t.name for t in b.targets] != [t.name for t in targets] or self._tags.get(key) != group_tag:
             if b is not None:
                 b.close()
-            b = BucketBroadcaster(targets, f"agentrl-slot{slot_key}-pp{self.actor.pp_rank}",
-                                  master_address=self.master_address, backend=self.backend,
-                                  init_timeout_s=self.init_timeout_s, bucket_timeout_s=self.bucket_timeout_s,
-                                  wire_format=self.wire_format, small_tensor_bytes=self.small_tensor_bytes,
+            b = BucketBroadcaster(targets, f"agentrl-slot{slot_key}-pp{self.actor.pp_rank}", self.options,
                                   transport=self.transport)
             self._broadcasters[key] = b
             self._tags[key] = group_tag

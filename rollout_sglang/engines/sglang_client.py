@@ -63,7 +63,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -77,11 +76,12 @@ import torch
 
 from env_controller.http.net import free_port
 from rollout_sglang.engines.protocol import EngineUnavailable, GenerationOutput, Probe, SamplingParams
+from rollout_sglang.engines.sglang_options import SGLangClientOptions, SGLangLaunchOptions
 from rollout_sglang.routing import RoutingError, RoutingLayout
+from rollout_sglang.weight_update.transport import BucketUpdate
 
 logger = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "retract", "in_place")
 # endpoints SGLang marks @auth_level(AuthLevel.ADMIN_OPTIONAL): with --admin-api-key only that key opens them
 ADMIN_ENDPOINTS = frozenset({
     "/pause_generation", "/continue_generation", "/flush_cache", "/init_weights_update_group",
@@ -151,52 +151,32 @@ class SGLangEngine:
     """Client of one SGLang server (optionally owning its process).
 
     base_url: e.g. "http://10.0.0.5:30000".
+    options: our settings of the client: timeouts, pause mode, keys (:class:`SGLangClientOptions`).
     version: the weight version the server starts with.
     num_ranks: GPUs (TP ranks) of the server; each joins the weight-sync group. None: the server's
         ``tp_size`` from ``GET /server_info``, asked on first use.
-    request_timeout_s: limit on one ``/generate`` call; control_timeout_s: on pause, continue,
-        flush and health; update_timeout_s: default limit on weight-update calls.
-    pause_mode: SGLang's pause mode ("abort" | "retract" | "in_place"); the version pool drains
-        the slot first, so nothing is in flight when it pauses.
-    api_key: sent as ``Authorization: Bearer`` when the server was started with ``--api-key``.
-    admin_api_key: the server's ``--admin-api-key``, sent instead of ``api_key`` on the control
-        endpoints (:data:`ADMIN_ENDPOINTS`).
-    process / log_path: the server process when this client launched it (see :meth:`launch`).
     routing_layout: MoE models: the model's routing layout (:mod:`rollout_sglang.routing`), needed to ask for
         and check routed experts (``generate(..., routing_from=...)``); None: the client asks for none.
+    process / log_path: the server process when this client launched it (see :meth:`launch`).
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        version: int = 0,
-        num_ranks: int | None = None,
-        request_timeout_s: float = 600.0,
-        control_timeout_s: float = 60.0,
-        update_timeout_s: float = 600.0,
-        pause_mode: str = "abort",
-        api_key: str | None = None,
-        admin_api_key: str | None = None,
-        process: subprocess.Popen | None = None,
-        log_path: Path | None = None,
-        routing_layout: RoutingLayout | None = None,
-    ) -> None:
-        if pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode={pause_mode!r} is not one of {PAUSE_MODES}")
+    def __init__(self, base_url: str, options: SGLangClientOptions | None = None, *, version: int = 0,
+                 num_ranks: int | None = None, routing_layout: RoutingLayout | None = None,
+                 process: subprocess.Popen | None = None, log_path: Path | None = None) -> None:
         if num_ranks is not None and num_ranks < 1:
             raise ValueError(f"num_ranks={num_ranks} must be >= 1 (the server's tensor-parallel size), or None to "
                              "ask the server")
+        o = self.options = options if options is not None else SGLangClientOptions()
         self.base_url = base_url.rstrip("/")
         self.name = self.base_url
         self.version: int = int(version)
         self._num_ranks = None if num_ranks is None else int(num_ranks)
-        self.request_timeout_s = float(request_timeout_s)
-        self.control_timeout_s = float(control_timeout_s)
-        self.update_timeout_s = float(update_timeout_s)
-        self.pause_mode = pause_mode
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._admin_headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else self.headers
+        self.request_timeout_s = float(o.request_timeout_s)
+        self.control_timeout_s = float(o.control_timeout_s)
+        self.update_timeout_s = float(o.update_timeout_s)
+        self.pause_mode = o.pause_mode
+        self.headers = {"Authorization": f"Bearer {o.api_key}"} if o.api_key else {}
+        self._admin_headers = {"Authorization": f"Bearer {o.admin_api_key}"} if o.admin_api_key else self.headers
         self.process = process
         self.log_path = log_path
         self.routing_layout = routing_layout
@@ -537,24 +517,21 @@ class SGLangEngine:
             "world_size": int(world_size), "group_name": group_name, "backend": backend,
         }, timeout_s if timeout_s is not None else self.update_timeout_s)
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str = "weight_update_group", *, load_format: str | None = None,
-                                        flush_cache: bool = True, last_bucket: bool = False,
+    def update_weights_from_distributed(self, bucket: BucketUpdate, *, last_bucket: bool = False,
                                         timeout_s: float | None = None,
                                         extra_fields: Mapping[str, Any] | None = None) -> None:
-        """``POST /update_weights_from_distributed``: the server receives the tensors from group rank 0 and loads them.
+        """``POST /update_weights_from_distributed``: the server receives ``bucket``'s tensors from group rank 0 and
+        loads them.
 
-        load_format "flattened_bucket": one broadcast of the flat bucket (SGLang >= 0.5.2), None:
+        ``bucket.load_format`` "flattened_bucket": one broadcast of the flat bucket (SGLang >= 0.5.2), None:
         one broadcast per tensor. ``last_bucket``: the update's last bucket; when this client opened
         the update (:meth:`begin_weight_update`), the request carries its version as SGLang's
-        ``weight_version``, which the server then reports. ``extra_fields``: request fields beyond
+        ``weight_version``, which the server then reports. ``timeout_s``: limit on the call (None: the
+        client's ``update_timeout_s``). ``extra_fields``: request fields beyond
         SGLang's, from a transport for servers that list the matching extension (ValueError when one
         would replace an SGLang field).
         """
-        body: dict[str, Any] = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-                                "group_name": group_name, "flush_cache": bool(flush_cache)}
-        if load_format is not None:
-            body["load_format"] = load_format
+        body = bucket.body()
         if last_bucket and self._pending_version is not None:
             body["weight_version"] = version_to_wire(self._pending_version)
         if extra_fields:
@@ -624,24 +601,11 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ process
     @classmethod
-    def launch(
-        cls,
-        model_path: str | os.PathLike,
-        *,
-        gpus: Sequence[int] = (),
-        host: str = "127.0.0.1",
-        port: int | None = None,
-        dtype: str = "auto",
-        mem_fraction_static: float | None = None,
-        extra_args: Sequence[str] = (),
-        startup_timeout_s: float = 900.0,
-        log_dir: str | os.PathLike | None = None,
-        python: str = sys.executable,
-        server_module: str = "sglang.launch_server",
-        capture_routing: bool = False,
-        **client_kwargs: Any,
-    ) -> "SGLangEngine":
-        """Start ``python -m sglang.launch_server`` on ``gpus`` and wait until it is healthy.
+    def launch(cls, model_path: str | os.PathLike, options: SGLangLaunchOptions | None = None,
+               client: SGLangClientOptions | None = None, *, gpus: Sequence[int] = (),
+               routing_layout: RoutingLayout | None = None) -> "SGLangEngine":
+        """Start ``python -m sglang.launch_server`` on ``gpus`` as ``options`` say, and wait until it is healthy;
+        returns its client (``client``'s settings, ``routing_layout`` for a MoE model).
 
         The server gets ``--model-path --host --port --tp-size len(gpus) --dtype --skip-tokenizer-init``
         (token ids in and out), with ``capture_routing`` (MoE models) ``--enable-return-routed-experts``,
@@ -652,23 +616,25 @@ class SGLangEngine:
         within ``startup_timeout_s`` (the process is killed), SGLangError with the log tail when it
         exits early. ``server_module`` lets tests launch the stand-in the same way.
         """
-        port = int(port) if port else free_port(host)
-        log_root = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="sglang_logs_"))
+        o = options if options is not None else SGLangLaunchOptions()
+        client = client if client is not None else SGLangClientOptions()
+        port = int(o.port) if o.port else free_port(o.host)
+        log_root = Path(o.log_dir) if o.log_dir is not None else Path(tempfile.mkdtemp(prefix="sglang_logs_"))
         log_root.mkdir(parents=True, exist_ok=True)
         log_path = log_root / f"sglang_{port}.log"
         tp = max(1, len(gpus))
-        cmd = [python, "-m", server_module, "--model-path", str(model_path), "--host", host, "--port", str(port),
-               "--tp-size", str(tp), "--dtype", dtype, "--skip-tokenizer-init"]
-        if mem_fraction_static is not None:
-            cmd += ["--mem-fraction-static", str(mem_fraction_static)]
-        if capture_routing:
+        cmd = [o.python, "-m", o.server_module, "--model-path", str(model_path), "--host", o.host, "--port", str(port),
+               "--tp-size", str(tp), "--dtype", o.dtype, "--skip-tokenizer-init"]
+        if o.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(o.mem_fraction_static)]
+        if o.capture_routing:
             cmd.append(CAPTURE_ROUTING_FLAG)
         keys = []
-        for flag, name in (("--api-key", "api_key"), ("--admin-api-key", "admin_api_key")):
-            if client_kwargs.get(name):
-                keys.append(client_kwargs[name])
-                cmd += [flag, client_kwargs[name]]
-        cmd += list(extra_args)
+        for flag, key in (("--api-key", client.api_key), ("--admin-api-key", client.admin_api_key)):
+            if key:
+                keys.append(key)
+                cmd += [flag, key]
+        cmd += list(o.extra_args)
         env = dict(os.environ)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
@@ -676,10 +642,11 @@ class SGLangEngine:
         logger.info("launching SGLang server: %s (GPUs %s, log %s)", shown, list(gpus) or "none", log_path)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        client_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-        engine = cls(f"http://{client_host}:{port}", num_ranks=tp, process=proc, log_path=log_path, **client_kwargs)
+        client_host = "127.0.0.1" if o.host in ("0.0.0.0", "") else o.host
+        engine = cls(f"http://{client_host}:{port}", client, num_ranks=tp, routing_layout=routing_layout,
+                     process=proc, log_path=log_path)
         try:
-            engine.wait_healthy(startup_timeout_s)
+            engine.wait_healthy(o.startup_timeout_s)
         except BaseException:
             engine.shutdown()
             raise

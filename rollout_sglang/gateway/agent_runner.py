@@ -26,7 +26,6 @@ import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from env_controller.http.service import MAX_CONNECTIONS
 from env_controller.protocol import SampleStatus
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.gateway.gateway import AGENT_ERROR, EnvStartError, Gateway
@@ -60,7 +59,8 @@ def _shared_http_client() -> Any:
 
 class AgentRunner:
     """Runs ``agent_fn`` once per requested episode, each against its own session of ``gateway``, served by a
-    :class:`GatewayServer` on ``host:port`` (started on the first call, on the caller's event loop).
+    :class:`GatewayServer` where the gateway's options say (``host``, ``port``, ``max_connections``; started on the
+    first call, on the caller's event loop).
 
     token: the server's bearer token, for its admin routes (open a session, reward, ...); None: a random one, which no
     agent is given: the runner opens and ends sessions in process, and agents reach only their own session's routes
@@ -68,9 +68,8 @@ class AgentRunner:
     client_timeout_s: the OpenAI client's limit on one request.
     """
 
-    def __init__(self, gateway: Gateway, agent_fn: AgentFn, *, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, agent_timeout_s: float = 600.0, client_timeout_s: float = 600.0,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+    def __init__(self, gateway: Gateway, agent_fn: AgentFn, *, token: str | None = None,
+                 agent_timeout_s: float = 600.0, client_timeout_s: float = 600.0) -> None:
         if not agent_timeout_s > 0 or not client_timeout_s > 0:
             raise ValueError(f"agent_timeout_s={agent_timeout_s!r} and client_timeout_s={client_timeout_s!r} "
                              "must be > 0")
@@ -79,7 +78,7 @@ class AgentRunner:
         self.token = token or secrets.token_urlsafe(24)
         self.agent_timeout_s = float(agent_timeout_s)
         self.client_timeout_s = float(client_timeout_s)
-        self.server = GatewayServer(gateway, host=host, port=port, token=self.token, max_connections=max_connections)
+        self.server = GatewayServer(gateway, token=self.token)
         self.agent_errors = 0
         self._logged: set[str] = set()
         self._start_lock: asyncio.Lock | None = None

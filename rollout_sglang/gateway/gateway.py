@@ -46,6 +46,8 @@ from env_controller.protocol import MalformedMessageError, SampleStatus, validat
 from rollout_sglang.chat_template import AnyChatTemplate
 from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.engines.version_pool import VersionPool
+from rollout_sglang.episode_options import EpisodeOptions
+from rollout_sglang.gateway.options import GatewayOptions
 from rollout_sglang.gateway.session import GatewaySession, Plan, Turn
 from rollout_sglang.gateway.turn import (
     ApiError,
@@ -113,27 +115,31 @@ class Gateway:
     """Sessions of OpenAI-style agents over an engine or a version pool (see the module doc).
 
     engine: a VersionPool (each completion routed by its cross-policy and router) or one Engine.
-    template: the chat format. env: an EnvClient for sessions opened with a task (None: none).
+    template: the chat format.
     sampling: the defaults of every turn: ``max_new_tokens`` (a cap: a request may ask for fewer),
         ``temperature``, ``top_p``, ``top_k``; the template's stop tokens are always added.
-    max_turns: completions per session; max_total_tokens: tokens per segment (prompt included).
+    episode: the limits of a session (``max_turns`` completions, ``max_total_tokens`` tokens per segment), the
+        limit on each environment call, and ``capture_routing`` (MoE models: each turn asks the engine for the
+        routed experts of the positions its segment does not hold yet, and the segments' trajectories carry
+        them, ``Trajectory.routed_experts``).
+    options: sessions open at once, the idle time after which :meth:`reap_idle` cancels a session (not those of
+        the trainer's agent runner), backpressure (``max_queued_turns``, ``retry_after_s``: see the module doc),
+        and where the :class:`~rollout_sglang.gateway.server.GatewayServer` of this gateway listens.
+    env: an EnvClient for sessions opened with a task (None: none).
     enforce_sampling: refuse a temperature or top_p other than ``sampling``'s (training).
-    env_timeout_s: limit on each environment call, seconds; max_sessions: sessions open at once;
-    session_idle_timeout_s: a session nobody touched that long is cancelled by :meth:`reap_idle`
-    (not those of the trainer's agent runner); model_name: the model id ``/models`` lists.
-    max_queued_turns, retry_after_s, admission: backpressure (see the module doc).
-    capture_routing: MoE models: each turn asks the engine for the routed experts of the positions its
-        segment does not hold yet, and the segments' trajectories carry them (``Trajectory.routed_experts``).
+    admission: backpressure's hook: the reason a new turn should wait (the rollout ahead of training), or None.
+
+    :attr:`model_name` is the model id ``/models`` lists (set it to serve another name).
     """
 
-    def __init__(self, engine: Any, template: AnyChatTemplate, *, sampling: SamplingParams, max_turns: int,
-                 max_total_tokens: int, env: Any = None, enforce_sampling: bool = False, env_timeout_s: float = 120.0,
-                 max_sessions: int = 4096, session_idle_timeout_s: float = 900.0,
-                 model_name: str = "agentrl-policy", max_queued_turns: int = 0, retry_after_s: float = 1.0,
-                 admission: Callable[[], str | None] | None = None, capture_routing: bool = False) -> None:
-        if max_turns < 1 or max_total_tokens < 2 or sampling.max_new_tokens < 1:
-            raise ValueError(f"max_turns={max_turns} must be >= 1, max_total_tokens={max_total_tokens} >= 2 and "
-                             f"max_new_tokens={sampling.max_new_tokens} >= 1")
+    #: the model id ``/models`` lists unless :attr:`model_name` is set
+    MODEL_NAME = "agentrl-policy"
+
+    def __init__(self, engine: Any, template: AnyChatTemplate, sampling: SamplingParams, episode: EpisodeOptions,
+                 options: GatewayOptions | None = None, *, env: Any = None, enforce_sampling: bool = False,
+                 admission: Callable[[], str | None] | None = None) -> None:
+        if sampling.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={sampling.max_new_tokens} must be >= 1")
         self.engine = engine
         self.pool = engine if isinstance(engine, VersionPool) else None
         self.template = template
@@ -141,25 +147,23 @@ class Gateway:
         self.sampling = sampling
         self.stop_ids = list(dict.fromkeys(list(sampling.stop_token_ids) + list(template.stop_token_ids)))
         self._stop_set = set(self.stop_ids)
-        self.max_turns = int(max_turns)
-        self.max_total_tokens = int(max_total_tokens)
+        self.options = options if options is not None else GatewayOptions()
+        self.max_turns = episode.limits.max_turns
+        self.max_total_tokens = episode.limits.max_total_tokens
+        self.env_timeout_s = float(episode.env_timeout_s)
+        self.capture_routing = bool(episode.capture_routing)
         self.enforce_sampling = enforce_sampling
-        self.env_timeout_s = float(env_timeout_s)
-        self.max_sessions = int(max_sessions)
-        self.session_idle_timeout_s = float(session_idle_timeout_s)
-        self.model_name = model_name
+        self.max_sessions = self.options.max_sessions
+        self.session_idle_timeout_s = float(self.options.session_idle_timeout_s)
+        self.max_queued_turns = self.options.max_queued_turns
+        self.retry_after_s = float(self.options.retry_after_s)
+        self.model_name = self.MODEL_NAME
         self.created = int(time.time())
         self.sessions: dict[str, GatewaySession] = {}
         self.stats = GatewayStats()
         # the forced prefixes' tokens by text; keyed by what agents send (tool names), so bounded
         self._encode_prefix = functools.lru_cache(maxsize=PREFIX_CACHE)(self._encode)
-        if max_queued_turns < 0 or not retry_after_s > 0:
-            raise ValueError(f"max_queued_turns={max_queued_turns} must be >= 0 (0: no bound) and "
-                             f"retry_after_s={retry_after_s} > 0")
-        self.max_queued_turns = int(max_queued_turns)
-        self.retry_after_s = float(retry_after_s)
         self.admission = admission
-        self.capture_routing = bool(capture_routing)
 
     # ------------------------------------------------------------------ sessions
     def authorize(self, session_id: str, key: str | None) -> GatewaySession:

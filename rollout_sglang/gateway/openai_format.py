@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from rollout_sglang.gateway.turn import ToolShape, TurnRequest, bad, function_tools, openai_tool_choice
@@ -231,12 +232,22 @@ def completion_body(cid: str, created: int, model: str, message: dict[str, Any],
             "usage": usage}
 
 
-def chunk_body(cid: str, created: int, model: str, fingerprint: str, delta: dict[str, Any] | None,
-               finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
-               usage: dict[str, int] | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ChunkHead:
+    """What every chunk of one streamed completion repeats: its ``id``, ``created`` time, ``model`` and
+    ``fingerprint`` (the system fingerprint; None in the opening chunk, sent before a weight version sampled)."""
+
+    id: str
+    created: int
+    model: str
+    fingerprint: str | None
+
+
+def chunk_body(head: ChunkHead, delta: dict[str, Any] | None, finish_reason: str | None = None,
+               logprobs: dict[str, Any] | None = None, usage: dict[str, int] | None = None) -> dict[str, Any]:
     """A ``chat.completion.chunk``: one choice with ``delta`` (none when ``delta`` is None: the usage chunk)."""
-    body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "system_fingerprint": fingerprint, "choices": []}
+    body: dict[str, Any] = {"id": head.id, "object": "chat.completion.chunk", "created": head.created,
+                            "model": head.model, "system_fingerprint": head.fingerprint, "choices": []}
     if delta is not None:
         body["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]
     if usage is not None:
@@ -244,25 +255,23 @@ def chunk_body(cid: str, created: int, model: str, fingerprint: str, delta: dict
     return body
 
 
-def stream_chunks(cid: str, created: int, model: str, fingerprint: str, message: dict[str, Any],
-                  finish_reason: str, usage: dict[str, int], logprobs: dict[str, Any] | None,
-                  include_usage: bool) -> list[dict[str, Any]]:
+def stream_chunks(head: ChunkHead, message: dict[str, Any], finish_reason: str, usage: dict[str, int],
+                  logprobs: dict[str, Any] | None, include_usage: bool) -> list[dict[str, Any]]:
     """The chunks after the first (role) chunk: the reasoning (when the turn has some), the content with the
     log-probs, one chunk per tool call (id, name and whole arguments), the finish reason, and the usage when
     asked."""
     out = []
     if message.get("reasoning_content"):
-        out.append(chunk_body(cid, created, model, fingerprint, {"reasoning_content": message["reasoning_content"]}))
+        out.append(chunk_body(head, {"reasoning_content": message["reasoning_content"]}))
     if message.get("content") or logprobs:
-        out.append(chunk_body(cid, created, model, fingerprint, {"content": message.get("content") or ""},
-                              logprobs=logprobs))
+        out.append(chunk_body(head, {"content": message.get("content") or ""}, logprobs=logprobs))
     for i, call in enumerate(message.get("tool_calls") or []):
-        out.append(chunk_body(cid, created, model, fingerprint, {"tool_calls": [{
+        out.append(chunk_body(head, {"tool_calls": [{
             "index": i, "id": call["id"], "type": "function",
             "function": {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}}]}))
-    out.append(chunk_body(cid, created, model, fingerprint, {}, finish_reason=finish_reason))
+    out.append(chunk_body(head, {}, finish_reason=finish_reason))
     if include_usage:
-        out.append(chunk_body(cid, created, model, fingerprint, None, usage=usage))
+        out.append(chunk_body(head, None, usage=usage))
     return out
 
 

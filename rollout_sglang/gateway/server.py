@@ -49,8 +49,8 @@ from typing import Any
 from aiohttp import web
 
 from env_controller.http.auth import Credentials, Role, is_loopback
+from env_controller.http.options import HttpOptions
 from env_controller.http.service import (
-    MAX_CONNECTIONS,
     ClientGone,
     HttpError,
     HttpService,
@@ -64,6 +64,7 @@ from rollout_sglang.gateway import responses_format as responses
 from rollout_sglang.gateway.gateway import Completion, EnvStartError, Gateway
 from rollout_sglang.gateway.openai_format import (
     SSE_DONE,
+    ChunkHead,
     chunk_body,
     completion_body,
     logprobs_body,
@@ -73,13 +74,11 @@ from rollout_sglang.gateway.openai_format import (
     stream_chunks,
     usage_body,
 )
+from rollout_sglang.gateway.options import TOKEN_ENV, GatewayOptions
 from rollout_sglang.gateway.session import GatewaySession
 from rollout_sglang.gateway.turn import ApiError, TurnRequest, bad, sse_event
 
 logger = logging.getLogger(__name__)
-
-#: environment variable of the gateway's bearer token
-TOKEN_ENV = "AGENTRL_GATEWAY_TOKEN"
 
 
 def _is_anthropic(request: web.Request) -> bool:
@@ -136,19 +135,20 @@ def _only(body: dict[str, Any], allowed: set[str]) -> None:
 class GatewayServer(HttpService):
     """Serves a :class:`~rollout_sglang.gateway.gateway.Gateway` over HTTP (routes in the module doc).
 
-    host, port: where to bind (port 0 picks a free one); token: the bearer token the admin routes require
-    (None: none, loopback only; a session's base URL takes the session's own key); record_timings: keep
-    ``(handler seconds, engine seconds, api)`` of every completion in :attr:`timings` (api: "chat", "responses"
-    or "messages"; benchmarks; the handler's time runs from its body read to its response built, or to a
-    stream's last chunk written); reap_interval_s: how often idle sessions are looked for. max_connections:
-    connections open at once (one more is answered 503 and closed, and logged once).
+    options: where to bind (``host``, ``port``: 0 picks a free one) and the connections held at once
+    (``max_connections``: one more is answered 503 and closed, and logged once); None: the gateway's own.
+    token: the bearer token the admin routes require (None: none, loopback only; a session's base URL takes the
+    session's own key); record_timings: keep ``(handler seconds, engine seconds, api)`` of every completion in
+    :attr:`timings` (api: "chat", "responses" or "messages"; benchmarks; the handler's time runs from its body
+    read to its response built, or to a stream's last chunk written); reap_interval_s: how often idle sessions
+    are looked for.
     """
 
-    def __init__(self, gateway: Gateway, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 record_timings: bool = False, reap_interval_s: float = 30.0,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+    def __init__(self, gateway: Gateway, options: GatewayOptions | None = None, *, token: str | None = None,
+                 record_timings: bool = False, reap_interval_s: float = 30.0) -> None:
         self.gateway = gateway
-        self.host, self.port = host, int(port)
+        options = options if options is not None else gateway.options
+        self.host, self.port = options.host, int(options.port)
         self.reap_interval_s = float(reap_interval_s)
         self.timings: deque[tuple[float, float, str]] | None = deque(maxlen=1_000_000) if record_timings else None
         self._reaper: asyncio.Task | None = None
@@ -165,8 +165,8 @@ class GatewayServer(HttpService):
             ("GET", "/sessions/{sid}/trajectory", self._h_trajectory, Role.ANY),
             ("DELETE", "/sessions/{sid}", self._h_delete, Role.ANY),
         ]
-        super().__init__(Credentials.single(token), routes, auth_hint=f"the gateway's --token / ${TOKEN_ENV}",
-                         max_connections=max_connections)
+        super().__init__(Credentials.single(token), routes, HttpOptions(max_connections=options.max_connections),
+                         auth_hint=f"the gateway's --token / ${TOKEN_ENV}")
         self.app.middlewares.append(_api_errors)
 
     # ------------------------------------------------------------------ lifecycle
@@ -279,11 +279,12 @@ class GatewayServer(HttpService):
             return resp
 
         def rest(c: Completion) -> list[bytes]:
-            chunks = stream_chunks(cid, created, req.model, f"v{c.version}", c.message, c.finish_reason, _usage(c),
-                                   self._logprobs(req.logprobs, c), req.include_usage)
+            head = ChunkHead(cid, created, req.model, f"v{c.version}")
+            chunks = stream_chunks(head, c.message, c.finish_reason, _usage(c), self._logprobs(req.logprobs, c),
+                                   req.include_usage)
             return [sse(ch) for ch in chunks] + [SSE_DONE]
 
-        opening = [sse(chunk_body(cid, created, req.model, None, {"role": "assistant", "content": ""}))]
+        opening = [sse(chunk_body(ChunkHead(cid, created, req.model, None), {"role": "assistant", "content": ""}))]
         return await self._stream(request, s, req, t0, "chat", opening, rest, lambda e: [sse(e.body())])
 
     async def _h_responses(self, request: web.Request) -> web.StreamResponse:

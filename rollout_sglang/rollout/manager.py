@@ -7,13 +7,14 @@ version pool and an env client, and puts each finished group on a queue. The tra
 thread) takes a batch of ``batch_groups`` groups with :meth:`RolloutManager.get_batch` and, after
 each optimizer step and weight push, calls :meth:`RolloutManager.set_version`.
 
-Admission (AgentRL / AReaL): with trainer weight version ``v`` (steps done), staleness ``eta``
-and ``B = batch_groups``, a new group starts only while
-``(v + eta - lag + 1) * B > accepted + running``, where ``accepted`` counts groups trained or waiting
-in the queue and ``lag`` is how many versions older than the trainer's a new group's turns may be
-sampled with (cross-policy over ``max_versions`` slots: ``max_versions - 1``; 0 on-policy).
-``eta = 0`` is the synchronous schedule (a step's groups start after the previous step's weights
-arrived; the trainer waits for all of them). ``queue_size`` bounds ``waiting + running`` as well.
+The manager orchestrates three policies, each in its own module with its own options (nested in
+:class:`RolloutOptions`): admission (:mod:`~rollout_sglang.rollout.admission`: when a group may start, with
+trainer version ``v``, staleness ``eta`` and ``B = batch_groups``, ``(v + eta - lag + 1) * B`` slots are open;
+``eta = 0`` is the synchronous schedule), infrastructure retries (:mod:`~rollout_sglang.rollout.retries`: groups
+whose episodes the env or our code failed are trained on their valid episodes, re-run or dropped; a task whose
+groups keep being dropped fails the run, :class:`RolloutError`) and dynamic sampling
+(:mod:`~rollout_sglang.rollout.dynamic_sampling`, DAPO: groups whose training rewards are all equal are dropped and
+more are drawn, within a budget per batch).
 
 Staleness guarantee: the batch for the step that trains version ``v`` takes the queued groups
 with the oldest weight version first, and a group whose oldest token was sampled by a version
@@ -23,27 +24,6 @@ admission rule keeps that rare). So no trained token is more than ``eta`` versio
 Partial rollout: a weight update pauses generation of its version slot between turns (see
 :class:`~rollout_sglang.engines.version_pool.VersionPool`); in-flight episodes are kept and continue on
 the new weights, their turns recording the version that sampled them.
-
-Dynamic sampling (DAPO; :meth:`RolloutManager.enable_dynamic_sampling`): a finished group whose
-training rewards are all equal carries no GRPO signal; it is dropped (counted per task in
-``dropped_zero_var``, never accepted) and the slot it held is free again, so admission draws another
-prompt. Slots are counted per batch: batch ``k`` holds slots ``k*B .. (k+1)*B - 1`` of the sequence
-``consumed + queued + running + short``, and a fresh draw is charged to the batch its slot falls in.
-Once ``max_groups`` draws were charged to a batch, its remaining free slots are given up (``short``:
-they count as covered for admission and the staleness accounting, like accepted groups, but hold no
-group), and the trainer takes that batch with fewer groups. A batch left with no group at all trains
-on the newest zero-variance groups instead (advantage 0: the policy-gradient term is 0, the pipeline
-advances); if none of those is fresh enough for the staleness cap, one slot is reopened for a draw
-beyond the budget, so a batch always comes (within ``get_batch``'s timeout) and nothing hangs.
-
-Infrastructure failures (``Trajectory.infra_failed``: the env or our code failed, not the policy) are never
-trained: a finished group keeps only its valid episodes when at least ``min_valid_fraction`` of its samples
-(and at least 2, or 1 for groups of one) remain; otherwise it is re-run from scratch (a fresh attempt, up to
-``max_attempts``) and then dropped, its slot free for another draw. Both are counted per task
-(:attr:`ManagerStats.infra_failed`, ``infra_retried``, ``dropped_infra``) and in :attr:`RolloutManager.last_batch`.
-A task whose last ``max_dropped_in_row`` finished groups were all dropped fails the run (:class:`RolloutError`
-naming the task and the last infrastructure error): its environment is broken, and drawing on would only
-wait out ``get_batch``'s timeout.
 
 Periodic evaluation runs on the rollout thread's event loop (:meth:`RolloutManager.submit`), beside
 the groups in flight: the engines' batching wrappers serve one event loop at a time.
@@ -57,180 +37,79 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import dataclasses
 import logging
-import math
-import random
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from env_controller.options import Options
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.engines.protocol import EnginesUnavailable, SamplingParams
+from rollout_sglang.episode_options import EpisodeOptions
+from rollout_sglang.rollout.admission import Admission, AdmissionOptions, Slots
+from rollout_sglang.rollout.dynamic_sampling import DynamicSampling, DynamicSamplingOptions, zero_variance
+from rollout_sglang.rollout.groups import FinishedGroup, GroupRequest, PromptSampler
+from rollout_sglang.rollout.retries import InfraRetries, RetryOptions
+from rollout_sglang.rollout.stats import ManagerStats, stats_from_state, stats_state
 from rollout_sglang.trajectory import Trajectory
+
+__all__ = ["AdmissionOptions", "DynamicSamplingOptions", "FinishedGroup", "GroupRequest", "ManagerStats",
+           "PromptSampler", "RetryOptions", "RolloutError", "RolloutManager", "RolloutOptions", "zero_variance"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-@dataclass
-class GroupRequest:
-    """One GRPO group to sample: ``size`` episodes of ``task`` sample ``index``; ``group_id`` is unique per run."""
-
-    group_id: int
-    task: str
-    index: int
-    size: int
-
-    def sample_ids(self) -> list[int]:
-        """Run-unique ids of the group's samples: ``group_id * size + j``."""
-        return [self.group_id * self.size + j for j in range(self.size)]
-
-
-class PromptSampler:
-    """A reproducible stream of :class:`GroupRequest` s: task by weight, index uniformly from its training indices.
-
-    tasks: task names; weights: their sampling weights; train_indices: task -> indices;
-    group_size: samples per group; seed: the stream's seed. The stream depends only on the seed
-    and how many groups were drawn, so :meth:`state_dict` / :meth:`load_state_dict` resume it.
-    """
-
-    def __init__(self, tasks: list[str], weights: list[float], train_indices: dict[str, list[int]],
-                 group_size: int, seed: int) -> None:
-        if len(tasks) != len(weights) or not tasks:
-            raise ValueError("PromptSampler needs one weight per task and at least one task")
-        missing = [t for t in tasks if not train_indices.get(t)]
-        if missing:
-            raise ValueError(f"tasks {missing} have no training indices")
-        self.tasks = list(tasks)
-        self.weights = list(weights)
-        self.train_indices = {t: list(v) for t, v in train_indices.items()}
-        self.group_size = int(group_size)
-        self._rng = random.Random(seed)
-        self.next_group_id = 0
-
-    def next(self) -> GroupRequest:
-        """The next group of the stream."""
-        task = self._rng.choices(self.tasks, weights=self.weights)[0]
-        index = self._rng.choice(self.train_indices[task])
-        req = GroupRequest(self.next_group_id, task, index, self.group_size)
-        self.next_group_id += 1
-        return req
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"rng": random state, "next_group_id": int}``."""
-        return {"rng": self._rng.getstate(), "next_group_id": self.next_group_id}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the stream from :meth:`state_dict`."""
-        self._rng.setstate(state["rng"])
-        self.next_group_id = int(state["next_group_id"])
-
-
-@dataclass
-class FinishedGroup:
-    """A sampled group: its request, trajectories (``request.size``; more when an agent's episode came back
-    in several segments), the trainer version when it started, its acceptance order ``seq``, and wall times
-    (``time.monotonic``)."""
-
-    request: GroupRequest
-    trajectories: list[Trajectory]
-    start_version: int
-    seq: int
-    t_start: float = 0.0
-    t_end: float = 0.0
-
-    @property
-    def min_version(self) -> int:
-        """The oldest weight version of any generated turn (``start_version`` when none was generated)."""
-        vs = [v for t in self.trajectories for v in t.versions]
-        return min(vs) if vs else self.start_version
-
-
-def zero_variance(group: FinishedGroup, reward: Callable[[Trajectory], float]) -> bool:
-    """Whether every trajectory of ``group`` has the same ``reward`` (exactly: GRPO's advantages are then 0)."""
-    values = [float(reward(t)) for t in group.trajectories]
-    return max(values) == min(values)
-
-
-@dataclass
-class ManagerStats:
-    """Counters of a :class:`RolloutManager` (cumulative since it started; a resumed run's manager goes on from
-    the checkpoint's, see :meth:`RolloutManager.load_state_dict`).
-
-    consumed counts batch slots the trainer took (``batch_groups`` per batch, a short batch's given-up
-    slots included); drawn: fresh prompts drawn (retries are not); dropped_zero_var: groups dropped by
-    dynamic sampling, per task; short_slots: slots given up when a batch's draw budget ran out;
-    fallback_batches: batches trained on zero-variance groups; forced_draws: draws beyond a budget;
-    infra_failed: episodes that ended for an infrastructure reason, per task (never trained); infra_retried:
-    groups re-run for them; dropped_infra: groups dropped for them once their attempts ran out, per task.
-    """
-
-    started: int = 0
-    accepted: int = 0
-    consumed: int = 0
-    dropped_stale: int = 0
-    failed: int = 0
-    retried: int = 0
-    wait_s: float = 0.0
-    group_times: list[float] = field(default_factory=list)
-    drawn: int = 0
-    dropped_zero_var: Counter = field(default_factory=Counter)
-    short_slots: int = 0
-    fallback_batches: int = 0
-    forced_draws: int = 0
-    infra_failed: Counter = field(default_factory=Counter)
-    infra_retried: int = 0
-    dropped_infra: Counter = field(default_factory=Counter)
-
-
-def _stats_state(stats: ManagerStats) -> dict[str, Any]:
-    """The counters of ``stats`` as plain values (Counters as dicts; ``group_times``, one float per group, left out)."""
-    return {f.name: dict(v) if isinstance(v := getattr(stats, f.name), Counter) else v
-            for f in fields(ManagerStats) if f.name != "group_times"}
-
-
-def _stats_from_state(state: dict[str, Any], consumed: int) -> ManagerStats:
-    """:class:`ManagerStats` from :func:`_stats_state` (``consumed`` as the state's own top-level count)."""
-    stats = ManagerStats()
-    for f in fields(ManagerStats):
-        if f.name in state and f.name != "group_times":
-            v = state[f.name]
-            setattr(stats, f.name, Counter(v) if isinstance(getattr(stats, f.name), Counter) else v)
-    stats.consumed = consumed
-    return stats
-
-
 class RolloutError(RuntimeError):
     """The rollout side failed (its thread died, or groups keep failing); the message says why."""
+
+
+@dataclass
+class RolloutOptions(Options):
+    """Everything the rollout manager is told, by concern."""
+
+    #: when a new group may start: batch size, staleness, queue bound, cohorts, cross-policy lag, the run's groups
+    admission: AdmissionOptions
+    #: how each episode is played: its limits, the environment's time limit, routing capture (MoE)
+    episode: EpisodeOptions = field(default_factory=EpisodeOptions)
+    #: the sampling settings of every turn; each cohort's seed (from ``seed``) replaces theirs
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    #: groups with infrastructure failures: the share of valid episodes a group needs, its attempts
+    retry: RetryOptions = field(default_factory=RetryOptions)
+    #: dynamic sampling's draw budget per batch (dynamic sampling is on when the manager is given a reward)
+    dynamic_sampling: DynamicSamplingOptions = field(default_factory=DynamicSamplingOptions)
+    #: base of the cohorts' sampling seeds
+    seed: int = 0
+    #: groups of one task dropped one after another (infrastructure failures) that fail the run (0: never)
+    max_dropped_in_row: int = 0
+
+    def check(self) -> None:
+        """The nested options check themselves when built; here the limit on drops in a row."""
+        super().check()
+        self.require_non_negative("max_dropped_in_row", why="0: no limit")
 
 
 class RolloutManager:
     """Trajectory groups in flight, a bounded queue and the staleness cap (see the module doc).
 
     engine: the VersionPool (or one Engine) the groups sample from (``run_group_lockstep`` takes both).
-    env: an EnvClient. template: the ChatTemplate.
-    sampler: the :class:`PromptSampler`.
-    batch_groups: groups per training step (B). staleness: eta (0 = synchronous).
-    queue_size: most groups waiting + running (0 = (eta + 1) * B).
-    cohort_groups: groups run in lockstep by one agent-loop call (1 = each group on its own).
-    sampling: ``seed -> SamplingParams`` of a cohort. max_turns, max_total_tokens, env_timeout_s:
-    passed to the agent loop. version: the trainer version at start. seed: base of the cohorts'
-    sampling seeds. max_attempts: tries of a group whose agent-loop call raised.
-    on_group: optional callback (FinishedGroup) on the rollout thread, e.g. reward shaping.
-    total_groups: stop admitting once ``consumed + waiting + running`` reaches it (the groups the
-    run will train; None = no limit). min_valid_fraction: the share of a group's samples (at least 2)
-    that must end without an infrastructure failure for the group to train on them (see the module doc).
-    capture_routing: the agent loop asks the engines for each turn's routed experts (MoE models).
-    max_dropped_in_row: groups of one task dropped one after another (infrastructure failures) that fail the
-    run (0: never).
+    env: an EnvClient. template: the ChatTemplate. sampler: the :class:`PromptSampler`.
+    options: the :class:`RolloutOptions`.
     agent: who plays the episodes instead of the built-in agent loop: an object with ``async
     run_group(requests, params) -> trajectories`` (any number per request, each carrying its request's
     ``group_id``), ``async aclose()`` (called on the rollout thread when it stops) and ``metrics() ->
     dict`` (:meth:`agent_metrics`), e.g. :class:`rollout_sglang.gateway.AgentRunner`; None: the agent loop.
+    on_group: optional callback (FinishedGroup) on the rollout thread for each kept group, e.g. reward shaping.
+    reward: the training reward (e.g. the run's RewardShaper) by which dynamic sampling drops groups whose
+    trajectories all score the same; None: dynamic sampling off.
+
+    The trainer version starts at 0; :meth:`set_version` (or :meth:`load_state_dict`) sets another before
+    :meth:`start`.
 
     After :meth:`get_batch`, :attr:`last_batch` describes the batch taken: ``groups`` trained,
     ``short`` (slots given up), ``fallback`` (1.0 when it trained on zero-variance groups), ``drawn``
@@ -240,51 +119,25 @@ class RolloutManager:
     (task -> groups dropped).
     """
 
-    def __init__(self, engine: Any, env: Any, template: Any, sampler: PromptSampler, *, batch_groups: int,
-                 staleness: int, queue_size: int = 0, cohort_groups: int = 1,
-                 sampling: Callable[[int], SamplingParams], max_turns: int, max_total_tokens: int,
-                 env_timeout_s: float = 120.0, version: int = 0, seed: int = 0, max_attempts: int = 3,
-                 version_lag: int = 0, on_group: Callable[[FinishedGroup], None] | None = None,
-                 total_groups: int | None = None, agent: Any = None, min_valid_fraction: float = 0.5,
-                 capture_routing: bool = False, max_dropped_in_row: int = 0) -> None:
-        if batch_groups < 1 or staleness < 0 or cohort_groups < 1:
-            raise ValueError(f"batch_groups={batch_groups} and cohort_groups={cohort_groups} must be >= 1, "
-                             f"staleness={staleness} >= 0")
-        if not 0 < min_valid_fraction <= 1:
-            raise ValueError(f"min_valid_fraction={min_valid_fraction} must be in (0, 1]")
-        if max_dropped_in_row < 0:
-            raise ValueError(f"max_dropped_in_row={max_dropped_in_row} must be >= 0 (0: no limit)")
-        if not 0 <= version_lag <= staleness:
-            raise ValueError(f"version_lag={version_lag} must be in 0..staleness={staleness}: turns sampled by "
-                             "versions that old could never be trained")
-        self.lag = int(version_lag)
+    def __init__(self, engine: Any, env: Any, template: Any, sampler: PromptSampler, options: RolloutOptions, *,
+                 agent: Any = None, on_group: Callable[[FinishedGroup], None] | None = None,
+                 reward: Callable[[Trajectory], float] | None = None) -> None:
         self.engine = engine
         self.env = env
         self.template = template
         self.sampler = sampler
-        self.B = int(batch_groups)
-        self.eta = int(staleness)
-        self.queue_size = int(queue_size) if queue_size > 0 else (self.eta + 1) * self.B
-        if self.queue_size < self.B:
-            raise ValueError(f"queue_size={self.queue_size} must hold at least one batch ({self.B} groups)")
-        self.cohort_groups = int(cohort_groups)
-        self.sampling = sampling
-        self.max_turns = int(max_turns)
-        self.max_total_tokens = int(max_total_tokens)
-        self.env_timeout_s = float(env_timeout_s)
-        self.seed = int(seed)
-        self.max_attempts = int(max_attempts)
-        self.on_group = on_group
-        self.total_groups = total_groups
+        self.options = options
         self.agent = agent
-        self.min_valid_fraction = float(min_valid_fraction)
-        self.capture_routing = bool(capture_routing)
-        self.max_dropped_in_row = int(max_dropped_in_row)
-        self._dropped_in_row: Counter = Counter()  # task -> groups dropped since its last kept group
+        self.on_group = on_group
+        self._admission = Admission(options.admission)
+        self._retries = InfraRetries(options.retry, options.max_dropped_in_row)
+        self.B = options.admission.batch_groups
+        self.eta = options.admission.staleness
+        self._sampling = DynamicSampling(options.dynamic_sampling, self.B, reward)
         self.stats = ManagerStats()
 
         self._cond = threading.Condition()
-        self._version = int(version)
+        self._version = 0
         self._queue: list[FinishedGroup] = []
         self._running = 0
         self._seq = 0
@@ -297,35 +150,27 @@ class RolloutManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._tasks: set[asyncio.Task] = set()
-        # dynamic sampling (enable_dynamic_sampling): see the module doc
-        self._ds_reward: Callable[[Trajectory], float] | None = None
-        self._ds_limit = 0
-        self._short = 0  # slots given up and not yet consumed by a batch
-        self._draws: dict[int, int] = {}  # batch index -> fresh draws charged to it
-        self._forced = 0  # draws allowed beyond a batch's budget (an empty batch without a usable fallback)
-        self._fallback: deque[FinishedGroup] = deque(maxlen=self.B)  # newest zero-variance groups
-        self._dropped_since: list[FinishedGroup] = []
-        self._drawn_at_take = 0
-        self._warned_batch = -1
-        self._infra_at_take = (Counter(), 0, Counter())  # stats.infra_failed, infra_retried, dropped_infra then
-        self.last_infra_error = ""
         self.last_batch: dict[str, Any] = {}
-
-    def enable_dynamic_sampling(self, reward: Callable[[Trajectory], float], max_groups: float) -> None:
-        """Drop finished groups whose ``reward`` (the training reward, e.g. the run's RewardShaper) is the same
-        for every trajectory, drawing at most ``int(max_groups * batch_groups)`` prompts per batch (see the
-        module doc). Call before :meth:`start`."""
-        if self._thread is not None:
-            raise RuntimeError("enable_dynamic_sampling() must come before start()")
-        if max_groups < 1:
-            raise ValueError(f"max_groups={max_groups} must be >= 1 (in units of batch_groups)")
-        self._ds_reward = reward
-        self._ds_limit = max(self.B, int(max_groups * self.B))
 
     @property
     def dynamic_sampling(self) -> bool:
         """Whether dynamic sampling is on."""
-        return self._ds_reward is not None
+        return self._sampling.enabled
+
+    @property
+    def capture_routing(self) -> bool:
+        """Whether the episodes carry the engines' routed experts."""
+        return self.options.episode.capture_routing
+
+    @property
+    def total_groups(self) -> int | None:
+        """The groups the run will train (None: no limit)."""
+        return self.options.admission.total_groups
+
+    @property
+    def last_infra_error(self) -> str:
+        """The last infrastructure error of a finished group ("" while none)."""
+        return self._retries.last_error
 
     # ------------------------------------------------------------------ state
     @property
@@ -339,45 +184,20 @@ class RolloutManager:
         with self._cond:
             return len(self._queue), self._running
 
-    def _covered_locked(self) -> int:
-        """Slots taken so far: consumed, queued, running, or given up (dropped groups hold none)."""
-        return self.stats.consumed + len(self._queue) + self._short + self._running
+    def _slots_locked(self) -> Slots:
+        return Slots(self.stats.consumed, len(self._queue), self._running, self._sampling.short)
 
     def _capacity_locked(self) -> int:
-        covered = self._covered_locked()
-        cap = (self._version + self.eta - self.lag + 1) * self.B - covered
-        cap = min(cap, self.queue_size - (len(self._queue) + self._running))
-        if self._draining:
-            cap = min(cap, self.B - (len(self._queue) + self._running + self._short))
-        if self.total_groups is not None:
-            cap = min(cap, self.total_groups - covered)
-        return cap
+        return self._admission.capacity(self._slots_locked(), self._version, self._draining)
 
     def _exhausted_locked(self) -> bool:
         """No more groups will be admitted (``total_groups`` reached)."""
-        return self.total_groups is not None and self._covered_locked() >= self.total_groups
+        return self._admission.exhausted(self._slots_locked())
 
     def _charge_draw_locked(self, pending: int) -> bool:
         """Charge a fresh draw for the next free slot (``pending`` slots of this admission round come before
         it) to its batch; False when that batch's draw budget is spent (the slot is then given up)."""
-        if self._ds_reward is None:
-            return True
-        k = (self._covered_locked() + pending) // self.B
-        drawn = self._draws.get(k, 0)
-        if drawn >= self._ds_limit:
-            if self._forced <= 0:
-                if self._warned_batch != k:
-                    self._warned_batch = k
-                    logger.warning("dynamic sampling: batch %d drew its %d groups (algo.dynamic_sampling_max_groups "
-                                   "x rollout.prompts_per_step) and the rest had zero reward variance; it trains on "
-                                   "fewer groups", k + 1, self._ds_limit)
-                self._short += 1
-                self.stats.short_slots += 1
-                return False
-            self._forced -= 1
-            self.stats.forced_draws += 1
-        self._draws[k] = drawn + 1
-        return True
+        return self._sampling.charge_draw((self._slots_locked().covered + pending) // self.B, self.stats)
 
     # ------------------------------------------------------------------ thread
     def start(self) -> None:
@@ -428,15 +248,15 @@ class RolloutManager:
                     break
                 cap = self._capacity_locked()
                 cohort: list[tuple[GroupRequest, int]] = []
-                short = self._short
-                while cap > 0 and len(cohort) < self.cohort_groups:
+                short = self._sampling.short
+                while cap > 0 and len(cohort) < self.options.admission.cohort_groups:
                     cap -= 1
                     if self._retry:
                         cohort.append(self._retry.pop(0))
                     elif self._charge_draw_locked(len(cohort)):
                         cohort.append((self.sampler.next(), 0))
                         self.stats.drawn += 1
-                if self._short != short:
+                if self._sampling.short != short:
                     self._cond.notify_all()  # given-up slots may complete the trainer's batch
                 if cohort:
                     self._running += len(cohort)
@@ -455,13 +275,18 @@ class RolloutManager:
                 await asyncio.wait_for(self._wake.wait(), 0.5)
             except asyncio.TimeoutError:
                 pass
+        await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        """Cancel the groups in flight, close the agent runner, the loop's other tasks and the env sessions."""
+        timeout_s = self.options.episode.env_timeout_s
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.agent is not None:  # before the loop's other tasks go: its server runs on this loop
             try:
-                await asyncio.wait_for(self.agent.aclose(), self.env_timeout_s)
+                await asyncio.wait_for(self.agent.aclose(), timeout_s)
             except Exception as e:  # noqa: BLE001
                 logger.warning("closing the agent runner at rollout stop: %r", e)
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -472,24 +297,24 @@ class RolloutManager:
         aclose = getattr(self.env, "aclose", None)
         if callable(aclose):
             try:
-                await asyncio.wait_for(aclose(), self.env_timeout_s)
+                await asyncio.wait_for(aclose(), timeout_s)
             except Exception as e:  # noqa: BLE001
                 logger.warning("closing env sessions at rollout stop: %r", e)
 
-    async def _run_cohort(self, cohort: list[tuple[GroupRequest, int]], start_version: int) -> None:
+    async def _play(self, cohort: list[tuple[GroupRequest, int]]) -> list[Trajectory]:
+        """The cohort's episodes, played by the agent or the agent loop with the cohort's sampling seed."""
         reqs = [(r.task, r.index, r.group_id) for r, _ in cohort for _ in range(r.size)]
         first = cohort[0][0].group_id
-        seed = (self.seed * 1_000_003 + first * 104_729 + cohort[0][1] * 7) % (2 ** 31)
+        seed = (self.options.seed * 1_000_003 + first * 104_729 + cohort[0][1] * 7) % (2 ** 31)
+        params = dataclasses.replace(self.options.sampling, seed=seed)
+        if self.agent is not None:
+            return await self.agent.run_group(reqs, params)
+        return await run_group_lockstep(self.engine, self.env, self.template, reqs, params, self.options.episode)
+
+    async def _run_cohort(self, cohort: list[tuple[GroupRequest, int]], start_version: int) -> None:
         t0 = time.monotonic()
         try:
-            if self.agent is not None:
-                trajs = await self.agent.run_group(reqs, self.sampling(seed))
-            else:
-                trajs = await run_group_lockstep(
-                    self.engine, self.env, self.template, reqs, self.sampling(seed), max_turns=self.max_turns,
-                    max_total_tokens=self.max_total_tokens, env_timeout_s=self.env_timeout_s,
-                    capture_routing=self.capture_routing,
-                )
+            trajs = await self._play(cohort)
         except asyncio.CancelledError:
             with self._cond:
                 self._running -= len(cohort)
@@ -499,21 +324,7 @@ class RolloutManager:
             raise
         except Exception as e:  # noqa: BLE001 - retried, then counted as failed
             logger.error("rollout of groups %s failed: %r", [r.group_id for r, _ in cohort], e)
-            with self._cond:
-                self._running -= len(cohort)
-                for r, attempts in cohort:
-                    self._running_reqs.pop(r.group_id, None)
-                    if isinstance(e, EnginesUnavailable):  # the pool waited its whole budget for an engine already
-                        self._error = RolloutError(str(e))
-                    elif attempts + 1 < self.max_attempts:
-                        self._retry.append((r, attempts + 1))
-                        self.stats.retried += 1
-                    else:
-                        self.stats.failed += 1
-                        self._error = RolloutError(f"group {r.group_id} ({r.task} #{r.index}) failed "
-                                                   f"{self.max_attempts} times; last error: {e!r}")
-                self._cond.notify_all()
-            self._poke()
+            self._raised(cohort, e)
             return
         t1 = time.monotonic()
         by_group: dict[int, list[Trajectory]] = {}
@@ -522,82 +333,62 @@ class RolloutManager:
         outcomes: list[tuple[FinishedGroup, int, str, int]] = []  # group, attempts, keep/retry/drop, infra-failed
         for r, attempts in cohort:
             g = FinishedGroup(r, by_group.get(r.group_id, []), start_version, -1, t0, t1)
-            verdict, failed = self._settle_infra(g, attempts)
+            verdict, failed = self._retries.settle(g, attempts)
             if verdict == "keep" and self.on_group is not None:
                 self.on_group(g)
             outcomes.append((g, attempts, verdict, failed))
-        flat = {id(g): verdict == "keep" and self._zero_variance(g) for g, _, verdict, _ in outcomes}
+        flat = {id(g): verdict == "keep" and self._sampling.is_flat(g) for g, _, verdict, _ in outcomes}
         with self._cond:
             self._running -= len(cohort)
             for g, attempts, verdict, failed in outcomes:
-                self._running_reqs.pop(g.request.group_id, None)
-                self.stats.infra_failed[g.request.task] += failed
-                if verdict == "retry":  # a fresh attempt at the whole group, before any new draw
-                    self._retry.append((g.request, attempts + 1))
-                    self.stats.retried += 1
-                    self.stats.infra_retried += 1
-                    continue
-                task = g.request.task
-                if verdict == "drop":  # never accepted: its slot is free for another draw
-                    self.stats.dropped_infra[task] += 1
-                    self._dropped_in_row[task] += 1
-                    if 0 < self.max_dropped_in_row <= self._dropped_in_row[task] and self._error is None:
-                        self._error = RolloutError(
-                            f"task {task}: {self._dropped_in_row[task]} groups in a row were dropped for "
-                            f"infrastructure failures (each after {self.max_attempts} attempts): its environment "
-                            f"looks broken; last error: {self.last_infra_error} (the limit is "
-                            "pipeline.max_dropped_groups_in_row)")
-                    continue
-                self._dropped_in_row[task] = 0
-                if flat[id(g)]:  # no GRPO signal: never accepted, its slot is free for another draw
-                    self.stats.dropped_zero_var[g.request.task] += 1
-                    self._fallback.append(g)
-                    self._dropped_since.append(g)
-                    continue
-                g.seq = self._seq
-                self._seq += 1
-                self._queue.append(g)
-                self.stats.accepted += 1
-                self.stats.group_times.append(t1 - t0)
+                self._finished_locked(g, attempts, verdict, failed, flat[id(g)], t1 - t0)
             self._cond.notify_all()
         self._poke()
 
-    def _settle_infra(self, g: FinishedGroup, attempts: int) -> tuple[str, int]:
-        """What becomes of a finished group whose episodes may have ended for an infrastructure reason:
-        ``("keep", n)`` (``g`` now holds only its valid episodes), ``("retry", n)`` or ``("drop", n)``, with
-        ``n`` the episodes that failed (see the module doc)."""
-        failed = [t for t in g.trajectories if t.infra_failed]
-        if g.trajectories and not failed:
-            return "keep", 0
-        valid = [t for t in g.trajectories if not t.infra_failed]
-        size = g.request.size
-        need = max(min(2, size), math.ceil(self.min_valid_fraction * size))
-        verdict = "keep" if len(valid) >= need else "retry" if attempts + 1 < self.max_attempts else "drop"
-        if not failed:
-            self.last_infra_error = "no trajectory came back for the group"
-        else:
-            first = failed[0]
-            self.last_infra_error = f"{first.status}: {first.error}" if first.error else first.status
-        logger.warning("group %d (%s #%d): %d of %d episodes ended for an infrastructure reason (%s)%s",
-                       g.request.group_id, g.request.task, g.request.index, len(failed), len(g.trajectories),
-                       self.last_infra_error[:300],
-                       {"keep": f"; training on the {len(valid)} valid ones",
-                        "retry": f"; re-running the group (attempt {attempts + 2} of {self.max_attempts})",
-                        "drop": f"; dropped after {self.max_attempts} attempts"}[verdict])
-        if verdict == "keep":
-            g.trajectories = valid
-        return verdict, len(failed)
+    def _raised(self, cohort: list[tuple[GroupRequest, int]], e: Exception) -> None:
+        """The cohort's agent-loop call raised: re-run its groups while they have attempts left, else fail."""
+        with self._cond:
+            self._running -= len(cohort)
+            for r, attempts in cohort:
+                self._running_reqs.pop(r.group_id, None)
+                if isinstance(e, EnginesUnavailable):  # the pool waited its whole budget for an engine already
+                    self._error = RolloutError(str(e))
+                elif self._retries.may_retry(attempts):
+                    self._retry.append((r, attempts + 1))
+                    self.stats.retried += 1
+                else:
+                    self.stats.failed += 1
+                    self._error = RolloutError(f"group {r.group_id} ({r.task} #{r.index}) failed "
+                                               f"{self._retries.max_attempts} times; last error: {e!r}")
+            self._cond.notify_all()
+        self._poke()
 
-    def _zero_variance(self, g: FinishedGroup) -> bool:
-        """Dynamic sampling's test of a finished group; a reward that raises keeps the group (and says so)."""
-        if self._ds_reward is None:
-            return False
-        try:
-            return zero_variance(g, self._ds_reward)
-        except Exception as e:  # noqa: BLE001 - a failing reward must not stall the rollout thread
-            logger.warning("dynamic sampling: the reward of group %d (%s #%d) failed (%r); keeping the group",
-                           g.request.group_id, g.request.task, g.request.index, e)
-            return False
+    def _finished_locked(self, g: FinishedGroup, attempts: int, verdict: str, failed: int, flat: bool,
+                         seconds: float) -> None:
+        """Book a finished group by its verdict: re-run, dropped (infrastructure or zero variance) or queued."""
+        self._running_reqs.pop(g.request.group_id, None)
+        task = g.request.task
+        self.stats.infra_failed[task] += failed
+        if verdict == "retry":  # a fresh attempt at the whole group, before any new draw
+            self._retry.append((g.request, attempts + 1))
+            self.stats.retried += 1
+            self.stats.infra_retried += 1
+            return
+        if verdict == "drop":  # never accepted: its slot is free for another draw
+            self.stats.dropped_infra[task] += 1
+            reason = self._retries.dropped(task)
+            if reason is not None and self._error is None:
+                self._error = RolloutError(reason)
+            return
+        self._retries.kept(task)
+        if flat:  # no GRPO signal: never accepted, its slot is free for another draw
+            self._sampling.drop(g, self.stats)
+            return
+        g.seq = self._seq
+        self._seq += 1
+        self._queue.append(g)
+        self.stats.accepted += 1
+        self.stats.group_times.append(seconds)
 
     def agent_metrics(self) -> dict[str, float]:
         """The agent runner's figures since the previous call (``gateway/...``); {} with the agent loop."""
@@ -612,7 +403,7 @@ class RolloutManager:
         self._poke()
 
     def _drop_stale_locked(self) -> int:
-        floor = self._version - self.eta
+        floor = self._admission.oldest_trainable(self._version)
         keep = [g for g in self._queue if g.min_version >= floor]
         dropped = len(self._queue) - len(keep)
         if dropped:
@@ -634,51 +425,36 @@ class RolloutManager:
         A batch whose slots were all given up takes the newest zero-variance groups within the staleness
         cap; when there is none, one slot is reopened for a draw beyond the budget and None is returned.
         """
+        ds = self._sampling
         q, short_used, fallback = len(self._queue), 0, False
         if q >= self.B:
             n = self.B
-        elif q + self._short >= self.B:
+        elif q + ds.short >= self.B:
             n, short_used = q, self.B - q
         else:
             return None
         self._queue.sort(key=lambda g: (g.min_version, g.seq))
         batch, self._queue = self._queue[:n], self._queue[n:]
         if not batch:
-            floor = self._version - self.eta
-            usable = [g for g in self._fallback if g.min_version >= floor][-self.B:]
-            if not usable:
+            batch = ds.stand_in(self._admission.oldest_trainable(self._version))
+            if not batch:
                 # a group still running will either fill the batch or stand in; with none, reopen one slot
-                if self._running == 0 and self._forced == 0:
-                    self._short -= 1
-                    self._forced += 1
+                if self._running == 0 and ds.reopen_slot():
                     logger.warning("dynamic sampling: no group for batch %d and no zero-variance group fresh enough "
                                    "to stand in; drawing one group beyond the budget",
                                    self.stats.consumed // self.B + 1)
                     self._poke()
                 return None
-            ids = {id(g) for g in usable}
-            self._fallback = deque((g for g in self._fallback if id(g) not in ids), maxlen=self.B)
-            batch, fallback = usable, True
+            fallback = True
             self.stats.fallback_batches += 1
             logger.warning("dynamic sampling: every group drawn for batch %d had zero reward variance; training on "
                            "%d of them (advantage 0: the step carries no policy-gradient signal)",
                            self.stats.consumed // self.B + 1, len(batch))
-        self._short -= short_used
-        self._forced = 0
         self.stats.consumed += self.B
-        first = self.stats.consumed // self.B - 1
-        self._draws = {k: v for k, v in self._draws.items() if k > first}
-        dropped = Counter(g.request.task for g in self._dropped_since)
+        ds.taken(short_used, self.stats.consumed // self.B)
         self.last_batch = {"groups": len(batch), "short": self.B - len(batch) if not fallback else self.B,
-                           "fallback": float(fallback), "drawn": self.stats.drawn - self._drawn_at_take,
-                           "dropped": dict(dropped), "dropped_groups": self._dropped_since}
-        self._dropped_since, self._drawn_at_take = [], self.stats.drawn
-        failed0, retried0, dropped0 = self._infra_at_take
-        self.last_batch.update({"infra_failed": dict(self.stats.infra_failed - failed0),
-                                "infra_retried": self.stats.infra_retried - retried0,
-                                "infra_dropped": dict(self.stats.dropped_infra - dropped0)})
-        self._infra_at_take = (Counter(self.stats.infra_failed), self.stats.infra_retried,
-                               Counter(self.stats.dropped_infra))
+                           "fallback": float(fallback), **ds.since_take(self.stats),
+                           **self._retries.since_take(self.stats)}
         return batch
 
     def get_batch(self, timeout_s: float, waited_s: float = 0.0) -> list[FinishedGroup]:
@@ -705,9 +481,9 @@ class RolloutManager:
                 if left <= 0:
                     raise TimeoutError(
                         f"no batch of {self.B} groups within {waited_s + timeout_s:.0f}s (queued {len(self._queue)}, "
-                        f"running {self._running}, given up {self._short}, version {self._version}; episodes ended by "
-                        f"infrastructure failures so far: {sum(self.stats.infra_failed.values())}"
-                        + (f", the last: {self.last_infra_error[:300]}" if self.last_infra_error else "")
+                        f"running {self._running}, given up {self._sampling.short}, version {self._version}; "
+                        f"episodes ended by infrastructure failures so far: {sum(self.stats.infra_failed.values())}"
+                        + (f", the last: {self._retries.last_error[:300]}" if self._retries.last_error else "")
                         + "); raise pipeline.batch_timeout_s or check the environments and engines")
                 self._cond.wait(min(left, 1.0))
         self._poke()
@@ -729,7 +505,8 @@ class RolloutManager:
             while True:
                 self._check_error_locked()
                 self._drop_stale_locked()
-                if self._running == 0 and (len(self._queue) + self._short >= self.B or self._exhausted_locked()):
+                covered = len(self._queue) + self._sampling.short >= self.B
+                if self._running == 0 and (covered or self._exhausted_locked()):
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -753,6 +530,7 @@ class RolloutManager:
         """
         with self._cond:
             restart = [(r, a) for r, a in self._retry] + [(r, 0) for r in self._running_reqs.values()]
+            failed, retried, dropped = self._retries.at_take
             return {
                 "sampler": self.sampler.state_dict(),
                 "queue": copy.deepcopy(self._queue),
@@ -760,15 +538,12 @@ class RolloutManager:
                 "consumed": self.stats.consumed,
                 "seq": self._seq,
                 "version": self._version,
-                "short": self._short,
-                "draws": dict(self._draws),
-                "forced": self._forced,
-                "fallback": copy.deepcopy(list(self._fallback)),
-                "stats": _stats_state(self.stats),
+                **self._sampling.state_dict(),
+                "stats": stats_state(self.stats),
                 # what the next batch's per-step counts (last_batch) are taken against: the counters at the last take
-                "at_take": {"drawn": self._drawn_at_take, "infra_failed": dict(self._infra_at_take[0]),
-                            "infra_retried": self._infra_at_take[1], "dropped_infra": dict(self._infra_at_take[2])},
-                "dropped_since": copy.deepcopy(self._dropped_since),
+                "at_take": {"drawn": self._sampling.drawn_at_take, "infra_failed": dict(failed),
+                            "infra_retried": retried, "dropped_infra": dict(dropped)},
+                "dropped_since": copy.deepcopy(self._sampling.dropped_since),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -781,16 +556,13 @@ class RolloutManager:
         self.stats.consumed = int(state["consumed"])
         self._seq = int(state["seq"])
         self._version = int(state["version"])
-        self._short = int(state.get("short", 0))
-        self._draws = {int(k): int(v) for k, v in state.get("draws", {}).items()}
-        self._forced = int(state.get("forced", 0))
-        self._fallback = deque(state.get("fallback", []), maxlen=self.B)
-        if "stats" in state:  # checkpoints written before the counters were saved resume with them at zero
-            self.stats = _stats_from_state(state["stats"], consumed=self.stats.consumed)
+        self._sampling.load_state_dict(state)
+        if "stats" in state:  # a checkpoint without the counters resumes with them at zero
+            self.stats = stats_from_state(state["stats"], consumed=self.stats.consumed)
             t = state["at_take"]
-            self._drawn_at_take = int(t["drawn"])
-            self._infra_at_take = (Counter(t["infra_failed"]), int(t["infra_retried"]), Counter(t["dropped_infra"]))
-            self._dropped_since = list(state.get("dropped_since", []))
+            self._sampling.drawn_at_take = int(t["drawn"])
+            self._retries.at_take = (Counter(t["infra_failed"]), int(t["infra_retried"]), Counter(t["dropped_infra"]))
+            self._sampling.dropped_since = list(state.get("dropped_since", []))
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run ``coro`` on the rollout thread's event loop, beside the groups in flight (e.g. an evaluation:

@@ -75,6 +75,7 @@ from aiohttp import web
 from rollout_sglang.engines.local import LocalEngine
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.testing.sglang_contract import Contract, ContractError, load_contract
+from rollout_sglang.testing.standin_options import StandInOptions
 from rollout_sglang.testing.transport import CHECKSUM_FIELD, EXT_CHECKSUM, EXT_SEND_RECV, TAG_FIELD, StandInReceive
 from rollout_sglang.weight_update.receiver import BucketReceiver
 
@@ -146,52 +147,34 @@ class StandInServer:
     """An SGLang-shaped HTTP server for one :class:`LocalEngine`, on its own thread and event loop.
 
     engine: the engine that generates and receives weights.
-    host / port: where to listen (port 0: a free port); ``url`` after :meth:`start`.
-    model_path: reported by ``/model_info``.
-    group_timeout_s: limit on joining a weight-sync group and on each receive, seconds.
-    tp_size: weight-sync ranks the server joins with (SGLang: one per TP rank, at ``rank_offset +
-        tp_rank``); every rank receives every broadcast, and rank 0's copy is loaded after the
-        others were checked equal to it.
-    lazy_join: join a weight-sync group's collectives only at the first update request, as SGLang
-        does on NCCL (the default: what production sees); False joins inside
-        ``/init_weights_update_group``, as SGLang does on gloo.
-    deterministic: as ``--enable-deterministic-inference``: a row without ``sampling_seed`` samples
-        with seed 42, so equal prompts give equal samples.
-    api_key / admin_api_key: as ``--api-key`` / ``--admin-api-key`` (SGLang's auth rules per endpoint).
+    options: where it listens and the SGLang flags it mirrors (:class:`StandInOptions`); ``url`` after
+        :meth:`start`.
     contract: the SGLang request contract every request is checked against (None: the pinned
         version's, :func:`rollout_sglang.testing.sglang_contract.load_contract`).
-    weight_version: as ``--weight-version``: the version reported until an update sets one (None: SGLang's
-        ``"default"``).
-    capture_routing: as ``--enable-return-routed-experts``: requests that ask for routed experts get them (MoE
-        models only: SGLang's capturer sizes its buffers by the config's ``num_experts_per_tok``).
     """
 
-    def __init__(self, engine: LocalEngine, *, host: str = "127.0.0.1", port: int = 0,
-                 model_path: str = "standin", group_timeout_s: float = 300.0, tp_size: int = 1,
-                 lazy_join: bool = True, deterministic: bool = False, api_key: str | None = None,
-                 admin_api_key: str | None = None, contract: Contract | None = None,
-                 weight_version: str | None = None, capture_routing: bool = False) -> None:
-        if tp_size < 1:
-            raise ValueError(f"tp_size={tp_size} must be >= 1")
-        if capture_routing and getattr(engine, "routing_layout", None) is None:
+    def __init__(self, engine: LocalEngine, options: StandInOptions | None = None, *,
+                 contract: Contract | None = None) -> None:
+        o = self.options = options if options is not None else StandInOptions()
+        if o.capture_routing and getattr(engine, "routing_layout", None) is None:
             raise ValueError(f"capture_routing (--enable-return-routed-experts) needs a MoE model; "
                              f"{type(engine.model).__name__} is dense")
-        self.capture_routing = bool(capture_routing)
+        self.capture_routing = o.capture_routing
         self.engine = engine
-        self.host = host
-        self.port = int(port)
-        self.model_path = model_path
-        self.tp_size = int(tp_size)
-        self.receivers = [BucketReceiver(lazy_join=lazy_join) for _ in range(self.tp_size)]
+        self.host = o.host
+        self.port = int(o.port)
+        self.model_path = o.model_path
+        self.tp_size = int(o.tp_size)
+        self.receivers = [BucketReceiver(lazy_join=o.lazy_join) for _ in range(self.tp_size)]
         self.receiver = self.receivers[0]
-        self.group_timeout_s = float(group_timeout_s)
-        self.deterministic = bool(deterministic)
-        self.api_key, self.admin_api_key = api_key, admin_api_key
+        self.group_timeout_s = float(o.group_timeout_s)
+        self.deterministic = o.deterministic
+        self.api_key, self.admin_api_key = o.api_key, o.admin_api_key
         self.contract = contract if contract is not None else load_contract()
         self.refuse_destroy = False  # test hook: /destroy_weights_update_group fails and keeps the group
         self.bodies: list[tuple[str, Any]] = []  # (path, JSON body) of every request, in order (for tests)
         # SGLang's --weight-version defaults to "default": a fresh server reports no version of ours
-        self.weight_version = "default" if weight_version is None else str(weight_version)
+        self.weight_version = "default" if o.weight_version is None else str(o.weight_version)
         self.requests: list[str] = []  # endpoints served, in order (for tests)
         self.update_log: list[str] = []  # one line per weight-update request (for tests)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -731,10 +714,10 @@ def main(argv: list[str] | None = None) -> None:
         logger.warning("ignoring SGLang flags the stand-in does not implement: %s", " ".join(unknown))
     dtype = "float32" if args.dtype in ("auto", "float", "float32") else args.dtype
     engine = LocalEngine.from_pretrained(args.model_path, dtype=dtype, device="cpu")
-    server = StandInServer(engine, host=args.host, port=args.port, model_path=args.model_path, tp_size=args.tp_size,
-                           deterministic=args.enable_deterministic_inference, api_key=args.api_key,
-                           admin_api_key=args.admin_api_key, weight_version=args.weight_version,
-                           capture_routing=args.enable_return_routed_experts)
+    server = StandInServer(engine, StandInOptions(
+        host=args.host, port=args.port, model_path=args.model_path, tp_size=args.tp_size,
+        deterministic=args.enable_deterministic_inference, api_key=args.api_key, admin_api_key=args.admin_api_key,
+        weight_version=args.weight_version, capture_routing=args.enable_return_routed_experts))
     server.start()
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -5,10 +5,11 @@ dedicated trainer -> engines process group, its rendezvous and timeouts), :mod:`
 bucket travels; SGLang's broadcasts), :mod:`.broadcaster` (group rank 0 sending buckets to one
 slot's engines), :mod:`.direct` (buckets handed to engines in the sender's own process),
 :mod:`.receiver` (receiving buckets in plain torch, for engines that are not SGLang),
-:mod:`.outcome` (a sync's stats and its error). Needs only torch, no Megatron: the trainer's
-:mod:`megatron_agentrl.weight_sync` reads the actor's weights and feeds them in here.
+:mod:`.outcome` (a sync's stats and its error), :mod:`.options` (the broadcaster's settings). Needs only
+torch, no Megatron: the trainer's :mod:`megatron_agentrl.weight_sync` reads the actor's weights and feeds them in
+here.
 """
-from rollout_sglang.weight_update.broadcaster import WIRE_FORMATS, BucketBroadcaster
+from rollout_sglang.weight_update.broadcaster import BucketBroadcaster
 from rollout_sglang.weight_update.buckets import (
     DTYPE_ALIASES,
     DTYPES,
@@ -32,20 +33,23 @@ from rollout_sglang.weight_update.group import (
     host_store,
     init_weight_group,
 )
+from rollout_sglang.weight_update.options import WIRE_FORMATS, BroadcastOptions
 from rollout_sglang.weight_update.outcome import SyncStats, WeightSyncError
 from rollout_sglang.weight_update.receiver import BucketReceiver
 from rollout_sglang.weight_update.transport import (
     MB,
     BroadcastReceive,
     BucketTransport,
+    BucketUpdate,
     ReceiveTransport,
     SGLangBroadcast,
     WeightUpdateTarget,
 )
 
 __all__ = [
-    "DTYPES", "DTYPE_ALIASES", "MB", "WIRE_FORMATS", "BroadcastReceive", "BucketBroadcaster", "BucketMeta",
-    "BucketReceiver", "BucketTransport", "ReceiveTransport", "SGLangBroadcast", "SyncStats", "WeightGroup",
+    "DTYPES", "DTYPE_ALIASES", "MB", "WIRE_FORMATS", "BroadcastOptions", "BroadcastReceive", "BucketBroadcaster",
+    "BucketMeta", "BucketReceiver", "BucketTransport", "BucketUpdate", "ReceiveTransport", "SGLangBroadcast",
+    "SyncStats", "WeightGroup",
     "WeightSyncError", "WeightSyncTimeout", "WeightUpdateTarget", "copy_bytes", "default_backend", "deliver_direct",
     "dtype_from_name", "dtype_name", "flattened_layout", "host_store", "init_weight_group", "iter_buckets",
     "iter_split_buckets", "pack", "pack_into", "plan_buckets", "unflatten_bytes",

@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 
 import torch
 
@@ -35,13 +36,17 @@ from rollout_sglang.weight_update.group import (
     host_store,
     init_weight_group,
 )
+from rollout_sglang.weight_update.options import BroadcastOptions
 from rollout_sglang.weight_update.outcome import SyncStats, WeightSyncError
-from rollout_sglang.weight_update.transport import MB, BucketTransport, SGLangBroadcast, WeightUpdateTarget
+from rollout_sglang.weight_update.transport import (
+    MB,
+    BucketTransport,
+    BucketUpdate,
+    SGLangBroadcast,
+    WeightUpdateTarget,
+)
 
 logger = logging.getLogger(__name__)
-
-WIRE_FORMATS = ("flattened_bucket", "per_tensor")
-
 
 def _in_thread(fn: Callable[[], WeightGroup], name: str) -> Future:
     """Run ``fn`` on a daemon thread of its own; its result (or error) in a Future. A formation that
@@ -70,36 +75,26 @@ class BucketBroadcaster:
 
     targets: the engines (each contributes ``num_ranks`` ranks, in list order, after rank 0).
     group_name: the base of the group's name; each group formed gets a fresh ``<base>-<8 hex>``.
-    master_address: an address of this host that every engine can reach (the TCPStore lives here).
-    backend: "nccl" / "gloo" (None: NCCL when CUDA is available).
-    init_timeout_s: limit on the group rendezvous (which may end inside the first bucket's receive);
-        bucket_timeout_s: limit on each bucket (transfer plus the engines' acknowledgement).
-    wire_format: default of :meth:`send` ("flattened_bucket" | "per_tensor"; None: flattened on
-        NCCL, per-tensor on gloo).
-    small_tensor_bytes: with "per_tensor", tensors under this size travel packed together (None:
-        the transport's ``small_tensor_bytes``).
+    options: where the group meets, its backend and limits, the default wire format (:class:`BroadcastOptions`).
     transport: how buckets travel and what the engines are told (None: :class:`SGLangBroadcast`,
         what SGLang servers receive). Checked against the backend here, against the engines at
         :meth:`connect`.
     """
 
-    def __init__(self, targets: Sequence[WeightUpdateTarget], group_name: str, *, master_address: str = "127.0.0.1",
-                 backend: str | None = None, init_timeout_s: float = 300.0, bucket_timeout_s: float = 120.0,
-                 wire_format: str | None = None, small_tensor_bytes: int | None = None,
-                 transport: BucketTransport | None = None) -> None:
+    def __init__(self, targets: Sequence[WeightUpdateTarget], group_name: str, options: BroadcastOptions | None = None,
+                 *, transport: BucketTransport | None = None) -> None:
         if not targets:
             raise ValueError("BucketBroadcaster needs at least one target engine")
+        o = self.options = options if options is not None else BroadcastOptions()
         self.targets = list(targets)
         self.group_base = group_name
         self.group_name = group_name  # the current group's (fresh at every connect)
-        self.master_address = master_address
-        self.backend = backend or default_backend()
-        self.init_timeout_s = float(init_timeout_s)
-        self.bucket_timeout_s = float(bucket_timeout_s)
-        self.wire_format = wire_format or ("flattened_bucket" if self.backend == "nccl" else "per_tensor")
-        self.small_tensor_bytes = None if small_tensor_bytes is None else int(small_tensor_bytes)
-        if self.wire_format not in WIRE_FORMATS:
-            raise ValueError(f"wire_format={wire_format!r} is not one of {WIRE_FORMATS}")
+        self.master_address = o.master_address
+        self.backend = o.backend or default_backend()
+        self.init_timeout_s = float(o.init_timeout_s)
+        self.bucket_timeout_s = float(o.bucket_timeout_s)
+        self.wire_format = o.wire_format or ("flattened_bucket" if self.backend == "nccl" else "per_tensor")
+        self.small_tensor_bytes = o.small_tensor_bytes
         self.transport: BucketTransport = transport if transport is not None else SGLangBroadcast()
         self.transport.check(self.backend)  # the engines are asked at connect
         self._seq = 0  # tensors posted on the current group so far (the transports' message counter)
@@ -259,9 +254,8 @@ class BucketBroadcaster:
         Raises WeightSyncError naming the engine and the bucket on any failure or timeout; the
         group is closed then (the next send builds a new one).
         """
-        fmt = wire_format or self.wire_format
-        if fmt not in WIRE_FORMATS:
-            raise ValueError(f"wire_format={fmt!r} is not one of {WIRE_FORMATS}")
+        # a format for this call is checked as the broadcaster's own is: by its options
+        fmt = replace(self.options, wire_format=wire_format).wire_format if wire_format else self.wire_format
         transport = transport if transport is not None else self.transport
         transport.check(self.backend, self.targets)
         small = transport.small_tensor_bytes if self.small_tensor_bytes is None else self.small_tensor_bytes
@@ -306,13 +300,11 @@ class BucketBroadcaster:
                     torch.cuda.current_stream().synchronize()
                 mark["packed"] = time.perf_counter() - t0
                 fields = transport.request_fields(self.targets, payload, packed, self._seq)
-                wire = meta.wire()
-                futures = [(t, ch.submit(
-                    t.update_weights_from_distributed, wire["names"], wire["dtypes"], wire["shapes"], self.group_name,
-                    load_format="flattened_bucket" if packed else None, flush_cache=False,
-                    last_bucket=nxt is None, timeout_s=self.bucket_timeout_s,
-                    extra_fields=extra or None))
-                    for t, ch, extra in zip(self.targets, self._channels, fields)]
+                bucket = BucketUpdate(**meta.wire(), group_name=self.group_name,
+                                      load_format="flattened_bucket" if packed else None, flush_cache=False)
+                futures = [(t, ch.submit(t.update_weights_from_distributed, bucket, last_bucket=nxt is None,
+                                         timeout_s=self.bucket_timeout_s, extra_fields=extra or None))
+                           for t, ch, extra in zip(self.targets, self._channels, fields)]
                 group = self._await_group(futures)  # the first bucket's requests let lazy engines join
                 works = transport.post(group, payload, self._seq)
                 self._seq += len(payload)

@@ -12,6 +12,7 @@ protocols; the SGLang stand-in's live in :mod:`rollout_sglang.testing.transport`
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -25,6 +26,36 @@ MB = 1024 * 1024
 # interleaved, median per-round ratio: 2 MiB (Qwen2.5-0.5B's q/o projections packed too, 84 MB)
 # 0.73-0.78, 1 MiB (k/v, biases and norms packed, 10.6 MB) 0.79-0.81.
 BROADCAST_SMALL_TENSOR_BYTES = MB
+
+
+@dataclass
+class BucketUpdate:
+    """One bucket's ``/update_weights_from_distributed`` request, as SGLang defines it
+    (``UpdateWeightsFromDistributedReqInput`` in its ``io_struct.py``), less ``weight_version``: an engine's client
+    adds that to the update's last bucket.
+
+    names / dtypes / shapes: the tensors, in the order they travel (dtype names as SGLang spells them).
+    group_name: the weight-sync group they travel on.
+    load_format: "flattened_bucket": one flat tensor of raw bytes; None: one tensor per name.
+    flush_cache: whether the server flushes its prefix cache after loading (the version pool flushes once, at the
+        end of the update, so the broadcaster sends False).
+    """
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    load_format: str | None = None
+    flush_cache: bool = True
+
+    def body(self) -> dict[str, Any]:
+        """The request's JSON body (``load_format`` only when set)."""
+        body: dict[str, Any] = {"names": list(self.names), "dtypes": list(self.dtypes),
+                                "shapes": [list(s) for s in self.shapes], "group_name": self.group_name,
+                                "flush_cache": bool(self.flush_cache)}
+        if self.load_format is not None:
+            body["load_format"] = self.load_format
+        return body
 
 
 @runtime_checkable
@@ -43,11 +74,9 @@ class WeightUpdateTarget(Protocol):
         """Join the group (blocks until every rank joined); raises with the engine's message on failure."""
         ...
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str, *, load_format: str | None, flush_cache: bool,
-                                        last_bucket: bool, timeout_s: float,
+    def update_weights_from_distributed(self, bucket: BucketUpdate, *, last_bucket: bool, timeout_s: float,
                                         extra_fields: Mapping[str, Any] | None = None) -> None:
-        """Receive one bucket from group rank 0 and load it; raises with the engine's message on failure.
+        """Receive ``bucket`` from group rank 0 and load it; raises with the engine's message on failure.
 
         last_bucket: the sender's last bucket of this update; the engine may stamp the version its
             open update was given (``begin_weight_update``) with it. The sender knows no version.

@@ -265,9 +265,10 @@ def weight_sync_two_processes(rank: int, world: int, tmp: str, device: str, shap
     if rank == 1:
         from rollout_sglang.engines.local import LocalEngine
         from rollout_sglang.testing.sglang_standin import StandInServer
+        from rollout_sglang.testing.standin_options import StandInOptions
 
         engine = LocalEngine(cfg, device=device, dtype=torch.bfloat16, init_seed=0)
-        server = StandInServer(engine, group_timeout_s=120)
+        server = StandInServer(engine, StandInOptions(group_timeout_s=120))
         url = server.start()
         probe = _probe_tokens(cfg.vocab_size).to(device)
         with torch.no_grad():
@@ -287,8 +288,9 @@ def weight_sync_two_processes(rank: int, world: int, tmp: str, device: str, shap
     from megatron_agentrl.config import TrainConfig
     from megatron_agentrl.megatron.actor import MegatronActor, TrainBatch
     from megatron_agentrl.megatron.parallel import destroy_parallel, initialize_parallel
-    from megatron_agentrl.weight_sync import WeightSender
+    from megatron_agentrl.weight_sync import SenderOptions, WeightSender
     from rollout_sglang.engines.sglang_client import SGLangEngine
+    from rollout_sglang.engines.sglang_options import SGLangClientOptions
     from rollout_sglang.testing.transport import StandInTransport
 
     try:
@@ -298,10 +300,12 @@ def weight_sync_two_processes(rank: int, world: int, tmp: str, device: str, shap
         lp = actor.compute_logprobs(b.tokens, micro_batch_size=4)
         actor.train_step(TrainBatch(b.tokens, b.loss_mask, lp * b.loss_mask, b.advantages))
         wait_for_file(tmpdir / "url", 120)
-        client = SGLangEngine((tmpdir / "url").read_text(), request_timeout_s=120, update_timeout_s=120)
+        client = SGLangEngine((tmpdir / "url").read_text(), SGLangClientOptions(request_timeout_s=120,
+                                                                                update_timeout_s=120))
         # the stand-in's transport: SGLang's broadcasts carry no checksum to verify the buckets by
-        sender = WeightSender(actor, bucket_mb=0.25, init_timeout_s=120, bucket_timeout_s=120, checksum=True,
-                              backend="gloo", small_tensor_bytes=4096, transport=StandInTransport())
+        options = SenderOptions(bucket_mb=0.25, init_timeout_s=120, bucket_timeout_s=120, checksum=True,
+                                backend="gloo", small_tensor_bytes=4096)
+        sender = WeightSender(actor, options, transport=StandInTransport())
         client.pause()
         client.begin_weight_update(1)  # SGLang takes weights only inside its update session
         stats = sender.sync(1, slot_key=0, targets=[client])

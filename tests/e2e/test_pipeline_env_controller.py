@@ -13,6 +13,7 @@ def _serve_and_train(rank: int, world: int, out: str) -> dict:
 
     from env_controller.controller.server import Controller, ControllerConfig
     from env_controller.tasks import build_task
+    from env_controller.worker.options import WorkerOptions
     from env_controller.worker.server import WorkerServer
     from megatron_agentrl.config import load_config
     from megatron_agentrl.pipeline.loop import run_training
@@ -29,7 +30,7 @@ def _serve_and_train(rank: int, world: int, out: str) -> dict:
         await c.start()
         box["c"], box["w"] = c, []
         for name in ("lookup", "calc"):
-            w = WorkerServer(build_task(name), controller_url=c.url, heartbeat_interval_s=0.2)
+            w = WorkerServer(build_task(name), WorkerOptions(controller_url=c.url, heartbeat_interval_s=0.2))
             await w.start()
             await asyncio.wait_for(w.heartbeat_ok.wait(), 10)
             box["w"].append(w)

@@ -16,6 +16,7 @@ def _run(rank: int, world: int, out: str) -> dict:
     from megatron_agentrl.train_rank import setup_logging
     from rollout_sglang.engines.local import LocalEngine
     from rollout_sglang.testing.sglang_standin import StandInServer
+    from rollout_sglang.testing.standin_options import StandInOptions
     from rollout_sglang.tokenizer import load_tokenizer
 
     setup_logging(rank)
@@ -29,7 +30,7 @@ def _run(rank: int, world: int, out: str) -> dict:
     cfg = load_config("tests/configs/tiny_test.yaml", overrides)
     hf_config = load_hf_config(cfg.model, load_tokenizer(cfg.model.tokenizer))
     engines = [LocalEngine.from_config(hf_config, init_seed=0) for _ in range(2)]
-    servers = [StandInServer(e, group_timeout_s=60) for e in engines]
+    servers = [StandInServer(e, StandInOptions(group_timeout_s=60)) for e in engines]
     urls = [s.start() for s in servers]
     try:
         cfg = load_config("tests/configs/tiny_test.yaml",

@@ -22,12 +22,14 @@ import aiohttp
 
 from env_controller.clients.http_client import HttpEnvClient
 from env_controller.clients.local import LocalEnvClient
+from env_controller.clients.options import EnvClientOptions
 from env_controller.controller.server import Controller, ControllerConfig
 from env_controller.http.net import free_port
 from env_controller.protocol import SampleStatus, TaskReply
 from env_controller.sandbox.bwrap import descendants
 from env_controller.tasks import Task, TaskSession
 from env_controller.tasks.base import make_tool_call
+from env_controller.worker.options import WorkerOptions
 from env_controller.worker.server import WorkerServer
 
 # ------------------------------------------------------------------------------- the controller on loopback
@@ -112,12 +114,13 @@ async def cluster(
     await controller.start()
     try:
         for task in tasks if tasks is not None else [EchoTask()]:
-            w = WorkerServer(task, controller_url=controller.url, heartbeat_interval_s=heartbeat_s, **worker_kw)
+            w = WorkerServer(task, WorkerOptions(controller_url=controller.url, heartbeat_interval_s=heartbeat_s,
+                                                 **worker_kw))
             workers.append(w)
             await w.start()
             assert w.heartbeat_ok is not None
             await asyncio.wait_for(w.heartbeat_ok.wait(), 10)
-        client = HttpEnvClient(controller.url, retries=0, timeout_s=30)
+        client = HttpEnvClient(controller.url, EnvClientOptions(retries=0, timeout_s=30))
         yield controller, workers, client
     finally:
         if client is not None:

@@ -19,11 +19,13 @@ from aiohttp import web
 
 from env_controller.cli import worker_tokens
 from env_controller.clients.http_client import EnvControllerError, HttpEnvClient
+from env_controller.clients.options import EnvClientOptions
 from env_controller.controller.server import Controller, ControllerConfig
 from env_controller.http.auth import redact_url, split_url_credentials
 from env_controller.http.net import free_port
 from env_controller.http.service import start_site
 from env_controller.tasks import build_task
+from env_controller.worker.options import WorkerOptions
 from env_controller.worker.server import WorkerServer
 from tests.env.support import AGENTRL, EchoTask, cluster, fast_config, raw, run, tool_call
 
@@ -104,10 +106,10 @@ def test_a_worker_credential_cannot_start_sessions_and_the_trainer_one_can(caplo
                               headers=bearer(ECHO)))[0] == 403
             assert (await raw(controller.url.removesuffix("/api") + "/openapi.json", method="GET"))[0] == 200
 
-            env = HttpEnvClient(controller.url, token=TRAINER, retries=0)
+            env = HttpEnvClient(controller.url, EnvClientOptions(token=TRAINER, retries=0))
             try:
                 with pytest.raises(EnvControllerError) as err:
-                    await HttpEnvClient(controller.url, token=ECHO, retries=0).start_sample("echo", 0)
+                    await HttpEnvClient(controller.url, EnvClientOptions(token=ECHO, retries=0)).start_sample("echo", 0)
                 assert err.value.status == 403
                 sid, _ = await env.start_sample("echo", 0)
                 reply = await env.interact(sid, [tool_call("echo", {"text": "hi"})])
@@ -208,11 +210,12 @@ def test_a_worker_with_url_credentials_keeps_them_out_of_its_log(caplog: pytest.
         await controller.start()
         url = controller.url.replace("http://", f"http://agentrl:{token}@")
         try:
-            async with WorkerServer(EchoTask(), controller_url=url, heartbeat_interval_s=0.1) as worker:
+            async with WorkerServer(EchoTask(), WorkerOptions(controller_url=url, heartbeat_interval_s=0.1)) as worker:
                 assert worker.heartbeat_ok is not None
                 await asyncio.wait_for(worker.heartbeat_ok.wait(), 10)
                 assert worker.controller_url == controller.url and worker.token == token
-            async with HttpEnvClient(url, retries=0) as env:  # the trainer client takes URL credentials too
+            # the trainer client takes URL credentials too
+            async with HttpEnvClient(url, EnvClientOptions(retries=0)) as env:
                 assert (await env.list_workers())["echo"]["indices"] == 10
         finally:
             await controller.stop()
@@ -235,8 +238,8 @@ def test_a_worker_with_both_token_and_url_credentials_registers(url_token: str,
         async with cluster(config=fast_config(token=token), token=token) as (controller, _, _):
             in_url = token if url_token == "same" else other
             url = controller.url.replace("http://", f"http://agentrl:{in_url}@")
-            async with WorkerServer(build_task("calc"), controller_url=url, token=token,
-                                    heartbeat_interval_s=0.1) as worker:
+            async with WorkerServer(build_task("calc"), WorkerOptions(controller_url=url, token=token,
+                                                                     heartbeat_interval_s=0.1)) as worker:
                 assert worker.heartbeat_ok is not None
                 await asyncio.wait_for(worker.heartbeat_ok.wait(), 10)
 
@@ -263,7 +266,7 @@ def test_agentrl_worker_process_with_token_and_url_credentials(processes: list[A
     processes.append(worker)
 
     async def registered() -> bool:
-        async with HttpEnvClient(url, token=token, retries=0, timeout_s=5) as client:
+        async with HttpEnvClient(url, EnvClientOptions(token=token, retries=0, timeout_s=5)) as client:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 try:
@@ -303,8 +306,9 @@ def test_refused_heartbeats_are_logged_once_and_backed_off(caplog: pytest.LogCap
         app = web.Application()
         app.router.add_post("/api/receive_heartbeat", heartbeat)
         runner, port = await start_site(app, "127.0.0.1", 0)
-        worker = WorkerServer(EchoTask(), controller_url=f"http://127.0.0.1:{port}/api", token="wrong-tok-0",
-                              heartbeat_interval_s=interval, heartbeat_backoff_cap_s=cap)
+        worker = WorkerServer(EchoTask(), WorkerOptions(
+            controller_url=f"http://127.0.0.1:{port}/api", token="wrong-tok-0", heartbeat_interval_s=interval,
+            heartbeat_backoff_cap_s=cap))
         try:
             await worker.start()
             await asyncio.sleep(2.0)
@@ -353,7 +357,7 @@ def test_a_stock_agentrl_worker_registers_with_its_worker_token_in_the_url(tmp_p
     async def go() -> None:
         controller = Controller(config)
         await controller.start()
-        env = HttpEnvClient(controller.url, token=TRAINER, retries=0, timeout_s=30)
+        env = HttpEnvClient(controller.url, EnvClientOptions(token=TRAINER, retries=0, timeout_s=30))
         try:
             url = controller.url.replace("http://", f"http://agentrl:{ECHO}@")
             proc, _ = start_agentrl_worker(tmp_path, url, processes)

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from env_controller.clients.http_client import EnvControllerError, EnvUnavailableError, HttpEnvClient
 from env_controller.clients.local import UnknownSessionError
+from env_controller.clients.options import EnvClientOptions
 from env_controller.http.net import free_port
 from env_controller.http.service import start_site
 from tests.env.support import run, tool_call
@@ -93,7 +94,7 @@ def test_starts_wait_through_a_restart_with_one_probe_at_a_time(caplog: pytest.L
 
     async def go() -> None:
         fake = FakeController(retry_after="0.3", unavailable_for_s=1.5)
-        env = HttpEnvClient(fake.url, unavailable_timeout_s=20, backoff_s=0.05, max_backoff_s=0.2)
+        env = HttpEnvClient(fake.url, EnvClientOptions(unavailable_timeout_s=20, backoff_s=0.05, max_backoff_s=0.2))
         try:
             starts = [asyncio.ensure_future(env.start_sample("t", i)) for i in range(500)]
             await asyncio.sleep(1.0)
@@ -128,7 +129,7 @@ def test_starts_wait_through_a_restart_with_one_probe_at_a_time(caplog: pytest.L
 def test_a_start_gives_up_after_the_budget_with_the_url_and_the_fix() -> None:
     async def go() -> None:
         fake = FakeController()  # never up: connection refused
-        env = HttpEnvClient(fake.url, unavailable_timeout_s=0.8, backoff_s=0.05, max_backoff_s=0.2)
+        env = HttpEnvClient(fake.url, EnvClientOptions(unavailable_timeout_s=0.8, backoff_s=0.05, max_backoff_s=0.2))
         t0 = time.monotonic()
         with pytest.raises(EnvUnavailableError) as err:
             await env.start_sample("t", 3)
@@ -151,7 +152,7 @@ def test_retry_after_is_honoured_and_capped() -> None:
     async def go() -> None:
         fake = FakeController(retry_after="1", unavailable_for_s=0.5)
         await fake.up()
-        env = HttpEnvClient(fake.url, unavailable_timeout_s=10, backoff_s=0.01, max_backoff_s=0.05)
+        env = HttpEnvClient(fake.url, EnvClientOptions(unavailable_timeout_s=10, backoff_s=0.01, max_backoff_s=0.05))
         try:
             await env.start_sample("t", 0)
             hits = fake.hits["start_sample"]
@@ -174,7 +175,7 @@ def test_an_interact_that_went_out_is_not_sent_again() -> None:
     async def go() -> None:
         fake = FakeController()
         await fake.up()
-        env = HttpEnvClient(fake.url, retries=3, backoff_s=0.01, unavailable_timeout_s=5)
+        env = HttpEnvClient(fake.url, EnvClientOptions(retries=3, backoff_s=0.01, unavailable_timeout_s=5))
         try:
             sid, _ = await env.start_sample("t", 0)
             fake.drop_interacts = True
@@ -204,7 +205,8 @@ def test_cancel_is_best_effort_while_the_controller_is_down() -> None:
 
     async def go() -> None:
         fake = FakeController()
-        env = HttpEnvClient(fake.url, retries=5, backoff_s=0.5, unavailable_timeout_s=0.2, cancel_timeout_s=1)
+        env = HttpEnvClient(fake.url, EnvClientOptions(retries=5, backoff_s=0.5, unavailable_timeout_s=0.2,
+                                                       cancel_timeout_s=1))
         with pytest.raises(EnvUnavailableError):
             await env.start_sample("t", 0)  # opens the outage
         t0 = time.monotonic()
@@ -225,6 +227,7 @@ def test_a_session_lost_in_a_restart_ends_the_episode_as_an_infra_failure() -> N
     from rollout_sglang.agent_loop import run_group_lockstep
     from rollout_sglang.chat_template import ChatTemplate
     from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
+    from rollout_sglang.episode_options import EpisodeLimits, EpisodeOptions
     from rollout_sglang.tokenizer import train_bpe_tokenizer
 
     call = '<tool_call>\n{"name": "x", "arguments": {}}\n</tool_call>'
@@ -232,7 +235,7 @@ def test_a_session_lost_in_a_restart_ends_the_episode_as_an_infra_failure() -> N
     async def go() -> None:
         fake = FakeController()
         await fake.up()
-        env = HttpEnvClient(fake.url, unavailable_timeout_s=5)
+        env = HttpEnvClient(fake.url, EnvClientOptions(unavailable_timeout_s=5))
         with tempfile.TemporaryDirectory() as tmp:
             template = ChatTemplate(train_bpe_tokenizer([call, "hi ok"] * 5, vocab_size=300, out_dir=tmp))
 
@@ -249,7 +252,8 @@ def test_a_session_lost_in_a_restart_ends_the_episode_as_an_infra_failure() -> N
 
             try:
                 params = SamplingParams(max_new_tokens=50, temperature=1.0, seed=0)
-                (traj,) = await run_group_lockstep(RestartingEngine(), env, template, [("t", 0, 0)], params, 4, 4096)
+                (traj,) = await run_group_lockstep(RestartingEngine(), env, template, [("t", 0, 0)], params,
+                                                 EpisodeOptions(EpisodeLimits(4, 4096)))
             finally:
                 await env.aclose()
                 await fake.down()

@@ -15,11 +15,13 @@ import pytest
 
 from env_controller.clients.http_client import EnvControllerError, HttpEnvClient
 from env_controller.clients.local import UnknownSessionError
+from env_controller.clients.options import EnvClientOptions
 from env_controller.controller.registry import NoWorkerError, RegistryError, WorkerRegistry, WorkerState
 from env_controller.controller.server import Controller
 from env_controller.http.net import free_port
 from env_controller.protocol import MalformedMessageError, SampleStatus, TaskReply
 from env_controller.tasks import Task, build_task
+from env_controller.worker.options import WorkerOptions
 from env_controller.worker.server import WorkerServer
 from tests.env.support import EchoTask, beat, cluster, fast_config, raw, run, tool_call
 
@@ -64,9 +66,9 @@ def test_many_concurrent_sessions_spread_least_loaded() -> None:
     async def go() -> None:
         controller = Controller(fast_config())
         await controller.start()
-        workers = [WorkerServer(EchoTask(), controller_url=controller.url, heartbeat_interval_s=0.2, concurrency=20)
-                   for _ in range(3)]
-        env = HttpEnvClient(controller.url, retries=1, backoff_s=0.01, unavailable_timeout_s=0.5)
+        options = WorkerOptions(controller_url=controller.url, heartbeat_interval_s=0.2, concurrency=20)
+        workers = [WorkerServer(EchoTask(), options) for _ in range(3)]
+        env = HttpEnvClient(controller.url, EnvClientOptions(retries=1, backoff_s=0.01, unavailable_timeout_s=0.5))
         try:
             for w in workers:
                 await w.start()
@@ -98,6 +100,7 @@ def test_agent_loop_runs_over_the_http_client() -> None:
     pytest.importorskip("transformers")
     from rollout_sglang.agent_loop import run_group_lockstep
     from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
+    from rollout_sglang.episode_options import EpisodeLimits, EpisodeOptions
     from rollout_sglang.tool_parser import parse_assistant_text  # noqa: F401  (the loop's parser)
 
     task = build_task("lookup")
@@ -133,7 +136,8 @@ def test_agent_loop_runs_over_the_http_client() -> None:
 
             async with cluster([task]) as (_, _, env):
                 params = SamplingParams(max_new_tokens=200, temperature=1.0, seed=0)
-                trajs = await run_group_lockstep(ScriptEngine(), env, template, [("lookup", 5, 0)], params, 4, 4096)
+                trajs = await run_group_lockstep(ScriptEngine(), env, template, [("lookup", 5, 0)], params,
+                                                 EpisodeOptions(EpisodeLimits(4, 4096)))
                 (traj,) = trajs
                 assert traj.status in (SampleStatus.COMPLETED, SampleStatus.COMPLETED.value), traj
                 assert traj.reward == 1.0
@@ -299,7 +303,7 @@ def test_dead_worker_ends_its_sessions_within_the_heartbeat_timeout() -> None:
         controller = Controller(fast_config(suspect_after_s=suspect, heartbeat_timeout_s=dead))
         await controller.start()
         worker = WorkerServer(EchoTask())  # no controller_url: this test sends its heartbeats
-        env = HttpEnvClient(controller.url, retries=0, unavailable_timeout_s=0.2)
+        env = HttpEnvClient(controller.url, EnvClientOptions(retries=0, unavailable_timeout_s=0.2))
         try:
             await worker.start()
             assert (await beat(controller.url, worker))[0] == 200
@@ -354,8 +358,8 @@ def test_unreachable_worker_fails_over_and_ends_its_sessions() -> None:
     async def go() -> None:
         controller = Controller(fast_config())
         await controller.start()
-        a, b = WorkerServer(EchoTask(), concurrency=5), WorkerServer(EchoTask(), concurrency=5)
-        env = HttpEnvClient(controller.url, retries=0)
+        a, b = (WorkerServer(EchoTask(), WorkerOptions(concurrency=5)) for _ in range(2))
+        env = HttpEnvClient(controller.url, EnvClientOptions(retries=0))
         try:
             await a.start()
             await b.start()
@@ -386,7 +390,7 @@ def test_start_fails_over_when_the_picked_worker_refuses_connections() -> None:
         await controller.start()
         good = WorkerServer(EchoTask())
         gone = WorkerServer(EchoTask())
-        env = HttpEnvClient(controller.url, retries=0)
+        env = HttpEnvClient(controller.url, EnvClientOptions(retries=0))
         try:
             await good.start()
             await gone.start()
@@ -436,7 +440,7 @@ def test_token_is_required_when_set_and_off_loopback() -> None:
                 controller.url + "/list_workers", method="GET", headers={"Authorization": f"Basic {basic}"}
             )
             assert status == 200 and "echo" in body  # the worker's heartbeats carried the token
-            env = HttpEnvClient(controller.url, token=token)
+            env = HttpEnvClient(controller.url, EnvClientOptions(token=token))
             try:
                 sid, reply = await env.start_sample("echo", 0)  # the controller sends the token on to the worker
                 assert not reply.finish
@@ -448,7 +452,7 @@ def test_token_is_required_when_set_and_off_loopback() -> None:
     with pytest.raises(ValueError, match="needs a bearer token"):
         run(Controller(fast_config(host="0.0.0.0")).start())
     with pytest.raises(ValueError, match="needs a bearer token"):
-        run(WorkerServer(EchoTask(), host="0.0.0.0").start())
+        run(WorkerServer(EchoTask(), WorkerOptions(host="0.0.0.0")).start())
 
 
 def test_metrics_and_views() -> None:
@@ -507,7 +511,7 @@ def test_overhead_header_excludes_worker_time() -> None:
 
 def test_worker_server_speaks_the_agentrl_worker_protocol() -> None:
     async def go() -> None:
-        worker = WorkerServer(EchoTask(), concurrency=2)
+        worker = WorkerServer(EchoTask(), WorkerOptions(concurrency=2))
         await worker.start()
         api = worker.address
         try:
@@ -564,7 +568,7 @@ def test_client_retries_5xx_and_refused_connections_only() -> None:
         app.router.add_post("/api/interact", interact)
         runner, port = await start_site(app, "127.0.0.1", 0)
         try:
-            env = HttpEnvClient(f"http://127.0.0.1:{port}", retries=3, backoff_s=0.01)
+            env = HttpEnvClient(f"http://127.0.0.1:{port}", EnvClientOptions(retries=3, backoff_s=0.01))
             sid, reply = await env.start_sample("t", 0)
             assert sid == "5" and hits["start_sample"] == 3
             with pytest.raises(MalformedMessageError):
@@ -584,7 +588,8 @@ def test_client_retries_5xx_and_refused_connections_only() -> None:
             await env.aclose()
         finally:
             await runner.cleanup()
-        env = HttpEnvClient(f"http://127.0.0.1:{port}", retries=2, backoff_s=0.01, unavailable_timeout_s=0.5)
+        env = HttpEnvClient(f"http://127.0.0.1:{port}",
+                            EnvClientOptions(retries=2, backoff_s=0.01, unavailable_timeout_s=0.5))
         t0 = time.monotonic()
         with pytest.raises(EnvControllerError, match="is unreachable"):
             await env.start_sample("t", 0)

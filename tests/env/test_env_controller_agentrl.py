@@ -19,6 +19,7 @@ pytest.importorskip("agentrl.worker.task_worker", reason="agentrl-worker is in t
 
 from env_controller.clients.http_client import EnvControllerError, HttpEnvClient  # noqa: E402
 from env_controller.clients.local import UnknownSessionError  # noqa: E402
+from env_controller.clients.options import EnvClientOptions  # noqa: E402
 from env_controller.controller.server import Controller, ControllerConfig  # noqa: E402
 from env_controller.protocol import MalformedMessageError, SampleStatus  # noqa: E402
 from tests.env.support import CONFIG, TASK_MODULE, start_agentrl_worker, wait_registered  # noqa: E402
@@ -58,7 +59,7 @@ def test_agentrl_worker_serves_sessions_through_our_controller(
     async def go() -> None:
         controller = Controller(config)
         await controller.start()
-        env = HttpEnvClient(controller.url, retries=0, timeout_s=30, unavailable_timeout_s=0.5)
+        env = HttpEnvClient(controller.url, EnvClientOptions(retries=0, timeout_s=30, unavailable_timeout_s=0.5))
         try:
             proc, address = start_agentrl_worker(agentrl_worker_files, controller.url, processes)
             entry = await wait_registered(env, proc, "arwadd")

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from env_controller.clients.http_client import HttpEnvClient
+from env_controller.clients.options import EnvClientOptions
 from env_controller.http.net import free_port
 from env_controller.protocol import SampleStatus
 from env_controller.tasks import build_task
@@ -59,7 +60,7 @@ def test_killed_worker_process_ends_its_sessions_others_complete(processes: list
     task = build_task("lookup")
 
     async def go() -> None:
-        env = HttpEnvClient(url, retries=5, backoff_s=0.1)
+        env = HttpEnvClient(url, EnvClientOptions(retries=5, backoff_s=0.1))
         try:
             await wait_for_workers(env, 2, [controller, *workers])
             started = [await env.start_sample("lookup", i) for i in range(6)]
@@ -112,7 +113,7 @@ def test_killed_worker_process_ends_its_sessions_others_complete(processes: list
         (["controller", "--host", "0.0.0.0"], "needs a bearer token"),
         (["controller", "--heartbeat-timeout", "1", "--suspect-after", "5"], "suspect_after_s=5.0 must be below"),
         (["worker", "--task", "nope"], "unknown task 'nope'"),
-        (["worker", "--task", "lookup", "--param", "colour=1"], "has no parameter 'colour'"),
+        (["worker", "--task", "lookup", "--param", "colour=1"], "unknown config key 'lookup.colour' (valid keys here:"),
         (["worker", "--task", "no.such.module:Task"], "cannot import 'no.such.module'"),
         (["worker", "--task", "lookup", "--controller", "localhost:5020"], "must start with http://"),
     ],

@@ -429,10 +429,11 @@ def test_connections_past_the_cap_are_answered_503_and_the_cap_is_logged_once(fa
 def test_a_workers_connections_are_capped_too(caplog) -> None:
     """The task worker's ``max_connections`` (``agentrl worker --max-connections``) holds as the controller's."""
     from env_controller.tasks import build_task
+    from env_controller.worker.options import WorkerOptions
     from env_controller.worker.server import WorkerServer
 
     async def go() -> None:
-        worker = WorkerServer(build_task("calc"), max_connections=2)
+        worker = WorkerServer(build_task("calc"), WorkerOptions(max_connections=2))
         await worker.start()
         try:
             await check_connection_cap(worker.port, 2, caplog, "/api/worker_status")

@@ -33,6 +33,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 from env_controller.controller.server import Controller  # noqa: E402
 from env_controller.openapi import controller_spec, worker_spec  # noqa: E402
 from env_controller.tasks import build_task  # noqa: E402
+from env_controller.worker.options import WorkerOptions  # noqa: E402
 from env_controller.worker.server import WorkerServer  # noqa: E402
 from tests.env.support import EchoTask, fast_config  # noqa: E402
 
@@ -69,8 +70,8 @@ def servers() -> Iterator[dict[str, str]]:
     # registration_window_s=0: fuzzed task names get 404 at once, not the fresh controller's 503 (a 5xx fails the fuzz)
     controller = Controller(fast_config(trainer_token=TRAINER, worker_tokens={"*": WORKER}, connect_timeout_s=1.0,
                                         registration_window_s=0))
-    echo = WorkerServer(EchoTask(), heartbeat_interval_s=0.2, token=WORKER)
-    calc = WorkerServer(build_task("calc"), concurrency=8)
+    echo = WorkerServer(EchoTask(), WorkerOptions(heartbeat_interval_s=0.2, token=WORKER))
+    calc = WorkerServer(build_task("calc"), WorkerOptions(concurrency=8))
 
     async def up() -> None:
         await controller.start()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -24,7 +25,8 @@ from env_controller.protocol import SampleStatus, TaskReply
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.chat_template import ChatTemplate
 from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
-from rollout_sglang.gateway import Gateway, GatewayServer
+from rollout_sglang.episode_options import EpisodeLimits, EpisodeOptions
+from rollout_sglang.gateway import Gateway, GatewayOptions, GatewayServer
 from rollout_sglang.tool_parser import ToolCallParseError
 
 
@@ -268,12 +270,17 @@ class FakeEnv:
         self.cancelled.append(session_id)
 
 
+def episode(max_turns: int, max_total_tokens: int, **kw) -> EpisodeOptions:
+    """The agent loop's and the gateway's options: these limits, and ``kw`` (env_timeout_s, capture_routing)."""
+    return EpisodeOptions(EpisodeLimits(max_turns=max_turns, max_total_tokens=max_total_tokens), **kw)
+
+
 def run(engine, env, template, requests, max_turns=5, max_total_tokens=4096, max_new_tokens=256, timeout=5.0,
         capture_routing=False):
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=0)
     return asyncio.run(
-        run_group_lockstep(engine, env, template, requests, params, max_turns, max_total_tokens, env_timeout_s=timeout,
-                           capture_routing=capture_routing)
+        run_group_lockstep(engine, env, template, requests, params,
+                           episode(max_turns, max_total_tokens, env_timeout_s=timeout, capture_routing=capture_routing))
     )
 
 
@@ -314,9 +321,20 @@ def _check_alignment(traj) -> None:
 
 
 # -------------------------------------------------------------------------------------------- the gateway
-def make_gateway(template, engine, env=None, **kw) -> Gateway:
-    defaults: dict[str, Any] = dict(sampling=SamplingParams(max_new_tokens=256), max_turns=5, max_total_tokens=4096)
-    return Gateway(engine, template, env=env, **{**defaults, **kw})
+GATEWAY_OPTIONS = {f.name for f in dataclasses.fields(GatewayOptions)}
+EPISODE_OPTIONS = {"env_timeout_s", "capture_routing"}
+
+
+def make_gateway(template, engine, env=None, *, sampling=None, max_turns=5, max_total_tokens=4096,
+                 model_name=None, **kw) -> Gateway:
+    """A gateway over ``engine`` (and ``env``): ``kw`` are the gateway's options, ``env_timeout_s`` and
+    ``capture_routing``, or its keywords (``enforce_sampling``, ``admission``)."""
+    options = GatewayOptions(**{k: kw.pop(k) for k in list(kw) if k in GATEWAY_OPTIONS})
+    played = episode(max_turns, max_total_tokens, **{k: kw.pop(k) for k in list(kw) if k in EPISODE_OPTIONS})
+    gw = Gateway(engine, template, sampling or SamplingParams(max_new_tokens=256), played, options, env=env, **kw)
+    if model_name is not None:
+        gw.model_name = model_name
+    return gw
 
 
 @contextlib.asynccontextmanager

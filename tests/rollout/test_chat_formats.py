@@ -14,7 +14,7 @@ from rollout_sglang.chat_template import Glm4ChatTemplate, Glm45ChatTemplate, Qw
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.tokenizer import GLM4_SPECIAL_TOKENS, train_bpe_tokenizer
 from tests.rollout import chat_formats as cf
-from tests.rollout.support import CONVERSATION, REASONING_CONVERSATION, TRIP_TOOLS, FakeEnv
+from tests.rollout.support import CONVERSATION, REASONING_CONVERSATION, TRIP_TOOLS, FakeEnv, episode
 
 FORMATS = ["qwen25", "glm4", "glm45", "qwen3"]
 # per format: the jinja template, the messages in the shape it takes, and the (messages, tools, generation prompt)
@@ -109,6 +109,6 @@ def test_agent_loop_ends_a_malformed_turn(request, fmt: str) -> None:
     template = request.getfixturevalue(f"{fmt}_template")
     engine, bad, error = MALFORMED[fmt]
     (traj,) = asyncio.run(run_group_lockstep(engine(template, bad), FakeEnv(), template, [("calc", 0, 0)],
-                                             SamplingParams(max_new_tokens=256), max_turns=5, max_total_tokens=4096))
+                                             SamplingParams(max_new_tokens=256), episode(5, 4096)))
     assert traj.status == "agent validation failed" and traj.reward == 0.0
     assert error in traj.error

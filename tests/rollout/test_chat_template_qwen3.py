@@ -40,6 +40,7 @@ from tests.rollout.support import (
     check_chat_template_option,
     check_turns_as_generated,
     client,
+    episode,
     make_gateway,
     mask_spans,
     open_session,
@@ -281,7 +282,7 @@ def test_gateway_episode_equals_the_agent_loop(qwen3_template: Qwen3ChatTemplate
     reasoning = [(c.choices[0].message.model_extra or {}).get("reasoning_content") for c in comps]
     assert reasoning == ["Add them.", "Check twice.", "Both sums are in."]
     (ref,) = asyncio.run(run_group_lockstep(qwen3_engine(template), FakeEnv(), template, [("calc", 0, 0)],
-                                            SamplingParams(max_new_tokens=256), max_turns=5, max_total_tokens=4096))
+                                            SamplingParams(max_new_tokens=256), episode(5, 4096)))
     assert traj.token_ids == ref.token_ids and traj.loss_mask == ref.loss_mask
     assert traj.behavior_logprobs == ref.behavior_logprobs and traj.turn_spans == ref.turn_spans
 

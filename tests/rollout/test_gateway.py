@@ -16,7 +16,7 @@ from openai import AsyncOpenAI
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.engines.version_pool import VersionPool
-from rollout_sglang.gateway import AgentRunner, GatewayServer
+from rollout_sglang.gateway import AgentRunner, GatewayOptions, GatewayServer
 from tests.rollout.support import ADD_TOOLS as TOOLS
 from tests.rollout.support import (
     FakeEngine,
@@ -25,6 +25,7 @@ from tests.rollout.support import (
     call,
     client,
     complete,
+    episode,
     http,
     make_gateway,
     open_session,
@@ -495,7 +496,7 @@ def test_credentials_follow_the_controller_rules(template):
 
     async def main():
         with pytest.raises(ValueError, match="needs a bearer token"):
-            await GatewayServer(gw, host="0.0.0.0").start()
+            await GatewayServer(gw, GatewayOptions(host="0.0.0.0")).start()
         async with serving(gw, token="s3cret") as srv:
             no_token = await http("POST", srv.url + "/sessions", json={})
             health = await http("GET", srv.url + "/health")
@@ -525,7 +526,7 @@ def test_the_gateways_connections_are_capped(template, caplog):
     gw = make_gateway(template, Script(template, ["x"]))
 
     async def main():
-        srv = GatewayServer(gw, max_connections=2)
+        srv = GatewayServer(gw, GatewayOptions(max_connections=2))
         await srv.start()
         try:
             await check_connection_cap(srv.port, 2, caplog, "/health")
@@ -553,7 +554,7 @@ def test_example_agent_gives_the_agent_loops_trajectories(template):
 
     ours = asyncio.run(main())
     ref = asyncio.run(run_group_lockstep(FakeEngine(template), FakeEnv(), template, requests,
-                                         SamplingParams(max_new_tokens=256, seed=0), 5, 4096))
+                                         SamplingParams(max_new_tokens=256, seed=0), episode(5, 4096)))
     for a, b in zip(ours[:2], ref[:2], strict=True):
         assert (a.token_ids, a.loss_mask, a.behavior_logprobs) == (b.token_ids, b.loss_mask, b.behavior_logprobs)
         assert (a.versions, a.turn_spans, a.status, a.reward, a.metrics) == \

@@ -12,7 +12,16 @@ from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.engines.protocol import SamplingParams
 from tests.rollout.chat_formats import glm4_engine, glm45_engine
 from tests.rollout.support import ADD_TOOLS as TOOLS
-from tests.rollout.support import FakeEnv, Script, client, make_gateway, open_session, play_episode, serving
+from tests.rollout.support import (
+    FakeEnv,
+    Script,
+    client,
+    episode,
+    make_gateway,
+    open_session,
+    play_episode,
+    serving,
+)
 
 ARGS45 = "<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_key>b</arg_key>\n<arg_value>2</arg_value>\n</tool_call>"
 # per format: what the engine samples after a forced call to "add" (named) and after a forced "some call"
@@ -53,7 +62,7 @@ def test_glm_episode_equals_the_agent_loop(fmt, stream):
         reasoning = [(c.choices[0].message.model_extra or {}).get("reasoning_content") for c in comps]
         assert reasoning == ["Add them.", None, "Both sums are in."]
     (ref,) = asyncio.run(run_group_lockstep(engine(), FakeEnv(), template, [("calc", 0, 0)],
-                                            SamplingParams(max_new_tokens=256), max_turns=5, max_total_tokens=4096))
+                                            SamplingParams(max_new_tokens=256), episode(5, 4096)))
     assert ref.status == "completed"
     assert traj.token_ids == ref.token_ids and traj.loss_mask == ref.loss_mask
     assert traj.behavior_logprobs == ref.behavior_logprobs

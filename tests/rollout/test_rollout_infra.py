@@ -11,7 +11,15 @@ import pytest
 from env_controller.protocol import SampleStatus, TaskReply
 from rollout_sglang.chat_template import ChatTemplate
 from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
-from rollout_sglang.rollout.manager import PromptSampler, RolloutError, RolloutManager
+from rollout_sglang.episode_options import EpisodeLimits, EpisodeOptions
+from rollout_sglang.rollout.manager import (
+    AdmissionOptions,
+    PromptSampler,
+    RetryOptions,
+    RolloutError,
+    RolloutManager,
+    RolloutOptions,
+)
 from rollout_sglang.trajectory import INFRA_STATUSES, Trajectory
 
 SIZE = 4
@@ -68,11 +76,8 @@ class FlakyEnv:
 def _run(template: ChatTemplate, steps: int, seed: int = 3) -> tuple[RolloutManager, FlakyEnv, list[list]]:
     sampler = PromptSampler(["t"], [1.0], {"t": [0, 1, 2, 3]}, SIZE, seed=seed)
     env = FlakyEnv()
-    stop = list(template.stop_token_ids)
     engine = OkEngine(template)
-    mgr = RolloutManager(engine, env, template, sampler, batch_groups=1, staleness=0, cohort_groups=1,
-                         sampling=lambda s: SamplingParams(max_new_tokens=4, stop_token_ids=stop, seed=s),
-                         max_turns=2, max_total_tokens=512, env_timeout_s=10, total_groups=steps)
+    mgr = RolloutManager(engine, env, template, sampler, _options(template, total_groups=steps))
     batches = []
     mgr.start()
     try:
@@ -112,13 +117,20 @@ def test_infra_failures_are_never_trained(template: ChatTemplate) -> None:
     assert "declared dead" in mgr.last_infra_error or "start_sample failed" in mgr.last_infra_error
 
 
+def _options(template: ChatTemplate, total_groups: int | None = None, min_valid_fraction: float = 0.5,
+             max_dropped_in_row: int = 0) -> RolloutOptions:
+    """One group per batch, two turns per episode, with the given limits."""
+    return RolloutOptions(AdmissionOptions(batch_groups=1, total_groups=total_groups),
+                          episode=EpisodeOptions(EpisodeLimits(max_turns=2, max_total_tokens=512), env_timeout_s=10),
+                          sampling=SamplingParams(max_new_tokens=4, stop_token_ids=list(template.stop_token_ids)),
+                          retry=RetryOptions(min_valid_fraction=min_valid_fraction),
+                          max_dropped_in_row=max_dropped_in_row)
+
+
 def _manager_on(template: ChatTemplate, index: int, **kw) -> RolloutManager:
     """A one-group-per-batch manager drawing only ``index`` of FlakyEnv's task, with ``kw`` (e.g. limits)."""
     sampler = PromptSampler(["t"], [1.0], {"t": [index]}, SIZE, seed=0)
-    stop = list(template.stop_token_ids)
-    return RolloutManager(OkEngine(template), FlakyEnv(), template, sampler, batch_groups=1, staleness=0,
-                          sampling=lambda s: SamplingParams(max_new_tokens=4, stop_token_ids=stop, seed=s),
-                          max_turns=2, max_total_tokens=512, env_timeout_s=10, **kw)
+    return RolloutManager(OkEngine(template), FlakyEnv(), template, sampler, _options(template, **kw))
 
 
 def test_a_group_never_trains_on_too_few_valid_episodes(template: ChatTemplate) -> None:

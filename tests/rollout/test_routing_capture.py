@@ -23,9 +23,11 @@ from rollout_sglang.engines.local import LocalEngine
 from rollout_sglang.engines.protocol import EngineUnavailable, SamplingParams
 from rollout_sglang.engines.router_capture import RouterCapture, find_routers, routing_layout_from_config
 from rollout_sglang.engines.sglang_client import CAPTURE_ROUTING_FLAG, SGLangEngine, SGLangError, SGLangUnavailable
+from rollout_sglang.engines.sglang_options import SGLangClientOptions, SGLangLaunchOptions
 from rollout_sglang.engines.version_pool import VersionPool
 from rollout_sglang.routing import RoutingLayout
 from rollout_sglang.testing.sglang_standin import StandInServer
+from rollout_sglang.testing.standin_options import StandInOptions
 from tests.support.tiny_models import tiny_config, tiny_model, write_tiny_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15], [16, 17, 18, 19, 20]]
@@ -180,9 +182,9 @@ def test_version_pool_keeps_each_rows_start_through_a_reroute():
 @pytest.fixture()
 def served():
     engine = LocalEngine(moe_model())
-    server = StandInServer(engine, capture_routing=True)
+    server = StandInServer(engine, StandInOptions(capture_routing=True))
     server.start()
-    client = SGLangEngine(server.url, request_timeout_s=60, routing_layout=engine.routing_layout)
+    client = SGLangEngine(server.url, SGLangClientOptions(request_timeout_s=60), routing_layout=engine.routing_layout)
     yield server, client, engine
     server.stop()
 
@@ -230,7 +232,7 @@ def test_stand_in_answers_as_sglang_does(served):
         asyncio.run(client.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2), routing_from=[0]))
     assert not isinstance(e.value, EngineUnavailable)
     with pytest.raises(ValueError, match="needs a MoE model"):
-        StandInServer(LocalEngine.from_config(tiny_config("qwen2"), init_seed=0), capture_routing=True)
+        StandInServer(LocalEngine.from_config(tiny_config("qwen2"), init_seed=0), StandInOptions(capture_routing=True))
 
 
 def test_client_without_a_layout_or_with_bad_starts_refuses():
@@ -290,9 +292,10 @@ def test_launch_with_capture_starts_the_server_with_the_flag(tmp_path):
     model_dir = tmp_path / "model"
     write_tiny_checkpoint("qwen3_moe", model_dir, tokenizer=False)
     layout = routing_layout_from_config(model_dir)
-    eng = SGLangEngine.launch(model_dir, server_module="rollout_sglang.testing.sglang_standin", startup_timeout_s=120,
-                              log_dir=tmp_path / "logs", request_timeout_s=60, capture_routing=True,
-                              routing_layout=layout)
+    eng = SGLangEngine.launch(model_dir, SGLangLaunchOptions(server_module="rollout_sglang.testing.sglang_standin",
+                                                             startup_timeout_s=120, log_dir=tmp_path / "logs",
+                                                             capture_routing=True),
+                              SGLangClientOptions(request_timeout_s=60), routing_layout=layout)
     try:
         assert CAPTURE_ROUTING_FLAG in eng.process.args
         [o] = asyncio.run(eng.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=3, seed=0), routing_from=[1]))

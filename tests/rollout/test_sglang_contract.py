@@ -23,6 +23,7 @@ from aiohttp import web
 
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.engines.sglang_client import CAPTURE_ROUTING_FLAG, SGLangEngine
+from rollout_sglang.engines.sglang_options import SGLangClientOptions
 from rollout_sglang.routing import RoutingLayout
 from rollout_sglang.testing.sglang_contract import (
     API_TYPES,
@@ -31,6 +32,7 @@ from rollout_sglang.testing.sglang_contract import (
     extract_contract,
     load_contract,
 )
+from rollout_sglang.weight_update import BucketUpdate
 
 ROOT = Path(__file__).resolve().parents[2]
 # the routing layout the recorded client asks with: 3 layers, the middle one dense, 4 experts, top-2
@@ -111,7 +113,7 @@ class Recorder:
 def client_bodies() -> list[tuple[str, str, object]]:
     """Every kind of request SGLangEngine sends, as it sends them."""
     with Recorder() as rec:
-        c = SGLangEngine(rec.url, control_timeout_s=10, update_timeout_s=10, request_timeout_s=10)
+        c = SGLangEngine(rec.url, SGLangClientOptions(control_timeout_s=10, update_timeout_s=10, request_timeout_s=10))
         asyncio.run(c.generate([[1, 2], [3, 4, 5]], SamplingParams(max_new_tokens=2, temperature=0.7, top_p=0.9,
                                                                    top_k=20, stop_token_ids=[2], seed=3)))
         asyncio.run(c.generate([[1, 2]], SamplingParams(max_new_tokens=2)))  # unseeded
@@ -125,9 +127,10 @@ def client_bodies() -> list[tuple[str, str, object]]:
         assert c.num_ranks == 1
         c.begin_weight_update(1)
         c.init_weights_update_group("10.0.0.4", 29500, 1, 2, "agentrl-slot0-pp0-0123abcd", backend="nccl")
-        c.update_weights_from_distributed(["a", "b"], ["bfloat16", "bfloat16"], [[2, 3], [4]], "g",
-                                          load_format="flattened_bucket", flush_cache=False, last_bucket=True)
-        c.update_weights_from_distributed(["a"], ["float32"], [[2]], "g", flush_cache=False)
+        c.update_weights_from_distributed(BucketUpdate(["a", "b"], ["bfloat16", "bfloat16"], [[2, 3], [4]], "g",
+                                                       load_format="flattened_bucket", flush_cache=False),
+                                          last_bucket=True)
+        c.update_weights_from_distributed(BucketUpdate(["a"], ["float32"], [[2]], "g", flush_cache=False))
         c.end_weight_update()
         c.begin_weight_update(2)
         c.abort_weight_update()
@@ -206,7 +209,7 @@ def test_stand_in_answers_decode_as_sglang_responses(api_types):
     server = StandInServer(LocalEngine.from_config(cfg, init_seed=0))
     server.start()
     try:
-        client = SGLangEngine(server.url, request_timeout_s=30)
+        client = SGLangEngine(server.url, SGLangClientOptions(request_timeout_s=30))
         import httpx
 
         body = {"input_ids": [[1, 2, 3]], "sampling_params": [{"max_new_tokens": 3, "sampling_seed": 1}],
@@ -281,6 +284,7 @@ def test_stand_in_routed_experts_decode_with_sglangs_own_helper(wheel, api_types
     """The stand-in's answer, decoded by ``extract_routed_experts_from_meta_info`` taken from the wheel."""
     from rollout_sglang.engines.local import LocalEngine
     from rollout_sglang.testing.sglang_standin import StandInServer
+    from rollout_sglang.testing.standin_options import StandInOptions
     from tests.support.tiny_models import tiny_model
 
     with zipfile.ZipFile(wheel) as z:
@@ -293,7 +297,7 @@ def test_stand_in_routed_experts_decode_with_sglangs_own_helper(wheel, api_types
 
     engine = LocalEngine(tiny_model("glm4_moe", layers=3)[1])  # layer 0 dense
     layout = engine.routing_layout
-    server = StandInServer(engine, capture_routing=True)
+    server = StandInServer(engine, StandInOptions(capture_routing=True))
     server.start()
     try:
         import httpx

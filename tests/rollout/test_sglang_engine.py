@@ -19,9 +19,11 @@ import torch
 from rollout_sglang.engines.local import LocalEngine
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.engines.sglang_client import SGLangEngine, SGLangError, SGLangTimeout, sampling_params_to_sglang
+from rollout_sglang.engines.sglang_options import SGLangClientOptions, SGLangLaunchOptions
 from rollout_sglang.testing.sglang_standin import StandInServer
+from rollout_sglang.testing.standin_options import StandInOptions
 from rollout_sglang.testing.transport import StandInTransport
-from rollout_sglang.weight_update import BucketBroadcaster, WeightSyncError
+from rollout_sglang.weight_update import BroadcastOptions, BucketBroadcaster, BucketUpdate, WeightSyncError
 
 
 def tiny_config():
@@ -37,9 +39,10 @@ def served():
     cfg = tiny_config()
     engine = LocalEngine.from_config(cfg, init_seed=0)
     other = LocalEngine.from_config(cfg, init_seed=1)
-    server = StandInServer(engine, group_timeout_s=20)
+    server = StandInServer(engine, StandInOptions(group_timeout_s=20))
     server.start()
-    client = SGLangEngine(server.url, request_timeout_s=30, control_timeout_s=10, update_timeout_s=30)
+    client = SGLangEngine(server.url, SGLangClientOptions(request_timeout_s=30, control_timeout_s=10,
+                                                          update_timeout_s=30))
     yield server, client, engine, other
     server.stop()
 
@@ -70,8 +73,9 @@ def test_client_generate_update_pause_continue(served, wire_format):
     assert all(o.version == 0 and len(o.token_ids) == len(o.logprobs) for o in outs)
 
     # init group + bucketed update over gloo: the served weights become `other`'s, version stamped
-    sender = BucketBroadcaster([client], "test-group", backend="gloo", init_timeout_s=20, bucket_timeout_s=20,
-                               wire_format=wire_format, small_tensor_bytes=1024,
+    sender = BucketBroadcaster([client], "test-group", BroadcastOptions(backend="gloo", init_timeout_s=20,
+                                                                        bucket_timeout_s=20, wire_format=wire_format,
+                                                                        small_tensor_bytes=1024),
                                transport=StandInTransport(checksum=True))
     assert client.has_extension("bucket_checksum")  # the stand-in's extension; real SGLang servers do not list it
     client.begin_weight_update(3)
@@ -120,9 +124,10 @@ def test_bad_requests_give_clear_errors(served):
         client.init_weights_update_group("127.0.0.1", 1, 1, 2, "g", backend="nccl", timeout_s=5)
     client.begin_weight_update(1)
     with pytest.raises(SGLangError, match="not initialised"):
-        client.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[32]], "nope", timeout_s=5)
+        client.update_weights_from_distributed(BucketUpdate(["model.norm.weight"], ["float32"], [[32]], "nope"),
+                                               timeout_s=5)
     client.abort_weight_update()
-    dead = SGLangEngine("http://127.0.0.1:9", control_timeout_s=2)
+    dead = SGLangEngine("http://127.0.0.1:9", SGLangClientOptions(control_timeout_s=2))
     with pytest.raises(SGLangError, match="could not be reached"):
         dead.pause()
     assert dead.health()["ok"] is False
@@ -130,7 +135,8 @@ def test_bad_requests_give_clear_errors(served):
 
 def test_stalled_server_times_out_instead_of_hanging(served):
     server, _, engine, other = served
-    client = SGLangEngine(server.url, request_timeout_s=1.5, control_timeout_s=1.0, update_timeout_s=1.0)
+    client = SGLangEngine(server.url, SGLangClientOptions(request_timeout_s=1.5, control_timeout_s=1.0,
+                                                          update_timeout_s=1.0))
     server.stall()
     t0 = time.perf_counter()
     with pytest.raises(SGLangTimeout, match="/generate"):
@@ -140,7 +146,8 @@ def test_stalled_server_times_out_instead_of_hanging(served):
     with pytest.raises(SGLangTimeout):
         client.flush_cache()
     # weight sync to a stalled engine: the group never forms -> a timeout error, not a hang
-    sender = BucketBroadcaster([client], "stalled-group", backend="gloo", init_timeout_s=2, bucket_timeout_s=2)
+    sender = BucketBroadcaster([client], "stalled-group", BroadcastOptions(backend="gloo", init_timeout_s=2,
+                                                                           bucket_timeout_s=2))
     with pytest.raises(WeightSyncError, match="could not be formed|failed to join|rank count"):
         sender.send(other.model.state_dict().items(), bucket_bytes=1 << 20)
     assert time.perf_counter() - t0 < 20
@@ -154,10 +161,10 @@ def test_send_recv_goes_only_to_engines_that_offer_it(served):
     server, client, engine, other = served
     state = other.model.state_dict()
     assert client.has_extension("send_recv")
-    sglang_like = SGLangEngine(server.url, update_timeout_s=30)
+    sglang_like = SGLangEngine(server.url, SGLangClientOptions(update_timeout_s=30))
     sglang_like._extensions = ["bucket_checksum"]  # what /server_info would list without the extension
-    sender = BucketBroadcaster([sglang_like], "g-bcast", backend="gloo", init_timeout_s=20, bucket_timeout_s=20,
-                               small_tensor_bytes=1024)
+    sender = BucketBroadcaster([sglang_like], "g-bcast", BroadcastOptions(backend="gloo", init_timeout_s=20,
+                                                                          bucket_timeout_s=20, small_tensor_bytes=1024))
     assert sender.transport.name == "broadcast"
     sglang_like.begin_weight_update(4)
     sender.send(state.items(), bucket_bytes=16 * 1024)
@@ -170,7 +177,7 @@ def test_send_recv_goes_only_to_engines_that_offer_it(served):
     with pytest.raises(ValueError, match="does not list the send_recv extension"):
         StandInTransport().request_fields([client, sglang_like], [state["model.norm.weight"]], packed=False, seq=0)
     with pytest.raises(ValueError, match="would replace SGLang's own request fields"):
-        sglang_like.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[32]], "g-bcast",
+        sglang_like.update_weights_from_distributed(BucketUpdate(["model.norm.weight"], ["float32"], [[32]], "g-bcast"),
                                                     timeout_s=5, extra_fields={"group_name": "other"})
     sender.close()
     client.begin_weight_update(5)
@@ -180,17 +187,17 @@ def test_send_recv_goes_only_to_engines_that_offer_it(served):
             "agentrl_send_recv_tag": -1}, 5)
     client.abort_weight_update()
     with pytest.raises(ValueError, match="for gloo groups"):
-        BucketBroadcaster([client], "g-nccl", backend="nccl", transport=StandInTransport())
+        BucketBroadcaster([client], "g-nccl", BroadcastOptions(backend="nccl"), transport=StandInTransport())
 
 
 @pytest.mark.parametrize("send_recv", [True, False])
 def test_stalled_update_times_out_per_bucket(served, send_recv):
     """The group forms (inside a first sync), then the engine stops answering: the bucket's transfer times out."""
     server, _, engine, other = served
-    client = SGLangEngine(server.url, control_timeout_s=2.0, update_timeout_s=2.0)
+    client = SGLangEngine(server.url, SGLangClientOptions(control_timeout_s=2.0, update_timeout_s=2.0))
     transport = StandInTransport() if send_recv else None  # None: SGLang's broadcasts
-    sender = BucketBroadcaster([client], "bucket-stall", backend="gloo", init_timeout_s=10, bucket_timeout_s=2,
-                               transport=transport)
+    sender = BucketBroadcaster([client], "bucket-stall", BroadcastOptions(backend="gloo", init_timeout_s=10,
+                                                                          bucket_timeout_s=2), transport=transport)
     client.begin_weight_update(1)
     sender.send(other.model.state_dict().items(), bucket_bytes=1 << 20)
     client.end_weight_update()
@@ -210,9 +217,10 @@ def test_launch_waits_for_health_and_reports_failures(tmp_path, monkeypatch, cap
     LocalEngine.from_config(cfg, init_seed=0).model.save_pretrained(model_dir)
 
     with caplog.at_level(logging.INFO, logger="rollout_sglang.engines.sglang_client"):
-        eng = SGLangEngine.launch(model_dir, server_module="rollout_sglang.testing.sglang_standin",
-                                  startup_timeout_s=120, log_dir=tmp_path / "logs", request_timeout_s=60,
-                                  api_key="k-api-123", admin_api_key="k-admin-456")
+        eng = SGLangEngine.launch(model_dir, SGLangLaunchOptions(server_module="rollout_sglang.testing.sglang_standin",
+                                                                 startup_timeout_s=120, log_dir=tmp_path / "logs"),
+                                  SGLangClientOptions(request_timeout_s=60, api_key="k-api-123",
+                                                      admin_api_key="k-admin-456"))
     try:
         assert eng.health()["ok"]
         out = asyncio.run(eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, seed=0)))
@@ -229,13 +237,13 @@ def test_launch_waits_for_health_and_reports_failures(tmp_path, monkeypatch, cap
     assert eng.process is None
 
     with pytest.raises(SGLangError, match="exited with code"):
-        SGLangEngine.launch(tmp_path / "missing", server_module="rollout_sglang.testing.sglang_standin",
-                            startup_timeout_s=120, log_dir=tmp_path / "logs")
+        SGLangEngine.launch(tmp_path / "missing", SGLangLaunchOptions(
+            server_module="rollout_sglang.testing.sglang_standin", startup_timeout_s=120, log_dir=tmp_path / "logs"))
 
     (tmp_path / "slow_server.py").write_text("import time\ntime.sleep(120)\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     t0 = time.perf_counter()
     with pytest.raises(SGLangTimeout, match="not healthy within"):
-        SGLangEngine.launch(model_dir, server_module="slow_server", startup_timeout_s=2, log_dir=tmp_path / "logs",
-                            python=sys.executable)
+        SGLangEngine.launch(model_dir, SGLangLaunchOptions(server_module="slow_server", startup_timeout_s=2,
+                                                           log_dir=tmp_path / "logs", python=sys.executable))
     assert time.perf_counter() - t0 < 30

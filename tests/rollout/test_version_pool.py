@@ -13,6 +13,7 @@ import torch
 from env_controller.protocol import SampleStatus, TaskReply
 from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.engines.version_pool import VersionPool
+from rollout_sglang.episode_options import EpisodeLimits, EpisodeOptions
 
 
 class FakeEngine:
@@ -214,7 +215,7 @@ def test_cross_policy_turns_mix_versions_and_log_probs_match_the_sampling_engine
     params = SamplingParams(max_new_tokens=5, temperature=temperature, seed=11)
     requests = [("chat", i, i // 2) for i in range(6)]
     trajs = asyncio.run(run_group_lockstep(pool, ChattyEnv(turns=5), template, requests, params,
-                                           max_turns=8, max_total_tokens=2000))
+                                           EpisodeOptions(EpisodeLimits(max_turns=8, max_total_tokens=2000))))
     mixed = [t for t in trajs if len(set(t.versions)) > 1]
     assert mixed, [t.versions for t in trajs]
     assert any(len(t.versions) >= 3 for t in trajs)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from megatron_agentrl.algo.advantages import grpo_group_advantages, normalize_per_task
-from megatron_agentrl.algo.losses import clipped_policy_loss, sft_loss
+from megatron_agentrl.algo.losses import LossInputs, clipped_policy_loss, sft_loss
+from megatron_agentrl.config import LossConfig
 
 
 def test_group_advantages_by_hand():
@@ -29,7 +30,8 @@ def test_clipped_loss_by_hand():
     logprobs = torch.tensor([[math.log(1.5), math.log(1.5), math.log(0.5), math.log(0.5), 3.0]], requires_grad=True)
     adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, 5.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
-    loss, stats = clipped_policy_loss(logprobs, behavior, adv, mask, clip_eps_low=0.2, clip_eps_high=0.28)
+    loss, stats = clipped_policy_loss(LossInputs(logprobs, behavior, adv, mask),
+                                      LossConfig(clip_eps_low=0.2, clip_eps_high=0.28))
     # per token: -min(1.5, 1.28) = -1.28 | -min(-1.5, -1.28) = 1.5 | -min(.5, .8) = -.5 | -min(-.5, -.8) = .8
     assert loss.item() == pytest.approx(-1.28 + 1.5 - 0.5 + 0.8, abs=1e-6)
     assert stats["clip_frac"].item() == 2

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from megatron_agentrl.algo.advantages import group_advantages, reinforce_pp_advantages, rloo_advantages
-from megatron_agentrl.algo.losses import Sequences, clipped_policy_loss, importance_keep, loss_agg_weights, policy_loss
+from megatron_agentrl.algo.losses import (
+    LossInputs,
+    Sequences,
+    clipped_policy_loss,
+    importance_keep,
+    loss_agg_weights,
+    policy_loss,
+)
 from megatron_agentrl.config import LossConfig, TrainConfig
 from tests.support.dist_utils import run_distributed
 
@@ -113,7 +120,7 @@ def _gspo_inputs():
 def test_gspo_sequence_ratio_by_hand():
     logprobs, behavior, adv, mask = _gspo_inputs()
     lp = logprobs.clone().requires_grad_(True)
-    loss, stats = clipped_policy_loss(lp, behavior, adv, mask, 0.2, 0.28, ratio_level="sequence")
+    loss, stats = clipped_policy_loss(LossInputs(lp, behavior, adv, mask), LossConfig(ratio_level="sequence"))
     # per token -min(s A, clip(s) A): -1.28 (x3) | -(-0.9) (x2) | -1.1 (x2)
     assert loss.item() == pytest.approx(3 * -1.28 + 2 * 0.9 + 2 * -1.1, abs=1e-6)
     assert stats["clip_frac"].item() == 3  # every token of the clipped sequence
@@ -123,7 +130,7 @@ def test_gspo_sequence_ratio_by_hand():
     assert torch.allclose(lp.grad, torch.tensor(expected), atol=1e-6)
     # token-level: row 0's second token (ratio 1.5 e^-0.2 = 1.228 < 1.28) is not clipped there
     lp.grad = None
-    clipped_policy_loss(lp, behavior, adv, mask, 0.2, 0.28)[0].backward()
+    clipped_policy_loss(LossInputs(lp, behavior, adv, mask), LossConfig())[0].backward()
     assert lp.grad[0, 1].item() == pytest.approx(-1.5 * math.exp(-0.2), abs=1e-6)
 
     # the same sequences packed into one row (ids per token) give the same loss and gradients
@@ -131,13 +138,13 @@ def test_gspo_sequence_ratio_by_hand():
     packed = [x[keep].unsqueeze(0) for x in (logprobs, behavior, adv, mask)]
     ids = torch.arange(3).unsqueeze(1).expand(3, 4)[keep].unsqueeze(0)
     plp = packed[0].clone().requires_grad_(True)
-    ploss, _ = clipped_policy_loss(plp, packed[1], packed[2], packed[3], 0.2, 0.28, ratio_level="sequence",
-                                   sequences=Sequences(ids, 3))
+    ploss, _ = clipped_policy_loss(LossInputs(plp, packed[1], packed[2], packed[3], sequences=Sequences(ids, 3)),
+                                   LossConfig(ratio_level="sequence"))
     assert ploss.item() == pytest.approx(loss.item(), abs=1e-6)
     ploss.backward()
     assert torch.allclose(plp.grad, torch.tensor(expected)[keep].unsqueeze(0), atol=1e-6)
     with pytest.raises(ValueError, match="ratio_level='seq' is not one of"):
-        clipped_policy_loss(lp, behavior, adv, mask, 0.2, 0.28, ratio_level="seq")
+        clipped_policy_loss(LossInputs(lp, behavior, adv, mask), LossConfig(ratio_level="seq"))
 
 
 # ------------------------------------------------------------------ masked importance sampling
@@ -149,8 +156,8 @@ def test_mis_token_level_by_hand():
     # rho = pi_old / mu = 3, 1.5, 0.4, 0.6: outside [1/2, 2] are 3 and 0.4
     keep = importance_keep(lp, behavior, mask, 2.0)
     assert (keep * mask).tolist() == [[0.0, 1.0, 0.0, 1.0, 0.0]]
-    loss, stats = policy_loss(lp, behavior, adv, mask, LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, mis_cap=2.0),
-                              old_logprobs=lp.detach())
+    loss, stats = policy_loss(LossInputs(lp, behavior, adv, mask, old_logprobs=lp.detach()),
+                              LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, mis_cap=2.0))
     # classic ratio against mu (tis_cap 0): kept tokens -min(1.5, 1.28) and -min(0.6, 0.8)
     assert loss.item() == pytest.approx(-1.28 - 0.6, abs=1e-6)
     assert stats["mis_masked"].item() == 2
@@ -161,7 +168,7 @@ def test_mis_token_level_by_hand():
     with pytest.raises(ValueError, match="mis_cap=1.0 must be > 1"):
         importance_keep(lp, behavior, mask, 1.0)
     with pytest.raises(ValueError, match="need old_logprobs"):
-        policy_loss(lp, behavior, adv, mask, LossConfig(clip_eps_low=0.2, clip_eps_high=0.2, mis_cap=2.0))
+        policy_loss(LossInputs(lp, behavior, adv, mask), LossConfig(clip_eps_low=0.2, clip_eps_high=0.2, mis_cap=2.0))
 
 
 def test_mis_sequence_level_by_hand():
@@ -194,7 +201,7 @@ def test_mis_with_tis_kl_entropy_and_weights_by_hand():
     weights = torch.tensor([[2.0, 5.0, 0.5]])
     cfg = LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=1.2, mis_cap=2.0, kl_coef=0.1, entropy_coef=0.01)
     kw = dict(old_logprobs=lp.detach(), ref_logprobs=ref, entropy=entropy)
-    loss, stats = policy_loss(lp, behavior, adv, mask, cfg, **kw, token_weights=weights)
+    loss, stats = policy_loss(LossInputs(lp, behavior, adv, mask, **kw, token_weights=weights), cfg)
     # decoupled ratio 1; truncated weights min(rho, 1.2) = 1.2, 1.2, 0.8; token 1 (rho 3) is dropped
     k3_0, k3_2 = 0.0, (2.0 - LN(2.0) - 1.0)
     tok0 = -1.2 * 1.0 + 0.1 * k3_0 - 0.01 * 2.0
@@ -209,7 +216,7 @@ def test_mis_with_tis_kl_entropy_and_weights_by_hand():
     # token 0: -1.2 (k3's gradient -(e^d - 1) = 0 at d = 0); token 2: -0.8*2 - 0.1*(2 - 1); times the weights
     assert torch.allclose(lp.grad, torch.tensor([[2.0 * -1.2, 0.0, 0.5 * (-1.6 - 0.1)]]), atol=1e-6)
     with pytest.raises(ValueError, match="token_weights \\(1, 2\\) must be \\[B, T\\]"):
-        policy_loss(lp, behavior, adv, mask, cfg, **kw, token_weights=torch.ones(1, 2))
+        policy_loss(LossInputs(lp, behavior, adv, mask, **kw, token_weights=torch.ones(1, 2)), cfg)
 
 
 # ------------------------------------------------------------------ actor (spawned processes)

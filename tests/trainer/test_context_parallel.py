@@ -48,7 +48,8 @@ def test_config_refuses_bad_cp_and_world_sizes():
     with pytest.raises(ConfigError, match=r"--nproc 6 = 6 trainer processes is not a multiple of parallel.tp \* "
                                           r"parallel.pp \* parallel.cp = 2 \* 1 \* 2 = 4.*parallel.cp"):
         cfg.check_world_size(6, "--nproc 6")
-    with pytest.raises(ConfigError, match="ray.train_workers=2 .* parallel.cp = 1 \\* 1 \\* 4 = 4"):
+    with pytest.raises(ConfigError, match="ray.train_workers = 2 .* parallel.cp = 1 \\* 1 \\* 4 = 4.*"
+                                          "set ray.train_workers to a multiple of 4"):
         load_config(DEMO, ["parallel.cp=4", "ray.train_workers=2"])
 
 

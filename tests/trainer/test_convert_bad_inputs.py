@@ -126,8 +126,8 @@ HF_CASES: list[tuple[str, Callable[[Path], object], tuple[str, ...], list[str]]]
      ["make_vocab_size_divisible_by=0", "--make-vocab-size-divisible-by 128"]),
     ("vocab-multiple-negative", lambda d: None, ("--make-vocab-size-divisible-by", "-1"),
      ["make_vocab_size_divisible_by=-1"]),
-    ("tp-0", lambda d: None, ("--tp", "0"), ["tp=0", "positive integers"]),
-    ("pp-negative", lambda d: None, ("--pp", "-2"), ["pp=-2", "positive integers"]),
+    ("tp-0", lambda d: None, ("--tp", "0"), ["tp=0", "must be a positive integer"]),
+    ("pp-negative", lambda d: None, ("--pp", "-2"), ["pp=-2", "must be a positive integer"]),
     ("tp-not-dividing", lambda d: None, ("--tp", "3"), ["tp=3 does not divide", "choose tp in [1, 2]"]),
     ("dtype", lambda d: None, ("--dtype", "fp8"), ["dtype='fp8'", "bfloat16"]),
 ]

@@ -24,7 +24,16 @@ from rollout_sglang.chat_template import ChatTemplate
 from rollout_sglang.engines.batching import BatchingEngine
 from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.engines.version_pool import VersionPool
-from rollout_sglang.rollout.manager import FinishedGroup, PromptSampler, RolloutManager, zero_variance
+from rollout_sglang.episode_options import EpisodeLimits, EpisodeOptions
+from rollout_sglang.rollout.manager import (
+    AdmissionOptions,
+    DynamicSamplingOptions,
+    FinishedGroup,
+    PromptSampler,
+    RolloutManager,
+    RolloutOptions,
+    zero_variance,
+)
 from tests.trainer.support import TINY_RL, train_tiny
 
 
@@ -91,11 +100,13 @@ def _manager(template, reward, *, B: int, eta: int, steps: int, max_groups: floa
     sampler = PromptSampler(list(tasks), [1.0] * len(tasks), {t: list(range(64)) for t in tasks}, 2, seed=seed)
     stop_ids = list(template.stop_token_ids)
     finished: list[FinishedGroup] = []
-    mgr = RolloutManager(pool, RandomRewardEnv(seed), template, sampler, batch_groups=B, staleness=eta,
-                         cohort_groups=B if eta == 0 else 1, max_turns=4, max_total_tokens=1024, env_timeout_s=10,
-                         sampling=lambda s: SamplingParams(max_new_tokens=4, stop_token_ids=stop_ids, seed=s),
-                         total_groups=steps * B, on_group=finished.append)
-    mgr.enable_dynamic_sampling(reward, max_groups)
+    options = RolloutOptions(
+        AdmissionOptions(batch_groups=B, staleness=eta, cohort_groups=B if eta == 0 else 1, total_groups=steps * B),
+        episode=EpisodeOptions(EpisodeLimits(max_turns=4, max_total_tokens=1024), env_timeout_s=10),
+        sampling=SamplingParams(max_new_tokens=4, stop_token_ids=stop_ids),
+        dynamic_sampling=DynamicSamplingOptions(max_groups))
+    mgr = RolloutManager(pool, RandomRewardEnv(seed), template, sampler, options, on_group=finished.append,
+                         reward=reward)
     return mgr, pool, finished
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megatron_agentrl.algo.losses import clipped_policy_loss, kl_to_reference, policy_loss
+from megatron_agentrl.algo.losses import LossInputs, clipped_policy_loss, kl_to_reference, policy_loss
 from megatron_agentrl.config import LossConfig
 from megatron_agentrl.megatron.packing import effective_lengths, plan_micro_batches
 from tests.support.dist_utils import run_distributed
@@ -22,7 +22,8 @@ def test_truncated_importance_weights_by_hand():
     logprobs = (old + torch.tensor([[0.0, 0.0, 0.0, math.log(1.5), 0.0]])).requires_grad_(True)
     adv = torch.tensor([[1.0, -1.0, 2.0, 0.5, 7.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
-    loss, stats = clipped_policy_loss(logprobs, behavior, adv, mask, 0.2, 0.28, old_logprobs=old, tis_cap=2.0)
+    loss, stats = clipped_policy_loss(LossInputs(logprobs, behavior, adv, mask, old_logprobs=old),
+                                      LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=2.0))
     # -w * min(r A, clip(r) A): -1*1 | -2*(-1) | -0.5*2 | -2*min(.75, 1.28*.5)
     assert loss.item() == pytest.approx(-1.0 + 2.0 - 1.0 - 2.0 * 0.64, abs=1e-6)
     assert stats["is_weight"].item() == pytest.approx(1 + 2 + 0.5 + 2)
@@ -39,8 +40,9 @@ def test_tis_off_is_the_classic_loss():
     g = torch.Generator().manual_seed(0)
     lp, beh, adv = torch.randn(3, 6, generator=g), torch.randn(3, 6, generator=g), torch.randn(3, 6, generator=g)
     mask = (torch.rand(3, 6, generator=g) > 0.3).float()
-    a, _ = clipped_policy_loss(lp, beh, adv, mask, 0.2, 0.28)
-    b, stats = clipped_policy_loss(lp, beh, adv, mask, 0.2, 0.28, old_logprobs=None, tis_cap=2.0)
+    a, _ = clipped_policy_loss(LossInputs(lp, beh, adv, mask), LossConfig(clip_eps_low=0.2, clip_eps_high=0.28))
+    b, stats = clipped_policy_loss(LossInputs(lp, beh, adv, mask, old_logprobs=None),
+                                   LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=2.0))
     assert a.item() == b.item() and "is_weight" not in stats
 
 
@@ -84,13 +86,13 @@ def test_entropy_and_combined_loss():
     mask = torch.ones(1, 2)
     refl = torch.tensor([[math.log(0.25), math.log(0.5)]])
     entropy = torch.tensor([[2.0, 3.0]])
-    loss, stats = policy_loss(lp, beh, adv, mask, LossConfig(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.1,
-                                                             entropy_coef=0.01), ref_logprobs=refl, entropy=entropy)
+    loss, stats = policy_loss(LossInputs(lp, beh, adv, mask, ref_logprobs=refl, entropy=entropy),
+                              LossConfig(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.1, entropy_coef=0.01))
     # pg: -(1) - (-1) = 0; kl .5 (see above) * .1; entropy 5 * .01
     assert loss.item() == pytest.approx(0.0 + 0.05 - 0.05, abs=1e-6)
     assert stats["kl_ref"].item() == pytest.approx(0.5, abs=1e-6) and stats["entropy"].item() == 5.0
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(lp, beh, adv, mask, LossConfig(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.1))
+        policy_loss(LossInputs(lp, beh, adv, mask), LossConfig(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.1))
 
 
 def test_plan_micro_batches_and_effective_lengths():

@@ -20,7 +20,8 @@ from rollout_sglang.chat_template import ChatTemplate
 from rollout_sglang.engines.batching import BatchingEngine
 from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.engines.version_pool import VersionPool
-from rollout_sglang.rollout.manager import PromptSampler, RolloutManager
+from rollout_sglang.episode_options import EpisodeLimits, EpisodeOptions
+from rollout_sglang.rollout.manager import AdmissionOptions, PromptSampler, RolloutManager, RolloutOptions
 from rollout_sglang.rollout.sim_env import LatencyEnvClient
 from tests.trainer.support import TINY_RL, train_tiny
 
@@ -96,10 +97,10 @@ def test_manager_never_trains_samples_older_than_eta(template, eta, lag):
     env = LatencyEnvClient(MultiTurnEnv(), scale_s=0.002, alpha=1.1, max_s=0.25, seed=eta)  # heavy tail
     sampler = PromptSampler(["talk"], [1.0], {"talk": list(range(64))}, G, seed=eta)
     stop_ids = list(template.stop_token_ids)
-    mgr = RolloutManager(engine, env, template, sampler, batch_groups=B, staleness=eta, cohort_groups=1,
-                         sampling=lambda seed: SamplingParams(max_new_tokens=8, stop_token_ids=stop_ids, seed=seed),
-                         max_turns=6, max_total_tokens=2048, env_timeout_s=10, total_groups=None,
-                         version_lag=lag)
+    episode = EpisodeOptions(EpisodeLimits(max_turns=6, max_total_tokens=2048), env_timeout_s=10)
+    options = RolloutOptions(AdmissionOptions(batch_groups=B, staleness=eta, cohort_groups=1, version_lag=lag),
+                             episode=episode, sampling=SamplingParams(max_new_tokens=8, stop_token_ids=stop_ids))
+    mgr = RolloutManager(engine, env, template, sampler, options)
     mgr.start()
     staleness, multi_version, bound_ok = [], 0, True
     try:

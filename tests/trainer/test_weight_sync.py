@@ -20,6 +20,7 @@ from rollout_sglang.testing.checksum import ChecksumMismatch, bucket_checksum, t
 from rollout_sglang.testing.transport import StandInReceive, StandInTransport
 from rollout_sglang.weight_update import (
     DTYPES,
+    BroadcastOptions,
     BucketBroadcaster,
     BucketReceiver,
     SGLangBroadcast,
@@ -157,13 +158,13 @@ def test_transports_tell_each_engine_only_what_it_understands(caplog):
 def test_sender_checksum_needs_a_transport_that_verifies(caplog):
     from types import SimpleNamespace
 
-    from megatron_agentrl.weight_sync import WeightSender
+    from megatron_agentrl.weight_sync import SenderOptions, WeightSender
 
     actor = SimpleNamespace(dp_rank=0, tp_rank=0, cp_rank=0, ep=1)
     with caplog.at_level("WARNING"):
-        plain = WeightSender(actor, checksum=True)  # SGLang's broadcasts: no checksum field in its API
+        plain = WeightSender(actor, SenderOptions(checksum=True))  # SGLang's broadcasts: no checksum field in its API
     assert isinstance(plain.transport, SGLangBroadcast) and "buckets go unverified" in caplog.text
-    verified = WeightSender(actor, checksum=True, transport=StandInTransport(send_recv=False))
+    verified = WeightSender(actor, SenderOptions(checksum=True), transport=StandInTransport(send_recv=False))
     assert verified.transport.checksum and verified.transport.name == "broadcast"
     assert not WeightSender(actor, transport=StandInTransport()).transport.checksum
 
@@ -249,16 +250,19 @@ def test_checksum_mismatch_fails_the_sync(monkeypatch):
 
     from rollout_sglang.engines.local import LocalEngine
     from rollout_sglang.engines.sglang_client import SGLangEngine
+    from rollout_sglang.engines.sglang_options import SGLangClientOptions
     from rollout_sglang.testing.sglang_standin import StandInServer
+    from rollout_sglang.testing.standin_options import StandInOptions
 
     cfg = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, max_position_embeddings=32)
     engine = LocalEngine.from_config(cfg, init_seed=0)
-    server = StandInServer(engine, group_timeout_s=20)
+    server = StandInServer(engine, StandInOptions(group_timeout_s=20))
     server.start()
     try:
-        client = SGLangEngine(server.url, update_timeout_s=20)
-        sender = BucketBroadcaster([client], "ck", backend="gloo", init_timeout_s=20, bucket_timeout_s=20,
+        client = SGLangEngine(server.url, SGLangClientOptions(update_timeout_s=20))
+        sender = BucketBroadcaster([client], "ck", BroadcastOptions(backend="gloo", init_timeout_s=20,
+                                                                    bucket_timeout_s=20),
                                    transport=StandInTransport(checksum=True))
         # the sender's checksum of every bucket is off: what a corrupted transfer looks like to the engine
         monkeypatch.setattr(StandInTransport, "_checksum", staticmethod(lambda payload, packed: [1, 2]))
@@ -298,9 +302,10 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, tr
     if rank == 2:  # the engine host: three stand-ins, slot 0 = engines 0 and 1, slot 1 = engine 2
         from rollout_sglang.engines.local import LocalEngine
         from rollout_sglang.testing.sglang_standin import StandInServer
+        from rollout_sglang.testing.standin_options import StandInOptions
 
         engines = [LocalEngine.from_config(cfg, init_seed=0) for _ in range(3)]
-        servers = [StandInServer(e, group_timeout_s=60) for e in engines]
+        servers = [StandInServer(e, StandInOptions(group_timeout_s=60)) for e in engines]
         urls = [s.start() for s in servers]
         before = _engine_logits(engines[2])
         (tmpdir / "urls.json.tmp").write_text(json.dumps(urls))
@@ -320,21 +325,22 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, tr
     from megatron_agentrl.config import TrainConfig
     from megatron_agentrl.megatron.actor import MegatronActor
     from megatron_agentrl.megatron.parallel import destroy_parallel, initialize_parallel
-    from megatron_agentrl.weight_sync import WeightSender
+    from megatron_agentrl.weight_sync import SenderOptions, WeightSender
     from rollout_sglang.engines.sglang_client import SGLangEngine
+    from rollout_sglang.engines.sglang_options import SGLangClientOptions
     from rollout_sglang.engines.version_pool import VersionPool
 
     initialize_parallel(tp, pp, seed=11, ep=ep)
     actor = MegatronActor(cfg, TrainConfig())
-    sender = WeightSender(actor, bucket_mb=0.05, init_timeout_s=60, bucket_timeout_s=60, checksum=True, backend="gloo",
-                          small_tensor_bytes=4096,  # matrices one message each, norms packed
-                          transport=StandInTransport(send_recv=transport == "send_recv"))
+    options = SenderOptions(bucket_mb=0.05, init_timeout_s=60, bucket_timeout_s=60, checksum=True, backend="gloo",
+                            small_tensor_bytes=4096)  # matrices one message each, norms packed
+    sender = WeightSender(actor, options, transport=StandInTransport(send_recv=transport == "send_recv"))
     wait_for_file(tmpdir / "urls.json", 120)
     urls = json.loads((tmpdir / "urls.json").read_text())
     box: list = [None]
     pool = None
     if rank == 0:
-        clients = [SGLangEngine(u, request_timeout_s=60, update_timeout_s=60) for u in urls]
+        clients = [SGLangEngine(u, SGLangClientOptions(request_timeout_s=60, update_timeout_s=60)) for u in urls]
         pool = VersionPool([clients[:2], clients[2:]])
         slot = pool.begin_update(version=1)  # the oldest slot: slot 0 (tie on version 0 -> lowest index)
         box = [slot.index]
@@ -342,7 +348,7 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, tr
     if pool is not None:
         targets = pool.slots[box[0]].engines
     else:  # another stage's source rank reaches the same servers with its own clients
-        targets = [SGLangEngine(u, update_timeout_s=60) for u in (urls[:2], urls[2:])[box[0]]]
+        targets = [SGLangEngine(u, SGLangClientOptions(update_timeout_s=60)) for u in (urls[:2], urls[2:])[box[0]]]
     stats = sender.sync(1, slot_key=box[0], targets=targets)
     result: dict = {"bytes": stats.bytes, "buckets": stats.buckets}
     if pool is not None:

@@ -23,13 +23,13 @@ def _direct_pp_case(rank: int, world: int, wrong_rank: bool) -> dict:
     from megatron_agentrl.config import TrainConfig
     from megatron_agentrl.megatron.actor import MegatronActor
     from megatron_agentrl.megatron.parallel import destroy_parallel, initialize_parallel
-    from megatron_agentrl.weight_sync import WeightSender
+    from megatron_agentrl.weight_sync import SenderOptions, WeightSender
     from rollout_sglang.engines.local import LocalEngine
     from rollout_sglang.weight_update import WeightSyncError
 
     initialize_parallel(1, 2, seed=3)
     actor = MegatronActor(_cfg(), TrainConfig())
-    sender = WeightSender(actor, bucket_mb=0.01)
+    sender = WeightSender(actor, SenderOptions(bucket_mb=0.01))
     holder = 1 if wrong_rank else 0
     engine = LocalEngine.from_config(_cfg(), init_seed=7) if rank == holder else None
     out: dict = {}

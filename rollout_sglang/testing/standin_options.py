@@ -1,0 +1,49 @@
+"""The settings of the SGLang stand-in (:class:`~rollout_sglang.testing.sglang_standin.StandInServer`): where it
+listens and the SGLang server flags it mirrors, declared and checked once."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from env_controller.options import Options
+
+
+@dataclass
+class StandInOptions(Options):
+    """How a stand-in serves its engine; the SGLang flag each field mirrors is named where it has one."""
+
+    KEY = "standin"
+
+    #: the address to listen on (``--host``)
+    host: str = "127.0.0.1"
+    #: the port to listen on (``--port``; 0: a free one, ``url`` after ``start``)
+    port: int = 0
+    #: what ``/model_info`` reports (``--model-path``)
+    model_path: str = "standin"
+    #: limit on joining a weight-sync group and on each receive, seconds
+    group_timeout_s: float = 300.0
+    #: weight-sync ranks the server joins with (``--tp-size``; SGLang: one per TP rank, at ``rank_offset +
+    #: tp_rank``); every rank receives every broadcast, and rank 0's copy is loaded after the others were checked
+    #: equal to it
+    tp_size: int = 1
+    #: join a weight-sync group's collectives only at the first update request, as SGLang does on NCCL (what
+    #: production sees); False joins inside ``/init_weights_update_group``, as SGLang does on gloo
+    lazy_join: bool = True
+    #: ``--enable-deterministic-inference``: a row without ``sampling_seed`` samples with seed 42, so equal
+    #: prompts give equal samples
+    deterministic: bool = False
+    #: ``--api-key`` (SGLang's auth rules per endpoint)
+    api_key: str | None = field(default=None, repr=False)
+    #: ``--admin-api-key``: with it, the ``ADMIN_OPTIONAL`` endpoints take only this key
+    admin_api_key: str | None = field(default=None, repr=False)
+    #: ``--weight-version``: the version reported until an update sets one (None: SGLang's ``"default"``)
+    weight_version: str | None = None
+    #: ``--enable-return-routed-experts``: requests that ask for routed experts get them (MoE models only:
+    #: SGLang's capturer sizes its buffers by the config's ``num_experts_per_tok``)
+    capture_routing: bool = False
+
+    def check(self) -> None:
+        """A port in range, a positive group timeout and TP size."""
+        super().check()
+        self.require_int("port", 0, 65535, why="0 picks a free port")
+        self.require_seconds("group_timeout_s")
+        self.require_positive_int("tp_size")

@@ -66,6 +66,19 @@ def write_record(path: str | Path, record: dict[str, Any]) -> Path:
     return out
 
 
+def skip_smoke(args: argparse.Namespace, name: str, why: Exception, last_lines: list[str]) -> int:
+    """A bench that cannot run on this machine (``why``: no Docker engine, say): SystemExit naming it, except in a
+    smoke run, which runs everywhere: then the record says skipped, each of ``last_lines`` prints as
+    ``<line>: 0`` and the exit status is 0."""
+    if not args.smoke:
+        raise SystemExit(f"{name} bench: {why}")
+    write_record(args.out, {"bench": name, "commit": git_commit(), "skipped": str(why)})
+    print(f"skipped: {why}")
+    for line in last_lines:
+        print(f"{line}: 0")
+    return 0
+
+
 def _rank_entry(target: Callable[..., dict], rank: int, world: int, port: int, args: tuple, q: Any) -> None:
     """Run ``target(rank, world, port, *args)`` in a spawned process; put ``(rank, result)`` on ``q``,
     or ``(rank, {"error": traceback})`` when it raises."""

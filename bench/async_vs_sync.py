@@ -3,8 +3,9 @@
 
 Both modes run ``megatron_agentrl.pipeline.loop.run_training`` on the same tiny model (same seed,
 same random initialisation), the same multi-turn workload with heavy-tailed environment latency,
-and the same number of trained samples (``--steps`` x ``--prompts`` x ``--group``). Every setting
-that matters is set here, not taken from the demo config: one version slot with on-policy sampling
+and the same number of trained samples (``train.steps`` x ``rollout.prompts_per_step`` x
+``rollout.samples_per_prompt``). Every setting that matters is set here, not taken from the demo config
+(``key=value`` arguments override them, in both modes): one version slot with on-policy sampling
 (``rollout.max_versions=1``, ``rollout.cross_policy=latest``) in both modes, no warm-up, no
 evaluation, no checkpoint. Only ``pipeline.mode`` (and its ``pipeline.staleness``) differs:
 
@@ -18,8 +19,8 @@ evaluation, no checkpoint. Only ``pipeline.mode`` (and its ``pipeline.staleness`
 The workload ("dialog", registered for this process only): every episode asks for 2..max_turns
 assistant turns (by sample index) and answers each with a short user message; the reward is 1 when
 the last assistant turn holds a digit. It is multi-turn whatever the (untrained) policy writes.
-Every env call (start and each turn) first waits a Pareto(alpha) delay with minimum
-``--latency`` seconds, capped at ``--latency-max`` (``pipeline.sim_env_latency_*``).
+Every env call (start and each turn) first waits a Pareto(``pipeline.sim_env_latency_alpha``) delay with
+minimum ``pipeline.sim_env_latency_s`` seconds, capped at ``pipeline.sim_env_latency_max_s``.
 
 Throughput = trained samples / wall seconds of the RL phase (first step to last step, no
 evaluation). Prints a table, writes ``bench/results/async_vs_sync.json`` (``--out``); the last line
@@ -37,6 +38,7 @@ import re
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,8 @@ sys.path.insert(0, str(ROOT))
 from bench._common import bench_parser, parse_bench_args, write_record  # noqa: E402
 from env_controller.protocol import SampleStatus, TaskReply  # noqa: E402
 from env_controller.tasks import TASKS  # noqa: E402
-from env_controller.tasks.base import Task, TaskSession  # noqa: E402
+from env_controller.tasks.base import TaskSession, ToolTask  # noqa: E402
+from env_controller.tasks.options import TaskOptions  # noqa: E402
 
 
 class DialogSession(TaskSession):
@@ -67,28 +70,44 @@ class DialogSession(TaskSession):
         return None
 
 
-class DialogTask(Task):
+@dataclass
+class DialogOptions(TaskOptions):
+    """The dialog's params: ``max_turns`` is its longest episode (in assistant turns)."""
+
+    KEY = "dialog"
+
+    #: assistant turns of the longest episode (episodes take 2 .. max_turns)
+    max_turns: int = 6
+
+
+class DialogTask(ToolTask):
     """A multi-turn workload whose length does not depend on the policy (see the module doc)."""
 
     name = "dialog"
+    Options = DialogOptions
+    TOOLS = []  # plain-text turns: the episode never calls a tool
 
-    def __init__(self, max_turns: int = 6, num_samples: int = 512) -> None:
-        self.max_turns, self.num_samples = max_turns, num_samples
-
-    def indices(self) -> list[int]:
-        return list(range(self.num_samples))
+    def new_session(self, index: int) -> tuple[DialogSession, list[dict[str, Any]]]:  # type: ignore[override]
+        turns = 2 + index % (self.max_turns - 1)
+        return DialogSession(index, turns), [
+            {"role": "user", "content": f"Sample {index}: let us talk for {turns} turns; end with a number."}]
 
     async def start(self, index: int) -> tuple[TaskSession, TaskReply]:
-        turns = 2 + index % (self.max_turns - 1)
-        msg = [{"role": "user", "content": f"Sample {index}: let us talk for {turns} turns; end with a number."}]
-        return DialogSession(index, turns), TaskReply(messages=msg)
+        self.check_index(index)
+        session, messages = self.new_session(index)
+        return session, TaskReply(messages=messages)  # no tools offered
+
+    def expert(self, index: int) -> Any:
+        raise NotImplementedError("dialog has no expert (the benchmark runs without SFT)")
 
     def demonstration(self, index: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         raise NotImplementedError("dialog has no demonstrations (the benchmark runs without SFT)")
 
 
-SMOKE = {"steps": 2, "prompts": 2, "group": 2, "latency": 0.01, "latency_max": 0.05, "max_turns": 3,
-         "max_new_tokens": 4, "hidden": 32, "layers": 1}
+SMOKE = {"max_turns": 3, "hidden": 32}
+SMOKE_OVERRIDES = ["train.steps=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+                   "pipeline.sim_env_latency_s=0.01", "pipeline.sim_env_latency_max_s=0.05",
+                   "rollout.max_new_tokens=4", "model.arch.num_hidden_layers=1"]
 
 
 def _overrides(args: argparse.Namespace, mode: str, out: Path, cohort: int = 0) -> list[str]:
@@ -98,18 +117,15 @@ def _overrides(args: argparse.Namespace, mode: str, out: Path, cohort: int = 0) 
         f"output_dir={out}", f"pipeline.mode={mode}", f"pipeline.staleness={staleness}", "pipeline.queue_size=0",
         "rollout.max_versions=1", "rollout.engines_per_slot=1", "rollout.cross_policy=latest",
         "rollout.temperature=1.0", "checkpoint.interval=0", "parallel.tp=1", "parallel.pp=1",
-        f"pipeline.sim_env_latency_s={args.latency}", f"pipeline.sim_env_latency_alpha={args.alpha}",
-        f"pipeline.sim_env_latency_max_s={args.latency_max}",
+        "pipeline.sim_env_latency_s=0.05", "pipeline.sim_env_latency_alpha=1.2", "pipeline.sim_env_latency_max_s=4",
         f"model.arch.hidden_size={args.hidden}", f"model.arch.intermediate_size={args.hidden * 3}",
-        f"model.arch.num_hidden_layers={args.layers}", "model.arch.num_attention_heads=4",
-        "model.arch.num_key_value_heads=2",
-        "sft.steps=0", "eval.samples_per_task=0", f"train.steps={args.steps}", "train.micro_batch_size=8",
-        "loss.tis_cap=2.0", "train.lr=1e-4", f"train.seed={args.seed}",
-        f"rollout.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.group}",
-        f"rollout.max_turns={args.max_turns}", f"rollout.max_new_tokens={args.max_new_tokens}",
-        "rollout.max_total_tokens=1024",
+        "model.arch.num_hidden_layers=2", "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2",
+        "sft.steps=0", "eval.samples_per_task=0", "train.steps=12", "train.micro_batch_size=8",
+        "loss.tis_cap=2.0", "train.lr=1e-4", "train.seed=1234",
+        "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
+        f"rollout.max_turns={args.max_turns}", "rollout.max_new_tokens=16", "rollout.max_total_tokens=1024",
         f"tasks=[{{name: dialog, params: {{max_turns: {args.max_turns}}}}}]",
-        "log_every=1",
+        "log_every=1", *args.overrides,
     ]
 
 
@@ -151,23 +167,17 @@ def run_mode(args: argparse.Namespace, mode: str, out: Path, cohort: int) -> dic
 def main(argv: list[str] | None = None) -> int:
     """Run sync, async (and with ``--sync-independent`` sync with independent groups); print, write the JSON."""
     p = bench_parser("async_vs_sync", __doc__)
-    p.add_argument("--steps", type=int, default=12, help="RL steps per mode")
-    p.add_argument("--prompts", type=int, default=4, help="groups per step (rollout.prompts_per_step)")
-    p.add_argument("--group", type=int, default=4, help="samples per group (rollout.samples_per_prompt)")
-    p.add_argument("--staleness", type=int, default=1, help="eta of the async mode")
-    p.add_argument("--latency", type=float, default=0.05, help="Pareto minimum of each env call's delay, s")
-    p.add_argument("--alpha", type=float, default=1.2, help="Pareto shape of the delay (smaller = heavier tail)")
-    p.add_argument("--latency-max", type=float, default=4.0, help="cap of one delay, s")
-    p.add_argument("--max-turns", type=int, default=6)
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--staleness", type=int, default=1, help="pipeline.staleness of the async mode (sync: 0)")
+    p.add_argument("--max-turns", type=int, default=6, help="rollout.max_turns, and the dialog's longest episode")
+    p.add_argument("--hidden", type=int, default=64, help="model.arch.hidden_size (the MLP's: three times it)")
     p.add_argument("--sync-independent", action="store_true",
                    help="also run sync with every group on its own (pipeline.cohort_groups=1) instead of the whole "
                         "step in lockstep, and report its ratio too")
     p.add_argument("-v", "--verbose", action="store_true", help="show the training log")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides of both modes (after the bench's own)")
     args = parse_bench_args(p, argv, SMOKE)
+    if args.smoke:
+        args.overrides = [*SMOKE_OVERRIDES, *args.overrides]
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stdout, force=True)

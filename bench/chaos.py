@@ -69,6 +69,7 @@ sys.path.insert(0, str(REPO))
 
 from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
 from env_controller.http.net import free_port  # noqa: E402
+from env_controller.servers.process import ProcessGroup, start_process, stop_process, wait_until  # noqa: E402
 
 logger = logging.getLogger("bench.chaos")
 
@@ -80,73 +81,7 @@ SMOKE = {"steps": 12, "faults": "worker_kill,trainer_kill,engine_kill", "fault_e
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 32, 64, 2, 4, 2
 
 
-# ----------------------------------------------------------------------------- processes
-class Procs:
-    """Named processes, each in its own session (its group is what gets signalled); all killed at close."""
-
-    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
-        self.log_dir, self.env = log_dir, env
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.logs: dict[str, Path] = {}
-        self.all: list[subprocess.Popen[bytes]] = []
-
-    def spawn(self, name: str, args: list[str], log: str | None = None) -> subprocess.Popen[bytes]:
-        path = self.log_dir / f"{log or name}.log"
-        with open(path, "ab") as f:
-            p = subprocess.Popen([sys.executable, *args], cwd=REPO, env=self.env, stdout=f, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-        self.procs[name], self.logs[name] = p, path
-        self.all.append(p)
-        return p
-
-    def alive(self, name: str) -> bool:
-        p = self.procs.get(name)
-        return p is not None and p.poll() is None
-
-    def kill(self, name: str, sig: int = signal.SIGKILL, wait_s: float = 15.0) -> None:
-        """Signal ``name``'s process group and reap it (SIGKILL after ``wait_s``)."""
-        p = self.procs.get(name)
-        if p is None:
-            return
-        _killpg(p, sig)
-        try:
-            p.wait(wait_s)
-        except subprocess.TimeoutExpired:
-            _killpg(p, signal.SIGKILL)
-            p.wait(10)
-        _killpg(p, signal.SIGKILL)  # children left in the group
-
-    def tail(self, name: str, chars: int = 2500) -> str:
-        try:
-            return self.logs[name].read_text(errors="replace")[-chars:]
-        except (KeyError, OSError):
-            return ""
-
-    def close(self) -> None:
-        for p in self.all:
-            if p.poll() is None:
-                _killpg(p, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for p in self.all:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for p in self.all:
-            _killpg(p, signal.SIGKILL)
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                logger.error("process %d did not exit after SIGKILL", p.pid)
-
-
-def _killpg(p: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)  # start_new_session: the group id is the pid
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
+# ----------------------------------------------------------------------------- HTTP
 def _get(url: str, timeout_s: float = 2.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout_s) as r:
         body = r.read()
@@ -158,16 +93,6 @@ def _ok(fn: Callable[[], Any]) -> Any:
         return fn()
     except (OSError, ValueError, urllib.error.URLError):
         return None
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float, poll_s: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = _ok(check)
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise RuntimeError(f"no {what} within {timeout_s:.0f} s")
 
 
 def build_checkpoint(path: str | Path) -> Path:
@@ -199,7 +124,7 @@ class Cluster:
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
-        self.procs = Procs(self.dir / "logs", env)
+        self.procs = ProcessGroup(self.dir / "logs", env, cwd=REPO)
         self.engine_ports = [free_port(), free_port()]
         self.cport = free_port()
         self.api = f"http://127.0.0.1:{self.cport}/api"
@@ -208,14 +133,22 @@ class Cluster:
                         "calc": ("calc", free_port())}
         self.trainer_starts = 0
 
+    def python(self, name: str, args: list[str], log: str | None = None) -> None:
+        """Start ``python args`` as the part ``name`` (its log: ``log`` or its name)."""
+        self.procs.start(name, [sys.executable, *args], log)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the part ``name`` and what it started, and reap it."""
+        self.procs.stop(name, grace_s=15.0, first_signal=signal.SIGKILL)
+
     # engines ---------------------------------------------------------------
     def engine_url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.engine_ports[i]}"
 
     def start_engine(self, i: int) -> None:
-        self.procs.spawn(f"engine{i}", ["-m", "rollout_sglang.testing.sglang_standin", "--model-path", str(self.ckpt),
-                                        "--host", "127.0.0.1", "--port", str(self.engine_ports[i]),
-                                        "--log-level", "warning"])
+        self.python(f"engine{i}", ["-m", "rollout_sglang.testing.sglang_standin", "--model-path", str(self.ckpt),
+                                   "--host", "127.0.0.1", "--port", str(self.engine_ports[i]),
+                                   "--log-level", "warning"])
 
     def engine_healthy(self, i: int) -> bool:
         return self.procs.alive(f"engine{i}") and _ok(lambda: _get(f"{self.engine_url(i)}/health") is not None)
@@ -227,14 +160,14 @@ class Cluster:
 
     # env side ----------------------------------------------------------------
     def start_controller(self) -> None:
-        self.procs.spawn("controller", ["-m", "env_controller.cli", "controller", "--port", str(self.cport),
-                                        "--heartbeat-timeout", "2", "--suspect-after", "1", "--log-level", "WARNING"])
+        self.python("controller", ["-m", "env_controller.cli", "controller", "--port", str(self.cport),
+                                   "--heartbeat-timeout", "2", "--suspect-after", "1", "--log-level", "WARNING"])
 
     def start_worker(self, name: str) -> None:
         task, port = self.workers[name]
-        self.procs.spawn(name, ["-m", "env_controller.cli", "worker", "--task", task, "--port", str(port),
-                                "--controller", self.api, "--heartbeat-interval", "0.3",
-                                "--latency-ms", str(self.args.latency_ms), "--log-level", "WARNING"])
+        self.python(name, ["-m", "env_controller.cli", "worker", "--task", task, "--port", str(port),
+                           "--controller", self.api, "--heartbeat-interval", "0.3",
+                           "--latency-ms", str(self.args.latency_ms), "--log-level", "WARNING"])
 
     def registered_workers(self) -> int:
         return sum(1 for t in _get(f"{self.api}/list_workers").values() for w in t["workers"].values()
@@ -256,46 +189,45 @@ class Cluster:
                 f"model.arch.intermediate_size={INTER}", f"model.arch.num_hidden_layers={LAYERS}",
                 f"model.arch.num_attention_heads={HEADS}", f"model.arch.num_key_value_heads={KV_HEADS}",
                 "sft.steps=0", f"train.steps={a.steps}", "train.micro_batch_size=8",
-                f"rollout.prompts_per_step={a.prompts}", f"rollout.samples_per_prompt={a.group}",
+                "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
                 "rollout.max_new_tokens=12", "rollout.max_turns=4", "eval.samples_per_task=0",
                 "pipeline.mode=async", "pipeline.staleness=1", "rollout.max_versions=2",
                 "rollout.cross_policy=uniform", "loss.tis_cap=2.0", f"rollout.engine_urls={urls}",
-                f"rollout.engine_timeout_s={a.engine_timeout_s}", "rollout.engine_startup_timeout_s=90",
+                "rollout.engine_timeout_s=20", "rollout.engine_startup_timeout_s=90",
                 "rollout.engine_health_interval_s=1", "rollout.engine_health_timeout_s=5",
                 "rollout.engine_unavailable_timeout_s=120",
                 "rollout.weight_sync_init_timeout_s=30", "rollout.weight_sync_bucket_timeout_s=30",
-                f"pipeline.batch_timeout_s={a.batch_timeout_s}", f"pipeline.env_timeout_s={a.env_timeout_s}",
+                "pipeline.batch_timeout_s=90", "pipeline.env_timeout_s=30",
                 f"checkpoint.interval={a.ckpt_interval}", "checkpoint.keep=2", "checkpoint.resume=latest",
-                "logging.tensorboard=false", "log_every=1"]
+                "logging.tensorboard=false", "log_every=1", *a.overrides]
 
     def start_trainer(self) -> None:
         self.trainer_starts += 1
-        self.procs.spawn("trainer", self.trainer_cmd(), log=f"trainer{self.trainer_starts}")
+        self.python("trainer", self.trainer_cmd(), log=f"trainer{self.trainer_starts}")
 
     def trainer_rc(self) -> int | None:
-        p = self.procs.procs.get("trainer")
-        return None if p is None else p.poll()
+        return None if "trainer" not in self.procs.by_name else self.procs["trainer"].poll()
 
     # the whole ------------------------------------------------------------------
     def start(self, checkpoint: subprocess.Popen[bytes] | None = None) -> None:
         """The env side first (while ``checkpoint``, the process building the engines' checkpoint, runs), then the
         engines; the trainer may start at once: it waits for their health (``rollout.engine_startup_timeout_s``)."""
         self.start_controller()
-        wait_for("controller", lambda: _get(f"{self.api}/health"), 30)
+        wait_until("controller", lambda: _get(f"{self.api}/health"), 30)
         for w in self.workers:
             self.start_worker(w)
         if checkpoint is not None and checkpoint.wait(120) != 0:
             raise RuntimeError(f"building the checkpoint failed (exit {checkpoint.returncode})")
         for i in range(2):
             self.start_engine(i)
-        wait_for("three workers", lambda: self.registered_workers() >= 3, 30)
+        wait_until("three workers", lambda: self.registered_workers() >= 3, 30)
 
     def repair(self) -> list[str]:
         """Start again whatever part is down (at its own URL); returns their names."""
         restarted = []
         for i in range(2):
             if not self.engine_healthy(i):
-                self.procs.kill(f"engine{i}")
+                self.kill(f"engine{i}")
                 self.start_engine(i)
                 restarted.append(f"engine{i}")
         if not self.procs.alive("controller"):
@@ -305,7 +237,7 @@ class Cluster:
             if not self.procs.alive(w):
                 self.start_worker(w)
                 restarted.append(w)
-        wait_for("repaired parts", lambda: all(self.engine_healthy(i) for i in range(2))
+        wait_until("repaired parts", lambda: all(self.engine_healthy(i) for i in range(2))
                  and self.registered_workers() >= 3, 60)
         return restarted
 
@@ -431,11 +363,11 @@ def _kill_worker(c: Cluster, run: FaultRun) -> None:
     run.detail.update(killed="lookup_a", sessions_held=n, busy_sessions=busy,
                       waited_s=round(time.monotonic() - run.fired_at, 2))
     run.fired_at = time.monotonic()  # recovery counts from the kill
-    c.procs.kill("lookup_a")
+    c.kill("lookup_a")
 
 
 def _controller_down(c: Cluster, run: FaultRun) -> None:
-    c.procs.kill("controller")
+    c.kill("controller")
     t = time.monotonic()
     down = c.args.controller_down_s
     while time.monotonic() - t < down:  # the trainer goes on meanwhile; it may die of it
@@ -448,19 +380,19 @@ def _controller_down(c: Cluster, run: FaultRun) -> None:
 
 def _kill_trainer(c: Cluster, run: FaultRun) -> None:
     run.detail["killed_at_step"] = run.fired_step
-    c.procs.kill("trainer")
+    c.kill("trainer")
     c.start_trainer()  # the same command: checkpoint.resume=latest
 
 
 def _restart_engine(c: Cluster, run: FaultRun) -> None:
-    c.procs.kill("engine0")
+    c.kill("engine0")
     time.sleep(2.0)
     c.start_engine(0)
     run.detail.update(engine=c.engine_url(0), restarted=True)
 
 
 def _kill_engine(c: Cluster, run: FaultRun) -> None:
-    c.procs.kill("engine1")
+    c.kill("engine1")
     run.detail["engine"] = c.engine_url(1)
 
 
@@ -565,7 +497,7 @@ def drive(c: Cluster, schedule: list[tuple[int, Fault]], args: argparse.Namespac
                 run.survived, run.error = False, why + "\n" + c.procs.tail("trainer")
                 print(f"  [{now - t0:6.1f}s] {run.name}: NOT survived ({why})", flush=True)
                 active, resolved_step = None, progress.last_step()
-                c.procs.kill("trainer")
+                c.kill("trainer")
                 progress.poll()
                 if not pending and not args.finish_after_failure:
                     break
@@ -674,17 +606,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--faults", default=ALL_FAULTS, help=f"the faults, in order (of {ALL_FAULTS})")
     p.add_argument("--first-fault", type=int, default=3, help="the step the first fault fires after")
     p.add_argument("--fault-every", type=int, default=8, help="steps between faults")
-    p.add_argument("--prompts", type=int, default=2, help="groups per step (rollout.prompts_per_step)")
-    p.add_argument("--group", type=int, default=4, help="samples per group (rollout.samples_per_prompt)")
     p.add_argument("--ckpt-interval", type=int, default=2, help="checkpoint.interval")
     p.add_argument("--latency-ms", type=float, default=50.0, help="the workers' latency per call, ms")
     p.add_argument("--controller-down-s", type=float, default=15.0, help="how long the controller stays down")
     p.add_argument("--recovery-timeout-s", type=float, default=120.0,
                    help="a fault not recovered within this is not survived")
     p.add_argument("--run-timeout-s", type=float, default=1500.0, help="limit on one run, s")
-    p.add_argument("--engine-timeout-s", type=float, default=20.0, help="rollout.engine_timeout_s")
-    p.add_argument("--env-timeout-s", type=float, default=30.0, help="pipeline.env_timeout_s")
-    p.add_argument("--batch-timeout-s", type=float, default=90.0, help="pipeline.batch_timeout_s")
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="first the same run without faults (steps/s ratio)")
     p.add_argument("--finish-after-failure", action=argparse.BooleanOptionalAction, default=True,
@@ -692,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
                         "its steps/s compares with the baseline's)")
     p.add_argument("--keep", action="store_true", help="keep the logs and outputs (printed path)")
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("overrides", nargs="*", help="more key=value config overrides of the trainer (after the bench's: "
+                   "e.g. rollout.prompts_per_step=4 pipeline.env_timeout_s=60)")
     args = parse_bench_args(p, argv, SMOKE)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stdout, force=True)
@@ -708,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ckpt = work / "hf"
         # built in a process of its own (torch and transformers load there) while the first run's env side starts
-        build: subprocess.Popen[bytes] | None = subprocess.Popen(
+        build: subprocess.Popen[bytes] | None = start_process(
             [sys.executable, "-c", f"from bench.chaos import build_checkpoint; build_checkpoint({str(ckpt)!r})"],
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
         baseline = None
@@ -721,9 +650,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"chaos: {args.steps} steps, faults {[f'{s}:{f.name}' for s, f in schedule]}", flush=True)
             chaos = one_run(args, work, ckpt, "chaos", schedule, build)
         finally:
-            if build is not None and build.poll() is None:
-                build.kill()
-                build.wait(10)
+            stop_process(build, grace_s=0.0, first_signal=signal.SIGKILL)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

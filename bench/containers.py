@@ -56,17 +56,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
-from bench.env_controller import Procs, cpu_pressure, cpu_seconds, loadavg, pct, reason_kind  # noqa: E402
+from bench._common import bench_parser, git_commit, parse_bench_args, skip_smoke, write_record  # noqa: E402
+from bench.env_controller import cpu_pressure, cpu_seconds, loadavg, pct, reason_kind, start_cli  # noqa: E402
 from env_controller.clients.http_client import EnvControllerError, HttpEnvClient  # noqa: E402
 from env_controller.clients.options import EnvClientOptions  # noqa: E402
 from env_controller.http.net import free_port  # noqa: E402
 from env_controller.http.service import install_uvloop, raise_nofile_limit  # noqa: E402
 from env_controller.protocol import SampleStatus  # noqa: E402
 from env_controller.sandbox.docker import LABEL, OWNER_LABEL, owner_id  # noqa: E402
+from env_controller.servers.process import ProcessGroup, stop_processes  # noqa: E402
 from env_controller.tasks.os_shell import OsShellTask  # noqa: E402
 
 logger = logging.getLogger("bench.containers")
@@ -234,7 +237,7 @@ class Outcome:
 class Bench:
     """The processes and the sessions of one run."""
 
-    def __init__(self, args: argparse.Namespace, docker_url: str, image: str, client: Any, procs: Procs) -> None:
+    def __init__(self, args: argparse.Namespace, docker_url: str, image: str, client: Any, procs: ProcessGroup) -> None:
         self.args = args
         self.docker_url = docker_url
         self.image = image
@@ -252,7 +255,7 @@ class Bench:
     def spawn_worker(self, name: str) -> tuple[Any, str]:
         port = free_port()
         a = self.args
-        proc = self.procs.spawn(name, [
+        proc = start_cli(self.procs, name, [
             "worker", "--task", "os_shell", "--param", "backend=docker", "--param", f"image={self.image}",
             "--param", f"docker_host={self.docker_url}", "--param", f"max_workers={a.threads}",
             "--param", "acquire_timeout_s=600", "--max-containers", str(self.per_worker_max),
@@ -260,10 +263,11 @@ class Bench:
             "--heartbeat-interval", "1", "--timeout", str(a.worker_timeout), "--log-level", "WARNING"])
         return proc, f"http://127.0.0.1:{port}/api"
 
-    async def worker_status(self, url: str) -> dict[str, Any] | None:
-        assert self.env is not None
+    @staticmethod
+    async def worker_status(url: str) -> dict[str, Any] | None:
+        """``GET <worker>/worker_status``; None from a dead or starting worker."""
         try:
-            async with self.env._http().get(url + "/worker_status") as r:
+            async with aiohttp.ClientSession() as http, http.get(url + "/worker_status") as r:
                 return await r.json() if r.status == 200 else None
         except Exception:  # noqa: BLE001 - a dead or starting worker
             return None
@@ -272,8 +276,8 @@ class Bench:
         assert self.env is not None
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
-            for p in self.procs.procs:
-                if p.poll() not in (None, -signal.SIGKILL):
+            for p in self.procs.exited():
+                if p.returncode != -signal.SIGKILL:
                     raise RuntimeError(f"a bench process exited with {p.returncode}; see {self.procs.log_dir}")
             try:
                 view = await self.env.list_workers()
@@ -368,7 +372,7 @@ class Bench:
         a = self.args
         cport = free_port()
         self.controller_url = f"http://127.0.0.1:{cport}/api"
-        controller = self.procs.spawn("controller", [
+        controller = start_cli(self.procs, "controller", [
             "controller", "--port", str(cport), "--suspect-after", "3", "--heartbeat-timeout", "6",
             "--start-timeout", str(a.worker_timeout + 30), "--interact-timeout", "120", "--log-level", "WARNING"])
         t_boot = time.monotonic()
@@ -472,14 +476,7 @@ class Bench:
         leftover_sessions = len(await self.env.list_sessions())
         await self.env.aclose()
         t_stop = time.monotonic()
-        for proc, _ in self.workers:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc, _ in self.workers:
-            try:
-                proc.wait(timeout=300)
-            except Exception:  # noqa: BLE001 - the leak count below shows what it left
-                proc.kill()
+        stop_processes([proc for proc, _ in self.workers], grace_s=300.0)  # the leak count shows what they left
         workers_stop_s = time.monotonic() - t_stop
         leaked = sampler.count()
 
@@ -657,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = None
     work = Path(tempfile.mkdtemp(prefix="agentrl-bench-containers-"))
-    procs = Procs(work)
+    procs = ProcessGroup(work, cwd=REPO)
     try:
         if args.docker_host:
             docker_url = args.docker_host
@@ -665,13 +662,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             try:
                 engine = DockerEngine().start()
-            except DockerUnavailableError as e:
-                if not args.smoke:
-                    raise SystemExit(f"containers bench: {e}") from None
-                # the smoke test runs everywhere; without an engine there is nothing to measure
-                write_record(args.out, {"bench": "containers", "commit": git_commit(), "skipped": str(e)})
-                print(f"skipped: {e}\ncontainers_peak: 0\ncontainers_leaked: 0")
-                return 0
+            except DockerUnavailableError as e:  # without an engine there is nothing to measure
+                return skip_smoke(args, "containers", e, ["containers_peak", "containers_leaked"])
             docker_url = engine.url
             args.dockerd_pid = engine.proc.pid if engine.proc else None
             args.exec_root = str(engine.dir / "exec") if engine.dir else None

@@ -1,8 +1,8 @@
 """Benchmark: the controller's CPU per forwarded request, its fast front against aiohttp's server, side by side.
 
 One run starts, in turn and in rounds (fast, aiohttp, aiohttp, fast, ...), a controller process with
-``ControllerConfig(fast_front=True)`` and one with ``fast_front=False`` (aiohttp serves every request,
-as before the fast front), each against the same stand-in worker process (a raw asyncio server with
+``ControllerConfig(fast_front=True)`` and one with ``fast_front=False`` (aiohttp serves every request),
+each against the same stand-in worker process (a raw asyncio server with
 canned replies, so the worker's own cost stays out of it), and drives it from this process with raw
 keep-alive connections: ``--sessions`` starts, then ``--rounds-per-session`` interacts on each, over
 ``--connections`` connections. The controller's CPU (user + system, ``/proc/<pid>/stat``) over each
@@ -51,6 +51,7 @@ sys.path.insert(0, str(REPO))
 
 from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
 from env_controller.http.net import free_port  # noqa: E402
+from env_controller.servers.process import start_process, stop_process  # noqa: E402
 
 SMOKE = {"sessions": 200, "rounds_per_session": 2, "connections": 16, "rounds": 1, "gap_ms": 0.2, "awake": True}
 
@@ -316,18 +317,16 @@ def _callgrind_total(out: Path) -> int:
 async def count_instructions(front: str, n: int, workdir: Path) -> dict[str, Any]:
     """User-space instructions per start and per interact of one server (``fast`` or ``relay``) under callgrind,
     one request at a time on one connection."""
-    import subprocess
-
     cport, wport = free_port(), free_port()
     target, call_args = ("run_relay", f"{cport}, {wport}") if front == "relay" else (
         "run_controller", f"{cport}, {front == 'fast'}")
     worker = mp.get_context("spawn").Process(target=run_worker, args=(wport, cport), daemon=True)
     worker.start()
     dump = workdir / f"callgrind.{front}"
-    server = subprocess.Popen(
+    server = start_process(
         ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={dump}.%p", sys.executable,
          "-c", _UNDER_VALGRIND.format(repo=str(REPO), target=target, args=call_args)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.devnull, cwd=REPO, group=None)
     counts: dict[str, Any] = {"front": front, "requests": n}
     try:
         deadline = time.monotonic() + 300  # a server starts tens of times slower under valgrind
@@ -360,12 +359,7 @@ async def count_instructions(front: str, n: int, workdir: Path) -> dict[str, Any
             counts[f"{phase}_instructions_per_request"] = round(_callgrind_total(dumped) / n)
         writer.close()
     finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(10)
+        stop_process(server, grace_s=60.0)
         worker.terminate()
         worker.join(10)
     return counts

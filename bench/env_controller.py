@@ -73,6 +73,7 @@ from env_controller.clients.options import EnvClientOptions  # noqa: E402
 from env_controller.http.net import free_port  # noqa: E402
 from env_controller.http.service import install_uvloop, raise_nofile_limit  # noqa: E402
 from env_controller.protocol import SampleStatus  # noqa: E402
+from env_controller.servers.process import ProcessGroup  # noqa: E402
 from env_controller.tasks import build_task  # noqa: E402
 
 logger = logging.getLogger("bench.env_controller")
@@ -189,49 +190,22 @@ class Stats:
         self.client_ms[endpoint].append(seconds * 1000 - float(w))
 
 
-class Procs:
-    """The controller and worker processes; all killed (by pid) on exit."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.files: list[Any] = []
-
-    def spawn(self, name: str, args: list[str], process_group: int | None = None,
+def start_cli(procs: ProcessGroup, name: str, args: list[str], group: int | None = None,
               cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
-        """Start ``env_controller.cli args``; ``process_group``: 0 for a new group, a pgid to join one; ``cpus``:
-        the CPUs it may run on (None: any)."""
-        log = open(self.log_dir / f"{name}.log", "wb")
-        self.files.append(log)
-        cmd = [sys.executable, "-m", "env_controller.cli", *args]
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log, process_group=process_group)
-        self.procs.append(proc)
-        if cpus is not None:  # before its interpreter starts any thread (threads inherit the mask)
-            os.sched_setaffinity(proc.pid, cpus)
-        return proc
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=10)
-        for f in self.files:
-            f.close()
+    """Start ``env_controller.cli args`` as ``name``; ``group``: None for the bench's process group, 0 for a new
+    one, a group id to join one; ``cpus``: the CPUs it may run on (None: any)."""
+    proc = procs.start(name, [sys.executable, "-m", "env_controller.cli", *args], group=group)
+    if cpus is not None:  # before its interpreter starts any thread (threads inherit the mask)
+        os.sched_setaffinity(proc.pid, cpus)
+    return proc
 
 
-async def wait_ready(env: HttpEnvClient, n_workers: int, procs: Procs, limit_s: float = 60) -> dict[str, Any]:
+async def wait_ready(env: HttpEnvClient, n_workers: int, procs: ProcessGroup, limit_s: float = 60) -> dict[str, Any]:
     deadline = time.monotonic() + limit_s
     last: Any = None
     while time.monotonic() < deadline:
-        for p in procs.procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"a bench process exited early with {p.returncode}; see {procs.log_dir}")
+        for p in procs.exited():
+            raise RuntimeError(f"a bench process exited early with {p.returncode}; see {procs.log_dir}")
         try:
             last = await env.list_workers()
             if sum(len(t["workers"]) for t in last.values()) >= n_workers:
@@ -244,9 +218,7 @@ async def wait_ready(env: HttpEnvClient, n_workers: int, procs: Procs, limit_s: 
 
 async def fetch_overhead_histogram(env: HttpEnvClient) -> dict[str, float]:
     """From /metrics: how many interact overheads the controller recorded, and the share <= 10 ms."""
-    http = env._http()
-    async with http.get(env.url.removesuffix("/api") + "/metrics", headers=env._headers) as r:
-        text = await r.text()
+    text = await env.metrics()
     count = le10 = 0.0
     for line in text.splitlines():
         if line.startswith('agentrl_controller_overhead_seconds_count{endpoint="interact"}'):
@@ -256,14 +228,14 @@ async def fetch_overhead_histogram(env: HttpEnvClient) -> dict[str, float]:
     return {"interact_count": count, "interact_share_le_10ms": le10 / count if count else float("nan")}
 
 
-async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
+async def drive(args: argparse.Namespace, procs: ProcessGroup) -> dict[str, Any]:
     tasks = args.tasks.split(",")
     cport = free_port()
     url = f"http://127.0.0.1:{cport}/api"
     own, rest = pinning(args.pin_controller)
     if rest is not None:
         os.sched_setaffinity(0, rest)  # this driver, and through inheritance nothing else, off the controller's CPU
-    procs.spawn("controller", [
+    start_cli(procs, "controller", [
         "controller", "--port", str(cport), "--suspect-after", str(args.suspect_after),
         "--heartbeat-timeout", str(args.heartbeat_timeout), "--log-level", "WARNING",
     ], cpus=own)
@@ -277,11 +249,11 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         task = tasks[i % len(tasks)]
         concurrency = math.ceil(sessions_per_task[task] / per_task[task] * 1.25) + 8
         port = free_port()
-        worker_procs.append(procs.spawn(f"worker{i}_{task}", [
+        worker_procs.append(start_cli(procs, f"worker{i}_{task}", [
             "worker", "--task", task, "--controller", url, "--port", str(port), "--concurrency", str(concurrency),
             "--heartbeat-interval", str(args.heartbeat_interval), "--latency-ms", str(args.latency_ms),
             "--log-level", "WARNING",
-        ], process_group=worker_group, cpus=rest))
+        ], group=worker_group, cpus=rest))
         worker_group = worker_group or worker_procs[0].pid
         worker_task.append(task)
         worker_ports.append(port)
@@ -375,7 +347,7 @@ async def drive(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         kill_time.append(time.monotonic())
         logger.info("killed worker %d (%s) at t=%.1f s", victim, worker_task[victim], kill_time[0] - t_origin)
 
-    controller_pid = procs.procs[0].pid
+    controller_pid = procs["controller"].pid
     cpu0, load0, psi0 = cpu_seconds(controller_pid), loadavg(), cpu_pressure()
     workers_cpu0 = [cpu_seconds(p.pid) for p in worker_procs]
     driver_cpu0 = time.process_time()
@@ -609,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-connections", type=int, default=1024)
     parser.add_argument("--pin-controller", action="store_true",
                         help="the controller alone on one CPU, the workers and this driver on the others (as on "
-                             "separate machines: their bursts no longer delay the controller's requests)")
+                             "separate machines: their bursts cannot delay the controller's requests)")
     parser.add_argument("--deadline-s", type=float, default=300.0,
                         help="sessions without a final reply by then are lost")
     args = parse_bench_args(parser, argv, SMOKE)
@@ -622,14 +594,14 @@ def main(argv: list[str] | None = None) -> int:
     install_uvloop()
     raise_nofile_limit()
     log_dir = Path(tempfile.mkdtemp(prefix="agentrl-bench-env-"))
-    procs = Procs(log_dir)
+    procs = ProcessGroup(log_dir, cwd=REPO)
     try:
         result = asyncio.run(drive(args, procs))
     except BaseException:
         logger.error("bench failed; process logs kept in %s", log_dir)
         raise
     finally:
-        procs.close()
+        procs.close(15.0)
     shutil.rmtree(log_dir, ignore_errors=True)
     out = write_record(args.out, {"bench": "env_controller", "commit": git_commit(), **result})
     print_table(result)

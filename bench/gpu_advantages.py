@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
-from megatron_agentrl.algo.advantages import _segment_sum, normalize_per_task  # noqa: E402
+from megatron_agentrl.algo.advantages import normalize_per_task, segment_sum  # noqa: E402
 
 MIN_BYTES_PER_TOKEN_FP32 = 20  # pass 1: read A, mask (4 + 4); pass 2: read A, mask, write out (4 + 4 + 4)
 SMOKE = {"device": "cpu", "tokens": "2e4,1e5", "seq_len": 500, "warmup": 1, "repeats": 2}
@@ -71,17 +71,19 @@ def size_label(n: int) -> str:
 
 def make_inputs(tokens: int, seq_len: int, tasks: int, device: torch.device,
                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random ``(advantages [B, T] fp32, mask [B, T] fp32, task_ids [B] long)`` with ``B*T >= tokens``."""
-    T = min(seq_len, tokens)
-    B = max(1, -(-tokens // T))
+    """Random ``(advantages [rows, row_len] fp32, mask [rows, row_len] fp32, task_ids [rows] long)`` with
+    ``rows * row_len >= tokens`` (``row_len``: ``seq_len``, or fewer when ``tokens`` is smaller)."""
+    row_len = min(seq_len, tokens)
+    rows = max(1, -(-tokens // row_len))
     g = torch.Generator(device=device)
     g.manual_seed(seed)
-    adv = torch.randn(B, 1, device=device, generator=g) + 0.25 * torch.randn(B, T, device=device, generator=g)
-    pos = torch.arange(T, device=device).unsqueeze(0)
-    start = torch.randint(0, max(1, T // 5), (B, 1), device=device, generator=g)
-    end = torch.randint(max(1, T // 2), T + 1, (B, 1), device=device, generator=g)
+    adv = (torch.randn(rows, 1, device=device, generator=g)
+           + 0.25 * torch.randn(rows, row_len, device=device, generator=g))
+    pos = torch.arange(row_len, device=device).unsqueeze(0)
+    start = torch.randint(0, max(1, row_len // 5), (rows, 1), device=device, generator=g)
+    end = torch.randint(max(1, row_len // 2), row_len + 1, (rows, 1), device=device, generator=g)
     mask = ((pos >= start) & (pos < end)).float()
-    task_ids = torch.randint(0, tasks, (B,), device=device, generator=g)
+    task_ids = torch.randint(0, tasks, (rows,), device=device, generator=g)
     return adv, mask, task_ids
 
 
@@ -108,7 +110,7 @@ def previous_normalize(advantages: torch.Tensor, mask: torch.Tensor, task_ids: t
     m = mask.to(torch.float64)
     a = advantages.to(torch.float64) * m
     per_sample = torch.stack([m.sum(1), a.sum(1), (a * a).sum(1)], dim=1)
-    stats = _segment_sum(per_sample, task_ids, num_tasks).T.contiguous()
+    stats = segment_sum(per_sample, task_ids, num_tasks).T.contiguous()
     count = stats[0].clamp_min(1.0)
     mean = stats[1] / count
     std = (stats[2] / count - mean * mean).clamp_min(0.0).sqrt()
@@ -163,18 +165,18 @@ def measure_size(n: int, args: argparse.Namespace, device: torch.device, compile
         adv, mask, tids = make_inputs(n, args.seq_len, args.tasks, device)
     except torch.OutOfMemoryError as e:
         return {**row, "skipped": f"out of memory building the inputs: {str(e).splitlines()[0]}"}
-    B, T = adv.shape
-    tokens = B * T
+    rows, row_len = adv.shape
+    tokens = rows * row_len
     min_bytes = MIN_BYTES_PER_TOKEN_FP32 * tokens
-    row.update(tokens=tokens, rows=B, seq_len=T, masked_frac=float(mask.mean()), min_bytes=min_bytes)
-    K = args.tasks
+    row.update(tokens=tokens, rows=rows, seq_len=row_len, masked_frac=float(mask.mean()), min_bytes=min_bytes)
+    num_tasks = args.tasks
     variants: dict[str, Callable[[], torch.Tensor]] = {
-        "fused": lambda: normalize_per_task(adv, mask, tids, num_tasks=K),
+        "fused": lambda: normalize_per_task(adv, mask, tids, num_tasks=num_tasks),
     }
     if compiled is not None:
-        variants["fused_compiled"] = lambda: compiled(adv, mask, tids, num_tasks=K)
+        variants["fused_compiled"] = lambda: compiled(adv, mask, tids, num_tasks=num_tasks)
     if not args.no_previous:
-        variants["previous"] = lambda: previous_normalize(adv, mask, tids, num_tasks=K)
+        variants["previous"] = lambda: previous_normalize(adv, mask, tids, num_tasks=num_tasks)
     if tokens <= args.unfused_max_tokens:
         variants["unfused"] = lambda: unfused_normalize(adv, mask, tids)
     if check:

@@ -52,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
+from env_controller.servers.process import start_process, stop_process  # noqa: E402
 
 CARRIED = ("megatron-core", "transformers")  # what the GPU machine's image lacks, or holds at another version
 WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
@@ -143,21 +144,15 @@ def run_part(part: Part, argv: tuple[str, ...], log: Path, env: dict[str, str], 
     worker keeps holding the GPU for the next part."""
     cmd = [a.replace("{out}", str(log.parent)) for a in argv]
     t0 = time.monotonic()
-    with log.open("w") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-            status = "passed" if rc == 0 else f"failed (exit {rc})"
-        except subprocess.TimeoutExpired:
-            rc, status = None, f"timed out after {timeout_s:.0f} s"
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the part's leftovers (spawned ranks, compile workers)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+    log.write_text("$ " + " ".join(cmd) + "\n")
+    proc = start_process(cmd, log, env=env, cwd=REPO)
+    try:
+        rc = proc.wait(timeout=timeout_s)
+        status = "passed" if rc == 0 else f"failed (exit {rc})"
+    except subprocess.TimeoutExpired:
+        rc, status = None, f"timed out after {timeout_s:.0f} s"
+    finally:  # SIGKILL to its group: the part's leftovers (spawned ranks, compile workers)
+        stop_process(proc, grace_s=0.0, first_signal=signal.SIGKILL)
     lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     row = {"status": status, "exit": rc, "seconds": round(time.monotonic() - t0, 1), "log": log.name,
            "last_line": lines[-1] if len(lines) > 1 else ""}

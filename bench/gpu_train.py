@@ -132,17 +132,18 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> tuple[flo
     return float("nan"), f"unknown device {name!r}: pass --peak-tflops"
 
 
-def make_batch(B: int, T: int, vocab: int, prompt_len: int, seed: int = 0):
-    """A GRPO ``TrainBatch`` of ``B`` rows of ``T`` tokens: random ids, loss mask after ``prompt_len``,
+def make_batch(rows: int, row_len: int, vocab: int, prompt_len: int, seed: int = 0):
+    """A GRPO ``TrainBatch`` of ``rows`` rows of ``row_len`` tokens: random ids, loss mask after ``prompt_len``,
     advantages one value per row (as GRPO gives), behavior log-probs filled in later."""
     from megatron_agentrl.megatron.actor import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(1, vocab, (B, T), generator=g)
-    mask = torch.zeros(B, T)
-    mask[:, min(prompt_len, T - 1):] = 1.0
-    adv = torch.randn(B, 1, generator=g).expand(B, T) * mask
-    return TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=torch.zeros(B, T), advantages=adv.contiguous())
+    tokens = torch.randint(1, vocab, (rows, row_len), generator=g)
+    mask = torch.zeros(rows, row_len)
+    mask[:, min(prompt_len, row_len - 1):] = 1.0
+    adv = torch.randn(rows, 1, generator=g).expand(rows, row_len) * mask
+    return TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=torch.zeros(rows, row_len),
+                      advantages=adv.contiguous())
 
 
 class Clock:
@@ -177,7 +178,7 @@ def run_megatron(hf_cfg: Any, batch: Any, args: argparse.Namespace, device: torc
     """Time ``--steps`` GRPO steps of the Megatron actor; returns median times (s) and peak memory."""
     from megatron_agentrl.config import TrainConfig
     from megatron_agentrl.megatron.actor import MegatronActor, TrainBatch
-    from megatron_agentrl.megatron.model import _have_te
+    from megatron_agentrl.megatron.model import have_te
 
     clock = Clock(device)
     train_cfg = TrainConfig(lr=1e-6, micro_batch_size=args.micro_batch, grad_clip=1.0)
@@ -203,7 +204,7 @@ def run_megatron(hf_cfg: Any, batch: Any, args: argparse.Namespace, device: torc
             actor.compute_logprobs(b.tokens, micro_batch_size=args.micro_batch, loss_mask=b.loss_mask)
             fwd.append(clock.now() - t0)
         f, g_, o = statistics.median(fwd), statistics.median(fb), statistics.median(opt)
-        return {"params": n_params, "spec": "te" if _have_te() else "local",
+        return {"params": n_params, "spec": "te" if have_te() else "local",
                 "param_dtype": str(actor.named_params[0][1].dtype), "step_s": statistics.median(step),
                 "forward_s": f, "backward_s": max(g_ - f, 0.0), "optimizer_s": o, "fwd_bwd_s": g_,
                 "loss": stats["loss"], "grad_norm": float(norm), "peak_mem_gb": _peak_gb(device),
@@ -230,7 +231,7 @@ def run_transformers(hf_cfg: Any, batch: Any, args: argparse.Namespace, device: 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)
     try:
         n_params = sum(p.numel() for p in model.parameters())
-        B, T = batch.tokens.shape
+        rows = batch.tokens.shape[0]
         mb = args.micro_batch
         tokens = batch.tokens.to(device)
         mask = batch.loss_mask.to(device)
@@ -243,13 +244,13 @@ def run_transformers(hf_cfg: Any, batch: Any, args: argparse.Namespace, device: 
             return torch.cat([nll.new_zeros(x.shape[0], 1), -nll.view(x.shape[0], -1)], dim=1)
 
         with torch.no_grad():
-            behavior = torch.cat([logprobs(tokens[i:i + mb]) for i in range(0, B, mb)]) * mask
+            behavior = torch.cat([logprobs(tokens[i:i + mb]) for i in range(0, rows, mb)]) * mask
         fwd, bwd, opt_t, step, loss_val, norm = [], [], [], [], 0.0, 0.0
         for it in range(args.warmup + args.steps):
             f = b_ = 0.0
             t_start = clock.now()
             loss_val = 0.0
-            for i in range(0, B, mb):
+            for i in range(0, rows, mb):
                 t0 = clock.now()
                 lp = logprobs(tokens[i:i + mb])
                 inputs = LossInputs(lp, behavior[i:i + mb], adv[i:i + mb], mask[i:i + mb])

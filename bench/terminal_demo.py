@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
+from bench._common import bench_parser, git_commit, parse_bench_args, skip_smoke, write_record  # noqa: E402
 from bench.demo_learning import task_interval, task_success  # noqa: E402
 from megatron_agentrl.sigterm import sigterm_raises  # noqa: E402
 
@@ -124,25 +123,6 @@ class Counter(threading.Thread):
             self.join(10)
 
 
-def _spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    fh = open(log, "wb")  # noqa: SIM115 - the process owns it
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _stop(procs: list[subprocess.Popen[bytes]], timeout_s: float = 120.0) -> None:
-    """SIGTERM (workers remove their containers on it), then SIGKILL past ``timeout_s``."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
-
-
 def run(args: Any, overrides: list[str], work: Path, state: dict[str, Any]) -> dict[str, Any]:
     """Start the engine, controller and workers; run the seeds; stop everything; count leaks. ``state`` holds
     what was measured so far, also when a seed fails or the bench is stopped (it is returned at the end)."""
@@ -150,14 +130,15 @@ def run(args: Any, overrides: list[str], work: Path, state: dict[str, Any]) -> d
 
     from env_controller.http.net import free_port
     from env_controller.sandbox.dockerd import DockerEngine
+    from env_controller.servers.process import ProcessGroup, start_process, stop_process
     from megatron_agentrl.config import load_config
 
     cfg = load_config(ROOT / args.config)
     engine = DockerEngine().start()
-    procs: list[subprocess.Popen[bytes]] = []
     client = docker.DockerClient(base_url=engine.url, timeout=300)
     counter = Counter(client)
     env = {**os.environ, "DOCKER_HOST": engine.url, "PYTHONPATH": str(ROOT)}
+    procs = ProcessGroup(work, env, cwd=ROOT)
     timings: dict[str, float] = {}
     per_seed: dict[int, Any] = {}
     pools: dict[str, Any] = {}
@@ -165,8 +146,7 @@ def run(args: Any, overrides: list[str], work: Path, state: dict[str, Any]) -> d
     try:
         port = free_port()
         controller = f"http://127.0.0.1:{port}"
-        procs.append(_spawn([sys.executable, "-m", "env_controller.cli", "controller", "--port", str(port)],
-                            work / "controller.log", env))
+        procs.start("controller", [sys.executable, "-m", "env_controller.cli", "controller", "--port", str(port)])
         for spec in cfg.tasks:
             params = dict(spec.params)
             if args.num_samples:
@@ -175,7 +155,7 @@ def run(args: Any, overrides: list[str], work: Path, state: dict[str, Any]) -> d
                    "--name", spec.name, "--port", "0", "--controller", f"{controller}/api",
                    "--max-containers", str(args.max_containers), "--warm-containers", args.warm,
                    "--timeout", "600", *(x for k, v in params.items() for x in ("--param", f"{k}={json.dumps(v)}"))]
-            procs.append(_spawn(cmd, work / f"worker_{spec.name}.log", env))
+            procs.start(f"worker_{spec.name}", cmd)
         t0 = time.monotonic()
         names = {s.name for s in cfg.tasks}
         while True:
@@ -185,8 +165,7 @@ def run(args: Any, overrides: list[str], work: Path, state: dict[str, Any]) -> d
                 listed = set()
             if names <= listed:
                 break
-            dead = [p for p in procs if p.poll() is not None]
-            if dead or time.monotonic() - t0 > 300:
+            if procs.exited() or time.monotonic() - t0 > 300:
                 raise SystemExit(f"the controller or a worker did not come up (logs in {work})")
             time.sleep(0.5)
         timings["workers_up_s"] = round(time.monotonic() - t0, 1)
@@ -210,14 +189,13 @@ def run(args: Any, overrides: list[str], work: Path, state: dict[str, Any]) -> d
             t1 = time.monotonic()
             counter.metrics = out_dir / "metrics.jsonl"
             log = work / f"train_seed{seed}.log"
-            with open(log, "wb") as fh:
-                proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env)
-                try:
-                    proc.wait(args.timeout)
-                except subprocess.TimeoutExpired:
-                    raise SystemExit(f"seed {seed}: ran past --timeout {args.timeout:.0f}s; log {log}") from None
-                finally:
-                    _stop([proc], timeout_s=60.0)  # stopped or timed out: SIGTERM, then SIGKILL past 60 s
+            proc = start_process(cmd, log, env=env, cwd=ROOT, group=None)
+            try:
+                proc.wait(args.timeout)
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"seed {seed}: ran past --timeout {args.timeout:.0f}s; log {log}") from None
+            finally:
+                stop_process(proc, grace_s=60.0)  # stopped or timed out: SIGTERM, then SIGKILL past 60 s
             if proc.returncode != 0:
                 sys.stderr.write(log.read_text(errors="replace")[-4000:])
                 raise SystemExit(f"seed {seed}: the run failed (exit {proc.returncode}); log {log}")
@@ -240,7 +218,7 @@ def run(args: Any, overrides: list[str], work: Path, state: dict[str, Any]) -> d
                         pools[spec_name] = {"error": repr(e)}
     finally:
         t2 = time.monotonic()
-        _stop(procs)  # first: the workers remove their containers
+        procs.close(grace_s=120.0)  # first: the workers remove their containers on SIGTERM
         counter.stop()
         timings["stop_s"] = round(time.monotonic() - t2, 1)
         try:
@@ -276,11 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         find_dockerd()
     except DockerUnavailableError as e:
-        if not args.smoke:
-            raise SystemExit(f"terminal demo: {e}") from None
-        write_record(args.out, {"bench": "terminal_demo", "commit": git_commit(), "skipped": str(e)})
-        print(f"skipped: {e}\nterminal_peak_live_containers: 0\nterminal_leaked_containers: 0")
-        return 0
+        return skip_smoke(args, "terminal_demo", e, ["terminal_peak_live_containers", "terminal_leaked_containers"])
     work = Path(args.workdir).resolve() if args.workdir else Path(tempfile.mkdtemp(prefix="agentrl-terminal-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._common import bench_parser, git_commit, parse_bench_args, write_record  # noqa: E402
+from env_controller.servers.process import start_process, stop_process  # noqa: E402
 
 #: name -> the environment that sets the heap's layout (glibc's tunables, read when a process starts)
 LAYOUTS = {
@@ -47,9 +47,7 @@ def warm_up_losses(out: Path, steps: int, env: dict[str, str], timeout_s: float)
     cmd = [sys.executable, "-m", "megatron_agentrl.cli", "train", "--config", "examples/configs/tiny_cpu.yaml",
            f"output_dir={out}"]
     log_path = out.with_suffix(".log")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    proc = start_process(cmd, log_path, env={**os.environ, **env}, cwd=ROOT)
     metrics, losses = out / "metrics.jsonl", []
     deadline = time.monotonic() + timeout_s
     try:
@@ -64,9 +62,7 @@ def warm_up_losses(out: Path, steps: int, env: dict[str, str], timeout_s: float)
                 losses = [r["loss"] for r in rows if r.get("phase") == "sft"]
             time.sleep(0.5)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
+        stop_process(proc, grace_s=0.0, first_signal=signal.SIGKILL)
     return losses[:steps]
 
 

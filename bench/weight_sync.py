@@ -47,6 +47,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,8 +192,8 @@ def main(argv: list[str] | None = None) -> dict:
     client = SGLangEngine(url, SGLangClientOptions(update_timeout_s=600, control_timeout_s=60))
     small = None if args.small_mb is None else int(args.small_mb * 1024 * 1024)
     sglang_transport = SGLangBroadcast()
-    sender = BucketBroadcaster([client], "bench", BroadcastOptions(backend="gloo", init_timeout_s=120,
-                                                                   bucket_timeout_s=600, small_tensor_bytes=small),
+    sender = BucketBroadcaster([client], "bench", BroadcastOptions(
+        backend="gloo", weight_sync_init_timeout_s=120, weight_sync_bucket_timeout_s=600, small_tensor_bytes=small),
                                transport=StandInTransport())
     flat = torch.empty(nbytes, dtype=torch.uint8)
     flat.fill_(7)
@@ -222,9 +223,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     def raw() -> int:
         body = {"nbytes": nbytes, "group_name": sender.group_name}
-        fut = pool.submit(client._call, "POST", "/agentrl/raw_broadcast", body, 600)
+        fut = pool.submit(httpx.post, f"{url}/agentrl/raw_broadcast", json=body, timeout=600)
         group.broadcast(flat, src=0, timeout_s=600)
-        fut.result(timeout=600)
+        fut.result(timeout=600).raise_for_status()
         return 1
 
     # (label, run, is a weight update): the version pool pauses the slot and opens the server's update

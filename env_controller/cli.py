@@ -55,17 +55,17 @@ def _error(message: str) -> int:
 #: a flag that sets one field of an options class: (flag, field, help); its type and default are the field's
 Flag = tuple[str, str, str]
 
-#: the request and connection limits of a server (:class:`~env_controller.http.options.HttpOptions`)
-HTTP_FLAGS: tuple[Flag, ...] = (
+#: where a server listens and its request and connection limits (:class:`~env_controller.http.options.ServerOptions`)
+SERVER_FLAGS: tuple[Flag, ...] = (
+    ("--host", "host", "address to bind (elsewhere than loopback needs --token)"),
+    ("--port", "port", "port to bind (0 picks a free one)"),
     ("--body-timeout", "body_timeout_s", "seconds a client may take to send a request body"),
     ("--idle-timeout", "idle_timeout_s", "seconds a connection may wait for a complete request head"),
     ("--max-connections", "max_connections", "client connections open at once; one more is answered 503"),
 )
 #: ``agentrl controller``'s flags of :class:`~env_controller.controller.options.ControllerConfig`
 CONTROLLER_FLAGS: tuple[Flag, ...] = (
-    ("--host", "host", "address to bind (elsewhere than loopback needs --token)"),
-    ("--port", "port", "port to bind (0 picks a free one)"),
-    *HTTP_FLAGS,
+    *SERVER_FLAGS,
     ("--heartbeat-timeout", "heartbeat_timeout_s", "seconds without heartbeat before a worker is dead"),
     ("--suspect-after", "suspect_after_s", "seconds without heartbeat before a worker gets no new sessions"),
     ("--session-idle-timeout", "session_idle_timeout_s", "seconds without interact before a session is closed"),
@@ -76,10 +76,8 @@ CONTROLLER_FLAGS: tuple[Flag, ...] = (
 WORKER_FLAGS: tuple[Flag, ...] = (
     ("--name", "name", "task name announced to the controller (default: the task's name)"),
     ("--controller", "controller_url", "controller API URL"),
-    ("--host", "host", "address to bind (elsewhere than loopback needs --token)"),
-    ("--port", "port", "port to bind (0 picks a free one)"),
+    *SERVER_FLAGS,
     ("--self-address", "self_address", "URL the controller reaches this worker at (default http://<host>:<port>/api)"),
-    *HTTP_FLAGS,
     ("--heartbeat-interval", "heartbeat_interval_s", "seconds between heartbeats"),
     ("--timeout", "timeout_s", "limit on each task call, seconds"),
 )

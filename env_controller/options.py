@@ -59,7 +59,7 @@ class Options:
     """Base of every options class (a dataclass): it checks its own fields when it is built.
 
     ``KEY`` is the object's place, the prefix of its messages; ``CHOICE_HINTS`` adds a word on a choice
-    field; ``MOVED`` maps a key the class no longer has to its new dotted place (refused, naming it).
+    field; ``MOVED`` maps a key that moved elsewhere to its dotted place there (refused, naming it).
     """
 
     KEY: ClassVar[str] = ""

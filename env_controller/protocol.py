@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -75,11 +76,7 @@ class TaskReply:
             body = body["env_out"]
         if not isinstance(body, dict):
             raise ValueError(f"reply is not a JSON object but {type(body).__name__}")
-        messages = body.get("messages")
-        if messages is None:
-            messages = []
-        if not isinstance(messages, list):
-            raise ValueError(f"reply 'messages' is {type(messages).__name__}, not a list")
+        messages = _list_field(body, "messages", lambda kind: ValueError(f"reply 'messages' is {kind}, not a list"))
         tools = body.get("tools") or []
         if not isinstance(tools, list):
             raise ValueError(f"reply 'tools' is {type(tools).__name__}, not a list")
@@ -109,6 +106,16 @@ class TaskReply:
 
 
 _STATUSES = {s.value: s for s in SampleStatus}
+
+
+def _list_field(body: dict[str, Any], key: str, error: Callable[[str], Exception]) -> list[Any]:
+    """``body[key]``, a list (absent or null: empty); else ``error(the value's type name)`` is raised."""
+    value = body.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise error(type(value).__name__)
+    return value
 #: the most characters of a reply's ``error`` text kept (it reaches logs and every trajectory)
 MAX_ERROR_CHARS = 2000
 
@@ -139,11 +146,8 @@ def validate_assistant_messages(messages: Any) -> dict[str, Any]:
     content = message.get("content")
     if content is not None and not isinstance(content, str):
         raise MalformedMessageError(f"messages[0].content must be a string or null, got {type(content).__name__}")
-    calls = message.get("tool_calls")
-    if calls is None:
-        calls = []
-    if not isinstance(calls, list):
-        raise MalformedMessageError(f"messages[0].tool_calls must be a list or null, got {type(calls).__name__}")
+    calls = _list_field(message, "tool_calls", lambda kind: MalformedMessageError(
+        f"messages[0].tool_calls must be a list or null, got {kind}"))
     out_calls: list[dict[str, Any]] = []
     for i, call in enumerate(calls):
         where = f"messages[0].tool_calls[{i}]"

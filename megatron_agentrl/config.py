@@ -20,14 +20,18 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
+from env_controller.clients.options import ControllerAccess
 from env_controller.http.net import is_host
 from env_controller.options import FieldError, Options, build_options, placed
 from env_controller.options import OptionError as ConfigError
 from megatron_agentrl.parallel_layout import ParallelLayout
 from rollout_sglang.chat_template import CHAT_TEMPLATES, thinking_switch_problem
 from rollout_sglang.episode_options import EpisodeLimits
-from rollout_sglang.gateway.options import GatewayOptions
-from rollout_sglang.rollout.retries import RetryOptions
+from rollout_sglang.gateway.options import AgentRunnerOptions, GatewayOptions
+from rollout_sglang.rollout.admission import AdmissionOptions
+from rollout_sglang.rollout.dynamic_sampling import DynamicSamplingOptions
+from rollout_sglang.rollout.retries import DropLimitOptions, RetryOptions
+from rollout_sglang.weight_sync_limits import WeightSyncLimits
 
 #: ``model.chat_template`` values: "auto" (the default format of the model's family, which
 #: ``megatron_agentrl.convert.resolve_chat_template`` reads from the family registry) and the formats of
@@ -316,8 +320,8 @@ class SFTConfig(Options):
     """Optional supervised warm-up on the tasks' scripted demonstrations before RL (0 steps = off).
 
     short_format_steps: the first of ``steps`` (all of them when larger) render each
-        demonstration with an empty system prompt and no tool schemas (sequences ~4x shorter,
-        so ~4x cheaper): a tiny model learns to copy arguments from the prompt and tool replies
+        demonstration with an empty system prompt and no tool schemas (much shorter sequences,
+        so cheaper steps): a tiny model learns to copy arguments from the prompt and tool replies
         there first; the rest use the full chat format of RL.
     careless_fraction: share of the full-format demonstrations played by the task's careless
         player (e.g. answering without the tool) instead of the expert, for tasks that have one;
@@ -368,14 +372,17 @@ class SFTConfig(Options):
 
 
 @dataclass
-class RolloutConfig(EpisodeLimits, RetryOptions):
+class RolloutConfig(EpisodeLimits, RetryOptions, WeightSyncLimits, AgentRunnerOptions):
     """Sampling of trajectory groups.
 
-    Two groups of fields are declared and checked by the components that use them, and the section is handed to
+    Four groups of fields are declared and checked by the components that use them, and the section is handed to
     them as it is: the episode limits ``max_turns`` and ``max_total_tokens``
-    (:class:`~rollout_sglang.episode_options.EpisodeLimits`: the agent loop, the gateway), and the treatment of
+    (:class:`~rollout_sglang.episode_options.EpisodeLimits`: the agent loop, the gateway), the treatment of
     infrastructure failures, ``min_valid_fraction`` and ``max_attempts``
-    (:class:`~rollout_sglang.rollout.retries.RetryOptions`: the rollout manager).
+    (:class:`~rollout_sglang.rollout.retries.RetryOptions`: the rollout manager), the weight sync's
+    ``weight_sync_bucket_mb``, ``weight_sync_init_timeout_s`` and ``weight_sync_bucket_timeout_s``
+    (:class:`~rollout_sglang.weight_sync_limits.WeightSyncLimits`: the trainer's sender and its broadcasters), and
+    ``agent_timeout_s`` (:class:`~rollout_sglang.gateway.options.AgentRunnerOptions`: the agent runner).
 
     prompts_per_step: distinct task samples per RL step; samples_per_prompt: group size for GRPO.
     max_new_tokens: tokens per turn (below max_total_tokens).
@@ -396,9 +403,6 @@ class RolloutConfig(EpisodeLimits, RetryOptions):
         or updating) before the run fails with a message naming each engine and why, seconds.
     weight_sync_max_failures: weight syncs that may fail in a row (a server died mid-sync: the slot is out
         of rotation until a later sync reaches it) before the run stops.
-    weight_sync_bucket_mb: bucket size of the weight broadcast, MiB.
-    weight_sync_init_timeout_s / weight_sync_bucket_timeout_s: limits on the weight-sync group
-        rendezvous and on each bucket, seconds.
     weight_sync_checksum: verify every bucket where the transport can (the stand-in's transport in
         rollout_sglang.testing); SGLang's broadcasts carry no checksum, so with them it only warns.
     engine_urls: SGLang servers that are already running, one list per version slot (exactly
@@ -418,7 +422,6 @@ class RolloutConfig(EpisodeLimits, RetryOptions):
     agent_fn: with "gateway", "package.module:function" naming an async function
         ``fn(client: openai.AsyncOpenAI, sample: dict) -> float | None``; loaded and checked at load
         (a module that is not importable is also looked for under the working directory).
-    agent_timeout_s: limit on one call of ``agent_fn`` (one episode), seconds.
 
     capture_routing: mixture-of-experts models: the engines return the experts they chose for every
         token (SGLang: ``return_routed_experts``, servers started with ``--enable-return-routed-experts``),
@@ -444,9 +447,6 @@ class RolloutConfig(EpisodeLimits, RetryOptions):
     engine_health_timeout_s: float = 30.0
     engine_unavailable_timeout_s: float = 600.0
     weight_sync_max_failures: int = 3
-    weight_sync_bucket_mb: int = 512
-    weight_sync_init_timeout_s: float = 300.0
-    weight_sync_bucket_timeout_s: float = 120.0
     weight_sync_checksum: bool = False
     engine_urls: list[list[str]] = field(default_factory=list)
     weight_sync_master_address: str = ""
@@ -455,10 +455,9 @@ class RolloutConfig(EpisodeLimits, RetryOptions):
     capture_routing: Literal["auto", "on", "off"] = "auto"
     agent: Literal["builtin", "gateway"] = "builtin"
     agent_fn: str | None = None
-    agent_timeout_s: float = 600.0
 
     def check(self) -> None:
-        """See :class:`Options`; the episode limits and the retry settings check themselves first."""
+        """See :class:`Options`; the fields of the component classes check themselves first."""
         super().check()
         self._check_agent()
         self.require_positive_int("prompts_per_step", "samples_per_prompt", "max_new_tokens")
@@ -468,22 +467,19 @@ class RolloutConfig(EpisodeLimits, RetryOptions):
         self.require(self.temperature > 0, "temperature", "must be > 0 (use a small value such as 0.01 for "
                      "near-greedy)")
         self.require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        self.require_positive_int("max_versions", "engines_per_slot", "weight_sync_bucket_mb",
-                                  "weight_sync_max_failures")
+        self.require_positive_int("max_versions", "engines_per_slot", "weight_sync_max_failures")
         self.require(0 < self.recency_decay <= 1, "recency_decay", "must be in (0, 1]")
         self.require(self.cross_policy == "latest" or self.max_versions >= 2, "cross_policy",
                      "needs rollout.max_versions >= 2 (one slot holds only the latest version); raise "
                      "max_versions or use cross_policy=latest")
-        self.require_above_zero("engine_timeout_s", "engine_startup_timeout_s", "weight_sync_init_timeout_s",
-                                "weight_sync_bucket_timeout_s", "engine_health_interval_s", "engine_health_timeout_s",
-                                "engine_unavailable_timeout_s", unit="seconds")
+        self.require_above_zero("engine_timeout_s", "engine_startup_timeout_s", "engine_health_interval_s",
+                                "engine_health_timeout_s", "engine_unavailable_timeout_s", unit="seconds")
         self._check_engine_urls()
         self.require(is_host(self.weight_sync_master_address), "weight_sync_master_address",
                      "must be a host name or IP address such as 10.0.0.4 (no scheme, port or path), or '' to "
                      "pick the address that routes to the engines")
 
     def _check_agent(self) -> None:
-        self.require_above_zero("agent_timeout_s", unit="seconds")
         if self.agent == "builtin":
             self.require(self.agent_fn is None, "agent_fn", "is set but rollout.agent=builtin runs the built-in "
                          "agent loop; set rollout.agent=gateway to train your agent function")
@@ -541,9 +537,11 @@ class EvalConfig(Options):
 
 
 @dataclass
-class AlgoConfig(Options):
+class AlgoConfig(DynamicSamplingOptions):
     """Advantages and the shaping of the batch: sample advantages per group, then per-task normalization of
     token advantages over the global batch; ``eps`` (> 0) is added to every standard deviation that divides.
+    The draw budget of dynamic sampling, ``dynamic_sampling_max_groups``, is declared and checked by
+    :class:`~rollout_sglang.rollout.dynamic_sampling.DynamicSamplingOptions`.
 
     estimator: "grpo" (reward minus the group mean, divided by the group std when ``group_std_norm``;
         without it, Dr. GRPO), "rloo" (reward minus the mean of the other samples of its group), or
@@ -566,17 +564,14 @@ class AlgoConfig(Options):
     eps: float = 1e-6
     estimator: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
     dynamic_sampling: bool = False
-    dynamic_sampling_max_groups: float = 4.0
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
 
     def check(self) -> None:
-        """See :class:`Options`."""
+        """See :class:`DynamicSamplingOptions`."""
         super().check()
         self.require(self.eps > 0, "eps", "must be > 0: it keeps the division by a zero standard deviation "
                      "finite (1e-6 is usual)")
-        self.require(self.dynamic_sampling_max_groups >= 1, "dynamic_sampling_max_groups",
-                     "must be >= 1 (groups drawn per step, in units of rollout.prompts_per_step)")
         self.require_non_negative("overlong_buffer", why="0 turns overlong shaping off")
         self.require_non_negative("overlong_penalty")
 
@@ -606,7 +601,7 @@ class LoggingConfig(Options):
 
 
 @dataclass
-class PipelineConfig(Options):
+class PipelineConfig(DropLimitOptions):
     """How rollout and training are scheduled (``megatron_agentrl.pipeline``).
 
     mode: "sync" (generate a step's groups, then train on them, then push weights) or "async"
@@ -616,14 +611,13 @@ class PipelineConfig(Options):
         (version + eta + 1) * prompts_per_step > accepted + running groups, and no trained sample
         has a token more than eta weight versions older than the trained policy (sync: 0).
     queue_size: most finished groups waiting for the trainer plus groups in flight; 0 = auto
-        ((eta + 1) * prompts_per_step); at least prompts_per_step.
+        ((staleness + 1) * prompts_per_step); at least prompts_per_step (checked by
+        :class:`~rollout_sglang.rollout.admission.AdmissionOptions`, see :meth:`Config.admission_options`).
     cohort_groups: groups that run their turns in lockstep in one agent-loop call; 0 = auto (the
         whole step in sync mode, 1 in async mode).
     batch_timeout_s: limit on the trainer waiting for one batch (and on a checkpoint's drain), s.
     env_timeout_s: limit on every environment call of the agent loop, seconds.
-    max_dropped_groups_in_row: a task whose last this many finished groups were all dropped for
-        infrastructure failures (each after its attempts) stops the run with the task's last error: its
-        environment is broken (a wedged container engine, a task set that cannot start); 0 = never.
+    max_dropped_groups_in_row: declared and checked by :class:`~rollout_sglang.rollout.retries.DropLimitOptions`.
     sim_env_latency_s: > 0 adds simulated environment latency to every env call of the training
         rollouts: Pareto(alpha) seconds with scale (minimum) sim_env_latency_s, capped at
         sim_env_latency_max_s (0 = 100 x the scale). For benchmarks and tests; 0 = off.
@@ -644,7 +638,6 @@ class PipelineConfig(Options):
     cohort_groups: int = 0
     batch_timeout_s: float = 1800.0
     env_timeout_s: float = 120.0
-    max_dropped_groups_in_row: int = 20
     sim_env_latency_s: float = 0.0
     sim_env_latency_alpha: float = 1.5
     sim_env_latency_max_s: float = 0.0
@@ -659,8 +652,7 @@ class PipelineConfig(Options):
         self.require_non_negative("collapse_window", why="0 = no collapse alarm")
         self.require(0 < self.collapse_drop <= 1, "collapse_drop", "must be in (0, 1] (0.5: half the recent level)")
         self.require_positive_int("collapse_patience")
-        self.require_non_negative("queue_size", "cohort_groups", why="0 = auto")
-        self.require_non_negative("max_dropped_groups_in_row", why="0 = never stop for dropped groups")
+        self.require_non_negative("cohort_groups", why="0 = auto")
         self.require_above_zero("batch_timeout_s", "env_timeout_s", unit="seconds")
         self.require_non_negative("sim_env_latency_s", "sim_env_latency_max_s", why="0 = off / auto")
         self.require_above_zero("sim_env_latency_alpha")
@@ -755,37 +747,30 @@ class TaskSpec(Options):
 
 
 @dataclass
-class EnvConfig(Options):
+class EnvConfig(ControllerAccess):
     """Where the tasks run when they are not built in (``megatron_agentrl.launch``, the GLM-4 recipe).
+
+    ``token`` and ``unavailable_timeout_s`` are the env client's, declared and checked with it
+    (:class:`~env_controller.clients.options.ControllerAccess`); an episode whose start waited past
+    ``unavailable_timeout_s`` is an infrastructure failure (its group re-run, then dropped).
 
     controller_url: an env controller (AgentRL task-worker protocol) that serves the tasks, e.g.
         "http://10.0.0.1:5020"; "" = the built-in tasks run in process (or, with ``ray.controller``,
         behind the controller that the Ray launcher starts).
     workers: the task workers expected to register with that controller, ``{task: [worker API URL, ...]}``
         (``agentrl plan --check`` probes them; the workers register by heartbeat themselves).
-    token: the controller's trainer credential, its ``--trainer-token`` or shared ``--token`` ("" = the
-        password in ``controller_url``, else ``$AGENTRL_TRAINER_TOKEN``, else ``$AGENTRL_CONTROLLER_TOKEN``,
-        else none).
-    unavailable_timeout_s: how long one episode's start waits for a controller that cannot be
-        reached or cannot serve the task yet (a restart, its workers re-registering), seconds; the
-        waiting starts share one probe with backoff, and past this the episode ends as an
-        infrastructure failure (its group re-run, then dropped). Sessions open at a controller
-        restart are lost either way.
     """
 
     KEY: ClassVar[str] = "env"
 
     controller_url: str = ""
     workers: dict[str, list[str]] = field(default_factory=dict)
-    token: str = ""
-    unavailable_timeout_s: float = 120.0
 
     def check(self) -> None:
-        """See :class:`Options`."""
+        """See :class:`~env_controller.clients.options.ControllerAccess`."""
         super().check()
         self.require(not self.controller_url or self.controller_url.startswith(("http://", "https://")),
                      "controller_url", "must start with http:// or https://, e.g. http://127.0.0.1:5020")
-        self.require_above_zero("unavailable_timeout_s", unit="seconds (how long a start waits for the controller)")
         for task, urls in self.workers.items():
             if not isinstance(urls, list) or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
                                                      for u in urls):
@@ -964,9 +949,6 @@ class Config:
             raise ConfigError(f"train.micro_batch_tokens={t.micro_batch_tokens} is smaller than one episode can be "
                               f"(rollout.max_total_tokens={r.max_total_tokens}), so a micro-batch could not hold "
                               "the longest trajectory; raise it to at least that")
-        if 0 < p.queue_size < r.prompts_per_step:
-            raise ConfigError(f"pipeline.queue_size={p.queue_size} cannot hold one step's "
-                              f"rollout.prompts_per_step={r.prompts_per_step} groups; raise it or use 0 (auto)")
         if p.cohort_groups > r.prompts_per_step:
             raise ConfigError(f"pipeline.cohort_groups={p.cohort_groups} exceeds rollout.prompts_per_step="
                               f"{r.prompts_per_step}; use at most that (or 0 = auto)")
@@ -978,6 +960,7 @@ class Config:
                 f"(mode {p.mode}); use pipeline.mode=async with pipeline.staleness >= {r.max_versions - 1}, "
                 "or lower rollout.max_versions"
             )
+        placed(PipelineConfig.KEY, self.admission_options)
         self._validate_layers()
         if self.algo.dynamic_sampling and self.rollout.samples_per_prompt < 2:
             raise ConfigError("algo.dynamic_sampling=true drops groups whose rewards are all equal, and a group of "
@@ -995,6 +978,21 @@ class Config:
             self.parallel.check_world(self.ray.train_workers, "ray.train_workers",
                                       fix=f"set ray.train_workers to a multiple of {ranks}, or to 0 (the smallest "
                                       f"world of the layout, {ranks})")
+
+    def admission_options(self) -> AdmissionOptions:
+        """When the rollout manager starts a group (:class:`~rollout_sglang.rollout.admission.AdmissionOptions`,
+        which checks the queue bound): ``rollout.prompts_per_step`` groups per batch; in sync mode staleness 0 and
+        a step's groups in lockstep, in async mode ``pipeline.staleness`` and groups one by one
+        (``pipeline.cohort_groups`` replaces either); cross-policy sampling lags ``rollout.max_versions - 1``
+        versions; ``train.steps`` batches."""
+        r, p = self.rollout, self.pipeline
+        sync = p.mode == "sync"
+        return AdmissionOptions(
+            batch_groups=r.prompts_per_step, staleness=0 if sync else p.staleness, queue_size=p.queue_size,
+            cohort_groups=p.cohort_groups or (r.prompts_per_step if sync else 1),
+            version_lag=0 if sync or r.cross_policy == "latest" else r.max_versions - 1,
+            total_groups=self.train.steps * r.prompts_per_step,
+        )
 
     def _validate_layers(self) -> None:
         """The pipeline stages split the layers evenly; recomputation asks for no more layers than a stage has."""

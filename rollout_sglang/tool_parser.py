@@ -131,6 +131,21 @@ def _strict_json(raw: str) -> Any:
     return obj
 
 
+def _json_object(raw: str, fail: Callable[[str, str], ToolCallParseError], invalid: str, refused: str,
+                 subject: str) -> dict:
+    """``raw`` read by :func:`_strict_json` as a JSON object; else ``fail(problem, raw)``, the problem being
+    ``invalid`` (bad syntax), ``refused`` (what the strict reading refuses) or ``subject`` not being an object."""
+    try:
+        obj = _strict_json(raw)
+    except json.JSONDecodeError as e:
+        raise fail(f"{invalid} ({e.msg} at char {e.pos})", raw) from None
+    except _Refused as e:
+        raise fail(f"{refused}: {e}", raw) from None
+    if not isinstance(obj, dict):
+        raise fail(f"{subject} must be a JSON object, got {type(obj).__name__}", raw)
+    return obj
+
+
 def _dumps(args: dict) -> str:
     """The arguments as the OpenAI JSON string; strict, since _strict_json already refused what it would reject."""
     return json.dumps(args, ensure_ascii=False, allow_nan=False)
@@ -163,14 +178,7 @@ def _parse_block(body: str, names: set[str] | None) -> tuple[str, dict]:
     raw = body.strip()
     if not raw:
         raise _fail("empty <tool_call> block", f"{TOOL_CALL_START}{body}{TOOL_CALL_END}")
-    try:
-        obj = _strict_json(raw)
-    except json.JSONDecodeError as e:
-        raise _fail(f"tool call is not valid JSON ({e.msg} at char {e.pos})", raw) from None
-    except _Refused as e:
-        raise _fail(f"tool call JSON refused: {e}", raw) from None
-    if not isinstance(obj, dict):
-        raise _fail(f"tool call must be a JSON object, got {type(obj).__name__}", raw)
+    obj = _json_object(raw, _fail, "tool call is not valid JSON", "tool call JSON refused", "tool call")
     extra = sorted(k for k in obj if k not in _CALL_KEYS)
     if extra:
         keys = ", ".join(repr(k) for k in extra)
@@ -284,15 +292,8 @@ def _parse_glm4_call(segment: str, names: set[str] | None) -> tuple[str, dict]:
     raw = body.strip()
     if not raw:
         return name, {}
-    try:
-        args = _strict_json(raw)
-    except json.JSONDecodeError as e:
-        raise _fail_glm4(f"arguments of tool call {name!r} are not valid JSON ({e.msg} at char {e.pos})", raw) from None
-    except _Refused as e:
-        raise _fail_glm4(f"arguments of tool call {name!r} refused: {e}", raw) from None
-    if not isinstance(args, dict):
-        raise _fail_glm4(f"arguments of tool call {name!r} must be a JSON object, got {type(args).__name__}", raw)
-    return name, args
+    subject = f"arguments of tool call {name!r}"
+    return name, _json_object(raw, _fail_glm4, f"{subject} are not valid JSON", f"{subject} refused", subject)
 
 
 def parse_glm4_assistant_text(

@@ -24,16 +24,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture
 def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Processes a test starts; all killed (by pid) and reaped at teardown."""
+    """Processes a test starts; all killed (with the groups they lead) and reaped at teardown."""
+    from env_controller.servers.process import stop_processes
+
     started: list[subprocess.Popen[bytes]] = []
     yield started
-    for p in started:
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not fail
-            pass
+    stop_processes(started, grace_s=0.0, first_signal=signal.SIGKILL)
 
 
 @pytest.fixture(scope="session")

@@ -34,16 +34,16 @@ class _TableCollector(Collector):
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         """Yield the open-session and worker-state gauges."""
-        g = GaugeMetricFamily("agentrl_controller_sessions_open", "Open sessions per task", labels=["task"])
-        for task, n in sorted(self._sessions().items()):
-            g.add_metric([task], n)
-        yield g
-        w = GaugeMetricFamily(
+        sessions = GaugeMetricFamily("agentrl_controller_sessions_open", "Open sessions per task", labels=["task"])
+        for task, count in sorted(self._sessions().items()):
+            sessions.add_metric([task], count)
+        yield sessions
+        workers = GaugeMetricFamily(
             "agentrl_controller_workers", "Registered workers per task and state", labels=["task", "state"]
         )
-        for (task, state), n in sorted(self._workers().items()):
-            w.add_metric([task, state], n)
-        yield w
+        for (task, state), count in sorted(self._workers().items()):
+            workers.add_metric([task, state], count)
+        yield workers
 
 
 class BatchedHistogram:
@@ -114,40 +114,42 @@ class ControllerMetrics:
     ) -> None:
         """``sessions()``: open sessions per task; ``workers()``: workers per (task, state)."""
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+        registry = self.registry
         self.requests = Counter(
-            "agentrl_controller_requests", "HTTP requests by endpoint and status code", ["endpoint", "code"], registry=r
+            "agentrl_controller_requests", "HTTP requests by endpoint and status code", ["endpoint", "code"],
+            registry=registry,
         )
         self.request_seconds = Histogram(
             "agentrl_controller_request_seconds", "Handler wall time by endpoint", ["endpoint"],
-            buckets=LATENCY_BUCKETS, registry=r,
+            buckets=LATENCY_BUCKETS, registry=registry,
         )
         self.overhead_seconds = Histogram(
             "agentrl_controller_overhead_seconds",
             "Controller time per start/interact, excluding the worker's own time",
-            ["endpoint"], buckets=OVERHEAD_BUCKETS, registry=r,
+            ["endpoint"], buckets=OVERHEAD_BUCKETS, registry=registry,
         )
         self.worker_call_seconds = Histogram(
             "agentrl_controller_worker_call_seconds", "Round trip of controller -> worker calls", ["api"],
-            buckets=LATENCY_BUCKETS, registry=r,
+            buckets=LATENCY_BUCKETS, registry=registry,
         )
         self.sessions_started = Counter(
-            "agentrl_controller_sessions_started", "Sessions started per task", ["task"], registry=r
+            "agentrl_controller_sessions_started", "Sessions started per task", ["task"], registry=registry
         )
         self.sessions_ended = Counter(
             "agentrl_controller_sessions_ended",
             "Sessions ended per task and final status",
             ["task", "status"],
-            registry=r,
+            registry=registry,
         )
-        self.heartbeats = Counter("agentrl_controller_heartbeats", "Heartbeats received", registry=r)
+        self.heartbeats = Counter("agentrl_controller_heartbeats", "Heartbeats received", registry=registry)
         self.worker_deaths = Counter(
-            "agentrl_controller_worker_deaths", "Workers declared dead per task", ["task"], registry=r
+            "agentrl_controller_worker_deaths", "Workers declared dead per task", ["task"], registry=registry
         )
         self.worker_errors = Counter(
-            "agentrl_controller_worker_errors", "Failed controller -> worker calls by kind", ["api", "kind"], registry=r
+            "agentrl_controller_worker_errors", "Failed controller -> worker calls by kind", ["api", "kind"],
+            registry=registry,
         )
-        r.register(_TableCollector(sessions, workers))
+        registry.register(_TableCollector(sessions, workers))
         self._batched: dict[tuple[Any, tuple[str, ...]], BatchedHistogram | BatchedCounter] = {}
         # label children looked up once (the hot path skips the labels() dict lookup)
         self.overhead_interact = self.histogram(self.overhead_seconds, "interact")
@@ -155,24 +157,24 @@ class ControllerMetrics:
 
     def histogram(self, metric: Histogram, *labels: str) -> BatchedHistogram:
         """The batched child of ``metric`` for ``labels`` (made once, then the same object)."""
-        key = (metric, labels)
-        b = self._batched.get(key)
-        if b is None:
-            b = self._batched[key] = BatchedHistogram(metric.labels(*labels))
-        return b  # type: ignore[return-value]
+        return self._batched_child(BatchedHistogram, metric, labels)  # type: ignore[return-value]
 
     def counter(self, metric: Counter, *labels: str) -> BatchedCounter:
         """The batched child of ``metric`` for ``labels`` (made once, then the same object)."""
+        return self._batched_child(BatchedCounter, metric, labels)  # type: ignore[return-value]
+
+    def _batched_child(self, kind: type[BatchedHistogram | BatchedCounter], metric: Histogram | Counter,
+                       labels: tuple[str, ...]) -> BatchedHistogram | BatchedCounter:
         key = (metric, labels)
-        b = self._batched.get(key)
-        if b is None:
-            b = self._batched[key] = BatchedCounter(metric.labels(*labels))
-        return b  # type: ignore[return-value]
+        child = self._batched.get(key)
+        if child is None:
+            child = self._batched[key] = kind(metric.labels(*labels))  # type: ignore[arg-type]
+        return child
 
     def flush(self) -> None:
         """Fold every batched observation into the Prometheus series."""
-        for b in self._batched.values():
-            b.flush()
+        for child in self._batched.values():
+            child.flush()
 
     def render(self) -> bytes:
         """The text exposition format (batched observations folded in first)."""

@@ -5,15 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from env_controller.http.auth import ANY_TASK, TRAINER_TOKEN_ENV, Credentials, check_token
-from env_controller.http.options import MAX_BODY_BYTES, HttpOptions
+from env_controller.http.options import MAX_BODY_BYTES, ServerOptions
 from env_controller.options import OptionError
 
 
 @dataclass
-class ControllerConfig(HttpOptions):
-    """Settings of a :class:`~env_controller.controller.server.Controller` (times in seconds), plus the request
-    and connection limits of its HTTP server (:class:`~env_controller.http.options.HttpOptions`; keep its
-    ``idle_timeout_s`` above the trainer client's keep-alive, 30 s).
+class ControllerConfig(ServerOptions):
+    """Settings of a :class:`~env_controller.controller.server.Controller` (times in seconds), plus where it
+    listens and the request and connection limits of its HTTP server
+    (:class:`~env_controller.http.options.ServerOptions`; keep its ``idle_timeout_s`` above the trainer client's
+    keep-alive, 30 s).
 
     Credentials: with none at all (the loopback default) anyone may do anything; with some, both roles must have
     one. The controller's calls to a worker carry the token that worker registered with.
@@ -21,8 +22,6 @@ class ControllerConfig(HttpOptions):
 
     KEY = "controller"
 
-    #: the address to listen on (loopback by default; elsewhere credentials are required)
-    host: str = "127.0.0.1"
     #: the port to listen on (0 picks a free one)
     port: int = 5020
     #: the shared token: the trainer credential when ``trainer_token`` is not set, and a worker credential for
@@ -66,7 +65,7 @@ class ControllerConfig(HttpOptions):
     #: ended sessions remembered for error messages and late final replies
     remember_ended: int = 50_000
     #: serve plain requests through the fast front (:mod:`env_controller.http.fast`); False has aiohttp serve
-    #: every request (the same replies, at about twice the CPU)
+    #: every request (the same replies, at a higher CPU cost per request: docs/BENCHMARKS.md)
     fast_front: bool = True
 
     def check(self) -> None:
@@ -81,7 +80,6 @@ class ControllerConfig(HttpOptions):
         self.require(self.suspect_after_s < self.heartbeat_timeout_s, "suspect_after_s",
                      f"must be below heartbeat_timeout_s={self.heartbeat_timeout_s} (a worker is suspect before it "
                      "is dead)")
-        self.require_int("port", 0, 65535, why="0 picks a free port")
         self.require_positive_int("max_worker_connections", "remember_ended", "max_forward_bytes")
 
     def _check_credentials(self) -> None:

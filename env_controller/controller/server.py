@@ -67,6 +67,7 @@ from env_controller.http.service import (
     HttpError,
     HttpService,
     Reply,
+    cancel_and_wait,
     dumps_json,
     identity_of,
     json_reply,
@@ -154,9 +155,9 @@ class Controller(HttpService):
     def __init__(self, config: ControllerConfig | None = None) -> None:
         """Build the tables and the app (nothing is bound until :meth:`start`)."""
         self.config = config or ControllerConfig()
-        c = self.config
-        self.registry = WorkerRegistry(c.suspect_after_s, c.heartbeat_timeout_s, c.forget_dead_after_s)
-        self.sessions = SessionTable(remember=c.remember_ended)
+        config = self.config
+        self.registry = WorkerRegistry(config.suspect_after_s, config.heartbeat_timeout_s, config.forget_dead_after_s)
+        self.sessions = SessionTable(remember=config.remember_ended)
         self.metrics = ControllerMetrics(self._open_per_task, self.registry.counts)
         self.port: int | None = None
         self._http: WorkerHttp | None = None
@@ -165,9 +166,9 @@ class Controller(HttpService):
         self._call_hist: dict[str, Any] = {}
         self._born = time.monotonic()  # the registration window of unknown tasks counts from here
         super().__init__(
-            c.credentials(), self._routes(), c,
+            config.credentials(), self._routes(), config,
             auth_hint=f"the controller's --trainer-token / --worker-token / --token; ${TRAINER_TOKEN_ENV}",
-            on_rejected=self._count_rejected, fast=c.fast_front, taskless=True,  # its handlers await only futures
+            on_rejected=self._count_rejected, fast=config.fast_front, taskless=True,  # its handlers await only futures
         )
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -183,13 +184,13 @@ class Controller(HttpService):
 
     async def start(self) -> int:
         """Bind and serve; start the monitor (heartbeat timeouts, idle GC, worker sync). Returns the port."""
-        c = self.config
+        config = self.config
         # a worker that refused a connection is not tried again for a second: a killed worker's thousands of
         # sessions would each open one otherwise (its starts go elsewhere: it is suspect until it beats again)
-        self._http = WorkerHttp(c.max_worker_connections, c.worker_keepalive_s, c.connect_timeout_s,
+        self._http = WorkerHttp(config.max_worker_connections, config.worker_keepalive_s, config.connect_timeout_s,
                                 refused_for_s=1.0)
         try:
-            self.port = await self._serve(c.host, c.port, "the controller")
+            self.port = await self._serve(config.host, config.port, "the controller")
         except BaseException:
             await self._http.close()
             self._http = None
@@ -206,10 +207,8 @@ class Controller(HttpService):
 
     async def stop(self) -> None:
         """Stop serving: abort open calls, cancel background work, close connections (bounded waits)."""
-        if self._monitor_task is not None:
-            self._monitor_task.cancel()
-            await asyncio.gather(self._monitor_task, return_exceptions=True)
-            self._monitor_task = None
+        await cancel_and_wait([self._monitor_task])
+        self._monitor_task = None
         for session in list(self.sessions.open.values()):
             if session.call is not None and not session.call.done():
                 session.abort = (SampleStatus.TASK_ERROR, "the controller is shutting down")
@@ -233,17 +232,17 @@ class Controller(HttpService):
     def _routes(self) -> list[tuple[str, str, Any, Role]]:
         trainer, worker = Role.TRAINER, Role.WORKER
         routes = [
-            ("POST", "/api/start_sample", "start_sample", self._h_start, trainer),
-            ("POST", "/api/interact", "interact", self._h_interact, trainer),
-            ("POST", "/api/cancel", "cancel", self._h_cancel, trainer),
-            ("POST", "/api/receive_heartbeat", "receive_heartbeat", self._h_heartbeat, worker),
-            ("POST", "/api/cancel_notice", "cancel_notice", self._h_cancel_notice, worker),
-            ("GET", "/api/list_workers", "list_workers", self._h_list_workers, trainer),
-            ("GET", "/api/list_sessions", "list_sessions", self._h_list_sessions, trainer),
-            ("GET", "/api/get_indices", "get_indices", self._h_get_indices, trainer),
-            ("GET", "/api/health", "health", self._h_health, Role.ANY),
-            ("GET", "/metrics", "metrics", self._h_metrics, trainer),
-            ("GET", "/openapi.json", "openapi", self._h_openapi, Role.OPEN),
+            ("POST", "/api/start_sample", "start_sample", self._handle_start, trainer),
+            ("POST", "/api/interact", "interact", self._handle_interact, trainer),
+            ("POST", "/api/cancel", "cancel", self._handle_cancel, trainer),
+            ("POST", "/api/receive_heartbeat", "receive_heartbeat", self._handle_heartbeat, worker),
+            ("POST", "/api/cancel_notice", "cancel_notice", self._handle_cancel_notice, worker),
+            ("GET", "/api/list_workers", "list_workers", self._handle_list_workers, trainer),
+            ("GET", "/api/list_sessions", "list_sessions", self._handle_list_sessions, trainer),
+            ("GET", "/api/get_indices", "get_indices", self._handle_get_indices, trainer),
+            ("GET", "/api/health", "health", self._handle_health, Role.ANY),
+            ("GET", "/metrics", "metrics", self._handle_metrics, trainer),
+            ("GET", "/openapi.json", "openapi", self._handle_openapi, Role.OPEN),
         ]
         self._endpoints = {(method, path): endpoint for method, path, endpoint, _, _ in routes}
         return [(method, path, self._instrument(endpoint, handler), role)
@@ -432,7 +431,7 @@ class Controller(HttpService):
         total = _perf() - t0
         overhead = total - answer.worker_s
         histogram.observe(overhead)
-        return {  # %-formatting: a third of what an f-string's format spec costs
+        return {  # %-formatting: cheaper than an f-string's format spec
             "x-controller-overhead-ms": "%.3f" % (overhead * 1000),
             "x-worker-time-ms": "%.3f" % (answer.worker_s * 1000),
             "x-worker-rtt-ms": "%.3f" % (answer.rtt_s * 1000),
@@ -462,7 +461,7 @@ class Controller(HttpService):
 
     # -- trainer-facing handlers -----------------------------------------------------------------
 
-    async def _h_start(self, request: web.Request) -> Reply:
+    async def _handle_start(self, request: web.Request) -> Reply:
         t0 = _perf()
         body = await read_json_object(request)
         name = body.get("name")
@@ -556,7 +555,7 @@ class Controller(HttpService):
         headers[SESSION_HEADER] = str(session.id)
         return json_reply(reply.to_json(), headers=headers)
 
-    async def _h_interact(self, request: web.Request) -> Reply:
+    async def _handle_interact(self, request: web.Request) -> Reply:
         t0 = _perf()
         sid = self._session_from_header(request)
         body, raw = await read_json_object_raw(request)
@@ -612,7 +611,7 @@ class Controller(HttpService):
             return self._fail(session, *session.abort)
         return json_reply(reply.to_json(), headers=self._timing_headers(t0, answer, self.metrics.overhead_interact))
 
-    async def _h_cancel(self, request: web.Request) -> Reply:
+    async def _handle_cancel(self, request: web.Request) -> Reply:
         sid = self._session_from_header(request)
         session = self.sessions.open.get(sid)
         if session is None:
@@ -628,13 +627,13 @@ class Controller(HttpService):
         self._end(session, SampleStatus.CANCELLED, reason, cancel_on_worker=True)
         return json_reply({"session_id": sid, "status": SampleStatus.CANCELLED.value})
 
-    async def _h_list_workers(self, request: web.Request) -> Reply:
+    async def _handle_list_workers(self, request: web.Request) -> Reply:
         return json_reply(self.registry.dump())
 
-    async def _h_list_sessions(self, request: web.Request) -> Reply:
+    async def _handle_list_sessions(self, request: web.Request) -> Reply:
         return json_reply(self.sessions.dump())
 
-    async def _h_get_indices(self, request: web.Request) -> Reply:
+    async def _handle_get_indices(self, request: web.Request) -> Reply:
         name = request.query.get("name")
         if not name:
             raise HttpError(400, "missing query parameter 'name': GET /api/get_indices?name=<task>")
@@ -644,7 +643,7 @@ class Controller(HttpService):
             raise HttpError(404, f"unknown task {name!r:.100}; tasks with registered workers: {known}")
         return json_reply(entry.indices)
 
-    async def _h_health(self, request: web.Request) -> Reply:
+    async def _handle_health(self, request: web.Request) -> Reply:
         counts = self.registry.counts()
         alive = sum(n for (_, state), n in counts.items() if state == WorkerState.ALIVE.value)
         return json_reply(
@@ -656,19 +655,19 @@ class Controller(HttpService):
             }
         )
 
-    async def _h_openapi(self, request: web.Request) -> Reply:
+    async def _handle_openapi(self, request: web.Request) -> Reply:
         from env_controller.openapi import controller_spec
 
         return json_reply(controller_spec())
 
-    async def _h_metrics(self, request: web.Request) -> Reply:
+    async def _handle_metrics(self, request: web.Request) -> Reply:
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Reply(self.metrics.render(), content_type=CONTENT_TYPE_LATEST)
 
     # -- worker-facing handler -------------------------------------------------------------------
 
-    async def _h_heartbeat(self, request: web.Request) -> Reply:
+    async def _handle_heartbeat(self, request: web.Request) -> Reply:
         body = await read_json_object(request)
         name, address = body.get("name"), body.get("address")
         concurrency, indices = body.get("concurrency"), body.get("indices")
@@ -709,7 +708,7 @@ class Controller(HttpService):
             self._spawn(self.sync_worker(worker))
         return json_reply({"worker_id": worker.id, "state": worker.state.value})
 
-    async def _h_cancel_notice(self, request: web.Request) -> Reply:
+    async def _handle_cancel_notice(self, request: web.Request) -> Reply:
         """A worker says it cancelled a session on its own (AgentRL's ``/cancel_with_notice``)."""
         header = request.headers.get(SESSION_HEADER)
         body = await read_json_object(request) if request.body_exists else {}
@@ -739,9 +738,9 @@ class Controller(HttpService):
     # -- monitor ---------------------------------------------------------------------------------
 
     async def _monitor(self) -> None:
-        c = self.config
-        tick = max(0.05, min(0.5, c.suspect_after_s / 4, c.heartbeat_timeout_s / 10))
-        gc_every = max(tick, min(5.0, c.session_idle_timeout_s / 4))
+        config = self.config
+        tick = max(0.05, min(0.5, config.suspect_after_s / 4, config.heartbeat_timeout_s / 10))
+        gc_every = max(tick, min(5.0, config.session_idle_timeout_s / 4))
         last_gc = last_sync = _mono()
         while True:
             before = _mono()
@@ -757,7 +756,7 @@ class Controller(HttpService):
                     self._gc_idle(now)
                     if self._http is not None:
                         self._http.sweep()
-                if now - last_sync >= c.sync_interval_s:
+                if now - last_sync >= config.sync_interval_s:
                     last_sync = now
                     for worker in list(self.registry.workers.values()):
                         if worker.state is WorkerState.ALIVE:

@@ -2,9 +2,8 @@
 
 The controller's hot path is a proxy: every trainer request becomes one request to a worker.
 This client does only what those calls need (JSON POST/GET over plain ``http://``, keep-alive
-pooling, Content-Length or chunked replies) on asyncio protocols. Measured side by side with
-aiohttp's pooled ``ClientSession`` (docs/BENCHMARKS.md), it takes about a third of aiohttp's CPU
-per call and leaves the whole controller about 30% less CPU per request.
+pooling, Content-Length or chunked replies) on asyncio protocols, at less CPU per call than aiohttp's
+pooled ``ClientSession`` (measured side by side in docs/BENCHMARKS.md).
 
 Errors: :class:`ConnectError` (the connection could not be opened: nothing was sent),
 :class:`Disconnected` (the connection failed after the request was sent), ``TimeoutError``.
@@ -436,16 +435,8 @@ class WorkerHttp:
             self._waiting.append(call)
         return future
 
-    async def request(
-        self,
-        method: str,
-        url: str,
-        body: bytes | None,
-        headers: Mapping[str, str],
-        timeout_s: float,
-    ) -> Response:
-        """Send one request and read the whole reply, within ``timeout_s`` (connect included)."""
-        return await self.start(method, url, body, headers, timeout_s)
+    #: ``await http.request(...)``: send one request and read the whole reply (:meth:`start`'s future)
+    request = start
 
     def sweep(self) -> int:
         """Close idle connections older than ``keepalive_s``; returns how many were closed."""

@@ -22,7 +22,7 @@ from env_controller.options import OptionError
 
 logger = logging.getLogger(__name__)
 
-#: environment variable of the shared token (trainer and worker credential at once, as before the split)
+#: environment variable of the shared token (trainer and worker credential at once, for setups with one token)
 TOKEN_ENV = "AGENTRL_CONTROLLER_TOKEN"
 #: environment variable of the trainer's credential (start, interact, cancel, views)
 TRAINER_TOKEN_ENV = "AGENTRL_TRAINER_TOKEN"
@@ -157,7 +157,7 @@ class Credentials:
 
     @classmethod
     def single(cls, token: str | None) -> Credentials:
-        """One token for every role (the ``--token`` of older setups, and our worker server's)."""
+        """One token for every role (the controller's shared ``--token``, and our worker server's)."""
         return cls(token, {ANY_TASK: token} if token else {})
 
     @property

@@ -1,9 +1,9 @@
 """JSON under limits, with no HTTP dependency: a nesting check that never recurses, parsing that refuses
 what is too deep (and ``NaN``), and compact UTF-8 output. The HTTP services and the tool-call parser use it.
 
-Parsing tries msgspec first (a few times faster than ``json``; what it accepts it parses as ``json``
-does) and leaves to ``json.loads`` whatever it refuses, so the values and the errors are ``json``'s.
-Output is msgspec's (ten times faster than ``json.dumps``, the same bytes for JSON values), with one
+Parsing tries msgspec first (faster than ``json``; what it accepts it parses as ``json`` does) and leaves
+to ``json.loads`` whatever it refuses, so the values and the errors are ``json``'s.
+Output is msgspec's (faster than ``json.dumps``, the same bytes for JSON values), with one
 difference that is JSON's own rule: a float that is not finite is written ``null`` (``json.dumps`` writes
 ``NaN``, which no strict parser, ours included, accepts)."""
 from __future__ import annotations
@@ -73,7 +73,7 @@ def loads_json(raw: bytes | str, limit: int = MAX_JSON_DEPTH, strict: bool = Tru
     try:
         if isinstance(raw, str):
             return json.loads(raw, parse_constant=_no_constant) if strict else json.loads(raw)
-        try:  # msgspec first, several times faster; whatever it refuses, json.loads decides, as before
+        try:  # msgspec first, the faster; whatever it refuses, json.loads decides (its values, its errors)
             return _MSGSPEC.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
             pass

@@ -1,5 +1,6 @@
 """The limits every one of our HTTP servers puts on requests and connections (the controller, a task worker,
-the agent gateway): declared and checked here once, and included in each server's own options."""
+the agent gateway), and where the controller and a worker listen: declared and checked here once, and included in
+each server's own options."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,3 +37,18 @@ class HttpOptions(Options):
         super().check()
         self.require_seconds("body_timeout_s", "idle_timeout_s")
         self.require_positive_int("max_body_bytes", "max_connections")
+
+
+@dataclass
+class ServerOptions(HttpOptions):
+    """Where one of our servers (the controller, a task worker) listens, and its :class:`HttpOptions` limits."""
+
+    #: the address to bind (loopback by default; elsewhere credentials are required)
+    host: str = "127.0.0.1"
+    #: the port to bind (0 picks a free one)
+    port: int = 0
+
+    def check(self) -> None:
+        """See :class:`HttpOptions`; the port is 0 .. 65535."""
+        super().check()
+        self.require_int("port", 0, 65535, why="0 picks a free port")

@@ -5,8 +5,7 @@ without escapes on what goes out), JSON error replies, the middleware that check
 (``auth.py``) against each route's role, request-body reading under a size and a time limit, a small
 runner that serves an aiohttp app on ``host:port`` (port 0 picks a free port) with uvloop when
 installed, and :class:`HttpService`, the lifecycle both servers share; its limits are its
-:class:`~env_controller.http.options.HttpOptions` (whose defaults, ``MAX_CONNECTIONS`` among them, are importable
-from here too).
+:class:`~env_controller.http.options.HttpOptions`.
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ from env_controller.http.auth import (
     check_bind,
     redact_url,
 )
-from env_controller.http.fast import MAX_CONNECTIONS, MAX_FAST_BODY, FastFront, LiteRequest, Reply  # noqa: F401
+from env_controller.http.fast import MAX_FAST_BODY, FastFront, LiteRequest, Reply
 from env_controller.http.json_io import dumps_json, loads_json
 from env_controller.http.options import BODY_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_BODY_BYTES, HttpOptions
 
@@ -268,8 +267,8 @@ def settle_gc() -> None:
     of the collector's passes (``gc.freeze``), and the young generation is collected every 100,000
     allocations net instead of 700, the oldest every 100 of the middle one's passes instead of 10. Nearly
     everything a request allocates is freed by reference counting, so a young pass visits only what is
-    still alive: fewer passes cost less (at 10,000 sessions, passes every 10,000 allocations were 8 % of the
-    controller's CPU). The collector's full passes over thousands of sessions would otherwise stall every
+    still alive: fewer passes cost less (with thousands of sessions, frequent young passes take a noticeable
+    share of the controller's CPU). The collector's full passes over thousands of sessions would otherwise stall every
     request in flight for tens to hundreds of ms."""
     gc.collect()
     gc.freeze()
@@ -297,6 +296,15 @@ def raise_nofile_limit(want: int = 65536) -> int:
         except (ValueError, OSError):
             logger.warning("could not raise the open-files limit from %d to %d", soft, target)
     return soft
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any] | None]) -> None:
+    """Cancel each of ``tasks`` (None: skipped) and wait until all have ended, whatever they raised."""
+    running = [task for task in tasks if task is not None]
+    for task in running:
+        task.cancel()
+    if running:
+        await asyncio.gather(*running, return_exceptions=True)
 
 
 async def start_site(

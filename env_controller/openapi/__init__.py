@@ -36,6 +36,17 @@ def _op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]
     return {"summary": summary, "responses": {**responses, **AUTH_ERRORS}, **extra}
 
 
+def _metrics_and_description(metrics_summary: str) -> dict[str, Any]:
+    """The paths both servers have: ``/metrics`` (Prometheus) and ``/openapi.json`` (this description)."""
+    return {
+        "/metrics": {"get": _op(metrics_summary, {
+            "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        })},
+        "/openapi.json": {"get": {"summary": "This description (no credential)", "security": [{}],
+                                  "responses": {"200": ok({"type": "object"})}}},
+    }
+
+
 @functools.cache
 def _controller() -> dict[str, Any]:
     timing = {
@@ -175,11 +186,7 @@ def _controller() -> dict[str, Any]:
             parameters=[_header("session_id", required=False)],
             requestBody=json_body({"type": "object", "properties": {"session_id": SESSION_ID}}, required=False),
         )},
-        "/metrics": {"get": _op("Prometheus metrics (trainer credential)", {
-            "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
-        })},
-        "/openapi.json": {"get": {"summary": "This description (no credential)", "security": [{}],
-                                  "responses": {"200": ok({"type": "object"})}}},
+        **_metrics_and_description("Prometheus metrics (trainer credential)"),
     }
     return document(
         "agentrl env controller",
@@ -258,11 +265,7 @@ def _worker() -> dict[str, Any]:
             "type": "object", "required": ["concurrency", "current"],
             "properties": {"concurrency": {"type": "integer"}, "current": {"type": "integer"},
                            "sandbox_pool": SANDBOX_POOL}})})},
-        "/metrics": {"get": _op("Prometheus metrics", {
-            "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
-        })},
-        "/openapi.json": {"get": {"summary": "This description (no credential)", "security": [{}],
-                                  "responses": {"200": ok({"type": "object"})}}},
+        **_metrics_and_description("Prometheus metrics"),
     }
     return document(
         "agentrl task worker",

@@ -17,8 +17,8 @@ storage driver has one, else the layer's size read through the engine while comm
 What the limits did is read from the container's cgroup: ``pids.current`` (fork bombs, what a command
 left running) and the ``oom_kill`` count (``memory_limit``). When this process sees the engine's
 cgroups (a local engine) they are files under ``/sys/fs/cgroup``; otherwise (a remote engine) an
-``exec`` of bash builtins reads them inside the container, about 50 ms a count, taken once a second
-while a command runs. Docker's ``State.OOMKilled`` is no help: it tells only of the container's init.
+``exec`` of bash builtins reads them inside the container (an exec is costly: one count a second while a
+command runs). Docker's ``State.OOMKilled`` is no help: it tells only of the container's init.
 
 A command that breaks a limit is stopped by an ``exec`` that kills every process of the user in the
 container (init and the root ``sleep`` survive) and waits until they are gone, then a fresh shell is
@@ -603,7 +603,7 @@ class DockerSandbox(ShellSandbox):
         """``(tasks of the container but init and sleep, OOM kills so far, forks refused at its task limit so
         far)`` read from inside by an exec, each None when unknown (a container whose cgroup this process cannot
         see)."""
-        # an exec costs ~50 ms: the counts before a command (or after it) are taken together
+        # an exec is costly: the counts before a command (or after it) are taken together
         sends = self._channel.sends if self._channel is not None else -1
         probed = self._probed
         if probed is not None and probed[0] == sends and time.monotonic() - probed[1] < 0.05:
@@ -839,7 +839,7 @@ class DockerBackend(SandboxBackend):
         self.counting = how
         if how == "exec":
             self._warn("the containers' cgroups are not visible from this process (a remote engine?): process "
-                       "and memory-kill counts take an exec in the container (about 50 ms each), and fork bombs "
+                       "and memory-kill counts take an exec in the container each (slower), and fork bombs "
                        f"are looked for every {EXEC_POLL_S:g} s")
 
     def health(self) -> dict[str, Any]:

@@ -142,8 +142,7 @@ class DockerEngine(PrivateServer):
                 "--pidfile", str(self.dir / "dockerd.pid"), "--storage-driver", driver, "--bridge=none",
                 "--iptables=false", "--ip6tables=false", "--ip-forward=false", "--ip-masq=false",
                 "--userland-proxy=false", "--log-level=warn"]
-        with open(self.log_path, "ab") as log:
-            self._spawn(args, log)
+        self._spawn(args, self.log_path)
         assert self.proc is not None
         logger.info("dockerd: started (pid %d, %s) on %s", self.proc.pid, driver, self.socket_path)
         deadline = time.monotonic() + self.start_timeout_s

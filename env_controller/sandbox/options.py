@@ -107,18 +107,34 @@ class PoolOptions(Options):
 
 
 @dataclass
-class DockerOptions(Options):
+class DockerAccess(Options):
+    """Which Docker engine makes the containers, and the user their commands run as."""
+
+    #: the engine's URL (``unix:///run/docker.sock``, ``tcp://host:2376``); None: ``$DOCKER_HOST``, else the local
+    #: socket
+    docker_host: str | None = None
+    #: ``uid:gid`` the commands run as, never root
+    user: str = "1000:1000"
+
+    def check(self) -> None:
+        """See :class:`Options`."""
+        super().check()
+        self.require_string("docker_host", optional=True)
+        try:
+            parse_user(self.user)
+        except ValueError as e:
+            raise self.bad("user", "must be 'uid:gid' of a user other than root, e.g. '1000:1000' "
+                           f"({str(e).split(': ', 1)[-1]})") from None
+
+
+@dataclass
+class DockerOptions(DockerAccess):
     """How the Docker backend makes containers (docs/environments.md, "Sandboxes")."""
 
     KEY = "docker"
 
     #: the image (it must hold bash and coreutils)
     image: str = "ubuntu:22.04"
-    #: the engine's URL (``unix:///run/docker.sock``, ``tcp://host:2376``); None: ``$DOCKER_HOST``, else the local
-    #: socket
-    docker_host: str | None = None
-    #: ``uid:gid`` the commands run as, never root
-    user: str = "1000:1000"
     #: where the shell starts: a tmpfs of ``home_mb`` owned by the user; with ``writable_root``, the image's own
     #: directory
     workdir: str = "/home/user"
@@ -145,12 +161,6 @@ class DockerOptions(Options):
         """See :class:`Options`."""
         super().check()
         self.require_string("image")
-        self.require_string("docker_host", optional=True)
-        try:
-            parse_user(self.user)
-        except ValueError as e:
-            raise self.bad("user", "must be 'uid:gid' of a user other than root, e.g. '1000:1000' "
-                           f"({str(e).split(': ', 1)[-1]})") from None
         self.require(isinstance(self.workdir, str) and self.workdir.startswith("/")
                      and self.workdir.rstrip("/") not in ("", "/tmp"), "workdir",
                      "must be an absolute path other than / and /tmp")
@@ -166,13 +176,9 @@ class DockerOptions(Options):
 
 
 @dataclass
-class ContainerOptions(PoolOptions):
-    """The sandboxes of a task that runs commands (OS shell, terminal): their limits and their pool."""
-
-    #: the engine's URL for Docker sandboxes; None: ``$DOCKER_HOST``, else the local socket
-    docker_host: str | None = None
-    #: ``uid:gid`` the agent's commands run as, never root
-    user: str = "1000:1000"
+class ContainerOptions(PoolOptions, DockerAccess):
+    """The sandboxes of a task that runs commands (OS shell, terminal): their limits, their pool, and the engine
+    and user of Docker sandboxes."""
     #: wall time of one command, seconds
     command_timeout_s: float = 10.0
     #: memory of one sandbox (its processes and in-memory files together), MB
@@ -187,11 +193,6 @@ class ContainerOptions(PoolOptions):
     def check(self) -> None:
         """See :class:`Options`; the limits are :class:`SandboxLimits`' rules, named by these keys."""
         super().check()
-        self.require_string("docker_host", optional=True)
-        try:
-            parse_user(self.user)
-        except ValueError:
-            raise self.bad("user", "must be 'uid:gid' of a user other than root, e.g. '1000:1000'") from None
         self.require_int("max_output_chars", low=100)
         self.limits()
 

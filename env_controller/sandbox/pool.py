@@ -144,14 +144,14 @@ class PooledTask(Protocol):
 
 def _percentiles(values: deque[float]) -> dict[str, float | int | None]:
     """``n``, ``p50`` and ``p99`` (nearest rank, seconds) of ``values``."""
-    s = sorted(values)
-    if not s:
+    ordered = sorted(values)
+    if not ordered:
         return {"n": 0, "p50": None, "p99": None}
 
     def rank(q: float) -> float:
-        return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
-    return {"n": len(s), "p50": round(rank(0.5), 4), "p99": round(rank(0.99), 4)}
+    return {"n": len(ordered), "p50": round(rank(0.5), 4), "p99": round(rank(0.99), 4)}
 
 
 class SandboxPool:
@@ -311,9 +311,9 @@ class SandboxPool:
         if self.budget is not None and self._live() < self._cap:
             # the cap that was hit is the budget's, shared with other pools (e.g. other images): this pool's
             # counts alone would not add up to it, so say how many the others hold
-            b = self.budget.stats()
-            where = (f"all {b['max']} allowed by {self.limit_hint} are live over all pools ({b['used']} units "
-                     f"used; this pool: {mine}, {len(self._idle)} idle)")
+            budget = self.budget.stats()
+            where = (f"all {budget['max']} allowed by {self.limit_hint} are live over all pools "
+                     f"({budget['used']} units used; this pool: {mine}, {len(self._idle)} idle)")
         else:
             where = f"all {self.max_size} allowed by {self.limit_hint} are live ({mine})"
         return (f"no sandbox became free within {waited_s:.0f} s: {where}; raise {self.limit_hint}, or "

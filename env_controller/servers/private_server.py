@@ -5,31 +5,23 @@ directory deleted. Subclasses implement :meth:`PrivateServer.start`.
 """
 from __future__ import annotations
 
-import ctypes
-import logging
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Self
+from typing import Self
 
-logger = logging.getLogger(__name__)
-
-
-def die_with_parent() -> None:
-    """``preexec_fn``: SIGTERM the child when the process that started it dies (PR_SET_PDEATHSIG)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+from env_controller.servers.process import start_process, stop_process
 
 
 class PrivateServer(ABC):
     """A server process this process owns (see the module docstring).
 
-    name: for log lines. base_dir: where the temporary directory is made (default: the system temp dir).
+    name: in its directory's name. base_dir: where the temporary directory is made (default: the system temp dir).
     stop_timeout_s: how long :meth:`stop` waits after SIGTERM before SIGKILL.
     """
 
@@ -51,32 +43,15 @@ class PrivateServer(ABC):
         os.chmod(self.dir, mode)
         return self.dir
 
-    def _spawn(self, args: Sequence[str], output: IO[bytes] | int = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
-        """Start ``args`` in a new process group that dies with this process; output to ``output``."""
-        self.proc = subprocess.Popen(list(args), stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=die_with_parent)
+    def _spawn(self, args: Sequence[str], log: str | os.PathLike[str] = os.devnull) -> subprocess.Popen[bytes]:
+        """Start ``args`` in a new process group that dies with this process; output appended to ``log``."""
+        self.proc = start_process(args, log, tied_to_parent=True)
         return self.proc
 
     def _stop_process(self) -> None:
         """SIGTERM, wait up to ``stop_timeout_s``, then SIGKILL the process group (helpers it left behind)."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s: pid %d ignored SIGTERM for %.0f s; killing it", self.name, proc.pid,
-                               self.stop_timeout_s)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            logger.warning("%s: pid %d did not exit after SIGKILL", self.name, proc.pid)
+        stop_process(proc, self.stop_timeout_s)
 
     def _cleanup_dir(self) -> None:
         """Delete the server's directory."""

@@ -291,13 +291,15 @@ class ToolTaskSession(TaskSession):
 class ToolTask(Task):
     """A task of small tool-use samples, each a pure function of ``(seed, index)``.
 
-    Subclasses set ``name`` and ``Options`` (a :class:`~env_controller.tasks.options.TaskOptions` whose ``KEY``
-    is the name), implement :meth:`tools`, :meth:`new_session` and :meth:`expert`. ``seed`` selects the sample
+    Subclasses set ``name``, ``TOOLS`` and ``Options`` (a :class:`~env_controller.tasks.options.TaskOptions`
+    whose ``KEY`` is the name), implement :meth:`new_session` and :meth:`expert`. ``seed`` selects the sample
     set, ``num_samples`` its size, ``max_turns`` the tool calls allowed per episode.
     """
 
     #: the task's options class; :func:`~env_controller.tasks.build_task` makes one from plain params
     Options: ClassVar[type[TaskOptions]] = TaskOptions
+    #: the task's OpenAI function schemas (the same for every sample); its sessions check calls against them
+    TOOLS: ClassVar[list[ToolSchema]]
 
     def __init__(self, options: TaskOptions | None = None) -> None:
         """``options``: the task's (checked when they were made); None: the defaults."""
@@ -308,10 +310,6 @@ class ToolTask(Task):
         self.max_turns = options.max_turns
 
     # -- to implement ------------------------------------------------------------------------
-
-    @abstractmethod
-    def tools(self) -> list[ToolSchema]:
-        """The task's OpenAI function schemas (the same for every sample)."""
 
     @abstractmethod
     def new_session(self, index: int) -> tuple[ToolTaskSession, list[Message]]:
@@ -326,6 +324,10 @@ class ToolTask(Task):
         return None
 
     # -- shared ------------------------------------------------------------------------------
+
+    def tools(self) -> list[ToolSchema]:
+        """The task's OpenAI function schemas, :attr:`TOOLS`."""
+        return self.TOOLS
 
     def indices(self) -> list[int]:
         """``0 .. num_samples - 1``; sample content is fixed by ``(seed, index)``."""
@@ -368,6 +370,13 @@ class ToolTask(Task):
     def _play(self, index: int, player: Expert, who: str) -> tuple[list[Message], TaskReply]:
         """Replay ``player``'s calls through a fresh session until the episode finishes."""
         session, messages = self.new_session(index)
+        return self.replay(session, messages, player, index, who)
+
+    def replay(self, session: ToolTaskSession, messages: list[Message], player: Expert, index: int,
+               who: str) -> tuple[list[Message], TaskReply]:
+        """Send ``player``'s calls through ``session`` (opened on ``index``, whose first ``messages`` start the
+        conversation) until the episode finishes: the conversation and the final reply. RuntimeError naming
+        ``who`` when it does not finish within ``max_turns``."""
         conversation = list(messages)
         name, args = next(player)
         for turn in range(self.max_turns):

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 from env_controller.protocol import TaskReply
-from env_controller.tasks.base import Expert, Message, ToolSchema, ToolTask, ToolTaskSession, make_tool_call
+from env_controller.tasks.base import Expert, Message, ToolSchema, ToolTask, ToolTaskSession
 from env_controller.tasks.options import BlockingTaskOptions
 
 logger = logging.getLogger(__name__)
@@ -97,19 +97,8 @@ class BlockingToolTask(ToolTask):
         self.check_index(index)
         session, messages = self.new_session(index)
         try:
-            conversation = list(messages)
-            name, args = next(player)
-            for turn in range(self.max_turns):
-                message: dict[str, Any] = {"role": "assistant", "content": "",
-                                           "tool_calls": [make_tool_call(f"call_{turn}", name, args)]}
-                reply = session.step(message)
-                conversation.append(message)
-                conversation.extend(reply.messages)
-                if reply.finish:
-                    return conversation, reply, session
-                name, args = player.send(reply.messages[-1]["content"])
-            raise RuntimeError(f"{self.name}: the scripted player did not finish index {index} in {self.max_turns} "
-                               "turns")
+            conversation, reply = self.replay(session, messages, player, index, "scripted player")
+            return conversation, reply, session
         finally:
             session.release_once()
 

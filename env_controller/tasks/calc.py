@@ -4,22 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from env_controller.tasks.base import (
-    Expert,
-    Message,
-    ToolResult,
-    ToolSchema,
-    ToolTask,
-    ToolTaskSession,
-    function_schema,
-)
+from env_controller.tasks.base import Expert, Message, ToolResult, ToolTask, ToolTaskSession, function_schema
 from env_controller.tasks.options import TaskOptions
-
-TOOLS: list[ToolSchema] = [
-    function_schema("add", "Return a + b.", {"a": "integer", "b": "integer"}),
-    function_schema("multiply", "Return a * b.", {"a": "integer", "b": "integer"}),
-    function_schema("answer", "Give the final answer.", {"value": "integer"}),
-]
 
 _OPS = {"add": ("plus", lambda a, b: a + b), "multiply": ("times", lambda a, b: a * b)}
 
@@ -29,7 +15,7 @@ class CalcSession(ToolTaskSession):
 
     def __init__(self, result: int, max_turns: int) -> None:
         """``result``: the exact value of the question."""
-        super().__init__(TOOLS, max_turns)
+        super().__init__(CalcTask.TOOLS, max_turns)
         self.result = result
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult:
@@ -73,21 +59,18 @@ class CalcTask(ToolTask):
     name = "calc"
     Options = CalcOptions
     options: CalcOptions
-
-    def __init__(self, options: CalcOptions | None = None) -> None:
-        """See :class:`ToolTask`."""
-        super().__init__(options)
-        self.low, self.high = self.options.low, self.options.high
-
-    def tools(self) -> list[ToolSchema]:
-        """``add``, ``multiply`` and ``answer``."""
-        return TOOLS
+    TOOLS = [
+        function_schema("add", "Return a + b.", {"a": "integer", "b": "integer"}),
+        function_schema("multiply", "Return a * b.", {"a": "integer", "b": "integer"}),
+        function_schema("answer", "Give the final answer.", {"value": "integer"}),
+    ]
 
     def sample(self, index: int) -> tuple[str, int, int]:
         """The operation (``add`` | ``multiply``) and operands of sample ``index``."""
         rng = self.rng(index)
         op = rng.choice(sorted(_OPS))
-        return op, rng.randint(self.low, self.high), rng.randint(self.low, self.high)
+        low, high = self.options.low, self.options.high
+        return op, rng.randint(low, high), rng.randint(low, high)
 
     def new_session(self, index: int) -> tuple[ToolTaskSession, list[Message]]:
         """See :meth:`ToolTask.new_session`."""

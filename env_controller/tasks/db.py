@@ -28,26 +28,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, function_schema
+from env_controller.tasks.base import Expert, Message, ToolResult, function_schema
 from env_controller.tasks.blocking import BlockingToolTask, BlockingToolTaskSession
 from env_controller.tasks.options import BlockingTaskOptions
 
 logger = logging.getLogger(__name__)
 
-TOOLS: list[ToolSchema] = [
-    function_schema(
-        "execute_sql",
-        "Execute one SQL statement (MariaDB dialect) on your database and get its result: the rows of a query, "
-        "or the number of rows a change affected. Changes are committed at once.",
-        {"sql": "string"},
-    ),
-    function_schema(
-        "commit_final_answer",
-        "Give the final answer to a question (the value(s) only; several values separated by commas), or "
-        "say 'done' once a requested change is made; ends the task.",
-        {"answer": "string"},
-    ),
-]
 
 _FIRST = ("Ada", "Ben", "Cleo", "Dan", "Eva", "Finn", "Gus", "Hana", "Ivan", "Jo", "Kai", "Lena", "Milo", "Nora",
           "Omar", "Pia", "Quinn", "Rosa", "Sam", "Tara", "Uma", "Vik", "Wes", "Yara", "Zoe")
@@ -334,7 +320,7 @@ class DBSession(BlockingToolTaskSession):
     def __init__(self, task: "DBTask", sample: DBSample, database: str, user: str, password: str,
                  expected: list[str] | None, expected_digest: str | None) -> None:
         """Connect as the session's account; the database is already loaded."""
-        super().__init__(TOOLS, task.max_turns, task.executor)
+        super().__init__(task.TOOLS, task.max_turns, task.executor)
         self.task = task
         self.sample = sample
         self.database = database
@@ -524,6 +510,20 @@ class DBTask(BlockingToolTask):
     name = "db"
     Options = DBOptions
     options: DBOptions
+    TOOLS = [
+        function_schema(
+            "execute_sql",
+            "Execute one SQL statement (MariaDB dialect) on your database and get its result: the rows of a query, "
+            "or the number of rows a change affected. Changes are committed at once.",
+            {"sql": "string"},
+        ),
+        function_schema(
+            "commit_final_answer",
+            "Give the final answer to a question (the value(s) only; several values separated by commas), or "
+            "say 'done' once a requested change is made; ends the task.",
+            {"answer": "string"},
+        ),
+    ]
 
     def __init__(self, options: DBOptions | None = None) -> None:
         """See :class:`ToolTask`; no connection is made yet."""
@@ -595,10 +595,6 @@ class DBTask(BlockingToolTask):
             logger.exception("db: dropping %s / %s failed", database, user)
 
     # -- task API -------------------------------------------------------------------------------
-
-    def tools(self) -> list[ToolSchema]:
-        """``execute_sql`` and ``commit_final_answer``."""
-        return TOOLS
 
     def sample(self, index: int) -> DBSample:
         """The generated sample ``index`` (see the module docstring)."""

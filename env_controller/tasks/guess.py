@@ -4,20 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from env_controller.tasks.base import (
-    Expert,
-    Message,
-    ToolResult,
-    ToolSchema,
-    ToolTask,
-    ToolTaskSession,
-    function_schema,
-)
+from env_controller.tasks.base import Expert, Message, ToolResult, ToolTask, ToolTaskSession, function_schema
 from env_controller.tasks.options import TaskOptions
-
-TOOLS: list[ToolSchema] = [
-    function_schema("guess", "Guess the number.", {"n": "integer"}),
-]
 
 
 class GuessSession(ToolTaskSession):
@@ -25,7 +13,7 @@ class GuessSession(ToolTaskSession):
 
     def __init__(self, target: int, max_value: int, max_turns: int) -> None:
         """``target``: the hidden number in ``1..max_value``."""
-        super().__init__(TOOLS, max_turns)
+        super().__init__(GuessTask.TOOLS, max_turns)
         self.target = target
         self.max_value = max_value
 
@@ -73,29 +61,24 @@ class GuessTask(ToolTask):
     name = "guess"
     Options = GuessOptions
     options: GuessOptions
-
-    def __init__(self, options: GuessOptions | None = None) -> None:
-        """See :class:`ToolTask`."""
-        super().__init__(options)
-        self.max_value = self.options.max_value
-
-    def tools(self) -> list[ToolSchema]:
-        """``guess``."""
-        return TOOLS
+    TOOLS = [
+        function_schema("guess", "Guess the number.", {"n": "integer"}),
+    ]
 
     def target(self, index: int) -> int:
         """The hidden number of sample ``index``."""
-        return self.rng(index).randint(1, self.max_value)
+        return self.rng(index).randint(1, self.options.max_value)
 
     def new_session(self, index: int) -> tuple[ToolTaskSession, list[Message]]:
         """See :meth:`ToolTask.new_session`."""
-        prompt = (f"Find my secret number from 1 to {self.max_value}. The reply to a guess is "
+        max_value = self.options.max_value
+        prompt = (f"Find my secret number from 1 to {max_value}. The reply to a guess is "
                   f"higher, lower or correct. You have {self.max_turns} guesses.")
-        return GuessSession(self.target(index), self.max_value, self.max_turns), [{"role": "user", "content": prompt}]
+        return GuessSession(self.target(index), max_value, self.max_turns), [{"role": "user", "content": prompt}]
 
     def expert(self, index: int) -> Expert:
         """Bisection: guess the middle of the remaining range, narrow it on each reply."""
-        lo, hi = 1, self.max_value
+        lo, hi = 1, self.options.max_value
         while True:
             mid = (lo + hi) // 2
             feedback = yield "guess", {"n": mid}

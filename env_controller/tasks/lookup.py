@@ -4,15 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from env_controller.tasks.base import (
-    Expert,
-    Message,
-    ToolResult,
-    ToolSchema,
-    ToolTask,
-    ToolTaskSession,
-    function_schema,
-)
+from env_controller.tasks.base import Expert, Message, ToolResult, ToolTask, ToolTaskSession, function_schema
 from env_controller.tasks.options import TaskOptions
 
 KEYS: tuple[str, ...] = (
@@ -22,11 +14,6 @@ KEYS: tuple[str, ...] = (
 VALUES: tuple[str, ...] = (
     "red", "blue", "green", "black", "white", "pink", "gray", "gold", "brown", "orange", "purple", "silver",
 )
-
-TOOLS: list[ToolSchema] = [
-    function_schema("lookup", "Get the value of a key.", {"key": "string"}),
-    function_schema("answer", "Give the final answer.", {"value": "string"}),
-]
 
 
 def _normalize(text: str) -> str:
@@ -38,7 +25,7 @@ class LookupSession(ToolTaskSession):
 
     def __init__(self, table: dict[str, str], key: str, max_turns: int) -> None:
         """``table``: the hidden key -> value table; ``key``: the key the user asks about."""
-        super().__init__(TOOLS, max_turns)
+        super().__init__(LookupTask.TOOLS, max_turns)
         self.table = table
         self.key = key
 
@@ -84,20 +71,15 @@ class LookupTask(ToolTask):
     name = "lookup"
     Options = LookupOptions
     options: LookupOptions
-
-    def __init__(self, options: LookupOptions | None = None) -> None:
-        """See :class:`ToolTask`."""
-        super().__init__(options)
-        self.num_keys = self.options.num_keys
-
-    def tools(self) -> list[ToolSchema]:
-        """``lookup`` and ``answer``."""
-        return TOOLS
+    TOOLS = [
+        function_schema("lookup", "Get the value of a key.", {"key": "string"}),
+        function_schema("answer", "Give the final answer.", {"value": "string"}),
+    ]
 
     def sample(self, index: int) -> tuple[dict[str, str], str]:
         """The hidden table and the asked key of sample ``index``."""
         rng = self.rng(index)
-        keys = rng.sample(KEYS, self.num_keys)
+        keys = rng.sample(KEYS, self.options.num_keys)
         table = {k: rng.choice(VALUES) for k in keys}
         return table, rng.choice(keys)
 

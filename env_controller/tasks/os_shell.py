@@ -21,22 +21,12 @@ from typing import Any, Literal
 from env_controller.sandbox import Sandbox, SandboxBackend, SandboxError, make_backend
 from env_controller.sandbox.options import ContainerOptions
 from env_controller.sandbox.pool import SandboxPool
-from env_controller.tasks.base import Expert, Message, ToolResult, ToolSchema, function_schema
+from env_controller.tasks.base import Expert, Message, ToolResult, function_schema
 from env_controller.tasks.blocking import BlockingToolTask, BlockingToolTaskSession
 from env_controller.tasks.options import BlockingTaskOptions
 
 logger = logging.getLogger(__name__)
 
-TOOLS: list[ToolSchema] = [
-    function_schema(
-        "bash_action",
-        "Run a bash script in your Linux shell and get its output (stdout and stderr) and exit code. "
-        "The shell keeps its working directory and variables between calls; there is no network.",
-        {"script": "string"},
-    ),
-    function_schema("answer_action", "Give the final answer to the question; ends the task.", {"answer": "string"}),
-    function_schema("finish_action", "Say that the requested change is done; ends the task.", {}),
-]
 
 CHECK_TIMEOUT_S = 10.0
 _WORDS = ("alpha", "bravo", "cedar", "delta", "ember", "flint", "grove", "harbor", "iris", "jade", "kite",
@@ -266,7 +256,7 @@ class OsShellSession(BlockingToolTaskSession):
                  executor: Any, pool: SandboxPool | None = None) -> None:
         """``sample``: the task; ``sandbox``: prepared with the sample's files, from ``pool`` (which takes it
         back at the end; without one, it is closed)."""
-        super().__init__(TOOLS, max_turns, executor)
+        super().__init__(OsShellTask.TOOLS, max_turns, executor)
         self.sample = sample
         self.sandbox = sandbox
         self.pool = pool
@@ -385,6 +375,16 @@ class OsShellTask(BlockingToolTask):
     name = "os_shell"
     Options = OsShellOptions
     options: OsShellOptions
+    TOOLS = [
+        function_schema(
+            "bash_action",
+            "Run a bash script in your Linux shell and get its output (stdout and stderr) and exit code. "
+            "The shell keeps its working directory and variables between calls; there is no network.",
+            {"script": "string"},
+        ),
+        function_schema("answer_action", "Give the final answer to the question; ends the task.", {"answer": "string"}),
+        function_schema("finish_action", "Say that the requested change is done; ends the task.", {}),
+    ]
 
     def __init__(self, options: OsShellOptions | None = None, *, backend: SandboxBackend | None = None) -> None:
         """See :class:`ToolTask`; ``backend``: sandboxes from this backend (else one of ``options.backend``, made
@@ -393,7 +393,6 @@ class OsShellTask(BlockingToolTask):
         options = self.options
         self.max_output_chars = options.max_output_chars
         self.limits = options.limits(background_jobs=options.background_jobs)
-        self.image, self.docker_host, self.user = options.image, options.docker_host, options.user
         self.max_containers = options.max_containers
         self._backend: SandboxBackend | None = backend
         self._own_backend = backend is None  # closed with the task
@@ -408,8 +407,8 @@ class OsShellTask(BlockingToolTask):
                 options: dict[str, Any] = {}
                 if self.options.backend == "docker":
                     # a worker restarted after a crash serves while its predecessor's containers go
-                    options = {"image": self.image, "docker_host": self.docker_host, "user": self.user,
-                               "reap": "background"}
+                    options = {"image": self.options.image, "docker_host": self.options.docker_host,
+                               "user": self.options.user, "reap": "background"}
                 self._backend = make_backend(self.options.backend, self.limits, **options)
             return self._backend
 
@@ -422,10 +421,6 @@ class OsShellTask(BlockingToolTask):
                                          labels={"agentrl.task": self.name},
                                          limit_hint="max_containers (the worker's --max-containers)")
             return self._pool
-
-    def tools(self) -> list[ToolSchema]:
-        """``bash_action``, ``answer_action`` and ``finish_action``."""
-        return TOOLS
 
     def sample(self, index: int) -> ShellSample:
         """The generated sample ``index`` (see the class docstring)."""

@@ -55,15 +55,6 @@ from env_controller.tasks.terminal_format import TaskFormatError, TerminalInstan
 
 logger = logging.getLogger(__name__)
 
-TOOLS: list[ToolSchema] = [
-    function_schema(
-        "bash_action",
-        "Run a bash script in the task's Linux container and get its output (stdout and stderr) and exit code. "
-        "The shell keeps its working directory and variables between calls; there is no network.",
-        {"script": "string"},
-    ),
-    function_schema("finish_action", "Say that the task is done; its tests then run and decide the reward.", {}),
-]
 #: where the verifier's files go, and where it may write its reward (Harbor's paths)
 TESTS_DIR = "/tests"
 LOGS_DIR = "/logs/verifier"
@@ -84,7 +75,7 @@ class TerminalSession(BlockingToolTaskSession):
     """One episode in its own container (see the module docstring)."""
 
     def __init__(self, task: "TerminalTask", instance: TerminalInstance, pool: SandboxPool, box: Any) -> None:
-        super().__init__(TOOLS, task.max_turns, task.executor)
+        super().__init__(task.TOOLS, task.max_turns, task.executor)
         self.instance = instance
         self.pool = pool
         self.sandbox = box
@@ -360,6 +351,15 @@ class TerminalTask(BlockingToolTask):
     name = "terminal"
     Options = TerminalOptions
     options: TerminalOptions
+    TOOLS = [
+        function_schema(
+            "bash_action",
+            "Run a bash script in the task's Linux container and get its output (stdout and stderr) and exit code. "
+            "The shell keeps its working directory and variables between calls; there is no network.",
+            {"script": "string"},
+        ),
+        function_schema("finish_action", "Say that the task is done; its tests then run and decide the reward.", {}),
+    ]
 
     def __init__(self, options: TerminalOptions) -> None:
         """Load the instances (a FieldError naming ``tasks``, ``family`` or ``num_samples`` when they do not fit);
@@ -480,10 +480,6 @@ class TerminalTask(BlockingToolTask):
             logger.exception("terminal: starting the pool of %s failed", future.result())
 
     # -- sessions ------------------------------------------------------------------------------
-
-    def tools(self) -> list[ToolSchema]:
-        """``bash_action`` and ``finish_action``."""
-        return TOOLS
 
     def instance(self, index: int) -> TerminalInstance:
         """The instance at ``index``."""

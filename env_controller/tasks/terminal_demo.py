@@ -72,7 +72,8 @@ BUILTIN_ROOTFS.update({"term-files": _builder({"README": "notes go in notes/\n"}
 def _files(rng: random.Random) -> dict[str, object]:
     path = f"notes/{rng.choice(_WORDS)}.txt"
     # the word follows "notes/" in the instruction and in the command: the tiny policy copies it after the same
-    # prefix, as in the other families (with "echo <word> > ..." no prefix showed what to copy: 0 % after warm-up)
+    # prefix, as in the other families (with "echo <word> > ..." no prefix shows what to copy, and the warm-up
+    # does not teach it)
     return {"instruction": f"Create the empty file {path}.", "setup": (f"cp {SEED_DIR}/README . && mkdir -p notes",),
             "solution": f"touch {path}", "verifier": f"[ -f /app/{path} ] && [ ! -s /app/{path} ]",
             "image": "term-files"}

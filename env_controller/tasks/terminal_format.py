@@ -24,6 +24,7 @@ import json
 import math
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,32 +153,40 @@ def load_task_dir(path: str | Path) -> TerminalInstance:
 
 def _agentrl_section(raw: Any, where: Path) -> dict[str, Any]:
     """Our own settings (``[agentrl]`` in task.toml, ``agentrl:`` in task.yaml): setup, reuse_containers,
-    workdir, scratch_workdir, family."""
+    workdir, scratch_workdir, family: the :class:`TerminalInstance` fields they set (defaults when absent)."""
     if raw is None:
-        return {}
+        raw = {}
     if not isinstance(raw, dict):
         raise _err(where, "the agentrl section must be a table")
     unknown = sorted(set(raw) - {"setup", "reuse_containers", "workdir", "scratch_workdir", "family"})
     if unknown:
         raise _err(where, f"agentrl.{unknown[0]} is not a setting; known: setup, reuse_containers, workdir, "
                    "scratch_workdir, family")
-    setup = raw.get("setup", [])
-    if isinstance(setup, str):
-        setup = [setup]
-    if not isinstance(setup, list) or not all(isinstance(c, str) for c in setup):
-        raise _err(where, "agentrl.setup must be a list of shell commands")
-    reuse = raw.get("reuse_containers")
-    if reuse is not None:
-        _flag(reuse, where, "agentrl.reuse_containers")
+    setup = _commands(raw.get("setup", []), where, "agentrl.setup")
+    reuse = _optional_flag(raw.get("reuse_containers"), where, "agentrl.reuse_containers")
     workdir = raw.get("workdir")
     if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/")):
         raise _err(where, "agentrl.workdir must be an absolute path")
     family = raw.get("family", "")
     if not isinstance(family, str):
         raise _err(where, "agentrl.family must be a string")
-    return {"setup": tuple(setup), "reuse_containers": reuse, "workdir": workdir,
+    return {"setup": setup, "reuse_containers": reuse, "workdir": workdir,
             "scratch_workdir": _flag(raw.get("scratch_workdir", False), where, "agentrl.scratch_workdir"),
             "family": family}
+
+
+def _read_conf(where: Path, parse: Callable[[str], Any], errors: tuple[type[Exception], ...], kind: str) -> Any:
+    """The file ``where`` parsed by ``parse``; a :class:`TaskFormatError` naming it when ``errors`` say it is not
+    valid ``kind``."""
+    try:
+        return parse(where.read_text())
+    except errors as e:
+        raise _err(where, f"not valid {kind}: {e}") from None
+
+
+def _text_if_file(path: Path) -> str | None:
+    """The text of the file ``path``, or None when there is none."""
+    return path.read_text() if path.is_file() else None
 
 
 def _flag(value: Any, where: Path | str, key: str) -> bool:
@@ -186,12 +195,22 @@ def _flag(value: Any, where: Path | str, key: str) -> bool:
     return value
 
 
+def _optional_flag(value: Any, where: Path | str, key: str) -> bool | None:
+    """``value``: true, false or None (unset)."""
+    return None if value is None else _flag(value, where, key)
+
+
+def _commands(value: Any, where: Path | str, key: str) -> tuple[str, ...]:
+    """``value``, a shell command or a list of them, as a tuple of commands."""
+    commands = [value] if isinstance(value, str) else value
+    if not isinstance(commands, list) or not all(isinstance(c, str) for c in commands):
+        raise _err(where, f"{key} must be a list of shell commands")
+    return tuple(commands)
+
+
 def _load_harbor(root: Path) -> TerminalInstance:
     where = root / "task.toml"
-    try:
-        conf = tomllib.loads(where.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise _err(where, f"not valid TOML: {e}") from None
+    conf = _read_conf(where, tomllib.loads, (tomllib.TOMLDecodeError, UnicodeDecodeError), "TOML")
     if "steps" in conf:
         raise _err(where, "[[steps]] (a multi-step task) is not supported; split it into single-step tasks")
     unknown = sorted(set(conf) - _HARBOR_IGNORED - {"verifier", "agent", "environment", "agentrl"})
@@ -223,7 +242,6 @@ def _load_harbor(root: Path) -> TerminalInstance:
     if not (tests / "test.sh").is_file():
         raise _err(root, "tests/test.sh is missing (the verifier)")
     ours = _agentrl_section(conf.get("agentrl"), where)
-    solution = root / "solution" / "solve.sh"
     return TerminalInstance(
         id=_check_id(str((conf.get("task") or {}).get("name") or root.name).replace("/", "."), where),
         instruction=instruction_path.read_text(),
@@ -232,9 +250,7 @@ def _load_harbor(root: Path) -> TerminalInstance:
                           _seconds(verifier_conf.get("timeout_sec", DEFAULT_VERIFIER_TIMEOUT_S), where,
                                    "[verifier] timeout_sec"),
                           _str_env(verifier_conf.get("env"), where, "[verifier] env")),
-        setup=ours.get("setup", ()), solution=solution.read_text() if solution.is_file() else None,
-        family=ours.get("family", ""), reuse_containers=ours.get("reuse_containers"), workdir=ours.get("workdir"),
-        scratch_workdir=ours.get("scratch_workdir", False),
+        solution=_text_if_file(root / "solution" / "solve.sh"), **ours,
         cpus=_opt_number(env.get("cpus"), where, "[environment] cpus"),
         memory_mb=_opt_int(env.get("memory_mb"), where, "[environment] memory_mb"),
         storage_mb=_opt_int(env.get("storage_mb"), where, "[environment] storage_mb"),
@@ -276,17 +292,14 @@ def _load_tb1(root: Path) -> TerminalInstance:
     import yaml
 
     where = root / "task.yaml"
-    try:
-        conf = yaml.safe_load(where.read_text())
-    except yaml.YAMLError as e:
-        raise _err(where, f"not valid YAML: {e}") from None
+    conf = _read_conf(where, yaml.safe_load, (yaml.YAMLError,), "YAML")
     if not isinstance(conf, dict):
         raise _err(where, "must be a mapping with at least 'instruction'")
     instruction = conf.get("instruction")
     if not isinstance(instruction, str) or not instruction.strip():
         descriptions = conf.get("descriptions")
         if isinstance(descriptions, list) and descriptions and isinstance(descriptions[0], dict):
-            instruction = descriptions[0].get("description")  # the older layout: a list of descriptions
+            instruction = descriptions[0].get("description")  # Terminal-Bench 1.0's list of descriptions
     if not isinstance(instruction, str) or not instruction.strip():
         raise _err(where, "instruction is missing (the agent's instruction)")
     for name in ("docker-compose.yaml", "docker-compose.yml"):
@@ -305,16 +318,13 @@ def _load_tb1(root: Path) -> TerminalInstance:
     files = _read_tests(root / "tests", where) if (root / "tests").is_dir() else {}
     files["run-tests.sh"] = (root / "run-tests.sh").read_bytes()
     ours = _agentrl_section(conf.get("agentrl"), where)
-    solution = root / "solution.sh"
+    ours["family"] = ours["family"] or str(conf.get("category") or "")
     return TerminalInstance(
         id=_check_id(root.name, where), instruction=instruction,
         image=ImageSource.from_dockerfile(root),
         verifier=Verifier("bash /tests/run-tests.sh", files,
                           _seconds(conf.get("max_test_timeout_sec", 180.0), where, "max_test_timeout_sec")),
-        setup=ours.get("setup", ()), solution=solution.read_text() if solution.is_file() else None,
-        family=ours.get("family", "") or str(conf.get("category") or ""),
-        reuse_containers=ours.get("reuse_containers"), workdir=ours.get("workdir"),
-        scratch_workdir=ours.get("scratch_workdir", False),
+        solution=_text_if_file(root / "solution.sh"), **ours,
         metadata={"format": "terminal-bench-1", **{k: conf[k] for k in ("difficulty", "category", "tags")
                                                    if k in conf}},
     )
@@ -356,17 +366,11 @@ def _inline(entry: dict[str, Any], base: Path, where: str) -> TerminalInstance:
     verifier = Verifier("bash /tests/test.sh", files,
                         _seconds(v.get("timeout_s", DEFAULT_VERIFIER_TIMEOUT_S), where, "verifier.timeout_s"),
                         _str_env(v.get("env"), where, "verifier.env"))
-    setup = entry.get("setup") or []
-    if isinstance(setup, str):
-        setup = [setup]
-    if not isinstance(setup, list) or not all(isinstance(c, str) for c in setup):
-        raise _err(where, "setup must be a list of shell commands")
-    reuse = entry.get("reuse_containers")
-    if reuse is not None:
-        _flag(reuse, where, "reuse_containers")
+    setup = _commands(entry.get("setup") or [], where, "setup")
+    reuse = _optional_flag(entry.get("reuse_containers"), where, "reuse_containers")
     return TerminalInstance(
         id=_check_id(entry.get("id"), where), instruction=instruction, image=source, verifier=verifier,
-        setup=tuple(setup), solution=entry.get("solution"), family=str(entry.get("family") or ""),
+        setup=setup, solution=entry.get("solution"), family=str(entry.get("family") or ""),
         reuse_containers=reuse, workdir=workdir,
         scratch_workdir=_flag(entry.get("scratch_workdir", False), where, "scratch_workdir"),
         cpus=_opt_number(entry.get("cpus"), where, "cpus"),

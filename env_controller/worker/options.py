@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from env_controller.http.auth import check_token, split_url_credentials
-from env_controller.http.options import HttpOptions
+from env_controller.http.options import ServerOptions
 
 
 @dataclass
-class WorkerOptions(HttpOptions):
-    """How a worker serves its task and heartbeats to a controller (times in seconds), plus the request and
-    connection limits of its HTTP server (:class:`~env_controller.http.options.HttpOptions`)."""
+class WorkerOptions(ServerOptions):
+    """How a worker serves its task and heartbeats to a controller (times in seconds), plus where it listens and
+    the request and connection limits of its HTTP server (:class:`~env_controller.http.options.ServerOptions`)."""
 
     KEY = "worker"
 
@@ -20,10 +20,6 @@ class WorkerOptions(HttpOptions):
     #: the controller to heartbeat to, ``http://host:port[/api]`` (None: no heartbeats); credentials in it
     #: (``http://agentrl:TOKEN@host``, as stock AgentRL workers give them) serve when no ``token`` is given
     controller_url: str | None = None
-    #: the address to bind (elsewhere than loopback needs a token)
-    host: str = "127.0.0.1"
-    #: the port to bind (0 picks a free one)
-    port: int = 0
     #: the URL the controller reaches this worker at (None: ``http://<host>:<port>/api``)
     self_address: str | None = None
     #: open sessions allowed (lowered to the task's ``max_containers`` when it has a sandbox pool)
@@ -46,7 +42,6 @@ class WorkerOptions(HttpOptions):
         """Times positive (the latency >= 0), a positive concurrency, a token that fits in a header."""
         super().check()
         self.require_positive_int("concurrency")
-        self.require_int("port", 0, 65535, why="0 picks a free port")
         self.require_seconds("heartbeat_interval_s", "timeout_s", "session_idle_timeout_s", "heartbeat_backoff_cap_s")
         self.require_non_negative("latency_s", why="0: no simulated delay")
         check_token(self.token, "worker.token")

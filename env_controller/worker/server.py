@@ -52,6 +52,7 @@ from env_controller.http.service import (
     HttpService,
     Reply,
     base_api_url,
+    cancel_and_wait,
     json_reply,
     loads_json,
     read_json_object,
@@ -86,10 +87,10 @@ class WorkerServer(HttpService):
 
     def __init__(self, task: Task, options: WorkerOptions | None = None) -> None:
         """``task``: the task served; ``options``: how it is served (None: the defaults, no heartbeats)."""
-        self.options = o = options if options is not None else WorkerOptions()
+        options = self.options = options if options is not None else WorkerOptions()
         self.task = task
-        self.name = o.name or getattr(task, "name", None) or type(task).__name__
-        concurrency = o.concurrency
+        self.name = options.name or getattr(task, "name", None) or type(task).__name__
+        concurrency = options.concurrency
         cap = task.max_containers if isinstance(task, PooledTask) else None
         if cap is not None and concurrency > cap:
             logger.info("worker %s: concurrency %d lowered to max_containers=%d (one sandbox per session)",
@@ -97,20 +98,20 @@ class WorkerServer(HttpService):
             concurrency = cap
         #: the task's sandbox pool, once started (see the module docstring)
         self.pool: SandboxPool | None = None
-        controller_url, token = o.controller_url, o.token
+        controller_url, token = options.controller_url, options.token
         if controller_url:  # kept without credentials: it is logged, and aiohttp refuses a URL login plus a header
             controller_url, token = pick_token(token, base_api_url(controller_url), f"worker {self.name}")
         self.controller_url = controller_url or None
-        self.host = o.host
-        self.port = o.port
-        self._self_address = o.self_address.rstrip("/") if o.self_address else None
+        self.host = options.host
+        self.port = options.port
+        self._self_address = options.self_address.rstrip("/") if options.self_address else None
         self.concurrency = concurrency
-        self.heartbeat_interval_s = float(o.heartbeat_interval_s)
-        self.timeout_s = float(o.timeout_s)
-        self.latency_s = float(o.latency_s)
+        self.heartbeat_interval_s = float(options.heartbeat_interval_s)
+        self.timeout_s = float(options.timeout_s)
+        self.latency_s = float(options.latency_s)
         self.token = token
-        self.session_idle_timeout_s = float(o.session_idle_timeout_s)
-        self.heartbeat_backoff_cap_s = max(float(o.heartbeat_backoff_cap_s), self.heartbeat_interval_s)
+        self.session_idle_timeout_s = float(options.session_idle_timeout_s)
+        self.heartbeat_backoff_cap_s = max(float(options.heartbeat_backoff_cap_s), self.heartbeat_interval_s)
         self.indices: list[Any] = list(task.indices())
         self._index_set = set(self.indices)
         self._sessions: dict[int, _Open] = {}
@@ -121,7 +122,7 @@ class WorkerServer(HttpService):
         self.heartbeat_ok: asyncio.Event | None = None
         #: the controller's last refusal of a heartbeat, ``(status, message)``; None while they are accepted
         self.heartbeat_refusal: tuple[int, str] | None = None
-        super().__init__(Credentials.single(token), self._routes(), o,
+        super().__init__(Credentials.single(token), self._routes(), options,
                          auth_hint=f"the worker's --token / ${WORKER_TOKEN_ENV}", fast=True)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -158,10 +159,7 @@ class WorkerServer(HttpService):
 
     async def stop(self) -> None:
         """Stop heartbeats, close every session, stop serving (bounded waits)."""
-        for t in self._loops:
-            t.cancel()
-        if self._loops:
-            await asyncio.gather(*self._loops, return_exceptions=True)
+        await cancel_and_wait(self._loops)
         self._loops.clear()
         if self._notices:
             await asyncio.wait(list(self._notices), timeout=10)
@@ -177,17 +175,17 @@ class WorkerServer(HttpService):
     def _routes(self) -> list[tuple[str, str, Any, Role]]:
         caller = Role.ANY  # the controller, with this worker's token
         return [
-            ("POST", "/api/start_sample", self._h_start, caller),
-            ("POST", "/api/interact", self._h_interact, caller),
-            ("POST", "/api/cancel", self._h_cancel, caller),
-            ("POST", "/api/cancel_with_notice", self._h_cancel_with_notice, caller),
-            ("POST", "/api/cancel_all", self._h_cancel_all, caller),
-            ("POST", "/api/sample_status", self._h_sample_status, caller),
-            ("GET", "/api/get_indices", self._h_get_indices, caller),
-            ("GET", "/api/get_sessions", self._h_get_sessions, caller),
-            ("GET", "/api/worker_status", self._h_worker_status, caller),
-            ("GET", "/metrics", self._h_metrics, caller),
-            ("GET", "/openapi.json", self._h_openapi, Role.OPEN),
+            ("POST", "/api/start_sample", self._handle_start, caller),
+            ("POST", "/api/interact", self._handle_interact, caller),
+            ("POST", "/api/cancel", self._handle_cancel, caller),
+            ("POST", "/api/cancel_with_notice", self._handle_cancel_with_notice, caller),
+            ("POST", "/api/cancel_all", self._handle_cancel_all, caller),
+            ("POST", "/api/sample_status", self._handle_sample_status, caller),
+            ("GET", "/api/get_indices", self._handle_get_indices, caller),
+            ("GET", "/api/get_sessions", self._handle_get_sessions, caller),
+            ("GET", "/api/worker_status", self._handle_worker_status, caller),
+            ("GET", "/metrics", self._handle_metrics, caller),
+            ("GET", "/openapi.json", self._handle_openapi, Role.OPEN),
         ]
 
     async def _delay(self) -> None:
@@ -232,7 +230,7 @@ class WorkerServer(HttpService):
 
     # -- handlers --------------------------------------------------------------------------------
 
-    async def _h_start(self, request: web.Request) -> Reply:
+    async def _handle_start(self, request: web.Request) -> Reply:
         t0 = _perf()
         body = await read_json_object(request)
         sid = session_id_from(body.get("session_id"), "'session_id'")
@@ -282,7 +280,7 @@ class WorkerServer(HttpService):
             raise HttpError(400, "No such session")
         return body, sid, entry
 
-    async def _h_interact(self, request: web.Request) -> Reply:
+    async def _handle_interact(self, request: web.Request) -> Reply:
         t0 = _perf()
         body, sid, entry = await self._open_session(request)
         if entry.busy or entry.session is None:
@@ -318,14 +316,14 @@ class WorkerServer(HttpService):
         await self._close(entry.session, sid)
         return True
 
-    async def _h_cancel(self, request: web.Request) -> Reply:
+    async def _handle_cancel(self, request: web.Request) -> Reply:
         body = await read_json_object(request)
         sid = session_id_from(body.get("session_id"), "'session_id'")
         if not await self._cancel(sid):
             raise HttpError(400, "No such session")
         return json_reply({"session_id": sid})
 
-    async def _h_cancel_with_notice(self, request: web.Request) -> Reply:
+    async def _handle_cancel_with_notice(self, request: web.Request) -> Reply:
         _, sid, _ = await self._open_session(request)
 
         async def cancel_and_notify() -> None:
@@ -347,35 +345,35 @@ class WorkerServer(HttpService):
         task.add_done_callback(self._notices.discard)
         return json_reply({"session_id": sid})
 
-    async def _h_cancel_all(self, request: web.Request) -> Reply:
+    async def _handle_cancel_all(self, request: web.Request) -> Reply:
         sids = list(self._sessions)
         await asyncio.gather(*(self._cancel(sid) for sid in sids))
         return json_reply({"cancelled": sids})
 
-    async def _h_sample_status(self, request: web.Request) -> Reply:
+    async def _handle_sample_status(self, request: web.Request) -> Reply:
         _, sid, entry = await self._open_session(request)
         return json_reply({"session_id": sid, "index": entry.index, "status": {"busy": entry.busy}})
 
-    async def _h_get_indices(self, request: web.Request) -> Reply:
+    async def _handle_get_indices(self, request: web.Request) -> Reply:
         return json_reply(self.indices)
 
-    async def _h_get_sessions(self, request: web.Request) -> Reply:
+    async def _handle_get_sessions(self, request: web.Request) -> Reply:
         return json_reply({str(sid): e.index for sid, e in self._sessions.items()})
 
-    async def _h_worker_status(self, request: web.Request) -> Reply:
+    async def _handle_worker_status(self, request: web.Request) -> Reply:
         status: dict[str, Any] = {"concurrency": self.concurrency, "current": len(self._sessions)}
         if self.pool is not None:
             status["sandbox_pool"] = self.pool.stats()
         return json_reply(status)
 
-    async def _h_metrics(self, request: web.Request) -> Reply:
+    async def _handle_metrics(self, request: web.Request) -> Reply:
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Reply(_render_metrics(self.name, self.concurrency, len(self._sessions),
                                      self.pool.stats() if self.pool is not None else None),
                      content_type=CONTENT_TYPE_LATEST)
 
-    async def _h_openapi(self, request: web.Request) -> Reply:
+    async def _handle_openapi(self, request: web.Request) -> Reply:
         from env_controller.openapi import worker_spec
 
         return json_reply(worker_spec())

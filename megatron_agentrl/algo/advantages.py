@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def _segment_sum(values: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
+def segment_sum(values: Tensor, segment_ids: Tensor, num_segments: int) -> Tensor:
     """Sum ``values [N, ...]`` into ``[num_segments, ...]`` by ``segment_ids [N]``."""
     out = values.new_zeros((num_segments,) + tuple(values.shape[1:]))
     index = segment_ids.view(-1, *([1] * (values.dim() - 1))).expand_as(values)
@@ -33,7 +33,7 @@ def _groups(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor,
     r = rewards.to(torch.float64)
     _, gid = torch.unique(group_ids, return_inverse=True)
     g = int(gid.max().item()) + 1 if gid.numel() else 0
-    return r, gid, _segment_sum(torch.ones_like(r), gid, g), g
+    return r, gid, segment_sum(torch.ones_like(r), gid, g), g
 
 
 def grpo_group_advantages(rewards: Tensor, group_ids: Tensor, std_norm: bool = True, eps: float = 1e-6) -> Tensor:
@@ -44,11 +44,11 @@ def grpo_group_advantages(rewards: Tensor, group_ids: Tensor, std_norm: bool = T
     whose rewards are all equal gets advantage 0. Returns ``[N]`` float32.
     """
     r, gid, count, g = _groups(rewards, group_ids)
-    mean = _segment_sum(r, gid, g) / count
+    mean = segment_sum(r, gid, g) / count
     centered = r - mean[gid]
     if not std_norm:
         return centered.to(torch.float32)
-    std = (_segment_sum(centered * centered, gid, g) / count).sqrt()[gid]
+    std = (segment_sum(centered * centered, gid, g) / count).sqrt()[gid]
     out = torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
     return out.to(torch.float32)
 
@@ -61,7 +61,7 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     ``[N]`` float32.
     """
     r, gid, count, g = _groups(rewards, group_ids)
-    total = _segment_sum(r, gid, g)[gid]
+    total = segment_sum(r, gid, g)[gid]
     n = count[gid]
     others = (total - r) / (n - 1).clamp_min(1.0)
     return torch.where(n > 1, r - others, torch.zeros_like(r)).to(torch.float32)
@@ -79,7 +79,7 @@ def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor, num_tokens: Tens
     r, gid, count, g = _groups(rewards, group_ids)
     if num_tokens.shape != rewards.shape:
         raise ValueError(f"num_tokens {tuple(num_tokens.shape)} must be [N] like rewards {tuple(rewards.shape)}")
-    a = r - (_segment_sum(r, gid, g) / count)[gid]
+    a = r - (segment_sum(r, gid, g) / count)[gid]
     n = num_tokens.to(torch.float64)
     total = n.sum().clamp_min(1.0)
     mean = (n * a).sum() / total
@@ -160,7 +160,7 @@ def normalize_per_task(
     q = torch.linalg.vector_norm(d, dim=1).double().square()
     c64 = shift.double()
     per_sample = torch.stack([n64, s64, q + c64 * (2.0 * s64 - n64 * c64)], dim=1)  # [B, 3]
-    stats = _segment_sum(per_sample, task_ids, num_tasks).T.contiguous()  # [3, K]: count, sum, sum of squares
+    stats = segment_sum(per_sample, task_ids, num_tasks).T.contiguous()  # [3, K]: count, sum, sum of squares
     if use_group:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=process_group)
     count = stats[0].clamp_min(1.0)

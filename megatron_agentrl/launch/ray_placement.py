@@ -516,23 +516,23 @@ class RayRun:
 
         import ray
 
-        ro = self.cfg.rollout
+        rollout = self.cfg.rollout
         if not (self.cfg.model.checkpoint or self.cfg.model.hf_config):
             raise ConfigError("ray.rollout_gpus_per_engine > 0 needs model.checkpoint "
                               "(the HF weights the engines serve)")
         # the servers' keys: the user's (the variables the trainer's clients read), else generated for the run
-        self.engine_keys = (os.environ.get(ro.engine_api_key_env) or secrets.token_hex(16),
-                            os.environ.get(ro.engine_admin_api_key_env) or secrets.token_hex(16))
+        self.engine_keys = (os.environ.get(rollout.engine_api_key_env) or secrets.token_hex(16),
+                            os.environ.get(rollout.engine_admin_api_key_env) or secrets.token_hex(16))
         started: list[list[tuple[_Member, Any]]] = []
-        for slot in range(ro.max_versions):
+        for slot in range(rollout.max_versions):
             started.append([])
-            for i in range(ro.engines_per_slot):
+            for i in range(rollout.engines_per_slot):
                 m = self._add("engine", f"rollout engine {i} of version slot {slot}",
                               self._engine_actor(f"rollout_slot{slot}", i), f"rollout_slot{slot}", i)
                 started[-1].append((m, self._engine_start(m, port=0)))
         for slot_started in started:
             for m, ref in slot_started:
-                m.url, m.server_pid = ray.get(ref, timeout=ro.engine_startup_timeout_s + 60)
+                m.url, m.server_pid = ray.get(ref, timeout=rollout.engine_startup_timeout_s + 60)
         urls = [[m.url for m, _ in slot_started] for slot_started in started]
         logger.info("rollout engines: %s", urls)
         return urls
@@ -616,8 +616,8 @@ class RayRun:
         if self.cfg.ray.rollout_gpus_per_engine:
             engines = self.start_engines()
             overrides.append(f"rollout.engine_urls={json.dumps(engines)}")
-            ro = self.cfg.rollout
-            env[ro.engine_api_key_env], env[ro.engine_admin_api_key_env] = self.engine_keys
+            rollout = self.cfg.rollout
+            env[rollout.engine_api_key_env], env[rollout.engine_admin_api_key_env] = self.engine_keys
             out = Path(self.cfg.output_dir) / "ray"
             out.mkdir(parents=True, exist_ok=True)
             (out / "engines.json").write_text(json.dumps(engines, indent=2))

@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _have_te() -> bool:
+def have_te() -> bool:
+    """Transformer Engine imports and CUDA is present: the model is built with TE's layer specs."""
     try:
         import transformer_engine  # noqa: F401
         import transformer_engine.pytorch  # noqa: F401
@@ -331,7 +332,7 @@ def layer_spec(hf_config: Any, config: Any = None) -> Any:
     from megatron_agentrl.megatron.attention import SDPACoreAttention
     from megatron_agentrl.megatron.norm import with_torch_norm
 
-    use_te = _have_te()
+    use_te = have_te()
     model_type = getattr(hf_config, "model_type", None)
     if is_moe(hf_config):
         if config is None:
@@ -408,5 +409,5 @@ def build_gpt_model(
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     logger.debug("built GPTModel stage pre=%s post=%s padded_vocab=%d spec=%s", pre_process, post_process,
-                 vocab, "te" if _have_te() else "local")
+                 vocab, "te" if have_te() else "local")
     return model

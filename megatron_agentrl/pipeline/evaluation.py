@@ -56,37 +56,39 @@ class _NewestWeights:
     engine fails is generated again on another.
     """
 
-    def __init__(self, ro: RolloutSide) -> None:
-        self.ro = ro
+    def __init__(self, rollout_side: RolloutSide) -> None:
+        self.rollout_side = rollout_side
 
     @property
     def version(self) -> int:
         """The newest live weight version."""
-        return int(self.ro.pool.latest_version)
+        return int(self.rollout_side.pool.latest_version)
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
         """One turn of the episodes still running, on the newest live weights."""
-        return await self.ro.pool.generate(prompts, params, newest=True)
+        return await self.rollout_side.pool.generate(prompts, params, newest=True)
 
 
-def _requests(ro: RolloutSide) -> list[tuple[str, int, int]]:
+def _requests(rollout_side: RolloutSide) -> list[tuple[str, int, int]]:
     """``(task, index, episode number)`` of every held-out sample."""
-    return [(task, i, n) for n, (task, i) in enumerate((t, i) for t, idx in ro.eval_indices.items() for i in idx)]
+    held_out = ((t, i) for t, idx in rollout_side.eval_indices.items() for i in idx)
+    return [(task, i, n) for n, (task, i) in enumerate(held_out)]
 
 
-async def _play(cfg: Config, ro: RolloutSide, engine: Any, seed: int) -> list[Trajectory]:
+async def _play(cfg: Config, rollout_side: RolloutSide, engine: Any, seed: int) -> list[Trajectory]:
     """The held-out episodes on ``engine`` at ``eval.temperature``: in lockstep by the agent loop, or with
     ``rollout.agent: gateway`` each by the user's agent function (one trajectory per episode: its last
     segment, which carries the episode's ending)."""
-    requests, params = _requests(ro), sampling_params(cfg, ro.template, cfg.eval.temperature, seed)
+    requests, params = _requests(rollout_side), sampling_params(cfg, rollout_side.template, cfg.eval.temperature, seed)
     if cfg.rollout.agent == "gateway":
-        runner = build_eval_agent_runner(cfg, ro, engine, len(requests))
+        runner = build_eval_agent_runner(cfg, rollout_side, engine, len(requests))
         try:
             trajs = await runner.run_group(requests, params)
         finally:
             await runner.aclose()
         return list({t.group_id: t for t in trajs}.values())
-    return await run_group_lockstep(engine, ro.env, ro.template, requests, params, episode_options(cfg))
+    return await run_group_lockstep(engine, rollout_side.env, rollout_side.template, requests, params,
+                                    episode_options(cfg))
 
 
 def eval_metrics(trajs: list[Trajectory]) -> dict[str, float]:
@@ -116,19 +118,19 @@ def eval_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     return result
 
 
-def evaluate(cfg: Config, ro: RolloutSide, seed: int, progress: Progress | None = None,
+def evaluate(cfg: Config, rollout_side: RolloutSide, seed: int, progress: Progress | None = None,
              title: str = "evaluation") -> dict[str, float]:
     """Per-task mean reward and success (``reward/<task>``, ``success/<task>``) on the held-out
     indices, with the episode count (``episodes/<task>``) and the 95 % Wilson interval of the success
     rate (``success_low/<task>``, ``success_high/<task>``); newest live weights, no simulated
     latency. Rank 0 only, while no rollout runs (its own event loop). ``progress`` shows the turns as
     they run and logs one line at the end (the success per task with its interval)."""
-    if not _requests(ro):
+    if not _requests(rollout_side):
         return {}
     agent = cfg.rollout.agent == "gateway"  # completions of many episodes, not lockstep turns: no fixed total
     with (progress or Progress(enabled=False)).phase(title, None if agent else cfg.rollout.max_turns,
                                                      unit="completions" if agent else "turns", lines=1) as phase:
-        trajs = asyncio.run(_play(cfg, ro, _TurnCounter(_NewestWeights(ro), phase), seed))
+        trajs = asyncio.run(_play(cfg, rollout_side, _TurnCounter(_NewestWeights(rollout_side), phase), seed))
         result = eval_metrics(trajs)
         turns = max((len(t.versions) for t in trajs), default=0)
         phase.update(figures={"success": format_success(result)},
@@ -136,17 +138,17 @@ def evaluate(cfg: Config, ro: RolloutSide, seed: int, progress: Progress | None 
     return result
 
 
-async def evaluate_during_rl(cfg: Config, ro: RolloutSide, seed: int) -> dict[str, float]:
+async def evaluate_during_rl(cfg: Config, rollout_side: RolloutSide, seed: int) -> dict[str, float]:
     """The periodic evaluation: :func:`evaluate`'s entries plus ``eval_time_s`` and the weight versions
     that sampled its turns (``version_start``: the newest live version when it began, ``version_min``,
     ``version_max``; in async mode an evaluation can span weight updates). A coroutine for the rollout
     thread's event loop (``RolloutManager.submit``); ``{}`` without held-out samples."""
-    if not _requests(ro):
+    if not _requests(rollout_side):
         return {}
     t0 = time.perf_counter()
-    engine = _NewestWeights(ro)
+    engine = _NewestWeights(rollout_side)
     start = engine.version
-    trajs = await _play(cfg, ro, engine, seed)
+    trajs = await _play(cfg, rollout_side, engine, seed)
     versions = [v for t in trajs for v in t.versions] or [start]
     return {**eval_metrics(trajs), "eval_time_s": time.perf_counter() - t0, "version_start": float(start),
             "version_min": float(min(versions)), "version_max": float(max(versions))}

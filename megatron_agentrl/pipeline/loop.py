@@ -132,8 +132,8 @@ def _run_on_layout(cfg: Config) -> Iterator[TrainingRun]:
         yield run
     finally:
         try:
-            if run is not None and run.ro is not None:
-                run.ro.close()
+            if run is not None and run.rollout_side is not None:
+                run.rollout_side.close()
         finally:
             destroy_parallel()
 
@@ -217,7 +217,7 @@ class TrainingRun:
     """One training run on this rank, as stages (see the module doc and :func:`run_training`).
 
     The stages are collective: every rank calls each of them, in order. Rank 0 alone holds the
-    rollout side (``ro``), the rollout manager and the output files.
+    rollout side (``rollout_side``), the rollout manager and the output files.
     """
 
     def __init__(self, cfg: Config) -> None:
@@ -226,8 +226,8 @@ class TrainingRun:
         self.rank0 = is_rank0()
         self.progress = Progress(enabled=self.rank0)
         self.task_names = [s.name for s in cfg.tasks]
-        self.eta = cfg.pipeline.staleness if cfg.pipeline.mode == "async" else 0
-        self.ro: RolloutSide | None = None
+        self.max_staleness = cfg.pipeline.staleness if cfg.pipeline.mode == "async" else 0
+        self.rollout_side: RolloutSide | None = None
         self.metrics: MetricsLogger | None = None
         self.manager: RolloutManager | None = None
         self.batches_log: IO[str] | None = None
@@ -264,17 +264,16 @@ class TrainingRun:
 
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-            self.ro = build_rollout_side(cfg, self.hf_config, dtype, template, remote)
+            self.rollout_side = build_rollout_side(cfg, self.hf_config, dtype, template, remote)
             self.metrics = MetricsLogger(self.out, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging,
                                          run_config=config_to_dict(cfg))
             logger.info("output_dir: %s | mode: %s | tasks: %s | model: %s", self.out, cfg.pipeline.mode,
                         ", ".join(self.task_names), _describe(self.hf_config))
         r = cfg.rollout
-        sync = SenderOptions(bucket_mb=r.weight_sync_bucket_mb, init_timeout_s=r.weight_sync_init_timeout_s,
-                             bucket_timeout_s=r.weight_sync_bucket_timeout_s, checksum=r.weight_sync_checksum,
+        sync = SenderOptions(**r.weight_sync_limits(), checksum=r.weight_sync_checksum,
                              master_address=weight_sync_master_address(cfg))
-        self.publisher = WeightPublisher(self.actor, self.ro.pool if self.ro is not None else None, sync,
-                                         timeout_s=r.engine_timeout_s, remote_slots=remote,
+        pool = self.rollout_side.pool if self.rollout_side is not None else None
+        self.publisher = WeightPublisher(self.actor, pool, sync, timeout_s=r.engine_timeout_s, remote_slots=remote,
                                          max_failures=r.weight_sync_max_failures)
         self.trainer = Trainer(self.actor, cfg, self.task_names)
         p = cfg.pipeline
@@ -301,12 +300,12 @@ class TrainingRun:
             logger.info("resumed at step %d (weight version %d)", self.start_step, self.state["version"])
             return
         if cfg.sft.steps:
-            sft_warmup(cfg, self.actor, self.ro, self.metrics, self.progress)
+            sft_warmup(cfg, self.actor, self.rollout_side, self.metrics, self.progress)
         self.publisher.push(0, all_slots=True)
         if cfg.loss.kl_coef > 0:
             self.actor.snapshot_reference()
         if self.rank0:
-            self.before = evaluate(cfg, self.ro, seed=cfg.train.seed + 1, progress=self.progress,
+            self.before = evaluate(cfg, self.rollout_side, seed=cfg.train.seed + 1, progress=self.progress,
                                    title="evaluation before RL")
             if self.before:
                 self.metrics.log(0, self.before, phase="eval")
@@ -333,7 +332,7 @@ class TrainingRun:
         if not self.rank0:
             return {}
         self._warn_if_trained_on()
-        result = evaluate(cfg, self.ro, seed=cfg.train.seed + 1, progress=self.progress, title="evaluation")
+        result = evaluate(cfg, self.rollout_side, seed=cfg.train.seed + 1, progress=self.progress, title="evaluation")
         self.metrics.log(self.start_step, result, phase="eval")
         self.metrics.close()
         record = {"weights": weights, "step": self.start_step, "weight_version": version,
@@ -363,15 +362,15 @@ class TrainingRun:
     def start_rollouts(self) -> None:
         """Rank 0: the rollout manager (with the checkpoint's state when resuming) starts sampling."""
         cfg = self.cfg
-        off_policy = self.eta > 0 or cfg.rollout.cross_policy != "latest"
+        off_policy = self.max_staleness > 0 or cfg.rollout.cross_policy != "latest"
         if self.rank0 and off_policy and cfg.loss.tis_cap == 0 and cfg.loss.mis_cap == 0:
             logger.warning("off-policy tokens (pipeline.staleness=%d, rollout.cross_policy=%s) with loss.tis_cap=0 "
                            "and loss.mis_cap=0: they are corrected only by the PPO clip against their behavior "
                            "log-probs; set loss.tis_cap (e.g. 2.0) for truncated importance weights, or "
                            "loss.mis_cap for masked ones",
-                           self.eta, cfg.rollout.cross_policy)
+                           self.max_staleness, cfg.rollout.cross_policy)
         if self.rank0:
-            self.manager = make_manager(cfg, self.ro, version=self.start_step)
+            self.manager = make_manager(cfg, self.rollout_side, version=self.start_step)
             if self.state is not None and self.state["manager"] is not None:  # None: saved before RL began
                 self.manager.load_state_dict(self.state["manager"])
             self.batches_log = (self.out / "batches.jsonl").open("a")
@@ -386,11 +385,11 @@ class TrainingRun:
         t_step = time.perf_counter()
         rl = None
         groups: list[FinishedGroup] = []
-        busy0 = self.ro.busy_seconds() if self.ro is not None else 0.0
+        busy_before = self.rollout_side.busy_seconds() if self.rollout_side is not None else 0.0
         groups = self._next_batch(step)
         if self.manager is not None:
             rl = build_rl_batch([t for g in groups for t in g.trajectories], self.task_names, cfg.algo,
-                                self.ro.shaper, trained_version=step - 1)
+                                self.rollout_side.shaper, trained_version=step - 1)
         wait_s = time.perf_counter() - t_step
         t0 = time.perf_counter()
         stats = self.trainer.step(rl, step)
@@ -407,11 +406,11 @@ class TrainingRun:
                      "step_time_s": time.perf_counter() - t_step}
             if cfg.eval.interval:
                 times["eval_wait_s"] = eval_s
-            m, staleness = step_metrics(step, groups, stats, rl, self.eta, times, self.manager,
-                                        self.ro.busy_seconds() - busy0)
-            m.update(self.manager.agent_metrics())  # rollout.agent: gateway: history rewrites, agent errors, ...
-            m.update(self._engine_counts())
-            self._record(step, groups, stats, m, staleness, rl.sample_adv.tolist())
+            metrics, staleness = step_metrics(step, groups, stats, rl, self.max_staleness, times, self.manager,
+                                              self.rollout_side.busy_seconds() - busy_before)
+            metrics.update(self.manager.agent_metrics())  # rollout.agent: gateway: history rewrites, agent errors
+            metrics.update(self._engine_counts())
+            self._record(step, groups, stats, metrics, staleness, rl.sample_adv.tolist())
 
     def _next_batch(self, step: int) -> list[FinishedGroup]:
         """Rank 0: the groups of RL step ``step`` (``pipeline.batch_timeout_s`` at most); [] elsewhere.
@@ -435,7 +434,7 @@ class TrainingRun:
                     if time.monotonic() >= deadline:
                         status = f"error: {e}"
                     else:
-                        status = "resync" if self.ro.pool.stranded() else "wait"
+                        status = "resync" if self.rollout_side.pool.stranded() else "wait"
             status = broadcast_object(status)
             if status == "ready":
                 return groups
@@ -451,14 +450,14 @@ class TrainingRun:
         """Rank 0, after the weight push of step ``step`` and before the manager admits against it: log the
         evaluations that ended, and start the one due. Sync mode waits for it (nothing else runs then)."""
         self._collect_evals(wait=False)
-        if not eval_due(self.cfg, step) or not any(self.ro.eval_indices.values()):
+        if not eval_due(self.cfg, step) or not any(self.rollout_side.eval_indices.values()):
             return
         if len(self.evals) >= MAX_EVALS_IN_FLIGHT:
             self.evals_skipped += 1
             logger.warning("evaluation after step %d skipped: %d evaluations still run (raise eval.interval or lower "
                            "eval.samples_per_task)", step, len(self.evals))
             return
-        coro = evaluate_during_rl(self.cfg, self.ro, seed=self.cfg.train.seed + 1)
+        coro = evaluate_during_rl(self.cfg, self.rollout_side, seed=self.cfg.train.seed + 1)
         self.evals.append((step, self.manager.submit(coro)))
         if self.cfg.pipeline.mode == "sync":
             self._collect_evals(wait=True)
@@ -494,19 +493,19 @@ class TrainingRun:
         if self.manager is not None:
             self._collect_evals(wait=True)
 
-    def _record(self, step: int, groups: list[FinishedGroup], stats: dict[str, float], m: dict[str, float],
+    def _record(self, step: int, groups: list[FinishedGroup], stats: dict[str, float], metrics: dict[str, float],
                 staleness: list[int], advantages: list[float]) -> None:
         """Rank 0: the step's metrics (metrics.jsonl, TensorBoard), its batches.jsonl row (with each trained
         sample's end status and advantage, in the order of ``staleness``), its console line."""
         ids = [sid for g in groups for sid in g.request.sample_ids()]
         self.consumed_ids.extend(ids)
         self.trained_samples += sum(len(g.trajectories) for g in groups)
-        self.trained_tokens += int(m["train_tokens"])
-        flags, alarms = self.collapse.update(step, m)
-        m.update(flags)
+        self.trained_tokens += int(metrics["train_tokens"])
+        flags, alarms = self.collapse.update(step, metrics)
+        metrics.update(flags)
         for message in alarms:
             logger.warning(message)
-        self.metrics.log(step, m)
+        self.metrics.log(step, metrics)
         self.metrics.histogram(step, "staleness", [float(s) for s in staleness])
         self.batches_log.write(json.dumps({
             "step": step, "trained_version": step - 1, "group_ids": [g.request.group_id for g in groups],
@@ -517,7 +516,7 @@ class TrainingRun:
         }) + "\n")
         self.batches_log.flush()
         if step % self.cfg.log_every == 0 or step == self.cfg.train.steps:
-            logger.info(format_step(step, self.cfg, m))
+            logger.info(format_step(step, self.cfg, metrics))
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether a checkpoint follows step ``step`` (every ``checkpoint.interval`` steps and the last)."""
@@ -548,16 +547,16 @@ class TrainingRun:
     def _engine_counts(self) -> dict[str, float]:
         """Rank 0: :func:`engine_metrics` over the whole run (the counts before the checkpoint resumed from added;
         ``engines/out_of_rotation`` is a state, not a count)."""
-        m = engine_metrics(self.ro.pool, self.publisher)
+        counts = engine_metrics(self.rollout_side.pool, self.publisher)
         return {k: v + (0.0 if k == "engines/out_of_rotation" else float(self.engines_before.get(k, 0.0)))
-                for k, v in m.items()}
+                for k, v in counts.items()}
 
     def _totals(self) -> dict[str, Any]:
         """Rank 0: the run's own counters so far, for the checkpoint (the manager's are in its state)."""
         return {"trained_samples": self.trained_samples, "trained_tokens": self.trained_tokens,
                 "evals_skipped": self.evals_skipped, "resumes": self.resumes,
                 "rl_wall_s": self.rl_wall_before + (time.perf_counter() - self.t_rl if self.t_rl else 0.0),
-                "engines": self._engine_counts() if self.ro is not None else {}}
+                "engines": self._engine_counts() if self.rollout_side is not None else {}}
 
     def _restore_totals(self, totals: dict[str, Any]) -> None:
         """The counters of :meth:`_totals` from the checkpoint resumed from (absent in older checkpoints: zero),
@@ -577,15 +576,15 @@ class TrainingRun:
         finally:
             if self.batches_log is not None:
                 self.batches_log.close()
-            if self.ro is not None:
-                self.ro.pool.stop_health_checks()
+            if self.rollout_side is not None:
+                self.rollout_side.pool.stop_health_checks()
         self.rl_wall = self.rl_wall_before + time.perf_counter() - self.t_rl
 
     def finish(self) -> dict[str, Any]:
         """The final evaluation, the HF export of the trained model, the reward plot and summary.json;
         returns the summary (``{}`` on ranks other than 0)."""
         cfg = self.cfg
-        after = evaluate(cfg, self.ro, seed=cfg.train.seed + 1, progress=self.progress,
+        after = evaluate(cfg, self.rollout_side, seed=cfg.train.seed + 1, progress=self.progress,
                          title="evaluation after RL") if self.rank0 else {}
         self.publisher.close()
         with self.progress.phase("HF export") as phase:
@@ -617,7 +616,7 @@ class TrainingRun:
             summary.update({"groups_drawn": st.drawn, "dropped_zero_variance": dict(st.dropped_zero_var),
                             "short_slots": st.short_slots, "fallback_batches": st.fallback_batches,
                             "forced_draws": st.forced_draws})
-        if self.ro is not None and self.publisher.sender is not None:  # servers that came and went
+        if self.rollout_side is not None and self.publisher.sender is not None:  # servers that came and went
             summary["engines"] = self._engine_counts()
         if cfg.eval.interval:
             summary["evals_skipped"] = self.evals_skipped

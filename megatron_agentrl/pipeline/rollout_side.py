@@ -34,13 +34,7 @@ from rollout_sglang.engines.sglang_options import SGLangClientOptions
 from rollout_sglang.engines.version_pool import VersionPool
 from rollout_sglang.episode_options import EpisodeOptions
 from rollout_sglang.gateway.options import GatewayOptions
-from rollout_sglang.rollout.manager import (
-    AdmissionOptions,
-    DynamicSamplingOptions,
-    PromptSampler,
-    RolloutManager,
-    RolloutOptions,
-)
+from rollout_sglang.rollout.manager import PromptSampler, RolloutManager, RolloutOptions
 from rollout_sglang.rollout.sim_env import LatencyEnvClient
 from rollout_sglang.routing import RoutingLayout
 
@@ -319,29 +313,28 @@ def standalone_pool(cfg: Config, hf_config: Any, dtype: torch.dtype) -> VersionP
                        recency_decay=r.recency_decay, seed=cfg.train.seed, drain_timeout_s=r.engine_timeout_s)
 
 
-def build_agent_runner(cfg: Config, ro: RolloutSide) -> Any:
+def build_agent_runner(cfg: Config, rollout_side: RolloutSide) -> Any:
     """The :class:`~rollout_sglang.gateway.AgentRunner` of ``rollout.agent: gateway``: ``rollout.agent_fn`` per
     sample against a gateway over the pool and the training env, served on ``gateway.host:port``."""
-    r, g, p = cfg.rollout, cfg.gateway, cfg.pipeline
-    eta = 0 if p.mode == "sync" else p.staleness
-    in_flight = (p.queue_size or (eta + 1) * r.prompts_per_step) * r.samples_per_prompt
+    g = cfg.gateway
+    in_flight = cfg.admission_options().queue_limit * cfg.rollout.samples_per_prompt
     if g.max_sessions < in_flight:
         raise ConfigError(f"gateway.max_sessions={g.max_sessions} is below the {in_flight} episodes the rollout may "
                           "run at once (pipeline.queue_size groups of rollout.samples_per_prompt); raise it")
-    gateway = build_gateway(cfg, ro.pool, ro.template, ro.train_env, training=True,
-                            capture_routing=ro.routing is not None)
+    gateway = build_gateway(cfg, rollout_side.pool, rollout_side.template, rollout_side.train_env,
+                            training=True, capture_routing=rollout_side.routing is not None)
     return _agent_runner(cfg, gateway)
 
 
-def build_eval_agent_runner(cfg: Config, ro: RolloutSide, engine: Any, episodes: int) -> Any:
+def build_eval_agent_runner(cfg: Config, rollout_side: RolloutSide, engine: Any, episodes: int) -> Any:
     """The :class:`~rollout_sglang.gateway.AgentRunner` that plays ``episodes`` held-out episodes with
     ``rollout.agent_fn``: a gateway of its own over ``engine`` and the evaluation env, ``eval.temperature``
     by default (an agent may ask for another: nothing is trained on these tokens), on ``gateway.host`` at a
     port the system picks (the training runner keeps ``gateway.port``)."""
     g = cfg.gateway
     options = dataclasses.replace(g, port=0, max_sessions=max(g.max_sessions, episodes))
-    gateway = build_gateway(cfg, engine, ro.template, ro.env, training=False, temperature=cfg.eval.temperature,
-                            gateway=options)
+    gateway = build_gateway(cfg, engine, rollout_side.template, rollout_side.env, training=False,
+                            temperature=cfg.eval.temperature, gateway=options)
     return _agent_runner(cfg, gateway)
 
 
@@ -351,35 +344,26 @@ def _agent_runner(cfg: Config, gateway: Any) -> Any:
     from rollout_sglang.gateway import AgentRunner
 
     r = cfg.rollout
-    return AgentRunner(gateway, load_agent_fn(str(r.agent_fn)), token=gateway_token(cfg),
-                       agent_timeout_s=r.agent_timeout_s,
+    return AgentRunner(gateway, load_agent_fn(str(r.agent_fn)), r, token=gateway_token(cfg),
                        client_timeout_s=r.engine_timeout_s + cfg.pipeline.env_timeout_s)
 
 
-def make_manager(cfg: Config, ro: RolloutSide, version: int) -> RolloutManager:
+def make_manager(cfg: Config, rollout_side: RolloutSide, version: int) -> RolloutManager:
     """The rollout manager of ``pipeline.mode`` (sync: staleness 0, a step's groups in lockstep;
     async: ``pipeline.staleness``, groups one by one) over the pool, at weight version ``version``; with
     ``rollout.agent: gateway`` its episodes are played by ``rollout.agent_fn`` through the gateway; with
     ``algo.dynamic_sampling`` groups whose shaped rewards are all equal are dropped and more are drawn."""
-    r, p = cfg.rollout, cfg.pipeline
-    sync = p.mode == "sync"
-    B = r.prompts_per_step
-    sampler = PromptSampler(ro.task_names, ro.weights, ro.train_indices, r.samples_per_prompt, seed=cfg.train.seed)
-    admission = AdmissionOptions(
-        batch_groups=B, staleness=0 if sync else p.staleness, queue_size=p.queue_size,
-        cohort_groups=p.cohort_groups or (B if sync else 1),
-        version_lag=0 if sync or r.cross_policy == "latest" else r.max_versions - 1,
-        total_groups=cfg.train.steps * B,
-    )
+    r = cfg.rollout
+    sampler = PromptSampler(rollout_side.task_names, rollout_side.weights, rollout_side.train_indices,
+                            r.samples_per_prompt, seed=cfg.train.seed)
     options = RolloutOptions(
-        admission, episode=episode_options(cfg, ro.routing is not None),
-        sampling=sampling_params(cfg, ro.template, r.temperature, None), retry=r,
-        dynamic_sampling=DynamicSamplingOptions(cfg.algo.dynamic_sampling_max_groups), seed=cfg.train.seed,
-        max_dropped_in_row=p.max_dropped_groups_in_row,
+        cfg.admission_options(), episode=episode_options(cfg, rollout_side.routing is not None),
+        sampling=sampling_params(cfg, rollout_side.template, r.temperature, None), retry=r,
+        dynamic_sampling=cfg.algo, drop_limit=cfg.pipeline, seed=cfg.train.seed,
     )
     # groups of one sample under dynamic sampling are refused by Config.validate
-    manager = RolloutManager(ro.pool, ro.train_env, ro.template, sampler, options,
-                             agent=build_agent_runner(cfg, ro) if r.agent == "gateway" else None,
-                             reward=ro.shaper if cfg.algo.dynamic_sampling else None)
+    manager = RolloutManager(rollout_side.pool, rollout_side.train_env, rollout_side.template, sampler, options,
+                             agent=build_agent_runner(cfg, rollout_side) if r.agent == "gateway" else None,
+                             reward=rollout_side.shaper if cfg.algo.dynamic_sampling else None)
     manager.set_version(version)
     return manager

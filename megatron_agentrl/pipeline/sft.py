@@ -41,13 +41,13 @@ class DemoSampler:
     ``sft.careless_fraction`` of them, spread evenly over that task's draws (a per-task running
     share, not a coin per demonstration): the choice between the habit and the skill is one or two
     tokens whose probability follows the last few batches, and with a coin per demonstration the
-    warm-up ended with the habit on 70 % of a task's episodes in one run and on nearly all of them in
-    another, which left RL too few successes to learn from.
+    habit's share after the warm-up varied from run to run up to nearly all episodes (docs/BENCHMARKS.md),
+    which left RL too few successes to learn from.
     """
 
-    def __init__(self, cfg: Config, ro: RolloutSide) -> None:
-        self.cfg, self.ro = cfg, ro
-        self._careless_due = dict.fromkeys(ro.task_names, 0.0)
+    def __init__(self, cfg: Config, rollout_side: RolloutSide) -> None:
+        self.cfg, self.rollout_side = cfg, rollout_side
+        self._careless_due = dict.fromkeys(rollout_side.task_names, 0.0)
         self._warned: set[str] = set()
         #: demonstrations left out because the infrastructure could not play them
         self.unplayable = 0
@@ -74,17 +74,17 @@ class DemoSampler:
         return self._draw(short)
 
     def _draw(self, short: bool) -> tuple[list[int], list[int]]:
-        ro = self.ro
-        task = ro.rng.choices(ro.task_names, weights=ro.sft_weights)[0]
-        index = ro.rng.choice(ro.train_indices[task])
+        rollout_side = self.rollout_side
+        task = rollout_side.rng.choices(rollout_side.task_names, weights=rollout_side.sft_weights)[0]
+        index = rollout_side.rng.choice(rollout_side.train_indices[task])
         demo = None
         if not short and self.cfg.sft.careless_fraction and self._careless_turn(task):
-            demo = ro.tasks[task].careless_demonstration(index)
-        messages, tools = demo or ro.tasks[task].demonstration(index)
+            demo = rollout_side.tasks[task].careless_demonstration(index)
+        messages, tools = demo or rollout_side.tasks[task].demonstration(index)
         if short:
-            ids, mask = ro.template.encode_conversation([{"role": "system", "content": ""}, *messages], None)
+            ids, mask = rollout_side.template.encode_conversation([{"role": "system", "content": ""}, *messages], None)
         else:
-            ids, mask = ro.template.encode_conversation(messages, tools)
+            ids, mask = rollout_side.template.encode_conversation(messages, tools)
         self._check_turns(task, mask)
         return ids, mask
 
@@ -103,9 +103,9 @@ class DemoSampler:
         return [self.example(short) for _ in range(self.cfg.sft.batch_size)]
 
 
-def sft_warmup(cfg: Config, actor: MegatronActor, ro: RolloutSide | None, metrics: MetricsLogger | None,
+def sft_warmup(cfg: Config, actor: MegatronActor, rollout_side: RolloutSide | None, metrics: MetricsLogger | None,
                progress: Progress) -> None:
-    """``sft.steps`` supervised steps (collective: rank 0 passes ``ro`` and ``metrics``, the others None).
+    """``sft.steps`` supervised steps (collective: rank 0 passes ``rollout_side`` and ``metrics``, the others None).
 
     Every step goes to ``metrics`` (phase "sft": the actor's stats, ``lr``, ``step_time_s``, ``demos_left_out``:
     demonstrations the infrastructure could not play, so far);
@@ -113,7 +113,7 @@ def sft_warmup(cfg: Config, actor: MegatronActor, ro: RolloutSide | None, metric
     """
     title = "SFT warm-up"
     t_start = time.perf_counter()
-    demos = DemoSampler(cfg, ro) if ro is not None else None
+    demos = DemoSampler(cfg, rollout_side) if rollout_side is not None else None
     with progress.phase(title, cfg.sft.steps) as phase:
         for step in range(1, cfg.sft.steps + 1):
             lr = cfg.sft.lr_at(step)

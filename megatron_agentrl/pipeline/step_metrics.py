@@ -10,15 +10,15 @@ from rollout_sglang.rollout.manager import FinishedGroup, RolloutManager
 from rollout_sglang.trajectory import Trajectory
 
 
-def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float], batch: RLBatch, eta: int,
+def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float], batch: RLBatch, max_staleness: int,
                  times: dict[str, float], manager: RolloutManager,
                  busy_delta: float) -> tuple[dict[str, float], list[int]]:
     """The metrics of RL step ``step`` (trained on weight version ``step - 1``) and the staleness of
     each trained sample (versions between the trainer and the oldest turn).
 
     groups: the step's groups; stats: the trainer's; batch: the step's RL batch (its ``[B]`` shaped
-    ``rewards`` and ``sample_adv``); eta: the staleness cap (``staleness/<k>`` for k <= eta); times: seconds
-    of ``wait_batch_s``, ``train_time_s``, ``weight_sync_s``, ``step_time_s``; busy_delta: engine
+    ``rewards`` and ``sample_adv``); max_staleness: the staleness cap (``staleness/<k>`` for k <= max_staleness);
+    times: seconds of ``wait_batch_s``, ``train_time_s``, ``weight_sync_s``, ``step_time_s``; busy_delta: engine
     seconds spent generating during the step.
 
     With dynamic sampling, ``reward/<task>`` and ``success/<task>`` also count the zero-variance groups
@@ -41,7 +41,7 @@ def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float]
     rollout_s = sum(g.t_end - g.t_start for g in groups) / len(groups)
     queued, running = manager.depth()
     step_s = times["step_time_s"]
-    m: dict[str, float] = {
+    metrics: dict[str, float] = {
         **per_task_means(finished),
         **stats,
         **times,
@@ -68,14 +68,14 @@ def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float]
         "engine_idle_frac": max(0.0, 1.0 - busy_delta / max(step_s, 1e-9)),
         **gpu_stats(),
     }
-    for k in range(eta + 1):
-        m[f"staleness/{k}"] = sum(1 for s in staleness if s == k) / len(staleness)
+    for k in range(max_staleness + 1):
+        metrics[f"staleness/{k}"] = sum(1 for s in staleness if s == k) / len(staleness)
     if manager.capture_routing:  # an engine that returns no routing leaves its episodes on the trainer's own
-        m["routing/captured_frac"] = sum(t.routed_experts is not None for t in trajs) / len(trajs)
-    m.update(infra_metrics(manager))
+        metrics["routing/captured_frac"] = sum(t.routed_experts is not None for t in trajs) / len(trajs)
+    metrics.update(infra_metrics(manager))
     if manager.dynamic_sampling:
-        m.update(dynamic_sampling_metrics(manager))
-    return m, staleness
+        metrics.update(dynamic_sampling_metrics(manager))
+    return metrics, staleness
 
 
 def infra_metrics(manager: RolloutManager) -> dict[str, float]:
@@ -83,10 +83,11 @@ def infra_metrics(manager: RolloutManager) -> dict[str, float]:
     trained: ``infra/failed_<task>`` (episodes, every task), ``infra/groups_retried`` (groups re-run) and
     ``infra/groups_dropped`` (groups given up after their attempts)."""
     last = manager.last_batch
-    m = {f"infra/failed_{task}": float(last.get("infra_failed", {}).get(task, 0)) for task in manager.sampler.tasks}
-    m["infra/groups_retried"] = float(last.get("infra_retried", 0))
-    m["infra/groups_dropped"] = float(sum(last.get("infra_dropped", {}).values()))
-    return m
+    failed = last.get("infra_failed", {})
+    metrics = {f"infra/failed_{task}": float(failed.get(task, 0)) for task in manager.sampler.tasks}
+    metrics["infra/groups_retried"] = float(last.get("infra_retried", 0))
+    metrics["infra/groups_dropped"] = float(sum(last.get("infra_dropped", {}).values()))
+    return metrics
 
 
 def engine_metrics(pool: Any, publisher: Any) -> dict[str, float]:
@@ -110,34 +111,35 @@ def dynamic_sampling_metrics(manager: RolloutManager) -> dict[str, float]:
     signal) and ``dynamic_sampling/fallback`` (1: every group of the batch had zero variance; it trained on
     them, with advantage 0)."""
     last = manager.last_batch
-    m = {f"dynamic_sampling/dropped_{task}": float(last.get("dropped", {}).get(task, 0))
-         for task in manager.sampler.tasks}
-    m.update({"dynamic_sampling/groups_drawn": float(last.get("drawn", 0)),
-              "dynamic_sampling/batch_groups": float(last.get("groups", 0)),
-              "dynamic_sampling/short_slots": float(last.get("short", 0)),
-              "dynamic_sampling/fallback": float(last.get("fallback", 0.0))})
-    return m
+    metrics = {f"dynamic_sampling/dropped_{task}": float(last.get("dropped", {}).get(task, 0))
+               for task in manager.sampler.tasks}
+    metrics.update({"dynamic_sampling/groups_drawn": float(last.get("drawn", 0)),
+                    "dynamic_sampling/batch_groups": float(last.get("groups", 0)),
+                    "dynamic_sampling/short_slots": float(last.get("short", 0)),
+                    "dynamic_sampling/fallback": float(last.get("fallback", 0.0))})
+    return metrics
 
 
-def format_step(step: int, cfg: Config, m: dict[str, float]) -> str:
-    """The console line of RL step ``step`` from its metrics ``m`` (the async pipeline's figures too)."""
-    rewards = " ".join(f"{k.split('/', 1)[1]} {v:.2f}" for k, v in m.items() if k.startswith("reward/"))
+def format_step(step: int, cfg: Config, metrics: dict[str, float]) -> str:
+    """The console line of RL step ``step`` from its ``metrics`` (the async pipeline's figures too)."""
+    rewards = " ".join(f"{k.split('/', 1)[1]} {v:.2f}" for k, v in metrics.items() if k.startswith("reward/"))
     line = (
-        f"step {step}/{cfg.train.steps} | reward {rewards} | gen {m['gen_tokens_per_s']:.0f} tok/s "
-        f"train {m['train_tokens_per_s']:.0f} tok/s | step {m['step_time_s']:.1f}s "
-        f"(wait {m['wait_batch_s']:.1f} train {m['train_time_s']:.1f} sync {m['weight_sync_s']:.2f}) | "
-        f"loss {m['loss']:+.4f} clip {m.get('clip_frac', 0):.3f}"
+        f"step {step}/{cfg.train.steps} | reward {rewards} | gen {metrics['gen_tokens_per_s']:.0f} tok/s "
+        f"train {metrics['train_tokens_per_s']:.0f} tok/s | step {metrics['step_time_s']:.1f}s "
+        f"(wait {metrics['wait_batch_s']:.1f} train {metrics['train_time_s']:.1f} "
+        f"sync {metrics['weight_sync_s']:.2f}) | loss {metrics['loss']:+.4f} clip {metrics.get('clip_frac', 0):.3f}"
     )
-    if "dynamic_sampling/groups_drawn" in m:
-        dropped = sum(v for k, v in m.items() if k.startswith("dynamic_sampling/dropped_"))
-        line += (f" | groups {m['dynamic_sampling/batch_groups']:.0f} drawn {m['dynamic_sampling/groups_drawn']:.0f} "
-                 f"flat {dropped:.0f}")
-    failed = sum(v for k, v in m.items() if k.startswith("infra/failed_"))
-    if failed or m.get("infra/groups_dropped"):
+    if "dynamic_sampling/groups_drawn" in metrics:
+        dropped = sum(v for k, v in metrics.items() if k.startswith("dynamic_sampling/dropped_"))
+        line += (f" | groups {metrics['dynamic_sampling/batch_groups']:.0f} "
+                 f"drawn {metrics['dynamic_sampling/groups_drawn']:.0f} flat {dropped:.0f}")
+    failed = sum(v for k, v in metrics.items() if k.startswith("infra/failed_"))
+    if failed or metrics.get("infra/groups_dropped"):
         line += (f" | infra-failed episodes {failed:.0f} (not trained), groups re-run "
-                 f"{m.get('infra/groups_retried', 0):.0f} dropped {m.get('infra/groups_dropped', 0):.0f}")
+                 f"{metrics.get('infra/groups_retried', 0):.0f} dropped {metrics.get('infra/groups_dropped', 0):.0f}")
     if cfg.pipeline.mode == "async":
-        line += (f" | stale mean {m['staleness_mean']:.2f} max {m['staleness_max']:.0f} | queue {m['queue_depth']:.0f} "
-                 f"running {m['groups_running']:.0f} | idle trainer {100 * m['trainer_idle_frac']:.0f}% "
-                 f"engine {100 * m['engine_idle_frac']:.0f}%")
+        line += (f" | stale mean {metrics['staleness_mean']:.2f} max {metrics['staleness_max']:.0f} "
+                 f"| queue {metrics['queue_depth']:.0f} running {metrics['groups_running']:.0f} "
+                 f"| idle trainer {100 * metrics['trainer_idle_frac']:.0f}% "
+                 f"engine {100 * metrics['engine_idle_frac']:.0f}%")
     return line

@@ -57,7 +57,7 @@ class WeightPublisher:
         sync = sync if sync is not None else SenderOptions()
         self.actor = actor
         self.pool = pool
-        self.bucket_bytes = max(1, int(sync.bucket_mb * 1024 * 1024))
+        self.bucket_bytes = max(1, int(sync.weight_sync_bucket_mb * 1024 * 1024))
         self.timeout_s = float(timeout_s)
         self.remote_slots = remote_slots
         self.sender = None

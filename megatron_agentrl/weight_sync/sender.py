@@ -8,7 +8,7 @@ Per sync, on every trainer rank (:meth:`WeightSender.sync`, collective):
    (:func:`~megatron_agentrl.weight_sync.gather.stage_hf_tensors`), one parameter at a time, so
    memory stays at one bucket;
 2. the stage's *source* rank (tp_rank 0 of DP replica 0) groups them into single-dtype buckets of
-   ``bucket_mb`` and sends them to every engine of the slot on the slot's dedicated group
+   ``weight_sync_bucket_mb`` and sends them to every engine of the slot on the slot's dedicated group
    (:class:`~rollout_sglang.weight_update.broadcaster.BucketBroadcaster`, through the sender's
    transport: SGLang's broadcasts unless another is given). With PP > 1 the stages send in turn
    (stage 0, then 1, ...), because an engine serves one update request at a time and two engines
@@ -60,7 +60,7 @@ class WeightSender:
                  transport: BucketTransport | None = None) -> None:
         self.actor = actor
         self.options = options if options is not None else SenderOptions()
-        self.bucket_bytes = max(1, int(self.options.bucket_mb * MB))
+        self.bucket_bytes = max(1, int(self.options.weight_sync_bucket_mb * MB))
         self.transport: BucketTransport = transport if transport is not None else SGLangBroadcast()
         if self.options.checksum:
             with_checksum = getattr(self.transport, "with_checksum", None)

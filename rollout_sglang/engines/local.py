@@ -34,10 +34,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-import numpy as np
 import torch
 
-from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
+from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams, routing_starts
 from rollout_sglang.engines.router_capture import RouterCapture, find_routers, routing_layout_of
 from rollout_sglang.routing import RoutingLayout
 from rollout_sglang.weight_update.buckets import dtype_from_name
@@ -260,18 +259,12 @@ class LocalEngine:
             return await asyncio.to_thread(self._generate_sync, prompts, params, routing_from)
 
     def _check_routing_from(self, prompts: list[list[int]], routing_from: list[int]) -> list[int]:
-        """ValueError unless the model is MoE and each start is an int in ``[0, len(prompt)]`` (SGLang's rule)."""
+        """ValueError unless the model is MoE and the starts fit the prompts (:func:`routing_starts`)."""
         if self.routing_layout is None:
             raise ValueError(f"routing_from given, but {type(self.model).__name__} is a dense model (no MoE router "
                              "modules): there are no routed experts to return; call generate without routing_from "
                              "(rollout.capture_routing=off or auto)")
-        starts = list(routing_from)
-        if len(starts) != len(prompts):
-            raise ValueError(f"routing_from has {len(starts)} starts for {len(prompts)} prompts; give one per prompt")
-        for i, (s, p) in enumerate(zip(starts, prompts)):
-            if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= int(s) <= len(p):
-                raise ValueError(f"routing_from[{i}]={s!r} must be an int in [0, {len(p)}] (the prompt's length)")
-        return [int(s) for s in starts]
+        return routing_starts(prompts, routing_from)
 
     def _check_inputs(self, prompts: list[list[int]], params: SamplingParams) -> None:
         """Raise ValueError for empty prompts, out-of-vocabulary ids or bad sampling settings."""

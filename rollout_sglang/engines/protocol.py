@@ -60,6 +60,19 @@ class GenerationOutput:
     routed_experts: np.ndarray | None = None
 
 
+def routing_starts(prompts: list[list[int]], routing_from: list[int]) -> list[int]:
+    """``routing_from`` checked against ``prompts`` (:meth:`Engine.generate`): one start per prompt, each an int in
+    ``[0, len(prompt)]`` (the range SGLang's scheduler accepts; it aborts a request outside it); ValueError naming
+    the first that is not."""
+    starts = list(routing_from)
+    if len(starts) != len(prompts):
+        raise ValueError(f"routing_from has {len(starts)} starts for {len(prompts)} prompts; give one per prompt")
+    for i, (start, prompt) in enumerate(zip(starts, prompts)):
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not 0 <= int(start) <= len(prompt):
+            raise ValueError(f"routing_from[{i}]={start!r} must be an int in [0, {len(prompt)}] (the prompt's length)")
+    return [int(start) for start in starts]
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the agent loop and the weight sync need from an engine."""

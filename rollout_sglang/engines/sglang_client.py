@@ -75,7 +75,7 @@ import numpy as np
 import torch
 
 from env_controller.http.net import free_port
-from rollout_sglang.engines.protocol import EngineUnavailable, GenerationOutput, Probe, SamplingParams
+from rollout_sglang.engines.protocol import EngineUnavailable, GenerationOutput, Probe, SamplingParams, routing_starts
 from rollout_sglang.engines.sglang_options import SGLangClientOptions, SGLangLaunchOptions
 from rollout_sglang.routing import RoutingError, RoutingLayout
 from rollout_sglang.weight_update.transport import BucketUpdate
@@ -183,7 +183,7 @@ class SGLangEngine:
         self._pending_version: int | None = None
         self._extensions: list[str] | None = None
         self._paused = False
-        self._local = threading.local()  # one HTTP client per thread (client creation costs ~10 ms)
+        self._local = threading.local()  # one HTTP client per thread: building one is costly
         self._async_client: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
 
     # ------------------------------------------------------------------ plumbing
@@ -279,18 +279,12 @@ class SGLangEngine:
         return out  # type: ignore[return-value]
 
     def _check_routing_from(self, prompts: list[list[int]], routing_from: list[int]) -> list[int]:
-        """ValueError unless the client has a routing layout and each start is in ``[0, len(prompt)]`` (the
-        range SGLang's scheduler accepts; it aborts a request outside it)."""
+        """ValueError unless the client has a routing layout and the starts fit the prompts
+        (:func:`routing_starts`)."""
         if self.routing_layout is None:
             raise ValueError(f"routing_from given, but the client of {self.base_url} has no routing_layout: build it "
                              "with SGLangEngine(..., routing_layout=...) for a MoE model (a dense model has none)")
-        starts = list(routing_from)
-        if len(starts) != len(prompts):
-            raise ValueError(f"routing_from has {len(starts)} starts for {len(prompts)} prompts; give one per prompt")
-        for i, (start, p) in enumerate(zip(starts, prompts)):
-            if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not 0 <= int(start) <= len(p):
-                raise ValueError(f"routing_from[{i}]={start!r} must be an int in [0, {len(p)}] (the prompt's length)")
-        return [int(x) for x in starts]
+        return routing_starts(prompts, routing_from)
 
     async def _generate_rows(self, prompts: list[list[int]], rows: list[int], sp: list[dict[str, Any]],
                              start: int | None, params: SamplingParams, version: int) -> list[GenerationOutput]:

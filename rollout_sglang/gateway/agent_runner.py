@@ -29,6 +29,7 @@ from typing import Any
 from env_controller.protocol import SampleStatus
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.gateway.gateway import AGENT_ERROR, EnvStartError, Gateway
+from rollout_sglang.gateway.options import AgentRunnerOptions
 from rollout_sglang.gateway.server import GatewayServer
 from rollout_sglang.gateway.session import GatewaySession
 from rollout_sglang.gateway.turn import ApiError
@@ -43,7 +44,7 @@ _LOGGED_ERRORS_MAX = 100
 
 def _shared_http_client() -> Any:
     """One HTTP connection pool for every episode's OpenAI client: a client of its own costs each episode an SSL
-    context (about 30 ms of CPU on the rollout's event loop). An agent that closes its client leaves the pool open;
+    context, built in CPU time on the rollout's event loop. An agent that closes its client leaves the pool open;
     :meth:`close_pool` closes it."""
     import openai
 
@@ -64,19 +65,18 @@ class AgentRunner:
 
     token: the server's bearer token, for its admin routes (open a session, reward, ...); None: a random one, which no
     agent is given: the runner opens and ends sessions in process, and agents reach only their own session's routes
-    with its key, so no agent's code can post its own reward; agent_timeout_s: limit on one call of ``agent_fn``;
-    client_timeout_s: the OpenAI client's limit on one request.
+    with its key, so no agent's code can post its own reward; options: the limit on one call of ``agent_fn``
+    (:class:`AgentRunnerOptions`; None: its defaults); client_timeout_s: the OpenAI client's limit on one request.
     """
 
-    def __init__(self, gateway: Gateway, agent_fn: AgentFn, *, token: str | None = None,
-                 agent_timeout_s: float = 600.0, client_timeout_s: float = 600.0) -> None:
-        if not agent_timeout_s > 0 or not client_timeout_s > 0:
-            raise ValueError(f"agent_timeout_s={agent_timeout_s!r} and client_timeout_s={client_timeout_s!r} "
-                             "must be > 0")
+    def __init__(self, gateway: Gateway, agent_fn: AgentFn, options: AgentRunnerOptions | None = None, *,
+                 token: str | None = None, client_timeout_s: float = 600.0) -> None:
+        if not client_timeout_s > 0:
+            raise ValueError(f"client_timeout_s={client_timeout_s!r} must be > 0 (seconds)")
         self.gateway = gateway
         self.fn = agent_fn
         self.token = token or secrets.token_urlsafe(24)
-        self.agent_timeout_s = float(agent_timeout_s)
+        self.agent_timeout_s = float((options or AgentRunnerOptions()).agent_timeout_s)
         self.client_timeout_s = float(client_timeout_s)
         self.server = GatewayServer(gateway, token=self.token)
         self.agent_errors = 0

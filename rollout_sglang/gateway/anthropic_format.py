@@ -24,7 +24,7 @@ import re
 import secrets
 from typing import Any
 
-from rollout_sglang.gateway.openai_format import _is_int, _is_number
+from rollout_sglang.gateway import request_fields
 from rollout_sglang.gateway.turn import Completion, ToolShape, TurnRequest, bad, function_tools
 
 SUPPORTED_FIELDS = frozenset({
@@ -160,16 +160,11 @@ def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | No
 def parse_messages_request(body: dict[str, Any], reasons: bool) -> TurnRequest:
     """Validate a Messages body (``reasons``: the policy's chat format has a think block); ApiError 400 naming the
     first field it cannot honour."""
-    unknown = sorted(k for k in body if k not in SUPPORTED_FIELDS and k not in IGNORED_FIELDS)
-    if unknown:
-        raise bad(unknown[0], f"unsupported field(s) {', '.join(unknown)}; this gateway samples with model, "
-                              "max_tokens, messages, system, tools, tool_choice, temperature, top_p, stop_sequences, "
-                              "stream, thinking", code="unsupported_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model", "is required (a non-empty string; this gateway serves one policy whatever it is called)")
+    request_fields.refuse_unknown(body, SUPPORTED_FIELDS | IGNORED_FIELDS, "model, max_tokens, messages, system, "
+                                  "tools, tool_choice, temperature, top_p, stop_sequences, stream, thinking")
+    model = request_fields.model(body)
     max_tokens = body.get("max_tokens")
-    if not (_is_int(max_tokens) and max_tokens >= 1):
+    if not (request_fields.is_int(max_tokens) and max_tokens >= 1):
         raise bad("max_tokens", f"is required: a positive integer, got {max_tokens!r:.60}")
     msgs = to_messages(body.get("messages"))
     system = body.get("system")
@@ -178,19 +173,14 @@ def parse_messages_request(body: dict[str, Any], reasons: bool) -> TurnRequest:
         msgs = [{"role": "system", "content": text}] + msgs
     tools = function_tools(body.get("tools"), TOOL_SHAPE)
     choice, forced = _tool_choice(body.get("tool_choice"), tools)
-    temperature, top_p, top_k = body.get("temperature"), body.get("top_p"), body.get("top_k")
-    if temperature is not None and not (_is_number(temperature) and 0 <= temperature <= 1):
-        raise bad("temperature", f"must be a number in [0, 1], got {temperature!r:.60}")
-    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
-        raise bad("top_p", f"must be a number in (0, 1], got {top_p!r:.60}")
-    if top_k is not None and not (_is_int(top_k) and top_k >= 1):
+    temperature, top_p = request_fields.sampling(body, max_temperature=1)
+    top_k = body.get("top_k")
+    if top_k is not None and not (request_fields.is_int(top_k) and top_k >= 1):
         raise bad("top_k", f"must be a positive integer, got {top_k!r:.60}")
     stops = body.get("stop_sequences") or []
     if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
         raise bad("stop_sequences", f"must be a list of at most {MAX_STOP} non-empty strings, got {stops!r:.80}")
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise bad("stream", f"must be true or false, got {stream!r:.60}")
+    stream = request_fields.flag(body, "stream")
     thinking = body.get("thinking")
     no_think = False
     if thinking is not None:
@@ -203,8 +193,7 @@ def parse_messages_request(body: dict[str, Any], reasons: bool) -> TurnRequest:
                                   "thinking out", code="unsupported_value")
         no_think = kind == "disabled"
     return TurnRequest(model=model, messages=msgs, tools=tools, tool_choice=choice, forced_tool=forced,
-                       temperature=None if temperature is None else float(temperature),
-                       top_p=None if top_p is None else float(top_p), top_k=top_k, max_tokens=max_tokens,
+                       temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                        stop=list(stops), stream=bool(stream), no_think=no_think)
 
 

@@ -14,10 +14,10 @@ its tokens, reasoning included, whether or not the agent sends the reasoning bac
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_sglang.gateway import request_fields
 from rollout_sglang.gateway.turn import ToolShape, TurnRequest, bad, function_tools, openai_tool_choice
 
 #: The Chat Completions request is the internal turn request as it is.
@@ -37,14 +37,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 #: Most stop strings in one request (OpenAI's limit).
 MAX_STOP = 4
 ROLES = ("system", "user", "assistant", "tool")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
 def _text(content: Any, where: str) -> str:
@@ -134,19 +126,14 @@ TOOL_SHAPE = ToolShape(kinds=("function",), other_kind="is not a tool type of Ch
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     """Validate a Chat Completions body; ApiError 400 naming the first field it cannot honour."""
-    unknown = sorted(k for k in body if k not in SUPPORTED_FIELDS and k not in IGNORED_FIELDS
-                     and k not in NEUTRAL_VALUES)
-    if unknown:
-        raise bad(unknown[0], f"unsupported field(s) {', '.join(unknown)}; this gateway samples with model, "
-                              f"messages, tools, tool_choice, temperature, top_p, max_tokens, stop, seed, n=1, "
-                              "stream, logprobs", code="unsupported_parameter")
+    request_fields.refuse_unknown(body, SUPPORTED_FIELDS | IGNORED_FIELDS | NEUTRAL_VALUES.keys(),
+                                  "model, messages, tools, tool_choice, temperature, top_p, max_tokens, stop, seed, "
+                                  "n=1, stream, logprobs")
     for k, allowed in NEUTRAL_VALUES.items():
         v = body.get(k)
         if v not in allowed and not (k == "logit_bias" and v == {}):
             raise bad(k, f"is not supported (only its neutral value); got {v!r:.60}", code="unsupported_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model", "is required (a non-empty string; this gateway serves one policy whatever it is called)")
+    model = request_fields.model(body)
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise bad("messages", f"must be a list of message objects, got {type(messages).__name__}")
@@ -159,17 +146,13 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     if n is not None and n != 1:
         raise bad("n", f"must be 1 (one completion per request: each one is a turn of the trajectory); got {n!r:.60}",
                   code="unsupported_parameter")
-    temperature, top_p = body.get("temperature"), body.get("top_p")
-    if temperature is not None and not (_is_number(temperature) and 0 <= temperature <= 2):
-        raise bad("temperature", f"must be a number in [0, 2], got {temperature!r:.60}")
-    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
-        raise bad("top_p", f"must be a number in (0, 1], got {top_p!r:.60}")
+    temperature, top_p = request_fields.sampling(body, max_temperature=2)
     max_tokens = None
     for k in ("max_tokens", "max_completion_tokens"):
         v = body.get(k)
         if v is None:
             continue
-        if not _is_int(v) or v < 1:
+        if not request_fields.is_int(v) or v < 1:
             raise bad(k, f"must be a positive integer, got {v!r:.60}")
         if max_tokens is not None and v != max_tokens:
             raise bad(k, f"is {v} but max_tokens is {max_tokens}; give one of them")
@@ -179,11 +162,9 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
         raise bad("stop", f"must be a non-empty string or a list of at most {MAX_STOP} of them, got {stop!r:.80}")
     seed = body.get("seed")
-    if seed is not None and not (_is_int(seed) and 0 <= seed < 2 ** 63):
+    if seed is not None and not (request_fields.is_int(seed) and 0 <= seed < 2 ** 63):
         raise bad("seed", f"must be a non-negative integer, got {seed!r:.60}")
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise bad("stream", f"must be true or false, got {stream!r:.60}")
+    stream = request_fields.flag(body, "stream")
     opts = body.get("stream_options")
     include_usage = False
     if opts is not None:
@@ -192,20 +173,14 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         if not isinstance(opts, dict) or set(opts) - {"include_usage", "include_obfuscation"}:
             raise bad("stream_options", f"must be {{\"include_usage\": bool}}, got {opts!r:.80}")
         include_usage = bool(opts.get("include_usage"))
-    logprobs = body.get("logprobs")
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise bad("logprobs", f"must be true or false, got {logprobs!r:.60}")
+    logprobs = request_fields.flag(body, "logprobs")
     top = body.get("top_logprobs")
     if top not in (None, 0):
         raise bad("top_logprobs", "is not supported: the engines report the log-prob of the sampled token only "
                                   "(use logprobs: true)", code="unsupported_parameter")
-    parallel = body.get("parallel_tool_calls")
-    if parallel is False:
-        raise bad("parallel_tool_calls", "false is not supported: sampling cannot be held to one call, and the "
-                                         "trajectory keeps every call the model wrote", code="unsupported_parameter")
+    request_fields.refuse_serial_tool_calls(body)
     return ChatRequest(model=model, messages=msgs, tools=tools, tool_choice=choice, forced_tool=forced,
-                       temperature=None if temperature is None else float(temperature),
-                       top_p=None if top_p is None else float(top_p), max_tokens=max_tokens, stop=list(stops),
+                       temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=list(stops),
                        seed=seed, stream=bool(stream), include_usage=include_usage, logprobs=bool(logprobs))
 
 

@@ -1,8 +1,10 @@
-"""The gateway's settings: where it listens, how many sessions and connections it holds, when it pushes back.
+"""The gateway's settings: where it listens, how many sessions and connections it holds, when it pushes back; and
+how long the agent runner gives an agent.
 
 :class:`GatewayOptions` is what :class:`~rollout_sglang.gateway.Gateway` and its
 :class:`~rollout_sglang.gateway.GatewayServer` are configured with, and the trainer's ``gateway`` section as it is
-(``agentrl gateway``, and ``agentrl train`` with ``rollout.agent: gateway``).
+(``agentrl gateway``, and ``agentrl train`` with ``rollout.agent: gateway``). :class:`AgentRunnerOptions` is the
+:class:`~rollout_sglang.gateway.AgentRunner`'s, part of the trainer's ``rollout`` section.
 """
 from __future__ import annotations
 
@@ -55,3 +57,20 @@ class GatewayOptions(Options):
         self.require_above_zero("session_idle_timeout_s", unit="seconds")
         self.require(self.max_queued_turns >= 0, "max_queued_turns", "must be >= 0 (0: no bound)")
         self.require_above_zero("retry_after_s", unit="seconds")
+
+
+@dataclass
+class AgentRunnerOptions(Options):
+    """How long the :class:`~rollout_sglang.gateway.AgentRunner` gives an agent; the trainer's ``rollout`` section is
+    one."""
+
+    KEY: ClassVar[str] = "rollout"
+
+    #: limit on one call of ``agent_fn`` (one episode), seconds; an agent that runs past it is cancelled and its
+    #: episode ends as an agent error
+    agent_timeout_s: float = 600.0
+
+    def check(self) -> None:
+        """A positive limit."""
+        super().check()
+        self.require_above_zero("agent_timeout_s", unit="seconds")

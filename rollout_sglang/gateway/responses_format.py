@@ -19,7 +19,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_sglang.gateway.openai_format import _is_int, _is_number
+from rollout_sglang.gateway import request_fields
 from rollout_sglang.gateway.turn import Completion, ToolShape, TurnRequest, bad, function_tools, openai_tool_choice
 
 SUPPORTED_FIELDS = frozenset({
@@ -143,14 +143,10 @@ TOOL_SHAPE = ToolShape(kinds=("function",), other_kind="tools are not supported:
 
 def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
     """Validate a Responses body; ApiError 400 naming the first field it cannot honour."""
-    unknown = sorted(k for k in body if k not in SUPPORTED_FIELDS and k not in IGNORED_FIELDS)
-    if unknown:
-        raise bad(unknown[0], f"unsupported field(s) {', '.join(unknown)}; this gateway samples with model, input, "
-                              "instructions, tools, tool_choice, temperature, top_p, max_output_tokens, stream, "
-                              "previous_response_id, include", code="unsupported_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model", "is required (a non-empty string; this gateway serves one policy whatever it is called)")
+    request_fields.refuse_unknown(body, SUPPORTED_FIELDS | IGNORED_FIELDS, "model, input, instructions, tools, "
+                                  "tool_choice, temperature, top_p, max_output_tokens, stream, "
+                                  "previous_response_id, include")
+    model = request_fields.model(body)
     if "input" not in body:
         raise bad("input", "is required: a string or a list of input items")
     msgs = input_messages(body.get("input"))
@@ -164,17 +160,11 @@ def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
         raise bad("input", "is empty; give at least one input item")
     tools = function_tools(body.get("tools"), TOOL_SHAPE)
     choice, forced = openai_tool_choice(body.get("tool_choice"), tools, "")
-    temperature, top_p = body.get("temperature"), body.get("top_p")
-    if temperature is not None and not (_is_number(temperature) and 0 <= temperature <= 2):
-        raise bad("temperature", f"must be a number in [0, 2], got {temperature!r:.60}")
-    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
-        raise bad("top_p", f"must be a number in (0, 1], got {top_p!r:.60}")
+    temperature, top_p = request_fields.sampling(body, max_temperature=2)
     max_tokens = body.get("max_output_tokens")
-    if max_tokens is not None and not (_is_int(max_tokens) and max_tokens >= 1):
+    if max_tokens is not None and not (request_fields.is_int(max_tokens) and max_tokens >= 1):
         raise bad("max_output_tokens", f"must be a positive integer, got {max_tokens!r:.60}")
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise bad("stream", f"must be true or false, got {stream!r:.60}")
+    stream = request_fields.flag(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and (not stream or not isinstance(opts, dict) or set(opts) - {"include_obfuscation"}):
         raise bad("stream_options", "is only {\"include_obfuscation\": bool}, with stream: true")
@@ -185,9 +175,7 @@ def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
     if other:
         raise bad("include", f"{other[0]!r:.60} is not supported (only {', '.join(sorted(INCLUDES))})",
                   code="unsupported_parameter")
-    if body.get("parallel_tool_calls") is False:
-        raise bad("parallel_tool_calls", "false is not supported: sampling cannot be held to one call, and the "
-                                         "trajectory keeps every call the model wrote", code="unsupported_parameter")
+    request_fields.refuse_serial_tool_calls(body)
     if body.get("top_logprobs") not in (None, 0):
         raise bad("top_logprobs", "is not supported: the engines report the log-prob of the sampled token only "
                                   "(include message.output_text.logprobs)", code="unsupported_parameter")
@@ -210,15 +198,12 @@ def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
     reasoning = body.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
         raise bad("reasoning", f"must be an object ({{\"effort\", \"summary\"}}), got {type(reasoning).__name__}")
-    store = body.get("store")
-    if store is not None and not isinstance(store, bool):
-        raise bad("store", f"must be true or false, got {store!r:.60}")
+    store = request_fields.flag(body, "store")
     turn = TurnRequest(model=model, messages=msgs, tools=tools, tool_choice=choice, forced_tool=forced,
-                       temperature=None if temperature is None else float(temperature),
-                       top_p=None if top_p is None else float(top_p), max_tokens=max_tokens, stream=bool(stream),
+                       temperature=temperature, top_p=top_p, max_tokens=max_tokens, stream=bool(stream),
                        logprobs="message.output_text.logprobs" in include)
-    echo = {"instructions": instructions, "max_output_tokens": max_tokens, "temperature": temperature,
-            "top_p": top_p, "metadata": body.get("metadata") or {}, "previous_response_id": prev,
+    echo = {"instructions": instructions, "max_output_tokens": max_tokens, "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"), "metadata": body.get("metadata") or {}, "previous_response_id": prev,
             "reasoning": reasoning or {"effort": None, "summary": None}, "text": {"format": {"type": "text"}},
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
             "parallel_tool_calls": True, "truncation": "disabled", "store": store is not False,

@@ -75,6 +75,7 @@ from rollout_sglang.gateway.openai_format import (
     usage_body,
 )
 from rollout_sglang.gateway.options import TOKEN_ENV, GatewayOptions
+from rollout_sglang.gateway.request_fields import is_int
 from rollout_sglang.gateway.session import GatewaySession
 from rollout_sglang.gateway.turn import ApiError, TurnRequest, bad, sse_event
 
@@ -106,10 +107,6 @@ def _presented_key(request: web.Request) -> str | None:
         return key.strip()
     scheme, _, value = (request.headers.get("Authorization") or "").partition(" ")
     return value.strip() or None if scheme.lower() == "bearer" else None
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 async def _optional_object(request: web.Request) -> dict[str, Any]:
@@ -153,17 +150,17 @@ class GatewayServer(HttpService):
         self.timings: deque[tuple[float, float, str]] | None = deque(maxlen=1_000_000) if record_timings else None
         self._reaper: asyncio.Task | None = None
         routes = [
-            ("GET", "/health", self._h_health, Role.OPEN),
-            ("POST", "/sessions", self._h_open, Role.ANY),
-            ("GET", "/sessions/{sid}/v1/models", self._h_models, Role.OPEN),  # the session's own key: see _auth
-            ("POST", "/sessions/{sid}/v1/chat/completions", self._h_chat, Role.OPEN),
-            ("POST", "/sessions/{sid}/v1/responses", self._h_responses, Role.OPEN),
-            ("POST", "/sessions/{sid}/v1/messages", self._h_messages, Role.OPEN),
-            ("POST", "/sessions/{sid}/v1/env", self._h_env, Role.OPEN),
-            ("GET", "/metrics", self._h_metrics, Role.ANY),
-            ("POST", "/sessions/{sid}/reward", self._h_reward, Role.ANY),
-            ("GET", "/sessions/{sid}/trajectory", self._h_trajectory, Role.ANY),
-            ("DELETE", "/sessions/{sid}", self._h_delete, Role.ANY),
+            ("GET", "/health", self._serve_health, Role.OPEN),
+            ("POST", "/sessions", self._serve_open_session, Role.ANY),
+            ("GET", "/sessions/{sid}/v1/models", self._serve_models, Role.OPEN),  # the session's own key: see _auth
+            ("POST", "/sessions/{sid}/v1/chat/completions", self._serve_chat_completions, Role.OPEN),
+            ("POST", "/sessions/{sid}/v1/responses", self._serve_responses, Role.OPEN),
+            ("POST", "/sessions/{sid}/v1/messages", self._serve_messages, Role.OPEN),
+            ("POST", "/sessions/{sid}/v1/env", self._serve_env_step, Role.OPEN),
+            ("GET", "/metrics", self._serve_metrics, Role.ANY),
+            ("POST", "/sessions/{sid}/reward", self._serve_reward, Role.ANY),
+            ("GET", "/sessions/{sid}/trajectory", self._serve_trajectory, Role.ANY),
+            ("DELETE", "/sessions/{sid}", self._serve_delete_session, Role.ANY),
         ]
         super().__init__(Credentials.single(token), routes, HttpOptions(max_connections=options.max_connections),
                          auth_hint=f"the gateway's --token / ${TOKEN_ENV}")
@@ -212,13 +209,13 @@ class GatewayServer(HttpService):
         return f"{origin or self.url}/sessions/{session_id}"
 
     # ------------------------------------------------------------------ handlers
-    async def _h_health(self, request: web.Request) -> web.Response:
+    async def _serve_health(self, request: web.Request) -> web.Response:
         st = self.gateway.stats
         return json_response({"ok": True, "sessions": len(self.gateway.sessions), "completions": st.completions,
                               "history_rewrites": st.history_rewrites, "queue_depth": st.queue_depth,
                               "throttled": dict(st.throttled)})
 
-    async def _h_metrics(self, request: web.Request) -> web.Response:
+    async def _serve_metrics(self, request: web.Request) -> web.Response:
         st = self.gateway.stats
         lines = ["# TYPE agentrl_gateway_queue_depth gauge", f"agentrl_gateway_queue_depth {st.queue_depth}",
                  "# TYPE agentrl_gateway_queue_depth_max gauge",
@@ -235,18 +232,18 @@ class GatewayServer(HttpService):
         """The session of the request's base URL, when the request presents its API key (401 / 403 otherwise)."""
         return self.gateway.authorize(request.match_info["sid"], _presented_key(request))
 
-    async def _h_open(self, request: web.Request) -> web.Response:
+    async def _serve_open_session(self, request: web.Request) -> web.Response:
         body = await _optional_object(request)
         _only(body, {"task", "index", "group_id", "metadata"})
         task, index = body.get("task"), body.get("index")
         if task is not None and (not isinstance(task, str) or not task):
             raise bad("task", f"must be a task name, got {task!r:.60}")
-        if task is not None and not _is_int(index):
+        if task is not None and not is_int(index):
             raise bad("index", f"must be the task's integer sample index (required with task), got {index!r:.60}")
         if task is None and index is not None:
             raise bad("index", "is only meaningful with task")
         group_id = body.get("group_id", 0)
-        if not _is_int(group_id):
+        if not is_int(group_id):
             raise bad("group_id", f"must be an integer, got {group_id!r:.60}")
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
@@ -261,11 +258,11 @@ class GatewayServer(HttpService):
                               "api_key": s.api_key, "status": s.status, "messages": s.first_messages,
                               "tools": s.tools}, status=201)
 
-    async def _h_models(self, request: web.Request) -> web.Response:
+    async def _serve_models(self, request: web.Request) -> web.Response:
         self._auth(request)
         return json_response(models_body(self.gateway.model_name, self.gateway.created))
 
-    async def _h_chat(self, request: web.Request) -> web.StreamResponse:
+    async def _serve_chat_completions(self, request: web.Request) -> web.StreamResponse:
         s = self._auth(request)
         body = await read_json_object(request)
         t0 = time.perf_counter()  # timings start once the body is in: a slow client's upload is not the gateway's
@@ -287,7 +284,7 @@ class GatewayServer(HttpService):
         opening = [sse(chunk_body(ChunkHead(cid, created, req.model, None), {"role": "assistant", "content": ""}))]
         return await self._stream(request, s, req, t0, "chat", opening, rest, lambda e: [sse(e.body())])
 
-    async def _h_responses(self, request: web.Request) -> web.StreamResponse:
+    async def _serve_responses(self, request: web.Request) -> web.StreamResponse:
         s = self._auth(request)
         body = await read_json_object(request)
         t0 = time.perf_counter()
@@ -329,7 +326,7 @@ class GatewayServer(HttpService):
         return await self._stream(request, s, req, t0, "responses", opening, rest,
                                   lambda e: [sse_event(responses.error_event(e, 2))])
 
-    async def _h_messages(self, request: web.Request) -> web.StreamResponse:
+    async def _serve_messages(self, request: web.Request) -> web.StreamResponse:
         s = self._auth(request)
         anthropic.check_version(request.headers.get("anthropic-version"))
         body = await read_json_object(request)
@@ -385,7 +382,7 @@ class GatewayServer(HttpService):
         if self.timings is not None:
             self.timings.append((time.perf_counter() - t0, c.engine_s, api))
 
-    async def _h_env(self, request: web.Request) -> web.Response:
+    async def _serve_env_step(self, request: web.Request) -> web.Response:
         self._auth(request)
         body = await _optional_object(request)
         _only(body, {"messages"})
@@ -397,7 +394,7 @@ class GatewayServer(HttpService):
             message = msgs[0]
         return json_response(await self.gateway.env_step(request.match_info["sid"], message))
 
-    async def _h_reward(self, request: web.Request) -> web.Response:
+    async def _serve_reward(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
         _only(body, {"reward", "metrics"})
         reward = body.get("reward")
@@ -415,10 +412,10 @@ class GatewayServer(HttpService):
         s = self.gateway.session(sid)
         return json_response({"session_id": sid, "status": s.status, "reward": s.reward})
 
-    async def _h_trajectory(self, request: web.Request) -> web.Response:
+    async def _serve_trajectory(self, request: web.Request) -> web.Response:
         return json_response(self.gateway.session(request.match_info["sid"]).to_json())
 
-    async def _h_delete(self, request: web.Request) -> web.Response:
+    async def _serve_delete_session(self, request: web.Request) -> web.Response:
         s = await self.gateway.delete(request.match_info["sid"])
         return json_response({"session_id": s.id, "status": s.status})
 

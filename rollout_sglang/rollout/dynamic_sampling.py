@@ -1,11 +1,12 @@
 """Dynamic sampling (DAPO): a finished group whose training rewards are all equal carries no GRPO signal.
 
 Such a group is dropped (counted per task in ``dropped_zero_var``, never accepted) and the slot it held is free
-again, so admission draws another prompt. Slots are counted per batch: batch ``k`` holds slots
-``k*B .. (k+1)*B - 1`` of the sequence ``consumed + queued + running + short``, and a fresh draw is charged to
-the batch its slot falls in. Once ``int(max_groups * B)`` draws were charged to a batch, its remaining free slots
-are given up (``short``: they count as covered for admission and the staleness accounting, like accepted groups,
-but hold no group), and the trainer takes that batch with fewer groups. A batch left with no group at all trains
+again, so admission draws another prompt. Slots are counted per batch: with ``batch_groups`` groups per batch,
+batch ``k`` holds slots ``k * batch_groups .. (k + 1) * batch_groups - 1`` of the sequence ``consumed + queued +
+running + short``, and a fresh draw is charged to the batch its slot falls in. Once
+``int(dynamic_sampling_max_groups * batch_groups)`` draws were charged to a batch, its remaining free slots are given
+up (``short``: they count as covered for admission and the staleness accounting, like accepted groups, but hold no
+group), and the trainer takes that batch with fewer groups. A batch left with no group at all trains
 on the newest zero-variance groups instead (advantage 0: the policy-gradient term is 0, the pipeline advances);
 if none of those is fresh enough for the staleness cap, one slot is reopened for a draw beyond the budget, so a
 batch always comes and nothing hangs.
@@ -17,7 +18,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from env_controller.options import Options
 from rollout_sglang.rollout.groups import FinishedGroup
@@ -35,15 +36,21 @@ def zero_variance(group: FinishedGroup, reward: Callable[[Trajectory], float]) -
 
 @dataclass
 class DynamicSamplingOptions(Options):
-    """Dynamic sampling's draw budget (the sampling is on when the manager is given a training reward)."""
+    """Dynamic sampling's draw budget (the sampling is on when the manager is given a training reward); the
+    trainer's ``algo`` section is one."""
 
-    #: most prompts drawn per batch, in units of ``batch_groups``: ``int(max_groups * batch_groups)`` (>= 1)
-    max_groups: float = 4.0
+    KEY: ClassVar[str] = "algo"
+
+    #: most prompts drawn per batch, in units of the batch's groups (``rollout.prompts_per_step`` in a run):
+    #: ``int(dynamic_sampling_max_groups * batch_groups)``
+    dynamic_sampling_max_groups: float = 4.0
 
     def check(self) -> None:
         """The budget holds at least one batch."""
         super().check()
-        self.require(self.max_groups >= 1, "max_groups", "must be >= 1 (in units of batch_groups)")
+        self.require(self.dynamic_sampling_max_groups >= 1, "dynamic_sampling_max_groups",
+                     "must be >= 1 (groups drawn per batch, in units of the batch's groups: "
+                     "rollout.prompts_per_step in a run)")
 
 
 class DynamicSampling:
@@ -57,7 +64,7 @@ class DynamicSampling:
                  reward: Callable[[Trajectory], float] | None) -> None:
         self.reward = reward
         self.batch_groups = int(batch_groups)
-        self.limit = max(self.batch_groups, int(options.max_groups * self.batch_groups))
+        self.limit = max(self.batch_groups, int(options.dynamic_sampling_max_groups * self.batch_groups))
         self.short = 0  # slots given up and not yet consumed by a batch
         self.draws: dict[int, int] = {}  # batch index -> fresh draws charged to it
         self.forced = 0  # draws allowed beyond a batch's budget (an empty batch without a usable stand-in)

@@ -9,17 +9,17 @@ each optimizer step and weight push, calls :meth:`RolloutManager.set_version`.
 
 The manager orchestrates three policies, each in its own module with its own options (nested in
 :class:`RolloutOptions`): admission (:mod:`~rollout_sglang.rollout.admission`: when a group may start, with
-trainer version ``v``, staleness ``eta`` and ``B = batch_groups``, ``(v + eta - lag + 1) * B`` slots are open;
-``eta = 0`` is the synchronous schedule), infrastructure retries (:mod:`~rollout_sglang.rollout.retries`: groups
-whose episodes the env or our code failed are trained on their valid episodes, re-run or dropped; a task whose
-groups keep being dropped fails the run, :class:`RolloutError`) and dynamic sampling
+trainer version ``v``, ``staleness`` and ``batch_groups``, ``(v + staleness - lag + 1) * batch_groups`` slots are
+open; ``staleness = 0`` is the synchronous schedule), infrastructure retries (:mod:`~rollout_sglang.rollout.retries`:
+groups whose episodes the env or our code failed are trained on their valid episodes, re-run or dropped; a task
+whose groups keep being dropped fails the run, :class:`RolloutError`) and dynamic sampling
 (:mod:`~rollout_sglang.rollout.dynamic_sampling`, DAPO: groups whose training rewards are all equal are dropped and
 more are drawn, within a budget per batch).
 
 Staleness guarantee: the batch for the step that trains version ``v`` takes the queued groups
 with the oldest weight version first, and a group whose oldest token was sampled by a version
-older than ``v - eta`` is never trained (it is dropped and counted in ``dropped_stale``; the
-admission rule keeps that rare). So no trained token is more than ``eta`` versions old.
+older than ``v - staleness`` is never trained (it is dropped and counted in ``dropped_stale``; the
+admission rule keeps that rare). So no trained token is more than ``staleness`` versions old.
 
 Partial rollout: a weight update pauses generation of its version slot between turns (see
 :class:`~rollout_sglang.engines.version_pool.VersionPool`); in-flight episodes are kept and continue on
@@ -53,12 +53,13 @@ from rollout_sglang.episode_options import EpisodeOptions
 from rollout_sglang.rollout.admission import Admission, AdmissionOptions, Slots
 from rollout_sglang.rollout.dynamic_sampling import DynamicSampling, DynamicSamplingOptions, zero_variance
 from rollout_sglang.rollout.groups import FinishedGroup, GroupRequest, PromptSampler
-from rollout_sglang.rollout.retries import InfraRetries, RetryOptions
+from rollout_sglang.rollout.retries import DropLimitOptions, InfraRetries, RetryOptions
 from rollout_sglang.rollout.stats import ManagerStats, stats_from_state, stats_state
 from rollout_sglang.trajectory import Trajectory
 
-__all__ = ["AdmissionOptions", "DynamicSamplingOptions", "FinishedGroup", "GroupRequest", "ManagerStats",
-           "PromptSampler", "RetryOptions", "RolloutError", "RolloutManager", "RolloutOptions", "zero_variance"]
+__all__ = ["AdmissionOptions", "DropLimitOptions", "DynamicSamplingOptions", "FinishedGroup", "GroupRequest",
+           "ManagerStats", "PromptSampler", "RetryOptions", "RolloutError", "RolloutManager", "RolloutOptions",
+           "zero_variance"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,15 +84,10 @@ class RolloutOptions(Options):
     retry: RetryOptions = field(default_factory=RetryOptions)
     #: dynamic sampling's draw budget per batch (dynamic sampling is on when the manager is given a reward)
     dynamic_sampling: DynamicSamplingOptions = field(default_factory=DynamicSamplingOptions)
+    #: groups of one task dropped one after another (infrastructure failures) that fail the run
+    drop_limit: DropLimitOptions = field(default_factory=DropLimitOptions)
     #: base of the cohorts' sampling seeds
     seed: int = 0
-    #: groups of one task dropped one after another (infrastructure failures) that fail the run (0: never)
-    max_dropped_in_row: int = 0
-
-    def check(self) -> None:
-        """The nested options check themselves when built; here the limit on drops in a row."""
-        super().check()
-        self.require_non_negative("max_dropped_in_row", why="0: no limit")
 
 
 class RolloutManager:
@@ -130,10 +126,10 @@ class RolloutManager:
         self.agent = agent
         self.on_group = on_group
         self._admission = Admission(options.admission)
-        self._retries = InfraRetries(options.retry, options.max_dropped_in_row)
-        self.B = options.admission.batch_groups
-        self.eta = options.admission.staleness
-        self._sampling = DynamicSampling(options.dynamic_sampling, self.B, reward)
+        self._retries = InfraRetries(options.retry, options.drop_limit)
+        self.batch_groups = options.admission.batch_groups
+        self.staleness = options.admission.staleness
+        self._sampling = DynamicSampling(options.dynamic_sampling, self.batch_groups, reward)
         self.stats = ManagerStats()
 
         self._cond = threading.Condition()
@@ -197,7 +193,8 @@ class RolloutManager:
     def _charge_draw_locked(self, pending: int) -> bool:
         """Charge a fresh draw for the next free slot (``pending`` slots of this admission round come before
         it) to its batch; False when that batch's draw budget is spent (the slot is then given up)."""
-        return self._sampling.charge_draw((self._slots_locked().covered + pending) // self.B, self.stats)
+        batch = (self._slots_locked().covered + pending) // self.batch_groups
+        return self._sampling.charge_draw(batch, self.stats)
 
     # ------------------------------------------------------------------ thread
     def start(self) -> None:
@@ -408,7 +405,7 @@ class RolloutManager:
         dropped = len(self._queue) - len(keep)
         if dropped:
             logger.warning("dropped %d finished group(s) older than %d versions (trainer at version %d)",
-                           dropped, self.eta, self._version)
+                           dropped, self.staleness, self._version)
             self.stats.dropped_stale += dropped
             self._queue = keep
         return dropped
@@ -425,36 +422,36 @@ class RolloutManager:
         A batch whose slots were all given up takes the newest zero-variance groups within the staleness
         cap; when there is none, one slot is reopened for a draw beyond the budget and None is returned.
         """
-        ds = self._sampling
-        q, short_used, fallback = len(self._queue), 0, False
-        if q >= self.B:
-            n = self.B
-        elif q + ds.short >= self.B:
-            n, short_used = q, self.B - q
+        sampling = self._sampling
+        queued, short_used, fallback = len(self._queue), 0, False
+        if queued >= self.batch_groups:
+            size = self.batch_groups
+        elif queued + sampling.short >= self.batch_groups:
+            size, short_used = queued, self.batch_groups - queued
         else:
             return None
         self._queue.sort(key=lambda g: (g.min_version, g.seq))
-        batch, self._queue = self._queue[:n], self._queue[n:]
+        batch, self._queue = self._queue[:size], self._queue[size:]
         if not batch:
-            batch = ds.stand_in(self._admission.oldest_trainable(self._version))
+            batch = sampling.stand_in(self._admission.oldest_trainable(self._version))
             if not batch:
                 # a group still running will either fill the batch or stand in; with none, reopen one slot
-                if self._running == 0 and ds.reopen_slot():
+                if self._running == 0 and sampling.reopen_slot():
                     logger.warning("dynamic sampling: no group for batch %d and no zero-variance group fresh enough "
                                    "to stand in; drawing one group beyond the budget",
-                                   self.stats.consumed // self.B + 1)
+                                   self.stats.consumed // self.batch_groups + 1)
                     self._poke()
                 return None
             fallback = True
             self.stats.fallback_batches += 1
             logger.warning("dynamic sampling: every group drawn for batch %d had zero reward variance; training on "
                            "%d of them (advantage 0: the step carries no policy-gradient signal)",
-                           self.stats.consumed // self.B + 1, len(batch))
-        self.stats.consumed += self.B
-        ds.taken(short_used, self.stats.consumed // self.B)
-        self.last_batch = {"groups": len(batch), "short": self.B - len(batch) if not fallback else self.B,
-                           "fallback": float(fallback), **ds.since_take(self.stats),
-                           **self._retries.since_take(self.stats)}
+                           self.stats.consumed // self.batch_groups + 1, len(batch))
+        self.stats.consumed += self.batch_groups
+        sampling.taken(short_used, self.stats.consumed // self.batch_groups)
+        short = self.batch_groups if fallback else self.batch_groups - len(batch)
+        self.last_batch = {"groups": len(batch), "short": short, "fallback": float(fallback),
+                           **sampling.since_take(self.stats), **self._retries.since_take(self.stats)}
         return batch
 
     def get_batch(self, timeout_s: float, waited_s: float = 0.0) -> list[FinishedGroup]:
@@ -480,8 +477,9 @@ class RolloutManager:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
-                        f"no batch of {self.B} groups within {waited_s + timeout_s:.0f}s (queued {len(self._queue)}, "
-                        f"running {self._running}, given up {self._sampling.short}, version {self._version}; "
+                        f"no batch of {self.batch_groups} groups within {waited_s + timeout_s:.0f}s "
+                        f"(queued {len(self._queue)}, running {self._running}, given up {self._sampling.short}, "
+                        f"version {self._version}; "
                         f"episodes ended by infrastructure failures so far: {sum(self.stats.infra_failed.values())}"
                         + (f", the last: {self._retries.last_error[:300]}" if self._retries.last_error else "")
                         + "); raise pipeline.batch_timeout_s or check the environments and engines")
@@ -505,7 +503,7 @@ class RolloutManager:
             while True:
                 self._check_error_locked()
                 self._drop_stale_locked()
-                covered = len(self._queue) + self._sampling.short >= self.B
+                covered = len(self._queue) + self._sampling.short >= self.batch_groups
                 if self._running == 0 and (covered or self._exhausted_locked()):
                     return
                 left = deadline - time.monotonic()

@@ -3,9 +3,10 @@
 An episode that ended for an infrastructure reason (``Trajectory.infra_failed``: the env or our code failed) is
 never trained. A finished group keeps only its valid episodes when at least ``min_valid_fraction`` of its samples
 (and at least 2, or 1 for groups of one) remain; otherwise it is re-run from scratch (a fresh attempt, up to
-``max_attempts``) and then dropped, its slot free for another draw. A task whose last ``max_dropped_in_row``
-finished groups were all dropped fails the run: its environment is broken, and drawing on would only wait out the
-trainer's timeout. A group whose agent-loop call raised is re-run the same way, up to ``max_attempts``.
+``max_attempts``) and then dropped, its slot free for another draw. A task whose last
+``max_dropped_groups_in_row`` finished groups were all dropped fails the run: its environment is broken, and drawing
+on would only wait out the trainer's timeout. A group whose agent-loop call raised is re-run the same way, up to
+``max_attempts``.
 """
 from __future__ import annotations
 
@@ -49,17 +50,33 @@ class RetryOptions(Options):
         self.require_positive_int("max_attempts")
 
 
+@dataclass
+class DropLimitOptions(Options):
+    """When dropped groups stop the run (see the module doc); the trainer's ``pipeline`` section is one."""
+
+    KEY: ClassVar[str] = "pipeline"
+
+    #: a task whose last this many finished groups were all dropped for infrastructure failures (each after its
+    #: attempts) stops the run with the task's last error: its environment is broken (a wedged container engine, a
+    #: task set that cannot start); 0 = never
+    max_dropped_groups_in_row: int = 20
+
+    def check(self) -> None:
+        """The limit is a count, 0 for none."""
+        super().check()
+        self.require_non_negative("max_dropped_groups_in_row", why="0 = never stop for dropped groups")
+
+
 class InfraRetries:
     """The verdicts on finished groups, the dropped-in-a-row count per task, and the counts since the last batch.
 
-    options: the :class:`RetryOptions`; max_dropped_in_row: groups of one task dropped one after another that fail
-    the run (0: never).
+    options: the :class:`RetryOptions`; drop_limit: the :class:`DropLimitOptions`.
     """
 
-    def __init__(self, options: RetryOptions, max_dropped_in_row: int) -> None:
+    def __init__(self, options: RetryOptions, drop_limit: DropLimitOptions) -> None:
         self.min_valid_fraction = float(options.min_valid_fraction)
         self.max_attempts = int(options.max_attempts)
-        self.max_dropped_in_row = int(max_dropped_in_row)
+        self.max_dropped_in_row = int(drop_limit.max_dropped_groups_in_row)
         self.dropped_in_row: Counter = Counter()  # task -> groups dropped since its last kept group
         self.last_error = ""
         self.at_take: tuple[Counter, int, Counter] = (Counter(), 0, Counter())  # the counters at the last batch
@@ -98,7 +115,7 @@ class InfraRetries:
         self.dropped_in_row[task] = 0
 
     def dropped(self, task: str) -> str | None:
-        """Count a dropped group of ``task``; the reason the run fails when that makes ``max_dropped_in_row``."""
+        """Count a dropped group of ``task``; the reason the run fails when that reaches the limit."""
         self.dropped_in_row[task] += 1
         n = self.dropped_in_row[task]
         if 0 < self.max_dropped_in_row <= n:

@@ -8,9 +8,8 @@ stand-in (:mod:`rollout_sglang.testing.sglang_standin`) lists two extensions in 
   the request's ``agentrl_send_recv_tag`` (tensor ``i`` is message ``tag + i``; a flattened bucket
   is one message), all posted at once. A gloo broadcast runs on the group's worker thread, one at a
   time, and each waits a round trip (the receiver announces its buffer, the sender starts) before
-  its bytes flow; sends posted at once stream. bench/gloo_transport.py (42 tensors of 8.3 MiB,
-  2 cores, loopback, 3 runs): best 3.9-4.6 GB/s as broadcasts, 4.7-4.9 as sends all posted at
-  once, 4.6-4.9 as one flat broadcast.
+  its bytes flow; sends posted at once stream, as fast as one flat broadcast
+  (``bench/gloo_transport.py``, docs/BENCHMARKS.md).
 * ``bucket_checksum``: the request carries the bucket's checksum as ``agentrl_checksum``
   (:mod:`rollout_sglang.testing.checksum`); the stand-in refuses a bucket that arrived otherwise.
 

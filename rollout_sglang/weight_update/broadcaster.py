@@ -11,7 +11,7 @@ straight from its memory (no copy); NCCL uses the first, gloo the second.
 The group forms as SGLang's engines join it: with NCCL only inside their first
 ``/update_weights_from_distributed``, with gloo inside ``/init_weights_update_group``. So rank 0
 builds its side in the background and waits for it only after the first bucket's requests are
-out, under ``init_timeout_s``. Every group gets a fresh name: an engine keeps a group whose
+out, under ``weight_sync_init_timeout_s``. Every group gets a fresh name: an engine keeps a group whose
 destroy failed, and torch refuses a group name twice.
 """
 from __future__ import annotations
@@ -91,8 +91,8 @@ class BucketBroadcaster:
         self.group_name = group_name  # the current group's (fresh at every connect)
         self.master_address = o.master_address
         self.backend = o.backend or default_backend()
-        self.init_timeout_s = float(o.init_timeout_s)
-        self.bucket_timeout_s = float(o.bucket_timeout_s)
+        self.init_timeout_s = float(o.weight_sync_init_timeout_s)
+        self.bucket_timeout_s = float(o.weight_sync_bucket_timeout_s)
         self.wire_format = o.wire_format or ("flattened_bucket" if self.backend == "nccl" else "per_tensor")
         self.small_tensor_bytes = o.small_tensor_bytes
         self.transport: BucketTransport = transport if transport is not None else SGLangBroadcast()

@@ -115,9 +115,9 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for same-dtype, same-numel tensors; on CPU a plain single-threaded memcpy.
 
     torch's CPU copy splits tensors of more than 32K elements over its OpenMP threads, whose
-    spin-wait after every such copy steals the cores that the gloo transfer needs (measured: up
-    to 0.2 CPU-seconds per sync of 0.99 GB on a 2-core host); numpy's copy is one memcpy without
-    the GIL. Other devices (and dtype changes) go through ``copy_``.
+    spin-wait after every such copy steals the cores that the gloo transfer needs
+    (docs/BENCHMARKS.md); numpy's copy is one memcpy without the GIL. Other devices (and dtype
+    changes) go through ``copy_``.
     """
     if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype
             and dst.is_contiguous() and src.is_contiguous() and dst.numel() == src.numel()):

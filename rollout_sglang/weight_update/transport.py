@@ -21,10 +21,9 @@ from rollout_sglang.weight_update.group import WeightGroup
 
 MB = 1024 * 1024
 # per_tensor wire format: tensors under this travel packed together. A gloo broadcast waits a round
-# trip (~0.1 ms) for its receiver; packing costs a copy on the trainer and one on the engine that, with
-# the next bucket already on the wire, compete with it for the CPU. bench/weight_sync.py, 9 runs
-# interleaved, median per-round ratio: 2 MiB (Qwen2.5-0.5B's q/o projections packed too, 84 MB)
-# 0.73-0.78, 1 MiB (k/v, biases and norms packed, 10.6 MB) 0.79-0.81.
+# trip for its receiver, which packing saves; packing costs a copy on the trainer and one on the engine that,
+# with the next bucket already on the wire, compete with it for the CPU. 1 MiB (Qwen2.5-0.5B's k/v, biases
+# and norms packed) beat 2 MiB (its q/o projections packed too) in bench/weight_sync.py (docs/BENCHMARKS.md).
 BROADCAST_SMALL_TENSOR_BYTES = MB
 
 

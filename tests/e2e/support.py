@@ -1,15 +1,18 @@
 """Running a recipe script's ``--check`` and reading its report, and its submit mode with a stand-in for ``agentrl``
-(shared by the recipe tests); reading a server's JSON and waiting on a run of processes (the fault tests)."""
+(shared by the recipe tests); starting a process, reading a server's JSON and checking a finished run (the fault
+tests)."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
 import subprocess
-import time
+import sys
 import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
+
+from env_controller.servers.process import start_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,21 +86,12 @@ def get_json(url: str) -> dict:
         return json.loads(r.read())
 
 
-def wait_until(what: str, check, timeout_s: float, proc: subprocess.Popen | None = None, poll_s: float = 0.1):
-    """Poll ``check()`` (an OSError counts as not yet) until it is truthy and return it; AssertionError after
-    ``timeout_s``, or as soon as ``proc`` (the training run) has ended."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except OSError:
-            value = None
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the training run ended (exit {proc.returncode}) before {what}")
-        time.sleep(poll_s)
-    raise AssertionError(f"no {what} within {timeout_s} s")
+def start_python(processes: list[subprocess.Popen[bytes]], log: Path, *args: str) -> subprocess.Popen[bytes]:
+    """``python args...`` from the repository root (on PYTHONPATH), its output appended to ``log``; added to
+    ``processes`` (the fixture that kills them at teardown)."""
+    proc = start_process([sys.executable, *args], log, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    processes.append(proc)
+    return proc
 
 
 def finished_without_training_infra(train: subprocess.Popen, log_path: Path, out: Path, steps: int,

@@ -5,21 +5,18 @@ at the kill are lost and end as infrastructure failures (counted, never trained)
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from env_controller.http.net import free_port
-from tests.e2e.support import finished_without_training_infra
+from env_controller.servers.process import stop_process
+from env_controller.servers.process import wait_until as _wait
+from tests.e2e.support import finished_without_training_infra, start_python
 from tests.e2e.support import get_json as _get
-from tests.e2e.support import wait_until as _wait
 
-ROOT = Path(__file__).resolve().parents[2]
 DOWN_S = 8.0
 
 
@@ -27,15 +24,11 @@ DOWN_S = 8.0
 @pytest.mark.parametrize("down_s", [pytest.param(0.0, marks=pytest.mark.slow), DOWN_S],
                          ids=["restarted-at-once", "down-8s"])
 def test_a_controller_restart_mid_run_costs_only_the_open_sessions(tmp_path, processes, down_s):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
 
     def spawn(*args: str, log: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=(tmp_path / log).open("ab"),
-                             stderr=subprocess.STDOUT)
-        processes.append(p)
-        return p
+        return start_python(processes, tmp_path / log, *args)
 
     def controller() -> subprocess.Popen:
         return spawn("-m", "env_controller.cli", "controller", "--port", str(port), "--heartbeat-timeout", "2",
@@ -71,8 +64,7 @@ def test_a_controller_restart_mid_run_costs_only_the_open_sessions(tmp_path, pro
                    if s["busy"] and s["idle_s"] < 0.15 and now - s["start"] - s["idle_s"] > 0.2)
 
     held = _wait("an interact in flight", interacts_in_flight, 180, proc=train, poll_s=0.01)
-    ctl.send_signal(signal.SIGKILL)
-    ctl.wait(10)
+    stop_process(ctl, first_signal=signal.SIGKILL)
     t_kill = time.monotonic()
     time.sleep(down_s)
     assert train.poll() is None, "the run ended while the controller was down"

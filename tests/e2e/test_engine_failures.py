@@ -6,19 +6,17 @@ another, and the restarted engine serves only the weights it was sent (at lag 0 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from env_controller.http.net import free_port
-from tests.e2e.support import finished_without_training_infra
+from env_controller.servers.process import stop_process
+from env_controller.servers.process import wait_until as _wait
+from tests.e2e.support import finished_without_training_infra, start_python
 from tests.e2e.support import get_json as _get
-from tests.e2e.support import wait_until as _wait
 from tests.support.tiny_models import tiny_agent_checkpoint as _tiny_hf_checkpoint
 
-ROOT = Path(__file__).resolve().parents[2]
 STANDIN = "rollout_sglang.testing.sglang_standin"
 
 
@@ -28,43 +26,35 @@ def _steps(out: Path) -> int:
 
 
 def test_engines_killed_and_one_restarted_mid_run(tmp_path, processes):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     ckpt = _tiny_hf_checkpoint(tmp_path / "hf")
     ports = [free_port(), free_port()]
 
     def engine(i: int) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-m", STANDIN, "--model-path", str(ckpt), "--port", str(ports[i])],
-                             cwd=ROOT, env=env, stdout=(tmp_path / f"engine{i}.log").open("ab"),
-                             stderr=subprocess.STDOUT)
-        processes.append(p)
-        return p
+        return start_python(processes, tmp_path / f"engine{i}.log", "-m", STANDIN, "--model-path", str(ckpt),
+                            "--port", str(ports[i]))
 
     engines = [engine(0), engine(1)]
     out = tmp_path / "run"
     urls = [[f"http://127.0.0.1:{p}"] for p in ports]
-    train = subprocess.Popen(
-        [sys.executable, "-m", "megatron_agentrl.cli", "train", "--config", "tests/configs/tiny_test.yaml",
-         f"output_dir={out}", f"model.checkpoint={ckpt}", "model.arch.hidden_size=32",
-         "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2", "sft.steps=0", "train.steps=10",
-         "train.micro_batch_size=4", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
-         "rollout.max_new_tokens=12", "eval.samples_per_task=0", "pipeline.mode=async", "pipeline.staleness=1",
-         "rollout.max_versions=2", f"rollout.engine_urls={json.dumps(urls)}", "rollout.engine_health_interval_s=0.2",
-         "rollout.engine_health_timeout_s=2", "rollout.engine_unavailable_timeout_s=60",
-         "rollout.engine_startup_timeout_s=60", "rollout.weight_sync_init_timeout_s=20",
-         "rollout.weight_sync_bucket_timeout_s=20"],
-        cwd=ROOT, env=env, stdout=(tmp_path / "train.log").open("wb"), stderr=subprocess.STDOUT)
-    processes.append(train)
+    train = start_python(
+        processes, tmp_path / "train.log", "-m", "megatron_agentrl.cli", "train", "--config",
+        "tests/configs/tiny_test.yaml", f"output_dir={out}", f"model.checkpoint={ckpt}", "model.arch.hidden_size=32",
+        "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2", "sft.steps=0", "train.steps=10",
+        "train.micro_batch_size=4", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
+        "rollout.max_new_tokens=12", "eval.samples_per_task=0", "pipeline.mode=async", "pipeline.staleness=1",
+        "rollout.max_versions=2", f"rollout.engine_urls={json.dumps(urls)}", "rollout.engine_health_interval_s=0.2",
+        "rollout.engine_health_timeout_s=2", "rollout.engine_unavailable_timeout_s=60",
+        "rollout.engine_startup_timeout_s=60", "rollout.weight_sync_init_timeout_s=20",
+        "rollout.weight_sync_bucket_timeout_s=20")
 
     # A dies while the run samples from both, and is restarted at once (a fresh server: start weights, no group)
     _wait("step 2", lambda: _steps(out) >= 2, 180, train)
-    engines[0].send_signal(signal.SIGKILL)
-    engines[0].wait(10)
+    stop_process(engines[0], first_signal=signal.SIGKILL)
     killed_at = _steps(out)
     engines[0] = engine(0)
     # B serves alone for a step, then dies too: from here on only the restarted A can sample
     _wait("a step on B alone", lambda: _steps(out) >= killed_at + 1, 120, train)
-    engines[1].send_signal(signal.SIGKILL)
-    engines[1].wait(10)
+    stop_process(engines[1], first_signal=signal.SIGKILL)
     b_killed_at = _steps(out)
 
     log, _ = finished_without_training_infra(train, tmp_path / "train.log", out, 10, 300)

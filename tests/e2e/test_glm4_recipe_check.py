@@ -113,7 +113,7 @@ def test_the_check_sends_the_trainer_credential(endpoint: str) -> None:
 @pytest.mark.parametrize("overrides, item, needle", [
     # 9.4B on TP 2 alone without the distributed optimizer: ~109 GiB per GPU (~69 GiB with it)
     (["parallel.pp=1", "train.use_distributed_optimizer=false"], "memory", "train pool needs"),
-    (["parallel.tp=4", "parallel.pp=1"], "layout", "2 KV heads"),  # megatron cannot split 2 KV heads 4 ways
+    (["parallel.tp=4", "parallel.pp=1"], "layout", "num_key_value_heads=2"),  # megatron cannot split 2 KV heads 4 ways
     (["rollout.engines_per_slot=8"], "pools vs allocation", "need 24 GPUs"),
     (["env.controller_url=''"], "tasks", "not built-in tasks"),
 ])

@@ -4,31 +4,23 @@ their groups trained on the valid episodes or re-run on the other worker, and no
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 from env_controller.http.net import free_port
-from tests.e2e.support import finished_without_training_infra
+from env_controller.servers.process import stop_process
+from env_controller.servers.process import wait_until as _wait
+from tests.e2e.support import finished_without_training_infra, start_python
 from tests.e2e.support import get_json as _get
-from tests.e2e.support import wait_until as _wait
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_worker_killed_mid_run_costs_no_trained_sample(tmp_path, processes):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
 
     def spawn(*args: str, log: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=(tmp_path / log).open("wb"),
-                             stderr=subprocess.STDOUT)
-        processes.append(p)
-        return p
+        return start_python(processes, tmp_path / log, *args)
 
     spawn("-m", "env_controller.cli", "controller", "--port", str(port), "--heartbeat-timeout", "2",
           "--suspect-after", "1", log="controller.log")
@@ -66,8 +58,7 @@ def test_a_worker_killed_mid_run_costs_no_trained_sample(tmp_path, processes):
                    and now - s["start"] - s["idle_s"] > 0.3)
 
     held = _wait("an interact in flight on lookup-a", victim_interacts, 180, proc=train, poll_s=0.01)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(10)
+    stop_process(victim, first_signal=signal.SIGKILL)
 
     log, rows = finished_without_training_infra(train, tmp_path / "train.log", out, 8, 300)
     assert all(len(r["statuses"]) == len(r["advantages"]) == len(r["staleness"]) for r in rows)

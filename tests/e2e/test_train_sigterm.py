@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from env_controller.servers.process import start_process, stop_process
+
 REPO = Path(__file__).resolve().parents[2]
 OWNER_LABEL = "org.agentrl.owner"
 
@@ -26,9 +28,7 @@ def test_sigterm_during_the_warm_up_removes_the_runs_containers(docker_engine: A
            f"output_dir={tmp_path / 'run'}", "sft.steps=50", "train.steps=1", "model.arch.num_hidden_layers=1"]
     log = tmp_path / "train.log"
     client = docker_engine.client()
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
-                                env={**os.environ, "DOCKER_HOST": docker_engine.url})
+    proc = start_process(cmd, log, env={**os.environ, "DOCKER_HOST": docker_engine.url}, cwd=REPO, group=None)
     try:
         deadline = time.monotonic() + 300
         while not _owned_by(client, proc.pid):
@@ -44,9 +44,7 @@ def test_sigterm_during_the_warm_up_removes_the_runs_containers(docker_engine: A
         assert "SIGTERM: stopping the run" in log.read_text()
         assert _owned_by(client, proc.pid) == [], "containers outlived the run's SIGTERM"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, grace_s=0.0, first_signal=signal.SIGKILL)
         for c in client.containers.list(all=True, filters={"label": OWNER_LABEL}):
             if c.labels.get(OWNER_LABEL, "").split(":")[-2:-1] == [str(proc.pid)]:
                 c.remove(force=True)

@@ -13,7 +13,7 @@ from rollout_sglang.chat_template import ChatTemplate, Glm4ChatTemplate, Glm45Ch
 from rollout_sglang.testing.sglang_contract import SGLANG_PIN, find_wheel
 from rollout_sglang.tokenizer import train_bpe_tokenizer
 from tests.rollout import chat_formats
-from tests.rollout.support import ADD_TOOLS, SCRIPTS
+from tests.rollout.support import ADD_TOOLS, SCRIPTS, taught_calc_engine
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +33,12 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> ChatTemplate:
     corpus += [json.dumps(ADD_TOOLS), "Solve the task EP=calc. result 42"]
     tok = train_bpe_tokenizer(corpus * 3, vocab_size=500, out_dir=tmp_path_factory.mktemp("tok"))
     return ChatTemplate(tok)
+
+
+@pytest.fixture(scope="module")
+def taught_engine(template: ChatTemplate) -> Any:
+    """The calc episode taught to a tiny model (``support.taught_calc_engine``), on ``template``."""
+    return taught_calc_engine(template)
 
 
 def _format_fixtures(fmt: str, make_tokenizer: Callable[[Path], Any], template_cls: type[ChatTemplate]):

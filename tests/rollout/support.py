@@ -434,7 +434,7 @@ def teach(template, ids: list[int], mask: list[int], version: int = 3, seed: int
             [(ids, mask), *more]]
     opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # matrices this small: one thread is 4x faster on a busy 2-core machine
+    torch.set_num_threads(1)  # matrices this small: more threads only wait on each other
     try:
         for _ in range(300):  # about 100 steps; sampled at temperature 0.5 the taught turns are then near certain
             loss = sum(model(input_ids=x, labels=labels).loss for x, labels in seqs) / len(seqs)
@@ -447,3 +447,38 @@ def teach(template, ids: list[int], mask: list[int], version: int = 3, seed: int
         torch.set_num_threads(threads)
     assert loss.item() < 1e-2, f"the tiny model did not learn the episode (loss {loss.item():.4f})"
     return LocalEngine(model.eval(), version=version)
+
+
+# ------------------------------------------------------------------------------ the gateway's calc episode
+#: the calc episode's opening messages, as the env sends them
+CALC_FIRST = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Solve the task EP=calc."}]
+
+
+def taught_calc_engine(template) -> Any:
+    """A tiny Qwen2 taught (by rote, :func:`teach`) the calc episode in the RL layout: a real LocalEngine whose
+    sampled turns are the episode's tool call and answer."""
+    conv = CALC_FIRST + [
+        {"role": "assistant", "content": "Let me add.", "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 40, "b": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "42"},
+        {"role": "assistant", "content": "The answer is 42."},
+    ]
+    ids, mask = template.encode_conversation(conv, ADD_TOOLS)
+    return teach(template, ids, mask, version=3)
+
+
+class Spy:
+    """An engine wrapper that records every call: (prompts, outputs)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.calls: list[tuple[list[list[int]], list[GenerationOutput]]] = []
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    async def generate(self, prompts, params):
+        outs = await self.engine.generate(prompts, params)
+        self.calls.append((prompts, outs))
+        return outs

@@ -14,14 +14,16 @@ import pytest
 from openai import AsyncOpenAI
 
 from rollout_sglang.agent_loop import run_group_lockstep
-from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
+from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.engines.version_pool import VersionPool
-from rollout_sglang.gateway import AgentRunner, GatewayOptions, GatewayServer
+from rollout_sglang.gateway import AgentRunner, AgentRunnerOptions, GatewayOptions, GatewayServer
 from tests.rollout.support import ADD_TOOLS as TOOLS
+from tests.rollout.support import CALC_FIRST as FIRST
 from tests.rollout.support import (
     FakeEngine,
     FakeEnv,
     Script,
+    Spy,
     call,
     client,
     complete,
@@ -30,45 +32,10 @@ from tests.rollout.support import (
     make_gateway,
     open_session,
     serving,
-    teach,
 )
 from tests.support.http_cap import check_connection_cap
 
-FIRST = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Solve the task EP=calc."}]
 CALC_TURNS = ["Let me add.\n" + call(40, 2), "The answer is 42."]
-
-
-# ------------------------------------------------------------------------------------------------ helpers
-class Spy:
-    """An engine wrapper that records every call: (prompts, params, outputs)."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.calls: list[tuple[list[list[int]], SamplingParams, list[GenerationOutput]]] = []
-
-    @property
-    def version(self) -> int:
-        return self.engine.version
-
-    async def generate(self, prompts, params):
-        outs = await self.engine.generate(prompts, params)
-        self.calls.append((prompts, params, outs))
-        return outs
-
-
-# ------------------------------------------------------------------------------------------------ fixtures
-@pytest.fixture(scope="module")
-def taught_engine(template):
-    """A tiny Qwen2 taught (by rote) the calc episode in the RL layout: a real LocalEngine whose sampled turns are
-    the episode's tool call and answer."""
-    conv = FIRST + [
-        {"role": "assistant", "content": "Let me add.", "tool_calls": [
-            {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 40, "b": 2}'}}]},
-        {"role": "tool", "tool_call_id": "call_0", "content": "42"},
-        {"role": "assistant", "content": "The answer is 42."},
-    ]
-    ids, mask = template.encode_conversation(conv, TOOLS)
-    return teach(template, ids, mask, version=3)
 
 
 # ------------------------------------------------------------------------------------------------ acceptance
@@ -103,7 +70,7 @@ def test_tool_calling_episode_is_token_exact(template, taught_engine, stream):
             return comps, steps, traj
 
     comps, steps, traj = asyncio.run(main())
-    sampled = [outs[0] for _, _, outs in spy.calls]
+    sampled = [outs[0] for _, outs in spy.calls]
     assert [template.decode(o.token_ids) for o in sampled] == [t + "<|im_end|>" for t in CALC_TURNS]
     # the OpenAI surface, as the client typed it
     first, second = comps[0].choices[0], comps[1].choices[0]
@@ -125,7 +92,7 @@ def test_tool_calling_episode_is_token_exact(template, taught_engine, stream):
     assert traj["versions"] == [3, 3] and traj["history_rewrites"] == 0 and len(traj["segments"]) == 1
     ids, mask, lps = traj["token_ids"], traj["loss_mask"], traj["logprobs"]
     (s0, e0), (s1, e1) = traj["turn_spans"]
-    for (s, e), (prompts, _, outs) in zip(traj["turn_spans"], spy.calls):
+    for (s, e), (prompts, outs) in zip(traj["turn_spans"], spy.calls):
         assert ids[s:e] == outs[0].token_ids and lps[s:e] == outs[0].logprobs
         assert prompts[0] == ids[:s]  # the engine continued exactly the trajectory
     assert ids[:s0] == template.encode_prompt(FIRST, TOOLS)
@@ -618,7 +585,7 @@ def test_agent_runner_plays_episodes_and_survives_agent_errors(template, caplog)
     assert trajs[0].status == "completed" and trajs[0].reward == 0.25
     trajs, _ = run(idle_agent, n=1)
     assert trajs[0].status == "cancelled" and trajs[0].token_ids == [] and "returned None" in trajs[0].error
-    trajs, _ = run(slow_agent, n=1, agent_timeout_s=0.2)
+    trajs, _ = run(slow_agent, n=1, options=AgentRunnerOptions(agent_timeout_s=0.2))
     assert trajs[0].status == "agent error" and "agent_timeout_s=0.2" in trajs[0].error
 
 

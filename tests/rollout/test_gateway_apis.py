@@ -16,9 +16,9 @@ from anthropic import AsyncAnthropic
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.engines.version_pool import VersionPool
 from tests.rollout.support import ADD_TOOLS as TOOLS
-from tests.rollout.support import Script, client, http, make_gateway, open_session, serving, teach
+from tests.rollout.support import CALC_FIRST as FIRST
+from tests.rollout.support import Script, Spy, client, http, make_gateway, open_session, serving
 
-FIRST = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Solve the task EP=calc."}]
 CALC_TURNS = ["Let me add.\n" + '<tool_call>\n{"name": "add", "arguments": {"a": 40, "b": 2}}\n</tool_call>',
               "The answer is 42."]
 FN = TOOLS[0]["function"]
@@ -26,35 +26,6 @@ RESPONSES_TOOLS = [{"type": "function", "name": FN["name"], "description": FN["d
                     "parameters": FN["parameters"]}]
 ANTHROPIC_TOOLS = [{"name": FN["name"], "description": FN["description"], "input_schema": FN["parameters"]}]
 WARM = SamplingParams(max_new_tokens=256, temperature=0.5)
-
-
-class Spy:
-    """An engine wrapper that records every call: (prompts, outputs)."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.calls: list[tuple[list[list[int]], list[Any]]] = []
-
-    @property
-    def version(self) -> int:
-        return self.engine.version
-
-    async def generate(self, prompts, params):
-        outs = await self.engine.generate(prompts, params)
-        self.calls.append((prompts, outs))
-        return outs
-
-
-@pytest.fixture(scope="module")
-def taught_engine(template):
-    conv = FIRST + [
-        {"role": "assistant", "content": "Let me add.", "tool_calls": [
-            {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 40, "b": 2}'}}]},
-        {"role": "tool", "tool_call_id": "call_0", "content": "42"},
-        {"role": "assistant", "content": "The answer is 42."},
-    ]
-    ids, mask = template.encode_conversation(conv, TOOLS)
-    return teach(template, ids, mask, version=3)
 
 
 def anthropic_client(info: dict, key: str | None = None, **kw: Any) -> AsyncAnthropic:

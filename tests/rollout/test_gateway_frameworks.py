@@ -14,24 +14,10 @@ from typing import Any
 import pytest
 
 from rollout_sglang.engines.protocol import SamplingParams
-from tests.rollout.support import Script, make_gateway, open_session, serving, teach
+from tests.rollout.support import Script, Spy, make_gateway, open_session, serving, teach
 
 WARM = SamplingParams(max_new_tokens=128, temperature=0.5)
 ADD_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 40, "b": 2}}\n</tool_call>'
-
-
-class Spy:
-    def __init__(self, engine: Any) -> None:
-        self.engine, self.calls = engine, []
-
-    @property
-    def version(self) -> int:
-        return self.engine.version
-
-    async def generate(self, prompts, params):
-        outs = await self.engine.generate(prompts, params)
-        self.calls.append((prompts, outs))
-        return outs
 
 
 def two_passes(template, turns: list[str], play, max_total_tokens: int = 4096):

@@ -14,6 +14,7 @@ from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.episode_options import EpisodeLimits, EpisodeOptions
 from rollout_sglang.rollout.manager import (
     AdmissionOptions,
+    DropLimitOptions,
     PromptSampler,
     RetryOptions,
     RolloutError,
@@ -124,7 +125,7 @@ def _options(template: ChatTemplate, total_groups: int | None = None, min_valid_
                           episode=EpisodeOptions(EpisodeLimits(max_turns=2, max_total_tokens=512), env_timeout_s=10),
                           sampling=SamplingParams(max_new_tokens=4, stop_token_ids=list(template.stop_token_ids)),
                           retry=RetryOptions(min_valid_fraction=min_valid_fraction),
-                          max_dropped_in_row=max_dropped_in_row)
+                          drop_limit=DropLimitOptions(max_dropped_in_row))
 
 
 def _manager_on(template: ChatTemplate, index: int, **kw) -> RolloutManager:
@@ -174,5 +175,5 @@ def test_a_task_whose_groups_are_all_dropped_stops_the_run(template: ChatTemplat
     finally:
         mgr.stop(timeout_s=10)
     assert mgr.stats.dropped_infra["t"] >= 2 and mgr.stats.accepted == 0
-    with pytest.raises(ValueError, match="max_dropped_in_row=-1 must be >= 0"):
+    with pytest.raises(ValueError, match="max_dropped_groups_in_row=-1 must be >= 0"):
         _manager_on(template, 3, max_dropped_in_row=-1)

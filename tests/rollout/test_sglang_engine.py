@@ -73,8 +73,8 @@ def test_client_generate_update_pause_continue(served, wire_format):
     assert all(o.version == 0 and len(o.token_ids) == len(o.logprobs) for o in outs)
 
     # init group + bucketed update over gloo: the served weights become `other`'s, version stamped
-    sender = BucketBroadcaster([client], "test-group", BroadcastOptions(backend="gloo", init_timeout_s=20,
-                                                                        bucket_timeout_s=20, wire_format=wire_format,
+    sender = BucketBroadcaster([client], "test-group", BroadcastOptions(
+        backend="gloo", weight_sync_init_timeout_s=20, weight_sync_bucket_timeout_s=20, wire_format=wire_format,
                                                                         small_tensor_bytes=1024),
                                transport=StandInTransport(checksum=True))
     assert client.has_extension("bucket_checksum")  # the stand-in's extension; real SGLang servers do not list it
@@ -146,8 +146,8 @@ def test_stalled_server_times_out_instead_of_hanging(served):
     with pytest.raises(SGLangTimeout):
         client.flush_cache()
     # weight sync to a stalled engine: the group never forms -> a timeout error, not a hang
-    sender = BucketBroadcaster([client], "stalled-group", BroadcastOptions(backend="gloo", init_timeout_s=2,
-                                                                           bucket_timeout_s=2))
+    sender = BucketBroadcaster([client], "stalled-group", BroadcastOptions(
+        backend="gloo", weight_sync_init_timeout_s=2, weight_sync_bucket_timeout_s=2))
     with pytest.raises(WeightSyncError, match="could not be formed|failed to join|rank count"):
         sender.send(other.model.state_dict().items(), bucket_bytes=1 << 20)
     assert time.perf_counter() - t0 < 20
@@ -163,8 +163,8 @@ def test_send_recv_goes_only_to_engines_that_offer_it(served):
     assert client.has_extension("send_recv")
     sglang_like = SGLangEngine(server.url, SGLangClientOptions(update_timeout_s=30))
     sglang_like._extensions = ["bucket_checksum"]  # what /server_info would list without the extension
-    sender = BucketBroadcaster([sglang_like], "g-bcast", BroadcastOptions(backend="gloo", init_timeout_s=20,
-                                                                          bucket_timeout_s=20, small_tensor_bytes=1024))
+    sender = BucketBroadcaster([sglang_like], "g-bcast", BroadcastOptions(
+        backend="gloo", weight_sync_init_timeout_s=20, weight_sync_bucket_timeout_s=20, small_tensor_bytes=1024))
     assert sender.transport.name == "broadcast"
     sglang_like.begin_weight_update(4)
     sender.send(state.items(), bucket_bytes=16 * 1024)
@@ -196,8 +196,8 @@ def test_stalled_update_times_out_per_bucket(served, send_recv):
     server, _, engine, other = served
     client = SGLangEngine(server.url, SGLangClientOptions(control_timeout_s=2.0, update_timeout_s=2.0))
     transport = StandInTransport() if send_recv else None  # None: SGLang's broadcasts
-    sender = BucketBroadcaster([client], "bucket-stall", BroadcastOptions(backend="gloo", init_timeout_s=10,
-                                                                          bucket_timeout_s=2), transport=transport)
+    sender = BucketBroadcaster([client], "bucket-stall", BroadcastOptions(
+        backend="gloo", weight_sync_init_timeout_s=10, weight_sync_bucket_timeout_s=2), transport=transport)
     client.begin_weight_update(1)
     sender.send(other.model.state_dict().items(), bucket_bytes=1 << 20)
     client.end_weight_update()

@@ -107,8 +107,8 @@ def test_a_pool_update_opens_and_closes_the_servers_session(standin):
     client = client_of(server)
     pool = VersionPool([[client]])
     state = other_weights()
-    sender = BucketBroadcaster([client], "session", BroadcastOptions(backend="gloo", init_timeout_s=20,
-                                                                     bucket_timeout_s=20))
+    sender = BucketBroadcaster([client], "session", BroadcastOptions(
+        backend="gloo", weight_sync_init_timeout_s=20, weight_sync_bucket_timeout_s=20))
     slot = pool.begin_update(1, timeout_s=10)
     sender.send(state.items(), bucket_bytes=16 * 1024)
     pool.end_update(slot)
@@ -152,8 +152,8 @@ def test_the_group_forms_inside_the_first_bucket(standin):
     server, engine = standin(lazy_join=True)
     client = client_of(server)
     state = other_weights()
-    sender = BucketBroadcaster([client], "lazy", BroadcastOptions(backend="gloo", init_timeout_s=15,
-                                                                  bucket_timeout_s=15))
+    sender = BucketBroadcaster([client], "lazy", BroadcastOptions(
+        backend="gloo", weight_sync_init_timeout_s=15, weight_sync_bucket_timeout_s=15))
     t0 = time.perf_counter()
     client.begin_weight_update(1)
     sender.send(state.items(), bucket_bytes=16 * 1024)
@@ -166,8 +166,8 @@ def test_the_group_forms_inside_the_first_bucket(standin):
 def test_an_engine_that_refuses_the_first_bucket_fails_fast(standin):
     server, _ = standin(lazy_join=True)
     client = client_of(server)  # no session opened: the engine refuses the first bucket before joining
-    sender = BucketBroadcaster([client], "refused", BroadcastOptions(backend="gloo", init_timeout_s=60,
-                                                                     bucket_timeout_s=60))
+    sender = BucketBroadcaster([client], "refused", BroadcastOptions(
+        backend="gloo", weight_sync_init_timeout_s=60, weight_sync_bucket_timeout_s=60))
     t0 = time.perf_counter()
     with pytest.raises(WeightSyncError, match="refused the first bucket before joining.*begin_weight_update"):
         sender.send(other_weights().items(), bucket_bytes=16 * 1024)
@@ -185,8 +185,8 @@ def test_a_tp2_server_joins_with_both_ranks(standin, lazy):
     assert client.num_ranks == 2
     other_server, other_engine = standin(lazy_join=lazy)  # one backend per job: all lazy or all eager
     other_client = client_of(other_server)
-    sender = BucketBroadcaster([client, other_client], "tp2", BroadcastOptions(backend="gloo", init_timeout_s=15,
-                                                                               bucket_timeout_s=15))
+    sender = BucketBroadcaster([client, other_client], "tp2", BroadcastOptions(
+        backend="gloo", weight_sync_init_timeout_s=15, weight_sync_bucket_timeout_s=15))
     for version, wire_format in ((1, "flattened_bucket"), (2, "per_tensor")):
         state = other_weights(seed=version)
         for c in (client, other_client):
@@ -276,8 +276,8 @@ def test_a_flattened_bucket_goes_out_as_raw_bytes(standin):
     client = client_of(server)
     state = other_weights(torch.bfloat16)
     transport = RecordingBroadcast()
-    sender = BucketBroadcaster([client], "raw", BroadcastOptions(backend="gloo", init_timeout_s=15,
-                                                                 bucket_timeout_s=15, wire_format="flattened_bucket"),
+    sender = BucketBroadcaster([client], "raw", BroadcastOptions(
+        backend="gloo", weight_sync_init_timeout_s=15, weight_sync_bucket_timeout_s=15, wire_format="flattened_bucket"),
                                transport=transport)
     in_session(client, 1, lambda: sender.send(state.items(), bucket_bytes=16 * 1024))
     assert transport.wire_dtypes and set(transport.wire_dtypes) == {torch.uint8}
@@ -290,8 +290,8 @@ def test_a_new_group_gets_a_fresh_name_after_a_failed_destroy(standin):
     server.refuse_destroy = True  # the old group stays registered on the engine, as after a failed destroy
     client = client_of(server)
     state = other_weights()
-    sender = BucketBroadcaster([client], "renamed", BroadcastOptions(backend="gloo", init_timeout_s=15,
-                                                                     bucket_timeout_s=15))
+    sender = BucketBroadcaster([client], "renamed", BroadcastOptions(
+        backend="gloo", weight_sync_init_timeout_s=15, weight_sync_bucket_timeout_s=15))
     names = []
     for version in (1, 2):
         in_session(client, version, lambda: sender.send(state.items(), bucket_bytes=16 * 1024))
@@ -311,8 +311,8 @@ def test_admin_endpoints_take_the_admin_key(standin):
     admin = client_of(server, api_key="user-key", admin_api_key="admin-key")
     admin.pause()
     state = other_weights()
-    sender = BucketBroadcaster([admin], "keys", BroadcastOptions(backend="gloo", init_timeout_s=15,
-                                                                 bucket_timeout_s=15))
+    sender = BucketBroadcaster([admin], "keys", BroadcastOptions(
+        backend="gloo", weight_sync_init_timeout_s=15, weight_sync_bucket_timeout_s=15))
     admin.begin_weight_update(1)
     sender.send(state.items(), bucket_bytes=16 * 1024)
     admin.end_weight_update()

@@ -11,7 +11,7 @@ BASE = "tests/configs/tiny_test.yaml"
 @pytest.mark.parametrize("override, match", [
     ("pipeline.mode=fast", r"pipeline.mode='fast' is not one of sync, async"),
     ("pipeline.staleness=-1", r"pipeline.staleness=-1 must be >= 0"),
-    ("pipeline.queue_size=3", r"pipeline.queue_size=3 cannot hold one step's rollout.prompts_per_step=12"),
+    ("pipeline.queue_size=3", r"pipeline.queue_size=3 must hold at least one batch \(12 groups\); raise it"),
     ("pipeline.cohort_groups=13", r"pipeline.cohort_groups=13 exceeds rollout.prompts_per_step=12"),
     ("pipeline.batch_timeout_s=0", r"pipeline.batch_timeout_s=0.0 must be > 0 seconds"),
     ("pipeline.sim_env_latency_alpha=0", r"sim_env_latency_alpha=0.0 must be > 0"),

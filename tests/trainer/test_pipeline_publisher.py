@@ -54,7 +54,7 @@ class FakeEngine:
 def test_push_loads_the_oldest_slot_and_all_slots_on_request():
     engines = [FakeEngine(0), FakeEngine(0)]
     pool = VersionPool([[engines[0]], [engines[1]]])
-    publisher = WeightPublisher(FakeActor(), pool, SenderOptions(bucket_mb=1))
+    publisher = WeightPublisher(FakeActor(), pool, SenderOptions(weight_sync_bucket_mb=1))
     publisher.push(0, all_slots=True)
     assert pool.versions == [0, 0] and all(e.events == ["pause", "begin0", "end", "resume"] for e in engines)
     publisher.push(1)
@@ -67,7 +67,7 @@ def test_push_loads_the_oldest_slot_and_all_slots_on_request():
 def test_one_slot_failed_delivery_marks_it_failed_and_resumes_it():
     engine = FakeEngine(0, fail=True)
     pool = VersionPool([[engine]])
-    publisher = WeightPublisher(FakeActor(), pool, SenderOptions(bucket_mb=1))
+    publisher = WeightPublisher(FakeActor(), pool, SenderOptions(weight_sync_bucket_mb=1))
     with pytest.raises(ConnectionError, match="engine went away"):
         publisher.push(1)
     assert engine.events == ["pause", "begin1", "abort", "resume"] and engine.version == 0

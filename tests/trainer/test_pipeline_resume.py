@@ -206,7 +206,7 @@ def test_engine_counters_of_a_resumed_run_cover_the_whole_run():
         for e in range(out):
             pool.mark_down(e, "killed")
         run = TrainingRun.__new__(TrainingRun)  # the counters only: no model, no engines
-        run.ro = SimpleNamespace(pool=pool)
+        run.rollout_side = SimpleNamespace(pool=pool)
         run.publisher = SimpleNamespace(failed_syncs=sync_failed, skipped_syncs=0)
         run.trained_samples = run.trained_tokens = run.evals_skipped = run.resumes = 0
         run.rl_wall_before, run.t_rl, run.engines_before = 0.0, _time.perf_counter(), {}

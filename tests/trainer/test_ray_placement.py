@@ -288,7 +288,7 @@ def test_killed_trainer_without_restarts_stops_the_run(ray_cluster: Cluster, tmp
     assert run.restarts == 0 and not _ours_left()
 
 
-@pytest.mark.slow  # about 30 s: two launches of the stand-in server
+@pytest.mark.slow  # two launches of the stand-in server
 def test_killed_engine_actor_comes_back_at_its_url(ray_cluster: Cluster, tmp_path: Path, caplog) -> None:
     """A rollout engine's actor SIGKILLed (its server, in a session of its own, outlives it): the launcher starts a
     new actor in the same bundle, which stops the old server and launches one at the same host:port; a second

@@ -52,10 +52,10 @@ def test_careless_share_is_exact_for_every_task_at_every_step(fraction):
     per demonstration drifts by several, and the warm-up's last batches then decide the habit's
     weight); the short format (the skill phase) is the expert's only."""
     cfg = load_config(CONFIG, [f"sft.careless_fraction={fraction}"])
-    ro = _rollout_side(0)
-    demos = DemoSampler(cfg, ro)
-    tok = ro.template.tokenizer
-    counts = {name: [0, 0] for name in ro.task_names}  # [draws, careless]
+    rollout_side = _rollout_side(0)
+    demos = DemoSampler(cfg, rollout_side)
+    tok = rollout_side.template.tokenizer
+    counts = {name: [0, 0] for name in rollout_side.task_names}  # [draws, careless]
     for _ in range(25):
         for ids, mask in demos.batch(short=False):
             text, prompt = tok.decode(_generated(ids, mask)), tok.decode(ids)
@@ -74,10 +74,10 @@ def test_sft_weights_set_the_demonstration_mix_apart_from_rl_weights():
     mix (and its draws) unchanged; calc's sft_weight 4 makes two thirds of the demonstrations calc."""
     cfg = load_config(CONFIG, ["sft.careless_fraction=0"])
 
-    def calc_share(ro: SimpleNamespace) -> tuple[float, list[list[int]]]:
-        demos = DemoSampler(cfg, ro)
+    def calc_share(rollout_side: SimpleNamespace) -> tuple[float, list[list[int]]]:
+        demos = DemoSampler(cfg, rollout_side)
         examples = [demos.example(short=True) for _ in range(300)]
-        texts = [ro.template.tokenizer.decode(_generated(i, m)) for i, m in examples]
+        texts = [rollout_side.template.tokenizer.decode(_generated(i, m)) for i, m in examples]
         return sum('"name": "add"' in t or '"name": "multiply"' in t for t in texts) / len(texts), \
             [i for i, _ in examples]
 
@@ -115,8 +115,8 @@ def test_a_demonstration_the_infrastructure_cannot_play_is_left_out_and_counted(
     from env_controller.tasks.base import DemonstrationUnavailable
     from megatron_agentrl.pipeline import sft
 
-    ro = _rollout_side(0)
-    real = ro.tasks["lookup"].demonstration
+    rollout_side = _rollout_side(0)
+    real = rollout_side.tasks["lookup"].demonstration
     failures = iter([True, True, False] * 100)
 
     def flaky(index):
@@ -124,13 +124,14 @@ def test_a_demonstration_the_infrastructure_cannot_play_is_left_out_and_counted(
             raise DemonstrationUnavailable("the shell did not start within 20 s")
         return real(index)
 
-    ro.tasks["lookup"].demonstration = flaky
+    rollout_side.tasks["lookup"].demonstration = flaky
     demos = DemoSampler(load_config(CONFIG, ["sft.careless_fraction=0"]), SimpleNamespace(
-        **{**vars(ro), "task_names": ["lookup"], "sft_weights": [1.0]}))
+        **{**vars(rollout_side), "task_names": ["lookup"], "sft_weights": [1.0]}))
     with caplog.at_level("WARNING", logger="megatron_agentrl.pipeline.sft"):
         batch = demos.batch(short=True)
     assert len(batch) == load_config(CONFIG).sft.batch_size and demos.unplayable == 2 * len(batch)
-    ro.tasks["lookup"].demonstration = lambda index: (_ for _ in ()).throw(DemonstrationUnavailable("dockerd is gone"))
+    gone = DemonstrationUnavailable("dockerd is gone")
+    rollout_side.tasks["lookup"].demonstration = lambda index: (_ for _ in ()).throw(gone)
     with pytest.raises(DemonstrationUnavailable, match="dockerd is gone"):
         demos.example(short=True)
     assert demos.unplayable == 2 * len(batch) + sft.MAX_UNPLAYABLE - 1

@@ -261,8 +261,8 @@ def test_checksum_mismatch_fails_the_sync(monkeypatch):
     server.start()
     try:
         client = SGLangEngine(server.url, SGLangClientOptions(update_timeout_s=20))
-        sender = BucketBroadcaster([client], "ck", BroadcastOptions(backend="gloo", init_timeout_s=20,
-                                                                    bucket_timeout_s=20),
+        sender = BucketBroadcaster([client], "ck", BroadcastOptions(
+        backend="gloo", weight_sync_init_timeout_s=20, weight_sync_bucket_timeout_s=20),
                                    transport=StandInTransport(checksum=True))
         # the sender's checksum of every bucket is off: what a corrupted transfer looks like to the engine
         monkeypatch.setattr(StandInTransport, "_checksum", staticmethod(lambda payload, packed: [1, 2]))
@@ -332,8 +332,9 @@ def _sync_case(rank: int, world: int, tmp: str, tied: bool, tp: int, pp: int, tr
 
     initialize_parallel(tp, pp, seed=11, ep=ep)
     actor = MegatronActor(cfg, TrainConfig())
-    options = SenderOptions(bucket_mb=0.05, init_timeout_s=60, bucket_timeout_s=60, checksum=True, backend="gloo",
-                            small_tensor_bytes=4096)  # matrices one message each, norms packed
+    # small_tensor_bytes: matrices one message each, norms packed
+    options = SenderOptions(weight_sync_bucket_mb=0.05, weight_sync_init_timeout_s=60, weight_sync_bucket_timeout_s=60,
+                            checksum=True, backend="gloo", small_tensor_bytes=4096)
     sender = WeightSender(actor, options, transport=StandInTransport(send_recv=transport == "send_recv"))
     wait_for_file(tmpdir / "urls.json", 120)
     urls = json.loads((tmpdir / "urls.json").read_text())

@@ -29,7 +29,7 @@ def _direct_pp_case(rank: int, world: int, wrong_rank: bool) -> dict:
 
     initialize_parallel(1, 2, seed=3)
     actor = MegatronActor(_cfg(), TrainConfig())
-    sender = WeightSender(actor, SenderOptions(bucket_mb=0.01))
+    sender = WeightSender(actor, SenderOptions(weight_sync_bucket_mb=0.01))
     holder = 1 if wrong_rank else 0
     engine = LocalEngine.from_config(_cfg(), init_seed=7) if rank == holder else None
     out: dict = {}

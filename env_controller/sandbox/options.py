@@ -187,6 +187,8 @@ class ContainerOptions(PoolOptions, DockerAccess):
     max_processes: int = 64
     #: CPU time of one sandbox, in CPUs (0.5: half of one core)
     cpus: float = 1.0
+    #: size of one sandbox's private ``/tmp`` (a tmpfs, counted in ``memory_mb``), MB
+    tmp_mb: int = 64
     #: characters of a command's output shown to the agent
     max_output_chars: int = 4000
 
@@ -203,7 +205,7 @@ class ContainerOptions(PoolOptions, DockerAccess):
         """The sandbox limits of these options (``overrides``: a :class:`SandboxLimits` field each), a bad value
         named by its key here."""
         values = {"timeout_s": self.command_timeout_s, "memory_mb": self.memory_mb,
-                  "max_processes": self.max_processes, "cpus": self.cpus, **overrides}
+                  "max_processes": self.max_processes, "cpus": self.cpus, "tmp_mb": self.tmp_mb, **overrides}
         try:
             return SandboxLimits(**values)  # type: ignore[arg-type]
         except ValueError as e:

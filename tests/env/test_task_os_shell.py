@@ -198,3 +198,20 @@ def test_on_the_docker_backend_through_the_fake_daemon(tmp_path: Path) -> None:
         assert not fake.containers
     finally:
         fake.stop()
+
+
+@needs_bwrap
+def test_tmp_mb_sizes_each_sandboxs_tmp() -> None:
+    """``tmp_mb`` (a container option of the task) is the size of each sandbox's ``/tmp``: the agent's write past it
+    is told, naming the size; a bad value is refused naming the key."""
+    t = build_task("os_shell", tmp_mb=4, command_timeout_s=5)
+    try:
+        assert isinstance(t, OsShellTask) and t.limits.tmp_mb == 4
+        session, _ = run(t.start(3))
+        reply = run(session.interact(call("bash_action", {"script": "head -c 8M /dev/zero > /tmp/big; echo done"})))
+        assert "/tmp is full (its size limit is 4 MB)" in reply.messages[0]["content"], reply
+        run(session.close())
+    finally:
+        t.close()
+    with pytest.raises(ValueError, match=r"os_shell.tmp_mb=0 must be a positive integer"):
+        build_task("os_shell", tmp_mb=0)

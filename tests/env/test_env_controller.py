@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import socket
 import time
 from typing import Any
 
@@ -588,15 +589,18 @@ def test_client_retries_5xx_and_refused_connections_only() -> None:
             await env.aclose()
         finally:
             await runner.cleanup()
-        env = HttpEnvClient(f"http://127.0.0.1:{port}",
-                            EnvClientOptions(retries=2, backoff_s=0.01, unavailable_timeout_s=0.5))
-        t0 = time.monotonic()
-        with pytest.raises(EnvControllerError, match="is unreachable"):
-            await env.start_sample("t", 0)
-        assert 0.5 <= time.monotonic() - t0 < 5
-        with pytest.raises(EnvControllerError, match="cannot reach the controller"):
-            await env.interact("1", [tool_call("x", {})])
-        await env.aclose()
+        # a port bound and not listening refuses every connection, and no other test can take it meanwhile
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            env = HttpEnvClient(f"http://127.0.0.1:{closed.getsockname()[1]}",
+                                EnvClientOptions(retries=2, backoff_s=0.01, unavailable_timeout_s=0.5))
+            t0 = time.monotonic()
+            with pytest.raises(EnvControllerError, match="is unreachable"):
+                await env.start_sample("t", 0)
+            assert 0.5 <= time.monotonic() - t0 < 5
+            with pytest.raises(EnvControllerError, match="cannot reach the controller"):
+                await env.interact("1", [tool_call("x", {})])
+            await env.aclose()
 
     run(go())
 

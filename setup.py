@@ -54,7 +54,9 @@ setup(
                 "hypothesis==6.170.17", "schemathesis==4.32.5",
                 # the gateway's tests run real agent frameworks against it (openai is sglang's 2.8.0: openai-agents
                 # 0.6.2 is the newest that accepts it)
-                "anthropic==2.12.0", "openai-agents==0.6.2", "smolagents==1.26.0"],
+                "anthropic==2.12.0", "openai-agents==0.6.2", "smolagents==1.26.0",
+                # peft: our LoRA is checked against its adapters on the Hugging Face model
+                "peft==0.21.2"],
     },
     entry_points={"console_scripts": ["agentrl=megatron_agentrl.cli:main"]},
 )

@@ -24,6 +24,7 @@ from env_controller.clients.options import ControllerAccess
 from env_controller.http.net import is_host
 from env_controller.options import FieldError, Options, build_options, placed
 from env_controller.options import OptionError as ConfigError
+from megatron_agentrl.lora.options import LoraOptions
 from megatron_agentrl.parallel_layout import ParallelLayout
 from rollout_sglang.chat_template import CHAT_TEMPLATES, thinking_switch_problem
 from rollout_sglang.episode_options import EpisodeLimits
@@ -926,6 +927,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    lora: LoraOptions = field(default_factory=LoraOptions)
     ray: RayConfig = field(default_factory=RayConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
@@ -940,6 +942,10 @@ class Config:
             placed(f"tasks[{i}]", spec.check)
         if self.log_every < 1:
             raise ConfigError(f"log_every={self.log_every!r} must be a positive integer (log every this many steps)")
+        if self.lora.enabled and (self.checkpoint.interval or self.checkpoint.resume or self.checkpoint.after_warmup):
+            raise ConfigError(f"lora.rank={self.lora.rank} with checkpoints: a LoRA run's checkpoints (its adapters "
+                              "and their optimizer state, the base by hash) are not written yet; set "
+                              "checkpoint.interval=0 (and no checkpoint.resume / after_warmup), or lora.rank=0")
         if self.model.hf_config is None and not self.model.arch and not self.model.megatron_checkpoint:
             raise ConfigError("model: set model.hf_config (a Hugging Face config dir) or model.arch (inline config "
                               "fields)")

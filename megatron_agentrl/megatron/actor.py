@@ -44,6 +44,8 @@ from megatron_agentrl.config import LossConfig, TrainConfig
 from megatron_agentrl.convert import get_mapping
 from megatron_agentrl.convert.base import ConversionError
 from megatron_agentrl.convert.qwen2 import OUTPUT_LAYER
+from megatron_agentrl.lora.adapters import attach_adapters, is_adapter, merged_weight
+from megatron_agentrl.lora.options import LoraOptions
 from megatron_agentrl.megatron.context_parallel import shard as cp_shard
 from megatron_agentrl.megatron.context_parallel import unshard as cp_unshard
 from megatron_agentrl.megatron.model import build_gpt_model
@@ -132,6 +134,8 @@ class MegatronActor:
         dtype: parameter / compute dtype (float32, bfloat16, float16); bf16/fp16 keep fp32
             master weights and fp32 gradient accumulation.
         make_vocab_size_divisible_by: megatron vocab padding (to a multiple of this * tp).
+        lora: low-rank adapters on the decoder's linear layers, the rest frozen (None or rank 0: every
+            parameter trains); :mod:`megatron_agentrl.lora`.
 
     Requires ``initialize_parallel`` to have run. The weights start randomly initialised
     (megatron init, std ``initializer_range``); load real ones with :meth:`load_hf_state_dict`
@@ -145,6 +149,7 @@ class MegatronActor:
         loss_cfg: LossConfig | None = None,
         dtype: torch.dtype = torch.float32,
         make_vocab_size_divisible_by: int = 128,
+        lora: LoraOptions | None = None,
     ) -> None:
         from megatron.core import parallel_state
 
@@ -175,13 +180,19 @@ class MegatronActor:
         self.model = build_gpt_model(hf_config, self.pre_process, self.post_process, dtype,
                                      make_vocab_size_divisible_by, train_cfg, routing_replay=self.mapping.is_moe)
         self.config = self.model.config
+        self.lora = lora if lora is not None and lora.enabled else None
+        #: the adapted layers by their weight (``weight_value`` merges their adapters)
+        self._adapted: dict[int, Any] = {}
+        if self.lora is not None:
+            attach_adapters(self.model, self.lora, self._global_name, seed=train_cfg.seed)
+            self._adapted = {id(m.weight): m for m in self.model.modules() if hasattr(m, "lora")}
         self.ddp = self._wrap_ddp()
         self.device = next(self.model.parameters()).device
 
         # (global Megatron name, parameter) of this stage / TP shard / EP rank's experts.
         self.local_experts = self.mapping.num_experts // self.ep
         self.named_params: list[tuple[str, torch.nn.Parameter]] = [
-            (self._global_name(n), p) for n, p in self.model.named_parameters()
+            (self._global_name(n), p) for n, p in self.model.named_parameters() if not is_adapter(n)
         ]
         # buffers that are weights of the HF model (the router's expert bias): loaded and exported, not trained
         self.named_buffers: list[tuple[str, Tensor]] = [
@@ -259,6 +270,12 @@ class MegatronActor:
         suffix = _LOCAL_EXPERT_RE.sub(lambda e: f"local_experts.{self.ep_rank * self.local_experts + int(e.group(1))}.",
                                       m.group(2))
         return f"decoder.layers.{layer.layer_number - 1}.{suffix}"
+
+    def weight_value(self, p: torch.nn.Parameter) -> Tensor:
+        """What a weight is worth to the outside (export, weight sync): the parameter, or with LoRA an adapted
+        layer's weight with its adapter merged in. Collective over TP for adapted layers."""
+        layer = self._adapted.get(id(p))
+        return p.detach() if layer is None else merged_weight(layer)
 
     def _is_tied_copy(self, name: str) -> bool:
         """The last stage's copy of the tied embedding (exported once, from the embedding)."""

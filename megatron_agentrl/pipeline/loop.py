@@ -254,7 +254,7 @@ class TrainingRun:
         self.hf_config = load_hf_config(cfg.model, self.tokenizer)
         template = chat_template(cfg, self.tokenizer, self.hf_config)  # on every rank: a bad choice fails everywhere
         torch.manual_seed(cfg.train.seed)
-        self.actor = MegatronActor(self.hf_config, cfg.train, cfg.loss, dtype=dtype)
+        self.actor = MegatronActor(self.hf_config, cfg.train, cfg.loss, dtype=dtype, lora=cfg.lora)
         load_start_weights(cfg, self.actor)
         self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out / "checkpoints"
         self.resume = _resume_path(cfg, self.ckpt_root)

@@ -22,7 +22,8 @@ def stage_hf_tensors(actor: Any, getter: Callable[[torch.nn.Parameter], torch.Te
     """This PP stage's parameters as full (TP-gathered, vocab-unpadded) Hugging Face tensors.
 
     Yields ``(hf_name, tensor)`` in model order, on the actor's device, in the dtype ``getter``
-    gives (default: each parameter's data, the model's dtype, followed by the weights megatron keeps
+    gives (default: each weight's value, ``actor.weight_value``: the model's dtype, a LoRA adapter merged into
+    the layer it adapts, followed by the weights megatron keeps
     as buffers, i.e. the MoE router's expert bias; ``lambda p: p.main_grad`` for the fp32 gradients,
     parameters only). Collective over the tensor-parallel group and, with expert parallelism, over
     the expert-parallel group (each expert is all-gathered from the rank holding it): every rank of
@@ -38,7 +39,7 @@ def stage_hf_tensors(actor: Any, getter: Callable[[torch.nn.Parameter], torch.Te
     for name, p in named:
         if tied and name == OUTPUT_LAYER:
             continue
-        t = (p.detach() if getter is None else getter(p)).contiguous()
+        t = (actor.weight_value(p) if getter is None else getter(p)).contiguous()
         expert = actor.mapping.expert_index(name)
         if expert is not None and ep_group is not None:
             # experts are not split by TP; expert j of EP rank r is global expert r * local + j

@@ -1,0 +1,180 @@
+"""LoRA on megatron-core's parallel layers against PEFT on the Hugging Face model: equal log-probs and gradients at
+TP=1, TP=2 and PP=2, the frozen base, the PEFT format both ways, and the options' refusals."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_agentrl.config import ConfigError, LossConfig, TrainConfig
+from megatron_agentrl.lora.options import TARGETS, LoraOptions
+from tests.support.dist_utils import run_distributed
+from tests.support.tiny_models import reinit_parallel, tiny_model
+from tests.trainer.support import hf_state, make_batch
+
+RANK, ALPHA = 4, 8.0
+#: the projections megatron holds as one layer (one A)
+FUSED = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+pytest.importorskip("peft", reason="peft is not installed (pip install '.[dev]')")
+
+
+def _peft_model(hf, directory: Path | None = None):
+    """PEFT's LoRA on ``hf`` (a copy): the adapters of ``directory``, or new ones with random A (shared by q/k/v and
+    by gate/up, as megatron fuses them) and random B, saved there."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    base = copy.deepcopy(hf)
+    if directory is not None and (directory / "adapter_config.json").is_file():
+        return PeftModel.from_pretrained(base, str(directory)).eval()
+    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS), lora_dropout=0.0))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in model.base_model.model.model.layers:
+            for group in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                          (layer.self_attn.o_proj,), (layer.mlp.gate_proj, layer.mlp.up_proj), (layer.mlp.down_proj,)):
+                a = torch.randn(group[0].lora_A["default"].weight.shape, generator=g) * 0.2
+                for proj in group:
+                    proj.lora_A["default"].weight.copy_(a)
+                    proj.lora_B["default"].weight.copy_(torch.randn(proj.lora_B["default"].weight.shape,
+                                                                    generator=g) * 0.2)
+    if directory is not None:
+        model.save_pretrained(str(directory))
+    return model.eval()
+
+
+def _logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    return torch.cat([torch.zeros(tokens.shape[0], 1), lp], dim=1)
+
+
+def _peft_grads(model, batch) -> dict[str, torch.Tensor]:
+    """PEFT's adapter gradients of the token-averaged GRPO loss, under the saved names (per projection)."""
+    from megatron_agentrl.algo.losses import LossInputs, clipped_policy_loss
+
+    model.train()
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    logits = model(input_ids=batch.tokens).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch.tokens[:, 1:, None])[..., 0]
+    lp = torch.cat([torch.zeros(lp.shape[0], 1), lp], dim=1)
+    loss, _ = clipped_policy_loss(LossInputs(lp, batch.behavior_logprobs, batch.advantages, batch.loss_mask),
+                                  LossConfig())
+    (loss / batch.loss_mask.sum()).backward()
+    return {n.replace(".default", ""): p.grad.detach().clone() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def _layouts(rank: int, world: int, directory: str) -> dict[str, float]:
+    """Each layout loads the same PEFT adapter: log-probs and adapter gradients equal PEFT's, the exported
+    adapter equals the loaded one, the merged HF export equals PEFT's merged model, and only the adapters have
+    gradients."""
+    from megatron_agentrl.lora.peft_format import export_adapters, load_adapters, read_adapters, save_adapters
+    from megatron_agentrl.megatron.actor import MegatronActor
+
+    cfg, hf = tiny_model("qwen2", False, vocab=200, layers=4)
+    peft = _peft_model(hf, Path(directory))
+    loaded = read_adapters(directory)
+    tokens = torch.randint(0, 200, (4, 12), generator=torch.Generator().manual_seed(3))
+    batch = make_batch(cfg.vocab_size)
+    ref_lp = _logprobs(peft, tokens)
+    merged_ref = copy.deepcopy(peft).merge_and_unload().state_dict()
+    ref_grads = _peft_grads(peft, batch)
+    out: dict[str, float] = {}
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        reinit_parallel(tp, pp)
+        actor = MegatronActor(cfg, TrainConfig(micro_batch_size=2), lora=LoraOptions(rank=RANK, alpha=ALPHA))
+        actor.load_hf_state_dict(hf_state(hf))
+        load_adapters(actor, loaded)
+        key = f"tp{tp}pp{pp}"
+        out[f"lp_{key}"] = float((actor.compute_logprobs(tokens, micro_batch_size=2) - ref_lp).abs().max())
+        exported = export_adapters(actor)
+        # the HF export (and the weight sync, which reads the same values) merges the adapters in
+        merged = actor.export_hf_state_dict()
+        out[f"merged_{key}"] = max(float((merged[k] - merged_ref[k]).abs().max()) for k in merged)
+        out[f"roundtrip_{key}"] = max(float((exported[k] - loaded[k]).abs().max()) for k in loaded)
+        assert set(exported) == set(loaded), sorted(set(exported) ^ set(loaded))
+        trainable = [n for n, p in actor.model.named_parameters() if p.requires_grad]
+        assert trainable and all(".lora." in n for n in trainable), trainable
+        actor.compute_grads(actor.dp_slice(batch), "grpo", temperature=1.0)
+        actor._gather_grad_shards()
+        grads = export_adapters(actor, lambda p: p.main_grad)
+        worst = 0.0
+        for name, g in grads.items():
+            if ".lora_A." in name:
+                # one A per fused layer: its gradient is the sum of PEFT's per-projection ones
+                module, proj = name.removesuffix(".lora_A.weight").rsplit(".", 1)
+                group = next(g for g in FUSED if proj in g)
+                ref = sum(ref_grads[f"{module}.{p}.lora_A.weight"] for p in group)
+            else:
+                ref = ref_grads[name]
+            worst = max(worst, float((g - ref).abs().max()) / max(float(ref.abs().max()), 1e-6))
+        out[f"grad_{key}"] = worst
+        if (tp, pp) == (2, 1):
+            save_adapters(actor, actor.lora, Path(directory) / "resaved")
+    return out
+
+
+def test_lora_equals_peft_at_tp_and_pp(tmp_path: Path) -> None:
+    """Log-probs within 1e-5 of PEFT's on the HF model with the same adapter at TP=1, TP=2 and PP=2; adapter
+    gradients equal PEFT's (a fused layer's A gets the sum of its projections'); the PEFT export re-loads in PEFT
+    to the same log-probs."""
+    cfg, hf = tiny_model("qwen2", False, vocab=200, layers=4)
+    _peft_model(hf, tmp_path)  # writes the adapter every layout loads
+    results = run_distributed(_layouts, 2, str(tmp_path), timeout_s=240)
+    for r in results:
+        for key, value in r.items():
+            limit = 1e-5 if key.startswith(("lp_", "roundtrip_", "merged_")) else 1e-4
+            assert value < limit, (key, value, r)
+    tokens = torch.randint(0, 200, (4, 12), generator=torch.Generator().manual_seed(3))
+    resaved = _peft_model(hf, tmp_path / "resaved")
+    original = _peft_model(hf, tmp_path)
+    assert float((_logprobs(resaved, tokens) - _logprobs(original, tokens)).abs().max()) < 1e-6
+
+
+def test_lora_options_refuse_what_cannot_work() -> None:
+    assert not LoraOptions().enabled and LoraOptions(rank=8, alpha=16).scaling == 2.0
+    assert LoraOptions(rank=4, target_modules=["q_proj", "k_proj", "v_proj"]).megatron_modules() == [
+        "self_attention.linear_qkv"]
+    for bad, why in ((dict(rank=-1), "lora.rank=-1 must be an integer >= 0"),
+                     (dict(rank=4, target_modules=["q_proj"]), "megatron holds q_proj/k_proj/v_proj as one layer"),
+                     (dict(rank=4, target_modules=["lm_head"]), "choose from q_proj"),
+                     (dict(rank=4, dropout=1.0), "lora.dropout=1.0 must be in"),
+                     (dict(rank=4, alpha=0), "lora.alpha=0 must be > 0")):
+        with pytest.raises(ConfigError, match=why):
+            LoraOptions(**bad)
+    from megatron_agentrl.config import load_config
+
+    cfg = load_config("examples/configs/tiny_cpu.yaml", ["lora.rank=8", "lora.alpha=16", "checkpoint.interval=0"])
+    assert cfg.lora.enabled and cfg.lora.scaling == 2.0
+    with pytest.raises(ConfigError, match="lora.rank=8 with checkpoints: .* set checkpoint.interval=0"):
+        load_config("examples/configs/tiny_cpu.yaml", ["lora.rank=8"])
+
+
+def _frozen_base(rank: int, world: int) -> dict[str, float]:
+    """A fresh adapter (B = 0) leaves the model as the base; one optimizer step moves the adapters only."""
+    from megatron_agentrl.megatron.actor import MegatronActor
+
+    cfg, hf = tiny_model("qwen2", False, vocab=200, layers=2)
+    reinit_parallel(1, 1)
+    plain = MegatronActor(cfg, TrainConfig(micro_batch_size=2))
+    plain.load_hf_state_dict(hf_state(hf))
+    actor = MegatronActor(cfg, TrainConfig(micro_batch_size=2, lr=1e-2), lora=LoraOptions(rank=4))
+    actor.load_hf_state_dict(hf_state(hf))
+    tokens = torch.randint(0, 200, (2, 10), generator=torch.Generator().manual_seed(1))
+    same = float((actor.compute_logprobs(tokens) - plain.compute_logprobs(tokens)).abs().max())
+    before = {n: p.detach().clone() for n, p in actor.named_params}  # the base's own parameters
+    adapters = {n: p.detach().clone() for n, p in actor.model.named_parameters() if p.requires_grad}
+    actor.train_step(make_batch(cfg.vocab_size, B=2), "grpo", temperature=1.0)
+    moved = max(float((p.detach() - adapters[n]).abs().max()) for n, p in actor.model.named_parameters()
+                if p.requires_grad)
+    return {"same": same, "base_moved": max(float((p.detach() - before[n]).abs().max()) for n, p in actor.named_params),
+            "adapters_moved": moved}
+
+
+def test_a_fresh_adapter_is_the_base_and_only_adapters_train() -> None:
+    (r,) = run_distributed(_frozen_base, 1, timeout_s=120)
+    assert r["same"] < 1e-6 and r["base_moved"] == 0.0 and r["adapters_moved"] > 0.0, r

@@ -184,8 +184,7 @@ class MegatronActor:
         #: the adapted layers by their weight (``weight_value`` merges their adapters)
         self._adapted: dict[int, Any] = {}
         if self.lora is not None:
-            attach_adapters(self.model, self.lora, self._global_name, seed=train_cfg.seed)
-            self._adapted = {id(m.weight): m for m in self.model.modules() if hasattr(m, "lora")}
+            self._attach(self.lora)
         self.ddp = self._wrap_ddp()
         self.device = next(self.model.parameters()).device
 
@@ -270,6 +269,25 @@ class MegatronActor:
         suffix = _LOCAL_EXPERT_RE.sub(lambda e: f"local_experts.{self.ep_rank * self.local_experts + int(e.group(1))}.",
                                       m.group(2))
         return f"decoder.layers.{layer.layer_number - 1}.{suffix}"
+
+    def _attach(self, lora: LoraOptions) -> None:
+        attach_adapters(self.model, lora, self._global_name, seed=self.train_cfg.seed)
+        self._adapted = {id(m.weight): m for m in self.model.modules() if hasattr(m, "lora")}
+
+    def start_adapters(self, lora: LoraOptions) -> None:
+        """From here on train LoRA adapters on the model as it is now (e.g. after a full-parameter warm-up): the
+        adapters are attached, every other parameter frozen, and megatron's DDP and optimizer rebuilt over the
+        adapters alone, the full model's gradient buffers and optimizer state released. Collective."""
+        if self.lora is not None:
+            raise RuntimeError("start_adapters: this actor trains adapters already")
+        self.lora = lora
+        self._attach(lora)
+        for p in self.model.parameters():
+            if not p.requires_grad and hasattr(p, "main_grad"):
+                del p.main_grad  # a view of the full model's gradient buffer, which goes with the old DDP
+        self.ddp = self._wrap_ddp()
+        self.optimizer = self._build_optimizer()
+        self.set_lr(self.train_cfg.lr)
 
     def weight_value(self, p: torch.nn.Parameter) -> Tensor:
         """What a weight is worth to the outside (export, weight sync): the parameter, or with LoRA an adapted

@@ -254,7 +254,8 @@ class TrainingRun:
         self.hf_config = load_hf_config(cfg.model, self.tokenizer)
         template = chat_template(cfg, self.tokenizer, self.hf_config)  # on every rank: a bad choice fails everywhere
         torch.manual_seed(cfg.train.seed)
-        self.actor = MegatronActor(self.hf_config, cfg.train, cfg.loss, dtype=dtype, lora=cfg.lora)
+        # with LoRA the warm-up trains every parameter; the adapters start with RL (warm_up)
+        self.actor = MegatronActor(self.hf_config, cfg.train, cfg.loss, dtype=dtype)
         load_start_weights(cfg, self.actor)
         self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out / "checkpoints"
         self.resume = _resume_path(cfg, self.ckpt_root)
@@ -301,6 +302,8 @@ class TrainingRun:
             return
         if cfg.sft.steps:
             sft_warmup(cfg, self.actor, self.rollout_side, self.metrics, self.progress)
+        if cfg.lora.enabled:
+            self.actor.start_adapters(cfg.lora)
         self.publisher.push(0, all_slots=True)
         if cfg.loss.kl_coef > 0:
             self.actor.snapshot_reference()

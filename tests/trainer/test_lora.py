@@ -178,3 +178,40 @@ def _frozen_base(rank: int, world: int) -> dict[str, float]:
 def test_a_fresh_adapter_is_the_base_and_only_adapters_train() -> None:
     (r,) = run_distributed(_frozen_base, 1, timeout_s=120)
     assert r["same"] < 1e-6 and r["base_moved"] == 0.0 and r["adapters_moved"] > 0.0, r
+
+
+def _warm_up_then_adapters(rank: int, world: int) -> dict[str, float]:
+    """A full-parameter step, then ``start_adapters`` (TP=2): the model is unchanged by the attach, the next step
+    moves the adapters only, and the rebuilt gradient buffers hold the adapters alone."""
+    from megatron_agentrl.megatron.actor import MegatronActor
+
+    cfg, hf = tiny_model("qwen2", False, vocab=200, layers=2)
+    reinit_parallel(2, 1)
+    actor = MegatronActor(cfg, TrainConfig(micro_batch_size=2, lr=1e-2))
+    actor.load_hf_state_dict(hf_state(hf))
+    batch = make_batch(cfg.vocab_size, B=2)
+    base0 = {n: p.detach().clone() for n, p in actor.named_params}
+    actor.train_step(actor.dp_slice(batch), "grpo", temperature=1.0)
+    warm_moved = max(float((p.detach() - base0[n]).abs().max()) for n, p in actor.named_params)
+    tokens = torch.randint(0, 200, (2, 10), generator=torch.Generator().manual_seed(1))
+    before = actor.compute_logprobs(tokens)
+    actor.start_adapters(LoraOptions(rank=4))
+    attached = float((actor.compute_logprobs(tokens) - before).abs().max())
+    base1 = {n: p.detach().clone() for n, p in actor.named_params}
+    adapters = {n: p.detach().clone() for n, p in actor.model.named_parameters() if p.requires_grad}
+    actor.train_step(actor.dp_slice(batch), "grpo", temperature=1.0)
+    return {"warm_moved": warm_moved, "attached": attached,
+            "base_moved": max(float((p.detach() - base1[n]).abs().max()) for n, p in actor.named_params),
+            "adapters_moved": max(float((p.detach() - adapters[n]).abs().max())
+                                  for n, p in actor.model.named_parameters() if p.requires_grad),
+            "buffer": float(sum(b.grad_data.numel() for b in actor.ddp.buffers)),
+            "adapter_numel": float(sum(p.numel() for p in adapters.values())),
+            "base_numel": float(sum(p.numel() for p in base1.values()))}
+
+
+def test_a_full_warm_up_then_adapters_only() -> None:
+    for r in run_distributed(_warm_up_then_adapters, 2, timeout_s=120):
+        assert r["warm_moved"] > 0 and r["attached"] < 1e-6, r
+        assert r["base_moved"] == 0.0 and r["adapters_moved"] > 0, r
+        # megatron pads each bucket; still far from the full model's buffer
+        assert r["adapter_numel"] <= r["buffer"] < r["base_numel"] / 4, r

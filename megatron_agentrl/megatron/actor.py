@@ -378,14 +378,19 @@ class MegatronActor:
         load_megatron_checkpoint(self.model, root, self.hf_config)
         self.optimizer.reload_model_params()  # the fp32 main weights follow
 
-    def export_hf_state_dict(self) -> dict[str, Tensor]:
-        """Full HF-named tensors of the whole model (vocab padding removed), on EVERY rank, on the CPU.
+    def export_hf_state_dict(self, merged: bool = True) -> dict[str, Tensor]:
+        """Full HF-named tensors of the whole model (vocab padding removed), on EVERY rank, on the CPU; with LoRA
+        adapters merged in (``merged``), else the base they adapt.
 
         Gathered over TP (all-gather), then over PP (each stage broadcasts its tensors to the
         other stages of its pipeline). Collective: all ranks must call it. dtype: the model's.
         Names are ``mapping.hf_param_names()``: a tied model has no ``lm_head.weight`` entry.
         """
-        return self._export(None)
+        adapted, self._adapted = self._adapted, (self._adapted if merged else {})
+        try:
+            return self._export(None)
+        finally:
+            self._adapted = adapted
 
     def export_hf_grads(self) -> dict[str, Tensor]:
         """The current fp32 gradients (``main_grad``) in HF names, gathered like :meth:`export_hf_state_dict`.

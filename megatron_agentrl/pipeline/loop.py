@@ -583,6 +583,18 @@ class TrainingRun:
                 self.rollout_side.pool.stop_health_checks()
         self.rl_wall = self.rl_wall_before + time.perf_counter() - self.t_rl
 
+    def _export_adapter(self) -> str:
+        """With LoRA: the base the adapters were trained on (the warmed-up model, ``hf_base``) and the adapters in
+        PEFT's format on it (``adapter``); ``hf_export`` holds them merged. Collective; the adapter's path."""
+        from megatron_agentrl.lora.peft_format import save_adapters
+
+        base_state = self.actor.export_hf_state_dict(merged=False)
+        base_dir = self.out / "hf_base"
+        if self.rank0:
+            save_hf_checkpoint(base_state, self.hf_config, base_dir, self.tokenizer)
+        assert self.actor.lora is not None
+        return str(save_adapters(self.actor, self.actor.lora, self.out / "adapter", base=str(base_dir)))
+
     def finish(self) -> dict[str, Any]:
         """The final evaluation, the HF export of the trained model, the reward plot and summary.json;
         returns the summary (``{}`` on ranks other than 0)."""
@@ -595,6 +607,7 @@ class TrainingRun:
             if self.rank0:
                 export_dir = save_hf_checkpoint(final_state, self.hf_config, self.out / "hf_export", self.tokenizer)
                 phase.update(figures={"saved to": str(export_dir)})
+            adapter_dir = self._export_adapter() if cfg.lora.enabled else None
         if not self.rank0:
             return {}
         if after:
@@ -608,7 +621,7 @@ class TrainingRun:
                    "trained_samples": self.trained_samples, "trained_tokens": self.trained_tokens,
                    "samples_per_s": self.trained_samples / max(self.rl_wall, 1e-9),
                    "dropped_stale": self.manager.stats.dropped_stale if self.manager else 0,
-                   "last_checkpoint": self.last_ckpt, "resumes": self.resumes,
+                   "last_checkpoint": self.last_ckpt, "resumes": self.resumes, "lora_adapter": adapter_dir,
                    "resumed_from_step": self.start_step if self.resume is not None else None}
         if self.manager is not None:  # rollouts ended by infrastructure failures: counted, never trained
             st = self.manager.stats

@@ -215,3 +215,27 @@ def test_a_full_warm_up_then_adapters_only() -> None:
         assert r["base_moved"] == 0.0 and r["adapters_moved"] > 0, r
         # megatron pads each bucket; still far from the full model's buffer
         assert r["adapter_numel"] <= r["buffer"] < r["base_numel"] / 4, r
+
+
+@pytest.mark.e2e
+def test_a_lora_run_exports_its_base_and_adapter_as_peft_loads_them(tmp_path: Path) -> None:
+    """A shrunk demo run with LoRA (a full warm-up, then adapters at TP=2) writes ``hf_base`` (the warmed-up base),
+    ``adapter`` (PEFT's format) and ``hf_export`` (merged): PEFT's model on the base equals the merged export. (A
+    shrunk run may leave B at 0; the equality with trained adapters is the layouts test's.)"""
+    import json
+
+    import transformers
+    from peft import PeftModel
+
+    from tests.support.demo_run import TINY_MODEL, train_demo
+
+    train_demo(tmp_path, 2, *TINY_MODEL, "parallel.tp=2", "lora.rank=4", "lora.alpha=8", "checkpoint.interval=0")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["lora_adapter"] == str(tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["base_model_name_or_path"] == str(tmp_path / "hf_base")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_base", dtype=torch.float32)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_export", dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    tokens = torch.randint(0, merged.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert float((_logprobs(peft, tokens) - _logprobs(merged, tokens)).abs().max()) < 1e-5

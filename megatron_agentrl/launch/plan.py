@@ -173,6 +173,16 @@ class ModelShape:
         """All routed experts of one MoE layer (gated MLPs of ``moe_intermediate_size``; split over EP)."""
         return self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
 
+    def lora_params(self, layer: int, modules: list[str], rank: int) -> int:
+        """Adapter parameters of layer ``layer`` at ``rank`` on the megatron ``modules`` adapted
+        (``LoraOptions.megatron_modules``): ``rank x (in + out)`` each; a MoE layer's MLP has none (experts are
+        not adapted)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        ffn = 0 if self.is_moe_layer(layer) else self.intermediate_size
+        sizes = {"self_attention.linear_qkv": h + q + 2 * kv, "self_attention.linear_proj": q + h,
+                 "mlp.linear_fc1": (h + 2 * ffn) if ffn else 0, "mlp.linear_fc2": (ffn + h) if ffn else 0}
+        return rank * sum(sizes[m] for m in modules)
+
     def tp_mlp_params(self, layer: int) -> int:
         """The MLP parameters of layer ``layer`` that TP splits: the dense MLP, or a MoE layer's shared expert."""
         if self.is_moe_layer(layer):
@@ -303,6 +313,11 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
             "master_weights_fp32": (dense / shards + experts / expert_shards) * masters / GiB,
             "adam_states_fp32": (dense / shards + experts / expert_shards) * 8 / GiB,
         }
+        if cfg.lora.enabled:  # the base frozen: gradients and optimizer state of the adapters alone
+            adapters = sum(shape.lora_params(i, cfg.lora.megatron_modules(), cfg.lora.rank) for i in layers) / tp
+            state.update(weights=state["weights"] + adapters * wbytes / GiB, grads_fp32=adapters * 4 / GiB,
+                         master_weights_fp32=adapters / shards * masters / GiB,
+                         adam_states_fp32=adapters / shards * 8 / GiB)
         stages.append((sum(state.values()), s, layers, state))
     _, _, _, train = max(stages, key=lambda x: (x[0], -x[1]))  # the largest stage (the first of equals)
     seq = cfg.rollout.max_total_tokens

@@ -156,3 +156,16 @@ def test_a_moe_config_missing_its_expert_fields_is_named() -> None:
     hf = {k: v for k, v in QWEN3_MOE.items() if k != "moe_intermediate_size"}
     with pytest.raises(ConfigError, match="qwen3_moe model config lacks moe_intermediate_size"):
         ModelShape.from_hf(hf)
+
+
+def test_lora_memory_by_hand(tmp_path: Path) -> None:
+    """With LoRA the base is frozen: gradients, master weights and Adam moments are the adapters' alone. Rank 8 on
+    every linear layer of a MoE model adapts attention only (experts are not adapted): per layer 8 x ((64 + 64 +
+    2 x 32) + (64 + 64)) = 2560, two layers a stage = 5120."""
+    plan = estimate_memory(QWEN3_MOE, _config(tmp_path, QWEN3_MOE, "lora.rank=8", "checkpoint.interval=0"))
+    got = _bytes(plan.train)
+    adapters = 5120
+    assert got["weights"] == pytest.approx((89920 + 49152 + adapters) * 2)
+    assert got["grads_fp32"] == pytest.approx(adapters * 4)
+    assert got["master_weights_fp32"] == pytest.approx(adapters / 4 * 4)  # over DP 4
+    assert got["adam_states_fp32"] == pytest.approx(adapters / 4 * 8)

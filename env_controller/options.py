@@ -41,12 +41,20 @@ class FieldError(OptionError):
     """
 
     def __init__(self, key: str, name: str, value: Any, rule: str) -> None:
-        super().__init__(f"{key}.{name}={value!r} {rule}" if key else f"{name}={value!r} {rule}")
         self.key, self.name, self.value, self.rule = key, name, value, rule
+        super().__init__(self._message())
+
+    @property
+    def where(self) -> str:
+        """The dotted key of the field."""
+        return f"{self.key}.{self.name}" if self.key else self.name
+
+    def _message(self) -> str:
+        return f"{self.where}={self.value!r} {self.rule}"
 
     def at(self, key: str) -> FieldError:
         """The same error, placed under ``key``."""
-        return FieldError(key, self.name, self.value, self.rule)
+        return type(self)(key, self.name, self.value, self.rule)
 
 
 @functools.cache
@@ -216,20 +224,14 @@ def coerce(value: Any, hint: Any, prefix: str, name: str) -> Any:
 
 
 class UnknownKeyError(FieldError):
-    """A key the options class does not have; the message names the valid ones and a close one."""
+    """A key the options class does not have; ``rule`` names a close one and the valid ones."""
 
-    def __init__(self, key: str, name: str, value: Any, rule: str, message: str) -> None:
-        super().__init__(key, name, value, rule)
-        self.args = (message,)
+    def _message(self) -> str:
+        return f"unknown config key '{self.where}'{self.rule.removeprefix(UNKNOWN)}"
 
-    def __str__(self) -> str:
-        return str(self.args[0])
 
-    def at(self, key: str) -> FieldError:
-        """The same error, placed under ``key``."""
-        where = f"{key}.{self.name}" if key else self.name
-        return UnknownKeyError(key, self.name, self.value, self.rule,
-                               f"unknown config key '{where}'{self.rule.removeprefix('is not a key here')}")
+#: how the rule of an :class:`UnknownKeyError` starts
+UNKNOWN = "is not a key here"
 
 
 def build_options(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
@@ -251,8 +253,7 @@ def build_options(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
                 difflib.get_close_matches(str(k), names, n=1, cutoff=0.5)
             hint = f"; did you mean '{(prefix + '.' if prefix else '') + close[0]}'?" if close else ""
             valid = f"(valid keys here: {', '.join(names)})"
-            raise UnknownKeyError(prefix, str(k), v, f"is not a key here{hint} {valid}",
-                                  f"unknown config key '{key}'{hint} {valid}")
+            raise UnknownKeyError(prefix, str(k), v, f"{UNKNOWN}{hint} {valid}")
         kwargs[k] = coerce(v, hints[k], prefix, k)
     return placed(prefix, lambda: cls(**kwargs))
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import shlex
 import threading
 import time
@@ -37,7 +36,7 @@ from typing import Any
 from env_controller.protocol import SampleStatus, TaskReply
 from env_controller.sandbox import SandboxError
 from env_controller.sandbox.docker import DockerBackend
-from env_controller.sandbox.options import ContainerOptions, DockerOptions
+from env_controller.sandbox.options import ContainerOptions, DockerOptions, parse_user
 from env_controller.sandbox.pool import PoolBudget, SandboxPool
 from env_controller.sandbox.task_images import ImageCache, ImageSource
 from env_controller.tasks.base import (
@@ -111,7 +110,7 @@ class TerminalSession(BlockingToolTaskSession):
         v = self.instance.verifier
         box = self.sandbox
         user = self.verifier_user
-        vuid, vgid = (int(x) for x in user.split(":"))
+        vuid, vgid = parse_user(user)
         try:
             box.reset()  # the agent's processes end
             # an image that lets the agent write there lets it plant a reward, tests or a home before the verifier
@@ -287,12 +286,13 @@ class TerminalOptions(BlockingTaskOptions, ContainerOptions):
         if self.demo is not None:
             self.require(self.demo in FAMILIES, "demo", f"must be one of {', '.join(FAMILIES)}")
         self.require_string("family", optional=True)
-        self.require(re.fullmatch(r"\d+:\d+", str(self.verifier_user)) is not None
-                     and int(self.verifier_user.split(":")[0]) != 0, "verifier_user",
-                     "must be 'uid:gid' of a user other than root, e.g. '1001:1001'")
-        self.require(not any(int(a) == int(b) for a, b in zip(self.verifier_user.split(":"), self.user.split(":"))),
-                     "verifier_user", f"must differ from user {self.user!r} in uid and gid: an agent that shares "
-                     "the verifier's user or group could write its own reward")
+        try:
+            verifier = parse_user(self.verifier_user, "verifier_user")
+        except ValueError:
+            raise self.bad("verifier_user", "must be 'uid:gid' of a user other than root, e.g. '1001:1001'") from None
+        self.require(not any(v == a for v, a in zip(verifier, parse_user(self.user))), "verifier_user",
+                     f"must differ from user {self.user!r} in uid and gid: an agent that shares the verifier's user "
+                     "or group could write its own reward")
         self.require_int("disk_mb", low=16)
         self.require_seconds("build_timeout_s")
         self.require_bool("prebuild")

@@ -13,7 +13,8 @@ several callers is unseeded (the engine's own generator); a lone call keeps its 
 synchronous rollout (one call per turn) stays reproducible. Routing (``routing_from``, MoE models)
 is per row: calls with and without it merge; when any merged call asks, the engine is asked for every
 row (a row that did not ask starts at its prompt's end, the least there is, and gets None back), and a row
-cut back to its cap keeps the routing of the positions it kept.
+cut back to its cap keeps the routing of the positions it kept. LoRA adapters (``adapters``) are per row too:
+calls of different adapters merge, as SGLang batches several adapters.
 
 Weight updates go through the version pool, which drains a slot before it pauses the slot's
 engines: :meth:`pause` then holds the calls that arrive later and pauses the wrapped engine, so no
@@ -32,7 +33,7 @@ from typing import Any, Iterable
 
 import torch
 
-from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
+from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams, check_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class _Call:
     params: SamplingParams
     future: asyncio.Future
     routing_from: list[int] | None = None
+    adapters: list[str | None] | None = None
 
 
 def _merge_key(p: SamplingParams) -> tuple:
@@ -95,11 +97,13 @@ class BatchingEngine:
         return int(self.engine.version)
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
-                       routing_from: list[int] | None = None) -> list[GenerationOutput]:
-        """Queue the call; it runs alone or merged with others (outputs in prompt order). ``routing_from``:
-        as :meth:`Engine.generate <rollout_sglang.engines.protocol.Engine.generate>`, one start per prompt."""
+                       routing_from: list[int] | None = None,
+                       adapters: list[str | None] | None = None) -> list[GenerationOutput]:
+        """Queue the call; it runs alone or merged with others (outputs in prompt order). ``routing_from`` and
+        ``adapters``: as :meth:`Engine.generate <rollout_sglang.engines.protocol.Engine.generate>`, one per prompt."""
         if not prompts:
             return []
+        adapters = check_adapters(prompts, adapters)
         if routing_from is not None:
             routing_from = list(routing_from)
             if len(routing_from) != len(prompts):
@@ -109,7 +113,7 @@ class BatchingEngine:
         if self._loop is not loop:  # a new event loop (e.g. an evaluation after the rollout loop ended)
             self._loop, self._worker, self._pending = loop, None, []
         fut: asyncio.Future = loop.create_future()
-        self._pending.append(_Call([list(p) for p in prompts], params, fut, routing_from))
+        self._pending.append(_Call([list(p) for p in prompts], params, fut, routing_from, adapters))
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._work())
         return await fut
@@ -167,11 +171,13 @@ class BatchingEngine:
         if any(c.routing_from is not None for c in take):
             routing = [s for c in take
                        for s in (c.routing_from if c.routing_from is not None else [len(p) for p in c.prompts])]
+        kwargs: dict = {}
+        if routing is not None:
+            kwargs["routing_from"] = routing
+        if any(c.adapters is not None for c in take):
+            kwargs["adapters"] = [a for c in take for a in (c.adapters or [None] * len(c.prompts))]
         try:
-            if routing is None:
-                outs = await self.engine.generate(prompts, params)
-            else:
-                outs = await self.engine.generate(prompts, params, routing_from=routing)
+            outs = await self.engine.generate(prompts, params, **kwargs)
         except BaseException as e:  # noqa: BLE001 - handed to every caller of the merged call
             for c in take:
                 if not c.future.done():
@@ -224,6 +230,14 @@ class BatchingEngine:
     def end_weight_update(self) -> None:
         """Delegated to the wrapped engine."""
         self.engine.end_weight_update()
+
+    def load_adapter(self, adapter: Any) -> None:
+        """Delegated to the wrapped engine (:class:`~rollout_sglang.engines.protocol.AdapterEngine`)."""
+        self.engine.load_adapter(adapter)
+
+    def unload_adapter(self, name: str) -> None:
+        """Delegated to the wrapped engine."""
+        self.engine.unload_adapter(name)
 
     def abort_weight_update(self) -> None:
         """Close a failed update: the wrapped engine's ``abort_weight_update`` (an SGLang client forgets the

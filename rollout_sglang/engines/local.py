@@ -11,6 +11,9 @@ engine's numerics. Generation is a hand-written KV-cache loop (not ``model.gener
   ``seed + i``, so a row's tokens do not depend on the rest of the batch;
 * rows stop on ``stop_token_ids`` (the stop token is kept) or at ``max_new_tokens``; finished
   rows leave the batch (their KV cache rows are dropped);
+* LoRA adapters (:meth:`LocalEngine.load_adapter`) stay unmerged: each row of a call names its adapter or
+  none (``adapters``), so every live weight version of a LoRA run shares this one base
+  (:mod:`rollout_sglang.engines.lora_rows`); a row's output carries its adapter's version;
 * MoE models, asked for routing (``routing_from``): hooks on the router modules
   (:mod:`rollout_sglang.engines.router_capture`) record each forward pass's top-k choices, and each
   row gets those of its positions ``[routing_from, len(prompt) + len(generated) - 1)``: the prefill's
@@ -36,7 +39,9 @@ from typing import Any, Iterable
 
 import torch
 
-from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams, routing_starts
+from rollout_sglang.engines.adapter import Adapter
+from rollout_sglang.engines.lora_rows import AdapterRows
+from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams, check_adapters, routing_starts
 from rollout_sglang.engines.router_capture import RouterCapture, find_routers, routing_layout_of
 from rollout_sglang.routing import RoutingLayout
 from rollout_sglang.weight_update.buckets import dtype_from_name
@@ -183,6 +188,7 @@ class LocalEngine:
         self._routers = find_routers(self.model)
         #: the routing facts of a MoE model (:mod:`rollout_sglang.routing`); None for a dense model
         self.routing_layout: RoutingLayout | None = routing_layout_of(self.model)
+        self._adapters = AdapterRows(self.model)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -239,11 +245,14 @@ class LocalEngine:
             await asyncio.sleep(0.005)
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
-                       routing_from: list[int] | None = None) -> list[GenerationOutput]:
+                       routing_from: list[int] | None = None,
+                       adapters: list[str | None] | None = None) -> list[GenerationOutput]:
         """Continue each prompt; one :class:`GenerationOutput` per prompt, in order.
 
         prompts: B lists of token ids (any lengths >= 1). Waits while the engine is paused. The
-        outputs carry the weight version the whole call ran with.
+        outputs carry the weight version the whole call ran with (a row with an adapter: the adapter's).
+        adapters: one per prompt, the name of a loaded adapter (:meth:`load_adapter`) or None for the base;
+            KeyError naming one that is not loaded.
         routing_from: MoE models: a start per prompt in ``[0, len(prompt)]``; output ``i`` then carries the
             experts chosen for positions ``[routing_from[i], len(prompt) + len(generated) - 1)``
             (``[positions, MoE layers, top-k]`` in :attr:`routing_layout`'s dtype). ValueError for a dense
@@ -254,9 +263,10 @@ class LocalEngine:
         self._check_inputs(prompts, params)
         if routing_from is not None:
             routing_from = self._check_routing_from(prompts, routing_from)
+        adapters = check_adapters(prompts, adapters)
         async with self._loop_lock():
             await self._wait_resumed()
-            return await asyncio.to_thread(self._generate_sync, prompts, params, routing_from)
+            return await asyncio.to_thread(self._generate_sync, prompts, params, routing_from, adapters)
 
     def _check_routing_from(self, prompts: list[list[int]], routing_from: list[int]) -> list[int]:
         """ValueError unless the model is MoE and the starts fit the prompts (:func:`routing_starts`)."""
@@ -305,16 +315,17 @@ class LocalEngine:
         return tok, logp.gather(-1, tok[:, None])[:, 0]
 
     def _generate_sync(self, prompts: list[list[int]], params: SamplingParams,
-                       routing_from: list[int] | None = None) -> list[GenerationOutput]:
+                       routing_from: list[int] | None = None,
+                       adapters: list[str | None] | None = None) -> list[GenerationOutput]:
         """The batched KV-cache decoding loop (runs in a worker thread, under the weights lock), with the
         routers' choices recorded when ``routing_from`` is given."""
         if routing_from is None:
-            return self._decode(prompts, params, None)
+            return self._decode(prompts, params, None, adapters)
         layout = self.routing_layout
         assert layout is not None
         # per row, the [n, M, K] choices of its positions from routing_from on, in forward order
         record: list[list[torch.Tensor]] = [[] for _ in prompts]
-        outs = self._decode(prompts, params, (routing_from, record))
+        outs = self._decode(prompts, params, (routing_from, record), adapters)
         for i, o in enumerate(outs):
             n = max(0, len(prompts[i]) + len(o.token_ids) - 1 - routing_from[i])
             got = torch.cat(record[i]).cpu() if record[i] else torch.zeros((0, len(layout.moe_layers), layout.top_k))
@@ -324,12 +335,26 @@ class LocalEngine:
         return outs
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams,
-                routing: tuple[list[int], list[list[torch.Tensor]]] | None) -> list[GenerationOutput]:
+                routing: tuple[list[int], list[list[torch.Tensor]]] | None,
+                adapters: list[str | None] | None = None) -> list[GenerationOutput]:
         """The decoding loop; ``routing``: (the start of each row, each row's record to append to), recorded
-        by hooks that live only inside the lock (a call without routing never runs them)."""
+        by hooks that live only inside the lock (a call without routing never runs them); ``adapters``: each
+        row's adapter (None: the base for every row)."""
+        with self._weights_lock:
+            per_row = adapters or [None] * len(prompts)
+            with self._adapters.assign(per_row):
+                outs = self._decode_locked(prompts, params, routing, per_row)
+            for o, name in zip(outs, per_row):
+                if name is not None:
+                    o.version = self._adapters.version_of(name)
+            return outs
+
+    def _decode_locked(self, prompts: list[list[int]], params: SamplingParams,
+                       routing: tuple[list[int], list[list[torch.Tensor]]] | None,
+                       per_row: list[str | None]) -> list[GenerationOutput]:
         from transformers import DynamicCache
 
-        with self._weights_lock, torch.inference_mode(), RouterCapture(self._routers if routing else {}) as capture:
+        with torch.inference_mode(), RouterCapture(self._routers if routing else {}) as capture:
             self._num_generate_calls += 1
             version = self.version
             dev = self.device
@@ -391,6 +416,7 @@ class LocalEngine:
                     cache.batch_select_indices(idx)
                     mask, next_pos, tok = mask[idx], next_pos[idx], tok[idx]
                     rows = [rows[j] for j in keep]
+                    self._adapters.select([per_row[r] for r in rows])
                 mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=dev)], dim=1)
                 out = self.model(
                     input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
@@ -486,6 +512,23 @@ class LocalEngine:
         logger.debug("engine serves weight version %d (update took %.3fs)", self.version,
                      time.monotonic() - self._update_started)
 
+    def load_adapter(self, adapter: Adapter) -> None:
+        """Load ``adapter`` beside the others (unmerged; waits for a running generation). ValueError when it does
+        not fit the model or its name is loaded already."""
+        with self._weights_lock:
+            self._adapters.add(adapter)
+        logger.debug("adapter %s (version %d, %d tensors) loaded", adapter.name, adapter.version, len(adapter.tensors))
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload adapter ``name`` (waits for a running generation); KeyError when it is not loaded."""
+        with self._weights_lock:
+            self._adapters.remove(name)
+
+    @property
+    def adapters(self) -> list[str]:
+        """The names of the adapters loaded."""
+        return self._adapters.names()
+
     def load_state_dict(self, version: int, state: dict[str, torch.Tensor]) -> None:
         """begin_weight_update + one bucket with all of ``state`` + end_weight_update."""
         self.begin_weight_update(version, {})
@@ -508,4 +551,5 @@ class LocalEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "num_parameters": sum(p.numel() for p in self.model.parameters()),
             "generate_calls": self._num_generate_calls,
+            "adapters": self._adapters.names(),
         }

@@ -8,7 +8,7 @@ Weights arrive as Hugging Face parameter names between ``begin_weight_update`` a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Any, Iterable, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -73,6 +73,21 @@ def routing_starts(prompts: list[list[int]], routing_from: list[int]) -> list[in
     return [int(start) for start in starts]
 
 
+def check_adapters(prompts: list[list[int]], adapters: list[str | None] | None) -> list[str | None] | None:
+    """``adapters`` (:meth:`Engine.generate`) checked against ``prompts``: None, or one name (or None) per prompt;
+    ValueError naming what is wrong."""
+    if adapters is None:
+        return None
+    names = list(adapters)
+    if len(names) != len(prompts):
+        raise ValueError(f"adapters has {len(names)} names for {len(prompts)} prompts; give one per prompt (None: "
+                         "the base)")
+    bad = [n for n in names if n is not None and not (isinstance(n, str) and n)]
+    if bad:
+        raise ValueError(f"adapters names {bad[0]!r}: each must be an adapter's name or None")
+    return names if any(n is not None for n in names) else None
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the agent loop and the weight sync need from an engine."""
@@ -82,6 +97,9 @@ class Engine(Protocol):
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
                        routing_from: list[int] | None = None) -> list[GenerationOutput]:
         """Continue each prompt (a list of token ids); one output per prompt, same order.
+
+        Engines that serve LoRA adapters (:class:`AdapterEngine`) also take ``adapters``: one loaded adapter's
+        name (or None: the base) per prompt; each output then carries its adapter's version.
 
         routing_from: MoE models: one start position per prompt; each output then carries the routed
             experts of positions ``[routing_from[i], end - 1)`` (a multi-turn episode asks only for the
@@ -116,6 +134,19 @@ class Engine(Protocol):
 
     def health(self) -> dict:
         """A small status dict (``{"ok": bool, "version": int, ...}``)."""
+        ...
+
+
+@runtime_checkable
+class AdapterEngine(Protocol):
+    """What an engine adds to serve weight versions as LoRA adapters on its base (a LoRA run)."""
+
+    def load_adapter(self, adapter: Any) -> None:
+        """Load an :class:`~rollout_sglang.engines.adapter.Adapter` beside the others, under ``adapter.name``."""
+        ...
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload the adapter called ``name``."""
         ...
 
 

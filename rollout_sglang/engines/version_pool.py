@@ -30,6 +30,14 @@
   could serve for ``live_timeout_s`` (:class:`~rollout_sglang.engines.protocol.EnginesUnavailable`,
   naming every engine and why).
 
+* **Versions as adapters (LoRA runs).** With ``live_adapters=N`` the pool has one slot, whose engines all hold
+  the same base, and its N live versions are LoRA adapters on it (:mod:`rollout_sglang.engines.adapter_versions`):
+  cross-policy sampling draws a version by ``policy`` as above and the request names that version's adapter.
+  :meth:`VersionPool.publish_adapter` loads a new version's adapter on every engine in rotation while they keep
+  generating (no drain, no pause); the oldest version then retires: no new requests, and it is unloaded once its
+  last request returned. A full-weight update of the slot loads a new base (every adapter is unloaded), or, at the
+  same version, restores the base to engines back from a restart, which then get the live adapters again.
+
 Thread-safety: routing, leases and updates are guarded by one lock; :meth:`begin_update` blocks
 (waiting for the drain), so call it from outside the rollout's event loop, or when nothing runs.
 """
@@ -46,6 +54,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_sglang.engines.adapter import Adapter
+from rollout_sglang.engines.adapter_versions import AdapterVersions, LiveVersion
 from rollout_sglang.engines.protocol import (
     Engine,
     EnginesUnavailable,
@@ -92,11 +102,13 @@ class VersionPool:
     max_affinity_keys: how many trajectory -> engine entries the router remembers (LRU).
     live_timeout_s: how long :meth:`generate` waits for a live slot when none is (None: ``drain_timeout_s``);
         also the limit on re-routing a call whose engines keep failing.
+    live_adapters: a LoRA run: the number of live versions, each an adapter on the one slot's base (None: each
+        version is a slot of full weights).
     """
 
     def __init__(self, slots: Sequence[Sequence[Engine]], *, policy: str = "latest", recency_decay: float = 0.5,
                  seed: int = 0, drain_timeout_s: float = 600.0, max_affinity_keys: int = 100_000,
-                 live_timeout_s: float | None = None) -> None:
+                 live_timeout_s: float | None = None, live_adapters: int | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"cross_policy={policy!r} is not one of {POLICIES}")
         if not 0 < recency_decay <= 1:
@@ -136,11 +148,23 @@ class VersionPool:
         self._probes: list[threading.Thread] = []
         self._stop_probes = threading.Event()
         self.stats = {"routed": 0, "affinity_hits": 0, "engine_failures": 0, "engine_returns": 0, "rerouted": 0}
+        self.adapters: AdapterVersions | None = None
+        if live_adapters is not None:
+            if len(self.slots) != 1:
+                raise ValueError(f"versions as adapters share one slot of engines, got {len(self.slots)} slots; give "
+                                 "the engines as one slot")
+            self.adapters = AdapterVersions(live_adapters, self.slots[0].version, self.slots[0].engine_ids)
 
     @classmethod
     def from_engines(cls, engines: Sequence[Engine], max_versions: int, engines_per_slot: int,
                      **kwargs: Any) -> "VersionPool":
-        """Split ``engines`` (``max_versions * engines_per_slot`` of them) into slots, in order."""
+        """Split ``engines`` (``max_versions * engines_per_slot`` of them) into slots, in order; with
+        ``live_adapters`` in ``kwargs``, ``engines_per_slot`` engines form the one slot."""
+        if kwargs.get("live_adapters") is not None:
+            if len(engines) != engines_per_slot:
+                raise ValueError(f"{len(engines)} engines for one slot of rollout.engines_per_slot={engines_per_slot} "
+                                 "(versions as adapters share one slot); give that many")
+            return cls([list(engines)], **kwargs)
         if len(engines) != max_versions * engines_per_slot:
             raise ValueError(f"{len(engines)} engines cannot fill rollout.max_versions={max_versions} slots of "
                              f"rollout.engines_per_slot={engines_per_slot}; give {max_versions * engines_per_slot}")
@@ -150,13 +174,17 @@ class VersionPool:
     # ------------------------------------------------------------------ state
     @property
     def versions(self) -> list[int]:
-        """Version of each slot (in slot order)."""
+        """Version of each slot (in slot order); with versions as adapters, the live versions, oldest first."""
+        if self.adapters is not None:
+            return [v.version for v in self.adapters.routable()]
         return [s.version for s in self.slots]
 
     @property
     def latest_version(self) -> int:
         """The newest version a live slot serves (-1 when none is live)."""
         live = [s.version for s in self.slots if self._is_live(s)]
+        if live and self.adapters is not None:
+            return max(v.version for v in self.adapters.routable())
         return max(live) if live else -1
 
     def _serving(self, s: Slot) -> list[int]:
@@ -164,7 +192,14 @@ class VersionPool:
         return [e for e in s.engine_ids if e not in self._down and e not in self._needs_weights]
 
     def _is_live(self, s: Slot) -> bool:
+        if self.adapters is not None:
+            return s.live and bool(self._held(self._serving(s)))
         return s.live and bool(self._serving(s))
+
+    def _held(self, serving: list[int]) -> list[LiveVersion]:
+        """The routable adapter versions that an engine of ``serving`` holds."""
+        assert self.adapters is not None
+        return [v for v in self.adapters.routable() if any(self.adapters.holds(e, v) for e in serving)]
 
     def _state(self, s: Slot) -> str:
         if s.updating:
@@ -181,6 +216,8 @@ class VersionPool:
         """Each slot's index, version and state, and every engine out of rotation with the reason, for messages
         (e.g. "slot 0: v3 live, slot 1: v2 updating; http://h:30001 down for 12s: ...")."""
         text = ", ".join(f"slot {s.index}: v{s.version} {self._state(s)}" for s in self.slots)
+        if self.adapters is not None:
+            text += f" (versions: {self.adapters.describe()})"
         now = time.monotonic()
         out = [f"{self.engine_name(e)} (slot {self._slot_of[e].index}) down for {now - since:.0f}s: {why}"
                for e, (why, since) in sorted(self._down.items())]
@@ -224,6 +261,22 @@ class VersionPool:
             return {v: 1.0 for v in versions}
         return {v: self.recency_decay ** k for k, v in enumerate(versions)}
 
+    def _draw(self, weights: dict[int, float]) -> int:
+        versions = list(weights)
+        if len(versions) == 1:
+            return versions[0]
+        return self._rng.choices(versions, weights=[weights[x] for x in versions])[0]
+
+    def _choose_adapter_locked(self, serving: list[int], newest: bool) -> LiveVersion:
+        """Draw a routable version that an engine of ``serving`` holds, by the policy (``newest``: the newest)."""
+        routable = {v.version: v for v in self._held(serving)}
+        newest_v = max(routable)
+        if newest or self.policy == "latest":
+            return routable[newest_v]
+        order = sorted(routable, reverse=True)
+        weights = {v: (1.0 if self.policy == "uniform" else self.recency_decay ** k) for k, v in enumerate(order)}
+        return routable[self._draw(weights)]
+
     def _choose_locked(self, newest: bool = False) -> Slot:
         """Draw a live slot by the policy (seeded; ``newest``: the newest version whatever the policy);
         RuntimeError when no slot is live."""
@@ -231,10 +284,7 @@ class VersionPool:
         if not live:
             raise RuntimeError(f"no live slot in the version pool ({self.slot_states()})")
         weights = {max(s.version for s in live): 1.0} if newest else self._weights(live)
-        versions = list(weights)
-        v = versions[0]
-        if len(versions) > 1:
-            v = self._rng.choices(versions, weights=[weights[x] for x in versions])[0]
+        v = self._draw(weights)
         candidates = [s for s in live if s.version == v]
         if len(candidates) == 1:
             return candidates[0]
@@ -249,16 +299,21 @@ class VersionPool:
         keys: one per request; requests with the same key (the turns of one trajectory) stick to
         the engine of their previous turn when it is in the chosen slot. Each returned engine
         holds a lease (counted in flight) until :meth:`release`. RuntimeError when no slot is live
-        (:meth:`route_wait` waits instead).
+        (:meth:`route_wait` waits instead), and for a pool of adapter versions (use :meth:`generate`, which names
+        the adapter and returns its lease).
         """
+        if self.adapters is not None:
+            raise RuntimeError("route() of a pool whose versions are adapters: call generate(), which names each "
+                               "request's adapter")
         with self._lock:
-            return self._route_locked(keys, newest)
+            return [e for e, _ in self._route_locked(keys, newest)]
 
     async def route_wait(self, keys: Sequence[Hashable | None], timeout_s: float | None = None,
-                         newest: bool = False) -> list[int]:
+                         newest: bool = False) -> list[tuple[int, LiveVersion | None]]:
         """:meth:`route`, but while no slot is live wait for one (polling, without blocking the event
         loop) at most ``timeout_s`` (None: ``live_timeout_s``); EnginesUnavailable (a TimeoutError)
-        naming the slots and the engines out of rotation after it."""
+        naming the slots and the engines out of rotation after it. Each request's engine, and with versions as
+        adapters its version (whose lease :meth:`generate_on` returns)."""
         t = self.live_timeout_s if timeout_s is None else float(timeout_s)
         deadline = time.monotonic() + t
         delay = 0.002
@@ -276,11 +331,17 @@ class VersionPool:
             await asyncio.sleep(min(delay, max(left, 0.0)))
             delay = min(delay * 2, 0.05)
 
-    def _route_locked(self, keys: Sequence[Hashable | None], newest: bool = False) -> list[int]:
-        out = []
+    def _route_locked(self, keys: Sequence[Hashable | None],
+                      newest: bool = False) -> list[tuple[int, LiveVersion | None]]:
+        out: list[tuple[int, LiveVersion | None]] = []
         for key in keys:
             slot = self._choose_locked(newest)
             serving = self._serving(slot)
+            live = None
+            if self.adapters is not None:
+                live = self._choose_adapter_locked(serving, newest)
+                serving = [e for e in serving if self.adapters.holds(e, live)]
+                live.inflight += 1
             eid = None
             if key is not None:
                 prev = self._affinity.get(key)
@@ -297,15 +358,19 @@ class VersionPool:
             self._inflight[eid] += 1
             self._assigned[eid] += 1
             self.stats["routed"] += 1
-            out.append(eid)
+            out.append((eid, live))
         return out
 
-    def release(self, engine_id: int, n: int = 1) -> None:
-        """Return ``n`` leases of ``engine_id`` (wakes a waiting :meth:`begin_update`)."""
+    def release(self, engine_id: int, n: int = 1, versions: Sequence[LiveVersion | None] = ()) -> None:
+        """Return ``n`` leases of ``engine_id`` and those of ``versions`` (adapter versions, one per request; wakes a
+        waiting :meth:`begin_update` or :meth:`publish_adapter`)."""
         with self._lock:
             self._inflight[engine_id] -= n
             if self._inflight[engine_id] < 0:
                 raise RuntimeError(f"engine {engine_id}: more leases released than taken")
+            for live in versions:
+                if live is not None:
+                    live.inflight -= 1
             self._lock.notify_all()
 
     def forget(self, keys: Sequence[Hashable]) -> None:
@@ -315,17 +380,24 @@ class VersionPool:
                 self._affinity.pop(k, None)
 
     async def generate_on(self, engine_id: int, prompts: list[list[int]], params: SamplingParams,
-                          routing_from: list[int] | None = None) -> list[GenerationOutput]:
+                          routing_from: list[int] | None = None,
+                          versions: Sequence[LiveVersion | None] = ()) -> list[GenerationOutput]:
         """``generate`` on engine ``engine_id``, then release the ``len(prompts)`` leases :meth:`route` took.
 
         routing_from: MoE models, one start per prompt (``Engine.generate``); None asks the engine for no routing.
+        versions: with versions as adapters, each prompt's version (its adapter is named to the engine; its lease
+        is returned too).
         EngineUnavailable when the engine fails for reasons of its own or is taken out of rotation while the
         call runs (the call is cancelled then)."""
         loop = asyncio.get_running_loop()
         engine = self.engines[engine_id]
-        call = engine.generate(prompts, params) if routing_from is None else \
-            engine.generate(prompts, params, routing_from=list(routing_from))
-        task = loop.create_task(call)
+        kwargs: dict[str, Any] = {}
+        if routing_from is not None:
+            kwargs["routing_from"] = list(routing_from)
+        names = [None if v is None else v.name for v in versions]
+        if any(n is not None for n in names):
+            kwargs["adapters"] = names
+        task = loop.create_task(engine.generate(prompts, params, **kwargs))
         entry = (loop, task)
         with self._lock:
             down = self._down.get(engine_id)
@@ -348,7 +420,7 @@ class VersionPool:
             with self._lock:
                 self._calls[engine_id].discard(entry)
                 self._kill_reason.pop(task, None)
-            self.release(engine_id, len(prompts))
+            self.release(engine_id, len(prompts), versions)
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
                        keys: Sequence[Hashable | None] | None = None, newest: bool = False,
@@ -376,15 +448,18 @@ class VersionPool:
         deadline = time.monotonic() + self.live_timeout_s
         attempt = 0
         while todo:
-            eids = await self.route_wait([keys[i] for i in todo], max(0.0, deadline - time.monotonic()), newest)
+            routed = await self.route_wait([keys[i] for i in todo], max(0.0, deadline - time.monotonic()), newest)
             by_engine: dict[int, list[int]] = {}
-            for i, e in zip(todo, eids):
+            version_of: dict[int, LiveVersion | None] = {}
+            for i, (e, live) in zip(todo, routed):
                 by_engine.setdefault(e, []).append(i)
+                version_of[i] = live
             calls = []
             for e, rows in by_engine.items():
                 p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + e * len(prompts))
                 calls.append(self.generate_on(e, [prompts[i] for i in rows], p,
-                                              None if starts is None else [starts[i] for i in rows]))
+                                              None if starts is None else [starts[i] for i in rows],
+                                              [version_of[i] for i in rows]))
             results = await asyncio.gather(*calls, return_exceptions=True)
             todo, error = [], None
             for (e, rows), res in zip(by_engine.items(), results):
@@ -445,6 +520,8 @@ class VersionPool:
             if fresh:
                 self._needs_weights.add(engine_id)
                 self._epoch[engine_id] += 1
+                if self.adapters is not None:  # a restarted server holds none of the adapters
+                    self.adapters.loaded[engine_id].clear()
             self.stats["engine_returns"] += 1
             self._lock.notify_all()
         name, gone = self.engine_name(engine_id), time.monotonic() - since
@@ -587,6 +664,8 @@ class VersionPool:
                 except EngineUnavailable as err:  # the weights are in, the engine is gone: it returns for new ones
                     self.mark_down(eid, f"could not close its weight update: {err}")
                     s.targets.remove(eid)
+            if self.adapters is not None:
+                self._adapters_after_base(s)
         except BaseException:
             self.abort_update(s)
             raise
@@ -599,6 +678,88 @@ class VersionPool:
             s.updated_at = time.monotonic()
             self._lock.notify_all()
         logger.debug("slot %d now serves version %d (pool versions %s)", s.index, s.version, self.versions)
+
+    def _adapters_after_base(self, s: Slot) -> None:
+        """After a base update of the adapter pool's slot: a new base (a new version) unloads every adapter; the
+        same base again (engines back from a restart) gets each target the live adapters it lacks."""
+        assert self.adapters is not None and s.pending_version is not None
+        if s.pending_version != s.version:
+            for eid in list(s.targets):
+                for name in sorted(self.adapters.loaded[eid]):
+                    self._call_engine(eid, "unload_adapter", name)
+            with self._lock:
+                self.adapters.reset(s.pending_version)
+            return
+        for live in [v for v in self.adapters.versions if v.adapter is not None]:
+            for eid in [e for e in s.targets if not self.adapters.holds(e, live)]:
+                if self._call_engine(eid, "load_adapter", live.adapter):
+                    with self._lock:
+                        self.adapters.loaded[eid].add(live.adapter.name)
+
+    def _call_engine(self, eid: int, method: str, arg: Any) -> bool:
+        """``engine.method(arg)`` for an adapter load or unload; an engine that fails for reasons of its own goes out
+        of rotation (False), other errors are raised."""
+        try:
+            getattr(self.engines[eid], method)(arg)
+            return True
+        except EngineUnavailable as err:
+            self.mark_down(eid, f"{method} failed: {err}")
+            return False
+
+    def publish_adapter(self, adapter: Adapter, timeout_s: float | None = None) -> None:
+        """Versions as adapters: ``adapter`` becomes the newest live version. Its adapter is loaded on every engine
+        in rotation while they keep generating; the oldest live version beyond ``live_adapters`` retires (no new
+        requests) and is unloaded once its last request returned (here, or at a later publish). Blocks only while
+        ``live_adapters + 1`` adapters are loaded and none of the retiring ones has drained, at most ``timeout_s``
+        (default ``drain_timeout_s``; TimeoutError naming the versions). EnginesUnavailable when no engine took it.
+        Engines out of rotation get it when they return (:meth:`end_update` of the base restores adapters)."""
+        if self.adapters is None:
+            raise RuntimeError("publish_adapter() on a pool of full-weight slots; build it with live_adapters=N")
+        t = self.drain_timeout_s if timeout_s is None else float(timeout_s)
+        deadline = time.monotonic() + t
+        capacity = self.adapters.live_versions + 1
+        while True:
+            self._unload_drained()
+            with self._lock:
+                loaded = sum(1 for v in self.adapters.versions if v.adapter is not None)
+                if loaded < capacity:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"version {adapter.version} cannot be loaded: {loaded} adapters are loaded "
+                                       f"({self.adapters.describe()}) and none of the retiring ones drained within "
+                                       f"{t:.1f}s; raise rollout.engine_timeout_s or check for a stuck engine")
+                self._lock.wait(min(left, 0.5))
+        s = self.slots[0]
+        with self._lock:
+            if s.updating:
+                raise RuntimeError(f"slot {s.index} is being updated; publish the adapter after end_update()")
+            targets = self._serving(s)
+        done = [eid for eid in targets if self._call_engine(eid, "load_adapter", adapter)]
+        if not done:
+            raise EnginesUnavailable(f"no engine could load the adapter of version {adapter.version} "
+                                     f"({self.slot_states()})")
+        with self._lock:
+            for eid in done:
+                self.adapters.loaded[eid].add(adapter.name)
+            retired = self.adapters.add(adapter)
+            self._lock.notify_all()
+        logger.debug("version %d live as adapter %s on %d engines; retiring %s", adapter.version, adapter.name,
+                     len(done), [v.version for v in retired])
+        self._unload_drained()
+
+    def _unload_drained(self) -> None:
+        """Unload every retiring version whose last request returned, from each engine that holds it."""
+        assert self.adapters is not None
+        with self._lock:
+            drained = [(v, [e for e, names in self.adapters.loaded.items() if v.name in names])
+                       for v in self.adapters.drained()]
+        for live, holders in drained:
+            for eid in holders:
+                if eid not in self._down:
+                    self._call_engine(eid, "unload_adapter", live.name)
+            with self._lock:
+                self.adapters.drop(live)
 
     def abort_update(self, slot: Slot | int) -> None:
         """A sync of the slot failed: mark it failed (not sampled until a sync succeeds) and resume it."""
@@ -629,12 +790,16 @@ class VersionPool:
 
     def health(self) -> list[dict]:
         """Per slot: ``{"slot", "version", "updating", "failed", "inflight", "down", "waiting_for_weights",
-        "engines": [engine.health()]}`` (down: ``{engine position in the slot: why}``)."""
-        return [{"slot": s.index, "version": s.version, "updating": s.updating, "failed": s.failed,
-                 "inflight": [self._inflight[e] for e in s.engine_ids],
-                 "down": {i: self._down[e][0] for i, e in enumerate(s.engine_ids) if e in self._down},
-                 "waiting_for_weights": [i for i, e in enumerate(s.engine_ids) if e in self._needs_weights],
-                 "engines": [e.health() for e in s.engines]} for s in self.slots]
+        "engines": [engine.health()]}`` (down: ``{engine position in the slot: why}``); with versions as adapters
+        also ``"adapters"``: the live versions described."""
+        out = [{"slot": s.index, "version": s.version, "updating": s.updating, "failed": s.failed,
+                "inflight": [self._inflight[e] for e in s.engine_ids],
+                "down": {i: self._down[e][0] for i, e in enumerate(s.engine_ids) if e in self._down},
+                "waiting_for_weights": [i for i, e in enumerate(s.engine_ids) if e in self._needs_weights],
+                "engines": [e.health() for e in s.engines]} for s in self.slots]
+        if self.adapters is not None:
+            out[0]["adapters"] = self.adapters.describe()
+        return out
 
     def stranded(self) -> bool:
         """No slot can serve, yet an engine back from a restart would if it had weights: only a sync gets the

@@ -1,0 +1,161 @@
+"""A LoRA run's version pool: every live version an adapter on the same engines, published without a pause."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from rollout_sglang.engines.adapter import Adapter
+from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
+from rollout_sglang.engines.version_pool import VersionPool
+
+
+class AdapterEngine:
+    """An engine that records adapter loads and answers each row with its adapter's version; ``hold`` makes every
+    generate call wait until it is set."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.version = 0
+        self.loaded: dict[str, int] = {}
+        self.log: list[str] = []
+        self.paused = False
+        self.hold: threading.Event | None = None
+
+    async def generate(self, prompts, params, routing_from=None, adapters=None):
+        assert not self.paused, "a publish must not pause the engine"
+        names = adapters or [None] * len(prompts)
+        for n in names:
+            assert n is None or n in self.loaded, f"{n} not loaded on {self.name}"
+        if self.hold is not None:
+            while not self.hold.is_set():
+                await asyncio.sleep(0.005)
+        return [GenerationOutput([1], [-0.5], "length", self.version if n is None else self.loaded[n]) for n in names]
+
+    def load_adapter(self, adapter):
+        assert adapter.name not in self.loaded
+        self.loaded[adapter.name] = adapter.version
+        self.log.append(f"load {adapter.name}")
+
+    def unload_adapter(self, name):
+        del self.loaded[name]
+        self.log.append(f"unload {name}")
+
+    def pause(self):
+        self.paused = True
+
+    def resume(self):
+        self.paused = False
+
+    def begin_weight_update(self, version, metadata):
+        self.pending = version
+
+    def receive_bucket(self, named):
+        pass
+
+    def end_weight_update(self):
+        self.version = self.pending
+
+    def health(self):
+        return {"ok": True, "version": self.version}
+
+
+def _adapter(version: int) -> Adapter:
+    return Adapter(version, {"r": 2, "lora_alpha": 4}, {"base_model.model.x.lora_A.weight": torch.zeros(2, 3),
+                                                       "base_model.model.x.lora_B.weight": torch.zeros(3, 2)})
+
+
+def _versions(pool: VersionPool, n: int = 40) -> set[int]:
+    outs = asyncio.run(pool.generate([[1, 2]] * n, SamplingParams(max_new_tokens=1)))
+    return {o.version for o in outs}
+
+
+def test_live_versions_are_adapters_on_the_same_engines():
+    """Three live versions on two engines: each request is served by one of them, drawn by the policy; the oldest
+    retires and is unloaded when a fourth arrives; no engine is paused."""
+    engines = [AdapterEngine("a"), AdapterEngine("b")]
+    pool = VersionPool([engines], policy="uniform", seed=3, live_adapters=3)
+    assert pool.versions == [0] and _versions(pool) == {0}
+    for v in (1, 2, 3):
+        pool.publish_adapter(_adapter(v))
+    assert pool.versions == [1, 2, 3]
+    assert _versions(pool) == {1, 2, 3}
+    assert all(sorted(e.loaded) == ["v1", "v2", "v3"] for e in engines)
+    pool.publish_adapter(_adapter(4))
+    assert pool.versions == [2, 3, 4] and _versions(pool) == {2, 3, 4}
+    assert all(sorted(e.loaded) == ["v2", "v3", "v4"] for e in engines)
+    assert pool.latest_version == 4
+    newest = asyncio.run(pool.generate([[1]] * 10, SamplingParams(max_new_tokens=1), newest=True))
+    assert {o.version for o in newest} == {4}
+    with pytest.raises(RuntimeError, match="call generate"):
+        pool.route([None])
+
+
+def test_a_retiring_version_keeps_serving_its_requests_until_they_return():
+    """A request on the oldest version still runs when the next one is published: the version leaves routing at
+    once but its adapter stays loaded until the request returned, and is unloaded at the next publish."""
+    engine = AdapterEngine("a")
+    pool = VersionPool([[engine]], live_adapters=1)
+    pool.publish_adapter(_adapter(1))
+    engine.hold = threading.Event()
+    result: list = []
+
+    def run() -> None:
+        result.extend(asyncio.run(pool.generate([[1]], SamplingParams(max_new_tokens=1))))
+
+    t = threading.Thread(target=run)
+    t.start()
+    while pool.adapters.versions[-1].inflight == 0:
+        pass
+    pool.publish_adapter(_adapter(2))  # v1 retires; its request still runs: it stays loaded
+    assert pool.versions == [2] and "v1" in engine.loaded
+    engine.hold.set()
+    t.join(10)
+    assert result[0].version == 1
+    pool.publish_adapter(_adapter(3))
+    assert sorted(engine.loaded) == ["v3"] and engine.log.count("unload v1") == 1
+
+
+def test_publish_waits_no_longer_than_its_timeout_for_a_stuck_version():
+    """With live versions + 1 adapters loaded and the retiring one stuck, a publish ends in a TimeoutError that names
+    the versions, instead of loading one adapter too many."""
+    engine = AdapterEngine("a")
+    pool = VersionPool([[engine]], live_adapters=1)
+    pool.publish_adapter(_adapter(1))
+    engine.hold = threading.Event()
+    t = threading.Thread(target=lambda: asyncio.run(pool.generate([[1]], SamplingParams(max_new_tokens=1))))
+    t.start()
+    while pool.adapters.versions[-1].inflight == 0:
+        pass
+    pool.publish_adapter(_adapter(2))
+    with pytest.raises(TimeoutError, match=r"v1 retiring \(1 in flight\)"):
+        pool.publish_adapter(_adapter(3), timeout_s=0.3)
+    engine.hold.set()
+    t.join(10)
+    pool.publish_adapter(_adapter(3))
+    assert sorted(engine.loaded) == ["v3"]
+
+
+def test_an_engine_back_from_a_restart_gets_the_base_and_the_live_adapters():
+    """An engine that comes back without its weights serves nothing until the base is pushed again (same version);
+    it then gets every live adapter back. A new base unloads every adapter."""
+    a, b = AdapterEngine("a"), AdapterEngine("b")
+    pool = VersionPool([[a, b]], policy="uniform", live_adapters=2)
+    pool.publish_adapter(_adapter(1))
+    pool.publish_adapter(_adapter(2))
+    pool.mark_down(1, "killed")
+    b.loaded.clear()
+    b.version = -1  # a restarted server reports no version of ours
+    pool.mark_up(1, None)
+    assert pool.stranded() is False
+    outs = asyncio.run(pool.generate([[1]] * 20, SamplingParams(max_new_tokens=1)))
+    assert {o.version for o in outs} == {1, 2} and not b.loaded
+    slot = pool.begin_update(0)
+    pool.end_update(slot)
+    assert sorted(b.loaded) == ["v1", "v2"] and sorted(a.loaded) == ["v1", "v2"]
+    assert a.log.count("load v1") == 1  # nothing loaded twice
+    slot = pool.begin_update(7)
+    pool.end_update(slot)
+    assert pool.versions == [7] and not a.loaded and not b.loaded

@@ -492,15 +492,25 @@ class RolloutConfig(EpisodeLimits, RetryOptions, WeightSyncLimits, AgentRunnerOp
                      "agent_fn", "must be 'package.module:function'")
         load_agent_fn(str(self.agent_fn), f"{self.KEY}.agent_fn")
 
-    def _check_engine_urls(self) -> None:
+    def engine_count(self, adapters: bool) -> int:
+        """Engines of the pool: ``max_versions`` slots of ``engines_per_slot``, or with versions as adapters (a LoRA
+        run) one slot of ``engines_per_slot``."""
+        return self.engines_per_slot * (1 if adapters else self.max_versions)
+
+    def check_engine_slots(self, adapters: bool) -> None:
+        """``engine_urls`` has the pool's shape (:meth:`engine_count`); FieldError naming it and the fix."""
         if not self.engine_urls:
             return
         shape = [len(slot) for slot in self.engine_urls]
-        self.require(len(shape) == self.max_versions and all(n == self.engines_per_slot for n in shape),
-                     "engine_urls", f"has {len(shape)} slot(s) of {shape} URL(s), but rollout.max_versions="
-                     f"{self.max_versions} slots of rollout.engines_per_slot={self.engines_per_slot} URL(s) each "
-                     "are needed; give one list of SGLang server URLs per version slot, or [] to start the "
-                     "engines here")
+        slots = 1 if adapters else self.max_versions
+        need = ("1 slot (a LoRA run: every live version is an adapter on the same engines)" if adapters else
+                f"rollout.max_versions={self.max_versions} slots")
+        self.require(len(shape) == slots and all(n == self.engines_per_slot for n in shape),
+                     "engine_urls", f"has {len(shape)} slot(s) of {shape} URL(s), but {need} of "
+                     f"rollout.engines_per_slot={self.engines_per_slot} URL(s) each are needed; give one list of "
+                     "SGLang server URLs per version slot, or [] to start the engines here")
+
+    def _check_engine_urls(self) -> None:
         for i, slot in enumerate(self.engine_urls):
             for j, url in enumerate(slot):
                 if not _is_host_port_url(url):
@@ -942,6 +952,7 @@ class Config:
             placed(f"tasks[{i}]", spec.check)
         if self.log_every < 1:
             raise ConfigError(f"log_every={self.log_every!r} must be a positive integer (log every this many steps)")
+        self.rollout.check_engine_slots(self.lora.enabled)
         if self.lora.enabled and (self.checkpoint.interval or self.checkpoint.resume or self.checkpoint.after_warmup):
             raise ConfigError(f"lora.rank={self.lora.rank} with checkpoints: a LoRA run's checkpoints (its adapters "
                               "and their optimizer state, the base by hash) are not written yet; set "

@@ -41,6 +41,9 @@ class LoraOptions(Options):
     #: how ``A`` starts (``B`` starts at 0, so the adapted model starts as the base): ``kaiming`` (uniform, as
     #: PEFT's default) or ``gaussian`` (std 1 / rank)
     init: Literal["kaiming", "gaussian"] = "kaiming"
+    #: SGLang servers (``rollout.engine_urls``) read each weight version's adapter from a directory under this one,
+    #: which they must be able to read (a shared filesystem on a cluster); empty: ``<output_dir>/adapters``
+    adapter_dir: str = ""
 
     def check(self) -> None:
         """See :class:`Options`."""

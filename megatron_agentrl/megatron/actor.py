@@ -27,6 +27,7 @@ over the DP ranks. On CPU it runs through ``cpu_bridge``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -386,9 +387,18 @@ class MegatronActor:
         other stages of its pipeline). Collective: all ranks must call it. dtype: the model's.
         Names are ``mapping.hf_param_names()``: a tied model has no ``lm_head.weight`` entry.
         """
-        adapted, self._adapted = self._adapted, (self._adapted if merged else {})
-        try:
+        if merged:
             return self._export(None)
+        with self.base_weights():
+            return self._export(None)
+
+    @contextlib.contextmanager
+    def base_weights(self) -> Iterator[None]:
+        """Inside the block :meth:`weight_value` (and so every export and weight sync) reads the base's weights, not
+        the adapters merged into them (a LoRA run's engines hold the base and get the adapters apart)."""
+        adapted, self._adapted = self._adapted, {}
+        try:
+            yield
         finally:
             self._adapted = adapted
 

@@ -275,7 +275,8 @@ class TrainingRun:
                              master_address=weight_sync_master_address(cfg))
         pool = self.rollout_side.pool if self.rollout_side is not None else None
         self.publisher = WeightPublisher(self.actor, pool, sync, timeout_s=r.engine_timeout_s, remote_slots=remote,
-                                         max_failures=r.weight_sync_max_failures)
+                                         max_failures=r.weight_sync_max_failures,
+                                         adapter_dir=cfg.lora.adapter_dir or self.out / "adapters")
         self.trainer = Trainer(self.actor, cfg, self.task_names)
         p = cfg.pipeline
         self.collapse = CollapseMonitor(p.collapse_window, p.collapse_drop, patience=p.collapse_patience)
@@ -551,8 +552,8 @@ class TrainingRun:
         """Rank 0: :func:`engine_metrics` over the whole run (the counts before the checkpoint resumed from added;
         ``engines/out_of_rotation`` is a state, not a count)."""
         counts = engine_metrics(self.rollout_side.pool, self.publisher)
-        return {k: v + (0.0 if k == "engines/out_of_rotation" else float(self.engines_before.get(k, 0.0)))
-                for k, v in counts.items()}
+        states = ("engines/out_of_rotation", "weight_sync/bytes")
+        return {k: v + (0.0 if k in states else float(self.engines_before.get(k, 0.0))) for k, v in counts.items()}
 
     def _totals(self) -> dict[str, Any]:
         """Rank 0: the run's own counters so far, for the checkpoint (the manager's are in its state)."""

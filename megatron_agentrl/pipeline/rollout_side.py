@@ -201,10 +201,11 @@ def build_rollout_side(cfg: Config, hf_config: Any, dtype: torch.dtype, template
         engines = [BatchingEngine(LocalEngine(hf_config, dtype=dtype, device=device, seed=cfg.train.seed + i,
                                               resume_timeout_s=r.engine_timeout_s),
                                   resume_timeout_s=r.engine_timeout_s)
-                   for i in range(r.max_versions * r.engines_per_slot)]
+                   for i in range(r.engine_count(adapters=cfg.lora.enabled))]
     pool = VersionPool.from_engines(engines, r.max_versions, r.engines_per_slot, policy=r.cross_policy,
                                     recency_decay=r.recency_decay, seed=cfg.train.seed,
-                                    drain_timeout_s=r.engine_timeout_s, live_timeout_s=r.engine_unavailable_timeout_s)
+                                    drain_timeout_s=r.engine_timeout_s, live_timeout_s=r.engine_unavailable_timeout_s,
+                                    live_adapters=r.max_versions if cfg.lora.enabled else None)
     if remote is not None:  # servers in other processes fail apart from us: probe them
         pool.start_health_checks(r.engine_health_interval_s, r.engine_health_timeout_s)
     p = cfg.pipeline

@@ -18,17 +18,27 @@ the run.
 Engines in this process (local PyTorch engines) get the tensors handed over directly
 (``deliver_direct``); engines in other processes (SGLang servers, ``rollout.engine_urls``) get them
 over a weight-sync group (``WeightSender``: NCCL on GPUs, gloo on CPU) that every trainer rank joins.
+
+A LoRA run, once its adapters started, publishes versions as adapters (docs/rollout.md, "Versions as adapters"):
+a push exports the adapters alone (megabytes) and the pool loads them beside the live ones without pausing an
+engine. The base goes over the full-weight path only when it changes (the push with ``all_slots``, right after
+the adapters start or a resume) or when an engine back from a restart waits for it; the adapters it held are then
+loaded again by the pool. SGLang servers read an adapter from a directory (``adapter_dir``, which they must be able
+to read: a shared filesystem on a cluster); the last few versions' directories are kept there.
 """
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from megatron_agentrl.distributed import broadcast_object
 from megatron_agentrl.weight_sync.options import SenderOptions
 from megatron_agentrl.weight_sync.sender import WeightSender
+from rollout_sglang.engines.adapter import Adapter
 from rollout_sglang.engines.protocol import EnginesUnavailable
 from rollout_sglang.engines.version_pool import Slot, VersionPool
 from rollout_sglang.weight_update import WeightSyncError, deliver_direct
@@ -49,11 +59,14 @@ class WeightPublisher:
         targets (``SGLangEngine`` clients) of each version slot; the weights then go over a weight-sync
         group instead of in-process.
     max_failures: failed syncs to remote engines in a row before the error ends the run.
-    Counters: ``failed_syncs`` and ``skipped_syncs`` (no engine reachable), over the run.
+    adapter_dir: a LoRA run with SGLang servers: where each version's adapter is written for the servers to read.
+    Counters: ``failed_syncs`` and ``skipped_syncs`` (no engine reachable), over the run; ``last_bytes``, the
+    payload bytes of the last push.
     """
 
     def __init__(self, actor: Any, pool: VersionPool | None, sync: SenderOptions | None = None,
-                 timeout_s: float = 600.0, remote_slots: list[list[Any]] | None = None, max_failures: int = 3) -> None:
+                 timeout_s: float = 600.0, remote_slots: list[list[Any]] | None = None, max_failures: int = 3,
+                 adapter_dir: str | Path | None = None) -> None:
         sync = sync if sync is not None else SenderOptions()
         self.actor = actor
         self.pool = pool
@@ -63,7 +76,9 @@ class WeightPublisher:
         self.sender = None
         self.max_failures = int(max_failures)
         self.failed_syncs = self.skipped_syncs = 0
+        self.last_bytes = 0
         self._failures_in_a_row = 0
+        self.adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
         if remote_slots is not None:
             self.sender = WeightSender(actor, sync)
 
@@ -71,14 +86,63 @@ class WeightPublisher:
         """Send ``version`` to the oldest pool slot (every slot with ``all_slots``). Collective over all
         trainer ranks. Returns seconds spent on this rank."""
         t0 = time.perf_counter()
+        if getattr(self.actor, "lora", None) is not None:
+            self._push_adapter(version, all_slots)
+        else:
+            self._push_full(version, all_slots)
+        return time.perf_counter() - t0
+
+    def _push_full(self, version: int, all_slots: bool) -> None:
         if self.sender is None:
             state = self.actor.export_hf_state_dict()  # collective; only rank 0 holds engines
+            self.last_bytes = sum(t.numel() * t.element_size() for t in state.values())
             for idx in self._slots(all_slots):
                 self._update(idx, version, lambda slot: deliver_direct(slot.engines, state.items(), self.bucket_bytes))
         else:
             for idx in broadcast_object(self._slots(all_slots)):
                 self._update_remote(idx, version)
-        return time.perf_counter() - t0
+
+    def _push_adapter(self, version: int, all_slots: bool) -> None:
+        """Versions as adapters: the base first when it changes or an engine waits for it, then the adapters of
+        ``version`` (collective)."""
+        from megatron_agentrl.lora.peft_format import adapter_config, export_adapters
+
+        base = None
+        if self.pool is not None:
+            if all_slots:
+                base = version
+            elif self.pool.waiting_for_weights():
+                base = self.pool.slots[0].version
+        base = broadcast_object(base)
+        if base is not None:
+            with self.actor.base_weights():
+                self._push_full(base, all_slots=True)
+        tensors = export_adapters(self.actor)  # collective
+        if base is None:
+            self.last_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.pool is None:
+            return
+        adapter = Adapter(version, adapter_config(self.actor.lora, tensors, None), tensors)
+        if self.remote_slots is not None:
+            root = self.adapter_dir if self.adapter_dir is not None else Path("adapters")
+            adapter.save(root / adapter.name)
+        try:
+            self.pool.publish_adapter(adapter, timeout_s=self.timeout_s)
+        except EnginesUnavailable as e:
+            self.skipped_syncs += 1
+            logger.error("version %d's adapter reached no engine: %s; the rollout waits for an engine to return",
+                         version, e)
+        if self.remote_slots is not None:
+            self._prune_adapter_dirs()
+
+    def _prune_adapter_dirs(self) -> None:
+        """Remove the directories of adapters no longer loaded (the pool's versions keep theirs)."""
+        assert self.pool is not None and self.pool.adapters is not None
+        root = self.adapter_dir if self.adapter_dir is not None else Path("adapters")
+        keep = {v.name for v in self.pool.adapters.versions if v.name is not None}
+        for d in root.glob("v*"):
+            if d.is_dir() and d.name not in keep:
+                shutil.rmtree(d, ignore_errors=True)
 
     def _slots(self, all_slots: bool) -> list[int]:
         """The slots to update: known on rank 0 (the pool's), [] elsewhere (and when no engine can be reached)."""

@@ -807,6 +807,11 @@ class VersionPool:
         with self._lock:
             return not any(self._is_live(s) for s in self.slots) and bool(self._needs_weights - set(self._down))
 
+    def waiting_for_weights(self) -> bool:
+        """Whether an engine in reach is back from a restart and waits for its slot's weights."""
+        with self._lock:
+            return bool(self._needs_weights - set(self._down))
+
     def engines_out(self) -> int:
         """Engines out of rotation now (down, or back and waiting for weights)."""
         with self._lock:

@@ -227,9 +227,16 @@ def test_a_lora_run_exports_its_base_and_adapter_as_peft_loads_them(tmp_path: Pa
     import transformers
     from peft import PeftModel
 
-    from tests.support.demo_run import TINY_MODEL, train_demo
+    from tests.support.demo_run import TINY_MODEL, train_demo, trained_rl_rows
 
-    train_demo(tmp_path, 2, *TINY_MODEL, "parallel.tp=2", "lora.rank=4", "lora.alpha=8", "checkpoint.interval=0")
+    train_demo(tmp_path, 2, *TINY_MODEL, "parallel.tp=2", "lora.rank=4", "lora.alpha=8", "checkpoint.interval=0",
+               "rollout.max_versions=2", "rollout.cross_policy=uniform")
+    # each RL step pushed its adapters alone to the one engine (2 live versions as adapters on it)
+    rl = trained_rl_rows(tmp_path)
+    full = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_base").parameters())
+    assert all(0 < r["weight_sync/bytes"] < 0.35 * full * 4 for r in rl), [r["weight_sync/bytes"] for r in rl]
+    batches = [json.loads(line) for line in (tmp_path / "batches.jsonl").read_text().splitlines()]
+    assert [b["step"] for b in batches] == [1, 2] and set(batches[1]["min_versions"]) <= {0, 1}
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["lora_adapter"] == str(tmp_path / "adapter")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())

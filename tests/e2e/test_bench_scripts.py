@@ -152,6 +152,19 @@ def _check_weight_sync(lines: list[str], rec: dict[str, Any]) -> None:
         assert rows and all(r["taken"] <= r["packed"] <= r["posted"] <= r["wire_done"] <= r["acked"] for r in rows)
 
 
+def _check_lora(lines: list[str], rec: dict[str, Any]) -> None:
+    trainer, sampling, ratios = rec["trainer"], rec["sampling"], rec["ratios"]
+    # an update moves the adapters alone, the gradients and Adam's moments are the adapters' alone
+    assert 0 < trainer["lora"]["update_bytes"] < trainer["full"]["update_bytes"]
+    assert trainer["lora"]["trainable_params"] < trainer["full"]["trainable_params"]
+    assert 0 < ratios["optimizer_grad_bytes"] < 1
+    # three versions as adapters on one engine hold less than three engines of full weights, and every version samples
+    assert ratios["engine_weight_bytes"] < 1
+    assert sampling["adapters"]["versions_sampled"] == sampling["full"]["versions_sampled"] == [1, 2, 3]
+    m = re.fullmatch(r"lora_update_bytes_ratio: (\d+\.\d+)", lines[-1])
+    assert m and float(m.group(1)) == pytest.approx(ratios["update_bytes"], abs=1e-5)
+
+
 def _check_train_scale(lines: list[str], rec: dict[str, Any]) -> None:
     m = re.fullmatch(r"dist_opt_state_ratio_dp2: (\d+\.\d+)", lines[-2])
     assert m and float(m.group(1)) == pytest.approx(rec["dist_opt_state_ratio_dp2"], abs=1e-3)
@@ -242,6 +255,7 @@ CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
     "gpu_train.py": _check_gpu_train,
     "gpu_suite.py": _check_gpu_suite,
     "logprob_memory.py": _check_logprob_memory,
+    "lora.py": _check_lora,
     "async_vs_sync.py": _check_async_vs_sync,
     "chaos.py": _check_chaos,
     "containers.py": _check_containers,

@@ -492,17 +492,21 @@ class RolloutConfig(EpisodeLimits, RetryOptions, WeightSyncLimits, AgentRunnerOp
                      "agent_fn", "must be 'package.module:function'")
         load_agent_fn(str(self.agent_fn), f"{self.KEY}.agent_fn")
 
+    def slot_count(self, adapters: bool) -> int:
+        """Version slots of the pool: ``max_versions``, or one with versions as adapters (a LoRA run: every live
+        version is an adapter on the same engines)."""
+        return 1 if adapters else self.max_versions
+
     def engine_count(self, adapters: bool) -> int:
-        """Engines of the pool: ``max_versions`` slots of ``engines_per_slot``, or with versions as adapters (a LoRA
-        run) one slot of ``engines_per_slot``."""
-        return self.engines_per_slot * (1 if adapters else self.max_versions)
+        """Engines of the pool: :meth:`slot_count` slots of ``engines_per_slot``."""
+        return self.engines_per_slot * self.slot_count(adapters)
 
     def check_engine_slots(self, adapters: bool) -> None:
         """``engine_urls`` has the pool's shape (:meth:`engine_count`); FieldError naming it and the fix."""
         if not self.engine_urls:
             return
         shape = [len(slot) for slot in self.engine_urls]
-        slots = 1 if adapters else self.max_versions
+        slots = self.slot_count(adapters)
         need = ("1 slot (a LoRA run: every live version is an adapter on the same engines)" if adapters else
                 f"rollout.max_versions={self.max_versions} slots")
         self.require(len(shape) == slots and all(n == self.engines_per_slot for n in shape),
@@ -953,10 +957,6 @@ class Config:
         if self.log_every < 1:
             raise ConfigError(f"log_every={self.log_every!r} must be a positive integer (log every this many steps)")
         self.rollout.check_engine_slots(self.lora.enabled)
-        if self.lora.enabled and (self.checkpoint.interval or self.checkpoint.resume or self.checkpoint.after_warmup):
-            raise ConfigError(f"lora.rank={self.lora.rank} with checkpoints: a LoRA run's checkpoints (its adapters "
-                              "and their optimizer state, the base by hash) are not written yet; set "
-                              "checkpoint.interval=0 (and no checkpoint.resume / after_warmup), or lora.rank=0")
         if self.model.hf_config is None and not self.model.arch and not self.model.megatron_checkpoint:
             raise ConfigError("model: set model.hf_config (a Hugging Face config dir) or model.arch (inline config "
                               "fields)")

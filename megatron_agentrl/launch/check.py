@@ -284,7 +284,8 @@ def check_run(cfg: Config, config_path: str, overrides: list[str], *, reference_
 
     if cfg.rollout.cross_policy != "latest":
         report.add(OK, "cross-policy sampling",
-                   f"{cfg.rollout.cross_policy} over {cfg.rollout.max_versions} version slots")
+                   f"{cfg.rollout.cross_policy} over {cfg.rollout.max_versions} "
+                   + ("live versions as LoRA adapters on one engine pool" if cfg.lora.enabled else "version slots"))
     if cfg.algo.normalize_per_task:
         report.add(OK, "per-task normalization", f"on, over {len(cfg.tasks)} task(s)")
 

@@ -347,7 +347,7 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
 
     rollout: dict[str, float] = {}
     engine_tp = cfg.ray.rollout_gpus_per_engine
-    engines = cfg.rollout.max_versions * cfg.rollout.engines_per_slot
+    engines = cfg.rollout.engine_count(cfg.lora.enabled)
     notes = []
     if engine_tp:
         kv_split = min(engine_tp, shape.num_kv_heads)
@@ -375,7 +375,7 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
                      "experts per token")
     layout = {
         "tp": tp, "pp": pp, "cp": cp, "dp": dp, "train_gpus": train_workers if cfg.ray.train_gpus_per_worker else 0,
-        "train_workers": train_workers, "rollout_slots": cfg.rollout.max_versions,
+        "train_workers": train_workers, "rollout_slots": cfg.rollout.slot_count(cfg.lora.enabled),
         "engines_per_slot": cfg.rollout.engines_per_slot, "gpus_per_engine": engine_tp,
         "rollout_gpus": engines * engine_tp, "micro_batches_per_step": micro_batches,
         "ep": ep, "expert_dp": expert_dp if shape.is_moe else 0, "experts": shape.num_experts if shape.is_moe else 0,

@@ -88,7 +88,7 @@ def plan_pools(cfg: Config) -> list[PoolSpec]:
     pools = [PoolSpec("train", [_bundle(r.train_cpus_per_worker, r.train_gpus_per_worker)] * workers, r.train_strategy)]
     if r.rollout_gpus_per_engine:
         engine = _bundle(r.rollout_cpus_per_engine, r.rollout_gpus_per_engine)
-        for slot in range(cfg.rollout.max_versions):
+        for slot in range(cfg.rollout.slot_count(cfg.lora.enabled)):
             pools.append(PoolSpec(f"rollout_slot{slot}", [engine] * cfg.rollout.engines_per_slot, r.rollout_strategy))
     if r.controller:
         pools.append(PoolSpec("env_controller", [_bundle(r.controller_cpus, 0)], "PACK"))
@@ -524,7 +524,7 @@ class RayRun:
         self.engine_keys = (os.environ.get(rollout.engine_api_key_env) or secrets.token_hex(16),
                             os.environ.get(rollout.engine_admin_api_key_env) or secrets.token_hex(16))
         started: list[list[tuple[_Member, Any]]] = []
-        for slot in range(rollout.max_versions):
+        for slot in range(rollout.slot_count(self.cfg.lora.enabled)):
             started.append([])
             for i in range(rollout.engines_per_slot):
                 m = self._add("engine", f"rollout engine {i} of version slot {slot}",

@@ -327,6 +327,9 @@ class EngineLaunch:
     #: the server's API and admin keys (it listens on every interface: without them anyone on the network could
     #: push weights)
     keys: tuple[str, str] | None = None
+    #: a LoRA run: ``(lora.rank, lora.target_modules, rollout.max_versions)``, from which the server gets its LoRA
+    #: flags (every live version an adapter on it); None: no LoRA
+    lora: tuple[int, tuple[str, ...], int] | None = None
 
 
 class RolloutEngineActor(_Placed):
@@ -356,6 +359,8 @@ class RolloutEngineActor(_Placed):
         launch = SGLangLaunchOptions(host="0.0.0.0", port=port or None, dtype=run.dtype,
                                      startup_timeout_s=run.startup_timeout_s, log_dir=run.log_dir,
                                      server_module=run.server_module, capture_routing=capture)
+        if run.lora is not None:
+            launch = launch.with_lora(*run.lora)
         self._engine = SGLangEngine.launch(run.model_path, launch, SGLangClientOptions(api_key=api_key,
                                                                                    admin_api_key=admin_api_key),
                                            gpus=gpus)
@@ -546,9 +551,11 @@ class RayRun:
     def _engine_start(self, m: _Member, port: int, stale_pid: int = 0) -> Any:
         model = self.cfg.model.checkpoint or self.cfg.model.hf_config
         log_dir = str(Path(self.cfg.output_dir).resolve() / "ray" / "engine_logs")
+        lora = self.cfg.lora
         run = EngineLaunch(str(model), self.cfg.ray.engine_server_module, self.cfg.model.dtype,
                            self.cfg.rollout.engine_startup_timeout_s, log_dir, self.cfg.rollout.capture_routing,
-                           self.engine_keys)
+                           self.engine_keys, (lora.rank, tuple(lora.target_modules), self.cfg.rollout.max_versions)
+                           if lora.enabled else None)
         return m.actor.start.remote(run, port, stale_pid)
 
     # ------------------------------------------------------------------------------ trainers

@@ -33,6 +33,11 @@ protocol                                    SGLang
 ``health()``                                ``GET /health`` (+ ``GET /model_info`` for ``weight_version``)
 ``probe(timeout_s)``                        ``GET /health_generate`` (+ ``GET /model_info``), the pool's health check
 ``num_ranks``                               ``GET /server_info`` ``tp_size`` (unless given)
+``load_adapter(adapter)`` (LoRA)            ``POST /load_lora_adapter {lora_name, lora_path, pinned}``: the server
+                                            reads the adapter's PEFT directory (``adapter.path``) itself
+``unload_adapter(name)``                    ``POST /unload_lora_adapter {lora_name}``
+``generate(..., adapters)``                 ``"lora_path": [name or null per prompt]`` on ``/generate`` (SGLang's
+                                            ``lora_path`` names a loaded adapter by its ``lora_name``)
 ==========================================  ==================================================
 
 Every call has a timeout (``request_timeout_s`` for generation, ``control_timeout_s`` for
@@ -47,6 +52,13 @@ Versions are ``int`` in our packages; SGLang's ``weight_version`` is a string. T
 one place that converts (:func:`version_to_wire`, :func:`version_from_wire`): the version an update
 was opened for goes to the server as a string with the update's last bucket, and a version the
 server reports comes back as an int (None when it is not one of ours, e.g. SGLang's ``"default"``).
+
+LoRA runs (docs/rollout.md, "Versions as adapters"): the server is launched with the LoRA flags
+(:class:`~rollout_sglang.engines.sglang_options.LoraServerFlags`); each live weight version is an adapter
+named ``v<version>``, loaded from a directory the server can read (a shared filesystem on a cluster). The
+client remembers each loaded adapter's version, and an output generated with an adapter carries it. SGLang's
+from-tensors route (``/load_lora_adapter_from_tensors``) is not used: its tensors travel as torch
+``ForkingPickler`` handles to shared memory or CUDA IPC, which only a server on the sender's host can open.
 
 Keys: ``api_key`` (``--api-key``) goes with every request; ``admin_api_key`` (``--admin-api-key``)
 replaces it on the control endpoints SGLang marks ``ADMIN_OPTIONAL`` (pause, continue, flush, the
@@ -75,7 +87,14 @@ import numpy as np
 import torch
 
 from env_controller.http.net import free_port
-from rollout_sglang.engines.protocol import EngineUnavailable, GenerationOutput, Probe, SamplingParams, routing_starts
+from rollout_sglang.engines.protocol import (
+    EngineUnavailable,
+    GenerationOutput,
+    Probe,
+    SamplingParams,
+    check_adapters,
+    routing_starts,
+)
 from rollout_sglang.engines.sglang_options import SGLangClientOptions, SGLangLaunchOptions
 from rollout_sglang.routing import RoutingError, RoutingLayout
 from rollout_sglang.weight_update.transport import BucketUpdate
@@ -86,7 +105,7 @@ logger = logging.getLogger(__name__)
 ADMIN_ENDPOINTS = frozenset({
     "/pause_generation", "/continue_generation", "/flush_cache", "/init_weights_update_group",
     "/update_weights_from_distributed", "/destroy_weights_update_group", "/begin_weight_update",
-    "/end_weight_update",
+    "/end_weight_update", "/load_lora_adapter", "/unload_lora_adapter",
 })
 # sampling_seed is an int64 on the server; row seeds are base + row, so bases stay below 2**62
 _SEED_BASE_LIMIT = 1 << 62
@@ -183,6 +202,7 @@ class SGLangEngine:
         self._pending_version: int | None = None
         self._extensions: list[str] | None = None
         self._paused = False
+        self._adapter_versions: dict[str, int] = {}  # adapters loaded through this client: name -> weight version
         self._local = threading.local()  # one HTTP client per thread: building one is costly
         self._async_client: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
 
@@ -197,7 +217,8 @@ class SGLangEngine:
         except (json.JSONDecodeError, ValueError):
             body = resp.text
         if resp.status_code >= 400:
-            msg = body.get("message") or body.get("error") or body if isinstance(body, dict) else body
+            msg = (body.get("message") or body.get("error_message") or body.get("error") or body
+                   if isinstance(body, dict) else body)
             hint = ""
             if resp.status_code in (401, 403):
                 hint = ("; the server wants a key: pass api_key (its --api-key), and admin_api_key (its "
@@ -205,7 +226,8 @@ class SGLangEngine:
             cls = SGLangUnavailable if resp.status_code >= 500 else SGLangError
             raise cls(f"{endpoint} on {self.base_url} failed with HTTP {resp.status_code}: {msg}{hint}")
         if isinstance(body, dict) and body.get("success") is False:
-            raise SGLangError(f"{endpoint} on {self.base_url} refused: {body.get('message', body)}")
+            raise SGLangError(f"{endpoint} on {self.base_url} refused: "
+                              f"{body.get('message') or body.get('error_message') or body}")
         return body
 
     def _client(self) -> httpx.Client:
@@ -242,8 +264,14 @@ class SGLangEngine:
 
     # ---------------------------------------------------------------- generation
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
-                       routing_from: list[int] | None = None) -> list[GenerationOutput]:
+                       routing_from: list[int] | None = None,
+                       adapters: list[str | None] | None = None) -> list[GenerationOutput]:
         """Continue each prompt (token ids); one output per prompt with its token ids and log-probs.
+
+        adapters: LoRA runs: one per prompt, the name of an adapter loaded through this client
+            (:meth:`load_adapter`) or None for the base; sent as SGLang's ``lora_path``, and each output carries
+            its adapter's version (a row without one: the client's ``version``). ValueError naming an adapter this
+            client did not load (its version would be unknown).
 
         routing_from: MoE models (the client needs ``routing_layout``): a start per prompt in ``[0, len(prompt)]``;
             output ``i`` then carries the routed experts of positions ``[routing_from[i], len(prompt) +
@@ -256,6 +284,13 @@ class SGLangEngine:
             return []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        names = check_adapters(prompts, adapters)
+        if names is not None:
+            unknown = sorted({n for n in names if n is not None and n not in self._adapter_versions})
+            if unknown:
+                raise ValueError(f"adapters {unknown} were not loaded on {self.base_url} through this client "
+                                 f"(loaded: {sorted(self._adapter_versions) or 'none'}); load_adapter() them first")
+        versions = dict(self._adapter_versions)  # as the call starts: an adapter loaded meanwhile is not in it
         sp = sampling_params_to_sglang(params, len(prompts))
         groups: dict[int | None, list[int]] = {}
         if routing_from is None:
@@ -264,7 +299,8 @@ class SGLangEngine:
             for i, start in enumerate(self._check_routing_from(prompts, routing_from)):
                 groups.setdefault(start, []).append(i)
         version = self.version
-        tasks = [asyncio.ensure_future(self._generate_rows(prompts, rows, sp, start, params, version))
+        tasks = [asyncio.ensure_future(self._generate_rows(prompts, rows, sp, start, params, version, names,
+                                                                 versions))
                  for start, rows in groups.items()]
         try:
             results = await asyncio.gather(*tasks)
@@ -287,10 +323,18 @@ class SGLangEngine:
         return routing_starts(prompts, routing_from)
 
     async def _generate_rows(self, prompts: list[list[int]], rows: list[int], sp: list[dict[str, Any]],
-                             start: int | None, params: SamplingParams, version: int) -> list[GenerationOutput]:
-        """One ``/generate`` for ``rows`` of ``prompts`` (their own sampling params); routing from ``start`` on."""
+                             start: int | None, params: SamplingParams, version: int,
+                             adapters: list[str | None] | None = None,
+                             adapter_versions: Mapping[str, int] | None = None) -> list[GenerationOutput]:
+        """One ``/generate`` for ``rows`` of ``prompts`` (their own sampling params); routing from ``start`` on;
+        ``adapters``: each prompt's adapter (None: the base for all), ``adapter_versions`` their versions."""
         body: dict[str, Any] = {"input_ids": [list(map(int, prompts[i])) for i in rows],
                                 "sampling_params": [sp[i] for i in rows], "return_logprob": True}
+        # SGLang resolves lora_path only when it is truthy; a list of nulls would still go through its LoRA checks
+        # (and be refused by a server without --enable-lora), so rows that are all on the base send none
+        lora = [adapters[i] for i in rows] if adapters is not None else []
+        if any(n is not None for n in lora):
+            body["lora_path"] = lora
         if start is not None:
             body["return_routed_experts"] = True
             body["routed_experts_start_len"] = start
@@ -311,8 +355,10 @@ class SGLangEngine:
         if len(items) != len(rows):
             raise SGLangError(f"/generate on {self.base_url} returned {len(items)} results for {len(rows)} prompts")
         outs = []
-        for i, item in zip(rows, items):
+        for k, (i, item) in enumerate(zip(rows, items)):
             o = self._parse_output(i, item, version)
+            if lora and lora[k] is not None:
+                o.version = (adapter_versions or {}).get(lora[k], version)
             if start is not None:
                 o.routed_experts = self._parse_routing(i, item, len(prompts[i]), len(o.token_ids), start)
             outs.append(o)
@@ -400,6 +446,50 @@ class SGLangEngine:
     def flush_cache(self) -> None:
         """``POST /flush_cache``: drop the prefix (radix) cache, whose KV was computed with old weights."""
         self._call("POST", "/flush_cache", None)
+
+    # ------------------------------------------------------------- LoRA adapters
+    def load_adapter(self, adapter: Any) -> None:
+        """Load ``adapter`` (an :class:`~rollout_sglang.engines.adapter.Adapter`) on the server under ``adapter.name``
+        (``POST /load_lora_adapter``); the server reads it from ``adapter.path``, so that directory must be one the
+        server can read (a shared filesystem on a cluster).
+
+        ValueError when the adapter has no path (save it first: ``Adapter.save``); SGLangError naming the adapter,
+        the server and SGLang's reason when the server refuses it (LoRA not enabled, a name loaded already, a rank
+        above ``--max-lora-rank``, modules outside ``--lora-target-modules``); SGLangUnavailable when the server
+        cannot be reached or times out (``update_timeout_s``).
+        """
+        name = adapter.name
+        if adapter.path is None:
+            raise ValueError(f"adapter {name} (version {adapter.version}) has no path: {self.base_url} is another "
+                             "process and reads adapters from disk; save it first (Adapter.save(dir), a directory "
+                             "the server can read) and load the saved adapter")
+        body = {"lora_name": name, "lora_path": str(adapter.path), "pinned": False}
+        try:
+            self._call("POST", "/load_lora_adapter", body, self.update_timeout_s)
+        except SGLangUnavailable:
+            raise
+        except SGLangError as e:
+            raise SGLangError(f"loading LoRA adapter {name} (version {adapter.version}) from {adapter.path} on "
+                              f"{self.base_url} failed: {e}") from None
+        self._adapter_versions[name] = int(adapter.version)
+        logger.debug("%s: adapter %s (version %d) loaded from %s", self.base_url, name, adapter.version, adapter.path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload adapter ``name`` (``POST /unload_lora_adapter``; SGLang waits for the requests that use it).
+        SGLangError naming it when the server refuses (e.g. no adapter of that name), SGLangUnavailable when
+        unreachable."""
+        try:
+            self._call("POST", "/unload_lora_adapter", {"lora_name": name}, self.update_timeout_s)
+        except SGLangUnavailable:
+            raise
+        except SGLangError as e:
+            raise SGLangError(f"unloading LoRA adapter {name} on {self.base_url} failed: {e}") from None
+        self._adapter_versions.pop(name, None)
+
+    @property
+    def adapters(self) -> list[str]:
+        """The names of the adapters loaded through this client."""
+        return list(self._adapter_versions)
 
     # ------------------------------------------------------------------- health
     def health(self) -> dict:
@@ -603,6 +693,7 @@ class SGLangEngine:
 
         The server gets ``--model-path --host --port --tp-size len(gpus) --dtype --skip-tokenizer-init``
         (token ids in and out), with ``capture_routing`` (MoE models) ``--enable-return-routed-experts``,
+        the LoRA flags of ``options`` (:meth:`~rollout_sglang.engines.sglang_options.LoraServerFlags.lora_args`),
         ``--api-key`` / ``--admin-api-key`` when the client's ``api_key`` / ``admin_api_key`` are given (so it
         accepts this client's requests and no keyless ones; the logged command line hides them), plus
         ``extra_args``; ``CUDA_VISIBLE_DEVICES`` is set to ``gpus``. Its
@@ -623,6 +714,7 @@ class SGLangEngine:
             cmd += ["--mem-fraction-static", str(o.mem_fraction_static)]
         if o.capture_routing:
             cmd.append(CAPTURE_ROUTING_FLAG)
+        cmd += o.lora_args()
         keys = []
         for flag, key in (("--api-key", client.api_key), ("--admin-api-key", client.admin_api_key)):
             if key:

@@ -16,7 +16,10 @@ SGLang's source without importing SGLang (which needs CUDA-only modules):
   is in ``GenerateReqInput`` only);
 * routed experts (rollout routing replay): the server option that enables capture, the capturer's
   buffer (dtype, shape), the layer count and top-k it is sized by, the positions a response covers, and
-  how the detokenizer encodes it (:data:`ROUTED_EXPERTS_SOURCES`), as source text the tests read.
+  how the detokenizer encodes it (:data:`ROUTED_EXPERTS_SOURCES`), as source text the tests read;
+* LoRA serving: the request classes of ``/load_lora_adapter``, ``/unload_lora_adapter`` and
+  ``/load_lora_adapter_from_tensors`` (routes above), the server's LoRA flags (names, types, defaults) and the
+  target modules ``--lora-target-modules`` takes (:data:`LORA_SOURCES`).
 
 The result is committed as ``sglang_contract_<pin>.json`` next to this module. To bump the pin:
 ``pip download --no-deps sglang==<new> -d DIR``, then ``python -m rollout_sglang.testing.sglang_contract
@@ -46,7 +49,8 @@ HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
 # the endpoints the project calls
 PATHS = ("/generate", "/pause_generation", "/continue_generation", "/flush_cache", "/init_weights_update_group",
          "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update",
-         "/destroy_weights_update_group", "/health", "/model_info", "/server_info")
+         "/destroy_weights_update_group", "/health", "/model_info", "/server_info", "/load_lora_adapter",
+         "/unload_lora_adapter", "/load_lora_adapter_from_tensors")
 _API_CLASSES = ("GenerateRequest", "SamplingParams")
 #: where the facts of the routed-experts response live in the wheel
 ROUTED_EXPERTS_SOURCES = {
@@ -55,6 +59,11 @@ ROUTED_EXPERTS_SOURCES = {
     "buffers": "sglang/srt/state_capturer/base.py",
     "collect": "sglang/srt/managers/scheduler_components/batch_result_processor.py",
     "encode": "sglang/srt/managers/detokenizer_manager.py",
+}
+#: where the facts of LoRA serving live in the wheel: the server flags and the target modules the CLI takes
+LORA_SOURCES = {
+    "options": "sglang/srt/arg_groups/fields/lora.py",
+    "common": "sglang/srt/utils/common.py",
 }
 
 
@@ -143,8 +152,9 @@ def extract_contract(wheel_path: str | os.PathLike) -> dict[str, Any]:
                and n.targets[0].id[:1].isupper()}
     with zipfile.ZipFile(wheel_path) as z:
         routed = _routed_experts_facts({k: z.read(v).decode() for k, v in ROUTED_EXPERTS_SOURCES.items()})
+        lora = _lora_facts({k: z.read(v).decode() for k, v in LORA_SOURCES.items()})
     return {"sglang": version, "routes": dict(sorted(routes.items())), "classes": classes,
-            "aliases": aliases, "structs": sorted(api_classes), "routed_experts": routed}
+            "aliases": aliases, "structs": sorted(api_classes), "routed_experts": routed, "lora": lora}
 
 
 def _function(tree: ast.AST, name: str, cls: str | None = None) -> ast.FunctionDef:
@@ -192,6 +202,24 @@ def _routed_experts_facts(src: dict[str, str]) -> dict[str, Any]:
         "encoding": _calls(_function(trees["encode"], "_b64_encode_per_request"), "b64encode"),
         "decoding": _calls(_function(trees["capturer"], "extract_routed_experts_from_meta_info"), "frombuffer"),
     }
+
+
+def _lora_facts(src: dict[str, str]) -> dict[str, Any]:
+    """The LoRA server options (each field of the ``Lora`` namespace: its type and default) and the target module
+    names the CLI accepts (``SUPPORTED_LORA_TARGET_MODULES`` and ``LORA_TARGET_ALL_MODULES``)."""
+    options = next(n for n in ast.walk(ast.parse(src["options"])) if isinstance(n, ast.ClassDef) and n.name == "Lora")
+    fields = {}
+    for node in options.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and not node.target.id.startswith("_"):
+            ann = node.annotation
+            typ = ann.slice.elts[0] if isinstance(ann, ast.Subscript) and isinstance(ann.slice, ast.Tuple) else ann
+            fields[node.target.id] = {"type": ast.unparse(typ),
+                                      "default": ast.literal_eval(node.value) if node.value is not None else None}
+    consts = {t.id: ast.literal_eval(n.value) for n in ast.parse(src["common"]).body if isinstance(n, ast.Assign)
+              for t in n.targets if isinstance(t, ast.Name)
+              and t.id in ("SUPPORTED_LORA_TARGET_MODULES", "LORA_TARGET_ALL_MODULES")}
+    return {"server_options": fields,
+            "target_modules": [*consts["SUPPORTED_LORA_TARGET_MODULES"], consts["LORA_TARGET_ALL_MODULES"]]}
 
 
 # --------------------------------------------------------------------------------------- checking

@@ -32,6 +32,13 @@ refused (SGLang would drop it silently). Then it follows SGLang's behaviour:
 * ``/pause_generation {"mode"}``, ``/continue_generation``, ``/flush_cache`` (400 while requests
   run, after waiting up to ``?timeout=`` seconds), ``/health``, ``/health_generate``,
   ``/model_info``, ``/server_info`` (``tp_size``, ``pp_size``, ``dp_size``).
+* LoRA (``--enable-lora`` and its flags): ``/load_lora_adapter {lora_name, lora_path, pinned}`` loads a PEFT
+  directory, ``/unload_lora_adapter {lora_name}`` unloads one (after the requests that use it), each answering
+  ``{"success", "error_message", "loaded_adapters"}`` (HTTP 400 when not a success); ``lora_path`` on
+  ``/generate`` (a name, or one name or null per prompt) picks each row's adapter; SGLang's names, limits, TP
+  slicing and error texts (:mod:`rollout_sglang.testing.standin_lora`). ``/load_lora_adapter_from_tensors`` is
+  not served: its tensors are torch ``ForkingPickler`` handles to the sender's shared memory or CUDA IPC, which
+  SGLang opens only on the sender's host, and the project's client never sends it.
 * Keys: ``api_key`` and ``admin_api_key`` with SGLang's per-endpoint rules (health probes open;
   ``ADMIN_OPTIONAL`` endpoints take the admin key when one is set).
 
@@ -51,7 +58,8 @@ constrained decoding are refused with HTTP 400. Extensions, which real SGLang do
 
 Run as a process with SGLang's command line: ``python -m rollout_sglang.testing.sglang_standin
 --model-path DIR --host 127.0.0.1 --port 30000 [--tp-size N] [--api-key K] [--admin-api-key K]
-[--enable-deterministic-inference]`` (other SGLang flags are accepted and ignored).
+[--enable-deterministic-inference] [--enable-lora --max-lora-rank R --lora-target-modules M ...
+--max-loras-per-batch N --max-loaded-loras N]`` (other SGLang flags are accepted and ignored).
 """
 from __future__ import annotations
 
@@ -75,6 +83,7 @@ from aiohttp import web
 from rollout_sglang.engines.local import LocalEngine
 from rollout_sglang.engines.protocol import SamplingParams
 from rollout_sglang.testing.sglang_contract import Contract, ContractError, load_contract
+from rollout_sglang.testing.standin_lora import LoraRefused, LoraServing
 from rollout_sglang.testing.standin_options import StandInOptions
 from rollout_sglang.testing.transport import CHECKSUM_FIELD, EXT_CHECKSUM, EXT_SEND_RECV, TAG_FIELD, StandInReceive
 from rollout_sglang.weight_update.receiver import BucketReceiver
@@ -189,6 +198,9 @@ class StandInServer:
         self._session_open = False  # SGLang's weight-update session (begin/end_weight_update)
         self._pending_version: int | None = None  # stamped on the engine when its open update closes
         self._running = 0  # /generate requests being served
+        self.lora = LoraServing(engine, o, self.tp_size)
+        self._lora_lock: asyncio.Lock | None = None
+        self.unload_wait_s = float(o.unload_wait_s)
 
     # --------------------------------------------------------------- lifecycle
     @property
@@ -226,6 +238,7 @@ class StandInServer:
 
     async def _serve(self) -> None:
         self._update_lock = asyncio.Lock()
+        self._lora_lock = asyncio.Lock()
         app = web.Application(middlewares=[self._middleware], client_max_size=256 * 1024 * 1024)
         r = app.router
         r.add_post("/generate", self._generate)
@@ -246,6 +259,8 @@ class StandInServer:
         r.add_get("/server_info", self._server_info)
         r.add_get("/get_server_info", self._server_info)
         r.add_post("/agentrl/raw_broadcast", self._raw_broadcast)
+        r.add_post("/load_lora_adapter", self._load_lora)
+        r.add_post("/unload_lora_adapter", self._unload_lora)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -376,6 +391,14 @@ class StandInServer:
         rid = body.get("rid")
         rids = rid if isinstance(rid, list) else [f"{rid}_{i}" if rid else uuid.uuid4().hex for i in range(n)]
         routing_from = self._routing_start(body, prompts)
+        assert self._lora_lock is not None
+        async with self._lora_lock:
+            try:
+                adapters = await self._blocking(self.lora.resolve, body.get("lora_path"), n)
+            except LoraRefused as e:
+                raise BadRequest(str(e)) from None
+            for name in set(adapters or []) - {None}:
+                self.lora.in_use[name] = self.lora.in_use.get(name, 0) + 1
 
         t0 = time.perf_counter()
         self._running += 1
@@ -396,17 +419,20 @@ class StandInServer:
                     calls = [([r], s) for r, s in zip(rows, seeds)]
                 for call_rows, seed in calls:
                     p = SamplingParams(**{**params.__dict__, "seed": seed})
-                    if routing_from is None:
-                        res = await self.engine.generate([prompts[r] for r in call_rows], p)
-                    else:
-                        res = await self.engine.generate([prompts[r] for r in call_rows], p,
-                                                         routing_from=[routing_from] * len(call_rows))
+                    kwargs: dict[str, Any] = {}
+                    if routing_from is not None:
+                        kwargs["routing_from"] = [routing_from] * len(call_rows)
+                    if adapters is not None and any(adapters[r] is not None for r in call_rows):
+                        kwargs["adapters"] = [adapters[r] for r in call_rows]
+                    res = await self.engine.generate([prompts[r] for r in call_rows], p, **kwargs)
                     for r, o in zip(call_rows, res):
                         outs[r] = (o, p)
         except ValueError as e:
             raise BadRequest(str(e)) from None
         finally:
             self._running -= 1
+            for name in set(adapters or []) - {None}:
+                self.lora.in_use[name] -= 1
         dt = time.perf_counter() - t0
         items = []
         for i, (o, _) in enumerate(outs):
@@ -453,6 +479,41 @@ class StandInServer:
         full = np.zeros((record.shape[0], layout.num_layers, layout.top_k), dtype=np.int32)
         full[:, list(layout.moe_layers), :] = record
         return base64.b64encode(full.tobytes()).decode("utf-8")
+
+    # ------------------------------------------------------------------- LoRA
+    def _lora_answer(self, error: str | None = None) -> web.Response:
+        """SGLang's ``LoRAUpdateOutput``: HTTP 200 on success, 400 with ``error_message`` when refused."""
+        return web.json_response({"success": error is None, "error_message": error,
+                                  "loaded_adapters": self.lora.loaded()}, status=200 if error is None else 400)
+
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        assert self._lora_lock is not None
+        async with self._lora_lock:
+            try:
+                await self._blocking(self.lora.load, str(body["lora_name"]), str(body["lora_path"]),
+                                     bool(body.get("pinned", False)))
+            except LoraRefused as e:
+                return self._lora_answer(str(e))
+        return self._lora_answer()
+
+    async def _unload_lora(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        name = str(body["lora_name"])
+        assert self._lora_lock is not None
+        async with self._lora_lock:
+            # SGLang waits for the requests that use the adapter before it unloads it
+            engine_name = self.lora.registry[name].engine_name if name in self.lora.registry else None
+            deadline = time.monotonic() + self.unload_wait_s
+            while engine_name and self.lora.in_use.get(engine_name, 0) > 0:
+                if time.monotonic() > deadline:
+                    return self._lora_answer(f"LoRA adapter {name} is still in use after {self.unload_wait_s:.0f}s")
+                await asyncio.sleep(0.01)
+            try:
+                await self._blocking(self.lora.unload, name)
+            except LoraRefused as e:
+                return self._lora_answer(str(e))
+        return self._lora_answer()
 
     # ---------------------------------------------------------- pause / flush
     async def _pause(self, request: web.Request) -> web.Response:
@@ -707,6 +768,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weight-version", default=None, help="the version the server reports (default: 'default')")
     parser.add_argument("--enable-return-routed-experts", action="store_true",
                         help="answer return_routed_experts (MoE models), as SGLang's flag")
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters, as SGLang's flag")
+    parser.add_argument("--max-lora-rank", type=int, default=None)
+    parser.add_argument("--lora-target-modules", nargs="*", default=None)
+    parser.add_argument("--max-loras-per-batch", type=int, default=8)
+    parser.add_argument("--max-loaded-loras", type=int, default=None)
     args, unknown = parser.parse_known_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -717,7 +783,10 @@ def main(argv: list[str] | None = None) -> None:
     server = StandInServer(engine, StandInOptions(
         host=args.host, port=args.port, model_path=args.model_path, tp_size=args.tp_size,
         deterministic=args.enable_deterministic_inference, api_key=args.api_key, admin_api_key=args.admin_api_key,
-        weight_version=args.weight_version, capture_routing=args.enable_return_routed_experts))
+        weight_version=args.weight_version, capture_routing=args.enable_return_routed_experts,
+        enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank,
+        lora_target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
+        max_loras_per_batch=args.max_loras_per_batch, max_loaded_loras=args.max_loaded_loras))
     server.start()
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

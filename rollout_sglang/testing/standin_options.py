@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from env_controller.options import Options
+from rollout_sglang.engines.sglang_options import LoraServerFlags
 
 
 @dataclass
-class StandInOptions(Options):
-    """How a stand-in serves its engine; the SGLang flag each field mirrors is named where it has one."""
+class StandInOptions(LoraServerFlags):
+    """How a stand-in serves its engine; the SGLang flag each field mirrors is named where it has one (the LoRA
+    flags: :class:`~rollout_sglang.engines.sglang_options.LoraServerFlags`, checked by SGLang's rules)."""
 
     KEY = "standin"
 
@@ -40,10 +41,12 @@ class StandInOptions(Options):
     #: ``--enable-return-routed-experts``: requests that ask for routed experts get them (MoE models only:
     #: SGLang's capturer sizes its buffers by the config's ``num_experts_per_tok``)
     capture_routing: bool = False
+    #: limit on an adapter's unload waiting for the requests that use it, seconds (SGLang waits for them too)
+    unload_wait_s: float = 60.0
 
     def check(self) -> None:
-        """A port in range, a positive group timeout and TP size."""
+        """A port in range, positive limits and TP size, the LoRA flags' rules."""
         super().check()
         self.require_int("port", 0, 65535, why="0 picks a free port")
-        self.require_seconds("group_timeout_s")
+        self.require_seconds("group_timeout_s", "unload_wait_s")
         self.require_positive_int("tp_size")

@@ -167,7 +167,8 @@ def test_every_client_body_fits_sglangs_request_classes():
     assert {p for p in contract.paths if contract.auth_level(p) == "ADMIN_OPTIONAL"} == {
         "/pause_generation", "/continue_generation", "/flush_cache", "/init_weights_update_group",
         "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update",
-        "/destroy_weights_update_group"}
+        "/destroy_weights_update_group", "/load_lora_adapter", "/unload_lora_adapter",
+        "/load_lora_adapter_from_tensors"}
 
 
 def test_generate_bodies_pass_sglangs_own_decoder(api_types):

@@ -27,6 +27,13 @@ engine_restart SIGKILL engine 0; 2 s later a new server at the    it is healthy,
 engine_kill    SIGKILL engine 1; it stays down                    two steps complete after the kill
 ============== ================================================== ==============================================
 
+Then a LoRA run (``--lora-steps``; 0 skips it): the same parts, but the two engines form one slot
+(``rollout.engine_urls=[[e0, e1]]``) whose live versions are LoRA adapters (``lora.rank=4``, SGLang's LoRA flags on
+the servers), and engine 0 is restarted after ``--first-fault`` steps (``engine_restart``). It is recovered when the
+new server is healthy, lists the adapter of a version the trainer pushed after it came back (``GET /v1/models``,
+as SGLang lists loaded adapters) and a step completes: the pool restored the base to it over the weight-sync
+group and loaded the live adapters again.
+
 A fault is survived when the trainer neither exits nor stalls (``--recovery-timeout-s``) before its
 recovery check passes, and no infra-failed episode was trained in the steps after it. When the trainer
 dies or stalls, the fault is recorded as not survived with the tail of the trainer's log, the dead parts
@@ -76,7 +83,9 @@ logger = logging.getLogger("bench.chaos")
 ALL_FAULTS = "worker_kill,controller,trainer_kill,engine_restart,engine_kill"
 # a restarted trainer imports torch and megatron-core again: 60 s leaves room for a machine busy with other work
 SMOKE = {"steps": 12, "faults": "worker_kill,trainer_kill,engine_kill", "fault_every": 3, "first_fault": 1,
-         "baseline": False, "finish_after_failure": False, "recovery_timeout_s": 60.0, "latency_ms": 20.0}
+         "baseline": False, "finish_after_failure": False, "recovery_timeout_s": 60.0, "latency_ms": 20.0,
+         "lora_steps": 5}
+LORA_RANK = 4
 # the trainer's model (tiny_test.yaml's arch at these sizes); the engines' checkpoint is built with the same
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 32, 64, 2, 4, 2
 
@@ -117,8 +126,8 @@ def build_checkpoint(path: str | Path) -> Path:
 class Cluster:
     """Engines, controller, workers and the trainer of one run, with the actions the faults need."""
 
-    def __init__(self, args: argparse.Namespace, work: Path, ckpt: Path, name: str) -> None:
-        self.args, self.ckpt, self.name = args, ckpt, name
+    def __init__(self, args: argparse.Namespace, work: Path, ckpt: Path, name: str, lora: bool = False) -> None:
+        self.args, self.ckpt, self.name, self.lora = args, ckpt, name, lora
         self.dir = work / name
         self.out = self.dir / "run"
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -146,9 +155,19 @@ class Cluster:
         return f"http://127.0.0.1:{self.engine_ports[i]}"
 
     def start_engine(self, i: int) -> None:
+        flags: list[str] = []
+        if self.lora:  # the flags the Ray launcher gives a LoRA run's servers
+            from rollout_sglang.engines.sglang_options import SGLangLaunchOptions
+
+            flags = SGLangLaunchOptions().with_lora(LORA_RANK, ["all-linear"], 2).lora_args()
         self.python(f"engine{i}", ["-m", "rollout_sglang.testing.sglang_standin", "--model-path", str(self.ckpt),
                                    "--host", "127.0.0.1", "--port", str(self.engine_ports[i]),
-                                   "--log-level", "warning"])
+                                   "--log-level", "warning", *flags])
+
+    def engine_adapters(self, i: int) -> list[str]:
+        """The LoRA adapters server ``i`` lists as loaded (SGLang's ``GET /v1/models``)."""
+        cards = _ok(lambda: _get(f"{self.engine_url(i)}/v1/models")) or {}
+        return [c["id"] for c in cards.get("data", []) if c.get("parent")]
 
     def engine_healthy(self, i: int) -> bool:
         return self.procs.alive(f"engine{i}") and _ok(lambda: _get(f"{self.engine_url(i)}/health") is not None)
@@ -182,7 +201,10 @@ class Cluster:
     # the trainer -------------------------------------------------------------
     def trainer_cmd(self) -> list[str]:
         a = self.args
-        urls = json.dumps([[self.engine_url(0)], [self.engine_url(1)]])
+        urls = json.dumps([[self.engine_url(0), self.engine_url(1)]] if self.lora
+                          else [[self.engine_url(0)], [self.engine_url(1)]])
+        lora = [f"lora.rank={LORA_RANK}", "lora.alpha=8", "rollout.engines_per_slot=2", "train.lr=1e-3",
+                f"lora.adapter_dir={self.dir / 'adapters'}"] if self.lora else []
         return ["-m", "megatron_agentrl.cli", "train", "--config", "tests/configs/tiny_test.yaml",
                 f"output_dir={self.out}", f"env.controller_url={self.api}", "tasks=[{name: lookup}, {name: calc}]",
                 f"model.checkpoint={self.ckpt}", f"model.arch.hidden_size={HIDDEN}",
@@ -199,7 +221,7 @@ class Cluster:
                 "rollout.weight_sync_init_timeout_s=30", "rollout.weight_sync_bucket_timeout_s=30",
                 "pipeline.batch_timeout_s=90", "pipeline.env_timeout_s=30",
                 f"checkpoint.interval={a.ckpt_interval}", "checkpoint.keep=2", "checkpoint.resume=latest",
-                "logging.tensorboard=false", "log_every=1", *a.overrides]
+                "logging.tensorboard=false", "log_every=1", *lora, *a.overrides]
 
     def start_trainer(self) -> None:
         self.trainer_starts += 1
@@ -437,6 +459,22 @@ def _engine_rejoined(c: Cluster, p: Progress, run: FaultRun) -> bool:
     return v is not None and v > 0 and v >= latest - 1 and p.first_step_after(run.fired_at + 2.0) is not None
 
 
+def _adapter_restored(c: Cluster, p: Progress, run: FaultRun) -> bool:
+    """The restarted server (a LoRA run) is healthy, holds the adapter of a version pushed after it came back, and a
+    step completed after that."""
+    if not c.engine_healthy(0):
+        return False
+    run.detail.setdefault("healthy_s", round(time.monotonic() - run.fired_at, 2))
+    names = c.engine_adapters(0)
+    run.detail["adapters"] = names
+    versions = [int(n[1:]) for n in names if n[1:].isdigit()]
+    if not versions or max(versions) <= run.fired_step:
+        return False
+    run.detail.setdefault("restored_s", round(time.monotonic() - run.fired_at, 2))
+    run.detail["adapter_version"] = max(versions)
+    return p.first_step_after(run.fired_at + run.detail["restored_s"]) is not None
+
+
 def _two_steps_done(c: Cluster, p: Progress, run: FaultRun) -> bool:
     return len(p.steps_after(run.fired_at)) >= 2
 
@@ -451,6 +489,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           _engine_rejoined),
     Fault("engine_kill", "SIGKILL engine 1 for good", _kill_engine, _two_steps_done),
 )}
+#: the LoRA run's fault: engine 0 restarted; recovered once it serves the current adapter
+LORA_RESTART = Fault("engine_restart", "LoRA run: SIGKILL engine 0, a new server at the same URL 2 s later",
+                     _restart_engine, _adapter_restored)
 
 
 # ----------------------------------------------------------------------------- one run
@@ -573,8 +614,8 @@ def infra_trained(batches: list[dict[str, Any]]) -> dict[int, int]:
 
 
 def one_run(args: argparse.Namespace, work: Path, ckpt: Path, name: str, schedule: list[tuple[int, Fault]],
-            checkpoint: subprocess.Popen[bytes] | None = None) -> dict[str, Any]:
-    c = Cluster(args, work, ckpt, name)
+            checkpoint: subprocess.Popen[bytes] | None = None, lora: bool = False) -> dict[str, Any]:
+    c = Cluster(args, work, ckpt, name, lora)
     try:
         c.start(checkpoint)
         return drive(c, schedule, args)
@@ -617,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--finish-after-failure", action=argparse.BooleanOptionalAction, default=True,
                    help="after the last fault failed, still repair and resume the run to its last step (so that "
                         "its steps/s compares with the baseline's)")
+    p.add_argument("--lora-steps", type=int, default=10,
+                   help="steps of the LoRA run with an engine restart after --first-fault steps (0: no LoRA run)")
     p.add_argument("--keep", action="store_true", help="keep the logs and outputs (printed path)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("overrides", nargs="*", help="more key=value config overrides of the trainer (after the bench's: "
@@ -640,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         build: subprocess.Popen[bytes] | None = start_process(
             [sys.executable, "-c", f"from bench.chaos import build_checkpoint; build_checkpoint({str(ckpt)!r})"],
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
-        baseline = None
+        baseline = lora_run = None
         try:
             if args.baseline:
                 print(f"baseline: {args.steps} steps without faults", flush=True)
@@ -649,12 +692,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {baseline['steps_completed']} steps, {baseline['steps_per_s']:.3f} steps/s", flush=True)
             print(f"chaos: {args.steps} steps, faults {[f'{s}:{f.name}' for s, f in schedule]}", flush=True)
             chaos = one_run(args, work, ckpt, "chaos", schedule, build)
+            build = None
+            if args.lora_steps:
+                print(f"lora: {args.lora_steps} steps, engine_restart after step {args.first_fault}", flush=True)
+                lora_args = argparse.Namespace(**{**vars(args), "steps": args.lora_steps})
+                lora_run = one_run(lora_args, work, ckpt, "lora", [(args.first_fault, LORA_RESTART)], lora=True)
         finally:
             stop_process(build, grace_s=0.0, first_signal=signal.SIGKILL)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    survived = sum(f["survived"] for f in chaos["faults"])
+    faults = chaos["faults"] + (lora_run["faults"] if lora_run else [])
+    survived = sum(f["survived"] for f in faults)
     ratio = (chaos["steps_per_s"] / baseline["steps_per_s"]) if baseline and baseline["steps_per_s"] else None
     print()
     print_table(chaos)
@@ -667,19 +716,22 @@ def main(argv: list[str] | None = None) -> int:
     for r in chaos["resumes_after_failure"]:
         print(f"resumed after {r['after']} failed, at step {r['at_step']}, with {r['restarted'] or 'nothing'} "
               "started again")
+    if lora_run is not None:
+        print("\nLoRA run (versions as adapters on one slot of two servers):")
+        print_table(lora_run)
     print(f"steps/s: chaos {chaos['steps_per_s']:.3f}" + (
         f", baseline {baseline['steps_per_s']:.3f}, ratio {ratio:.2f}" if ratio is not None else " (no baseline)"))
     record = {
         "benchmark": "chaos", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": git_commit(), "args": vars(args),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "schedule": [{"step": s, "fault": f.name} for s, f in schedule],
-        "baseline": baseline, "chaos": chaos, "steps_per_s_ratio": ratio,
-        "faults_survived": survived, "faults_total": len(chaos["faults"]),
+        "baseline": baseline, "chaos": chaos, "lora": lora_run, "steps_per_s_ratio": ratio,
+        "faults_survived": survived, "faults_total": len(faults),
         "bench_wall_s": round(time.monotonic() - t_start, 1),
     }
     write_record(args.out, record)
     print(f"bench wall {record['bench_wall_s']:.0f} s | results: {args.out}")
-    print(f"chaos_faults_survived: {survived}/{len(chaos['faults'])}")
+    print(f"chaos_faults_survived: {survived}/{len(faults)}")
     return 0
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_agentrl.config import Config, ConfigError, load_config
-from megatron_agentrl.launch.plan import MemoryPlan, estimate_memory, format_layout, format_plan
+from megatron_agentrl.launch.plan import MemoryPlan, ModelShape, estimate_memory, format_layout, format_plan
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +235,20 @@ def _check_experts(cfg: Config, hf: dict[str, Any], plan: MemoryPlan, report: Ch
                f"load-balancing loss {aux}, {drop}{engines}")
 
 
+def _check_lora(cfg: Config, hf: dict[str, Any], report: CheckReport) -> None:
+    """The adapters' size against the model's, and the LoRA flags the engines get."""
+    from rollout_sglang.engines.sglang_options import SGLangLaunchOptions
+
+    shape = ModelShape.from_hf(hf)
+    lo = cfg.lora
+    adapters = sum(shape.lora_params(i, lo.megatron_modules(), lo.rank) for i in range(shape.num_layers))
+    flags = " ".join(SGLangLaunchOptions().with_lora(lo.rank, list(lo.target_modules), cfg.rollout.max_versions)
+                     .lora_args())
+    report.add(OK, "LoRA", f"rank {lo.rank} on {', '.join(lo.target_modules)}: {adapters / 1e6:.1f}M adapter "
+               f"parameters ({100 * adapters / shape.total_params():.2f} % of the model) train, the base is frozen; "
+               f"{cfg.rollout.max_versions} live versions as adapters on each engine ({flags})")
+
+
 def check_run(cfg: Config, config_path: str, overrides: list[str], *, reference_hf_config: str | None = None,
               gpu_memory_gib: float = 80.0, strict: bool = False, probe_timeout_s: float = 3.0) -> CheckReport:
     """Check the run ``cfg`` on this machine (see the module doc); never raises for what it checks."""
@@ -258,6 +272,8 @@ def check_run(cfg: Config, config_path: str, overrides: list[str], *, reference_
                        + (f"; {total} GPUs in {s.nodes} node(s)" if total else ""))
             if lay["experts"]:
                 _check_experts(cfg, hf, plan, report)
+            if cfg.lora.enabled:
+                _check_lora(cfg, hf, report)
             for p in plan.layout_problems:
                 report.add(FAIL, "pools vs allocation", p)
             for p in plan.memory_problems():

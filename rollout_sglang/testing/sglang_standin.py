@@ -257,6 +257,7 @@ class StandInServer:
         r.add_get("/model_info", self._model_info)
         r.add_get("/get_model_info", self._model_info)
         r.add_get("/server_info", self._server_info)
+        r.add_get("/v1/models", self._models)
         r.add_get("/get_server_info", self._server_info)
         r.add_post("/agentrl/raw_broadcast", self._raw_broadcast)
         r.add_post("/load_lora_adapter", self._load_lora)
@@ -751,6 +752,17 @@ class StandInServer:
             "agentrl_extensions": EXTENSIONS,
             "weight_version": self.weight_version, "paused": self._paused,
         })
+
+
+    async def _models(self, request: web.Request) -> web.Response:
+        """SGLang's ``GET /v1/models`` (``http_server.py`` ``available_models``): the base's model card, then one per
+        loaded LoRA adapter (``id`` its name, ``root`` its path, ``parent`` the base)."""
+        cards = [{"id": self.model_path, "object": "model", "owned_by": "sglang", "root": self.model_path,
+                  "parent": None}]
+        if self.lora.flags.enable_lora:
+            cards += [{"id": name, "object": "model", "owned_by": "sglang", "root": path, "parent": self.model_path}
+                      for name, path in self.lora.loaded().items()]
+        return web.json_response({"object": "list", "data": cards})
 
 
 def main(argv: list[str] | None = None) -> None:

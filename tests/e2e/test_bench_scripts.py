@@ -65,8 +65,12 @@ def _check_async_vs_sync(lines: list[str], rec: dict[str, Any]) -> None:
 def _check_chaos(lines: list[str], rec: dict[str, Any]) -> None:
     chaos, faults = rec["chaos"], rec["chaos"]["faults"]
     assert [f["name"] for f in faults] == [s["fault"] for s in rec["schedule"]] != []
-    assert rec["faults_survived"] == sum(f["survived"] for f in faults) and rec["faults_total"] == len(faults)
-    assert lines[-1] == f"chaos_faults_survived: {rec['faults_survived']}/{len(faults)}"
+    lora = rec["lora"]["faults"]  # the LoRA run's engine restart: the new server serves the current adapter
+    assert [f["name"] for f in lora] == ["engine_restart"] and lora[0]["survived"], lora
+    assert lora[0]["detail"]["adapter_version"] > lora[0]["fired_step"] and rec["lora"]["infra_failed_trained"] == 0
+    total = faults + lora
+    assert rec["faults_survived"] == sum(f["survived"] for f in total) and rec["faults_total"] == len(total)
+    assert lines[-1] == f"chaos_faults_survived: {rec['faults_survived']}/{len(total)}"
     assert chaos["infra_failed_trained"] == 0 and chaos["batch_rows_seen"] >= chaos["steps_completed"] > 0
     for f in faults:  # each fault fired and says how it ended: recovered, or the error that ended the run
         assert f["fired_s"] is not None and (f["recovery_s"] is not None) == f["survived"], f

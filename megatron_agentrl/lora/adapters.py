@@ -16,6 +16,7 @@ same full tensor on every layout (seeded by the layer's global name), ``B`` at 0
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from collections.abc import Iterator
@@ -56,6 +57,8 @@ class LoraAdapter(torch.nn.Module):
         in_features, out_features = layer.input_size, layer.output_size
         self.column = column
         self.scaling = options.scaling
+        #: False while the base alone computes (:func:`adapters_off`)
+        self.enabled = True
         self.dropout = torch.nn.Dropout(options.dropout) if options.dropout else torch.nn.Identity()
         zero = torch.nn.init.zeros_
         if column:
@@ -75,8 +78,24 @@ class LoraAdapter(torch.nn.Module):
 
 
 def _add_adapter(layer: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor | None]) -> tuple[Any, Any]:
+    if not layer.lora.enabled:
+        return output
     out, bias = output
     return out + layer.lora(inputs[0]), bias
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block ``model`` computes with its base alone (every adapter's output left out): the reference
+    policy of a LoRA run."""
+    adapters = [m for m in model.modules() if isinstance(m, LoraAdapter)]
+    for a in adapters:
+        a.enabled = False
+    try:
+        yield
+    finally:
+        for a in adapters:
+            a.enabled = True
 
 
 def attach_adapters(model: Any, options: LoraOptions, global_name: Any, seed: int = 0) -> list[str]:

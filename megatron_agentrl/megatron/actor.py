@@ -45,7 +45,7 @@ from megatron_agentrl.config import LossConfig, TrainConfig
 from megatron_agentrl.convert import get_mapping
 from megatron_agentrl.convert.base import ConversionError
 from megatron_agentrl.convert.qwen2 import OUTPUT_LAYER
-from megatron_agentrl.lora.adapters import attach_adapters, is_adapter, merged_weight
+from megatron_agentrl.lora.adapters import adapters_off, attach_adapters, is_adapter, merged_weight
 from megatron_agentrl.lora.options import LoraOptions
 from megatron_agentrl.megatron.context_parallel import shard as cp_shard
 from megatron_agentrl.megatron.context_parallel import unshard as cp_unshard
@@ -657,13 +657,17 @@ class MegatronActor:
 
     # -------------------------------------------------------------- reference
     def snapshot_reference(self) -> None:
-        """Keep a copy of the current weights (this rank's shards) as the reference policy of the KL term."""
+        """Keep a copy of the current weights (this rank's shards) as the reference policy of the KL term. With LoRA
+        adapters the reference is the frozen base they adapt (the adapters switched off), so nothing is copied."""
+        if self.lora is not None:
+            self._ref_is_base = True
+            return
         self._ref_params = [p.detach().clone() for _, p in self.named_params]
 
     @property
     def has_reference(self) -> bool:
         """Whether :meth:`snapshot_reference` (or a checkpoint load) set a reference policy."""
-        return getattr(self, "_ref_params", None) is not None
+        return getattr(self, "_ref_is_base", False) or getattr(self, "_ref_params", None) is not None
 
     def compute_ref_logprobs(self, tokens: Tensor, loss_mask: Tensor, temperature: float = 1.0,
                              routed_experts: Tensor | None = None) -> Tensor:
@@ -672,6 +676,10 @@ class MegatronActor:
         reference weights in and back (exactly). Collective."""
         if not self.has_reference:
             raise RuntimeError("no reference policy: call snapshot_reference() first (loss.kl_coef > 0)")
+        if getattr(self, "_ref_is_base", False):
+            with adapters_off(self.model):
+                return self.compute_logprobs(tokens, temperature, self.train_cfg.micro_batch_size, loss_mask=loss_mask,
+                                             routed_experts=routed_experts)
         saved = [p.detach().clone() for _, p in self.named_params]
         try:
             with torch.no_grad():

@@ -50,11 +50,19 @@ import torch
 from megatron_agentrl.config import Config, ConfigError, config_to_dict
 from megatron_agentrl.distributed import broadcast_object, is_rank0
 from megatron_agentrl.hf_io import load_hf_config, load_hf_weights, save_hf_checkpoint
+from megatron_agentrl.lora.checkpoint import BASE_DIR, BaseRef
 from megatron_agentrl.megatron.actor import MegatronActor
 from megatron_agentrl.megatron.parallel import destroy_parallel, initialize_parallel
 from megatron_agentrl.metrics import MetricsLogger, plot_task_rewards, require_wandb, truncate_jsonl
 from megatron_agentrl.pipeline.batch import build_rl_batch
-from megatron_agentrl.pipeline.checkpoint import find_latest, load_checkpoint, save_checkpoint
+from megatron_agentrl.pipeline.checkpoint import (
+    checkpoint_base,
+    find_latest,
+    load_checkpoint,
+    save_checkpoint,
+    write_base,
+    write_model_state,
+)
 from megatron_agentrl.pipeline.collapse import CollapseMonitor
 from megatron_agentrl.pipeline.evaluation import (
     evaluate,
@@ -243,6 +251,7 @@ class TrainingRun:
         self.rl_wall_before = 0.0  # RL seconds of the run before the checkpoint resumed from
         self.resumes = 0  # resumes in the run's history, this one included
         self.engines_before: dict[str, float] = {}  # engine counters of the run before the checkpoint resumed from
+        self.lora_base: BaseRef | None = None  # a LoRA run's base (hf_base/), once the adapters started
 
     # ------------------------------------------------------------------ stages
     def setup(self) -> None:
@@ -287,7 +296,8 @@ class TrainingRun:
         (``sft.steps``), the KL reference snapshot (``loss.kl_coef > 0``) and the first evaluation."""
         cfg = self.cfg
         if self.resume is not None:
-            self.state = load_checkpoint(self.resume, self.actor)
+            self.state = load_checkpoint(self.resume, self.actor, lora=cfg.lora)
+            self._resume_adapters()
             if cfg.loss.kl_coef > 0 and not self.actor.has_reference:
                 logger.warning("loss.kl_coef > 0 but the checkpoint holds no reference policy: using its weights")
                 self.actor.snapshot_reference()
@@ -303,8 +313,11 @@ class TrainingRun:
             return
         if cfg.sft.steps:
             sft_warmup(cfg, self.actor, self.rollout_side, self.metrics, self.progress)
+        warm_state = None
         if cfg.lora.enabled:
-            self.actor.start_adapters(cfg.lora)
+            if cfg.checkpoint.after_warmup:  # the warm-up trained every parameter: its checkpoint is a full one
+                warm_state = write_model_state(self.ckpt_root, 0, self.actor)
+            self._start_adapters()
         self.publisher.push(0, all_slots=True)
         if cfg.loss.kl_coef > 0:
             self.actor.snapshot_reference()
@@ -314,7 +327,25 @@ class TrainingRun:
             if self.before:
                 self.metrics.log(0, self.before, phase="eval")
         if cfg.checkpoint.after_warmup:
-            self._save(0, None)
+            self._save(0, None, model_state=warm_state)
+
+    def _start_adapters(self) -> None:
+        """A LoRA run's adapters start on the model as it is now, which becomes the run's base: written once
+        (``hf_base/``, hashed) for its checkpoints and exports to reference. Collective."""
+        self.actor.start_adapters(self.cfg.lora)
+        self.lora_base = write_base(self.actor, self.hf_config, self.tokenizer, self.out / BASE_DIR)
+
+    def _resume_adapters(self) -> None:
+        """A LoRA run after a checkpoint's load: a LoRA checkpoint brought its base and adapters; from the warm-up's
+        (full) checkpoint the adapters start here, as in the run that saved it, with the reference taken then."""
+        if not self.cfg.lora.enabled:
+            return
+        if self.actor.lora is not None:
+            self.lora_base = checkpoint_base(self.resume)
+            return
+        self._start_adapters()
+        if self.cfg.loss.kl_coef > 0:
+            self.actor.snapshot_reference()
 
     def evaluate_only(self) -> dict[str, Any]:
         """``agentrl eval``'s stage after ``setup``: the weights to evaluate (a checkpoint's, or the start weights)
@@ -322,7 +353,8 @@ class TrainingRun:
         cfg = self.cfg
         version = 0
         if self.resume is not None:
-            self.state = load_checkpoint(self.resume, self.actor)
+            self.state = load_checkpoint(self.resume, self.actor, lora=cfg.lora)
+            self.lora_base = checkpoint_base(self.resume)
             version, self.start_step = int(self.state["version"]), int(self.state["step"])
             weights = f"checkpoint {self.resume} (step {self.start_step})"
         elif cfg.checkpoint.resume:
@@ -414,6 +446,7 @@ class TrainingRun:
                                               self.rollout_side.busy_seconds() - busy_before)
             metrics.update(self.manager.agent_metrics())  # rollout.agent: gateway: history rewrites, agent errors
             metrics.update(self._engine_counts())
+            metrics["weight_sync/bytes"] = float(self.publisher.last_bytes)  # a LoRA run's: its adapters
             self._record(step, groups, stats, metrics, staleness, rl.sample_adv.tolist())
 
     def _next_batch(self, step: int) -> list[FinishedGroup]:
@@ -536,15 +569,17 @@ class TrainingRun:
         if self.manager is not None:
             self.manager.release()
 
-    def _save(self, step: int, manager_state: dict[str, Any] | None) -> None:
-        """Write checkpoint ``step`` with the rollout manager's state (None before RL has started)."""
+    def _save(self, step: int, manager_state: dict[str, Any] | None, model_state: dict[str, Any] | None = None) -> None:
+        """Write checkpoint ``step`` with the rollout manager's state (None before RL has started); ``model_state``:
+        its model and optimizer were written earlier (:func:`write_model_state`)."""
         pstate = None
         if self.rank0:
             pstate = {"step": step, "version": step, "manager": manager_state, "before_rl": self.before,
                       "consumed_sample_ids": self.consumed_ids, "mode": self.cfg.pipeline.mode,
                       "totals": self._totals()}
         with self.progress.phase(f"checkpoint step {step}") as phase:
-            path = save_checkpoint(self.ckpt_root, step, self.actor, pstate, keep=self.cfg.checkpoint.keep)
+            path = save_checkpoint(self.ckpt_root, step, self.actor, pstate, keep=self.cfg.checkpoint.keep,
+                                   base=self.lora_base, model_state=model_state)
             phase.update(figures={"saved to": str(path)})
         self.last_ckpt = str(path)
 
@@ -552,8 +587,8 @@ class TrainingRun:
         """Rank 0: :func:`engine_metrics` over the whole run (the counts before the checkpoint resumed from added;
         ``engines/out_of_rotation`` is a state, not a count)."""
         counts = engine_metrics(self.rollout_side.pool, self.publisher)
-        states = ("engines/out_of_rotation", "weight_sync/bytes")
-        return {k: v + (0.0 if k in states else float(self.engines_before.get(k, 0.0))) for k, v in counts.items()}
+        return {k: v + (0.0 if k == "engines/out_of_rotation" else float(self.engines_before.get(k, 0.0)))
+                for k, v in counts.items()}
 
     def _totals(self) -> dict[str, Any]:
         """Rank 0: the run's own counters so far, for the checkpoint (the manager's are in its state)."""
@@ -585,16 +620,13 @@ class TrainingRun:
         self.rl_wall = self.rl_wall_before + time.perf_counter() - self.t_rl
 
     def _export_adapter(self) -> str:
-        """With LoRA: the base the adapters were trained on (the warmed-up model, ``hf_base``) and the adapters in
-        PEFT's format on it (``adapter``); ``hf_export`` holds them merged. Collective; the adapter's path."""
+        """With LoRA: the adapters in PEFT's format (``adapter``) on the base they were trained on (the warmed-up
+        model, ``hf_base``, written when they started); ``hf_export`` holds them merged. Collective; the adapter's
+        path."""
         from megatron_agentrl.lora.peft_format import save_adapters
 
-        base_state = self.actor.export_hf_state_dict(merged=False)
-        base_dir = self.out / "hf_base"
-        if self.rank0:
-            save_hf_checkpoint(base_state, self.hf_config, base_dir, self.tokenizer)
-        assert self.actor.lora is not None
-        return str(save_adapters(self.actor, self.actor.lora, self.out / "adapter", base=str(base_dir)))
+        assert self.actor.lora is not None and self.lora_base is not None
+        return str(save_adapters(self.actor, self.actor.lora, self.out / "adapter", base=self.lora_base.path))
 
     def finish(self) -> dict[str, Any]:
         """The final evaluation, the HF export of the trained model, the reward plot and summary.json;

@@ -94,15 +94,13 @@ def engine_metrics(pool: Any, publisher: Any) -> dict[str, float]:
     """Engines coming and going, as counts over the run so far: ``engines/out_of_rotation`` (now: down, or
     back and waiting for weights), ``engines/failures`` (taken out of rotation), ``engines/returns``,
     ``engines/rerouted_prompts`` (generated again on another engine), ``weight_sync/failed`` and
-    ``weight_sync/skipped`` (no engine reachable); ``weight_sync/bytes``, the payload of the last push (a LoRA
-    run's: its adapters)."""
+    ``weight_sync/skipped`` (no engine reachable)."""
     return {"engines/out_of_rotation": float(pool.engines_out()),
             "engines/failures": float(pool.stats["engine_failures"]),
             "engines/returns": float(pool.stats["engine_returns"]),
             "engines/rerouted_prompts": float(pool.stats["rerouted"]),
             "weight_sync/failed": float(publisher.failed_syncs),
-            "weight_sync/skipped": float(publisher.skipped_syncs),
-            "weight_sync/bytes": float(publisher.last_bytes)}
+            "weight_sync/skipped": float(publisher.skipped_syncs)}
 
 
 def dynamic_sampling_metrics(manager: RolloutManager) -> dict[str, float]:

@@ -150,8 +150,9 @@ def test_lora_options_refuse_what_cannot_work() -> None:
 
     cfg = load_config("examples/configs/tiny_cpu.yaml", ["lora.rank=8", "lora.alpha=16", "checkpoint.interval=0"])
     assert cfg.lora.enabled and cfg.lora.scaling == 2.0
-    with pytest.raises(ConfigError, match="lora.rank=8 with checkpoints: .* set checkpoint.interval=0"):
-        load_config("examples/configs/tiny_cpu.yaml", ["lora.rank=8"])
+    # a LoRA run checkpoints (tests/trainer/test_lora_checkpoint.py)
+    cfg = load_config("examples/configs/tiny_cpu.yaml", ["lora.rank=8", "checkpoint.after_warmup=true"])
+    assert cfg.lora.enabled and cfg.checkpoint.interval == 60 and cfg.checkpoint.after_warmup
 
 
 def _frozen_base(rank: int, world: int) -> dict[str, float]:
@@ -246,3 +247,30 @@ def test_a_lora_run_exports_its_base_and_adapter_as_peft_loads_them(tmp_path: Pa
     peft = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
     tokens = torch.randint(0, merged.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     assert float((_logprobs(peft, tokens) - _logprobs(merged, tokens)).abs().max()) < 1e-5
+
+
+def _reference_is_the_base(rank: int, world: int) -> dict[str, float]:
+    """After the adapters start, the KL reference is the base they adapt: once the adapters trained, the reference
+    log-probs are still the base's (not the adapted policy's), and no copy of the base was kept."""
+    from megatron_agentrl.megatron.actor import MegatronActor
+
+    cfg, hf = tiny_model("qwen2", False, vocab=200, layers=2)
+    reinit_parallel(1, 1)
+    actor = MegatronActor(cfg, TrainConfig(micro_batch_size=2, lr=5e-2))
+    actor.load_hf_state_dict(hf_state(hf))
+    tokens = torch.randint(0, 200, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(tokens, dtype=torch.float32)
+    base = actor.compute_logprobs(tokens, loss_mask=mask)
+    actor.start_adapters(LoraOptions(rank=4))
+    actor.snapshot_reference()
+    batch = make_batch(cfg.vocab_size, B=2)
+    for _ in range(3):
+        actor.train_step(actor.dp_slice(batch), "grpo", temperature=1.0)
+    return {"ref_vs_base": float((actor.compute_ref_logprobs(tokens, mask) - base).abs().max()),
+            "policy_vs_base": float((actor.compute_logprobs(tokens, loss_mask=mask) - base).abs().max()),
+            "copied": float(getattr(actor, "_ref_params", None) is not None)}
+
+
+def test_the_kl_reference_of_a_lora_run_is_its_base() -> None:
+    (r,) = run_distributed(_reference_is_the_base, 1, timeout_s=120)
+    assert r["ref_vs_base"] < 1e-6 and r["policy_vs_base"] > 1e-4 and r["copied"] == 0.0, r

@@ -84,7 +84,7 @@ ALL_FAULTS = "worker_kill,controller,trainer_kill,engine_restart,engine_kill"
 # a restarted trainer imports torch and megatron-core again: 60 s leaves room for a machine busy with other work
 SMOKE = {"steps": 12, "faults": "worker_kill,trainer_kill,engine_kill", "fault_every": 3, "first_fault": 1,
          "baseline": False, "finish_after_failure": False, "recovery_timeout_s": 60.0, "latency_ms": 20.0,
-         "lora_steps": 5}
+         "lora_steps": 40}
 LORA_RANK = 4
 # the trainer's model (tiny_test.yaml's arch at these sizes); the engines' checkpoint is built with the same
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 32, 64, 2, 4, 2
@@ -658,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--finish-after-failure", action=argparse.BooleanOptionalAction, default=True,
                    help="after the last fault failed, still repair and resume the run to its last step (so that "
                         "its steps/s compares with the baseline's)")
-    p.add_argument("--lora-steps", type=int, default=10,
+    p.add_argument("--lora-steps", type=int, default=30,
                    help="steps of the LoRA run with an engine restart after --first-fault steps (0: no LoRA run)")
     p.add_argument("--keep", action="store_true", help="keep the logs and outputs (printed path)")
     p.add_argument("-v", "--verbose", action="store_true")

@@ -138,12 +138,14 @@ def test_evaluation_plays_the_users_agent(tmp_path, monkeypatch):
     assert len(played) == len(evals) * 2 * 3 + 2 * 2 * 2 and len(ports) >= 2  # evaluations on gateways of their own
 
 
-def test_train_trajectories_carry_two_versions(tmp_path):
+@pytest.mark.parametrize("lora", [[], ["lora.rank=4", "lora.alpha=8"]], ids=["full", "lora"])
+def test_train_trajectories_carry_two_versions(tmp_path, lora):
     """Through rollout.agent_fn, with cross-policy sampling over 2 versions: the second step's episodes run while
-    weight version 1 arrives, and their turns are sampled by both versions (trajectories with 2 versions)."""
+    weight version 1 arrives, and their turns are sampled by both versions (trajectories with 2 versions). With
+    LoRA the two versions are two adapters on one engine."""
     proc, out = _train(tmp_path, "versions", [
         "rollout.agent_fn=tests.e2e.test_gateway_train:until_two_versions", "pipeline.queue_size=2",
-        "rollout.max_turns=400", "rollout.max_total_tokens=1024"])
+        "rollout.max_turns=400", "rollout.max_total_tokens=1024", *lora])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rl = _rows(out, "metrics.jsonl")
     assert [r["step"] for r in rl] == [1, 2]

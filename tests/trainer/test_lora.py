@@ -84,12 +84,12 @@ def _layouts(rank: int, world: int, directory: str) -> dict[str, float]:
     merged_ref = copy.deepcopy(peft).merge_and_unload().state_dict()
     ref_grads = _peft_grads(peft, batch)
     out: dict[str, float] = {}
-    for tp, pp in ((1, 1), (2, 1), (1, 2)):
-        reinit_parallel(tp, pp)
+    for tp, pp, cp in ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)):  # on 2 processes TP=1 is DP=2
+        reinit_parallel(tp, pp, cp=cp)
         actor = MegatronActor(cfg, TrainConfig(micro_batch_size=2), lora=LoraOptions(rank=RANK, alpha=ALPHA))
         actor.load_hf_state_dict(hf_state(hf))
         load_adapters(actor, loaded)
-        key = f"tp{tp}pp{pp}"
+        key = f"tp{tp}pp{pp}" + (f"cp{cp}" if cp > 1 else "")
         out[f"lp_{key}"] = float((actor.compute_logprobs(tokens, micro_batch_size=2) - ref_lp).abs().max())
         exported = export_adapters(actor)
         # the HF export (and the weight sync, which reads the same values) merges the adapters in
@@ -119,7 +119,7 @@ def _layouts(rank: int, world: int, directory: str) -> dict[str, float]:
 
 
 def test_lora_equals_peft_at_tp_and_pp(tmp_path: Path) -> None:
-    """Log-probs within 1e-5 of PEFT's on the HF model with the same adapter at TP=1, TP=2 and PP=2; adapter
+    """Log-probs within 1e-5 of PEFT's on the HF model with the same adapter at DP=2, TP=2, PP=2 and CP=2; adapter
     gradients equal PEFT's (a fused layer's A gets the sum of its projections'); the PEFT export re-loads in PEFT
     to the same log-probs."""
     cfg, hf = tiny_model("qwen2", False, vocab=200, layers=4)

@@ -10,18 +10,18 @@ import torch
 from rollout_sglang.engines.adapter import Adapter
 from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
 from rollout_sglang.engines.version_pool import VersionPool
+from tests.support.fake_engine import UpdatableEngine
 
 
-class AdapterEngine:
+class AdapterEngine(UpdatableEngine):
     """An engine that records adapter loads and answers each row with its adapter's version; ``hold`` makes every
     generate call wait until it is set."""
 
     def __init__(self, name: str) -> None:
+        super().__init__()
         self.name = name
-        self.version = 0
         self.loaded: dict[str, int] = {}
         self.log: list[str] = []
-        self.paused = False
         self.hold: threading.Event | None = None
 
     async def generate(self, prompts, params, routing_from=None, adapters=None):
@@ -42,24 +42,6 @@ class AdapterEngine:
     def unload_adapter(self, name):
         del self.loaded[name]
         self.log.append(f"unload {name}")
-
-    def pause(self):
-        self.paused = True
-
-    def resume(self):
-        self.paused = False
-
-    def begin_weight_update(self, version, metadata):
-        self.pending = version
-
-    def receive_bucket(self, named):
-        pass
-
-    def end_weight_update(self):
-        self.version = self.pending
-
-    def health(self):
-        return {"ok": True, "version": self.version}
 
 
 def _adapter(version: int) -> Adapter:

@@ -34,37 +34,20 @@ from rollout_sglang.rollout.manager import (
     RolloutOptions,
     zero_variance,
 )
+from tests.support.fake_engine import UpdatableEngine
 from tests.trainer.support import TINY_RL, train_tiny
 
 
-class OkEngine:
+class OkEngine(UpdatableEngine):
     """Answers every prompt with "ok" + <|im_end|> after a short compute time; stamps its version."""
 
     def __init__(self, template: ChatTemplate) -> None:
-        self.version = 0
+        super().__init__()
         self.ok = template.tokenizer.encode("ok", add_special_tokens=False) + [template.im_end_id]
 
     async def generate(self, prompts, params: SamplingParams):
         await asyncio.sleep(0.002)
         return [GenerationOutput(list(self.ok), [-0.5] * len(self.ok), "stop", self.version) for _ in prompts]
-
-    def pause(self):
-        pass
-
-    def resume(self):
-        pass
-
-    def begin_weight_update(self, version, metadata):
-        self.pending = version
-
-    def receive_bucket(self, named):
-        pass
-
-    def end_weight_update(self):
-        self.version = self.pending
-
-    def health(self):
-        return {"ok": True, "version": self.version}
 
 
 class RandomRewardEnv:

@@ -23,19 +23,18 @@ from rollout_sglang.engines.version_pool import VersionPool
 from rollout_sglang.episode_options import EpisodeLimits, EpisodeOptions
 from rollout_sglang.rollout.manager import AdmissionOptions, PromptSampler, RolloutManager, RolloutOptions
 from rollout_sglang.rollout.sim_env import LatencyEnvClient
+from tests.support.fake_engine import UpdatableEngine
 from tests.trainer.support import TINY_RL, train_tiny
 
 
-class FakeEngine:
+class FakeEngine(UpdatableEngine):
     """Answers every prompt with "ok" + <|im_end|> after a short compute time; stamps its version."""
 
     def __init__(self, template: ChatTemplate, lag: int = 0) -> None:
-        self.version = 0
+        super().__init__()
         self.lag = lag  # cross-policy stand-in: every other call is answered by a version `lag` older
         self.calls = 0
         self.ok = template.tokenizer.encode("ok", add_special_tokens=False) + [template.im_end_id]
-        self.paused = False
-        self.pending = None
 
     async def generate(self, prompts, params: SamplingParams):
         assert not self.paused, "generate ran while the engine was paused for a weight update"
@@ -43,24 +42,6 @@ class FakeEngine:
         self.calls += 1
         version = max(0, self.version - self.lag) if self.calls % 2 else self.version
         return [GenerationOutput(list(self.ok), [-0.5] * len(self.ok), "stop", version) for _ in prompts]
-
-    def pause(self):
-        self.paused = True
-
-    def resume(self):
-        self.paused = False
-
-    def begin_weight_update(self, version, metadata):
-        self.pending = version
-
-    def receive_bucket(self, named):
-        pass
-
-    def end_weight_update(self):
-        self.version, self.pending = self.pending, None
-
-    def health(self):
-        return {"ok": True, "version": self.version}
 
 
 class MultiTurnEnv:

@@ -2,7 +2,10 @@
 stand-in tokenizer and template per chat format (module-scoped, as each test module had its own)."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,7 +13,7 @@ from typing import Any
 import pytest
 
 from rollout_sglang.chat_template import ChatTemplate, Glm4ChatTemplate, Glm45ChatTemplate, Qwen3ChatTemplate
-from rollout_sglang.testing.sglang_contract import SGLANG_PIN, find_wheel
+from rollout_sglang.testing.sglang_contract import API_TYPES, SGLANG_PIN, find_wheel
 from rollout_sglang.tokenizer import train_bpe_tokenizer
 from tests.rollout import chat_formats
 from tests.rollout.support import ADD_TOOLS, SCRIPTS, taught_calc_engine
@@ -24,6 +27,20 @@ def wheel() -> Path:
         pytest.skip(f"the sglang=={SGLANG_PIN} wheel could not be fetched (pip download --no-deps); set "
                     "AGENTRL_SGLANG_WHEEL to a local copy")
     return path
+
+
+@pytest.fixture(scope="session")
+def api_types(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """SGLang's generated api/v1 decoders, loaded from the wheel as a module of their own (they need msgspec)."""
+    pytest.importorskip("msgspec")
+    path = tmp_path_factory.mktemp("sglang_api") / "sglang_api_types.py"
+    with zipfile.ZipFile(wheel) as z:
+        path.write_bytes(z.read(API_TYPES))
+    spec = importlib.util.spec_from_file_location("sglang_api_types", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")

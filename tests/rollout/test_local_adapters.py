@@ -11,29 +11,10 @@ from rollout_sglang.engines.adapter import Adapter
 from rollout_sglang.engines.batching import BatchingEngine
 from rollout_sglang.engines.local import LocalEngine
 from rollout_sglang.engines.protocol import SamplingParams
+from tests.support.peft_adapters import as_adapter, random_peft
 from tests.support.tiny_models import tiny_qwen2_config
 
 peft = pytest.importorskip("peft")
-
-
-def _peft_model(base: torch.nn.Module, seed: int, targets: list[str], rank: int = 4, alpha: float = 8.0):
-    """PEFT's LoRA on a copy of ``base`` with random A and B (B is 0 at init, which would test nothing)."""
-    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=rank, lora_alpha=alpha,
-                                                                       target_modules=targets))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return model.eval()
-
-
-def _adapter(model, version: int) -> Adapter:
-    state = peft.get_peft_model_state_dict(model)
-    cfg = model.peft_config["default"].to_dict()
-    cfg["target_modules"] = sorted(cfg["target_modules"])
-    return Adapter(version, {k: v for k, v in cfg.items() if isinstance(v, (int, float, str, list, bool))},
-                   {"base_model.model." + k.removeprefix("base_model.model."): v.clone() for k, v in state.items()})
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +23,8 @@ def setup():
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_config(tiny_qwen2_config()).eval()
-    one = _peft_model(base, 1, ["q_proj", "k_proj", "v_proj", "o_proj"])
-    two = _peft_model(base, 2, ["gate_proj", "up_proj", "down_proj", "q_proj"], rank=2, alpha=3.0)
+    one = random_peft(base, 1, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    two = random_peft(base, 2, ["gate_proj", "up_proj", "down_proj", "q_proj"], rank=2, alpha=3.0)
     return base, one, two
 
 
@@ -57,8 +38,8 @@ def test_rows_follow_their_adapter_as_peft_computes_it(setup):
     same tokens, log-probs within 1e-5, each row stamped with its adapter's version."""
     base, one, two = setup
     engine = LocalEngine(copy.deepcopy(base), seed=0)
-    engine.load_adapter(_adapter(one, 3))
-    engine.load_adapter(_adapter(two, 4))
+    engine.load_adapter(as_adapter(one, 3))
+    engine.load_adapter(as_adapter(two, 4))
     prompts = [[5, 9, 11, 3], [7, 7, 1], [2, 4, 6, 8, 10], [12, 1]]
     mixed = _greedy(engine, prompts, ["v3", None, "v4", "v3"])
     for i, (name, model) in enumerate([("v3", one), (None, base), ("v4", two), ("v3", one)]):
@@ -77,7 +58,7 @@ def test_adapter_output_equals_peft_unmerged(setup):
     """The engine's adapted forward equals PEFT's own (unmerged) forward within 1e-5."""
     base, one, _ = setup
     engine = LocalEngine(copy.deepcopy(base), seed=0)
-    engine.load_adapter(_adapter(one, 1))
+    engine.load_adapter(as_adapter(one, 1))
     ids = torch.tensor([[5, 9, 11, 3, 7, 2]])
     with torch.no_grad(), engine._adapters.assign(["v1"]):
         ours = engine.model(ids).logits
@@ -93,7 +74,7 @@ def test_unknown_and_misfit_adapters_are_refused(setup):
     engine = LocalEngine(copy.deepcopy(base), seed=0)
     with pytest.raises(KeyError, match="'v9' is not loaded"):
         _greedy(engine, [[1, 2]], ["v9"])
-    a = _adapter(one, 1)
+    a = as_adapter(one, 1)
     engine.load_adapter(a)
     with pytest.raises(ValueError, match="loaded already"):
         engine.load_adapter(a)
@@ -116,8 +97,8 @@ def test_batching_merges_calls_of_different_adapters(setup, tmp_path):
     An adapter written in PEFT's format and read back serves the same."""
     base, one, two = setup
     engine = LocalEngine(copy.deepcopy(base), seed=0)
-    engine.load_adapter(Adapter.load(_adapter(one, 1).save(tmp_path / "v1").path, 1))
-    engine.load_adapter(_adapter(two, 2))
+    engine.load_adapter(Adapter.load(as_adapter(one, 1).save(tmp_path / "v1").path, 1))
+    engine.load_adapter(as_adapter(two, 2))
     wrapped = BatchingEngine(engine)
     params = SamplingParams(max_new_tokens=5, temperature=0.0)
 

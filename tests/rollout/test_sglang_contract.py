@@ -10,9 +10,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import base64
-import importlib.util
 import re
-import sys
 import threading
 import zipfile
 from pathlib import Path
@@ -26,7 +24,6 @@ from rollout_sglang.engines.sglang_client import CAPTURE_ROUTING_FLAG, SGLangEng
 from rollout_sglang.engines.sglang_options import SGLangClientOptions
 from rollout_sglang.routing import RoutingLayout
 from rollout_sglang.testing.sglang_contract import (
-    API_TYPES,
     SGLANG_PIN,
     ContractError,
     extract_contract,
@@ -37,20 +34,6 @@ from rollout_sglang.weight_update import BucketUpdate
 ROOT = Path(__file__).resolve().parents[2]
 # the routing layout the recorded client asks with: 3 layers, the middle one dense, 4 experts, top-2
 LAYOUT = RoutingLayout(num_layers=3, moe_layers=(0, 2), num_experts=4, top_k=2)
-
-
-@pytest.fixture(scope="session")
-def api_types(wheel, tmp_path_factory):
-    """SGLang's generated api/v1 decoders, loaded from the wheel as a module of their own (they need msgspec)."""
-    pytest.importorskip("msgspec")
-    path = tmp_path_factory.mktemp("sglang_api") / "sglang_api_types.py"
-    with zipfile.ZipFile(wheel) as z:
-        path.write_bytes(z.read(API_TYPES))
-    spec = importlib.util.spec_from_file_location("sglang_api_types", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class Recorder:

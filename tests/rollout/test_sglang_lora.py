@@ -5,8 +5,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import copy
-import importlib.util
-import sys
 import types
 import zipfile
 
@@ -19,10 +17,11 @@ from rollout_sglang.engines.local import LocalEngine
 from rollout_sglang.engines.protocol import AdapterEngine, EngineUnavailable, SamplingParams
 from rollout_sglang.engines.sglang_client import ADMIN_ENDPOINTS, SGLangEngine, SGLangError
 from rollout_sglang.engines.sglang_options import SGLANG_LORA_TARGETS, SGLangClientOptions, SGLangLaunchOptions
-from rollout_sglang.testing.sglang_contract import API_TYPES, ContractError, load_contract
+from rollout_sglang.testing.sglang_contract import ContractError, load_contract
 from rollout_sglang.testing.sglang_standin import StandInServer
 from rollout_sglang.testing.standin_lora import Geometry, LoraRefused, normalize_weights
 from rollout_sglang.testing.standin_options import StandInOptions
+from tests.support.peft_adapters import as_adapter, random_peft
 from tests.support.tiny_models import tiny_qwen2_config
 
 peft = pytest.importorskip("peft")
@@ -34,19 +33,8 @@ LORA = dict(enable_lora=True, max_lora_rank=4, lora_target_modules=tuple(ALL), m
 
 # ------------------------------------------------------------------------------------------- helpers
 def _adapter(base: torch.nn.Module, version: int, seed: int, targets: list[str], rank: int = 4) -> Adapter:
-    """PEFT's LoRA on ``base`` with random A and B (B = 0 at init would test nothing), as an :class:`Adapter`."""
-    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=rank, lora_alpha=2.0 * rank,
-                                                                       target_modules=targets))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    cfg = model.peft_config["default"].to_dict()
-    cfg["target_modules"] = sorted(cfg["target_modules"])
-    cfg = {k: v for k, v in cfg.items() if isinstance(v, (int, float, str, list, bool)) or v is None}
-    state = peft.get_peft_model_state_dict(model)
-    return Adapter(version, cfg, {k: v.clone() for k, v in state.items()})
+    """PEFT's LoRA on ``base`` with random A and B, as an :class:`Adapter`."""
+    return as_adapter(random_peft(base, seed, targets, rank, 2.0 * rank), version)
 
 
 @pytest.fixture(scope="module")
@@ -222,17 +210,10 @@ def test_standin_slices_each_rank_as_sglang_does(wheel, base, tp):
             assert (tuple(got[0].shape), tuple(got[1].shape)) == geometry.buffer_shapes(module, 4)
 
 
-def test_lora_bodies_pass_sglangs_decoder(wheel, tmp_path, base, adapters):
+def test_lora_bodies_pass_sglangs_decoder(api_types, base, adapters):
     """What the client sends (recorded by the stand-in) fits the request classes, and /generate with lora_path
     passes SGLang's own generated api/v1 decoder."""
-    pytest.importorskip("msgspec")
-    path = tmp_path / "sglang_api_types_lora.py"
-    with zipfile.ZipFile(wheel) as z:
-        path.write_bytes(z.read(API_TYPES))
-    spec = importlib.util.spec_from_file_location("sglang_api_types_lora", path)
-    api = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = api
-    spec.loader.exec_module(api)
+    api = api_types
     three = adapters[0]
     with Served(base, **LORA) as s:
         s.client.load_adapter(three)

@@ -54,11 +54,13 @@ class AdapterVersions:
         return live.name is None or live.name in self.loaded[engine_id]
 
     def add(self, adapter: Adapter) -> list[LiveVersion]:
-        """``adapter`` joins as the newest version; the oldest routable versions beyond ``live_versions`` retire
-        (returned)."""
+        """``adapter`` joins as the newest version; the base alone retires (the adapters carry the policy from the
+        first on: after a resume the base is no version the trainer trained), as do the oldest routable versions
+        beyond ``live_versions``. The versions that retire."""
         self.versions.append(LiveVersion(int(adapter.version), adapter))
-        routable = self.routable()
-        retire = routable[:max(0, len(routable) - self.live_versions)]
+        base = [v for v in self.routable() if v.adapter is None]
+        adapters = [v for v in self.routable() if v.adapter is not None]
+        retire = base + adapters[:max(0, len(adapters) - self.live_versions)]
         for v in retire:
             v.retiring = True
         return retire

@@ -60,7 +60,9 @@ def test_live_versions_are_adapters_on_the_same_engines():
     engines = [AdapterEngine("a"), AdapterEngine("b")]
     pool = VersionPool([engines], policy="uniform", seed=3, live_adapters=3)
     assert pool.versions == [0] and _versions(pool) == {0}
-    for v in (1, 2, 3):
+    pool.publish_adapter(_adapter(1))
+    assert pool.versions == [1]  # the base alone is no trained version: it retires at the first adapter
+    for v in (2, 3):
         pool.publish_adapter(_adapter(v))
     assert pool.versions == [1, 2, 3]
     assert _versions(pool) == {1, 2, 3}

@@ -10,7 +10,6 @@ Every function here is collective over the trainer's ranks (gathers over TP, the
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,7 @@ from torch import Tensor
 
 from megatron_agentrl.lora.adapters import ADAPTER
 from megatron_agentrl.lora.options import LoraOptions
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-#: what PEFT puts before a Hugging Face module name in its saved keys
-PREFIX = "base_model.model."
+from rollout_sglang.engines.adapter import PEFT_PREFIX, Adapter
 
 
 def _adapted_layers(actor: Any) -> Iterator[tuple[str, Any]]:
@@ -47,7 +42,7 @@ def _tp_gather(actor: Any, shard: Tensor) -> list[Tensor]:
 
 def peft_names(hf_weight: str) -> tuple[str, str]:
     """PEFT's saved names of ``A`` and ``B`` for the Hugging Face weight ``hf_weight`` (``...q_proj.weight``)."""
-    module = PREFIX + hf_weight.removesuffix(".weight")
+    module = PEFT_PREFIX + hf_weight.removesuffix(".weight")
     return f"{module}.lora_A.weight", f"{module}.lora_B.weight"
 
 
@@ -111,25 +106,11 @@ def adapter_config(options: LoraOptions, tensors: Mapping[str, Tensor], base: st
 
 
 def save_adapters(actor: Any, options: LoraOptions, out_dir: str | Path, base: str | None = None) -> Path:
-    """Write the adapters to ``out_dir`` in PEFT's format (rank 0 writes; collective). The directory."""
-    from safetensors.torch import save_file
-
+    """Write the adapters to ``out_dir`` in PEFT's format (rank 0 writes, as :meth:`Adapter.save
+    <rollout_sglang.engines.adapter.Adapter.save>` does; collective). The directory."""
     tensors = export_adapters(actor)
     out = Path(out_dir)
     if dist.get_rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE))
-        (out / CONFIG_FILE).write_text(json.dumps(adapter_config(options, tensors, base), indent=2) + "\n")
+        Adapter(0, adapter_config(options, tensors, base), tensors).save(out)
     dist.barrier()
     return out
-
-
-def read_adapters(directory: str | Path) -> dict[str, Tensor]:
-    """The tensors of a PEFT adapter directory; a ValueError naming the file when it is not one."""
-    from safetensors.torch import load_file
-
-    path = Path(directory) / WEIGHTS_FILE
-    if not path.is_file():
-        raise ValueError(f"lora: {directory} holds no {WEIGHTS_FILE}; give a directory written by save_adapters or "
-                         "PEFT's save_pretrained")
-    return load_file(str(path))

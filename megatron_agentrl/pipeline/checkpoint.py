@@ -297,15 +297,6 @@ def write_base(actor: Any, hf_config: Any, tokenizer: Any, directory: str | Path
     return broadcast_object(ref)
 
 
-def checkpoint_lora(path: str | Path) -> LoraOptions | None:
-    """The adapters' options of a LoRA run's checkpoint ``path``, None for a full-parameter one (or no checkpoint)."""
-    meta_file = Path(path) / "meta.json"
-    if not meta_file.is_file():
-        return None
-    entry = json.loads(meta_file.read_text()).get("lora")
-    return LoraOptions(**entry) if entry else None
-
-
 def checkpoint_base(path: str | Path) -> BaseRef | None:
     """The base a LoRA run's checkpoint ``path`` references (its folder as found now, see
     :func:`~megatron_agentrl.lora.checkpoint.resolve_base`), None for a full-parameter one."""

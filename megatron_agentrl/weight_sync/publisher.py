@@ -59,7 +59,8 @@ class WeightPublisher:
         targets (``SGLangEngine`` clients) of each version slot; the weights then go over a weight-sync
         group instead of in-process.
     max_failures: failed syncs to remote engines in a row before the error ends the run.
-    adapter_dir: a LoRA run with SGLang servers: where each version's adapter is written for the servers to read.
+    adapter_dir: a LoRA run with SGLang servers: where each version's adapter is written for the servers to read
+        (None: ``adapters`` under the working directory).
     Counters: ``failed_syncs`` and ``skipped_syncs`` (no engine reachable), over the run; ``last_bytes``, the
     payload bytes of the last push.
     """
@@ -78,7 +79,7 @@ class WeightPublisher:
         self.failed_syncs = self.skipped_syncs = 0
         self.last_bytes = 0
         self._failures_in_a_row = 0
-        self.adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
+        self.adapter_dir = Path(adapter_dir) if adapter_dir is not None else Path("adapters")
         if remote_slots is not None:
             self.sender = WeightSender(actor, sync)
 
@@ -124,8 +125,7 @@ class WeightPublisher:
             return
         adapter = Adapter(version, adapter_config(self.actor.lora, tensors, None), tensors)
         if self.remote_slots is not None:
-            root = self.adapter_dir if self.adapter_dir is not None else Path("adapters")
-            adapter.save(root / adapter.name)
+            adapter.save(self.adapter_dir / adapter.name)
         try:
             self.pool.publish_adapter(adapter, timeout_s=self.timeout_s)
         except EnginesUnavailable as e:
@@ -138,9 +138,8 @@ class WeightPublisher:
     def _prune_adapter_dirs(self) -> None:
         """Remove the directories of adapters no longer loaded (the pool's versions keep theirs)."""
         assert self.pool is not None and self.pool.adapters is not None
-        root = self.adapter_dir if self.adapter_dir is not None else Path("adapters")
         keep = {v.name for v in self.pool.adapters.versions if v.name is not None}
-        for d in root.glob("v*"):
+        for d in self.adapter_dir.glob("v*"):
             if d.is_dir() and d.name not in keep:
                 shutil.rmtree(d, ignore_errors=True)
 

@@ -72,12 +72,13 @@ def _layouts(rank: int, world: int, directory: str) -> dict[str, float]:
     """Each layout loads the same PEFT adapter: log-probs and adapter gradients equal PEFT's, the exported
     adapter equals the loaded one, the merged HF export equals PEFT's merged model, and only the adapters have
     gradients."""
-    from megatron_agentrl.lora.peft_format import export_adapters, load_adapters, read_adapters, save_adapters
+    from megatron_agentrl.lora.peft_format import export_adapters, load_adapters, save_adapters
     from megatron_agentrl.megatron.actor import MegatronActor
+    from rollout_sglang.engines.adapter import Adapter
 
     cfg, hf = tiny_model("qwen2", False, vocab=200, layers=4)
     peft = _peft_model(hf, Path(directory))
-    loaded = read_adapters(directory)
+    loaded = Adapter.load(directory, 0).tensors
     tokens = torch.randint(0, 200, (4, 12), generator=torch.Generator().manual_seed(3))
     batch = make_batch(cfg.vocab_size)
     ref_lp = _logprobs(peft, tokens)

@@ -85,17 +85,9 @@ def _finish(
         ep.traj.metrics.update({k: float(v) for k, v in metrics.items()})
 
 
-def _append(ep: _Episode, tokens: Sequence[int], mask: int, logprobs: Sequence[float] | None = None) -> None:
-    """Append tokens to the trajectory with one loss-mask value (log-probs 0.0 when not given)."""
-    t = ep.traj
-    t.token_ids.extend(int(x) for x in tokens)
-    t.loss_mask.extend([mask] * len(tokens))
-    if logprobs is None:
-        t.behavior_logprobs.extend([0.0] * len(tokens))
-    else:
-        if len(logprobs) != len(tokens):
-            raise ValueError(f"{len(tokens)} tokens but {len(logprobs)} log-probs from the engine")
-        t.behavior_logprobs.extend(float(x) for x in logprobs)
+def _append(ep: _Episode, tokens: Sequence[int]) -> None:
+    """Append tokens the policy did not sample (the prompt, an env reply) to the trajectory."""
+    ep.traj.append_context([int(x) for x in tokens])
 
 
 def _add_routing(ep: _Episode, routed: np.ndarray | None, end: int) -> None:
@@ -153,7 +145,7 @@ async def _start(
         _finish(ep, SampleStatus.TASK_ERROR, error=f"cannot render the first messages: {e}")
         await _cancel(env, ep, timeout_s)
         return
-    _append(ep, prompt, 0)
+    _append(ep, prompt)
     if reply.finish:
         _finish(ep, reply.status, reply.reward, reply.metrics, error=reply.error)
         return
@@ -186,7 +178,7 @@ async def _interact(
     if reply.finish:
         _finish(ep, reply.status, reply.reward, reply.metrics, error=reply.error)
         return
-    if len(t.versions) >= limits.max_turns:
+    if t.num_turns >= limits.max_turns:
         _finish(ep, SampleStatus.TASK_LIMIT_REACHED)
         await _cancel(env, ep, timeout_s)
         return
@@ -202,7 +194,7 @@ async def _interact(
         _finish(ep, SampleStatus.AGENT_CONTEXT_LIMIT)
         await _cancel(env, ep, timeout_s)
         return
-    _append(ep, piece, 0)
+    _append(ep, piece)
 
 
 async def run_group_lockstep(
@@ -331,13 +323,10 @@ class _Lockstep:
         turn ended the episode (context limit, malformed call, parser bug)."""
         t, template = ep.traj, self.template
         t.timings["generate_s"] += gen_s
-        toks, lps = list(out.token_ids[:cap]), list(out.logprobs[:cap])
-        start = len(t.token_ids)
+        toks, lps = [int(x) for x in out.token_ids[:cap]], [float(x) for x in out.logprobs[:cap]]
         if self.capture_routing:
-            _add_routing(ep, out.routed_experts, start + len(toks) - 1)
-        _append(ep, toks, 1, lps)
-        t.versions.append(int(out.version))
-        t.turn_spans.append((start, len(t.token_ids)))
+            _add_routing(ep, out.routed_experts, len(t.token_ids) + len(toks) - 1)
+        t.append_turn(toks, lps, list(out.token_versions[:cap]))
         ended_by_stop = bool(toks) and toks[-1] in stop_set
         if not ended_by_stop and len(t.token_ids) >= self.limits.max_total_tokens:
             _finish(ep, SampleStatus.AGENT_CONTEXT_LIMIT)
@@ -349,7 +338,7 @@ class _Lockstep:
         except ToolCallParseError as e:
             logger.debug(
                 "env session %s (%s #%d) turn %d: agent validation failed: %s",
-                ep.session_id, t.task, t.index, len(t.versions), e,
+                ep.session_id, t.task, t.index, t.num_turns, e,
             )
             _finish(ep, SampleStatus.AGENT_VALIDATION_FAILED, 0.0, {"validation_error": 1.0}, error=str(e))
             return None
@@ -357,7 +346,7 @@ class _Lockstep:
             # the parsers promise ToolCallParseError only; anything else is a bug there, so log it loudly
             logger.exception(
                 "env session %s (%s #%d) turn %d: the tool-call parser raised %s; ending this episode",
-                ep.session_id, t.task, t.index, len(t.versions), type(e).__name__,
+                ep.session_id, t.task, t.index, t.num_turns, type(e).__name__,
             )
             _finish(ep, INTERNAL_ERROR, error=f"the tool-call parser failed: {_shorten_repr(e)}")
             return None

@@ -11,6 +11,8 @@ INTERNAL_ERROR = "internal error"
 #: "task error": a worker lost, a start or call that failed, a reply we could not read; a session
 #: "cancelled" under it) or our own code. Such an episode is never trained or counted as a reward.
 INFRA_STATUSES = frozenset({"task error", "cancelled", INTERNAL_ERROR})
+#: :attr:`Trajectory.versions` of a token the policy did not sample (prompt, environment reply)
+NOT_SAMPLED = -1
 
 
 @dataclass
@@ -20,8 +22,9 @@ class Trajectory:
     token_ids: the whole episode, prompt + every turn + every environment reply, as token ids.
     loss_mask: 1 for tokens the policy generated, 0 for prompt and environment tokens; len == len(token_ids).
     behavior_logprobs: log-prob of each generated token under the engine that sampled it; 0.0 where loss_mask is 0.
-    versions: the weight version that sampled each generated turn (one entry per turn).
-    turn_spans: [start, end) token positions of each generated turn in token_ids, aligned with versions.
+    versions: per token of token_ids, the weight version that sampled it; :data:`NOT_SAMPLED` (-1) where
+        loss_mask is 0. A turn that an in-flight weight update crossed holds two versions.
+    turn_spans: [start, end) token positions of each generated turn in token_ids.
     task: task name; index: the task's sample index; group_id: samples of the same prompt share it.
     reward: final scalar reward; status: how it ended: the env's final status string, one of the agent's
         ("agent validation failed", ...) or :data:`INTERNAL_ERROR`; see :attr:`infra_failed`.
@@ -47,6 +50,13 @@ class Trajectory:
     error: str = ""
     routed_experts: np.ndarray | None = None
 
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if not len(self.loss_mask) == len(self.behavior_logprobs) == len(self.versions) == n:
+            raise ValueError(f"a trajectory of {n} tokens needs as many loss_mask ({len(self.loss_mask)}), "
+                             f"behavior_logprobs ({len(self.behavior_logprobs)}) and versions ({len(self.versions)}) "
+                             "entries (versions: one per token, -1 where not sampled)")
+
     @property
     def infra_failed(self) -> bool:
         """The episode ended for an infrastructure reason (:data:`INFRA_STATUSES`, or it holds no token at
@@ -57,4 +67,51 @@ class Trajectory:
     def num_generated(self) -> int:
         """Number of policy-generated tokens."""
         return int(sum(self.loss_mask))
+
+    @property
+    def num_turns(self) -> int:
+        """Number of generated turns."""
+        return len(self.turn_spans)
+
+    @property
+    def sampled_versions(self) -> list[int]:
+        """The weight version of each generated token, in order."""
+        return [v for v in self.versions if v != NOT_SAMPLED]
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest version that sampled a token of this episode (its staleness is the trained version minus
+        this); None when it holds no generated token."""
+        return min(self.sampled_versions, default=None)
+
+    @property
+    def turn_versions(self) -> list[int]:
+        """The version each generated turn started on (its first token's; an empty turn: none)."""
+        return [self.versions[start] for start, end in self.turn_spans if end > start]
+
+    @property
+    def tokens_after_update(self) -> int:
+        """Number of generated tokens sampled after an in-flight weight update crossed their turn (their version
+        differs from their turn's first token's); 0 when no update crossed a turn."""
+        return sum(1 for start, end in self.turn_spans
+                   for v in self.versions[start + 1:end] if v != self.versions[start])
+
+    def append_turn(self, token_ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        """Append one generated turn: its tokens (loss mask 1), their log-probs and per-token versions."""
+        if not len(token_ids) == len(logprobs) == len(versions):
+            raise ValueError(f"a turn of {len(token_ids)} tokens needs as many log-probs ({len(logprobs)}) and "
+                             f"versions ({len(versions)})")
+        start = len(self.token_ids)
+        self.token_ids.extend(token_ids)
+        self.loss_mask.extend([1] * len(token_ids))
+        self.behavior_logprobs.extend(logprobs)
+        self.versions.extend(int(v) for v in versions)
+        self.turn_spans.append((start, len(self.token_ids)))
+
+    def append_context(self, token_ids: list[int]) -> None:
+        """Append tokens the policy did not sample (a prompt, an environment reply): loss mask 0."""
+        self.token_ids.extend(token_ids)
+        self.loss_mask.extend([0] * len(token_ids))
+        self.behavior_logprobs.extend([0.0] * len(token_ids))
+        self.versions.extend([NOT_SAMPLED] * len(token_ids))
 

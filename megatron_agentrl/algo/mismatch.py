@@ -51,13 +51,3 @@ def lag_metrics(sums: Tensor) -> dict[str, float]:
         out[f"mismatch/tokens_{name}"] = n
     return out
 
-
-def token_versions(turn_spans: list[tuple[int, int]], versions: list[int], length: int) -> list[int]:
-    """Per token of a trajectory of ``length`` tokens, the weight version that sampled it (its turn's
-    version), -1 outside the generated turns."""
-    out = [-1] * length
-    for (start, end), v in zip(turn_spans, versions):
-        start, end = max(0, start), min(end, length)
-        if end > start:
-            out[start:end] = [v] * (end - start)
-    return out

@@ -11,11 +11,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_agentrl.algo.advantages import group_advantages, normalize_per_task
-from megatron_agentrl.algo.mismatch import token_versions
 from megatron_agentrl.config import AlgoConfig
 from megatron_agentrl.megatron.actor import TrainBatch
 from megatron_agentrl.pipeline.rewards import RewardShaper, is_success
-from rollout_sglang.trajectory import Trajectory
+from rollout_sglang.trajectory import NOT_SAMPLED, Trajectory
 
 
 def pad_right(rows: Sequence[Sequence[float]], dtype: torch.dtype, pad: float = 0) -> torch.Tensor:
@@ -71,8 +70,7 @@ def build_rl_batch(trajs: Sequence[Trajectory], task_names: Sequence[str], algo:
     tids = torch.tensor([task_id[t.task] for t in trajs], dtype=torch.long)
     lag = None
     if trained_version is not None:
-        versions = pad_right([token_versions(t.turn_spans, t.versions, len(t.token_ids)) for t in trajs], torch.long,
-                             pad=-1)
+        versions = pad_right([t.versions for t in trajs], torch.long, pad=NOT_SAMPLED)
         lag = torch.where(versions >= 0, trained_version - versions, versions)
     return RLBatch(TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior, advantages=adv,
                               version_lag=lag, routed_experts=routed_experts_tensor(trajs, tokens.shape[1])),

@@ -132,7 +132,7 @@ def evaluate(cfg: Config, rollout_side: RolloutSide, seed: int, progress: Progre
                                                      unit="completions" if agent else "turns", lines=1) as phase:
         trajs = asyncio.run(_play(cfg, rollout_side, _TurnCounter(_NewestWeights(rollout_side), phase), seed))
         result = eval_metrics(trajs)
-        turns = max((len(t.versions) for t in trajs), default=0)
+        turns = max((t.num_turns for t in trajs), default=0)
         phase.update(figures={"success": format_success(result)},
                      done=f"{len(trajs)} episodes (longest {turns} turn{'s' if turns != 1 else ''})")
     return result
@@ -149,7 +149,7 @@ async def evaluate_during_rl(cfg: Config, rollout_side: RolloutSide, seed: int) 
     engine = _NewestWeights(rollout_side)
     start = engine.version
     trajs = await _play(cfg, rollout_side, engine, seed)
-    versions = [v for t in trajs for v in t.versions] or [start]
+    versions = [v for t in trajs for v in t.sampled_versions] or [start]
     return {**eval_metrics(trajs), "eval_time_s": time.perf_counter() - t0, "version_start": float(start),
             "version_min": float(min(versions)), "version_max": float(max(versions))}
 

@@ -549,6 +549,7 @@ class TrainingRun:
             "sample_ids": ids, "tasks": [g.request.task for g in groups],
             "min_versions": [g.min_version for g in groups], "staleness": staleness,
             "statuses": [t.status for g in groups for t in g.trajectories], "advantages": advantages,
+            "tokens_after_update": [t.tokens_after_update for g in groups for t in g.trajectories],
             "loss": stats["loss"], "grad_norm": stats.get("grad_norm"),
         }) + "\n")
         self.batches_log.flush()

@@ -33,9 +33,10 @@ def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float]
         finished = trajs + [t for g in manager.last_batch.get("dropped_groups", []) if id(g) not in trained
                             for t in g.trajectories]
     version = step - 1
-    staleness = [version - min(t.versions) if t.versions else version - g.start_version
+    staleness = [version - (g.start_version if t.oldest_version is None else t.oldest_version)
                  for g in groups for t in g.trajectories]
-    nversions = [len(set(t.versions)) for t in trajs]
+    nversions = [len(set(t.sampled_versions)) for t in trajs]
+    crossed = [t.tokens_after_update for t in trajs]
     gen_tokens = sum(t.num_generated for t in trajs)
     train_tokens = sum(len(t.token_ids) for t in trajs)
     rollout_s = sum(g.t_end - g.t_start for g in groups) / len(groups)
@@ -51,7 +52,7 @@ def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float]
         "train_tokens_per_s": train_tokens / max(times["train_time_s"], 1e-9),
         "trained_tokens_per_s": train_tokens / max(step_s, 1e-9),
         "rollout_time_s": rollout_s,
-        "mean_turns": sum(len(t.versions) for t in trajs) / len(trajs),
+        "mean_turns": sum(t.num_turns for t in trajs) / len(trajs),
         "mean_generated_tokens": gen_tokens / len(trajs),
         "train_tokens": float(train_tokens),
         "traj_tokens_min": float(min(len(t.token_ids) for t in trajs)),
@@ -60,6 +61,8 @@ def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float]
         "staleness_max": float(max(staleness)),
         "versions_per_traj_mean": sum(nversions) / len(nversions),
         "versions_per_traj_max": float(max(nversions)),
+        "in_flight/samples": float(sum(1 for n in crossed if n)),
+        "in_flight/tokens": float(sum(crossed)),
         "queue_depth": float(queued),
         "groups_running": float(running),
         "groups_started": float(manager.stats.started),

@@ -60,7 +60,9 @@ def _cut(out: GenerationOutput, call: _Call, row: int) -> GenerationOutput:
         return out if routed is out.routed_experts else dataclasses.replace(out, routed_experts=routed)
     if routed is not None:
         routed = routed[:max(0, len(call.prompts[row]) + cap - 1 - call.routing_from[row])]
-    return GenerationOutput(out.token_ids[:cap], out.logprobs[:cap], "length", out.version, routed)
+    versions = out.token_versions[:cap]
+    last = versions[-1] if versions else out.version
+    return GenerationOutput(out.token_ids[:cap], out.logprobs[:cap], "length", last, routed, token_versions=versions)
 
 
 class BatchingEngine:

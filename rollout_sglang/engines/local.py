@@ -21,9 +21,15 @@ engine's numerics. Generation is a hand-written KV-cache loop (not ``model.gener
   sampled token is never fed back). Without ``routing_from`` no hook is registered.
 
 Compute runs in a worker thread (``asyncio.to_thread``); a lock serialises generate calls and
-weight loading, so weights never change under a running generation. Weights arrive by
+weight loading, so weights never change under a forward pass. Weights arrive by
 Hugging Face parameter name between :meth:`LocalEngine.begin_weight_update` and
-:meth:`LocalEngine.end_weight_update`.
+:meth:`LocalEngine.end_weight_update`. A plain :meth:`LocalEngine.pause` lets a running call finish (the
+version pool drained the engine first); ``pause("in_place")`` or ``pause("retract")`` (an in-flight update) holds
+a running call between two decode steps, with the lock released so that the weights can load, and
+:meth:`LocalEngine.resume` continues it on them: over the KV cache as it was (``in_place``), or after a forward of
+each row's prompt and tokens so far under the new weights rebuilds the cache (``retract``; the routers' choices of
+that recompute are not recorded: a position keeps those of the forward that sampled from it). Each output carries
+the version of every token (``token_versions``).
 """
 from __future__ import annotations
 
@@ -41,7 +47,13 @@ import torch
 
 from rollout_sglang.engines.adapter import Adapter
 from rollout_sglang.engines.lora_rows import AdapterRows
-from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams, check_adapters, routing_starts
+from rollout_sglang.engines.protocol import (
+    PAUSE_MODES,
+    GenerationOutput,
+    SamplingParams,
+    check_adapters,
+    routing_starts,
+)
 from rollout_sglang.engines.router_capture import RouterCapture, find_routers, routing_layout_of
 from rollout_sglang.routing import RoutingLayout
 from rollout_sglang.weight_update.buckets import dtype_from_name
@@ -176,6 +188,9 @@ class LocalEngine:
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(int(seed))
         self._weights_lock = threading.Lock()
+        # a running call holds here (releasing the lock) while an in-flight update loads weights
+        self._held = threading.Condition(self._weights_lock)
+        self._hold_mode: str | None = None
         self._resumed = threading.Event()
         self._resumed.set()
         self._async_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
@@ -249,8 +264,9 @@ class LocalEngine:
                        adapters: list[str | None] | None = None) -> list[GenerationOutput]:
         """Continue each prompt; one :class:`GenerationOutput` per prompt, in order.
 
-        prompts: B lists of token ids (any lengths >= 1). Waits while the engine is paused. The
-        outputs carry the weight version the whole call ran with (a row with an adapter: the adapter's).
+        prompts: B lists of token ids (any lengths >= 1). Waits while the engine is paused. Each output carries
+        the weight version of each of its tokens (a row with an adapter: the adapter's); a call that an in-flight
+        update held (``pause(mode)``) holds two.
         adapters: one per prompt, the name of a loaded adapter (:meth:`load_adapter`) or None for the base;
             KeyError naming one that is not loaded.
         routing_from: MoE models: a start per prompt in ``[0, len(prompt)]``; output ``i`` then carries the
@@ -347,6 +363,7 @@ class LocalEngine:
             for o, name in zip(outs, per_row):
                 if name is not None:
                     o.version = self._adapters.version_of(name)
+                    o.token_versions = [o.version] * len(o.token_ids)
             return outs
 
     def _decode_locked(self, prompts: list[list[int]], params: SamplingParams,
@@ -361,6 +378,7 @@ class LocalEngine:
             bsz = len(prompts)
             out_tokens: list[list[int]] = [[] for _ in range(bsz)]
             out_logprobs: list[list[float]] = [[] for _ in range(bsz)]
+            out_versions: list[list[int]] = [[] for _ in range(bsz)]
             reasons = ["length"] * bsz
             if params.max_new_tokens == 0 and routing is None:
                 return [GenerationOutput([], [], "length", version) for _ in range(bsz)]
@@ -405,6 +423,7 @@ class LocalEngine:
                 for j, r in enumerate(rows):
                     out_tokens[r].append(tok_l[j])
                     out_logprobs[r].append(lp_l[j])
+                    out_versions[r].append(version)
                     if tok_l[j] in stop:
                         reasons[r] = "stop"
                     else:
@@ -417,6 +436,11 @@ class LocalEngine:
                     mask, next_pos, tok = mask[idx], next_pos[idx], tok[idx]
                     rows = [rows[j] for j in keep]
                     self._adapters.select([per_row[r] for r in rows])
+                if self._hold_mode is not None:
+                    mode = self._hold_until_resumed()
+                    version = self.version
+                    if mode == "retract":
+                        cache, mask = self._recompute_cache([prompts[r] + out_tokens[r][:-1] for r in rows])
                 mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=dev)], dim=1)
                 out = self.model(
                     input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
@@ -428,16 +452,55 @@ class LocalEngine:
                         record[r].append(chosen[j])
                 logits = out.logits[:, -1].float()
                 next_pos = next_pos + 1
-            return [GenerationOutput(out_tokens[i], out_logprobs[i], reasons[i], version) for i in range(bsz)]
+            return [GenerationOutput(out_tokens[i], out_logprobs[i], reasons[i],
+                                     out_versions[i][-1] if out_versions[i] else version,
+                                     token_versions=out_versions[i]) for i in range(bsz)]
+
+    def _hold_until_resumed(self) -> str:
+        """Inside a running call, between two decode steps: wait (the weights lock released, so an update can load)
+        until :meth:`resume`; the pause's mode. TimeoutError after ``resume_timeout_s``."""
+        mode = self._hold_mode
+        assert mode is not None
+        if not self._held.wait_for(lambda: self._hold_mode is None, timeout=self.resume_timeout_s):
+            raise TimeoutError(f"LocalEngine held a running generation for more than {self.resume_timeout_s:.1f}s in "
+                               f"a pause({mode!r}); call resume() after the weight update (or raise resume_timeout_s)")
+        return mode
+
+    def _recompute_cache(self, seqs: list[list[int]]) -> tuple[Any, torch.Tensor]:
+        """A fresh KV cache of ``seqs`` (each row's prompt and tokens so far but the last, left-padded) under the
+        weights loaded now, and its attention mask ``[rows, width]``."""
+        from transformers import DynamicCache
+
+        width = max(len(q) for q in seqs)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, q in enumerate(seqs):
+            ids[i, width - len(q):] = torch.tensor(q, dtype=torch.long)
+            mask[i, width - len(q):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                   past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache, mask
 
     # ---------------------------------------------------------------- pause / resume
-    def pause(self) -> None:
-        """Stop admitting generation: a running call finishes, later calls wait for :meth:`resume`."""
+    def pause(self, mode: str | None = None) -> None:
+        """Stop generating: later calls wait for :meth:`resume`. ``mode`` None: a running call finishes;
+        ``"in_place"`` / ``"retract"``: a running call holds after its current decode step (the weights lock
+        released, so an update loads meanwhile) and continues after :meth:`resume` over its KV cache as it is
+        (``in_place``) or recomputed under the new weights (``retract``). ValueError for another mode."""
+        if mode is not None and mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {list(PAUSE_MODES)} (or None: let running calls "
+                             "finish)")
         self._resumed.clear()
+        self._hold_mode = mode
 
     def resume(self) -> None:
-        """Admit generation again."""
-        self._resumed.set()
+        """Admit generation again; a call held by ``pause(mode)`` continues."""
+        with self._held:
+            self._hold_mode = None
+            self._resumed.set()
+            self._held.notify_all()
 
     # ---------------------------------------------------------------- weights
     def begin_weight_update(self, version: int, metadata: dict | None = None) -> None:
@@ -499,6 +562,10 @@ class LocalEngine:
         """Finish the update: the engine now serves the new version. Parameters not received are logged."""
         if self._pending_version is None:
             raise RuntimeError("end_weight_update() without begin_weight_update()")
+        with self._weights_lock:  # a running call is held (in flight) or none runs (drained): no forward sees it
+            self._finish_update()
+
+    def _finish_update(self) -> None:
         missing = sorted(
             {n for n, t in self._named.items() if id(t) not in self._updated and isinstance(t, torch.nn.Parameter)}
         )
@@ -546,6 +613,7 @@ class LocalEngine:
             "ok": True,
             "version": self.version,
             "paused": not self._resumed.is_set(),
+            "pause_mode": self._hold_mode,
             "updating": self._pending_version is not None,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),

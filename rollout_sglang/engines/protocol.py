@@ -8,7 +8,7 @@ Weights arrive as Hugging Face parameter names between ``begin_weight_update`` a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, runtime_checkable
+from typing import Any, Iterable, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -43,10 +43,21 @@ class SamplingParams:
     seed: int | None = None
 
 
+#: How an engine holds its running requests for a weight update that does not wait for them (:meth:`Engine.pause`):
+#: "in_place" keeps each request and its KV cache, so it continues on the new weights over context the old weights
+#: encoded (cheap, slightly off-policy); "retract" keeps each request and recomputes its KV cache with the new
+#: weights before it continues (exact: every token after the update is sampled as the new weights alone would).
+#: SGLang's ``/pause_generation`` modes of the same names.
+PauseMode = Literal["in_place", "retract"]
+PAUSE_MODES: tuple[str, ...] = ("in_place", "retract")
+
+
 @dataclass
 class GenerationOutput:
     """One sequence's result: generated ``token_ids``, their ``logprobs`` (same length),
-    ``finish_reason`` ("stop" or "length") and the weight ``version`` that generated it.
+    ``finish_reason`` ("stop" or "length"), the weight ``version`` that generated its last token, and
+    ``token_versions``, the version that sampled each token (same length as ``token_ids``; a request that an
+    in-flight weight update crossed holds two versions; when not given, every token is ``version``'s).
 
     routed_experts: when the call asked for routing (``routing_from``), the experts chosen for
         positions ``[routing_from, len(prompt) + len(token_ids) - 1)`` of prompt + generated tokens,
@@ -58,6 +69,14 @@ class GenerationOutput:
     finish_reason: str
     version: int
     routed_experts: np.ndarray | None = None
+    token_versions: list[int] = None  # type: ignore[assignment]  # filled from ``version`` when not given
+
+    def __post_init__(self) -> None:
+        if self.token_versions is None:
+            self.token_versions = [int(self.version)] * len(self.token_ids)
+        elif len(self.token_versions) != len(self.token_ids):
+            raise ValueError(f"token_versions has {len(self.token_versions)} entries for {len(self.token_ids)} "
+                             "tokens; give one version per generated token")
 
 
 def routing_starts(prompts: list[list[int]], routing_from: list[int]) -> list[int]:
@@ -108,8 +127,10 @@ class Engine(Protocol):
         """
         ...
 
-    def pause(self) -> None:
-        """Stop admitting new generation; in-flight requests finish or are held."""
+    def pause(self, mode: PauseMode | None = None) -> None:
+        """Stop generating for a weight update. ``mode`` None: stop admitting new requests (the version pool drained
+        the engine first); ``"in_place"`` / ``"retract"`` (:data:`PauseMode`): hold the running requests between two
+        tokens, to continue after :meth:`resume` on the weights loaded meanwhile."""
         ...
 
     def resume(self) -> None:

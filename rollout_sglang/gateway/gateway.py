@@ -472,8 +472,8 @@ class Gateway:
             text = self.template.decode(body)
         text = (self.template.decode(plan.prefix) if plan.prefix else "") + text
         message, error = self._reply(s, text, req)
-        s.commit(plan, toks, lps, out.version, toks[-1] if ended_by_stop else None, message_key(message),
-                 out.routed_experts, self.capture_routing)
+        s.commit(plan, toks, lps, list(out.token_versions[:len(toks)]), toks[-1] if ended_by_stop else None,
+                 message_key(message), out.routed_experts, self.capture_routing)
         if plan.rewrite:
             self.stats.history_rewrites += 1
             logger.debug("gateway session %s: history rewrite, segment %d starts", s.id, len(s.segments) - 1)

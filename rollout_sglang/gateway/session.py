@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_sglang.trajectory import Trajectory
+from rollout_sglang.trajectory import NOT_SAMPLED, Trajectory
 
 #: The status of a session whose episode has not ended.
 RUNNING = "running"
@@ -30,7 +30,8 @@ RUNNING = "running"
 
 @dataclass
 class Segment:
-    """One trajectory piece: tokens, loss mask, log-probs, and per sampled turn its version and span.
+    """One trajectory piece: tokens, loss mask, log-probs, each token's version (-1: not sampled), the sampled
+    turns' spans.
 
     keys: the message keys of the conversation the tokens encode (the last is the returned reply);
     tools_key: its tool list; turn_end: the stop token that ended the last turn (None: it was cut).
@@ -50,11 +51,25 @@ class Segment:
     routed: int = 0
     routing_lost: bool = False
 
-    def append(self, tokens: list[int], mask: int, logprobs: list[float] | None = None) -> None:
-        """Append ``tokens`` with one loss-mask value (log-probs 0.0 when not given)."""
+    def append(self, tokens: list[int]) -> None:
+        """Append ``tokens`` the policy did not sample (loss mask 0)."""
         self.token_ids.extend(tokens)
-        self.loss_mask.extend([mask] * len(tokens))
-        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(tokens))
+        self.loss_mask.extend([0] * len(tokens))
+        self.logprobs.extend([0.0] * len(tokens))
+        self.versions.extend([NOT_SAMPLED] * len(tokens))
+
+    def append_turn(self, tokens: list[int], logprobs: list[float], versions: list[int]) -> tuple[int, int]:
+        """Append a sampled turn (loss mask 1) with its log-probs and per-token versions; its span."""
+        if not len(tokens) == len(logprobs) == len(versions):
+            raise ValueError(f"a turn of {len(tokens)} tokens needs as many log-probs ({len(logprobs)}) and "
+                             f"versions ({len(versions)})")
+        start = len(self.token_ids)
+        self.token_ids.extend(tokens)
+        self.loss_mask.extend([1] * len(tokens))
+        self.logprobs.extend(float(x) for x in logprobs)
+        self.versions.extend(int(v) for v in versions)
+        self.turn_spans.append((start, len(self.token_ids)))
+        return start, len(self.token_ids)
 
     def to_json(self) -> dict[str, Any]:
         """``{token_ids, loss_mask, logprobs, versions, turn_spans}``."""
@@ -164,9 +179,10 @@ class GatewaySession:
         """The first position of ``plan``'s prompt whose routed experts its segment does not hold yet."""
         return 0 if plan.new_segment or self.current is None else self.current.routed
 
-    def commit(self, plan: Plan, tokens: list[int], logprobs: list[float], version: int, turn_end: int | None,
+    def commit(self, plan: Plan, tokens: list[int], logprobs: list[float], versions: list[int], turn_end: int | None,
                reply_key: tuple, routed_experts: np.ndarray | None = None, capture: bool = False) -> tuple[int, int]:
-        """Append a sampled turn after ``plan``'s tokens; returns its span ``(start, end)`` in its segment.
+        """Append a sampled turn after ``plan``'s tokens (``versions``: each token's); returns its span ``(start,
+        end)`` in its segment.
 
         With ``capture``, ``routed_experts`` are the engine's from :meth:`routing_from` on; the rows up to the
         turn's last kept token are kept (None: the segment loses its routing)."""
@@ -174,12 +190,9 @@ class GatewaySession:
             self.segments.append(Segment(tools_key=plan.tools_key))
             self.history_rewrites += int(plan.rewrite)
         seg = self.segments[-1]
-        seg.append(plan.piece, 0)
-        seg.append(plan.prefix, 0)
-        start = len(seg.token_ids)
-        seg.append(list(tokens), 1, [float(x) for x in logprobs])
-        seg.versions.append(int(version))
-        seg.turn_spans.append((start, len(seg.token_ids)))
+        seg.append(plan.piece)
+        seg.append(plan.prefix)
+        start, end = seg.append_turn(list(tokens), list(logprobs), list(versions))
         seg.keys = plan.keys + [reply_key]
         seg.turn_end = turn_end
         if capture:
@@ -189,7 +202,7 @@ class GatewaySession:
             elif need > 0:
                 seg.routing.append(routed_experts[:need])
                 seg.routed += need
-        return start, len(seg.token_ids)
+        return start, end
 
     def end(self, status: str, reward: float = 0.0, metrics: dict[str, float] | None = None, error: str = "") -> None:
         """End the episode with ``status`` (a no-op once it ended)."""

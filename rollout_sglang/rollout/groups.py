@@ -78,6 +78,6 @@ class FinishedGroup:
 
     @property
     def min_version(self) -> int:
-        """The oldest weight version of any generated turn (``start_version`` when none was generated)."""
-        vs = [v for t in self.trajectories for v in t.versions]
-        return min(vs) if vs else self.start_version
+        """The oldest weight version of any generated token (``start_version`` when none was generated)."""
+        vs = [v for t in self.trajectories if (v := t.oldest_version) is not None]
+        return min(vs, default=self.start_version)

@@ -231,6 +231,6 @@ def test_gateway_command_serves_until_sigterm(processes):
     assert info["status"] == "running" and [t["function"]["name"] for t in info["tools"]] == ["lookup", "answer"]
     (s, e), = traj["turn_spans"]
     assert comp.choices[0].finish_reason in ("stop", "length") and comp.usage.completion_tokens == e - s
-    assert traj["versions"] == [0] and traj["status"] == "running" and e == len(traj["token_ids"])
+    assert traj["versions"][s:e] == [0] * (e - s) and traj["status"] == "running" and e == len(traj["token_ids"])
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0, "".join(seen)

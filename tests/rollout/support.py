@@ -317,7 +317,8 @@ def _check_alignment(traj) -> None:
         in_span[s:e] = [1] * (e - s)
     assert traj.loss_mask == in_span
     assert all((lp != 0.0) == bool(m) for lp, m in zip(traj.behavior_logprobs, traj.loss_mask))
-    assert len(traj.versions) == len(traj.turn_spans)
+    assert len(traj.versions) == n
+    assert [v >= 0 for v in traj.versions] == [bool(m) for m in traj.loss_mask]  # a version on sampled tokens only
 
 
 # -------------------------------------------------------------------------------------------- the gateway

@@ -18,7 +18,7 @@ def test_episode_tokens_match_chat_format_and_alignment(template: ChatTemplate) 
     for traj, kind in zip(trajs, ["calc", "two"]):
         assert traj.status == "completed" and traj.reward == 1.0 and traj.metrics == {"success": 1.0}
         _check_alignment(traj)
-        assert traj.versions == [7, 7]
+        assert traj.turn_versions == [7, 7]
         # turn t's log-probs are the engine's, in order
         for t, (s, e) in enumerate(traj.turn_spans):
             assert traj.behavior_logprobs[s:e] == [-(t + 1) - j / 1000 for j in range(e - s)]
@@ -44,7 +44,7 @@ def test_validation_failures_end_episode_and_cancel(template: ChatTemplate, capl
         assert t.status == SampleStatus.AGENT_VALIDATION_FAILED.value
         assert t.reward == 0.0 and t.metrics["validation_error"] == 1.0
         _check_alignment(t)
-        assert len(t.versions) == 1 and t.num_generated > 0  # the bad turn stays in the trajectory
+        assert t.num_turns == 1 and t.num_generated > 0  # the bad turn stays in the trajectory
     assert trajs[2].status == "completed"
     assert sorted(env.cancelled) == ["malformed-0-1", "unknown-0-2"]
     assert "not valid JSON" in trajs[0].error and "unknown tool 'delete_all'" in trajs[1].error
@@ -55,7 +55,7 @@ def test_validation_failures_end_episode_and_cancel(template: ChatTemplate, capl
 def test_max_turns_gives_task_limit(template: ChatTemplate) -> None:
     engine, env = FakeEngine(template), FakeEnv()
     (t,) = run(engine, env, template, [("forever", 0, 0)], max_turns=3)
-    assert t.status == "task limit reached" and len(t.versions) == 3
+    assert t.status == "task limit reached" and t.num_turns == 3
     assert env.cancelled == ["forever-0-1"]
     _check_alignment(t)
     assert t.token_ids[-1] == template.im_end_id  # the last env reply is not appended
@@ -163,7 +163,7 @@ def test_with_local_engine_end_to_end(template: ChatTemplate) -> None:
     for t in trajs:
         assert t.status in allowed
         assert len(t.loss_mask) == len(t.behavior_logprobs) == len(t.token_ids)
-        assert t.versions and set(t.versions) == {2}
+        assert t.sampled_versions and set(t.sampled_versions) == {2}
         with torch.no_grad():
             logits = engine.model(torch.tensor([t.token_ids])).logits[0].float()
         logp = torch.log_softmax(logits, dim=-1)

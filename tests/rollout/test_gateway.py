@@ -35,6 +35,11 @@ from tests.rollout.support import (
 )
 from tests.support.http_cap import check_connection_cap
 
+
+def turn_versions(traj: dict[str, Any]) -> list[int]:
+    """The version each sampled turn of a trajectory's JSON (``versions`` per token) started on."""
+    return [traj["versions"][s] for s, e in traj["turn_spans"] if e > s]
+
 CALC_TURNS = ["Let me add.\n" + call(40, 2), "The answer is 42."]
 
 
@@ -89,7 +94,7 @@ def test_tool_calling_episode_is_token_exact(template, taught_engine, stream):
     assert steps[1]["finish"] and steps[1]["reward"] == 1.0
     # the trajectory: the engine's tokens and log-probs per turn, the template's encoding between them
     assert traj["status"] == "completed" and traj["reward"] == 1.0 and traj["group_id"] == 9
-    assert traj["versions"] == [3, 3] and traj["history_rewrites"] == 0 and len(traj["segments"]) == 1
+    assert turn_versions(traj) == [3, 3] and traj["history_rewrites"] == 0 and len(traj["segments"]) == 1
     ids, mask, lps = traj["token_ids"], traj["loss_mask"], traj["logprobs"]
     (s0, e0), (s1, e1) = traj["turn_spans"]
     for (s, e), (prompts, outs) in zip(traj["turn_spans"], spy.calls):
@@ -127,7 +132,7 @@ def test_history_rewrite_starts_a_segment_and_never_retokenizes(template):
             return before, after, comp, edited
 
     before, after, comp, edited = asyncio.run(main())
-    assert before["history_rewrites"] == 0 and len(before["segments"]) == 1 and len(before["versions"]) == 2
+    assert before["history_rewrites"] == 0 and len(before["segments"]) == 1 and len(turn_versions(before)) == 2
     assert after["history_rewrites"] == 1 and gw.stats.history_rewrites == 1
     first, second = after["segments"]
     assert first == before["segments"][0]  # kept exactly as sampled
@@ -136,7 +141,7 @@ def test_history_rewrite_starts_a_segment_and_never_retokenizes(template):
     assert second["token_ids"][:s] == edited_prompt and after["token_ids"] == second["token_ids"]
     old_prompt = template.encode_prompt(FIRST, TOOLS)
     assert edited_prompt[:len(old_prompt)] != old_prompt and first["token_ids"][:len(old_prompt)] == old_prompt
-    assert second["versions"] == [7] and comp.choices[0].message.content == "The answer is 42."
+    assert turn_versions(second) == [7] and comp.choices[0].message.content == "The answer is 42."
     assert [t["segment"] for t in after["turns"]] == [0, 0, 1]
 
 
@@ -162,7 +167,7 @@ def test_dropped_reply_and_changed_tools_are_rewrites(template):
     s = asyncio.run(main())
     assert s.history_rewrites == 3 and len(s.segments) == 4
     trajs = s.to_trajectories()
-    assert len(trajs) == 4 and all(len(t.versions) == 1 for t in trajs)
+    assert len(trajs) == 4 and all(t.num_turns == 1 for t in trajs)
     assert all(t.metrics["history_rewrites"] == 3.0 for t in trajs)
 
 
@@ -185,8 +190,8 @@ def test_cross_policy_turns_record_their_version_and_logprobs(template):
             return gw.sessions[info["session_id"]].to_trajectories()
 
     (t,) = asyncio.run(main())
-    assert set(t.versions) == {0, 1} and len(t.versions) == 10
-    for (s, e), v in zip(t.turn_spans, t.versions):
+    assert set(t.turn_versions) == {0, 1} and t.num_turns == 10
+    for (s, e), v in zip(t.turn_spans, t.turn_versions):
         assert template.decode(t.token_ids[s:e - 1]) == ("old" if v == 0 else "new")
         assert t.behavior_logprobs[s] < 0 and all(m == 1 for m in t.loss_mask[s:e])
 
@@ -430,7 +435,7 @@ def test_env_steps_end_the_episode_like_the_agent_loop(template):
     assert out["ok"]["messages"][0]["content"] == "42" and not out["ok"]["finish"]
     assert out["final"]["finish"] and out["final"]["reward"] == 1.0 and out["final"]["status"] == "completed"
     t = out["final status"]
-    assert t.status == "completed" and t.reward == 1.0 and t.metrics == {"success": 1.0} and t.versions == [7, 7]
+    assert t.status == "completed" and t.reward == 1.0 and t.metrics == {"success": 1.0} and t.turn_versions == [7, 7]
     assert out["fails"]["finish"] and out["fails"]["status"] == "task error"
     assert "sandbox crashed" in out["fails"]["error"]
     assert out["fails status"] == "task error"
@@ -573,7 +578,7 @@ def test_agent_runner_plays_episodes_and_survives_agent_errors(template, caplog)
 
     trajs, runner = run(example)
     assert [t.status for t in trajs] == ["completed", "completed"] and all(t.reward == 1.0 for t in trajs)
-    assert all(t.versions == [4, 4] and t.group_id == 3 and t.timings["agent_s"] > 0 for t in trajs)
+    assert all(t.turn_versions == [4, 4] and t.group_id == 3 and t.timings["agent_s"] > 0 for t in trajs)
     assert runner.metrics()["gateway/completions"] == 4.0 and runner.metrics()["gateway/completions"] == 0.0
     assert not runner.gateway.sessions
     trajs, runner = run(raising_agent)

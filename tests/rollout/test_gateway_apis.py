@@ -121,7 +121,7 @@ def test_three_apis_play_one_token_exact_trajectory(template, taught_engine, str
         texts, s = asyncio.run(main())
         assert texts == ["Let me add.", "The answer is 42."], api
         (t,) = s.to_trajectories()
-        assert s.history_rewrites == 0 and t.versions == [3, 3]
+        assert s.history_rewrites == 0 and t.turn_versions == [3, 3]
         assert [template.decode(o[0].token_ids) for _, o in spy.calls] == [x + "<|im_end|>" for x in CALC_TURNS]
         for (st, e), (prompts, outs) in zip(t.turn_spans, spy.calls, strict=True):
             assert t.token_ids[st:e] == outs[0].token_ids and t.behavior_logprobs[st:e] == outs[0].logprobs

@@ -48,7 +48,7 @@ def check_token_exact(template, traj, calls, turns: list[str]) -> None:
         assert traj.token_ids[s:e] == outs[0].token_ids and traj.behavior_logprobs[s:e] == outs[0].logprobs
         assert prompts[0] == traj.token_ids[:s]
     spans = [j for s, e in traj.turn_spans for j in range(s, e)]
-    assert [j for j, m in enumerate(traj.loss_mask) if m] == spans and traj.versions == [2] * len(turns)
+    assert [j for j, m in enumerate(traj.loss_mask) if m] == spans and traj.turn_versions == [2] * len(turns)
 
 
 # ------------------------------------------------------------------------------------------------ openai-agents

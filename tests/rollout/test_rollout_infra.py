@@ -156,7 +156,7 @@ def test_an_episode_without_tokens_is_an_infra_failure() -> None:
     """A trajectory that holds no token at all (its env never started) can never reach the trainer."""
     empty = Trajectory([], [], [], [], [], task="t", index=0, group_id=0, status="completed")
     assert empty.infra_failed
-    ok = Trajectory([1, 2], [0, 1], [0.0, -0.1], [0], [(1, 2)], task="t", index=0, group_id=0, status="completed")
+    ok = Trajectory([1, 2], [0, 1], [0.0, -0.1], [-1, 0], [(1, 2)], task="t", index=0, group_id=0, status="completed")
     assert not ok.infra_failed
     for status in ("task error", "cancelled", "internal error"):
         ok.status = status

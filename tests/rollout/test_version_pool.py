@@ -216,13 +216,13 @@ def test_cross_policy_turns_mix_versions_and_log_probs_match_the_sampling_engine
     requests = [("chat", i, i // 2) for i in range(6)]
     trajs = asyncio.run(run_group_lockstep(pool, ChattyEnv(turns=5), template, requests, params,
                                            EpisodeOptions(EpisodeLimits(max_turns=8, max_total_tokens=2000))))
-    mixed = [t for t in trajs if len(set(t.versions)) > 1]
-    assert mixed, [t.versions for t in trajs]
-    assert any(len(t.versions) >= 3 for t in trajs)
+    mixed = [t for t in trajs if len(set(t.turn_versions)) > 1]
+    assert mixed, [t.turn_versions for t in trajs]
+    assert any(t.num_turns >= 3 for t in trajs)
     checked = 0
     for t in trajs:
         under = {v: _token_logprobs(e, t.token_ids, temperature) for v, e in by_version.items()}
-        for (start, end), v in zip(t.turn_spans, t.versions):
+        for (start, end), v in zip(t.turn_spans, t.turn_versions):
             recorded = t.behavior_logprobs[start:end]
             assert recorded == pytest.approx(under[v][start:end], abs=1e-4), (v, start)
             for o in by_version:  # and they are not those of the other versions

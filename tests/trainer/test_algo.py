@@ -79,7 +79,7 @@ def test_train_vs_rollout_mismatch_by_version_lag():
     """Per lag bucket: mean |Δ logp|, the k3 KL of behavior vs train and the token count, over policy
     tokens only; lags past the last bucket share it; the batch builder gives each generated token its
     turn's lag."""
-    from megatron_agentrl.algo.mismatch import LAG_BUCKETS, lag_metrics, lag_sums, token_versions
+    from megatron_agentrl.algo.mismatch import LAG_BUCKETS, lag_metrics, lag_sums
 
     lp = torch.tensor([[0.0, -1.0, -2.0, -0.5, -0.1]])
     beh = torch.tensor([[0.0, -1.0, -1.5, -0.5, -0.3]])
@@ -92,7 +92,6 @@ def test_train_vs_rollout_mismatch_by_version_lag():
     assert m["mismatch/kl_lag1"] == pytest.approx(math.expm1(d) - d)
     assert m[f"mismatch/tokens_lag{LAG_BUCKETS - 1}plus"] == 1  # lag 11 in the last bucket
     assert not any(k.endswith("lag2") for k in m)  # empty buckets are not reported
-    assert token_versions([(2, 4), (6, 9)], [3, 5], 8) == [-1, -1, 3, 3, -1, -1, 5, 5]
 
 
 def test_rl_batch_carries_version_lag():
@@ -100,11 +99,13 @@ def test_rl_batch_carries_version_lag():
     from megatron_agentrl.pipeline.batch import build_rl_batch, normalize_batch
     from rollout_sglang.trajectory import Trajectory
 
-    t = Trajectory([1, 2, 3, 4, 5, 6], [0, 1, 1, 0, 1, 0], [0, -0.1, -0.2, 0, -0.3, 0], [4, 3], [(1, 3), (4, 5)],
-                   "lookup", 0, 0, reward=1.0)
-    u = Trajectory([1, 2, 3], [0, 1, 0], [0, -0.5, 0], [5], [(1, 2)], "lookup", 0, 1, reward=0.0)
+    # t's first turn crossed an in-flight update (its tokens from versions 4 and 5): each token keeps its own lag
+    t = Trajectory([1, 2, 3, 4, 5, 6], [0, 1, 1, 0, 1, 0], [0, -0.1, -0.2, 0, -0.3, 0], [-1, 4, 5, -1, 3, -1],
+                   [(1, 3), (4, 5)], "lookup", 0, 0, reward=1.0)
+    u = Trajectory([1, 2, 3], [0, 1, 0], [0, -0.5, 0], [-1, 5, -1], [(1, 2)], "lookup", 0, 1, reward=0.0)
+    assert (t.oldest_version, t.tokens_after_update, t.turn_versions) == (3, 1, [4, 3])
     rl = build_rl_batch([t, u], ["lookup"], AlgoConfig(), trained_version=5)
-    assert rl.batch.version_lag.tolist() == [[-1, 1, 1, -1, 2, -1], [-1, 0, -1, -1, -1, -1]]
+    assert rl.batch.version_lag.tolist() == [[-1, 1, 0, -1, 2, -1], [-1, 0, -1, -1, -1, -1]]
     norm = normalize_batch(rl.batch, rl.task_ids, AlgoConfig(), 1)
     assert torch.equal(norm.version_lag, rl.batch.version_lag)
     assert build_rl_batch([t, u], ["lookup"], AlgoConfig()).batch.version_lag is None

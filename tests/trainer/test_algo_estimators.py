@@ -70,7 +70,8 @@ def test_estimator_dispatch_and_batch_builder():
         group_advantages("ppo", rewards, groups, n)
 
     def traj(mask: list[int], group: int, reward: float) -> Trajectory:
-        return Trajectory(list(range(1, len(mask) + 1)), mask, [-0.1 * m for m in mask], [0], [(0, len(mask))],
+        return Trajectory(list(range(1, len(mask) + 1)), mask, [-0.1 * m for m in mask], [0 if m else -1 for m in mask],
+                          [(0, len(mask))],
                           "lookup", 0, group, reward=reward)
 
     trajs = [traj([0, 1, 1], 0, 1.0), traj([0, 1, 0], 0, 0.0), traj([0, 1, 1, 1], 0, 2.0)]

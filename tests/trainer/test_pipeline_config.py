@@ -72,7 +72,7 @@ def test_task_reward_options_and_unknown_key():
 def _traj(reward, status="completed", success=None, error="", task="t", length=0):
     from rollout_sglang.trajectory import Trajectory
 
-    t = Trajectory(list(range(length)), [0] * length, [0.0] * length, [], [], task, 0, 0, reward=reward,
+    t = Trajectory(list(range(length)), [0] * length, [0.0] * length, [-1] * length, [], task, 0, 0, reward=reward,
                    status=status, error=error)
     if success is not None:
         t.metrics["success"] = success

@@ -91,8 +91,8 @@ def test_manager_never_trains_samples_older_than_eta(template, eta, lag):
             for g in batch:
                 assert len(g.trajectories) == G and all(t.status == "completed" for t in g.trajectories)
                 for t in g.trajectories:
-                    staleness.append(version - min(t.versions))
-                    multi_version += len(set(t.versions)) > 1
+                    staleness.append(version - t.oldest_version)
+                    multi_version += len(set(t.sampled_versions)) > 1
             with mgr._cond:  # admission bound: accepted + running <= (version + eta - lag + 1) * B
                 bound_ok &= mgr.stats.consumed + len(mgr._queue) + mgr._running <= (version + eta - lag + 1) * B
             time.sleep(0.003)  # "training"

@@ -395,6 +395,12 @@ class RolloutConfig(EpisodeLimits, RetryOptions, WeightSyncLimits, AgentRunnerOp
     cross_policy: which version samples each turn: "latest" (on-policy, cross-policy off),
         "uniform" (every live version alike), "recency" (k-th newest with weight recency_decay**k).
     recency_decay: in (0, 1], used by "recency".
+    weight_update_mode: what a full-weight update does with the requests running on the slot it updates:
+        "drain" waits for them to finish (``engine_timeout_s`` at most), then pauses the slot's engines; "retract"
+        and "in_place" update in flight: the engines hold their running requests between two tokens, load the
+        weights and continue them, over a KV cache recomputed with the new weights ("retract": exact) or kept
+        from the old ones ("in_place": cheaper, slightly off-policy). Every token's version is recorded either
+        way (docs/rollout.md, "In-flight weight updates"). A LoRA run's adapter versions never pause.
     engine_timeout_s: limit on one generate call and on draining a slot before its update, seconds.
     engine_startup_timeout_s: limit on an SGLang server becoming healthy, seconds.
     engine_health_interval_s / engine_health_timeout_s: how often each SGLang server's health is probed
@@ -442,6 +448,7 @@ class RolloutConfig(EpisodeLimits, RetryOptions, WeightSyncLimits, AgentRunnerOp
     engines_per_slot: int = 1
     cross_policy: Literal["latest", "uniform", "recency"] = "latest"
     recency_decay: float = 0.5
+    weight_update_mode: Literal["drain", "retract", "in_place"] = "drain"
     engine_timeout_s: float = 600.0
     engine_startup_timeout_s: float = 900.0
     engine_health_interval_s: float = 5.0
@@ -957,6 +964,10 @@ class Config:
         if self.log_every < 1:
             raise ConfigError(f"log_every={self.log_every!r} must be a positive integer (log every this many steps)")
         self.rollout.check_engine_slots(self.lora.enabled)
+        if self.lora.enabled and self.rollout.weight_update_mode != "drain":
+            raise FieldError("rollout", "weight_update_mode", self.rollout.weight_update_mode,
+                             "has nothing to do in a LoRA run (lora.rank > 0): its versions are adapters, published "
+                             "without a pause; leave it at 'drain'")
         if self.model.hf_config is None and not self.model.arch and not self.model.megatron_checkpoint:
             raise ConfigError("model: set model.hf_config (a Hugging Face config dir) or model.arch (inline config "
                               "fields)")

@@ -205,7 +205,8 @@ def build_rollout_side(cfg: Config, hf_config: Any, dtype: torch.dtype, template
     pool = VersionPool.from_engines(engines, r.max_versions, r.engines_per_slot, policy=r.cross_policy,
                                     recency_decay=r.recency_decay, seed=cfg.train.seed,
                                     drain_timeout_s=r.engine_timeout_s, live_timeout_s=r.engine_unavailable_timeout_s,
-                                    live_adapters=r.max_versions if cfg.lora.enabled else None)
+                                    live_adapters=r.max_versions if cfg.lora.enabled else None,
+                                    update_mode=r.weight_update_mode)
     if remote is not None:  # servers in other processes fail apart from us: probe them
         pool.start_health_checks(r.engine_health_interval_s, r.engine_health_timeout_s)
     p = cfg.pipeline

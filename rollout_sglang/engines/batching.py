@@ -209,12 +209,16 @@ class BatchingEngine:
             return self.busy_s + extra
 
     # ------------------------------------------------------------ pause / weights
-    def pause(self) -> None:
-        """Hold new engine calls and pause the wrapped engine. Call it when no call runs (the version pool
-        drains a slot first): an engine whose pause aborts requests, like SGLang's, would lose the running one."""
+    def pause(self, mode: str | None = None) -> None:
+        """Hold new engine calls and pause the wrapped engine with ``mode`` (:meth:`Engine.pause`). With None, call it
+        when no call runs (the version pool drains a slot first): an engine whose plain pause aborts requests, like
+        SGLang's, would lose the running one; with "in_place" or "retract" the running call is held and continues."""
         with self._lock:
             self._resumed.clear()
-        self.engine.pause()
+        if mode is None:
+            self.engine.pause()
+        else:
+            self.engine.pause(mode)
 
     def resume(self) -> None:
         """Resume the wrapped engine and release held calls."""

@@ -191,6 +191,7 @@ class LocalEngine:
         # a running call holds here (releasing the lock) while an in-flight update loads weights
         self._held = threading.Condition(self._weights_lock)
         self._hold_mode: str | None = None
+        self._holding = 0  # running calls held now
         self._resumed = threading.Event()
         self._resumed.set()
         self._async_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
@@ -461,7 +462,12 @@ class LocalEngine:
         until :meth:`resume`; the pause's mode. TimeoutError after ``resume_timeout_s``."""
         mode = self._hold_mode
         assert mode is not None
-        if not self._held.wait_for(lambda: self._hold_mode is None, timeout=self.resume_timeout_s):
+        self._holding += 1
+        try:
+            resumed = self._held.wait_for(lambda: self._hold_mode is None, timeout=self.resume_timeout_s)
+        finally:
+            self._holding -= 1
+        if not resumed:
             raise TimeoutError(f"LocalEngine held a running generation for more than {self.resume_timeout_s:.1f}s in "
                                f"a pause({mode!r}); call resume() after the weight update (or raise resume_timeout_s)")
         return mode
@@ -608,12 +614,14 @@ class LocalEngine:
 
     # ---------------------------------------------------------------- status
     def health(self) -> dict:
-        """``{"ok", "version", "paused", "updating", "device", "dtype", "num_parameters", "generate_calls"}``."""
+        """``{"ok", "version", "paused", "pause_mode", "held" (running calls held by an in-flight pause), "updating",
+        "device", "dtype", "num_parameters", "generate_calls", "adapters"}``."""
         return {
             "ok": True,
             "version": self.version,
             "paused": not self._resumed.is_set(),
             "pause_mode": self._hold_mode,
+            "held": self._holding,
             "updating": self._pending_version is not None,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),

@@ -10,6 +10,11 @@
   update (each engine stamps the new version, SGLang engines flush their prefix cache) and
   resumes the slot; :meth:`VersionPool.abort_update` marks the slot failed (never sampled until a
   later sync succeeds) and resumes it.
+* **In-flight updates.** With ``update_mode`` "in_place" or "retract" (:data:`~rollout_sglang.engines.protocol.
+  PauseMode`) :meth:`VersionPool.begin_update` does not drain: it pauses the slot's engines in that mode, which
+  holds their running requests between two tokens, opens the update, and the slot keeps taking requests (they wait
+  at the engines); :meth:`VersionPool.end_update` resumes the engines and the held requests continue on the new
+  weights. Every output carries the version of each of its tokens, so a turn that the update crossed holds both.
 * **Cross-policy sampling.** Per request (per turn of a trajectory) :meth:`VersionPool.route`
   draws a slot by ``policy``, from a seeded generator: ``"latest"`` (on-policy: only slots that
   hold the newest version), ``"uniform"`` (every live version equally likely), ``"recency"``
@@ -57,6 +62,7 @@ from typing import Any
 from rollout_sglang.engines.adapter import Adapter
 from rollout_sglang.engines.adapter_versions import AdapterVersions, LiveVersion
 from rollout_sglang.engines.protocol import (
+    PAUSE_MODES,
     Engine,
     EnginesUnavailable,
     EngineUnavailable,
@@ -69,6 +75,14 @@ logger = logging.getLogger(__name__)
 POLICIES = ("latest", "uniform", "recency")
 
 
+class CallWithdrawn(EngineUnavailable):
+    """The pool withdrew a call from an engine that stays in rotation (its slot's in-flight update failed, so the
+    call would go on over partly loaded weights): the prompts are generated again, the engine is not marked down."""
+
+#: how a full-weight update treats the requests running on its slot: wait for them, or hold them (PauseMode)
+UPDATE_MODES = ("drain", *PAUSE_MODES)
+
+
 @dataclass
 class Slot:
     """One version slot: its engines (global indices ``engine_ids``), version and state."""
@@ -78,6 +92,7 @@ class Slot:
     engine_ids: list[int]
     version: int
     updating: bool = False
+    in_flight: bool = False
     failed: bool = False
     pending_version: int | None = None
     targets: list[int] = field(default_factory=list)
@@ -85,9 +100,9 @@ class Slot:
 
     @property
     def live(self) -> bool:
-        """Whether the slot's state admits requests (not updating, no failed sync); the pool also needs one
-        of its engines in rotation."""
-        return not self.updating and not self.failed
+        """Whether the slot's state admits requests (no failed sync, not updating unless in flight: requests then
+        wait at its paused engines); the pool also needs one of its engines in rotation."""
+        return (not self.updating or self.in_flight) and not self.failed
 
 
 class VersionPool:
@@ -104,13 +119,20 @@ class VersionPool:
         also the limit on re-routing a call whose engines keep failing.
     live_adapters: a LoRA run: the number of live versions, each an adapter on the one slot's base (None: each
         version is a slot of full weights).
+    update_mode: "drain" (an update waits for the slot's requests to finish, then pauses it) or a
+        :data:`~rollout_sglang.engines.protocol.PauseMode`, "in_place" / "retract" (an in-flight update: the running
+        requests are held, not waited for; see the module doc). A LoRA run's adapters never pause either way.
     """
 
     def __init__(self, slots: Sequence[Sequence[Engine]], *, policy: str = "latest", recency_decay: float = 0.5,
                  seed: int = 0, drain_timeout_s: float = 600.0, max_affinity_keys: int = 100_000,
-                 live_timeout_s: float | None = None, live_adapters: int | None = None) -> None:
+                 live_timeout_s: float | None = None, live_adapters: int | None = None,
+                 update_mode: str = "drain") -> None:
         if policy not in POLICIES:
             raise ValueError(f"cross_policy={policy!r} is not one of {POLICIES}")
+        if update_mode not in UPDATE_MODES:
+            raise ValueError(f"weight_update_mode={update_mode!r} is not one of {UPDATE_MODES}")
+        self.update_mode = update_mode
         if not 0 < recency_decay <= 1:
             raise ValueError(f"recency_decay={recency_decay!r} must be in (0, 1]")
         if not slots or any(len(s) == 0 for s in slots):
@@ -145,6 +167,7 @@ class VersionPool:
         self._epoch = [0] * len(self.engines)
         self._calls: list[set[tuple[asyncio.AbstractEventLoop, asyncio.Task]]] = [set() for _ in self.engines]
         self._kill_reason: dict[asyncio.Task, str] = {}
+        self._withdrawn: set[asyncio.Task] = set()
         self._probes: list[threading.Thread] = []
         self._stop_probes = threading.Event()
         self.stats = {"routed": 0, "affinity_hits": 0, "engine_failures": 0, "engine_returns": 0, "rerouted": 0}
@@ -411,15 +434,19 @@ class VersionPool:
         except asyncio.CancelledError:
             with self._lock:
                 reason = self._kill_reason.get(task)
+                withdrawn = task in self._withdrawn
             current = asyncio.current_task()
             if reason is None or (current is not None and current.cancelling()):
                 raise
+            if withdrawn:
+                raise CallWithdrawn(f"a call on {self.engine_name(engine_id)} was withdrawn: {reason}") from None
             raise EngineUnavailable(f"{self.engine_name(engine_id)} was taken out of rotation while generating: "
                                     f"{reason}") from None
         finally:
             with self._lock:
                 self._calls[engine_id].discard(entry)
                 self._kill_reason.pop(task, None)
+                self._withdrawn.discard(task)
             self.release(engine_id, len(prompts), versions)
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -464,7 +491,8 @@ class VersionPool:
             todo, error = [], None
             for (e, rows), res in zip(by_engine.items(), results):
                 if isinstance(res, EngineUnavailable):
-                    self.mark_down(e, str(res))
+                    if not isinstance(res, CallWithdrawn):
+                        self.mark_down(e, str(res))
                     todo.extend(rows)
                 elif isinstance(res, BaseException):
                     error = error or res
@@ -494,8 +522,18 @@ class VersionPool:
                 return
             self._down[engine_id] = (reason, time.monotonic())
             self.stats["engine_failures"] += 1
+        running = self._cancel_calls(engine_id, reason)
+        logger.error("%s (slot %d) is out of rotation: %s; %d running calls go to other engines",
+                     self.engine_name(engine_id), self._slot_of[engine_id].index, reason, running)
+
+    def _cancel_calls(self, engine_id: int, reason: str, withdraw: bool = False) -> int:
+        """Cancel the calls running on engine ``engine_id`` (their callers generate again elsewhere; ``withdraw``: the
+        engine stays in rotation, :class:`CallWithdrawn`); how many."""
+        with self._lock:
             for loop, task in list(self._calls[engine_id]):
                 self._kill_reason[task] = reason
+                if withdraw:
+                    self._withdrawn.add(task)
                 try:
                     loop.call_soon_threadsafe(task.cancel)
                 except RuntimeError:  # its event loop has closed: nothing runs there any more
@@ -505,8 +543,7 @@ class VersionPool:
         abandon = getattr(self.engines[engine_id], "abandon", None)
         if callable(abandon):  # a batching wrapper drops the call it runs, so the engine's return finds it free
             abandon()
-        logger.error("%s (slot %d) is out of rotation: %s; %d running calls go to other engines",
-                     self.engine_name(engine_id), self._slot_of[engine_id].index, reason, running)
+        return running
 
     def mark_up(self, engine_id: int, weight_version: int | None) -> None:
         """Engine ``engine_id`` passed its health probe, reporting ``weight_version``: it serves again when that
@@ -599,7 +636,9 @@ class VersionPool:
                                                   s.version, s.index))
 
     def begin_update(self, version: int, slot: Slot | int | None = None, timeout_s: float | None = None) -> Slot:
-        """Take ``slot`` (default: the oldest) out of routing, drain it, pause its engines and open their update.
+        """Take ``slot`` (default: the oldest) out of routing, drain it, pause its engines and open their update; in
+        flight (``update_mode`` "in_place" / "retract", not with adapter versions) the slot stays in routing and its
+        engines are paused in that mode at once, their running requests held.
 
         Opening the update tells each engine ``version`` (``begin_weight_update``), once: the weights that
         follow (``deliver_direct``, a broadcaster's buckets) carry none. Engines out of rotation are left
@@ -614,11 +653,12 @@ class VersionPool:
             s = self.oldest_slot() if slot is None else (self.slots[slot] if isinstance(slot, int) else slot)
             if s.updating:
                 raise RuntimeError(f"slot {s.index} is already being updated")
-            if not any(x.live for x in self.slots if x is not s):
+            in_flight = self.update_mode != "drain" and self.adapters is None
+            if not in_flight and not any(x.live for x in self.slots if x is not s):
                 logger.debug("updating slot %d leaves no live slot: generation waits until the update ends", s.index)
-            s.updating = True
+            s.updating, s.in_flight = True, in_flight
             deadline = time.monotonic() + t
-            while any(self._inflight[e] for e in s.engine_ids):
+            while not in_flight and any(self._inflight[e] for e in s.engine_ids):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     s.updating = False
@@ -631,7 +671,9 @@ class VersionPool:
             for step in ("pause", "begin"):
                 for eid in list(s.targets):
                     try:
-                        if step == "pause":
+                        if step == "pause" and in_flight:
+                            self.engines[eid].pause(self.update_mode)
+                        elif step == "pause":
                             self.engines[eid].pause()
                         else:
                             self.engines[eid].begin_weight_update(int(version), {})
@@ -644,7 +686,7 @@ class VersionPool:
         except BaseException:
             self._resume_quietly(s)
             with self._lock:
-                s.updating = False
+                s.updating = s.in_flight = False
                 s.targets = []
                 self._lock.notify_all()
             raise
@@ -673,7 +715,7 @@ class VersionPool:
         with self._lock:
             s.version, s.pending_version = s.pending_version, None
             self._needs_weights -= set(s.targets)
-            s.updating = False
+            s.updating = s.in_flight = False
             s.failed = not s.targets
             s.updated_at = time.monotonic()
             self._lock.notify_all()
@@ -762,8 +804,15 @@ class VersionPool:
                 self.adapters.drop(live)
 
     def abort_update(self, slot: Slot | int) -> None:
-        """A sync of the slot failed: mark it failed (not sampled until a sync succeeds) and resume it."""
+        """A sync of the slot failed: mark it failed (not sampled until a sync succeeds) and resume it. In flight,
+        the requests its engines held are cancelled first (their callers generate again elsewhere): they would go on
+        over partly loaded weights."""
         s = self.slots[slot] if isinstance(slot, int) else slot
+        with self._lock:
+            s.failed = True  # no new requests while it is closed
+        if s.in_flight:
+            for eid in s.engine_ids:
+                self._cancel_calls(eid, f"slot {s.index}'s in-flight update failed", withdraw=True)
         for e in (self.engines[eid] for eid in s.targets):
             abort = getattr(e, "abort_weight_update", None)
             try:
@@ -776,7 +825,7 @@ class VersionPool:
         self._resume_quietly(s)
         with self._lock:
             s.pending_version = None
-            s.updating = False
+            s.updating = s.in_flight = False
             s.failed = True
             self._lock.notify_all()
         logger.error("slot %d failed its update and is out of rotation until the next successful sync", s.index)

@@ -16,10 +16,13 @@ row (a row that did not ask starts at its prompt's end, the least there is, and 
 cut back to its cap keeps the routing of the positions it kept. LoRA adapters (``adapters``) are per row too:
 calls of different adapters merge, as SGLang batches several adapters.
 
-Weight updates go through the version pool, which drains a slot before it pauses the slot's
-engines: :meth:`pause` then holds the calls that arrive later and pauses the wrapped engine, so no
-generation ever sees half-loaded weights; in-flight trajectories continue on the new weights after
-:meth:`resume` (partial rollout).
+An engine that batches on its own (``continuous_batching = True``: SGLang's scheduler, the local engine, where a
+call joins the running one between two decode steps) gets every call as it comes, concurrently: merging calls here
+would make each wait for the longest of its merged batch.
+
+Weight updates go through the version pool: :meth:`pause` holds the calls that arrive later and pauses the wrapped
+engine, so no generation ever sees half-loaded weights; the calls running then finish first (the pool drained the
+slot) or are held by the engine and continue on the new weights after :meth:`resume` (an in-flight update).
 """
 from __future__ import annotations
 
@@ -90,7 +93,11 @@ class BatchingEngine:
         self._resumed = threading.Event()
         self._resumed.set()
         self._busy_since: float | None = None
+        self._active = 0  # engine calls running
+        self._running: set[asyncio.Task] = set()
         self._lock = threading.Lock()
+        #: the wrapped engine batches concurrent calls itself: each call goes to it as it comes
+        self.concurrent = bool(getattr(engine, "continuous_batching", False))
 
     # ------------------------------------------------------------ protocol
     @property
@@ -130,6 +137,13 @@ class BatchingEngine:
 
     async def _work(self) -> None:
         while self._pending:
+            if self.concurrent:
+                c = self._pending.pop(0)
+                if not c.future.done() and await self._start([c]):
+                    task = asyncio.get_running_loop().create_task(self._run([c]))
+                    self._running.add(task)
+                    task.add_done_callback(self._running.discard)
+                continue
             key = _merge_key(self._pending[0].params)
             take: list[_Call] = []
             rest: list[_Call] = []
@@ -143,23 +157,27 @@ class BatchingEngine:
                 else:
                     rest.append(c)
             self._pending = rest
-            if not take:
-                continue
-            # wait for resume, then mark busy atomically with the check (a pause in between holds the call)
-            while True:
-                try:
-                    await self._wait_resumed()
-                except TimeoutError as e:
-                    for c in take + self._pending:
-                        if not c.future.done():
-                            c.future.set_exception(e)
-                    self._pending = []
-                    return
-                with self._lock:
-                    if self._resumed.is_set():
+            if take and await self._start(take):
+                await self._run(take)
+
+    async def _start(self, take: list[_Call]) -> bool:
+        """Wait for resume, then mark the engine busy atomically with the check (a pause in between holds the
+        call); False (every waiting call failed) when the pause outlasted ``resume_timeout_s``."""
+        while True:
+            try:
+                await self._wait_resumed()
+            except TimeoutError as e:
+                for c in take + self._pending:
+                    if not c.future.done():
+                        c.future.set_exception(e)
+                self._pending = []
+                return False
+            with self._lock:
+                if self._resumed.is_set():
+                    if self._active == 0:
                         self._busy_since = time.perf_counter()
-                        break
-            await self._run(take)
+                    self._active += 1
+                    return True
 
     async def _run(self, take: list[_Call]) -> None:
         """One engine call for ``take`` (the worker marked the engine busy already)."""
@@ -189,8 +207,10 @@ class BatchingEngine:
             return
         finally:
             with self._lock:
-                self.busy_s += time.perf_counter() - (self._busy_since or time.perf_counter())
-                self._busy_since = None
+                self._active -= 1
+                if self._active == 0:
+                    self.busy_s += time.perf_counter() - (self._busy_since or time.perf_counter())
+                    self._busy_since = None
         self.calls += 1
         self.rows += len(prompts)
         self.merged_calls += len(take)
@@ -259,12 +279,15 @@ class BatchingEngine:
         (stalled or dead), its callers went elsewhere, and calls after its return must not queue behind a call
         that may never end (an SGLang request then closes its connection)."""
         loop, worker = self._loop, self._worker
-        if loop is None or worker is None or worker.done():
+        if loop is None:
             return
-        try:
-            loop.call_soon_threadsafe(worker.cancel)
-        except RuntimeError:  # its event loop has closed: nothing runs there any more
-            pass
+        for task in [worker, *self._running]:
+            if task is None or task.done():
+                continue
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # its event loop has closed: nothing runs there any more
+                return
 
     @property
     def name(self) -> str:

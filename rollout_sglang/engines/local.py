@@ -9,8 +9,12 @@ engine's numerics. Generation is a hand-written KV-cache loop (not ``model.gener
   reports ``log_softmax(fp32 logits / temperature)[token]`` from *before* truncation;
 * with ``params.seed`` set, row ``i`` samples with its own ``torch.Generator`` seeded
   ``seed + i``, so a row's tokens do not depend on the rest of the batch;
-* rows stop on ``stop_token_ids`` (the stop token is kept) or at ``max_new_tokens``; finished
+* rows stop on ``stop_token_ids`` (the stop token is kept) or at their call's ``max_new_tokens``; finished
   rows leave the batch (their KV cache rows are dropped);
+* continuous batching: one decoding loop runs at a time, and a call that arrives while it runs with the same
+  sampling settings (temperature, top-p, top-k, stop tokens, seeded or not) joins it at the next decode step: its
+  prompts are prefilled and their KV cache merged into the batch's (both left-padded to the longer), and the call
+  returns when its own rows are done; a call with other settings waits for the loop to end;
 * LoRA adapters (:meth:`LocalEngine.load_adapter`) stay unmerged: each row of a call names its adapter or
   none (``adapters``), so every live weight version of a LoRA run shares this one base
   (:mod:`rollout_sglang.engines.lora_rows`); a row's output carries its adapter's version;
@@ -18,32 +22,34 @@ engine's numerics. Generation is a hand-written KV-cache loop (not ``model.gener
   (:mod:`rollout_sglang.engines.router_capture`) record each forward pass's top-k choices, and each
   row gets those of its positions ``[routing_from, len(prompt) + len(generated) - 1)``: the prefill's
   (its pads left out) and each decode step's (position ``t``: the forward of token ``t``; the last
-  sampled token is never fed back). Without ``routing_from`` no hook is registered.
+  sampled token is never fed back). A dense model registers no hook.
 
-Compute runs in a worker thread (``asyncio.to_thread``); a lock serialises generate calls and
-weight loading, so weights never change under a forward pass. Weights arrive by
-Hugging Face parameter name between :meth:`LocalEngine.begin_weight_update` and
-:meth:`LocalEngine.end_weight_update`. A plain :meth:`LocalEngine.pause` lets a running call finish (the
-version pool drained the engine first); ``pause("in_place")`` or ``pause("retract")`` (an in-flight update) holds
-a running call between two decode steps, with the lock released so that the weights can load, and
-:meth:`LocalEngine.resume` continues it on them: over the KV cache as it was (``in_place``), or after a forward of
-each row's prompt and tokens so far under the new weights rebuilds the cache (``retract``; the routers' choices of
-that recompute are not recorded: a position keeps those of the forward that sampled from it). Each output carries
-the version of every token (``token_versions``).
+Compute runs in a worker thread (``asyncio.to_thread``) under a lock that weight loading also takes, so weights
+never change under a forward pass. Weights arrive by Hugging Face parameter name between
+:meth:`LocalEngine.begin_weight_update` and :meth:`LocalEngine.end_weight_update`. A plain
+:meth:`LocalEngine.pause` lets a running call finish (the version pool drained the engine first);
+``pause("in_place")`` or ``pause("retract")`` (an in-flight update) holds a running call between two decode steps,
+with the lock released so that the weights can load, and :meth:`LocalEngine.resume` continues it on them: over the
+KV cache as it was (``in_place``), or after a forward of each row's prompt and tokens so far under the new weights
+rebuilds the cache (``retract``; the routers' choices of that recompute are not recorded: a position keeps those of
+the forward that sampled from it). Each output carries the version of every token (``token_versions``).
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import difflib
 import logging
 import os
 import re
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+import torch.nn.functional as F
 
 from rollout_sglang.engines.adapter import Adapter
 from rollout_sglang.engines.lora_rows import AdapterRows
@@ -142,6 +148,45 @@ def _load_pretrained(path: str | os.PathLike, dtype: torch.dtype) -> torch.nn.Mo
     return AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, local_files_only=True)
 
 
+@dataclass(eq=False)
+class _Row:
+    """One prompt of a call in the decoding batch: what it generated so far and when it ends."""
+
+    index: int  # its place in its call
+    prompt: list[int]
+    cap: int  # max_new_tokens
+    stop: frozenset[int]
+    adapter: str | None
+    generator: torch.Generator | None  # its own, when the call is seeded
+    routing_from: int | None  # MoE models: the first position whose routed experts it asked for
+    record: list[torch.Tensor] = field(default_factory=list)  # those experts so far, [n, MoE layers, top-k] pieces
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    reason: str = "length"
+    done: bool = False
+
+
+@dataclass(eq=False)
+class _Join:
+    """A call that joins the running decoding loop: its rows and the future of its outputs."""
+
+    rows: list[_Row]
+    future: concurrent.futures.Future
+
+
+def _merge_caches(cache: Any, mask: torch.Tensor, other: Any, other_mask: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """``other``'s rows appended to ``cache`` (dynamic KV caches ``[b, heads, T, dim]`` per layer), both left-padded
+    to the longer; the attention mask ``[b + b', T]`` hides the pads."""
+    width = max(mask.shape[1], other_mask.shape[1])
+    for layer, add in zip(cache.layers, other.layers):
+        pad_a, pad_b = width - layer.keys.shape[-2], width - add.keys.shape[-2]
+        layer.keys = torch.cat([F.pad(layer.keys, (0, 0, pad_a, 0)), F.pad(add.keys, (0, 0, pad_b, 0))])
+        layer.values = torch.cat([F.pad(layer.values, (0, 0, pad_a, 0)), F.pad(add.values, (0, 0, pad_b, 0))])
+    mask = torch.cat([F.pad(mask, (width - mask.shape[1], 0)), F.pad(other_mask, (width - other_mask.shape[1], 0))])
+    return cache, mask
+
+
 class LocalEngine:
     """A Hugging Face causal LM serving the Engine protocol in-process.
 
@@ -158,6 +203,10 @@ class LocalEngine:
     init_seed: with a config, makes the random initialisation reproducible (torch's global RNG
         is left unchanged); None draws from the global RNG.
     """
+
+    #: a call that arrives while another decodes joins it between two decode steps (:class:`BatchingEngine` sends
+    #: calls as they come)
+    continuous_batching = True
 
     def __init__(
         self,
@@ -194,7 +243,11 @@ class LocalEngine:
         self._holding = 0  # running calls held now
         self._resumed = threading.Event()
         self._resumed.set()
-        self._async_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        # continuous batching: one decoding loop at a time; calls with its sampling settings join it between steps
+        self._join_lock = threading.Lock()
+        self._loop_active = False
+        self._running_key: tuple | None = None
+        self._joins: list[_Join] = []
         # name -> tensor for every HF name the model answers to (tied weights appear under both names)
         self._named: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
         self._pending_version: int | None = None
@@ -240,13 +293,6 @@ class LocalEngine:
         return cls(Path(path), device=device, dtype=dtype, **kwargs)
 
     # ---------------------------------------------------------------- generation
-    def _loop_lock(self) -> asyncio.Lock:
-        """The asyncio lock serialising generate calls on the running event loop."""
-        loop = asyncio.get_running_loop()
-        if self._async_lock is None or self._async_lock[0] is not loop:
-            self._async_lock = (loop, asyncio.Lock())
-        return self._async_lock[1]
-
     async def _wait_resumed(self) -> None:
         """Wait (polling, thread-safe) until the engine is not paused; TimeoutError after resume_timeout_s."""
         if self._resumed.is_set():
@@ -281,9 +327,24 @@ class LocalEngine:
         if routing_from is not None:
             routing_from = self._check_routing_from(prompts, routing_from)
         adapters = check_adapters(prompts, adapters)
-        async with self._loop_lock():
+        while True:  # join the running call (continuous batching), or start one once none runs
+            with self._join_lock:
+                if not self._loop_active:
+                    self._loop_active = start = True
+                else:
+                    start = False
+                    fut = self._try_join_locked(prompts, params, adapters, routing_from)
+            if start:
+                break
+            if fut is not None:
+                return await asyncio.wrap_future(fut)
+            await asyncio.sleep(0.002)  # a call that this one cannot join runs (another setting, a pause): wait
+        try:
             await self._wait_resumed()
-            return await asyncio.to_thread(self._generate_sync, prompts, params, routing_from, adapters)
+            return await asyncio.to_thread(self._decode, prompts, params, routing_from, adapters)
+        finally:
+            with self._join_lock:
+                self._loop_active = False
 
     def _check_routing_from(self, prompts: list[list[int]], routing_from: list[int]) -> list[int]:
         """ValueError unless the model is MoE and the starts fit the prompts (:func:`routing_starts`)."""
@@ -331,131 +392,196 @@ class LocalEngine:
             tok = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
         return tok, logp.gather(-1, tok[:, None])[:, 0]
 
-    def _generate_sync(self, prompts: list[list[int]], params: SamplingParams,
-                       routing_from: list[int] | None = None,
-                       adapters: list[str | None] | None = None) -> list[GenerationOutput]:
-        """The batched KV-cache decoding loop (runs in a worker thread, under the weights lock), with the
-        routers' choices recorded when ``routing_from`` is given."""
-        if routing_from is None:
-            return self._decode(prompts, params, None, adapters)
-        layout = self.routing_layout
-        assert layout is not None
-        # per row, the [n, M, K] choices of its positions from routing_from on, in forward order
-        record: list[list[torch.Tensor]] = [[] for _ in prompts]
-        outs = self._decode(prompts, params, (routing_from, record), adapters)
-        for i, o in enumerate(outs):
-            n = max(0, len(prompts[i]) + len(o.token_ids) - 1 - routing_from[i])
-            got = torch.cat(record[i]).cpu() if record[i] else torch.zeros((0, len(layout.moe_layers), layout.top_k))
-            if got.shape[0] < n:
-                raise RuntimeError(f"routing capture recorded {got.shape[0]} positions for row {i}, expected {n}")
-            o.routed_experts = layout.check(got[:n].numpy(), n, f"local engine ({type(self.model).__name__})")
-        return outs
-
-    def _decode(self, prompts: list[list[int]], params: SamplingParams,
-                routing: tuple[list[int], list[list[torch.Tensor]]] | None,
-                adapters: list[str | None] | None = None) -> list[GenerationOutput]:
-        """The decoding loop; ``routing``: (the start of each row, each row's record to append to), recorded
-        by hooks that live only inside the lock (a call without routing never runs them); ``adapters``: each
-        row's adapter (None: the base for every row)."""
+    def _decode(self, prompts: list[list[int]], params: SamplingParams, routing_from: list[int] | None,
+                adapters: list[str | None] | None) -> list[GenerationOutput]:
+        """Run one call's decoding loop (in a worker thread, under the weights lock), which the calls that arrive
+        meanwhile join; its outputs."""
         with self._weights_lock:
-            per_row = adapters or [None] * len(prompts)
-            with self._adapters.assign(per_row):
-                outs = self._decode_locked(prompts, params, routing, per_row)
-            for o, name in zip(outs, per_row):
-                if name is not None:
-                    o.version = self._adapters.version_of(name)
-                    o.token_versions = [o.version] * len(o.token_ids)
-            return outs
+            rows = self._new_rows(prompts, params, adapters, routing_from)
+            with self._adapters.assign([r.adapter for r in rows]), torch.inference_mode(), \
+                    RouterCapture(self._routers) as capture:
+                return self._decode_locked(rows, params, capture)
 
-    def _decode_locked(self, prompts: list[list[int]], params: SamplingParams,
-                       routing: tuple[list[int], list[list[torch.Tensor]]] | None,
-                       per_row: list[str | None]) -> list[GenerationOutput]:
+    def _join_key(self, params: SamplingParams) -> tuple:
+        """What calls must share to run in one batch: the sampling settings and whether rows are seeded."""
+        return (params.temperature, params.top_p, params.top_k, tuple(sorted(params.stop_token_ids)),
+                params.seed is not None)
+
+    def _try_join_locked(self, prompts: list[list[int]], params: SamplingParams, adapters: list[str | None] | None,
+                         routing_from: list[int] | None) -> concurrent.futures.Future | None:
+        """Under the join lock: queue a call to join the running one at its next decode step (continuous batching);
+        its future, or None when the running one cannot take it (other sampling settings, a pause, no new
+        tokens asked)."""
+        if (self._running_key is None or self._running_key != self._join_key(params) or not self._resumed.is_set()
+                or params.max_new_tokens == 0):
+            return None
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._joins.append(_Join(self._new_rows(prompts, params, adapters, routing_from), fut))
+        self._num_generate_calls += 1
+        return fut
+
+    def _new_rows(self, prompts: list[list[int]], params: SamplingParams, adapters: list[str | None] | None,
+                  routing_from: list[int] | None) -> list[_Row]:
+        """One :class:`_Row` per prompt: its cap, stop tokens, adapter, (seeded) generator and routing start."""
+        stop = frozenset(int(t) for t in params.stop_token_ids)
+        rows = []
+        for i, prompt in enumerate(prompts):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(int(params.seed) + i)
+            rows.append(_Row(i, list(prompt), int(params.max_new_tokens), stop, adapters[i] if adapters else None,
+                             gen, None if routing_from is None else int(routing_from[i])))
+        return rows
+
+    def _prefill(self, seqs: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor, int]:
+        """One forward of ``seqs``, left-padded, under the weights and adapter rows set now: ``(cache, attention mask
+        [b, width], last logits [b, V] float32, width)``."""
         from transformers import DynamicCache
 
-        with torch.inference_mode(), RouterCapture(self._routers if routing else {}) as capture:
-            self._num_generate_calls += 1
-            version = self.version
-            dev = self.device
-            bsz = len(prompts)
-            out_tokens: list[list[int]] = [[] for _ in range(bsz)]
-            out_logprobs: list[list[float]] = [[] for _ in range(bsz)]
-            out_versions: list[list[int]] = [[] for _ in range(bsz)]
-            reasons = ["length"] * bsz
-            if params.max_new_tokens == 0 and routing is None:
-                return [GenerationOutput([], [], "length", version) for _ in range(bsz)]
-            stop = set(int(t) for t in params.stop_token_ids)
-            lens = [len(p) for p in prompts]
-            width = max(lens)
-            ids = torch.zeros((bsz, width), dtype=torch.long)
-            mask = torch.zeros((bsz, width), dtype=torch.long)
-            for i, p in enumerate(prompts):
-                ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-                mask[i, width - len(p) :] = 1
-            ids, mask = ids.to(dev), mask.to(dev)
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            generators = None
-            if params.seed is not None:
-                generators = []
-                for i in range(bsz):
-                    g = torch.Generator(device=dev)
-                    g.manual_seed(int(params.seed) + i)
-                    generators.append(g)
+        width = max(len(q) for q in seqs)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, q in enumerate(seqs):
+            ids[i, width - len(q):] = torch.tensor(q, dtype=torch.long)
+            mask[i, width - len(q):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache, mask, out.logits[:, -1].float(), width
 
-            cache = DynamicCache(config=self.model.config)
-            out = self.model(
-                input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                logits_to_keep=1,
-            )
-            if routing is not None:  # the prompt's positions from each row's start (left pads dropped)
-                starts, record = routing
-                chosen = capture.take(bsz, width)
-                for i in range(bsz):
-                    record[i].append(chosen[i, width - lens[i] + starts[i]:])
-                if params.max_new_tokens == 0:  # SGLang returns the prefill's routing then: [start, len - 1)
-                    return [GenerationOutput([], [], "length", version) for _ in range(bsz)]
-            logits = out.logits[:, -1].float()
-            rows = list(range(bsz))  # original row of each live batch row
-            next_pos = torch.tensor(lens, dtype=torch.long, device=dev)
-            for step in range(params.max_new_tokens):
-                gens = None if generators is None else [generators[r] for r in rows]
+    def _prefill_rows(self, rows: list[_Row], capture: RouterCapture) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """:meth:`_prefill` of the rows' prompts, recording the routing of the prompt positions each row asked for
+        (from its start; left pads dropped): ``(cache, mask, last logits)``."""
+        self._adapters.select([r.adapter for r in rows])
+        cache, mask, logits, width = self._prefill([r.prompt for r in rows])
+        if self._routers:
+            chosen = capture.take(len(rows), width)
+            for i, r in enumerate(rows):
+                if r.routing_from is not None:
+                    r.record.append(chosen[i, width - len(r.prompt) + r.routing_from:])
+        return cache, mask, logits
+
+    def _decode_locked(self, rows: list[_Row], params: SamplingParams,
+                       capture: RouterCapture) -> list[GenerationOutput]:
+        """The decoding loop of a call's ``rows``: sample, drop the rows that ended, admit the calls that joined
+        (their prompts prefilled, their cache merged in), hold for an in-flight update, decode one step; until no
+        row is left and none waits to join."""
+        self._num_generate_calls += 1
+        dev = self.device
+        if params.max_new_tokens == 0:  # SGLang returns the prefill's routing then: [start, len - 1)
+            if any(r.routing_from is not None for r in rows):
+                self._prefill_rows(rows, capture)
+            return [self._output(r) for r in rows]
+        cache, mask, logits = self._prefill_rows(rows, capture)
+        live = list(rows)  # the rows in the batch, in batch order
+        next_pos = torch.tensor([len(r.prompt) for r in rows], dtype=torch.long, device=dev)
+        # other calls join between decode steps, unless this cache cannot be merged (a sliding-window layer)
+        joinable = all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
+        with self._join_lock:
+            self._running_key = self._join_key(params) if joinable else None
+        joined: list[_Join] = []
+        try:
+            while True:
+                gens = [r.generator for r in live] if params.seed is not None else None
                 tok, lp = self._sample(logits, params, gens)
-                tok_l, lp_l = tok.tolist(), lp.tolist()
-                keep: list[int] = []
-                for j, r in enumerate(rows):
-                    out_tokens[r].append(tok_l[j])
-                    out_logprobs[r].append(lp_l[j])
-                    out_versions[r].append(version)
-                    if tok_l[j] in stop:
-                        reasons[r] = "stop"
-                    else:
-                        keep.append(j)
-                if not keep or step == params.max_new_tokens - 1:
+                keep = self._append_sampled(live, tok.tolist(), lp.tolist(), joined)
+                admit = self._take_joins(bool(keep))
+                if not keep and not admit:
                     break
-                if len(keep) < len(rows):
+                if keep and len(keep) < len(live):
                     idx = torch.tensor(keep, dtype=torch.long, device=dev)
                     cache.batch_select_indices(idx)
                     mask, next_pos, tok = mask[idx], next_pos[idx], tok[idx]
-                    rows = [rows[j] for j in keep]
-                    self._adapters.select([per_row[r] for r in rows])
-                if self._hold_mode is not None:
-                    mode = self._hold_until_resumed()
-                    version = self.version
-                    if mode == "retract":
-                        cache, mask = self._recompute_cache([prompts[r] + out_tokens[r][:-1] for r in rows])
-                mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=dev)], dim=1)
-                out = self.model(
-                    input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                    past_key_values=cache, use_cache=True,
-                )
-                if routing is not None:  # position len(prompt) + step of each live row (>= its start)
-                    chosen = capture.take(len(rows), 1)
-                    for j, r in enumerate(rows):
-                        record[r].append(chosen[j])
-                logits = out.logits[:, -1].float()
-                next_pos = next_pos + 1
-            return [GenerationOutput(out_tokens[i], out_logprobs[i], reasons[i],
-                                     out_versions[i][-1] if out_versions[i] else version,
-                                     token_versions=out_versions[i]) for i in range(bsz)]
+                live = [live[j] for j in keep]
+                self._adapters.select([r.adapter for r in live])
+                if self._hold_mode is not None and self._hold_until_resumed() == "retract" and live:
+                    # the routers' choices of this recompute are not recorded: a position keeps those of the
+                    # forward that sampled from it
+                    cache, mask, _, _ = self._prefill([r.prompt + r.tokens[:-1] for r in live])
+                if live:
+                    mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype, device=dev)], dim=1)
+                    out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                                     past_key_values=cache, use_cache=True)
+                    if self._routers:  # position len(prompt) + step of each live row (>= its start)
+                        chosen = capture.take(len(live), 1)
+                        for j, r in enumerate(live):
+                            if r.routing_from is not None:
+                                r.record.append(chosen[j])
+                    logits = out.logits[:, -1].float()
+                    next_pos = next_pos + 1
+                if admit:
+                    new_rows = [r for j in admit for r in j.rows]
+                    c2, m2, l2 = self._prefill_rows(new_rows, capture)
+                    p2 = torch.tensor([len(r.prompt) for r in new_rows], dtype=torch.long, device=dev)
+                    if live:
+                        cache, mask = _merge_caches(cache, mask, c2, m2)
+                        logits, next_pos = torch.cat([logits, l2]), torch.cat([next_pos, p2])
+                    else:
+                        cache, mask, logits, next_pos = c2, m2, l2, p2
+                    live += new_rows
+                    joined += admit
+                    self._adapters.select([r.adapter for r in live])
+        except BaseException as e:
+            for j in joined + self._take_joins(False, final=True):
+                if not j.future.done():
+                    j.future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+            raise
+        finally:
+            with self._join_lock:
+                self._running_key = None
+        return [self._output(r) for r in rows]
+
+    def _append_sampled(self, live: list[_Row], toks: list[int], lps: list[float], joined: list[_Join]) -> list[int]:
+        """Append each live row's sampled token; a row that stopped or reached its cap is done (a joined call whose
+        rows are all done gets its outputs). The batch positions of the rows that go on."""
+        keep = []
+        for j, (r, t, lp) in enumerate(zip(live, toks, lps)):
+            r.tokens.append(t)
+            r.logprobs.append(lp)
+            r.versions.append(self._adapters.version_of(r.adapter) if r.adapter is not None else self.version)
+            if t in r.stop:
+                r.reason = "stop"
+            elif len(r.tokens) < r.cap:
+                keep.append(j)
+                continue
+            r.done = True
+        for call in joined:
+            if not call.future.done() and all(r.done for r in call.rows):
+                call.future.set_result([self._output(r) for r in call.rows])
+        return keep
+
+    def _take_joins(self, running: bool, final: bool = False) -> list[_Join]:
+        """The calls waiting to join; when none waits and nothing runs (``running`` False), the loop ends: no call
+        may join any more. ``final``: take them whatever the state (the loop failed)."""
+        with self._join_lock:
+            take, self._joins = self._joins, []
+            if not take and not running or final:
+                self._running_key = None
+        ready = []
+        for call in take:
+            if all(r.cap == 0 for r in call.rows):
+                call.future.set_result([self._output(r) for r in call.rows])
+            else:
+                ready.append(call)
+        return ready
+
+    def _output(self, row: _Row) -> GenerationOutput:
+        """A finished row's output, with the routed experts of its positions ``[routing_from, end - 1)`` when asked."""
+        version = row.versions[-1] if row.versions else (
+            self._adapters.version_of(row.adapter) if row.adapter is not None else self.version)
+        out = GenerationOutput(row.tokens, row.logprobs, row.reason, version, token_versions=row.versions)
+        if row.routing_from is not None:
+            layout = self.routing_layout
+            assert layout is not None
+            n = max(0, len(row.prompt) + len(row.tokens) - 1 - row.routing_from)
+            got = torch.cat(row.record).cpu() if row.record else torch.zeros((0, len(layout.moe_layers), layout.top_k))
+            if got.shape[0] < n:
+                raise RuntimeError(f"routing capture recorded {got.shape[0]} positions for row {row.index}, "
+                                   f"expected {n}")
+            out.routed_experts = layout.check(got[:n].numpy(), n, f"local engine ({type(self.model).__name__})")
+        return out
 
     def _hold_until_resumed(self) -> str:
         """Inside a running call, between two decode steps: wait (the weights lock released, so an update can load)
@@ -471,23 +597,6 @@ class LocalEngine:
             raise TimeoutError(f"LocalEngine held a running generation for more than {self.resume_timeout_s:.1f}s in "
                                f"a pause({mode!r}); call resume() after the weight update (or raise resume_timeout_s)")
         return mode
-
-    def _recompute_cache(self, seqs: list[list[int]]) -> tuple[Any, torch.Tensor]:
-        """A fresh KV cache of ``seqs`` (each row's prompt and tokens so far but the last, left-padded) under the
-        weights loaded now, and its attention mask ``[rows, width]``."""
-        from transformers import DynamicCache
-
-        width = max(len(q) for q in seqs)
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, q in enumerate(seqs):
-            ids[i, width - len(q):] = torch.tensor(q, dtype=torch.long)
-            mask[i, width - len(q):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        cache = DynamicCache(config=self.model.config)
-        self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                   past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return cache, mask
 
     # ---------------------------------------------------------------- pause / resume
     def pause(self, mode: str | None = None) -> None:

@@ -93,7 +93,8 @@ def test_unknown_and_misfit_adapters_are_refused(setup):
 
 
 def test_batching_merges_calls_of_different_adapters(setup, tmp_path):
-    """Concurrent calls on different adapters merge into one engine call; each keeps its own adapter's tokens.
+    """Concurrent calls on different adapters share a batch (the engine takes them into one loop); each keeps its
+    own adapter's tokens.
     An adapter written in PEFT's format and read back serves the same."""
     base, one, two = setup
     engine = LocalEngine(copy.deepcopy(base), seed=0)

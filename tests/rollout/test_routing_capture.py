@@ -132,9 +132,20 @@ def test_bad_routing_requests_are_refused_clearly():
 
 
 # ------------------------------------------------------------------------------- batching, version pool
-def test_batching_merges_calls_with_and_without_routing():
+class OneCallAtATime:
+    """The local engine as an engine that does not batch on its own: :class:`BatchingEngine` merges calls for it."""
+
+    def __init__(self, engine: LocalEngine) -> None:
+        self.engine, self.version = engine, engine.version
+
+    async def generate(self, prompts, params, routing_from=None):
+        return await self.engine.generate(prompts, params, routing_from=routing_from)
+
+
+@pytest.mark.parametrize("joined", [False, True], ids=["merged-by-the-wrapper", "joined-in-the-engine"])
+def test_calls_with_and_without_routing_share_a_batch(joined):
     engine = LocalEngine(moe_model())
-    batching = BatchingEngine(engine)
+    batching = BatchingEngine(engine if joined else OneCallAtATime(engine))
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=STOP)
 
     async def run():
@@ -145,7 +156,8 @@ def test_batching_merges_calls_with_and_without_routing():
         )
 
     alone, capped, plain = asyncio.run(run())
-    assert batching.calls == 1 and batching.merged_calls == 3  # one engine call for all three
+    # merged: one engine call for all three; joined: each call goes to the engine, whose loop takes them in
+    assert (batching.calls, batching.merged_calls) == ((3, 3) if joined else (1, 3))
     assert plain[0].routed_experts is None and plain[0].token_ids == alone[0].token_ids
     assert all(len(o.token_ids) <= 2 for o in capped)
     check_against_reference(engine, [PROMPTS[0]], [0], alone)

@@ -1,0 +1,77 @@
+"""LocalEngine's continuous batching: a call that arrives while another decodes joins it at the next decode step,
+finishes when its own rows do, and samples exactly what it would alone."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+from transformers import Qwen2Config
+
+from rollout_sglang.engines.local import LocalEngine
+from rollout_sglang.engines.protocol import SamplingParams
+
+LONG, SHORT = [1, 2, 3, 4, 5, 6, 7], [9, 10]
+
+
+def _engine() -> LocalEngine:
+    cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+                      tie_word_embeddings=True)
+    return LocalEngine.from_config(cfg, init_seed=0)
+
+
+def _alone(prompt: list[int], params: SamplingParams):
+    return asyncio.run(_engine().generate([prompt], params))[0]
+
+
+def _concurrent(second: SamplingParams):
+    """A long call (seeded, slowed to ~5 ms a forward) and, once it has decoded a few steps, ``second`` on SHORT;
+    (long output, short output, the order they finished in)."""
+    engine = _engine()
+    forwards = 0
+
+    def slow(*_):
+        nonlocal forwards
+        forwards += 1
+        time.sleep(0.005)
+
+    hook = engine.model.register_forward_hook(slow)
+    done: list[str] = []
+
+    async def run(name, prompt, params):
+        out = await engine.generate([prompt], params)
+        done.append(name)
+        return out[0]
+
+    async def main():
+        first = asyncio.create_task(run("long", LONG, SamplingParams(max_new_tokens=120, temperature=0.8, seed=5)))
+        while forwards < 4:
+            await asyncio.sleep(0.001)
+        return await asyncio.gather(first, run("short", SHORT, second))
+
+    try:
+        long_out, short_out = asyncio.run(main())
+    finally:
+        hook.remove()
+    return long_out, short_out, done
+
+
+def test_a_call_joins_the_running_one_and_samples_as_it_would_alone():
+    short = SamplingParams(max_new_tokens=6, temperature=0.8, seed=11)
+    long_out, short_out, done = _concurrent(short)
+    assert done == ["short", "long"]  # it joined: it did not wait for the long call to finish
+    for out, prompt, params in ((long_out, LONG, SamplingParams(max_new_tokens=120, temperature=0.8, seed=5)),
+                                (short_out, SHORT, short)):
+        ref = _alone(prompt, params)
+        assert out.token_ids == ref.token_ids and out.finish_reason == ref.finish_reason
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), atol=1e-5, rtol=0)
+        assert out.token_versions == [0] * len(out.token_ids)
+
+
+def test_a_call_with_other_sampling_settings_waits_for_the_running_one():
+    short = SamplingParams(max_new_tokens=6, temperature=0.5, seed=11)
+    long_out, short_out, done = _concurrent(short)
+    assert done == ["long", "short"]
+    ref = _alone(SHORT, short)
+    assert short_out.token_ids == ref.token_ids

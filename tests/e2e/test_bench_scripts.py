@@ -169,6 +169,17 @@ def _check_lora(lines: list[str], rec: dict[str, Any]) -> None:
     assert m and float(m.group(1)) == pytest.approx(ratios["update_bytes"], abs=1e-5)
 
 
+def _check_in_flight(lines: list[str], rec: dict[str, Any]) -> None:
+    res = rec["results"]
+    assert list(res) == ["drain", "retract", "in_place"]
+    for mode, r in res.items():
+        assert r["trained_samples"] == rec["args"]["steps"] * rec["args"]["batch"] and r["update_s"] > 0
+        assert 0 <= r["update_idle_frac"] <= 1 and r["staleness_max"] >= 0
+    assert res["drain"]["crossed_samples_frac"] == 0  # a drained update crosses no request
+    m = re.fullmatch(r"in_flight_speedup: (\d+\.\d+)", lines[-1])
+    assert m and float(m.group(1)) == pytest.approx(res["retract"]["speedup_vs_drain"], abs=1e-3)
+
+
 def _check_train_scale(lines: list[str], rec: dict[str, Any]) -> None:
     m = re.fullmatch(r"dist_opt_state_ratio_dp2: (\d+\.\d+)", lines[-2])
     assert m and float(m.group(1)) == pytest.approx(rec["dist_opt_state_ratio_dp2"], abs=1e-3)
@@ -260,6 +271,7 @@ CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
     "gpu_suite.py": _check_gpu_suite,
     "logprob_memory.py": _check_logprob_memory,
     "lora.py": _check_lora,
+    "in_flight.py": _check_in_flight,
     "async_vs_sync.py": _check_async_vs_sync,
     "chaos.py": _check_chaos,
     "containers.py": _check_containers,

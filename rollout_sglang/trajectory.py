@@ -15,8 +15,39 @@ INFRA_STATUSES = frozenset({"task error", "cancelled", INTERNAL_ERROR})
 NOT_SAMPLED = -1
 
 
+class SampledTokens:
+    """Appending to five aligned records of an episode's tokens: ``token_ids``, ``loss_mask``, ``behavior_logprobs``,
+    ``versions`` (per token) and ``turn_spans`` (a mixin of :class:`Trajectory` and the gateway's segments)."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    behavior_logprobs: list[float]
+    versions: list[int]
+    turn_spans: list[tuple[int, int]]
+
+    def append_turn(self, token_ids: list[int], logprobs: list[float], versions: list[int]) -> tuple[int, int]:
+        """Append one generated turn: its tokens (loss mask 1), their log-probs and per-token versions; its span."""
+        if not len(token_ids) == len(logprobs) == len(versions):
+            raise ValueError(f"a turn of {len(token_ids)} tokens needs as many log-probs ({len(logprobs)}) and "
+                             f"versions ({len(versions)})")
+        start = len(self.token_ids)
+        self.token_ids.extend(int(t) for t in token_ids)
+        self.loss_mask.extend([1] * len(token_ids))
+        self.behavior_logprobs.extend(float(x) for x in logprobs)
+        self.versions.extend(int(v) for v in versions)
+        self.turn_spans.append((start, len(self.token_ids)))
+        return start, len(self.token_ids)
+
+    def append_context(self, token_ids: list[int]) -> None:
+        """Append tokens the policy did not sample (a prompt, an environment reply): loss mask 0."""
+        self.token_ids.extend(int(t) for t in token_ids)
+        self.loss_mask.extend([0] * len(token_ids))
+        self.behavior_logprobs.extend([0.0] * len(token_ids))
+        self.versions.extend([NOT_SAMPLED] * len(token_ids))
+
+
 @dataclass
-class Trajectory:
+class Trajectory(SampledTokens):
     """One multi-turn episode as the trainer consumes it.
 
     token_ids: the whole episode, prompt + every turn + every environment reply, as token ids.
@@ -96,22 +127,4 @@ class Trajectory:
         return sum(1 for start, end in self.turn_spans
                    for v in self.versions[start + 1:end] if v != self.versions[start])
 
-    def append_turn(self, token_ids: list[int], logprobs: list[float], versions: list[int]) -> None:
-        """Append one generated turn: its tokens (loss mask 1), their log-probs and per-token versions."""
-        if not len(token_ids) == len(logprobs) == len(versions):
-            raise ValueError(f"a turn of {len(token_ids)} tokens needs as many log-probs ({len(logprobs)}) and "
-                             f"versions ({len(versions)})")
-        start = len(self.token_ids)
-        self.token_ids.extend(token_ids)
-        self.loss_mask.extend([1] * len(token_ids))
-        self.behavior_logprobs.extend(logprobs)
-        self.versions.extend(int(v) for v in versions)
-        self.turn_spans.append((start, len(self.token_ids)))
-
-    def append_context(self, token_ids: list[int]) -> None:
-        """Append tokens the policy did not sample (a prompt, an environment reply): loss mask 0."""
-        self.token_ids.extend(token_ids)
-        self.loss_mask.extend([0] * len(token_ids))
-        self.behavior_logprobs.extend([0.0] * len(token_ids))
-        self.versions.extend([NOT_SAMPLED] * len(token_ids))
 

@@ -22,14 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from rollout_sglang.trajectory import NOT_SAMPLED, Trajectory
+from rollout_sglang.trajectory import SampledTokens, Trajectory
 
 #: The status of a session whose episode has not ended.
 RUNNING = "running"
 
 
 @dataclass
-class Segment:
+class Segment(SampledTokens):
     """One trajectory piece: tokens, loss mask, log-probs, each token's version (-1: not sampled), the sampled
     turns' spans.
 
@@ -41,7 +41,7 @@ class Segment:
 
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    behavior_logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     keys: list[tuple] = field(default_factory=list)
@@ -51,29 +51,9 @@ class Segment:
     routed: int = 0
     routing_lost: bool = False
 
-    def append(self, tokens: list[int]) -> None:
-        """Append ``tokens`` the policy did not sample (loss mask 0)."""
-        self.token_ids.extend(tokens)
-        self.loss_mask.extend([0] * len(tokens))
-        self.logprobs.extend([0.0] * len(tokens))
-        self.versions.extend([NOT_SAMPLED] * len(tokens))
-
-    def append_turn(self, tokens: list[int], logprobs: list[float], versions: list[int]) -> tuple[int, int]:
-        """Append a sampled turn (loss mask 1) with its log-probs and per-token versions; its span."""
-        if not len(tokens) == len(logprobs) == len(versions):
-            raise ValueError(f"a turn of {len(tokens)} tokens needs as many log-probs ({len(logprobs)}) and "
-                             f"versions ({len(versions)})")
-        start = len(self.token_ids)
-        self.token_ids.extend(tokens)
-        self.loss_mask.extend([1] * len(tokens))
-        self.logprobs.extend(float(x) for x in logprobs)
-        self.versions.extend(int(v) for v in versions)
-        self.turn_spans.append((start, len(self.token_ids)))
-        return start, len(self.token_ids)
-
     def to_json(self) -> dict[str, Any]:
         """``{token_ids, loss_mask, logprobs, versions, turn_spans}``."""
-        return {"token_ids": self.token_ids, "loss_mask": self.loss_mask, "logprobs": self.logprobs,
+        return {"token_ids": self.token_ids, "loss_mask": self.loss_mask, "logprobs": self.behavior_logprobs,
                 "versions": self.versions, "turn_spans": [list(s) for s in self.turn_spans]}
 
 
@@ -190,8 +170,8 @@ class GatewaySession:
             self.segments.append(Segment(tools_key=plan.tools_key))
             self.history_rewrites += int(plan.rewrite)
         seg = self.segments[-1]
-        seg.append(plan.piece)
-        seg.append(plan.prefix)
+        seg.append_context(plan.piece)
+        seg.append_context(plan.prefix)
         start, end = seg.append_turn(list(tokens), list(logprobs), list(versions))
         seg.keys = plan.keys + [reply_key]
         seg.turn_end = turn_end
@@ -225,7 +205,7 @@ class GatewaySession:
         task, group, reward, status, metrics, timings and error."""
         segments = self.segments or [Segment()]
         return [Trajectory(token_ids=list(s.token_ids), loss_mask=list(s.loss_mask),
-                           behavior_logprobs=list(s.logprobs), versions=list(s.versions),
+                           behavior_logprobs=list(s.behavior_logprobs), versions=list(s.versions),
                            turn_spans=list(s.turn_spans), task=self.task, index=self.index, group_id=self.group_id,
                            reward=self.reward, status=self.status, metrics=self._metrics(),
                            timings=dict(self.timings), error=self.error,

@@ -470,6 +470,8 @@ class LocalEngine:
         row is left and none waits to join."""
         self._num_generate_calls += 1
         dev = self.device
+        if self._hold_mode is not None:  # paused (in flight) after this call passed the resume check: hold first
+            self._hold_until_resumed()
         if params.max_new_tokens == 0:  # SGLang returns the prefill's routing then: [start, len - 1)
             if any(r.routing_from is not None for r in rows):
                 self._prefill_rows(rows, capture)

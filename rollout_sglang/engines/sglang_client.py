@@ -10,15 +10,26 @@ endpoints (request/response shapes as documented for SGLang 0.5.x: ``io_struct.p
 protocol                                    SGLang
 ==========================================  ==================================================
 ``generate(prompts, params)``               ``POST /generate`` ``{"input_ids": [[...]], "sampling_params": [{...}],
-                                            "return_logprob": true}`` -> per prompt ``output_ids`` and
+                                            "return_logprob": true}`` -> per prompt ``output_ids``,
                                             ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]``)
+                                            and ``meta_info.weight_versions`` (each token's version, below)
 ``generate(..., routing_from)`` (MoE)       one ``/generate`` per distinct start (SGLang takes one start per
                                             request), adding ``"return_routed_experts": true,
                                             "routed_experts_start_len": start`` -> ``meta_info.routed_experts``
                                             (base64 of int32 ``[positions, num_hidden_layers, top_k]``,
                                             positions ``[start, seqlen - 1)``; the server needs
                                             ``--enable-return-routed-experts``); the MoE layers are kept
-``pause()`` / ``resume()``                  ``POST /pause_generation {"mode"}`` / ``POST /continue_generation {}``
+``pause()`` (drained)                       ``POST /pause_generation {"mode": options.pause_mode}`` ('abort' by
+                                            default: the version pool drained the engine, nothing is running)
+``pause("in_place")``                       ``POST /pause_generation {"mode": "in_place"}``: SGLang's scheduler
+                                            stops between two batches and keeps each running request in its
+                                            running batch, KV cache and all; after the update a request continues
+                                            over KV the old weights computed (cheap, slightly off-policy)
+``pause("retract")``                        ``POST /pause_generation {"mode": "retract"}``: the running requests go
+                                            back to the waiting queue and free their KV; after
+                                            ``/continue_generation`` each is prefilled again (prompt and tokens so
+                                            far) with the new weights (exact, one recompute per request)
+``resume()``                                ``POST /continue_generation {}``
 ``begin_weight_update(version)``            ``POST /begin_weight_update {}`` (opens the server's weight-update session;
                                             the client keeps ``version``)
 ``init_weights_update_group(...)``          ``POST /init_weights_update_group {master_address, master_port,
@@ -26,11 +37,14 @@ protocol                                    SGLang
 ``update_weights_from_distributed(...)``    ``POST /update_weights_from_distributed {names, dtypes, shapes,
                                             group_name, flush_cache, weight_version, load_format}`` (only
                                             inside a session: SGLang refuses it otherwise; ``weight_version``
-                                            on the last bucket only: the open update's version)
+                                            on the last bucket only: the open update's version); in an
+                                            ``in_place`` pause always ``flush_cache: false``
 ``end_weight_update()``                     ``POST /end_weight_update {}``, ``POST /flush_cache`` (prefix cache
-                                            built with old weights), version stamp
+                                            built with old weights), version stamp; in an ``in_place`` pause no
+                                            flush (see below)
 ``abort_weight_update()``                   ``POST /end_weight_update {}`` (the session closed, no stamp)
-``health()``                                ``GET /health`` (+ ``GET /model_info`` for ``weight_version``)
+``health()``                                ``GET /health`` (+ ``GET /model_info`` for ``weight_version``); the
+                                            pause mode and whether a flush is owed come from the client
 ``probe(timeout_s)``                        ``GET /health_generate`` (+ ``GET /model_info``), the pool's health check
 ``num_ranks``                               ``GET /server_info`` ``tp_size`` (unless given)
 ``load_adapter(adapter)`` (LoRA)            ``POST /load_lora_adapter {lora_name, lora_path, pinned}``: the server
@@ -44,9 +58,29 @@ Every call has a timeout (``request_timeout_s`` for generation, ``control_timeou
 pause/continue/flush/health, the caller's for weight updates) and raises :class:`SGLangError`
 naming the endpoint, the server and the fix; when the server could not serve (unreachable, a 5xx
 answer, an aborted request, :class:`SGLangTimeout`) it is an :class:`SGLangUnavailable`, which the
-version pool answers by routing the request to another engine. The version of a generation is the
-client-side stamp (set by :meth:`end_weight_update` after a successful sync); the version pool
-drains a slot before updating it, so no generation spans two versions.
+version pool answers by routing the request to another engine.
+
+Each generated token's version: SGLang 0.5.23 answers every finished request with
+``meta_info.weight_versions = [{"version", "start", "end"}, ...]``, spans over output token positions. Its
+scheduler records, when an update carrying ``weight_version`` lands (``record_weight_version_change``), how many
+tokens each live request had, and the spans say which version sampled each token
+(``srt/utils/weight_versions.py``); ``meta_info.weight_version`` is the last span's. A request that an in-flight
+update crossed has two spans, the old version's then the new one's. A span whose version is not one of ours (a
+fresh server's ``"default"``), or an answer without spans (an older SGLang), gives its tokens the client's stamp
+as the call started (set by :meth:`end_weight_update` after a successful sync); an output's ``version`` is its
+last token's. Spans that do not cover the tokens exactly once each, in order, with integer bounds, are
+hostile input: :class:`SGLangUnavailable` naming the server and what is wrong.
+
+The flush after an update, by pause mode. SGLang's scheduler flushes only when it is idle
+(``is_fully_idle(ignore_waiting=paused)``), and its weight updater fails an update whose ``flush_cache`` it could
+not honour (``flush_cache_after_weight_update``, scheduler_components/weight_updater.py). A drained pause
+('abort') leaves nothing running, and a ``retract`` pause leaves the held requests in the waiting queue, which
+a paused scheduler ignores: both flush after the update. An ``in_place`` pause keeps the held requests in the
+running batch, so the buckets go with ``flush_cache: false`` and :meth:`end_weight_update` does not call
+``/flush_cache`` (it would be refused). The prefix (radix) cache then keeps KV computed with the old weights,
+which later requests that share a prefix reuse, until it is evicted or flushed: a later :meth:`flush_cache`
+when the server is idle (``health()["stale_prefix_cache"]`` says one is owed; the next drained update's flush
+clears it too).
 
 Versions are ``int`` in our packages; SGLang's ``weight_version`` is a string. This client is the
 one place that converts (:func:`version_to_wire`, :func:`version_from_wire`): the version an update
@@ -88,8 +122,10 @@ import torch
 
 from env_controller.http.net import free_port
 from rollout_sglang.engines.protocol import (
+    PAUSE_MODES,
     EngineUnavailable,
     GenerationOutput,
+    PauseMode,
     Probe,
     SamplingParams,
     check_adapters,
@@ -123,6 +159,54 @@ def version_from_wire(value: Any) -> int | None:
     """A ``weight_version`` a server reports, as our int; None when it is not one we sent (e.g. ``"default"``)."""
     text = str(value) if value is not None else ""
     return int(text) if text.isdigit() else None
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``value`` for a message about a server's answer: its type and a bounded repr."""
+    text = repr(value)
+    return f"{type(value).__name__} {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def token_versions_from_spans(spans: Any, num_tokens: int, stamp: int) -> tuple[list[int], int]:
+    """Each of ``num_tokens`` output tokens' version, and the output's (its last token's), from SGLang's
+    ``meta_info.weight_versions`` (``[{"version": str, "start": int, "end": int}, ...]``, spans over output token
+    positions ``[start, end)``).
+
+    A span whose version is not one of ours (:func:`version_from_wire` gives None, e.g. ``"default"``) and
+    ``spans`` None (a server that sends none) give the tokens ``stamp``, the client's version as the call
+    started; with no tokens the output's version is the last span's. ValueError naming what is wrong when
+    ``spans`` is not a non-empty list of such objects that covers ``[0, num_tokens)`` once, in order.
+    """
+    if spans is None:
+        return [stamp] * num_tokens, stamp
+    if not isinstance(spans, list) or not spans:
+        raise ValueError(f"weight_versions is {_shown(spans)}, not a non-empty list of {{version, start, end}} spans")
+    out: list[int] = []
+    last = stamp
+    for i, span in enumerate(spans):
+        if not isinstance(span, dict):
+            raise ValueError(f"weight_versions[{i}] is {_shown(span)}, not an object {{version, start, end}}")
+        version, start, end = span.get("version"), span.get("start"), span.get("end")
+        if not isinstance(version, str):
+            raise ValueError(f"weight_versions[{i}].version is {_shown(version)}, not a string")
+        for key, bound in (("start", start), ("end", end)):
+            if isinstance(bound, bool) or not isinstance(bound, int):
+                raise ValueError(f"weight_versions[{i}].{key} is {_shown(bound)}, not an integer token position")
+        if start != len(out):
+            how = "overlaps the span before it" if start < len(out) else "leaves a gap after the span before it"
+            raise ValueError(f"weight_versions[{i}] starts at {start} but the spans before it end at {len(out)}: "
+                             f"it {how}")
+        if end < start:
+            raise ValueError(f"weight_versions[{i}] ends at {end}, before its start {start}")
+        if end > num_tokens:
+            raise ValueError(f"weight_versions[{i}] ends at {end}, past the {num_tokens} output tokens")
+        ours = version_from_wire(version)
+        last = stamp if ours is None else ours
+        out.extend([last] * (end - start))
+    if len(out) != num_tokens:
+        raise ValueError(f"weight_versions covers output tokens [0, {len(out)}) of {num_tokens}; the spans must "
+                         "cover every output token")
+    return out, (out[-1] if out else last)
 
 
 class SGLangError(RuntimeError):
@@ -179,6 +263,9 @@ class SGLangEngine:
     process / log_path: the server process when this client launched it (see :meth:`launch`).
     """
 
+    #: SGLang's scheduler batches the requests it has continuously: :class:`BatchingEngine` sends calls as they come
+    continuous_batching = True
+
     def __init__(self, base_url: str, options: SGLangClientOptions | None = None, *, version: int = 0,
                  num_ranks: int | None = None, routing_layout: RoutingLayout | None = None,
                  process: subprocess.Popen | None = None, log_path: Path | None = None) -> None:
@@ -202,6 +289,9 @@ class SGLangEngine:
         self._pending_version: int | None = None
         self._extensions: list[str] | None = None
         self._paused = False
+        self._pause_sent: str | None = None  # the SGLang mode the current pause sent (None: not paused)
+        self._held_mode: PauseMode | None = None  # the mode of a pause that holds running requests (in-flight update)
+        self._stale_prefix_cache = False  # an update's flush was skipped (in_place): old-weights KV may be reused
         self._adapter_versions: dict[str, int] = {}  # adapters loaded through this client: name -> weight version
         self._local = threading.local()  # one HTTP client per thread: building one is costly
         self._async_client: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
@@ -276,9 +366,11 @@ class SGLangEngine:
         routing_from: MoE models (the client needs ``routing_layout``): a start per prompt in ``[0, len(prompt)]``;
             output ``i`` then carries the routed experts of positions ``[routing_from[i], len(prompt) +
             len(generated) - 1)``, MoE layers only. Prompts that share a start go in one request.
+        Each output carries each token's version from the server's spans (``token_versions``; a call that an
+        in-flight update crossed holds two versions), its ``version`` the last token's.
         Raises SGLangTimeout after ``request_timeout_s``, SGLangError when the server refuses the
         request, aborts it, or answers with mismatched token/log-prob lists; SGLangUnavailable for a
-        malformed routing record.
+        malformed routing record or weight-version spans.
         """
         if not prompts:
             return []
@@ -357,8 +449,9 @@ class SGLangEngine:
         outs = []
         for k, (i, item) in enumerate(zip(rows, items)):
             o = self._parse_output(i, item, version)
-            if lora and lora[k] is not None:
+            if lora and lora[k] is not None:  # the server's versions are the base's; the adapter is the version
                 o.version = (adapter_versions or {}).get(lora[k], version)
+                o.token_versions = [o.version] * len(o.token_ids)
             if start is not None:
                 o.routed_experts = self._parse_routing(i, item, len(prompts[i]), len(o.token_ids), start)
             outs.append(o)
@@ -405,47 +498,79 @@ class SGLangEngine:
         except RoutingError as e:
             raise SGLangUnavailable(f"malformed routed experts from {self.base_url}: {e}") from None
 
-    def _parse_output(self, row: int, item: dict, version: int) -> GenerationOutput:
+    def _parse_output(self, row: int, item: Any, version: int) -> GenerationOutput:
+        """Row ``row``'s answer as an output: token ids, log-probs, finish reason and each token's version
+        (:func:`token_versions_from_spans`; ``version``: the client's stamp as the call started). The answer is
+        the server's, so never trusted: SGLangError naming the row and what is wrong, never a KeyError."""
+        where = f"/generate on {self.base_url}, row {row}"
+        if not isinstance(item, dict):
+            raise SGLangError(f"{where}: the answer is {_shown(item)}, not a JSON object")
         meta = item.get("meta_info") or {}
+        if not isinstance(meta, dict):
+            raise SGLangError(f"{where}: meta_info is {_shown(meta)}, not a JSON object")
         fr = meta.get("finish_reason") or {}
         kind = fr.get("type") if isinstance(fr, dict) else str(fr)
         if kind == "abort":
+            why = fr.get("message", "") if isinstance(fr, dict) else ""
             raise SGLangUnavailable(
-                f"/generate on {self.base_url}: row {row} was aborted ({fr.get('message', '')}); the server was paused "
-                "in 'abort' mode or ran out of memory while the request ran"
+                f"{where} was aborted ({why}); the server was paused in 'abort' mode or ran out of memory while "
+                "the request ran"
             )
         lps = meta.get("output_token_logprobs")
         if lps is None:
             raise SGLangError(f"/generate on {self.base_url}: no output_token_logprobs in the answer "
                               "(was return_logprob dropped?)")
-        ids = item.get("output_ids")
-        if ids is None:
-            ids = [int(x[1]) for x in lps]
-        ids = [int(x) for x in ids]
-        logprobs = [float(x[0]) for x in lps]
+        try:
+            ids = item.get("output_ids")
+            if ids is None:
+                ids = [int(x[1]) for x in lps]
+            ids = [int(x) for x in ids]
+            logprobs = [float(x[0]) for x in lps]
+        except (TypeError, ValueError, IndexError, KeyError) as e:
+            raise SGLangError(f"{where}: output_ids / output_token_logprobs are malformed ({e!r}); expected token "
+                              "ids and [logprob, token_id, text] triples") from None
         if len(ids) != len(logprobs):
             raise SGLangError(f"/generate on {self.base_url}: row {row} has {len(ids)} output ids but "
                               f"{len(logprobs)} log-probs")
-        reported = version_from_wire(meta.get("weight_version"))
-        if reported is not None and reported != version:
-            logger.warning("%s reports weight_version %d while the client stamp is %d", self.base_url, reported,
-                           version)
-        return GenerationOutput(ids, logprobs, "stop" if kind == "stop" else "length", version)
+        spans = meta.get("weight_versions")
+        try:
+            token_versions, last = token_versions_from_spans(spans, len(ids), version)
+        except ValueError as e:
+            raise SGLangUnavailable(f"malformed weight versions from {self.base_url} ({where}): {e}") from None
+        if spans is None:  # a server without spans: the stamp stands for every token; say when the server differs
+            reported = version_from_wire(meta.get("weight_version"))
+            if reported is not None and reported != version:
+                logger.warning("%s reports weight_version %d while the client stamp is %d", self.base_url, reported,
+                               version)
+        return GenerationOutput(ids, logprobs, "stop" if kind == "stop" else "length", last,
+                                token_versions=token_versions)
 
     # ----------------------------------------------------------- pause / resume
-    def pause(self) -> None:
-        """``POST /pause_generation {"mode": pause_mode}``."""
-        self._call("POST", "/pause_generation", {"mode": self.pause_mode})
-        self._paused = True
+    def pause(self, mode: PauseMode | None = None) -> None:
+        """``POST /pause_generation {"mode"}`` for a weight update.
+
+        ``mode`` None: the configured ``pause_mode`` ('abort' by default; the version pool drained the engine
+        first, so nothing is held). ``"in_place"`` / ``"retract"``: SGLang holds the running requests for an
+        in-flight update, with their KV cache (in_place) or back in its waiting queue, their KV recomputed after
+        :meth:`resume` (retract); the module's table says what the update then sends. ValueError for another mode.
+        """
+        if mode is not None and mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {list(PAUSE_MODES)} (or None: the configured "
+                             f"{self.pause_mode!r}, for an engine the version pool drained)")
+        sent = self.pause_mode if mode is None else mode
+        self._call("POST", "/pause_generation", {"mode": sent})
+        self._paused, self._pause_sent, self._held_mode = True, sent, mode
 
     def resume(self) -> None:
-        """``POST /continue_generation {}``."""
+        """``POST /continue_generation {}``: held requests continue, new ones are admitted."""
         self._call("POST", "/continue_generation", {})
-        self._paused = False
+        self._paused, self._pause_sent, self._held_mode = False, None, None
 
     def flush_cache(self) -> None:
-        """``POST /flush_cache``: drop the prefix (radix) cache, whose KV was computed with old weights."""
+        """``POST /flush_cache``: drop the prefix (radix) cache, whose KV was computed with old weights. SGLang
+        refuses it (SGLangError) while requests run, or are held by an ``in_place`` pause."""
         self._call("POST", "/flush_cache", None)
+        self._stale_prefix_cache = False
 
     # ------------------------------------------------------------- LoRA adapters
     def load_adapter(self, adapter: Any) -> None:
@@ -493,12 +618,18 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------- health
     def health(self) -> dict:
-        """``{"ok", "version", "paused", "updating", "url", "server_weight_version"}``; ok False when unreachable.
+        """``{"ok", "version", "paused", "pause_mode", "server_pause_mode", "stale_prefix_cache", "updating", "url",
+        "server_weight_version"}``; ok False when unreachable.
 
+        pause_mode: the mode of a pause that holds running requests ("in_place" / "retract"), None when not
+        paused or paused drained (as the local engine's). server_pause_mode: the SGLang mode the current pause
+        sent (None: not paused). stale_prefix_cache: an ``in_place`` update skipped its flush, so the prefix
+        cache may still hold KV of the old weights (:meth:`flush_cache` when idle clears it).
         server_weight_version: the version the server reports (``GET /model_info``), an int; None when
         unreachable or not one of ours (a fresh SGLang server reports ``"default"``).
         """
-        out = {"ok": False, "version": self.version, "paused": self._paused,
+        out = {"ok": False, "version": self.version, "paused": self._paused, "pause_mode": self._held_mode,
+               "server_pause_mode": self._pause_sent, "stale_prefix_cache": self._stale_prefix_cache,
                "updating": self._pending_version is not None, "url": self.base_url, "server_weight_version": None}
         try:
             client, t = self._client(), httpx.Timeout(self.control_timeout_s)
@@ -613,9 +744,12 @@ class SGLangEngine:
         ``weight_version``, which the server then reports. ``timeout_s``: limit on the call (None: the
         client's ``update_timeout_s``). ``extra_fields``: request fields beyond
         SGLang's, from a transport for servers that list the matching extension (ValueError when one
-        would replace an SGLang field).
+        would replace an SGLang field). In an ``in_place`` pause the request asks for no flush, whatever
+        ``bucket.flush_cache`` says: SGLang's updater would fail it, as the held requests keep the scheduler busy.
         """
         body = bucket.body()
+        if self._held_mode == "in_place" and body.get("flush_cache"):
+            body["flush_cache"] = False
         if last_bucket and self._pending_version is not None:
             body["weight_version"] = version_to_wire(self._pending_version)
         if extra_fields:
@@ -662,12 +796,21 @@ class SGLangEngine:
 
     def end_weight_update(self) -> None:
         """Finish the update: close the server's session (``POST /end_weight_update``, which finalizes the
-        loaded weights), flush the prefix cache and stamp the new version."""
+        loaded weights), flush the prefix cache and stamp the new version.
+
+        In an ``in_place`` pause there is no flush (SGLang refuses it while the held requests sit in its running
+        batch): the prefix cache keeps old-weights KV until evicted or flushed later (``stale_prefix_cache``). A
+        ``/generate`` call in flight across the update takes its tokens' versions from the server's spans, not
+        from this stamp.
+        """
         if self._pending_version is None:
             raise RuntimeError(f"end_weight_update() on {self.base_url} without begin_weight_update()")
         try:
             self._call("POST", "/end_weight_update", {})
-            self.flush_cache()
+            if self._held_mode == "in_place":
+                self._stale_prefix_cache = True
+            else:
+                self.flush_cache()
         except BaseException:
             self._pending_version = None  # the server's session is closed or unknown: a new begin sorts it out
             raise

@@ -28,7 +28,8 @@ class SGLangClientOptions(Options):
     """Timeouts, pause mode and keys of the client of one SGLang server (times in seconds)."""
 
     KEY = "sglang"
-    CHOICE_HINTS = {"pause_mode": "SGLang's modes; 'abort' is safe: the version pool drains a slot before pausing it"}
+    CHOICE_HINTS = {"pause_mode": "SGLang's modes, sent by a drained pause; 'abort' is safe: the version pool drains a "
+                                  "slot before pausing it (an in-flight update's pause sends its own mode)"}
 
     #: limit on one ``/generate`` call
     request_timeout_s: float = 600.0
@@ -36,7 +37,9 @@ class SGLangClientOptions(Options):
     control_timeout_s: float = 60.0
     #: default limit on each weight-update call (a caller may give its own)
     update_timeout_s: float = 600.0
-    #: SGLang's pause mode; the version pool drains the slot first, so nothing is in flight when it pauses
+    #: SGLang's pause mode of a drained pause (``pause()`` without a mode): the version pool drained the slot first,
+    #: so nothing is in flight when it pauses; an in-flight update's pause (``pause("in_place")`` or
+    #: ``pause("retract")``) sends its own mode instead
     pause_mode: PauseMode = "abort"
     #: the server's ``--api-key``, sent as ``Authorization: Bearer`` with every request (None: none)
     api_key: str | None = field(default=None, repr=False)

@@ -12,7 +12,11 @@ refused (SGLang would drop it silently). Then it follows SGLang's behaviour:
   per prompt), ``return_logprob``; answers one object (or a list for a batch) ``{"text",
   "output_ids", "meta_info": {"id", "finish_reason": {"type": "stop", "matched": id} | {"type":
   "length", "length": n}, "prompt_tokens", "completion_tokens", "cached_tokens",
-  "output_token_logprobs": [[logprob, token_id, null], ...], "weight_version", "e2e_latency"}}``.
+  "output_token_logprobs": [[logprob, token_id, null], ...], "weight_version", "weight_versions",
+  "e2e_latency"}}``. ``weight_versions`` are SGLang 0.5.23's spans ``[{"version", "start", "end"}, ...]`` over
+  output token positions (``srt/utils/weight_versions.py``): the scheduler's version string that sampled each
+  run of tokens (a request no update crossed: one span; one with no tokens: one empty span of the version then
+  served), ``weight_version`` the last span's (:func:`weight_version_spans`).
   With ``deterministic`` (``--enable-deterministic-inference``) a row without ``sampling_seed``
   samples with seed 42, as SGLang's sampler does. MoE models: ``"return_routed_experts": true`` with
   ``routed_experts_start_len`` (one start for the whole request, in ``[0, len(prompt)]`` of every row, else
@@ -26,12 +30,22 @@ refused (SGLang would drop it silently). Then it follows SGLang's behaviour:
   hangs), ``/begin_weight_update`` and ``/end_weight_update`` (one session at a time; a second begin
   is refused), ``/update_weights_from_distributed`` (refused outside a session; ``load_format
   "flattened_bucket"``: one broadcast of raw bytes, else one broadcast per tensor; with
-  ``flush_cache`` true it fails while requests run), ``/destroy_weights_update_group``. Each answers
+  ``flush_cache`` true it loads the weights, then fails, as SGLang's updater does, when the scheduler is not
+  idle: requests running, or held by an ``in_place`` pause), ``/destroy_weights_update_group``. Each answers
   ``{"success", "message"}``, HTTP 400 when ``success`` is false. The group rendezvous uses the
-  store layout of SGLang's ``init_custom_process_group``.
-* ``/pause_generation {"mode"}``, ``/continue_generation``, ``/flush_cache`` (400 while requests
-  run, after waiting up to ``?timeout=`` seconds), ``/health``, ``/health_generate``,
-  ``/model_info``, ``/server_info`` (``tp_size``, ``pp_size``, ``dp_size``).
+  store layout of SGLang's ``init_custom_process_group``. An update's ``weight_version`` becomes the
+  scheduler's version as its last bucket lands (``record_weight_version_change``: the spans of requests it
+  crossed split there), and ``/model_info``'s once the call succeeds (the tokenizer manager's).
+* ``/pause_generation {"mode"}``: while paused, new ``/generate`` requests wait before they reach the engine
+  (SGLang's tokenizer manager holds them); ``abort`` stops admitting (see the differences below);
+  ``in_place`` and ``retract`` hold the running requests between two tokens (:meth:`LocalEngine.pause`), to
+  continue after ``/continue_generation`` over their KV cache as it was (``in_place``) or recomputed with the
+  weights then loaded (``retract``). ``/continue_generation`` (accepted when not paused, as in SGLang).
+  ``/flush_cache``: refused (400) unless SGLang's scheduler would be idle (``is_fully_idle(ignore_waiting=
+  paused)``): no request admitted, or a pause that left none in the running batch (``retract`` moves them to the
+  waiting queue, which a paused scheduler ignores; ``abort`` aborts them); with ``?timeout=`` it first waits that
+  long for no request to be left. ``/health``, ``/health_generate``, ``/model_info``, ``/server_info``
+  (``tp_size``, ``pp_size``, ``dp_size``).
 * LoRA (``--enable-lora`` and its flags): ``/load_lora_adapter {lora_name, lora_path, pinned}`` loads a PEFT
   directory, ``/unload_lora_adapter {lora_name}`` unloads one (after the requests that use it), each answering
   ``{"success", "error_message", "loaded_adapters"}`` (HTTP 400 when not a success); ``lora_path`` on
@@ -44,11 +58,17 @@ refused (SGLang would drop it silently). Then it follows SGLang's behaviour:
 
 Known differences from SGLang (this is a stand-in, not an emulator): TP ranks are threads that each
 receive every broadcast (rank 0's copy is loaded, the others are checked equal to it); no radix
-cache (a flush drops nothing); while paused, tensors sent one per broadcast are received straight
-into the engine's parameters (SGLang receives into buffers and then loads); a pause never aborts a
-generation already running (the local engine finishes it; new requests wait for
-``/continue_generation``, as in SGLang); text prompts, streaming, stop strings, penalties and
-constrained decoding are refused with HTTP 400. Extensions, which real SGLang does not have:
+cache (a flush drops nothing, so ``in_place`` requests after an update never reuse old-weights KV of other
+requests, as SGLang's can until the cache is flushed or evicted); in an ``abort`` pause, tensors sent one per
+broadcast are received straight into the engine's parameters (SGLang receives into buffers and then loads);
+in an ``in_place`` or ``retract`` pause they are received into buffers and loaded under the engine's lock,
+after the held requests' current decode step; an ``abort`` pause never aborts a generation already running
+(the local engine finishes it, and a flush counts it as aborted; SGLang aborts it and answers
+``finish_reason`` abort); a ``retract`` pause recomputes a held request's KV in the same call, without
+``meta_info.num_retractions``; versions are told apart by the local engine's int version, so an update whose
+``weight_version`` is not a number (the project's client never sends one) keeps that int, and the spans name
+the new string for the tokens of both; text prompts, streaming, stop strings, penalties and constrained
+decoding are refused with HTTP 400. Extensions, which real SGLang does not have:
 ``/server_info`` lists ``agentrl_extensions``; ``/update_weights_from_distributed`` accepts
 ``agentrl_checksum`` and ``agentrl_send_recv_tag`` (the trainer side of both is
 :class:`rollout_sglang.testing.transport.StandInTransport`); ``POST /agentrl/raw_broadcast
@@ -128,6 +148,23 @@ def _sampling_params(sp: dict[str, Any]) -> tuple[SamplingParams, int | None]:
     return params, None if seed is None else int(seed)
 
 
+def weight_version_spans(token_names: list[str], current: str) -> list[dict[str, Any]]:
+    """SGLang 0.5.23's ``meta_info.weight_versions`` of one finished request whose output tokens were sampled by
+    the versions named ``token_names`` (one string per token), ``current`` the scheduler's version now.
+
+    The semantics of the wheel's ``compute_weight_version_spans`` and ``add_weight_versions_to_meta_info``
+    (``srt/utils/weight_versions.py``): one span ``{"version", "start", "end"}`` per run of tokens of one version,
+    over output positions ``[start, end)``; a request with no tokens gets one empty span of ``current``.
+    """
+    spans: list[dict[str, Any]] = []
+    for i, name in enumerate(token_names):
+        if spans and spans[-1]["version"] == name:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": name, "start": i, "end": i + 1})
+    return spans or [{"version": current, "start": 0, "end": 0}]
+
+
 def _ok(message: str) -> web.Response:
     return web.json_response({"success": True, "message": message})
 
@@ -182,8 +219,13 @@ class StandInServer:
         self.contract = contract if contract is not None else load_contract()
         self.refuse_destroy = False  # test hook: /destroy_weights_update_group fails and keeps the group
         self.bodies: list[tuple[str, Any]] = []  # (path, JSON body) of every request, in order (for tests)
-        # SGLang's --weight-version defaults to "default": a fresh server reports no version of ours
+        # SGLang's --weight-version defaults to "default": a fresh server reports no version of ours. This is the
+        # tokenizer manager's (``/model_info``), set when an update call succeeds
         self.weight_version = "default" if o.weight_version is None else str(o.weight_version)
+        # the scheduler's, set as an update's last bucket lands (even when its flush then fails), and the version
+        # string of each int version of the engine, to name the versions of a request's tokens
+        self._scheduler_version = self.weight_version
+        self._version_names: dict[int, str] = {int(engine.version): self.weight_version}
         self.requests: list[str] = []  # endpoints served, in order (for tests)
         self.update_log: list[str] = []  # one line per weight-update request (for tests)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -195,6 +237,8 @@ class StandInServer:
         self._param_views: Mapping[str, torch.Tensor] | None = None
         self._update_lock: asyncio.Lock | None = None
         self._paused = False
+        self._pause_mode: str | None = None  # the mode of the current pause (None: not paused)
+        self._admitting: asyncio.Event | None = None  # set while not paused: /generate requests reach the engine
         self._session_open = False  # SGLang's weight-update session (begin/end_weight_update)
         self._pending_version: int | None = None  # stamped on the engine when its open update closes
         self._running = 0  # /generate requests being served
@@ -239,6 +283,8 @@ class StandInServer:
     async def _serve(self) -> None:
         self._update_lock = asyncio.Lock()
         self._lora_lock = asyncio.Lock()
+        self._admitting = asyncio.Event()
+        self._admitting.set()
         app = web.Application(middlewares=[self._middleware], client_max_size=256 * 1024 * 1024)
         r = app.router
         r.add_post("/generate", self._generate)
@@ -392,7 +438,8 @@ class StandInServer:
         rid = body.get("rid")
         rids = rid if isinstance(rid, list) else [f"{rid}_{i}" if rid else uuid.uuid4().hex for i in range(n)]
         routing_from = self._routing_start(body, prompts)
-        assert self._lora_lock is not None
+        assert self._lora_lock is not None and self._admitting is not None
+        await self._admitting.wait()  # SGLang's tokenizer manager holds new requests while paused
         async with self._lora_lock:
             try:
                 adapters = await self._blocking(self.lora.resolve, body.get("lora_path"), n)
@@ -441,10 +488,15 @@ class StandInServer:
                 fr = {"type": "stop", "matched": o.token_ids[-1]}
             else:
                 fr = {"type": "length", "length": len(o.token_ids)}
+            if adapters is not None and adapters[i] is not None:  # an adapter's version is not the scheduler's
+                names = [self._scheduler_version] * len(o.token_ids)
+            else:
+                names = [self._version_names.get(int(v), str(v)) for v in o.token_versions]
+            spans = weight_version_spans(names, self._scheduler_version)
             meta: dict[str, Any] = {
                 "id": rids[i], "finish_reason": fr, "prompt_tokens": len(prompts[i]),
                 "completion_tokens": len(o.token_ids), "cached_tokens": 0,
-                "weight_version": self.weight_version, "e2e_latency": dt,
+                "weight_version": spans[-1]["version"], "weight_versions": spans, "e2e_latency": dt,
             }
             if want_lp[i]:
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(o.logprobs, o.token_ids)]
@@ -522,26 +574,41 @@ class StandInServer:
         mode = body.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"Invalid mode: {mode!r}. Expected one of ['abort', 'retract', 'in_place'].")
-        self.engine.pause()
-        self._paused = True
+        assert self._admitting is not None
+        # abort: stop admitting (the version pool drained the engine); in_place / retract: hold running requests
+        self.engine.pause(None if mode == "abort" else mode)
+        self._paused, self._pause_mode = True, mode
+        self._admitting.clear()
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def _continue(self, request: web.Request) -> web.Response:
         await self._json(request)
+        assert self._admitting is not None
         self.engine.resume()
-        self._paused = False
+        self._paused, self._pause_mode = False, None
+        self._admitting.set()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
+    def _scheduler_idle(self) -> bool:
+        """Whether SGLang's scheduler would flush now (``is_fully_idle(ignore_waiting=paused)``): no admitted
+        request, or a pause that left none in the running batch (``abort`` aborted them, ``retract`` moved them to
+        the waiting queue, which a paused scheduler ignores); ``in_place`` keeps them running."""
+        return self._running == 0 or (self._paused and self._pause_mode != "in_place")
+
     async def _flush_cache(self, request: web.Request) -> web.Response:
-        """As SGLang: refused (400) while requests run, after waiting up to ``?timeout=`` seconds for them."""
+        """As SGLang: refused (400) unless the scheduler is idle (:meth:`_scheduler_idle`); with ``?timeout=``
+        seconds, SGLang's deferred flush first waits that long for no request to be left."""
         try:
             timeout = float(request.query.get("timeout", "0"))
         except ValueError:
             raise BadRequest(f"timeout={request.query.get('timeout')!r} must be a number of seconds") from None
-        deadline = time.monotonic() + max(0.0, timeout)
-        while self._running and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        if self._running:
+        if timeout > 0 and self._running:
+            deadline = time.monotonic() + timeout
+            while self._running and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            if self._running:
+                return web.Response(status=400, text="Timed out waiting for idle state.")
+        if not self._scheduler_idle():
             return web.Response(status=400, text="Flush cache failed: requests are still running or queued.\n")
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are running "
                                  "or waiting requests, the operation will not be performed.)\n")
@@ -602,9 +669,9 @@ class StandInServer:
         return _ok("Success")
 
     def _load(self, pairs: list[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
-        """Load received tensors into the engine; a ``weight_version`` is recorded as the server's.
+        """Load received tensors into the engine; a ``weight_version`` becomes the scheduler's.
 
-        While paused (nothing generates), tensors are copied straight into the parameters;
+        In an ``abort`` pause (nothing generates), tensors are copied straight into the parameters;
         otherwise through the engine's weight update (under its lock), which
         ``/end_weight_update`` closes.
         """
@@ -625,22 +692,32 @@ class StandInServer:
                 self._update_open = True
             self.engine.receive_bucket(pairs)
         if weight_version is not None:
-            self.weight_version = weight_version  # the server keeps SGLang's string
             stamp = int(weight_version) if weight_version.isdigit() else None  # the engine's version is an int
+            self._record_version_change(weight_version, self.engine.version if stamp is None else stamp)
             if stamp is not None and not self._update_open:
                 self.engine.version = stamp
             elif stamp is not None:
                 self._pending_version = stamp
 
+    def _record_version_change(self, new: str, engine_version: int) -> None:
+        """SGLang's ``record_weight_version_change``: ``new`` is the scheduler's version from now on (no change when
+        it already is); the tokens the engine samples at ``engine_version`` are named ``new``."""
+        self._version_names[int(engine_version)] = new
+        if new == self._scheduler_version:
+            return
+        old, self._scheduler_version = self._scheduler_version, new
+        logger.info("Weight version changed. old_version=%r new_version=%r num_running=%d", old, new, self._running)
+
     def _in_place_targets(self) -> Mapping[str, torch.Tensor] | None:
         """The engine's parameters by HF name (one expert of a fused MoE tensor included), to receive
         per-tensor buckets into directly.
 
-        Only while generation is paused (``/pause_generation``): the version pool drains a slot
-        before pausing it, so no generation reads the weights while they change. Otherwise
-        tensors are received into buffers and loaded under the engine's lock.
+        Only in an ``abort`` pause: the version pool drains a slot before pausing it, so no generation
+        reads the weights while they change. Otherwise (no pause, or an ``in_place`` / ``retract`` pause, whose
+        held requests may still be in a decode step) tensors are received into buffers and loaded under the
+        engine's lock.
         """
-        if not self._paused:
+        if not self._paused or self._pause_mode != "abort":
             return None
         if self._param_views is None:
             self._param_views = _EngineWeights(self.engine)
@@ -698,10 +775,14 @@ class StandInServer:
                 logger.error("update_weights_from_distributed failed: %s", e)
                 return _fail(f"Failed to update parameter online: {e}. The full weights of the ModelRunner are "
                              "partially updated. Please discard the whole weights.")
-            if body.get("flush_cache", True) and self._running:
+            if body.get("flush_cache", True) and not self._scheduler_idle():
+                # SGLang's flush_cache_after_weight_update: the weights and the scheduler's version stay updated
                 return _fail("Weights were updated, but the cache was not flushed because requests are still running "
                              "or queued. Retract or finish them, then call /flush_cache.")
-        return _ok("Succeeded to update parameter online.")
+        if version is None:
+            return _ok("Succeeded to update parameter online.")
+        self.weight_version = str(version)  # the tokenizer manager's, on success only
+        return _ok(f"Succeeded to update parameter online. Weight version updated to {version}.")
 
     def _check_tp_copies(self, names: list[str], pairs: list[tuple[str, torch.Tensor]],
                          copies: list[tuple[int, list[tuple[str, torch.Tensor]]]]) -> None:

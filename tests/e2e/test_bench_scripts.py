@@ -172,7 +172,7 @@ def _check_lora(lines: list[str], rec: dict[str, Any]) -> None:
 def _check_in_flight(lines: list[str], rec: dict[str, Any]) -> None:
     res = rec["results"]
     assert list(res) == ["drain", "retract", "in_place"]
-    for mode, r in res.items():
+    for r in res.values():
         assert r["trained_samples"] == rec["args"]["steps"] * rec["args"]["batch"] and r["update_s"] > 0
         assert 0 <= r["update_idle_frac"] <= 1 and r["staleness_max"] >= 0
     assert res["drain"]["crossed_samples_frac"] == 0  # a drained update crosses no request

@@ -165,3 +165,39 @@ def test_a_failed_in_flight_update_regenerates_what_it_held():
 def test_an_unknown_update_mode_is_refused():
     with pytest.raises(ValueError, match="weight_update_mode='abort'"):
         VersionPool([[LocalEngine.from_config(_config(), init_seed=0)]], update_mode="abort")
+
+
+def test_a_slot_updated_in_flight_keeps_serving_beside_the_other_versions():
+    """Two slots (versions 0 and 1) under uniform cross-policy sampling: slot 0's in-flight update to version 2 holds
+    its requests and continues them, while slot 1 serves version 1 throughout."""
+    e0 = LocalEngine.from_config(_config(), init_seed=0)
+    e1 = LocalEngine.from_config(_config(), init_seed=1, version=1)
+    pool = VersionPool([[BatchingEngine(e0)], [BatchingEngine(e1)]], policy="uniform", seed=4, update_mode="retract",
+                       live_timeout_s=60)
+    state: dict = {}
+    weights = dict(_model(2).state_dict())
+    forwards = 0
+
+    def update() -> None:
+        slot = pool.begin_update(2, slot=0, timeout_s=30)
+        state["inflight_at_begin"] = pool.inflight()
+        deliver_direct([pool.engines[0]], weights.items(), 1 << 20)
+        pool.end_update(slot)
+
+    def hook(*_):
+        nonlocal forwards
+        forwards += 1
+        if forwards == 4:
+            state["thread"] = threading.Thread(target=update)
+            state["thread"].start()
+
+    handle = e0.model.register_forward_hook(hook)
+    prompts = [[i + 1, i + 2, i + 3] for i in range(8)]
+    outs = asyncio.run(pool.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE,
+                                                             seed=3)))
+    state["thread"].join(30)
+    handle.remove()
+    assert state["inflight_at_begin"][0] > 0  # slot 0 was not drained
+    seen = [tuple(sorted(set(o.token_versions))) for o in outs]
+    assert (0, 2) in seen and (1,) in seen and set(seen) <= {(0, 2), (1,), (2,)}, seen
+    assert pool.versions == [2, 1]

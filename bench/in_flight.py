@@ -5,19 +5,21 @@ The rollout side of an asynchronous run, with the trainer's GPU work stood in fo
 local engine (continuous batching: requests join the running batch between decode steps) behind a
 :class:`~rollout_sglang.engines.version_pool.VersionPool`; ``--clients`` producers, each generating one sample after
 another, ``max_new_tokens`` drawn from a Pareto(``--alpha``) law from ``--min-tokens`` (capped at ``--max-tokens``;
-no stop token, so each sample is that long), none starting while ``--batch`` finished samples wait (the bounded
-queue); a trainer thread that, ``--steps`` times, takes ``--batch`` finished samples, waits ``--train-s`` (the
-training step) and pushes the weights (``begin_update``, every tensor of the model, ``end_update``). The same run
-once per ``--modes`` (``rollout.weight_update_mode``): ``drain`` (the update waits for the slot's running requests,
-and no new one starts meanwhile), ``retract`` and ``in_place`` (the running requests are held between two tokens,
-the weights loaded, the requests continued).
+no stop token, so each sample is that long), none starting while ``(--staleness + 1) x --batch`` samples are running
+or waiting to be trained (the admission of the asynchronous pipeline); a trainer thread that, ``--steps`` times,
+takes ``--batch`` finished samples, waits ``--train-s`` (the training step) and pushes the weights
+(``begin_update``, every tensor of the model, ``end_update``). The same run once per ``--modes``
+(``rollout.weight_update_mode``): ``drain`` (the update waits for the slot's running requests, and no new one starts
+meanwhile), ``retract`` and ``in_place`` (the running requests are held between two tokens, the weights loaded, the
+requests continued).
 
 Per mode: ``trained_samples_per_s`` (the samples the trainer took / the wall time of its steps); around the updates
 (from ``begin_update`` to the end of ``end_update``): ``update_s`` (the trainer blocked, mean), ``update_rows`` and
 ``other_rows`` (the mean requests running during the updates and the rest of the time, sampled every 5 ms) and
 ``update_idle_frac`` = 1 - update_rows / other_rows (the share of the engine's usual batch left unused while an
 update is open: a drained slot finishes its long tail alone, then idles); the share of samples (and tokens) that an
-update crossed; the staleness of the trained samples (the trainer's version minus each sample's oldest token's).
+update crossed; the staleness of the trained samples (the trainer's version minus each sample's oldest token's) and
+``dropped_stale``, the finished samples left out for being older than ``--staleness`` (as the pipeline drops them).
 The ratios are against ``drain`` in this run. Writes ``bench/results/in_flight.json`` (``--out``); the last line is
 ``in_flight_speedup: <retract / drain trained samples per second>``.
 """
@@ -70,24 +72,30 @@ def run_mode(mode: str, args: Any) -> dict[str, Any]:
     stop = threading.Event()
     record: dict[str, list[float]] = {"update_s": [], "update_rows": [], "other_rows": [], "staleness": []}
     trained: list[Any] = []
+    running = [0]  # samples being generated
+    dropped = [0]  # finished samples older than the staleness cap
+    cap = (args.staleness + 1) * args.batch
 
     async def producer(i: int) -> None:
         rng = random.Random(1000 * i + 7)
         prompt = [rng.randrange(1, 512) for _ in range(8)]
         while not stop.is_set():
             deadline = time.monotonic() + 600
-            while len(finished) >= args.batch and not stop.is_set():  # the bounded queue holds new samples back
+            while running[0] + len(finished) >= cap and not stop.is_set():  # admission holds new samples back
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{mode}: the queue stayed full for 600 s")
                 await asyncio.sleep(0.002)
             n = pareto_tokens(rng, args.alpha, args.min_tokens, args.max_tokens)
             params = SamplingParams(max_new_tokens=n, temperature=1.0, seed=rng.randrange(1 << 30))
+            running[0] += 1
             try:
                 (out,) = await pool.generate([prompt], params)
             except Exception:  # noqa: BLE001 - the run ends under it
                 if stop.is_set():
                     return
                 raise
+            finally:
+                running[0] -= 1
             with cond:
                 finished.append(out)
                 cond.notify_all()
@@ -104,7 +112,13 @@ def run_mode(mode: str, args: Any) -> dict[str, Any]:
         try:
             for step in range(1, args.steps + 1):
                 with cond:
-                    if not cond.wait_for(lambda: len(finished) >= args.batch, timeout=600):
+                    def ready(version: int = step - 1) -> bool:  # samples beyond the staleness cap are dropped
+                        keep = [o for o in finished if version - min(o.token_versions) <= args.staleness]
+                        dropped[0] += len(finished) - len(keep)
+                        finished[:] = keep
+                        return len(finished) >= args.batch
+
+                    if not cond.wait_for(ready, timeout=600):
                         raise TimeoutError(f"{mode}: no batch of {args.batch} samples within 600 s")
                     batch, finished[:] = finished[:args.batch], finished[args.batch:]
                 trained.extend(batch)
@@ -140,7 +154,7 @@ def run_mode(mode: str, args: Any) -> dict[str, Any]:
     update_rows = statistics.fmean(record["update_rows"]) if record["update_rows"] else 0.0
     other_rows = statistics.fmean(record["other_rows"]) if record["other_rows"] else 0.0
     return {
-        "mode": mode, "wall_s": wall, "trained_samples": len(trained),
+        "mode": mode, "wall_s": wall, "trained_samples": len(trained), "dropped_stale": dropped[0],
         "trained_samples_per_s": len(trained) / wall,
         "update_s": statistics.fmean(record["update_s"]),
         "update_idle_frac": max(0.0, 1.0 - update_rows / other_rows) if other_rows else 0.0,
@@ -160,11 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="drain,retract,in_place", help="weight_update_mode values, drain first")
     p.add_argument("--steps", type=int, default=12, help="trainer steps (weight updates) per mode")
     p.add_argument("--batch", type=int, default=16, help="samples the trainer takes per step")
-    p.add_argument("--clients", type=int, default=24, help="producers, each generating one sample after another")
+    p.add_argument("--clients", type=int, default=48, help="producers, each generating one sample after another")
+    p.add_argument("--staleness", type=int, default=1, help="admission: at most (staleness + 1) x batch samples "
+                   "running or waiting")
     p.add_argument("--alpha", type=float, default=1.2, help="the Pareto shape of the generation lengths")
     p.add_argument("--min-tokens", type=int, default=8, help="the shortest generation")
     p.add_argument("--max-tokens", type=int, default=384, help="the cap on a generation's length")
-    p.add_argument("--train-s", type=float, default=0.3, help="the trainer's step time, seconds")
+    p.add_argument("--train-s", type=float, default=0.1, help="the trainer's step time, seconds")
     p.add_argument("--hidden", type=int, default=128, help="the engine model's hidden size")
     p.add_argument("--layers", type=int, default=2, help="the engine model's layers")
     args = parse_bench_args(p, argv, SMOKE)
@@ -174,12 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     results = {m: run_mode(m, args) for m in modes}
     base = results["drain"]["trained_samples_per_s"]
     print(f"{'mode':<9} {'samples/s':>9} {'x drain':>8} {'update s':>9} {'idle in upd':>11} {'rows in upd':>11} "
-          f"{'idle all':>8} {'crossed':>8} {'stale max':>9}")
+          f"{'rows other':>10} {'crossed':>8} {'dropped':>7}")
     for m, r in results.items():
         r["speedup_vs_drain"] = r["trained_samples_per_s"] / base
         print(f"{m:<9} {r['trained_samples_per_s']:>9.2f} {r['speedup_vs_drain']:>8.2f} {r['update_s']:>9.3f} "
-              f"{r['update_idle_frac']:>11.2f} {r['update_rows']:>11.1f} {r['engine_idle_frac']:>8.2f} "
-              f"{r['crossed_samples_frac']:>8.2f} {r['staleness_max']:>9}")
+              f"{r['update_idle_frac']:>11.2f} {r['update_rows']:>11.1f} {r['other_rows']:>10.1f} "
+              f"{r['crossed_samples_frac']:>8.2f} {r['dropped_stale']:>7}")
     write_record(args.out, {"bench": "in_flight", "smoke": args.smoke, "commit": git_commit(),
                             "args": {k: v for k, v in vars(args).items() if k != "out"}, "results": results})
     headline = results.get("retract", results[modes[-1]])

@@ -23,7 +23,11 @@ Every env call (start and each turn) first waits a Pareto(``pipeline.sim_env_lat
 minimum ``pipeline.sim_env_latency_s`` seconds, capped at ``pipeline.sim_env_latency_max_s``.
 
 Throughput = trained samples / wall seconds of the RL phase (first step to last step, no
-evaluation). Prints a table, writes ``bench/results/async_vs_sync.json`` (``--out``); the last line
+evaluation). ``--update-modes drain,retract,in_place`` runs the async mode once more per
+``rollout.weight_update_mode`` and reports, beside its ratio to sync, the train-vs-rollout mismatch of its
+trained tokens at version lag 0 and 1 (``mismatch/abs_lag<k>``, token-weighted over the run) and the share of
+trained tokens sampled after an in-flight update crossed their turn. Prints a table, writes
+``bench/results/async_vs_sync.json`` (``--out``); the last line
 is ``async_speedup: <async / sync throughput>``. ``--smoke``: 2 steps of 2 groups of 2 on a
 one-layer model with short turns and 10 ms latencies, in seconds; its speedup means nothing.
 """
@@ -110,7 +114,7 @@ SMOKE_OVERRIDES = ["train.steps=2", "rollout.prompts_per_step=2", "rollout.sampl
                    "rollout.max_new_tokens=4", "model.arch.num_hidden_layers=1"]
 
 
-def _overrides(args: argparse.Namespace, mode: str, out: Path, cohort: int = 0) -> list[str]:
+def _overrides(args: argparse.Namespace, mode: str, out: Path, cohort: int = 0, update_mode: str = "") -> list[str]:
     """The config overrides of one mode's run (on top of the demo config, whose own choices do not count)."""
     staleness = args.staleness if mode == "async" else 0
     return [f"pipeline.cohort_groups={cohort}",
@@ -126,15 +130,16 @@ def _overrides(args: argparse.Namespace, mode: str, out: Path, cohort: int = 0) 
         f"rollout.max_turns={args.max_turns}", "rollout.max_new_tokens=16", "rollout.max_total_tokens=1024",
         f"tasks=[{{name: dialog, params: {{max_turns: {args.max_turns}}}}}]",
         "log_every=1", *args.overrides,
+        *([f"rollout.weight_update_mode={update_mode}"] if update_mode else []),
     ]
 
 
-def run_mode(args: argparse.Namespace, mode: str, out: Path, cohort: int) -> dict[str, Any]:
+def run_mode(args: argparse.Namespace, mode: str, out: Path, cohort: int, update_mode: str = "") -> dict[str, Any]:
     """Train one mode into ``out``; its throughput (trained samples and tokens per RL second) and step means."""
     from megatron_agentrl.config import load_config
     from megatron_agentrl.pipeline.loop import run_training
 
-    cfg = load_config(ROOT / "examples" / "configs" / "tiny_cpu.yaml", _overrides(args, mode, out, cohort))
+    cfg = load_config(ROOT / "examples" / "configs" / "tiny_cpu.yaml", _overrides(args, mode, out, cohort, update_mode))
     os.chdir(ROOT)
     t0 = time.perf_counter()
     summary = run_training(cfg)
@@ -144,6 +149,10 @@ def run_mode(args: argparse.Namespace, mode: str, out: Path, cohort: int) -> dic
 
     def mean(key: str) -> float:
         return sum(r[key] for r in rl) / len(rl)
+
+    def token_mean(key: str) -> float:  # a mismatch figure over the run's tokens at that lag (0 when none)
+        n = sum(r.get(key.replace("abs_", "tokens_"), 0.0) for r in rl)
+        return sum(r.get(key, 0.0) * r.get(key.replace("abs_", "tokens_"), 0.0) for r in rl) / n if n else 0.0
 
     return {
         "trained_samples": summary["trained_samples"],
@@ -161,6 +170,10 @@ def run_mode(args: argparse.Namespace, mode: str, out: Path, cohort: int) -> dic
         "trainer_idle_frac": mean("trainer_idle_frac"),
         "engine_idle_frac": mean("engine_idle_frac"),
         "dropped_stale": summary["dropped_stale"],
+        "weight_update_mode": cfg.rollout.weight_update_mode,
+        "mismatch_abs_lag0": token_mean("mismatch/abs_lag0"),
+        "mismatch_abs_lag1": token_mean("mismatch/abs_lag1"),
+        "in_flight_tokens_frac": sum(r["in_flight/tokens"] for r in rl) / max(summary["trained_tokens"], 1),
     }
 
 
@@ -173,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sync-independent", action="store_true",
                    help="also run sync with every group on its own (pipeline.cohort_groups=1) instead of the whole "
                         "step in lockstep, and report its ratio too")
+    p.add_argument("--update-modes", default="",
+                   help="comma-separated rollout.weight_update_mode values: the async mode also runs once with each "
+                        "(its samples/s against sync, the train-vs-rollout mismatch at lag 0 and 1)")
     p.add_argument("-v", "--verbose", action="store_true", help="show the training log")
     p.add_argument("overrides", nargs="*", help="key=value config overrides of both modes (after the bench's own)")
     args = parse_bench_args(p, argv, SMOKE)
@@ -191,20 +207,26 @@ def main(argv: list[str] | None = None) -> int:
         runs = [("sync", "sync", 0), ("async", "async", 0)]
         if args.sync_independent:
             runs.append(("sync_independent", "sync", 1))
+        runs += [(f"async_{m}", "async", 0) for m in args.update_modes.split(",") if m.strip()]
         for name, mode, cohort in runs:
             out = Path(tmp) / name
-            results[name] = run_mode(args, mode, out, cohort)
+            update_mode = name.removeprefix("async_") if name.startswith("async_") else ""
+            results[name] = run_mode(args, mode, out, cohort, update_mode)
     s, a = results["sync"], results["async"]
     speedup = a["samples_per_s"] / s["samples_per_s"]
     cols = ["trained_samples", "rl_wall_s", "samples_per_s", "tokens_per_s", "mean_step_s", "mean_wait_batch_s",
             "mean_train_s", "mean_turns", "staleness_mean", "staleness_max", "trainer_idle_frac", "engine_idle_frac",
-            "dropped_stale"]
+            "dropped_stale", "mismatch_abs_lag0", "mismatch_abs_lag1", "in_flight_tokens_frac"]
     names = list(results)
     print(f"{'metric':<20}" + "".join(f"{n:>18}" for n in names))
     for c in cols:
         print(f"{c:<20}" + "".join(f"{results[n][c]:>18.3f}" if isinstance(results[n][c], float)
                                    else f"{results[n][c]:>18}" for n in names))
     extra = {}
+    for name in (n for n in results if n.startswith("async_")):
+        ratio = results[name]["samples_per_s"] / s["samples_per_s"]
+        extra[f"async_speedup_{name.removeprefix('async_')}"] = ratio
+        print(f"{name} / sync: {ratio:.2f}")
     if "sync_independent" in results:
         extra["async_speedup_vs_sync_independent"] = a["samples_per_s"] / results["sync_independent"]["samples_per_s"]
         print(f"async / sync_independent: {extra['async_speedup_vs_sync_independent']:.2f}")

@@ -194,6 +194,7 @@ def build_rollout_side(cfg: Config, hf_config: Any, dtype: torch.dtype, template
     if remote is not None:
         for c in (c for slot in remote for c in slot):
             c.wait_healthy(r.engine_startup_timeout_s)
+            c.take_over()  # a server that an earlier run left paused or mid-update serves again
         engines = [BatchingEngine(c, resume_timeout_s=r.engine_timeout_s) for slot in remote for c in slot]
         logger.info("rollout engines: %s", [[c.base_url for c in slot] for slot in remote])
     else:
@@ -297,6 +298,7 @@ def standalone_pool(cfg: Config, hf_config: Any, dtype: torch.dtype) -> VersionP
     if remote is not None:
         for c in (c for slot in remote for c in slot):
             c.wait_healthy(r.engine_startup_timeout_s)
+            c.take_over()  # a server that an earlier run left paused or mid-update serves again
         slots = [[BatchingEngine(c, resume_timeout_s=r.engine_timeout_s) for c in slot] for slot in remote]
     else:
         if cfg.model.megatron_checkpoint and not cfg.model.checkpoint:

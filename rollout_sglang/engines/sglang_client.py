@@ -683,6 +683,20 @@ class SGLangEngine:
                 )
             time.sleep(poll_s)
 
+    def take_over(self) -> None:
+        """Make a server that an earlier trainer left mid-update serve again, before this run uses it: ``POST
+        /continue_generation`` (SGLang accepts it when not paused; a paused server would also fail every
+        ``/health_generate`` probe, so the version pool would never route to it) and close a weight-update session
+        left open (``POST /end_weight_update``; SGLang's "no weight-update session is open" is the usual answer)."""
+        self.resume()
+        try:
+            self._call("POST", "/end_weight_update", {})
+        except SGLangError as e:
+            if "no weight-update session" not in str(e):
+                raise
+        else:
+            logger.warning("%s had a weight-update session open (a trainer died mid-update): closed", self.base_url)
+
     def server_info(self) -> dict:
         """``GET /server_info``: the server's resolved launch arguments (``tp_size``, ...) and scheduler state."""
         info = self._call("GET", "/server_info")

@@ -458,9 +458,10 @@ class VersionPool:
 
         While no slot is live (e.g. the only slot is updating) the call waits for one. Prompts whose engine
         fails for reasons of its own (:class:`EngineUnavailable`) take that engine out of rotation and are
-        generated again elsewhere, after a pause that grows per attempt (0.05 s doubling, at most 2 s);
-        EnginesUnavailable when no slot could serve within ``live_timeout_s``. Other errors (a bad request)
-        are raised as they are. Prompts that land on the same engine go in one batched call; with
+        generated again elsewhere as soon as their engine's part of the call ends, after a pause that grows per
+        attempt (0.05 s doubling, at most 2 s); EnginesUnavailable when, from the first failure on, no slot could
+        serve them within ``live_timeout_s``. Other errors (a bad request) are raised as they are. Prompts that
+        land on the same engine go in one batched call; with
         ``params.seed`` set, the call on global engine ``e`` uses ``seed + e * len(prompts)`` (row ``j``
         of it then ``seed + e * len(prompts) + j``), so no two rows share a random stream.
         """
@@ -471,46 +472,63 @@ class VersionPool:
         if starts is not None and len(starts) != len(prompts):
             raise ValueError(f"routing_from has {len(starts)} starts for {len(prompts)} prompts; give one per prompt")
         out: list[GenerationOutput | None] = [None] * len(prompts)
-        todo = list(range(len(prompts)))
-        deadline = time.monotonic() + self.live_timeout_s
-        attempt = 0
-        while todo:
-            routed = await self.route_wait([keys[i] for i in todo], max(0.0, deadline - time.monotonic()), newest)
+        calls: dict[asyncio.Task, tuple[int, list[int]]] = {}  # each engine call: its engine and rows
+        deadline: float | None = None  # re-routing is bounded from the first failure on, not from the call's start
+
+        async def launch(rows: list[int]) -> None:
+            left = self.live_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
+            routed = await self.route_wait([keys[i] for i in rows], left, newest)
             by_engine: dict[int, list[int]] = {}
             version_of: dict[int, LiveVersion | None] = {}
-            for i, (e, live) in zip(todo, routed):
+            for i, (e, live) in zip(rows, routed):
                 by_engine.setdefault(e, []).append(i)
                 version_of[i] = live
-            calls = []
-            for e, rows in by_engine.items():
+            for e, mine in by_engine.items():
                 p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + e * len(prompts))
-                calls.append(self.generate_on(e, [prompts[i] for i in rows], p,
-                                              None if starts is None else [starts[i] for i in rows],
-                                              [version_of[i] for i in rows]))
-            results = await asyncio.gather(*calls, return_exceptions=True)
-            todo, error = [], None
-            for (e, rows), res in zip(by_engine.items(), results):
-                if isinstance(res, EngineUnavailable):
-                    if not isinstance(res, CallWithdrawn):
-                        self.mark_down(e, str(res))
-                    todo.extend(rows)
-                elif isinstance(res, BaseException):
-                    error = error or res
-                else:
-                    for i, o in zip(rows, res):
-                        out[i] = o
-            if error is not None:
-                raise error
-            if todo:
-                todo.sort()
+                task = asyncio.ensure_future(self.generate_on(e, [prompts[i] for i in mine], p,
+                                                              None if starts is None else [starts[i] for i in mine],
+                                                              [version_of[i] for i in mine]))
+                calls[task] = (e, mine)
+
+        attempt = 0
+        try:
+            await launch(list(range(len(prompts))))
+            while calls:
+                # each engine's part is handled as it ends: a dead engine's rows go elsewhere at once, not after
+                # the slowest other part (which an in-flight update may hold)
+                done, _ = await asyncio.wait(list(calls), return_when=asyncio.FIRST_COMPLETED)
+                retry: list[int] = []
+                for task in done:
+                    e, rows = calls.pop(task)
+                    err = task.exception()
+                    if isinstance(err, EngineUnavailable):
+                        if not isinstance(err, CallWithdrawn):
+                            self.mark_down(e, str(err))
+                        retry.extend(rows)
+                    elif err is not None:
+                        raise err
+                    else:
+                        for i, o in zip(rows, task.result()):
+                            out[i] = o
+                if not retry:
+                    continue
+                retry.sort()
                 attempt += 1
                 with self._lock:
-                    self.stats["rerouted"] += len(todo)
-                if time.monotonic() >= deadline:
-                    raise EnginesUnavailable(f"{len(todo)} prompts found no engine that could serve them within "
+                    self.stats["rerouted"] += len(retry)
+                if deadline is None:
+                    deadline = time.monotonic() + self.live_timeout_s
+                elif time.monotonic() >= deadline:
+                    raise EnginesUnavailable(f"{len(retry)} prompts found no engine that could serve them within "
                                              f"{self.live_timeout_s:.1f}s ({self.slot_states()}); raise "
                                              "rollout.engine_unavailable_timeout_s or check the engines")
                 await asyncio.sleep(min(0.05 * 2 ** (attempt - 1), 2.0))
+                await launch(retry)
+        finally:
+            for task in calls:
+                task.cancel()
+            if calls:
+                await asyncio.gather(*calls, return_exceptions=True)
         return out  # type: ignore[return-value]
 
     # ---------------------------------------------------------------- health

@@ -44,8 +44,8 @@ refused (SGLang would drop it silently). Then it follows SGLang's behaviour:
   ``/flush_cache``: refused (400) unless SGLang's scheduler would be idle (``is_fully_idle(ignore_waiting=
   paused)``): no request admitted, or a pause that left none in the running batch (``retract`` moves them to the
   waiting queue, which a paused scheduler ignores; ``abort`` aborts them); with ``?timeout=`` it first waits that
-  long for no request to be left. ``/health``, ``/health_generate``, ``/model_info``, ``/server_info``
-  (``tp_size``, ``pp_size``, ``dp_size``).
+  long for no request to be left. ``/health``, ``/health_generate`` (as SGLang's: a paused server answers it 503
+  after 20 s), ``/model_info``, ``/server_info`` (``tp_size``, ``pp_size``, ``dp_size``).
 * LoRA (``--enable-lora`` and its flags): ``/load_lora_adapter {lora_name, lora_path, pinned}`` loads a PEFT
   directory, ``/unload_lora_adapter {lora_name}`` unloads one (after the requests that use it), each answering
   ``{"success", "error_message", "loaded_adapters"}`` (HTTP 400 when not a success); ``lora_path`` on
@@ -74,12 +74,19 @@ decoding are refused with HTTP 400. Extensions, which real SGLang does not have:
 :class:`rollout_sglang.testing.transport.StandInTransport`); ``POST /agentrl/raw_broadcast
 {nbytes, group_name}`` receives one raw buffer (the benchmark's baseline). Test hooks:
 :meth:`StandInServer.stall` makes every request hang (client timeouts); ``refuse_destroy`` makes
-``/destroy_weights_update_group`` fail and keep the group, as when torch's destroy fails.
+``/destroy_weights_update_group`` fail and keep the group, as when torch's destroy fails; two faults of an
+in-flight update, off by default and set as flags of the process (:class:`StandInOptions`):
+``--test-sigkill-on-pause N`` (the process SIGKILLs itself right after answering the Nth ``/pause_generation``
+that finds requests running) and ``--test-hold-update N`` (the Nth ``/begin_weight_update`` answers
+``--test-hold-update-s`` seconds after it opened the session). ``/server_info`` also reports the stand-in's state:
+``paused``, ``pause_mode``, ``running_requests`` (``/generate`` requests in the engine, held ones included) and
+``weight_update_session`` (a session is open).
 
 Run as a process with SGLang's command line: ``python -m rollout_sglang.testing.sglang_standin
 --model-path DIR --host 127.0.0.1 --port 30000 [--tp-size N] [--api-key K] [--admin-api-key K]
 [--enable-deterministic-inference] [--enable-lora --max-lora-rank R --lora-target-modules M ...
---max-loras-per-batch N --max-loaded-loras N]`` (other SGLang flags are accepted and ignored).
+--max-loras-per-batch N --max-loaded-loras N] [--test-sigkill-on-pause N] [--test-hold-update N
+--test-hold-update-s S]`` (other SGLang flags are accepted and ignored).
 """
 from __future__ import annotations
 
@@ -87,6 +94,7 @@ import argparse
 import asyncio
 import base64
 import logging
+import os
 import secrets
 import signal
 import socket
@@ -111,6 +119,8 @@ from rollout_sglang.weight_update.receiver import BucketReceiver
 logger = logging.getLogger(__name__)
 
 EXTENSIONS = [EXT_CHECKSUM, "raw_broadcast", EXT_SEND_RECV]
+#: SGLang's ``HEALTH_CHECK_TIMEOUT`` (``entrypoints/http_server.py``): how long ``/health_generate`` waits for output
+HEALTH_CHECK_TIMEOUT_S = 20.0
 # request fields of the stand-in's extensions (SGLang would ignore them silently; the stand-in reads them)
 EXTENSION_FIELDS = frozenset({CHECKSUM_FIELD, TAG_FIELD})
 
@@ -242,6 +252,8 @@ class StandInServer:
         self._session_open = False  # SGLang's weight-update session (begin/end_weight_update)
         self._pending_version: int | None = None  # stamped on the engine when its open update closes
         self._running = 0  # /generate requests being served
+        self._holding_pauses = 0  # /pause_generation calls that found requests running (the SIGKILL hook counts)
+        self._begins = 0  # /begin_weight_update calls that opened a session (the hold hook counts)
         self.lora = LoraServing(engine, o, self.tp_size)
         self._lora_lock: asyncio.Lock | None = None
         self.unload_wait_s = float(o.unload_wait_s)
@@ -299,7 +311,7 @@ class StandInServer:
         r.add_get("/flush_cache", self._flush_cache)
         r.add_post("/flush_cache", self._flush_cache)
         r.add_get("/health", self._health)
-        r.add_get("/health_generate", self._health)
+        r.add_get("/health_generate", self._health_generate)
         r.add_get("/model_info", self._model_info)
         r.add_get("/get_model_info", self._model_info)
         r.add_get("/server_info", self._server_info)
@@ -579,7 +591,20 @@ class StandInServer:
         self.engine.pause(None if mode == "abort" else mode)
         self._paused, self._pause_mode = True, mode
         self._admitting.clear()
-        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+        answer = web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+        if self._running:
+            self._holding_pauses += 1
+            if self._holding_pauses == self.options.sigkill_on_pause:  # 0 (off) never matches
+                await self._answer_then_die(request, answer, f"paused ({mode}) holding {self._running} requests")
+        return answer
+
+    async def _answer_then_die(self, request: web.Request, answer: web.Response, state: str) -> None:
+        """Test hook: send ``answer`` (into the kernel's socket buffer, which outlives the process), then SIGKILL
+        this process, as an engine that crashes or is killed: no cleanup, every connection dropped."""
+        await answer.prepare(request)
+        await answer.write_eof()
+        logger.warning("test hook: SIGKILL on the %s while %s", request.path, state)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     async def _continue(self, request: web.Request) -> web.Response:
         await self._json(request)
@@ -653,6 +678,11 @@ class StandInServer:
         if self._session_open:
             return _fail("a weight-update session is already open; call end_weight_update() first")
         self._session_open = True
+        self._begins += 1
+        if self.options.hold_update and self._begins == self.options.hold_update:
+            logger.warning("test hook: update %d's session is open (paused: %s, %d requests running); answering in "
+                           "%.1fs", self._begins, self._pause_mode, self._running, self.options.hold_update_s)
+            await asyncio.sleep(self.options.hold_update_s)
         return _ok("Success")
 
     async def _end_update(self, request: web.Request) -> web.Response:
@@ -819,6 +849,16 @@ class StandInServer:
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
+    async def _health_generate(self, request: web.Request) -> web.Response:
+        """SGLang's ``/health_generate``: a one-token generation, which a paused server does not serve: it answers
+        503 after ``HEALTH_CHECK_TIMEOUT`` (20 s) without output."""
+        deadline = time.monotonic() + HEALTH_CHECK_TIMEOUT_S
+        while self._paused:
+            if time.monotonic() >= deadline:
+                return web.Response(status=503)
+            await asyncio.sleep(0.05)
+        return web.Response(status=200)
+
     async def _model_info(self, request: web.Request) -> web.Response:
         return web.json_response({
             "model_path": self.model_path, "tokenizer_path": None, "is_generation": True,
@@ -831,7 +871,8 @@ class StandInServer:
             "version": f"agentrl-standin (SGLang {self.contract.pin} API)", "model_path": self.model_path,
             "tp_size": self.tp_size, "pp_size": 1, "dp_size": 1, "agentrl_standin": True,
             "agentrl_extensions": EXTENSIONS,
-            "weight_version": self.weight_version, "paused": self._paused,
+            "weight_version": self.weight_version, "paused": self._paused, "pause_mode": self._pause_mode,
+            "running_requests": self._running, "weight_update_session": self._session_open,
         })
 
 
@@ -866,6 +907,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lora-target-modules", nargs="*", default=None)
     parser.add_argument("--max-loras-per-batch", type=int, default=8)
     parser.add_argument("--max-loaded-loras", type=int, default=None)
+    parser.add_argument("--test-sigkill-on-pause", type=int, default=0, metavar="N",
+                        help="test hook: SIGKILL this process right after answering the Nth /pause_generation that "
+                             "finds requests running (0: off)")
+    parser.add_argument("--test-hold-update", type=int, default=0, metavar="N",
+                        help="test hook: the Nth /begin_weight_update answers --test-hold-update-s seconds after it "
+                             "opened the session (0: off)")
+    parser.add_argument("--test-hold-update-s", type=float, default=10.0, metavar="S")
     args, unknown = parser.parse_known_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -879,7 +927,9 @@ def main(argv: list[str] | None = None) -> None:
         weight_version=args.weight_version, capture_routing=args.enable_return_routed_experts,
         enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank,
         lora_target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
-        max_loras_per_batch=args.max_loras_per_batch, max_loaded_loras=args.max_loaded_loras))
+        max_loras_per_batch=args.max_loras_per_batch, max_loaded_loras=args.max_loaded_loras,
+        sigkill_on_pause=args.test_sigkill_on_pause, hold_update=args.test_hold_update,
+        hold_update_s=args.test_hold_update_s))
     server.start()
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -43,10 +43,22 @@ class StandInOptions(LoraServerFlags):
     capture_routing: bool = False
     #: limit on an adapter's unload waiting for the requests that use it, seconds (SGLang waits for them too)
     unload_wait_s: float = 60.0
+    #: test hook, for a server in a process of its own (``--test-sigkill-on-pause N``; 0: off): the process
+    #: SIGKILLs itself right after answering the Nth ``/pause_generation`` that finds requests running, which it
+    #: then holds: an engine that dies while paused for an in-flight update
+    sigkill_on_pause: int = 0
+    #: test hook (``--test-hold-update N``; 0: off): the Nth ``/begin_weight_update`` opens its session, then
+    #: answers only ``hold_update_s`` seconds later: an update held open (the server paused, no
+    #: ``/continue_generation`` yet), for a test to kill the trainer meanwhile
+    hold_update: int = 0
+    #: how long the held ``/begin_weight_update`` waits before it answers, seconds (``--test-hold-update-s``)
+    hold_update_s: float = 10.0
 
     def check(self) -> None:
         """A port in range, positive limits and TP size, the LoRA flags' rules."""
         super().check()
         self.require_int("port", 0, 65535, why="0 picks a free port")
-        self.require_seconds("group_timeout_s", "unload_wait_s")
+        self.require_seconds("group_timeout_s", "unload_wait_s", "hold_update_s")
+        self.require_int("sigkill_on_pause", low=0, why="0 = off")
+        self.require_int("hold_update", low=0, why="0 = off")
         self.require_positive_int("tp_size")

@@ -209,3 +209,47 @@ def test_a_stalled_engine_that_recovers_is_not_blocked_by_its_stuck_call():
 
     pool.route([None])  # generate_on releases one lease of engine 0: take it first, as the router does
     assert asyncio.run(run()) == [0]
+
+
+class DiesAfter(Server):
+    """A server that generates for ``after_s`` seconds, then dies under the call."""
+
+    def __init__(self, eid: int, after_s: float) -> None:
+        super().__init__(eid)
+        self.after_s = after_s
+
+    async def generate(self, prompts, params):
+        await asyncio.sleep(self.after_s)
+        self.dead = True
+        raise EngineUnavailable(f"{self.name} died mid-generation")
+
+
+def test_a_call_longer_than_the_unavailable_budget_is_still_rerouted():
+    """The budget for finding another engine starts at the failure: a generation that ran past it (a long one, or
+    one an in-flight update held) and then lost its engine goes to the other engine."""
+    slow, fine = DiesAfter(0, after_s=0.6), Server(1)
+    pool = VersionPool([[slow, fine]], live_timeout_s=0.3)
+    pool._inflight[1] = 5  # the router sends the call to the slow engine (fewest in flight)
+    (out,) = asyncio.run(pool.generate([[1, 2]], PARAMS))
+    assert out.token_ids == [1] and pool.stats["rerouted"] == 1
+
+
+def test_a_dead_engines_rows_move_while_the_other_engine_still_generates():
+    """One call spread over two engines: when one dies, its rows go elsewhere at once, without waiting for the other
+    engine's part (which an in-flight update may hold for long)."""
+    dying, held, spare = DiesAfter(0, after_s=0.05), Server(1), Server(2)
+    pool = VersionPool([[dying, held, spare]], live_timeout_s=10)
+    held.stalled = True
+
+    async def main():
+        call = asyncio.create_task(pool.generate([[1], [2], [3]], PARAMS, keys=["a", "b", "c"]))
+        deadline = time.monotonic() + 10
+        while spare.served < 2:  # its own row, then the dead engine's, while `held` still holds its own
+            assert time.monotonic() < deadline, pool.slot_states()
+            await asyncio.sleep(0.01)
+        assert not call.done() and 0 in pool._down
+        held.stalled = False
+        return await asyncio.wait_for(call, 10)
+
+    outs = asyncio.run(main())
+    assert sorted(o.token_ids[0] for o in outs) == [1, 2, 2]  # served by `held` (1) and the spare (2) alone

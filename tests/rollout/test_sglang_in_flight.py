@@ -405,3 +405,24 @@ def test_the_stand_ins_spans_are_the_wheels_and_the_client_reads_them_back(wheel
         assert ours == meta["weight_versions"] and ours[-1]["version"] == meta["weight_version"], versions
         read, last = token_versions_from_spans(ours, n, stamp=0)  # "default" is no version of ours: the stamp 0
         assert read == versions and last == (versions[-1] if versions else 9)
+
+
+def test_a_server_left_paused_mid_update_serves_again_once_taken_over():
+    """A trainer that died between pause and continue leaves the server paused with its weight-update session open: it
+    then fails every /health_generate probe (as SGLang's does), so a new run takes it over first."""
+    server = StandInServer(LocalEngine.from_config(tiny_config(), init_seed=0))
+    server.start()
+    try:
+        dead = SGLangEngine(server.url, version=0)
+        dead.pause("retract")
+        dead.begin_weight_update(1)
+        fresh = SGLangEngine(server.url, version=0)
+        assert not fresh.probe(timeout_s=1.0).ok  # paused: the probe gets no answer in time
+        fresh.take_over()
+        assert fresh.probe(timeout_s=5.0).ok
+        (out,) = asyncio.run(fresh.generate([[3, 4]], SamplingParams(max_new_tokens=3)))
+        assert len(out.token_ids) == 3
+        fresh.begin_weight_update(1)  # the stale session was closed: a new update opens
+        fresh.abort_weight_update()
+    finally:
+        server.stop()

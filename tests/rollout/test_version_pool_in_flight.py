@@ -85,14 +85,22 @@ def _update_when(engine: LocalEngine, pool: VersionPool, version: int, state: di
     state["hook"] = engine.model.register_forward_hook(hook)
 
 
-def test_an_in_flight_update_holds_the_request_and_each_token_is_scored_by_its_own_weights():
-    pool, engine = _pool("retract")
+def _generate_across_update(mode: str) -> tuple[list, dict]:
+    """One request on a one-slot pool in ``mode`` while an update to version 1 is planted after 4 forwards; its
+    outputs and the update's record."""
+    pool, engine = _pool(mode)
     state: dict = {}
     _update_when(engine, pool, 1, state, after_forwards=4)
     outs = asyncio.run(pool.generate([PROMPT], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE,
                                                               seed=3)))
     state["thread"].join(30)
     state["hook"].remove()
+    state["versions"] = pool.versions
+    return outs, state
+
+
+def test_an_in_flight_update_holds_the_request_and_each_token_is_scored_by_its_own_weights():
+    outs, state = _generate_across_update("retract")
     assert state["inflight_at_begin"] == 1  # the update did not wait for the running request
     t = _trajectory(outs)
     versions = t.sampled_versions
@@ -112,13 +120,7 @@ def test_an_in_flight_update_holds_the_request_and_each_token_is_scored_by_its_o
 
 
 def test_in_place_keeps_the_old_kv_and_shows_at_lag_zero():
-    pool, engine = _pool("in_place")
-    state: dict = {}
-    _update_when(engine, pool, 1, state, after_forwards=4)
-    outs = asyncio.run(pool.generate([PROMPT], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE,
-                                                              seed=3)))
-    state["thread"].join(30)
-    state["hook"].remove()
+    outs, _ = _generate_across_update("in_place")
     t = _trajectory(outs)
     assert set(t.sampled_versions) == {0, 1}
     rl = build_rl_batch([t], ["lookup"], AlgoConfig(), trained_version=1)
@@ -128,15 +130,9 @@ def test_in_place_keeps_the_old_kv_and_shows_at_lag_zero():
 
 
 def test_drain_waits_for_the_request_before_it_pauses():
-    pool, engine = _pool("drain")
-    state: dict = {}
-    _update_when(engine, pool, 1, state, after_forwards=4)
-    outs = asyncio.run(pool.generate([PROMPT], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE,
-                                                              seed=3)))
-    state["thread"].join(30)
-    state["hook"].remove()
+    outs, state = _generate_across_update("drain")
     assert state["inflight_at_begin"] == 0 and outs[0].token_versions == [0] * NEW_TOKENS
-    assert pool.versions == [1]
+    assert state["versions"] == [1]
 
 
 def test_a_failed_in_flight_update_regenerates_what_it_held():

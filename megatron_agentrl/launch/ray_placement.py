@@ -330,6 +330,22 @@ class EngineLaunch:
     #: a LoRA run: ``(lora.rank, lora.target_modules, rollout.max_versions)``, from which the server gets its LoRA
     #: flags (every live version an adapter on it); None: no LoRA
     lora: tuple[int, tuple[str, ...], int] | None = None
+    #: the driver's working directory, where the actor starts the server (as a trainer rank runs there): a relative
+    #: path in the server's own flags means what it meant on the driver ("": the actor's own)
+    workdir: str = ""
+
+
+def engine_launch(cfg: Config, keys: tuple[str, str] | None) -> EngineLaunch:
+    """The :class:`EngineLaunch` of ``cfg``'s engines, its paths resolved on the driver: a ``model.checkpoint`` (or
+    ``model.hf_config``) that is a directory here becomes absolute, so that an engine actor, whatever its working
+    directory, loads the same one (a name that is no local path, such as a hub id, is passed as given)."""
+    model = Path(str(cfg.model.checkpoint or cfg.model.hf_config)).expanduser()
+    lora = cfg.lora
+    return EngineLaunch(str(model.resolve()) if model.exists() else str(cfg.model.checkpoint or cfg.model.hf_config),
+                        cfg.ray.engine_server_module, cfg.model.dtype, cfg.rollout.engine_startup_timeout_s,
+                        str(Path(cfg.output_dir).resolve() / "ray" / "engine_logs"), cfg.rollout.capture_routing, keys,
+                        (lora.rank, tuple(lora.target_modules), cfg.rollout.max_versions) if lora.enabled else None,
+                        os.getcwd())
 
 
 class RolloutEngineActor(_Placed):
@@ -351,6 +367,8 @@ class RolloutEngineActor(_Placed):
 
         if self._engine is not None:  # relaunch in this actor: the old server exited (ping said so)
             self._engine.shutdown()
+        if run.workdir:
+            os.chdir(run.workdir)
         if stale_pid:
             _stop_stale_server(stale_pid, port, timeout_s=30.0)
         gpus = [int(g) for g in ray.get_gpu_ids()]
@@ -549,14 +567,7 @@ class RayRun:
             pool, index, r.rollout_cpus_per_engine, r.rollout_gpus_per_engine, f"engine_s{slot}_{index}")).remote()
 
     def _engine_start(self, m: _Member, port: int, stale_pid: int = 0) -> Any:
-        model = self.cfg.model.checkpoint or self.cfg.model.hf_config
-        log_dir = str(Path(self.cfg.output_dir).resolve() / "ray" / "engine_logs")
-        lora = self.cfg.lora
-        run = EngineLaunch(str(model), self.cfg.ray.engine_server_module, self.cfg.model.dtype,
-                           self.cfg.rollout.engine_startup_timeout_s, log_dir, self.cfg.rollout.capture_routing,
-                           self.engine_keys, (lora.rank, tuple(lora.target_modules), self.cfg.rollout.max_versions)
-                           if lora.enabled else None)
-        return m.actor.start.remote(run, port, stale_pid)
+        return m.actor.start.remote(engine_launch(self.cfg, self.engine_keys), port, stale_pid)
 
     # ------------------------------------------------------------------------------ trainers
     def start_trainers(self) -> list[_Member]:

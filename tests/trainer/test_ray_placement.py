@@ -29,6 +29,7 @@ from megatron_agentrl.launch.ray_placement import (  # noqa: E402
     RayRun,
     RunLostError,
     create_placement_groups,
+    engine_launch,
     plan_pools,
     remove_placement_groups,
     run_on_ray,
@@ -202,6 +203,17 @@ def test_running_engines_and_ray_engines_together_are_refused(tmp_path: Path) ->
     with pytest.raises(ConfigError, match=r"rollout.engine_urls=.*ray.rollout_gpus_per_engine=1 asks Ray to start "
                                           r"its own; clear one of the two"):
         plan_pools(cfg)
+
+
+def test_engine_paths_leave_the_driver_resolved(tmp_path: Path, monkeypatch) -> None:
+    """An engine actor on another node (or in another working directory) loads the checkpoint the driver named: a
+    relative model.checkpoint goes out absolute, the server starts in the driver's directory, a hub id goes as is."""
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path)
+    run = engine_launch(_cfg(tmp_path, "model.checkpoint=ckpt", "output_dir=run"), keys=None)
+    assert run.model_path == str(tmp_path / "ckpt") and run.workdir == str(tmp_path)
+    assert run.log_dir == str(tmp_path / "run" / "ray" / "engine_logs")
+    assert engine_launch(_cfg(tmp_path, "model.checkpoint=Qwen/Qwen3-8B"), keys=None).model_path == "Qwen/Qwen3-8B"
 
 
 def _run_in_thread(run: RayRun) -> tuple[threading.Thread, dict]:

@@ -49,8 +49,8 @@ HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
 # the endpoints the project calls
 PATHS = ("/generate", "/pause_generation", "/continue_generation", "/flush_cache", "/init_weights_update_group",
          "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update",
-         "/destroy_weights_update_group", "/health", "/model_info", "/server_info", "/load_lora_adapter",
-         "/unload_lora_adapter", "/load_lora_adapter_from_tensors")
+         "/destroy_weights_update_group", "/health", "/health_generate", "/model_info", "/server_info",
+         "/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_tensors")
 _API_CLASSES = ("GenerateRequest", "SamplingParams")
 #: where the facts of the routed-experts response live in the wheel
 ROUTED_EXPERTS_SOURCES = {

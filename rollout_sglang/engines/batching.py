@@ -295,6 +295,11 @@ class BatchingEngine:
         return str(getattr(self.engine, "name", None) or repr(self.engine))
 
     @property
+    def flush_if_stale(self) -> Any:
+        """The wrapped engine's owed prefix-cache flush (``flush_if_stale() -> bool``), None when it has none."""
+        return getattr(self.engine, "flush_if_stale", None)
+
+    @property
     def probe(self) -> Any:
         """The wrapped engine's health probe (``probe(timeout_s) -> Probe``), None when it has none (an
         in-process engine cannot fail apart from its caller)."""

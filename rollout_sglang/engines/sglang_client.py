@@ -78,9 +78,9 @@ not honour (``flush_cache_after_weight_update``, scheduler_components/weight_upd
 a paused scheduler ignores: both flush after the update. An ``in_place`` pause keeps the held requests in the
 running batch, so the buckets go with ``flush_cache: false`` and :meth:`end_weight_update` does not call
 ``/flush_cache`` (it would be refused). The prefix (radix) cache then keeps KV computed with the old weights,
-which later requests that share a prefix reuse, until it is evicted or flushed: a later :meth:`flush_cache`
-when the server is idle (``health()["stale_prefix_cache"]`` says one is owed; the next drained update's flush
-clears it too).
+which later requests that share a prefix reuse, until it is evicted or flushed: :meth:`flush_if_stale` flushes it
+when the server is idle (the version pool's health checks call it; ``health()["stale_prefix_cache"]`` says a flush
+is owed; the next drained update's flush clears it too).
 
 Versions are ``int`` in our packages; SGLang's ``weight_version`` is a string. This client is the
 one place that converts (:func:`version_to_wire`, :func:`version_from_wire`): the version an update
@@ -571,6 +571,19 @@ class SGLangEngine:
         refuses it (SGLangError) while requests run, or are held by an ``in_place`` pause."""
         self._call("POST", "/flush_cache", None)
         self._stale_prefix_cache = False
+
+    def flush_if_stale(self) -> bool:
+        """Flush the prefix cache that an ``in_place`` update left holding old-weights KV (the version pool calls it
+        when the server is idle); True when it flushed, False when nothing was owed or SGLang refused because
+        requests run (it stays owed)."""
+        if not self._stale_prefix_cache:
+            return False
+        try:
+            self.flush_cache()
+        except SGLangError as e:
+            logger.debug("%s: the owed prefix-cache flush waits (%s)", self.base_url, e)
+            return False
+        return True
 
     # ------------------------------------------------------------- LoRA adapters
     def load_adapter(self, adapter: Any) -> None:

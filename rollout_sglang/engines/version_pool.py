@@ -617,6 +617,7 @@ class VersionPool:
             while not self._stop_probes.wait(interval_s):
                 try:
                     self.probe_once(eid, timeout_s)
+                    self._flush_when_idle(eid)
                 except Exception:  # noqa: BLE001 - a probe bug must not end the checks
                     logger.exception("health probe of %s failed", self.engine_name(eid))
 
@@ -625,6 +626,15 @@ class VersionPool:
                 t = threading.Thread(target=loop, args=(eid,), name=f"probe-{eid}", daemon=True)
                 t.start()
                 self._probes.append(t)
+
+    def _flush_when_idle(self, eid: int) -> None:
+        """An engine that an ``in_place`` update left with old-weights KV in its prefix cache flushes it once it is
+        idle (SGLang refuses while requests run; a request that arrives meanwhile makes it wait for the next check)."""
+        flush = getattr(self.engines[eid], "flush_if_stale", None)
+        with self._lock:
+            idle = not self._inflight[eid] and not self._slot_of[eid].updating and eid not in self._down
+        if callable(flush) and idle and flush():
+            logger.debug("%s flushed the prefix cache an in-place update left", self.engine_name(eid))
 
     def stop_health_checks(self, timeout_s: float = 5.0) -> None:
         """End the probe threads (waits at most ``timeout_s`` for each)."""

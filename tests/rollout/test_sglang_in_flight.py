@@ -12,6 +12,7 @@ import asyncio
 import json
 import sys
 import threading
+import time
 import types
 import zipfile
 from typing import Any
@@ -424,5 +425,38 @@ def test_a_server_left_paused_mid_update_serves_again_once_taken_over():
         assert len(out.token_ids) == 3
         fresh.begin_weight_update(1)  # the stale session was closed: a new update opens
         fresh.abort_weight_update()
+    finally:
+        server.stop()
+
+
+def test_the_pool_flushes_the_prefix_cache_an_in_place_update_left_once_the_server_is_idle():
+    """An in_place update skips SGLang's flush (requests are held in its running batch), so the prefix cache keeps
+    old-weights KV; the version pool's health checks flush it when the server has no request of ours."""
+    from rollout_sglang.engines.batching import BatchingEngine
+    from rollout_sglang.engines.version_pool import VersionPool
+
+    server = StandInServer(LocalEngine.from_config(tiny_config(), init_seed=0))
+    server.start()
+    try:
+        client = SGLangEngine(server.url, version=0)
+        client.pause("in_place")
+        client.begin_weight_update(1)
+        client.end_weight_update()
+        client.resume()
+        assert client.health()["stale_prefix_cache"]
+        pool = VersionPool([[BatchingEngine(client)]])
+        pool._inflight[0] = 1  # a request of ours runs: no flush yet
+        pool.start_health_checks(0.05, 5.0)
+        try:
+            time.sleep(0.5)
+            assert client.health()["stale_prefix_cache"]
+            with pool._lock:
+                pool._inflight[0] = 0
+            deadline = time.monotonic() + 10
+            while client.health()["stale_prefix_cache"]:
+                assert time.monotonic() < deadline, "the owed flush never came"
+                time.sleep(0.05)
+        finally:
+            pool.stop_health_checks()
     finally:
         server.stop()

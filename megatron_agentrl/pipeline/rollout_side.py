@@ -162,6 +162,14 @@ def remote_engines(cfg: Config, hf_config: Any) -> list[list[SGLangEngine]] | No
     return [[SGLangEngine(u, options, routing_layout=layout) for u in slot] for slot in r.engine_urls]
 
 
+def _take_over(remote: list[list[SGLangEngine]], startup_timeout_s: float) -> None:
+    """Wait until every running server answers, then take it over: one that an earlier run left paused or
+    mid-update serves again (:meth:`SGLangEngine.take_over`)."""
+    for c in (c for slot in remote for c in slot):
+        c.wait_healthy(startup_timeout_s)
+        c.take_over()
+
+
 def weight_sync_master_address(cfg: Config) -> str:
     """The address the engines reach this rank by for the weight-sync group: ``rollout.weight_sync_master_address``,
     else the address this host routes to the first engine from (so each node answers for itself)."""
@@ -192,9 +200,7 @@ def build_rollout_side(cfg: Config, hf_config: Any, dtype: torch.dtype, template
         train_idx[name], eval_idx[name] = (idx[:-n_eval], idx[-n_eval:]) if n_eval else (idx, [])
     r = cfg.rollout
     if remote is not None:
-        for c in (c for slot in remote for c in slot):
-            c.wait_healthy(r.engine_startup_timeout_s)
-            c.take_over()  # a server that an earlier run left paused or mid-update serves again
+        _take_over(remote, r.engine_startup_timeout_s)
         engines = [BatchingEngine(c, resume_timeout_s=r.engine_timeout_s) for slot in remote for c in slot]
         logger.info("rollout engines: %s", [[c.base_url for c in slot] for slot in remote])
     else:
@@ -296,9 +302,7 @@ def standalone_pool(cfg: Config, hf_config: Any, dtype: torch.dtype) -> VersionP
     r = cfg.rollout
     remote = remote_engines(cfg, hf_config)
     if remote is not None:
-        for c in (c for slot in remote for c in slot):
-            c.wait_healthy(r.engine_startup_timeout_s)
-            c.take_over()  # a server that an earlier run left paused or mid-update serves again
+        _take_over(remote, r.engine_startup_timeout_s)
         slots = [[BatchingEngine(c, resume_timeout_s=r.engine_timeout_s) for c in slot] for slot in remote]
     else:
         if cfg.model.megatron_checkpoint and not cfg.model.checkpoint:

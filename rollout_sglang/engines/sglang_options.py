@@ -12,8 +12,9 @@ from typing import Literal
 
 from env_controller.options import Options
 
-#: SGLang's pause modes (``/pause_generation {"mode"}``)
-PauseMode = Literal["abort", "retract", "in_place"]
+#: SGLang's pause modes (``/pause_generation {"mode"}``); the two that hold requests are the engine protocol's
+#: :data:`~rollout_sglang.engines.protocol.PauseMode`
+SGLangPauseMode = Literal["abort", "retract", "in_place"]
 #: what SGLang 0.5.23's ``--lora-target-modules`` accepts (``SUPPORTED_LORA_TARGET_MODULES`` in
 #: sglang/srt/utils/common.py, plus ``all``); tests/rollout/test_sglang_lora.py checks it against the wheel
 SGLANG_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj",
@@ -40,7 +41,7 @@ class SGLangClientOptions(Options):
     #: SGLang's pause mode of a drained pause (``pause()`` without a mode): the version pool drained the slot first,
     #: so nothing is in flight when it pauses; an in-flight update's pause (``pause("in_place")`` or
     #: ``pause("retract")``) sends its own mode instead
-    pause_mode: PauseMode = "abort"
+    pause_mode: SGLangPauseMode = "abort"
     #: the server's ``--api-key``, sent as ``Authorization: Bearer`` with every request (None: none)
     api_key: str | None = field(default=None, repr=False)
     #: the server's ``--admin-api-key``, sent instead of ``api_key`` on the control endpoints SGLang marks

@@ -120,6 +120,17 @@ class HoldForward:
         self._handle.remove()
 
 
+def generate_while(client: SGLangEngine, engine: LocalEngine, mode: str, during: Any) -> Any:
+    """The output of :func:`generation_paused`'s request, with ``during()`` run (on a thread) while it is held."""
+    async def run():
+        task = await generation_paused(client, engine, mode)
+        await asyncio.to_thread(during)
+        return await asyncio.wait_for(task, 60)
+
+    [out] = asyncio.run(run())
+    return out
+
+
 async def generation_paused(client: SGLangEngine, engine: LocalEngine, mode: str) -> asyncio.Future:
     """``client.generate([PROMPT], LONG)`` as a task, once ``client.pause(mode)`` took effect after ``OLD_TOKENS``
     tokens (the engine holds the request before its next forward pass)."""
@@ -146,12 +157,7 @@ def update_across(served, mode: str):
         client.end_weight_update()
         client.resume()
 
-    async def run():
-        task = await generation_paused(client, engine, mode)
-        await asyncio.to_thread(update)
-        return await asyncio.wait_for(task, 60)
-
-    [out] = asyncio.run(run())
+    out = generate_while(client, engine, mode, update)
     assert client.version == 1 and engine.version == 1
     return out, old, new, server
 
@@ -218,12 +224,7 @@ def test_the_stand_in_flushes_as_sglang_while_requests_are_held(served, mode):
             client.end_weight_update()
         client.resume()
 
-    async def run():
-        task = await generation_paused(client, engine, mode)
-        await asyncio.to_thread(held)
-        return await asyncio.wait_for(task, 60)
-
-    [out] = asyncio.run(run())
+    out = generate_while(client, engine, mode, held)
     assert len(out.token_ids) == LONG.max_new_tokens
     if mode == "retract":  # the update went through: the tokens after the pause are the new version's
         assert out.token_versions == [0] * OLD_TOKENS + [1] * (LONG.max_new_tokens - OLD_TOKENS)

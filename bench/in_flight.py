@@ -109,7 +109,8 @@ def run_mode(mode: str, args: Any) -> dict[str, Any]:
 
     def trainer() -> None:
         window: list[float] = []
-        threading.Thread(target=rows_monitor, args=(window,), daemon=True).start()
+        monitor = threading.Thread(target=rows_monitor, args=(window,), daemon=True)
+        monitor.start()
         try:
             for step in range(1, args.steps + 1):
                 with cond:
@@ -134,6 +135,7 @@ def run_mode(mode: str, args: Any) -> dict[str, Any]:
                 record["update_s"].append(time.perf_counter() - t0)
         finally:
             stop.set()
+            monitor.join(timeout=5)
 
     async def main() -> float:
         tasks = [asyncio.create_task(producer(i)) for i in range(args.clients)]

@@ -563,6 +563,10 @@ class LocalEngine:
                 self._running_key = None
         ready = []
         for call in take:
+            # a caller that was cancelled while waiting is left out; once running, its future cannot be cancelled,
+            # so setting its result from this thread cannot race the caller's cancellation
+            if not call.future.set_running_or_notify_cancel():
+                continue
             if all(r.cap == 0 for r in call.rows):
                 call.future.set_result([self._output(r) for r in call.rows])
             else:

@@ -297,7 +297,8 @@ def test_every_script_has_its_record_checked():
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_bench_smoke(script, tmp_path):
     out = tmp_path / f"{Path(script).stem}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # a crash in native code (an abort at exit) prints every thread's Python stack
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run([sys.executable, f"bench/{script}", "--smoke", "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

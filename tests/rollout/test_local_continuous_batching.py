@@ -75,3 +75,39 @@ def test_a_call_with_other_sampling_settings_waits_for_the_running_one():
     assert done == ["long", "short"]
     ref = _alone(SHORT, short)
     assert short_out.token_ids == ref.token_ids
+
+
+def test_a_caller_cancelled_while_joined_leaves_the_running_call_and_the_others_unharmed():
+    """Callers are cancelled (a run ending, a request timing out) while their rows are in the running batch: the
+    running call and the calls still awaited finish, and sample what they would alone."""
+    engine = _engine()
+    forwards = 0
+
+    def slow(*_):
+        nonlocal forwards
+        forwards += 1
+        time.sleep(0.005)
+
+    long_params = SamplingParams(max_new_tokens=60, temperature=0.8, seed=5)
+    short_params = SamplingParams(max_new_tokens=20, temperature=0.8, seed=6)
+    hook = engine.model.register_forward_hook(slow)
+
+    async def main():
+        first = asyncio.create_task(engine.generate([LONG], long_params))
+        while forwards < 3:
+            await asyncio.sleep(0.001)
+        doomed = [asyncio.create_task(engine.generate([SHORT], short_params)) for _ in range(3)]
+        kept = asyncio.create_task(engine.generate([SHORT], short_params))
+        while forwards < 8:  # the three have joined (or wait to)
+            await asyncio.sleep(0.001)
+        for t in doomed:
+            t.cancel()
+        await asyncio.gather(*doomed, return_exceptions=True)
+        return await asyncio.wait_for(asyncio.gather(first, kept), timeout=60)
+
+    try:
+        (long_out,), (short_out,) = asyncio.run(main())
+    finally:
+        hook.remove()
+    assert long_out.token_ids == _alone(LONG, long_params).token_ids
+    assert short_out.token_ids == _alone(SHORT, short_params).token_ids

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from env_controller.cli import register as register_env_commands
 from megatron_agentrl.config import Config, ConfigError, load_config
 from megatron_agentrl.convert import cli as convert_cli
-from megatron_agentrl.launch import check, slurm
+from megatron_agentrl.launch import check, doctor, slurm
 from megatron_agentrl.launch.ray_placement import RayLaunchError, run_on_ray
 from megatron_agentrl.launch.slurm import SlurmError
 from megatron_agentrl.train_rank import reproducible_cpu_math, setup_logging, train_rank
@@ -192,7 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     submit = sub.add_parser("slurm", help="submit a training run to SLURM (Ray head + workers), follow or cancel it")
     add_commands(submit.add_subparsers(dest="slurm_command", required=True), slurm.COMMANDS)
     add_commands(sub, [("plan", "layout and per-GPU memory plan of a run; --check: pre-flight check",
-                        check.add_plan_arguments, check.run_plan)])
+                        check.add_plan_arguments, check.run_plan),
+                       ("doctor", "check this node's GPU stack: CUDA torch, GPUs, NCCL, SGLang in the engines' "
+                                  "interpreter, megatron-core, Transformer Engine", doctor.add_doctor_arguments,
+                        doctor.cmd_doctor)])
     return parser
 
 

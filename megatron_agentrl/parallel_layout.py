@@ -165,3 +165,10 @@ class ParallelLayout(Options):
         self.check_tp(dims)
         self.stage_layers(dims.num_layers)
         self.check_experts(dims.model_type, dims.num_experts)
+
+
+def uses_sequence_parallel(tp: int, moe: bool, lora: bool) -> bool:
+    """Whether the trainer runs sequence parallelism: under TP, as megatron's recipes do (each TP rank keeps 1/tp of
+    the tokens in its norms, dropouts and residuals; MoE layers need it). A dense LoRA run keeps it off: the adapters
+    take the whole sequence (a MoE LoRA run at TP > 1 is refused)."""
+    return tp > 1 and (moe or not lora)

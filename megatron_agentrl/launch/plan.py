@@ -14,9 +14,19 @@ The estimate is rough by design and errs high:
   fp32 and Adam's two fp32 moments, both divided by DP x CP under
   ``train.use_distributed_optimizer`` (megatron shards them over the DP and CP ranks); activations
   of one micro-batch (``train.micro_batch_size`` sequences of ``rollout.max_total_tokens``, or the
-  ``train.micro_batch_tokens`` budget when set), ``34 * tokens * h / tp`` bytes per layer
-  (flash-attention, no recomputation: Korthikanti et al., 2022) times the micro-batches 1F1B keeps
-  in flight on the first stage, plus the fp32 logits of the last stage; context parallelism
+  ``train.micro_batch_tokens`` budget when set), per layer and token of a dense layer (flash-attention,
+  no recomputation; Korthikanti et al., 2022, with the SwiGLU MLP of FFN width ``f``)::
+
+      (18 * h + 6 * f) / tp            with sequence parallelism (the trainer runs it under TP)
+      10 * h + (8 * h + 6 * f) / tp    without (a dense LoRA run at TP > 1)
+
+  bytes (2-byte values): attention ``11 h`` and norms ``4 h`` as in the paper, and the MLP's input ``2 h``, its
+  ``[gate; up]`` output ``4 f``, SwiGLU output ``2 f`` and dropout mask ``h``; the paper's ``34 h`` is the case
+  ``f = 4 h`` with a GeLU MLP (``19 h``), and megatron's own estimate (Megatron-LM
+  ``theoretical_memory_usage.py``: ``18 + 4 f / h`` per ``h``, with sequence parallelism) counts the SwiGLU
+  ``[gate; up]`` output once, so this one is the higher. Without sequence parallelism, the norms, the attention and
+  MLP inputs and the dropout masks (``10 h``) stay whole on every TP rank. This per-layer figure is multiplied by
+  the micro-batches 1F1B keeps in flight on the first stage, plus the fp32 logits of the last stage; context parallelism
   (``parallel.cp``) divides the tokens of each micro-batch, hence activations and logits, by ``cp``.
   ``train.recompute=full`` keeps only each recomputed layer's input (``tokens * h`` values) plus one layer's activations
   while it is recomputed; ``selective`` recomputes the core attention, whose ``[s, s]`` scores a
@@ -59,7 +69,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from megatron_agentrl.config import Config, ConfigError
-from megatron_agentrl.parallel_layout import ModelDims
+from megatron_agentrl.parallel_layout import ModelDims, uses_sequence_parallel
 
 GiB = 1024**3
 
@@ -213,11 +223,15 @@ class ModelShape:
         """KV-cache bytes of one token over all layers (whole model, before any TP split)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
-    def activation_bytes_per_token(self, layer: int, tp: int, dtype_bytes: int, capacity_factor: float) -> float:
-        """Activation bytes one token of a micro-batch leaves on a GPU in layer ``layer`` (module docstring)."""
-        h, scale = self.hidden_size, dtype_bytes / 2  # the formulas count 2-byte values
+    def activation_bytes_per_token(self, layer: int, tp: int, dtype_bytes: int, capacity_factor: float,
+                                   sequence_parallel: bool = True) -> float:
+        """Activation bytes one token of a micro-batch leaves on a GPU in layer ``layer`` (module docstring);
+        ``sequence_parallel``: whether the trainer runs it (a MoE layer under TP always does)."""
+        h, f, scale = self.hidden_size, self.intermediate_size, dtype_bytes / 2  # the formulas count 2-byte values
         if not self.is_moe_layer(layer):
-            return 34 * h * scale / tp
+            if sequence_parallel or tp == 1:
+                return (18 * h + 6 * f) * scale / tp
+            return (10 * h + (8 * h + 6 * f) / tp) * scale
         routed = capacity_factor * self.experts_per_token * (4 * h + 8 * self.moe_intermediate_size)
         # sequence parallelism (MoE under TP): each TP rank holds 1 / tp of the tokens
         return ((15 * h + 8 * self.shared_expert_size) * scale + 12 * self.num_experts + routed * scale) / tp
@@ -330,8 +344,9 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
     capacity = cfg.train.moe_capacity_factor or 1.0
     recompute = cfg.train.recompute
     activations = 0.0
+    sp = uses_sequence_parallel(tp, shape.is_moe, cfg.lora.enabled)
     for _, _, layers, _ in stages:  # activations of the stage whose layers keep the most
-        per_layer = [shape.activation_bytes_per_token(i, tp, wbytes, capacity) * local_tokens for i in layers]
+        per_layer = [shape.activation_bytes_per_token(i, tp, wbytes, capacity, sp) * local_tokens for i in layers]
         if recompute == "full":
             # a recomputed layer keeps only its input; one layer's activations live while it is recomputed
             recomputed = cfg.train.recompute_num_layers or layers_per_stage
@@ -349,6 +364,10 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
     engine_tp = cfg.ray.rollout_gpus_per_engine
     engines = cfg.rollout.engine_count(cfg.lora.enabled)
     notes = []
+    if tp > 1:
+        notes.append(f"sequence parallelism {'on' if sp else 'off (LoRA adapters take the whole sequence)'} under "
+                     f"TP {tp}: dense-layer activations {'(18h + 6f)/tp' if sp else '10h + (8h + 6f)/tp'} bytes "
+                     "per token")
     if engine_tp:
         kv_split = min(engine_tp, shape.num_kv_heads)
         kv_token = shape.kv_bytes_per_token(wbytes) / kv_split

@@ -102,15 +102,16 @@ def attach_adapters(model: Any, options: LoraOptions, global_name: Any, seed: in
     """Adapt ``options.megatron_modules()`` of every decoder layer of ``model`` (one PP stage's ``GPTModel``) and
     freeze everything else; the adapted layers' global names (``global_name(local) -> global``).
 
-    Refused with a ValueError naming the fix: sequence parallelism (MoE models) and expert layers."""
+    Refused with a ValueError naming the fix: sequence parallelism (MoE models at TP > 1) and expert layers."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     config = model.config
     tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     if config.sequence_parallel:
-        raise ValueError("lora: adapters with sequence parallelism (a MoE model at TP > 1) are not supported; set "
-                         "lora.rank=0, or parallel.tp=1")
+        raise ValueError("lora: adapters under sequence parallelism are not supported (a MoE model at TP > 1, or a "
+                         "dense one built without adapters: MegatronActor(..., adapters_later=True)); set lora.rank=0, "
+                         "or parallel.tp=1")
     if options.rank % tp:
         raise ValueError(f"lora.rank={options.rank} does not split over parallel.tp={tp} (A is split over the rank "
                          f"in column-parallel layers); choose a multiple of {tp}")

@@ -137,6 +137,8 @@ class MegatronActor:
         make_vocab_size_divisible_by: megatron vocab padding (to a multiple of this * tp).
         lora: low-rank adapters on the decoder's linear layers, the rest frozen (None or rank 0: every
             parameter trains); :mod:`megatron_agentrl.lora`.
+        adapters_later: the run attaches adapters later (:meth:`start_adapters`, after a full-parameter warm-up):
+            the model is built as for adapters (no sequence parallelism for a dense model).
 
     Requires ``initialize_parallel`` to have run. The weights start randomly initialised
     (megatron init, std ``initializer_range``); load real ones with :meth:`load_hf_state_dict`
@@ -151,6 +153,7 @@ class MegatronActor:
         dtype: torch.dtype = torch.float32,
         make_vocab_size_divisible_by: int = 128,
         lora: LoraOptions | None = None,
+        adapters_later: bool = False,
     ) -> None:
         from megatron.core import parallel_state
 
@@ -179,7 +182,8 @@ class MegatronActor:
 
         # a MoE model's routers always get megatron's replay hook: the flip rate is reported with replay off too
         self.model = build_gpt_model(hf_config, self.pre_process, self.post_process, dtype,
-                                     make_vocab_size_divisible_by, train_cfg, routing_replay=self.mapping.is_moe)
+                                     make_vocab_size_divisible_by, train_cfg, routing_replay=self.mapping.is_moe,
+                                     lora=adapters_later or (lora is not None and lora.enabled))
         self.config = self.model.config
         self.lora = lora if lora is not None and lora.enabled else None
         #: the adapted layers by their weight (``weight_value`` merges their adapters)

@@ -37,7 +37,7 @@ from megatron_agentrl.config import ConfigError, ParallelConfig, TrainConfig
 from megatron_agentrl.convert import MODEL_TYPES as SUPPORTED_MODEL_TYPES
 from megatron_agentrl.convert import get_mapping
 from megatron_agentrl.megatron.moe import is_moe, moe_options
-from megatron_agentrl.parallel_layout import ModelDims
+from megatron_agentrl.parallel_layout import ModelDims, uses_sequence_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def recompute_options(train: TrainConfig, layers_per_stage: int) -> dict[str, An
 
 
 def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, train: TrainConfig | None = None,
-                            routing_replay: bool = False) -> "Any":
+                            routing_replay: bool = False, lora: bool = False) -> "Any":
     """A megatron ``TransformerConfig`` equivalent to the HF config, for the current TP/PP/CP/EP sizes.
 
     Requires ``initialize_parallel`` (reads TP/PP/CP/EP sizes from megatron's parallel_state; the layout's
@@ -127,7 +127,8 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, 
     recomputation (:func:`recompute_options`), and ``moe_aux_loss_coeff`` / ``moe_capacity_factor``, the MoE
     training settings of a MoE family (:func:`megatron_agentrl.megatron.moe.moe_options`). ``routing_replay``: a
     MoE model's routers get megatron's replay hook (``moe_enable_routing_replay``; driven by
-    ``routing_replay.RoutingReplay``).
+    ``routing_replay.RoutingReplay``). ``lora``: the run trains adapters (sequence parallelism off for a dense
+    model: :func:`~megatron_agentrl.parallel_layout.uses_sequence_parallel`).
     ``dtype`` is the parameter / compute dtype (float32, bfloat16 or float16). The residual
     stream stays in ``dtype`` (``fp32_residual_connection=False``), as in transformers/SGLang.
     ``calculate_per_token_loss=True``: losses are sums over tokens divided by the global token
@@ -184,9 +185,7 @@ def make_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, 
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
-        # megatron trains MoE layers under TP only with sequence parallelism (each TP rank routes its share of
-        # the tokens); dense models keep every token on every TP rank
-        sequence_parallel=tp > 1 and bool(moe),
+        sequence_parallel=uses_sequence_parallel(tp, bool(moe), lora),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -351,7 +350,18 @@ def layer_spec(hf_config: Any, config: Any = None) -> Any:
                                    SDPACoreAttention)
     if family.post_norms:
         spec = glm4_layer_spec(spec, use_te)
-    return spec
+    if use_te:
+        return spec
+    # without TE: a block spec, so that the final norm is a torch norm as well (megatron's default for a layer spec
+    # is WrappedTorchNorm, which refuses sequence parallelism)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from megatron_agentrl.megatron.norm import TorchNorm
+
+    if config is None:
+        raise ValueError(f"layer_spec of a {model_type} model without TransformerEngine needs its TransformerConfig")
+    return with_torch_norm(TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                                      layer_norm=TorchNorm))
 
 
 def build_gpt_model(
@@ -362,6 +372,7 @@ def build_gpt_model(
     make_vocab_size_divisible_by: int = 128,
     train: TrainConfig | None = None,
     routing_replay: bool = False,
+    lora: bool = False,
 ) -> "Any":
     """The ``GPTModel`` chunk of this PP stage for ``hf_config`` (randomly initialised).
 
@@ -371,7 +382,8 @@ def build_gpt_model(
         post_process: this stage holds the final norm and output layer (last PP stage).
         dtype: parameter dtype.
         make_vocab_size_divisible_by: the vocab is padded to a multiple of this times TP.
-        train, routing_replay: recomputation and MoE settings (:func:`make_transformer_config`).
+        train, routing_replay, lora: recomputation, MoE and sequence-parallel settings
+            (:func:`make_transformer_config`).
 
     The output layer is vocab-parallel (``parallel_output=True``): without labels the model
     returns logits ``[B, S, padded_vocab / tp]``; padded vocab entries must be masked by the
@@ -382,7 +394,7 @@ def build_gpt_model(
 
     from megatron_agentrl.parallel_layout import padded_vocab_size
 
-    config = make_transformer_config(hf_config, dtype, train, routing_replay)
+    config = make_transformer_config(hf_config, dtype, train, routing_replay, lora)
     spec = layer_spec(hf_config, config)
     theta = rope_theta(hf_config)
     scaling = rope_scaling_factor(hf_config)

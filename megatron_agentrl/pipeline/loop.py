@@ -264,7 +264,7 @@ class TrainingRun:
         template = chat_template(cfg, self.tokenizer, self.hf_config)  # on every rank: a bad choice fails everywhere
         torch.manual_seed(cfg.train.seed)
         # with LoRA the warm-up trains every parameter; the adapters start with RL (warm_up)
-        self.actor = MegatronActor(self.hf_config, cfg.train, cfg.loss, dtype=dtype)
+        self.actor = MegatronActor(self.hf_config, cfg.train, cfg.loss, dtype=dtype, adapters_later=cfg.lora.enabled)
         load_start_weights(cfg, self.actor)
         self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out / "checkpoints"
         self.resume = _resume_path(cfg, self.ckpt_root)

@@ -189,7 +189,7 @@ def _warm_up_then_adapters(rank: int, world: int) -> dict[str, float]:
 
     cfg, hf = tiny_model("qwen2", False, vocab=200, layers=2)
     reinit_parallel(2, 1)
-    actor = MegatronActor(cfg, TrainConfig(micro_batch_size=2, lr=1e-2))
+    actor = MegatronActor(cfg, TrainConfig(micro_batch_size=2, lr=1e-2), adapters_later=True)
     actor.load_hf_state_dict(hf_state(hf))
     batch = make_batch(cfg.vocab_size, B=2)
     base0 = {n: p.detach().clone() for n, p in actor.named_params}

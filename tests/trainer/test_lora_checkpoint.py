@@ -50,7 +50,7 @@ def _save_then_resume(rank: int, world: int, root: str) -> dict:
     train = TrainConfig(micro_batch_size=2, lr=1e-2)
     out = Path(root)
     batches = [make_batch(cfg.vocab_size, B=4, seed=s) for s in (1, 2, 3, 4)]
-    actor = MegatronActor(cfg, train)
+    actor = MegatronActor(cfg, train, adapters_later=True)
     actor.load_hf_state_dict(hf_state(hf))
     actor.train_step(actor.dp_slice(batches[0]), "grpo", temperature=1.0)
     full = save_checkpoint(out / "full", 1, actor, {"step": 1, "version": 1})
@@ -63,7 +63,7 @@ def _save_then_resume(rank: int, world: int, root: str) -> dict:
     after = _adapters(actor)
 
     reinit_parallel(2, 1)
-    fresh = MegatronActor(cfg, train)  # random weights: the base comes from hf_base
+    fresh = MegatronActor(cfg, train, adapters_later=True)  # random weights: the base comes from hf_base
     torch.manual_seed(99)  # the checkpoint restores the RNG
     state = load_checkpoint(ckpt, fresh, lora=LORA)
     steps = fresh.optimizer_step_count

@@ -82,6 +82,7 @@ def _tp_logprobs(rank: int, world: int) -> list[float]:
         for tp in (1, 2):
             reinit_parallel(tp, 1)
             actor = MegatronActor(cfg, TrainConfig())
+            assert actor.config.sequence_parallel == (tp > 1)  # as megatron's recipes run TP
             actor.load_hf_state_dict(hf_state(hf))
             results[tp] = actor.compute_logprobs(tokens, temperature=0.9, micro_batch_size=2)
         diffs.append(float((results[1] - results[2]).abs().max()))

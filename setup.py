@@ -8,7 +8,8 @@ setup(
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["megatron_agentrl*", "rollout_sglang*", "env_controller*"]),
     # SGLang's request contract, read from its wheel (rollout_sglang.testing.sglang_contract)
-    package_data={"rollout_sglang.testing": ["sglang_contract_*.json"]},
+    package_data={"rollout_sglang.testing": ["sglang_contract_*.json"],
+                  "rollout_sglang.engines": ["sglang_server_flags_*.json"]},
     install_requires=[
         # ranges that admit the pinned SGLang's own versions (the `sglang` extra installs us next to
         # it; tests/rollout/test_sglang_pins.py checks every shared requirement against its wheel's

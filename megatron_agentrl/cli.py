@@ -67,6 +67,9 @@ def cmd_train(args: argparse.Namespace, evaluate_only: bool = False) -> int:
         setup_logging(0)
         run_on_ray(cfg, args.config, args.overrides)
         return 0
+    problem = None if evaluate_only else cfg.engine_placement_problem(on_ray=False)
+    if problem:
+        raise ConfigError(problem)
     nproc = args.nproc or cfg.parallel.model_parallel_size
     if "WORLD_SIZE" in os.environ:
         cfg.check_world_size(int(os.environ["WORLD_SIZE"]), "WORLD_SIZE")

@@ -27,6 +27,7 @@ from env_controller.options import OptionError as ConfigError
 from megatron_agentrl.lora.options import LoraOptions
 from megatron_agentrl.parallel_layout import ParallelLayout
 from rollout_sglang.chat_template import CHAT_TEMPLATES, thinking_switch_problem
+from rollout_sglang.engines.sglang_server_args import server_args_argv
 from rollout_sglang.episode_options import EpisodeLimits
 from rollout_sglang.gateway.options import AgentRunnerOptions, GatewayOptions
 from rollout_sglang.rollout.admission import AdmissionOptions
@@ -423,6 +424,11 @@ class RolloutConfig(EpisodeLimits, RetryOptions, WeightSyncLimits, AgentRunnerOp
     engine_api_key_env / engine_admin_api_key_env: names of environment variables holding the
         servers' ``--api-key`` and ``--admin-api-key`` (unset or empty: no key); keys stay out of
         config files and logs.
+    sglang_server_args: more flags of the SGLang servers that the Ray launcher starts, SGLang's flag names without
+        dashes to values, e.g. ``{mem_fraction_static: 0.8, context_length: 32768, max_running_requests: 64}``;
+        checked at load against the pinned SGLang's own flags (a misspelt one is refused naming the nearest;
+        :mod:`rollout_sglang.engines.sglang_server_args`). The flags the run sets itself (model, port, TP size,
+        dtype, keys, LoRA) are refused with the setting that owns them.
 
     Who plays the episodes (``rollout_sglang.gateway``, docs/training.md):
     agent: "builtin" (the agent loop) or "gateway" (``agent_fn`` per sample, through the gateway).
@@ -460,6 +466,7 @@ class RolloutConfig(EpisodeLimits, RetryOptions, WeightSyncLimits, AgentRunnerOp
     weight_sync_master_address: str = ""
     engine_api_key_env: str = "SGLANG_API_KEY"
     engine_admin_api_key_env: str = "SGLANG_ADMIN_API_KEY"
+    sglang_server_args: dict[str, Any] = field(default_factory=dict)
     capture_routing: Literal["auto", "on", "off"] = "auto"
     agent: Literal["builtin", "gateway"] = "builtin"
     agent_fn: str | None = None
@@ -483,6 +490,10 @@ class RolloutConfig(EpisodeLimits, RetryOptions, WeightSyncLimits, AgentRunnerOp
         self.require_above_zero("engine_timeout_s", "engine_startup_timeout_s", "engine_health_interval_s",
                                 "engine_health_timeout_s", "engine_unavailable_timeout_s", unit="seconds")
         self._check_engine_urls()
+        try:
+            server_args_argv(self.sglang_server_args, f"{self.KEY}.sglang_server_args")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.require(is_host(self.weight_sync_master_address), "weight_sync_master_address",
                      "must be a host name or IP address such as 10.0.0.4 (no scheme, port or path), or '' to "
                      "pick the address that routes to the engines")
@@ -1001,11 +1012,28 @@ class Config:
             raise ConfigError("train.moe_routing_replay=true replays the engines' routed experts, but "
                               "rollout.capture_routing=off asks the engines for none; set rollout.capture_routing "
                               "to auto (or on), or train.moe_routing_replay=false")
+        if self.rollout.sglang_server_args and not self.ray.rollout_gpus_per_engine:
+            raise ConfigError("rollout.sglang_server_args sets flags of SGLang servers, but ray.rollout_gpus_per_engine"
+                              "=0 runs the local engine in trainer rank 0; set ray.rollout_gpus_per_engine (SGLang "
+                              "engines placed by Ray) or remove rollout.sglang_server_args")
         if self.ray.train_workers:
             ranks = self.parallel.model_parallel_size
             self.parallel.check_world(self.ray.train_workers, "ray.train_workers",
                                       fix=f"set ray.train_workers to a multiple of {ranks}, or to 0 (the smallest "
                                       f"world of the layout, {ranks})")
+
+    def engine_placement_problem(self, on_ray: bool) -> str | None:
+        """What is wrong with where this run's engines come from when it runs ``on_ray`` (or not), with the fix;
+        None when nothing is. Only the Ray launcher places SGLang engines on GPUs (``ray.rollout_gpus_per_engine``);
+        without it a run uses the local engine in trainer rank 0 or the servers of ``rollout.engine_urls``."""
+        gpus, r = self.ray.rollout_gpus_per_engine, self.rollout
+        if on_ray or not gpus or r.engine_urls:
+            return None
+        return (f"ray.rollout_gpus_per_engine={gpus} asks for SGLang engines on GPUs, which only the Ray launcher "
+                "places, and this run is not on Ray: on one node add ray.enabled=true (a local Ray starts); on a "
+                "cluster submit with `agentrl slurm submit` and slurm.ray=true; to use SGLang servers you started, "
+                "give rollout.engine_urls; for the local engine in trainer rank 0 (small models only) set "
+                "ray.rollout_gpus_per_engine=0")
 
     def admission_options(self) -> AdmissionOptions:
         """When the rollout manager starts a group (:class:`~rollout_sglang.rollout.admission.AdmissionOptions`,

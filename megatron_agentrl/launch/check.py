@@ -298,6 +298,12 @@ def check_run(cfg: Config, config_path: str, overrides: list[str], *, reference_
         report.add(FAIL if small else OK, "GPUs",
                    f"{len(gpus)} here ({gpus[0][0]}, {gpus[0][1]:.0f} GiB); the run needs {need}")
 
+    on_ray = cfg.ray.active or bool(s.ray)  # the SLURM script starts Ray and adds ray.enabled=true when slurm.ray
+    problem = cfg.engine_placement_problem(on_ray)
+    report.add(FAIL if problem else OK, "engine placement", problem or (
+        f"SGLang engines of {cfg.ray.rollout_gpus_per_engine} GPU(s) placed by Ray" if cfg.ray.rollout_gpus_per_engine
+        and not cfg.rollout.engine_urls else "the servers of rollout.engine_urls" if cfg.rollout.engine_urls
+        else "the local engine in trainer rank 0"))
     if cfg.rollout.cross_policy != "latest":
         report.add(OK, "cross-policy sampling",
                    f"{cfg.rollout.cross_policy} over {cfg.rollout.max_versions} "

@@ -41,7 +41,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -333,6 +333,8 @@ class EngineLaunch:
     #: the driver's working directory, where the actor starts the server (as a trainer rank runs there): a relative
     #: path in the server's own flags means what it meant on the driver ("": the actor's own)
     workdir: str = ""
+    #: ``rollout.sglang_server_args``: more server flags (checked at config load)
+    server_args: dict[str, Any] = field(default_factory=dict)
 
 
 def engine_launch(cfg: Config, keys: tuple[str, str] | None) -> EngineLaunch:
@@ -345,7 +347,7 @@ def engine_launch(cfg: Config, keys: tuple[str, str] | None) -> EngineLaunch:
                         cfg.ray.engine_server_module, cfg.model.dtype, cfg.rollout.engine_startup_timeout_s,
                         str(Path(cfg.output_dir).resolve() / "ray" / "engine_logs"), cfg.rollout.capture_routing, keys,
                         (lora.rank, tuple(lora.target_modules), cfg.rollout.max_versions) if lora.enabled else None,
-                        os.getcwd())
+                        os.getcwd(), dict(cfg.rollout.sglang_server_args))
 
 
 class RolloutEngineActor(_Placed):
@@ -376,7 +378,8 @@ class RolloutEngineActor(_Placed):
         api_key, admin_api_key = run.keys or (None, None)
         launch = SGLangLaunchOptions(host="0.0.0.0", port=port or None, dtype=run.dtype,
                                      startup_timeout_s=run.startup_timeout_s, log_dir=run.log_dir,
-                                     server_module=run.server_module, capture_routing=capture)
+                                     server_module=run.server_module, capture_routing=capture,
+                                     server_args=dict(run.server_args))
         if run.lora is not None:
             launch = launch.with_lora(*run.lora)
         self._engine = SGLangEngine.launch(run.model_path, launch, SGLangClientOptions(api_key=api_key,

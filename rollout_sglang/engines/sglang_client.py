@@ -132,6 +132,7 @@ from rollout_sglang.engines.protocol import (
     routing_starts,
 )
 from rollout_sglang.engines.sglang_options import SGLangClientOptions, SGLangLaunchOptions
+from rollout_sglang.engines.sglang_server_args import server_args_argv
 from rollout_sglang.routing import RoutingError, RoutingLayout
 from rollout_sglang.weight_update.transport import BucketUpdate
 
@@ -249,6 +250,22 @@ def sampling_params_to_sglang(params: SamplingParams, rows: int) -> list[dict[st
     first = int(params.seed) if params.seed is not None else random.SystemRandom().randrange(_SEED_BASE_LIMIT)
     return [{**base, "sampling_seed": first + i} for i in range(rows)]
 
+
+
+def launch_flags(model_path: str | os.PathLike, options: SGLangLaunchOptions, client: SGLangClientOptions, tp: int,
+                 port: int) -> list[str]:
+    """The flags of ``sglang.launch_server`` for a server of ``model_path`` on ``tp`` GPUs at ``port``: the ones the
+    project sets (:meth:`SGLangEngine.launch`), then ``options.server_args``."""
+    o = options
+    cmd = ["--model-path", str(model_path), "--host", o.host, "--port", str(port), "--tp-size", str(tp),
+           "--dtype", o.dtype, "--skip-tokenizer-init"]
+    if o.capture_routing:
+        cmd.append(CAPTURE_ROUTING_FLAG)
+    cmd += o.lora_args()
+    for flag, key in (("--api-key", client.api_key), ("--admin-api-key", client.admin_api_key)):
+        if key:
+            cmd += [flag, key]
+    return cmd + server_args_argv(o.server_args, f"{o.KEY}.server_args")
 
 class SGLangEngine:
     """Client of one SGLang server (optionally owning its process).
@@ -866,7 +883,8 @@ class SGLangEngine:
         the LoRA flags of ``options`` (:meth:`~rollout_sglang.engines.sglang_options.LoraServerFlags.lora_args`),
         ``--api-key`` / ``--admin-api-key`` when the client's ``api_key`` / ``admin_api_key`` are given (so it
         accepts this client's requests and no keyless ones; the logged command line hides them), plus
-        ``extra_args``; ``CUDA_VISIBLE_DEVICES`` is set to ``gpus``. Its
+        the flags of ``server_args`` (:func:`~rollout_sglang.engines.sglang_server_args.server_args_argv`);
+        ``CUDA_VISIBLE_DEVICES`` is set to ``gpus``. Its
         output goes to ``log_dir/sglang_<port>.log``. Raises SGLangTimeout when it is not healthy
         within ``startup_timeout_s`` (the process is killed), SGLangError with the log tail when it
         exits early. ``server_module`` lets tests launch the stand-in the same way.
@@ -878,19 +896,8 @@ class SGLangEngine:
         log_root.mkdir(parents=True, exist_ok=True)
         log_path = log_root / f"sglang_{port}.log"
         tp = max(1, len(gpus))
-        cmd = [o.python, "-m", o.server_module, "--model-path", str(model_path), "--host", o.host, "--port", str(port),
-               "--tp-size", str(tp), "--dtype", o.dtype, "--skip-tokenizer-init"]
-        if o.mem_fraction_static is not None:
-            cmd += ["--mem-fraction-static", str(o.mem_fraction_static)]
-        if o.capture_routing:
-            cmd.append(CAPTURE_ROUTING_FLAG)
-        cmd += o.lora_args()
-        keys = []
-        for flag, key in (("--api-key", client.api_key), ("--admin-api-key", client.admin_api_key)):
-            if key:
-                keys.append(key)
-                cmd += [flag, key]
-        cmd += list(o.extra_args)
+        cmd = [o.python, "-m", o.server_module, *launch_flags(model_path, o, client, tp, port)]
+        keys = [k for k in (client.api_key, client.admin_api_key) if k]
         env = dict(os.environ)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)

@@ -8,9 +8,10 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from env_controller.options import Options
+from env_controller.options import OptionError, Options
+from rollout_sglang.engines.sglang_server_args import server_args_argv
 
 #: SGLang's pause modes (``/pause_generation {"mode"}``); the two that hold requests are the engine protocol's
 #: :data:`~rollout_sglang.engines.protocol.PauseMode`
@@ -147,10 +148,9 @@ class SGLangLaunchOptions(LoraServerFlags):
     port: int | None = None
     #: SGLang's ``--dtype``
     dtype: str = "auto"
-    #: SGLang's ``--mem-fraction-static`` (None: SGLang's default)
-    mem_fraction_static: float | None = None
-    #: more SGLang flags, appended as given
-    extra_args: tuple[str, ...] = ()
+    #: more SGLang flags, without dashes, to values (``{mem_fraction_static: 0.8, context_length: 32768}``):
+    #: checked against the pinned SGLang's own flags (:mod:`~rollout_sglang.engines.sglang_server_args`)
+    server_args: dict[str, Any] = field(default_factory=dict)
     #: limit on the server becoming healthy (model load, CUDA graph capture); it is killed after it
     startup_timeout_s: float = 900.0
     #: where the server's output goes (``sglang_<port>.log``; None: a fresh temporary directory)
@@ -163,12 +163,13 @@ class SGLangLaunchOptions(LoraServerFlags):
     capture_routing: bool = False
 
     def check(self) -> None:
-        """A port in range, a positive startup limit, a memory fraction in (0, 1], the LoRA flags' rules."""
+        """A port in range, a positive startup limit, server flags that the pinned SGLang takes, the LoRA flags'
+        rules."""
         super().check()
         if self.port is not None:
             self.require_int("port", 0, 65535, why="None or 0 picks a free port")
         self.require_seconds("startup_timeout_s")
-        if self.mem_fraction_static is not None:
-            v = self.mem_fraction_static
-            self.require(isinstance(v, (int, float)) and 0 < v <= 1, "mem_fraction_static",
-                         "must be in (0, 1] (the share of GPU memory for weights and KV cache), or None")
+        try:
+            server_args_argv(self.server_args, f"{self.KEY}.server_args")
+        except ValueError as e:
+            raise OptionError(str(e)) from None

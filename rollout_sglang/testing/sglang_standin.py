@@ -110,6 +110,7 @@ from aiohttp import web
 
 from rollout_sglang.engines.local import LocalEngine
 from rollout_sglang.engines.protocol import SamplingParams
+from rollout_sglang.engines.sglang_server_args import server_flags
 from rollout_sglang.testing.sglang_contract import Contract, ContractError, load_contract
 from rollout_sglang.testing.standin_lora import LoraRefused, LoraServing
 from rollout_sglang.testing.standin_options import StandInOptions
@@ -873,6 +874,7 @@ class StandInServer:
             "agentrl_extensions": EXTENSIONS,
             "weight_version": self.weight_version, "paused": self._paused, "pause_mode": self._pause_mode,
             "running_requests": self._running, "weight_update_session": self._session_open,
+            **self.options.other_server_args,
         })
 
 
@@ -885,6 +887,34 @@ class StandInServer:
             cards += [{"id": name, "object": "model", "owned_by": "sglang", "root": path, "parent": self.model_path}
                       for name, path in self.lora.loaded().items()]
         return web.json_response({"object": "list", "data": cards})
+
+
+def _other_sglang_flags(parser: argparse.ArgumentParser, tokens: list[str]) -> dict[str, Any]:
+    """The SGLang flags among ``tokens`` that the stand-in does not implement, by SGLang's field name to their
+    text (a switch: True); a flag that the pinned SGLang does not have either ends the process as SGLang's parser
+    would (exit status 2, ``unrecognized arguments``)."""
+    flags = server_flags()
+    out: dict[str, Any] = {}
+    unknown = []
+    i = 0
+    while i < len(tokens):
+        flag, _, inline = tokens[i].partition("=")
+        entry = flags.get(flag) if flag.startswith("--") else None
+        i += 1
+        if entry is None:
+            unknown.append(tokens[i - 1])
+            continue
+        if entry["kind"] != "value":
+            out[entry["dest"]] = not flag.startswith("--no-") or flag == entry["flags"][0]
+            continue
+        values = [inline] if inline else []
+        while not inline and i < len(tokens) and not tokens[i].startswith("--"):
+            values.append(tokens[i])
+            i += 1
+        out[entry["dest"]] = values if entry["nargs"] in ("+", "*") else (values[0] if values else None)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -917,7 +947,8 @@ def main(argv: list[str] | None = None) -> None:
     args, unknown = parser.parse_known_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if unknown:
+    others = _other_sglang_flags(parser, unknown)
+    if others:
         logger.warning("ignoring SGLang flags the stand-in does not implement: %s", " ".join(unknown))
     dtype = "float32" if args.dtype in ("auto", "float", "float32") else args.dtype
     engine = LocalEngine.from_pretrained(args.model_path, dtype=dtype, device="cpu")
@@ -929,7 +960,7 @@ def main(argv: list[str] | None = None) -> None:
         lora_target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
         max_loras_per_batch=args.max_loras_per_batch, max_loaded_loras=args.max_loaded_loras,
         sigkill_on_pause=args.test_sigkill_on_pause, hold_update=args.test_hold_update,
-        hold_update_s=args.test_hold_update_s))
+        hold_update_s=args.test_hold_update_s, other_server_args=others))
     server.start()
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -3,6 +3,7 @@ listens and the SGLang server flags it mirrors, declared and checked once."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from rollout_sglang.engines.sglang_options import LoraServerFlags
 
@@ -53,6 +54,9 @@ class StandInOptions(LoraServerFlags):
     hold_update: int = 0
     #: how long the held ``/begin_weight_update`` waits before it answers, seconds (``--test-hold-update-s``)
     hold_update_s: float = 10.0
+    #: SGLang flags the stand-in takes but does not act on (``--mem-fraction-static 0.8``), by SGLang's field name
+    #: to their command-line text; ``/server_info`` reports them, as SGLang reports its server args
+    other_server_args: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
         """A port in range, positive limits and TP size, the LoRA flags' rules."""

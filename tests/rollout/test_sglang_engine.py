@@ -218,11 +218,18 @@ def test_launch_waits_for_health_and_reports_failures(tmp_path, monkeypatch, cap
 
     with caplog.at_level(logging.INFO, logger="rollout_sglang.engines.sglang_client"):
         eng = SGLangEngine.launch(model_dir, SGLangLaunchOptions(server_module="rollout_sglang.testing.sglang_standin",
-                                                                 startup_timeout_s=120, log_dir=tmp_path / "logs"),
+                                                                 startup_timeout_s=120, log_dir=tmp_path / "logs",
+                                                                 server_args={"mem_fraction_static": 0.8,
+                                                                              "context_length": "32k",
+                                                                              "enable_torch_compile": True}),
                                   SGLangClientOptions(request_timeout_s=60, api_key="k-api-123",
                                                       admin_api_key="k-admin-456"))
     try:
         assert eng.health()["ok"]
+        # the server got the user's flags (SGLang reports its server args by field name)
+        info = eng.server_info()
+        assert (info["mem_fraction_static"], info["context_length"], info["enable_torch_compile"]) == ("0.8", "32k",
+                                                                                                       True)
         out = asyncio.run(eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, seed=0)))
         assert len(out[0].token_ids) == 3
         # the server took the client's keys: a request without them is refused

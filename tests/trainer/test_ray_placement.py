@@ -112,7 +112,8 @@ def test_train_on_ray_with_controller_and_engine_actors(ray_cluster: Cluster, tm
     overrides = [f"output_dir={tmp_path / 'run'}", "ray.enabled=true", *TINY, "train.steps=1",
                  f"model.checkpoint={ckpt}", "ray.controller=true", "ray.controller_port=0",
                  "ray.controller_cpus=0.25", "ray.rollout_gpus_per_engine=1", "ray.rollout_cpus_per_engine=0.25",
-                 "ray.engine_server_module=rollout_sglang.testing.sglang_standin", "ray.train_cpus_per_worker=0.5"]
+                 "ray.engine_server_module=rollout_sglang.testing.sglang_standin", "ray.train_cpus_per_worker=0.5",
+                 "rollout.sglang_server_args={mem_fraction_static: 0.7, context_length: 4096}"]
     cfg = load_config(ROOT / "tests/configs/tiny_test.yaml", overrides)
     summary = run_on_ray(cfg, str(ROOT / "tests/configs/tiny_test.yaml"), overrides)
     out = tmp_path / "run"
@@ -123,6 +124,9 @@ def test_train_on_ray_with_controller_and_engine_actors(ray_cluster: Cluster, tm
     slots = json.loads((out / "ray" / "engines.json").read_text())
     assert len(slots) == 1 and len(slots[0]) == 1 and slots[0][0].startswith("http://")
     assert yaml.safe_load((out / "config.yaml").read_text())["rollout"]["engine_urls"] == slots
+    # the server was started with the config's SGLang flags
+    (log,) = (out / "ray" / "engine_logs").glob("sglang_*.log")
+    assert "--mem-fraction-static 0.7 --context-length 4096" in log.read_text()
     logs = list((out / "ray" / "engine_logs").glob("sglang_*.log"))
     assert logs and "stand-in ready" in logs[0].read_text(), logs
     # the trainer found the engine by that URL: it opened the weight-sync group with it

@@ -1012,6 +1012,12 @@ class Config:
             raise ConfigError("train.moe_routing_replay=true replays the engines' routed experts, but "
                               "rollout.capture_routing=off asks the engines for none; set rollout.capture_routing "
                               "to auto (or on), or train.moe_routing_replay=false")
+        server = {str(k).strip("-").replace("-", "_"): v for k, v in self.rollout.sglang_server_args.items()}
+        context = server.get("context_length")
+        if isinstance(context, int) and not isinstance(context, bool) and context < self.rollout.max_total_tokens:
+            raise ConfigError(f"rollout.sglang_server_args.context_length={context} is shorter than an episode may "
+                              f"grow (rollout.max_total_tokens={self.rollout.max_total_tokens}): SGLang would refuse "
+                              "its last turns; raise it to at least that, or lower rollout.max_total_tokens")
         if self.rollout.sglang_server_args and not self.ray.rollout_gpus_per_engine:
             raise ConfigError("rollout.sglang_server_args sets flags of SGLang servers, but ray.rollout_gpus_per_engine"
                               "=0 runs the local engine in trainer rank 0; set ray.rollout_gpus_per_engine (SGLang "

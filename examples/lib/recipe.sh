@@ -11,6 +11,8 @@
 #   RECIPE_REFERENCE_HF_CONFIG  config.json with the published model's numbers, planned from by --check
 #   RECIPE_HF_DIR_VAR           name of the environment variable that gives the HF checkpoint
 #   RECIPE_MEGATRON_DIR_VAR     name of the one that gives the converted megatron checkpoint
+#   RECIPE_LAUNCH               where the run goes after the check: slurm (default: submit) or local (train
+#                               on this node, on the local Ray its config enables; --slurm submits instead)
 # and the environment may set AGENTRL_ENV_CONTROLLER_URL, SLURM_PARTITION, SLURM_ACCOUNT,
 # CONTAINER_IMAGE and AGENTRL_PYTHON (see the recipe's header).
 
@@ -23,7 +25,7 @@ recipe_main() {
   CONFIG="${CONFIG:-$RECIPE_CONFIG}"
   AGENTRL=("$PY" -m megatron_agentrl.cli)
 
-  local mode=submit arg
+  local mode=submit arg launch="${RECIPE_LAUNCH:-slurm}"
   SUBMIT_FLAGS=()
   OVERRIDES=()
   for arg in "$@"; do
@@ -31,6 +33,7 @@ recipe_main() {
       --check) mode=check ;;
       --dry-run) mode=dry-run ;;
       --wait) SUBMIT_FLAGS+=(--wait) ;;
+      --slurm) launch=slurm ;;
       -h|--help) awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$RECIPE_SCRIPT"; exit 0 ;;
       --*) echo "$name: unknown flag $arg (see --help)" >&2; exit 2 ;;
       *=*) OVERRIDES+=("$arg") ;;
@@ -94,7 +97,12 @@ recipe_main() {
   "${AGENTRL[@]}" plan --check --config "$CONFIG" "${OVERRIDES[@]}" || {
     echo "$name: the pre-flight check failed; fix the FAIL lines above" >&2; exit 1; }
 
-  # 3. Submit: Ray head + workers on the allocation's nodes, then agentrl train on the Ray cluster.
+  # 3. Train here (a local Ray places the trainer ranks and the engines on this node's GPUs), or submit:
+  #    Ray head + workers on the allocation's nodes, then agentrl train on the Ray cluster.
+  if [ "$launch" = local ]; then
+    "${AGENTRL[@]}" doctor || { echo "$name: this node's GPU stack is not ready; fix the FAIL lines above" >&2; exit 1; }
+    exec "${AGENTRL[@]}" train --config "$CONFIG" "${OVERRIDES[@]}"
+  fi
   "${AGENTRL[@]}" slurm submit --config "$CONFIG" "${SUBMIT_FLAGS[@]}" "${OVERRIDES[@]}"
 }
 

@@ -250,6 +250,8 @@ class MemoryPlan:
     layout_problems: list[str] = field(default_factory=list)
     #: parameters a token passes through (== params_billion for a dense model)
     active_params_billion: float | None = None
+    #: the rollout engines' own limits that the plan exceeds (SGLang's ``mem_fraction_static``), with the fix
+    engine_problems: list[str] = field(default_factory=list)
 
     @property
     def train_total_gib(self) -> float:
@@ -277,7 +279,7 @@ class MemoryPlan:
             out.append(f"rollout engines need ~{self.rollout_total_gib:.1f} GiB per GPU, more than "
                        f"{self.gpu_memory_gib:.0f} GiB: raise ray.rollout_gpus_per_engine, or lower the sequences "
                        "in flight per engine")
-        return out
+        return out + self.engine_problems
 
     def problems(self) -> list[str]:
         """Everything that does not fit (pools vs allocation, then memory); empty when the layout fits."""
@@ -364,6 +366,7 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
     engine_tp = cfg.ray.rollout_gpus_per_engine
     engines = cfg.rollout.engine_count(cfg.lora.enabled)
     notes = []
+    static_problem = None
     if tp > 1:
         notes.append(f"sequence parallelism {'on' if sp else 'off (LoRA adapters take the whole sequence)'} under "
                      f"TP {tp}: dense-layer activations {'(18h + 6f)/tp' if sp else '10h + (8h + 6f)/tp'} bytes "
@@ -371,8 +374,12 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
     if engine_tp:
         kv_split = min(engine_tp, shape.num_kv_heads)
         kv_token = shape.kv_bytes_per_token(wbytes) / kv_split
-        # Every sample of a step may be in flight at once, spread over the engines of the pool.
+        # Every sample of a step may be in flight at once, spread over the engines of the pool, unless SGLang's
+        # max_running_requests holds an engine to fewer
+        server = {str(k).strip("-").replace("-", "_"): v for k, v in cfg.rollout.sglang_server_args.items()}
         seqs_per_engine = math.ceil(samples / engines)
+        if isinstance(server.get("max_running_requests"), int):
+            seqs_per_engine = min(seqs_per_engine, server["max_running_requests"])
         rollout = {
             "weights": shape.total_params() * wbytes / engine_tp / GiB,
             "kv_cache": kv_token * seqs_per_engine * seq / GiB,
@@ -381,6 +388,18 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
         free = gpu_memory_gib - rollout["weights"] - RUNTIME_OVERHEAD_GIB
         notes.append(f"KV cache: {kv_token / 1024:.0f} KiB per token per GPU; {seqs_per_engine} sequences of "
                      f"{seq} tokens per engine; room for ~{max(0, free) * GiB / kv_token / 1e6:.2f}M tokens per GPU")
+        fraction = server.get("mem_fraction_static")
+        if isinstance(fraction, (int, float)):
+            static = fraction * gpu_memory_gib
+            need = rollout["weights"] + rollout["kv_cache"]
+            notes.append(f"SGLang's mem_fraction_static={fraction:g}: {static:.1f} GiB per engine GPU for the weights "
+                         f"and the KV cache, {need:.1f} GiB planned")
+            if need > static:
+                static_problem = (f"rollout engines: the weights and KV cache need ~{need:.1f} GiB per GPU, more than "
+                                  f"rollout.sglang_server_args.mem_fraction_static={fraction:g} of "
+                                  f"{gpu_memory_gib:.0f} GiB gives ({static:.1f}): raise it (SGLang needs the rest "
+                                  "for activations and CUDA graphs), lower max_running_requests, or raise "
+                                  "ray.rollout_gpus_per_engine")
         if shape.is_moe:
             notes.append(f"engines serve the MoE model with tensor parallelism only (SGLang --tp-size {engine_tp}, "
                          f"no expert parallelism): each engine GPU holds 1/{engine_tp} of all {shape.num_experts} "
@@ -402,7 +421,8 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
         "experts_per_token": shape.experts_per_token,
     }
     plan = MemoryPlan(params_billion=shape.total_params() / 1e9, layout=layout, train=train, rollout=rollout,
-                      gpu_memory_gib=gpu_memory_gib, notes=notes, active_params_billion=shape.active_params() / 1e9)
+                      gpu_memory_gib=gpu_memory_gib, notes=notes, active_params_billion=shape.active_params() / 1e9,
+                      engine_problems=[static_problem] if static_problem else [])
     if total_gpus is not None:
         train_gpus = math.ceil(train_workers * cfg.ray.train_gpus_per_worker)
         need = train_gpus + engines * engine_tp

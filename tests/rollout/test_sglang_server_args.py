@@ -103,6 +103,8 @@ def test_the_config_checks_server_args_at_load_and_knows_where_they_apply(tmp_pa
     assert cfg.rollout.sglang_server_args == {"mem_fraction_static": 0.7, "context_length": 4096}
     with pytest.raises(ConfigError, match="did you mean mem_fraction_static"):
         load_config(TINY, [*gpu, "rollout.sglang_server_args={mem_fraction: 0.7}"])
+    with pytest.raises(ConfigError, match="context_length=64 is shorter than an episode"):
+        load_config(TINY, [*gpu, "rollout.sglang_server_args={context_length: 64}"])
     with pytest.raises(ConfigError, match="local engine in trainer rank 0"):
         load_config(TINY, [f"output_dir={tmp_path}", "rollout.sglang_server_args={mem_fraction_static: 0.7}"])
 

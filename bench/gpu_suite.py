@@ -6,8 +6,9 @@ GPU benchmarks as parts, one after another, each with its own timeout and never 
 (the parts left when time runs out are recorded as not run), writes every part's log and JSON next
 to its own record, and prints one summary table. The parts:
 
-* ``env``: torch, CUDA, the device's name and memory, and the versions of the packages the project
-  imports there (always first; it fails when megatron-core or transformers cannot be imported);
+* ``env``: torch, CUDA, the device's name and memory, the versions of the packages the project
+  imports there, and ``agentrl doctor``'s items (always first; it fails when megatron-core or transformers
+  cannot be imported);
 * ``tests``: ``pytest -m gpu tests/e2e/test_gpu.py`` (actor numerics in bf16, packed vs padded, the
   distributed optimizer, local engine vs actor log-probs, weight sync between two processes on the
   one GPU, an async run with a checkpoint and a resume);
@@ -70,6 +71,11 @@ for d in ("megatron-core", "transformers", "tokenizers", "safetensors", "hugging
         info[d] = md.version(d)
     except md.PackageNotFoundError:
         info[d] = None
+try:  # what `agentrl doctor` says of this machine's GPU stack, item by item
+    from megatron_agentrl.launch.doctor import run_doctor
+    info["doctor"] = [list(item) for item in run_doctor(timeout_s=30).items]
+except Exception as e:  # noqa: BLE001 - recorded, the suite goes on
+    info["doctor"] = f"{type(e).__name__}: {e}"
 print(json.dumps(info))
 """
 

@@ -27,6 +27,7 @@ from env_controller.options import OptionError as ConfigError
 from megatron_agentrl.lora.options import LoraOptions
 from megatron_agentrl.parallel_layout import ParallelLayout
 from rollout_sglang.chat_template import CHAT_TEMPLATES, thinking_switch_problem
+from rollout_sglang.distill.options import DistillOptions
 from rollout_sglang.engines.sglang_server_args import server_args_argv
 from rollout_sglang.episode_options import EpisodeLimits
 from rollout_sglang.gateway.options import AgentRunnerOptions, GatewayOptions
@@ -960,6 +961,7 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     lora: LoraOptions = field(default_factory=LoraOptions)
+    distill: DistillOptions = field(default_factory=DistillOptions)
     ray: RayConfig = field(default_factory=RayConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
@@ -983,6 +985,7 @@ class Config:
             raise ConfigError("model: set model.hf_config (a Hugging Face config dir) or model.arch (inline config "
                               "fields)")
         self._validate_tasks()
+        self._validate_distill()
         t, r, p = self.train, self.rollout, self.pipeline
         if 0 < t.micro_batch_tokens < r.max_total_tokens:
             raise ConfigError(f"train.micro_batch_tokens={t.micro_batch_tokens} is smaller than one episode can be "
@@ -1027,6 +1030,25 @@ class Config:
             self.parallel.check_world(self.ray.train_workers, "ray.train_workers",
                                       fix=f"set ray.train_workers to a multiple of {ranks}, or to 0 (the smallest "
                                       f"world of the layout, {ranks})")
+
+    def _validate_distill(self) -> None:
+        """A teacher for every task, and a student sampled untempered (the teachers' log-probs are)."""
+        d = self.distill
+        if not d.enabled:
+            return
+        try:
+            d.teacher_of([s.name for s in self.tasks])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.rollout.temperature != 1.0:
+            raise ConfigError(f"rollout.temperature={self.rollout.temperature} with distill.teachers: the teachers' "
+                              "log-probs are untempered (SGLang's input log-probs are), so the student must sample at "
+                              "temperature 1 for log p_teacher - log p_behavior to compare like with like; set "
+                              "rollout.temperature=1.0")
+        if self.algo.dynamic_sampling and d.reward_coef == 0:
+            raise ConfigError("algo.dynamic_sampling=true drops groups whose rewards are all equal, but with "
+                              "distill.reward_coef=0 the teacher's signal trains every group; set "
+                              "algo.dynamic_sampling=false (or distill.reward_coef > 0)")
 
     def engine_placement_problem(self, on_ray: bool) -> str | None:
         """What is wrong with where this run's engines come from when it runs ``on_ray`` (or not), with the fix;

@@ -7,10 +7,13 @@ import numpy as np
 
 #: The end status of an episode that our own code failed (a tool-call parser bug, say), not the policy.
 INTERNAL_ERROR = "internal error"
+#: The end status of an episode that its teacher could not score (on-policy distillation: every teacher engine
+#: failed or timed out), whatever the episode's own ending.
+TEACHER_ERROR = "teacher error"
 #: End statuses that say the infrastructure failed, not the policy: the env (the worker's or controller's
 #: "task error": a worker lost, a start or call that failed, a reply we could not read; a session
-#: "cancelled" under it) or our own code. Such an episode is never trained or counted as a reward.
-INFRA_STATUSES = frozenset({"task error", "cancelled", INTERNAL_ERROR})
+#: "cancelled" under it), the teacher, or our own code. Such an episode is never trained or counted as a reward.
+INFRA_STATUSES = frozenset({"task error", "cancelled", INTERNAL_ERROR, TEACHER_ERROR})
 #: :attr:`Trajectory.versions` of a token the policy did not sample (prompt, environment reply)
 NOT_SAMPLED = -1
 
@@ -64,6 +67,8 @@ class Trajectory(SampledTokens):
     routed_experts: MoE models with routing capture: the experts the engines chose for positions
         ``[0, n)`` of ``token_ids`` (``[n, MoE layers, top-k]``, :mod:`rollout_sglang.routing`; each turn's
         positions from the engine that sampled that turn); None when not captured.
+    teacher_logprobs: on-policy distillation: per token of token_ids, the teacher's log-prob of it in the
+        context before it (untempered), 0.0 where loss_mask is 0; None when no teacher scored the episode.
     """
 
     token_ids: list[int]
@@ -80,6 +85,7 @@ class Trajectory(SampledTokens):
     timings: dict[str, float] = field(default_factory=dict)
     error: str = ""
     routed_experts: np.ndarray | None = None
+    teacher_logprobs: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

@@ -35,16 +35,20 @@ class RLBatch:
     task_ids: ``[B]`` long, index into the run's task list.
     sample_adv: ``[B]`` sample advantages of ``algo.estimator`` (for logging).
     rewards: ``[B]`` shaped rewards.
+    distill: on-policy distillation: ``[B, T]`` float, ``log p_teacher - log p_behavior`` on every policy token,
+        0 elsewhere; joins the advantages after their per-task normalization (``Trainer.step``). None without.
     """
 
     batch: TrainBatch
     task_ids: torch.Tensor
     sample_adv: torch.Tensor
     rewards: torch.Tensor
+    distill: torch.Tensor | None = None
 
 
 def build_rl_batch(trajs: Sequence[Trajectory], task_names: Sequence[str], algo: AlgoConfig,
-                   shaper: RewardShaper | None = None, trained_version: int | None = None) -> RLBatch:
+                   shaper: RewardShaper | None = None, trained_version: int | None = None,
+                   distill: bool = False) -> RLBatch:
     """Pad ``trajs`` and give every policy token its sample's advantage.
 
     Rewards are shaped by ``shaper`` (default: the trajectories' own rewards); sample advantages
@@ -52,7 +56,9 @@ def build_rl_batch(trajs: Sequence[Trajectory], task_names: Sequence[str], algo:
     reinforce_pp, whose batch normalization runs over this whole batch's policy tokens). Per-task normalization is
     left to :func:`normalize_batch` (run after the data-parallel split, globally over DP).
     ``task_names`` fixes the task-id order. With ``trained_version`` (the weight version this batch
-    trains), every generated token gets its version lag (``TrainBatch.version_lag``).
+    trains), every generated token gets its version lag (``TrainBatch.version_lag``). With ``distill``, every
+    trajectory with policy tokens must carry its teacher's log-probs (ValueError otherwise: nothing is trained as
+    distilled without a teacher's score), and :attr:`RLBatch.distill` holds the per-token signal.
     """
     task_id = {name: i for i, name in enumerate(task_names)}
     unknown = sorted({t.task for t in trajs} - set(task_id))
@@ -72,9 +78,18 @@ def build_rl_batch(trajs: Sequence[Trajectory], task_names: Sequence[str], algo:
     if trained_version is not None:
         versions = pad_right([t.versions for t in trajs], torch.long, pad=NOT_SAMPLED)
         lag = torch.where(versions >= 0, trained_version - versions, versions)
+    signal = None
+    if distill:
+        unscored = [t for t in trajs if t.teacher_logprobs is None and t.num_generated]
+        if unscored:
+            first = unscored[0]
+            raise ValueError(f"{len(unscored)} trajectories (e.g. task {first.task!r} #{first.index}) carry no teacher "
+                             "log-probs; a distillation batch trains only scored episodes")
+        teacher = pad_right([t.teacher_logprobs or [0.0] * len(t.token_ids) for t in trajs], torch.float32)
+        signal = (teacher - behavior) * mask
     return RLBatch(TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior, advantages=adv,
                               version_lag=lag, routed_experts=routed_experts_tensor(trajs, tokens.shape[1])),
-                   tids, sample_adv, rewards)
+                   tids, sample_adv, rewards, signal)
 
 
 def routed_experts_tensor(trajs: Sequence[Trajectory], width: int) -> torch.Tensor | None:
@@ -111,6 +126,28 @@ def build_sft_batch(examples: Sequence[tuple[list[int], list[int]]]) -> TrainBat
     mask = pad_right([e[1] for e in examples], torch.float32)
     zeros = torch.zeros_like(mask)
     return TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=zeros, advantages=zeros.clone())
+
+
+def distill_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """On-policy distillation's figures over the scored ``trajs``: ``distill/reverse_kl/<task>``, the mean over
+    sampled tokens of ``log p_behavior - log p_teacher`` (an estimate of KL(student || teacher) per token), and
+    ``distill/score_s``, the teacher's mean scoring seconds per episode; {} when none was scored."""
+    acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    seconds = []
+    for t in trajs:
+        if t.teacher_logprobs is None:
+            continue
+        a = acc[t.task]
+        for b, lp, m in zip(t.behavior_logprobs, t.teacher_logprobs, t.loss_mask):
+            if m:
+                a[0] += b - lp
+                a[1] += 1
+        seconds.append(t.timings.get("teacher_score_s", 0.0))
+    if not seconds:
+        return {}
+    out = {f"distill/reverse_kl/{task}": s / max(n, 1) for task, (s, n) in sorted(acc.items())}
+    out["distill/score_s"] = sum(seconds) / len(seconds)
+    return out
 
 
 def per_task_means(trajs: Sequence[Trajectory]) -> dict[str, float]:

@@ -425,7 +425,7 @@ class TrainingRun:
         groups = self._next_batch(step)
         if self.manager is not None:
             rl = build_rl_batch([t for g in groups for t in g.trajectories], self.task_names, cfg.algo,
-                                self.rollout_side.shaper, trained_version=step - 1)
+                                self.rollout_side.shaper, trained_version=step - 1, distill=cfg.distill.enabled)
         wait_s = time.perf_counter() - t_step
         t0 = time.perf_counter()
         stats = self.trainer.step(rl, step)

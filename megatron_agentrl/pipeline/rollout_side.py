@@ -25,6 +25,7 @@ from env_controller.tasks import build_task
 from megatron_agentrl.config import Config, ConfigError
 from megatron_agentrl.megatron.moe import routing_capture
 from megatron_agentrl.pipeline.rewards import RewardShaper
+from megatron_agentrl.pipeline.teachers import build_teacher_scorer
 from rollout_sglang.chat_template import AnyChatTemplate, build_chat_template
 from rollout_sglang.engines.batching import BatchingEngine
 from rollout_sglang.engines.local import LocalEngine
@@ -52,6 +53,7 @@ class RolloutSide:
     order), train/eval index splits, rng (SFT demonstrations), task weights (RL prompts), SFT
     weights (demonstrations) and the reward shaper (the tasks' settings, ``pipeline/rewards.py``).
     routing: the routed-experts layout the engines capture in (``rollout.capture_routing``), None = no capture.
+    scorer: on-policy distillation's teachers (``distill``), run on every cohort's episodes; None without.
     """
 
     pool: VersionPool
@@ -68,6 +70,7 @@ class RolloutSide:
     sft_weights: list[float] = field(default_factory=list)
     shaper: RewardShaper = field(default_factory=RewardShaper)
     routing: RoutingLayout | None = None
+    scorer: Any = None
 
     def close(self) -> None:
         """Close the built-in tasks held here (their containers, servers and threads); each failure is logged,
@@ -227,7 +230,7 @@ def build_rollout_side(cfg: Config, hf_config: Any, dtype: torch.dtype, template
         rng=random.Random(cfg.train.seed), weights=[s.weight for s in cfg.tasks],
         sft_weights=[s.weight if s.sft_weight is None else s.sft_weight for s in cfg.tasks],
         shaper=RewardShaper(cfg.tasks, cfg.algo, r.max_total_tokens),
-        routing=routing,
+        routing=routing, scorer=build_teacher_scorer(cfg, dtype, template.tokenizer),
     )
 
 
@@ -372,6 +375,7 @@ def make_manager(cfg: Config, rollout_side: RolloutSide, version: int) -> Rollou
     # groups of one sample under dynamic sampling are refused by Config.validate
     manager = RolloutManager(rollout_side.pool, rollout_side.train_env, rollout_side.template, sampler, options,
                              agent=build_agent_runner(cfg, rollout_side) if r.agent == "gateway" else None,
-                             reward=rollout_side.shaper if cfg.algo.dynamic_sampling else None)
+                             reward=rollout_side.shaper if cfg.algo.dynamic_sampling else None,
+                             score=rollout_side.scorer)
     manager.set_version(version)
     return manager

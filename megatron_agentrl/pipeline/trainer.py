@@ -3,11 +3,12 @@
 :class:`Trainer.step` runs on every rank: rank 0 passes the step's :class:`~.batch.RLBatch`
 (built from the groups the rollout side delivered), it is broadcast, each data-parallel rank
 takes its slice, per-task advantage normalization runs globally over the data-parallel group
-(``normalize_per_task`` with ``process_group``), reference log-probs are added when the KL term is
-on, and the actor takes one optimizer step (clipped loss with truncated or masked importance weights,
-token- or sequence-level ratios, micro-batches by token budget). The per-token weights of
-``loss.agg`` are computed here, from the global batch before the data-parallel split, so that the
-sequence count and lengths they hold are global.
+(``normalize_per_task`` with ``process_group``), on-policy distillation's per-token signal joins the
+advantages (``distill.coef``; the reward's part weighed by ``distill.reward_coef``), reference log-probs
+are added when the KL term is on, and the actor takes one optimizer step (clipped loss with truncated or
+masked importance weights, token- or sequence-level ratios, micro-batches by token budget). The per-token
+weights of ``loss.agg`` are computed here, from the global batch before the data-parallel split, so that
+the sequence count and lengths they hold are global.
 """
 from __future__ import annotations
 
@@ -56,6 +57,10 @@ class Trainer:
             batch = dataclasses.replace(batch, token_weights=weights)
         local = normalize_batch(a.dp_slice(batch), a.dp_slice(rl.task_ids), self.cfg.algo, len(self.task_names),
                                 self._dp_group())
+        if rl.distill is not None:  # the teacher's per-token signal, after the reward's per-task normalization
+            d = self.cfg.distill
+            local = dataclasses.replace(local, advantages=d.reward_coef * local.advantages
+                                        + d.coef * a.dp_slice(rl.distill).to(local.advantages.dtype))
         temperature = self.cfg.rollout.temperature
         if self.cfg.loss.kl_coef > 0:
             local.ref_logprobs = a.compute_ref_logprobs(local.tokens, local.loss_mask, temperature,

@@ -127,6 +127,11 @@ class BatchingEngine:
             self._worker = loop.create_task(self._work())
         return await fut
 
+    async def score(self, sequences: list[list[int]], starts: list[int] | None = None) -> list[list[float]]:
+        """The wrapped engine's :meth:`Engine.score <rollout_sglang.engines.protocol.Engine.score>`, passed through
+        (no merging); the wrapped engine waits out its own pause."""
+        return await self.engine.score(sequences, starts)
+
     async def _wait_resumed(self) -> None:
         deadline = time.monotonic() + self.resume_timeout_s
         while not self._resumed.is_set():

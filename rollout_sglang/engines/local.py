@@ -23,6 +23,9 @@ engine's numerics. Generation is a hand-written KV-cache loop (not ``model.gener
   row gets those of its positions ``[routing_from, len(prompt) + len(generated) - 1)``: the prefill's
   (its pads left out) and each decode step's (position ``t``: the forward of token ``t``; the last
   sampled token is never fed back). A dense model registers no hook.
+* scoring (:meth:`LocalEngine.score`, the teacher side of on-policy distillation): whole sequences right-padded
+  into one forward per chunk of at most :data:`SCORE_CHUNK_TOKENS` positions, each token's untempered
+  ``log_softmax(fp32 logits)`` in the context before it, under the base model's weights.
 
 Compute runs in a worker thread (``asyncio.to_thread``) under a lock that weight loading also takes, so weights
 never change under a forward pass. Weights arrive by Hugging Face parameter name between
@@ -58,6 +61,7 @@ from rollout_sglang.engines.protocol import (
     GenerationOutput,
     SamplingParams,
     check_adapters,
+    check_score_inputs,
     routing_starts,
 )
 from rollout_sglang.engines.router_capture import RouterCapture, find_routers, routing_layout_of
@@ -72,6 +76,10 @@ logger = logging.getLogger(__name__)
 
 # the dtypes a model runs in (the wire names of weight_update.buckets, floating point only)
 _MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: :meth:`LocalEngine.score` puts at most this many token positions (rows x the longest row, pads included) through
+#: one forward; a sequence longer than this goes through a forward of its own
+SCORE_CHUNK_TOKENS = 16384
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
@@ -345,6 +353,57 @@ class LocalEngine:
         finally:
             with self._join_lock:
                 self._loop_active = False
+
+    async def score(self, sequences: list[list[int]], starts: list[int] | None = None) -> list[list[float]]:
+        """Each token's log-prob given the tokens before it, under the current weights of the base model (no
+        adapter), untempered (:meth:`Engine.score <rollout_sglang.engines.protocol.Engine.score>`): ``out[i][t] =
+        log_softmax(fp32 logits at t - 1)[sequences[i][t]]`` for ``t >= max(starts[i], 1)``, 0.0 before.
+
+        Waits while the engine is paused, then runs in a worker thread under the weights lock (a pause that holds
+        running calls, made after that wait, holds this one before its first forward; weights never change
+        between its forwards). Sequences go longest first, right-padded with an attention mask and positions
+        ``0..len - 1``, at most :data:`SCORE_CHUNK_TOKENS` positions (pads included) per forward; a sequence with
+        nothing to score takes none. A decoding loop that runs holds the lock until it ends, so a call waits for
+        it. ValueError (:func:`~rollout_sglang.engines.protocol.check_score_inputs`) naming an empty sequence, an
+        id outside ``[0, vocab_size)`` or a start outside ``[0, len(sequence)]``.
+        """
+        seqs, firsts = check_score_inputs(sequences, starts, self.vocab_size)
+        if not seqs:
+            return []
+        await self._wait_resumed()
+        return await asyncio.to_thread(self._score, seqs, firsts)
+
+    def _score(self, seqs: list[list[int]], starts: list[int]) -> list[list[float]]:
+        """:meth:`score`'s forwards (in a worker thread): the log-probs of each sequence, 0.0 where not scored."""
+        out = [[0.0] * len(q) for q in seqs]
+        todo = sorted((i for i, q in enumerate(seqs) if max(starts[i], 1) < len(q)), key=lambda i: -len(seqs[i]))
+        chunks: list[list[int]] = []
+        for i in todo:  # longest first: a chunk's first sequence is its widest
+            if chunks and (len(chunks[-1]) + 1) * len(seqs[chunks[-1][0]]) <= SCORE_CHUNK_TOKENS:
+                chunks[-1].append(i)
+            else:
+                chunks.append([i])
+        with self._weights_lock:
+            if self._hold_mode is not None:  # paused (in flight) after the resume check: hold first
+                self._hold_until_resumed()
+            for chunk in chunks:
+                width = len(seqs[chunk[0]])
+                ids = torch.zeros((len(chunk), width), dtype=torch.long)
+                mask = torch.zeros((len(chunk), width), dtype=torch.long)
+                for r, i in enumerate(chunk):
+                    ids[r, :len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.long)
+                    mask[r, :len(seqs[i])] = 1
+                ids, mask = ids.to(self.device), mask.to(self.device)
+                positions = torch.arange(width, device=self.device).expand(len(chunk), width)
+                with self._adapters.assign([None] * len(chunk)), torch.inference_mode():
+                    logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                        use_cache=False).logits
+                    for r, i in enumerate(chunk):
+                        first, n = max(starts[i], 1), len(seqs[i])
+                        logp = torch.log_softmax(logits[r, first - 1:n - 1].float(), dim=-1)
+                        out[i][first:] = logp.gather(-1, ids[r, first:n, None])[:, 0].tolist()
+                del logits
+        return out
 
     def _check_routing_from(self, prompts: list[list[int]], routing_from: list[int]) -> list[int]:
         """ValueError unless the model is MoE and the starts fit the prompts (:func:`routing_starts`)."""

@@ -4,6 +4,8 @@ Token ids in, token ids and their log-probs out. Log-probs are those of the dist
 token was sampled from: ``log_softmax(logits / temperature)`` before top-p/top-k truncation.
 Weights arrive as Hugging Face parameter names between ``begin_weight_update`` and
 ``end_weight_update``; the engine's ``version`` changes only when the update completes.
+``score`` goes the other way: given whole token sequences, it returns each token's log-prob under the
+engine's current weights, untempered (the teacher side of on-policy distillation).
 """
 from __future__ import annotations
 
@@ -92,6 +94,38 @@ def routing_starts(prompts: list[list[int]], routing_from: list[int]) -> list[in
     return [int(start) for start in starts]
 
 
+def check_score_inputs(sequences: list[list[int]], starts: list[int] | None = None,
+                       vocab_size: int | None = None) -> tuple[list[list[int]], list[int]]:
+    """``sequences`` and ``starts`` of :meth:`Engine.score` checked: ``(sequences as lists of int, one start per
+    sequence)`` (``starts`` None: 0 each). ValueError naming the first of: a sequence that is empty or holds
+    something other than an int token id, a negative id, an id ``>= vocab_size`` (when given), a ``starts`` of
+    another length, a start that is not an int in ``[0, len(sequence)]``."""
+    seqs: list[list[int]] = []
+    for i, seq in enumerate(sequences):
+        seq = list(seq)
+        if not seq:
+            raise ValueError(f"sequence {i} is empty; every scored sequence needs at least one token")
+        bad = next((t for t in seq if isinstance(t, bool) or not isinstance(t, (int, np.integer))), None)
+        if bad is not None:
+            raise ValueError(f"sequence {i} holds {bad!r}, not an int token id")
+        lo, hi = min(seq), max(seq)
+        if lo < 0:
+            raise ValueError(f"sequence {i} has token id {lo}; token ids are >= 0")
+        if vocab_size is not None and hi >= vocab_size:
+            raise ValueError(f"sequence {i} has token id {hi} outside the model vocabulary [0, {vocab_size}); is the "
+                             "tokenizer larger than the model's vocab_size?")
+        seqs.append([int(t) for t in seq])
+    if starts is None:
+        return seqs, [0] * len(seqs)
+    firsts = list(starts)
+    if len(firsts) != len(seqs):
+        raise ValueError(f"starts has {len(firsts)} entries for {len(seqs)} sequences; give one per sequence")
+    for i, (start, seq) in enumerate(zip(firsts, seqs)):
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not 0 <= int(start) <= len(seq):
+            raise ValueError(f"starts[{i}]={start!r} must be an int in [0, {len(seq)}] (the sequence's length)")
+    return seqs, [int(s) for s in firsts]
+
+
 def check_adapters(prompts: list[list[int]], adapters: list[str | None] | None) -> list[str | None] | None:
     """``adapters`` (:meth:`Engine.generate`) checked against ``prompts``: None, or one name (or None) per prompt;
     ValueError naming what is wrong."""
@@ -124,6 +158,19 @@ class Engine(Protocol):
             experts of positions ``[routing_from[i], end - 1)`` (a multi-turn episode asks only for the
             positions its earlier turns did not cover). None: no routing (engines that cannot capture it
             are only ever called without).
+        """
+        ...
+
+    async def score(self, sequences: list[list[int]], starts: list[int] | None = None) -> list[list[float]]:
+        """Each token's log-prob given all tokens before it, under the engine's current weights (the base model:
+        no adapter), untempered: ``log_softmax(logits)`` at temperature 1, as SGLang's
+        ``meta_info.input_token_logprobs``. ``out[i]`` has ``len(sequences[i])`` floats; position 0 (nothing
+        before it) and the positions before ``starts[i]`` are not scored and hold 0.0 (``starts`` None: every
+        position from 1 on is scored; a start of ``len(sequences[i])`` scores none).
+
+        Waits while the engine is paused, as :meth:`generate` does. ValueError (:func:`check_score_inputs`) for an
+        empty sequence, an id outside the vocabulary (an engine that knows it; an SGLang server refuses it
+        itself), a start outside ``[0, len(sequence)]``.
         """
         ...
 

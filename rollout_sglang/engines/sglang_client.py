@@ -19,6 +19,10 @@ protocol                                    SGLang
                                             (base64 of int32 ``[positions, num_hidden_layers, top_k]``,
                                             positions ``[start, seqlen - 1)``; the server needs
                                             ``--enable-return-routed-experts``); the MoE layers are kept
+``score(sequences, starts)``                ``POST /generate`` ``{"input_ids": [[...]], "sampling_params":
+                                            [{"max_new_tokens": 0}], "return_logprob": true, "logprob_start_len":
+                                            [max(start - 1, 0)]}`` -> per sequence
+                                            ``meta_info.input_token_logprobs`` (below)
 ``pause()`` (drained)                       ``POST /pause_generation {"mode": options.pause_mode}`` ('abort' by
                                             default: the version pool drained the engine, nothing is running)
 ``pause("in_place")``                       ``POST /pause_generation {"mode": "in_place"}``: SGLang's scheduler
@@ -70,6 +74,21 @@ fresh server's ``"default"``), or an answer without spans (an older SGLang), giv
 as the call started (set by :meth:`end_weight_update` after a successful sync); an output's ``version`` is its
 last token's. Spans that do not cover the tokens exactly once each, in order, with integer bounds, are
 hostile input: :class:`SGLangUnavailable` naming the server and what is wrong.
+
+Scoring (:meth:`SGLangEngine.score`) reads SGLang 0.5.23's input log-probs. With ``logprob_start_len`` L >= 0
+the scheduler keeps L (``Scheduler._handle_generate_request``, ``srt/managers/scheduler.py``: L > len(input)
+aborts the request; -1, the default, means output tokens only, no input log-probs), and the prefix cache matches
+at most L tokens (``Req._compute_max_prefix_len``, ``schedule_batch.py``). The logits processor keeps the hidden
+states of positions ``[L, len)`` (``LogitsProcessor._get_pruned_states``, ``srt/layers/logits_processor.py``) and
+gathers, at position p, token p + 1 (``extend_input_logprob_token_ids``, ``ScheduleBatch.prepare_for_extend``)
+from ``log_softmax`` of the raw logits, with no temperature (``InputLogprobProcessor._forward_by_chunk``,
+``srt/layers/logprob_processor.py``). The scheduler then drops the last (the next token's) and puts None first
+(``SchedulerLogprobResultProcessor._process_input_token_logprobs``,
+``scheduler_components/logprob_result_processor.py``): entry k of ``meta_info.input_token_logprobs`` is
+``[logprob, token_id, null]`` of input position L + k, and entry 0's log-prob (position L itself) is None: its
+logits would come from position L - 1, which is not computed. So the client asks from ``max(start - 1, 0)`` to
+score the positions from ``start`` on. The token id reported for an id ``>= vocab_size - 1`` is 0 (the same
+function clips it); the client checks the others against the ids it sent.
 
 The flush after an update, by pause mode. SGLang's scheduler flushes only when it is idle
 (``is_fully_idle(ignore_waiting=paused)``), and its weight updater fails an update whose ``flush_cache`` it could
@@ -129,6 +148,7 @@ from rollout_sglang.engines.protocol import (
     Probe,
     SamplingParams,
     check_adapters,
+    check_score_inputs,
     routing_starts,
 )
 from rollout_sglang.engines.sglang_options import SGLangClientOptions, SGLangLaunchOptions
@@ -422,6 +442,80 @@ class SGLangEngine:
             for i, o in zip(rows, res):
                 out[i] = o
         return out  # type: ignore[return-value]
+
+    async def score(self, sequences: list[list[int]], starts: list[int] | None = None) -> list[list[float]]:
+        """Each token's log-prob given the tokens before it, under the server's current weights (the base model),
+        untempered (:meth:`Engine.score <rollout_sglang.engines.protocol.Engine.score>`): one ``/generate`` of all
+        sequences with ``max_new_tokens: 0``, ``return_logprob: true`` and ``logprob_start_len: max(start - 1, 0)``
+        per sequence, read from ``meta_info.input_token_logprobs`` (the module doc says why one before the start).
+        ``out[i]`` has ``len(sequences[i])`` floats, 0.0 at position 0 and before ``starts[i]``.
+
+        ValueError (:func:`~rollout_sglang.engines.protocol.check_score_inputs`) for an empty sequence, a negative
+        id or a start outside ``[0, len(sequence)]``. The client does not know the vocabulary, and SGLang 0.5.23 does
+        not check input ids against it (it clamps the gathered ids, ``ScheduleBatch.prepare_for_extend``): ids must
+        be the model's (the stand-in refuses others with HTTP 400). Raises SGLangTimeout after
+        ``request_timeout_s``, SGLangError when the server refuses the request or answers log-probs that do not fit
+        the sequences (naming server, endpoint and row), SGLangUnavailable when it cannot serve or aborts the
+        request.
+        """
+        seqs, firsts = check_score_inputs(sequences, starts)
+        if not seqs:
+            return []
+        asks = [max(s - 1, 0) for s in firsts]
+        body: dict[str, Any] = {"input_ids": seqs, "sampling_params": [{"max_new_tokens": 0} for _ in seqs],
+                                "return_logprob": True, "logprob_start_len": asks}
+        t = self.request_timeout_s
+        try:
+            resp = await asyncio.wait_for(
+                self._aclient().post(self._url("/generate"), json=body, timeout=httpx.Timeout(t)), t + 1.0)
+        except (httpx.TimeoutException, asyncio.TimeoutError) as e:
+            raise SGLangTimeout(
+                f"/generate on {self.base_url} (scoring {len(seqs)} sequences, {sum(map(len, seqs))} tokens) did not "
+                f"answer within {t:.1f}s; the server is stalled or overloaded (raise request_timeout_s?)"
+            ) from e
+        except httpx.HTTPError as e:
+            raise SGLangUnavailable(
+                f"/generate on {self.base_url} could not be reached: {e!r}; is the server running?") from e
+        data = self._raise_for("/generate", resp)
+        items = data if isinstance(data, list) else [data]
+        if len(items) != len(seqs):
+            raise SGLangError(f"/generate on {self.base_url} returned {len(items)} results for {len(seqs)} scored "
+                              "sequences")
+        return [self._parse_scores(i, item, seq, ask, start)
+                for i, (item, seq, ask, start) in enumerate(zip(items, seqs, asks, firsts))]
+
+    def _parse_scores(self, row: int, item: Any, seq: list[int], ask: int, start: int) -> list[float]:
+        """Row ``row``'s ``meta_info.input_token_logprobs`` (asked from ``ask``) as the log-probs of ``seq``'s
+        positions, 0.0 before ``start`` and at ``ask``. The answer is the server's, never trusted: SGLangError naming
+        the row and what is wrong; SGLangUnavailable for an aborted request."""
+        where = f"/generate on {self.base_url}, scored row {row}"
+        if not isinstance(item, dict) or not isinstance(item.get("meta_info") or {}, dict):
+            raise SGLangError(f"{where}: the answer is {_shown(item)}, not a JSON object with a meta_info object")
+        meta = item.get("meta_info") or {}
+        fr = meta.get("finish_reason")
+        if isinstance(fr, dict) and fr.get("type") == "abort":
+            raise SGLangUnavailable(f"{where} was aborted ({fr.get('message', '')})")
+        entries = meta.get("input_token_logprobs")
+        if not isinstance(entries, list):
+            raise SGLangError(f"{where}: meta_info.input_token_logprobs is {_shown(entries)}, not a list (was "
+                              "return_logprob or logprob_start_len dropped?)")
+        if len(entries) != len(seq) - ask:
+            raise SGLangError(f"{where}: {len(entries)} input log-probs for positions [{ask}, {len(seq)}) of a "
+                              f"{len(seq)}-token sequence; expected {len(seq) - ask}")
+        out = [0.0] * len(seq)
+        for k, entry in enumerate(entries[1:], start=1):  # entry 0 (position ``ask``) is None: not computed
+            pos = ask + k
+            ok = isinstance(entry, (list, tuple)) and len(entry) >= 2
+            lp, tok = (entry[0], entry[1]) if ok else (None, None)
+            if not ok or isinstance(lp, bool) or not isinstance(lp, (int, float)) or lp != lp or lp > 0:
+                raise SGLangError(f"{where}: input_token_logprobs[{k}] (position {pos}) is {_shown(entry)}, not "
+                                  "[logprob <= 0, token_id, text]")
+            if tok != seq[pos] and tok != 0:  # SGLang reports 0 for an id >= vocab_size - 1
+                raise SGLangError(f"{where}: input_token_logprobs[{k}] names token {tok!r} at position {pos}, where "
+                                  f"the sequence has {seq[pos]}")
+            if pos >= start:
+                out[pos] = float(lp)
+        return out
 
     def _check_routing_from(self, prompts: list[list[int]], routing_from: list[int]) -> list[int]:
         """ValueError unless the client has a routing layout and the starts fit the prompts

@@ -42,7 +42,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -103,6 +103,9 @@ class RolloutManager:
     on_group: optional callback (FinishedGroup) on the rollout thread for each kept group, e.g. reward shaping.
     reward: the training reward (e.g. the run's RewardShaper) by which dynamic sampling drops groups whose
     trajectories all score the same; None: dynamic sampling off.
+    score: a step on every cohort's episodes before their groups are settled, e.g. the teachers of on-policy
+    distillation (:class:`rollout_sglang.distill.scorer.TeacherScorer`): ``async score(trajectories)``, which may
+    mark episodes as infrastructure failures; None: none.
 
     The trainer version starts at 0; :meth:`set_version` (or :meth:`load_state_dict`) sets another before
     :meth:`start`.
@@ -117,7 +120,8 @@ class RolloutManager:
 
     def __init__(self, engine: Any, env: Any, template: Any, sampler: PromptSampler, options: RolloutOptions, *,
                  agent: Any = None, on_group: Callable[[FinishedGroup], None] | None = None,
-                 reward: Callable[[Trajectory], float] | None = None) -> None:
+                 reward: Callable[[Trajectory], float] | None = None,
+                 score: Callable[[list[Trajectory]], Awaitable[None]] | None = None) -> None:
         self.engine = engine
         self.env = env
         self.template = template
@@ -125,6 +129,7 @@ class RolloutManager:
         self.options = options
         self.agent = agent
         self.on_group = on_group
+        self.score = score
         self._admission = Admission(options.admission)
         self._retries = InfraRetries(options.retry, options.drop_limit)
         self.batch_groups = options.admission.batch_groups
@@ -312,6 +317,8 @@ class RolloutManager:
         t0 = time.monotonic()
         try:
             trajs = await self._play(cohort)
+            if self.score is not None:
+                await self.score(trajs)
         except asyncio.CancelledError:
             with self._cond:
                 self._running -= len(cohort)

@@ -17,6 +17,13 @@ refused (SGLang would drop it silently). Then it follows SGLang's behaviour:
   output token positions (``srt/utils/weight_versions.py``): the scheduler's version string that sampled each
   run of tokens (a request no update crossed: one span; one with no tokens: one empty span of the version then
   served), ``weight_version`` the last span's (:func:`weight_version_spans`).
+  With ``return_logprob``, ``meta_info.input_token_logprobs`` too, from ``logprob_start_len`` L (one, or one per
+  prompt) as SGLang 0.5.23 resolves and builds it: -1, the default, gives ``[]`` (output tokens only); L in
+  ``[0, len(prompt)]`` gives one ``[logprob, token_id, null]`` per position ``[L, len(prompt))``, the first's
+  log-prob null (its logits are not computed), the others' untempered log-prob given the tokens before
+  (:meth:`LocalEngine.score`), a token id ``>= vocab_size - 1`` reported as 0; L past the prompt is HTTP 400 with
+  the scheduler's message. ``max_new_tokens: 0`` with it is how a sequence is scored
+  (:meth:`SGLangEngine.score <rollout_sglang.engines.sglang_client.SGLangEngine.score>`).
   With ``deterministic`` (``--enable-deterministic-inference``) a row without ``sampling_seed``
   samples with seed 42, as SGLang's sampler does. MoE models: ``"return_routed_experts": true`` with
   ``routed_experts_start_len`` (one start for the whole request, in ``[0, len(prompt)]`` of every row, else
@@ -451,6 +458,7 @@ class StandInServer:
         rid = body.get("rid")
         rids = rid if isinstance(rid, list) else [f"{rid}_{i}" if rid else uuid.uuid4().hex for i in range(n)]
         routing_from = self._routing_start(body, prompts)
+        lp_starts = self._logprob_starts(body, prompts, want_lp)
         assert self._lora_lock is not None and self._admitting is not None
         await self._admitting.wait()  # SGLang's tokenizer manager holds new requests while paused
         async with self._lora_lock:
@@ -464,11 +472,13 @@ class StandInServer:
         t0 = time.perf_counter()
         self._running += 1
         outs: list[Any] = [None] * n
+        inputs: list[list[list[Any]] | None] = [None] * n  # each row's input_token_logprobs (None: not asked)
         groups: dict[tuple, list[int]] = {}
         for i, (p, _) in enumerate(parsed):
             key = (p.max_new_tokens, p.temperature, p.top_p, p.top_k, tuple(p.stop_token_ids))
             groups.setdefault(key, []).append(i)
         try:
+            await self._input_logprobs(prompts, lp_starts, adapters, inputs)
             for rows in groups.values():
                 params = parsed[rows[0]][0]
                 seeds = [parsed[r][1] for r in rows]
@@ -512,11 +522,57 @@ class StandInServer:
                 "weight_version": spans[-1]["version"], "weight_versions": spans, "e2e_latency": dt,
             }
             if want_lp[i]:
+                meta["input_token_logprobs"] = inputs[i] if inputs[i] is not None else []
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(o.logprobs, o.token_ids)]
             if routing_from is not None:
                 meta["routed_experts"] = self._routed_experts_b64(o.routed_experts)
             items.append({"text": "", "output_ids": list(o.token_ids), "meta_info": meta})
         return web.json_response(items[0] if single else items)
+
+    def _logprob_starts(self, body: dict[str, Any], prompts: list[list[int]], want_lp: list[bool]) -> list[int]:
+        """Each row's first input position with log-probs, as SGLang 0.5.23's scheduler resolves
+        ``logprob_start_len`` (``Scheduler._handle_generate_request``): a row without ``return_logprob`` ignores it
+        (none: the prompt's length); -1, the default (``GenerateReqInput``'s normalization), means output tokens
+        only (the prompt's length); a start past the prompt aborts the request, which the HTTP server answers with
+        400 and the scheduler's message. A start below -1 is refused (SGLang leaves it undefined)."""
+        raw = body.get("logprob_start_len")
+        n = len(prompts)
+        asked = raw if isinstance(raw, list) else [-1 if raw is None else raw] * n
+        if len(asked) != n:
+            raise BadRequest(f"{len(asked)} logprob_start_len for {n} prompts")
+        out = []
+        for p, want, start in zip(prompts, want_lp, asked):
+            start = int(start)
+            if not want or start == -1:
+                out.append(len(p))
+                continue
+            if start < -1:
+                raise BadRequest(f"logprob_start_len={start} is not supported by the stand-in (use -1 or a position)")
+            if start > len(p):
+                raise BadRequest(f"req.logprob_start_len={start} is higher than the number of input tokens "
+                                 f"len(req.origin_input_ids)={len(p)}. Please use a smaller logprob_start_len.")
+            out.append(start)
+        return out
+
+    async def _input_logprobs(self, prompts: list[list[int]], starts: list[int], adapters: list[str | None] | None,
+                              inputs: list[Any]) -> None:
+        """Fill ``inputs[i]`` with row ``i``'s ``meta_info.input_token_logprobs`` when its start is inside its prompt,
+        as SGLang 0.5.23 builds them (``SchedulerLogprobResultProcessor._process_input_token_logprobs``): one
+        ``[logprob, token_id, None]`` per input position from the start on, the start's own log-prob None (its
+        logits are not computed), each other position's untempered log-prob given the tokens before it
+        (:meth:`LocalEngine.score`), a token id ``>= vocab_size - 1`` reported as 0. Rows of an adapter are refused
+        (the engine scores the base)."""
+        rows = [i for i, (p, s) in enumerate(zip(prompts, starts)) if s < len(p)]
+        if not rows:
+            return
+        if adapters is not None and any(adapters[i] is not None for i in rows):
+            raise BadRequest("input log-probs (logprob_start_len) of a LoRA adapter's rows are not supported by the "
+                             "stand-in")
+        scored = await self.engine.score([prompts[i] for i in rows], [starts[i] + 1 for i in rows])
+        vocab = int(self.engine.vocab_size)
+        for i, lps in zip(rows, scored):
+            s, p = starts[i], prompts[i]
+            inputs[i] = [[None if t == s else lps[t], p[t] if p[t] < vocab - 1 else 0, None] for t in range(s, len(p))]
 
     def _routing_start(self, body: dict[str, Any], prompts: list[list[int]]) -> int | None:
         """The start to ask the engine's routing from, None when none is returned: SGLang returns routing only

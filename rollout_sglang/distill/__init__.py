@@ -1,0 +1,1 @@
+"""On-policy distillation: every sampled token scored by a teacher (``options``, ``scorer``)."""

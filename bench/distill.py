@@ -128,7 +128,8 @@ def compare(args: Any, seeds: list[int], overrides: list[str], work: Path) -> No
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         results = dict(zip(seeds, pool.map(lambda s: student(s, args, teacher, work, overrides, threads), seeds)))
     per_seed, held, total = {}, 0, 0
-    print(f"\n{'seed':<6}{'task':<9}{'teacher %':>10}{'warm-up %':>10}{'RL steps':>10}{'distill steps':>14}  within 1/3")
+    print(f"\n{'seed':<6}{'task':<9}{'teacher %':>10}{'warm-up %':>10}{'RL steps':>10}{'distill steps':>14}"
+          "  within 1/3")
     for seed, runs in results.items():
         rows = {}
         for task, target in sorted(targets.items()):

@@ -180,6 +180,18 @@ def _check_in_flight(lines: list[str], rec: dict[str, Any]) -> None:
     assert m and float(m.group(1)) == pytest.approx(res["retract"]["speedup_vs_drain"], abs=1e-3)
 
 
+def _check_distill(lines: list[str], rec: dict[str, Any]) -> None:
+    # the smoke trains a teacher, then one student seed's warm-up, RL and distillation arms from it
+    seed = rec["per_seed"]["2"]
+    tasks = set(rec["teacher_success"])
+    assert tasks and set(seed["tasks"]) == tasks and Path(rec["teacher"]).name == "hf_export"
+    for arm in ("rl", "distill"):  # evaluated before (step 0) and after each step
+        assert [int(k) for k in seed[arm]["curve"]] == [0, 1] and set(seed[arm]["curve"]["1"]) == tasks
+    m = re.fullmatch(r"distill_tasks_within_a_third: (\d+)/(\d+)", lines[-1])
+    assert m and int(m.group(2)) == len(tasks) and int(m.group(1)) == sum(
+        t["within_a_third"] for t in seed["tasks"].values())
+
+
 def _check_train_scale(lines: list[str], rec: dict[str, Any]) -> None:
     m = re.fullmatch(r"dist_opt_state_ratio_dp2: (\d+\.\d+)", lines[-2])
     assert m and float(m.group(1)) == pytest.approx(rec["dist_opt_state_ratio_dp2"], abs=1e-3)
@@ -272,6 +284,7 @@ CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
     "logprob_memory.py": _check_logprob_memory,
     "lora.py": _check_lora,
     "in_flight.py": _check_in_flight,
+    "distill.py": _check_distill,
     "async_vs_sync.py": _check_async_vs_sync,
     "chaos.py": _check_chaos,
     "containers.py": _check_containers,

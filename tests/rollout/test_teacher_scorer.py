@@ -139,3 +139,31 @@ def test_a_teacher_per_task_and_every_task_covered():
     with pytest.raises(ValueError, match="both name task 'calc'"):
         DistillOptions(teachers=[TeacherSpec(checkpoint="/a", tasks=["calc"]),
                                  TeacherSpec(checkpoint="/b", tasks=["calc"])]).teacher_of(["calc"])
+
+
+def test_teacher_logprobs_equal_a_direct_forward_of_the_teacher_on_a_multi_turn_tool_episode(template, taught_engine):
+    """A calc episode played through the agent loop (a tool call, the env's reply, the answer) scored by a local
+    teacher: every sampled token's log-prob equals the teacher model's own forward over the whole episode within
+    1e-5 (fp32); the prompt and the env's reply are context, never scored."""
+    import torch
+    from transformers import Qwen2Config
+
+    from rollout_sglang.engines.local import LocalEngine
+    from tests.rollout.support import FakeEnv, run
+
+    (traj,) = run(taught_engine, FakeEnv(), template, [("calc", 0, 0)])
+    first, last = traj.loss_mask.index(1), len(traj.loss_mask) - traj.loss_mask[::-1].index(1)
+    assert traj.num_turns >= 2 and 0 in traj.loss_mask[first:last], "a multi-turn episode with an env reply inside"
+    cfg = Qwen2Config(vocab_size=taught_engine.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      initializer_range=0.2)
+    teacher = LocalEngine.from_config(cfg, init_seed=7)
+    asyncio.run(TeacherScorer([[teacher]], {"calc": 0}, _options())([traj]))
+    with torch.no_grad():
+        logits = teacher.model(torch.tensor([traj.token_ids])).logits.float()
+    direct = torch.log_softmax(logits[0, :-1], -1).gather(-1, torch.tensor(traj.token_ids[1:])[:, None])[:, 0]
+    for i, (lp, m) in enumerate(zip(traj.teacher_logprobs, traj.loss_mask)):
+        if m:
+            assert abs(lp - float(direct[i - 1])) < 1e-5, (i, lp, float(direct[i - 1]))
+        else:
+            assert lp == 0.0

@@ -19,6 +19,10 @@ needs (RL not reaching it in ``--rl-steps`` counts as needing more). Prints a ta
 ``bench/results/distill.json`` (``--out``), and ends with ``distill_tasks_within_a_third: <tasks, over all seeds,
 where the claim holds> / <tasks x seeds>``.
 
+``--per-task-teachers`` also trains two teachers on their own tasks (the demo's RL on calc alone, and on guess and
+lookup) and distils both into the first seed's warm-up (``distill.teachers`` with ``tasks``), recording each task's
+success before and after (``per_task_teachers`` in the record).
+
 ``--jobs N`` runs N student seeds at a time (each with cores / N threads). ``--smoke``: the tiny demo everywhere
 (a teacher of 1 RL step, 1 step per arm, 2 evaluation samples per task), in seconds; its figures mean nothing.
 """
@@ -40,7 +44,8 @@ from bench.demo_learning import SMOKE_OVERRIDES, run_seed, task_success  # noqa:
 
 RL_CONFIG = "examples/configs/tiny_cpu.yaml"
 DISTILL_CONFIG = "examples/configs/tiny_cpu_distill.yaml"
-SMOKE = {"seeds": "2", "rl_steps": 1, "distill_steps": 1, "eval_interval": 1, "timeout": 600.0}
+SMOKE = {"seeds": "2", "rl_steps": 1, "distill_steps": 1, "eval_interval": 1, "timeout": 600.0,
+         "per_task_teachers": True}
 
 
 def eval_curve(out_dir: Path) -> dict[int, dict[str, float]]:
@@ -58,12 +63,20 @@ def steps_to(curve: dict[int, dict[str, float]], task: str, target: float) -> in
     return next((s for s in sorted(curve) if curve[s].get(task, 0.0) >= target), None)
 
 
+def warm_up(seed: int, args: Any, work: Path, overrides: list[str], threads: int) -> Path:
+    """The student's warm-up of ``seed`` (run once: reused when its checkpoint is there), its ``step_000000``."""
+    warm = work / f"seed{seed}_warmup"
+    ckpt = warm / "checkpoints" / "step_000000"
+    if not (ckpt / "meta.json").is_file():
+        run_seed(RL_CONFIG, seed, warm, [*overrides, "train.steps=1", "checkpoint.after_warmup=true"], args.timeout,
+                 threads)
+    return ckpt
+
+
 def student(seed: int, args: Any, teacher: str, work: Path, overrides: list[str], threads: int) -> dict[str, Any]:
     """One student seed: its warm-up, then RL and distillation from it; their evaluation curves."""
-    warm = work / f"seed{seed}_warmup"
-    run_seed(RL_CONFIG, seed, warm, [*overrides, "train.steps=1", "checkpoint.after_warmup=true"], args.timeout,
-             threads)
-    start = [f"checkpoint.resume={warm / 'checkpoints' / 'step_000000'}", f"eval.interval={args.eval_interval}"]
+    ckpt = warm_up(seed, args, work, overrides, threads)
+    start = [f"checkpoint.resume={ckpt}", f"eval.interval={args.eval_interval}"]
     runs = {}
     for arm, config, steps, extra in (
             ("rl", RL_CONFIG, args.rl_steps, []),
@@ -80,6 +93,33 @@ def student(seed: int, args: Any, teacher: str, work: Path, overrides: list[str]
     return runs
 
 
+def per_task_teachers(args: Any, work: Path, overrides: list[str]) -> dict[str, Any]:
+    """Two teachers, each the demo's RL on its own tasks (calc; guess and lookup), distilled into one student (the
+    first seed's warm-up) for ``--distill-steps`` steps: each task's success before and after."""
+    cores = os.cpu_count() or 1
+    teachers = {}
+    for name, tasks in (("calc", ["calc"]), ("rest", ["guess", "lookup"])):
+        spec = ", ".join(f"{{name: {t}, weight: 1.0}}" for t in tasks)
+        summary, wall = run_seed(RL_CONFIG, 1, work / f"teacher_{name}", [*overrides, f"tasks=[{spec}]"],
+                                 args.timeout, cores)
+        teachers[name] = {"tasks": tasks, "hf_export": summary["hf_export"],
+                          "success": task_success(summary, "after_rl"), "wall_s": wall}
+        print(f"teacher of {', '.join(tasks)} done in {wall:.0f}s: " + ", ".join(
+            f"{t} {100 * v:.0f}%" for t, v in sorted(teachers[name]["success"].items())), flush=True)
+    seed = int(str(args.seeds).split(",")[0])
+    ckpt = warm_up(seed, args, work, overrides, cores)
+    both = (f"distill.teachers=[{{checkpoint: {teachers['calc']['hf_export']}, tasks: [calc]}}, "
+            f"{{checkpoint: {teachers['rest']['hf_export']}}}]")
+    summary, wall = run_seed(DISTILL_CONFIG, seed, work / f"seed{seed}_two_teachers",
+                             [*overrides, f"checkpoint.resume={ckpt}", f"train.steps={args.distill_steps}",
+                              f"checkpoint.interval={args.distill_steps}", both], args.timeout, cores)
+    before, after = task_success(summary, "before_rl"), task_success(summary, "after_rl")
+    print(f"two teachers into seed {seed}, {args.distill_steps} steps ({wall:.0f}s): " + ", ".join(
+        f"{t} {100 * before[t]:.0f} -> {100 * after[t]:.0f}%" for t in sorted(before)), flush=True)
+    return {"teachers": teachers, "seed": seed, "before": before, "after": after, "wall_s": wall,
+            "every_task_gains": all(after[t] > before[t] for t in before)}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the options; train or reuse the teacher; run the student seeds; print and write the comparison."""
     p = bench_parser("distill", __doc__)
@@ -94,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
                                                    "temporary directory)")
     p.add_argument("--timeout", type=float, default=3600.0, help="limit on one run, seconds")
     p.add_argument("--jobs", type=int, default=1, help="student seeds run at a time")
+    p.add_argument("--per-task-teachers", action="store_true",
+                   help="also train a teacher of calc and one of guess and lookup, and distil both into the first "
+                        "seed's warm-up")
     args = parse_bench_args(p, argv, SMOKE)
     seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
     if not seeds or args.jobs < 1 or min(args.rl_steps, args.distill_steps, args.eval_interval) < 1:
@@ -144,9 +187,12 @@ def compare(args: Any, seeds: list[int], overrides: list[str], work: Path) -> No
                   f"{str(rl if rl is not None else f'>{args.rl_steps}'):>10}"
                   f"{str(ds if ds is not None else f'>{args.distill_steps}'):>14}  {'yes' if ok else 'no'}")
         per_seed[str(seed)] = {"tasks": rows, **runs}
-    write_record(args.out, {"bench": "distill", "smoke": args.smoke, "commit": git_commit(),
-                            "args": {k: v for k, v in vars(args).items() if k != "out"}, "teacher": teacher,
-                            "teacher_success": teacher_success, "targets": targets, "per_seed": per_seed})
+    record = {"bench": "distill", "smoke": args.smoke, "commit": git_commit(),
+              "args": {k: v for k, v in vars(args).items() if k != "out"}, "teacher": teacher,
+              "teacher_success": teacher_success, "targets": targets, "per_seed": per_seed}
+    if args.per_task_teachers:
+        record["per_task_teachers"] = per_task_teachers(args, work, overrides)
+    write_record(args.out, record)
     print(f"distill_tasks_within_a_third: {held}/{total}")
 
 

@@ -187,6 +187,9 @@ def _check_distill(lines: list[str], rec: dict[str, Any]) -> None:
     assert tasks and set(seed["tasks"]) == tasks and Path(rec["teacher"]).name == "hf_export"
     for arm in ("rl", "distill"):  # evaluated before (step 0) and after each step
         assert [int(k) for k in seed[arm]["curve"]] == [0, 1] and set(seed[arm]["curve"]["1"]) == tasks
+    two = rec["per_task_teachers"]  # a teacher of calc and one of guess and lookup, distilled into seed 2
+    assert [t["tasks"] for t in two["teachers"].values()] == [["calc"], ["guess", "lookup"]]
+    assert set(two["before"]) == set(two["after"]) == tasks
     m = re.fullmatch(r"distill_tasks_within_a_third: (\d+)/(\d+)", lines[-1])
     assert m and int(m.group(2)) == len(tasks) and int(m.group(1)) == sum(
         t["within_a_third"] for t in seed["tasks"].values())

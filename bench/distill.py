@@ -79,8 +79,8 @@ def student(seed: int, args: Any, teacher: str, work: Path, overrides: list[str]
     start = [f"checkpoint.resume={ckpt}", f"eval.interval={args.eval_interval}"]
     runs = {}
     for arm, config, steps, extra in (
-            ("rl", RL_CONFIG, args.rl_steps, []),
-            ("distill", DISTILL_CONFIG, args.distill_steps, [f"distill.teachers=[{{checkpoint: {teacher}}}]"])):
+            ("distill", DISTILL_CONFIG, args.distill_steps, [f"distill.teachers=[{{checkpoint: {teacher}}}]"]),
+            ("rl", RL_CONFIG, args.rl_steps, [])):
         out = work / f"seed{seed}_{arm}"
         summary, wall = run_seed(config, seed, out, [*overrides, *start, f"train.steps={steps}",
                                                      f"checkpoint.interval={steps}", *extra], args.timeout, threads)

@@ -443,6 +443,25 @@ class SGLangEngine:
                 out[i] = o
         return out  # type: ignore[return-value]
 
+    async def _post_generate(self, body: dict[str, Any], count: int, what: str) -> list[dict[str, Any]]:
+        """POST ``body`` to ``/generate`` within ``request_timeout_s``; its ``count`` results (``what``: the call,
+        for the messages). SGLangTimeout, SGLangUnavailable, or SGLangError for a refusal or a wrong count."""
+        t = self.request_timeout_s
+        try:
+            resp = await asyncio.wait_for(
+                self._aclient().post(self._url("/generate"), json=body, timeout=httpx.Timeout(t)), t + 1.0)
+        except (httpx.TimeoutException, asyncio.TimeoutError) as e:
+            raise SGLangTimeout(f"/generate on {self.base_url} ({what}) did not answer within {t:.1f}s; the server "
+                                "is stalled or overloaded (raise request_timeout_s?)") from e
+        except httpx.HTTPError as e:
+            raise SGLangUnavailable(
+                f"/generate on {self.base_url} could not be reached: {e!r}; is the server running?") from e
+        data = self._raise_for("/generate", resp)
+        items = data if isinstance(data, list) else [data]
+        if len(items) != count:
+            raise SGLangError(f"/generate on {self.base_url} returned {len(items)} results for {count} ({what})")
+        return items
+
     async def score(self, sequences: list[list[int]], starts: list[int] | None = None) -> list[list[float]]:
         """Each token's log-prob given the tokens before it, under the server's current weights (the base model),
         untempered (:meth:`Engine.score <rollout_sglang.engines.protocol.Engine.score>`): one ``/generate`` of all
@@ -464,23 +483,8 @@ class SGLangEngine:
         asks = [max(s - 1, 0) for s in firsts]
         body: dict[str, Any] = {"input_ids": seqs, "sampling_params": [{"max_new_tokens": 0} for _ in seqs],
                                 "return_logprob": True, "logprob_start_len": asks}
-        t = self.request_timeout_s
-        try:
-            resp = await asyncio.wait_for(
-                self._aclient().post(self._url("/generate"), json=body, timeout=httpx.Timeout(t)), t + 1.0)
-        except (httpx.TimeoutException, asyncio.TimeoutError) as e:
-            raise SGLangTimeout(
-                f"/generate on {self.base_url} (scoring {len(seqs)} sequences, {sum(map(len, seqs))} tokens) did not "
-                f"answer within {t:.1f}s; the server is stalled or overloaded (raise request_timeout_s?)"
-            ) from e
-        except httpx.HTTPError as e:
-            raise SGLangUnavailable(
-                f"/generate on {self.base_url} could not be reached: {e!r}; is the server running?") from e
-        data = self._raise_for("/generate", resp)
-        items = data if isinstance(data, list) else [data]
-        if len(items) != len(seqs):
-            raise SGLangError(f"/generate on {self.base_url} returned {len(items)} results for {len(seqs)} scored "
-                              "sequences")
+        items = await self._post_generate(body, len(seqs), f"scoring {len(seqs)} sequences, "
+                                          f"{sum(map(len, seqs))} tokens")
         return [self._parse_scores(i, item, seq, ask, start)
                 for i, (item, seq, ask, start) in enumerate(zip(items, seqs, asks, firsts))]
 
@@ -541,22 +545,8 @@ class SGLangEngine:
         if start is not None:
             body["return_routed_experts"] = True
             body["routed_experts_start_len"] = start
-        t = self.request_timeout_s
-        try:
-            resp = await asyncio.wait_for(
-                self._aclient().post(self._url("/generate"), json=body, timeout=httpx.Timeout(t)), t + 1.0)
-        except (httpx.TimeoutException, asyncio.TimeoutError) as e:
-            raise SGLangTimeout(
-                f"/generate on {self.base_url} ({len(rows)} prompts, max_new_tokens={params.max_new_tokens}) did "
-                f"not answer within {t:.1f}s; the server is stalled or overloaded (raise request_timeout_s?)"
-            ) from e
-        except httpx.HTTPError as e:
-            raise SGLangUnavailable(
-                f"/generate on {self.base_url} could not be reached: {e!r}; is the server running?") from e
-        data = self._raise_for("/generate", resp)
-        items = data if isinstance(data, list) else [data]
-        if len(items) != len(rows):
-            raise SGLangError(f"/generate on {self.base_url} returned {len(items)} results for {len(rows)} prompts")
+        items = await self._post_generate(body, len(rows),
+                                          f"{len(rows)} prompts, max_new_tokens={params.max_new_tokens}")
         outs = []
         for k, (i, item) in enumerate(zip(rows, items)):
             o = self._parse_output(i, item, version)

@@ -25,18 +25,28 @@ def _alone(prompt: list[int], params: SamplingParams):
     return asyncio.run(_engine().generate([prompt], params))[0]
 
 
+class Slowed:
+    """Within the block every forward of ``engine``'s model takes ~5 ms more; ``forwards`` counts them."""
+
+    def __init__(self, engine: LocalEngine) -> None:
+        self.engine, self.forwards = engine, 0
+
+    def __enter__(self) -> "Slowed":
+        def slow(*_):
+            self.forwards += 1
+            time.sleep(0.005)
+
+        self.hook = self.engine.model.register_forward_hook(slow)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hook.remove()
+
+
 def _concurrent(second: SamplingParams):
     """A long call (seeded, slowed to ~5 ms a forward) and, once it has decoded a few steps, ``second`` on SHORT;
     (long output, short output, the order they finished in)."""
     engine = _engine()
-    forwards = 0
-
-    def slow(*_):
-        nonlocal forwards
-        forwards += 1
-        time.sleep(0.005)
-
-    hook = engine.model.register_forward_hook(slow)
     done: list[str] = []
 
     async def run(name, prompt, params):
@@ -44,16 +54,14 @@ def _concurrent(second: SamplingParams):
         done.append(name)
         return out[0]
 
-    async def main():
+    async def main(slowed: Slowed):
         first = asyncio.create_task(run("long", LONG, SamplingParams(max_new_tokens=120, temperature=0.8, seed=5)))
-        while forwards < 4:
+        while slowed.forwards < 4:
             await asyncio.sleep(0.001)
         return await asyncio.gather(first, run("short", SHORT, second))
 
-    try:
-        long_out, short_out = asyncio.run(main())
-    finally:
-        hook.remove()
+    with Slowed(engine) as slowed:
+        long_out, short_out = asyncio.run(main(slowed))
     return long_out, short_out, done
 
 
@@ -81,33 +89,23 @@ def test_a_caller_cancelled_while_joined_leaves_the_running_call_and_the_others_
     """Callers are cancelled (a run ending, a request timing out) while their rows are in the running batch: the
     running call and the calls still awaited finish, and sample what they would alone."""
     engine = _engine()
-    forwards = 0
-
-    def slow(*_):
-        nonlocal forwards
-        forwards += 1
-        time.sleep(0.005)
-
     long_params = SamplingParams(max_new_tokens=60, temperature=0.8, seed=5)
     short_params = SamplingParams(max_new_tokens=20, temperature=0.8, seed=6)
-    hook = engine.model.register_forward_hook(slow)
 
-    async def main():
+    async def main(slowed: Slowed):
         first = asyncio.create_task(engine.generate([LONG], long_params))
-        while forwards < 3:
+        while slowed.forwards < 3:
             await asyncio.sleep(0.001)
         doomed = [asyncio.create_task(engine.generate([SHORT], short_params)) for _ in range(3)]
         kept = asyncio.create_task(engine.generate([SHORT], short_params))
-        while forwards < 8:  # the three have joined (or wait to)
+        while slowed.forwards < 8:  # the three have joined (or wait to)
             await asyncio.sleep(0.001)
         for t in doomed:
             t.cancel()
         await asyncio.gather(*doomed, return_exceptions=True)
         return await asyncio.wait_for(asyncio.gather(first, kept), timeout=60)
 
-    try:
-        (long_out,), (short_out,) = asyncio.run(main())
-    finally:
-        hook.remove()
+    with Slowed(engine) as slowed:
+        (long_out,), (short_out,) = asyncio.run(main(slowed))
     assert long_out.token_ids == _alone(LONG, long_params).token_ids
     assert short_out.token_ids == _alone(SHORT, short_params).token_ids

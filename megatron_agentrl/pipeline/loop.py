@@ -148,7 +148,8 @@ def _run_on_layout(cfg: Config) -> Iterator[TrainingRun]:
 
 def evaluation_config(cfg: Config) -> Config:
     """``cfg`` as ``agentrl eval`` runs it: outputs under ``<output_dir>/eval`` (the run's checkpoints still found
-    under ``<output_dir>/checkpoints``), no warm-up, no checkpoints written, no TensorBoard or W&B. ConfigError
+    under ``<output_dir>/checkpoints``), no warm-up, no checkpoints written, no TensorBoard or W&B, no teachers
+    (an evaluation trains nothing: a distillation run is evaluated without loading its teachers). ConfigError
     when it names no weights to evaluate (the random initialisation says nothing of a policy)."""
     c = cfg.checkpoint
     if not (c.resume or cfg.model.megatron_checkpoint or cfg.model.checkpoint):
@@ -166,7 +167,8 @@ def evaluation_config(cfg: Config) -> Config:
     return replace(cfg, output_dir=str(out / "eval"),
                    checkpoint=replace(c, dir=ckpt_dir, interval=0, after_warmup=False),
                    sft=replace(cfg.sft, steps=0, short_format_steps=0),
-                   logging=replace(cfg.logging, tensorboard=False, wandb=False))
+                   logging=replace(cfg.logging, tensorboard=False, wandb=False),
+                   distill=replace(cfg.distill, teachers=[]))
 
 
 def run_evaluation(cfg: Config) -> dict[str, Any]:

@@ -105,7 +105,8 @@ def test_a_teacher_server_killed_mid_run_costs_no_unscored_training(teacher: Pat
 
 def test_gateway_episodes_are_distilled_and_a_distillation_run_resumes(teacher: Path, tmp_path: Path) -> None:
     """An agent of the user's own behind the gateway (``rollout.agent: gateway``): its trajectories are scored and
-    trained like the agent loop's; the run's checkpoint resumes into more distillation steps."""
+    trained like the agent loop's; the run's checkpoint resumes into more distillation steps, and ``agentrl eval``
+    evaluates it without its teacher."""
     out = tmp_path / "run"
     gateway = ["rollout.agent=gateway", "rollout.agent_fn=examples.agents.openai_tool_agent:run_agent",
                f"distill.teachers=[{{checkpoint: {teacher}}}]"]
@@ -113,3 +114,9 @@ def test_gateway_episodes_are_distilled_and_a_distillation_run_resumes(teacher: 
     assert all(any(k.startswith("distill/reverse_kl/") for k in r) for r in _rl_rows(out))
     _finish(_distill(out, *gateway, "checkpoint.resume=latest", steps=3))
     assert [r["step"] for r in _rl_rows(out)][-1] == 3
+    # evaluated as any run (no teacher needed: its path is gone)
+    cmd = [sys.executable, "-m", "megatron_agentrl.cli", "eval", "--config", DISTILL, f"output_dir={out}", *SHRUNK,
+           *TINY_MODEL, "checkpoint.resume=latest", "distill.teachers=[{checkpoint: /gone}]"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads((out / "eval" / "eval.json").read_text())["step"] == 3

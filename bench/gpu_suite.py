@@ -17,7 +17,9 @@ to its own record, and prints one summary table. The parts:
   path at 8k tokens of a 152k vocabulary (memory and time);
 * ``train``: ``bench/gpu_train.py``, GRPO step throughput and MFU of the Megatron actor against
   transformers + AdamW at 0.5B, 1.5B, 3B and 7B (a size whose state cannot fit is recorded as
-  skipped, with the reason).
+  skipped, with the reason);
+* ``recipe``: the one-node recipe's first step, ``examples/run_qwen3_8b_one_node.sh --check``, with this
+  machine's GPU and interpreter (what ``agentrl plan --check`` says of it; not in the default ``--parts``).
 
 Packages the GPU machine lacks travel as wheels (Python 3.12, manylinux x86_64): ``fetch`` downloads
 megatron-core and transformers at the versions constraints.txt pins into a folder, and ``--wheels``
@@ -95,6 +97,7 @@ def parts(py: str) -> dict[str, Part]:
     tests = (py, "-m", "pytest", "-q", "-m", "gpu", "tests/e2e/test_gpu.py", "-p", "no:cacheprovider")
     adv, train = (py, "bench/gpu_advantages.py", "--out"), (py, "bench/gpu_train.py", "--out")
     lpm = (py, "bench/logprob_memory.py", "--out")
+    recipe = ("bash", "examples/run_qwen3_8b_one_node.sh", "--check")  # its first step, with this machine's GPU
     return {p.name: p for p in (
         Part("env", (py, "-c", ENV_PROBE), (py, "-c", ENV_PROBE), 120),
         Part("tests", tests, tests, 480),
@@ -105,6 +108,7 @@ def parts(py: str) -> dict[str, Part]:
         Part("train", train + ("{out}/gpu_train.json", "--sizes", "0.5b,1.5b,3b,7b", "--seq-len", "2048",
                                "--batch", "8", "--micro-batch", "1"),
              train + ("{out}/gpu_train_smoke.json", "--smoke"), 540),
+        Part("recipe", recipe, recipe, 120),
     )}
 
 
@@ -210,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = out_file.parent
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()  # the budget covers the wheel install too
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", AGENTRL_PYTHON=sys.executable)
     paths = [str(REPO)]
     site = install_wheels(Path(args.wheels)) if args.wheels else None
     if site:

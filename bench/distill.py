@@ -23,6 +23,9 @@ where the claim holds> / <tasks x seeds>``.
 lookup) and distils both into the first seed's warm-up (``distill.teachers`` with ``tasks``), recording each task's
 success before and after (``per_task_teachers`` in the record).
 
+A warm-up or an arm whose output is already under the work directory is reused (delete its folder to run it
+again): a changed distillation setting reruns the distillation arms alone.
+
 ``--jobs N`` runs N student seeds at a time (each with cores / N threads). ``--smoke``: the tiny demo everywhere
 (a teacher of 1 RL step, 1 step per arm, 2 evaluation samples per task), in seconds; its figures mean nothing.
 """
@@ -82,8 +85,12 @@ def student(seed: int, args: Any, teacher: str, work: Path, overrides: list[str]
             ("distill", DISTILL_CONFIG, args.distill_steps, [f"distill.teachers=[{{checkpoint: {teacher}}}]"]),
             ("rl", RL_CONFIG, args.rl_steps, [])):
         out = work / f"seed{seed}_{arm}"
-        summary, wall = run_seed(config, seed, out, [*overrides, *start, f"train.steps={steps}",
-                                                     f"checkpoint.interval={steps}", *extra], args.timeout, threads)
+        if (out / "summary.json").is_file():  # an arm that ran already (delete its folder to run it again)
+            summary, wall = json.loads((out / "summary.json").read_text()), 0.0
+        else:
+            summary, wall = run_seed(config, seed, out, [*overrides, *start, f"train.steps={steps}",
+                                                         f"checkpoint.interval={steps}", *extra], args.timeout,
+                                     threads)
         curve = eval_curve(out)
         curve[0] = task_success(summary, "before_rl")
         runs[arm] = {"curve": {str(k): v for k, v in sorted(curve.items())}, "wall_s": wall,

@@ -59,8 +59,10 @@ class Trainer:
                                 self._dp_group())
         if rl.distill is not None:  # the teacher's per-token signal, after the reward's per-task normalization
             d = self.cfg.distill
-            local = dataclasses.replace(local, advantages=d.reward_coef * local.advantages
-                                        + d.coef * a.dp_slice(rl.distill).to(local.advantages.dtype))
+            signal = a.dp_slice(rl.distill).to(local.advantages.dtype)
+            if d.signal_clip > 0:
+                signal = signal.clamp(-d.signal_clip, d.signal_clip)
+            local = dataclasses.replace(local, advantages=d.reward_coef * local.advantages + d.coef * signal)
         temperature = self.cfg.rollout.temperature
         if self.cfg.loss.kl_coef > 0:
             local.ref_logprobs = a.compute_ref_logprobs(local.tokens, local.loss_mask, temperature,

@@ -64,6 +64,10 @@ class DistillOptions(Options):
     #: weight of the task reward's advantage (group advantage, normalized per task as in RL); 0: the teacher's
     #: signal alone (pure distillation)
     reward_coef: float = 0.0
+    #: the per-token signal is cut to ``[-signal_clip, signal_clip]`` before it is weighed (0: not cut): a few
+    #: tokens the teacher finds far less likely than the student does (log-ratios of -10) would otherwise make most
+    #: of a step's gradient
+    signal_clip: float = 0.0
     #: limit on scoring one batch of trajectories with one teacher engine, seconds
     score_timeout_s: float = 300.0
     #: tries to score a batch of trajectories, over the teacher's engines in turn; after the last, its episodes
@@ -73,7 +77,7 @@ class DistillOptions(Options):
     def check(self) -> None:
         """Non-negative weights, not both 0; positive limits."""
         super().check()
-        self.require_non_negative("coef", "reward_coef")
+        self.require_non_negative("coef", "reward_coef", "signal_clip")
         self.require(not self.teachers or self.coef > 0 or self.reward_coef > 0, "coef",
                      "and reward_coef are both 0: nothing would be trained; set coef > 0")
         self.require_seconds("score_timeout_s")

@@ -28,7 +28,7 @@ from megatron_agentrl.lora.options import LoraOptions
 from megatron_agentrl.parallel_layout import ParallelLayout
 from rollout_sglang.chat_template import CHAT_TEMPLATES, thinking_switch_problem
 from rollout_sglang.distill.options import DistillOptions
-from rollout_sglang.engines.sglang_server_args import server_args_argv
+from rollout_sglang.engines.sglang_server_args import server_arg, server_args_argv
 from rollout_sglang.episode_options import EpisodeLimits
 from rollout_sglang.gateway.options import AgentRunnerOptions, GatewayOptions
 from rollout_sglang.rollout.admission import AdmissionOptions
@@ -1015,8 +1015,7 @@ class Config:
             raise ConfigError("train.moe_routing_replay=true replays the engines' routed experts, but "
                               "rollout.capture_routing=off asks the engines for none; set rollout.capture_routing "
                               "to auto (or on), or train.moe_routing_replay=false")
-        server = {str(k).strip("-").replace("-", "_"): v for k, v in self.rollout.sglang_server_args.items()}
-        context = server.get("context_length")
+        context = server_arg(self.rollout.sglang_server_args, "context_length")
         if isinstance(context, int) and not isinstance(context, bool) and context < self.rollout.max_total_tokens:
             raise ConfigError(f"rollout.sglang_server_args.context_length={context} is shorter than an episode may "
                               f"grow (rollout.max_total_tokens={self.rollout.max_total_tokens}): SGLang would refuse "

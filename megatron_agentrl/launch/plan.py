@@ -70,6 +70,7 @@ from typing import Any
 
 from megatron_agentrl.config import Config, ConfigError
 from megatron_agentrl.parallel_layout import ModelDims, uses_sequence_parallel
+from rollout_sglang.engines.sglang_server_args import server_arg
 
 GiB = 1024**3
 
@@ -376,10 +377,11 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
         kv_token = shape.kv_bytes_per_token(wbytes) / kv_split
         # Every sample of a step may be in flight at once, spread over the engines of the pool, unless SGLang's
         # max_running_requests holds an engine to fewer
-        server = {str(k).strip("-").replace("-", "_"): v for k, v in cfg.rollout.sglang_server_args.items()}
+        server = cfg.rollout.sglang_server_args
         seqs_per_engine = math.ceil(samples / engines)
-        if isinstance(server.get("max_running_requests"), int):
-            seqs_per_engine = min(seqs_per_engine, server["max_running_requests"])
+        running = server_arg(server, "max_running_requests")
+        if isinstance(running, int):
+            seqs_per_engine = min(seqs_per_engine, running)
         rollout = {
             "weights": shape.total_params() * wbytes / engine_tp / GiB,
             "kv_cache": kv_token * seqs_per_engine * seq / GiB,
@@ -388,7 +390,7 @@ def estimate_memory(hf: dict[str, Any], cfg: Config, *, gpu_memory_gib: float = 
         free = gpu_memory_gib - rollout["weights"] - RUNTIME_OVERHEAD_GIB
         notes.append(f"KV cache: {kv_token / 1024:.0f} KiB per token per GPU; {seqs_per_engine} sequences of "
                      f"{seq} tokens per engine; room for ~{max(0, free) * GiB / kv_token / 1e6:.2f}M tokens per GPU")
-        fraction = server.get("mem_fraction_static")
+        fraction = server_arg(server, "mem_fraction_static")
         if isinstance(fraction, (int, float)):
             static = fraction * gpu_memory_gib
             need = rollout["weights"] + rollout["kv_cache"]

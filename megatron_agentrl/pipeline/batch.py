@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_agentrl.algo.advantages import group_advantages, normalize_per_task
+from megatron_agentrl.algo.advantages import group_advantages, normalize_per_task, segment_sum
 from megatron_agentrl.config import AlgoConfig
 from megatron_agentrl.megatron.actor import TrainBatch
 from megatron_agentrl.pipeline.rewards import RewardShaper, is_success
@@ -128,25 +128,21 @@ def build_sft_batch(examples: Sequence[tuple[list[int], list[int]]]) -> TrainBat
     return TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=zeros, advantages=zeros.clone())
 
 
-def distill_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """On-policy distillation's figures over the scored ``trajs``: ``distill/reverse_kl/<task>``, the mean over
-    sampled tokens of ``log p_behavior - log p_teacher`` (an estimate of KL(student || teacher) per token), and
-    ``distill/score_s``, the teacher's mean scoring seconds per episode; {} when none was scored."""
-    acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    seconds = []
-    for t in trajs:
-        if t.teacher_logprobs is None:
-            continue
-        a = acc[t.task]
-        for b, lp, m in zip(t.behavior_logprobs, t.teacher_logprobs, t.loss_mask):
-            if m:
-                a[0] += b - lp
-                a[1] += 1
-        seconds.append(t.timings.get("teacher_score_s", 0.0))
-    if not seconds:
+def distill_metrics(rl: RLBatch, task_names: Sequence[str], trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """On-policy distillation's figures of a step's batch ``rl`` (its ``trajs``, in batch order):
+    ``distill/reverse_kl/<task>``, the mean over the task's sampled tokens of ``log p_behavior - log p_teacher`` (an
+    estimate of KL(student || teacher) per token), and ``distill/score_s``, the teacher's mean scoring seconds per
+    episode; {} without distillation."""
+    if rl.distill is None:
         return {}
-    out = {f"distill/reverse_kl/{task}": s / max(n, 1) for task, (s, n) in sorted(acc.items())}
-    out["distill/score_s"] = sum(seconds) / len(seconds)
+    k = len(task_names)
+    kl = segment_sum(-rl.distill.sum(1).double(), rl.task_ids, k)
+    tokens = segment_sum(rl.batch.loss_mask.sum(1).double(), rl.task_ids, k)
+    rows = segment_sum(torch.ones_like(kl[rl.task_ids]), rl.task_ids, k)
+    out = {f"distill/reverse_kl/{task}": float(kl[i] / tokens[i].clamp_min(1.0))
+           for i, task in enumerate(task_names) if rows[i] > 0}
+    seconds = [t.timings.get("teacher_score_s", 0.0) for t in trajs if t.teacher_logprobs is not None]
+    out["distill/score_s"] = sum(seconds) / max(len(seconds), 1)
     return out
 
 

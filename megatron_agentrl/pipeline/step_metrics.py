@@ -75,7 +75,7 @@ def step_metrics(step: int, groups: list[FinishedGroup], stats: dict[str, float]
         metrics[f"staleness/{k}"] = sum(1 for s in staleness if s == k) / len(staleness)
     if manager.capture_routing:  # an engine that returns no routing leaves its episodes on the trainer's own
         metrics["routing/captured_frac"] = sum(t.routed_experts is not None for t in trajs) / len(trajs)
-    metrics.update(distill_metrics(trajs))
+    metrics.update(distill_metrics(batch, manager.sampler.tasks, trajs))
     metrics.update(infra_metrics(manager))
     if manager.dynamic_sampling:
         metrics.update(dynamic_sampling_metrics(manager))

@@ -42,6 +42,7 @@ def build_teacher_scorer(cfg: Config, dtype: torch.dtype, student_tokenizer: Any
     if not d.enabled:
         return None
     r = cfg.rollout
+    task_teacher = d.teacher_of([s.name for s in cfg.tasks])
     teachers = []
     for i, spec in enumerate(d.teachers):
         check_teacher_tokenizer(i, spec, student_tokenizer, str(cfg.model.tokenizer))
@@ -57,5 +58,5 @@ def build_teacher_scorer(cfg: Config, dtype: torch.dtype, student_tokenizer: Any
                                           api_key=os.environ.get(r.engine_api_key_env) or None)
             teachers.append([SGLangEngine(u, options) for u in spec.engine_urls])
         logger.info("distill: teacher %d (%s) scores %s", i, spec.name,
-                    ", ".join(t for t, k in d.teacher_of([s.name for s in cfg.tasks]).items() if k == i))
-    return TeacherScorer(teachers, d.teacher_of([s.name for s in cfg.tasks]), d)
+                    ", ".join(t for t, k in task_teacher.items() if k == i))
+    return TeacherScorer(teachers, task_teacher, d)

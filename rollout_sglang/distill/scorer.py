@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -90,8 +91,6 @@ class TeacherScorer:
 def _check_scores(scored: Any, sequences: list[list[int]]) -> None:
     """ValueError unless ``scored`` holds one finite log-prob per token of each sequence (a teacher's answer is
     checked like any other input)."""
-    import math
-
     if not isinstance(scored, list) or len(scored) != len(sequences):
         raise ValueError(f"the teacher answered {type(scored).__name__} of length "
                          f"{len(scored) if hasattr(scored, '__len__') else '?'} for {len(sequences)} sequences")

@@ -62,9 +62,19 @@ def _flag_of(key: str) -> str:
     return "--" + key.strip().lstrip("-").replace("_", "-")
 
 
+def field_name(key: str) -> str:
+    """A key of a server-args mapping as SGLang's field name: ``--mem-fraction-static`` -> ``mem_fraction_static``."""
+    return str(key).strip().lstrip("-").replace("-", "_")
+
+
+def server_arg(args: Mapping[str, Any], name: str) -> Any:
+    """The value ``args`` (a server-args mapping, keys spelt either way) gives field ``name``; None when none."""
+    return next((v for k, v in args.items() if field_name(k) == name), None)
+
+
 def _nearest(key: str) -> str:
-    names = sorted({f[2:].replace("-", "_") for f in server_flags()})
-    close = difflib.get_close_matches(key.strip().lstrip("-").replace("-", "_"), names, n=3, cutoff=0.6)
+    names = sorted({field_name(f) for f in server_flags()})
+    close = difflib.get_close_matches(field_name(key), names, n=3, cutoff=0.6)
     return f"; did you mean {' or '.join(close)}?" if close else "; see `python -m sglang.launch_server --help`"
 
 

@@ -351,6 +351,14 @@ class StandInServer:
             thread.join(timeout_s)
         self.receiver.close()
 
+    def __enter__(self) -> "StandInServer":
+        """Started for the block, stopped after it."""
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
     def stall(self, stalled: bool = True) -> None:
         """Test hook: while stalled, every request hangs without an answer (clients must time out)."""
         if stalled:

@@ -412,9 +412,7 @@ def test_the_stand_ins_spans_are_the_wheels_and_the_client_reads_them_back(wheel
 def test_a_server_left_paused_mid_update_serves_again_once_taken_over():
     """A trainer that died between pause and continue leaves the server paused with its weight-update session open: it
     then fails every /health_generate probe (as SGLang's does), so a new run takes it over first."""
-    server = StandInServer(LocalEngine.from_config(tiny_config(), init_seed=0))
-    server.start()
-    try:
+    with StandInServer(LocalEngine.from_config(tiny_config(), init_seed=0)) as server:
         dead = SGLangEngine(server.url, version=0)
         dead.pause("retract")
         dead.begin_weight_update(1)
@@ -426,8 +424,6 @@ def test_a_server_left_paused_mid_update_serves_again_once_taken_over():
         assert len(out.token_ids) == 3
         fresh.begin_weight_update(1)  # the stale session was closed: a new update opens
         fresh.abort_weight_update()
-    finally:
-        server.stop()
 
 
 def test_the_pool_flushes_the_prefix_cache_an_in_place_update_left_once_the_server_is_idle():
@@ -436,9 +432,7 @@ def test_the_pool_flushes_the_prefix_cache_an_in_place_update_left_once_the_serv
     from rollout_sglang.engines.batching import BatchingEngine
     from rollout_sglang.engines.version_pool import VersionPool
 
-    server = StandInServer(LocalEngine.from_config(tiny_config(), init_seed=0))
-    server.start()
-    try:
+    with StandInServer(LocalEngine.from_config(tiny_config(), init_seed=0)) as server:
         client = SGLangEngine(server.url, version=0)
         client.pause("in_place")
         client.begin_weight_update(1)
@@ -459,5 +453,3 @@ def test_the_pool_flushes_the_prefix_cache_an_in_place_update_left_once_the_serv
                 time.sleep(0.05)
         finally:
             pool.stop_health_checks()
-    finally:
-        server.stop()

@@ -34,6 +34,14 @@ new server is healthy, lists the adapter of a version the trainer pushed after i
 as SGLang lists loaded adapters) and a step completes: the pool restored the base to it over the weight-sync
 group and loaded the live adapters again.
 
+Then an in-flight run (``--in-flight-steps``; 0 skips it): the two engines form one slot updated in flight
+(``rollout.weight_update_mode=retract``: each update pauses both servers with their running requests held, loads
+the weights and continues), and after ``--first-fault`` steps engine 0 is SIGKILLed while paused mid-update
+(``engine_paused_kill``: its ``/server_info`` is polled until it reports a pause with requests held, then the
+kill; a new server at its URL 2 s later). It is recovered when the requests it held were generated again on the
+other engine (``engines/rerouted_prompts``), neither server is left paused, the new server holds a version pushed
+after it came back, and a step completes.
+
 A fault is survived when the trainer neither exits nor stalls (``--recovery-timeout-s``) before its
 recovery check passes, and no infra-failed episode was trained in the steps after it. When the trainer
 dies or stalls, the fault is recorded as not survived with the tail of the trainer's log, the dead parts
@@ -44,7 +52,7 @@ infra-failed episodes seen, infra-failed episodes trained (every ``batches.jsonl
 also those a resume dropped; must be 0), groups re-run and dropped, and steps/s against a baseline run
 of the same configuration without faults, run first in the same invocation (``--no-baseline`` skips it).
 
-    .venv/bin/python bench/chaos.py             # all five faults, 36 steps, baseline first
+    .venv/bin/python bench/chaos.py             # all five faults, 48 steps, baseline first; the LoRA and in-flight runs
     .venv/bin/python bench/chaos.py --smoke     # worker_kill, trainer_kill, engine_kill; 12 steps, no baseline
 
 Prints a table per fault, writes ``bench/results/chaos.json`` (``--out``); the last line is
@@ -84,7 +92,7 @@ ALL_FAULTS = "worker_kill,controller,trainer_kill,engine_restart,engine_kill"
 # a restarted trainer imports torch and megatron-core again: 60 s leaves room for a machine busy with other work
 SMOKE = {"steps": 12, "faults": "worker_kill,trainer_kill,engine_kill", "fault_every": 3, "first_fault": 1,
          "baseline": False, "finish_after_failure": False, "recovery_timeout_s": 60.0, "latency_ms": 20.0,
-         "lora_steps": 40}
+         "lora_steps": 40, "in_flight_steps": 40}
 LORA_RANK = 4
 # the trainer's model (tiny_test.yaml's arch at these sizes); the engines' checkpoint is built with the same
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 32, 64, 2, 4, 2
@@ -126,8 +134,11 @@ def build_checkpoint(path: str | Path) -> Path:
 class Cluster:
     """Engines, controller, workers and the trainer of one run, with the actions the faults need."""
 
-    def __init__(self, args: argparse.Namespace, work: Path, ckpt: Path, name: str, lora: bool = False) -> None:
-        self.args, self.ckpt, self.name, self.lora = args, ckpt, name, lora
+    def __init__(self, args: argparse.Namespace, work: Path, ckpt: Path, name: str, kind: str = "full") -> None:
+        """``kind``: ``full`` (a slot per engine, full-weight versions), ``lora`` (one slot of both engines, versions
+        as adapters) or ``in_flight`` (one slot of both engines, updated in flight: ``retract``)."""
+        self.args, self.ckpt, self.name, self.kind = args, ckpt, name, kind
+        self.lora = kind == "lora"
         self.dir = work / name
         self.out = self.dir / "run"
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -201,10 +212,16 @@ class Cluster:
     # the trainer -------------------------------------------------------------
     def trainer_cmd(self) -> list[str]:
         a = self.args
-        urls = json.dumps([[self.engine_url(0), self.engine_url(1)]] if self.lora
+        one_slot = self.kind != "full"
+        urls = json.dumps([[self.engine_url(0), self.engine_url(1)]] if one_slot
                           else [[self.engine_url(0)], [self.engine_url(1)]])
-        lora = [f"lora.rank={LORA_RANK}", "lora.alpha=8", "rollout.engines_per_slot=2", "train.lr=1e-3",
-                f"lora.adapter_dir={self.dir / 'adapters'}"] if self.lora else []
+        extra = {"full": [],
+                 "lora": [f"lora.rank={LORA_RANK}", "lora.alpha=8", "rollout.engines_per_slot=2", "train.lr=1e-3",
+                          f"lora.adapter_dir={self.dir / 'adapters'}"],
+                 # one version on one slot; turns long enough that an update finds requests running to hold
+                 "in_flight": ["rollout.max_versions=1", "rollout.cross_policy=latest", "rollout.engines_per_slot=2",
+                               "rollout.weight_update_mode=retract", "rollout.max_new_tokens=48",
+                               "rollout.max_total_tokens=640"]}[self.kind]
         return ["-m", "megatron_agentrl.cli", "train", "--config", "tests/configs/tiny_test.yaml",
                 f"output_dir={self.out}", f"env.controller_url={self.api}", "tasks=[{name: lookup}, {name: calc}]",
                 f"model.checkpoint={self.ckpt}", f"model.arch.hidden_size={HIDDEN}",
@@ -221,7 +238,7 @@ class Cluster:
                 "rollout.weight_sync_init_timeout_s=30", "rollout.weight_sync_bucket_timeout_s=30",
                 "pipeline.batch_timeout_s=90", "pipeline.env_timeout_s=30",
                 f"checkpoint.interval={a.ckpt_interval}", "checkpoint.keep=2", "checkpoint.resume=latest",
-                "logging.tensorboard=false", "log_every=1", *lora, *a.overrides]
+                "logging.tensorboard=false", "log_every=1", *extra, *a.overrides]
 
     def start_trainer(self) -> None:
         self.trainer_starts += 1
@@ -418,6 +435,51 @@ def _kill_engine(c: Cluster, run: FaultRun) -> None:
     run.detail["engine"] = c.engine_url(1)
 
 
+def _kill_engine_while_paused(c: Cluster, run: FaultRun) -> None:
+    """Poll engine 0's ``/server_info`` until it is paused with requests held and its update open (up to
+    ``--pause-wait-s``), SIGKILL it there, and start a new server at its URL 2 s later."""
+    deadline = time.monotonic() + c.args.pause_wait_s
+    polls, seen = 0, None
+    while time.monotonic() < deadline:
+        info = _ok(lambda: _get(f"{c.engine_url(0)}/server_info", timeout_s=1.0))
+        polls += 1
+        if info and info.get("paused") and info.get("weight_update_session") and info.get("running_requests", 0) > 0:
+            seen = info
+            break
+        time.sleep(0.002)
+    if seen is None:
+        raise RuntimeError(f"engine 0 was not seen paused with requests held within {c.args.pause_wait_s:.0f} s "
+                           f"({polls} polls)")
+    c.kill("engine0")
+    run.fired_at = time.monotonic()  # recovery counts from the kill
+    run.detail.update(engine=c.engine_url(0), pause_mode=seen.get("pause_mode"),
+                      held_requests=seen["running_requests"], update_open=bool(seen.get("weight_update_session")),
+                      version_at_kill=seen.get("weight_version"), rerouted_before=_rerouted(c))
+    time.sleep(2.0)
+    c.start_engine(0)
+
+
+def _rerouted(c: Cluster) -> float:
+    """Prompts the run has generated again on another engine, as its last recorded step counted them."""
+    rows = Progress(c.out)
+    rows.poll()
+    return rows.rows[max(rows.rows)].get("engines/rerouted_prompts", 0.0) if rows.rows else 0.0
+
+
+def _paused_engine_back(c: Cluster, p: Progress, run: FaultRun) -> bool:
+    """What engine 0 held went to engine 1, no server is left paused, and the new engine 0 holds a version pushed
+    after it came back, with a step completed after."""
+    last = p.rows[max(p.rows)] if p.rows else {}
+    run.detail["rerouted_prompts"] = last.get("engines/rerouted_prompts", 0.0) - run.detail["rerouted_before"]
+    if run.detail["rerouted_prompts"] < 1:
+        return False
+    if not _engine_rejoined(c, p, run):
+        return False
+    infos = [_ok(lambda i=i: _get(f"{c.engine_url(i)}/server_info")) or {} for i in range(2)]
+    run.detail["left_paused"] = [i for i, info in enumerate(infos) if info.get("paused", True)]
+    return not run.detail["left_paused"]
+
+
 def _worker_gone(c: Cluster, p: Progress, run: FaultRun) -> bool:
     """The controller declared the killed worker dead, and a step completed after that."""
     if "declared_dead_s" not in run.detail:
@@ -492,6 +554,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
 #: the LoRA run's fault: engine 0 restarted; recovered once it serves the current adapter
 LORA_RESTART = Fault("engine_restart", "LoRA run: SIGKILL engine 0, a new server at the same URL 2 s later",
                      _restart_engine, _adapter_restored)
+
+#: the in-flight run's fault: engine 0 SIGKILLed while paused mid-update, holding requests
+PAUSED_KILL = Fault("engine_paused_kill", "in-flight run: SIGKILL engine 0 while paused mid-update (retract) "
+                    "holding requests, a new server at its URL 2 s later", _kill_engine_while_paused,
+                    _paused_engine_back)
 
 
 # ----------------------------------------------------------------------------- one run
@@ -614,8 +681,8 @@ def infra_trained(batches: list[dict[str, Any]]) -> dict[int, int]:
 
 
 def one_run(args: argparse.Namespace, work: Path, ckpt: Path, name: str, schedule: list[tuple[int, Fault]],
-            checkpoint: subprocess.Popen[bytes] | None = None, lora: bool = False) -> dict[str, Any]:
-    c = Cluster(args, work, ckpt, name, lora)
+            checkpoint: subprocess.Popen[bytes] | None = None, kind: str = "full") -> dict[str, Any]:
+    c = Cluster(args, work, ckpt, name, kind)
     try:
         c.start(checkpoint)
         return drive(c, schedule, args)
@@ -660,6 +727,11 @@ def main(argv: list[str] | None = None) -> int:
                         "its steps/s compares with the baseline's)")
     p.add_argument("--lora-steps", type=int, default=30,
                    help="steps of the LoRA run with an engine restart after --first-fault steps (0: no LoRA run)")
+    p.add_argument("--in-flight-steps", type=int, default=40,
+                   help="steps of the in-flight run (one slot, retract) with engine 0 killed while paused mid-update "
+                        "after --first-fault steps (0: no in-flight run)")
+    p.add_argument("--pause-wait-s", type=float, default=120.0,
+                   help="how long the in-flight fault waits to see engine 0 paused with requests held, s")
     p.add_argument("--keep", action="store_true", help="keep the logs and outputs (printed path)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("overrides", nargs="*", help="more key=value config overrides of the trainer (after the bench's: "
@@ -683,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
         build: subprocess.Popen[bytes] | None = start_process(
             [sys.executable, "-c", f"from bench.chaos import build_checkpoint; build_checkpoint({str(ckpt)!r})"],
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
-        baseline = lora_run = None
+        baseline = lora_run = in_flight_run = None
         try:
             if args.baseline:
                 print(f"baseline: {args.steps} steps without faults", flush=True)
@@ -696,13 +768,20 @@ def main(argv: list[str] | None = None) -> int:
             if args.lora_steps:
                 print(f"lora: {args.lora_steps} steps, engine_restart after step {args.first_fault}", flush=True)
                 lora_args = argparse.Namespace(**{**vars(args), "steps": args.lora_steps})
-                lora_run = one_run(lora_args, work, ckpt, "lora", [(args.first_fault, LORA_RESTART)], lora=True)
+                lora_run = one_run(lora_args, work, ckpt, "lora", [(args.first_fault, LORA_RESTART)],
+                                   kind="lora")
+            if args.in_flight_steps:
+                print(f"in-flight: {args.in_flight_steps} steps, engine_paused_kill after step {args.first_fault}",
+                      flush=True)
+                in_flight_args = argparse.Namespace(**{**vars(args), "steps": args.in_flight_steps})
+                in_flight_run = one_run(in_flight_args, work, ckpt, "in_flight", [(args.first_fault, PAUSED_KILL)],
+                                        kind="in_flight")
         finally:
             stop_process(build, grace_s=0.0, first_signal=signal.SIGKILL)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    faults = chaos["faults"] + (lora_run["faults"] if lora_run else [])
+    faults = chaos["faults"] + [f for r in (lora_run, in_flight_run) if r for f in r["faults"]]
     survived = sum(f["survived"] for f in faults)
     ratio = (chaos["steps_per_s"] / baseline["steps_per_s"]) if baseline and baseline["steps_per_s"] else None
     print()
@@ -719,13 +798,16 @@ def main(argv: list[str] | None = None) -> int:
     if lora_run is not None:
         print("\nLoRA run (versions as adapters on one slot of two servers):")
         print_table(lora_run)
+    if in_flight_run is not None:
+        print("\nIn-flight run (one slot of two servers, updated in flight with retract):")
+        print_table(in_flight_run)
     print(f"steps/s: chaos {chaos['steps_per_s']:.3f}" + (
         f", baseline {baseline['steps_per_s']:.3f}, ratio {ratio:.2f}" if ratio is not None else " (no baseline)"))
     record = {
         "benchmark": "chaos", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": git_commit(), "args": vars(args),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "schedule": [{"step": s, "fault": f.name} for s, f in schedule],
-        "baseline": baseline, "chaos": chaos, "lora": lora_run, "steps_per_s_ratio": ratio,
+        "baseline": baseline, "chaos": chaos, "lora": lora_run, "in_flight": in_flight_run, "steps_per_s_ratio": ratio,
         "faults_survived": survived, "faults_total": len(faults),
         "bench_wall_s": round(time.monotonic() - t_start, 1),
     }

@@ -410,8 +410,8 @@ class RolloutConfig(EpisodeLimits, RetryOptions, WeightSyncLimits, AgentRunnerOp
         a failed probe takes the server out of rotation until one passes (docs/training.md, "When parts fail").
     engine_unavailable_timeout_s: how long generation waits while no slot can serve (every engine down,
         or updating) before the run fails with a message naming each engine and why, seconds.
-    weight_sync_max_failures: weight syncs that may fail in a row (a server died mid-sync: the slot is out
-        of rotation until a later sync reaches it) before the run stops.
+    weight_sync_max_failures: weight syncs that may fail in a row before the run stops (a server died mid-sync:
+        the sync is sent again at once to the slot's servers still reachable).
     weight_sync_checksum: verify every bucket where the transport can (the stand-in's transport in
         rollout_sglang.testing); SGLang's broadcasts carry no checksum, so with them it only warns.
     engine_urls: SGLang servers that are already running, one list per version slot (exactly

@@ -10,10 +10,10 @@ new weights.
 Servers come and go (the pool's health checks): a sync reaches the slot's engines in rotation, and a
 slot with a server back from a restart goes first, in a fresh weight-sync group. A sync that fails
 because a server died (``WeightSyncError`` on every rank) marks the slot failed (``abort_update``:
-never sampled until a later sync succeeds) and training goes on; ``max_failures`` failures in a row
-end the run. With no server reachable at all the push is skipped (the rollout waits for one, up to the
-pool's unavailable timeout). In-process engines cannot fail apart from the trainer: an error there ends
-the run.
+never sampled until a sync succeeds) and is sent again at once, in a fresh group, to the slot's engines
+that can still be reached; ``max_failures`` failures in a row end the run. With no server reachable at
+all the push is skipped (the rollout waits for one, up to the pool's unavailable timeout). In-process
+engines cannot fail apart from the trainer: an error there ends the run.
 
 Engines in this process (local PyTorch engines) get the tensors handed over directly
 (``deliver_direct``); engines in other processes (SGLang servers, ``rollout.engine_urls``) get them
@@ -167,9 +167,19 @@ class WeightPublisher:
         self.pool.end_update(slot)
 
     def _update_remote(self, idx: int, version: int) -> None:
+        """Every rank: update slot ``idx`` (:meth:`_try_update_remote`); a send that failed is tried again at once
+        with the engines still reachable (a dead one fails its pause and is left out), until it succeeds, no
+        engine is left (skipped), or ``max_failures`` failures in a row end the run. Waiting for the next step's
+        push instead would leave the failed slot out of rotation, and with one slot nothing could generate the
+        batch of that step."""
+        while not self._try_update_remote(idx, version):
+            pass
+
+    def _try_update_remote(self, idx: int, version: int) -> bool:
         """Every rank: rank 0 opens slot ``idx``'s update for the engines it can reach, all ranks send over
-        their group (a fresh one when those engines changed), rank 0 closes it. A slot without a reachable
-        engine is skipped; a failed send marks the slot failed, and ends the run after ``max_failures``."""
+        their group (a fresh one when those engines changed), rank 0 closes it. False when the send failed (the
+        slot is marked failed); raises after ``max_failures`` failures in a row. A slot without a reachable
+        engine is skipped (True)."""
         slot, plan = None, None
         if self.pool is not None:
             try:
@@ -184,7 +194,7 @@ class WeightPublisher:
         if what == "skip":
             self.skipped_syncs += 1
             logger.error("weight sync of slot %d to version %d skipped: %s", idx, version, detail)
-            return
+            return True
         if what == "error":
             raise RuntimeError(f"weight update of slot {idx} to version {version} could not start: {detail}")
         targets = [self.remote_slots[idx][p] for p in detail]
@@ -199,9 +209,9 @@ class WeightPublisher:
                 raise WeightSyncError(f"{self._failures_in_a_row} weight syncs failed in a row "
                                       f"(rollout.weight_sync_max_failures={self.max_failures}); last: {e}") from e
             logger.error("weight sync of slot %d to version %d failed (%d in a row; the run stops at "
-                         "rollout.weight_sync_max_failures=%d): %s; the slot is out of rotation until a later sync "
-                         "reaches it", idx, version, self._failures_in_a_row, self.max_failures, e)
-            return
+                         "rollout.weight_sync_max_failures=%d): %s; sending again to the engines still reachable",
+                         idx, version, self._failures_in_a_row, self.max_failures, e)
+            return False
         except BaseException:
             if slot is not None:
                 self.pool.abort_update(slot)
@@ -209,6 +219,7 @@ class WeightPublisher:
         self._failures_in_a_row = 0
         if slot is not None:
             self.pool.end_update(slot)
+        return True
 
     def close(self) -> None:
         """Close the weight-sync groups (remote engines)."""

@@ -68,7 +68,15 @@ def _check_chaos(lines: list[str], rec: dict[str, Any]) -> None:
     lora = rec["lora"]["faults"]  # the LoRA run's engine restart: the new server serves the current adapter
     assert [f["name"] for f in lora] == ["engine_restart"] and lora[0]["survived"], lora
     assert lora[0]["detail"]["adapter_version"] > lora[0]["fired_step"] and rec["lora"]["infra_failed_trained"] == 0
-    total = faults + lora
+    # the in-flight run: engine 0 killed while paused for an update with requests held; they are generated again
+    # elsewhere, no server stays paused, and the new server takes the weights
+    paused = rec["in_flight"]["faults"]
+    assert [f["name"] for f in paused] == ["engine_paused_kill"] and paused[0]["survived"], paused
+    detail = paused[0]["detail"]
+    assert detail["pause_mode"] == "retract" and detail["held_requests"] >= 1 and detail["rerouted_prompts"] >= 1
+    assert detail["left_paused"] == [] and detail["engine_version"] > paused[0]["fired_step"], detail
+    assert rec["in_flight"]["infra_failed_trained"] == 0
+    total = faults + lora + paused
     assert rec["faults_survived"] == sum(f["survived"] for f in total) and rec["faults_total"] == len(total)
     assert lines[-1] == f"chaos_faults_survived: {rec['faults_survived']}/{len(total)}"
     assert chaos["infra_failed_trained"] == 0 and chaos["batch_rows_seen"] >= chaos["steps_completed"] > 0

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from megatron_agentrl.config import read_mapping_file
 from megatron_agentrl.convert.base import ConversionError, GPTMapping, one_line
+from megatron_agentrl.lora.adapters import is_adapter
 from rollout_sglang.dtypes import dtype_name
 from rollout_sglang.engines.local import resolve_dtype
 
@@ -51,6 +52,12 @@ FORMAT_VERSION = 1
 # megatron-core's metadata.json for its torch_dist format (dist_checkpointing.core.CheckpointingConfig)
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                      "common_backend": "torch", "common_backend_version": 1}
+
+#: the folder of a run's checkpoint ``step_<k>/`` that holds the model and its optimizer state (a torch_dist checkpoint)
+TRAINING_MODEL_DIR = "model_optim"
+#: a training checkpoint (megatron's, or a run's ``step_<k>/model_optim``) stores its optimizer state and the KL
+#: reference beside the model under these key prefixes; conversion reads the model alone
+TRAINING_STATE_PREFIXES = ("optimizer.", "reference.")
 
 # Files copied along with config.json: tokenizer, chat template, generation defaults.
 HF_ASSET_FILES = (
@@ -300,8 +307,9 @@ class DistCheckpointReader:
         return dataclasses.replace(md, chunks=index.get(offset0, []))
 
     def keys(self) -> list[str]:
-        """Stored tensor keys (ShardedObjects such as ``_extra_state`` are left out)."""
-        return list(self.tensors)
+        """Stored tensor keys of the model (ShardedObjects such as ``_extra_state`` and a training checkpoint's
+        optimizer and reference state are left out)."""
+        return [k for k in self.tensors if not k.startswith(TRAINING_STATE_PREFIXES)]
 
     def shape(self, key: str) -> tuple[int, ...]:
         """Global shape of ``key`` as stored."""
@@ -405,6 +413,13 @@ def check_checkpoint_matches(reader: DistCheckpointReader, mapping: GPTMapping, 
         key, _, stack = mapping.checkpoint_key(mname)
         expected[key] = (*stack, *mapping.megatron_shape(mname))
     stored = set(reader.keys())
+    adapters = sorted(k for k in stored if is_adapter(k))
+    if adapters:
+        raise ConversionError(
+            f"{where} is a LoRA run's checkpoint: it holds {len(adapters)} adapter tensors (e.g. '{adapters[0]}') "
+            "and no base weight, so it is no model to convert. The run writes its adapters in PEFT's format "
+            "(adapter/) and merged into its base (hf_export/) when it ends; `agentrl eval` evaluates this "
+            "checkpoint as it is (checkpoint.resume=<its step_<k> folder>)")
     missing = sorted(set(expected) - stored)
     unexpected = sorted(stored - set(expected))
     if missing or unexpected:

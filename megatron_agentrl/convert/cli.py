@@ -32,7 +32,8 @@ def add_hf_to_megatron_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_megatron_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``megatron-to-hf``."""
-    parser.add_argument("--megatron-dir", required=True, help="megatron distributed checkpoint directory")
+    parser.add_argument("--megatron-dir", required=True,
+                        help="megatron distributed checkpoint directory, or a run's checkpoint step_<k>/")
     parser.add_argument("--out-dir", required=True, help="output Hugging Face directory")
     parser.add_argument("--hf-config", default=None,
                         help="HF config.json or directory (default: the copy in <megatron-dir>/hf)")

@@ -21,6 +21,7 @@ import torch
 from megatron_agentrl.convert import get_mapping
 from megatron_agentrl.convert.checkpoint import (
     HF_ASSETS_DIR,
+    TRAINING_MODEL_DIR,
     DistCheckpointReader,
     _check_family,
     check_checkpoint_matches,
@@ -65,7 +66,8 @@ def convert_megatron_to_hf(
     """Convert the megatron distributed checkpoint ``megatron_dir`` to a Hugging Face directory.
 
     Args:
-        megatron_dir: a megatron-core ``torch_dist`` checkpoint directory.
+        megatron_dir: a megatron-core ``torch_dist`` checkpoint directory, or a run's ``step_<k>/`` (its model is in
+            ``model_optim/``; optimizer state and KL reference are left out).
         out_dir: output directory (created; must be absent or empty unless ``overwrite``, which
             replaces the old shards and keeps other files): gets
             ``model-0000i-of-0000n.safetensors``, ``model.safetensors.index.json``,
@@ -87,6 +89,8 @@ def convert_megatron_to_hf(
     out_dtype = parse_dtype(dtype)
     shard_bytes = parse_size(max_shard_size, "max_shard_size / --max-shard-size")
     root = Path(megatron_dir)
+    if (root / TRAINING_MODEL_DIR / "metadata.json").is_file() and not (root / "metadata.json").is_file():
+        root = root / TRAINING_MODEL_DIR  # a run's step_<k>/: its model (with the optimizer state) is in there
     reader = DistCheckpointReader(root)
     cfg_src = Path(hf_config) if hf_config is not None else root / HF_ASSETS_DIR
     if hf_config is None and not (cfg_src / "config.json").is_file():

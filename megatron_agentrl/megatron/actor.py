@@ -367,13 +367,13 @@ class MegatronActor:
         a directory that is not such a checkpoint or holds another model (family, layers, sizes),
         each naming ``ckpt_dir`` and the fix.
         """
-        from megatron_agentrl.convert.checkpoint import load_megatron_checkpoint
+        from megatron_agentrl.convert.checkpoint import TRAINING_MODEL_DIR, load_megatron_checkpoint
 
         root = Path(ckpt_dir)
         convert = f"agentrl convert hf-to-megatron --hf-dir <HF checkpoint> --out-dir {root}"
         if not root.is_dir():
             raise FileNotFoundError(f"megatron checkpoint '{root}' is not a directory; write it first with `{convert}`")
-        if (root / "model_optim").is_dir() and not (root / "metadata.json").is_file():
+        if (root / TRAINING_MODEL_DIR).is_dir() and not (root / "metadata.json").is_file():
             raise ConversionError(f"'{root}' is a training checkpoint (model + optimizer + pipeline state); resume "
                                   f"from it with checkpoint.resume={root} instead")
         if not (root / "metadata.json").is_file() and (root / "config.json").is_file():

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_agentrl.convert.checkpoint import sync_save_strategy
+from megatron_agentrl.convert.checkpoint import TRAINING_MODEL_DIR, sync_save_strategy
 from megatron_agentrl.distributed import broadcast_object
 from megatron_agentrl.lora.adapters import ADAPTER, is_adapter
 from megatron_agentrl.lora.checkpoint import BaseError, BaseRef, base_hash, check_base, resolve_base
@@ -51,7 +51,7 @@ from megatron_agentrl.lora.options import LoraOptions
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
-MODEL_DIR = "model_optim"
+MODEL_DIR = TRAINING_MODEL_DIR
 PIPELINE_FILE = "pipeline.pt"
 
 

@@ -407,7 +407,8 @@ class DistCheckpointReader:
 # ------------------------------------------------------------------------ family / shape checks
 def check_checkpoint_matches(reader: DistCheckpointReader, mapping: GPTMapping, where: str) -> None:
     """Raise ConversionError unless the stored tensors are exactly those of ``mapping``'s model
-    (same keys; layer stacks ``[num_layers, ...]``; shapes equal up to vocab padding)."""
+    (same keys; layer stacks ``[num_layers, ...]``; shapes equal up to vocab padding); a LoRA run's adapters alone
+    are refused naming LoRA."""
     expected: dict[str, tuple[int, ...]] = {}
     for mname in mapping.megatron_names():
         key, _, stack = mapping.checkpoint_key(mname)
@@ -417,9 +418,9 @@ def check_checkpoint_matches(reader: DistCheckpointReader, mapping: GPTMapping, 
     if adapters:
         raise ConversionError(
             f"{where} is a LoRA run's checkpoint: it holds {len(adapters)} adapter tensors (e.g. '{adapters[0]}') "
-            "and no base weight, so it is no model to convert. The run writes its adapters in PEFT's format "
-            "(adapter/) and merged into its base (hf_export/) when it ends; `agentrl eval` evaluates this "
-            "checkpoint as it is (checkpoint.resume=<its step_<k> folder>)")
+            "and no base weight, so it loads as no model. Continue it with checkpoint.resume=<its step_<k> folder>, "
+            "or write it merged into its base with `agentrl convert megatron-to-hf --megatron-dir <its step_<k> "
+            "folder>` and load that as model.checkpoint")
     missing = sorted(set(expected) - stored)
     unexpected = sorted(stored - set(expected))
     if missing or unexpected:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from megatron_agentrl.convert import get_mapping
 from megatron_agentrl.convert.checkpoint import (
@@ -29,8 +30,10 @@ from megatron_agentrl.convert.checkpoint import (
     parse_dtype,
 )
 from megatron_agentrl.convert.hf_to_megatron import config_json_path, hf_config_from_dict, load_hf_config_dict
+from megatron_agentrl.convert.lora_merge import MergedLoraSource
 from megatron_agentrl.convert.output_dir import atomic_output_dir, check_output_dir
 from megatron_agentrl.convert.safetensors_io import INDEX_FILE, SafetensorsShardWriter, dtype_size, parse_size
+from megatron_agentrl.lora.adapters import is_adapter
 from rollout_sglang.dtypes import dtype_name
 
 logger = logging.getLogger(__name__)
@@ -100,27 +103,31 @@ def convert_megatron_to_hf(
     cfg = hf_config_from_dict(config_dict, f"'{config_json_path(cfg_src)}'")
     _check_family(root, cfg)
     mapping = get_mapping(cfg)
-    check_checkpoint_matches(reader, mapping, f"checkpoint '{root}'")
+    if any(is_adapter(k) for k in reader.keys()):  # a LoRA run's checkpoint: merged into the base it names
+        source: Any = MergedLoraSource(reader, mapping)
+    else:
+        check_checkpoint_matches(reader, mapping, f"checkpoint '{root}'")
+        source = _StoredModel(reader, mapping)
     out = check_output_dir(out_dir, overwrite, source=root)
 
     # Plan every output tensor (name, shape, dtype) in the order they will be produced.
     groups: list[list[str]] = [[n] for n in mapping.megatron_names() if not n.startswith("decoder.layers.")]
-    itemsize = max(dtype_size(reader.dtype(k)) for k in reader.keys()) if out_dtype is None else dtype_size(out_dtype)
+    itemsize = (max(dtype_size(source.dtype(m)) for m in mapping.megatron_names()) if out_dtype is None
+                else dtype_size(out_dtype))
     layer_groups = [g for i in range(mapping.num_layers) for g in _layer_groups(mapping, i, itemsize)]
     groups = groups[:1] + layer_groups + groups[1:]
     plan = []
     for group in groups:
         for mname in group:
-            key = mapping.checkpoint_key(mname)[0]
             for hf_name, shape in mapping.hf_shapes(mname).items():
-                plan.append((hf_name, shape, out_dtype or reader.dtype(key)))
+                plan.append((hf_name, shape, out_dtype or source.dtype(mname)))
     with atomic_output_dir(out, overwrite, stale=("*.safetensors", INDEX_FILE)) as tmp:
         writer = SafetensorsShardWriter(tmp, plan, shard_bytes)
         logger.info("converting %s (%s, %d layers) -> %s, %.2f GB", root, mapping.architecture, mapping.num_layers,
                     out, writer.total_size / 1e9)
         bar = tqdm(total=writer.total_size, unit="B", unit_scale=True, desc="megatron->hf", disable=not progress)
         try:
-            _write_groups(reader, mapping, groups, out_dtype, writer, bar)
+            _write_groups(source, mapping, groups, out_dtype, writer, bar)
         except BaseException:
             writer.abort()
             raise
@@ -138,16 +145,31 @@ def convert_megatron_to_hf(
     return out
 
 
-def _write_groups(reader: DistCheckpointReader, mapping: Any, groups: list[list[str]], out_dtype: torch.dtype | None,
-                  writer: SafetensorsShardWriter, bar: Any) -> None:
-    """Read each group of Megatron tensors and write its HF tensors, one group in memory at a time."""
-    for group in groups:
+class _StoredModel:
+    """The model stored in a megatron checkpoint, read a group of megatron tensors at a time."""
+
+    def __init__(self, reader: DistCheckpointReader, mapping: Any) -> None:
+        self.reader, self.mapping = reader, mapping
+
+    def dtype(self, mname: str) -> torch.dtype:
+        return self.reader.dtype(self.mapping.checkpoint_key(mname)[0])
+
+    def read_group(self, group: list[str], dtype: torch.dtype | None) -> dict[str, Tensor]:
         requests = {}
         for mname in group:
-            key, index, _ = mapping.checkpoint_key(mname)
-            shape = mapping.megatron_shape(mname)  # unpadded: reading it strips vocab padding
+            key, index, _ = self.mapping.checkpoint_key(mname)
+            shape = self.mapping.megatron_shape(mname)  # unpadded: reading it strips vocab padding
             requests[mname] = (key, (*index, *(0,) * len(shape)), (*(1,) * len(index), *shape))
-        tensors = reader.read(requests, dtype=out_dtype)
+        return self.reader.read(requests, dtype=dtype)
+
+
+def _write_groups(source: Any, mapping: Any, groups: list[list[str]], out_dtype: torch.dtype | None,
+                  writer: SafetensorsShardWriter, bar: Any) -> None:
+    """Read each group of Megatron tensors from ``source`` (:class:`_StoredModel` or
+    :class:`~megatron_agentrl.convert.lora_merge.MergedLoraSource`) and write its HF tensors, one group in memory at
+    a time."""
+    for group in groups:
+        tensors = source.read_group(group, out_dtype)
         for mname in group:
             full = tensors.pop(mname)
             full = full.reshape(mapping.megatron_shape(mname))

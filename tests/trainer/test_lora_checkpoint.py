@@ -2,8 +2,9 @@
 
 A LoRA checkpoint holds no base weight (only ``*.lora.*`` keys, a small fraction of a full checkpoint's bytes);
 loaded into a fresh actor it continues exactly (TP=2: the same loss, gradient norm and adapters after the next
-step); a changed or missing base is refused naming it. Whole runs: a LoRA run resumed at step 2 trains step 3 as
-the uninterrupted run does, and RL from a LoRA run's (full) warm-up checkpoint is the RL of the run that saved it.
+step), and it loads at TP=1 and PP=2 to the same merged model; a changed or missing base is refused naming it.
+Whole runs: a LoRA run resumed at step 2 trains step 3 as the uninterrupted run does, and RL from a LoRA run's
+(full) warm-up checkpoint is the RL of the run that saved it.
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def _save_then_resume(rank: int, world: int, root: str) -> dict:
     for b in batches[1:3]:
         actor.train_step(actor.dp_slice(b), "grpo", temperature=1.0)
     ckpt = save_checkpoint(out / "lora", 3, actor, {"step": 3, "version": 3}, base=base)
+    merged = {k: v.clone() for k, v in actor.export_hf_state_dict().items()}
     stats = actor.train_step(actor.dp_slice(batches[3]), "grpo", temperature=1.0)
     after = _adapters(actor)
 
@@ -73,7 +75,19 @@ def _save_then_resume(rank: int, world: int, root: str) -> dict:
                      for (_, p), (_, q) in zip(fresh.named_params, actor.named_params))
     return {"loss": (stats["loss"], again["loss"]), "grad_norm": (stats["grad_norm"], again["grad_norm"]),
             "adapters_differ": moved, "base_differ": base_moved, "state": state, "adam_steps": steps,
-            "full": str(full), "lora": str(ckpt), "base": base.path, "sha256": base.sha256}
+            "full": str(full), "lora": str(ckpt), "base": base.path, "sha256": base.sha256, "merged": merged}
+
+
+def _merged_after_load(rank: int, world: int, ckpt: str, tp: int, pp: int) -> dict:
+    """A fresh actor at ``tp`` x ``pp`` (random weights) loads the LoRA checkpoint ``ckpt``; its merged weights."""
+    from megatron_agentrl.megatron.actor import MegatronActor
+    from megatron_agentrl.pipeline.checkpoint import load_checkpoint
+
+    cfg, _ = tiny_model("qwen2", False, vocab=200, layers=2)
+    reinit_parallel(tp, pp)
+    actor = MegatronActor(cfg, TrainConfig(micro_batch_size=2, lr=1e-2), adapters_later=True)
+    load_checkpoint(ckpt, actor, lora=LORA)
+    return {k: v.clone() for k, v in actor.export_hf_state_dict().items()}
 
 
 @pytest.mark.e2e
@@ -92,6 +106,12 @@ def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_exactly(tmp_path
     assert any(".lora." not in k for k in _keys(full / "model_optim"))
     ratio = _bytes(lora / "model_optim") / _bytes(full / "model_optim")
     assert ratio < 0.25, ratio  # rank 4 on a 32-wide model; the whole-run test below has the demo model's ratio
+    # written at TP=2, it loads at TP=1 and at PP=2 to the same model: the adapters are resharded as they train
+    for world, tp, pp in ((1, 1, 1), (2, 1, 2)):
+        merged = run_distributed(_merged_after_load, world, str(lora), tp, pp, timeout_s=120)[0]
+        assert sorted(merged) == sorted(r["merged"])
+        for name, want in r["merged"].items():
+            torch.testing.assert_close(merged[name], want, rtol=0, atol=1e-6, msg=f"{name} at TP={tp} PP={pp}")
 
 
 def _load(rank: int, world: int, ckpt: str, lora: dict | None) -> str:

@@ -86,8 +86,11 @@ def test_a_teacher_server_killed_mid_run_costs_no_unscored_training(teacher: Pat
     try:
         urls = ", ".join(s.base_url for s in servers)
         out = tmp_path / "run"
+        # sync: the episodes of steps 3 and 4 are generated, and scored, after the kill (async, the queue may
+        # already hold every episode the run trains when step 1 is recorded, and the dead server is never asked)
         proc = _distill(out, f"distill.teachers=[{{engine_urls: [{urls}], tokenizer: {teacher}}}]",
-                        "distill.score_timeout_s=30", "distill.max_attempts=2", steps=4)
+                        "distill.score_timeout_s=30", "distill.max_attempts=2", "pipeline.mode=sync",
+                        "rollout.max_versions=1", "rollout.cross_policy=latest", steps=4)
         deadline = time.monotonic() + 240
         while not (out / "metrics.jsonl").is_file() or not _rl_rows(out):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]

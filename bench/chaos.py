@@ -452,8 +452,7 @@ def _kill_engine_while_paused(c: Cluster, run: FaultRun) -> None:
                            f"({polls} polls)")
     c.kill("engine0")
     run.fired_at = time.monotonic()  # recovery counts from the kill
-    run.detail.update(engine=c.engine_url(0), pause_mode=seen.get("pause_mode"),
-                      held_requests=seen["running_requests"], update_open=bool(seen.get("weight_update_session")),
+    run.detail.update(engine=c.engine_url(0), pause_mode=seen.get("pause_mode"), held_requests=seen["running_requests"],
                       version_at_kill=seen.get("weight_version"), rerouted_before=_rerouted(c))
     time.sleep(2.0)
     c.start_engine(0)

@@ -5,11 +5,10 @@ A LoRA checkpoint (``step_<k>/``) holds the adapters (``<layer>.lora.lora_a.weig
 gated ``linear_fc1``'s ``[gate; up]``) and no base weight; its ``meta.json`` names the base (the run's ``hf_base/``)
 by path and sha256 and holds the adapters' options. :class:`MergedLoraSource` reads the base one megatron tensor at
 a time, brings it into megatron's layout (the mapping's ``to_megatron``), adds ``(alpha / r) B A`` in fp32 and hands
-it back in the base's dtype, as the trainer's own merge does (``lora.adapters.merged_weight``).
+it back in the base's dtype, with the trainer's own merge (``lora.adapters.merge``).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import torch
@@ -19,7 +18,7 @@ from megatron_agentrl.convert.base import ConversionError, GPTMapping
 from megatron_agentrl.convert.checkpoint import TRAINING_MODEL_DIR, DistCheckpointReader
 from megatron_agentrl.convert.hf_to_megatron import check_hf_tensors
 from megatron_agentrl.convert.safetensors_io import SafetensorsReader
-from megatron_agentrl.lora.adapters import ADAPTER, is_adapter
+from megatron_agentrl.lora.adapters import ADAPTER, is_adapter, merge
 from megatron_agentrl.lora.checkpoint import BaseError, check_base
 from megatron_agentrl.lora.options import LoraOptions
 
@@ -48,8 +47,7 @@ class MergedLoraSource:
             raise ConversionError(f"'{reader.root}' holds LoRA adapters, and its base and adapter options are named "
                                   f"in the checkpoint's meta.json ('{meta_file}'), which cannot be read ({e!r}); "
                                   "give the run's step_<k>/ folder as it was written") from None
-        known = {f.name for f in dataclasses.fields(LoraOptions)}
-        self.scaling = LoraOptions(**{k: v for k, v in lora.items() if k in known}).scaling
+        self.scaling = LoraOptions.from_saved(lora).scaling
         try:
             self.base = SafetensorsReader(check_base(base, step))
         except BaseError as e:
@@ -96,6 +94,6 @@ class MergedLoraSource:
             k = adapter_key(key, part)
             shape = self.reader.shape(k)[len(index):]
             pieces[part] = (k, (*index, 0, 0), (*(1,) * len(index), *shape))
-        ab = self.reader.read(pieces, dtype=torch.float32)
+        ab = self.reader.read(pieces)
         a, b = (ab[p].reshape(ab[p].shape[len(index):]) for p in ("lora_a", "lora_b"))
-        return (weight.float() + (b @ a) * self.scaling).to(weight.dtype)
+        return merge(weight, a, b, self.scaling)

@@ -165,8 +165,13 @@ def merged_weight(layer: Any) -> Tensor:
             a = torch.cat(parts, dim=0)
         else:
             b = torch.cat(parts, dim=0)
-    delta = (b.float() @ a.float()) * adapter.scaling
-    return (weight.float() + delta).to(weight.dtype)
+    return merge(weight, a, b, adapter.scaling)
+
+
+def merge(weight: Tensor, a: Tensor, b: Tensor, scaling: float) -> Tensor:
+    """``weight + scaling * b @ a`` (``[out, in]``, ``[r, in]``, ``[out, r]``), computed in fp32, in ``weight``'s
+    dtype."""
+    return (weight.float() + (b.float() @ a.float()) * scaling).to(weight.dtype)
 
 
 def adapter_parameters(model: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:

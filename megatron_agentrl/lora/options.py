@@ -7,8 +7,8 @@ exported.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Literal
 
 from env_controller.options import Options
 
@@ -62,6 +62,13 @@ class LoraOptions(Options):
             self.require(ALL_LINEAR in wanted or not some or some == set(parts), "target_modules",
                          f"names {sorted(some)} without {sorted(set(parts) - some)}: megatron holds "
                          f"{'/'.join(parts)} as one layer; name all of them or none")
+
+    @classmethod
+    def from_saved(cls, saved: dict[str, Any]) -> LoraOptions:
+        """The options a checkpoint's ``meta.json`` recorded (``lora``); keys this version does not know are left
+        out."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in saved.items() if k in known})
 
     @property
     def enabled(self) -> bool:

@@ -316,8 +316,7 @@ ADAPTER_SHAPE = ("rank", "alpha", "target_modules")
 def _check_lora(d: Path, meta: dict[str, Any], lora: LoraOptions | None) -> LoraOptions | None:
     """The adapters' options of checkpoint ``d`` (None: full-parameter), refused when the run's ``lora`` section
     (None: take the checkpoint's) cannot continue from it."""
-    known = {f.name for f in dataclasses.fields(LoraOptions)}
-    saved = LoraOptions(**{k: v for k, v in meta["lora"].items() if k in known}) if meta.get("lora") else None
+    saved = LoraOptions.from_saved(meta["lora"]) if meta.get("lora") else None
     if lora is None:
         return saved
     if saved is None:

@@ -438,6 +438,7 @@ def _kill_engine(c: Cluster, run: FaultRun) -> None:
 def _kill_engine_while_paused(c: Cluster, run: FaultRun) -> None:
     """Poll engine 0's ``/server_info`` until it is paused with requests held and its update open (up to
     ``--pause-wait-s``), SIGKILL it there, and start a new server at its URL 2 s later."""
+    before = _rerouted(c)  # read before the kill: the run may record the rerouting of what it held at once
     deadline = time.monotonic() + c.args.pause_wait_s
     polls, seen = 0, None
     while time.monotonic() < deadline:
@@ -453,7 +454,7 @@ def _kill_engine_while_paused(c: Cluster, run: FaultRun) -> None:
     c.kill("engine0")
     run.fired_at = time.monotonic()  # recovery counts from the kill
     run.detail.update(engine=c.engine_url(0), pause_mode=seen.get("pause_mode"), held_requests=seen["running_requests"],
-                      version_at_kill=seen.get("weight_version"), rerouted_before=_rerouted(c))
+                      version_at_kill=seen.get("weight_version"), rerouted_before=before)
     time.sleep(2.0)
     c.start_engine(0)
 

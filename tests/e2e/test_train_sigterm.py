@@ -2,6 +2,7 @@
 its in-process tasks hold are removed before it exits, not left to the next start's reap."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import docker.errors
+
 from env_controller.servers.process import start_process, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
@@ -17,9 +20,10 @@ OWNER_LABEL = "org.agentrl.owner"
 
 
 def _owned_by(client: Any, pid: int) -> list[str]:
-    """Names of the engine's containers whose owner label names process ``pid`` (``host:pid:start``)."""
-    return [c.name for c in client.containers.list(all=True, filters={"label": OWNER_LABEL})
-            if c.labels.get(OWNER_LABEL, "").split(":")[-2:-1] == [str(pid)]]
+    """Ids of the engine's containers whose owner label names process ``pid`` (``host:pid:start``). One list call
+    (``containers.list`` inspects each container after listing, which fails on one the run removes meanwhile)."""
+    return [row["Id"] for row in client.api.containers(all=True, filters={"label": OWNER_LABEL})
+            if (row.get("Labels") or {}).get(OWNER_LABEL, "").split(":")[-2:-1] == [str(pid)]]
 
 
 def test_sigterm_during_the_warm_up_removes_the_runs_containers(docker_engine: Any, tmp_path: Path) -> None:
@@ -45,7 +49,7 @@ def test_sigterm_during_the_warm_up_removes_the_runs_containers(docker_engine: A
         assert _owned_by(client, proc.pid) == [], "containers outlived the run's SIGTERM"
     finally:
         stop_process(proc, grace_s=0.0, first_signal=signal.SIGKILL)
-        for c in client.containers.list(all=True, filters={"label": OWNER_LABEL}):
-            if c.labels.get(OWNER_LABEL, "").split(":")[-2:-1] == [str(proc.pid)]:
-                c.remove(force=True)
+        for cid in _owned_by(client, proc.pid):
+            with contextlib.suppress(docker.errors.NotFound):  # gone meanwhile
+                client.api.remove_container(cid, force=True)
         client.close()

@@ -51,14 +51,16 @@ def backend(docker_engine: Any, os_shell_image: str) -> Iterator[DockerBackend]:
     assert _containers(docker_engine, owner_id()) == []
 
 
-def _containers(engine: Any, owner: str | None = None) -> list[Any]:
-    """Sandbox containers of the engine (``docker ps -a --filter label=org.agentrl.sandbox=1``), of ``owner``."""
+def _containers(engine: Any, owner: str | None = None) -> list[dict[str, Any]]:
+    """Sandbox containers of the engine (``docker ps -a --filter label=org.agentrl.sandbox=1``), of ``owner``, as the
+    rows of one list call (docker-py's ``containers.list`` inspects each one after listing: a container removed
+    meanwhile fails it)."""
     client = engine.client()
     try:
-        found = client.containers.list(all=True, filters={"label": f"{LABEL}=1"})
+        found = client.api.containers(all=True, filters={"label": f"{LABEL}=1"})
     finally:
         client.close()
-    return [c for c in found if owner is None or c.labels.get(OWNER_LABEL) == owner]
+    return [c for c in found if owner is None or (c["Labels"] or {}).get(OWNER_LABEL) == owner]
 
 
 def _processes(box: DockerSandbox) -> list[str]:
@@ -334,7 +336,7 @@ def test_leaked_containers_are_reaped_after_kill_9(docker_engine: Any, os_shell_
                              text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     ids = crashed.stdout.split()
-    assert len(ids) == 2 and {c.id for c in _containers(docker_engine)} >= set(ids)
+    assert len(ids) == 2 and {c["Id"] for c in _containers(docker_engine)} >= set(ids)
     b = DockerBackend(LIMITS, DockerOptions(image=os_shell_image, docker_host=docker_engine.url))
     try:
         assert sorted(b.reaped) == sorted(ids)

@@ -21,12 +21,14 @@ from tests.env.support import run_coro as run
 pytest.importorskip("docker", reason="the docker SDK is not installed (pip install docker)")
 
 
-def _containers(engine: Any, **labels: str) -> list[Any]:
-    """The engine's sandbox containers carrying ``labels`` (``agentrl.task``, ``agentrl.index``...)."""
+def _containers(engine: Any, **labels: str) -> list[dict[str, Any]]:
+    """The engine's sandbox containers carrying ``labels`` (``agentrl.task``, ``agentrl.index``...), as the rows of
+    one list call (docker-py's ``containers.list`` inspects each one after listing: a container removed meanwhile
+    fails it)."""
     wanted = [f"{LABEL}=1"] + [f"agentrl.{k}={v}" for k, v in labels.items()]
     client = engine.client()
     try:
-        return client.containers.list(all=True, filters={"label": wanted})
+        return client.api.containers(all=True, filters={"label": wanted})
     finally:
         client.close()
 
@@ -89,7 +91,7 @@ def test_one_container_per_session_removed_on_cancel(task: OsShellTask, docker_e
         sids = [sid for sid, _ in started]
         for index in (7, 8, 9):
             (container,) = _containers(docker_engine, task="os_shell", index=str(index))
-            assert container.status == "running"
+            assert container["State"] == "running"
         # a change the next sample's session cannot see: each session has its own container
         reply = await c.interact(sids[0], [call("bash_action", {"script": "echo mine > ~/marker; ls ~ | wc -l"})])
         reply = await c.interact(sids[1], [call("bash_action", {"script": "ls ~/marker"})])

@@ -420,7 +420,7 @@ def check_checkpoint_matches(reader: DistCheckpointReader, mapping: GPTMapping, 
             f"{where} is a LoRA run's checkpoint: it holds {len(adapters)} adapter tensors (e.g. '{adapters[0]}') "
             "and no base weight, so it loads as no model. Continue it with checkpoint.resume=<its step_<k> folder>, "
             "or write it merged into its base with `agentrl convert megatron-to-hf --megatron-dir <its step_<k> "
-            "folder>` and load that as model.checkpoint")
+            "folder>` and load that as model.checkpoint (with --peft-adapter: its adapters alone, in PEFT's format)")
     missing = sorted(set(expected) - stored)
     unexpected = sorted(stored - set(expected))
     if missing or unexpected:

@@ -39,6 +39,9 @@ def add_megatron_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF config.json or directory (default: the copy in <megatron-dir>/hf)")
     parser.add_argument("--dtype", default="auto", help="auto (as stored) | float32 | bfloat16 | float16")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB")
+    parser.add_argument("--peft-adapter", action="store_true",
+                        help="a LoRA run's checkpoint: write its adapters in PEFT's format (for the base it names) "
+                             "instead of the merged model")
     parser.add_argument("--overwrite", action="store_true", help="allow a non-empty --out-dir")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -61,7 +64,8 @@ def run_megatron_to_hf(args: argparse.Namespace) -> int:
     _setup_logging()
     return _interruptible(args.out_dir, lambda: convert_megatron_to_hf(
         args.megatron_dir, args.out_dir, hf_config=args.hf_config, dtype=args.dtype,
-        max_shard_size=args.max_shard_size, progress=not args.no_progress, overwrite=args.overwrite))
+        max_shard_size=args.max_shard_size, progress=not args.no_progress, overwrite=args.overwrite,
+        peft_adapter=args.peft_adapter))
 
 
 def _interruptible(out_dir: str, convert: Callable[[], Any]) -> int:

@@ -8,6 +8,8 @@ saved ``GPTModel.sharded_state_dict()``), one layer at a time, strips the vocab 
 writes safetensors shards with an index, config.json and the tokenizer files the checkpoint
 carries. Peak memory: one layer (a MoE layer in pieces of about ``GROUP_BYTES``, its experts a few at
 a time), or the embedding / output layer (twice: the stored chunk and the assembled tensor).
+A LoRA run's checkpoint is written merged into its base, or (``peft_adapter``) as its adapters in PEFT's format
+(:mod:`~megatron_agentrl.convert.lora_checkpoint`).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 from torch import Tensor
 
 from megatron_agentrl.convert import get_mapping
+from megatron_agentrl.convert.base import ConversionError
 from megatron_agentrl.convert.checkpoint import (
     HF_ASSETS_DIR,
     TRAINING_MODEL_DIR,
@@ -30,11 +33,12 @@ from megatron_agentrl.convert.checkpoint import (
     parse_dtype,
 )
 from megatron_agentrl.convert.hf_to_megatron import config_json_path, hf_config_from_dict, load_hf_config_dict
-from megatron_agentrl.convert.lora_merge import MergedLoraSource
+from megatron_agentrl.convert.lora_checkpoint import LoraCheckpoint
 from megatron_agentrl.convert.output_dir import atomic_output_dir, check_output_dir
 from megatron_agentrl.convert.safetensors_io import INDEX_FILE, SafetensorsShardWriter, dtype_size, parse_size
 from megatron_agentrl.lora.adapters import is_adapter
 from rollout_sglang.dtypes import dtype_name
+from rollout_sglang.engines.adapter import CONFIG_FILE, WEIGHTS_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +69,7 @@ def convert_megatron_to_hf(
     max_shard_size: str | int = "5GB",
     progress: bool = True,
     overwrite: bool = False,
+    peft_adapter: bool = False,
 ) -> Path:
     """Convert the megatron distributed checkpoint ``megatron_dir`` to a Hugging Face directory.
 
@@ -80,6 +85,9 @@ def convert_megatron_to_hf(
         dtype: output dtype (``float32`` | ``bfloat16`` | ``float16``); None / ``auto``: as stored.
         max_shard_size: bytes per safetensors shard, e.g. ``"5GB"``.
         progress: show a progress bar (layers) on stderr.
+        peft_adapter: a LoRA run's checkpoint only: write its adapters in PEFT's format (``adapter_config.json``,
+            ``adapter_model.safetensors``, ``base_model_name_or_path`` the base the checkpoint names) instead of the
+            base with the adapters merged in; ``max_shard_size`` does not apply.
 
     Raises ConversionError naming the mismatch when the checkpoint is not a model of the
     config's family and sizes (e.g. a Llama config on a GLM-4 checkpoint), FileNotFoundError
@@ -104,11 +112,16 @@ def convert_megatron_to_hf(
     _check_family(root, cfg)
     mapping = get_mapping(cfg)
     if any(is_adapter(k) for k in reader.keys()):  # a LoRA run's checkpoint: merged into the base it names
-        source: Any = MergedLoraSource(reader, mapping)
+        source: Any = LoraCheckpoint(reader, mapping)
+    elif peft_adapter:
+        raise ConversionError(f"'{root}' holds no LoRA adapter (a full-parameter checkpoint), so it has none to write "
+                              "in PEFT's format; drop peft_adapter / --peft-adapter to write its model")
     else:
         check_checkpoint_matches(reader, mapping, f"checkpoint '{root}'")
         source = _StoredModel(reader, mapping)
     out = check_output_dir(out_dir, overwrite, source=root)
+    if peft_adapter:
+        return _write_peft_adapter(source, out, out_dtype, overwrite)
 
     # Plan every output tensor (name, shape, dtype) in the order they will be produced.
     groups: list[list[str]] = [[n] for n in mapping.megatron_names() if not n.startswith("decoder.layers.")]
@@ -145,6 +158,16 @@ def convert_megatron_to_hf(
     return out
 
 
+def _write_peft_adapter(checkpoint: LoraCheckpoint, out: Path, dtype: torch.dtype | None, overwrite: bool) -> Path:
+    """Write ``checkpoint``'s adapters to ``out`` in PEFT's format (written whole or not at all)."""
+    adapter = checkpoint.peft_adapter(dtype)
+    with atomic_output_dir(out, overwrite, stale=(WEIGHTS_FILE, CONFIG_FILE)) as tmp:
+        adapter.save(tmp)
+    logger.info("wrote %s: %d adapted layers of rank %d in PEFT's format, base %s", out, len(checkpoint.adapted),
+                checkpoint.options.rank, checkpoint.base_dir)
+    return out
+
+
 class _StoredModel:
     """The model stored in a megatron checkpoint, read a group of megatron tensors at a time."""
 
@@ -166,7 +189,7 @@ class _StoredModel:
 def _write_groups(source: Any, mapping: Any, groups: list[list[str]], out_dtype: torch.dtype | None,
                   writer: SafetensorsShardWriter, bar: Any) -> None:
     """Read each group of Megatron tensors from ``source`` (:class:`_StoredModel` or
-    :class:`~megatron_agentrl.convert.lora_merge.MergedLoraSource`) and write its HF tensors, one group in memory at
+    :class:`~megatron_agentrl.convert.lora_checkpoint.LoraCheckpoint`) and write its HF tensors, one group in memory at
     a time."""
     for group in groups:
         tensors = source.read_group(group, out_dtype)

@@ -1,7 +1,8 @@
 """A run's checkpoint through ``agentrl convert megatron-to-hf``: a full-parameter ``step_<k>/`` (model, optimizer
 state and KL reference in one torch_dist checkpoint) converts to the weights the actor held when it saved; a LoRA
 run's, which holds adapters and names its base, converts to the base with the adapters merged, as the actor's own
-merged export (saved at TP=2, so the adapters are read back resharded); a changed base is refused."""
+merged export (saved at TP=2, so the adapters are read back resharded), or to its adapters in PEFT's format, as the
+actor's own PEFT export, which PEFT loads on the base to the merged model's logits; a changed base is refused."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,8 +16,10 @@ from megatron_agentrl.config import TrainConfig
 from megatron_agentrl.convert import get_mapping
 from megatron_agentrl.convert.base import ConversionError
 from megatron_agentrl.convert.checkpoint import DistCheckpointReader, check_checkpoint_matches
+from megatron_agentrl.convert.cli import main_megatron_to_hf
 from megatron_agentrl.convert.megatron_to_hf import convert_megatron_to_hf
 from megatron_agentrl.lora.options import LoraOptions
+from rollout_sglang.engines.adapter import Adapter
 from tests.support.dist_utils import run_distributed
 from tests.support.tiny_models import read_safetensors_dir, reinit_parallel, tiny_model
 from tests.trainer.support import hf_state, make_batch
@@ -25,6 +28,7 @@ from tests.trainer.support import hf_state, make_batch
 def _checkpoints(rank: int, world: int, root: str) -> dict:
     """TP=``world``: a GRPO step with a KL reference kept, a full checkpoint and the weights it holds; then the
     adapters start, two LoRA steps, a LoRA checkpoint and the merged weights it holds."""
+    from megatron_agentrl.lora.peft_format import export_adapters
     from megatron_agentrl.megatron.actor import MegatronActor
     from megatron_agentrl.pipeline.checkpoint import save_checkpoint, write_base
 
@@ -43,8 +47,9 @@ def _checkpoints(rank: int, world: int, root: str) -> dict:
         actor.train_step(make_batch(cfg.vocab_size, B=2, seed=seed), "grpo", temperature=1.0)
     lora = save_checkpoint(Path(root) / "checkpoints", 3, actor, {"step": 3, "version": 3}, base=base)
     merged = {k: v.clone() for k, v in actor.export_hf_state_dict().items()}
-    return {"full": str(full), "lora": str(lora), "weights": weights, "merged": merged,
-            "reference": actor.has_reference}
+    peft = export_adapters(actor)
+    return {"full": str(full), "lora": str(lora), "weights": weights, "merged": merged, "peft": peft,
+            "base": str(base.path), "reference": actor.has_reference}
 
 
 def _same(got: dict, want: dict) -> None:
@@ -65,6 +70,26 @@ def test_a_runs_checkpoint_converts_full_or_lora_merged(tmp_path: Path) -> None:
     out = convert_megatron_to_hf(r["lora"], tmp_path / "merged", hf_config=config, progress=False)
     _same(read_safetensors_dir(out), r["merged"])
     assert any(not torch.equal(r["merged"][n], r["weights"][n]) for n in r["weights"])  # the adapters are in
+
+    # its adapters in PEFT's format: the actor's own export, for the base the checkpoint names
+    adapter_dir = tmp_path / "adapter"
+    assert main_megatron_to_hf(["--megatron-dir", r["lora"], "--out-dir", str(adapter_dir), "--hf-config",
+                                str(config), "--peft-adapter", "--no-progress"]) == 0
+    adapter = Adapter.load(adapter_dir, 0)
+    _same(adapter.tensors, r["peft"])
+    assert adapter.config["base_model_name_or_path"] == str(Path(r["base"]).resolve())
+    assert (adapter.config["r"], adapter.config["lora_alpha"]) == (4, 8.0)
+    # ... which PEFT loads on that base to the merged model
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(r["base"]), str(adapter_dir))
+        want = AutoModelForCausalLM.from_pretrained(out)(tokens).logits
+        torch.testing.assert_close(peft_model(tokens).logits, want, rtol=0, atol=1e-5)
+    with pytest.raises(ConversionError, match=r"holds no LoRA adapter .* drop peft_adapter / --peft-adapter"):
+        convert_megatron_to_hf(r["full"], tmp_path / "no_adapter", hf_config=config, peft_adapter=True)
 
     # loaded as a model (model.megatron_checkpoint) it is refused naming LoRA and both ways on
     reader = DistCheckpointReader(Path(r["lora"]) / "model_optim")

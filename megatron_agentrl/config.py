@@ -135,9 +135,24 @@ class ModelConfig(Options):
 @dataclass
 class ParallelConfig(ParallelLayout):
     """Megatron model parallelism (``parallel:``): the fields ``tp``, ``pp``, ``cp``, ``ep`` and the rules of
-    :class:`~megatron_agentrl.parallel_layout.ParallelLayout`, its messages naming them ``parallel.<field>``."""
+    :class:`~megatron_agentrl.parallel_layout.ParallelLayout`, its messages naming them ``parallel.<field>``; and
+    how long the trainer's ranks wait for each other."""
 
     KEY: ClassVar[str] = "parallel"
+
+    #: limit on one collective of the trainer's ranks (a gradient all-reduce, a pipeline send; NCCL's watchdog,
+    #: gloo's wait), seconds: how soon a dead or hung rank ends the run
+    collective_timeout_s: float = 600.0
+    #: limit on the other ranks waiting for work rank 0 does alone (taking a batch from the rollouts, an
+    #: evaluation, a checkpoint's drain of the rollouts in flight, writing the LoRA base and the exports), seconds;
+    #: they wait on a gloo group of their own, so this may exceed collective_timeout_s (a rank 0 that dies ends the
+    #: wait at once); more than pipeline.batch_timeout_s, which bounds rank 0's waits for rollouts
+    rank0_timeout_s: float = 7200.0
+
+    def check(self) -> None:
+        """See :class:`Options`."""
+        super().check()
+        self.require_seconds("collective_timeout_s", "rank0_timeout_s")
 
 
 def scheduled_lr(step: int, length: int, peak: float, min_lr: float, style: str, warmup: int = 0) -> float:
@@ -1003,6 +1018,12 @@ class Config:
                 "or lower rollout.max_versions"
             )
         placed(PipelineConfig.KEY, self.admission_options)
+        if self.parallel.rank0_timeout_s <= p.batch_timeout_s:
+            raise ConfigError(f"parallel.rank0_timeout_s={self.parallel.rank0_timeout_s:g} must exceed "
+                              f"pipeline.batch_timeout_s={p.batch_timeout_s:g}: the other ranks wait that long for "
+                              "rank 0, which may itself wait pipeline.batch_timeout_s for a batch or a checkpoint's "
+                              "drain; "
+                              f"raise parallel.rank0_timeout_s above {p.batch_timeout_s:g}")
         self._validate_layers()
         if self.algo.dynamic_sampling and self.rollout.samples_per_prompt < 2:
             raise ConfigError("algo.dynamic_sampling=true drops groups whose rewards are all equal, and a group of "

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from env_controller.http.net import free_port
 from megatron_agentrl.config import ConfigError, ParallelConfig
+from megatron_agentrl.distributed import destroy_rank0_group, init_rank0_group
 from megatron_agentrl.megatron import cpu_bridge
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,8 @@ def _init_torch_distributed(timeout_s: float) -> None:
                 dist.get_world_size())
 
 
-def initialize_parallel(tp: int, pp: int, seed: int, timeout_s: float = 300, cp: int = 1, ep: int = 1) -> None:
+def initialize_parallel(tp: int, pp: int, seed: int, timeout_s: float = 600, cp: int = 1, ep: int = 1,
+                        rank0_timeout_s: float = 7200) -> None:
     """Initialise torch.distributed (if needed) and megatron's TP/PP/CP/EP/DP groups, then seed.
 
     Args:
@@ -70,7 +72,9 @@ def initialize_parallel(tp: int, pp: int, seed: int, timeout_s: float = 300, cp:
         seed: base seed. Python/torch RNGs get ``seed + 100 * pp_rank`` (as megatron's
             training loop does, so stages do not init layers identically); megatron's
             model-parallel RNG tracker is seeded with ``seed`` (offset per TP rank by megatron).
-        timeout_s: timeout of the process group's collectives, seconds.
+        timeout_s: timeout of the process group's collectives, seconds (``parallel.collective_timeout_s``).
+        rank0_timeout_s: how long the other ranks wait for rank 0's own work, seconds
+            (``parallel.rank0_timeout_s``; :mod:`megatron_agentrl.distributed`).
 
     Raises:
         ConfigError (a ValueError) when a size is not a positive integer, the layout does not divide the world
@@ -82,6 +86,7 @@ def initialize_parallel(tp: int, pp: int, seed: int, timeout_s: float = 300, cp:
     cpu_bridge.install()
     if not dist.is_initialized():
         _init_torch_distributed(timeout_s)
+        init_rank0_group(rank0_timeout_s)
     world = dist.get_world_size()
     layout.check_world(world, "the world size")
     if parallel_state.model_parallel_is_initialized():
@@ -127,5 +132,6 @@ def destroy_parallel() -> None:
 
     parallel_state.destroy_model_parallel()
     if _OWNS_PROCESS_GROUP and dist.is_initialized():
+        destroy_rank0_group()
         dist.destroy_process_group()
     _OWNS_PROCESS_GROUP = False

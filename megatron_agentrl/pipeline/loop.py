@@ -48,7 +48,7 @@ from typing import IO, Any
 import torch
 
 from megatron_agentrl.config import Config, ConfigError, config_to_dict
-from megatron_agentrl.distributed import broadcast_object, is_rank0
+from megatron_agentrl.distributed import broadcast_object, is_rank0, wait_for_rank0
 from megatron_agentrl.hf_io import load_hf_config, load_hf_weights, save_hf_checkpoint
 from megatron_agentrl.lora.checkpoint import BASE_DIR, BaseRef
 from megatron_agentrl.megatron.actor import MegatronActor
@@ -133,7 +133,9 @@ def run_training(cfg: Config) -> dict[str, Any]:
 def _run_on_layout(cfg: Config) -> Iterator[TrainingRun]:
     """A :class:`TrainingRun` of ``cfg`` inside its parallel layout: the rollout side (its tasks' containers, servers
     and threads) closed and the layout destroyed on the way out, also on errors."""
-    initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed, cp=cfg.parallel.cp, ep=cfg.parallel.ep)
+    par = cfg.parallel
+    initialize_parallel(par.tp, par.pp, seed=cfg.train.seed, cp=par.cp, ep=par.ep, timeout_s=par.collective_timeout_s,
+                        rank0_timeout_s=par.rank0_timeout_s)
     run: TrainingRun | None = None
     try:
         run = TrainingRun(cfg)
@@ -328,6 +330,7 @@ class TrainingRun:
                                    title="evaluation before RL")
             if self.before:
                 self.metrics.log(0, self.before, phase="eval")
+        wait_for_rank0()  # the evaluation may outlast a collective's timeout
         if cfg.checkpoint.after_warmup:
             self._save(0, None, model_state=warm_state)
 
@@ -568,6 +571,7 @@ class TrainingRun:
         in flight are part of it, and lets it go on after)."""
         if self.manager is not None:
             self.manager.drain(self.cfg.pipeline.batch_timeout_s)
+        wait_for_rank0()
         self._save(step, self.manager.state_dict() if self.manager is not None else None)
         if self.manager is not None:
             self.manager.release()
@@ -637,12 +641,14 @@ class TrainingRun:
         cfg = self.cfg
         after = evaluate(cfg, self.rollout_side, seed=cfg.train.seed + 1, progress=self.progress,
                          title="evaluation after RL") if self.rank0 else {}
+        wait_for_rank0()
         self.publisher.close()
         with self.progress.phase("HF export") as phase:
             final_state = self.actor.export_hf_state_dict()  # collective
             if self.rank0:
                 export_dir = save_hf_checkpoint(final_state, self.hf_config, self.out / "hf_export", self.tokenizer)
                 phase.update(figures={"saved to": str(export_dir)})
+            wait_for_rank0()
             adapter_dir = self._export_adapter() if cfg.lora.enabled else None
         if not self.rank0:
             return {}

@@ -65,6 +65,11 @@ BAD_OVERRIDES = [
     ("tasks=[{name: os_shell, params: {max_processes: 2}}]",
      r"tasks\[0\].params.max_processes=2 must be an integer >= 4"),
     ("tasks=[{name: lookup}, {name: lookup}]", r"tasks: 'lookup' is listed twice"),
+    ("parallel.collective_timeout_s=0", r"parallel.collective_timeout_s=0.0 must be a positive \(finite\) number of "
+                                        r"seconds"),
+    ("parallel.rank0_timeout_s=600", r"parallel.rank0_timeout_s=600 must exceed pipeline.batch_timeout_s=1800: "
+                                     r"the other ranks wait that long for rank 0.* raise parallel.rank0_timeout_s "
+                                     r"above 1800"),
 ]
 
 

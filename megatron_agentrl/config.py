@@ -351,6 +351,8 @@ class SFTConfig(Options):
     min_lr: the learning rate at the end of each phase (0 <= min_lr <= lr).
     full_format_lr: the learning rate the full-format phase starts from (default: ``lr``), so that
         the two phases can run at different rates.
+    lr_warmup_steps: the first warm-up steps raise the learning rate linearly from lr / lr_warmup_steps
+        to lr (the first phase only; the second starts with the optimizer's moments of the first).
     """
 
     KEY: ClassVar[str] = "sft"
@@ -363,11 +365,16 @@ class SFTConfig(Options):
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     min_lr: float = 0.0
     full_format_lr: float | None = None
+    lr_warmup_steps: int = 0
 
     def check(self) -> None:
         """See :class:`Options`."""
         super().check()
         self.require_non_negative("steps", why="0 disables the warm-up")
+        first = min(self.short_format_steps, self.steps) or self.steps
+        self.require(isinstance(self.lr_warmup_steps, int) and 0 <= self.lr_warmup_steps < max(first, 1),
+                     "lr_warmup_steps", f"must be an integer in [0, {first}): the learning rate rises over the first "
+                     "steps of the warm-up's first phase")
         self.require_above_zero("lr")
         self.require_positive_int("batch_size")
         self.require(self.short_format_steps >= 0, "short_format_steps", "must be >= 0: it counts the first "
@@ -386,7 +393,8 @@ class SFTConfig(Options):
         short = min(self.short_format_steps, self.steps)
         start, length = (0, short) if step <= short else (short, self.steps - short)
         peak = self.lr if step <= short or self.full_format_lr is None else self.full_format_lr
-        return scheduled_lr(step - start, length, peak, self.min_lr, self.lr_decay_style)
+        warmup = self.lr_warmup_steps if start == 0 else 0
+        return scheduled_lr(step - start, length, peak, self.min_lr, self.lr_decay_style, warmup)
 
 
 @dataclass

@@ -84,6 +84,13 @@ def test_sft_learning_rate_schedule():
         load_config(DEMO, ["sft.min_lr=1e-4", "sft.full_format_lr=5e-5"])
     with pytest.raises(ConfigError, match=r"sft.full_format_lr"):
         load_config(DEMO, ["sft.full_format_lr=0"])
+    # a linear warm-up of the rate over the first phase's first steps; the second phase starts at its peak
+    warm = load_config(DEMO, ["sft.steps=10", "sft.short_format_steps=4", "sft.lr=1e-3", "sft.lr_warmup_steps=2",
+                              "sft.min_lr=1e-4", "sft.lr_decay_style=linear"])
+    lrs = [warm.sft.lr_at(s) for s in range(1, 11)]
+    assert lrs[:4] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-4]) and lrs[4] == pytest.approx(1e-3)
+    with pytest.raises(ConfigError, match=r"sft.lr_warmup_steps=700 must be an integer in \[0, 700\)"):
+        load_config(DEMO, ["sft.lr_warmup_steps=700"])
 
 def test_rl_learning_rate_schedule():
     """RL's learning rate: a linear warm-up over train.lr_warmup_steps, then the decay style down to

@@ -37,11 +37,18 @@ def destroy_rank0_group() -> None:
     _GROUP = None
 
 
-def broadcast_object(obj: Any) -> Any:
+def broadcast_object(obj: Any, bulk: bool = False) -> Any:
     """Send a picklable object from rank 0 to every rank (identity on one process); the other ranks wait for it up
-    to ``parallel.rank0_timeout_s`` (module doc), then raise a TimeoutError that says so."""
+    to ``parallel.rank0_timeout_s`` (module doc), then raise a TimeoutError that says so. ``bulk`` (a batch): the
+    ranks meet on the rank-0 group first, then the object travels over the training group (NCCL on GPUs: gloo's
+    broadcast sends the whole object from rank 0 to each rank in turn)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
+    if bulk and _GROUP is not None:
+        wait_for_rank0()
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
     box = [obj]
     try:
         dist.broadcast_object_list(box, src=0, group=_GROUP)

@@ -121,7 +121,7 @@ def sft_warmup(cfg: Config, actor: MegatronActor, rollout_side: RolloutSide | No
             batch = None
             if demos is not None:
                 batch = build_sft_batch(demos.batch(short=step <= cfg.sft.short_format_steps))
-            batch = broadcast_object(batch)
+            batch = broadcast_object(batch, bulk=True)
             t0 = time.perf_counter()
             stats = actor.train_step(actor.dp_slice(batch), loss_type="sft")
             if metrics is not None:

@@ -49,7 +49,7 @@ class Trainer:
         ``is_truncated``, ``mis_masked``, ``kl_ref``, ``entropy``), ``grad_norm`` (before clipping),
         ``num_tokens`` (global policy tokens) and ``num_micro_batches`` (this rank).
         """
-        rl = broadcast_object(rl)
+        rl = broadcast_object(rl, bulk=True)
         a = self.actor
         batch = rl.batch
         weights = loss_agg_weights(batch.loss_mask, self.cfg.loss.agg)  # global N_tok, N_seq, L_i

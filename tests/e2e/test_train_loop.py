@@ -91,15 +91,15 @@ def test_cli_trains_the_demo_config_at_dp2_on_the_scale_path(tmp_path):
 
 def test_dp2_ranks_wait_for_rank0s_batches_longer_than_a_collectives_timeout(tmp_path):
     """At DP=2 rank 1 waits for each batch that rank 0 takes from the rollouts, and for its checkpoint drains and
-    evaluations, on the rank-0 group (``parallel.rank0_timeout_s``): episodes slowed to 5 s or more by simulated env
-    latency outlast a 3 s ``parallel.collective_timeout_s``, and the run trains and checkpoints every step."""
+    evaluations, on the rank-0 group (``parallel.rank0_timeout_s``): episodes slowed to 8 s or more by simulated env
+    latency outlast a 5 s ``parallel.collective_timeout_s``, and the run trains and checkpoints every step."""
     from tests.support.demo_run import TINY_MODEL, train_demo, trained_rl_rows
 
     out = tmp_path / "run"
-    train_demo(out, 2, "parallel.collective_timeout_s=3", "pipeline.sim_env_latency_s=2.5",
-               "pipeline.sim_env_latency_max_s=3", "checkpoint.interval=1", *TINY_MODEL)
+    train_demo(out, 2, "parallel.collective_timeout_s=5", "pipeline.sim_env_latency_s=4",
+               "pipeline.sim_env_latency_max_s=5", "checkpoint.interval=1", *TINY_MODEL)
     rl = trained_rl_rows(out)
-    assert rl[0]["wait_batch_s"] > 3.0  # rank 1 sat longer than a collective may
+    assert rl[0]["wait_batch_s"] > 5.0  # rank 1 sat longer than a collective may
     assert (out / "checkpoints" / "step_000001").is_dir() and (out / "checkpoints" / "step_000002").is_dir()
 
 

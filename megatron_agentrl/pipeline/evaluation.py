@@ -166,6 +166,28 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+#: a task whose success rate is below this (the top of its 95 % interval) gives GRPO almost no group with a success
+NO_SIGNAL_SUCCESS = 0.05
+
+
+def no_signal_warnings(m: dict[str, float]) -> list[str]:
+    """A warning for each task of the evaluation before RL ``m`` whose success rate is surely below
+    ``NO_SIGNAL_SUCCESS`` (the top of its 95 % interval is): from there a group of samples almost never holds a
+    success to learn from. Each names the task, its count and the ways forward."""
+    out = []
+    for key, high in m.items():
+        if not key.startswith("success_high/") or high >= NO_SIGNAL_SUCCESS:
+            continue
+        task = key.split("/", 1)[1]
+        n = m[f"episodes/{task}"]
+        out.append(f"task {task} succeeds in {m[f'success/{task}'] * n:.0f} of {n:.0f} held-out episodes before RL "
+                   f"(at most {100 * high:.1f} %, 95 % interval): GRPO learns from groups whose rewards differ, and "
+                   "from here its groups almost never hold a success, so RL may not move it. A stronger start helps "
+                   "(more or better warm-up, sft.steps; another train.seed for a scripted warm-up), as do more "
+                   "samples per group (rollout.samples_per_prompt) or a reward that credits partial progress")
+    return out
+
+
 def _success_text(m: dict[str, float], task: str) -> str:
     """``50.0% (43.1-56.9)``: a task's success with its interval when the evaluation has one."""
     text = f"{100 * m[f'success/{task}']:.1f}%"

@@ -69,6 +69,7 @@ from megatron_agentrl.pipeline.evaluation import (
     evaluate_during_rl,
     final_table,
     format_success,
+    no_signal_warnings,
     success_table,
 )
 from megatron_agentrl.pipeline.progress import Progress
@@ -330,6 +331,8 @@ class TrainingRun:
                                    title="evaluation before RL")
             if self.before:
                 self.metrics.log(0, self.before, phase="eval")
+            for warning in no_signal_warnings(self.before):
+                logger.warning(warning)
         wait_for_rank0()  # the evaluation may outlast a collective's timeout
         if cfg.checkpoint.after_warmup:
             self._save(0, None, model_state=warm_state)

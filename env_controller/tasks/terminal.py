@@ -12,8 +12,12 @@ its own time limit (:meth:`TerminalSession.verify`); its result is the reward:
   or ``/logs/verifier/reward.txt`` (a number), when the verifier writes one (Harbor's contract);
 * else its exit code: 0 is reward 1, anything else 0.
 
-A verifier that runs past its timeout (or breaks another limit: output, processes, memory) ends the
-episode with ``task error`` and an ``error`` saying so: an infrastructure failure, never a reward of 0.
+A verifier that runs past its timeout (or breaks another limit: output, processes, memory) fails the episode,
+reward 0 with an ``error`` saying which limit (``verifier_limit: failure``): the verifier exercised the agent's work,
+and a program that hangs its tests fails them, as a judge's time limit does; were it left out instead, an agent
+could escape every 0 by leaving work that hangs its tests. ``verifier_limit: error`` makes it ``task error``, an
+infrastructure failure left out of training (Harbor's reading), for verifiers whose time depends more on the machine
+than on the agent. A verifier that cannot be set up or started is ``task error`` either way.
 
 Containers come from one :class:`~env_controller.sandbox.pool.SandboxPool` per image (and per working
 directory and limits), all under one :class:`~env_controller.sandbox.pool.PoolBudget` (``max_containers``):
@@ -31,7 +35,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from env_controller.protocol import SampleStatus, TaskReply
 from env_controller.sandbox import SandboxError
@@ -80,6 +84,7 @@ class TerminalSession(BlockingToolTaskSession):
         self.sandbox = box
         self.max_output_chars = task.options.max_output_chars
         self.verifier_user = task.options.verifier_user
+        self.verifier_limit = task.options.verifier_limit
         self.commands = 0
         self.limit_hits = 0
 
@@ -135,11 +140,10 @@ class TerminalSession(BlockingToolTaskSession):
         except SandboxError as exc:
             return self._task_error(f"the verifier of {self.instance.id} could not start: {exc}")
         metrics = {"verifier_s": round(result.duration_s, 3)}
-        if result.limit == "timeout":
-            return self._task_error(f"the verifier of {self.instance.id} ran past its timeout of {v.timeout_s:g} s "
-                                    "and was stopped; the episode was not judged", metrics)
         if result.limit is not None:
-            return self._task_error(f"the verifier of {self.instance.id} was stopped: {result.error}", metrics)
+            why = (f"ran past its timeout of {v.timeout_s:g} s and was stopped" if result.limit == "timeout"
+                   else f"was stopped: {result.error}")
+            return self._limit_hit(f"the verifier of {self.instance.id} {why}", metrics)
         metrics["verifier_exit_code"] = float(result.exit_code if result.exit_code is not None else -1)
         reward, extra, error = self._reward_file()
         if error:
@@ -174,6 +178,15 @@ class TerminalSession(BlockingToolTaskSession):
             return float(body.strip()), {}, ""
         except ValueError as e:
             return None, {}, f"{first}: {e}"
+
+    def _limit_hit(self, why: str, metrics: dict[str, float]) -> ToolResult:
+        """The verifier broke a limit: a failed episode (reward 0), or a task error, by ``verifier_limit``."""
+        metrics["verifier_limit_hit"] = 1.0
+        if self.verifier_limit == "error":
+            return self._task_error(f"{why}; the episode was not judged (verifier_limit: error)", metrics)
+        logger.info("terminal: %s; the episode fails (verifier_limit: failure)", why)
+        return ToolResult(f"the tests failed: {why}", finish=True, success=False, reward=0.0, error=why,
+                          metrics=metrics)
 
     def _task_error(self, why: str, metrics: dict[str, float] | None = None) -> ToolResult:
         logger.warning("terminal: %s", why)
@@ -273,6 +286,10 @@ class TerminalOptions(BlockingTaskOptions, ContainerOptions):
     prebuild: bool = True
     #: demonstrations played at once (each takes a container)
     demo_threads: int = 6
+    #: a verifier that breaks its limits (its timeout, output, processes, memory) while judging: ``failure``, the
+    #: episode is judged failed (reward 0; the verifier ran the agent's work, which an agent could otherwise make
+    #: hang to escape every 0), or ``error``, a task error left out of training (Harbor's reading)
+    verifier_limit: Literal["failure", "error"] = "failure"
 
     def check(self) -> None:
         """See :class:`ContainerOptions`; what depends on the instances' files is checked where they are read
@@ -582,8 +599,8 @@ class TerminalTask(BlockingToolTask):
     def _play_once(self, kind: str, index: int) -> tuple[list[Message], list[ToolSchema]]:
         player = self.expert(index) if kind == "expert" else self.careless(index)
         conversation, reply, session = self.play(index, player)
-        if reply.status is SampleStatus.TASK_ERROR:
-            raise SandboxError(reply.error or "task error")
+        if reply.status is SampleStatus.TASK_ERROR or (reply.metrics or {}).get("verifier_limit_hit"):
+            raise SandboxError(reply.error or "task error")  # a scripted player's verifier cut short: a busy machine
         if kind == "expert" and reply.reward < 1.0 and session.limit_hits:
             raise SandboxError(f"a command of the expert's hit a limit of the container: {reply}")
         if kind == "expert" and reply.reward < 1.0:

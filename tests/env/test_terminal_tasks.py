@@ -1,8 +1,8 @@
 """The ``terminal`` task on a real Docker engine (a private dockerd started by the tests): instances with their
 own image (built from a Dockerfile context, imported from a root-filesystem tarball), a verifier run in the
-container whose exit code (or reward file) decides the reward, a hanging verifier cut at its timeout as a task
-error, per-image pools serving at once under one cap, a reuse only after a verified wipe, and no container left
-behind. The format's refusals are checked without an engine."""
+container whose exit code (or reward file) decides the reward, a hanging verifier cut at its timeout as a failed
+episode (or, by choice, a task error), per-image pools serving at once under one cap, a reuse only after a verified
+wipe, and no container left behind. The format's refusals are checked without an engine."""
 from __future__ import annotations
 
 import asyncio
@@ -151,7 +151,10 @@ def test_dockerfile_and_rootfs_images_run_and_the_verifier_decides(task: Termina
     assert any(t.startswith("agentrl/task:d-") for t in images) and any(t.startswith("agentrl/task:r-") for t in images)
 
 
-def test_a_hanging_verifier_is_cut_at_its_timeout_as_a_task_error(task: TerminalTask) -> None:
+def test_a_hanging_verifier_is_cut_at_its_timeout_and_fails_the_episode(task: TerminalTask,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The verifier ran the agent's work: work that hangs its tests fails them (reward 0), never leaves the episode out
+    of training, or an agent could escape every 0 that way. ``verifier_limit: error`` reads it as a task error."""
     async def go() -> Any:
         c = LocalEnvClient({"terminal": task})
         t0 = time.monotonic()
@@ -159,9 +162,13 @@ def test_a_hanging_verifier_is_cut_at_its_timeout_as_a_task_error(task: Terminal
         return reply, time.monotonic() - t0
 
     reply, took = asyncio.run(go())
-    assert reply.finish and reply.status is SampleStatus.TASK_ERROR, reply  # never a judged reward of 0
-    assert "ran past its timeout of 2 s" in reply.error
+    assert reply.finish and reply.status is SampleStatus.COMPLETED and reply.reward == 0.0, reply
+    assert "ran past its timeout of 2 s" in reply.error and reply.metrics["verifier_limit_hit"] == 1.0
     assert took < 15
+    monkeypatch.setattr(task.options, "verifier_limit", "error")
+    reply, _ = asyncio.run(go())
+    assert reply.finish and reply.status is SampleStatus.TASK_ERROR, reply  # left out, never a reward of 0
+    assert "ran past its timeout of 2 s" in reply.error and "verifier_limit: error" in reply.error
 
 
 def test_a_demonstration_that_meets_an_infrastructure_failure_is_played_again_never_kept(

@@ -93,31 +93,34 @@ class WeightPublisher:
             self._push_full(version, all_slots)
         return time.perf_counter() - t0
 
-    def _push_full(self, version: int, all_slots: bool) -> None:
+    def _push_full(self, version: int, all_slots: bool, restore: bool = False) -> None:
+        """The full weights of ``version`` to the slots due (``restore``: to the engines of a slot back from a
+        restart alone, its version again; :meth:`VersionPool.begin_update`)."""
         if self.sender is None:
             state = self.actor.export_hf_state_dict()  # collective; only rank 0 holds engines
             self.last_bytes = sum(t.numel() * t.element_size() for t in state.values())
             for idx in self._slots(all_slots):
-                self._update(idx, version, lambda slot: deliver_direct(slot.engines, state.items(), self.bucket_bytes))
+                self._update(idx, version, lambda slot: deliver_direct(
+                    [self.pool.engines[e] for e in slot.targets], state.items(), self.bucket_bytes), restore)
         else:
             for idx in broadcast_object(self._slots(all_slots)):
-                self._update_remote(idx, version)
+                self._update_remote(idx, version, restore)
 
     def _push_adapter(self, version: int, all_slots: bool) -> None:
         """Versions as adapters: the base first when it changes or an engine waits for it, then the adapters of
         ``version`` (collective)."""
         from megatron_agentrl.lora.peft_format import adapter_config, export_adapters
 
-        base = None
+        base, restore = None, False
         if self.pool is not None:
             if all_slots:
                 base = version
-            elif self.pool.waiting_for_weights():
-                base = self.pool.slots[0].version
-        base = broadcast_object(base)
+            elif self.pool.waiting_for_weights():  # engines back from a restart: the base to them alone
+                base, restore = self.pool.slots[0].version, True
+        base, restore = broadcast_object((base, restore))
         if base is not None:
             with self.actor.base_weights():
-                self._push_full(base, all_slots=True)
+                self._push_full(base, all_slots=True, restore=restore)
         tensors = export_adapters(self.actor)  # collective
         if base is None:
             self.last_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -156,9 +159,9 @@ class WeightPublisher:
             logger.error("weight sync skipped: %s; the rollout waits for an engine to return", e)
             return []
 
-    def _update(self, idx: int, version: int, deliver: Callable[[Slot], Any]) -> None:
+    def _update(self, idx: int, version: int, deliver: Callable[[Slot], Any], restore: bool = False) -> None:
         """Rank 0: open slot ``idx``'s update, ``deliver(slot)``, close it (marked failed when delivery fails)."""
-        slot = self.pool.begin_update(version, slot=idx, timeout_s=self.timeout_s)
+        slot = self.pool.begin_update(version, slot=idx, timeout_s=self.timeout_s, restore=restore)
         try:
             deliver(slot)
         except BaseException:
@@ -166,16 +169,16 @@ class WeightPublisher:
             raise
         self.pool.end_update(slot)
 
-    def _update_remote(self, idx: int, version: int) -> None:
+    def _update_remote(self, idx: int, version: int, restore: bool = False) -> None:
         """Every rank: update slot ``idx`` (:meth:`_try_update_remote`); a send that failed is tried again at once
         with the engines still reachable (a dead one fails its pause and is left out), until it succeeds, no
         engine is left (skipped), or ``max_failures`` failures in a row end the run. Waiting for the next step's
         push instead would leave the failed slot out of rotation, and with one slot nothing could generate the
         batch of that step."""
-        while not self._try_update_remote(idx, version):
+        while not self._try_update_remote(idx, version, restore):
             pass
 
-    def _try_update_remote(self, idx: int, version: int) -> bool:
+    def _try_update_remote(self, idx: int, version: int, restore: bool = False) -> bool:
         """Every rank: rank 0 opens slot ``idx``'s update for the engines it can reach, all ranks send over
         their group (a fresh one when those engines changed), rank 0 closes it. False when the send failed (the
         slot is marked failed); raises after ``max_failures`` failures in a row. A slot without a reachable
@@ -183,7 +186,7 @@ class WeightPublisher:
         slot, plan = None, None
         if self.pool is not None:
             try:
-                slot = self.pool.begin_update(version, slot=idx, timeout_s=self.timeout_s)
+                slot = self.pool.begin_update(version, slot=idx, timeout_s=self.timeout_s, restore=restore)
                 positions = [slot.engine_ids.index(e) for e in slot.targets]
                 plan = ("go", positions, self.pool.group_tag(slot))
             except EnginesUnavailable as e:

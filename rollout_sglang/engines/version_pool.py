@@ -93,6 +93,8 @@ class Slot:
     version: int
     updating: bool = False
     in_flight: bool = False
+    #: the update restores engines back from a restart (the slot's version again); the others keep serving
+    restoring: bool = False
     failed: bool = False
     pending_version: int | None = None
     targets: list[int] = field(default_factory=list)
@@ -100,9 +102,14 @@ class Slot:
 
     @property
     def live(self) -> bool:
-        """Whether the slot's state admits requests (no failed sync, not updating unless in flight: requests then
-        wait at its paused engines); the pool also needs one of its engines in rotation."""
-        return (not self.updating or self.in_flight) and not self.failed
+        """Whether the slot's state admits requests (no failed sync, not updating unless in flight (requests then
+        wait at its paused engines) or restoring); the pool also needs one of its engines in rotation."""
+        return (not self.updating or self.in_flight or self.restoring) and not self.failed
+
+    def paused_for_update(self, engine_id: int) -> bool:
+        """Whether engine ``engine_id`` of this slot is paused for the slot's update (a restore pauses its targets
+        alone)."""
+        return self.updating and (not self.restoring or engine_id in self.targets)
 
 
 class VersionPool:
@@ -226,7 +233,7 @@ class VersionPool:
 
     def _state(self, s: Slot) -> str:
         if s.updating:
-            return "updating"
+            return f"live, restoring {len(s.targets)} engine(s) back from a restart" if s.restoring else "updating"
         if s.failed:
             return "failed its last sync"
         return "live" if self._serving(s) else "no engine in rotation"
@@ -593,10 +600,11 @@ class VersionPool:
         or its slot is updating, when probes of a paused server mean nothing)."""
         engine = self.engines[engine_id]
         probe = getattr(engine, "probe", None)
-        if not callable(probe) or self._slot_of[engine_id].updating:
+        slot = self._slot_of[engine_id]
+        if not callable(probe) or slot.paused_for_update(engine_id):
             return None
         result = probe(timeout_s)
-        if self._slot_of[engine_id].updating:  # the slot was paused meanwhile: a refusal may be the pause
+        if slot.paused_for_update(engine_id):  # paused meanwhile: a refusal may be the pause
             return None
         if result.ok:
             self.mark_up(engine_id, result.weight_version)
@@ -632,7 +640,7 @@ class VersionPool:
         idle (SGLang refuses while requests run; a request that arrives meanwhile makes it wait for the next check)."""
         flush = getattr(self.engines[eid], "flush_if_stale", None)
         with self._lock:
-            idle = not self._inflight[eid] and not self._slot_of[eid].updating and eid not in self._down
+            idle = not self._inflight[eid] and not self._slot_of[eid].paused_for_update(eid) and eid not in self._down
         if callable(flush) and idle and flush():
             logger.debug("%s flushed the prefix cache an in-place update left", self.engine_name(eid))
 
@@ -663,10 +671,14 @@ class VersionPool:
             return min(candidates, key=lambda s: (not s.failed, not (self._needs_weights & set(s.engine_ids)),
                                                   s.version, s.index))
 
-    def begin_update(self, version: int, slot: Slot | int | None = None, timeout_s: float | None = None) -> Slot:
+    def begin_update(self, version: int, slot: Slot | int | None = None, timeout_s: float | None = None,
+                     restore: bool = False) -> Slot:
         """Take ``slot`` (default: the oldest) out of routing, drain it, pause its engines and open their update; in
         flight (``update_mode`` "in_place" / "retract", not with adapter versions) the slot stays in routing and its
-        engines are paused in that mode at once, their running requests held.
+        engines are paused in that mode at once, their running requests held. ``restore``: only the slot's engines
+        back from a restart and waiting for its weights (:meth:`waiting_for_weights`) take the update, which must be
+        the slot's own version again; the others keep serving, neither drained nor paused (EnginesUnavailable when
+        none waits).
 
         Opening the update tells each engine ``version`` (``begin_weight_update``), once: the weights that
         follow (``deliver_direct``, a broadcaster's buckets) carry none. Engines out of rotation are left
@@ -681,20 +693,22 @@ class VersionPool:
             s = self.oldest_slot() if slot is None else (self.slots[slot] if isinstance(slot, int) else slot)
             if s.updating:
                 raise RuntimeError(f"slot {s.index} is already being updated")
-            in_flight = self.update_mode != "drain" and self.adapters is None
-            if not in_flight and not any(x.live for x in self.slots if x is not s):
+            if restore and int(version) != s.version:
+                raise ValueError(f"a restore of slot {s.index} sends its own version {s.version}, not {version}")
+            in_flight = self.update_mode != "drain" and self.adapters is None and not restore
+            if not in_flight and not restore and not any(x.live for x in self.slots if x is not s):
                 logger.debug("updating slot %d leaves no live slot: generation waits until the update ends", s.index)
-            s.updating, s.in_flight = True, in_flight
+            s.updating, s.in_flight, s.restoring = True, in_flight, restore
             deadline = time.monotonic() + t
-            while not in_flight and any(self._inflight[e] for e in s.engine_ids):
+            while not in_flight and not restore and any(self._inflight[e] for e in s.engine_ids):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    s.updating = False
+                    s.updating = s.restoring = False
                     busy = {e: self._inflight[e] for e in s.engine_ids if self._inflight[e]}
                     raise TimeoutError(f"slot {s.index} did not drain within {t:.1f}s (requests in flight per engine: "
                                        f"{busy}); raise rollout.engine_timeout_s or check for a stuck engine")
                 self._lock.wait(min(left, 0.5))
-            s.targets = [e for e in s.engine_ids if e not in self._down]
+            s.targets = [e for e in s.engine_ids if e not in self._down and (not restore or e in self._needs_weights)]
         try:
             for step in ("pause", "begin"):
                 for eid in list(s.targets):
@@ -714,7 +728,7 @@ class VersionPool:
         except BaseException:
             self._resume_quietly(s)
             with self._lock:
-                s.updating = s.in_flight = False
+                s.updating = s.in_flight = s.restoring = False
                 s.targets = []
                 self._lock.notify_all()
             raise
@@ -743,8 +757,9 @@ class VersionPool:
         with self._lock:
             s.version, s.pending_version = s.pending_version, None
             self._needs_weights -= set(s.targets)
-            s.updating = s.in_flight = False
-            s.failed = not s.targets
+            if not s.restoring:  # a restore that reached nobody leaves the serving engines as they were
+                s.failed = not s.targets
+            s.updating = s.in_flight = s.restoring = False
             s.updated_at = time.monotonic()
             self._lock.notify_all()
         logger.debug("slot %d now serves version %d (pool versions %s)", s.index, s.version, self.versions)
@@ -834,10 +849,11 @@ class VersionPool:
     def abort_update(self, slot: Slot | int) -> None:
         """A sync of the slot failed: mark it failed (not sampled until a sync succeeds) and resume it. In flight,
         the requests its engines held are cancelled first (their callers generate again elsewhere): they would go on
-        over partly loaded weights."""
+        over partly loaded weights. A failed restore leaves the slot serving: its targets still wait for weights."""
         s = self.slots[slot] if isinstance(slot, int) else slot
+        restoring = s.restoring
         with self._lock:
-            s.failed = True  # no new requests while it is closed
+            s.failed = s.failed or not restoring  # no new requests while it is closed
         if s.in_flight:
             for eid in s.engine_ids:
                 self._cancel_calls(eid, f"slot {s.index}'s in-flight update failed", withdraw=True)
@@ -853,13 +869,19 @@ class VersionPool:
         self._resume_quietly(s)
         with self._lock:
             s.pending_version = None
-            s.updating = s.in_flight = False
-            s.failed = True
+            s.updating = s.in_flight = s.restoring = False
+            s.failed = s.failed or not restoring
             self._lock.notify_all()
-        logger.error("slot %d failed its update and is out of rotation until the next successful sync", s.index)
+        if restoring:
+            logger.error("slot %d: restoring engines %s failed; they wait for the next sync, the others serve on",
+                         s.index, [self.engine_name(e) for e in s.targets])
+        else:
+            logger.error("slot %d failed its update and is out of rotation until the next successful sync", s.index)
 
     def _resume_quietly(self, s: Slot) -> None:
-        for e in (self.engines[eid] for eid in s.engine_ids if eid not in self._down):
+        """Resume the slot's engines in reach (a restore's targets alone: the others were never paused)."""
+        engines = s.targets if s.restoring else s.engine_ids
+        for e in (self.engines[eid] for eid in engines if eid not in self._down):
             try:
                 e.resume()
             except Exception as err:  # noqa: BLE001

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollout_sglang.engines.adapter import Adapter
-from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams
+from rollout_sglang.engines.protocol import EnginesUnavailable, GenerationOutput, SamplingParams
 from rollout_sglang.engines.version_pool import VersionPool
 from tests.support.fake_engine import UpdatableEngine
 
@@ -23,9 +23,11 @@ class AdapterEngine(UpdatableEngine):
         self.loaded: dict[str, int] = {}
         self.log: list[str] = []
         self.hold: threading.Event | None = None
+        self.rows = 0
 
     async def generate(self, prompts, params, routing_from=None, adapters=None):
         assert not self.paused, "a publish must not pause the engine"
+        self.rows += len(prompts)
         names = adapters or [None] * len(prompts)
         for n in names:
             assert n is None or n in self.loaded, f"{n} not loaded on {self.name}"
@@ -143,3 +145,37 @@ def test_an_engine_back_from_a_restart_gets_the_base_and_the_live_adapters():
     slot = pool.begin_update(7)
     pool.end_update(slot)
     assert pool.versions == [7] and not a.loaded and not b.loaded
+
+
+def test_a_restore_sends_the_base_to_the_restarted_engine_alone_while_the_others_serve():
+    """An engine back from a restart gets the base (the slot's version again) and the live adapters without pausing
+    or draining the engines that serve: requests go on to them during the restore, and the restored one serves
+    after. A failed restore leaves the slot serving and the engine waiting; a restore with nobody waiting, or of
+    another version, is refused."""
+    a, b, c = AdapterEngine("a"), AdapterEngine("b"), AdapterEngine("c")
+    pool = VersionPool([[a, b, c]], policy="uniform", live_adapters=2)
+    pool.publish_adapter(_adapter(1))
+    pool.publish_adapter(_adapter(2))
+    with pytest.raises(EnginesUnavailable):
+        pool.begin_update(0, restore=True)  # nobody waits
+    pool.mark_down(1, "killed")
+    b.loaded.clear()
+    b.version = -1
+    pool.mark_up(1, None)
+    assert pool.waiting_for_weights()
+    with pytest.raises(ValueError, match="sends its own version 0, not 3"):
+        pool.begin_update(3, restore=True)
+
+    slot = pool.begin_update(0, restore=True)
+    assert slot.targets == [1] and b.paused and b.pending == 0 and not a.paused and not c.paused
+    assert _versions(pool) == {1, 2} and b.rows == 0  # served meanwhile, by a and c
+    assert "restoring 1 engine" in pool.slot_states()
+    pool.abort_update(slot)  # the send failed: b still waits, the slot serves on
+    assert not pool.slots[0].failed and pool.waiting_for_weights() and not b.paused
+    assert _versions(pool) == {1, 2} and b.rows == 0
+
+    slot = pool.begin_update(0, restore=True)
+    pool.end_update(slot)
+    assert sorted(b.loaded) == ["v1", "v2"] and not b.paused and b.version == 0 and not pool.waiting_for_weights()
+    assert a.log.count("load v1") == 1 and c.log.count("load v1") == 1  # nothing sent again to a and c
+    assert _versions(pool, 200) == {1, 2} and b.rows > 0

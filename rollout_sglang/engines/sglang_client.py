@@ -126,7 +126,6 @@ import json
 import logging
 import os
 import random
-import signal
 import subprocess
 import tempfile
 import threading
@@ -140,6 +139,7 @@ import numpy as np
 import torch
 
 from env_controller.http.net import free_port
+from env_controller.servers.process import start_process, stop_process
 from rollout_sglang.engines.protocol import (
     PAUSE_MODES,
     EngineUnavailable,
@@ -987,8 +987,7 @@ class SGLangEngine:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         shown = " ".join("<hidden>" if arg in keys else arg for arg in cmd)
         logger.info("launching SGLang server: %s (GPUs %s, log %s)", shown, list(gpus) or "none", log_path)
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = start_process(cmd, log_path, env=env)  # a group of its own: shutdown reaches its scheduler children
         client_host = "127.0.0.1" if o.host in ("0.0.0.0", "") else o.host
         engine = cls(f"http://{client_host}:{port}", client, num_ranks=tp, routing_layout=routing_layout,
                      process=proc, log_path=log_path)
@@ -1001,24 +1000,11 @@ class SGLangEngine:
         return engine
 
     def shutdown(self, timeout_s: float = 15.0) -> None:
-        """Stop the server process this client launched (SIGTERM, then SIGKILL after ``timeout_s``)."""
+        """Stop the server process this client launched: SIGTERM (SGLang's server then ends its scheduler and
+        detokenizer processes), then after ``timeout_s`` SIGKILL to its whole process group, which also reaches
+        children left behind by a server that died."""
         proc, self.process = self.process, None
-        if proc is None or proc.poll() is not None:
-            return
-        # the server runs in its own session (start_new_session): signal its whole process group,
-        # which holds the scheduler / detokenizer children it spawned
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=timeout_s)
+        stop_process(proc, grace_s=timeout_s)
 
     def __repr__(self) -> str:
         return f"SGLangEngine({self.base_url!r}, version={self.version})"

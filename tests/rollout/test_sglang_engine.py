@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -247,6 +248,22 @@ def test_launch_waits_for_health_and_reports_failures(tmp_path, monkeypatch, cap
         SGLangEngine.launch(tmp_path / "missing", SGLangLaunchOptions(
             server_module="rollout_sglang.testing.sglang_standin", startup_timeout_s=120, log_dir=tmp_path / "logs"))
 
+    # a server that dies and leaves a child (a scheduler) behind: the failed launch's shutdown reaches the child too
+    child_pid = tmp_path / "child.pid"
+    (tmp_path / "orphaning_server.py").write_text(
+        "import subprocess, sys\n"
+        f"child = subprocess.Popen(['sleep', '300'])\nopen({str(child_pid)!r}, 'w').write(str(child.pid))\n"
+        "sys.exit(3)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(SGLangError, match="exited with code 3"):
+        SGLangEngine.launch(model_dir, SGLangLaunchOptions(server_module="orphaning_server", startup_timeout_s=60,
+                                                           log_dir=tmp_path / "logs", python=sys.executable))
+    pid = int(child_pid.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), "the dead server's child outlived its shutdown"
+
     (tmp_path / "slow_server.py").write_text("import time\ntime.sleep(120)\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     t0 = time.perf_counter()
@@ -254,3 +271,12 @@ def test_launch_waits_for_health_and_reports_failures(tmp_path, monkeypatch, cap
         SGLangEngine.launch(model_dir, SGLangLaunchOptions(server_module="slow_server", startup_timeout_s=2,
                                                            log_dir=tmp_path / "logs", python=sys.executable))
     assert time.perf_counter() - t0 < 30
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie waiting for its reaper does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

@@ -263,3 +263,35 @@ def test_agentrl_eval_of_a_lora_checkpoint_gives_the_runs_own_evaluation(tmp_pat
     refused = run_distributed(_evaluate, 1, TINY + ["eval.samples_per_task=2", f"output_dir={tmp_path}",
                                                     "checkpoint.resume=latest"], timeout_s=180)[0]
     assert "holds LoRA adapters (lora.rank=4)" in refused and "lora.rank=4" in refused, refused
+
+
+def test_the_base_hash_covers_every_shard_and_checks_a_checkpoint_of_the_earlier_method(tmp_path: Path) -> None:
+    """The base's hash (each shard's digest, taken at once) changes with any shard's bytes or name; a checkpoint that
+    recorded the earlier one-stream method is checked with it; a method this version does not know is refused."""
+    from safetensors.torch import save_file
+
+    from megatron_agentrl.lora.checkpoint import (
+        HASH_METHOD,
+        STREAM_HASH_METHOD,
+        BaseError,
+        BaseRef,
+        base_hash,
+        check_base,
+    )
+
+    base = tmp_path / "hf_base"
+    base.mkdir()
+    for i in range(3):
+        save_file({"w": torch.full((64,), float(i))}, str(base / f"model-0000{i + 1}-of-00003.safetensors"))
+    new, stream = base_hash(base), base_hash(base, STREAM_HASH_METHOD)
+    assert new != stream and base_hash(base) == new  # deterministic whatever order the threads end in
+    ckpt = tmp_path / "step_000001"
+    for method, digest in ((HASH_METHOD, new), (STREAM_HASH_METHOD, stream)):
+        entry = BaseRef(str(base), digest, method).to_meta(ckpt)
+        assert entry["hash"] == method and check_base(entry, ckpt) == base
+    save_file({"w": torch.full((64,), 9.0)}, str(base / "model-00002-of-00003.safetensors"))
+    for method, digest in ((HASH_METHOD, new), (STREAM_HASH_METHOD, stream)):
+        with pytest.raises(BaseError, match="has changed"):
+            check_base(BaseRef(str(base), digest, method).to_meta(ckpt), ckpt)
+    with pytest.raises(BaseError, match="which this version does not know"):
+        base_hash(base, "md5 of something")

@@ -371,14 +371,14 @@ class SFTConfig(Options):
         """See :class:`Options`."""
         super().check()
         self.require_non_negative("steps", why="0 disables the warm-up")
-        first = min(self.short_format_steps, self.steps) or self.steps
-        self.require(isinstance(self.lr_warmup_steps, int) and 0 <= self.lr_warmup_steps < max(first, 1),
-                     "lr_warmup_steps", f"must be an integer in [0, {first}): the learning rate rises over the first "
-                     "steps of the warm-up's first phase")
         self.require_above_zero("lr")
         self.require_positive_int("batch_size")
         self.require(self.short_format_steps >= 0, "short_format_steps", "must be >= 0: it counts the first "
                      "warm-up steps (of sft.steps), which use the short format")
+        first = min(self.short_format_steps, self.steps) or self.steps
+        self.require(isinstance(self.lr_warmup_steps, int) and 0 <= self.lr_warmup_steps < max(first, 1),
+                     "lr_warmup_steps", f"must be an integer in [0, {first}): the learning rate rises over the first "
+                     "steps of the warm-up's first phase")
         self.require(0.0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, sft.lr={self.lr!r}]: the warm-up "
                      "decays from lr down to min_lr")
         if self.full_format_lr is not None:

@@ -44,12 +44,11 @@ def broadcast_object(obj: Any, bulk: bool = False) -> Any:
     broadcast sends the whole object from rank 0 to each rank in turn)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
+    box = [obj]
     if bulk and _GROUP is not None:
         wait_for_rank0()
-        box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-    box = [obj]
     try:
         dist.broadcast_object_list(box, src=0, group=_GROUP)
     except RuntimeError as e:

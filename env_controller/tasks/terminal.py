@@ -61,6 +61,8 @@ logger = logging.getLogger(__name__)
 #: where the verifier's files go, and where it may write its reward (Harbor's paths)
 TESTS_DIR = "/tests"
 LOGS_DIR = "/logs/verifier"
+#: the metric of an episode whose verifier broke a limit (``verifier_limit``)
+VERIFIER_LIMIT_METRIC = "verifier_limit_hit"
 #: the verifier's home, working directory and (``tmp/``) temporary files: its own, made for each verification
 VERIFIER_HOME = "/verifier"
 #: what the verifier made, removed before a container is reused (and what an agent may have planted there, before
@@ -181,7 +183,7 @@ class TerminalSession(BlockingToolTaskSession):
 
     def _limit_hit(self, why: str, metrics: dict[str, float]) -> ToolResult:
         """The verifier broke a limit: a failed episode (reward 0), or a task error, by ``verifier_limit``."""
-        metrics["verifier_limit_hit"] = 1.0
+        metrics[VERIFIER_LIMIT_METRIC] = 1.0
         if self.verifier_limit == "error":
             return self._task_error(f"{why}; the episode was not judged (verifier_limit: error)", metrics)
         logger.info("terminal: %s; the episode fails (verifier_limit: failure)", why)
@@ -599,7 +601,7 @@ class TerminalTask(BlockingToolTask):
     def _play_once(self, kind: str, index: int) -> tuple[list[Message], list[ToolSchema]]:
         player = self.expert(index) if kind == "expert" else self.careless(index)
         conversation, reply, session = self.play(index, player)
-        if reply.status is SampleStatus.TASK_ERROR or (reply.metrics or {}).get("verifier_limit_hit"):
+        if reply.status is SampleStatus.TASK_ERROR or (reply.metrics or {}).get(VERIFIER_LIMIT_METRIC):
             raise SandboxError(reply.error or "task error")  # a scripted player's verifier cut short: a busy machine
         if kind == "expert" and reply.reward < 1.0 and session.limit_hits:
             raise SandboxError(f"a command of the expert's hit a limit of the container: {reply}")

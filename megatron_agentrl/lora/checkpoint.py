@@ -43,6 +43,12 @@ class BaseRef:
     #: how ``sha256`` was taken (:data:`HASH_METHOD`, or :data:`STREAM_HASH_METHOD` for an earlier run's base)
     method: str = HASH_METHOD
 
+    @classmethod
+    def from_meta(cls, entry: dict[str, str], checkpoint_dir: str | Path) -> BaseRef:
+        """The base a checkpoint's meta.json entry names, its folder as found now (:func:`resolve_base`; BaseError
+        when missing), with its hash and how it was taken (an entry of the earlier method says so)."""
+        return cls(str(resolve_base(entry, checkpoint_dir)), entry["sha256"], entry.get("hash", STREAM_HASH_METHOD))
+
     def to_meta(self, checkpoint_dir: str | Path) -> dict[str, str]:
         """The base's entry of a checkpoint's meta.json: the path, the same relative to the checkpoint folder (found
         when a run's output folder moved as a whole), the hash and how it was taken."""
@@ -102,9 +108,10 @@ def check_base(entry: dict[str, str], checkpoint_dir: str | Path) -> Path:
     answer: tuple[str, str] | None = None
     if is_rank0():
         try:
-            path = resolve_base(entry, checkpoint_dir)
-            found = base_hash(path, entry.get("hash", STREAM_HASH_METHOD))
-            if found != entry["sha256"]:
+            ref = BaseRef.from_meta(entry, checkpoint_dir)
+            path = Path(ref.path)
+            found = base_hash(path, ref.method)
+            if found != ref.sha256:
                 raise BaseError(f"the base '{path}' of the LoRA checkpoint '{checkpoint_dir}' has changed: its sha256 "
                                 f"is {found}, the adapters were trained on {entry['sha256']}; put the original base "
                                 "back there (the run's hf_base/ as written when the adapters started), or resume from "

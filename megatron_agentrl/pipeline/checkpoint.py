@@ -45,14 +45,7 @@ import torch.distributed as dist
 from megatron_agentrl.convert.checkpoint import TRAINING_MODEL_DIR, sync_save_strategy
 from megatron_agentrl.distributed import broadcast_object
 from megatron_agentrl.lora.adapters import ADAPTER, is_adapter
-from megatron_agentrl.lora.checkpoint import (
-    STREAM_HASH_METHOD,
-    BaseError,
-    BaseRef,
-    base_hash,
-    check_base,
-    resolve_base,
-)
+from megatron_agentrl.lora.checkpoint import BaseError, BaseRef, base_hash, check_base
 from megatron_agentrl.lora.options import LoraOptions
 
 logger = logging.getLogger(__name__)
@@ -311,7 +304,7 @@ def checkpoint_base(path: str | Path) -> BaseRef | None:
     if not entry:
         return None
     try:
-        return BaseRef(str(resolve_base(entry, path)), entry["sha256"], entry.get("hash", STREAM_HASH_METHOD))
+        return BaseRef.from_meta(entry, path)
     except BaseError as e:
         raise CheckpointError(str(e)) from e
 

@@ -56,7 +56,7 @@ class LoraCheckpoint:
                                   "give the run's step_<k>/ folder as it was written") from None
         self.options = LoraOptions.from_saved(lora)
         try:
-            self.base_dir = check_base(base, step)
+            self.base_dir = Path(check_base(base, step).path)
         except BaseError as e:
             raise ConversionError(str(e)) from None
         self.base = SafetensorsReader(self.base_dir)

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from megatron_agentrl.convert.checkpoint import TRAINING_MODEL_DIR, sync_save_strategy
 from megatron_agentrl.distributed import broadcast_object
 from megatron_agentrl.lora.adapters import ADAPTER, is_adapter
-from megatron_agentrl.lora.checkpoint import BaseError, BaseRef, base_hash, check_base
+from megatron_agentrl.lora.checkpoint import BaseError, BaseRef, check_base
 from megatron_agentrl.lora.options import LoraOptions
 
 logger = logging.getLogger(__name__)
@@ -293,21 +293,12 @@ def write_base(actor: Any, hf_config: Any, tokenizer: Any, directory: str | Path
     ref = None
     if _rank() == 0:
         out = save_hf_checkpoint(state, hf_config, directory, tokenizer).absolute()
-        ref = BaseRef(str(out), base_hash(out))
+        ref = BaseRef.hashed(out)
     return broadcast_object(ref)
 
 
-def checkpoint_base(path: str | Path) -> BaseRef | None:
-    """The base a LoRA run's checkpoint ``path`` references (its folder as found now, see
-    :func:`~megatron_agentrl.lora.checkpoint.resolve_base`), None for a full-parameter one."""
-    entry = json.loads((Path(path) / "meta.json").read_text()).get("base")
-    if not entry:
-        return None
-    try:
-        return BaseRef.from_meta(entry, path)
-    except BaseError as e:
-        raise CheckpointError(str(e)) from e
-
+#: the key of :func:`load_checkpoint`'s state that holds a LoRA checkpoint's base (a BaseRef), None otherwise
+LORA_BASE_KEY = "lora_base"
 
 #: the ``lora`` options that define the trained adapters (the others, e.g. dropout, are the run's to choose)
 ADAPTER_SHAPE = ("rank", "alpha", "target_modules")
@@ -339,8 +330,9 @@ def _check_lora(d: Path, meta: dict[str, Any], lora: LoraOptions | None) -> Lora
     return lora
 
 
-def _load_base(d: Path, meta: dict[str, Any], actor: Any, options: LoraOptions) -> None:
-    """A LoRA checkpoint's base checked (hash) and loaded into ``actor``, the adapters attached. Collective."""
+def _load_base(d: Path, meta: dict[str, Any], actor: Any, options: LoraOptions) -> BaseRef:
+    """A LoRA checkpoint's base checked (hash) and loaded into ``actor``, the adapters attached; its reference as
+    checked. Collective."""
     from megatron_agentrl.hf_io import load_hf_weights
 
     try:
@@ -350,10 +342,11 @@ def _load_base(d: Path, meta: dict[str, Any], actor: Any, options: LoraOptions) 
     if actor.lora is not None:
         raise CheckpointError(f"checkpoint '{d}': the actor trains adapters already; a LoRA checkpoint loads into "
                               "an actor without them (its base first)")
-    actor.load_hf_state_dict(load_hf_weights(base))
+    actor.load_hf_state_dict(load_hf_weights(base.path))
     actor.start_adapters(options)
     if meta.get("has_reference"):
         actor.snapshot_reference()  # the reference policy of a LoRA run is its base
+    return base
 
 
 def load_checkpoint(path: str | Path, actor: Any, lora: LoraOptions | None = None) -> dict[str, Any]:
@@ -362,10 +355,11 @@ def load_checkpoint(path: str | Path, actor: Any, lora: LoraOptions | None = Non
 
     A checkpoint written at another TP x PP x DP layout is resharded (weights, Adam state, step
     count); see :func:`_rng_file` for the RNG. A LoRA run's checkpoint loads into an actor without adapters: its base
-    (hash checked), then the adapters attached and loaded with their optimizer state. ``lora``: the run's section, to
-    refuse a checkpoint it cannot continue from (None: whatever the checkpoint is). Raises CheckpointError naming the
-    folder when it is not a complete checkpoint, was written by an earlier checkpoint format, or its base is missing
-    or changed.
+    (checked: :func:`~megatron_agentrl.lora.checkpoint.check_base`), then the adapters attached and loaded with their
+    optimizer state; the state's :data:`LORA_BASE_KEY` holds the base's reference (None for a full-parameter one).
+    ``lora``: the run's section, to refuse a checkpoint it cannot continue from (None: whatever the checkpoint is).
+    Raises CheckpointError naming the folder when it is not a complete checkpoint, was written by an earlier checkpoint
+    format, or its base is missing or changed.
     """
     from megatron.core import dist_checkpointing
 
@@ -389,8 +383,9 @@ def load_checkpoint(path: str | Path, actor: Any, lora: LoraOptions | None = Non
                               f"resume with train.use_distributed_optimizer={was}")
     options = _check_lora(d, meta, lora)
     rng_file = _rng_file(d, meta, actor)
+    base = None
     if options is not None:
-        _load_base(d, meta, actor, options)
+        base = _load_base(d, meta, actor, options)
     elif actor.lora is not None:
         raise CheckpointError(f"checkpoint '{d}' is a full-parameter one and the actor trains adapters; load it "
                               "before the adapters start")
@@ -420,6 +415,7 @@ def load_checkpoint(path: str | Path, actor: Any, lora: LoraOptions | None = Non
                                  for i, (_, p) in enumerate(actor.named_params)]
     _set_rng_state(torch.load(rng_file, weights_only=False))
     state = torch.load(d / PIPELINE_FILE, weights_only=False)
+    state[LORA_BASE_KEY] = base
     _barrier()
     logger.info("resumed from checkpoint %s (step %d%s)", d, meta["step"],
                 f", LoRA adapters on {meta['base']['path']}" if options is not None else "")

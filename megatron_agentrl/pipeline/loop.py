@@ -56,7 +56,7 @@ from megatron_agentrl.megatron.parallel import destroy_parallel, initialize_para
 from megatron_agentrl.metrics import MetricsLogger, plot_task_rewards, require_wandb, truncate_jsonl
 from megatron_agentrl.pipeline.batch import build_rl_batch
 from megatron_agentrl.pipeline.checkpoint import (
-    checkpoint_base,
+    LORA_BASE_KEY,
     find_latest,
     load_checkpoint,
     save_checkpoint,
@@ -349,7 +349,7 @@ class TrainingRun:
         if not self.cfg.lora.enabled:
             return
         if self.actor.lora is not None:
-            self.lora_base = checkpoint_base(self.resume)
+            self.lora_base = self.state[LORA_BASE_KEY]
             return
         self._start_adapters()
         if self.cfg.loss.kl_coef > 0:
@@ -362,7 +362,7 @@ class TrainingRun:
         version = 0
         if self.resume is not None:
             self.state = load_checkpoint(self.resume, self.actor, lora=cfg.lora)
-            self.lora_base = checkpoint_base(self.resume)
+            self.lora_base = self.state[LORA_BASE_KEY]
             version, self.start_step = int(self.state["version"]), int(self.state["step"])
             weights = f"checkpoint {self.resume} (step {self.start_step})"
         elif cfg.checkpoint.resume:

@@ -9,7 +9,9 @@ Whole runs: a LoRA run resumed at step 2 trains step 3 as the uninterrupted run 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,7 +46,7 @@ def _save_then_resume(rank: int, world: int, root: str) -> dict:
     a fresh actor (random weights) loads the checkpoint and takes the third step again. Also a full checkpoint of
     the same model, for its size."""
     from megatron_agentrl.megatron.actor import MegatronActor
-    from megatron_agentrl.pipeline.checkpoint import load_checkpoint, save_checkpoint, write_base
+    from megatron_agentrl.pipeline.checkpoint import LORA_BASE_KEY, load_checkpoint, save_checkpoint, write_base
 
     cfg, hf = tiny_model("qwen2", False, vocab=200, layers=2)
     reinit_parallel(2, 1)
@@ -68,6 +70,7 @@ def _save_then_resume(rank: int, world: int, root: str) -> dict:
     fresh = MegatronActor(cfg, train, adapters_later=True)  # random weights: the base comes from hf_base
     torch.manual_seed(99)  # the checkpoint restores the RNG
     state = load_checkpoint(ckpt, fresh, lora=LORA)
+    checked_base = state.pop(LORA_BASE_KEY)  # the base as written: its shards' stamps as recorded
     steps = fresh.optimizer_step_count
     again = fresh.train_step(fresh.dp_slice(batches[3]), "grpo", temperature=1.0)
     moved = max(float((p - after[n]).abs().max()) for n, p in _adapters(fresh).items())
@@ -75,6 +78,7 @@ def _save_then_resume(rank: int, world: int, root: str) -> dict:
                      for (_, p), (_, q) in zip(fresh.named_params, actor.named_params))
     return {"loss": (stats["loss"], again["loss"]), "grad_norm": (stats["grad_norm"], again["grad_norm"]),
             "adapters_differ": moved, "base_differ": base_moved, "state": state, "adam_steps": steps,
+            "same_base": checked_base == base,
             "full": str(full), "lora": str(ckpt), "base": base.path, "sha256": base.sha256, "merged": merged}
 
 
@@ -96,7 +100,7 @@ def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_exactly(tmp_path
     for r in results:
         assert r["loss"][0] == r["loss"][1] and r["grad_norm"][0] == r["grad_norm"][1], r
         assert r["adapters_differ"] == 0.0 and r["base_differ"] == 0.0, r
-        assert r["state"] == {"step": 3, "version": 3} and r["adam_steps"] == 2, r
+        assert r["state"] == {"step": 3, "version": 3} and r["adam_steps"] == 2 and r["same_base"], r
     r = results[0]
     lora, full = Path(r["lora"]), Path(r["full"])
     meta = json.loads((lora / "meta.json").read_text())
@@ -279,19 +283,66 @@ def test_the_base_hash_covers_every_shard_and_checks_a_checkpoint_of_the_earlier
         check_base,
     )
 
-    base = tmp_path / "hf_base"
-    base.mkdir()
-    for i in range(3):
-        save_file({"w": torch.full((64,), float(i))}, str(base / f"model-0000{i + 1}-of-00003.safetensors"))
+    base = _shards(tmp_path / "hf_base", save_file)
     new, stream = base_hash(base), base_hash(base, STREAM_HASH_METHOD)
     assert new != stream and base_hash(base) == new  # deterministic whatever order the threads end in
     ckpt = tmp_path / "step_000001"
     for method, digest in ((HASH_METHOD, new), (STREAM_HASH_METHOD, stream)):
         entry = BaseRef(str(base), digest, method).to_meta(ckpt)
-        assert entry["hash"] == method and check_base(entry, ckpt) == base
+        assert entry["hash"] == method and check_base(entry, ckpt).path == str(base)
     save_file({"w": torch.full((64,), 9.0)}, str(base / "model-00002-of-00003.safetensors"))
     for method, digest in ((HASH_METHOD, new), (STREAM_HASH_METHOD, stream)):
         with pytest.raises(BaseError, match="has changed"):
             check_base(BaseRef(str(base), digest, method).to_meta(ckpt), ckpt)
     with pytest.raises(BaseError, match="which this version does not know"):
         base_hash(base, "md5 of something")
+
+
+def _shards(base: Path, save_file: Any) -> Path:
+    base.mkdir()
+    for i in range(3):
+        save_file({"w": torch.full((64,), float(i))}, str(base / f"model-0000{i + 1}-of-00003.safetensors"))
+    return base
+
+
+def test_resume_reads_the_base_only_when_its_shards_changed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A base whose shards have the sizes and times recorded when it was hashed is not read again; a shard rewritten
+    with its old size and modification time, a copied folder or an entry without the record is hashed (and the
+    rewritten one refused); a check that hashed hands on fresh stamps, so the next resume skips the read."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from megatron_agentrl.lora import checkpoint as lc
+
+    reads: list[str] = []
+    real_update = lc._update
+    monkeypatch.setattr(lc, "_update", lambda digest, path: reads.append(path.name) or real_update(digest, path))
+    base = _shards(tmp_path / "hf_base", save_file)
+    ckpt = tmp_path / "step_000001"
+    ref = lc.BaseRef.hashed(base)
+    assert len(reads) == 3 and [f[0] for f in ref.files] == sorted(p.name for p in base.iterdir())
+    reads.clear()
+    entry = json.loads(json.dumps(ref.to_meta(ckpt)))  # as meta.json holds it
+    assert lc.check_base(entry, ckpt) == ref and reads == []
+
+    older = {k: v for k, v in entry.items() if k != "files"}  # a checkpoint written before the stamps
+    checked = lc.check_base(older, ckpt)
+    assert len(reads) == 3 and checked.files == ref.files and checked.sha256 == ref.sha256
+    reads.clear()
+
+    copy = tmp_path / "moved" / "hf_base"
+    shutil.copytree(base, copy)  # copy2: sizes and modification times kept, new status-change times
+    moved = lc.check_base({**entry, "path": str(copy)}, ckpt)
+    assert len(reads) == 3 and moved.path == str(copy) and moved.files != ref.files
+    reads.clear()
+    assert lc.check_base(json.loads(json.dumps(moved.to_meta(ckpt))), ckpt) == moved and reads == []
+
+    shard = base / "model-00002-of-00003.safetensors"
+    st = shard.stat()
+    save_file({"w": torch.full((64,), 7.0)}, str(shard))  # the same size
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert shard.stat().st_size == st.st_size and shard.stat().st_mtime_ns == st.st_mtime_ns
+    with pytest.raises(lc.BaseError, match="has changed"):
+        lc.check_base(entry, ckpt)
+    assert len(reads) == 3

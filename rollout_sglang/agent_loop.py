@@ -210,10 +210,9 @@ async def run_group_lockstep(
     engine: one engine, or a VersionPool (per-turn slot choice by its cross-policy, see the module doc).
     requests: ``(task, index, group_id)`` per episode.
     params: sampling settings of every turn; the template's stop tokens are added to
-        ``stop_token_ids``; ``max_new_tokens`` caps each turn; with ``seed`` set, turn ``k`` uses
-        ``seed + k * len(requests)`` so turns and rows never share a random stream (with a pool of
-        E engines: ``seed + k * len(requests) * E``, and the pool offsets each engine's call, see
-        ``VersionPool.generate``).
+        ``stop_token_ids``; ``max_new_tokens`` caps each turn; with ``seed`` set, episode ``j`` samples turn
+        ``k`` with ``seed + k * len(requests) + j`` (whichever engine of a pool serves it, see
+        ``VersionPool.generate``), so turns and episodes never share a random stream.
     episode: the limits (``max_turns``: an episode still running after that many turns ends with "task limit
         reached" and its env session is cancelled; ``max_total_tokens``: a turn is cut so that prompt, turns and
         env replies never exceed it, and an episode that runs out of room ends with "agent context limit"),
@@ -265,7 +264,7 @@ class _Lockstep:
         self.limits, self.timeout_s = episode.limits, episode.env_timeout_s
         self.capture_routing = episode.capture_routing
         self.pool = engine if isinstance(engine, VersionPool) else None
-        self.seed_stride = len(episodes) * (len(self.pool.engines) if self.pool is not None else 1)
+        self.seed_stride = len(episodes)
         call_id = object()  # router keys of this call's episodes: (call_id, episode index)
         self.keys = {id(ep): (call_id, i) for i, ep in enumerate(episodes)}
 

@@ -1,7 +1,7 @@
 """The trainer-side client of the environment controller (asyncio).
 
 Calls to an ``http://`` controller go through the small pooled HTTP/1.1 client the controller uses for
-its worker calls (:mod:`env_controller.controller.worker_http`: less CPU per call than aiohttp's);
+its worker calls (:mod:`env_controller.http.client`: less CPU per call than aiohttp's);
 an ``https://`` controller is called through aiohttp's client.
 
 :class:`HttpEnvClient` implements the agent loop's ``EnvClient`` protocol over HTTP, exactly as
@@ -46,8 +46,8 @@ import aiohttp
 
 from env_controller.clients.local import UnknownSessionError
 from env_controller.clients.options import EnvClientOptions
-from env_controller.controller.worker_http import ConnectError, Disconnected, WorkerHttp, parse_url
 from env_controller.http.auth import TOKEN_ENV, TRAINER_TOKEN_ENV, pick_token, resolve_token
+from env_controller.http.client import ConnectError, Disconnected, PooledHttp, parse_url
 from env_controller.http.json_io import dumps_json, loads_json
 from env_controller.http.service import SESSION_HEADER, base_api_url
 from env_controller.protocol import MalformedMessageError, TaskReply
@@ -154,7 +154,7 @@ class HttpEnvClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         # start, interact, cancel and the views go through the controller's own lean HTTP/1.1 client
         # (less CPU per call than aiohttp's) when the URL is plain http://; aiohttp otherwise
-        self._lean: WorkerHttp | None = None
+        self._lean: PooledHttp | None = None
         self._lean_loop: asyncio.AbstractEventLoop | None = None
         try:
             parse_url(self.url)
@@ -226,14 +226,14 @@ class HttpEnvClient:
             payload = raw.decode(errors="replace")
         return status, payload, resp_headers
 
-    def _lean_client(self) -> WorkerHttp | None:
+    def _lean_client(self) -> PooledHttp | None:
         """The pooled HTTP/1.1 client of the controller's worker calls, for an ``http://`` controller (None
         for ``https://``, which aiohttp serves); one per event loop."""
         if not self._lean_ok:
             return None
         loop = asyncio.get_running_loop()
         if self._lean is None or self._lean_loop is not loop:
-            self._lean = WorkerHttp(max_in_flight=self.max_connections, keepalive_s=_KEEPALIVE_S,
+            self._lean = PooledHttp(max_in_flight=self.max_connections, keepalive_s=_KEEPALIVE_S,
                                     connect_timeout_s=self.connect_timeout_s)
             self._lean_loop = loop
         return self._lean

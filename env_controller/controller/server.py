@@ -3,7 +3,7 @@
 Wire-compatible with the AgentBench-FC / AgentRL task-worker protocol (DESIGN.md, "Env
 protocol"). The app is aiohttp's, served behind :mod:`~env_controller.http.fast` (plain requests
 are parsed and answered there, every other one by aiohttp); calls to workers go through the small
-pooled HTTP/1.1 client of :mod:`~env_controller.controller.worker_http` (a future per call, driven by
+pooled HTTP/1.1 client of :mod:`~env_controller.http.client` (a future per call, driven by
 callbacks). The hot path is described in docs/environments.md ("The hot path"). Workers register with heartbeats
 (:mod:`~env_controller.controller.registry`); the trainer starts, drives and cancels sessions
 (:mod:`~env_controller.controller.sessions`); every start goes to the least-loaded alive worker of the task.
@@ -60,8 +60,8 @@ from env_controller.controller.metrics import ControllerMetrics
 from env_controller.controller.options import ControllerConfig
 from env_controller.controller.registry import NoWorkerError, RegistryError, Worker, WorkerRegistry, WorkerState
 from env_controller.controller.sessions import Session, SessionTable, final_reply
-from env_controller.controller.worker_http import ConnectError, WorkerHttp, parse_url
 from env_controller.http.auth import TRAINER_TOKEN_ENV, Role, split_url_credentials
+from env_controller.http.client import ConnectError, PooledHttp, parse_url
 from env_controller.http.service import (
     SESSION_HEADER,
     HttpError,
@@ -160,7 +160,7 @@ class Controller(HttpService):
         self.sessions = SessionTable(remember=config.remember_ended)
         self.metrics = ControllerMetrics(self._open_per_task, self.registry.counts)
         self.port: int | None = None
-        self._http: WorkerHttp | None = None
+        self._http: PooledHttp | None = None
         self._monitor_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
         self._call_hist: dict[str, Any] = {}
@@ -187,7 +187,7 @@ class Controller(HttpService):
         config = self.config
         # a worker that refused a connection is not tried again for a second: a killed worker's thousands of
         # sessions would each open one otherwise (its starts go elsewhere: it is suspect until it beats again)
-        self._http = WorkerHttp(config.max_worker_connections, config.worker_keepalive_s, config.connect_timeout_s,
+        self._http = PooledHttp(config.max_worker_connections, config.worker_keepalive_s, config.connect_timeout_s,
                                 refused_for_s=1.0)
         try:
             self.port = await self._serve(config.host, config.port, "the controller")

@@ -122,7 +122,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import json
 import logging
 import os
 import random
@@ -130,6 +129,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -138,6 +138,8 @@ import httpx
 import numpy as np
 import torch
 
+from env_controller.http.client import PooledHttp, Response, parse_url
+from env_controller.http.json_io import dumps_json, loads_json
 from env_controller.http.net import free_port
 from env_controller.servers.process import start_process, stop_process
 from rollout_sglang.engines.protocol import (
@@ -287,6 +289,30 @@ def launch_flags(model_path: str | os.PathLike, options: SGLangLaunchOptions, cl
             cmd += [flag, key]
     return cmd + server_args_argv(o.server_args, f"{o.KEY}.server_args")
 
+#: idle connections of the ``/generate`` pools are closed after this long (seconds)
+KEEPALIVE_S = 4.0
+
+
+class HttpxPool:
+    """:meth:`PooledHttp.request <env_controller.http.client.PooledHttp.request>` over an ``httpx.AsyncClient`` with
+    ``limits``: the SGLang client's pool for ``https://`` servers, which the pooled HTTP/1.1 client does not speak."""
+
+    def __init__(self, limits: httpx.Limits) -> None:
+        self.client = httpx.AsyncClient(limits=limits)
+
+    async def request(self, method: str, url: str, body: bytes | None, headers: Mapping[str, str],
+                      timeout_s: float) -> Response:
+        """The whole reply within ``timeout_s``; TimeoutError past it, OSError when the server cannot be reached or
+        the connection breaks."""
+        try:
+            r = await self.client.request(method, url, content=body, headers=headers, timeout=httpx.Timeout(timeout_s))
+        except httpx.TimeoutException as e:
+            raise TimeoutError(str(e)) from e
+        except httpx.HTTPError as e:
+            raise OSError(f"{type(e).__name__}: {e}") from e
+        return Response(r.status_code, dict(r.headers), r.content)
+
+
 class SGLangEngine:
     """Client of one SGLang server (optionally owning its process).
 
@@ -319,6 +345,7 @@ class SGLangEngine:
         self.update_timeout_s = float(o.update_timeout_s)
         self.pause_mode = o.pause_mode
         self.headers = {"Authorization": f"Bearer {o.api_key}"} if o.api_key else {}
+        self._json_headers = {"Content-Type": "application/json", **self.headers}
         self._admin_headers = {"Authorization": f"Bearer {o.admin_api_key}"} if o.admin_api_key else self.headers
         self.process = process
         self.log_path = log_path
@@ -331,27 +358,34 @@ class SGLangEngine:
         self._stale_prefix_cache = False  # an update's flush was skipped (in_place): old-weights KV may be reused
         self._adapter_versions: dict[str, int] = {}  # adapters loaded through this client: name -> weight version
         self._local = threading.local()  # one HTTP client per thread: building one is costly
-        self._async_client: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
+        #: the async HTTP pool of each event loop that called (:meth:`_post_async`)
+        self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+        try:
+            parse_url(self.base_url)
+            self._plain = True  # http://: the pooled HTTP/1.1 client
+        except ValueError:
+            self._plain = False  # https:// (or what only httpx reads)
 
     # ------------------------------------------------------------------ plumbing
     def _url(self, endpoint: str) -> str:
         return f"{self.base_url}{endpoint}"
 
-    def _raise_for(self, endpoint: str, resp: httpx.Response) -> Any:
-        """Decode a JSON (or text) answer; SGLangError on HTTP errors and ``success: false``."""
+    def _raise_for(self, endpoint: str, status: int, raw: bytes) -> Any:
+        """Decode an answer (HTTP ``status``, body ``raw``) as JSON, else text; SGLangError on HTTP errors and
+        ``success: false``."""
         try:
-            body: Any = resp.json()
-        except (json.JSONDecodeError, ValueError):
-            body = resp.text
-        if resp.status_code >= 400:
+            body: Any = loads_json(raw, strict=False) if raw else None
+        except ValueError:
+            body = raw.decode(errors="replace")
+        if status >= 400:
             msg = (body.get("message") or body.get("error_message") or body.get("error") or body
                    if isinstance(body, dict) else body)
             hint = ""
-            if resp.status_code in (401, 403):
+            if status in (401, 403):
                 hint = ("; the server wants a key: pass api_key (its --api-key), and admin_api_key (its "
                         "--admin-api-key) for the control endpoints")
-            cls = SGLangUnavailable if resp.status_code >= 500 else SGLangError
-            raise cls(f"{endpoint} on {self.base_url} failed with HTTP {resp.status_code}: {msg}{hint}")
+            cls = SGLangUnavailable if status >= 500 else SGLangError
+            raise cls(f"{endpoint} on {self.base_url} failed with HTTP {status}: {msg}{hint}")
         if isinstance(body, dict) and body.get("success") is False:
             raise SGLangError(f"{endpoint} on {self.base_url} refused: "
                               f"{body.get('message') or body.get('error_message') or body}")
@@ -365,12 +399,26 @@ class SGLangEngine:
             self._local.client = client
         return client
 
-    def _aclient(self) -> httpx.AsyncClient:
-        """The async HTTP client of the running event loop (a new loop gets a new client)."""
+    async def _post_async(self, endpoint: str, body: dict[str, Any], timeout_s: float) -> tuple[int, bytes]:
+        """POST ``body`` as JSON from the running event loop: ``(status, body)`` of the answer within ``timeout_s``
+        (waiting for a connection included); TimeoutError past it, OSError when the server cannot be reached or
+        drops the connection.
+
+        One pool per event loop, at most ``max_connections`` open: :class:`~env_controller.http.client.PooledHttp`
+        for ``http://``, :class:`HttpxPool` for ``https://``. A rollout keeps a request open for each running turn,
+        thousands at once, and httpx's pool takes CPU that grows with the requests waiting on it
+        (docs/BENCHMARKS.md, ``bench/sglang_client.py``)."""
         loop = asyncio.get_running_loop()
-        if self._async_client is None or self._async_client[0] is not loop:
-            self._async_client = (loop, httpx.AsyncClient(headers=self.headers))
-        return self._async_client[1]
+        pool = self._pools.get(loop)
+        if pool is None:
+            n = self.options.max_connections
+            # idle connections are closed before SGLang's server drops them (its keep-alive timeout,
+            # SGLANG_TIMEOUT_KEEP_ALIVE, is 5 s), so a turn is never sent on one that is closing
+            pool = self._pools[loop] = (PooledHttp(max_in_flight=n, keepalive_s=KEEPALIVE_S) if self._plain
+                                        else HttpxPool(httpx.Limits(max_connections=n, max_keepalive_connections=n,
+                                                                    keepalive_expiry=KEEPALIVE_S)))
+        reply = await pool.request("POST", self._url(endpoint), dumps_json(body), self._json_headers, timeout_s)
+        return reply.status, reply.body
 
     def _call(self, method: str, endpoint: str, body: dict | None = None, timeout_s: float | None = None) -> Any:
         """One blocking HTTP call with a timeout (the admin key on admin endpoints); returns the decoded answer."""
@@ -387,7 +435,7 @@ class SGLangEngine:
         except httpx.HTTPError as e:
             raise SGLangUnavailable(
                 f"{endpoint} on {self.base_url} could not be reached: {e!r}; is the server running?") from e
-        return self._raise_for(endpoint, resp)
+        return self._raise_for(endpoint, resp.status_code, resp.content)
 
     # ---------------------------------------------------------------- generation
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -448,15 +496,14 @@ class SGLangEngine:
         for the messages). SGLangTimeout, SGLangUnavailable, or SGLangError for a refusal or a wrong count."""
         t = self.request_timeout_s
         try:
-            resp = await asyncio.wait_for(
-                self._aclient().post(self._url("/generate"), json=body, timeout=httpx.Timeout(t)), t + 1.0)
-        except (httpx.TimeoutException, asyncio.TimeoutError) as e:
+            status, raw = await asyncio.wait_for(self._post_async("/generate", body, t), t + 1.0)
+        except (TimeoutError, asyncio.TimeoutError) as e:
             raise SGLangTimeout(f"/generate on {self.base_url} ({what}) did not answer within {t:.1f}s; the server "
                                 "is stalled or overloaded (raise request_timeout_s?)") from e
-        except httpx.HTTPError as e:
+        except OSError as e:
             raise SGLangUnavailable(
                 f"/generate on {self.base_url} could not be reached: {e!r}; is the server running?") from e
-        data = self._raise_for("/generate", resp)
+        data = self._raise_for("/generate", status, raw)
         items = data if isinstance(data, list) else [data]
         if len(items) != count:
             raise SGLangError(f"/generate on {self.base_url} returned {len(items)} results for {count} ({what})")

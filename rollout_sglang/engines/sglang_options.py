@@ -48,11 +48,18 @@ class SGLangClientOptions(Options):
     #: the server's ``--admin-api-key``, sent instead of ``api_key`` on the control endpoints SGLang marks
     #: ``ADMIN_OPTIONAL`` (pause, continue, flush, the weight-update calls)
     admin_api_key: str | None = field(default=None, repr=False)
+    #: ``/generate`` requests (turns, scorings) this client has open at the server at once, each on a connection of
+    #: its own that stays open for the next; more wait for one, within ``request_timeout_s``. SGLang's scheduler
+    #: batches only what reached it, so this should exceed the requests one engine is to run at once (its
+    #: ``--max-running-requests``). Each is a file descriptor of the rollout process (``ulimit -n``)
+    max_connections: int = 4096
 
     def check(self) -> None:
-        """Timeouts are positive seconds (the pause mode is one of SGLang's: the base checks it)."""
+        """Timeouts are positive seconds, ``max_connections`` a positive count (the pause mode is one of SGLang's:
+        the base checks it)."""
         super().check()
         self.require_seconds("request_timeout_s", "control_timeout_s", "update_timeout_s")
+        self.require_positive_int("max_connections")
 
 
 @dataclass

@@ -468,9 +468,10 @@ class VersionPool:
         generated again elsewhere as soon as their engine's part of the call ends, after a pause that grows per
         attempt (0.05 s doubling, at most 2 s); EnginesUnavailable when, from the first failure on, no slot could
         serve them within ``live_timeout_s``. Other errors (a bad request) are raised as they are. Prompts that
-        land on the same engine go in one batched call; with
-        ``params.seed`` set, the call on global engine ``e`` uses ``seed + e * len(prompts)`` (row ``j``
-        of it then ``seed + e * len(prompts) + j``), so no two rows share a random stream.
+        land on the same engine go in one batched call; with ``params.seed`` set, prompt ``j`` samples with
+        ``seed + j`` whichever engine serves it, a re-routed one too (each engine gets a call per run of
+        consecutive prompts, which its batching joins), so what a seeded call samples does not depend on how many
+        engines there are or which of them failed.
         """
         if not prompts:
             return []
@@ -491,11 +492,12 @@ class VersionPool:
                 by_engine.setdefault(e, []).append(i)
                 version_of[i] = live
             for e, mine in by_engine.items():
-                p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + e * len(prompts))
-                task = asyncio.ensure_future(self.generate_on(e, [prompts[i] for i in mine], p,
-                                                              None if starts is None else [starts[i] for i in mine],
-                                                              [version_of[i] for i in mine]))
-                calls[task] = (e, mine)
+                for part, seed in _seeded_parts(mine, params.seed):
+                    p = params if seed is None else dataclasses.replace(params, seed=seed)
+                    task = asyncio.ensure_future(self.generate_on(e, [prompts[i] for i in part], p,
+                                                                  None if starts is None else [starts[i] for i in part],
+                                                                  [version_of[i] for i in part]))
+                    calls[task] = (e, part)
 
         attempt = 0
         try:
@@ -915,3 +917,18 @@ class VersionPool:
         """Engines out of rotation now (down, or back and waiting for weights)."""
         with self._lock:
             return len(set(self._down) | self._needs_weights)
+
+
+def _seeded_parts(rows: list[int], seed: int | None) -> list[tuple[list[int], int | None]]:
+    """One engine's share of a :meth:`VersionPool.generate` call as engine calls: all ``rows`` in one when unseeded;
+    seeded, a call per run of consecutive rows, seeded with ``seed`` + its first row (an engine seeds row ``i`` of a
+    call ``seed + i``, so row ``j`` of the pool's call samples with ``seed + j``)."""
+    if seed is None:
+        return [(rows, None)]
+    parts: list[tuple[list[int], int | None]] = []
+    for j in sorted(rows):
+        if parts and parts[-1][0][-1] == j - 1:
+            parts[-1][0].append(j)
+        else:
+            parts.append(([j], seed + j))
+    return parts

@@ -112,15 +112,12 @@ class AgentRunner:
         """One episode per ``(task, index, group_id)``; returns every episode's trajectories (one per segment,
         so possibly more than ``len(requests)``), in request order.
 
-        params: its ``seed`` seeds the turns (episode ``j``, turn ``k``: ``seed + k * stride + j * E``
-        with ``E`` engines and ``stride = len(requests) * E``, as the agent loop strides its turns); the
-        other sampling settings are the gateway's.
+        params: its ``seed`` seeds the turns (episode ``j``, turn ``k``: ``seed + k * len(requests) + j``, as the
+        agent loop seeds its turns); the other sampling settings are the gateway's.
         """
         await self.start()
-        engines = len(self.gateway.pool.engines) if self.gateway.pool is not None else 1
-        stride = len(requests) * engines
-        episodes = [self._episode(task, index, group_id,
-                                  None if params.seed is None else params.seed + j * engines, stride)
+        stride = len(requests)
+        episodes = [self._episode(task, index, group_id, None if params.seed is None else params.seed + j, stride)
                     for j, (task, index, group_id) in enumerate(requests)]
         return [t for trajs in await asyncio.gather(*episodes) for t in trajs]
 

@@ -708,7 +708,7 @@ def test_cancel_with_notice_reaches_the_controller() -> None:
 
 
 def test_worker_http_client_framing_pooling_and_errors() -> None:
-    from env_controller.controller.worker_http import ConnectError, Disconnected, WorkerHttp, parse_url
+    from env_controller.http.client import ConnectError, Disconnected, PooledHttp, parse_url
 
     replies: list[list[bytes]] = []  # per request: the pieces the server writes (b"" = close)
     connections: list[int] = []
@@ -739,7 +739,7 @@ def test_worker_http_client_framing_pooling_and_errors() -> None:
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         url = f"http://127.0.0.1:{port}/api/x"
-        http = WorkerHttp(max_in_flight=8, keepalive_s=5, connect_timeout_s=2)
+        http = PooledHttp(max_in_flight=8, keepalive_s=5, connect_timeout_s=2)
         try:
             ok = b'HTTP/1.1 200 OK\r\nContent-Length: 7\r\nX-Worker-Time: 0.5\r\n\r\n{"a":1}'
             replies.append([ok[:20], ok[20:50], ok[50:]])  # split anywhere
@@ -780,6 +780,6 @@ def test_worker_http_client_framing_pooling_and_errors() -> None:
             await server.wait_closed()
         free = free_port()  # nothing listens there
         with pytest.raises(ConnectError):
-            await WorkerHttp().request("GET", f"http://127.0.0.1:{free}/", None, {}, 5)
+            await PooledHttp().request("GET", f"http://127.0.0.1:{free}/", None, {}, 5)
 
     run(go())

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from env_controller.controller.metrics import OVERHEAD_BUCKETS, ControllerMetrics
-from env_controller.controller.worker_http import ConnectError, WorkerHttp
+from env_controller.http.client import ConnectError, PooledHttp
 from env_controller.http.net import free_port
 from tests.env.support import AGENTRL, cluster, run, tool_call
 from tests.support.http_cap import check_connection_cap
@@ -193,7 +193,7 @@ def test_worker_http_calls_are_futures_bounded_cancellable_and_timed_out() -> No
 
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x"
-        http = WorkerHttp(max_in_flight=2, keepalive_s=5, connect_timeout_s=2)
+        http = PooledHttp(max_in_flight=2, keepalive_s=5, connect_timeout_s=2)
         try:
             calls = [http.start("GET", url, None, {}, 5) for _ in range(3)]
             await asyncio.sleep(0.2)

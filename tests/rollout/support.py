@@ -21,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from openai import AsyncOpenAI
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
+from env_controller.http.client import Response
 from env_controller.protocol import SampleStatus, TaskReply
 from rollout_sglang.agent_loop import run_group_lockstep
 from rollout_sglang.chat_template import ChatTemplate
@@ -483,3 +484,19 @@ class Spy:
         outs = await self.engine.generate(prompts, params)
         self.calls.append((prompts, outs))
         return outs
+
+
+class AnsweringPool:
+    """Stands in for an SGLang client's HTTP pool of one event loop (``SGLangEngine._pools``): every request is
+    answered ``[item]`` with HTTP 200, as a server that generated one row."""
+
+    def __init__(self, item: Any) -> None:
+        self.item = item
+
+    async def request(self, method: str, url: str, body: bytes | None, headers: Any, timeout_s: float) -> Any:
+        return Response(200, {}, json.dumps([self.item]).encode())
+
+
+def answer_generate(client: Any, item: Any) -> None:
+    """Make every ``/generate`` of ``client`` (an SGLangEngine) on the running loop answer ``[item]``."""
+    client._pools[asyncio.get_running_loop()] = AnsweringPool(item)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import dataclasses
 
 import httpx
@@ -28,6 +29,7 @@ from rollout_sglang.engines.version_pool import VersionPool
 from rollout_sglang.routing import RoutingLayout
 from rollout_sglang.testing.sglang_standin import StandInServer
 from rollout_sglang.testing.standin_options import StandInOptions
+from tests.rollout.support import answer_generate
 from tests.support.tiny_models import tiny_config, tiny_model, write_tiny_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15], [16, 17, 18, 19, 20]]
@@ -180,7 +182,8 @@ class FailsOnce:
 
 def test_version_pool_keeps_each_rows_start_through_a_reroute():
     model = moe_model()
-    engines = [FailsOnce(LocalEngine(model)), BatchingEngine(LocalEngine(model))]
+    # two engines of the same weights, each its own model: the routers' hooks record every forward of their module
+    engines = [FailsOnce(LocalEngine(copy.deepcopy(model))), BatchingEngine(LocalEngine(model))]
     pool = VersionPool([engines], live_timeout_s=30)
     params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
     outs = asyncio.run(pool.generate(PROMPTS, params, keys=["a", "b", "c"], routing_from=[2, 0, 4]))
@@ -278,8 +281,7 @@ def test_malformed_routing_fails_the_call_as_the_engines_failure(routed, match):
 
     async def run():
         client = SGLangEngine("http://fake-engine:30000", routing_layout=layout)
-        handler = lambda request: httpx.Response(200, json=[_fake_answer(routed)])  # noqa: E731
-        client._async_client = (asyncio.get_running_loop(), httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+        answer_generate(client, _fake_answer(routed))
         return await client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2), routing_from=[2])
 
     with pytest.raises(SGLangUnavailable, match=match) as e:
@@ -292,8 +294,7 @@ def test_malformed_routing_fails_the_call_as_the_engines_failure(routed, match):
 
     async def ok():
         client = SGLangEngine("http://fake-engine:30000", routing_layout=layout)
-        handler = lambda request: httpx.Response(200, json=[_fake_answer(routed)])  # noqa: E731
-        client._async_client = (asyncio.get_running_loop(), httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+        answer_generate(client, _fake_answer(routed))
         return await client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2), routing_from=[2])
 
     [o] = asyncio.run(ok())  # the dense layer (index 1, here 9s) is dropped whatever it holds

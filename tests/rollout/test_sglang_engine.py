@@ -7,7 +7,10 @@ a timeout error rather than a hang.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import re
 import sys
 import time
 import urllib.error
@@ -280,3 +283,70 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
+
+
+def test_every_concurrent_request_reaches_the_server_at_once():
+    """SGLang's scheduler batches only what reached it: a busy rollout's requests (here 300, past httpx's default
+    pool of 100) are all open at the server at once, turn after turn."""
+    n = 300
+
+    async def main() -> list[int]:
+        open_now = peak = 0
+        peaks = []
+        all_in = asyncio.Event()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal open_now, peak
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = int(re.search(rb"content-length: *(\d+)", head, re.I).group(1))
+                    seq = json.loads(await reader.readexactly(length))["input_ids"][0]
+                    open_now += 1
+                    peak = max(peak, open_now)
+                    if open_now >= n:
+                        all_in.set()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(all_in.wait(), 3.0)
+                    open_now -= 1
+                    logprobs = [[None, seq[0], None]] + [[-0.5, t, None] for t in seq[1:]]
+                    out = json.dumps([{"meta_info": {"input_token_logprobs": logprobs}}]).encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                                 % (len(out), out))
+                    await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0, backlog=1024)
+        client = SGLangEngine(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}",
+                              SGLangClientOptions(request_timeout_s=30))
+        try:
+            for _ in range(2):  # two turns of every episode
+                scores = await asyncio.gather(*(client.score([[1, 2, 3]]) for _ in range(n)))
+                assert all(s == [[0.0, -0.5, -0.5]] for s in scores)
+                peaks.append(peak)
+                all_in.clear()
+                peak = 0
+        finally:
+            server.close()
+        return peaks
+
+    assert asyncio.run(main()) == [n, n]
+
+
+def test_an_https_server_is_called_through_httpx_with_the_same_errors():
+    """The pooled client speaks plain HTTP; an ``https://`` server gets httpx, and an unreachable one is the same
+    SGLangUnavailable (the version pool sends its rows elsewhere)."""
+    from env_controller.http.net import free_port
+    from rollout_sglang.engines.sglang_client import HttpxPool, SGLangUnavailable
+
+    client = SGLangEngine(f"https://127.0.0.1:{free_port()}", SGLangClientOptions(request_timeout_s=5))
+
+    async def run() -> None:
+        with pytest.raises(SGLangUnavailable, match="could not be reached"):
+            await client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+        assert isinstance(client._pools[asyncio.get_running_loop()], HttpxPool)
+
+    asyncio.run(run())

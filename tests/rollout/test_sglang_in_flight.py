@@ -33,6 +33,7 @@ from rollout_sglang.engines.sglang_options import SGLangClientOptions
 from rollout_sglang.testing.sglang_standin import StandInServer, weight_version_spans
 from rollout_sglang.testing.standin_options import StandInOptions
 from rollout_sglang.weight_update import BroadcastOptions, BucketBroadcaster, BucketUpdate, WeightSyncError
+from tests.rollout.support import answer_generate
 
 PROMPT = [3, 14, 15, 92, 65]
 LONG = SamplingParams(max_new_tokens=120, temperature=1.0, seed=11)
@@ -248,8 +249,7 @@ def generate_on(item: Any, version: int = 3):
 
     async def run():
         client = SGLangEngine(FAKE, version=version)
-        handler = lambda request: httpx.Response(200, json=[item])  # noqa: E731
-        client._async_client = (asyncio.get_running_loop(), httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+        answer_generate(client, item)
         return await client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
 
     return asyncio.run(run())

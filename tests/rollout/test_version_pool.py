@@ -148,7 +148,9 @@ def test_router_keeps_a_trajectory_on_its_engine_and_balances_the_rest():
     assert sorted(loads.values()) == [10, 10, 10]
 
 
-def test_pool_generate_batches_per_engine_and_offsets_seeds():
+def test_pool_generate_batches_per_engine_and_seeds_each_prompt_by_its_place():
+    """Unseeded, an engine's prompts go in one call; seeded, prompt j samples with seed + j wherever it lands (a
+    call per run of consecutive prompts on an engine, which the engine's batching joins)."""
     pool = make_pool(slots=(2,), versions=(0,))
     seen = []
 
@@ -158,10 +160,62 @@ def test_pool_generate_batches_per_engine_and_offsets_seeds():
 
     for e in pool.engines:
         e.generate = lambda p, s, _e=e: record(p, s, _e)
-    outs = asyncio.run(pool.generate([[1]] * 4, SamplingParams(seed=100), keys=["a", "b", "c", "d"]))
+    outs = asyncio.run(pool.generate([[1]] * 4, SamplingParams(), keys=["a", "b", "c", "d"]))
     assert [o.token_ids[0] for o in outs] == [0, 1, 0, 1]
-    assert sorted(seen) == [(0, 2, 100), (1, 2, 104)]
+    assert sorted(seen) == [(0, 2, None), (1, 2, None)]
+    seen.clear()
+    outs = asyncio.run(pool.generate([[1]] * 4, SamplingParams(seed=100), keys=["a", "b", "c", "d"]))
+    assert [o.token_ids[0] for o in outs] == [0, 1, 0, 1]  # the keys keep their engines
+    assert sorted(seen) == [(0, 1, 100), (0, 1, 102), (1, 1, 101), (1, 1, 103)]
     assert pool.inflight() == [0, 0]
+
+
+def test_a_seeded_group_samples_the_same_on_one_engine_two_or_after_a_failure():
+    """The episodes of a seeded group come out token for token the same whether one engine plays them, two share
+    them, or one of two fails mid-group and the other takes its rows over."""
+    from transformers import Qwen2Config
+
+    from rollout_sglang.agent_loop import run_group_lockstep
+    from rollout_sglang.chat_template import ChatTemplate
+    from rollout_sglang.engines.local import LocalEngine
+    from rollout_sglang.engines.protocol import EngineUnavailable
+    from rollout_sglang.tokenizer import load_tokenizer
+
+    template = ChatTemplate(load_tokenizer("examples/tokenizer/tiny_agent"))
+    cfg = Qwen2Config(vocab_size=len(template.tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+
+    def engine() -> LocalEngine:
+        return LocalEngine.from_config(cfg, init_seed=0, version=0)  # the same weights each time
+
+    class FailsOnce:
+        def __init__(self, inner: LocalEngine, after: int) -> None:
+            self.inner, self.calls, self.after = inner, 0, after
+            self.continuous_batching = True
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        async def generate(self, prompts, params, **kw):
+            self.calls += 1
+            if self.calls == self.after:
+                raise EngineUnavailable("killed")
+            return await self.inner.generate(prompts, params, **kw)
+
+    def play(slot: list) -> list[list[int]]:
+        pool = VersionPool([slot], seed=1)
+        params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=11)
+        trajs = asyncio.run(run_group_lockstep(pool, ChattyEnv(turns=3), template, [("chat", i, 0) for i in range(6)],
+                                               params, EpisodeOptions(EpisodeLimits(max_turns=4,
+                                                                                    max_total_tokens=2000))))
+        return [t.token_ids for t in trajs]
+
+    alone = play([engine()])
+    assert len({tuple(t) for t in alone}) == 6  # six different samples: no two rows share a stream
+    assert play([engine(), engine()]) == alone
+    flaky = FailsOnce(engine(), after=4)
+    pool_rows = play([engine(), flaky])
+    assert flaky.calls >= 4 and pool_rows == alone
 
 
 # ---------------------------------------------------- cross-policy through the agent loop

@@ -1,7 +1,9 @@
-"""A small pooled HTTP/1.1 client for the controller's calls to task workers.
+"""A small pooled HTTP/1.1 client: the controller's calls to task workers, the env client's to the controller,
+the SGLang client's ``/generate`` calls.
 
-The controller's hot path is a proxy: every trainer request becomes one request to a worker.
-This client does only what those calls need (JSON POST/GET over plain ``http://``, keep-alive
+The controller's hot path is a proxy: every trainer request becomes one request to a worker; a rollout holds a
+request open at an SGLang server for each running turn, thousands at once. This client does only what those
+calls need (JSON POST/GET over plain ``http://``, keep-alive
 pooling, Content-Length or chunked replies) on asyncio protocols, at less CPU per call than aiohttp's
 pooled ``ClientSession`` (measured side by side in docs/BENCHMARKS.md).
 
@@ -227,7 +229,7 @@ class _Call:
 
     __slots__ = ("http", "future", "key", "target", "data", "conn", "timer", "connecting", "has_slot")
 
-    def __init__(self, http: WorkerHttp, future: asyncio.Future[Response], target: Target, data: bytes) -> None:
+    def __init__(self, http: PooledHttp, future: asyncio.Future[Response], target: Target, data: bytes) -> None:
         self.http = http
         self.future = future
         self.key = (target.host, target.port)
@@ -274,7 +276,7 @@ class _Call:
             self.http._release()
 
 
-class WorkerHttp:
+class PooledHttp:
     """Pooled keep-alive HTTP/1.1 connections to many ``host:port`` pairs.
 
     ``max_in_flight`` bounds concurrent requests (and so open connections); idle connections

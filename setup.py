@@ -25,8 +25,10 @@ setup(
         "jinja2==3.1.6",
         "tensorboard==2.21.0",
         "wandb>=0.31,<0.32",  # logging.wandb: imported only when a run asks for it
-        # rollout.agent=gateway: the client handed to the user's agent function (sglang pins openai 2.8.0)
+        # rollout.agent=gateway: the client handed to the user's agent function (sglang pins openai 2.8.0), on
+        # aiohttp's transport (openai's `aiohttp` extra, httpx-aiohttp)
         "openai>=2.8,<4",
+        "httpx-aiohttp==0.2.0",
         "matplotlib==3.11.2",
         "rich==15.0.0",
         # rollout_sglang.engines.sglang_client: the SGLang server's HTTP client (sync, pooled)

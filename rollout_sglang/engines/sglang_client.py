@@ -407,7 +407,7 @@ class SGLangEngine:
         One pool per event loop, at most ``max_connections`` open: :class:`~env_controller.http.client.PooledHttp`
         for ``http://``, :class:`HttpxPool` for ``https://``. A rollout keeps a request open for each running turn,
         thousands at once, and httpx's pool takes CPU that grows with the requests waiting on it
-        (docs/BENCHMARKS.md, ``bench/sglang_client.py``)."""
+        (docs/BENCHMARKS.md, ``bench/rollout_http.py``)."""
         loop = asyncio.get_running_loop()
         pool = self._pools.get(loop)
         if pool is None:

@@ -42,20 +42,25 @@ AgentFn = Callable[[Any, dict[str, Any]], Awaitable[float | None]]
 _LOGGED_ERRORS_MAX = 100
 
 
-def _shared_http_client() -> Any:
+def _shared_http_client(max_connections: int) -> Any:
     """One HTTP connection pool for every episode's OpenAI client: a client of its own costs each episode an SSL
-    context, built in CPU time on the rollout's event loop. An agent that closes its client leaves the pool open;
+    context, built in CPU time on the rollout's event loop. Its transport is aiohttp's (openai's
+    ``DefaultAioHttpClient``): httpx's own pool takes CPU that grows with the requests waiting on it, on the rollout's
+    event loop, when thousands of agents wait for their turns at once (docs/BENCHMARKS.md). At most
+    ``max_connections`` open, as many as the gateway serves. An agent that closes its client leaves the pool open;
     :meth:`close_pool` closes it."""
+    import httpx
     import openai
 
-    class SharedHttpClient(openai.DefaultAsyncHttpxClient):  # type: ignore[misc, valid-type]
+    class SharedHttpClient(openai.DefaultAioHttpClient):  # type: ignore[misc, valid-type]
         async def aclose(self) -> None:  # what an agent's ``client.close()`` calls
             return None
 
         async def close_pool(self) -> None:
             await super().aclose()
 
-    return SharedHttpClient()
+    return SharedHttpClient(limits=httpx.Limits(max_connections=max_connections,
+                                                max_keepalive_connections=max_connections))
 
 
 class AgentRunner:
@@ -97,7 +102,7 @@ class AgentRunner:
                     if logging.getLogger(name).level == logging.NOTSET:
                         logging.getLogger(name).setLevel(logging.WARNING)
                 await self.server.start()
-                self._http = _shared_http_client()
+                self._http = _shared_http_client(self.gateway.options.max_connections)
                 self._started = True
 
     async def aclose(self) -> None:

@@ -279,13 +279,13 @@ def _check_logprob_memory(lines: list[str], rec: dict[str, Any]) -> None:
     assert all(r["step_ms"] > 0 for r in rec["results"].values())
 
 
-def _check_sglang_client(lines: list[str], rec: dict[str, Any]) -> None:
+def _check_rollout_http(lines: list[str], rec: dict[str, Any]) -> None:
     res = rec["results"]
-    # the shipped pool has every request at the server at once; httpx's default can hold at most 100
-    assert res["pooled"]["peak"] == rec["requests"], res["pooled"]
-    assert all(r["peak"] <= 100 for r in res["httpx_default"]["rounds"])
-    ratio = res["httpx_limits"]["cpu_ms_per_request"] / res["pooled"]["cpu_ms_per_request"]
-    assert lines[-1] == f"sglang_client_cpu_ratio_httpx_over_pooled: {ratio:.2f}"
+    # the shipped pools have every request at the server at once; httpx's default can hold at most 100
+    assert res["sglang_pooled"]["peak"] == res["agents_aiohttp"]["peak"] == rec["requests"], res
+    assert all(r["peak"] <= 100 for r in res["sglang_httpx_default"]["rounds"])
+    ratio = res["sglang_httpx"]["cpu_ms_per_request"] / res["sglang_pooled"]["cpu_ms_per_request"]
+    assert lines[-1] == f"rollout_http_cpu_ratio_httpx_over_pooled: {ratio:.2f}"
 
 
 def _check_warmup_layouts(lines: list[str], rec: dict[str, Any]) -> None:
@@ -315,7 +315,7 @@ CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
     "gateway.py": _check_gateway,
     "gloo_transport.py": _check_gloo_transport,
     "routing_replay.py": _check_routing_replay,
-    "sglang_client.py": _check_sglang_client,
+    "rollout_http.py": _check_rollout_http,
     "terminal_demo.py": _check_terminal_demo,
     "train_scale.py": _check_train_scale,
     "warmup_layouts.py": _check_warmup_layouts,

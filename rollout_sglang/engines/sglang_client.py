@@ -289,6 +289,7 @@ def launch_flags(model_path: str | os.PathLike, options: SGLangLaunchOptions, cl
             cmd += [flag, key]
     return cmd + server_args_argv(o.server_args, f"{o.KEY}.server_args")
 
+
 #: idle connections of the ``/generate`` pools are closed after this long (seconds)
 KEEPALIVE_S = 4.0
 

@@ -126,7 +126,7 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
         self.closed = True
         if self.waiter is not None and not self.waiter.done():
-            reason = f"{type(exc).__name__}: {exc}" if exc else "the worker closed the connection"
+            reason = f"{type(exc).__name__}: {exc}" if exc else "the server closed the connection"
             self.waiter.set_exception(Disconnected(reason))
 
     # -- parsing -----------------------------------------------------------------------------

@@ -634,7 +634,8 @@ def drive(c: Cluster, schedule: list[tuple[int, Fault]], args: argparse.Namespac
     progress.poll()
     for r in runs:  # faults the run never reached
         if r.survived is None:
-            r.survived, r.error = False, r.error or "not reached: the run ended before its step"
+            why = f"not reached: the run ended before its step (exit {final_rc})"
+            r.survived, r.error = False, r.error or (why + "\n" + c.procs.tail("trainer"))
     # what each fault cost: the steps recorded from its firing to the next fault's
     fired = [r for r in runs if r.fired_at]
     for i, r in enumerate(fired):

@@ -82,7 +82,7 @@ class InstantEngine:
         ids = template.tokenizer.encode(REPLY, add_special_tokens=False) + [template.im_end_id]
         self.ids, self.lps, self.version = ids, [-0.5] * len(ids), 0
 
-    async def generate(self, prompts, params):
+    async def generate(self, prompts, params, seeds=None):
         from rollout_sglang.engines.protocol import GenerationOutput
 
         return [GenerationOutput(list(self.ids), list(self.lps), "stop", self.version) for _ in prompts]

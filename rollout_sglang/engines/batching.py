@@ -8,9 +8,9 @@ engine takes a lone call at once), splitting the outputs back.
 
 Merging: calls are merged when their temperature, top-p, top-k and stop tokens agree; the
 merged call uses the largest ``max_new_tokens`` and each call's rows are cut back to its own
-cap (exactly what a capped call samples, since rows sample independently). A merged call of
-several callers is unseeded (the engine's own generator); a lone call keeps its seed, so a
-synchronous rollout (one call per turn) stays reproducible. Routing (``routing_from``, MoE models)
+cap (exactly what a capped call samples, since rows sample independently). Each row keeps its seed (its call's
+``seeds``, or ``params.seed + i``, or none): a merged call hands the wrapped engine one seed per row, so what a
+seeded call samples does not depend on what it was merged with. Routing (``routing_from``, MoE models)
 is per row: calls with and without it merge; when any merged call asks, the engine is asked for every
 row (a row that did not ask starts at its prompt's end, the least there is, and gets None back), and a row
 cut back to its cap keeps the routing of the positions it kept. LoRA adapters (``adapters``) are per row too:
@@ -36,7 +36,7 @@ from typing import Any, Iterable
 
 import torch
 
-from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams, check_adapters
+from rollout_sglang.engines.protocol import GenerationOutput, SamplingParams, check_adapters, row_seeds
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class _Call:
     future: asyncio.Future
     routing_from: list[int] | None = None
     adapters: list[str | None] | None = None
+    seeds: list[int | None] | None = None
 
 
 def _merge_key(p: SamplingParams) -> tuple:
@@ -107,12 +108,16 @@ class BatchingEngine:
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
                        routing_from: list[int] | None = None,
-                       adapters: list[str | None] | None = None) -> list[GenerationOutput]:
-        """Queue the call; it runs alone or merged with others (outputs in prompt order). ``routing_from`` and
-        ``adapters``: as :meth:`Engine.generate <rollout_sglang.engines.protocol.Engine.generate>`, one per prompt."""
+                       adapters: list[str | None] | None = None,
+                       seeds: list[int | None] | None = None) -> list[GenerationOutput]:
+        """Queue the call; it runs alone or merged with others (outputs in prompt order). ``routing_from``,
+        ``adapters`` and ``seeds``: as :meth:`Engine.generate <rollout_sglang.engines.protocol.Engine.generate>`,
+        one per prompt."""
         if not prompts:
             return []
         adapters = check_adapters(prompts, adapters)
+        if seeds is not None:
+            seeds = row_seeds(prompts, params, seeds)
         if routing_from is not None:
             routing_from = list(routing_from)
             if len(routing_from) != len(prompts):
@@ -122,7 +127,7 @@ class BatchingEngine:
         if self._loop is not loop:  # a new event loop (e.g. an evaluation after the rollout loop ended)
             self._loop, self._worker, self._pending = loop, None, []
         fut: asyncio.Future = loop.create_future()
-        self._pending.append(_Call([list(p) for p in prompts], params, fut, routing_from, adapters))
+        self._pending.append(_Call([list(p) for p in prompts], params, fut, routing_from, adapters, seeds))
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._work())
         return await fut
@@ -187,11 +192,15 @@ class BatchingEngine:
     async def _run(self, take: list[_Call]) -> None:
         """One engine call for ``take`` (the worker marked the engine busy already)."""
         prompts = [p for c in take for p in c.prompts]
+        seeds: list[int | None] | None
         if len(take) == 1:
-            params = take[0].params
+            params, seeds = take[0].params, take[0].seeds
         else:
             params = dataclasses.replace(take[0].params, max_new_tokens=max(c.params.max_new_tokens for c in take),
                                          seed=None)
+            seeds = [s for c in take for s in row_seeds(c.prompts, c.params, c.seeds)]
+            if all(s is None for s in seeds):
+                seeds = None
         routing: list[int] | None = None
         if any(c.routing_from is not None for c in take):
             routing = [s for c in take
@@ -201,6 +210,8 @@ class BatchingEngine:
             kwargs["routing_from"] = routing
         if any(c.adapters is not None for c in take):
             kwargs["adapters"] = [a for c in take for a in (c.adapters or [None] * len(c.prompts))]
+        if seeds is not None:
+            kwargs["seeds"] = seeds
         try:
             outs = await self.engine.generate(prompts, params, **kwargs)
         except BaseException as e:  # noqa: BLE001 - handed to every caller of the merged call

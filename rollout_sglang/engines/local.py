@@ -7,12 +7,12 @@ engine's numerics. Generation is a hand-written KV-cache loop (not ``model.gener
   ``position_ids = cumsum(mask) - 1`` gives each row exactly the positions of an unpadded run;
 * each step samples from ``softmax(logits / temperature)`` after top-k / top-p truncation and
   reports ``log_softmax(fp32 logits / temperature)[token]`` from *before* truncation;
-* with ``params.seed`` set, row ``i`` samples with its own ``torch.Generator`` seeded
-  ``seed + i``, so a row's tokens do not depend on the rest of the batch;
+* a seeded row (``params.seed + i`` for row ``i``, or the call's ``seeds[i]``) samples with its own
+  ``torch.Generator``, so its tokens do not depend on the rest of the batch; unseeded rows share the engine's;
 * rows stop on ``stop_token_ids`` (the stop token is kept) or at their call's ``max_new_tokens``; finished
   rows leave the batch (their KV cache rows are dropped);
 * continuous batching: one decoding loop runs at a time, and a call that arrives while it runs with the same
-  sampling settings (temperature, top-p, top-k, stop tokens, seeded or not) joins it at the next decode step: its
+  sampling settings (temperature, top-p, top-k, stop tokens) joins it at the next decode step: its
   prompts are prefilled and their KV cache merged into the batch's (both left-padded to the longer), and the call
   returns when its own rows are done; a call with other settings waits for the loop to end;
 * LoRA adapters (:meth:`LocalEngine.load_adapter`) stay unmerged: each row of a call names its adapter or
@@ -63,6 +63,7 @@ from rollout_sglang.engines.protocol import (
     check_adapters,
     check_score_inputs,
     routing_starts,
+    row_seeds,
 )
 from rollout_sglang.engines.router_capture import RouterCapture, find_routers, routing_layout_of
 from rollout_sglang.routing import RoutingLayout
@@ -316,7 +317,8 @@ class LocalEngine:
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
                        routing_from: list[int] | None = None,
-                       adapters: list[str | None] | None = None) -> list[GenerationOutput]:
+                       adapters: list[str | None] | None = None,
+                       seeds: list[int | None] | None = None) -> list[GenerationOutput]:
         """Continue each prompt; one :class:`GenerationOutput` per prompt, in order.
 
         prompts: B lists of token ids (any lengths >= 1). Waits while the engine is paused. Each output carries
@@ -328,10 +330,12 @@ class LocalEngine:
             experts chosen for positions ``[routing_from[i], len(prompt) + len(generated) - 1)``
             (``[positions, MoE layers, top-k]`` in :attr:`routing_layout`'s dtype). ValueError for a dense
             model or a start out of range.
+        seeds: one seed or None per prompt, in place of ``params.seed + i`` (:func:`row_seeds`).
         """
         if not prompts:
             return []
         self._check_inputs(prompts, params)
+        seeds = row_seeds(prompts, params, seeds)
         if routing_from is not None:
             routing_from = self._check_routing_from(prompts, routing_from)
         adapters = check_adapters(prompts, adapters)
@@ -341,7 +345,7 @@ class LocalEngine:
                     self._loop_active = start = True
                 else:
                     start = False
-                    fut = self._try_join_locked(prompts, params, adapters, routing_from)
+                    fut = self._try_join_locked(prompts, params, adapters, routing_from, seeds)
             if start:
                 break
             if fut is not None:
@@ -349,7 +353,7 @@ class LocalEngine:
             await asyncio.sleep(0.002)  # a call that this one cannot join runs (another setting, a pause): wait
         try:
             await self._wait_resumed()
-            return await asyncio.to_thread(self._decode, prompts, params, routing_from, adapters)
+            return await asyncio.to_thread(self._decode, prompts, params, routing_from, adapters, seeds)
         finally:
             with self._join_lock:
                 self._loop_active = False
@@ -432,9 +436,10 @@ class LocalEngine:
             raise ValueError(f"top_p={params.top_p} must be in (0, 1]")
 
     def _sample(
-        self, logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator] | None
+        self, logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator | None]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample one token per row. logits: [b, V] float32. Returns (tokens [b], logprobs [b] float32).
+        """Sample one token per row. logits: [b, V] float32; generators: each row's (None: the engine's).
+        Returns (tokens [b], logprobs [b] float32).
 
         temperature 0 is greedy, with log-probs of the untempered distribution.
         """
@@ -445,29 +450,30 @@ class LocalEngine:
         scaled = logits / params.temperature
         logp = torch.log_softmax(scaled, dim=-1)
         probs = torch.softmax(_truncate_logits(scaled, params.top_k, params.top_p), dim=-1)
-        if generators is None:
+        if all(g is None for g in generators):
             tok = torch.multinomial(probs, 1, generator=self._generator)[:, 0]
         else:
-            tok = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
+            tok = torch.cat([torch.multinomial(probs[i], 1, generator=g or self._generator)
+                             for i, g in enumerate(generators)])
         return tok, logp.gather(-1, tok[:, None])[:, 0]
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams, routing_from: list[int] | None,
-                adapters: list[str | None] | None) -> list[GenerationOutput]:
+                adapters: list[str | None] | None, seeds: list[int | None]) -> list[GenerationOutput]:
         """Run one call's decoding loop (in a worker thread, under the weights lock), which the calls that arrive
         meanwhile join; its outputs."""
         with self._weights_lock:
-            rows = self._new_rows(prompts, params, adapters, routing_from)
+            rows = self._new_rows(prompts, params, adapters, routing_from, seeds)
             with self._adapters.assign([r.adapter for r in rows]), torch.inference_mode(), \
                     RouterCapture(self._routers) as capture:
                 return self._decode_locked(rows, params, capture)
 
     def _join_key(self, params: SamplingParams) -> tuple:
-        """What calls must share to run in one batch: the sampling settings and whether rows are seeded."""
-        return (params.temperature, params.top_p, params.top_k, tuple(sorted(params.stop_token_ids)),
-                params.seed is not None)
+        """What calls must share to run in one batch: the sampling settings (each row keeps its own seed)."""
+        return (params.temperature, params.top_p, params.top_k, tuple(sorted(params.stop_token_ids)))
 
     def _try_join_locked(self, prompts: list[list[int]], params: SamplingParams, adapters: list[str | None] | None,
-                         routing_from: list[int] | None) -> concurrent.futures.Future | None:
+                         routing_from: list[int] | None,
+                         seeds: list[int | None]) -> concurrent.futures.Future | None:
         """Under the join lock: queue a call to join the running one at its next decode step (continuous batching);
         its future, or None when the running one cannot take it (other sampling settings, a pause, no new
         tokens asked)."""
@@ -475,20 +481,21 @@ class LocalEngine:
                 or params.max_new_tokens == 0):
             return None
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._joins.append(_Join(self._new_rows(prompts, params, adapters, routing_from), fut))
+        self._joins.append(_Join(self._new_rows(prompts, params, adapters, routing_from, seeds), fut))
         self._num_generate_calls += 1
         return fut
 
     def _new_rows(self, prompts: list[list[int]], params: SamplingParams, adapters: list[str | None] | None,
-                  routing_from: list[int] | None) -> list[_Row]:
-        """One :class:`_Row` per prompt: its cap, stop tokens, adapter, (seeded) generator and routing start."""
+                  routing_from: list[int] | None, seeds: list[int | None]) -> list[_Row]:
+        """One :class:`_Row` per prompt: its cap, stop tokens, adapter, generator (its seed's; None: unseeded) and
+        routing start."""
         stop = frozenset(int(t) for t in params.stop_token_ids)
         rows = []
         for i, prompt in enumerate(prompts):
             gen = None
-            if params.seed is not None:
+            if seeds[i] is not None:
                 gen = torch.Generator(device=self.device)
-                gen.manual_seed(int(params.seed) + i)
+                gen.manual_seed(seeds[i])
             rows.append(_Row(i, list(prompt), int(params.max_new_tokens), stop, adapters[i] if adapters else None,
                              gen, None if routing_from is None else int(routing_from[i])))
         return rows
@@ -545,8 +552,7 @@ class LocalEngine:
         joined: list[_Join] = []
         try:
             while True:
-                gens = [r.generator for r in live] if params.seed is not None else None
-                tok, lp = self._sample(logits, params, gens)
+                tok, lp = self._sample(logits, params, [r.generator for r in live])
                 keep = self._append_sampled(live, tok.tolist(), lp.tolist(), joined)
                 admit = self._take_joins(bool(keep))
                 if not keep and not admit:

@@ -34,7 +34,8 @@ class SamplingParams:
     top_p, top_k: nucleus / top-k truncation (1.0 / -1 disable).
     stop_token_ids: generation of a sequence ends after emitting one of these (it is kept).
     seed: seeds the sampler for reproducible runs: row i of the batch samples from its own
-        generator seeded ``seed + i`` (None: the engine's generator state).
+        generator seeded ``seed + i`` (None: the engine's generator state); a call's ``seeds``
+        (:meth:`Engine.generate`) name each row's seed instead.
     """
 
     max_new_tokens: int = 64
@@ -141,6 +142,24 @@ def check_adapters(prompts: list[list[int]], adapters: list[str | None] | None) 
     return names if any(n is not None for n in names) else None
 
 
+def row_seeds(prompts: list[list[int]], params: SamplingParams, seeds: list[int | None] | None) -> list[int | None]:
+    """The seed of each row of a :meth:`Engine.generate` call: ``seeds`` when given (one int or None per prompt),
+    else ``params.seed + i`` for row ``i``, else None (the engine's own generator). ValueError naming a wrong count
+    or a seed that is not an int in ``[0, 2**63)`` (SGLang's ``sampling_seed`` is an int64)."""
+    if seeds is None:
+        out: list = [None if params.seed is None else int(params.seed) + i for i in range(len(prompts))]
+    else:
+        out = list(seeds)
+        if len(out) != len(prompts):
+            raise ValueError(f"seeds has {len(out)} seeds for {len(prompts)} prompts; give one per prompt (None: "
+                             "unseeded)")
+    for i, s in enumerate(out):
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < 1 << 63):
+            what = f"seeds[{i}]={s!r}" if seeds is not None else f"seed={params.seed!r} (row {i}: {s!r})"
+            raise ValueError(f"{what}: a row's seed must be an int in [0, 2**63) or None")
+    return [None if s is None else int(s) for s in out]
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the agent loop and the weight sync need from an engine."""
@@ -148,11 +167,18 @@ class Engine(Protocol):
     version: int
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
-                       routing_from: list[int] | None = None) -> list[GenerationOutput]:
+                       routing_from: list[int] | None = None,
+                       seeds: list[int | None] | None = None) -> list[GenerationOutput]:
         """Continue each prompt (a list of token ids); one output per prompt, same order.
 
         Engines that serve LoRA adapters (:class:`AdapterEngine`) also take ``adapters``: one loaded adapter's
         name (or None: the base) per prompt; each output then carries its adapter's version.
+
+        seeds: one seed (or None: unseeded) per prompt, which row ``i`` samples with in place of
+            ``params.seed + i`` (:func:`row_seeds`): the version pool, which splits a call's rows among engines,
+            names each row's seed in every seeded call, and a merging
+            :class:`~rollout_sglang.engines.batching.BatchingEngine` in every merged call with a seeded row.
+            None: as ``params.seed`` says.
 
         routing_from: MoE models: one start position per prompt; each output then carries the routed
             experts of positions ``[routing_from[i], end - 1)`` (a multi-turn episode asks only for the

@@ -13,6 +13,7 @@ protocol                                    SGLang
                                             "return_logprob": true}`` -> per prompt ``output_ids``,
                                             ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]``)
                                             and ``meta_info.weight_versions`` (each token's version, below)
+``generate(..., seeds)``                    each row's ``sampling_params`` carries its own ``sampling_seed``
 ``generate(..., routing_from)`` (MoE)       one ``/generate`` per distinct start (SGLang takes one start per
                                             request), adding ``"return_routed_experts": true,
                                             "routed_experts_start_len": start`` -> ``meta_info.routed_experts``
@@ -152,6 +153,7 @@ from rollout_sglang.engines.protocol import (
     check_adapters,
     check_score_inputs,
     routing_starts,
+    row_seeds,
 )
 from rollout_sglang.engines.sglang_options import SGLangClientOptions, SGLangLaunchOptions
 from rollout_sglang.engines.sglang_server_args import server_args_argv
@@ -166,7 +168,7 @@ ADMIN_ENDPOINTS = frozenset({
     "/update_weights_from_distributed", "/destroy_weights_update_group", "/begin_weight_update",
     "/end_weight_update", "/load_lora_adapter", "/unload_lora_adapter",
 })
-# sampling_seed is an int64 on the server; row seeds are base + row, so bases stay below 2**62
+# sampling_seed is an int64 on the server; unseeded rows get a random base + row, so bases stay below 2**62
 _SEED_BASE_LIMIT = 1 << 62
 #: the SGLang server option that enables routed-experts capture (0.5.23: ``enable_return_routed_experts``,
 #: sglang/srt/arg_groups/fields/exec_.py, a store_true flag); without it SGLang ignores ``return_routed_experts``
@@ -251,11 +253,11 @@ def _tail(path: Path | None, n: int = 40) -> str:
     return "\n".join(lines[-n:])
 
 
-def sampling_params_to_sglang(params: SamplingParams, rows: int) -> list[dict[str, Any]]:
-    """SGLang ``sampling_params`` for ``rows`` prompts, one dict per row, each with its own ``sampling_seed``.
+def sampling_params_to_sglang(params: SamplingParams, seeds: list[int | None]) -> list[dict[str, Any]]:
+    """SGLang ``sampling_params`` for one prompt per entry of ``seeds`` (each row's seed, :func:`row_seeds`), one
+    dict per row, each with its own ``sampling_seed``.
 
-    Row ``i`` gets ``sampling_seed = base + i`` (the engine protocol's per-row seeding rule), where
-    ``base`` is ``params.seed``, else a fresh random number: under SGLang's
+    A row without a seed gets ``base + i``, ``base`` a fresh random number: under SGLang's
     ``--enable-deterministic-inference`` a row without a seed samples with seed 42, so the rows of a
     GRPO group would all come out the same. ``skip_special_tokens``/``no_stop_trim`` keep every
     token id as sampled.
@@ -269,8 +271,8 @@ def sampling_params_to_sglang(params: SamplingParams, rows: int) -> list[dict[st
         "skip_special_tokens": False,
         "no_stop_trim": True,
     }
-    first = int(params.seed) if params.seed is not None else random.SystemRandom().randrange(_SEED_BASE_LIMIT)
-    return [{**base, "sampling_seed": first + i} for i in range(rows)]
+    unseeded = random.SystemRandom().randrange(_SEED_BASE_LIMIT)
+    return [{**base, "sampling_seed": unseeded + i if seed is None else seed} for i, seed in enumerate(seeds)]
 
 
 
@@ -441,8 +443,12 @@ class SGLangEngine:
     # ---------------------------------------------------------------- generation
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
                        routing_from: list[int] | None = None,
-                       adapters: list[str | None] | None = None) -> list[GenerationOutput]:
+                       adapters: list[str | None] | None = None,
+                       seeds: list[int | None] | None = None) -> list[GenerationOutput]:
         """Continue each prompt (token ids); one output per prompt with its token ids and log-probs.
+
+        seeds: one seed or None per prompt, sent as its ``sampling_seed`` in place of ``params.seed + i``
+            (:func:`~rollout_sglang.engines.protocol.row_seeds`).
 
         adapters: LoRA runs: one per prompt, the name of an adapter loaded through this client
             (:meth:`load_adapter`) or None for the base; sent as SGLang's ``lora_path``, and each output carries
@@ -469,7 +475,7 @@ class SGLangEngine:
                 raise ValueError(f"adapters {unknown} were not loaded on {self.base_url} through this client "
                                  f"(loaded: {sorted(self._adapter_versions) or 'none'}); load_adapter() them first")
         versions = dict(self._adapter_versions)  # as the call starts: an adapter loaded meanwhile is not in it
-        sp = sampling_params_to_sglang(params, len(prompts))
+        sp = sampling_params_to_sglang(params, row_seeds(prompts, params, seeds))
         groups: dict[int | None, list[int]] = {}
         if routing_from is None:
             groups[None] = list(range(len(prompts)))

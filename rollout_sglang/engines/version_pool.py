@@ -49,7 +49,6 @@ Thread-safety: routing, leases and updates are guarded by one lock; :meth:`begin
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 import threading
@@ -411,10 +410,12 @@ class VersionPool:
 
     async def generate_on(self, engine_id: int, prompts: list[list[int]], params: SamplingParams,
                           routing_from: list[int] | None = None,
-                          versions: Sequence[LiveVersion | None] = ()) -> list[GenerationOutput]:
+                          versions: Sequence[LiveVersion | None] = (),
+                          seeds: list[int | None] | None = None) -> list[GenerationOutput]:
         """``generate`` on engine ``engine_id``, then release the ``len(prompts)`` leases :meth:`route` took.
 
         routing_from: MoE models, one start per prompt (``Engine.generate``); None asks the engine for no routing.
+        seeds: one seed per prompt (``Engine.generate``); None: as ``params.seed`` says.
         versions: with versions as adapters, each prompt's version (its adapter is named to the engine; its lease
         is returned too).
         EngineUnavailable when the engine fails for reasons of its own or is taken out of rotation while the
@@ -427,6 +428,8 @@ class VersionPool:
         names = [None if v is None else v.name for v in versions]
         if any(n is not None for n in names):
             kwargs["adapters"] = names
+        if seeds is not None:
+            kwargs["seeds"] = list(seeds)
         task = loop.create_task(engine.generate(prompts, params, **kwargs))
         entry = (loop, task)
         with self._lock:
@@ -469,9 +472,9 @@ class VersionPool:
         attempt (0.05 s doubling, at most 2 s); EnginesUnavailable when, from the first failure on, no slot could
         serve them within ``live_timeout_s``. Other errors (a bad request) are raised as they are. Prompts that
         land on the same engine go in one batched call; with ``params.seed`` set, prompt ``j`` samples with
-        ``seed + j`` whichever engine serves it, a re-routed one too (each engine gets a call per run of
-        consecutive prompts, which its batching joins), so what a seeded call samples does not depend on how many
-        engines there are or which of them failed.
+        ``seed + j`` whichever engine serves it, a re-routed one too (the call names each row's seed:
+        ``Engine.generate``'s ``seeds``), so what a seeded call samples does not depend on how many engines there
+        are or which of them failed.
         """
         if not prompts:
             return []
@@ -492,12 +495,11 @@ class VersionPool:
                 by_engine.setdefault(e, []).append(i)
                 version_of[i] = live
             for e, mine in by_engine.items():
-                for part, seed in _seeded_parts(mine, params.seed):
-                    p = params if seed is None else dataclasses.replace(params, seed=seed)
-                    task = asyncio.ensure_future(self.generate_on(e, [prompts[i] for i in part], p,
-                                                                  None if starts is None else [starts[i] for i in part],
-                                                                  [version_of[i] for i in part]))
-                    calls[task] = (e, part)
+                seeds = None if params.seed is None else [int(params.seed) + i for i in mine]
+                task = asyncio.ensure_future(self.generate_on(e, [prompts[i] for i in mine], params,
+                                                              None if starts is None else [starts[i] for i in mine],
+                                                              [version_of[i] for i in mine], seeds))
+                calls[task] = (e, mine)
 
         attempt = 0
         try:
@@ -918,17 +920,3 @@ class VersionPool:
         with self._lock:
             return len(set(self._down) | self._needs_weights)
 
-
-def _seeded_parts(rows: list[int], seed: int | None) -> list[tuple[list[int], int | None]]:
-    """One engine's share of a :meth:`VersionPool.generate` call as engine calls: all ``rows`` in one when unseeded;
-    seeded, a call per run of consecutive rows, seeded with ``seed`` + its first row (an engine seeds row ``i`` of a
-    call ``seed + i``, so row ``j`` of the pool's call samples with ``seed + j``)."""
-    if seed is None:
-        return [(rows, None)]
-    parts: list[tuple[list[int], int | None]] = []
-    for j in sorted(rows):
-        if parts and parts[-1][0][-1] == j - 1:
-            parts[-1][0].append(j)
-        else:
-            parts.append(([j], seed + j))
-    return parts

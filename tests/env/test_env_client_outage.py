@@ -244,7 +244,7 @@ def test_a_session_lost_in_a_restart_ends_the_episode_as_an_infra_failure() -> N
 
                 version = 0
 
-                async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Any]:
+                async def generate(self, prompts: list[list[int]], params: SamplingParams, seeds=None) -> list[Any]:
                     await fake.down()
                     await fake.up()
                     ids = template.tokenizer.encode(call, add_special_tokens=False) + [template.im_end_id]

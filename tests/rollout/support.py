@@ -153,7 +153,7 @@ class ScriptEngine:
         self.template, self.script, self.prompt_end, self.end_id = template, script, prompt_end, end_id
         self.calls = 0
 
-    async def generate(self, prompts: list[list[int]], params: Any) -> list[Any]:
+    async def generate(self, prompts: list[list[int]], params: Any, seeds=None) -> list[Any]:
         """One scripted turn for each prompt."""
         from rollout_sglang.engines.protocol import GenerationOutput
 
@@ -206,7 +206,7 @@ class FakeEngine:
         self.batch_sizes: list[int] = []
         self.max_new_tokens_seen: list[int] = []
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+    async def generate(self, prompts: list[list[int]], params: SamplingParams, seeds=None) -> list[GenerationOutput]:
         self.batch_sizes.append(len(prompts))
         self.max_new_tokens_seen.append(params.max_new_tokens)
         outs = []
@@ -406,7 +406,7 @@ class Script:
         self.prompts: list[list[int]] = []
         self.params: list[SamplingParams] = []
 
-    async def generate(self, prompts, params):
+    async def generate(self, prompts, params, seeds=None):
         k = len(self.prompts)
         self.prompts.append(list(prompts[0]))
         self.params.append(params)
@@ -480,8 +480,8 @@ class Spy:
     def version(self) -> int:
         return self.engine.version
 
-    async def generate(self, prompts, params):
-        outs = await self.engine.generate(prompts, params)
+    async def generate(self, prompts, params, seeds=None):
+        outs = await self.engine.generate(prompts, params, seeds=seeds)
         self.calls.append((prompts, outs))
         return outs
 

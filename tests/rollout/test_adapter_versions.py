@@ -25,7 +25,7 @@ class AdapterEngine(UpdatableEngine):
         self.hold: threading.Event | None = None
         self.rows = 0
 
-    async def generate(self, prompts, params, routing_from=None, adapters=None):
+    async def generate(self, prompts, params, routing_from=None, adapters=None, seeds=None):
         assert not self.paused, "a publish must not pause the engine"
         self.rows += len(prompts)
         names = adapters or [None] * len(prompts)

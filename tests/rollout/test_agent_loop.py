@@ -138,7 +138,7 @@ def test_a_hostile_env_reply_costs_only_its_episode(template: ChatTemplate) -> N
 
 def test_engine_failure_cancels_sessions_and_raises(template: ChatTemplate) -> None:
     class Broken(FakeEngine):
-        async def generate(self, prompts, params):
+        async def generate(self, prompts, params, seeds=None):
             raise RuntimeError("engine died")
 
     env = FakeEnv()

@@ -28,7 +28,7 @@ class RoutingEngine(FakeEngine):
         self.asked: list[list[int]] = []
         self.give_routing = give_routing
 
-    async def generate(self, prompts, params, routing_from=None):
+    async def generate(self, prompts, params, routing_from=None, seeds=None):
         outs = await super().generate(prompts, params)
         self.asked.append(list(routing_from))
         for p, out, start in zip(prompts, outs, routing_from):
@@ -99,7 +99,7 @@ class RoutingScript:
         self.version = version
         self.asked: list[int] = []
 
-    async def generate(self, prompts, params, routing_from=None):
+    async def generate(self, prompts, params, routing_from=None, seeds=None):
         outs = await self.script.generate(prompts, params)
         self.asked += list(routing_from)
         (p,), (o,), (start,) = prompts, outs, routing_from

@@ -30,7 +30,7 @@ class Server:
         self.pending: int | None = None
         self.served = 0
 
-    async def generate(self, prompts, params):
+    async def generate(self, prompts, params, seeds=None):
         if self.dead:
             raise EngineUnavailable(f"{self.name} could not be reached")
         while self.stalled:
@@ -183,7 +183,7 @@ class Hangs(Server):
         super().__init__(eid)
         self.hung = False
 
-    async def generate(self, prompts, params):
+    async def generate(self, prompts, params, seeds=None):
         if not self.hung:
             self.hung = True
             await asyncio.Event().wait()  # only a cancel ends it
@@ -218,7 +218,7 @@ class DiesAfter(Server):
         super().__init__(eid)
         self.after_s = after_s
 
-    async def generate(self, prompts, params):
+    async def generate(self, prompts, params, seeds=None):
         await asyncio.sleep(self.after_s)
         self.dead = True
         raise EngineUnavailable(f"{self.name} died mid-generation")

@@ -231,7 +231,7 @@ def test_each_api_refuses_in_its_own_error_shape(template):
 
 # ------------------------------------------------------------------------------------------------ backpressure
 class Slow(Script):
-    async def generate(self, prompts, params):
+    async def generate(self, prompts, params, seeds=None):
         await asyncio.sleep(0.3)
         return await super().generate(prompts, params)
 

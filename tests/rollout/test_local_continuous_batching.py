@@ -1,5 +1,6 @@
 """LocalEngine's continuous batching: a call that arrives while another decodes joins it at the next decode step,
-finishes when its own rows do, and samples exactly what it would alone."""
+finishes when its own rows do, and samples exactly what it would alone; a seeded row keeps its seed in any batch, one
+the engine joined or one :class:`BatchingEngine` merged."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +9,7 @@ import time
 import torch
 from transformers import Qwen2Config
 
+from rollout_sglang.engines.batching import BatchingEngine
 from rollout_sglang.engines.local import LocalEngine
 from rollout_sglang.engines.protocol import SamplingParams
 
@@ -75,6 +77,47 @@ def test_a_call_joins_the_running_one_and_samples_as_it_would_alone():
         assert out.token_ids == ref.token_ids and out.finish_reason == ref.finish_reason
         torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), atol=1e-5, rtol=0)
         assert out.token_versions == [0] * len(out.token_ids)
+
+
+def test_an_unseeded_call_joins_a_seeded_one_whose_rows_keep_their_seeds():
+    long_out, short_out, done = _concurrent(SamplingParams(max_new_tokens=6, temperature=0.8))
+    assert done == ["short", "long"]
+    assert long_out.token_ids == _alone(LONG, SamplingParams(max_new_tokens=120, temperature=0.8, seed=5)).token_ids
+    assert len(short_out.token_ids) == 6
+
+
+def test_a_merged_call_names_each_rows_seed_and_samples_each_as_alone():
+    """An engine that runs one call at a time gets concurrent calls merged: seeded calls (by ``params.seed`` or by
+    ``seeds``) and an unseeded one in one engine call, each seeded row sampling what it samples alone."""
+    engine = _engine()
+
+    class OneCallAtATime:
+        version = 0
+
+        def __init__(self) -> None:
+            self.seeds: list = []
+
+        async def generate(self, prompts, params, seeds=None):
+            self.seeds.append(seeds)
+            return await engine.generate(prompts, params, seeds=seeds)
+
+    inner = OneCallAtATime()
+    batching = BatchingEngine(inner)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+
+    async def run():
+        return await asyncio.gather(
+            batching.generate([LONG, SHORT], SamplingParams(max_new_tokens=8, temperature=1.0, seed=20)),
+            batching.generate([SHORT, LONG], params, seeds=[7, 40]),
+            batching.generate([SHORT], params),
+        )
+
+    seeded, named, _ = asyncio.run(run())
+    assert (batching.calls, batching.merged_calls) == (1, 3)  # the three arrived together: one engine call
+    assert inner.seeds == [[20, 21, 7, 40, None]]
+    for out, prompt, seed in ((seeded[0], LONG, 20), (seeded[1], SHORT, 21), (named[0], SHORT, 7),
+                              (named[1], LONG, 40)):
+        assert out.token_ids == _alone(prompt, SamplingParams(max_new_tokens=8, temperature=1.0, seed=seed)).token_ids
 
 
 def test_a_call_with_other_sampling_settings_waits_for_the_running_one():

@@ -33,7 +33,7 @@ class OkEngine:
         self.ok = template.tokenizer.encode("ok", add_special_tokens=False) + [template.im_end_id]
         self.version = 0
 
-    async def generate(self, prompts, params: SamplingParams):
+    async def generate(self, prompts, params: SamplingParams, seeds=None):
         return [GenerationOutput(list(self.ok), [-0.5] * len(self.ok), "stop", self.version) for _ in prompts]
 
 

@@ -140,8 +140,8 @@ class OneCallAtATime:
     def __init__(self, engine: LocalEngine) -> None:
         self.engine, self.version = engine, engine.version
 
-    async def generate(self, prompts, params, routing_from=None):
-        return await self.engine.generate(prompts, params, routing_from=routing_from)
+    async def generate(self, prompts, params, routing_from=None, seeds=None):
+        return await self.engine.generate(prompts, params, routing_from=routing_from, seeds=seeds)
 
 
 @pytest.mark.parametrize("joined", [False, True], ids=["merged-by-the-wrapper", "joined-in-the-engine"])
@@ -173,11 +173,11 @@ class FailsOnce:
         self.engine, self.failed, self.name = engine, False, "flaky"
         self.version = engine.version
 
-    async def generate(self, prompts, params, routing_from=None):
+    async def generate(self, prompts, params, routing_from=None, seeds=None):
         if not self.failed:
             self.failed = True
             raise EngineUnavailable("flaky: could not be reached")
-        return await self.engine.generate(prompts, params, routing_from=routing_from)
+        return await self.engine.generate(prompts, params, routing_from=routing_from, seeds=seeds)
 
 
 def test_version_pool_keeps_each_rows_start_through_a_reroute():

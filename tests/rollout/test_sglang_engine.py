@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from rollout_sglang.engines.local import LocalEngine
-from rollout_sglang.engines.protocol import SamplingParams
+from rollout_sglang.engines.protocol import SamplingParams, row_seeds
 from rollout_sglang.engines.sglang_client import SGLangEngine, SGLangError, SGLangTimeout, sampling_params_to_sglang
 from rollout_sglang.engines.sglang_options import SGLangClientOptions, SGLangLaunchOptions
 from rollout_sglang.testing.sglang_standin import StandInServer
@@ -52,14 +52,25 @@ def served():
 
 
 def test_sampling_params_follow_the_per_row_seed_rule():
-    sp = sampling_params_to_sglang(SamplingParams(max_new_tokens=4, seed=10, stop_token_ids=[3]), rows=3)
+    def sp_for(params: SamplingParams, rows: int, seeds=None):
+        return sampling_params_to_sglang(params, row_seeds([[1]] * rows, params, seeds))
+
+    sp = sp_for(SamplingParams(max_new_tokens=4, seed=10, stop_token_ids=[3]), 3)
     assert [x["sampling_seed"] for x in sp] == [10, 11, 12]
     assert sp[0]["stop_token_ids"] == [3] and sp[0]["no_stop_trim"] is True
+    # a call's seeds name each row's, in place of seed + i (the version pool's rows of one engine)
+    assert [x["sampling_seed"] for x in sp_for(SamplingParams(seed=10), 3, [10, 12, 15])] == [10, 12, 15]
     # unseeded: still one seed per row (SGLang's deterministic sampler would give every unseeded row
     # seed 42), a fresh base per call
-    a, b = (sampling_params_to_sglang(SamplingParams(), rows=2) for _ in range(2))
+    a, b = (sp_for(SamplingParams(), 2) for _ in range(2))
     assert a[1]["sampling_seed"] == a[0]["sampling_seed"] + 1 and a[0]["sampling_seed"] != b[0]["sampling_seed"]
     assert all(0 <= x["sampling_seed"] < 2**63 for x in a + b)
+    mixed = sp_for(SamplingParams(), 2, [7, None])
+    assert mixed[0]["sampling_seed"] == 7 and mixed[1]["sampling_seed"] != 7
+    with pytest.raises(ValueError, match="seeds has 1 seeds for 2 prompts"):
+        sp_for(SamplingParams(), 2, [1])
+    with pytest.raises(ValueError, match=r"seeds\[1\]=-1: a row's seed must be an int in \[0, 2\*\*63\)"):
+        sp_for(SamplingParams(), 2, [1, -1])
 
 
 @pytest.mark.parametrize("wire_format", ["per_tensor", "flattened_bucket"])

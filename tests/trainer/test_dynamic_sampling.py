@@ -45,7 +45,7 @@ class OkEngine(UpdatableEngine):
         super().__init__()
         self.ok = template.tokenizer.encode("ok", add_special_tokens=False) + [template.im_end_id]
 
-    async def generate(self, prompts, params: SamplingParams):
+    async def generate(self, prompts, params: SamplingParams, seeds=None):
         await asyncio.sleep(0.002)
         return [GenerationOutput(list(self.ok), [-0.5] * len(self.ok), "stop", self.version) for _ in prompts]
 

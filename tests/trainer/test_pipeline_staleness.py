@@ -36,7 +36,7 @@ class FakeEngine(UpdatableEngine):
         self.calls = 0
         self.ok = template.tokenizer.encode("ok", add_special_tokens=False) + [template.im_end_id]
 
-    async def generate(self, prompts, params: SamplingParams):
+    async def generate(self, prompts, params: SamplingParams, seeds=None):
         assert not self.paused, "generate ran while the engine was paused for a weight update"
         await asyncio.sleep(0.002)
         self.calls += 1

@@ -127,7 +127,8 @@ def test_agent_loop_runs_over_the_http_client() -> None:
             class ScriptEngine:
                 version = 0
 
-                async def generate(self, prompts: list[list[int]], params: SamplingParams, seeds=None) -> list[GenerationOutput]:
+                async def generate(self, prompts: list[list[int]], params: SamplingParams,
+                                   seeds=None) -> list[GenerationOutput]:
                     outs = []
                     for p in prompts:
                         turn = template.decode(p).count("<|im_start|>assistant") - 1

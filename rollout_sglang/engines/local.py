@@ -66,6 +66,7 @@ from rollout_sglang.engines.protocol import (
     row_seeds,
 )
 from rollout_sglang.engines.router_capture import RouterCapture, find_routers, routing_layout_of
+from rollout_sglang.engines.wakeup import Wakeup
 from rollout_sglang.routing import RoutingLayout
 from rollout_sglang.weight_update.buckets import dtype_from_name
 
@@ -257,6 +258,8 @@ class LocalEngine:
         self._loop_active = False
         self._running_key: tuple | None = None
         self._joins: list[_Join] = []
+        # wakes the calls that wait (for the running loop to end or turn joinable, for resume) on their event loops
+        self._wakeup = Wakeup()
         # name -> tensor for every HF name the model answers to (tied weights appear under both names)
         self._named: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
         self._pending_version: int | None = None
@@ -303,17 +306,21 @@ class LocalEngine:
 
     # ---------------------------------------------------------------- generation
     async def _wait_resumed(self) -> None:
-        """Wait (polling, thread-safe) until the engine is not paused; TimeoutError after resume_timeout_s."""
-        if self._resumed.is_set():
-            return
+        """Wait until the engine is not paused (woken by :meth:`resume`); TimeoutError after resume_timeout_s."""
         deadline = time.monotonic() + self.resume_timeout_s
-        while not self._resumed.is_set():
-            if time.monotonic() >= deadline:
+        while True:
+            armed = self._wakeup.arm()
+            if self._resumed.is_set():
+                self._wakeup.disarm(armed)
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._wakeup.disarm(armed)
                 raise TimeoutError(
                     f"LocalEngine stayed paused for more than {self.resume_timeout_s:.1f}s; call resume() after "
                     "the weight update (or raise resume_timeout_s)"
                 )
-            await asyncio.sleep(0.005)
+            await self._wakeup.wait(armed, left)
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
                        routing_from: list[int] | None = None,
@@ -340,23 +347,28 @@ class LocalEngine:
             routing_from = self._check_routing_from(prompts, routing_from)
         adapters = check_adapters(prompts, adapters)
         while True:  # join the running call (continuous batching), or start one once none runs
+            armed = self._wakeup.arm()
             with self._join_lock:
                 if not self._loop_active:
                     self._loop_active = start = True
                 else:
                     start = False
                     fut = self._try_join_locked(prompts, params, adapters, routing_from, seeds)
-            if start:
-                break
-            if fut is not None:
+            if start or fut is not None:
+                self._wakeup.disarm(armed)
+                if start:
+                    break
                 return await asyncio.wrap_future(fut)
-            await asyncio.sleep(0.002)  # a call that this one cannot join runs (another setting, a pause): wait
+            # a call that this one cannot join runs (other settings, a pause): wait until the loop ends or turns
+            # joinable (the re-check each second only guards against a wake-up this code forgot to send)
+            await self._wakeup.wait(armed, 1.0)
         try:
             await self._wait_resumed()
             return await asyncio.to_thread(self._decode, prompts, params, routing_from, adapters, seeds)
         finally:
             with self._join_lock:
                 self._loop_active = False
+            self._wakeup.notify()
 
     async def score(self, sequences: list[list[int]], starts: list[int] | None = None) -> list[list[float]]:
         """Each token's log-prob given the tokens before it, under the current weights of the base model (no
@@ -549,6 +561,7 @@ class LocalEngine:
         joinable = all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
         with self._join_lock:
             self._running_key = self._join_key(params) if joinable else None
+        self._wakeup.notify()  # the calls of its settings that wait may join now
         joined: list[_Join] = []
         try:
             while True:
@@ -687,6 +700,7 @@ class LocalEngine:
             self._hold_mode = None
             self._resumed.set()
             self._held.notify_all()
+        self._wakeup.notify()
 
     # ---------------------------------------------------------------- weights
     def begin_weight_update(self, version: int, metadata: dict | None = None) -> None:

@@ -288,6 +288,13 @@ def _check_rollout_http(lines: list[str], rec: dict[str, Any]) -> None:
     assert lines[-1] == f"rollout_http_cpu_ratio_httpx_over_pooled: {ratio:.2f}"
 
 
+def _check_local_waits(lines: list[str], rec: dict[str, Any]) -> None:
+    med, waiters = rec["median"], rec["args"]["waiters"]
+    assert set(rec["runs"]) == {"alone", "woken", "polled"} and all(m["wall_s"] > 0 for m in med.values())
+    assert waiters > 0 and rec["slowdown_polled_over_woken"] == med["polled"]["wall_s"] / med["woken"]["wall_s"]
+    assert lines[-1] == f"local_waits_slowdown_polled_over_woken: {rec['slowdown_polled_over_woken']:.2f}"
+
+
 def _check_warmup_layouts(lines: list[str], rec: dict[str, Any]) -> None:
     runs = rec["results"]["strict"]
     assert set(runs) == {"default", "padded"} and all(len(r["losses"]) == 3 for r in runs.values())
@@ -314,6 +321,7 @@ CHECKS: dict[str, Callable[[list[str], dict[str, Any]], None]] = {
     "env_controller.py": _check_env_controller,
     "gateway.py": _check_gateway,
     "gloo_transport.py": _check_gloo_transport,
+    "local_waits.py": _check_local_waits,
     "routing_replay.py": _check_routing_replay,
     "rollout_http.py": _check_rollout_http,
     "terminal_demo.py": _check_terminal_demo,

@@ -128,6 +128,42 @@ def test_a_call_with_other_sampling_settings_waits_for_the_running_one():
     assert short_out.token_ids == ref.token_ids
 
 
+def test_calls_that_cannot_join_wait_without_polling_and_then_run_together():
+    """Calls with other settings than the running loop's wait for it without polling: each checks again when a loop
+    ends or turns joinable (a few times while the long call decodes for over half a second, where a 2 ms poll would
+    check hundreds of times), then the first starts a loop and the others join it."""
+    engine = _engine()
+    checks = 0
+    try_join = engine._try_join_locked
+
+    def counted(*args):
+        nonlocal checks
+        checks += 1
+        return try_join(*args)
+
+    engine._try_join_locked = counted
+    other = [SamplingParams(max_new_tokens=4, temperature=0.5, seed=s) for s in range(20)]
+
+    async def main(slowed: Slowed):
+        first = asyncio.create_task(engine.generate([LONG], SamplingParams(max_new_tokens=120, temperature=0.8,
+                                                                           seed=5)))
+        while slowed.forwards < 4:
+            await asyncio.sleep(0.001)
+        waiting = [asyncio.create_task(engine.generate([SHORT], p)) for p in other]
+        await asyncio.sleep(0.05)
+        assert engine._wakeup.armed() == len(other) and not first.done()
+        await first
+        return await asyncio.wait_for(asyncio.gather(*waiting), timeout=60)
+
+    with Slowed(engine) as slowed:
+        outs = asyncio.run(main(slowed))
+        forwards = slowed.forwards
+    assert checks <= 4 * len(other), checks
+    assert forwards <= 121 + 5  # the long call, then one loop for the twenty (4 tokens each), not twenty loops
+    for (out,), params in zip(outs, other):
+        assert out.token_ids == _alone(SHORT, params).token_ids
+
+
 def test_a_caller_cancelled_while_joined_leaves_the_running_call_and_the_others_unharmed():
     """Callers are cancelled (a run ending, a request timing out) while their rows are in the running batch: the
     running call and the calls still awaited finish, and sample what they would alone."""

@@ -211,8 +211,8 @@ async def run_group_lockstep(
     requests: ``(task, index, group_id)`` per episode.
     params: sampling settings of every turn; the template's stop tokens are added to
         ``stop_token_ids``; ``max_new_tokens`` caps each turn; with ``seed`` set, episode ``j`` samples turn
-        ``k`` with ``seed + k * len(requests) + j`` (whichever engine of a pool serves it, see
-        ``VersionPool.generate``), so turns and episodes never share a random stream.
+        ``k`` with ``seed + k * len(requests) + j`` (whichever engine of a pool serves it, and whichever other
+        episodes still run: the call names each row's seed), so turns and episodes never share a random stream.
     episode: the limits (``max_turns``: an episode still running after that many turns ends with "task limit
         reached" and its env session is cancelled; ``max_total_tokens``: a turn is cut so that prompt, turns and
         env replies never exceed it, and an episode that runs out of room ends with "agent context limit"),
@@ -264,16 +264,21 @@ class _Lockstep:
         self.limits, self.timeout_s = episode.limits, episode.env_timeout_s
         self.capture_routing = episode.capture_routing
         self.pool = engine if isinstance(engine, VersionPool) else None
-        self.seed_stride = len(episodes)
+        self.index = {id(ep): i for i, ep in enumerate(episodes)}
         call_id = object()  # router keys of this call's episodes: (call_id, episode index)
         self.keys = {id(ep): (call_id, i) for i, ep in enumerate(episodes)}
 
-    async def _generate(self, active: list[_Episode], params: SamplingParams) -> list[Any]:
+    async def _generate(self, active: list[_Episode], params: SamplingParams, turn: int) -> list[Any]:
+        """One turn of the ``active`` episodes; seeded, episode ``j`` samples with ``seed + turn * n + j`` whichever
+        others still run (``n`` episodes in all)."""
         prompts = [ep.traj.token_ids for ep in active]
-        routing = {"routing_from": [ep.routed for ep in active]} if self.capture_routing else {}
+        extra: dict[str, Any] = {"routing_from": [ep.routed for ep in active]} if self.capture_routing else {}
+        if params.seed is not None:
+            base = params.seed + turn * len(self.episodes)
+            extra["seeds"] = [base + self.index[id(ep)] for ep in active]
         if self.pool is None:
-            return await self.engine.generate(prompts, params, **routing)
-        return await self.pool.generate(prompts, params, keys=[self.keys[id(ep)] for ep in active], **routing)
+            return await self.engine.generate(prompts, params, **extra)
+        return await self.pool.generate(prompts, params, keys=[self.keys[id(ep)] for ep in active], **extra)
 
     async def turns(self, params: SamplingParams) -> list[Trajectory]:
         """Play every episode to its end; their trajectories in request order."""
@@ -286,15 +291,10 @@ class _Lockstep:
             if not active:
                 break
             caps = [min(params.max_new_tokens, max_total_tokens - len(ep.traj.token_ids)) for ep in active]
-            gen_params = dataclasses.replace(
-                params,
-                max_new_tokens=max(caps),
-                stop_token_ids=stop_ids,
-                seed=None if params.seed is None else params.seed + turn * self.seed_stride,
-            )
+            gen_params = dataclasses.replace(params, max_new_tokens=max(caps), stop_token_ids=stop_ids)
             t0 = time.perf_counter()
             try:
-                outputs = await self._generate(active, gen_params)
+                outputs = await self._generate(active, gen_params, turn)
             except BaseException:
                 logger.exception("engine.generate failed on turn %d; cancelling %d env sessions", turn, len(active))
                 await asyncio.gather(*(_cancel(self.env, ep, self.timeout_s) for ep in active))

@@ -67,6 +67,7 @@ from rollout_sglang.engines.protocol import (
     EngineUnavailable,
     GenerationOutput,
     SamplingParams,
+    row_seeds,
 )
 
 logger = logging.getLogger(__name__)
@@ -461,20 +462,21 @@ class VersionPool:
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
                        keys: Sequence[Hashable | None] | None = None, newest: bool = False,
-                       routing_from: Sequence[int] | None = None) -> list[GenerationOutput]:
+                       routing_from: Sequence[int] | None = None,
+                       seeds: Sequence[int | None] | None = None) -> list[GenerationOutput]:
         """Route every prompt (policy + router; ``newest``: the newest live version) and generate; outputs in
         prompt order. ``routing_from``: MoE models, one start per prompt (``Engine.generate``): each row's
-        start goes with it to whichever engine serves it, a re-routed row's too.
+        start goes with it to whichever engine serves it, a re-routed row's too. ``seeds``: one per prompt, in
+        place of ``params.seed + j`` (``Engine.generate``).
 
         While no slot is live (e.g. the only slot is updating) the call waits for one. Prompts whose engine
         fails for reasons of its own (:class:`EngineUnavailable`) take that engine out of rotation and are
         generated again elsewhere as soon as their engine's part of the call ends, after a pause that grows per
         attempt (0.05 s doubling, at most 2 s); EnginesUnavailable when, from the first failure on, no slot could
         serve them within ``live_timeout_s``. Other errors (a bad request) are raised as they are. Prompts that
-        land on the same engine go in one batched call; with ``params.seed`` set, prompt ``j`` samples with
-        ``seed + j`` whichever engine serves it, a re-routed one too (the call names each row's seed:
-        ``Engine.generate``'s ``seeds``), so what a seeded call samples does not depend on how many engines there
-        are or which of them failed.
+        land on the same engine go in one batched call; seeded, prompt ``j`` samples with its seed (``seed + j``,
+        or ``seeds[j]``) whichever engine serves it, a re-routed one too (each engine call names each row's seed),
+        so what a seeded call samples does not depend on how many engines there are or which of them failed.
         """
         if not prompts:
             return []
@@ -482,6 +484,8 @@ class VersionPool:
         starts = list(routing_from) if routing_from is not None else None
         if starts is not None and len(starts) != len(prompts):
             raise ValueError(f"routing_from has {len(starts)} starts for {len(prompts)} prompts; give one per prompt")
+        row_seed = row_seeds(prompts, params, None if seeds is None else list(seeds))
+        seeded = any(s is not None for s in row_seed)
         out: list[GenerationOutput | None] = [None] * len(prompts)
         calls: dict[asyncio.Task, tuple[int, list[int]]] = {}  # each engine call: its engine and rows
         deadline: float | None = None  # re-routing is bounded from the first failure on, not from the call's start
@@ -495,10 +499,10 @@ class VersionPool:
                 by_engine.setdefault(e, []).append(i)
                 version_of[i] = live
             for e, mine in by_engine.items():
-                seeds = None if params.seed is None else [int(params.seed) + i for i in mine]
                 task = asyncio.ensure_future(self.generate_on(e, [prompts[i] for i in mine], params,
                                                               None if starts is None else [starts[i] for i in mine],
-                                                              [version_of[i] for i in mine], seeds))
+                                                              [version_of[i] for i in mine],
+                                                              [row_seed[i] for i in mine] if seeded else None))
                 calls[task] = (e, mine)
 
         attempt = 0

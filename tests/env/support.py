@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
 from typing import Any
@@ -241,10 +242,22 @@ async def wait_registered(
             stderr = proc.stderr.read().decode()[-3000:]  # type: ignore[union-attr]
             raise AssertionError(f"agentrl worker exited with {proc.returncode}: {stderr}")
         workers = await env.list_workers()
-        if name in workers:
+        if name in workers and all([await _listens(w["address"]) for w in workers[name]["workers"].values()]):
             return workers[name]
         await asyncio.sleep(0.1)
-    raise AssertionError(f"the agentrl worker did not register within {limit_s} s")
+    raise AssertionError(f"the agentrl worker did not register and listen within {limit_s} s")
+
+
+async def _listens(address: str) -> bool:
+    """Whether the worker at ``address`` accepts connections: a stock AgentRL worker sends its first heartbeat
+    before its server listens, and a start the controller sends it then marks it suspect until its next beat."""
+    url = urllib.parse.urlsplit(address)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(url.hostname, url.port), 2.0)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
 
 
 # ---------------------------------------------------------------------------------------- tasks in process

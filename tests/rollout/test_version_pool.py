@@ -172,7 +172,8 @@ def test_pool_generate_batches_per_engine_and_seeds_each_prompt_by_its_place():
 
 def test_a_seeded_group_samples_the_same_on_one_engine_two_or_after_a_failure():
     """The episodes of a seeded group come out token for token the same whether one engine plays them, two share
-    them, or one of two fails mid-group and the other takes its rows over."""
+    them, or one of two fails mid-group and the other takes its rows over; and an episode's turns do not depend on
+    which other episodes still run."""
     from transformers import Qwen2Config
 
     from rollout_sglang.agent_loop import run_group_lockstep
@@ -202,10 +203,11 @@ def test_a_seeded_group_samples_the_same_on_one_engine_two_or_after_a_failure():
                 raise EngineUnavailable("killed")
             return await self.inner.generate(prompts, params, **kw)
 
-    def play(slot: list) -> list[list[int]]:
+    def play(slot: list, env: ChattyEnv | None = None) -> list[list[int]]:
         pool = VersionPool([slot], seed=1)
         params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=11)
-        trajs = asyncio.run(run_group_lockstep(pool, ChattyEnv(turns=3), template, [("chat", i, 0) for i in range(6)],
+        env = env or ChattyEnv(turns=3)
+        trajs = asyncio.run(run_group_lockstep(pool, env, template, [("chat", i, 0) for i in range(6)],
                                                params, EpisodeOptions(EpisodeLimits(max_turns=4,
                                                                                     max_total_tokens=2000))))
         return [t.token_ids for t in trajs]
@@ -216,6 +218,15 @@ def test_a_seeded_group_samples_the_same_on_one_engine_two_or_after_a_failure():
     flaky = FailsOnce(engine(), after=2)  # its second turn fails; the other engine plays its rows
     pool_rows = play([engine(), flaky])
     assert flaky.calls >= 2 and pool_rows == alone
+
+    class EarlyEnds(ChattyEnv):  # episodes 0 and 1 end after their first turn, the others after three
+        async def interact(self, session_id, messages):
+            if session_id.startswith(("chat-0-", "chat-1-")):
+                return TaskReply(messages=[], status=SampleStatus.COMPLETED, finish=True, reward=1.0)
+            return await super().interact(session_id, messages)
+
+    early = play([engine(), engine()], EarlyEnds(turns=3))
+    assert all(len(early[j]) < len(alone[j]) for j in (0, 1)) and early[2:] == alone[2:]
 
 
 # ---------------------------------------------------- cross-policy through the agent loop

@@ -42,11 +42,12 @@ class _TurnCounter:
         """The engine's weight version."""
         return int(self.engine.version)
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
-        """The engine's ``generate``; counts the turn first."""
+    async def generate(self, prompts: list[list[int]], params: SamplingParams,
+                       seeds: list[int | None] | None = None) -> list[GenerationOutput]:
+        """The engine's ``generate`` (``seeds``: each row's, as ``Engine.generate``); counts the turn first."""
         self.turns += 1
         self.phase.update(self.turns, {"episodes running": str(len(prompts))})
-        return await self.engine.generate(prompts, params)
+        return await self.engine.generate(prompts, params, seeds=seeds)
 
 
 class _NewestWeights:
@@ -64,9 +65,10 @@ class _NewestWeights:
         """The newest live weight version."""
         return int(self.rollout_side.pool.latest_version)
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
-        """One turn of the episodes still running, on the newest live weights."""
-        return await self.rollout_side.pool.generate(prompts, params, newest=True)
+    async def generate(self, prompts: list[list[int]], params: SamplingParams,
+                       seeds: list[int | None] | None = None) -> list[GenerationOutput]:
+        """One turn of the episodes still running, on the newest live weights (``seeds``: each row's)."""
+        return await self.rollout_side.pool.generate(prompts, params, newest=True, seeds=seeds)
 
 
 def _requests(rollout_side: RolloutSide) -> list[tuple[str, int, int]]:

@@ -489,23 +489,17 @@ class StandInServer:
             await self._input_logprobs(prompts, lp_starts, adapters, inputs)
             for rows in groups.values():
                 params = parsed[rows[0]][0]
-                seeds = [parsed[r][1] for r in rows]
-                if all(s is None for s in seeds):
-                    calls = [(rows, None)]
-                elif all(s is not None for s in seeds) and seeds == list(range(seeds[0], seeds[0] + len(rows))):
-                    calls = [(rows, seeds[0])]  # SGLang per-row seeds == the engine's seed + i rule
-                else:
-                    calls = [([r], s) for r, s in zip(rows, seeds)]
-                for call_rows, seed in calls:
-                    p = SamplingParams(**{**params.__dict__, "seed": seed})
-                    kwargs: dict[str, Any] = {}
-                    if routing_from is not None:
-                        kwargs["routing_from"] = [routing_from] * len(call_rows)
-                    if adapters is not None and any(adapters[r] is not None for r in call_rows):
-                        kwargs["adapters"] = [adapters[r] for r in call_rows]
-                    res = await self.engine.generate([prompts[r] for r in call_rows], p, **kwargs)
-                    for r, o in zip(call_rows, res):
-                        outs[r] = (o, p)
+                seeds = [parsed[r][1] for r in rows]  # SGLang's per-request sampling_seed: the engine's per-row seeds
+                kwargs: dict[str, Any] = {}
+                if any(s is not None for s in seeds):
+                    kwargs["seeds"] = seeds
+                if routing_from is not None:
+                    kwargs["routing_from"] = [routing_from] * len(rows)
+                if adapters is not None and any(adapters[r] is not None for r in rows):
+                    kwargs["adapters"] = [adapters[r] for r in rows]
+                res = await self.engine.generate([prompts[r] for r in rows], params, **kwargs)
+                for r, o in zip(rows, res):
+                    outs[r] = (o, params)
         except ValueError as e:
             raise BadRequest(str(e)) from None
         finally:

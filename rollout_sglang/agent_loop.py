@@ -264,7 +264,6 @@ class _Lockstep:
         self.limits, self.timeout_s = episode.limits, episode.env_timeout_s
         self.capture_routing = episode.capture_routing
         self.pool = engine if isinstance(engine, VersionPool) else None
-        self.index = {id(ep): i for i, ep in enumerate(episodes)}
         call_id = object()  # router keys of this call's episodes: (call_id, episode index)
         self.keys = {id(ep): (call_id, i) for i, ep in enumerate(episodes)}
 
@@ -275,7 +274,7 @@ class _Lockstep:
         extra: dict[str, Any] = {"routing_from": [ep.routed for ep in active]} if self.capture_routing else {}
         if params.seed is not None:
             base = params.seed + turn * len(self.episodes)
-            extra["seeds"] = [base + self.index[id(ep)] for ep in active]
+            extra["seeds"] = [base + self.keys[id(ep)][1] for ep in active]
         if self.pool is None:
             return await self.engine.generate(prompts, params, **extra)
         return await self.pool.generate(prompts, params, keys=[self.keys[id(ep)] for ep in active], **extra)

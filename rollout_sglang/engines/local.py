@@ -307,20 +307,11 @@ class LocalEngine:
     # ---------------------------------------------------------------- generation
     async def _wait_resumed(self) -> None:
         """Wait until the engine is not paused (woken by :meth:`resume`); TimeoutError after resume_timeout_s."""
-        deadline = time.monotonic() + self.resume_timeout_s
-        while True:
-            armed = self._wakeup.arm()
-            if self._resumed.is_set():
-                self._wakeup.disarm(armed)
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self._wakeup.disarm(armed)
-                raise TimeoutError(
-                    f"LocalEngine stayed paused for more than {self.resume_timeout_s:.1f}s; call resume() after "
-                    "the weight update (or raise resume_timeout_s)"
-                )
-            await self._wakeup.wait(armed, left)
+        try:
+            await self._wakeup.until(lambda: self._resumed.is_set() or None, self.resume_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"LocalEngine stayed paused for more than {self.resume_timeout_s:.1f}s; call resume() "
+                               "after the weight update (or raise resume_timeout_s)") from None
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
                        routing_from: list[int] | None = None,
@@ -346,22 +337,19 @@ class LocalEngine:
         if routing_from is not None:
             routing_from = self._check_routing_from(prompts, routing_from)
         adapters = check_adapters(prompts, adapters)
-        while True:  # join the running call (continuous batching), or start one once none runs
-            armed = self._wakeup.arm()
+        def start_or_join() -> str | concurrent.futures.Future | None:
+            """Start the decoding loop when none runs ("start"), or join the running one (its future); None while a
+            loop runs that this call cannot join (other settings, a pause)."""
             with self._join_lock:
                 if not self._loop_active:
-                    self._loop_active = start = True
-                else:
-                    start = False
-                    fut = self._try_join_locked(prompts, params, adapters, routing_from, seeds)
-            if start or fut is not None:
-                self._wakeup.disarm(armed)
-                if start:
-                    break
-                return await asyncio.wrap_future(fut)
-            # a call that this one cannot join runs (other settings, a pause): wait until the loop ends or turns
-            # joinable (the re-check each second only guards against a wake-up this code forgot to send)
-            await self._wakeup.wait(armed, 1.0)
+                    self._loop_active = True
+                    return "start"
+                return self._try_join_locked(prompts, params, adapters, routing_from, seeds)
+
+        # woken when the running loop ends or turns joinable
+        got = await self._wakeup.until(start_or_join)
+        if got != "start":
+            return await asyncio.wrap_future(got)
         try:
             await self._wait_resumed()
             return await asyncio.to_thread(self._decode, prompts, params, routing_from, adapters, seeds)

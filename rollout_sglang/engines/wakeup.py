@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -20,8 +24,8 @@ class Wakeup:
     """A broadcast wake-up for coroutines on any event loop, sent from any thread.
 
     A waiter arms (:meth:`arm`) before it checks its condition, so a :meth:`notify` that lands between the check
-    and the wait is not lost, then waits (:meth:`wait`); the side that changes the state calls :meth:`notify` after
-    the change.
+    and the wait is not lost, then waits (:meth:`wait`); :meth:`until` does both in a loop. The side that changes the
+    state calls :meth:`notify` after the change.
     """
 
     def __init__(self) -> None:
@@ -49,6 +53,24 @@ class Wakeup:
             return bool(done)
         finally:
             self.disarm(fut)
+
+    async def until(self, attempt: Callable[[], T | None], timeout_s: float | None = None,
+                    recheck_s: float = 1.0) -> T:
+        """Call ``attempt`` until it returns something other than None, and return that; between two attempts wait
+        for a :meth:`notify` (armed before each attempt, so a change made between the attempt and the wait is not
+        lost), at most ``recheck_s`` seconds (a re-check that only guards against a notify the caller forgot).
+        TimeoutError after ``timeout_s`` (None: no limit)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            armed = self.arm()
+            got = attempt()
+            left = recheck_s if deadline is None else min(recheck_s, deadline - time.monotonic())
+            if got is not None or left <= 0:
+                self.disarm(armed)
+                if got is not None:
+                    return got
+                raise TimeoutError(f"not ready within {timeout_s:g}s")
+            await self.wait(armed, left)
 
     def notify(self) -> None:
         """Wake every armed waiter (thread-safe)."""
